@@ -1,0 +1,55 @@
+"""FP8 settings, one dataclass built once from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+FP8_FORMATS = ("e4m3", "hybrid")
+
+
+@dataclass(kw_only=True)
+class Fp8Config:
+    """How transformer Linears quantize to FP8. Rules: shared/design/FP8_NUMERICS.md."""
+
+    recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "tensorwise"
+    """Scaling recipe (`--fp8-recipe`)."""
+
+    fp8_format: Literal["e4m3", "hybrid"] = "hybrid"
+    """`hybrid`: E4M3 forward tensors, E5M2 gradients; `e4m3`: E4M3 everywhere (`--fp8-format`)."""
+
+    margin: int = 0
+    """Delayed scaling: scale = (fp8_max / amax) / 2^margin (`--fp8-margin`)."""
+
+    amax_history_len: int = 1024
+    """Delayed scaling: length of each tensor's amax history (`--fp8-amax-history-len`)."""
+
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    """Delayed scaling: amax from the whole history or from the newest slot."""
+
+    power_2_scale: bool | None = None
+    """Round scales down to powers of two (clear the mantissa). None means the recipe's default:
+    on for blockwise, off for tensorwise; mxfp8 scales are powers of two by construction and
+    delayed scaling never rounds (`--fp8-power-2-scale` / `--no-fp8-power-2-scale`)."""
+
+    fp8_param_gather: bool = False
+    """Weights exist only as FP8 (plus fp32 main params); FSDP gathers FP8 bytes."""
+
+    num_layers_at_start_in_bf16: int = 0
+    """With `--first-last-layers-bf16`, this many leading transformer layers stay high precision."""
+
+    num_layers_at_end_in_bf16: int = 0
+    """With `--first-last-layers-bf16`, this many trailing transformer layers stay high precision."""
+
+    def layer_uses_fp8(self, layer_number: int, num_layers: int) -> bool:
+        """Whether transformer layer `layer_number` (1-based) runs its Linears in FP8."""
+        if layer_number <= self.num_layers_at_start_in_bf16:
+            return False
+        return layer_number <= num_layers - self.num_layers_at_end_in_bf16
+
+    @property
+    def use_power_2_scale(self) -> bool:
+        if self.power_2_scale is not None:
+            return self.power_2_scale
+        return self.recipe in ("blockwise", "mxfp8")

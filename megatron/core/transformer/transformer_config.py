@@ -1,0 +1,94 @@
+"""The model's configuration: one typed dataclass, built once from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from megatron.core.fp8.config import Fp8Config
+
+
+@dataclass(kw_only=True)
+class TransformerConfig:
+    """Architecture and numerics of a GPT. Field names follow Megatron-LM's flags."""
+
+    num_layers: int
+    """Number of transformer layers (`--num-layers`)."""
+
+    hidden_size: int
+    """Width of the residual stream (`--hidden-size`)."""
+
+    num_attention_heads: int
+    """Number of query heads (`--num-attention-heads`)."""
+
+    vocab_size: int
+    """Rows of the embedding table, already padded (`--make-vocab-size-divisible-by`)."""
+
+    max_sequence_length: int
+    """Longest sequence the model sees (`--seq-length`); sizes learned position embeddings."""
+
+    ffn_hidden_size: int | None = None
+    """Inner width of the MLP (`--ffn-hidden-size`); default 4 x hidden_size."""
+
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention (`--num-query-groups`); None means one per
+    query head (plain multi-head attention)."""
+
+    kv_channels: int | None = None
+    """Width of one attention head (`--kv-channels`); default hidden_size / num_attention_heads."""
+
+    position_embedding_type: Literal["rope", "learned_absolute"] = "learned_absolute"
+    """Rotary embeddings on queries and keys, or a learned table added to the token embedding."""
+
+    rotary_base: int = 10000
+    """Base of the rotary frequencies (`--rotary-base`)."""
+
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that rotate (`--rotary-percent`)."""
+
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Pre-norm flavour used before attention, before the MLP and before the output head."""
+
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of every norm (`--norm-epsilon`)."""
+
+    swiglu: bool = False
+    """SwiGLU MLP (gate and up projections fused in one Linear) instead of GeLU (`--swiglu`)."""
+
+    add_bias_linear: bool = True
+    """Biases on every transformer Linear; `--disable-bias-linear` turns them off."""
+
+    hidden_dropout: float = 0.1
+    """Dropout on the outputs of attention and MLP before the residual add (`--hidden-dropout`)."""
+
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (`--attention-dropout`)."""
+
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output-head weight instead of reusing the embedding table."""
+
+    init_method_std: float = 0.02
+    """Std of the normal init of every weight; output projections are scaled by
+    1/sqrt(2 * num_layers) as in Megatron-LM."""
+
+    params_dtype: torch.dtype = torch.float32
+    """Dtype of the model's parameters and compute (`--bf16` makes it torch.bfloat16)."""
+
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Activation recompute: whole layers (`full`) or only the attention core (`selective`)."""
+
+    recompute_num_layers: int = 1
+    """With full recompute, how many consecutive layers form one checkpointed chunk."""
+
+    fp8: Fp8Config | None = None
+    """FP8 settings for transformer Linears; None keeps every Linear in params_dtype."""
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The README's test command: installs what the tests need, then runs the unit and functional
+# suites. GPU-only tests skip on CPU with a reason. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+PYTHON=${PYTHON:-python3}
+set +e
+"$PYTHON" -m pytest tests -q -p no:cacheprovider --timeout 900 "$@"
+status=$?
+set -e
+# pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
+if [ "$status" -eq 5 ]; then
+  echo "ERROR: pytest collected no tests" >&2
+  exit 1
+fi
+exit "$status"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs what megatron-fp8 needs on a fresh machine, then the package itself (editable).
+# torch is installed explicitly first: on the CPU machines torch==2.13.0 is a local CPU build,
+# while an unpinned "torch" would pull a multi-GB CUDA build. An existing torch is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+  "$PYTHON" -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
+fi
+extras=${MEGATRON_EXTRAS:-test}
+"$PYTHON" -m pip install --quiet --no-build-isolation -e ".[${extras}]" 2>/dev/null \
+  || "$PYTHON" -m pip install --quiet -e ".[${extras}]"

@@ -1,0 +1,18 @@
+"""Shared pytest configuration: GPU tests skip on CPU with a reason."""
+
+import os
+
+import pytest
+import torch
+
+# Two CPU cores: keep intra-op threads low so that multi-rank gloo tests do not oversubscribe.
+torch.set_num_threads(int(os.environ.get("MEGATRON_TEST_THREADS", "1")))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; its CPU-emulated twin runs instead")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
