@@ -40,7 +40,7 @@ class Fp8Config:
     """With `--first-last-layers-bf16`, this many leading transformer layers stay high precision."""
 
     num_layers_at_end_in_bf16: int = 0
-    """With `--first-last-layers-bf16`, this many trailing transformer layers stay high precision."""
+    """With `--first-last-layers-bf16`, this many trailing layers stay high precision."""
 
     def layer_uses_fp8(self, layer_number: int, num_layers: int) -> bool:
         """Whether transformer layer `layer_number` (1-based) runs its Linears in FP8."""
