@@ -1,0 +1,30 @@
+"""Optimizers over fp32 main params, grad-norm clipping and LR schedules."""
+
+from megatron.core.optimizer.clip_grads import clip_grads_, global_grad_norm
+from megatron.core.optimizer.config import OptimizerConfig
+from megatron.core.optimizer.lr_scheduler import (
+    LRScheduleConfig,
+    OptimizerParamScheduler,
+    learning_rate_at,
+)
+from megatron.core.optimizer.optimizer import (
+    MegatronOptimizer,
+    MixedPrecisionOptimizer,
+    StepResult,
+    build_torch_optimizer,
+    is_no_weight_decay,
+)
+
+__all__ = [
+    "LRScheduleConfig",
+    "MegatronOptimizer",
+    "MixedPrecisionOptimizer",
+    "OptimizerConfig",
+    "OptimizerParamScheduler",
+    "StepResult",
+    "build_torch_optimizer",
+    "clip_grads_",
+    "global_grad_norm",
+    "is_no_weight_decay",
+    "learning_rate_at",
+]

@@ -1,0 +1,39 @@
+"""Global gradient norm across shards and ranks, clipping, and NaN/Inf detection."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+def global_grad_norm(
+    grads: Iterable[torch.Tensor], *, group: dist.ProcessGroup | None = None
+) -> float:
+    """L2 norm of the concatenation of `grads`; with `group`, of all ranks' pieces together.
+
+    With a group, callers pass each rank's disjoint piece (a shard, or a replicated grad on one
+    rank only), so the sum of squares over the group is the square of the global norm. Without a
+    group the norm is local (replicated grads). NaN/Inf come back as NaN.
+    """
+    grads = list(grads)
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in grads:
+        squares += grad.detach().float().pow(2).sum()
+    if group is not None:
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+    total = squares.item()
+    return math.sqrt(total) if math.isfinite(total) else float("nan")
+
+
+def clip_grads_(grads: Iterable[torch.Tensor], *, max_norm: float, total_norm: float) -> None:
+    """Scale grads in place so that their global norm is at most max_norm (Megatron's rule)."""
+    if max_norm <= 0 or not math.isfinite(total_norm):
+        return
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for grad in grads:
+            grad.mul_(clip_coeff)

@@ -1,0 +1,33 @@
+"""Optimizer settings, one dataclass built once from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Adam(W) or SGD over fp32 main params, with global grad-norm clipping."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """`adam` is AdamW (decoupled weight decay), as in Megatron-LM (`--optimizer`)."""
+
+    lr: float = 1e-4
+    """Peak learning rate (`--lr`)."""
+
+    min_lr: float = 0.0
+    """Floor the schedule decays to (`--min-lr`)."""
+
+    weight_decay: float = 0.01
+    """Decoupled weight decay; never applied to biases and norm weights (`--weight-decay`)."""
+
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+    sgd_momentum: float = 0.9
+    """Momentum of SGD (`--sgd-momentum`)."""
+
+    clip_grad: float = 1.0
+    """Clip the global L2 grad norm (over all shards and ranks) to this value; 0 disables."""

@@ -1,0 +1,79 @@
+"""Learning-rate schedules by iteration: constant, linear, cosine and WSD, with linear warmup."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+
+@dataclass(kw_only=True)
+class LRScheduleConfig:
+    max_lr: float
+    min_lr: float = 0.0
+    warmup_iters: int = 0
+    decay_iters: int
+    """Iteration at which the decay reaches min_lr (`--lr-decay-iters`, default --train-iters)."""
+    decay_style: Literal["constant", "linear", "cosine", "WSD"] = "linear"
+    wsd_decay_iters: int = 0
+    """WSD: length of the final annealing phase (`--lr-wsd-decay-iters`)."""
+    wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "exponential"
+
+
+def learning_rate_at(iteration: int, config: LRScheduleConfig) -> float:
+    """LR for the update that completes `iteration` (1-based count of optimizer steps taken)."""
+    if config.warmup_iters > 0 and iteration <= config.warmup_iters:
+        return config.max_lr * iteration / config.warmup_iters
+    if config.decay_style == "constant":
+        return config.max_lr
+    if iteration > config.decay_iters:
+        return config.min_lr
+    delta_lr = config.max_lr - config.min_lr
+    if config.decay_style == "WSD":
+        anneal_start = config.decay_iters - config.wsd_decay_iters
+        if iteration <= anneal_start:
+            return config.max_lr
+        ratio = (iteration - anneal_start) / max(1, config.wsd_decay_iters)
+        coeff = {
+            "linear": 1.0 - ratio,
+            "cosine": 0.5 * (math.cos(math.pi * ratio) + 1.0),
+            "exponential": 2.0 * 0.5**ratio - 1.0,
+            "minus_sqrt": 1.0 - math.sqrt(ratio),
+        }[config.wsd_decay_style]
+        return config.min_lr + coeff * delta_lr
+    decay_span = config.decay_iters - config.warmup_iters
+    ratio = (iteration - config.warmup_iters) / decay_span if decay_span > 0 else 1.0
+    if config.decay_style == "linear":
+        coeff = 1.0 - ratio
+    else:  # cosine
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return config.min_lr + coeff * delta_lr
+
+
+class OptimizerParamScheduler:
+    """Sets each param group's lr before every step; its state is the iteration count."""
+
+    def __init__(self, optimizer: MegatronOptimizer, *, config: LRScheduleConfig) -> None:
+        self.optimizer = optimizer
+        self.config = config
+        self.num_steps = 0
+        self.step(0)
+
+    def step(self, increment: int = 1) -> float:
+        self.num_steps += increment
+        lr = learning_rate_at(max(self.num_steps, 1), self.config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def get_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state["num_steps"])
+        self.step(0)

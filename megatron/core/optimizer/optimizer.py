@@ -1,0 +1,142 @@
+"""The optimizer interface the training loop drives, and its data-parallel (replicated) version.
+
+Every optimizer here keeps fp32 main params, clips by the global grad norm, and skips the update
+when that norm is NaN/Inf. Megatron-FSDP's sharded optimizer implements the same interface.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.optimizer.clip_grads import clip_grads_, global_grad_norm
+from megatron.core.optimizer.config import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step reports to the training loop's log line."""
+
+    update_successful: bool
+    grad_norm: float
+    num_zeros_in_grad: int | None = None
+
+
+class MegatronOptimizer(ABC):
+    """What the training loop needs: zero_grad, step, LR/WD groups, and a state to checkpoint."""
+
+    param_groups: list[dict]
+    """Each group has 'lr' and 'weight_decay' (set by the LR scheduler every step)."""
+
+    @abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abstractmethod
+    def step(self) -> StepResult: ...
+
+    @abstractmethod
+    def state_dict(self) -> dict: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def is_no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Biases and norm weights (all 1-D params) are not decayed, as in Megatron-LM."""
+    return param.ndim < 2 or name.endswith(".bias")
+
+
+def build_torch_optimizer(
+    named_main_params: Iterable[tuple[str, torch.Tensor]], *, config: OptimizerConfig
+) -> torch.optim.Optimizer:
+    """AdamW or SGD over main params, split into a decayed and a non-decayed group."""
+    decay, no_decay = [], []
+    for name, param in named_main_params:
+        (no_decay if is_no_weight_decay(name, param) else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay, "wd_mult": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+    ]
+    groups = [group for group in groups if group["params"]]
+    if config.optimizer == "adam":
+        return torch.optim.AdamW(
+            groups,
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            foreach=False,
+        )
+    return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, foreach=False)
+
+
+class MixedPrecisionOptimizer(MegatronOptimizer):
+    """Optimizer over replicated params (no sharding): fp32 main copies of bf16 model params.
+
+    With fp32 model params the main params are the model params themselves. Grads must already
+    be averaged across data-parallel ranks (DDP does that), so the norm is computed locally.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, config: OptimizerConfig) -> None:
+        self.config = config
+        self.model_params: list[torch.Tensor] = []
+        named_main = []
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            main = param if param.dtype == torch.float32 else param.detach().float().clone()
+            self.model_params.append(param)
+            named_main.append((name, main))
+        self.main_params = [main for _, main in named_main]
+        self.main_param_names = [name for name, _ in named_main]
+        self.optimizer = build_torch_optimizer(named_main, config=config)
+        self.param_groups = self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        for param in self.model_params:
+            param.grad = None
+        for main in self.main_params:
+            main.grad = None
+
+    def _copy_model_grads_to_main(self) -> list[torch.Tensor]:
+        grads = []
+        for param, main in zip(self.model_params, self.main_params):
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            if main is not param:
+                main.grad = grad.float()
+            grads.append(main.grad if main.grad is not None else grad)
+        return grads
+
+    def step(self) -> StepResult:
+        grads = self._copy_model_grads_to_main()
+        grad_norm = global_grad_norm(grads)
+        if not math.isfinite(grad_norm):
+            self.zero_grad()
+            return StepResult(update_successful=False, grad_norm=grad_norm)
+        clip_grads_(grads, max_norm=self.config.clip_grad, total_norm=grad_norm)
+        self.optimizer.step()
+        with torch.no_grad():
+            for param, main in zip(self.model_params, self.main_params):
+                if main is not param:
+                    param.copy_(main)
+        return StepResult(update_successful=True, grad_norm=grad_norm)
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if any(main is not param for param, main in zip(self.model_params, self.main_params)):
+            state["main_params"] = {
+                name: main.detach().clone()
+                for name, main in zip(self.main_param_names, self.main_params)
+            }
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        main_state = state.get("main_params")
+        if main_state is not None:
+            with torch.no_grad():
+                for name, main in zip(self.main_param_names, self.main_params):
+                    main.copy_(main_state[name])
