@@ -1,0 +1,69 @@
+"""Parameter and FLOP counts of a GPTModel, from the model or from its config alone."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameter elements; a tied embedding/output weight counts once (meta works)."""
+    return sum(param.numel() for param in model.parameters())
+
+
+def _norm_parameters(config: TransformerConfig) -> int:
+    # LayerNorm has a weight and a bias, RMSNorm only a weight.
+    return config.hidden_size * (2 if config.normalization == "LayerNorm" else 1)
+
+
+def layer_parameters(config: TransformerConfig) -> int:
+    """Parameters of one TransformerLayer: two norms, QKV, output projection, fc1, fc2."""
+    hidden = config.hidden_size
+    qkv_width = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels
+    attention_width = config.num_attention_heads * config.kv_channels
+    fc1_width = config.ffn_hidden_size * (2 if config.swiglu else 1)
+    bias = 1 if config.add_bias_linear else 0
+    linear_qkv = hidden * qkv_width + bias * qkv_width
+    linear_proj = attention_width * hidden + bias * hidden
+    linear_fc1 = hidden * fc1_width + bias * fc1_width
+    linear_fc2 = config.ffn_hidden_size * hidden + bias * hidden
+    return 2 * _norm_parameters(config) + linear_qkv + linear_proj + linear_fc1 + linear_fc2
+
+
+def count_parameters_from_config(config: TransformerConfig) -> int:
+    """What `count_parameters(GPTModel(config))` returns, without building the model."""
+    embedding = config.vocab_size * config.hidden_size
+    if config.position_embedding_type == "learned_absolute":
+        embedding += config.max_sequence_length * config.hidden_size
+    output_head = 0
+    if config.untie_embeddings_and_output_weights:
+        output_head = config.vocab_size * config.hidden_size
+    decoder = config.num_layers * layer_parameters(config) + _norm_parameters(config)
+    return embedding + decoder + output_head
+
+
+def num_floating_point_operations(
+    config: TransformerConfig, *, batch_size: int, seq_length: int
+) -> float:
+    """Model FLOPs of one forward + backward pass over batch_size x seq_length tokens.
+
+    FLOPs = B * S * (6 * N_matmul + 6 * L * A * S), where
+      N_matmul = L * layer_parameters + final-norm parameters + V * D: the parameters a token
+        multiplies by. The output head's V * D counts whether tied or not (its GEMM runs
+        either way); embedding and position tables are lookups and do not count.
+      6 * L * A * S: causal attention, A = num_attention_heads * kv_channels (= hidden size
+        unless kv_channels is set): QK^T and PV cost 2 * 2 * S * A per token forward, halved by
+        the causal mask, times 3 for forward + backward.
+    Each multiply-add is 2 FLOPs, backward is twice forward, hence 6 = 2 * (1 + 2).
+    """
+    if batch_size < 1 or seq_length < 1:
+        raise ValueError(f"batch_size={batch_size} and seq_length={seq_length} must be >= 1")
+    matmul_parameters = (
+        config.num_layers * layer_parameters(config)
+        + _norm_parameters(config)
+        + config.vocab_size * config.hidden_size
+    )
+    attention_width = config.num_attention_heads * config.kv_channels
+    per_token = 6 * matmul_parameters + 6 * config.num_layers * attention_width * seq_length
+    return float(batch_size * seq_length * per_token)

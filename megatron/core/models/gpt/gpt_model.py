@@ -1,0 +1,156 @@
+"""GPTModel: embedding -> decoder (transformer layers + final norm) -> output head.
+
+Plain nn.Modules with no parallelism or FP8 logic; FP8 enters only through `build_linear`.
+Tensors are batch-first: [B, S, D].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.transformer.init import init_parameter_
+from megatron.core.transformer.rope import RotaryEmbedding, rotary_dim
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def check_model_config(config: TransformerConfig) -> None:
+    """Raise ValueError naming the field and the fix when the model cannot be built."""
+    for field in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        if getattr(config, field) < 1:
+            raise ValueError(f"{field}={getattr(config, field)} must be at least 1")
+    if config.num_query_groups < 1 or config.num_attention_heads % config.num_query_groups:
+        raise ValueError(
+            f"num_attention_heads={config.num_attention_heads} must be a multiple of "
+            f"num_query_groups={config.num_query_groups}; pick --num-query-groups dividing it"
+        )
+    if config.position_embedding_type not in ("rope", "learned_absolute"):
+        raise ValueError(
+            f"position_embedding_type={config.position_embedding_type!r}; use 'rope' or "
+            "'learned_absolute'"
+        )
+    if config.position_embedding_type == "rope":
+        rotary_dim(config)
+    if config.recompute_granularity not in (None, "full", "selective"):
+        raise ValueError(
+            f"recompute_granularity={config.recompute_granularity!r}; use None, 'full' or "
+            "'selective'"
+        )
+    if config.recompute_num_layers < 1:
+        raise ValueError(f"recompute_num_layers={config.recompute_num_layers} must be >= 1")
+    for field in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(config, field) < 1.0:
+            raise ValueError(f"{field}={getattr(config, field)} must be in [0, 1)")
+
+
+class LanguageModelEmbedding(nn.Module):
+    """Token embedding, plus a learned position table when position_embedding_type is
+    learned_absolute, followed by dropout (hidden_dropout, as in Megatron-LM)."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.max_sequence_length = config.max_sequence_length
+        self.word_embeddings = nn.Embedding(
+            config.vocab_size, config.hidden_size, dtype=config.params_dtype
+        )
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(
+                config.max_sequence_length, config.hidden_size, dtype=config.params_dtype
+            )
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x_BSD = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            x_BSD = x_BSD + self.position_embeddings(position_ids)
+        return self.embedding_dropout(x_BSD)
+
+
+class GPTModel(nn.Module):
+    """Decoder-only GPT.
+
+    Structure (the FSDP engine relies on it): `embedding`, `decoder.layers` (one
+    TransformerLayer per layer), `decoder.final_norm`, `output_layer` (None when the head is
+    tied to `embedding.word_embeddings.weight`), `rotary_pos_emb` (None without rope).
+
+    Built normally, parameters are initialized with `init_parameter_(seed=seed)`. Built under
+    `with torch.device("meta")` nothing is initialized; after materializing (e.g. `to_empty`)
+    call `reset_parameters(seed)` (or init unit by unit with `init_parameter_`) and
+    `init_buffers(device)`, because the rope frequencies are non-persistent buffers.
+    """
+
+    def __init__(self, config: TransformerConfig, *, seed: int = 0) -> None:
+        super().__init__()
+        check_model_config(config)
+        self.config = config
+        self.embedding = LanguageModelEmbedding(config)
+        self.rotary_pos_emb = None
+        if config.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(config)
+        self.decoder = TransformerBlock(config)
+        self.output_layer = None
+        if config.untie_embeddings_and_output_weights:
+            # Never FP8: logits feed a softmax over the whole vocabulary.
+            self.output_layer = nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False, dtype=config.params_dtype
+            )
+        if not self.embedding.word_embeddings.weight.is_meta:
+            self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Re-initialize every parameter from (seed, its name); see init.py."""
+        for name, param in self.named_parameters():
+            init_parameter_(param, name=name, config=self.config, seed=seed)
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute the non-persistent buffers (rope inverse frequencies) on `device`
+        (default: the device of the embedding weight). Needed after meta construction."""
+        if device is None:
+            device = self.embedding.word_embeddings.weight.device
+        if self.rotary_pos_emb is not None:
+            self.rotary_pos_emb.init_buffers(device)
+
+    def output_weight(self) -> torch.Tensor:
+        """The [V, D] output-head weight: the embedding table when tied."""
+        if self.output_layer is None:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, S] -> logits [B, S, V], or with labels [B, S] the per-token
+        cross-entropy loss [B, S] in fp32 (logits upcast to fp32 first)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
+        seq = input_ids.shape[1]
+        if self.embedding.position_embeddings is not None and seq > self.config.max_sequence_length:
+            raise ValueError(
+                f"sequence length {seq} exceeds max_sequence_length="
+                f"{self.config.max_sequence_length} of the learned position table; raise "
+                "--seq-length/max_sequence_length or use rope"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
+        x_BSD = self.embedding(input_ids, position_ids)
+        rotary_cos_sin = None
+        if self.rotary_pos_emb is not None:
+            rotary_cos_sin = self.rotary_pos_emb(position_ids)
+        x_BSD = self.decoder(x_BSD, rotary_cos_sin)
+        logits_BSV = F.linear(x_BSD, self.output_weight())
+        if labels is None:
+            return logits_BSV
+        if labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} must equal input_ids shape "
+                f"{tuple(input_ids.shape)}"
+            )
+        loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels.flatten(), reduction="none")
+        return loss.view_as(labels)

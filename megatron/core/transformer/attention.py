@@ -1,0 +1,88 @@
+"""Causal self-attention with grouped-query attention and one fused QKV Linear."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatron.core.transformer.linear import build_linear
+from megatron.core.transformer.rope import apply_rotary
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+RotaryCosSin = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def core_attention(
+    q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, dropout_p: float
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v with dropout on the probabilities.
+
+    Query head h reads key/value group h // (heads / groups), the same grouping as
+    HuggingFace's repeat_kv and SDPA's enable_gqa.
+    """
+    grouped = q_BHSD.shape[1] != k_BGSD.shape[1]
+    return F.scaled_dot_product_attention(
+        q_BHSD, k_BGSD, v_BGSD, dropout_p=dropout_p, is_causal=True, enable_gqa=grouped
+    )
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV projection, optional rotary, causal SDPA, output projection.
+
+    Output dim layout of `linear_qkv` (for exporters):
+        [ q: num_attention_heads * kv_channels
+        | k: num_query_groups * kv_channels
+        | v: num_query_groups * kv_channels ]
+    and inside each block head-major: channel c of head h sits at h * kv_channels + c.
+    """
+
+    def __init__(self, config: TransformerConfig, *, layer_number: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_groups = config.num_query_groups
+        self.head_dim = config.kv_channels
+        self.attention_dropout = config.attention_dropout
+        self.selective_recompute = config.recompute_granularity == "selective"
+        qkv_width = (self.num_heads + 2 * self.num_groups) * self.head_dim
+        self.linear_qkv = build_linear(
+            config.hidden_size,
+            qkv_width,
+            bias=config.add_bias_linear,
+            config=config,
+            layer_number=layer_number,
+        )
+        self.linear_proj = build_linear(
+            self.num_heads * self.head_dim,
+            config.hidden_size,
+            bias=config.add_bias_linear,
+            config=config,
+            layer_number=layer_number,
+        )
+
+    def forward(self, x_BSD: torch.Tensor, rotary_cos_sin: RotaryCosSin = None) -> torch.Tensor:
+        batch, seq, _ = x_BSD.shape
+        qkv = self.linear_qkv(x_BSD)
+        q_width = self.num_heads * self.head_dim
+        kv_width = self.num_groups * self.head_dim
+        q, k, v = torch.split(qkv, [q_width, kv_width, kv_width], dim=-1)
+        q_BHSD = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BGSD = k.view(batch, seq, self.num_groups, self.head_dim).transpose(1, 2)
+        v_BGSD = v.view(batch, seq, self.num_groups, self.head_dim).transpose(1, 2)
+        if rotary_cos_sin is not None:
+            cos, sin = rotary_cos_sin
+            q_BHSD = apply_rotary(q_BHSD, cos, sin)
+            k_BGSD = apply_rotary(k_BGSD, cos, sin)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if self.selective_recompute and torch.is_grad_enabled():
+            # Only the S x S attention core is recomputed: it holds the largest activations
+            # (probabilities) and is cheap next to the Linears. Checkpoint restores the RNG
+            # state, so attention dropout draws the same mask on recompute.
+            context = checkpoint(
+                core_attention, q_BHSD, k_BGSD, v_BGSD, dropout_p, use_reentrant=False
+            )
+        else:
+            context = core_attention(q_BHSD, k_BGSD, v_BGSD, dropout_p)
+        context_BSD = context.transpose(1, 2).reshape(batch, seq, q_width)
+        return self.linear_proj(context_BSD)

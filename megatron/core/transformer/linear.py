@@ -1,0 +1,39 @@
+"""The one place a transformer Linear is built: plain torch.nn.Linear or FP8 Linear.
+
+Model code calls `build_linear` and never looks at FP8 settings itself (STYLE.md rule 1).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def build_linear(
+    in_features: int,
+    out_features: int,
+    *,
+    bias: bool,
+    config: TransformerConfig,
+    layer_number: int,
+) -> nn.Module:
+    """Return the Linear y = x W^T + b for transformer layer `layer_number` (1-based).
+
+    FP8 only when `config.fp8` is set and that config keeps this layer in FP8 (the first/last
+    layers may stay high precision); otherwise a plain nn.Linear in `config.params_dtype`.
+    """
+    if layer_number < 1 or layer_number > config.num_layers:
+        raise ValueError(
+            f"build_linear: layer_number {layer_number} is outside 1..{config.num_layers}; "
+            "layer numbers are 1-based as in Megatron-LM"
+        )
+    fp8_config = config.fp8
+    if fp8_config is None or not fp8_config.layer_uses_fp8(layer_number, config.num_layers):
+        return nn.Linear(in_features, out_features, bias=bias, dtype=config.params_dtype)
+    # Imported here so that a model without FP8 never imports the FP8 package.
+    from megatron.core.fp8 import Fp8Linear
+
+    return Fp8Linear(
+        in_features, out_features, bias=bias, fp8_config=fp8_config, dtype=config.params_dtype
+    )

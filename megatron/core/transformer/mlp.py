@@ -1,0 +1,47 @@
+"""Feed-forward block: GeLU (exact erf) or SwiGLU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.transformer.linear import build_linear
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class MLP(nn.Module):
+    """fc2(act(fc1(x))).
+
+    With SwiGLU, `linear_fc1` produces [gate | up] (each ffn_hidden_size wide, gate first) and
+    act is silu(gate) * up; an exporter splits fc1's weight rows in half to get Llama's
+    gate_proj and up_proj.
+    """
+
+    def __init__(self, config: TransformerConfig, *, layer_number: int) -> None:
+        super().__init__()
+        self.swiglu = config.swiglu
+        fc1_width = config.ffn_hidden_size * (2 if config.swiglu else 1)
+        self.linear_fc1 = build_linear(
+            config.hidden_size,
+            fc1_width,
+            bias=config.add_bias_linear,
+            config=config,
+            layer_number=layer_number,
+        )
+        self.linear_fc2 = build_linear(
+            config.ffn_hidden_size,
+            config.hidden_size,
+            bias=config.add_bias_linear,
+            config=config,
+            layer_number=layer_number,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = hidden.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        else:
+            hidden = F.gelu(hidden, approximate="none")
+        return self.linear_fc2(hidden)

@@ -1,0 +1,46 @@
+"""The decoder stack: transformer layers, full-layer activation recompute, final norm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatron.core.transformer.attention import RotaryCosSin
+from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+class TransformerBlock(nn.Module):
+    """`layers` (nn.ModuleList of TransformerLayer) followed by `final_norm`."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.full_recompute = config.recompute_granularity == "full"
+        self.recompute_num_layers = config.recompute_num_layers
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, layer_number=number)
+            for number in range(1, config.num_layers + 1)
+        )
+        self.final_norm = build_norm(config)
+
+    def _run_layers(
+        self, start: int, end: int, x_BSD: torch.Tensor, rotary_cos_sin: RotaryCosSin
+    ) -> torch.Tensor:
+        for layer in self.layers[start:end]:
+            x_BSD = layer(x_BSD, rotary_cos_sin)
+        return x_BSD
+
+    def forward(self, x_BSD: torch.Tensor, rotary_cos_sin: RotaryCosSin = None) -> torch.Tensor:
+        if self.full_recompute and torch.is_grad_enabled():
+            # Keep only each chunk's input; its layers re-run in backward. Checkpoint saves
+            # and restores the RNG state, so dropout masks match the first forward.
+            for start in range(0, len(self.layers), self.recompute_num_layers):
+                end = min(start + self.recompute_num_layers, len(self.layers))
+                x_BSD = checkpoint(
+                    self._run_layers, start, end, x_BSD, rotary_cos_sin, use_reentrant=False
+                )
+        else:
+            x_BSD = self._run_layers(0, len(self.layers), x_BSD, rotary_cos_sin)
+        return self.final_norm(x_BSD)

@@ -1,0 +1,33 @@
+"""One pre-norm transformer layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.core.transformer.attention import RotaryCosSin, SelfAttention
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class TransformerLayer(nn.Module):
+    """Holds every parameter of one layer, so it can be one FSDP unit.
+
+    `layer_number` is 1-based (it decides FP8 for the first/last-layers-in-bf16 option).
+    """
+
+    def __init__(self, config: TransformerConfig, *, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.input_layernorm = build_norm(config)
+        self.self_attention = SelfAttention(config, layer_number=layer_number)
+        self.pre_mlp_layernorm = build_norm(config)
+        self.mlp = MLP(config, layer_number=layer_number)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x_BSD: torch.Tensor, rotary_cos_sin: RotaryCosSin = None) -> torch.Tensor:
+        attention_out = self.self_attention(self.input_layernorm(x_BSD), rotary_cos_sin)
+        x_BSD = x_BSD + self.hidden_dropout(attention_out)
+        mlp_out = self.mlp(self.pre_mlp_layernorm(x_BSD))
+        return x_BSD + self.hidden_dropout(mlp_out)
