@@ -1,0 +1,175 @@
+"""MetricsLogger writes exactly the series it is given, read back with each backend's reader."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from megatron.training.loggers import METRIC_NAMES, MetricsLogger, wandb_mode
+from tests.unit_tests.ecosystem.readers import read_tensorboard_scalars, read_wandb_offline_scalars
+
+TRAIN_STEPS = 120
+VALIDATION_INTERVAL = 40
+VALIDATION_NAMES = ("lm loss validation", "lm loss validation ppl")
+
+
+def _expected_series() -> dict[str, list[tuple[int, float]]]:
+    """Distinct values per metric and step, exactly representable in float32 so that TensorBoard
+    (which stores float32) must return them bit for bit."""
+    rng = np.random.default_rng(1234)
+    series: dict[str, list[tuple[int, float]]] = {}
+    for index, name in enumerate(METRIC_NAMES):
+        steps = range(1, TRAIN_STEPS + 1)
+        if name in VALIDATION_NAMES:
+            steps = range(VALIDATION_INTERVAL, TRAIN_STEPS + 1, VALIDATION_INTERVAL)
+        values = rng.uniform(0.0, 10.0 ** (index % 5), size=len(steps)).astype(np.float32)
+        series[name] = [(step, float(value)) for step, value in zip(steps, values)]
+    return series
+
+
+def _log_series(logger: MetricsLogger, series: dict[str, list[tuple[int, float]]]) -> None:
+    """Log train metrics each step, then validation metrics in a second call at the same step,
+    the order the training loop uses."""
+    by_step: dict[int, dict[str, dict[str, float]]] = {}
+    for name, points in series.items():
+        kind = "validation" if name in VALIDATION_NAMES else "train"
+        for step, value in points:
+            by_step.setdefault(step, {"train": {}, "validation": {}})[kind][name] = value
+    for step in sorted(by_step):
+        logger.log_scalars(step, by_step[step]["train"])
+        if by_step[step]["validation"]:
+            logger.log_scalars(step, by_step[step]["validation"])
+
+
+@pytest.fixture
+def offline_wandb(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb", reason="needs wandb (pip install wandb)")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def test_tensorboard_and_wandb_offline_read_back_every_point(tmp_path, offline_wandb) -> None:
+    pytest.importorskip("tensorboard", reason="needs tensorboard (pip install tensorboard)")
+    expected = _expected_series()
+    logger = MetricsLogger(
+        tensorboard_dir=str(tmp_path / "tb"),
+        wandb_project="megatron-fp8-test",
+        wandb_exp_name="loggers-roundtrip",
+        wandb_save_dir=str(tmp_path / "wandb"),
+        run_config={"num_layers": 2, "lr": 1e-3},
+        enabled=True,
+    )
+    with logger:
+        _log_series(logger, expected)
+
+    assert read_tensorboard_scalars(str(tmp_path / "tb")) == expected
+    assert read_wandb_offline_scalars(str(tmp_path / "wandb")) == expected
+    total_points = sum(len(points) for points in expected.values())
+    assert total_points == 11 * 120 + 2 * 3
+    # The log spans several 32 KiB blocks, so records split across blocks were reassembled.
+    (run_file,) = glob.glob(str(tmp_path / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert os.path.getsize(run_file) > 2 * 32768
+
+
+def test_disabled_logger_writes_nothing(tmp_path) -> None:
+    logger = MetricsLogger(
+        tensorboard_dir=str(tmp_path / "tb"),
+        wandb_project="p",
+        wandb_exp_name="e",
+        wandb_save_dir=str(tmp_path / "wandb"),
+        run_config={},
+        enabled=False,
+    )
+    logger.log_scalars(1, {"lm loss": 1.0})
+    logger.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_tensorboard_only_leaves_no_wandb_files(tmp_path) -> None:
+    pytest.importorskip("tensorboard", reason="needs tensorboard (pip install tensorboard)")
+    with MetricsLogger(
+        tensorboard_dir=str(tmp_path / "tb"),
+        wandb_project=None,
+        wandb_exp_name=None,
+        wandb_save_dir=None,
+        run_config={},
+        enabled=True,
+    ) as logger:
+        logger.log_scalars(5, {"lm loss": 2.5, "learning-rate": 0.125})
+        logger.log_scalars(6, {"lm loss": 2.25})
+    assert read_tensorboard_scalars(str(tmp_path / "tb")) == {
+        "lm loss": [(5, 2.5), (6, 2.25)],
+        "learning-rate": [(5, 0.125)],
+    }
+    assert os.listdir(tmp_path) == ["tb"]
+
+
+def _tensorboard_only_logger(tmp_path) -> MetricsLogger:
+    return MetricsLogger(
+        tensorboard_dir=str(tmp_path / "tb"),
+        wandb_project=None,
+        wandb_exp_name=None,
+        wandb_save_dir=None,
+        run_config={},
+        enabled=True,
+    )
+
+
+def test_unknown_metric_and_decreasing_step_are_rejected(tmp_path) -> None:
+    pytest.importorskip("tensorboard", reason="needs tensorboard (pip install tensorboard)")
+    with _tensorboard_only_logger(tmp_path) as logger:
+        with pytest.raises(ValueError, match=r"unknown metric name\(s\) \['lm-loss'\]"):
+            logger.log_scalars(1, {"lm-loss": 1.0})
+        logger.log_scalars(10, {"lm loss": 1.0})
+        with pytest.raises(ValueError, match="step 9 is before the last logged step 10"):
+            logger.log_scalars(9, {"lm loss": 1.0})
+
+
+def test_missing_packages_name_the_pip_install(tmp_path, monkeypatch) -> None:
+    # A None entry in sys.modules makes `import x` raise ImportError, as if x were absent.
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        _tensorboard_only_logger(tmp_path)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match="pip install wandb"):
+        MetricsLogger(
+            tensorboard_dir=None,
+            wandb_project="p",
+            wandb_exp_name="e",
+            wandb_save_dir=str(tmp_path),
+            run_config={},
+            enabled=True,
+        )
+
+
+def test_wandb_needs_a_name_and_a_dir(tmp_path) -> None:
+    with pytest.raises(ValueError, match="--wandb-exp-name"):
+        MetricsLogger(
+            tensorboard_dir=None,
+            wandb_project="p",
+            wandb_exp_name=None,
+            wandb_save_dir=str(tmp_path),
+            run_config={},
+            enabled=True,
+        )
+    with pytest.raises(ValueError, match="--wandb-save-dir"):
+        MetricsLogger(
+            tensorboard_dir=None,
+            wandb_project="p",
+            wandb_exp_name="e",
+            wandb_save_dir=None,
+            run_config={},
+            enabled=True,
+        )
+
+
+def test_wandb_mode_follows_the_api_key(monkeypatch) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert wandb_mode() == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    assert wandb_mode() == "online"
