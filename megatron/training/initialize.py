@@ -1,0 +1,89 @@
+"""Process-group setup from torchrun/Slurm environment variables, and seeding."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    dp_group: dist.ProcessGroup | None
+    """The data-parallel group (all ranks); None for a single process."""
+
+
+def _slurm_to_torchrun_env() -> None:
+    """Under `srun` without torchrun, map Slurm's task variables onto torchrun's names."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+
+
+def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
+    """Init the default process group when launched with several ranks; pick the device."""
+    _slurm_to_torchrun_env()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise SystemExit("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU.")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dp_group = None
+    if world_size > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(minutes=30),
+                device_id=device if backend == "nccl" else None,
+            )
+        dp_group = dist.group.WORLD
+    return DistributedEnv(
+        rank=rank, world_size=world_size, local_rank=local_rank, device=device, dp_group=dp_group
+    )
+
+
+def set_random_seeds(seed: int) -> None:
+    """Same seed on every rank: init and dropout masks do not depend on data-parallel size."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def get_rng_state() -> dict:
+    """Every RNG the training step draws from, as plain tensors/values (checkpointable)."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])

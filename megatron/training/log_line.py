@@ -1,0 +1,69 @@
+"""Megatron's log lines. Their fields are a public interface (tools parse them): change them only
+together with tests/unit_tests/training/test_log_line.py."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+
+
+@dataclass
+class IntervalStats:
+    """Numbers accumulated between two log lines."""
+
+    losses: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    last_grad_norm: float = float("nan")
+
+    def add(self, *, loss: float, grad_norm: float, seconds: float) -> None:
+        self.losses.append(loss)
+        self.seconds.append(seconds)
+        self.last_grad_norm = grad_norm
+
+    def mean_loss(self) -> float:
+        return sum(self.losses) / len(self.losses)
+
+    def mean_seconds(self) -> float:
+        return sum(self.seconds) / len(self.seconds)
+
+
+def format_train_line(
+    *,
+    iteration: int,
+    train_iters: int,
+    consumed_samples: int,
+    iteration_ms: float,
+    tflops_per_gpu: float,
+    tokens_per_gpu: float,
+    learning_rate: float,
+    global_batch_size: int,
+    loss: float,
+    grad_norm: float,
+    skipped: int,
+    nans: int,
+    mem_gib: float,
+) -> str:
+    stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    return (
+        f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} |"
+        f" consumed samples: {consumed_samples:12d} |"
+        f" elapsed time per iteration (ms): {iteration_ms:.1f} |"
+        f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.3f} |"
+        f" tokens per GPU (tokens/s/GPU): {tokens_per_gpu:.1f} |"
+        f" learning rate: {learning_rate:.6E} |"
+        f" global batch size: {global_batch_size:5d} |"
+        f" lm loss: {loss:.6E} |"
+        f" grad norm: {grad_norm:.3f} |"
+        f" number of skipped iterations: {skipped:3d} |"
+        f" number of nan iterations: {nans:3d} |"
+        f" mem allocated (GiB): {mem_gib:.2f} |"
+    )
+
+
+def format_valid_line(iteration: int, loss: float) -> str:
+    ppl = math.exp(min(20.0, loss))
+    return (
+        f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+        f" lm loss PPL: {ppl:.6E} |"
+    )

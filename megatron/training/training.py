@@ -1,0 +1,314 @@
+"""The training loop: setup, train steps with gradient accumulation, eval, logging, saving.
+
+Read top to bottom: `pretrain` builds everything from the flags (data before the model, so bad
+data fails before any weight exists), then `train` runs `train_step` per iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer import OptimizerParamScheduler
+from megatron.training.arguments import parse_args
+from megatron.training.configs import build_lr_schedule_config, build_transformer_config
+from megatron.training.data import (
+    Datasets,
+    build_datasets_from_args,
+    build_tokenizer_from_args,
+    get_micro_batch,
+)
+from megatron.training.initialize import DistributedEnv, initialize_distributed, set_random_seeds
+from megatron.training.log_line import IntervalStats, format_train_line, format_valid_line
+from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint restores besides weights and optimizer state."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+
+
+@dataclass
+class TrainingResult:
+    """Per-iteration numbers of one run, for tests and tools."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    valid_losses: dict[int, float] = field(default_factory=dict)
+    state: TrainState = field(default_factory=TrainState)
+
+
+def print_rank_0(env: DistributedEnv, message: str) -> None:
+    if env.rank == 0:
+        print(message, flush=True)
+
+
+def pretrain(argv: Sequence[str] | None = None) -> TrainingResult:
+    """Entry point of pretrain_gpt.py: parse flags, build data, model, optimizer; train."""
+    args = parse_args(argv)
+    env = initialize_distributed(args)
+    set_random_seeds(args.seed)
+    tokenizer = build_tokenizer_from_args(args)
+    datasets = build_datasets_from_args(args, tokenizer=tokenizer)
+    config = build_transformer_config(args, vocab_size=tokenizer.vocab_size)
+    run = setup_model_and_optimizer(args, config=config, env=env)
+    scheduler = OptimizerParamScheduler(run.optimizer, config=build_lr_schedule_config(args))
+    state = TrainState()
+    if args.load is not None:
+        from megatron.training.checkpointing import load_checkpoint
+
+        state = load_checkpoint(args, run=run, scheduler=scheduler, env=env) or state
+    print_rank_0(
+        env,
+        f" > megatron-fp8 run: fp8-recipe={args.fp8_recipe or 'bf16'} "
+        f"fp8-param-gather={args.fp8_param_gather} use-megatron-fsdp={args.use_megatron_fsdp} "
+        f"data-parallel-size={env.world_size}",
+    )
+    print_rank_0(env, f" > number of parameters: {run.num_parameters}")
+    logger = _build_metrics_logger(args, env)
+    try:
+        result = train(
+            args,
+            env=env,
+            run=run,
+            scheduler=scheduler,
+            datasets=datasets,
+            state=state,
+            logger=logger,
+        )
+    finally:
+        if logger is not None:
+            logger.close()
+    return result
+
+
+def _build_metrics_logger(args: argparse.Namespace, env: DistributedEnv):
+    if not (args.tensorboard_dir or args.wandb_project):
+        return None
+    from megatron.training.loggers import MetricsLogger
+
+    return MetricsLogger(
+        tensorboard_dir=args.tensorboard_dir,
+        wandb_project=args.wandb_project,
+        wandb_exp_name=args.wandb_exp_name,
+        wandb_save_dir=args.wandb_save_dir,
+        run_config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))},
+        enabled=env.rank == 0,
+    )
+
+
+def _mean_over_ranks(value: torch.Tensor, env: DistributedEnv) -> float:
+    value = value.detach().float().reshape(1).clone()
+    if env.dp_group is not None:
+        dist.all_reduce(value, group=env.dp_group)
+        value /= env.world_size
+    return value.item()
+
+
+def forward_backward(
+    run: ModelAndOptimizer, batch: dict[str, torch.Tensor], *, num_microbatches: int
+) -> torch.Tensor:
+    """One micro-batch: token-mean loss over the loss mask, backward of loss / micro-batches."""
+    with run.fp8_context():
+        token_losses = run.model(
+            batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"]
+        )
+    mask = batch["loss_mask"]
+    loss = (token_losses * mask).sum() / mask.sum().clamp(min=1.0)
+    (loss / num_microbatches).backward()
+    return loss.detach()
+
+
+def train_step(
+    args: argparse.Namespace, *, env: DistributedEnv, run: ModelAndOptimizer, dataset, state
+) -> tuple[float, float, bool]:
+    """One optimizer step over the global batch. Returns (loss, grad norm, update succeeded)."""
+    run.optimizer.zero_grad()
+    step_samples = args.micro_batch_size * env.world_size
+    losses = []
+    for microbatch in range(args.num_microbatches):
+        batch = get_micro_batch(
+            dataset,
+            first_sample=state.consumed_train_samples + microbatch * step_samples,
+            micro_batch_size=args.micro_batch_size,
+            rank=env.rank,
+            device=env.device,
+        )
+        is_last = microbatch == args.num_microbatches - 1
+        with contextlib.nullcontext() if is_last else run.no_sync():
+            losses.append(forward_backward(run, batch, num_microbatches=args.num_microbatches))
+    run.finish_grad_sync()
+    result = run.optimizer.step()
+    loss = _mean_over_ranks(torch.stack(losses).mean(), env)
+    return loss, result.grad_norm, result.update_successful
+
+
+@torch.no_grad()
+def evaluate(args: argparse.Namespace, *, env: DistributedEnv, run: ModelAndOptimizer, dataset):
+    """Mean loss over the first --eval-iters global batches of the split (the same every time)."""
+    run.model.eval()
+    step_samples = args.micro_batch_size * env.world_size
+    losses = []
+    for index in range(args.eval_iters * args.num_microbatches):
+        batch = get_micro_batch(
+            dataset,
+            first_sample=index * step_samples,
+            micro_batch_size=args.micro_batch_size,
+            rank=env.rank,
+            device=env.device,
+        )
+        with run.fp8_context():
+            token_losses = run.model(
+                batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"]
+            )
+        mask = batch["loss_mask"]
+        losses.append((token_losses * mask).sum() / mask.sum().clamp(min=1.0))
+    run.model.train()
+    return _mean_over_ranks(torch.stack(losses).mean(), env)
+
+
+def _memory_bytes(device: torch.device) -> tuple[int, int]:
+    """(allocated, peak allocated) bytes: CUDA allocator on GPU, process RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+    import resource
+
+    with open("/proc/self/statm") as statm:
+        rss = int(statm.read().split()[1]) * resource.getpagesize()
+    return rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _should_exit(args: argparse.Namespace, env: DistributedEnv, start: float, iteration: int):
+    if args.exit_interval is not None and iteration % args.exit_interval == 0:
+        return True
+    if args.exit_duration_in_mins is None:
+        return False
+    elapsed = torch.tensor([(time.time() - start) / 60.0])
+    if env.dp_group is not None:
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=env.dp_group)
+    return elapsed.item() > args.exit_duration_in_mins
+
+
+def train(
+    args: argparse.Namespace,
+    *,
+    env: DistributedEnv,
+    run: ModelAndOptimizer,
+    scheduler: OptimizerParamScheduler,
+    datasets: Datasets,
+    state: TrainState,
+    logger=None,
+) -> TrainingResult:
+    result = TrainingResult(state=state)
+    stats = IntervalStats()
+    start = time.time()
+    run.model.train()
+    while state.iteration < args.train_iters:
+        step_start = time.time()
+        lr = scheduler.get_lr()
+        loss, grad_norm, ok = train_step(
+            args, env=env, run=run, dataset=datasets.train, state=state
+        )
+        if ok:
+            scheduler.step()
+        else:
+            state.skipped_iterations += 1
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            state.nan_iterations += 1
+        state.iteration += 1
+        state.consumed_train_samples += args.global_batch_size
+        result.losses[state.iteration] = loss
+        result.grad_norms[state.iteration] = grad_norm
+        stats.add(loss=loss, grad_norm=grad_norm, seconds=time.time() - step_start)
+        if state.iteration % args.log_interval == 0:
+            _log_interval(args, env=env, run=run, state=state, stats=stats, lr=lr, logger=logger)
+            stats = IntervalStats()
+        if datasets.valid is not None and args.eval_iters > 0:
+            if state.iteration % args.eval_interval == 0 or state.iteration == args.train_iters:
+                valid_loss = evaluate(args, env=env, run=run, dataset=datasets.valid)
+                result.valid_losses[state.iteration] = valid_loss
+                print_rank_0(env, format_valid_line(state.iteration, valid_loss))
+                if logger is not None:
+                    logger.log_scalars(
+                        state.iteration,
+                        {
+                            "lm loss validation": valid_loss,
+                            "lm loss validation ppl": math.exp(min(20.0, valid_loss)),
+                        },
+                    )
+        exiting = _should_exit(args, env, start, state.iteration)
+        if args.save and (
+            exiting
+            or state.iteration == args.train_iters
+            or (args.save_interval and state.iteration % args.save_interval == 0)
+        ):
+            from megatron.training.checkpointing import save_checkpoint
+
+            save_checkpoint(args, run=run, scheduler=scheduler, state=state, env=env)
+        if exiting:
+            print_rank_0(env, f" > exiting at iteration {state.iteration}")
+            break
+    return result
+
+
+def _log_interval(
+    args: argparse.Namespace,
+    *,
+    env: DistributedEnv,
+    run: ModelAndOptimizer,
+    state: TrainState,
+    stats: IntervalStats,
+    lr: float,
+    logger,
+) -> None:
+    seconds = stats.mean_seconds()
+    tokens_per_gpu = args.global_batch_size * args.seq_length / seconds / env.world_size
+    tflops = run.flops_per_iteration / seconds / env.world_size / 1e12
+    mem, max_mem = _memory_bytes(env.device)
+    print_rank_0(
+        env,
+        format_train_line(
+            iteration=state.iteration,
+            train_iters=args.train_iters,
+            consumed_samples=state.consumed_train_samples,
+            iteration_ms=seconds * 1000.0,
+            tflops_per_gpu=tflops,
+            tokens_per_gpu=tokens_per_gpu,
+            learning_rate=lr,
+            global_batch_size=args.global_batch_size,
+            loss=stats.mean_loss(),
+            grad_norm=stats.last_grad_norm,
+            skipped=state.skipped_iterations,
+            nans=state.nan_iterations,
+            mem_gib=mem / 2**30,
+        ),
+    )
+    if logger is not None:
+        logger.log_scalars(
+            state.iteration,
+            {
+                "lm loss": stats.mean_loss(),
+                "learning-rate": lr,
+                "grad-norm": stats.last_grad_norm,
+                "iteration-time": seconds,
+                "throughput/tflops-per-gpu": tflops,
+                "throughput/tokens-per-sec-per-gpu": tokens_per_gpu,
+                "mem-allocated-bytes": float(mem),
+                "mem-max-allocated-bytes": float(max_mem),
+                "batch-size": float(args.global_batch_size),
+                "skipped-iterations": float(state.skipped_iterations),
+                "nan-iterations": float(state.nan_iterations),
+            },
+        )
