@@ -1,0 +1,48 @@
+"""FLOPs and parameter-count helpers against hand counts and a measured GEMM count."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatron.core.models.gpt import GPTModel, count_parameters_from_config
+from megatron.core.models.gpt.flops import layer_parameters, num_floating_point_operations
+from tests.unit_tests.models.model_configs import tiny_config, token_batch
+
+# 2 layers, hidden 32, 4 heads of 8, 2 query groups, SwiGLU ffn 48, no biases, RMSNorm, V 64.
+HAND_CONFIG = dict(
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    swiglu=True,
+    add_bias_linear=False,
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+)
+
+
+def test_flops_match_hand_count():
+    config = tiny_config(**HAND_CONFIG)
+    # Per layer: norms 2*32, qkv 32*(4+2+2)*8, proj 32*32, fc1 32*96, fc2 48*32.
+    assert layer_parameters(config) == 64 + 2048 + 1024 + 3072 + 1536 == 7744
+    # Params a token multiplies by: 2 layers + final norm 32 + head 64*32.
+    matmul_params = 2 * 7744 + 32 + 2048
+    # Per token: 6 * 17568 + 6 * 2 layers * 32 * seq 8 = 105408 + 3072 = 108480; 24 tokens.
+    expected = 24 * (6 * matmul_params + 6 * 2 * 32 * 8)
+    assert expected == 2_603_520
+    assert num_floating_point_operations(config, batch_size=3, seq_length=8) == 2_603_520.0
+    # Tied: parameters are embedding 2048 + 2 * 7744 + final norm 32.
+    assert count_parameters_from_config(config) == 17_568
+
+
+def test_gemm_flops_equal_measured_mm_count():
+    config = tiny_config(**HAND_CONFIG)
+    model = GPTModel(config)
+    ids = token_batch(batch=3)
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=ids).sum().backward()
+    measured_mm = counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+    # The formula minus its attention term and the (elementwise) norm parameters it includes.
+    norm_params = 2 * 2 * 32 + 32
+    attention = 24 * 6 * 2 * 32 * 8
+    predicted = num_floating_point_operations(config, batch_size=3, seq_length=8)
+    assert measured_mm == predicted - attention - 24 * 6 * norm_params == 2_506_752
