@@ -1,0 +1,17 @@
+"""Tokenizers: byte-level (default), null (mock data), HuggingFace tokenizer.json, GPT-2 BPE."""
+
+from megatron.core.tokenizer.base import Tokenizer
+from megatron.core.tokenizer.build import TOKENIZER_TYPES, build_tokenizer
+from megatron.core.tokenizer.gpt2_bpe import GPT2BPETokenizer
+from megatron.core.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
+from megatron.core.tokenizer.simple_tokenizers import ByteTokenizer, NullTokenizer
+
+__all__ = [
+    "TOKENIZER_TYPES",
+    "ByteTokenizer",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+    "Tokenizer",
+    "build_tokenizer",
+]

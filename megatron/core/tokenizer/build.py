@@ -1,0 +1,46 @@
+"""Build a tokenizer by Megatron's --tokenizer-type name."""
+
+from __future__ import annotations
+
+from megatron.core.tokenizer.base import Tokenizer
+from megatron.core.tokenizer.gpt2_bpe import GPT2BPETokenizer
+from megatron.core.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
+from megatron.core.tokenizer.simple_tokenizers import ByteTokenizer, NullTokenizer
+
+TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+
+
+def _require(value: str | int | None, *, flag: str, tokenizer_type: str) -> None:
+    if value is None:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+
+
+def build_tokenizer(
+    *,
+    tokenizer_type: str,
+    vocab_size: int | None = None,
+    tokenizer_model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+) -> Tokenizer:
+    """Return the tokenizer named by tokenizer_type; file arguments are local paths only.
+
+    ByteTokenizer needs nothing; NullTokenizer needs vocab_size (--vocab-size);
+    HuggingFaceTokenizer needs tokenizer_model (--tokenizer-model, a tokenizer.json or its
+    directory); GPT2BPETokenizer needs vocab_file and merge_file (--vocab-file, --merge-file).
+    """
+    if tokenizer_type == "ByteTokenizer":
+        return ByteTokenizer()
+    if tokenizer_type == "NullTokenizer":
+        _require(vocab_size, flag="--vocab-size", tokenizer_type=tokenizer_type)
+        return NullTokenizer(vocab_size)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        _require(tokenizer_model, flag="--tokenizer-model", tokenizer_type=tokenizer_type)
+        return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        _require(vocab_file, flag="--vocab-file", tokenizer_type=tokenizer_type)
+        _require(merge_file, flag="--merge-file", tokenizer_type=tokenizer_type)
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    raise ValueError(
+        f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}"
+    )

@@ -1,0 +1,195 @@
+"""GPT-2 byte-level BPE from local vocab.json and merges.txt files (never downloads).
+
+Algorithm (Radford et al. 2019, "Language Models are Unsupervised Multitask Learners"):
+text is split into pre-tokens by a regex, each pre-token's UTF-8 bytes are mapped to printable
+characters, then the lowest-ranked adjacent pair from merges.txt is merged until no listed
+pair remains, and each resulting symbol is looked up in vocab.json.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import unicodedata
+from collections.abc import Sequence
+
+from megatron.core.tokenizer.base import check_token_ids
+
+EOD_TOKEN = "<|endoftext|>"
+
+# No letters or numbers are assigned above plane 3 (planes 4-13 are empty, 14 holds tags and
+# variation selectors, 15-16 are private use), so scanning to U+3FFFF covers \p{L} and \p{N}.
+_LAST_SCANNED_CODE_POINT = 0x3FFFF
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable unicode characters.
+
+    Bytes that are already printable (and not whitespace) map to themselves; the other 68 map,
+    in increasing order, to U+0100 and up, so that no BPE symbol contains whitespace or
+    control characters.
+    """
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    )
+    mapping = {byte: chr(byte) for byte in printable}
+    next_code_point = 256
+    for byte in range(256):
+        if byte not in mapping:
+            mapping[byte] = chr(next_code_point)
+            next_code_point += 1
+    return mapping
+
+
+def _category_class(prefix: str) -> str:
+    """A regex character class body matching every code point whose category starts with prefix.
+
+    Python's `re` has no \\p{L}/\\p{N}; this builds the exact ranges from unicodedata.
+    """
+    ranges: list[tuple[int, int]] = []
+    for code_point in range(_LAST_SCANNED_CODE_POINT + 1):
+        if unicodedata.category(chr(code_point)).startswith(prefix):
+            if ranges and ranges[-1][1] == code_point - 1:
+                ranges[-1] = (ranges[-1][0], code_point)
+            else:
+                ranges.append((code_point, code_point))
+    parts = []
+    for first, last in ranges:
+        if first == last:
+            parts.append(re.escape(chr(first)))
+        else:
+            parts.append(f"{re.escape(chr(first))}-{re.escape(chr(last))}")
+    return "".join(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def gpt2_pretokenizer() -> re.Pattern[str]:
+    """GPT-2's split pattern with \\p{L} (letters) and \\p{N} (numbers) spelled out as ranges."""
+    letters = _category_class("L")
+    numbers = _category_class("N")
+    pattern = (
+        r"'s|'t|'re|'ve|'m|'ll|'d"
+        rf"| ?[{letters}]+| ?[{numbers}]+| ?[^\s{letters}{numbers}]+"
+        r"|\s+(?!\S)|\s+"
+    )
+    return re.compile(pattern)
+
+
+def _read_vocab(vocab_file: str) -> dict[str, int]:
+    if not os.path.isfile(vocab_file):
+        raise FileNotFoundError(
+            f"GPT-2 vocabulary file {vocab_file!r} does not exist; pass the local vocab.json "
+            "with --vocab-file (nothing is downloaded)"
+        )
+    with open(vocab_file, encoding="utf-8") as handle:
+        try:
+            vocab = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"--vocab-file {vocab_file!r} is not valid JSON ({error}); it must map token "
+                "strings to ids like GPT-2's vocab.json"
+            ) from error
+    if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
+        raise ValueError(f"--vocab-file {vocab_file!r} must be a JSON object of token -> int id")
+    return vocab
+
+
+def _read_merges(merge_file: str) -> dict[tuple[str, str], int]:
+    if not os.path.isfile(merge_file):
+        raise FileNotFoundError(
+            f"GPT-2 merges file {merge_file!r} does not exist; pass the local merges.txt "
+            "with --merge-file (nothing is downloaded)"
+        )
+    ranks: dict[tuple[str, str], int] = {}
+    with open(merge_file, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            line = line.rstrip("\n")
+            if not line or (line_number == 1 and line.startswith("#version")):
+                continue
+            parts = line.split(" ")
+            if len(parts) != 2:
+                raise ValueError(
+                    f"--merge-file {merge_file!r} line {line_number}: expected two symbols "
+                    f"separated by one space, got {line!r}"
+                )
+            ranks.setdefault((parts[0], parts[1]), len(ranks))
+    return ranks
+
+
+class GPT2BPETokenizer:
+    """Byte-level BPE over a local GPT-2 style vocab.json + merges.txt; eod is <|endoftext|>."""
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        self.encoder = _read_vocab(vocab_file)
+        self.decoder = {token_id: token for token, token_id in self.encoder.items()}
+        self.bpe_ranks = _read_merges(merge_file)
+        if EOD_TOKEN not in self.encoder:
+            raise ValueError(
+                f"--vocab-file {vocab_file!r} has no {EOD_TOKEN!r} entry, which GPT-2 BPE uses "
+                "as the end-of-document id"
+            )
+        self.eod: int = self.encoder[EOD_TOKEN]
+        self.vocab_size: int = max(self.encoder.values()) + 1
+        self.byte_encoder = bytes_to_unicode()
+        self.byte_decoder = {char: byte for byte, char in self.byte_encoder.items()}
+        self._pattern = gpt2_pretokenizer()
+        self._vocab_file = vocab_file
+        # Pre-tokens repeat heavily in natural text; memoizing their merges is the main speedup.
+        self._cache: dict[str, tuple[str, ...]] = {}
+
+    def _bpe(self, pretoken: str) -> tuple[str, ...]:
+        cached = self._cache.get(pretoken)
+        if cached is not None:
+            return cached
+        symbols = list(pretoken)
+        while len(symbols) > 1:
+            pairs = set(zip(symbols, symbols[1:]))
+            best = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, len(self.bpe_ranks)))
+            if best not in self.bpe_ranks:
+                break
+            merged: list[str] = []
+            index = 0
+            while index < len(symbols):
+                # Merge every occurrence, left to right, without overlaps.
+                if index + 1 < len(symbols) and (symbols[index], symbols[index + 1]) == best:
+                    merged.append(symbols[index] + symbols[index + 1])
+                    index += 2
+                else:
+                    merged.append(symbols[index])
+                    index += 1
+            symbols = merged
+        result = tuple(symbols)
+        self._cache[pretoken] = result
+        return result
+
+    def tokenize(self, text: str) -> list[int]:
+        token_ids: list[int] = []
+        for pretoken in self._pattern.findall(text):
+            mapped = "".join(self.byte_encoder[byte] for byte in pretoken.encode("utf-8"))
+            for symbol in self._bpe(mapped):
+                token_id = self.encoder.get(symbol)
+                if token_id is None:
+                    raise ValueError(
+                        f"BPE symbol {symbol!r} is missing from --vocab-file "
+                        f"{self._vocab_file!r}; vocab.json and merges.txt do not belong together"
+                    )
+                token_ids.append(token_id)
+        return token_ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        token_ids = check_token_ids(ids, vocab_size=self.vocab_size, name="GPT2BPETokenizer")
+        missing = [token_id for token_id in token_ids if token_id not in self.decoder]
+        if missing:
+            raise ValueError(
+                f"token ids {missing[:5]} have no entry in --vocab-file {self._vocab_file!r}"
+            )
+        text = "".join(self.decoder[token_id] for token_id in token_ids)
+        data = bytes(self.byte_decoder[char] for char in text if char in self.byte_decoder)
+        return data.decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return f"GPT2BPETokenizer(vocab_size={self.vocab_size}, eod={self.eod})"
