@@ -124,19 +124,22 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
                     param.copy_(main)
         return StepResult(update_successful=True, grad_norm=grad_norm)
 
+    def named_main_params(self) -> dict[str, torch.Tensor]:
+        """The fp32 values of every trained param: what checkpoints store as the model."""
+        return dict(zip(self.main_param_names, self.main_params))
+
+    def load_main_params(self, named: dict[str, torch.Tensor]) -> None:
+        """Set main params (and the model params derived from them) from fp32 values."""
+        with torch.no_grad():
+            for name, param, main in zip(
+                self.main_param_names, self.model_params, self.main_params
+            ):
+                main.copy_(named[name])
+                if main is not param:
+                    param.copy_(main)
+
     def state_dict(self) -> dict:
-        state = {"optimizer": self.optimizer.state_dict()}
-        if any(main is not param for param, main in zip(self.model_params, self.main_params)):
-            state["main_params"] = {
-                name: main.detach().clone()
-                for name, main in zip(self.main_param_names, self.main_params)
-            }
-        return state
+        return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        main_state = state.get("main_params")
-        if main_state is not None:
-            with torch.no_grad():
-                for name, main in zip(self.main_param_names, self.main_params):
-                    main.copy_(main_state[name])
+        self.optimizer.load_state_dict(state)
