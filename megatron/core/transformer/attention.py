@@ -22,9 +22,18 @@ def core_attention(
     Query head h reads key/value group h // (heads / groups), the same grouping as
     HuggingFace's repeat_kv and SDPA's enable_gqa.
     """
-    grouped = q_BHSD.shape[1] != k_BGSD.shape[1]
+    heads, groups = q_BHSD.shape[1], k_BGSD.shape[1]
+    enable_gqa = False
+    if heads != groups:
+        if q_BHSD.is_cuda and q_BHSD.dtype in (torch.float16, torch.bfloat16):
+            # Only the CUDA flash kernel reads grouped k/v natively; elsewhere enable_gqa
+            # falls back to the math kernel, so repeat k/v and keep the fused kernels.
+            enable_gqa = True
+        else:
+            k_BGSD = k_BGSD.repeat_interleave(heads // groups, dim=1)
+            v_BGSD = v_BGSD.repeat_interleave(heads // groups, dim=1)
     return F.scaled_dot_product_attention(
-        q_BHSD, k_BGSD, v_BGSD, dropout_p=dropout_p, is_causal=True, enable_gqa=grouped
+        q_BHSD, k_BGSD, v_BGSD, dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa
     )
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.attention import SelfAttention, core_attention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.norm import LayerNorm, RMSNorm
 from megatron.core.transformer.rope import RotaryEmbedding, apply_rotary
@@ -148,3 +149,12 @@ def test_mlp_gelu_is_exact_erf_and_swiglu_is_gate_then_up():
         gate, up = h[..., :24], h[..., 24:]
         expected = swiglu_mlp.linear_fc2(gate * torch.sigmoid(gate) * up)
         torch.testing.assert_close(swiglu_mlp(x), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_native_gqa_matches_repeated_kv():
+    q = _randn(2, 8, 64, 64, seed=12).cuda().bfloat16()
+    k, v = (_randn(2, 2, 64, 64, seed=s).cuda().bfloat16() for s in (13, 14))
+    grouped = core_attention(q, k, v, 0.0)
+    repeated = core_attention(q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), 0.0)
+    torch.testing.assert_close(grouped.float(), repeated.float(), atol=2e-2, rtol=0)
