@@ -7,6 +7,8 @@ rotary_percent < 1 only the first rotary_dim channels of each head rotate; the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -55,8 +57,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RotaryEmbedding(nn.Module):
     """Holds the inverse frequencies and turns position ids into (cos, sin).
 
-    `inv_freq` is a non-persistent buffer: it is not in the state dict and is recomputed by
-    `init_buffers` after meta construction or `to_empty`.
+    `inv_freq` is a non-persistent fp32 buffer: it is not in the state dict. `init_buffers`
+    recomputes it; moves (`to_empty`, `to`, dtype casts) recompute it automatically.
     """
 
     def __init__(self, config: TransformerConfig) -> None:
@@ -72,6 +74,15 @@ class RotaryEmbedding(nn.Module):
         if device is None:
             device = self.inv_freq.device
         self.inv_freq = rotary_inverse_frequencies(self.dim, self.base, device=device)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        # Every device/dtype move (`to`, `to_empty`, `cuda`, `bfloat16`) goes through _apply:
+        # recompute the frequencies afterwards so they are never uninitialized memory after
+        # to_empty and never rounded to bf16 by a dtype cast.
+        result = super()._apply(fn, recurse)
+        if not self.inv_freq.is_meta:
+            self.init_buffers(self.inv_freq.device)
+        return result
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, S] -> (cos, sin), each [B, 1, S, rotary_dim] fp32."""

@@ -158,3 +158,15 @@ def test_cuda_bf16_native_gqa_matches_repeated_kv():
     grouped = core_attention(q, k, v, 0.0)
     repeated = core_attention(q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), 0.0)
     torch.testing.assert_close(grouped.float(), repeated.float(), atol=2e-2, rtol=0)
+
+
+def test_rope_frequencies_survive_to_empty_and_dtype_casts():
+    config = tiny_config(position_embedding_type="rope")
+    expected = RotaryEmbedding(config).inv_freq.clone()
+    with torch.device("meta"):
+        model = GPTModel(config)
+    model.to_empty(device="cpu")  # no init_buffers call: the move itself recomputes
+    assert torch.equal(model.rotary_pos_emb.inv_freq, expected)
+    model.to(torch.bfloat16)
+    assert model.rotary_pos_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(model.rotary_pos_emb.inv_freq, expected)
