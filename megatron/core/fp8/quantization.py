@@ -1,0 +1,162 @@
+"""The public quantization entry point: `megatron.core.fp8.quantize` (FP8_NUMERICS.md API).
+
+backend="reference" runs the pure-PyTorch rules (megatron/core/fp8/reference.py);
+backend="cuda" runs the fused kernel `megatron.core.fp8.cuda.quantize_cuda`, which must return
+the same bytes and scales; backend="auto" picks cuda for CUDA tensors when that module imports.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.fp8.config import FP8_RECIPES
+from megatron.core.fp8.formats import ROLES, check_fp8_dtype, e8m0_from_t, fp8_max
+from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.fp8.reference import (
+    INPUT_DTYPES,
+    amax_ignoring_nan,
+    quantize_reference,
+    reciprocal,
+    scale_from_amax,
+)
+
+BACKENDS = ("auto", "reference", "cuda")
+
+
+@functools.cache
+def _cuda_quantize_fn():
+    """The fused CUDA quantizer, or None when megatron.core.fp8.cuda does not import here."""
+    try:
+        from megatron.core.fp8.cuda import quantize_cuda
+    except ImportError:
+        return None
+    return quantize_cuda
+
+
+def default_power_2_scale(recipe: str) -> bool:
+    """Recipe default: blockwise and mxfp8 use power-of-two scales; per-tensor recipes do not."""
+    return recipe in ("blockwise", "mxfp8")
+
+
+def _check_args(
+    x: torch.Tensor,
+    *,
+    recipe: str,
+    role: str,
+    rowwise: bool,
+    columnwise: bool,
+    scale: torch.Tensor | None,
+    power_2_scale: bool | None,
+    amax: torch.Tensor | None,
+) -> None:
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"recipe must be one of {FP8_RECIPES}, got {recipe!r}")
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if x.dtype not in INPUT_DTYPES:
+        raise ValueError(f"quantize takes fp32, bf16 or fp16 tensors, got {x.dtype}; cast first")
+    if not (rowwise or columnwise):
+        raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
+    if recipe == "delayed" and scale is None:
+        raise ValueError("recipe 'delayed' quantizes with its current scale: pass scale=")
+    if recipe != "delayed" and scale is not None:
+        raise ValueError(f"scale= is only for recipe 'delayed'; {recipe} computes its own scale")
+    if amax is not None and recipe != "tensorwise":
+        raise ValueError(
+            f"amax= (a pre-reduced global amax) is only for 'tensorwise', not {recipe}"
+        )
+    if recipe == "delayed" and power_2_scale:
+        raise ValueError("delayed scaling never rounds scales: leave power_2_scale unset")
+    if recipe == "mxfp8" and power_2_scale is False:
+        raise ValueError("mxfp8 E8M0 scales are always powers of two: leave power_2_scale unset")
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    recipe: str,
+    fp8_dtype: torch.dtype,
+    role: str,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    scale: torch.Tensor | None = None,
+    power_2_scale: bool | None = None,
+    amax: torch.Tensor | None = None,
+    amax_reduction_group: dist.ProcessGroup | None = None,
+    backend: str = "auto",
+) -> QuantizedTensor:
+    """Quantize x ([..., K], fp32/bf16/fp16) to FP8 under `recipe` (FP8_NUMERICS.md).
+
+    role: "input" | "weight" | "grad" (picks 128x128 blocks for blockwise weights).
+    scale: delayed only, the current scale. amax: tensorwise only, a global amax that the
+    caller already reduced. amax_reduction_group: tensorwise only, all-reduce MAX the local
+    amax over this group first, so a sharded tensor quantizes exactly as the whole would.
+    power_2_scale: None means the recipe default. The result's `amax` holds the amax used or
+    recorded (delayed: the local, unreduced amax, which fp8_autocast reduces per step).
+    """
+    check_fp8_dtype(fp8_dtype)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_args(
+        x, recipe=recipe, role=role, rowwise=rowwise, columnwise=columnwise, scale=scale,
+        power_2_scale=power_2_scale, amax=amax,
+    )  # fmt: skip
+    if amax_reduction_group is not None and recipe == "tensorwise" and amax is None:
+        amax = amax_ignoring_nan(x).reshape(1)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_reduction_group)
+        amax = amax.reshape(())
+    use_pow2 = default_power_2_scale(recipe) if power_2_scale is None else power_2_scale
+    kwargs = dict(
+        recipe=recipe, fp8_dtype=fp8_dtype, role=role, rowwise=rowwise, columnwise=columnwise,
+        scale=scale, power_2_scale=use_pow2, amax=amax,
+    )  # fmt: skip
+    cuda_fn = _cuda_quantize_fn() if backend != "reference" and x.is_cuda else None
+    if backend == "cuda" and cuda_fn is None:
+        raise RuntimeError(
+            "backend='cuda' needs a CUDA tensor and an importable megatron.core.fp8.cuda; "
+            "use backend='auto' or 'reference'"
+        )
+    parts = cuda_fn(x, **kwargs) if cuda_fn is not None else quantize_reference(x, **kwargs)
+    return QuantizedTensor(
+        shape=x.shape, dtype=x.dtype, recipe=recipe, fp8_dtype=fp8_dtype, role=role,
+        rowwise_data=parts["rowwise_data"], rowwise_scale_inv=parts["rowwise_scale_inv"],
+        columnwise_data=parts["columnwise_data"],
+        columnwise_scale_inv=parts["columnwise_scale_inv"], amax=parts["amax"],
+    )  # fmt: skip
+
+
+def compute_scale(
+    amax: torch.Tensor,
+    *,
+    recipe: str,
+    fp8_dtype: torch.dtype,
+    power_2_scale: bool | None = None,
+    input_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Scale(s) from (global) amax(es) exactly as `quantize` derives them, elementwise.
+
+    For the FSDP engine: reduce all weights' amaxes in one packed MAX all-reduce, then either
+    pass each global amax to quantize(shard, recipe="tensorwise", amax=...) or compute scales
+    here. tensorwise/blockwise: fp8_max / amax with the guards of FP8_NUMERICS.md (blockwise:
+    infinite -> largest finite of input_dtype). mxfp8: the E8M0 bytes. delayed: use
+    `megatron.core.fp8.reference.delayed_scale_update` instead (the scale comes from history).
+    """
+    check_fp8_dtype(fp8_dtype)
+    use_pow2 = default_power_2_scale(recipe) if power_2_scale is None else power_2_scale
+    if recipe == "tensorwise":
+        return scale_from_amax(amax, fp8_dtype=fp8_dtype, power_2_scale=use_pow2)
+    if recipe == "blockwise":
+        return scale_from_amax(
+            amax, fp8_dtype=fp8_dtype, power_2_scale=use_pow2,
+            infinite_scale_value=torch.finfo(input_dtype).max,
+        )  # fmt: skip
+    if recipe == "mxfp8":
+        recip_max = reciprocal(torch.tensor(fp8_max(fp8_dtype), device=amax.device))
+        return e8m0_from_t(amax.to(torch.float32) * recip_max)
+    raise ValueError(
+        f"compute_scale handles tensorwise, blockwise and mxfp8, got {recipe!r}; delayed scales "
+        "come from the amax history (reference.delayed_scale_update)"
+    )

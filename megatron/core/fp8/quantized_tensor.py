@@ -1,0 +1,339 @@
+"""QuantizedTensor: one torch.Tensor wrapper over every recipe's FP8 storage.
+
+To autograd, modules, state_dict and printing it looks like a normal tensor of its logical
+(high-precision) shape and dtype; underneath it holds uint8 bytes and scale_inv tensors:
+
+- rowwise_data / columnwise_data: uint8 in the logical shape. Either may be a view into an
+  EXTERNAL flat uint8 buffer (the FSDP engine's gathered buffer). The engine re-points them by
+  assignment (`qt.rowwise_data = flat[a:b].view(qt.shape)`) and releases them by assigning None;
+  any later use of released data raises Fp8DataReleasedError naming the tensor. A direction
+  that was never quantized reads as None (not an error).
+- rowwise_scale_inv / columnwise_scale_inv: fp32 (or E8M0 uint8 for mxfp8) in the logical block
+  grid shape of FP8_NUMERICS.md.
+- The transpose cache: [K, M] bytes (and the transposed 128x128 scale grid) that the dgrad /
+  wgrad GEMMs read for per-tensor and 128x128 recipes; 1-D block recipes read columnwise_data.
+
+Ops that the class does not handle see the dequantized tensor (so `w + 1`, `w.sum()`, printing
+values work). In-place ops other than copy_ raise, because they would silently write into a
+temporary; copy_ from a high-precision tensor re-quantizes into the existing bytes.
+nn.Parameter(qt) returns a QuantizedTensor flagged as a parameter (torch's custom-tensor path).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.utils._pytree import tree_map
+
+from megatron.core.fp8.reference import RECIPE_BLOCK, dequantize_reference, uses_2d_blocks
+
+aten = torch.ops.aten
+
+
+class Fp8DataReleasedError(RuntimeError):
+    """Raised on any use of FP8 bytes that the FSDP engine has released."""
+
+
+class Fp8Operand(NamedTuple):
+    """One FP8 GEMM operand, quantized along its last dim K: data [rows, K] uint8.
+
+    scale_inv has the operand's block-grid shape: 0-d (per tensor), (rows, ceil(K/B)) for 1xB
+    blocks, (ceil(rows/B), ceil(K/B)) for BxB blocks.
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    recipe: str
+    fp8_dtype: torch.dtype
+    block_rows: int
+    block_cols: int
+
+
+class QuantizedTensor(torch.Tensor):
+    """FP8 bytes + scales presented as a tensor of logical `shape` and high-precision `dtype`."""
+
+    @staticmethod
+    def __new__(
+        cls,
+        *,
+        shape: torch.Size | tuple[int, ...],
+        dtype: torch.dtype,
+        recipe: str,
+        fp8_dtype: torch.dtype,
+        role: str,
+        rowwise_data: torch.Tensor | None = None,
+        rowwise_scale_inv: torch.Tensor | None = None,
+        columnwise_data: torch.Tensor | None = None,
+        columnwise_scale_inv: torch.Tensor | None = None,
+        amax: torch.Tensor | None = None,
+        tensor_name: str | None = None,
+        requires_grad: bool = False,
+        device: torch.device | None = None,
+    ) -> QuantizedTensor:
+        present = [t for t in (rowwise_data, columnwise_data) if t is not None]
+        if not present and device is None:
+            raise ValueError("a QuantizedTensor needs rowwise_data, columnwise_data or a device")
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            torch.Size(shape),
+            dtype=dtype,
+            device=present[0].device if present else device,
+            requires_grad=requires_grad,
+        )
+
+    def __init__(self, *, recipe, fp8_dtype, role, rowwise_data=None, rowwise_scale_inv=None,
+                 columnwise_data=None, columnwise_scale_inv=None, amax=None, tensor_name=None,
+                 **_wrapper_args) -> None:  # fmt: skip
+        # shape, dtype, requires_grad and device were consumed by __new__.
+        self.recipe = recipe
+        self.fp8_dtype = fp8_dtype
+        self.role = role
+        self.tensor_name = tensor_name
+        self.amax = amax
+        self._data = {"rowwise": None, "columnwise": None}
+        self._released = {"rowwise": False, "columnwise": False}
+        self._transpose_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rowwise_data = rowwise_data
+        self.columnwise_data = columnwise_data
+        # A direction that was never quantized is absent, not released.
+        self._released = {"rowwise": False, "columnwise": False}
+        self.rowwise_scale_inv = rowwise_scale_inv
+        self.columnwise_scale_inv = columnwise_scale_inv
+
+    # ---- raw storage -------------------------------------------------------------------
+    def _get(self, direction: str) -> torch.Tensor | None:
+        if self._released[direction]:
+            raise Fp8DataReleasedError(
+                f"{direction} FP8 data of {self._label()} was released by the FSDP engine; "
+                "gather the unit (its pre-forward/pre-backward hook) before using the weight, "
+                "or re-point it with `qt.{direction}_data = <uint8 view>`."
+            )
+        return self._data[direction]
+
+    def _set(self, direction: str, data: torch.Tensor | None) -> None:
+        self._transpose_cache = None
+        if data is None:
+            self._data[direction] = None
+            self._released[direction] = True
+            return
+        if data.dtype != torch.uint8:
+            raise TypeError(f"{direction}_data of {self._label()} must be uint8, got {data.dtype}")
+        if data.numel() != self.numel():
+            raise ValueError(
+                f"{direction}_data of {self._label()} must have {self.numel()} bytes "
+                f"(logical shape {tuple(self.shape)}), got {data.numel()}"
+            )
+        self._data[direction] = data.view(self.shape)
+        self._released[direction] = False
+
+    @property
+    def rowwise_data(self) -> torch.Tensor | None:
+        return self._get("rowwise")
+
+    @rowwise_data.setter
+    def rowwise_data(self, data: torch.Tensor | None) -> None:
+        self._set("rowwise", data)
+
+    @property
+    def columnwise_data(self) -> torch.Tensor | None:
+        return self._get("columnwise")
+
+    @columnwise_data.setter
+    def columnwise_data(self, data: torch.Tensor | None) -> None:
+        self._set("columnwise", data)
+
+    def is_released(self, direction: str = "rowwise") -> bool:
+        """Whether the FSDP engine released this direction's bytes (assigned None)."""
+        return self._released[direction]
+
+    def has_data(self, direction: str = "rowwise") -> bool:
+        """Whether this direction's bytes are present now (not absent, not released)."""
+        return self._data[direction] is not None
+
+    def _label(self) -> str:
+        name = f"{self.tensor_name!r} " if self.tensor_name else ""
+        return f"QuantizedTensor {name}(shape {tuple(self.shape)}, recipe {self.recipe})"
+
+    # ---- transpose cache ---------------------------------------------------------------
+    def _per_tensor(self) -> bool:
+        return self.recipe in ("delayed", "tensorwise")
+
+    def create_transpose_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[K, M] bytes and scales read by backward GEMMs (per-tensor and 128x128 recipes only).
+
+        Exact: a transpose of the rowwise bytes (per tensor: same scale; 128x128: transposed grid).
+        """
+        if not (self._per_tensor() or uses_2d_blocks(self.recipe, self.role)):
+            raise ValueError(
+                f"{self._label()} has 1-D blocks: its transposed operand cannot be derived from "
+                "rowwise bytes; quantize with columnwise=True and read columnwise_data instead."
+            )
+        if self._transpose_cache is None:
+            source = self.rowwise_data if self.has_data("rowwise") else self.columnwise_data
+            if source is None:
+                raise ValueError(f"{self._label()} has no bytes to transpose")
+            scale_inv = (
+                self.rowwise_scale_inv if self.has_data("rowwise") else self.columnwise_scale_inv
+            )
+            rows2d = source.reshape(-1, self.shape[-1])
+            scale_t = scale_inv if scale_inv.dim() == 0 else scale_inv.t().contiguous()
+            self._transpose_cache = (rows2d.t().contiguous(), scale_t)
+        return self._transpose_cache
+
+    def discard_transpose_cache(self) -> None:
+        self._transpose_cache = None
+
+    @property
+    def transpose_cache(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._transpose_cache
+
+    # ---- numerics ----------------------------------------------------------------------
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The high-precision tensor these bytes stand for (rowwise copy preferred)."""
+        present = [d for d in ("rowwise", "columnwise") if self.has_data(d)]
+        if not present:
+            for direction in ("rowwise", "columnwise"):
+                self._get(direction)  # raises for a released direction
+            raise ValueError(f"{self._label()} holds no bytes to dequantize")
+        direction = present[0]
+        data = self._data[direction]
+        return dequantize_reference(
+            data, getattr(self, f"{direction}_scale_inv"), recipe=self.recipe,
+            fp8_dtype=self.fp8_dtype, role=self.role, columnwise=direction == "columnwise",
+            out_dtype=dtype or self.dtype,
+        )  # fmt: skip
+
+    def gemm_operand(self, usage: str) -> Fp8Operand:
+        """The operand a GEMM reads: "rowwise" contracts over the last dim (K), giving
+        [M, K]; "columnwise" contracts over dim 0 (M), giving the transposed [K, M]."""
+        if usage == "rowwise":
+            data = self.rowwise_data
+            if data is None:
+                raise ValueError(f"{self._label()} was not quantized rowwise")
+            rows2d = data.reshape(-1, self.shape[-1])
+            return self._operand(rows2d, self.rowwise_scale_inv)
+        if usage != "columnwise":
+            raise ValueError(f"usage must be 'rowwise' or 'columnwise', got {usage!r}")
+        if self._per_tensor() or uses_2d_blocks(self.recipe, self.role):
+            data_t, scale_t = self.create_transpose_cache()
+            return self._operand(data_t, scale_t)
+        data = self.columnwise_data
+        if data is None:
+            raise ValueError(
+                f"{self._label()} has no columnwise copy; quantize with columnwise=True"
+            )
+        data_t = data.reshape(-1, self.shape[-1]).t().contiguous()
+        return self._operand(data_t, self.columnwise_scale_inv.t().contiguous())
+
+    def _operand(self, data: torch.Tensor, scale_inv: torch.Tensor) -> Fp8Operand:
+        if self._per_tensor():
+            return Fp8Operand(data, scale_inv, self.recipe, self.fp8_dtype, 0, 0)
+        block = RECIPE_BLOCK[self.recipe]
+        block_rows = block if uses_2d_blocks(self.recipe, self.role) else 1
+        return Fp8Operand(data, scale_inv, self.recipe, self.fp8_dtype, block_rows, block)
+
+    def quantize_(
+        self,
+        source: torch.Tensor,
+        *,
+        scale: torch.Tensor | None = None,
+        amax: torch.Tensor | None = None,
+        power_2_scale: bool | None = None,
+    ) -> None:
+        """Re-quantize `source` (high precision, this shape) into the existing bytes in place,
+        so external buffers see the new values. delayed needs `scale`; tensorwise may take a
+        global `amax` (e.g. from the engine's packed all-reduce)."""
+        from megatron.core.fp8.quantization import quantize
+
+        if tuple(source.shape) != tuple(self.shape):
+            raise ValueError(f"cannot write shape {tuple(source.shape)} into {self._label()}")
+        fresh = quantize(
+            source.detach(), recipe=self.recipe, fp8_dtype=self.fp8_dtype, role=self.role,
+            rowwise=self.has_data("rowwise"), columnwise=self.has_data("columnwise"),
+            scale=scale, amax=amax, power_2_scale=power_2_scale, backend="auto",
+        )  # fmt: skip
+        for direction in ("rowwise", "columnwise"):
+            if self.has_data(direction):
+                self._data[direction].copy_(getattr(fresh, f"{direction}_data"))
+                getattr(self, f"{direction}_scale_inv").copy_(
+                    getattr(fresh, f"{direction}_scale_inv")
+                )
+        self.amax = fresh.amax
+        self._transpose_cache = None
+
+    # ---- torch.Tensor plumbing ---------------------------------------------------------
+    def _fields(self) -> dict:
+        return dict(
+            shape=self.shape, dtype=self.dtype, recipe=self.recipe, fp8_dtype=self.fp8_dtype,
+            role=self.role, rowwise_data=self._data["rowwise"],
+            rowwise_scale_inv=self.rowwise_scale_inv, columnwise_data=self._data["columnwise"],
+            columnwise_scale_inv=self.columnwise_scale_inv, amax=self.amax,
+            tensor_name=self.tensor_name, device=self.device,
+        )  # fmt: skip
+
+    def _rewrap(self, convert=lambda t: t) -> QuantizedTensor:
+        """A new QuantizedTensor over convert(each storage tensor); released stays released."""
+        fields = {
+            k: convert(v) if isinstance(v, torch.Tensor) else v for k, v in self._fields().items()
+        }
+        fresh = QuantizedTensor(**fields)
+        fresh._released = dict(self._released)
+        return fresh
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        def state(direction: str) -> str:
+            if self._released[direction]:
+                return "released"
+            return "present" if self._data[direction] is not None else "absent"
+
+        fp8 = str(self.fp8_dtype).replace("torch.", "")
+        return (
+            f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self.recipe},"
+            f" fp8_dtype={fp8}, role={self.role}, rowwise={state('rowwise')},"
+            f" columnwise={state('columnwise')}, device={self.device})"
+        )
+
+    def __reduce_ex__(self, protocol):
+        return (_rebuild_quantized_tensor, (self._fields(), dict(self._released)))
+
+    def __deepcopy__(self, memo):
+        return self._rewrap(lambda t: t.clone())
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default):
+            return args[0]._rewrap()
+        if func is aten.clone.default:
+            return args[0]._rewrap(lambda t: t.clone())
+        if func is aten.copy_.default and isinstance(args[0], QuantizedTensor):
+            source = args[1].dequantize() if isinstance(args[1], QuantizedTensor) else args[1]
+            args[0].quantize_(source)
+            return args[0]
+        if func is aten._to_copy.default and isinstance(args[0], QuantizedTensor):
+            return _to_copy(args[0], **kwargs)
+        if func._schema.is_mutable and any(isinstance(a, QuantizedTensor) for a in args):
+            raise RuntimeError(
+                f"in-place {func} on a QuantizedTensor would write into a temporary copy; "
+                "compute in high precision and write back with qt.copy_(x) or qt.quantize_(x)"
+            )
+
+        def unwrap(value):
+            return value.dequantize() if isinstance(value, QuantizedTensor) else value
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def _to_copy(qt: QuantizedTensor, *, dtype=None, device=None, **_ignored) -> torch.Tensor:
+    """.to(dtype) dequantizes (a different dtype is a different tensor); .to(device) moves bytes."""
+    if dtype is not None and dtype != qt.dtype:
+        plain = qt.dequantize(dtype)
+        return plain if device is None else plain.to(device)
+    return qt._rewrap(lambda t: t.to(device) if device is not None else t.clone())
+
+
+def _rebuild_quantized_tensor(fields: dict, released: dict) -> QuantizedTensor:
+    qt = QuantizedTensor(**fields)
+    qt._released = released
+    return qt

@@ -1,0 +1,334 @@
+"""Pure-PyTorch reference quantizers for every recipe: the bit-exact definition of FP8_NUMERICS.md.
+
+Every fast path (the fused CUDA kernels in megatron/core/fp8/cuda/) is tested against these
+functions with zero tolerance on bytes and scales. They run on any device, in fp32 internally,
+and favour clarity over speed.
+
+Conventions shared with the CUDA backend:
+- A tensor of shape [..., K] is viewed as 2-D [M, K] with M = numel // K ("rows"). Rowwise
+  blocks run along K, columnwise blocks along M. Data is uint8 in x's shape, always.
+- Scales are stored as scale_inv in the logical block-grid shape (see `scale_grid_shape`).
+- amax ignores NaN elements in every recipe (one rule: a NaN must not poison a whole block's or
+  tensor's scale); the scale guards for amax 0, Inf, NaN still apply.
+- The result is a dict with keys rowwise_data, rowwise_scale_inv, columnwise_data,
+  columnwise_scale_inv (None when not requested) and amax (0-d fp32: the amax the scale came
+  from for tensorwise, the recorded amax for delayed, max|x| for block recipes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.fp8.formats import (
+    FLT_MAX,
+    check_fp8_dtype,
+    clear_mantissa,
+    e8m0_from_t,
+    e8m0_to_fp32,
+    fp8_max,
+)
+
+RECIPE_BLOCK = {"blockwise": 128, "mxfp8": 32}
+"""Block length of the block recipes (1xB along a row, Bx1 along a column, BxB for 2-D)."""
+
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View x ([..., K], fp32/bf16/fp16) as an fp32 [M, K] matrix; bad inputs raise."""
+    if x.dtype not in INPUT_DTYPES:
+        raise ValueError(f"can only quantize fp32, bf16 or fp16 tensors, got {x.dtype}")
+    if x.dim() == 0 or x.numel() == 0:
+        raise ValueError(f"cannot quantize a tensor of shape {tuple(x.shape)}: need >= 1 element")
+    return x.reshape(-1, x.shape[-1]).to(torch.float32)
+
+
+def uses_2d_blocks(recipe: str, role: str) -> bool:
+    """Blockwise weights use 128x128 blocks; every other block-recipe tensor uses 1-D blocks."""
+    return recipe == "blockwise" and role == "weight"
+
+
+def scale_grid_shape(
+    rows: int, cols: int, *, recipe: str, role: str, columnwise: bool
+) -> tuple[int, ...]:
+    """Logical shape of scale_inv for an [rows, cols] tensor (FP8_NUMERICS.md, public API)."""
+    if recipe in ("delayed", "tensorwise"):
+        return ()
+    block = RECIPE_BLOCK[recipe]
+    if uses_2d_blocks(recipe, role):
+        return (-(-rows // block), -(-cols // block))
+    if columnwise:
+        return (-(-rows // block), cols)
+    return (rows, -(-cols // block))
+
+
+def amax_ignoring_nan(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """max|x| in fp32 where NaN elements count as 0 (so a NaN never raises the amax)."""
+    magnitude = x.to(torch.float32).abs()
+    magnitude = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
+    if dim is None:
+        return magnitude.amax()
+    return magnitude.amax(dim=dim)
+
+
+def saturating_cast(x_scaled: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """RN-even cast of fp32 to FP8 bytes, saturating: clamp first (an unclamped cast of a large
+    value becomes NaN); +-Inf -> +-max, NaN stays NaN (clamp keeps NaN)."""
+    limit = fp8_max(fp8_dtype)
+    return x_scaled.clamp(min=-limit, max=limit).to(fp8_dtype).view(torch.uint8)
+
+
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 1/scale, correctly rounded (an IEEE division, not an approximate reciprocal)."""
+    return torch.ones_like(scale, dtype=torch.float32) / scale.to(torch.float32)
+
+
+def scale_from_amax(
+    amax: torch.Tensor,
+    *,
+    fp8_dtype: torch.dtype,
+    power_2_scale: bool,
+    infinite_scale_value: float = FLT_MAX,
+) -> torch.Tensor:
+    """Current-scaling scale = fp8_max / amax (fp32), elementwise over any amax shape.
+
+    amax 0, Inf or NaN -> 1.0; an infinite quotient -> `infinite_scale_value` (FLT_MAX for
+    tensorwise, the input dtype's largest finite value for blockwise); then optionally round
+    down to a power of two.
+    """
+    amax = amax.to(torch.float32)
+    scale = torch.full_like(amax, fp8_max(fp8_dtype)) / amax
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, infinite_scale_value), scale)
+    unusable = (amax == 0) | ~torch.isfinite(amax)
+    scale = torch.where(unusable, torch.ones_like(scale), scale)
+    if power_2_scale:
+        scale = clear_mantissa(scale)
+    return scale
+
+
+def delayed_scale_update(
+    amax_history: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    amax_compute_algo: str,
+) -> torch.Tensor:
+    """New delayed-scaling scale from a (reduced) amax history (FP8_NUMERICS.md, delayed, step 3).
+
+    amax_history is [L] or [N, L] (slot 0 newest); scale is 0-d or [N]. Returns the new scale;
+    it does not roll the history (see `roll_amax_history`).
+    """
+    if amax_compute_algo == "max":
+        amax_used = amax_history.amax(dim=-1)
+    elif amax_compute_algo == "most_recent":
+        amax_used = amax_history[..., 0]
+    else:
+        raise ValueError(
+            f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo}"
+        )
+    amax_used = amax_used.to(torch.float32)
+    new_scale = torch.full_like(amax_used, fp8_max(fp8_dtype)) / amax_used
+    new_scale = new_scale / (2.0**margin)
+    new_scale = torch.where(torch.isinf(new_scale), torch.full_like(new_scale, FLT_MAX), new_scale)
+    usable = torch.isfinite(amax_used) & (amax_used > 0)
+    return torch.where(usable, new_scale, scale.to(torch.float32).reshape(new_scale.shape))
+
+
+def roll_amax_history(amax_history: torch.Tensor) -> torch.Tensor:
+    """Slot k takes slot k+1, the oldest slot takes the newest, then slot 0 is zeroed."""
+    rolled = torch.roll(amax_history, shifts=-1, dims=-1)
+    rolled[..., 0] = 0.0
+    return rolled
+
+
+def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad a 2-D tensor at the end of each dim to [rows, cols] (zeros never raise an amax)."""
+    return F.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))
+
+
+def _ceil_to(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _per_tensor(
+    x2d: torch.Tensor, *, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bytes [M, K] and 0-d scale_inv of a per-tensor quantization with a given scale."""
+    scale = scale.to(torch.float32).reshape(())
+    return saturating_cast(x2d * scale, fp8_dtype), reciprocal(scale)
+
+
+def _block_scales(
+    block_amax: torch.Tensor,
+    *,
+    recipe: str,
+    fp8_dtype: torch.dtype,
+    power_2_scale: bool,
+    input_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quantize multiplier, stored scale_inv) per block for blockwise or mxfp8."""
+    if recipe == "mxfp8":
+        # Step 2: multiply by the fp32-rounded reciprocal of fp8_max, not a division.
+        recip_max = reciprocal(torch.tensor(fp8_max(fp8_dtype), device=block_amax.device))
+        e8m0 = e8m0_from_t(block_amax * recip_max)
+        return e8m0_to_fp32(e8m0, negate_exponent=True), e8m0
+    scale = scale_from_amax(
+        block_amax,
+        fp8_dtype=fp8_dtype,
+        power_2_scale=power_2_scale,
+        infinite_scale_value=torch.finfo(input_dtype).max,
+    )
+    return scale, reciprocal(scale)
+
+
+def _quantize_1d_blocks(
+    x2d: torch.Tensor,
+    *,
+    recipe: str,
+    fp8_dtype: torch.dtype,
+    power_2_scale: bool,
+    columnwise: bool,
+    input_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1xB blocks along K (rowwise) or Bx1 blocks along M (columnwise); data keeps x's shape."""
+    block = RECIPE_BLOCK[recipe]
+    rows, cols = x2d.shape
+    # Work on the transpose for columnwise so both directions share one code path.
+    work = x2d.t() if columnwise else x2d
+    work_rows, work_cols = work.shape
+    padded = _pad_to(work, work_rows, _ceil_to(work_cols, block))
+    blocks = padded.reshape(work_rows, -1, block)
+    multiplier, scale_inv = _block_scales(
+        amax_ignoring_nan(blocks, dim=-1),
+        recipe=recipe,
+        fp8_dtype=fp8_dtype,
+        power_2_scale=power_2_scale,
+        input_dtype=input_dtype,
+    )
+    data = saturating_cast(blocks * multiplier.unsqueeze(-1), fp8_dtype)
+    data = data.reshape(work_rows, -1)[:, :work_cols]
+    if columnwise:
+        return data.t().contiguous(), scale_inv.t().contiguous()
+    return data.contiguous(), scale_inv.contiguous()
+
+
+def _quantize_2d_blocks(
+    x2d: torch.Tensor, *, fp8_dtype: torch.dtype, power_2_scale: bool, input_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 blocks (blockwise weights); scale grid (ceil(M/128), ceil(K/128))."""
+    block = RECIPE_BLOCK["blockwise"]
+    rows, cols = x2d.shape
+    padded = _pad_to(x2d, _ceil_to(rows, block), _ceil_to(cols, block))
+    blocks = padded.reshape(padded.shape[0] // block, block, padded.shape[1] // block, block)
+    multiplier, scale_inv = _block_scales(
+        amax_ignoring_nan(blocks, dim=(1, 3)),
+        recipe="blockwise",
+        fp8_dtype=fp8_dtype,
+        power_2_scale=power_2_scale,
+        input_dtype=input_dtype,
+    )
+    data = saturating_cast(blocks * multiplier[:, None, :, None], fp8_dtype)
+    return data.reshape(padded.shape)[:rows, :cols].contiguous(), scale_inv
+
+
+def quantize_reference(
+    x: torch.Tensor,
+    *,
+    recipe: str,
+    fp8_dtype: torch.dtype,
+    role: str,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    scale: torch.Tensor | None = None,
+    power_2_scale: bool = False,
+    amax: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor | None]:
+    """Quantize x by the rules of FP8_NUMERICS.md; arguments already validated by `quantize`.
+
+    delayed: uses `scale`. tensorwise: uses `amax` (a global amax) when given, else max|x|.
+    Returns the dict described in the module docstring.
+    """
+    check_fp8_dtype(fp8_dtype)
+    x2d = as_rows(x)
+    local_amax = amax_ignoring_nan(x2d)
+    out: dict[str, torch.Tensor | None] = dict(
+        rowwise_data=None, rowwise_scale_inv=None, columnwise_data=None, columnwise_scale_inv=None
+    )
+    if recipe in ("delayed", "tensorwise"):
+        if recipe == "tensorwise":
+            used_amax = local_amax if amax is None else amax.to(torch.float32).reshape(())
+            scale = scale_from_amax(used_amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
+            out["amax"] = used_amax
+        else:
+            out["amax"] = local_amax
+        data, scale_inv = _per_tensor(x2d, scale=scale, fp8_dtype=fp8_dtype)
+        data = data.reshape(x.shape)
+        if rowwise:
+            out["rowwise_data"], out["rowwise_scale_inv"] = data, scale_inv
+        if columnwise:
+            # Same bytes and scale: the transposed copy a GEMM wants is the transpose cache.
+            out["columnwise_data"], out["columnwise_scale_inv"] = data.clone(), scale_inv.clone()
+        return out
+    out["amax"] = local_amax
+    if uses_2d_blocks(recipe, role):
+        data, scale_inv = _quantize_2d_blocks(
+            x2d, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x.dtype
+        )
+        data = data.reshape(x.shape)
+        if rowwise:
+            out["rowwise_data"], out["rowwise_scale_inv"] = data, scale_inv
+        if columnwise:
+            out["columnwise_data"], out["columnwise_scale_inv"] = data.clone(), scale_inv.clone()
+        return out
+    for direction, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
+        if wanted:
+            data, scale_inv = _quantize_1d_blocks(
+                x2d,
+                recipe=recipe,
+                fp8_dtype=fp8_dtype,
+                power_2_scale=power_2_scale,
+                columnwise=direction == "columnwise",
+                input_dtype=x.dtype,
+            )
+            out[f"{direction}_data"] = data.reshape(x.shape)
+            out[f"{direction}_scale_inv"] = scale_inv
+    return out
+
+
+def _expand_grid(scale: torch.Tensor, *, rows: int, cols: int, block_rows: int, block_cols: int):
+    """Repeat a block-grid scale to one value per element of an [rows, cols] tensor."""
+    full = scale.repeat_interleave(block_rows, dim=0).repeat_interleave(block_cols, dim=1)
+    return full[:rows, :cols]
+
+
+def dequantize_reference(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    *,
+    recipe: str,
+    fp8_dtype: torch.dtype,
+    role: str,
+    columnwise: bool,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """q * scale_inv in fp32 per element (exact per fp32 arithmetic), cast to out_dtype."""
+    check_fp8_dtype(fp8_dtype)
+    shape = data.shape
+    q = data.reshape(-1, shape[-1]).view(fp8_dtype).to(torch.float32)
+    rows, cols = q.shape
+    if recipe in ("delayed", "tensorwise"):
+        return (q * scale_inv.to(torch.float32).reshape(())).to(out_dtype).reshape(shape)
+    block = RECIPE_BLOCK[recipe]
+    multiplier = e8m0_to_fp32(scale_inv) if recipe == "mxfp8" else scale_inv.to(torch.float32)
+    if uses_2d_blocks(recipe, role):
+        block_rows, block_cols = block, block
+    elif columnwise:
+        block_rows, block_cols = block, 1
+    else:
+        block_rows, block_cols = 1, block
+    full = _expand_grid(
+        multiplier, rows=rows, cols=cols, block_rows=block_rows, block_cols=block_cols
+    )
+    return (q * full).to(out_dtype).reshape(shape)
