@@ -53,7 +53,11 @@ def learning_rate_at(iteration: int, config: LRScheduleConfig) -> float:
 
 
 class OptimizerParamScheduler:
-    """Sets each param group's lr before every step; its state is the iteration count."""
+    """Sets each param group's lr before every step; its state is the number of updates done.
+
+    Update k (1-based) uses learning_rate_at(k): with warmup the first update already moves
+    (Megatron's schedule spends its first step at lr 0).
+    """
 
     def __init__(self, optimizer: MegatronOptimizer, *, config: LRScheduleConfig) -> None:
         self.optimizer = optimizer
@@ -62,8 +66,9 @@ class OptimizerParamScheduler:
         self.step(0)
 
     def step(self, increment: int = 1) -> float:
+        """Count `increment` finished updates and set the lr of the next one."""
         self.num_steps += increment
-        lr = learning_rate_at(max(self.num_steps, 1), self.config)
+        lr = learning_rate_at(self.num_steps + 1, self.config)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr

@@ -93,7 +93,12 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         self.main_params = [main for _, main in named_main]
         self.main_param_names = [name for name, _ in named_main]
         self.optimizer = build_torch_optimizer(named_main, config=config)
-        self.param_groups = self.optimizer.param_groups
+
+    @property
+    def param_groups(self) -> list[dict]:
+        # A property, not an attribute: torch's load_state_dict replaces the group list, and
+        # the LR scheduler must set the lr the optimizer actually reads.
+        return self.optimizer.param_groups
 
     def zero_grad(self) -> None:
         for param in self.model_params:
