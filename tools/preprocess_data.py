@@ -180,7 +180,7 @@ class Progress:
         docs_per_s, mb_per_s = self.rates()
         elapsed = time.monotonic() - self.started
         summary = (
-            f"done: {self.documents} documents, {self.num_bytes / 1e6:.2f} MB in {elapsed:.1f} s "
+            f"done: {self.documents} documents, {self.num_bytes} bytes in {elapsed:.1f} s "
             f"({docs_per_s:.1f} docs/s, {mb_per_s:.2f} MB/s)"
         )
         if self.enabled:
