@@ -1,0 +1,268 @@
+"""`scaled_mm`: Y = A @ B^T on FP8 operands through torch._scaled_mm, with exact emulation.
+
+What torch._scaled_mm (the v1 op, same schema in torch 2.11 and 2.13) accepts, read from
+PyTorch's aten/src/ATen/native/cuda/ScaledBlas.cpp (`get_joint_scaling`,
+`is_blockwise_1x128_scaling`, `is_blockwise_128x128_scaling`), torch/_meta_registrations.py
+(`_check_scaled_mm_sizes`, and `_v2` for F.scaled_mm) and test/test_scaled_matmul_cuda.py
+(`test_scaled_mm_vs_emulated_block_wise`):
+- mat1 [M, K] row-major, mat2 [K, N] column-major (pass `b.t()` of a row-major b [N, K]);
+  K and N multiples of 16. E5M2 x E5M2 is rejected.
+- Per-tensor: both scales fp32 with one element (a 0-d tensor is fine).
+- The recipe pair is inferred from scale shapes and strides, checked in this order:
+  (128x128, 1x128), (1x128, 128x128), (1x128, 1x128); mat2's scale is checked transposed,
+  against mat2.t() = b.
+  * 1x128 operand with R rows: scale shape (R, ceil(K/128)), "outer-dim-major" strides
+    (1, R): `s.t().contiguous().t()`. For b this means passing `s_b.t().contiguous()`.
+  * 128x128 operand: scale shape (ceil(R/128), ceil(K/128)) with strides (ceil(K/128), 1),
+    i.e. contiguous; for b pass `s_b.t()`. F.scaled_mm (v2) instead pads the K-block count
+    to a multiple of 4 (L4); padding K to a multiple of 512 makes the two rules coincide.
+  * cuBLASLt block scaling needs sm_90 exactly and cuBLAS >= 12.9; split accumulation.
+- MXFP8 (BlockWise1x32): float8_e8m0fnu scales swizzled into 128x4 tiles (SWIZZLE_32_4_4),
+  round_up(R, 128) * round_up(ceil(K/32), 4) elements, contiguous, sm_100+ only; on sm_90
+  the 1x32 path crashes, so it is never called there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.fp8.cuda.formats import BLOCK_128, FP8_DTYPES, MX_BLOCK, ceil_div
+from megatron.core.fp8.cuda.torch_quantize import e8m0_dequant_multiplier
+
+# torch._scaled_mm wants K and N in multiples of 16 (and so do we for M: 16-byte scale rows).
+_MM_ALIGN = 16
+# E8M0 byte for 2^0: padding blocks hold zeros, any finite scale works; 1.0 is the clearest.
+_E8M0_ONE = 127
+
+# "refused" is sticky: once torch._scaled_mm rejects blockwise scales it will keep doing so.
+_blockwise_status: dict[str, str] = {"path": "untried", "refused": ""}
+
+
+def blockwise_gemm_path() -> str:
+    """How blockwise GEMMs ran in this process: 'torch._scaled_mm', 'emulated: <why>' or
+    'untried'. Benchmarks print it so that an emulated run is never mistaken for cuBLAS."""
+    return _blockwise_status["path"]
+
+
+def round_up(value: int, multiple: int) -> int:
+    return ceil_div(value, multiple) * multiple
+
+
+def _pad_fp8(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad FP8 data (byte 0 is +0.0); a no-op view when nothing is missing."""
+    if data.shape == (rows, cols):
+        return data.contiguous()
+    padded = F.pad(data.view(torch.uint8), (0, cols - data.shape[1], 0, rows - data.shape[0]))
+    return padded.view(data.dtype)
+
+
+def _pad_scale(scale: torch.Tensor, rows: int, cols: int, value: float) -> torch.Tensor:
+    if scale.shape == (rows, cols):
+        return scale
+    return F.pad(scale, (0, cols - scale.shape[1], 0, rows - scale.shape[0]), value=value)
+
+
+def scaled_mm(
+    a_data: torch.Tensor,
+    b_data: torch.Tensor,
+    *,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    recipe: str,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+    emulate: bool = False,
+    emulate_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """a [M, K] @ b[N, K]^T -> [M, N] in out_dtype, both row-major FP8 (e4m3fn/e5m2 dtypes).
+
+    Scales are scale_inv in the logical grid of FP8_NUMERICS.md: 0-d fp32 for delayed and
+    tensorwise; for blockwise (R, ceil(K/128)) for a 1x128 operand or (ceil(R/128),
+    ceil(K/128)) for a 128x128 one (at most one of the two); for mxfp8 (R, ceil(K/32)) E8M0
+    bytes. Blockwise GEMMs always use split accumulation (use_fast_accum is ignored there).
+    `emulate` dequantizes exactly and multiplies in `emulate_dtype` (fp32 by default).
+    """
+    _check_operands(a_data, b_data)
+    if emulate:
+        return emulated_mm(
+            a_data, b_data, a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv,
+            recipe=recipe, out_dtype=out_dtype, compute_dtype=emulate_dtype,
+        )  # fmt: skip
+    if recipe in ("delayed", "tensorwise"):
+        return _per_tensor_mm(a_data, b_data, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum)
+    if recipe == "blockwise":
+        return _blockwise_mm(a_data, b_data, a_scale_inv, b_scale_inv, out_dtype)
+    if recipe == "mxfp8":
+        return _mxfp8_mm(a_data, b_data, a_scale_inv, b_scale_inv, out_dtype)
+    raise ValueError(f"recipe must be delayed, tensorwise, blockwise or mxfp8, got {recipe!r}")
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"scaled_mm computes a @ b.T with a [M, K] and b [N, K]; got {tuple(a.shape)} "
+            f"and {tuple(b.shape)}"
+        )
+    if a.dtype not in FP8_DTYPES or b.dtype not in FP8_DTYPES:
+        raise TypeError(
+            f"scaled_mm takes FP8 tensors (view uint8 bytes with .view(fp8_dtype)); got "
+            f"{a.dtype} and {b.dtype}"
+        )
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise TypeError("E5M2 x E5M2 GEMMs are not supported: quantize one operand as E4M3")
+
+
+def _per_tensor_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum):
+    rows, k = a.shape
+    n = b.shape[0]
+    k_pad, n_pad = round_up(k, _MM_ALIGN), round_up(n, _MM_ALIGN)
+    out = torch._scaled_mm(
+        _pad_fp8(a, rows, k_pad),
+        _pad_fp8(b, n_pad, k_pad).t(),
+        scale_a=a_scale_inv.float().reshape(()),
+        scale_b=b_scale_inv.float().reshape(()),
+        out_dtype=out_dtype,
+        use_fast_accum=use_fast_accum,
+    )
+    return out if n_pad == n else out[:, :n].contiguous()
+
+
+def _block_kind(scale: torch.Tensor, *, rows: int, k: int, name: str) -> str:
+    """'1x128' or '128x128' from the logical scale grid shape (one row: both read the same)."""
+    k_blocks = ceil_div(k, BLOCK_128)
+    if scale.dim() == 2 and tuple(scale.shape) == (rows, k_blocks):
+        return "1x128"
+    if scale.dim() == 2 and tuple(scale.shape) == (ceil_div(rows, BLOCK_128), k_blocks):
+        return "128x128"
+    raise ValueError(
+        f"blockwise {name}_scale_inv must be ({rows}, {k_blocks}) for 1x128 blocks or "
+        f"({ceil_div(rows, BLOCK_128)}, {k_blocks}) for 128x128 blocks; got {tuple(scale.shape)}"
+    )
+
+
+def _gemm_scale(scale: torch.Tensor, *, kind: str, rows: int, k_blocks: int) -> torch.Tensor:
+    """Pad a logical scale grid to the padded operand (rows, K blocks); padding scales are 1."""
+    grid_rows = rows if kind == "1x128" else ceil_div(rows, BLOCK_128)
+    return _pad_scale(scale.float(), grid_rows, k_blocks, 1.0)
+
+
+def _blockwise_mm(a, b, a_scale_inv, b_scale_inv, out_dtype):
+    rows, k = a.shape
+    n = b.shape[0]
+    a_kind = _block_kind(a_scale_inv, rows=rows, k=k, name="a")
+    b_kind = _block_kind(b_scale_inv, rows=n, k=k, name="b")
+    if a_kind == b_kind == "128x128":
+        raise ValueError("at most one operand of a blockwise GEMM may be 128x128-scaled")
+    cause = _blockwise_unavailable(a.device) or _blockwise_status["refused"]
+    if cause:
+        _blockwise_status["path"] = f"emulated: {cause}"
+        return emulated_mm(
+            a, b, a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv, recipe="blockwise",
+            out_dtype=out_dtype, compute_dtype=torch.float32,
+        )  # fmt: skip
+    # A multiple of 512 keeps the K-block count a multiple of 4 when a 128x128 scale grid is
+    # involved (its row stride must be 16-byte aligned under both the v1 and v2 checks).
+    k_pad = round_up(k, 4 * BLOCK_128 if "128x128" in (a_kind, b_kind) else BLOCK_128)
+    rows_pad, n_pad = round_up(rows, _MM_ALIGN), round_up(n, _MM_ALIGN)
+    k_blocks = k_pad // BLOCK_128
+    scale_a = _gemm_scale(a_scale_inv, kind=a_kind, rows=rows_pad, k_blocks=k_blocks)
+    scale_b = _gemm_scale(b_scale_inv, kind=b_kind, rows=n_pad, k_blocks=k_blocks)
+    # Strides as ScaledBlas.cpp checks them (module docstring): 1x128 outer-dim-major.
+    scale_a = scale_a.t().contiguous().t() if a_kind == "1x128" else scale_a.contiguous()
+    scale_b = scale_b.t().contiguous() if b_kind == "1x128" else scale_b.contiguous().t()
+    try:
+        out = torch._scaled_mm(
+            _pad_fp8(a, rows_pad, k_pad),
+            _pad_fp8(b, n_pad, k_pad).t(),
+            scale_a=scale_a,
+            scale_b=scale_b,
+            out_dtype=out_dtype,
+            use_fast_accum=False,
+        )
+    except (RuntimeError, NotImplementedError, ValueError) as err:
+        # Host-side argument checks raise before any kernel runs, so falling back is safe.
+        _blockwise_status["refused"] = f"torch._scaled_mm refused ({str(err)[:200]})"
+        return _blockwise_mm(a, b, a_scale_inv, b_scale_inv, out_dtype)
+    _blockwise_status["path"] = "torch._scaled_mm"
+    return out[:rows, :n].contiguous() if (rows_pad, n_pad) != (rows, n) else out
+
+
+def _blockwise_unavailable(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "not a CUDA tensor"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"cuBLASLt 1x128/128x128 scaling is sm_90 only, this is sm_{major}{minor}"
+    return None
+
+
+def swizzle_mx_scales(e8m0: torch.Tensor) -> torch.Tensor:
+    """(R, KB) E8M0 bytes -> cuBLAS's 128x4 tiled layout (32_4_4), flat float8_e8m0fnu.
+
+    Inside one 128-row x 4-column tile, scale (r, c) sits at (r % 32) * 16 + (r // 32) * 4 + c;
+    tiles are laid out row-block-major. Rows pad to 128 and columns to 4 with 2^0.
+    """
+    rows, blocks = e8m0.shape
+    rows_pad, blocks_pad = round_up(rows, 128), round_up(blocks, 4)
+    padded = F.pad(e8m0, (0, blocks_pad - blocks, 0, rows_pad - rows), value=_E8M0_ONE)
+    tiles = padded.view(rows_pad // 128, 128, blocks_pad // 4, 4).permute(0, 2, 1, 3)
+    tiles = tiles.reshape(-1, 4, 32, 4).transpose(1, 2)
+    return tiles.contiguous().view(-1).view(torch.float8_e8m0fnu)
+
+
+def _mxfp8_mm(a, b, a_scale_inv, b_scale_inv, out_dtype):
+    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device)[0] < 10:
+        raise RuntimeError(
+            "MXFP8 GEMMs (1x32 E8M0 scales) need an sm_100+ GPU: torch._scaled_mm's 1x32 path "
+            "crashes on sm_90 and is never called there. Use the emulated GEMM instead: "
+            "scaled_mm(..., emulate=True) (exact dequantize, then matmul)."
+        )
+    rows, k = a.shape
+    n = b.shape[0]
+    k_pad = round_up(k, 4 * MX_BLOCK)
+    rows_pad, n_pad = round_up(rows, _MM_ALIGN), round_up(n, _MM_ALIGN)
+    out = torch._scaled_mm(
+        _pad_fp8(a, rows_pad, k_pad),
+        _pad_fp8(b, n_pad, k_pad).t(),
+        scale_a=swizzle_mx_scales(a_scale_inv.view(torch.uint8)),
+        scale_b=swizzle_mx_scales(b_scale_inv.view(torch.uint8)),
+        out_dtype=out_dtype,
+    )
+    return out[:rows, :n].contiguous() if (rows_pad, n_pad) != (rows, n) else out
+
+
+def dequantize_operand(
+    data: torch.Tensor, scale_inv: torch.Tensor, *, recipe: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Exact dequantization of one 2-D GEMM operand whose blocks run along its last dim."""
+    values = data.float()
+    rows, cols = values.shape
+    if recipe in ("delayed", "tensorwise"):
+        return (values * scale_inv.float().reshape(())).to(dtype)
+    if recipe == "mxfp8":
+        multiplier = e8m0_dequant_multiplier(scale_inv.view(torch.uint8))
+        block_rows, block_cols = 1, MX_BLOCK
+    else:
+        kind = _block_kind(scale_inv, rows=rows, k=cols, name="operand")
+        multiplier = scale_inv.float()
+        block_rows, block_cols = (1 if kind == "1x128" else BLOCK_128), BLOCK_128
+    expanded = multiplier.repeat_interleave(block_rows, dim=0)[:rows]
+    expanded = expanded.repeat_interleave(block_cols, dim=1)[:, :cols]
+    return (values * expanded).to(dtype)
+
+
+def emulated_mm(
+    a_data: torch.Tensor,
+    b_data: torch.Tensor,
+    *,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    recipe: str,
+    out_dtype: torch.dtype,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dequantize both operands exactly, then a @ b.T in compute_dtype (fp32 accumulation)."""
+    a = dequantize_operand(a_data, a_scale_inv, recipe=recipe, dtype=compute_dtype)
+    b = dequantize_operand(b_data, b_scale_inv, recipe=recipe, dtype=compute_dtype)
+    return (a @ b.t()).to(out_dtype)

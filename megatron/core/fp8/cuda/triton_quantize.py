@@ -1,0 +1,237 @@
+"""Fused Triton quantization kernels (amax + scale + saturating cast + copies in one read).
+
+Imported lazily by `quantize.py` only when Triton is present. Bitwise rules:
+shared/design/FP8_NUMERICS.md; the plain-torch twin is `torch_quantize.py`.
+
+Choices that keep the kernels bitwise equal to PyTorch:
+- divisions use `tl.math.div_rn` (IEEE round-to-nearest); Triton's `/` may be approximate;
+- the FP8 cast is clamp-then-`.to(fp8)`, which is cvt.rn.satfinite on sm_89+; the NaN byte is
+  written explicitly as 0x7F | sign, which is what torch's own fp32->fp8 conversion produces;
+- amaxes replace NaN by 0 before reducing and are combined with an int32 atomic max on the
+  fp32 bit pattern (valid because every amax is >= 0, where int order equals float order).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _saturating_cast(y, FP8_MAX: tl.constexpr, E4M3: tl.constexpr):
+    """fp32 -> FP8 bytes (uint8): clamp with comparisons (NaN-keeping), hardware RNE cast."""
+    y = tl.where(y > FP8_MAX, FP8_MAX, y)
+    y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
+    if E4M3:
+        q_bytes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        q_bytes = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
+    nan_bytes = (sign | 0x7F).to(tl.uint8)
+    return tl.where(y != y, nan_bytes, q_bytes)
+
+
+@triton.jit
+def _nan_ignoring_abs(x):
+    return tl.where(x == x, tl.abs(x), 0.0)
+
+
+@triton.jit
+def _scale_from_amax(amax, FP8_MAX: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr):
+    """fp8_max / amax; amax 0/Inf/NaN -> 1; Inf scale -> INF_SCALE; optional mantissa clear."""
+    usable = (amax > 0.0) & (amax.to(tl.int32, bitcast=True) < 0x7F800000)
+    safe_amax = tl.where(usable, amax, 1.0)
+    raw = tl.math.div_rn(tl.zeros_like(safe_amax) + FP8_MAX, safe_amax)
+    raw = tl.where(raw.to(tl.int32, bitcast=True) == 0x7F800000, INF_SCALE, raw)
+    scale = tl.where(usable, raw, 1.0)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def _reciprocal(scale, POW2: tl.constexpr):
+    """fp32 1/scale, correctly rounded. A power-of-two scale 2^k (k >= -126, as every scale
+    here is) inverts exactly through its exponent bits, which saves the costly div.rn."""
+    if POW2:
+        exponent = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        bits = tl.where(exponent == 254, 0x00400000, (254 - exponent) << 23)
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+
+
+@triton.jit
+def _e8m0_from_amax(amax, RCP_FP8_MAX: tl.constexpr):
+    """E8M0 byte (as int32) of t = amax * fp32(1/fp8_max), rounded up to a power of two."""
+    bits = (amax * RCP_FP8_MAX).to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    round_up = (mantissa > 0) & (exponent != 254) & ~((exponent == 0) & (mantissa <= 0x400000))
+    e = tl.where(round_up, exponent + 1, exponent)
+    return tl.where(exponent == 255, tl.where(mantissa != 0, 255, 254), e)
+
+
+@triton.jit
+def _e8m0_multiplier(e):
+    """Exactly 2^(127 - e) from bits; e = 254 is the fp32 subnormal 2^-127, e = 255 NaN."""
+    bits = tl.where(e == 254, 0x00400000, (254 - e) << 23)
+    bits = tl.where(e == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tile(x_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+    """Load the (pid_m, pid_k) tile of a row-major [M, K] tensor as fp32, zero padded."""
+    pid = tl.program_id(0)
+    k_tiles = tl.cdiv(K, BK)
+    pid_m = pid // k_tiles
+    pid_k = pid % k_tiles
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return x, rows, cols, mask, offs, pid_m, pid_k
+
+
+@triton.jit
+def _store_transposed(out_ptr, q, rows, cols, M, K):
+    """Store tile q (rows x cols of [M, K]) into the row-major [K, M] transpose."""
+    offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
+    mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+    tl.store(out_ptr + offs_t, tl.trans(q), mask=mask_t)
+
+
+@triton.jit
+def _record_amax(amax_bits_ptr, x_abs):
+    tile_amax = tl.max(tl.max(x_abs, axis=1), axis=0)
+    tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def amax_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr):
+    """Pass one of tensorwise scaling: NaN-ignoring max|x| of a flat tensor."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+    tile_amax = tl.max(_nan_ignoring_abs(x), axis=0)
+    tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def per_tensor_cast_kernel(
+    x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, amax_bits_ptr, M, K,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
+    SCALE_GIVEN: tl.constexpr, RECORD_AMAX: tl.constexpr, WRITE_T: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """Delayed (SCALE_GIVEN, RECORD_AMAX) or tensorwise (scale from the finished amax) cast,
+    with the transpose cache written from the same registers when WRITE_T."""
+    x, rows, cols, mask, offs, pid_m, pid_k = _tile(x_ptr, M, K, BM, BK)
+    if SCALE_GIVEN:
+        scale = tl.load(scale_ptr)
+    else:
+        scale = _scale_from_amax(tl.load(amax_ptr), FP8_MAX, INF_SCALE, POW2)
+    q = _saturating_cast(x * scale, FP8_MAX, E4M3)
+    tl.store(data_ptr + offs, q, mask=mask)
+    if WRITE_T:
+        _store_transposed(data_t_ptr, q, rows, cols, M, K)
+    if RECORD_AMAX:
+        _record_amax(amax_bits_ptr, _nan_ignoring_abs(x))
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(scale_inv_ptr, _reciprocal(scale, POW2))
+
+
+@triton.jit
+def block_1x128_kernel(
+    x_ptr, row_ptr, row_sinv_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
+    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
+    TILE: tl.constexpr,
+):  # fmt: skip
+    """One 128x128 tile: rowwise 1x128 and columnwise 128x1 copies from a single read."""
+    x, rows, cols, mask, offs, pid_m, pid_k = _tile(x_ptr, M, K, TILE, TILE)
+    x_abs = _nan_ignoring_abs(x)
+    _record_amax(amax_bits_ptr, x_abs)
+    if ROWWISE:
+        row_scale = _scale_from_amax(tl.max(x_abs, axis=1), FP8_MAX, INF_SCALE, POW2)
+        tl.store(row_ptr + offs, _saturating_cast(x * row_scale[:, None], FP8_MAX, E4M3), mask)
+        row_sinv_offs = rows.to(tl.int64) * tl.cdiv(K, TILE) + pid_k
+        tl.store(row_sinv_ptr + row_sinv_offs, _reciprocal(row_scale, POW2), mask=rows < M)
+    if COLUMNWISE:
+        col_scale = _scale_from_amax(tl.max(x_abs, axis=0), FP8_MAX, INF_SCALE, POW2)
+        q = _saturating_cast(x * col_scale[None, :], FP8_MAX, E4M3)
+        tl.store(col_ptr + offs, q, mask=mask)
+        col_sinv_offs = pid_m.to(tl.int64) * K + cols
+        tl.store(col_sinv_ptr + col_sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
+        if WRITE_T:
+            _store_transposed(col_t_ptr, q, rows, cols, M, K)
+
+
+@triton.jit
+def block_128x128_kernel(
+    x_ptr, data_ptr, sinv_ptr, data_t_ptr, amax_bits_ptr, M, K,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
+    WRITE_T: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """One 128x128 weight block: one scale, bytes, and optionally the transposed bytes."""
+    x, rows, cols, mask, offs, pid_m, pid_k = _tile(x_ptr, M, K, TILE, TILE)
+    x_abs = _nan_ignoring_abs(x)
+    tile_amax = tl.max(tl.max(x_abs, axis=1), axis=0)
+    tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True))
+    scale = _scale_from_amax(tile_amax, FP8_MAX, INF_SCALE, POW2)
+    q = _saturating_cast(x * scale, FP8_MAX, E4M3)
+    tl.store(data_ptr + offs, q, mask=mask)
+    tl.store(sinv_ptr + pid_m * tl.cdiv(K, TILE) + pid_k, _reciprocal(scale, POW2))
+    if WRITE_T:
+        _store_transposed(data_t_ptr, q, rows, cols, M, K)
+
+
+@triton.jit
+def mxfp8_kernel(
+    x_ptr, row_ptr, row_e_ptr, col_ptr, col_e_ptr, col_t_ptr, amax_bits_ptr, M, K,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, RCP_FP8_MAX: tl.constexpr,
+    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """One BM x BK tile: 1x32 rowwise and 32x1 columnwise MX copies from a single read."""
+    x, rows, cols, mask, offs, pid_m, pid_k = _tile(x_ptr, M, K, BM, BK)
+    x_abs = _nan_ignoring_abs(x)
+    _record_amax(amax_bits_ptr, x_abs)
+    if ROWWISE:
+        e = _e8m0_from_amax(tl.max(tl.reshape(x_abs, (BM, BK // 32, 32)), axis=2), RCP_FP8_MAX)
+        y = tl.reshape(x, (BM, BK // 32, 32)) * _e8m0_multiplier(e)[:, :, None]
+        q = _saturating_cast(tl.reshape(y, (BM, BK)), FP8_MAX, E4M3)
+        tl.store(row_ptr + offs, q, mask=mask)
+        blocks = pid_k * (BK // 32) + tl.arange(0, BK // 32)
+        e_offs = rows.to(tl.int64)[:, None] * tl.cdiv(K, 32) + blocks[None, :]
+        e_mask = (rows[:, None] < M) & (blocks[None, :] < tl.cdiv(K, 32))
+        tl.store(row_e_ptr + e_offs, e.to(tl.uint8), mask=e_mask)
+    if COLUMNWISE:
+        e = _e8m0_from_amax(tl.max(tl.reshape(x_abs, (BM // 32, 32, BK)), axis=1), RCP_FP8_MAX)
+        y = tl.reshape(x, (BM // 32, 32, BK)) * _e8m0_multiplier(e)[:, None, :]
+        q = _saturating_cast(tl.reshape(y, (BM, BK)), FP8_MAX, E4M3)
+        tl.store(col_ptr + offs, q, mask=mask)
+        blocks = pid_m * (BM // 32) + tl.arange(0, BM // 32)
+        e_offs = blocks.to(tl.int64)[:, None] * K + cols[None, :]
+        e_mask = (blocks[:, None] < tl.cdiv(M, 32)) & (cols[None, :] < K)
+        tl.store(col_e_ptr + e_offs, e.to(tl.uint8), mask=e_mask)
+        if WRITE_T:
+            _store_transposed(col_t_ptr, q, rows, cols, M, K)
+
+
+@triton.jit
+def transpose_kernel(src_ptr, dst_ptr, M, K, TILE: tl.constexpr):
+    """uint8 [M, K] -> [K, M], one TILE x TILE tile per program."""
+    pid = tl.program_id(0)
+    k_tiles = tl.cdiv(K, TILE)
+    rows = (pid // k_tiles) * TILE + tl.arange(0, TILE)
+    cols = (pid % k_tiles) * TILE + tl.arange(0, TILE)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    tile = tl.load(src_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask)
+    _store_transposed(dst_ptr, tile, rows, cols, M, K)
+
+
+def grid_size(rows: int, cols: int, tile_rows: int, tile_cols: int) -> tuple[int]:
+    """1-D launch grid over row-major tiles (1-D avoids the 65535 limit of grid dims 1, 2)."""
+    return (triton.cdiv(rows, tile_rows) * triton.cdiv(cols, tile_cols),)
