@@ -1,0 +1,210 @@
+"""fp8_autocast and the delayed-scaling state (FP8_NUMERICS.md, recipe "delayed").
+
+Each Fp8Linear owns a `DelayedScaling` with one `ScalingMeta` per quantized tensor (input,
+weight, grad): a scale and an amax history. Quantizing records max|x| into history slot 0 and
+marks the meta pending. Once per direction all pending metas are flushed together: their new
+amaxes are packed into ONE fp32 buffer, all-reduced with MAX over the autocast's
+`amax_reduction_group` (one collective), then every scale is updated and every history rolled.
+- Forward: flushed when the outermost enabled fp8_autocast exits (or right after the module's
+  forward when no autocast is active).
+- Backward: flushed by a callback queued on the autograd engine, which runs once when the
+  backward pass finishes. With reentrant activation checkpointing each checkpointed segment is
+  its own backward pass; use torch.utils.checkpoint(..., use_reentrant=False) to keep one
+  collective per backward.
+
+Activation recompute (torch.utils.checkpoint re-running a forward during backward) is detected
+with torch._C._current_graph_task_id(), which is -1 except while the autograd engine runs: a
+forward that runs inside the engine is a recompute. It quantizes with the scales the first
+forward used (saved per meta as `forward_scale`) and records no amax. This assumes a step's
+backward runs before the next forward of the same module, as in non-pipelined training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.core.fp8.config import Fp8Config
+from megatron.core.fp8.reference import delayed_scale_update, roll_amax_history
+
+TENSOR_ROLES = ("input", "weight", "grad")
+
+
+class ScalingMeta:
+    """Delayed-scaling state of one quantized tensor: scale (0-d fp32) and amax history [L]."""
+
+    def __init__(self, *, fp8_dtype: torch.dtype, config: Fp8Config, device=None) -> None:
+        self.fp8_dtype = fp8_dtype
+        self.config = config
+        self.scale = torch.ones((), dtype=torch.float32, device=device)
+        self.amax_history = torch.zeros(config.amax_history_len, dtype=torch.float32, device=device)
+        self.forward_scale: torch.Tensor | None = None
+
+    def record(self, amax: torch.Tensor) -> None:
+        """Take max with slot 0, so that several quantizations in one step keep the largest."""
+        amax = amax.detach().to(self.amax_history.device, torch.float32).reshape(())
+        self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
+
+    def update(self) -> None:
+        """Step 3 and 4 of the delayed recipe on the (already reduced) history."""
+        self.scale = delayed_scale_update(
+            self.amax_history, self.scale, fp8_dtype=self.fp8_dtype,
+            margin=self.config.margin, amax_compute_algo=self.config.amax_compute_algo,
+        )  # fmt: skip
+        self.amax_history = roll_amax_history(self.amax_history)
+
+
+class DelayedScaling:
+    """The delayed-scaling metas of one Fp8Linear, keyed by tensor role."""
+
+    def __init__(self, *, config: Fp8Config, dtypes: dict[str, torch.dtype], device=None) -> None:
+        self.metas = {
+            role: ScalingMeta(fp8_dtype=dtypes[role], config=config, device=device)
+            for role in TENSOR_ROLES
+        }
+
+    def state_dict(self) -> dict:
+        """Plain tensors plus JSON-able metadata."""
+        state: dict = {}
+        for role, meta in self.metas.items():
+            state[f"{role}.scale"] = meta.scale.detach().clone().cpu()
+            state[f"{role}.amax_history"] = meta.amax_history.detach().clone().cpu()
+        first = self.metas["input"].config
+        state["metadata"] = dict(
+            amax_history_len=first.amax_history_len, margin=first.margin,
+            amax_compute_algo=first.amax_compute_algo,
+            fp8_dtypes={role: str(m.fp8_dtype) for role, m in self.metas.items()},
+        )  # fmt: skip
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for role, meta in self.metas.items():
+            history = state[f"{role}.amax_history"]
+            if history.shape != meta.amax_history.shape:
+                raise ValueError(
+                    f"checkpoint amax history of '{role}' has length {history.shape[0]}, this run "
+                    f"uses {meta.amax_history.shape[0]}; set --fp8-amax-history-len to match"
+                )
+            meta.scale = state[f"{role}.scale"].to(meta.scale.device, torch.float32).clone()
+            meta.amax_history = history.to(meta.amax_history.device, torch.float32).clone()
+
+
+@dataclass
+class _AutocastFrame:
+    enabled: bool
+    fp8_config: Fp8Config | None
+    group: dist.ProcessGroup | None
+    pending: dict[int, ScalingMeta] = field(default_factory=dict)
+
+
+_frames: list[_AutocastFrame] = []
+# Backward-pending metas per reduction group (keyed by id(group) so that None works too).
+_backward_pending: dict[int, tuple[dist.ProcessGroup | None, dict[int, ScalingMeta]]] = {}
+_backward_callback_queued = [False]
+
+
+def current_autocast() -> _AutocastFrame | None:
+    """The innermost active fp8_autocast frame, or None outside any."""
+    return _frames[-1] if _frames else None
+
+
+def in_recompute() -> bool:
+    """True while the autograd engine runs a forward: an activation-checkpoint recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def reduce_and_update(metas: list[ScalingMeta], group: dist.ProcessGroup | None) -> None:
+    """One packed MAX all-reduce of every meta's slot-0 amax, then scale update + roll."""
+    if not metas:
+        return
+    packed = torch.stack([meta.amax_history[0] for meta in metas])
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    for meta, amax in zip(metas, packed, strict=True):
+        meta.amax_history[0] = amax
+        meta.update()
+
+
+def record_forward(meta: ScalingMeta, amax: torch.Tensor) -> None:
+    """Record a forward amax; flushed at the outermost autocast exit (or now, outside one)."""
+    meta.record(amax)
+    frame = current_autocast()
+    if frame is None:
+        reduce_and_update([meta], None)
+    else:
+        _frames[0].pending[id(meta)] = meta
+
+
+def _flush_backward() -> None:
+    _backward_callback_queued[0] = False
+    pending = list(_backward_pending.values())
+    _backward_pending.clear()
+    for group, metas in pending:
+        reduce_and_update(list(metas.values()), group)
+
+
+def record_backward(meta: ScalingMeta, amax: torch.Tensor, group) -> None:
+    """Record a grad amax; flushed once when the running backward pass ends."""
+    meta.record(amax)
+    _backward_pending.setdefault(id(group), (group, {}))[1][id(meta)] = meta
+    if not _backward_callback_queued[0]:
+        torch.autograd.Variable._execution_engine.queue_callback(_flush_backward)
+        _backward_callback_queued[0] = True
+
+
+@contextlib.contextmanager
+def fp8_autocast(
+    enabled: bool = True,
+    *,
+    fp8_config: Fp8Config | None = None,
+    amax_reduction_group: dist.ProcessGroup | None = None,
+) -> Iterator[None]:
+    """Run Fp8Linears inside in FP8 (enabled) or high precision (enabled=False).
+
+    fp8_config, when given, replaces each module's own config for the forward (its recipe must
+    match FP8 weights). amax_reduction_group: the group whose ranks share delayed-scaling scales
+    (the DP group, plus TP where present); delayed amaxes are MAX-reduced over it, once per
+    direction. Outside any fp8_autocast, Fp8Linear runs FP8 with its own config, ungrouped.
+    """
+    frame = _AutocastFrame(enabled=enabled, fp8_config=fp8_config, group=amax_reduction_group)
+    if _frames and amax_reduction_group is None:
+        frame.group = _frames[-1].group
+    _frames.append(frame)
+    try:
+        yield
+    finally:
+        _frames.pop()
+        if not _frames:
+            reduce_and_update(list(frame.pending.values()), frame.group)
+
+
+def delayed_scaling_state_dict(model: nn.Module) -> dict:
+    """Every Fp8Linear's delayed-scaling state, keyed by its module name (stable across runs)."""
+    return {
+        name: module.delayed_scaling.state_dict()
+        for name, module in model.named_modules()
+        if getattr(module, "delayed_scaling", None) is not None
+    }
+
+
+def load_delayed_scaling_state_dict(model: nn.Module, state: dict, *, strict: bool = True) -> None:
+    """Load what `delayed_scaling_state_dict` returned; strict: module names must match."""
+    owners = {
+        name: module
+        for name, module in model.named_modules()
+        if getattr(module, "delayed_scaling", None) is not None
+    }
+    if strict and set(owners) != set(state):
+        missing, unexpected = sorted(set(owners) - set(state)), sorted(set(state) - set(owners))
+        raise KeyError(
+            f"FP8 delayed-scaling state does not match the model: missing {missing}, "
+            f"unexpected {unexpected}; load a checkpoint of the same architecture or strict=False"
+        )
+    for name, module in owners.items():
+        if name in state:
+            module.delayed_scaling.load_state_dict(state[name])

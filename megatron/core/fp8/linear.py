@@ -1,0 +1,238 @@
+"""Fp8Linear: y = x W^T + b with all three GEMMs in FP8 (FP8_NUMERICS.md, "Which copy each
+GEMM reads").
+
+fprop  Y  = X W^T : X rowwise  x W rowwise     (per-tensor recipes: fast accumulation)
+dgrad  dX = dY W  : dY rowwise x W columnwise  (split accumulation)
+wgrad  dW = dY^T X: dY columnwise x X columnwise (split accumulation)
+
+Gradients are E5M2 under "hybrid", so no GEMM is E5M2 x E5M2. Backward saves quantized bytes,
+never the high-precision input. The weight is either a high-precision nn.Parameter quantized
+every forward, or (built under `quantized_model_init`) a QuantizedTensor parameter whose bytes
+the optimizer / FSDP engine rewrites in place.
+
+Gradient hook point for FP8 weights: the weight gradient is returned to autograd in the
+weight's high-precision dtype, so it lands in `weight.grad` through AccumulateGrad. The FSDP
+engine routes it into its grad buffer with `weight.register_post_accumulate_grad_hook(hook)`
+(the hook copies/accumulates `weight.grad` into the buffer and sets `weight.grad = None`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.fp8 import autocast as fp8_state
+from megatron.core.fp8.config import Fp8Config
+from megatron.core.fp8.formats import fp8_dtype_for_role
+from megatron.core.fp8.gemm import fp8_gemm
+from megatron.core.fp8.param_init import current_quantized_init, quantize_weight_for_init
+from megatron.core.fp8.quantization import quantize
+from megatron.core.fp8.quantized_tensor import QuantizedTensor
+
+PER_TENSOR = ("delayed", "tensorwise")
+
+
+@dataclass
+class _Plan:
+    """Everything the autograd function needs besides tensors, fixed at forward time."""
+
+    config: Fp8Config
+    scales: dict[str, torch.Tensor | None]
+    metas: dict[str, fp8_state.ScalingMeta] | None
+    record: bool
+    group: object
+
+    @property
+    def recipe(self) -> str:
+        return self.config.recipe
+
+    def dtype(self, role: str) -> torch.dtype:
+        return fp8_dtype_for_role(self.config.fp8_format, role)
+
+    def power_2_scale(self) -> bool | None:
+        return None if self.recipe in ("delayed", "mxfp8") else self.config.use_power_2_scale
+
+
+def _quantize(x: torch.Tensor, plan: _Plan, *, role: str, rowwise: bool, columnwise: bool):
+    return quantize(
+        x, recipe=plan.recipe, fp8_dtype=plan.dtype(role), role=role, rowwise=rowwise,
+        columnwise=columnwise, scale=plan.scales.get(role), power_2_scale=plan.power_2_scale(),
+    )  # fmt: skip
+
+
+def _columnwise_only(qt: QuantizedTensor) -> QuantizedTensor:
+    """Keep only what wgrad reads, so backward does not hold the rowwise bytes too."""
+    if qt.recipe in PER_TENSOR:
+        return qt  # the transposed operand is derived from the rowwise bytes
+    return QuantizedTensor(
+        shape=qt.shape, dtype=qt.dtype, recipe=qt.recipe, fp8_dtype=qt.fp8_dtype, role=qt.role,
+        columnwise_data=qt.columnwise_data, columnwise_scale_inv=qt.columnwise_scale_inv,
+    )  # fmt: skip
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: _Plan):  # noqa: D102
+        x2d = x.reshape(-1, x.shape[-1])
+        need_wgrad = weight.requires_grad
+        one_d = plan.recipe not in PER_TENSOR
+        xq = _quantize(x2d, plan, role="input", rowwise=True, columnwise=need_wgrad and one_d)
+        if isinstance(weight, QuantizedTensor):
+            wq = weight
+        else:
+            wq = _quantize(
+                weight.detach(), plan, role="weight", rowwise=True,
+                columnwise=x.requires_grad and plan.recipe == "mxfp8",
+            )  # fmt: skip
+        if plan.record:
+            fp8_state.record_forward(plan.metas["input"], xq.amax)
+            if not isinstance(weight, QuantizedTensor):
+                fp8_state.record_forward(plan.metas["weight"], wq.amax)
+        accumulate = "fast" if plan.recipe in PER_TENSOR else "split"
+        y2d = fp8_gemm(xq, wq, out_dtype=x.dtype, accumulate=accumulate)
+        if bias is not None:
+            y2d = y2d + bias.to(y2d.dtype)
+        ctx.plan = plan
+        ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.weight_dtype = weight.dtype
+        # FP8 weights are read at backward time, after the FSDP engine re-points their bytes.
+        ctx.saved_weight = wq
+        ctx.saved_input = _columnwise_only(xq) if need_wgrad else None
+        return y2d.reshape(*x.shape[:-1], y2d.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        plan: _Plan = ctx.plan
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        per_tensor = plan.recipe in PER_TENSOR
+        dyq = _quantize(
+            dy2d, plan, role="grad", rowwise=need_dgrad or (need_wgrad and per_tensor),
+            columnwise=need_wgrad and not per_tensor,
+        )  # fmt: skip
+        if plan.record and plan.metas is not None:
+            fp8_state.record_backward(plan.metas["grad"], dyq.amax, plan.group)
+        dx = dw = dbias = None
+        if need_dgrad:
+            w_operand = ctx.saved_weight.gemm_operand("columnwise")
+            dx2d = fp8_gemm(dyq, w_operand, out_dtype=ctx.x_dtype, accumulate="split")
+            dx = dx2d.reshape(ctx.x_shape)
+        if need_wgrad:
+            dw = fp8_gemm(
+                dyq.gemm_operand("columnwise"), ctx.saved_input.gemm_operand("columnwise"),
+                out_dtype=ctx.weight_dtype, accumulate="split",
+            )  # fmt: skip
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            dbias = dy2d.to(torch.float32).sum(dim=0).to(ctx.bias_dtype)
+        ctx.saved_weight = ctx.saved_input = None
+        return dx, dw, dbias, None
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T + b with FP8 GEMMs; `.weight` is [out, in], `.bias` is [out] or None."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        fp8_config: Fp8Config,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"Fp8Linear needs positive sizes, got {in_features}x{out_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.fp8_config = fp8_config
+        factory = dict(device=device, dtype=dtype)
+        weight = torch.empty(out_features, in_features, **factory)
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self._init_like_nn_linear(weight)
+        self.delayed_scaling = None
+        self._first_forward_enabled = True
+        if fp8_config.recipe == "delayed":
+            dtypes = {r: fp8_dtype_for_role(fp8_config.fp8_format, r) for r in ("input", "weight")}
+            dtypes["grad"] = fp8_dtype_for_role(fp8_config.fp8_format, "grad")
+            self.delayed_scaling = fp8_state.DelayedScaling(
+                config=fp8_config, dtypes=dtypes, device=weight.device
+            )
+        init = current_quantized_init()
+        if init is not None:
+            weight_scale = self._weight_meta_scale()
+            self.weight = quantize_weight_for_init(
+                weight, config=fp8_config, init=init, scale=weight_scale
+            )
+        else:
+            self.weight = nn.Parameter(weight)
+
+    def _init_like_nn_linear(self, weight: torch.Tensor) -> None:
+        # nn.Linear's reset_parameters: kaiming_uniform(a=sqrt(5)) and U(+-1/sqrt(fan_in)) bias.
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def _weight_meta_scale(self) -> torch.Tensor | None:
+        if self.delayed_scaling is None:
+            return None
+        return self.delayed_scaling.metas["weight"].scale
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, recipe={self.fp8_config.recipe}, "
+            f"fp8_format={self.fp8_config.fp8_format}, "
+            f"fp8_weight={isinstance(self.weight, QuantizedTensor)}"
+        )
+
+    def _plan(self, config: Fp8Config, recompute: bool, group) -> _Plan:
+        if config.recipe != "delayed":
+            return _Plan(config=config, scales={}, metas=None, record=False, group=group)
+        if self.delayed_scaling is None:
+            raise ValueError(
+                "fp8_autocast asks for recipe 'delayed' but this Fp8Linear was built for "
+                f"'{self.fp8_config.recipe}'; build the model with the same Fp8Config"
+            )
+        metas = self.delayed_scaling.metas
+        if recompute:
+            # Same scales as the first forward (saved below), and no second amax record.
+            scales = {role: metas[role].forward_scale for role in ("input", "weight")}
+        else:
+            scales = {role: metas[role].scale.clone() for role in ("input", "weight")}
+            for role in ("input", "weight"):
+                metas[role].forward_scale = scales[role]
+        scales["grad"] = metas["grad"].scale
+        return _Plan(config=config, scales=scales, metas=metas, record=not recompute, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Fp8Linear expects input [..., {self.in_features}], got {tuple(x.shape)}"
+            )
+        frame = fp8_state.current_autocast()
+        recompute = fp8_state.in_recompute()
+        enabled = frame.enabled if frame is not None else True
+        if recompute:
+            enabled = self._first_forward_enabled  # autocast is not re-entered in backward
+        else:
+            self._first_forward_enabled = enabled
+        if not enabled:
+            # A QuantizedTensor weight dequantizes through __torch_dispatch__; grads still flow.
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.weight.to(x.dtype), bias)
+        config = (frame.fp8_config if frame is not None else None) or self.fp8_config
+        if isinstance(self.weight, QuantizedTensor) and self.weight.recipe != config.recipe:
+            raise ValueError(
+                f"FP8 weight was quantized with recipe '{self.weight.recipe}' but autocast asks "
+                f"for '{config.recipe}'; build the model under the same recipe"
+            )
+        group = frame.group if frame is not None else None
+        plan = self._plan(config, recompute, group)
+        return _Fp8LinearFunction.apply(x, self.weight, self.bias, plan)

@@ -1,0 +1,98 @@
+"""quantized_model_init: build Fp8Linear weights that exist only in FP8 (FP8_NUMERICS.md,
+"FP8 parameters").
+
+Inside the context each Fp8Linear initializes its weight in high precision exactly as
+nn.Linear does, quantizes it into a QuantizedTensor parameter and (with
+preserve_high_precision_init_val) keeps the high-precision value on CPU, so that the FSDP
+engine can seed fp32 main params with the init values themselves, not dequantized FP8. The
+engine reads it with get_high_precision_init_val(param) and frees it with
+clear_high_precision_init_val(param). After every optimizer step the engine writes the updated
+main params back with `param.quantize_(new_value)` (or into its own shard buffers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatron.core.fp8.config import FP8_RECIPES, Fp8Config
+from megatron.core.fp8.formats import fp8_dtype_for_role
+from megatron.core.fp8.quantization import quantize
+from megatron.core.fp8.quantized_tensor import QuantizedTensor
+
+_HP_INIT_ATTR = "_high_precision_init_val"
+
+
+@dataclass(frozen=True)
+class _QuantizedInit:
+    recipe: str | None
+    preserve_high_precision_init_val: bool
+
+
+_active: list[_QuantizedInit] = []
+
+
+@contextlib.contextmanager
+def quantized_model_init(
+    recipe: str | None = None, *, preserve_high_precision_init_val: bool = True
+) -> Iterator[None]:
+    """Fp8Linears built inside store their weight as FP8 (a QuantizedTensor parameter).
+
+    recipe: None means each layer's own Fp8Config recipe; a name must match it (checked).
+    """
+    if recipe is not None and recipe not in FP8_RECIPES:
+        raise ValueError(f"recipe must be one of {FP8_RECIPES} or None, got {recipe!r}")
+    _active.append(_QuantizedInit(recipe, preserve_high_precision_init_val))
+    try:
+        yield
+    finally:
+        _active.pop()
+
+
+def current_quantized_init() -> _QuantizedInit | None:
+    return _active[-1] if _active else None
+
+
+def weight_needs_columnwise(recipe: str) -> bool:
+    """mxfp8 dgrad needs 32x1 blocks, which cannot be derived from rowwise bytes."""
+    return recipe == "mxfp8"
+
+
+def quantize_weight_for_init(
+    weight: torch.Tensor,
+    *,
+    config: Fp8Config,
+    init: _QuantizedInit,
+    scale: torch.Tensor | None = None,
+) -> QuantizedTensor:
+    """An FP8 nn.Parameter (QuantizedTensor) from a freshly initialized high-precision weight."""
+    if init.recipe is not None and init.recipe != config.recipe:
+        raise ValueError(
+            f"quantized_model_init(recipe='{init.recipe}') but the layer's Fp8Config uses "
+            f"'{config.recipe}'; pass the same recipe to both"
+        )
+    qt = quantize(
+        weight.detach(), recipe=config.recipe, role="weight",
+        fp8_dtype=fp8_dtype_for_role(config.fp8_format, "weight"), rowwise=True,
+        columnwise=weight_needs_columnwise(config.recipe), scale=scale,
+        power_2_scale=None if config.recipe in ("delayed", "mxfp8") else config.use_power_2_scale,
+    )  # fmt: skip
+    param = nn.Parameter(qt, requires_grad=True)
+    if init.preserve_high_precision_init_val:
+        setattr(param, _HP_INIT_ATTR, weight.detach().to("cpu", copy=True))
+    return param
+
+
+def get_high_precision_init_val(param: torch.Tensor) -> torch.Tensor | None:
+    """The high-precision initial value kept (on CPU) for an FP8 parameter, or None."""
+    return getattr(param, _HP_INIT_ATTR, None)
+
+
+def clear_high_precision_init_val(param: torch.Tensor) -> None:
+    """Free the kept initial value once main params are seeded."""
+    if hasattr(param, _HP_INIT_ATTR):
+        delattr(param, _HP_INIT_ATTR)
