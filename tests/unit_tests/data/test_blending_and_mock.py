@@ -1,0 +1,93 @@
+"""Blending tracks the weights; mock data is deterministic from the seed."""
+
+import numpy as np
+import torch
+
+from megatron.core.datasets import (
+    BlendedDataset,
+    GPTDatasetConfig,
+    MockGPTDataset,
+    build_blending_indices,
+    build_gpt_datasets,
+)
+from tests.unit_tests.data.corpus_utils import EOD, VOCAB_SIZE, write_random_corpus
+
+
+def test_blend_three_to_one_over_10000_samples(tmp_path):
+    write_random_corpus(tmp_path / "a", num_documents=30, seed=1)
+    write_random_corpus(tmp_path / "b", num_documents=30, seed=2)
+    config = GPTDatasetConfig(
+        seq_length=8,
+        seed=5,
+        data_path=["3", str(tmp_path / "a"), "1", str(tmp_path / "b")],
+        split="1",
+        vocab_size=VOCAB_SIZE,
+        eod_id=EOD,
+    )
+    train, valid, test = build_gpt_datasets(config, num_samples=(10_000, 0, 0))
+    assert valid is None and test is None
+    assert isinstance(train, BlendedDataset) and len(train) == 10_000
+    from_a = train.dataset_index == 0
+    assert abs(from_a.mean() - 0.75) <= 0.02
+    # Stronger than the 2% bound: after every prefix of n draws, a has served 0.75 n +- 1.
+    served_a = np.cumsum(from_a)
+    assert np.max(np.abs(served_a - 0.75 * np.arange(1, 10_001))) <= 1.0
+    # Each source's samples are drawn in order 0, 1, 2, ... without repeats.
+    for dataset_id in (0, 1):
+        drawn = train.dataset_sample_index[train.dataset_index == dataset_id]
+        assert drawn.tolist() == list(range(drawn.size))
+    for index in (0, 1, 2, 3, 4, 9_999):
+        source = train.datasets[train.dataset_index[index]]
+        expected = source[int(train.dataset_sample_index[index])]["tokens"]
+        assert torch.equal(train[index]["tokens"], expected)
+
+
+def test_blending_indices_are_prefix_stable_and_normalized():
+    short_ids, short_samples = build_blending_indices([0.75, 0.25], size=100)
+    long_ids, long_samples = build_blending_indices([3.0, 1.0], size=1000)
+    assert np.array_equal(short_ids, long_ids[:100])
+    assert np.array_equal(short_samples, long_samples[:100])
+    ids, _ = build_blending_indices([0.5, 0.3, 0.2], size=1000)
+    assert np.bincount(ids).tolist() == [500, 300, 200]
+
+
+def _mock_config(**overrides):
+    values = dict(seq_length=32, seed=7, mock=True, vocab_size=50, eod_id=49)
+    values.update(overrides)
+    return GPTDatasetConfig(**values)
+
+
+def test_mock_dataset_deterministic_and_counting():
+    train, valid, test = build_gpt_datasets(_mock_config(), num_samples=(20, 4, 0))
+    assert (len(train), len(valid), test) == (20, 4, None)
+    again = MockGPTDataset(config=_mock_config(), num_samples=500, split_name="train")
+    other_seed = MockGPTDataset(config=_mock_config(seed=8), num_samples=20, split_name="train")
+    for index in range(20):
+        assert torch.equal(train[index]["tokens"], again[index]["tokens"])
+    assert not torch.equal(train[0]["tokens"], other_seed[0]["tokens"])
+    assert not torch.equal(train[0]["tokens"], valid[0]["tokens"])
+    tokens = torch.cat([train[index]["tokens"] for index in range(20)])
+    assert tokens.shape == (20 * 32,) and int(tokens.min()) >= 0 and int(tokens.max()) <= 49
+    # Inside a document each token is the previous one plus one, counting over ids 0..48.
+    for index in range(20):
+        item = train[index]
+        sample = torch.cat([item["tokens"], item["labels"][-1:]]).tolist()
+        assert item["labels"].tolist() == sample[1:]
+        for previous, current in zip(sample, sample[1:]):
+            if EOD not in (previous, current) and previous != 49 and current != 49:
+                assert current == (previous + 1) % 49
+    assert (tokens == 49).sum() > 0  # documents end in eod
+
+
+def test_mock_respects_eod_mask_and_position_reset():
+    dataset = MockGPTDataset(
+        config=_mock_config(eod_mask_loss=True, reset_position_ids=True),
+        num_samples=5,
+        split_name="train",
+    )
+    for index in range(5):
+        item = dataset[index]
+        is_eod = item["tokens"] == 49
+        assert torch.equal(item["loss_mask"] == 0.0, is_eod)
+        after_eod = torch.nonzero(is_eod[:-1]).flatten() + 1
+        assert item["position_ids"][after_eod].tolist() == [0] * after_eod.numel()

@@ -1,0 +1,134 @@
+"""Bad data fails at build time with a message that names the file or flag and the problem."""
+
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from megatron.core.datasets import (
+    CorruptIndexError,
+    GPTDatasetConfig,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    build_gpt_datasets,
+)
+from tests.unit_tests.data.corpus_utils import EOD, VOCAB_SIZE, write_random_corpus
+
+
+@pytest.fixture
+def prefix(tmp_path):
+    path = tmp_path / "corpus"
+    write_random_corpus(path, num_documents=10, seed=3)
+    return str(path)
+
+
+def _patch(path, offset, data):
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        handle.write(data)
+
+
+def _truncate(path, num_bytes):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as handle:
+        handle.truncate(size - num_bytes)
+
+
+def test_truncated_idx(prefix):
+    _truncate(prefix + ".idx", 8)
+    with pytest.raises(CorruptIndexError, match=f"{prefix}.idx is .* implies .*truncated"):
+        IndexedDataset(prefix)
+    _truncate(prefix + ".idx", os.path.getsize(prefix + ".idx") - 10)
+    with pytest.raises(CorruptIndexError, match=r"\.idx is truncated: 10 bytes, shorter than"):
+        IndexedDataset(prefix)
+
+
+@pytest.mark.parametrize(
+    ("offset", "data", "message"),
+    [
+        (0, b"XXIDIDX\x00\x00", "not a Megatron .idx file: bad magic"),
+        (9, struct.pack("<Q", 2), "unsupported version 2"),
+        (17, struct.pack("<B", 9), "unknown dtype code 9"),
+        (34 + 4 * 10 + 8, struct.pack("<q", 12345), "sequence pointers do not match"),
+        (34, struct.pack("<i", -1), "a sequence length is negative"),
+        (34 + 12 * 10, struct.pack("<q", 1), "document_indices must start at 0 and end at 10"),
+    ],
+)
+def test_corrupt_idx(prefix, offset, data, message):
+    _patch(prefix + ".idx", offset, data)
+    with pytest.raises(CorruptIndexError, match=message) as error:
+        IndexedDataset(prefix)
+    assert prefix + ".idx" in str(error.value)
+
+
+def test_truncated_or_mismatched_bin(prefix, tmp_path):
+    other = tmp_path / "other"
+    write_random_corpus(other, num_documents=10, seed=4)
+    os.replace(str(other) + ".bin", prefix + ".bin")  # a .bin from another corpus
+    with pytest.raises(CorruptIndexError, match=r"corpus\.bin is \d+ bytes but .*another \.idx"):
+        IndexedDataset(prefix)
+    write_random_corpus(prefix, num_documents=10, seed=3)
+    _truncate(prefix + ".bin", 2)
+    with pytest.raises(CorruptIndexError, match="describes .* tokens of uint16"):
+        IndexedDataset(prefix)
+
+
+def _config(data_path, **overrides):
+    values = dict(seq_length=8, seed=0, data_path=data_path, vocab_size=VOCAB_SIZE, eod_id=EOD)
+    values.update(overrides)
+    return GPTDatasetConfig(**values)
+
+
+def test_vocab_too_large_for_token_dtype(tmp_path):
+    path = str(tmp_path / "bytes")
+    builder = IndexedDatasetBuilder(path, dtype=np.uint8)
+    builder.add_document([1, 2, 255])
+    builder.finalize()
+    with pytest.raises(ValueError, match=r"vocab size - 1 = 999 does not fit the uint8 tokens of"):
+        build_gpt_datasets(_config([path]), num_samples=(4, 0, 0))
+    with pytest.raises(ValueError, match=r"token ids in \[1, 300\] do not fit the uint8"):
+        IndexedDatasetBuilder(str(tmp_path / "x"), dtype=np.uint8).add_document([1, 300])
+
+
+def test_missing_prefix_named_before_any_index_is_built(prefix, tmp_path):
+    missing = str(tmp_path / "nowhere" / "corpus")
+    with pytest.raises(FileNotFoundError, match=f"{missing}.idx does not exist.*preprocess_data"):
+        build_gpt_datasets(_config(["1", prefix, "1", missing]), num_samples=(4, 0, 0))
+    assert not (tmp_path / "index-cache").exists()
+
+
+@pytest.mark.parametrize(
+    ("data_path", "message"),
+    [
+        (["0", "a", "1", "b"], "weight '0' for 'a' must be a positive number"),
+        (["-1", "a", "1", "b"], "weight '-1' for 'a' must be a positive number"),
+        (["x", "a", "1", "b"], "weight 'x' \\(before 'a'\\) is not a number"),
+        (["1", "a", "b"], "pairs of weight and prefix"),
+    ],
+)
+def test_bad_data_path_weights(data_path, message):
+    with pytest.raises(ValueError, match=message):
+        build_gpt_datasets(_config(data_path), num_samples=(4, 0, 0))
+
+
+@pytest.mark.parametrize("split", ["1,2,3,4", "a,b", "0,0,0", "1,-1"])
+def test_bad_split(prefix, split):
+    with pytest.raises(ValueError, match=f"--split '{split}' must be up to three"):
+        build_gpt_datasets(_config([prefix], split=split), num_samples=(4, 0, 0))
+
+
+def test_bad_config_values():
+    with pytest.raises(ValueError, match="eod id 1000 must lie in the vocabulary"):
+        _config(["a"], eod_id=1000)
+    with pytest.raises(ValueError, match="--seed must be in"):
+        _config(["a"], seed=-1)
+    with pytest.raises(ValueError, match="--data-path PREFIX .* or --mock-data"):
+        _config(None)
+
+
+def test_train_split_without_documents(tmp_path):
+    path = tmp_path / "tiny"
+    write_random_corpus(path, num_documents=2, seed=0)
+    with pytest.raises(ValueError, match="the train split is empty for --split '0,1,1'"):
+        build_gpt_datasets(_config([str(path)], split="0,1,1"), num_samples=(4, 0, 0))

@@ -1,0 +1,147 @@
+"""GPTDataset indices: deterministic, cached, and equal to a brute-force reconstruction."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.core.datasets import (
+    GPTDataset,
+    GPTDatasetConfig,
+    IndexedDataset,
+    build_gpt_datasets,
+    build_item,
+    split_document_ranges,
+)
+from tests.unit_tests.data.corpus_utils import EOD, VOCAB_SIZE, write_random_corpus
+from tests.unit_tests.dist_utils import run_distributed
+
+SEQ_LENGTH = 16
+
+
+def _config(prefix, **overrides):
+    values = dict(
+        seq_length=SEQ_LENGTH,
+        seed=1234,
+        data_path=[str(prefix)],
+        vocab_size=VOCAB_SIZE,
+        eod_id=EOD,
+        split="8,1,1",
+    )
+    values.update(overrides)
+    return GPTDatasetConfig(**values)
+
+
+def _dataset(prefix, cache_dir, *, num_samples, document_range=(0, 40), **overrides):
+    return GPTDataset(
+        indexed_dataset=IndexedDataset(str(prefix)),
+        split_name="train",
+        document_range=document_range,
+        num_samples=num_samples,
+        config=_config(prefix, **overrides),
+        cache_dir=str(cache_dir),
+    )
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    prefix = tmp_path / "corpus"
+    documents = write_random_corpus(prefix, num_documents=40, seed=0)
+    return prefix, documents
+
+
+def test_indices_deterministic_cached_and_seed_dependent(corpus, tmp_path):
+    prefix, _ = corpus
+    first = _dataset(prefix, tmp_path / "cache_a", num_samples=100)
+    second = _dataset(prefix, tmp_path / "cache_b", num_samples=100)
+    other_seed = _dataset(prefix, tmp_path / "cache_a", num_samples=100, seed=99)
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        assert np.array_equal(getattr(first, name), getattr(second, name)), name
+        assert not np.array_equal(getattr(first, name), getattr(other_seed, name)), name
+    assert (first.indices_source, second.indices_source) == ("built", "built")
+
+    cached_files = sorted((tmp_path / "cache_a").glob(f"{first.cache_prefix.split('/')[-1]}*"))
+    assert len(cached_files) == 3
+    mtimes = [os.stat(path).st_mtime_ns for path in cached_files]
+    reread = _dataset(prefix, tmp_path / "cache_a", num_samples=100)
+    assert reread.indices_source == "cache"
+    assert [os.stat(path).st_mtime_ns for path in cached_files] == mtimes
+    assert np.array_equal(reread.shuffle_index, first.shuffle_index)
+    assert not list((tmp_path / "cache_a").glob("*.tmp-*"))
+
+
+def test_samples_equal_brute_force_concatenation(corpus, tmp_path):
+    prefix, documents = corpus
+    dataset = _dataset(prefix, tmp_path / "cache", num_samples=150)
+    assert len(dataset) >= 150
+    tokens_per_epoch = sum(len(document) for document in documents)
+    # Every epoch of the document index is one permutation of all 40 documents.
+    epochs = dataset.document_index.reshape(-1, 40)
+    assert all(sorted(epoch.tolist()) == list(range(40)) for epoch in epochs)
+    assert not np.array_equal(epochs[0], epochs[1])  # epochs are shuffled differently
+    stream = np.concatenate([documents[doc] for doc in dataset.document_index])
+    assert stream.size >= len(dataset) * SEQ_LENGTH + 1
+    assert len(dataset) == -(-tokens_per_epoch * dataset.served_epochs // SEQ_LENGTH)
+    for sample in range(len(dataset)):
+        expected = stream[sample * SEQ_LENGTH : sample * SEQ_LENGTH + SEQ_LENGTH + 1]
+        assert dataset.sample_tokens(sample).tolist() == expected.tolist(), sample
+    assert sorted(dataset.shuffle_index.tolist()) == list(range(len(dataset)))
+    item = dataset[7]
+    unshuffled = stream[dataset.shuffle_index[7] * SEQ_LENGTH :][: SEQ_LENGTH + 1]
+    assert item["tokens"].tolist() == unshuffled[:-1].tolist()
+    assert item["labels"].tolist() == unshuffled[1:].tolist()
+
+
+def test_item_i_does_not_depend_on_requested_samples(corpus, tmp_path):
+    prefix, _ = corpus
+    small = _dataset(prefix, tmp_path / "cache", num_samples=10)
+    large = _dataset(prefix, tmp_path / "cache", num_samples=400)
+    assert len(large) > 3 * len(small)
+    for index in range(len(small)):
+        assert torch.equal(small[index]["tokens"], large[index]["tokens"])
+
+
+def test_build_item_masks_and_positions():
+    sample = np.array([5, EOD, 3, 4, EOD, EOD, 1])
+    plain = build_item(sample, eod_id=EOD, reset_position_ids=False, eod_mask_loss=False)
+    assert plain["tokens"].dtype == torch.int64 and plain["loss_mask"].dtype == torch.float32
+    assert plain["tokens"].tolist() == [5, EOD, 3, 4, EOD, EOD]
+    assert plain["labels"].tolist() == [EOD, 3, 4, EOD, EOD, 1]
+    assert plain["loss_mask"].tolist() == [1.0] * 6
+    assert plain["position_ids"].tolist() == [0, 1, 2, 3, 4, 5]
+    masked = build_item(sample, eod_id=EOD, reset_position_ids=True, eod_mask_loss=True)
+    assert masked["loss_mask"].tolist() == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    assert masked["position_ids"].tolist() == [0, 1, 0, 1, 2, 0]
+
+
+def test_split_ranges_and_builder(corpus, tmp_path):
+    prefix, _ = corpus
+    assert split_document_ranges(40, [0.8, 0.1, 0.1]) == [(0, 32), (32, 36), (36, 40)]
+    assert split_document_ranges(1000, [969 / 1000, 30 / 1000, 1 / 1000]) == [
+        (0, 969),
+        (969, 999),
+        (999, 1000),
+    ]
+    # 3 documents, 969,30,1: valid and test round to zero documents.
+    assert split_document_ranges(3, [0.969, 0.03, 0.001]) == [(0, 3), (3, 3), (3, 3)]
+    train, valid, test = build_gpt_datasets(_config(prefix), num_samples=(50, 8, 0))
+    assert test is None
+    assert len(train) >= 50 and len(valid) >= 8
+    assert set(train.document_index.tolist()) == set(range(32))
+    assert set(valid.document_index.tolist()) == set(range(32, 36))
+    # Default cache directory: index-cache next to the corpus.
+    assert os.path.dirname(train.cache_prefix) == str(prefix.parent / "index-cache")
+
+
+def _build_on_rank(rank, world_size, prefix, cache_dir):
+    config = _config(prefix, path_to_cache=cache_dir)
+    train, _, _ = build_gpt_datasets(config, num_samples=(40, 0, 0))
+    return train.indices_source, [train[index]["tokens"].tolist() for index in range(5)]
+
+
+def test_rank0_builds_others_read_cache(corpus, tmp_path):
+    prefix, _ = corpus
+    results = run_distributed(_build_on_rank, 2, str(prefix), str(tmp_path / "shared_cache"))
+    assert [source for source, _ in results] == ["built", "cache"]
+    assert results[0][1] == results[1][1]
