@@ -1,0 +1,33 @@
+"""A tiny GPT on mock data: the flags every training test starts from."""
+
+from __future__ import annotations
+
+TINY_GPT = [
+    "--mock-data",
+    "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "512",
+    "--num-layers", "2",
+    "--hidden-size", "64",
+    "--num-attention-heads", "4",
+    "--seq-length", "32",
+    "--micro-batch-size", "2",
+    "--global-batch-size", "8",
+    "--log-interval", "1",
+    "--eval-iters", "0",
+    "--lr", "1e-3",
+    "--seed", "1234",
+]  # fmt: skip
+
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def run_pretrain(argv: list[str]):
+    """pretrain() in this process (fast: no interpreter start)."""
+    from megatron.training.training import pretrain
+
+    return pretrain(argv)
+
+
+def run_pretrain_on_rank(rank: int, world_size: int, argv: list[str]) -> dict[int, float]:
+    """For tests/unit_tests/dist_utils.run_distributed: losses by iteration on every rank."""
+    return run_pretrain(argv).losses

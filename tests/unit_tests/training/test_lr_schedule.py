@@ -1,0 +1,54 @@
+"""Learning-rate values at chosen iterations, computed by hand from the schedule formulas."""
+
+import math
+
+import pytest
+
+from megatron.core.optimizer import LRScheduleConfig, learning_rate_at
+
+
+def cfg(**kwargs) -> LRScheduleConfig:
+    base = dict(max_lr=1.0, min_lr=0.1, warmup_iters=10, decay_iters=110)
+    base.update(kwargs)
+    return LRScheduleConfig(**base)
+
+
+@pytest.mark.parametrize("iteration, expected", [(1, 0.1), (5, 0.5), (10, 1.0)])
+def test_linear_warmup(iteration, expected):
+    assert learning_rate_at(iteration, cfg(decay_style="cosine")) == pytest.approx(expected)
+
+
+def test_constant_after_warmup():
+    assert learning_rate_at(500, cfg(decay_style="constant")) == 1.0
+
+
+@pytest.mark.parametrize("iteration, ratio", [(10, 0.0), (35, 0.25), (60, 0.5), (110, 1.0)])
+def test_linear_decay(iteration, ratio):
+    expected = 0.1 + (1.0 - ratio) * 0.9
+    assert learning_rate_at(iteration, cfg(decay_style="linear")) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("iteration, ratio", [(35, 0.25), (60, 0.5), (85, 0.75)])
+def test_cosine_decay(iteration, ratio):
+    expected = 0.1 + 0.5 * (math.cos(math.pi * ratio) + 1) * 0.9
+    assert learning_rate_at(iteration, cfg(decay_style="cosine")) == pytest.approx(expected)
+
+
+def test_min_lr_after_decay():
+    assert learning_rate_at(111, cfg(decay_style="cosine")) == 0.1
+
+
+@pytest.mark.parametrize(
+    "style, iteration, expected",
+    [
+        ("linear", 90, 1.0),  # still stable: annealing starts at 110 - 20 = 90
+        ("linear", 100, 0.1 + 0.5 * 0.9),
+        ("cosine", 95, 0.1 + 0.5 * (math.cos(math.pi * 0.25) + 1) * 0.9),
+        ("exponential", 100, 0.1 + (2 * 0.5**0.5 - 1) * 0.9),
+        ("minus_sqrt", 95, 0.1 + (1 - math.sqrt(0.25)) * 0.9),
+        ("linear", 110, 0.1),
+    ],
+)
+def test_wsd(style, iteration, expected):
+    config = cfg(decay_style="WSD", wsd_decay_iters=20, wsd_decay_style=style)
+    assert learning_rate_at(iteration, config) == pytest.approx(expected)

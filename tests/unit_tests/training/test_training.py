@@ -1,0 +1,140 @@
+"""Training-loop numbers: data-parallel and accumulation invariance, NaN skipping, log lines."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.unit_tests.dist_utils import free_port, run_distributed
+from tests.unit_tests.training.common import (
+    NO_DROPOUT,
+    TINY_GPT,
+    run_pretrain,
+    run_pretrain_on_rank,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+TEN = ["--train-iters", "10"]
+
+
+def assert_losses_close(actual: dict, expected: dict, rtol: float) -> None:
+    assert sorted(actual) == sorted(expected)
+    for iteration, loss in expected.items():
+        assert abs(actual[iteration] - loss) <= rtol * abs(loss), (iteration, actual, expected)
+
+
+def test_loss_decreases_and_is_deterministic():
+    first = run_pretrain(TINY_GPT + ["--train-iters", "20"])
+    second = run_pretrain(TINY_GPT + ["--train-iters", "20"])
+    assert first.losses == second.losses
+    assert first.losses[20] < first.losses[1] - 0.2
+    assert math.log(512) - 0.2 < first.losses[1] < math.log(512) + 0.3  # ~uniform at init
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch():
+    accumulate = run_pretrain(TINY_GPT + TEN + NO_DROPOUT)  # 4 micro-batches of 2
+    single = run_pretrain(TINY_GPT + TEN + NO_DROPOUT + ["--micro-batch-size", "8"])
+    assert_losses_close(accumulate.losses, single.losses, rtol=1e-5)
+
+
+def test_two_ranks_match_one_process():
+    single = run_pretrain(TINY_GPT + TEN + NO_DROPOUT)
+    per_rank = run_distributed(run_pretrain_on_rank, 2, TINY_GPT + TEN + NO_DROPOUT)
+    for losses in per_rank:
+        assert_losses_close(losses, single.losses, rtol=1e-5)
+
+
+def test_torchrun_two_processes_match_single_process():
+    """Issue acceptance: `torchrun --nproc-per-node 2 pretrain_gpt.py ...` on CPU."""
+    argv = TINY_GPT + ["--train-iters", "6"] + NO_DROPOUT
+    single = run_pretrain(argv)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "pretrain_gpt.py", *argv],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", proc.stdout)]
+    assert len(logged) == 6
+    for iteration, loss in enumerate(logged, start=1):
+        # the log prints 7 significant digits
+        assert abs(loss - single.losses[iteration]) <= 1e-5 * single.losses[iteration] + 5e-6
+
+
+def test_nan_loss_skips_the_step(monkeypatch):
+    """A NaN loss at iteration 3 is skipped and counted; the weights are not touched."""
+    from megatron.training import training
+
+    real = training.forward_backward
+    calls = {"n": 0}
+    snapshot = {}
+
+    def poisoned(run, batch, *, num_microbatches):
+        calls["n"] += 1
+        if calls["n"] == 2 * 4 + 1:  # first micro-batch of iteration 3 (4 micro-batches/step)
+            snapshot.update({k: v.detach().clone() for k, v in run.module.state_dict().items()})
+            batch = dict(batch, loss_mask=batch["loss_mask"] * float("nan"))
+        return real(run, batch, num_microbatches=num_microbatches)
+
+    monkeypatch.setattr(training, "forward_backward", poisoned)
+    seen = {}
+    real_step = training.train_step
+
+    def spy_step(args, *, env, run, dataset, state):
+        out = real_step(args, env=env, run=run, dataset=dataset, state=state)
+        if state.iteration == 2:  # the step that completes iteration 3
+            seen.update({k: v.detach().clone() for k, v in run.module.state_dict().items()})
+        return out
+
+    monkeypatch.setattr(training, "train_step", spy_step)
+    result = run_pretrain(TINY_GPT + ["--train-iters", "5"])
+    assert math.isnan(result.losses[3])
+    assert result.state.skipped_iterations == 1 and result.state.nan_iterations == 1
+    assert all(torch.equal(seen[k], snapshot[k]) for k in snapshot)
+    assert all(math.isfinite(result.losses[i]) for i in (1, 2, 4, 5))
+
+
+LINE = re.compile(
+    r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(?P<it>\d+)/ +(?P<total>\d+) \|"
+    r" consumed samples: +(?P<samples>\d+) \|"
+    r" elapsed time per iteration \(ms\): (?P<ms>[0-9.]+) \|"
+    r" throughput per GPU \(TFLOP/s/GPU\): (?P<tflops>[0-9.]+) \|"
+    r" tokens per GPU \(tokens/s/GPU\): (?P<tokens>[0-9.]+) \|"
+    r" learning rate: (?P<lr>[0-9.E+-]+) \|"
+    r" global batch size: +(?P<gbs>\d+) \|"
+    r" lm loss: (?P<loss>[0-9.E+-]+) \|"
+    r" grad norm: (?P<gnorm>[0-9.]+) \|"
+    r" number of skipped iterations: +(?P<skipped>\d+) \|"
+    r" number of nan iterations: +(?P<nans>\d+) \|"
+    r" mem allocated \(GiB\): (?P<mem>[0-9.]+) \|$"
+)
+
+
+def test_log_line_fields(capsys):
+    argv = TINY_GPT + ["--train-iters", "4", "--log-interval", "2", "--lr-warmup-iters", "2"]
+    argv += ["--eval-interval", "2", "--eval-iters", "1", "--split", "90,10,0"]
+    result = run_pretrain(argv)
+    out = capsys.readouterr().out
+    lines = [LINE.match(line) for line in out.splitlines() if " iteration " in line]
+    lines = [match for match in lines if match]
+    assert [int(m["it"]) for m in lines] == [2, 4]
+    assert [int(m["samples"]) for m in lines] == [16, 32]
+    assert all(int(m["gbs"]) == 8 and int(m["total"]) == 4 for m in lines)
+    # lr of the update that completed the logged iteration: warmup 2 -> 1e-3; then linear
+    # decay from iteration 2 to 4: iteration 4 is at the end, lr 0.
+    assert [float(m["lr"]) for m in lines] == [1e-3, 0.0]
+    mean = (result.losses[3] + result.losses[4]) / 2
+    assert float(lines[1]["loss"]) == pytest.approx(mean, rel=1e-6)
+    tokens = float(lines[1]["tokens"])
+    ms = float(lines[1]["ms"])
+    assert tokens == pytest.approx(8 * 32 / (ms / 1000), rel=0.01)
+    valid = re.findall(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|"
+                       r" lm loss PPL: (\S+) \|", out)  # fmt: skip
+    assert [int(v[0]) for v in valid] == [2, 4]
+    for _, loss, ppl in valid:
+        assert float(ppl) == pytest.approx(math.exp(float(loss)), rel=1e-5)
