@@ -1,6 +1,7 @@
 """GPTDataset indices: deterministic, cached, and equal to a brute-force reconstruction."""
 
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -93,6 +94,25 @@ def test_samples_equal_brute_force_concatenation(corpus, tmp_path):
     assert item["labels"].tolist() == unshuffled[1:].tolist()
 
 
+def test_sequence_longer_than_an_epoch_spans_several_epochs(tmp_path):
+    documents = write_random_corpus(tmp_path / "short", num_documents=3, seed=5, max_length=10)
+    tokens_per_epoch = sum(len(document) for document in documents)
+    seq_length = 3 * tokens_per_epoch + 1
+    dataset = GPTDataset(
+        indexed_dataset=IndexedDataset(str(tmp_path / "short")),
+        split_name="train",
+        document_range=(0, 3),
+        num_samples=4,
+        config=_config(tmp_path / "short", seq_length=seq_length),
+        cache_dir=str(tmp_path / "cache"),
+    )
+    stream = np.concatenate([documents[doc] for doc in dataset.document_index])
+    assert len(dataset) >= 4
+    for sample in range(len(dataset)):
+        expected = stream[sample * seq_length : (sample + 1) * seq_length + 1]
+        assert dataset.sample_tokens(sample).tolist() == expected.tolist()
+
+
 def test_item_i_does_not_depend_on_requested_samples(corpus, tmp_path):
     prefix, _ = corpus
     small = _dataset(prefix, tmp_path / "cache", num_samples=10)
@@ -100,6 +120,15 @@ def test_item_i_does_not_depend_on_requested_samples(corpus, tmp_path):
     assert len(large) > 3 * len(small)
     for index in range(len(small)):
         assert torch.equal(small[index]["tokens"], large[index]["tokens"])
+
+
+def test_pickled_datasets_reopen_files_instead_of_copying(corpus, tmp_path):
+    prefix, documents = corpus
+    indexed = IndexedDataset(str(prefix))
+    payload = pickle.dumps(indexed)
+    assert len(payload) < 500  # the path only, not the memory-mapped tokens
+    reopened = pickle.loads(payload)
+    assert [reopened[index].tolist() for index in range(40)] == documents
 
 
 def test_build_item_masks_and_positions():
