@@ -1,0 +1,142 @@
+"""The distributed optimizer: Adam(W)/SGD over this rank's fp32 main-param shards.
+
+Each optimizer "parameter" is one LocalPiece: the part of one model parameter inside this rank's
+shard (a view of the main-shard buffer, its grad a view of the grad shard), so updates land in
+the buffers with no copies. Pieces of weights are viewed as [1, n] so that the decay/no-decay
+rule (`is_no_weight_decay`: ndim < 2 or a bias) sees the owning parameter's rank, not 1-D.
+
+Step: finish the grad reduction; global L2 norm over all ranks' pieces (each element counted
+once: pieces are disjoint; under no_shard everything is replicated so the norm is local); skip
+on NaN/Inf; clip; step; write main shards back into the compute storage (all-gathering the
+replicas for optim/optim_grads).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.distributed.fsdp.megatron_fsdp import MegatronFSDP
+from megatron.core.distributed.fsdp.param_and_grad_buffer import BufferGroup
+from megatron.core.distributed.fsdp.shard_layout import LocalPiece
+from megatron.core.distributed.fsdp.state_dict import (
+    load_optimizer_sharded_state_dict,
+    optimizer_sharded_state_dict,
+)
+from megatron.core.optimizer import (
+    MegatronOptimizer,
+    OptimizerConfig,
+    StepResult,
+    build_torch_optimizer,
+    clip_grads_,
+    global_grad_norm,
+)
+
+
+@dataclass(eq=False)
+class ShardPiece:
+    """One optimizer parameter: a piece of a model parameter in this rank's main shard."""
+
+    name: str
+    piece: LocalPiece
+    group: BufferGroup
+    main: torch.Tensor
+    """The optimizer's parameter tensor: a view of the main shard ([1, n] for weights)."""
+
+    def grad_view(self) -> torch.Tensor:
+        lo = self.piece.shard_start
+        return self.group.grad_shard()[lo : lo + self.piece.numel].view(self.main.shape)
+
+
+class FsdpDistributedOptimizer(MegatronOptimizer):
+    def __init__(self, engine: MegatronFSDP, *, config: OptimizerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.pieces: list[ShardPiece] = []
+        for group in engine.buffer.all_groups():
+            group.ensure_grad_buffer()
+            for piece in group.pieces():
+                flat = group.main_shard[piece.shard_start : piece.shard_start + piece.numel]
+                is_matrix = len(piece.slot.shape) >= 2
+                main = flat.view(1, -1) if is_matrix else flat
+                self.pieces.append(ShardPiece(piece.slot.name, piece, group, main))
+        named = [(p.name, p.main) for p in self.pieces]
+        # torch optimizers reject an empty parameter list; a rank whose shards hold only padding
+        # (tiny models, many ranks) keeps placeholder groups so the LR scheduler still works.
+        self.optimizer = build_torch_optimizer(named, config=config) if named else None
+        if self.optimizer is not None:
+            self.param_groups = self.optimizer.param_groups
+            self._init_state()
+        else:
+            self.param_groups = [{"lr": config.lr, "weight_decay": config.weight_decay}]
+        self.replicated = not engine.config.shards_optimizer_state
+
+    @torch.no_grad()
+    def _init_state(self) -> None:
+        """Create optimizer state up front so that a checkpoint template has every key.
+
+        Zero Adam moments with step 0 (and a zero SGD momentum buffer) update exactly as the
+        lazily created state would.
+        """
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                state = self.optimizer.state[param]
+                if self.config.optimizer == "adam":
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+                else:
+                    state["momentum_buffer"] = torch.zeros_like(param)
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad_buffer()
+
+    def _attach_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for shard_piece in self.pieces:
+            grad = shard_piece.grad_view()
+            if grad.dtype != shard_piece.main.dtype:
+                grad = grad.to(shard_piece.main.dtype)
+            shard_piece.main.grad = grad
+            grads.append(grad)
+        return grads
+
+    def step(self) -> StepResult:
+        self.engine.finish_grad_sync()
+        grads = self._attach_grads()
+        group = None if self.replicated else self.engine.process_group
+        if not grads:
+            grads = [torch.zeros(1, device=self.engine.buffer.device)]
+        grad_norm = global_grad_norm(grads, group=group)
+        if not math.isfinite(grad_norm):
+            self._detach_grads()
+            self.engine.zero_grad_buffer()
+            return StepResult(update_successful=False, grad_norm=grad_norm)
+        clip_grads_(grads, max_norm=self.config.clip_grad, total_norm=grad_norm)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self._detach_grads()
+        nbytes = self.engine.buffer.write_back_main_params()
+        self.engine.stats.add("all_gather_bytes", nbytes)
+        return StepResult(update_successful=True, grad_norm=grad_norm)
+
+    def _detach_grads(self) -> None:
+        for shard_piece in self.pieces:
+            shard_piece.main.grad = None
+
+    def state_dict(self) -> dict:
+        """Rank-local state (resume at the same DP size); sharded_state_dict() reshards."""
+        return {"optimizer": None if self.optimizer is None else self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def sharded_state_dict(self) -> dict:
+        """Optimizer state as flat per-parameter pieces that DCP can reshard to any DP size."""
+        return optimizer_sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        load_optimizer_sharded_state_dict(self, state)

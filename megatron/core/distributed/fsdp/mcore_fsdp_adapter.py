@@ -1,0 +1,146 @@
+"""FullyShardedDataParallel: the only Megatron-FSDP entry the training loop touches.
+
+Per step (M micro-batches):
+
+    model.zero_grad_buffer()                  # also resets comm_stats()
+    for k in range(M):
+        ctx = model.no_sync() if k < M - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = model(tokens, labels=labels).mean() / M
+            loss.backward()
+    model.finish_grad_sync()                  # wait for every reduction
+    result = optimizer.step()                 # optimizer = model.build_optimizer(cfg)
+    stats = model.comm_stats()                # bytes of this step
+
+no_sync() only defers reductions for no_shard/optim; sharded-grad strategies still
+reduce-scatter every micro-batch (a rank keeps no full grads between micro-batches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.core.distributed.fsdp.config import FsdpConfig
+from megatron.core.distributed.fsdp.distributed_optimizer import FsdpDistributedOptimizer
+from megatron.core.distributed.fsdp.megatron_fsdp import MegatronFSDP
+from megatron.core.distributed.fsdp.param_and_grad_buffer import InitFn
+from megatron.core.distributed.fsdp.state_dict import (
+    full_parameters,
+    load_model_sharded_state_dict,
+    model_sharded_state_dict,
+)
+from megatron.core.optimizer import OptimizerConfig
+
+
+def default_unit_modules(module: nn.Module) -> tuple[type, ...]:
+    """TransformerLayer for GPTModel; a model may also name its units itself."""
+    declared = getattr(module, "fsdp_unit_modules", None)
+    if declared:
+        return tuple(declared)
+    try:
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+    except ImportError as error:
+        raise ValueError(
+            "FullyShardedDataParallel: cannot import TransformerLayer to use as the default FSDP "
+            "unit; pass fsdp_unit_modules=(YourLayerClass,)"
+        ) from error
+    return (TransformerLayer,)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shards `module`'s params, grads and optimizer state over `process_group`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        fsdp_config: FsdpConfig,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        fsdp_unit_modules: tuple[type, ...] | None = None,
+        init_fn: InitFn | None = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.fsdp_config = fsdp_config
+        self.process_group = process_group or dist.group.WORLD
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
+        self.device = torch.device(device)
+        unit_types = fsdp_unit_modules or default_unit_modules(module)
+        self.engine = MegatronFSDP(
+            module,
+            config=fsdp_config,
+            process_group=self.process_group,
+            device=self.device,
+            unit_types=tuple(unit_types),
+            init_fn=init_fn,
+        )
+        self._init_meta_buffers()
+
+    def _init_meta_buffers(self) -> None:
+        """Non-persistent buffers of a meta-built model: the model re-creates them itself."""
+        if not any(buf.is_meta for buf in self.module.buffers()):
+            return
+        init_buffers = getattr(self.module, "init_buffers", None)
+        if init_buffers is None:
+            raise ValueError(
+                "FullyShardedDataParallel: the model has buffers on the meta device and no "
+                "init_buffers(device) method to re-create them"
+            )
+        init_buffers(self.device)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine.pre_root_forward()
+        output = self.module(*args, **kwargs)
+        self.engine.post_root_forward()
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Defer grad reduction (no_shard/optim) for the micro-batches run inside."""
+        previous = self.engine.sync_enabled
+        self.engine.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.engine.sync_enabled = previous
+
+    def finish_grad_sync(self) -> None:
+        self.engine.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        self.engine.zero_grad_buffer()
+
+    def build_optimizer(self, optimizer_config: OptimizerConfig) -> FsdpDistributedOptimizer:
+        return FsdpDistributedOptimizer(self.engine, config=optimizer_config)
+
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes all-gathered / reduce-scattered / all-reduced by this rank since the last
+        zero_grad_buffer() (definitions in collectives.CommStats)."""
+        return self.engine.stats.as_dict()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Persistent bytes this rank holds per role: params, main_params, grads."""
+        return self.engine.buffer.persistent_bytes()
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """fp32 main params as flat ShardedTensors (+ their shapes), for dist_checkpointing."""
+        return model_sharded_state_dict(self.engine)
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        load_model_sharded_state_dict(self.engine, state)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full fp32 main value on every rank (collective; tests, export)."""
+        return full_parameters(self.engine)

@@ -1,0 +1,216 @@
+"""Hooks and the per-unit state machine: gather before use, release after, reduce when done.
+
+One training step under ZeRO-3 (optim_grads_params), for each micro-batch:
+  root forward      gather the root unit (embedding, final norm, head); it stays gathered until
+                    its grads are done, because the root runs first in forward and last in backward.
+  unit pre-forward  wait for this unit's gather (prefetched), prefetch the next unit(s).
+  unit post-forward release the gathered buffer; hook the unit's outputs for pre-backward.
+  pre-backward      (first grad of the unit's outputs) gather again, prefetch the previous unit.
+  grads done        (post-accumulate-grad hooks of all its params) stage the grads, reduce
+                    (async with overlap_grad_reduce) and release the gathered buffer.
+Other strategies keep compute params replicated, so only the grad half applies.
+
+Activation recompute re-runs a unit's forward inside backward: those hooks see that backward is
+running, keep the buffer gathered and neither prefetch nor re-register.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.core.distributed.fsdp.collectives import CommStats
+from megatron.core.distributed.fsdp.config import FsdpConfig
+from megatron.core.distributed.fsdp.gather_pipeline import AllGatherPipeline
+from megatron.core.distributed.fsdp.param_and_grad_buffer import (
+    BufferGroup,
+    FsdpUnit,
+    InitFn,
+    ParamAndGradBuffer,
+    find_unit_modules,
+)
+from megatron.core.distributed.fsdp.reduce_pipeline import GradReducePipeline
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _grad_tensors(output: Any) -> list[torch.Tensor]:
+    """Every tensor inside a (nested) forward output that will receive a grad."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _grad_tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _grad_tensors(item)]
+    return []
+
+
+class MegatronFSDP:
+    """Owns the buffers, both pipelines and every hook for one wrapped model."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        config: FsdpConfig,
+        process_group: dist.ProcessGroup,
+        device: torch.device,
+        unit_types: tuple[type, ...],
+        init_fn: InitFn | None,
+    ) -> None:
+        self.config = config
+        self.process_group = process_group
+        self.buffer = ParamAndGradBuffer(
+            module,
+            unit_modules=find_unit_modules(module, unit_types),
+            config=config,
+            group=process_group,
+            device=device,
+            init_fn=init_fn,
+        )
+        self.stats = CommStats()
+        self.gather = AllGatherPipeline(
+            overlap=config.overlap_param_gather,
+            max_inflight_numel=config.suggested_communication_unit_size,
+            stats=self.stats,
+        )
+        self.reduce = GradReducePipeline(
+            process_group=process_group, overlap=config.overlap_grad_reduce, stats=self.stats
+        )
+        self.root = self.buffer.units[0]
+        self.layer_units = self.buffer.units[1:]
+        self.sync_enabled = True
+        self._forward_order: list[FsdpUnit] = list(self.layer_units)
+        self._current_order: list[FsdpUnit] = []
+        self._grads_seen: dict[int, int] = {}
+        self._reduced: set[int] = set()
+        self._locally_accumulated: set[int] = set()
+        self._param_owner: dict[nn.Parameter, tuple[FsdpUnit, BufferGroup, int]] = {}
+        self._install_hooks()
+
+    # ----- hooks -------------------------------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        for unit in self.buffer.units:
+            for group in unit.groups:
+                for index, param in enumerate(group.params):
+                    self._param_owner[param] = (unit, group, index)
+                    if param.requires_grad:
+                        param.register_post_accumulate_grad_hook(self._on_param_grad)
+        for unit in self.layer_units:
+            unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
+            unit.module.register_forward_hook(self._make_post_forward(unit))
+
+    def _make_pre_forward(self, unit: FsdpUnit):
+        def hook(module: nn.Module, args: Any) -> None:
+            if _in_backward():  # activation recompute: the pre-backward hook already gathered
+                self.gather.ensure_gathered(unit, "backward")
+                return
+            self._current_order.append(unit)
+            self.gather.ensure_gathered(unit, "forward")
+            upcoming = self._forward_order
+            position = upcoming.index(unit) if unit in upcoming else len(upcoming)
+            self.gather.prefetch(upcoming[position + 1 :], "forward")
+
+        return hook
+
+    def _make_post_forward(self, unit: FsdpUnit):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if _in_backward():
+                return
+            if self.config.shards_params:
+                self.gather.release(unit)
+                tensors = _grad_tensors(output)
+                if tensors and torch.is_grad_enabled():
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda grads: self._pre_backward(unit), mode="any"
+                    )
+
+        return hook
+
+    def _pre_backward(self, unit: FsdpUnit) -> None:
+        self.gather.ensure_gathered(unit, "backward")
+        order = self._forward_order
+        if unit in order:
+            position = order.index(unit)
+            self.gather.prefetch(order[:position][::-1], "backward")
+
+    def _on_param_grad(self, param: torch.Tensor) -> None:
+        unit, group, index = self._param_owner[param]
+        if param.grad is None:
+            return
+        if not group.shards_grads and id(unit) in self._reduced:
+            raise RuntimeError(
+                f"Megatron-FSDP ({self.config.data_parallel_sharding_strategy}): unit "
+                f"{unit.name or '<root>'} got grads after its grads were already reduced this "
+                "step; run every micro-batch but the last under model.no_sync()"
+            )
+        group.add_param_grad(index, param.grad)
+        param.grad = None
+        seen = self._grads_seen.get(id(unit), 0) + 1
+        self._grads_seen[id(unit)] = seen
+        if seen == sum(p.requires_grad for p in unit.params()):
+            self._on_unit_grads_done(unit)
+
+    def _on_unit_grads_done(self, unit: FsdpUnit) -> None:
+        self._grads_seen[id(unit)] = 0
+        shards_grads = self.config.shards_grads
+        if shards_grads or self.sync_enabled:
+            if not shards_grads:
+                self._reduced.add(id(unit))
+                self._locally_accumulated.discard(id(unit))
+            self.reduce.reduce_unit(unit)
+        else:
+            self._locally_accumulated.add(id(unit))
+        if self.config.shards_params:
+            self.gather.release(unit)
+
+    # ----- entry points used by the adapter ----------------------------------------------
+
+    def pre_root_forward(self) -> None:
+        self._flush_partial_units()
+        self._current_order = []
+        self.gather.ensure_gathered(self.root, "forward")
+        self.gather.prefetch(self._forward_order, "forward")
+
+    def post_root_forward(self) -> None:
+        if self._current_order:
+            self._forward_order = self._current_order
+        if self.config.shards_params and not torch.is_grad_enabled():
+            self.gather.release(self.root)
+
+    def _flush_partial_units(self) -> None:
+        """Units where some params got no grad (unused this step): reduce what they have."""
+        for unit in self.buffer.units:
+            if self._grads_seen.get(id(unit), 0) > 0:
+                self._on_unit_grads_done(unit)
+
+    def finish_grad_sync(self) -> None:
+        """Launch any reduction not yet launched, wait for all, and store the results."""
+        self._flush_partial_units()
+        for unit in self.buffer.units:
+            if id(unit) in self._locally_accumulated:
+                self._locally_accumulated.discard(id(unit))
+                self._reduced.add(id(unit))
+                self.reduce.reduce_unit(unit)
+        self.reduce.wait_all()
+        self.gather.drain()
+
+    def zero_grad_buffer(self) -> None:
+        """Start a new step: zero grads, forget reductions, reset the byte counters."""
+        self.reduce.wait_all()
+        for group in self.buffer.all_groups():
+            group.zero_grads()
+        self._reduced.clear()
+        self._locally_accumulated.clear()
+        self._grads_seen.clear()
+        self.stats.reset()
+
+    def units(self) -> Iterator[FsdpUnit]:
+        yield from self.buffer.units

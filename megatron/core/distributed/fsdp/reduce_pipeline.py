@@ -1,0 +1,104 @@
+"""The grad-reduce pipeline: average each unit's grads over DP ranks once its backward is done.
+
+Gradient averaging: every reduced tensor is scaled by 1/W before a SUM collective (mean over
+ranks; pre-scaling keeps bf16 reductions in range), so that W ranks with B samples each match
+one process with W*B samples.
+
+Accumulation over micro-batches, by strategy:
+- optim_grads / optim_grads_params (sharded grads): every micro-batch's full grads are
+  reduce-scattered and the result is added to this rank's grad shard. no_sync() cannot skip
+  this: a rank does not keep full grads between micro-batches.
+- no_shard / optim: grads accumulate locally in the full grad buffer; the reduction (all-reduce,
+  or reduce-scatter into this rank's slice) runs once, for the backward outside no_sync() or in
+  finish_grad_sync(). More grads after that reduction in the same step is an error.
+With overlap_grad_reduce the collectives are asynchronous and finish_grad_sync() waits for them;
+results are applied in launch order, so overlap on and off give bitwise equal grads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.fsdp.collectives import (
+    CommStats,
+    all_reduce_sum,
+    reduce_scatter_flat,
+)
+from megatron.core.distributed.fsdp.param_and_grad_buffer import BufferGroup, FsdpUnit
+
+
+@dataclass(eq=False)
+class _PendingReduce:
+    group: BufferGroup
+    work: dist.Work | None
+    result: torch.Tensor
+    keep_alive: torch.Tensor | None
+
+
+class GradReducePipeline:
+    def __init__(
+        self, *, process_group: dist.ProcessGroup, overlap: bool, stats: CommStats
+    ) -> None:
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.overlap = overlap
+        self.stats = stats
+        self._pending: list[_PendingReduce] = []
+
+    @torch.no_grad()
+    def reduce_unit(self, unit: FsdpUnit) -> None:
+        for group in unit.groups:
+            if group.shards_grads:
+                self._reduce_scatter_staging(group)
+            else:
+                self._reduce_local_grads(group)
+
+    def _reduce_scatter_staging(self, group: BufferGroup) -> None:
+        staging = group.staging
+        if staging is None:
+            return
+        group.staging = None
+        group.ensure_grad_buffer()
+        staging.mul_(1.0 / self.world_size)
+        result = torch.empty(group.layout.shard_numel, dtype=staging.dtype, device=staging.device)
+        work = reduce_scatter_flat(result, staging, group=self.process_group, async_op=self.overlap)
+        self.stats.add("reduce_scatter_bytes", staging.numel() * staging.element_size())
+        self._queue(_PendingReduce(group=group, work=work, result=result, keep_alive=staging))
+
+    def _reduce_local_grads(self, group: BufferGroup) -> None:
+        grads = group.ensure_grad_buffer()
+        scaled = (grads * (1.0 / self.world_size)).to(group.reduce_dtype)
+        nbytes = scaled.numel() * scaled.element_size()
+        if group.layout.world_size == 1:  # no_shard: every rank keeps every grad
+            work = all_reduce_sum(scaled, group=self.process_group, async_op=self.overlap)
+            self.stats.add("all_reduce_bytes", nbytes if self.world_size > 1 else 0)
+            self._queue(_PendingReduce(group=group, work=work, result=scaled, keep_alive=None))
+            return
+        result = torch.empty(group.layout.shard_numel, dtype=scaled.dtype, device=scaled.device)
+        work = reduce_scatter_flat(result, scaled, group=self.process_group, async_op=self.overlap)
+        self.stats.add("reduce_scatter_bytes", nbytes)
+        self._queue(_PendingReduce(group=group, work=work, result=result, keep_alive=scaled))
+
+    def _queue(self, pending: _PendingReduce) -> None:
+        self._pending.append(pending)
+        if not self.overlap:
+            self.wait_all()
+
+    @torch.no_grad()
+    def wait_all(self) -> None:
+        """Wait for every launched reduction and store its result, in launch order."""
+        for pending in self._pending:
+            if pending.work is not None:
+                pending.work.wait()
+            group = pending.group
+            if group.shards_grads:
+                group.grad_buffer.add_(pending.result)
+            elif group.layout.world_size == 1:
+                group.grad_buffer.copy_(pending.result)
+            else:
+                lo, hi = group.layout.shard_range(group.layout.rank)
+                group.grad_buffer[lo:hi].copy_(pending.result)
+        self._pending.clear()

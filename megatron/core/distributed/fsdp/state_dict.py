@@ -1,0 +1,137 @@
+"""Sharded state dicts of the engine and its optimizer, in the form dist_checkpointing saves.
+
+Model: {"params": {name: flat fp32 main param}, "param_shapes": {name: int64 shape tensor}}.
+Optimizer: {"step": scalar, "<state key>": {name: flat state}} (exp_avg/exp_avg_sq for Adam,
+momentum_buffer for SGD). Every flat value is the parameter flattened to 1-D: a ShardedTensor
+whose local shard is a *view* of this rank's buffer (so DCP writes loads straight into it) when
+main params are sharded, or a plain replicated tensor under no_shard.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.dist_checkpointing.sharded_tensor import flat_sharded_tensor, local_piece
+from megatron.core.distributed.fsdp.collectives import all_gather_flat
+from megatron.core.distributed.fsdp.megatron_fsdp import MegatronFSDP
+from megatron.core.distributed.fsdp.param_and_grad_buffer import BufferGroup
+from megatron.core.distributed.fsdp.shard_layout import LocalPiece, ParamSlot
+
+if TYPE_CHECKING:
+    from megatron.core.distributed.fsdp.distributed_optimizer import FsdpDistributedOptimizer
+
+
+def _wrap(
+    engine: MegatronFSDP, slot: ParamSlot, piece: LocalPiece | None, view: torch.Tensor | None
+) -> Any:
+    """One parameter's flat value: replicated tensor (no_shard) or this rank's ShardedTensor
+    piece (`view`, None where the rank holds none of the parameter)."""
+    if not engine.config.shards_optimizer_state:
+        return view
+    return flat_sharded_tensor(
+        view,
+        offset=0 if piece is None else piece.param_start,
+        global_numel=slot.numel,
+        process_group=engine.process_group,
+    )
+
+
+def _piece_of(group: BufferGroup, slot: ParamSlot) -> LocalPiece | None:
+    return next((p for p in group.pieces() if p.slot is slot), None)
+
+
+def _named_slots(engine: MegatronFSDP):
+    for group in engine.buffer.all_groups():
+        for index, slot in enumerate(group.layout.slots):
+            yield slot.name, group, index
+
+
+def model_sharded_state_dict(engine: MegatronFSDP) -> dict[str, Any]:
+    params, shapes = {}, {}
+    for name, group, index in _named_slots(engine):
+        slot = group.layout.slots[index]
+        piece = _piece_of(group, slot)
+        view = None
+        if piece is not None:
+            view = group.main_shard[piece.shard_start : piece.shard_start + piece.numel]
+        params[name] = _wrap(engine, slot, piece, view)
+        shapes[name] = torch.tensor(list(slot.shape), dtype=torch.int64)
+    return {"params": params, "param_shapes": shapes}
+
+
+@torch.no_grad()
+def _copy_into_main(engine: MegatronFSDP, params: dict[str, Any]) -> None:
+    for name, group, index in _named_slots(engine):
+        piece = _piece_of(group, group.layout.slots[index])
+        loaded = local_piece(params[name])
+        if piece is None or loaded is None:
+            continue
+        dest = group.main_shard[piece.shard_start : piece.shard_start + piece.numel]
+        if dest.data_ptr() != loaded.data_ptr():
+            dest.copy_(loaded.reshape(-1))
+
+
+def load_model_sharded_state_dict(engine: MegatronFSDP, state: dict[str, Any]) -> None:
+    """Take loaded main params (in place or copied) and refresh the compute params from them."""
+    _copy_into_main(engine, state["params"])
+    engine.buffer.write_back_main_params()
+
+
+@torch.no_grad()
+def full_parameters(engine: MegatronFSDP) -> dict[str, torch.Tensor]:
+    """All-gather every main shard and cut out each parameter (collective on every rank)."""
+    result = {}
+    for group in engine.buffer.all_groups():
+        layout = group.layout
+        full = torch.empty(
+            layout.padded_numel, dtype=group.main_shard.dtype, device=group.main_shard.device
+        )
+        if layout.world_size == 1:
+            full.copy_(group.main_shard)
+        else:
+            all_gather_flat(full, group.main_shard, group=engine.process_group, async_op=False)
+        for slot in layout.slots:
+            result[slot.name] = full[slot.offset : slot.end].view(slot.shape).clone()
+    return result
+
+
+def optimizer_sharded_state_dict(optimizer: FsdpDistributedOptimizer) -> dict[str, Any]:
+    engine = optimizer.engine
+    adam = optimizer.config.optimizer == "adam"
+    keys = ("exp_avg", "exp_avg_sq") if adam else ("momentum_buffer",)
+    by_name = {shard_piece.name: shard_piece for shard_piece in optimizer.pieces}
+    state: dict[str, Any] = {key: {} for key in keys}
+    step = torch.zeros((), dtype=torch.float32)
+    for name, group, index in _named_slots(engine):
+        shard_piece = by_name.get(name)
+        torch_state = optimizer.optimizer.state[shard_piece.main] if shard_piece else {}
+        piece = shard_piece.piece if shard_piece else None
+        for key in keys:
+            view = torch_state[key].view(-1) if shard_piece else None
+            state[key][name] = _wrap(engine, group.layout.slots[index], piece, view)
+        if "step" in torch_state:
+            step = torch_state["step"].detach().clone().float()
+    if adam:
+        if engine.config.shards_optimizer_state:
+            # Replicated value: a rank without pieces must still write the true step count.
+            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=engine.process_group)
+        state["step"] = step
+    return state
+
+
+@torch.no_grad()
+def load_optimizer_sharded_state_dict(
+    optimizer: FsdpDistributedOptimizer, state: dict[str, Any]
+) -> None:
+    for piece in optimizer.pieces:
+        torch_state = optimizer.optimizer.state[piece.main]
+        for key, value in torch_state.items():
+            if key == "step":
+                value.copy_(state["step"])
+                continue
+            loaded = local_piece(state[key][piece.name])
+            if loaded is not None and loaded.data_ptr() != value.data_ptr():
+                value.view(-1).copy_(loaded.reshape(-1))
