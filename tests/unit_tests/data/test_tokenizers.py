@@ -1,6 +1,7 @@
 """Tokenizers: exact ids, round trips, missing-file errors that name the flag."""
 
 import json
+import sys
 
 import pytest
 
@@ -144,6 +145,12 @@ def test_huggingface_tokenizer_from_tokenizer_json(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "e"}))
     from_dir = build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
     assert from_dir.eod == hf.token_to_id("e")
+
+
+def test_huggingface_tokenizer_without_package_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers now fails
+    with pytest.raises(ImportError, match="optional `tokenizers` package: pip install tokenizers"):
+        build_tokenizer(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
 
 
 def test_tokenizers_satisfy_protocol_and_null_rejects_tiny_vocab():
