@@ -115,7 +115,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             dy2d, plan, role="grad", rowwise=need_dgrad or (need_wgrad and per_tensor),
             columnwise=need_wgrad and not per_tensor,
         )  # fmt: skip
-        if plan.record and plan.metas is not None:
+        # Record even for a recomputed graph (reentrant checkpoint): its backward is the real one.
+        if plan.metas is not None:
             fp8_state.record_backward(plan.metas["grad"], dyq.amax, plan.group)
         dx = dw = dbias = None
         if need_dgrad:
@@ -156,7 +157,7 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self._init_like_nn_linear(weight)
         self.delayed_scaling = None
-        self._first_forward_enabled = True
+        self._first_forward: tuple = (True, fp8_config, None)
         if fp8_config.recipe == "delayed":
             dtypes = {r: fp8_dtype_for_role(fp8_config.fp8_format, r) for r in ("input", "weight")}
             dtypes["grad"] = fp8_dtype_for_role(fp8_config.fp8_format, "grad")
@@ -218,21 +219,22 @@ class Fp8Linear(nn.Module):
             )
         frame = fp8_state.current_autocast()
         recompute = fp8_state.in_recompute()
-        enabled = frame.enabled if frame is not None else True
         if recompute:
-            enabled = self._first_forward_enabled  # autocast is not re-entered in backward
+            # fp8_autocast is not active during backward: replay the first forward's settings.
+            enabled, config, group = self._first_forward
         else:
-            self._first_forward_enabled = enabled
+            enabled = frame.enabled if frame is not None else True
+            config = (frame.fp8_config if frame is not None else None) or self.fp8_config
+            group = frame.group if frame is not None else None
+            self._first_forward = (enabled, config, group)
         if not enabled:
             # A QuantizedTensor weight dequantizes through __torch_dispatch__; grads still flow.
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight.to(x.dtype), bias)
-        config = (frame.fp8_config if frame is not None else None) or self.fp8_config
         if isinstance(self.weight, QuantizedTensor) and self.weight.recipe != config.recipe:
             raise ValueError(
                 f"FP8 weight was quantized with recipe '{self.weight.recipe}' but autocast asks "
                 f"for '{config.recipe}'; build the model under the same recipe"
             )
-        group = frame.group if frame is not None else None
         plan = self._plan(config, recompute, group)
         return _Fp8LinearFunction.apply(x, self.weight, self.bias, plan)

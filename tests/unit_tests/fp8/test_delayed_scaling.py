@@ -1,0 +1,213 @@
+"""Delayed scaling: hand-simulated scale/history evolution, recompute, state_dict, and one
+packed all-reduce per direction on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from megatron.core.fp8 import (
+    E4M3,
+    Fp8Config,
+    Fp8Linear,
+    delayed_scaling_state_dict,
+    fp8_autocast,
+    load_delayed_scaling_state_dict,
+    quantize,
+)
+from tests.unit_tests.dist_utils import run_distributed
+
+
+def unit_pattern(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Values in (-1, 1) with max |value| exactly 1, so a * pattern has amax exactly a."""
+    u = torch.rand(rows, cols, generator=torch.Generator().manual_seed(seed)) * 1.8 - 0.9
+    u[0, 0] = 1.0
+    return u
+
+
+class HandSimulation:
+    """FP8_NUMERICS.md delayed steps 1-4 in plain numpy fp32."""
+
+    def __init__(self, length: int, margin: int, algo: str, fp8_max: float = 448.0):
+        self.history = [np.float32(0)] * length
+        self.scale = np.float32(1.0)
+        self.margin, self.algo, self.fp8_max = margin, algo, np.float32(fp8_max)
+
+    def step(self, amax: float) -> None:
+        self.history[0] = max(self.history[0], np.float32(amax))
+        used = max(self.history) if self.algo == "max" else self.history[0]
+        if np.isfinite(used) and used > 0:
+            self.scale = np.float32(np.float32(self.fp8_max / used) / np.float32(2**self.margin))
+        self.history = self.history[1:] + self.history[:1]
+        self.history[0] = np.float32(0)
+
+
+def test_scale_and_history_follow_hand_simulation():
+    config = Fp8Config(recipe="delayed", fp8_format="hybrid", amax_history_len=3, margin=1)
+    layer = Fp8Linear(32, 16, bias=False, fp8_config=config)
+    metas = layer.delayed_scaling.metas
+    w_amax = layer.weight.detach().abs().max().item()
+    sims = {
+        "input": HandSimulation(3, 1, "max"),
+        "weight": HandSimulation(3, 1, "max"),
+        "grad": HandSimulation(3, 1, "max", fp8_max=57344.0),
+    }
+    for step, (a, b) in enumerate([(2.0, 0.5), (8.0, 3.0), (1.0, 1e-3), (0.5, 0.0), (3.0, 7.0)]):
+        x = (a * unit_pattern(4, 32, step)).requires_grad_()
+        with fp8_autocast(fp8_config=config):
+            y = layer(x)
+        sims["input"].step(a)
+        sims["weight"].step(w_amax)
+        for role in ("input", "weight"):
+            assert metas[role].scale.item() == sims[role].scale, (step, role)
+            assert metas[role].amax_history.tolist() == [float(v) for v in sims[role].history]
+        y.backward(b * unit_pattern(4, 16, 100 + step))
+        sims["grad"].step(b)
+        assert metas["grad"].scale.item() == sims["grad"].scale, step
+        assert metas["grad"].amax_history.tolist() == [float(v) for v in sims["grad"].history]
+    # History length 3: 8.0 (step 1) rolled out; the max of 1.0, 0.5, 3.0 sets the scale.
+    assert metas["input"].scale.item() == np.float32(np.float32(448.0) / np.float32(3.0)) / 2
+
+
+def test_most_recent_and_zero_amax_keeps_scale():
+    config = Fp8Config(recipe="delayed", fp8_format="e4m3", amax_history_len=2,
+                       amax_compute_algo="most_recent")  # fmt: skip
+    layer = Fp8Linear(32, 8, bias=False, fp8_config=config)
+    scales = []
+    for a in (4.0, 1.0, 0.0):
+        with fp8_autocast():
+            layer(a * unit_pattern(2, 32, 0))
+        scales.append(layer.delayed_scaling.metas["input"].scale.item())
+    assert scales == [112.0, 448.0, 448.0]  # amax 0 keeps the old scale
+
+
+def test_quantization_uses_the_scale_before_the_update():
+    config = Fp8Config(recipe="delayed", fp8_format="e4m3", amax_history_len=4)
+    layer = Fp8Linear(32, 8, bias=False, fp8_config=config)
+    x = 2.0 * unit_pattern(4, 32, 1)
+    layer(x)  # step 1: scale 1.0, then scale becomes 224
+    y = layer(x)  # step 2 quantizes with 224
+    scale = torch.tensor(224.0)
+    xq = quantize(x, recipe="delayed", fp8_dtype=E4M3, role="input", scale=scale)
+    w_scale = torch.tensor(np.float32(448.0) / np.float32(layer.weight.abs().max().item()))
+    wq = quantize(layer.weight.detach(), recipe="delayed", fp8_dtype=E4M3, role="weight",
+                  scale=w_scale)  # fmt: skip
+    assert torch.equal(y, xq.dequantize() @ wq.dequantize().t())
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_recompute_reuses_first_forward_scales_and_records_once(use_reentrant):
+    config = Fp8Config(recipe="delayed", fp8_format="hybrid", amax_history_len=4)
+    torch.manual_seed(0)
+    plain = Fp8Linear(32, 16, fp8_config=config)
+    torch.manual_seed(0)
+    recomputed = Fp8Linear(32, 16, fp8_config=config)
+    for step in range(3):
+        x = ((step + 1) * unit_pattern(8, 32, step)).requires_grad_()
+        grad_y = unit_pattern(8, 16, 50 + step)
+        with fp8_autocast():
+            y_plain = plain(x)
+            y_ckpt = checkpoint(recomputed, x, use_reentrant=use_reentrant)
+        assert torch.equal(y_plain, y_ckpt)
+        y_plain.backward(grad_y)
+        y_ckpt.backward(grad_y)
+        for role in ("input", "weight", "grad"):
+            ckpt_meta = recomputed.delayed_scaling.metas[role]
+            plain_meta = plain.delayed_scaling.metas[role]
+            assert torch.equal(ckpt_meta.amax_history, plain_meta.amax_history), (step, role)
+            assert torch.equal(ckpt_meta.scale, plain_meta.scale), (step, role)
+        # The recompute recorded nothing: slot 0 is still zero after the backward.
+        assert recomputed.delayed_scaling.metas["input"].amax_history[0].item() == 0.0
+        # Scales changed after the forward, so equal grads prove the recompute used the old ones.
+        assert torch.equal(recomputed.weight.grad, plain.weight.grad)
+        plain.zero_grad()
+        recomputed.zero_grad()
+
+
+def test_state_dict_round_trip_keyed_by_module_names():
+    config = Fp8Config(recipe="delayed", fp8_format="hybrid", amax_history_len=5, margin=2)
+    model = torch.nn.Sequential(Fp8Linear(32, 16, fp8_config=config),
+                                Fp8Linear(16, 8, fp8_config=config))  # fmt: skip
+    for step in range(2):
+        with fp8_autocast():
+            y = model((step + 1) * unit_pattern(4, 32, step))
+        y.sum().backward()
+    state = delayed_scaling_state_dict(model)
+    assert sorted(state) == ["0", "1"]
+    assert json.loads(json.dumps(state["0"]["metadata"]))["amax_history_len"] == 5
+    fresh = torch.nn.Sequential(Fp8Linear(32, 16, fp8_config=config),
+                                Fp8Linear(16, 8, fp8_config=config))  # fmt: skip
+    load_delayed_scaling_state_dict(fresh, state)
+    for name in ("0", "1"):
+        for role in ("input", "weight", "grad"):
+            old, new = (
+                model[int(name)].delayed_scaling.metas[role],
+                fresh[int(name)].delayed_scaling.metas[role],
+            )
+            assert torch.equal(old.scale, new.scale) and torch.equal(
+                old.amax_history, new.amax_history
+            )
+    assert model[0].delayed_scaling.metas["input"].scale.item() == np.float32(448 / 2.0) / 4
+    with pytest.raises(KeyError, match="missing"):
+        load_delayed_scaling_state_dict(torch.nn.Sequential(fresh[0]), {"1": state["1"]})
+    short = Fp8Linear(32, 16, fp8_config=Fp8Config(recipe="delayed", amax_history_len=3))
+    with pytest.raises(ValueError, match="--fp8-amax-history-len"):
+        short.delayed_scaling.load_state_dict(state["0"])
+
+
+def _count_collectives(rank: int, world_size: int) -> dict:
+    calls = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        calls.append((tensor.dtype, tensor.numel()))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    config = Fp8Config(recipe="delayed", fp8_format="hybrid", amax_history_len=4)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Fp8Linear(32, 16, fp8_config=config),
+                                Fp8Linear(16, 8, fp8_config=config))  # fmt: skip
+    x = (rank + 1) * unit_pattern(4, 32, 0)
+    with fp8_autocast(amax_reduction_group=dist.group.WORLD):
+        y = model(x)
+        forward_calls = list(calls)  # nothing until the autocast exits
+    after_forward = list(calls)
+    y.backward((rank + 1) * unit_pattern(4, 8, 1))
+    after_backward = list(calls)
+    # Tensorwise quantization of a sharded tensor with amax_reduction_group = the whole tensor.
+    whole = torch.randn(8, 16, generator=torch.Generator().manual_seed(5)) * 3
+    shard = whole[rank * 4 : (rank + 1) * 4]
+    qt = quantize(shard, recipe="tensorwise", fp8_dtype=E4M3, role="weight",
+                  amax_reduction_group=dist.group.WORLD)  # fmt: skip
+    dist.all_reduce = real_all_reduce
+    metas = model[0].delayed_scaling.metas
+    return dict(
+        forward_calls=forward_calls, after_forward=after_forward, after_backward=after_backward,
+        input_scale=metas["input"].scale.item(),
+        grad_scales=[layer.delayed_scaling.metas["grad"].scale.item() for layer in model],
+        shard_bytes=qt.rowwise_data, shard_scale_inv=qt.rowwise_scale_inv,
+    )  # fmt: skip
+
+
+def test_one_packed_all_reduce_per_direction_on_two_ranks():
+    results = run_distributed(_count_collectives, 2)
+    for result in results:
+        assert result["forward_calls"] == []
+        # 2 layers x (input, weight) amaxes in one fp32 buffer, then 2 grad amaxes in one.
+        assert result["after_forward"] == [(torch.float32, 4)]
+        assert result["after_backward"] == [(torch.float32, 4), (torch.float32, 2)]
+        # Rank 1's input amax is 2.0: both ranks take the max.
+        assert result["input_scale"] == 224.0
+        assert result["grad_scales"][1] == 57344.0 / 2.0  # the last layer's dY is (rank+1) * u
+    assert results[0]["grad_scales"] == results[1]["grad_scales"]
+    whole = torch.randn(8, 16, generator=torch.Generator().manual_seed(5)) * 3
+    expected = quantize(whole, recipe="tensorwise", fp8_dtype=E4M3, role="weight")
+    gathered = torch.cat([r["shard_bytes"] for r in results])
+    assert torch.equal(gathered, expected.rowwise_data)
+    assert all(torch.equal(r["shard_scale_inv"], expected.rowwise_scale_inv) for r in results)
