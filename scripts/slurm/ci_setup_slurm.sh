@@ -86,7 +86,7 @@ SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
 # A node that went down (e.g. the machine restarted) comes back by itself when slurmd registers.
 ReturnToService=2
-# Keep finished jobs visible to `scontrol show job` for 10 minutes (no accounting database).
+# Keep finished jobs visible to "scontrol show job" for 10 minutes (no accounting database).
 MinJobAge=600
 NodeName=$NODE_NAME NodeAddr=127.0.0.1 CPUs=$NODE_CPUS State=UNKNOWN
 PartitionName=$PARTITION Nodes=$NODE_NAME Default=YES MaxTime=INFINITE State=UP
