@@ -82,7 +82,8 @@ def quantize_weight_for_init(
         power_2_scale=None if config.recipe in ("delayed", "mxfp8") else config.use_power_2_scale,
     )  # fmt: skip
     param = nn.Parameter(qt, requires_grad=True)
-    if init.preserve_high_precision_init_val:
+    # A meta-device weight has no values to keep: the FSDP engine's init_fn seeds main params.
+    if init.preserve_high_precision_init_val and not weight.is_meta:
         setattr(param, _HP_INIT_ATTR, weight.detach().to("cpu", copy=True))
     return param
 

@@ -178,7 +178,7 @@ class QuantizedTensor(torch.Tensor):
             )
             rows2d = source.reshape(-1, self.shape[-1])
             scale_t = scale_inv if scale_inv.dim() == 0 else scale_inv.t().contiguous()
-            self._transpose_cache = (rows2d.t().contiguous(), scale_t)
+            self._transpose_cache = (_transpose_bytes(rows2d), scale_t)
         return self._transpose_cache
 
     def discard_transpose_cache(self) -> None:
@@ -323,6 +323,17 @@ class QuantizedTensor(torch.Tensor):
             return value.dequantize() if isinstance(value, QuantizedTensor) else value
 
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def _transpose_bytes(rows2d: torch.Tensor) -> torch.Tensor:
+    """[K, M] copy of [M, K] bytes: the fused CUDA transpose on GPU, torch elsewhere."""
+    if rows2d.is_cuda:
+        try:
+            from megatron.core.fp8.cuda import transpose_fp8
+        except ImportError:
+            return rows2d.t().contiguous()
+        return transpose_fp8(rows2d)
+    return rows2d.t().contiguous()
 
 
 def _to_copy(qt: QuantizedTensor, *, dtype=None, device=None, **_ignored) -> torch.Tensor:

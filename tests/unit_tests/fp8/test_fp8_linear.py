@@ -174,3 +174,12 @@ def test_optimizer_write_back_into_fp8_weight_in_place():
     assert weight.rowwise_data.data_ptr() == storage
     assert torch.equal(weight.rowwise_data, expected.rowwise_data)
     assert torch.equal(weight.rowwise_scale_inv, expected.rowwise_scale_inv)
+
+
+def test_meta_device_construction_for_deferred_init():
+    with torch.device("meta"), quantized_model_init("blockwise"):
+        layer = Fp8Linear(300, 130, fp8_config=Fp8Config(recipe="blockwise"))
+    weight = layer.weight
+    assert weight.device.type == "meta" and weight.rowwise_data.shape == (130, 300)
+    assert tuple(weight.rowwise_scale_inv.shape) == (2, 3)  # 128x128 blocks
+    assert get_high_precision_init_val(weight) is None  # nothing to keep on meta
