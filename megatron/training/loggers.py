@@ -7,6 +7,7 @@ other name, so a renamed metric fails loudly instead of starting a new, empty cu
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -51,8 +52,32 @@ def _import_wandb() -> Any:
 
 
 def wandb_mode() -> str:
-    """ "online" when WANDB_API_KEY is set, else "offline" (runs sync later with `wandb sync`)."""
+    """W&B mode: online when WANDB_API_KEY is set, else offline (sync later with `wandb sync`)."""
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def check_logger_settings(
+    *,
+    tensorboard_dir: str | None,
+    wandb_project: str | None,
+    wandb_exp_name: str | None,
+    wandb_save_dir: str | None,
+) -> None:
+    """Fail with the fix when the logging flags cannot work: call it at parse time on every
+    rank, so that a bad flag stops all ranks before training instead of only the logging one."""
+    if tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        _import_summary_writer()  # raises the ImportError that names the pip install
+    if not wandb_project:
+        return
+    if not wandb_exp_name:
+        raise ValueError("--wandb-project is set but --wandb-exp-name is not; give the run a name")
+    if not wandb_save_dir:
+        raise ValueError(
+            "--wandb-project is set but --wandb-save-dir is not; give a directory for the "
+            "W&B run files (Megatron-LM uses <--save>/wandb)"
+        )
+    if importlib.util.find_spec("wandb") is None:
+        _import_wandb()
 
 
 class MetricsLogger:
@@ -78,6 +103,12 @@ class MetricsLogger:
         self._last_wandb_step: int | None = None
         if not enabled:
             return
+        check_logger_settings(
+            tensorboard_dir=tensorboard_dir,
+            wandb_project=wandb_project,
+            wandb_exp_name=wandb_exp_name,
+            wandb_save_dir=wandb_save_dir,
+        )
         if tensorboard_dir:
             summary_writer_class = _import_summary_writer()
             os.makedirs(tensorboard_dir, exist_ok=True)
@@ -94,15 +125,6 @@ class MetricsLogger:
     def _init_wandb(
         *, project: str, exp_name: str | None, save_dir: str | None, run_config: dict
     ) -> Any:
-        if not exp_name:
-            raise ValueError(
-                "--wandb-project is set but --wandb-exp-name is not; give the run a name"
-            )
-        if not save_dir:
-            raise ValueError(
-                "--wandb-project is set but --wandb-save-dir is not; give a directory for the "
-                "W&B run files (Megatron-LM uses <--save>/wandb)"
-            )
         wandb = _import_wandb()
         os.makedirs(save_dir, exist_ok=True)
         return wandb.init(

@@ -9,7 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from megatron.training.loggers import METRIC_NAMES, MetricsLogger, wandb_mode
+from megatron.training.loggers import (
+    METRIC_NAMES,
+    MetricsLogger,
+    check_logger_settings,
+    wandb_mode,
+)
 from tests.unit_tests.ecosystem.readers import read_tensorboard_scalars, read_wandb_offline_scalars
 
 TRAIN_STEPS = 120
@@ -166,6 +171,27 @@ def test_wandb_needs_a_name_and_a_dir(tmp_path) -> None:
             run_config={},
             enabled=True,
         )
+
+
+def test_settings_check_runs_without_creating_anything(tmp_path, monkeypatch) -> None:
+    """check_logger_settings is what every rank calls at parse time: same errors, no files."""
+    with pytest.raises(ValueError, match="--wandb-exp-name"):
+        check_logger_settings(
+            tensorboard_dir=None, wandb_project="p", wandb_exp_name="", wandb_save_dir="d"
+        )
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match="pip install wandb"):
+        check_logger_settings(
+            tensorboard_dir=None, wandb_project="p", wandb_exp_name="e", wandb_save_dir="d"
+        )
+    pytest.importorskip("tensorboard", reason="needs tensorboard (pip install tensorboard)")
+    check_logger_settings(
+        tensorboard_dir=str(tmp_path / "tb"),
+        wandb_project=None,
+        wandb_exp_name=None,
+        wandb_save_dir=None,
+    )
+    assert os.listdir(tmp_path) == []
 
 
 def test_wandb_mode_follows_the_api_key(monkeypatch) -> None:
