@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -199,3 +200,51 @@ def test_wandb_mode_follows_the_api_key(monkeypatch) -> None:
     assert wandb_mode() == "offline"
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     assert wandb_mode() == "online"
+
+
+@pytest.mark.slow
+def test_pretrain_gpt_logs_the_same_series_to_log_tensorboard_and_wandb(
+    tmp_path, offline_wandb
+) -> None:
+    """End to end: the log lines, TensorBoard and W&B of one tiny training run agree point for
+    point (TensorBoard stores float32; log lines print 7 significant digits)."""
+    pytest.importorskip("tensorboard", reason="needs tensorboard (pip install tensorboard)")
+    import subprocess
+
+    from tools.plot_losses import parse_log_lines
+
+    repo_root = Path(__file__).resolve().parents[3]
+    args = (
+        "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --num-layers 1 "
+        "--hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
+        "--global-batch-size 2 --train-iters 6 --log-interval 2 --lr 1e-3 --eval-interval 3 "
+        "--eval-iters 1 --wandb-project megatron-fp8-test --wandb-exp-name e2e"
+    ).split()
+    args += ["--tensorboard-dir", str(tmp_path / "tb"), "--wandb-save-dir", str(tmp_path / "wb")]
+    result = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", *args],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    tensorboard = read_tensorboard_scalars(str(tmp_path / "tb"))
+    wandb_series = read_wandb_offline_scalars(str(tmp_path / "wb"))
+    assert sorted(tensorboard) == sorted(wandb_series) == sorted(METRIC_NAMES)
+    for name, points in tensorboard.items():
+        expected_steps = [3, 6] if name in VALIDATION_NAMES else [2, 4, 6]
+        assert [step for step, _ in points] == expected_steps, name
+        assert [step for step, _ in wandb_series[name]] == expected_steps, name
+        for (_, tb_value), (_, wandb_value) in zip(points, wandb_series[name]):
+            assert tb_value == pytest.approx(wandb_value, rel=1e-6, abs=1e-30), name
+    run = parse_log_lines(result.stdout.splitlines(), source="pretrain_gpt.py stdout")
+    assert run.iterations == [2, 4, 6]
+    log_losses = run.series["lm loss"]
+    assert [value for _, value in wandb_series["lm loss"]] == pytest.approx(log_losses, rel=1e-6)
+    log_validation = run.validation_series["lm loss validation"]
+    wandb_validation = [value for _, value in wandb_series["lm loss validation"]]
+    assert wandb_validation == pytest.approx(log_validation, rel=1e-6)
+    assert [value for _, value in wandb_series["learning-rate"]] == pytest.approx(
+        run.series["learning-rate"], rel=1e-6
+    )
