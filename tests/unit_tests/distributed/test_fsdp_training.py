@@ -13,8 +13,10 @@ STEPS = 20
 
 def _train_all_strategies(rank: int, world_size: int) -> dict[str, list[float]]:
     losses = {}
+    # Overlap on/off is compared at 2 ranks; 4 ranks on 2 CPU cores run only the default.
+    overlaps = (False, True) if world_size == 2 else (False,)
     for strategy in SHARDING_STRATEGIES:
-        for overlap in (False, True):
+        for overlap in overlaps:
             config = FsdpConfig(
                 data_parallel_sharding_strategy=strategy,
                 overlap_param_gather=overlap,
@@ -33,6 +35,11 @@ def test_strategies_match_single_process(world_size: int) -> None:
     for name, losses in results[0].items():
         for step, (got, want) in enumerate(zip(losses, expected)):
             assert got == pytest.approx(want, rel=1e-5), f"{name} step {step}"
-        # overlap on/off: same collectives, same order of accumulation -> identical losses
-    for strategy in SHARDING_STRATEGIES:
-        assert results[0][f"{strategy}/overlap=False"] == results[0][f"{strategy}/overlap=True"]
+    if world_size == 2:
+        # Same collectives, results applied in the same order: bitwise identical losses.
+        for strategy in SHARDING_STRATEGIES:
+            on, off = (
+                results[0][f"{strategy}/overlap=True"],
+                results[0][f"{strategy}/overlap=False"],
+            )
+            assert on == off, strategy
