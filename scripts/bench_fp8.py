@@ -1,0 +1,311 @@
+"""FP8 fast-path benchmark: quantization bandwidth and Linear fwd+bwd speed vs bf16 (one GPU).
+
+    python scripts/bench_fp8.py --check          # bitwise self-check first; exit 1 on mismatch
+
+(a) quantize_cuda per recipe on an 8192x8192 bf16 tensor: bytes moved / time against the
+    device-to-device copy bandwidth measured in the same run (target >= 60%).
+(b) Linear forward+backward at M=8192 for (K, N) in (4096, 4096), (4096, 14336), (14336, 4096):
+    megatron.core.fp8.Fp8Linear and this package's own quantize_cuda + scaled_mm chain, each vs
+    bf16 nn.Linear (targets: tensorwise/delayed 1.4x, blockwise 1.3x, mxfp8 emulated 0.8x).
+One JSON line per case on stdout (and in $OUT/bench_fp8.jsonl when OUT is set), then a table.
+Times are medians over CUDA-event-timed iterations after warm-up. Budget: under 4 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.core.fp8.cuda import (  # noqa: E402
+    blockwise_gemm_path,
+    quantize_cuda,
+    scaled_mm,
+    triton_available,
+)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
+LINEAR_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
+TOKENS = 8192
+QUANT_SIZE = 8192
+BANDWIDTH_TARGET = 0.60
+SPEEDUP_TARGET = {"tensorwise": 1.4, "delayed": 1.4, "blockwise": 1.3, "mxfp8": 0.8}
+# Stop starting new cases past this many seconds so the whole run stays under 4 minutes.
+TIME_BUDGET_S = 200.0
+
+
+def cuda_time_ms(fn, *, warmup: int = 3, iters: int = 10) -> float:
+    """Median milliseconds of fn() timed with CUDA events, after warm-up (compiles, caches)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class Reporter:
+    """Collects result rows, prints each as one JSON line and mirrors them to $OUT."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        out_dir = os.environ.get("OUT")
+        self.path = Path(out_dir) / "bench_fp8.jsonl" if out_dir else None
+        if self.path is not None:
+            self.path.write_text("")
+
+    def emit(self, row: dict) -> None:
+        self.rows.append(row)
+        line = json.dumps(row, sort_keys=True)
+        print(line, flush=True)
+        if self.path is not None:
+            with self.path.open("a") as handle:
+                handle.write(line + "\n")
+
+
+def run_check(reporter: Reporter) -> bool:
+    from megatron.core.fp8.cuda.selfcheck import run_selfcheck
+
+    started = time.perf_counter()
+    cases, failures = run_selfcheck("cuda", quick=True)
+    for message in failures[:20]:
+        print("MISMATCH", message, flush=True)
+    reporter.emit({"bench": "check", "cases": cases, "mismatches": len(failures),
+                   "seconds": round(time.perf_counter() - started, 1),
+                   "pass": not failures})  # fmt: skip
+    return not failures
+
+
+def copy_bandwidth_gbps(x: torch.Tensor) -> float:
+    dst = torch.empty_like(x)
+    ms = cuda_time_ms(lambda: dst.copy_(x), warmup=5, iters=20)
+    return 2 * x.numel() * x.element_size() / ms / 1e6
+
+
+def _quant_cases(n: int) -> list[tuple[str, dict, int]]:
+    """(name, quantize_cuda kwargs, bytes moved) for an n x n bf16 input.
+
+    Bytes are what the kernels read and write: tensorwise reads the input twice (amax pass,
+    then cast), every FP8 copy writes n*n bytes, scales 4 bytes per block (E8M0: 1 byte)."""
+    elems, read = n * n, 2 * n * n
+    blocks_1x128, blocks_1x32 = elems // 128, elems // 32
+    return [
+        ("tensorwise/rowwise", dict(recipe="tensorwise", role="input", rowwise=True,
+                                    columnwise=False), 2 * read + elems),
+        ("tensorwise/rowwise+transpose", dict(recipe="tensorwise", role="input", rowwise=True,
+                                              columnwise=True, with_transpose=True),
+         2 * read + 2 * elems),
+        ("delayed/rowwise+transpose", dict(recipe="delayed", role="input", rowwise=True,
+                                           columnwise=True, with_transpose=True),
+         read + 2 * elems),
+        ("blockwise/1x128 rowwise+columnwise", dict(recipe="blockwise", role="input",
+                                                    rowwise=True, columnwise=True),
+         read + 2 * elems + 8 * blocks_1x128),
+        ("blockwise/128x128 weight+transpose", dict(recipe="blockwise", role="weight",
+                                                    rowwise=True, columnwise=True,
+                                                    with_transpose=True),
+         read + 2 * elems + 4 * (elems // 128**2)),
+        ("mxfp8/rowwise+columnwise", dict(recipe="mxfp8", role="input", rowwise=True,
+                                          columnwise=True), read + 2 * elems + 2 * blocks_1x32),
+    ]  # fmt: skip
+
+
+def bench_quantize(reporter: Reporter) -> None:
+    x = torch.randn(QUANT_SIZE, QUANT_SIZE, device="cuda", dtype=torch.bfloat16)
+    copy_gbps = copy_bandwidth_gbps(x)
+    reporter.emit({"bench": "copy", "shape": list(x.shape), "gbps": round(copy_gbps, 1)})
+    scale = torch.tensor(64.0, device="cuda")
+    for name, kwargs, moved in _quant_cases(QUANT_SIZE):
+        recipe = kwargs["recipe"]
+        extra = {"scale": scale} if recipe == "delayed" else {}
+        pow2 = recipe in ("blockwise", "mxfp8")
+
+        def quantize_once(kwargs=kwargs, extra=extra, pow2=pow2):
+            return quantize_cuda(x, fp8_dtype=E4M3, power_2_scale=pow2, **kwargs, **extra)
+
+        ms = cuda_time_ms(quantize_once, warmup=3, iters=20)
+        gbps = moved / ms / 1e6
+        reporter.emit({"bench": "quantize", "case": name, "shape": list(x.shape),
+                       "time_us": round(ms * 1e3, 1), "bytes": moved, "gbps": round(gbps, 1),
+                       "frac_of_copy": round(gbps / copy_gbps, 3), "target": BANDWIDTH_TARGET,
+                       "pass": gbps / copy_gbps >= BANDWIDTH_TARGET,
+                       "triton": triton_available()})  # fmt: skip
+
+
+def _quantize_for_chain(t, *, recipe, fp8_dtype, role, scale):
+    """Rowwise operand + the transposed columnwise operand (data, scale_inv) of one tensor."""
+    out = quantize_cuda(t, recipe=recipe, fp8_dtype=fp8_dtype, role=role, rowwise=True,
+                        columnwise=True, with_transpose=True, scale=scale,
+                        power_2_scale=recipe in ("blockwise", "mxfp8"))  # fmt: skip
+    row = (out["rowwise_data"].view(fp8_dtype), out["rowwise_scale_inv"])
+    col_sinv = out["columnwise_scale_inv"]
+    if recipe not in ("delayed", "tensorwise"):
+        col_sinv = col_sinv.t()  # the GEMM contracts over dim 0: transposed grid
+    return row, (out["columnwise_data_t"].view(fp8_dtype), col_sinv)
+
+
+def make_chain_step(x, w, dy, recipe):
+    """fwd+bwd of Y = X W^T as quantize_cuda + 3 scaled_mm calls (what an ideal Fp8Linear
+    does); mxfp8 GEMMs are emulated (dequantize to bf16, exact for normal values)."""
+    scales = {"input": None, "weight": None, "grad": None}
+    if recipe == "delayed":
+        scales = {role: torch.tensor(s, device=x.device) for role, s in
+                  (("input", 64.0), ("weight", 1024.0), ("grad", 1024.0))}  # fmt: skip
+    emulate = recipe == "mxfp8"
+    mm = dict(recipe=recipe, out_dtype=torch.bfloat16, emulate=emulate,
+              emulate_dtype=torch.bfloat16)  # fmt: skip
+    fast = recipe in ("delayed", "tensorwise")
+
+    def step():
+        (x_row, x_col) = _quantize_for_chain(x, recipe=recipe, fp8_dtype=E4M3, role="input",
+                                             scale=scales["input"])  # fmt: skip
+        (w_row, w_col) = _quantize_for_chain(w, recipe=recipe, fp8_dtype=E4M3, role="weight",
+                                             scale=scales["weight"])  # fmt: skip
+        y = scaled_mm(x_row[0], w_row[0], a_scale_inv=x_row[1], b_scale_inv=w_row[1],
+                      use_fast_accum=fast, **mm)  # fmt: skip
+        (g_row, g_col) = _quantize_for_chain(dy, recipe=recipe, fp8_dtype=E5M2, role="grad",
+                                             scale=scales["grad"])  # fmt: skip
+        dx = scaled_mm(g_row[0], w_col[0], a_scale_inv=g_row[1], b_scale_inv=w_col[1],
+                       use_fast_accum=False, **mm)  # fmt: skip
+        dw = scaled_mm(g_col[0], x_col[0], a_scale_inv=g_col[1], b_scale_inv=x_col[1],
+                       use_fast_accum=False, **mm)  # fmt: skip
+        return y, dx, dw
+
+    return step
+
+
+def make_module_step(module, x, dy, *, autocast):
+    def step():
+        x.grad = None
+        module.weight.grad = None
+        if autocast is None:
+            y = module(x)
+        else:
+            with autocast():
+                y = module(x)
+        y.backward(dy)
+
+    return step
+
+
+def _fp8_linear_step(recipe, k, n, x, dy):
+    """Fp8Linear fwd+bwd step, or (None, reason) when it cannot be built or run here."""
+    try:
+        from megatron.core.fp8 import Fp8Config, Fp8Linear, fp8_autocast
+
+        module = Fp8Linear(k, n, bias=False, fp8_config=Fp8Config(recipe=recipe),
+                           dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        step = make_module_step(module, x, dy, autocast=fp8_autocast)
+        step()
+        return step, None
+    except Exception as err:  # noqa: BLE001 - the report must say why, not crash the run
+        return None, f"{type(err).__name__}: {str(err)[:160]}"
+
+
+def bench_linear(reporter: Reporter, started: float) -> None:
+    for k, n in LINEAR_SHAPES:
+        x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16) * 1e-3
+        base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        bf16_ms = cuda_time_ms(make_module_step(base, x, dy, autocast=None))
+        reporter.emit({"bench": "linear", "impl": "bf16 nn.Linear", "recipe": "bf16",
+                       "M": TOKENS, "K": k, "N": n, "time_ms": round(bf16_ms, 3)})  # fmt: skip
+        w = base.weight.detach()
+        for recipe in RECIPES:
+            if time.perf_counter() - started > TIME_BUDGET_S:
+                reporter.emit({"bench": "linear", "recipe": recipe, "K": k, "N": n,
+                               "skipped": "time budget"})  # fmt: skip
+                continue
+            module_step, why = _fp8_linear_step(recipe, k, n, x, dy)
+            impls = [("quantize_cuda+scaled_mm", make_chain_step(x.detach(), w, dy, recipe))]
+            if module_step is not None:
+                impls.insert(0, ("Fp8Linear", module_step))
+            else:
+                reporter.emit({"bench": "linear", "impl": "Fp8Linear", "recipe": recipe,
+                               "K": k, "N": n, "unavailable": why})  # fmt: skip
+            for impl, step in impls:
+                ms = cuda_time_ms(step)
+                speedup = bf16_ms / ms
+                reporter.emit({"bench": "linear", "impl": impl, "recipe": recipe, "M": TOKENS,
+                               "K": k, "N": n, "time_ms": round(ms, 3),
+                               "bf16_ms": round(bf16_ms, 3), "speedup": round(speedup, 3),
+                               "target": SPEEDUP_TARGET[recipe],
+                               "pass": speedup >= SPEEDUP_TARGET[recipe],
+                               "gemm_path": _gemm_path(recipe)})  # fmt: skip
+        del x, dy, base, w
+        torch.cuda.empty_cache()
+
+
+def _gemm_path(recipe: str) -> str:
+    if recipe == "blockwise":
+        return blockwise_gemm_path()
+    if recipe == "mxfp8":
+        return "emulated (dequantize to bf16 + bf16 GEMM)"
+    return "torch._scaled_mm tensorwise"
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n== summary ==")
+    for row in rows:
+        if row["bench"] == "check":
+            print(f"check     {row['cases']} cases, {row['mismatches']} mismatches "
+                  f"({'PASS' if row['pass'] else 'FAIL'})")  # fmt: skip
+        elif row["bench"] == "copy":
+            print(f"copy      d2d bandwidth {row['gbps']} GB/s")
+        elif row["bench"] == "quantize":
+            print(f"quantize  {row['case']:<38} {row['time_us']:>9.1f} us {row['gbps']:>8.1f} "
+                  f"GB/s {100 * row['frac_of_copy']:5.1f}% of copy "
+                  f"{'PASS' if row['pass'] else 'below 60%'}")  # fmt: skip
+        elif "time_ms" in row and row["recipe"] != "bf16":
+            print(f"linear    {row['recipe']:<10} {row['impl']:<24} K={row['K']:<6} "
+                  f"N={row['N']:<6} {row['time_ms']:>8.3f} ms vs bf16 {row['bf16_ms']:.3f} ms "
+                  f"= {row['speedup']:.2f}x (target {row['target']}x) "
+                  f"{'PASS' if row['pass'] else 'MISS'} [{row['gemm_path']}]")  # fmt: skip
+        elif "unavailable" in row or "skipped" in row:
+            print(f"linear    {row['recipe']:<10} {row.get('impl', '')}: "
+                  f"{row.get('unavailable') or row.get('skipped')}")  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="first compare quantize_cuda bitwise with the reference on random "
+                             "and edge-case inputs; exit 1 on any mismatch")  # fmt: skip
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_fp8.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    reporter = Reporter()
+    reporter.emit({"bench": "env", "torch": torch.__version__, "cuda": torch.version.cuda,
+                   "device": torch.cuda.get_device_name(),
+                   "capability": list(torch.cuda.get_device_capability()),
+                   "triton": triton_available()})  # fmt: skip
+    if args.check and not run_check(reporter):
+        print_table(reporter.rows)
+        return 1
+    bench_quantize(reporter)
+    bench_linear(reporter, started)
+    reporter.emit({"bench": "done", "seconds": round(time.perf_counter() - started, 1),
+                   "blockwise_gemm_path": blockwise_gemm_path()})  # fmt: skip
+    print_table(reporter.rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
