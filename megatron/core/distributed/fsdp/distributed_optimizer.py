@@ -90,6 +90,17 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
                 else:
                     state["momentum_buffer"] = torch.zeros_like(param)
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (moments) this rank holds: its pieces only, no padding."""
+        if self.optimizer is None:
+            return 0
+        return sum(
+            value.numel() * value.element_size()
+            for state in self.optimizer.state.values()
+            for key, value in state.items()
+            if key != "step"
+        )
+
     def zero_grad(self) -> None:
         self.engine.zero_grad_buffer()
 

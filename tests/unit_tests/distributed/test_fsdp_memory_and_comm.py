@@ -1,0 +1,172 @@
+"""Bytes held per rank, bytes moved per step, and meta-device materialization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.distributed.fsdp.config import SHARDING_STRATEGIES, FsdpConfig
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.distributed.toy_model import (
+    OPT_CONFIG,
+    RunState,
+    build_toy,
+    toy_init,
+    train_steps,
+)
+
+# hidden 6: root unit = embedding 32*6 + final norm 2*6 = 204 elements; one layer = norm 12 +
+# fc1 (6*12 + 12) + fc2 (12*6 + 6) = 174 elements, which pads to 176 at 4 ranks (shard 44).
+HIDDEN = 6
+MODEL_NUMEL = 204 + 2 * 174  # 552
+
+
+def _wrap(strategy: str, *, dtype: torch.dtype = torch.float32, **config) -> tuple:
+    model = build_toy(hidden=HIDDEN).to(dtype)
+    fsdp = FullyShardedDataParallel(
+        model,
+        fsdp_config=FsdpConfig(data_parallel_sharding_strategy=strategy, **config),
+        device="cpu",
+    )
+    return fsdp, fsdp.build_optimizer(OPT_CONFIG)
+
+
+def _bytes_per_strategy(rank: int, world_size: int) -> dict:
+    result = {}
+    for strategy in SHARDING_STRATEGIES:
+        model, optimizer = _wrap(strategy)
+        result[strategy] = {**model.memory_bytes(), "optimizer": optimizer.state_bytes()}
+    model, optimizer = _wrap("optim_grads_params", dtype=torch.bfloat16)
+    result["bf16/optim_grads_params"] = {
+        **model.memory_bytes(),
+        "optimizer": optimizer.state_bytes(),
+    }
+    return result
+
+
+def test_bytes_per_rank_by_strategy() -> None:
+    results = run_distributed(_bytes_per_strategy, 4)
+    full_padded = (204 + 2 * 176) * 4  # 556 fp32 elements: every rank's full buffers
+    shard = (51 + 2 * 44) * 4  # 139 elements: one quarter of the padded buffers
+    # Adam moments (2 x fp32) of the real elements in a rank's shard: the last rank's layer
+    # shards [132, 176) hold 2 padding elements each.
+    moments = [2 * 4 * n for n in (139, 139, 139, 135)]
+    for rank, got in enumerate(results):
+        # fp32 params: the main params are the compute buffer's shard (no second copy).
+        assert got["no_shard"] == {
+            "params": MODEL_NUMEL * 4,  # one-rank layout: no padding
+            "main_params": 0,
+            "grads": MODEL_NUMEL * 4,
+            "optimizer": 2 * 4 * MODEL_NUMEL,
+        }
+        assert got["optim"] == {
+            "params": full_padded,
+            "main_params": 0,
+            "grads": full_padded,
+            "optimizer": moments[rank],
+        }
+        assert got["optim_grads"] == {
+            "params": full_padded,
+            "main_params": 0,
+            "grads": shard,
+            "optimizer": moments[rank],
+        }
+        assert got["optim_grads_params"] == {
+            "params": shard,
+            "main_params": 0,
+            "grads": shard,
+            "optimizer": moments[rank],
+        }
+        assert got["bf16/optim_grads_params"] == {
+            "params": shard // 2,  # bf16 compute shard
+            "main_params": shard,  # separate fp32 main shard
+            "grads": shard,  # fp32 main grads
+            "optimizer": moments[rank],
+        }
+    assert sum(moments) == 2 * 4 * MODEL_NUMEL  # every element's state lives exactly once
+
+
+def _comm_bytes(rank: int, world_size: int) -> dict:
+    result = {}
+    cases = [(s, {}) for s in SHARDING_STRATEGIES]
+    cases.append(("optim_grads_params", {"grad_reduce_in_bf16": True}))
+    cases.append(
+        ("optim_grads_params", {"overlap_param_gather": True, "overlap_grad_reduce": True})
+    )
+    for strategy, extra in cases:
+        model, optimizer = _wrap(strategy, **extra)
+        _, stats = train_steps(RunState(model, optimizer), range(2), micro_batches=2)
+        result[f"{strategy}{sorted(extra)}"] = stats[-1]
+    return result
+
+
+def test_comm_stats_match_analytic_bytes() -> None:
+    results = run_distributed(_comm_bytes, 2)
+    buffer_bytes = (204 + 2 * 174) * 4  # 2 ranks: no padding; every unit, fp32
+    layer_bytes = 2 * 174 * 4
+    zero3_gather = 2 * (204 * 4 + 2 * layer_bytes)  # per micro-batch: root once, layers fwd+bwd
+    expected = {
+        "no_shard[]": {
+            "all_gather_bytes": 0,
+            "reduce_scatter_bytes": 0,
+            "all_reduce_bytes": buffer_bytes,
+        },
+        "optim[]": {
+            "all_gather_bytes": buffer_bytes,
+            "reduce_scatter_bytes": buffer_bytes,
+            "all_reduce_bytes": 0,
+        },
+        "optim_grads[]": {
+            "all_gather_bytes": buffer_bytes,
+            "reduce_scatter_bytes": 2 * buffer_bytes,
+            "all_reduce_bytes": 0,
+        },
+        "optim_grads_params[]": {
+            "all_gather_bytes": zero3_gather,
+            "reduce_scatter_bytes": 2 * buffer_bytes,
+            "all_reduce_bytes": 0,
+        },
+        "optim_grads_params['grad_reduce_in_bf16']": {
+            "all_gather_bytes": zero3_gather,
+            "reduce_scatter_bytes": buffer_bytes,
+            "all_reduce_bytes": 0,
+        },
+        "optim_grads_params['overlap_grad_reduce', 'overlap_param_gather']": {
+            "all_gather_bytes": zero3_gather,
+            "reduce_scatter_bytes": 2 * buffer_bytes,
+            "all_reduce_bytes": 0,
+        },
+    }
+    for got in results:
+        assert got == expected
+
+
+def _meta_init(rank: int, world_size: int, strategy: str) -> dict:
+    model = build_toy(num_layers=8, meta=True)
+    assert all(p.is_meta for p in model.parameters())
+    fsdp = FullyShardedDataParallel(
+        model,
+        fsdp_config=FsdpConfig(
+            data_parallel_sharding_strategy=strategy, init_model_with_meta_device=True
+        ),
+        device="cpu",
+        init_fn=toy_init,
+    )
+    peak = fsdp.engine.buffer.tracker.peak_bytes
+    full = {name: t.numpy() for name, t in fsdp.full_parameters().items()}
+    return {"peak": peak, "params": full}
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params"])
+def test_meta_device_init_is_sharded_and_bitwise_equal(strategy: str) -> None:
+    results = run_distributed(_meta_init, 4, strategy)
+    eager = dict(build_toy(num_layers=8).named_parameters())
+    full_fp32_bytes = sum(p.numel() for p in eager.values()) * 4
+    assert full_fp32_bytes == (544 + 8 * 1104) * 4
+    for result in results:
+        # A quarter of the model (the rank's shard) plus one unit's transient full tensors.
+        assert result["peak"] < full_fp32_bytes / 2, (result["peak"], full_fp32_bytes)
+        assert result["peak"] >= full_fp32_bytes / 4
+        for name, value in eager.items():
+            assert torch.equal(torch.from_numpy(result["params"][name]), value.detach()), name
