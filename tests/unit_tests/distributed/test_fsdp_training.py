@@ -5,8 +5,17 @@ from __future__ import annotations
 import pytest
 
 from megatron.core.distributed.fsdp.config import SHARDING_STRATEGIES, FsdpConfig
+from megatron.core.distributed.fsdp.fully_shard import fully_shard_model, fully_shard_optimizer
 from tests.unit_tests.dist_utils import run_distributed
-from tests.unit_tests.distributed.toy_model import reference_losses, train_steps, wrap_toy
+from tests.unit_tests.distributed.toy_model import (
+    OPT_CONFIG,
+    RunState,
+    ToyLayer,
+    build_toy,
+    reference_losses,
+    train_steps,
+    wrap_toy,
+)
 
 STEPS = 20
 
@@ -24,6 +33,12 @@ def _train_all_strategies(rank: int, world_size: int) -> dict[str, list[float]]:
             )
             state = wrap_toy(config)
             losses[f"{strategy}/overlap={overlap}"], _ = train_steps(state, range(STEPS))
+    # The plain-PyTorch entry points build the same engine.
+    model = fully_shard_model(build_toy(), fsdp_unit_modules=(ToyLayer,), zero_dp_strategy=2)
+    optimizer = fully_shard_optimizer(
+        model, {"lr": OPT_CONFIG.lr, "weight_decay": 0.1, "clip_grad": OPT_CONFIG.clip_grad}
+    )
+    losses["fully_shard/zero2"], _ = train_steps(RunState(model, optimizer), range(STEPS))
     return losses
 
 
