@@ -1,0 +1,189 @@
+"""Benchmark one GPT training step under Megatron-FSDP or PyTorch FSDP2; print one JSON line.
+
+Model A of docs PERFORMANCE.md by default (8 layers, hidden 4096, SwiGLU FFN 14336, 32 heads,
+vocab 32768, seq 4096, micro-batch 2, untied head), ZeRO-3, bf16 compute, fp32 main params and
+grads. Launch:
+
+    torchrun --nproc-per-node 2 scripts/bench_gpt.py --engine megatron-fsdp [--compile]
+    torchrun --nproc-per-node 2 scripts/bench_gpt.py --engine fsdp2
+    torchrun --nproc-per-node 2 scripts/bench_gpt.py --tiny --steps 4   # CPU dry run on gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.fsdp.config import FsdpConfig
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+from megatron.core.models.gpt import GPTModel, num_floating_point_operations
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer.init import init_parameter_
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=["megatron-fsdp", "fsdp2"], default="megatron-fsdp")
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=4096)
+    parser.add_argument("--ffn-hidden-size", type=int, default=14336)
+    parser.add_argument("--num-attention-heads", type=int, default=32)
+    parser.add_argument("--vocab-size", type=int, default=32768)
+    parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps after warmup")
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each layer")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="measured bf16 dense peak, for MFU"
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="2 layers, hidden 64, seq 64: a CPU dry run"
+    )
+    args = parser.parse_args()
+    if args.tiny:
+        args.num_layers, args.hidden_size, args.ffn_hidden_size = 2, 64, 128
+        args.num_attention_heads, args.vocab_size, args.seq_length = 4, 256, 64
+        args.warmup_steps = min(args.warmup_steps, 2)
+    return args
+
+
+def model_config(args: argparse.Namespace, params_dtype: torch.dtype) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        untie_embeddings_and_output_weights=True,
+        params_dtype=params_dtype,
+    )
+
+
+def build_megatron_fsdp(args, device):
+    config = model_config(args, torch.bfloat16)
+    with torch.device("meta"):
+        model = GPTModel(config)
+    if args.compile:
+        for layer in model.decoder.layers:
+            layer.compile()
+    model = FullyShardedDataParallel(
+        model,
+        fsdp_config=FsdpConfig(
+            data_parallel_sharding_strategy="optim_grads_params",
+            overlap_param_gather=True,
+            overlap_grad_reduce=True,
+            init_model_with_meta_device=True,
+        ),
+        device=device,
+        init_fn=lambda name, t: init_parameter_(t, name=name, config=config, seed=0),
+    )
+    optimizer = model.build_optimizer(OptimizerConfig(lr=1e-5, clip_grad=1.0))
+    return config, model, optimizer
+
+
+def build_fsdp2(args, device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    config = model_config(args, torch.float32)  # FSDP2 keeps fp32 shards, computes in bf16
+    with torch.device("meta"):
+        model = GPTModel(config)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.decoder.layers:
+        if args.compile:
+            layer.compile()
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.to_empty(device=device)
+    with torch.no_grad():  # the same init values, one full tensor at a time, then sharded
+        for name, param in model.named_parameters():
+            full = torch.empty(param.shape, dtype=param.dtype, device=device)
+            init_parameter_(full, name=name, config=config, seed=0)
+            param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+    model.init_buffers(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
+    return config, model, optimizer
+
+
+def run_step(args, engine, model, optimizer, inputs, labels) -> None:
+    if engine == "megatron-fsdp":
+        model.zero_grad_buffer()
+        model(inputs, labels=labels).mean().backward()
+        model.finish_grad_sync()
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+        model(inputs, labels=labels).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+
+def main() -> None:
+    args = parse_args()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    build = build_megatron_fsdp if args.engine == "megatron-fsdp" else build_fsdp2
+    config, model, optimizer = build(args, device)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    shape = (args.micro_batch_size, args.seq_length + 1)
+    tokens = torch.randint(0, args.vocab_size, shape, generator=generator).to(device)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    times_ms = []
+    for step in range(args.warmup_steps + args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run_step(args, args.engine, model, optimizer, inputs, labels)
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= args.warmup_steps:
+            times_ms.append((time.perf_counter() - start) * 1e3)
+    step_ms = statistics.median(times_ms)
+    tokens_per_step = args.micro_batch_size * args.seq_length
+    flops = num_floating_point_operations(
+        config, batch_size=args.micro_batch_size, seq_length=args.seq_length
+    )
+    tflops = flops / (step_ms / 1e3) / 1e12
+    if cuda:
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    else:  # CPU dry run: the process's peak resident set (kilobytes on Linux)
+        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    stats = model.comm_stats() if args.engine == "megatron-fsdp" else {}
+    result = {
+        "engine": args.engine,
+        "compile": args.compile,
+        "world_size": dist.get_world_size(),
+        "step_ms": round(step_ms, 3),
+        "tokens_per_s_per_gpu": round(tokens_per_step / (step_ms / 1e3), 1),
+        "model_tflops_per_gpu": round(tflops, 2),
+        "mfu": round(tflops / args.peak_tflops, 4) if args.peak_tflops else None,
+        "peak_mem_gib": round(peak_gib, 3),
+        "all_gather_bytes": stats.get("all_gather_bytes"),
+        "reduce_scatter_bytes": stats.get("reduce_scatter_bytes"),
+    }
+    if dist.get_rank() == 0:
+        print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
