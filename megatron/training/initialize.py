@@ -47,7 +47,9 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
     else:
         device = torch.device("cpu")
     dp_group = None
-    if world_size > 1:
+    # Megatron-FSDP always runs on a process group (its collectives and sharded checkpoints
+    # need one), so a single process gets a one-rank group from an in-memory store.
+    if world_size > 1 or args.use_megatron_fsdp:
         if not dist.is_initialized():
             dist.init_process_group(
                 backend=backend,
@@ -55,6 +57,7 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
                 world_size=world_size,
                 timeout=timedelta(minutes=30),
                 device_id=device if backend == "nccl" else None,
+                store=dist.HashStore() if world_size == 1 else None,
             )
         dp_group = dist.group.WORLD
     return DistributedEnv(
