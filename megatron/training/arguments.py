@@ -357,6 +357,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _validate_checkpointing(args)
     _validate_fsdp(args)
     _validate_fp8(args)
+    _validate_logging(args)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -523,6 +524,24 @@ def _validate_fsdp(args: argparse.Namespace) -> None:
         _require(
             not getattr(args, attr), f"{flag} is a Megatron-FSDP option; add --use-megatron-fsdp."
         )
+
+
+def _validate_logging(args: argparse.Namespace) -> None:
+    if args.wandb_project and args.wandb_save_dir is None and args.save is not None:
+        args.wandb_save_dir = os.path.join(args.save, "wandb")  # Megatron-LM's default
+    if not (args.tensorboard_dir or args.wandb_project):
+        return
+    from megatron.training.loggers import check_logger_settings
+
+    try:
+        check_logger_settings(
+            tensorboard_dir=args.tensorboard_dir,
+            wandb_project=args.wandb_project,
+            wandb_exp_name=args.wandb_exp_name,
+            wandb_save_dir=args.wandb_save_dir,
+        )
+    except (ValueError, ImportError) as error:
+        raise ArgumentError(str(error)) from None
 
 
 def _validate_fp8(args: argparse.Namespace) -> None:

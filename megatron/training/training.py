@@ -187,7 +187,8 @@ def _memory_bytes(device: torch.device) -> tuple[int, int]:
 
     with open("/proc/self/statm") as statm:
         rss = int(statm.read().split()[1]) * resource.getpagesize()
-    return rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # ru_maxrss is sampled by the kernel; never report a peak below the current value.
+    return rss, max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 def _should_exit(args: argparse.Namespace, env: DistributedEnv, start: float, iteration: int):

@@ -63,6 +63,8 @@ def parse_error(argv, capsys, world_size=1) -> str:
         (["--first-last-layers-bf16", "--fp8-recipe", "delayed"], 1, "must leave at least one"),
         (["--hidden-dropout", "1.5"], 1, "must be in [0, 1)"),
         (["--split", "a,b"], 1, "expected numbers"),
+        (["--wandb-project", "p", "--wandb-save-dir", "/tmp/w"], 1, "--wandb-exp-name is not"),
+        (["--wandb-project", "p", "--wandb-exp-name", "e"], 1, "--wandb-save-dir is not"),
     ],
 )  # fmt: skip
 def test_invalid_combinations(extra, world_size, expected, capsys):
@@ -85,6 +87,11 @@ def test_recipe_implies_hybrid_format():
     assert args.fp8_format == "hybrid"
     args = parse_args(TINY_GPT + ["--fp8-recipe", "mxfp8", "--fp8-format", "e4m3"], world_size=1)
     assert args.fp8_format == "e4m3"
+
+
+def test_wandb_save_dir_defaults_under_save():
+    argv = TINY_GPT + ["--wandb-project", "p", "--wandb-exp-name", "e", "--save", "/tmp/ck"]
+    assert parse_args(argv, world_size=1).wandb_save_dir == "/tmp/ck/wandb"
 
 
 def test_derived_defaults():
