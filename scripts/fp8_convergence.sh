@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# FP8 vs bf16 on the quickstart model (CPU is fine): the same seed, data and schedule for
+# bf16 and each recipe; prints the final training and validation losses and their ratio to bf16.
+# Usage: bash scripts/fp8_convergence.sh [ITERS] [extra pretrain_gpt.py flags]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ITERS=${1:-200}
+shift || true
+OUT=${OUT:-runs/fp8_convergence}
+mkdir -p "$OUT"
+for recipe in bf16 tensorwise delayed blockwise mxfp8; do
+  flags=()
+  [ "$recipe" != bf16 ] && flags=(--fp8-recipe "$recipe")
+  OUTPUT_DIR="$OUT/$recipe" bash scripts/quickstart.sh --bf16 --train-iters "$ITERS" \
+    --lr-warmup-iters $((ITERS / 10)) --eval-interval "$ITERS" --log-interval 10 \
+    "${flags[@]}" "$@" > "$OUT/$recipe.log" 2>&1
+done
+python3 - "$OUT" <<'PY'
+import re, sys, os
+out = sys.argv[1]
+def last(pattern, text):
+    found = re.findall(pattern, text)
+    return float(found[-1]) if found else float("nan")
+rows = {}
+for recipe in ["bf16", "tensorwise", "delayed", "blockwise", "mxfp8"]:
+    text = open(os.path.join(out, f"{recipe}.log")).read()
+    rows[recipe] = (last(r"lm loss: ([0-9.E+-]+)", text), last(r"lm loss value: ([0-9.E+-]+)", text))
+base_train, base_valid = rows["bf16"]
+print("recipe      train loss  valid loss  valid/bf16")
+for recipe, (train, valid) in rows.items():
+    print(f"{recipe:10s}  {train:10.4f}  {valid:10.4f}  {valid / base_valid:10.4f}")
+PY
