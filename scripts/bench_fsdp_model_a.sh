@@ -8,8 +8,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 NPROC=${NPROC:-$(nvidia-smi -L | grep -c '^GPU')}
 for engine in ${ENGINES:-fsdp2 megatron-fsdp}; do
-  for compile in ${COMPILE_MODES:-"" "--compile"}; do
-    echo "== $engine $compile" | tee -a "$OUT/bench_gpt.log"
+  for mode in ${COMPILE_MODES:-eager compile}; do
+    compile=""
+    [ "$mode" = compile ] && compile="--compile"
+    echo "== $engine $mode" | tee -a "$OUT/bench_gpt.log"
     timeout "${RUN_TIMEOUT:-200}" torchrun --nproc-per-node "$NPROC" scripts/bench_gpt.py \
       --engine "$engine" $compile ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench_gpt.log" \
       | grep '^{' >> "$OUT/bench_gpt.jsonl"
