@@ -59,6 +59,7 @@ def pretrain(argv: Sequence[str] | None = None) -> TrainingResult:
     """Entry point of pretrain_gpt.py: parse flags, build data, model, optimizer; train."""
     args = parse_args(argv)
     env = initialize_distributed(args)
+    _configure_logging(env)
     set_random_seeds(args.seed)
     tokenizer = build_tokenizer_from_args(args)
     datasets = build_datasets_from_args(args, tokenizer=tokenizer)
@@ -92,6 +93,16 @@ def pretrain(argv: Sequence[str] | None = None) -> TrainingResult:
         if logger is not None:
             logger.close()
     return result
+
+
+def _configure_logging(env: DistributedEnv) -> None:
+    """Library progress (index building, data checks) goes through `logging`: show it on rank 0."""
+    import logging
+
+    logging.basicConfig(
+        level=logging.INFO if env.rank == 0 else logging.WARNING,
+        format=" > %(name)s: %(message)s",
+    )
 
 
 def _build_metrics_logger(args: argparse.Namespace, env: DistributedEnv):
