@@ -35,7 +35,12 @@ GOLDEN_METRICS: dict[str, str] = {
 PER_STEP_METRICS = ("lm loss", "grad norm")
 WINDOW_METRICS = ("iteration-time", "mem-allocated-bytes")
 # The log's own formats: equal strings under them is what "exact" means.
-PRINT_FORMATS = {"lm loss": "{:.6E}", "grad norm": "{:.3f}"}
+PRINT_FORMATS = {
+    "lm loss": "{:.6E}",
+    "grad norm": "{:.3f}",
+    "iteration-time": "{:.4f}",  # seconds
+    "mem-allocated-bytes": "{:.0f}",
+}
 PRINT_RESOLUTION = {"lm loss": 0.0, "grad norm": 0.0005}
 STEADY_SKIP = 5
 TIME_FACTOR = 3.0
@@ -61,6 +66,7 @@ class Row:
     golden: str
     actual: str
     difference: str
+    relative: str
 
 
 @dataclass(kw_only=True)
@@ -126,13 +132,17 @@ def _relative(golden: float, actual: float) -> float:
 def _format(metric: str, value: float | None) -> str:
     if value is None:
         return "missing"
-    return PRINT_FORMATS.get(metric, "{:.6g}").format(value)
+    return PRINT_FORMATS[metric].format(value)
 
 
-def _difference(golden: float | None, actual: float | None) -> str:
+def _differences(golden: float | None, actual: float | None) -> dict[str, str]:
+    """The table's difference and relative columns: actual - golden, and that over |golden|."""
     if golden is None or actual is None:
-        return "-"
-    return f"{actual - golden:+.3E} ({100.0 * _relative(golden, actual):+.4f}%)"
+        return {"difference": "-", "relative": "-"}
+    return {
+        "difference": f"{actual - golden:+.3E}",
+        "relative": f"{100.0 * _relative(golden, actual):+.3f}%",
+    }
 
 
 def _step_matches(metric: str, golden: float, actual: float, tolerance: Tolerance) -> bool:
@@ -160,15 +170,16 @@ def compare_per_step(
                 step=str(step),
                 golden=_format(metric, want),
                 actual=_format(metric, got),
-                difference=_difference(want, got),
+                **_differences(want, got),
             )
         )
     return report
 
 
 def steady_median(values: Values, *, skip: int) -> tuple[float, str] | None:
-    """(median over the steps after the first `skip`, "median of steps A-B"), or None."""
-    steps = sorted(values)[skip:]
+    """(median over the steps after the first `skip`, "median A-B"); a run with no more than
+    `skip` steps uses its last step; None when there are no steps."""
+    steps = sorted(values)[skip:] or sorted(values)[-1:]
     if not steps:
         return None
     median = statistics.median(values[step] for step in steps)
@@ -197,7 +208,7 @@ def compare_window(
                 step=want[1],
                 golden=_format(metric, want[0]),
                 actual=_format(metric, None if got is None else got[0]),
-                difference=_difference(want[0], None if got is None else got[0]),
+                **_differences(want[0], None if got is None else got[0]),
             )
         )
     return report
@@ -221,7 +232,9 @@ def compare_metrics(
 
 
 def format_table(rows: Sequence[Row], *, max_rows: int = MAX_TABLE_ROWS) -> str:
-    header = Row(step="step", golden="golden", actual="actual", difference="difference")
+    header = Row(
+        step="step", golden="golden", actual="actual", difference="difference", relative="relative"
+    )
     shown = [header, *rows[:max_rows]]
     widths = [
         max(len(getattr(row, column)) for row in shown) for column in Row.__dataclass_fields__
