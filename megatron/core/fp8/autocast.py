@@ -68,6 +68,16 @@ class DelayedScaling:
             for role in TENSOR_ROLES
         }
 
+    def move_to(self, device: torch.device) -> None:
+        """Keep the state on the device of the tensors it scales (a module's .to() does not
+        move it; the fused CUDA kernels read scales and write amaxes there)."""
+        for meta in self.metas.values():
+            if meta.scale.device != device:
+                meta.scale = meta.scale.to(device)
+                meta.amax_history = meta.amax_history.to(device)
+                if meta.forward_scale is not None:
+                    meta.forward_scale = meta.forward_scale.to(device)
+
     def state_dict(self) -> dict:
         """Plain tensors plus JSON-able metadata."""
         state: dict = {}
@@ -119,25 +129,59 @@ def in_recompute() -> bool:
 
 
 def reduce_and_update(metas: list[ScalingMeta], group: dist.ProcessGroup | None) -> None:
-    """One packed MAX all-reduce of every meta's slot-0 amax, then scale update + roll."""
+    """One packed MAX all-reduce of every meta's slot-0 amax, then scale update + roll.
+
+    Metas that share format and settings are updated together as one [N, L] history, so a
+    flush costs a fixed number of small kernels whatever the number of layers. Afterwards
+    each meta's scale and history are views into the new stacked tensors (replaced, never
+    written in place, so a scale captured by a forward stays what that forward used)."""
     if not metas:
         return
-    packed = torch.stack([meta.amax_history[0] for meta in metas])
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+    groups: dict[tuple, list[ScalingMeta]] = {}
+    for meta in metas:
+        key = (meta.fp8_dtype, meta.config.margin, meta.config.amax_compute_algo,
+               meta.amax_history.shape[0], meta.amax_history.device)  # fmt: skip
+        groups.setdefault(key, []).append(meta)
+    ordered = [meta for members in groups.values() for meta in members]
+    reduce = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+    packed = None
+    if reduce:
+        packed = torch.stack([meta.amax_history[0] for meta in ordered])
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-    for meta, amax in zip(metas, packed, strict=True):
-        meta.amax_history[0] = amax
-        meta.update()
+    start = 0
+    for members in groups.values():
+        histories = torch.stack([meta.amax_history for meta in members])
+        if packed is not None:
+            histories[:, 0] = packed[start : start + len(members)].to(histories.device)
+        start += len(members)
+        first = members[0]
+        scales = delayed_scale_update(
+            histories, torch.stack([meta.scale.reshape(()) for meta in members]),
+            fp8_dtype=first.fp8_dtype, margin=first.config.margin,
+            amax_compute_algo=first.config.amax_compute_algo,
+        )  # fmt: skip
+        rolled = roll_amax_history(histories)
+        for index, meta in enumerate(members):
+            meta.scale, meta.amax_history = scales[index], rolled[index]
 
 
-def record_forward(meta: ScalingMeta, amax: torch.Tensor) -> None:
-    """Record a forward amax; flushed at the outermost autocast exit (or now, outside one)."""
-    meta.record(amax)
+def _schedule_forward_flush(meta: ScalingMeta) -> None:
     frame = current_autocast()
     if frame is None:
         reduce_and_update([meta], None)
     else:
         _frames[0].pending[id(meta)] = meta
+
+
+def record_forward(meta: ScalingMeta, amax: torch.Tensor) -> None:
+    """Record a forward amax; flushed at the outermost autocast exit (or now, outside one)."""
+    meta.record(amax)
+    _schedule_forward_flush(meta)
+
+
+def forward_recorded(meta: ScalingMeta) -> None:
+    """A fused kernel already maxed this forward's amax into slot 0: schedule the flush."""
+    _schedule_forward_flush(meta)
 
 
 def _flush_backward() -> None:
@@ -148,9 +192,11 @@ def _flush_backward() -> None:
         reduce_and_update(list(metas.values()), group)
 
 
-def record_backward(meta: ScalingMeta, amax: torch.Tensor, group) -> None:
-    """Record a grad amax; flushed once when the running backward pass ends."""
-    meta.record(amax)
+def record_backward(meta: ScalingMeta, amax: torch.Tensor | None, group) -> None:
+    """Record a grad amax (None: a fused kernel already did); flushed once when the running
+    backward pass ends."""
+    if amax is not None:
+        meta.record(amax)
     _backward_pending.setdefault(id(group), (group, {}))[1][id(meta)] = meta
     if not _backward_callback_queued[0]:
         torch.autograd.Variable._execution_engine.queue_callback(_flush_backward)

@@ -18,6 +18,7 @@ engine routes it into its grad buffer with `weight.register_post_accumulate_grad
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -77,61 +78,153 @@ def _columnwise_only(qt: QuantizedTensor) -> QuantizedTensor:
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: _Plan):  # noqa: D102
-        x2d = x.reshape(-1, x.shape[-1])
-        need_wgrad = weight.requires_grad
-        one_d = plan.recipe not in PER_TENSOR
-        xq = _quantize(x2d, plan, role="input", rowwise=True, columnwise=need_wgrad and one_d)
-        if isinstance(weight, QuantizedTensor):
-            wq = weight
-        else:
-            wq = _quantize(
-                weight.detach(), plan, role="weight", rowwise=True,
-                columnwise=x.requires_grad and plan.recipe == "mxfp8",
-            )  # fmt: skip
-        if plan.record:
-            fp8_state.record_forward(plan.metas["input"], xq.amax)
-            if not isinstance(weight, QuantizedTensor):
-                fp8_state.record_forward(plan.metas["weight"], wq.amax)
-        accumulate = "fast" if plan.recipe in PER_TENSOR else "split"
-        y2d = fp8_gemm(xq, wq, out_dtype=x.dtype, accumulate=accumulate)
-        if bias is not None:
-            y2d = y2d + bias.to(y2d.dtype)
         ctx.plan = plan
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.weight_dtype = weight.dtype
-        # FP8 weights are read at backward time, after the FSDP engine re-points their bytes.
-        ctx.saved_weight = wq
-        ctx.saved_input = _columnwise_only(xq) if need_wgrad else None
+        fast = _fused_cuda_ops() is not None and _fused_cuda_ops().available(x)
+        ctx.fast = fast
+        y2d = _forward_fused(ctx, x, weight, plan) if fast else _forward_reference(ctx, x, weight)
+        if bias is not None:
+            y2d = y2d + bias.to(y2d.dtype)
         return y2d.reshape(*x.shape[:-1], y2d.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
-        plan: _Plan = ctx.plan
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2d = dy.reshape(-1, dy.shape[-1])
-        per_tensor = plan.recipe in PER_TENSOR
-        dyq = _quantize(
-            dy2d, plan, role="grad", rowwise=need_dgrad or (need_wgrad and per_tensor),
-            columnwise=need_wgrad and not per_tensor,
-        )  # fmt: skip
-        # Record even for a recomputed graph (reentrant checkpoint): its backward is the real one.
-        if plan.metas is not None:
-            fp8_state.record_backward(plan.metas["grad"], dyq.amax, plan.group)
-        dx = dw = dbias = None
-        if need_dgrad:
-            w_operand = ctx.saved_weight.gemm_operand("columnwise")
-            dx2d = fp8_gemm(dyq, w_operand, out_dtype=ctx.x_dtype, accumulate="split")
-            dx = dx2d.reshape(ctx.x_shape)
-        if need_wgrad:
-            dw = fp8_gemm(
-                dyq.gemm_operand("columnwise"), ctx.saved_input.gemm_operand("columnwise"),
-                out_dtype=ctx.weight_dtype, accumulate="split",
-            )  # fmt: skip
+        run = _backward_fused if ctx.fast else _backward_reference
+        dx2d, dw = run(ctx, dy2d, need_dgrad=need_dgrad, need_wgrad=need_wgrad)
+        dx = dx2d.reshape(ctx.x_shape) if dx2d is not None else None
+        dbias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             dbias = dy2d.to(torch.float32).sum(dim=0).to(ctx.bias_dtype)
         ctx.saved_weight = ctx.saved_input = None
         return dx, dw, dbias, None
+
+
+def _forward_reference(ctx, x, weight) -> torch.Tensor:
+    """Any device: quantize() into QuantizedTensors, fp8_gemm (emulated where no hardware)."""
+    plan: _Plan = ctx.plan
+    x2d = x.reshape(-1, x.shape[-1])
+    need_wgrad = weight.requires_grad
+    one_d = plan.recipe not in PER_TENSOR
+    xq = _quantize(x2d, plan, role="input", rowwise=True, columnwise=need_wgrad and one_d)
+    if isinstance(weight, QuantizedTensor):
+        wq = weight
+    else:
+        wq = _quantize(
+            weight.detach(), plan, role="weight", rowwise=True,
+            columnwise=x.requires_grad and plan.recipe == "mxfp8",
+        )  # fmt: skip
+    if plan.record:
+        fp8_state.record_forward(plan.metas["input"], xq.amax)
+        if not isinstance(weight, QuantizedTensor):
+            fp8_state.record_forward(plan.metas["weight"], wq.amax)
+    accumulate = "fast" if plan.recipe in PER_TENSOR else "split"
+    y2d = fp8_gemm(xq, wq, out_dtype=x.dtype, accumulate=accumulate)
+    # FP8 weights are read at backward time, after the FSDP engine re-points their bytes.
+    ctx.saved_weight = wq
+    ctx.saved_input = _columnwise_only(xq) if need_wgrad else None
+    return y2d
+
+
+def _backward_reference(ctx, dy2d, *, need_dgrad, need_wgrad):
+    plan: _Plan = ctx.plan
+    per_tensor = plan.recipe in PER_TENSOR
+    dyq = _quantize(
+        dy2d, plan, role="grad", rowwise=need_dgrad or (need_wgrad and per_tensor),
+        columnwise=need_wgrad and not per_tensor,
+    )  # fmt: skip
+    # Record even for a recomputed graph (reentrant checkpoint): its backward is the real one.
+    if plan.metas is not None:
+        fp8_state.record_backward(plan.metas["grad"], dyq.amax, plan.group)
+    dx2d = dw = None
+    if need_dgrad:
+        w_operand = ctx.saved_weight.gemm_operand("columnwise")
+        dx2d = fp8_gemm(dyq, w_operand, out_dtype=ctx.x_dtype, accumulate="split")
+    if need_wgrad:
+        dw = fp8_gemm(
+            dyq.gemm_operand("columnwise"), ctx.saved_input.gemm_operand("columnwise"),
+            out_dtype=ctx.weight_dtype, accumulate="split",
+        )  # fmt: skip
+    return dx2d, dw
+
+
+@functools.cache
+def _fused_cuda_ops():
+    """megatron.core.fp8.cuda.linear_ops, or None where it does not import."""
+    try:
+        from megatron.core.fp8.cuda import linear_ops
+    except ImportError:
+        return None
+    return linear_ops
+
+
+def _fused_quantize(t2d, plan: _Plan, *, role, rowwise, transposed, record, compute_dtype):
+    """One fused kernel pass: the operands `role`'s GEMMs read (module docstring table)."""
+    meta = plan.metas[role] if plan.metas is not None else None
+    return _fused_cuda_ops().quantize_operands(
+        t2d, recipe=plan.recipe, fp8_dtype=plan.dtype(role), role=role, rowwise=rowwise,
+        transposed=transposed, power_2_scale=_pow2(plan), scale=plan.scales.get(role),
+        amax_history=meta.amax_history if (record and meta is not None) else None,
+        dequant_dtype=compute_dtype,
+    )  # fmt: skip
+
+
+def _pow2(plan: _Plan) -> bool:
+    if plan.recipe == "delayed":
+        return False
+    return plan.recipe == "mxfp8" or plan.config.use_power_2_scale
+
+
+def _forward_fused(ctx, x, weight, plan: _Plan) -> torch.Tensor:
+    """CUDA: one fused quantize per operand, no host sync; amaxes recorded in-kernel."""
+    ops = _fused_cuda_ops()
+    compute_dtype = ops.emulation_dtype(x.dtype)
+    need_wgrad, need_dgrad = weight.requires_grad, x.requires_grad
+    x_row, x_t = _fused_quantize(x.reshape(-1, x.shape[-1]), plan, role="input", rowwise=True,
+                                 transposed=need_wgrad, record=plan.record,
+                                 compute_dtype=compute_dtype)  # fmt: skip
+    if isinstance(weight, QuantizedTensor):
+        w_row, w_t = ops.weight_operand(weight, "rowwise", compute_dtype=compute_dtype), None
+        ctx.saved_weight = weight  # re-read in backward, after FSDP re-points its bytes
+    else:
+        # Quantized once per forward; the transposed copy is kept for dgrad.
+        w_row, w_t = _fused_quantize(weight.detach(), plan, role="weight", rowwise=True,
+                                     transposed=need_dgrad, record=plan.record,
+                                     compute_dtype=compute_dtype)  # fmt: skip
+        ctx.saved_weight = w_t
+    if plan.record:
+        fp8_state.forward_recorded(plan.metas["input"])
+        if not isinstance(weight, QuantizedTensor):
+            fp8_state.forward_recorded(plan.metas["weight"])
+    ctx.saved_input = x_t
+    ctx.compute_dtype = compute_dtype
+    return ops.gemm(x_row, w_row, recipe=plan.recipe, out_dtype=x.dtype,
+                    fast_accum=plan.recipe in PER_TENSOR)  # fmt: skip
+
+
+def _backward_fused(ctx, dy2d, *, need_dgrad, need_wgrad):
+    ops = _fused_cuda_ops()
+    plan: _Plan = ctx.plan
+    record = plan.metas is not None
+    dy_row, dy_t = _fused_quantize(dy2d, plan, role="grad", rowwise=need_dgrad,
+                                   transposed=need_wgrad, record=record,
+                                   compute_dtype=ctx.compute_dtype)  # fmt: skip
+    if record:
+        # Recorded even for a recomputed graph (reentrant checkpoint): its backward is real.
+        fp8_state.record_backward(plan.metas["grad"], None, plan.group)
+    dx2d = dw = None
+    if need_dgrad:
+        w_t = ctx.saved_weight
+        if isinstance(w_t, QuantizedTensor):
+            w_t = ops.weight_operand(w_t, "columnwise", compute_dtype=ctx.compute_dtype)
+        dx2d = ops.gemm(dy_row, w_t, recipe=plan.recipe, out_dtype=ctx.x_dtype, fast_accum=False)
+    if need_wgrad:
+        dw = ops.gemm(dy_t, ctx.saved_input, recipe=plan.recipe, out_dtype=ctx.weight_dtype,
+                      fast_accum=False)  # fmt: skip
+    return dx2d, dw
 
 
 class Fp8Linear(nn.Module):
@@ -193,7 +286,7 @@ class Fp8Linear(nn.Module):
             f"fp8_weight={isinstance(self.weight, QuantizedTensor)}"
         )
 
-    def _plan(self, config: Fp8Config, recompute: bool, group) -> _Plan:
+    def _plan(self, config: Fp8Config, recompute: bool, group, device: torch.device) -> _Plan:
         if config.recipe != "delayed":
             return _Plan(config=config, scales={}, metas=None, record=False, group=group)
         if self.delayed_scaling is None:
@@ -201,12 +294,14 @@ class Fp8Linear(nn.Module):
                 "fp8_autocast asks for recipe 'delayed' but this Fp8Linear was built for "
                 f"'{self.fp8_config.recipe}'; build the model with the same Fp8Config"
             )
+        self.delayed_scaling.move_to(device)
         metas = self.delayed_scaling.metas
         if recompute:
             # Same scales as the first forward (saved below), and no second amax record.
             scales = {role: metas[role].forward_scale for role in ("input", "weight")}
         else:
-            scales = {role: metas[role].scale.clone() for role in ("input", "weight")}
+            # Flushes replace scale tensors instead of writing them: no copy is needed.
+            scales = {role: metas[role].scale for role in ("input", "weight")}
             for role in ("input", "weight"):
                 metas[role].forward_scale = scales[role]
         scales["grad"] = metas["grad"].scale
@@ -236,5 +331,5 @@ class Fp8Linear(nn.Module):
                 f"FP8 weight was quantized with recipe '{self.weight.recipe}' but autocast asks "
                 f"for '{config.recipe}'; build the model under the same recipe"
             )
-        plan = self._plan(config, recompute, group)
+        plan = self._plan(config, recompute, group, x.device)
         return _Fp8LinearFunction.apply(x, self.weight, self.bias, plan)

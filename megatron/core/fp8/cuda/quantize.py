@@ -25,14 +25,21 @@ from megatron.core.fp8.cuda.formats import (
     infinite_scale_replacement,
 )
 
-# Tile shapes. Per-tensor casts stream 64x128 tiles (rows of 256 B for bf16 input); tiles that
-# also write a transpose are square so that both stores stay coalesced. Block recipes use one
-# program per 128x128 tile so that every block's amax is finished inside one program.
-_CAST_TILE = (64, 128)
-_CAST_T_TILE = (128, 128)
-_AMAX_BLOCK = 8192
-_MX_TILE = (64, 128)
-_WARPS = 8
+# Launch configurations per kernel: tile rows BM, tile cols BK, warps (and BLOCK elements per
+# program for the amax pass). Per-tensor casts that also write a transpose use square tiles so
+# that both stores stay coalesced; block recipes need the whole 128x128 (1x128 / 128x128) or
+# 32-aligned (MX) block inside one program so that each block's amax finishes there.
+# `scripts/bench_fp8.py --sweep` times alternatives; the values here are the measured best on
+# an H200 (docs/PERFORMANCE_FP8_LINEAR.md).
+TILE_CONFIG: dict[str, dict[str, int]] = {
+    "amax": dict(BLOCK=16384, num_warps=8),
+    "cast": dict(BM=64, BK=128, num_warps=4),
+    "cast_t": dict(BM=128, BK=128, num_warps=8),
+    "block_1x128": dict(num_warps=8),
+    "block_128x128": dict(num_warps=8),
+    "mxfp8": dict(BM=64, BK=128, num_warps=8),
+    "mxfp8_dequant": dict(BM=64, BK=128, num_warps=4),
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -227,30 +234,56 @@ def _amax_buffer(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int32, device=device)
 
 
-def _per_tensor_triton(x2d, *, recipe, fp8_dtype, scale, amax, power_2_scale, with_transpose):
+def launch_amax(x2d: torch.Tensor, amax_bits: torch.Tensor) -> None:
+    """Atomically max the NaN-ignoring max|x| of a contiguous tensor into int32 amax_bits."""
+    config = TILE_CONFIG["amax"]
+    grid = (ceil_div(x2d.numel(), config["BLOCK"]),)
+    _triton_kernels().amax_kernel[grid](x2d, amax_bits, x2d.numel(), **config)
+
+
+def launch_per_tensor_cast(
+    x2d, *, data, data_t, scale, amax, scale_inv, record_bits, fp8_dtype, recipe, power_2_scale
+) -> None:
+    """One read of x2d: rowwise bytes (data) and/or their [K, M] transpose (data_t).
+
+    delayed: `scale` is the current scale; record_bits (int32 view, may be slot 0 of an amax
+    history) receives max|x| by atomic max. tensorwise: the scale comes from `amax`."""
     kernels = _triton_kernels()
+    rows, cols = x2d.shape
+    delayed = recipe == "delayed"
+    config = TILE_CONFIG["cast_t" if data_t is not None else "cast"]
+    placeholder = data if data is not None else data_t
+    kernels.per_tensor_cast_kernel[kernels.grid_size(rows, cols, config["BM"], config["BK"])](
+        x2d, placeholder, placeholder if data_t is None else data_t,
+        scale if delayed else amax, amax if amax is not None else scale, scale_inv,
+        record_bits if record_bits is not None else scale_inv, rows, cols,
+        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
+        INF_SCALE=infinite_scale_replacement(recipe=recipe, input_dtype=x2d.dtype),
+        POW2=power_2_scale and not delayed, SCALE_GIVEN=delayed,
+        RECORD_AMAX=record_bits is not None, WRITE_ROW=data is not None,
+        WRITE_T=data_t is not None, **config,
+    )  # fmt: skip
+
+
+def _per_tensor_triton(x2d, *, recipe, fp8_dtype, scale, amax, power_2_scale, with_transpose):
     rows, cols = x2d.shape
     device = x2d.device
     amax_bits = _amax_buffer(device)
     delayed = recipe == "delayed"
     if not delayed and amax is None and x2d.numel() > 0:
-        grid = (ceil_div(x2d.numel(), _AMAX_BLOCK),)
-        kernels.amax_kernel[grid](x2d, amax_bits, x2d.numel(), BLOCK=_AMAX_BLOCK, num_warps=_WARPS)
+        launch_amax(x2d, amax_bits)
     amax_out = amax_bits.view(torch.float32)
     if amax is not None:
         amax_out = _scalar_f32(amax, device)
-    scale_in = _scalar_f32(scale, device) if delayed else amax_out
     data = _empty_u8(rows, cols, device)
-    data_t = _empty_u8(cols, rows, device) if with_transpose else data
+    data_t = _empty_u8(cols, rows, device) if with_transpose else None
     scale_inv = torch.ones((), dtype=torch.float32, device=device)
-    bm, bk = _CAST_T_TILE if with_transpose else _CAST_TILE
     if x2d.numel() > 0:
-        kernels.per_tensor_cast_kernel[kernels.grid_size(rows, cols, bm, bk)](
-            x2d, data, data_t, scale_in, amax_out, scale_inv, amax_bits, rows, cols,
-            FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
-            INF_SCALE=infinite_scale_replacement(recipe=recipe, input_dtype=x2d.dtype),
-            POW2=power_2_scale and not delayed, SCALE_GIVEN=delayed, RECORD_AMAX=delayed,
-            WRITE_T=with_transpose, BM=bm, BK=bk, num_warps=_WARPS,
+        launch_per_tensor_cast(
+            x2d, data=data, data_t=data_t, scale=_scalar_f32(scale, device) if delayed else None,
+            amax=None if delayed else amax_out, scale_inv=scale_inv,
+            record_bits=amax_bits if delayed else None, fp8_dtype=fp8_dtype, recipe=recipe,
+            power_2_scale=power_2_scale,
         )  # fmt: skip
     else:
         scale_inv = _per_tensor_torch(
@@ -263,34 +296,75 @@ def _per_tensor_triton(x2d, *, recipe, fp8_dtype, scale, amax, power_2_scale, wi
     return out
 
 
+def _block_constants(x2d: torch.Tensor, fp8_dtype: torch.dtype, power_2_scale: bool) -> dict:
+    return dict(
+        FP8_MAX=fp8_max(fp8_dtype),
+        E4M3=fp8_dtype == torch.float8_e4m3fn,
+        INF_SCALE=infinite_scale_replacement(recipe="blockwise", input_dtype=x2d.dtype),
+        POW2=power_2_scale,
+        TILE=BLOCK_128,
+    )
+
+
+def launch_block_128x128(
+    x2d, *, data, scale_inv, data_t, scale_inv_t, record_bits, fp8_dtype, power_2_scale
+) -> None:
+    """128x128 weight blocks: bytes + (ceil(M/128), ceil(K/128)) scale grid, and/or the [K, M]
+    transposed bytes + transposed grid; record_bits (int32) gets max|x| when given."""
+    if (data_t is None) != (scale_inv_t is None):
+        raise ValueError("the transposed 128x128 bytes and scale grid come together")
+    kernels = _triton_kernels()
+    rows, cols = x2d.shape
+    placeholder = data if data is not None else data_t
+    kernels.block_128x128_kernel[kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)](
+        x2d, placeholder, scale_inv, placeholder if data_t is None else data_t,
+        scale_inv if scale_inv_t is None else scale_inv_t,
+        record_bits if record_bits is not None else scale_inv, rows, cols,
+        WRITE_ROW=data is not None, WRITE_T=data_t is not None,
+        RECORD_AMAX=record_bits is not None, **_block_constants(x2d, fp8_dtype, power_2_scale),
+        **TILE_CONFIG["block_128x128"],
+    )  # fmt: skip
+
+
+def launch_block_1x128(
+    x2d, *, row, row_sinv, col, col_sinv, col_t, record_bits, row_scale_t, fp8_dtype,
+    power_2_scale,
+) -> None:  # fmt: skip
+    """1x128 rowwise bytes/scales (row_scale_t: scales stored [ceil(K/128), M]) and 128x1
+    columnwise bytes in x's shape (col) and/or transposed (col_t), scales [ceil(M/128), K]."""
+    kernels = _triton_kernels()
+    rows, cols = x2d.shape
+    placeholder = next(t for t in (row, col, col_t) if t is not None)
+    sinv = row_sinv if row_sinv is not None else col_sinv
+    kernels.block_1x128_kernel[kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)](
+        x2d, placeholder if row is None else row, sinv if row_sinv is None else row_sinv,
+        placeholder if col is None else col, sinv if col_sinv is None else col_sinv,
+        placeholder if col_t is None else col_t,
+        record_bits if record_bits is not None else sinv, rows, cols,
+        ROWWISE=row is not None, COLUMNWISE=col is not None, WRITE_T=col_t is not None,
+        ROW_SCALE_T=row_scale_t, RECORD_AMAX=record_bits is not None,
+        **_block_constants(x2d, fp8_dtype, power_2_scale), **TILE_CONFIG["block_1x128"],
+    )  # fmt: skip
+
+
 def _blockwise_triton(
     x2d, *, fp8_dtype, weight, rowwise, columnwise, power_2_scale, with_transpose
 ):
-    kernels = _triton_kernels()
     rows, cols = x2d.shape
     device = x2d.device
     amax_bits = _amax_buffer(device)
     out = dict.fromkeys(_KEYS)
     out["amax"] = amax_bits.view(torch.float32)
-    constants = dict(
-        FP8_MAX=fp8_max(fp8_dtype),
-        E4M3=fp8_dtype == torch.float8_e4m3fn,
-        INF_SCALE=infinite_scale_replacement(recipe="blockwise", input_dtype=x2d.dtype),
-        POW2=power_2_scale,
-        WRITE_T=with_transpose,
-        TILE=BLOCK_128,
-        num_warps=_WARPS,
-    )
-    grid = kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)
     row_blocks, col_blocks = ceil_div(rows, BLOCK_128), ceil_div(cols, BLOCK_128)
     data_t = _empty_u8(cols, rows, device) if with_transpose else None
     if weight:
         data = _empty_u8(rows, cols, device)
         scale_inv = torch.empty((row_blocks, col_blocks), dtype=torch.float32, device=device)
         if x2d.numel() > 0:
-            kernels.block_128x128_kernel[grid](
-                x2d, data, scale_inv, data if data_t is None else data_t, amax_bits, rows, cols,
-                **constants,
+            launch_block_128x128(
+                x2d, data=data, scale_inv=scale_inv, data_t=data_t,
+                scale_inv_t=None if data_t is None else torch.empty_like(scale_inv.t()),
+                record_bits=amax_bits, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale,
             )  # fmt: skip
         _fill_weight_copies(out, data, scale_inv, rowwise=rowwise, columnwise=columnwise)
     else:
@@ -298,13 +372,11 @@ def _blockwise_triton(
         row_sinv = torch.empty((rows, col_blocks), dtype=torch.float32, device=device)
         col_data = _empty_u8(rows, cols, device) if columnwise else None
         col_sinv = torch.empty((row_blocks, cols), dtype=torch.float32, device=device)
-        placeholder = row_data if row_data is not None else col_data
         if x2d.numel() > 0:
-            kernels.block_1x128_kernel[grid](
-                x2d, placeholder if row_data is None else row_data, row_sinv,
-                placeholder if col_data is None else col_data, col_sinv,
-                placeholder if data_t is None else data_t, amax_bits, rows, cols,
-                ROWWISE=rowwise, COLUMNWISE=columnwise, **constants,
+            launch_block_1x128(
+                x2d, row=row_data, row_sinv=row_sinv, col=col_data, col_sinv=col_sinv,
+                col_t=data_t, record_bits=amax_bits, row_scale_t=False, fp8_dtype=fp8_dtype,
+                power_2_scale=power_2_scale,
             )  # fmt: skip
         if rowwise:
             out["rowwise_data"], out["rowwise_scale_inv"] = row_data, row_sinv
@@ -315,8 +387,27 @@ def _blockwise_triton(
     return out
 
 
-def _mxfp8_triton(x2d, *, fp8_dtype, rowwise, columnwise, with_transpose):
+def launch_mxfp8(x2d, *, row, row_e, col, col_e, col_t, record_bits, fp8_dtype, dequant) -> None:
+    """MX 1x32 rowwise and 32x1 columnwise copies from one read. dequant: row / col are
+    high-precision outputs that receive dequantize(quantize(x)) (no bytes, no scales)."""
     kernels = _triton_kernels()
+    rows, cols = x2d.shape
+    config = TILE_CONFIG["mxfp8"]
+    placeholder = next(t for t in (row, col, col_t) if t is not None)
+    e_placeholder = row_e if row_e is not None else (col_e if col_e is not None else placeholder)
+    kernels.mxfp8_kernel[kernels.grid_size(rows, cols, config["BM"], config["BK"])](
+        x2d, placeholder if row is None else row, e_placeholder if row_e is None else row_e,
+        placeholder if col is None else col, e_placeholder if col_e is None else col_e,
+        placeholder if col_t is None else col_t,
+        record_bits if record_bits is not None else e_placeholder, rows, cols,
+        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
+        RCP_FP8_MAX=fp8_max_reciprocal(fp8_dtype), ROWWISE=row is not None,
+        COLUMNWISE=col is not None, WRITE_T=col_t is not None,
+        RECORD_AMAX=record_bits is not None, DEQUANT=dequant, **config,
+    )  # fmt: skip
+
+
+def _mxfp8_triton(x2d, *, fp8_dtype, rowwise, columnwise, with_transpose):
     rows, cols = x2d.shape
     device = x2d.device
     amax_bits = _amax_buffer(device)
@@ -327,16 +418,11 @@ def _mxfp8_triton(x2d, *, fp8_dtype, rowwise, columnwise, with_transpose):
     col_data = _empty_u8(rows, cols, device) if columnwise else None
     col_e = _empty_u8(ceil_div(rows, MX_BLOCK), cols, device)
     data_t = _empty_u8(cols, rows, device) if with_transpose else None
-    placeholder = row_data if row_data is not None else col_data
-    bm, bk = _MX_TILE
     if x2d.numel() > 0:
-        kernels.mxfp8_kernel[kernels.grid_size(rows, cols, bm, bk)](
-            x2d, placeholder if row_data is None else row_data, row_e,
-            placeholder if col_data is None else col_data, col_e,
-            placeholder if data_t is None else data_t, amax_bits, rows, cols,
-            FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
-            RCP_FP8_MAX=fp8_max_reciprocal(fp8_dtype), ROWWISE=rowwise,
-            COLUMNWISE=columnwise, WRITE_T=with_transpose, BM=bm, BK=bk, num_warps=_WARPS,
+        launch_mxfp8(
+            x2d, row=row_data, row_e=row_e if rowwise else None, col=col_data,
+            col_e=col_e if (columnwise or with_transpose) else None, col_t=data_t,
+            record_bits=amax_bits, fp8_dtype=fp8_dtype, dequant=False,
         )  # fmt: skip
     if rowwise:
         out["rowwise_data"], out["rowwise_scale_inv"] = row_data, row_e
@@ -344,6 +430,38 @@ def _mxfp8_triton(x2d, *, fp8_dtype, rowwise, columnwise, with_transpose):
         out["columnwise_data"], out["columnwise_scale_inv"] = col_data, col_e
     if with_transpose:
         out["columnwise_data_t"] = data_t
+    return out
+
+
+def mxfp8_dequantize(
+    data: torch.Tensor,
+    e8m0: torch.Tensor,
+    *,
+    fp8_dtype: torch.dtype,
+    columnwise: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Fused MXFP8 dequantize of 2-D bytes: q * 2^(e - 127) per element, cast to out_dtype.
+
+    e8m0 is (M, K/32) for rowwise bytes or (M/32, K) for columnwise ones (uint8 or e8m0fnu).
+    Bitwise equal to the reference dequantize (exact fp32 product, then one rounding)."""
+    rows, cols = data.shape
+    e8m0 = e8m0.view(torch.uint8).contiguous()
+    kernels = _triton_kernels()
+    if not data.is_cuda or kernels is None:
+        multiplier = tq.e8m0_dequant_multiplier(e8m0)
+        if columnwise:
+            multiplier = multiplier.repeat_interleave(MX_BLOCK, dim=0)[:rows]
+        else:
+            multiplier = multiplier.repeat_interleave(MX_BLOCK, dim=1)[:, :cols]
+        return (data.view(fp8_dtype).float() * multiplier).to(out_dtype)
+    out = torch.empty((rows, cols), dtype=out_dtype, device=data.device)
+    config = TILE_CONFIG["mxfp8_dequant"]
+    if data.numel() > 0:
+        kernels.mxfp8_dequantize_kernel[kernels.grid_size(rows, cols, config["BM"], config["BK"])](
+            data.view(torch.uint8).contiguous(), e8m0, out, rows, cols,
+            E4M3=fp8_dtype == torch.float8_e4m3fn, COLUMNWISE=columnwise, **config,
+        )  # fmt: skip
     return out
 
 

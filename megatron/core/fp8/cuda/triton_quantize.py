@@ -81,6 +81,14 @@ def _e8m0_multiplier(e):
 
 
 @triton.jit
+def _e8m0_dequant_multiplier(e):
+    """Exactly 2^(e - 127); byte 0 is the fp32 subnormal 2^-127, 255 is NaN."""
+    bits = tl.where(e == 0, 0x00400000, e << 23)
+    bits = tl.where(e == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _tile(x_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
     """Load the (pid_m, pid_k) tile of a row-major [M, K] tensor as fp32, zero padded."""
     pid = tl.program_id(0)
@@ -106,7 +114,17 @@ def _store_transposed(out_ptr, q, rows, cols, M, K):
 @triton.jit
 def _record_amax(amax_bits_ptr, x_abs):
     tile_amax = tl.max(tl.max(x_abs, axis=1), axis=0)
-    tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True))
+    tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _dequantized(q_bytes, multiplier, E4M3: tl.constexpr):
+    """fp32 value of FP8 bytes times an exact power-of-two (or per-tensor) multiplier."""
+    if E4M3:
+        q = q_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        q = q_bytes.to(tl.float8e5, bitcast=True).to(tl.float32)
+    return q * multiplier
 
 
 @triton.jit
@@ -115,25 +133,27 @@ def amax_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
     tile_amax = tl.max(_nan_ignoring_abs(x), axis=0)
-    tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True))
+    tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
 def per_tensor_cast_kernel(
     x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
-    SCALE_GIVEN: tl.constexpr, RECORD_AMAX: tl.constexpr, WRITE_T: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    SCALE_GIVEN: tl.constexpr, RECORD_AMAX: tl.constexpr, WRITE_ROW: tl.constexpr,
+    WRITE_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    """Delayed (SCALE_GIVEN, RECORD_AMAX) or tensorwise (scale from the finished amax) cast,
-    with the transpose cache written from the same registers when WRITE_T."""
+    """Delayed (SCALE_GIVEN; RECORD_AMAX atomically maxes max|x| into amax_bits_ptr, which may
+    be slot 0 of an amax history) or tensorwise (scale from the finished amax) cast; the
+    rowwise bytes and/or their transpose are written from the same registers."""
     x, rows, cols, mask, offs, pid_m, pid_k = _tile(x_ptr, M, K, BM, BK)
     if SCALE_GIVEN:
         scale = tl.load(scale_ptr)
     else:
         scale = _scale_from_amax(tl.load(amax_ptr), FP8_MAX, INF_SCALE, POW2)
     q = _saturating_cast(x * scale, FP8_MAX, E4M3)
-    tl.store(data_ptr + offs, q, mask=mask)
+    if WRITE_ROW:
+        tl.store(data_ptr + offs, q, mask=mask)
     if WRITE_T:
         _store_transposed(data_t_ptr, q, rows, cols, M, K)
     if RECORD_AMAX:
@@ -147,21 +167,30 @@ def block_1x128_kernel(
     x_ptr, row_ptr, row_sinv_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
-    TILE: tl.constexpr,
+    ROW_SCALE_T: tl.constexpr, RECORD_AMAX: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
-    """One 128x128 tile: rowwise 1x128 and columnwise 128x1 copies from a single read."""
+    """One 128x128 tile: rowwise 1x128 and columnwise 128x1 copies from a single read.
+
+    COLUMNWISE writes the columnwise bytes in x's shape, WRITE_T their [K, M] transpose (the
+    wgrad operand); ROW_SCALE_T stores the rowwise scales as [ceil(K/128), M], the
+    outer-dim-major layout cuBLAS reads, instead of the logical [M, ceil(K/128)]."""
     x, rows, cols, mask, offs, pid_m, pid_k = _tile(x_ptr, M, K, TILE, TILE)
     x_abs = _nan_ignoring_abs(x)
-    _record_amax(amax_bits_ptr, x_abs)
+    if RECORD_AMAX:
+        _record_amax(amax_bits_ptr, x_abs)
     if ROWWISE:
         row_scale = _scale_from_amax(tl.max(x_abs, axis=1), FP8_MAX, INF_SCALE, POW2)
         tl.store(row_ptr + offs, _saturating_cast(x * row_scale[:, None], FP8_MAX, E4M3), mask)
-        row_sinv_offs = rows.to(tl.int64) * tl.cdiv(K, TILE) + pid_k
+        if ROW_SCALE_T:
+            row_sinv_offs = pid_k.to(tl.int64) * M + rows
+        else:
+            row_sinv_offs = rows.to(tl.int64) * tl.cdiv(K, TILE) + pid_k
         tl.store(row_sinv_ptr + row_sinv_offs, _reciprocal(row_scale, POW2), mask=rows < M)
-    if COLUMNWISE:
+    if COLUMNWISE or WRITE_T:
         col_scale = _scale_from_amax(tl.max(x_abs, axis=0), FP8_MAX, INF_SCALE, POW2)
         q = _saturating_cast(x * col_scale[None, :], FP8_MAX, E4M3)
-        tl.store(col_ptr + offs, q, mask=mask)
+        if COLUMNWISE:
+            tl.store(col_ptr + offs, q, mask=mask)
         col_sinv_offs = pid_m.to(tl.int64) * K + cols
         tl.store(col_sinv_ptr + col_sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
         if WRITE_T:
@@ -170,21 +199,27 @@ def block_1x128_kernel(
 
 @triton.jit
 def block_128x128_kernel(
-    x_ptr, data_ptr, sinv_ptr, data_t_ptr, amax_bits_ptr, M, K,
+    x_ptr, data_ptr, sinv_ptr, data_t_ptr, sinv_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
-    WRITE_T: tl.constexpr, TILE: tl.constexpr,
+    WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, RECORD_AMAX: tl.constexpr,
+    TILE: tl.constexpr,
 ):  # fmt: skip
-    """One 128x128 weight block: one scale, bytes, and optionally the transposed bytes."""
+    """One 128x128 weight block: one scale; the bytes and/or the transposed bytes with the
+    transposed scale grid (what dgrad reads), from one read."""
     x, rows, cols, mask, offs, pid_m, pid_k = _tile(x_ptr, M, K, TILE, TILE)
     x_abs = _nan_ignoring_abs(x)
     tile_amax = tl.max(tl.max(x_abs, axis=1), axis=0)
-    tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True))
+    if RECORD_AMAX:
+        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
     scale = _scale_from_amax(tile_amax, FP8_MAX, INF_SCALE, POW2)
     q = _saturating_cast(x * scale, FP8_MAX, E4M3)
-    tl.store(data_ptr + offs, q, mask=mask)
-    tl.store(sinv_ptr + pid_m * tl.cdiv(K, TILE) + pid_k, _reciprocal(scale, POW2))
+    scale_inv = _reciprocal(scale, POW2)
+    if WRITE_ROW:
+        tl.store(data_ptr + offs, q, mask=mask)
+    tl.store(sinv_ptr + pid_m * tl.cdiv(K, TILE) + pid_k, scale_inv)
     if WRITE_T:
         _store_transposed(data_t_ptr, q, rows, cols, M, K)
+        tl.store(sinv_t_ptr + pid_k * tl.cdiv(M, TILE) + pid_m, scale_inv)
 
 
 @triton.jit
@@ -192,32 +227,73 @@ def mxfp8_kernel(
     x_ptr, row_ptr, row_e_ptr, col_ptr, col_e_ptr, col_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, RCP_FP8_MAX: tl.constexpr,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    RECORD_AMAX: tl.constexpr, DEQUANT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    """One BM x BK tile: 1x32 rowwise and 32x1 columnwise MX copies from a single read."""
+    """One BM x BK tile: 1x32 rowwise and 32x1 columnwise MX copies from a single read.
+
+    DEQUANT (the emulated MXFP8 GEMM on sm_90) writes, instead of bytes and E8M0 scales, the
+    dequantized values q * 2^(e - 127) in row_ptr / col_ptr's dtype: exactly
+    dequantize(quantize(x)), without the FP8 bytes ever reaching memory."""
     x, rows, cols, mask, offs, pid_m, pid_k = _tile(x_ptr, M, K, BM, BK)
     x_abs = _nan_ignoring_abs(x)
-    _record_amax(amax_bits_ptr, x_abs)
+    if RECORD_AMAX:
+        _record_amax(amax_bits_ptr, x_abs)
     if ROWWISE:
         e = _e8m0_from_amax(tl.max(tl.reshape(x_abs, (BM, BK // 32, 32)), axis=2), RCP_FP8_MAX)
         y = tl.reshape(x, (BM, BK // 32, 32)) * _e8m0_multiplier(e)[:, :, None]
         q = _saturating_cast(tl.reshape(y, (BM, BK)), FP8_MAX, E4M3)
-        tl.store(row_ptr + offs, q, mask=mask)
-        blocks = pid_k * (BK // 32) + tl.arange(0, BK // 32)
-        e_offs = rows.to(tl.int64)[:, None] * tl.cdiv(K, 32) + blocks[None, :]
-        e_mask = (rows[:, None] < M) & (blocks[None, :] < tl.cdiv(K, 32))
-        tl.store(row_e_ptr + e_offs, e.to(tl.uint8), mask=e_mask)
-    if COLUMNWISE:
+        if DEQUANT:
+            deq = tl.reshape(q, (BM, BK // 32, 32))
+            deq = _dequantized(deq, _e8m0_dequant_multiplier(e)[:, :, None], E4M3)
+            tl.store(row_ptr + offs, tl.reshape(deq, (BM, BK)).to(row_ptr.dtype.element_ty), mask)
+        else:
+            tl.store(row_ptr + offs, q, mask=mask)
+            blocks = pid_k * (BK // 32) + tl.arange(0, BK // 32)
+            e_offs = rows.to(tl.int64)[:, None] * tl.cdiv(K, 32) + blocks[None, :]
+            e_mask = (rows[:, None] < M) & (blocks[None, :] < tl.cdiv(K, 32))
+            tl.store(row_e_ptr + e_offs, e.to(tl.uint8), mask=e_mask)
+    if COLUMNWISE or WRITE_T:
         e = _e8m0_from_amax(tl.max(tl.reshape(x_abs, (BM // 32, 32, BK)), axis=1), RCP_FP8_MAX)
         y = tl.reshape(x, (BM // 32, 32, BK)) * _e8m0_multiplier(e)[:, None, :]
         q = _saturating_cast(tl.reshape(y, (BM, BK)), FP8_MAX, E4M3)
-        tl.store(col_ptr + offs, q, mask=mask)
-        blocks = pid_m * (BM // 32) + tl.arange(0, BM // 32)
-        e_offs = blocks.to(tl.int64)[:, None] * K + cols[None, :]
-        e_mask = (blocks[:, None] < tl.cdiv(M, 32)) & (cols[None, :] < K)
-        tl.store(col_e_ptr + e_offs, e.to(tl.uint8), mask=e_mask)
-        if WRITE_T:
-            _store_transposed(col_t_ptr, q, rows, cols, M, K)
+        if DEQUANT:
+            deq = tl.reshape(q, (BM // 32, 32, BK))
+            deq = _dequantized(deq, _e8m0_dequant_multiplier(e)[:, None, :], E4M3)
+            tl.store(col_ptr + offs, tl.reshape(deq, (BM, BK)).to(col_ptr.dtype.element_ty), mask)
+        else:
+            if COLUMNWISE:
+                tl.store(col_ptr + offs, q, mask=mask)
+            blocks = pid_m * (BM // 32) + tl.arange(0, BM // 32)
+            e_offs = blocks.to(tl.int64)[:, None] * K + cols[None, :]
+            e_mask = (blocks[:, None] < tl.cdiv(M, 32)) & (cols[None, :] < K)
+            tl.store(col_e_ptr + e_offs, e.to(tl.uint8), mask=e_mask)
+            if WRITE_T:
+                _store_transposed(col_t_ptr, q, rows, cols, M, K)
+
+
+@triton.jit
+def mxfp8_dequantize_kernel(
+    data_ptr, e_ptr, out_ptr, M, K, E4M3: tl.constexpr, COLUMNWISE: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """MXFP8 bytes [M, K] + E8M0 scales (1x32 rowwise [M, K/32] or 32x1 columnwise
+    [M/32, K]) -> q * 2^(e - 127) in out_ptr's dtype (byte 0 means 2^-127, 255 NaN)."""
+    pid = tl.program_id(0)
+    k_tiles = tl.cdiv(K, BK)
+    pid_m = pid // k_tiles
+    pid_k = pid % k_tiles
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    q_bytes = tl.load(data_ptr + offs, mask=mask, other=0)
+    if COLUMNWISE:
+        e_offs = (rows // 32).to(tl.int64)[:, None] * K + cols[None, :]
+    else:
+        e_offs = rows.to(tl.int64)[:, None] * tl.cdiv(K, 32) + (cols // 32)[None, :]
+    e = tl.load(e_ptr + e_offs, mask=mask, other=127).to(tl.int32)
+    deq = _dequantized(q_bytes, _e8m0_dequant_multiplier(e), E4M3)
+    tl.store(out_ptr + offs, deq.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
