@@ -6,6 +6,7 @@ Layout of one `iter_XXXXXXX/` directory (`--ckpt-format torch`):
   model.pt            {param name: fp32 tensor}, the main (fp32) values of every parameter
   optimizer.pt        the optimizer state (tensors and numbers only)
   rng/rank_00000.pt   each rank's RNG states (tensors and numbers only)
+  fp8_delayed_scaling.pt  with --fp8-recipe delayed: every FP8 tensor's scale and amax history
 `--ckpt-format torch_dist` (Megatron-FSDP) keeps metadata.json and stores model and optimizer as
 shards through megatron.core.dist_checkpointing.
 
@@ -156,6 +157,9 @@ def save_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, state, env
     elif env.rank == 0:
         torch.save(run.optimizer.named_main_params(), os.path.join(tmp, "model.pt"))
         torch.save(run.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    fp8_state = _delayed_scaling_state(run)
+    if fp8_state and env.rank == 0:  # identical on every rank: amaxes are all-reduced
+        torch.save(fp8_state, os.path.join(tmp, "fp8_delayed_scaling.pt"))
     rng_path = os.path.join(tmp, "rng", f"rank_{env.rank:05d}.pt")
     torch.save(_rng_state_to_plain(get_rng_state()), rng_path)
     _barrier(env)
@@ -170,6 +174,27 @@ def save_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, state, env
         print(f" > saved checkpoint at iteration {state.iteration} to {final}", flush=True)
     _barrier(env)
     return final
+
+
+def _delayed_scaling_state(run) -> dict:
+    if run.config.fp8 is None or run.config.fp8.recipe != "delayed":
+        return {}
+    from megatron.core.fp8 import delayed_scaling_state_dict
+
+    return delayed_scaling_state_dict(run.module)
+
+
+def _load_delayed_scaling_state(directory: str, run) -> None:
+    """Scales and amax histories of --fp8-recipe delayed; other runs have none to restore."""
+    path = os.path.join(directory, "fp8_delayed_scaling.pt")
+    if not _delayed_scaling_state(run) or not os.path.isfile(path):
+        return
+    from megatron.core.fp8 import load_delayed_scaling_state_dict
+
+    try:
+        load_delayed_scaling_state_dict(run.module, load_tensor_file(path))
+    except (KeyError, ValueError) as error:
+        raise CheckpointError(f"{path}: {error}") from None
 
 
 def read_tracker(root: str) -> int | None:
@@ -275,6 +300,8 @@ def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
         _load_model_tensors(directory, run)
         if load_optim:
             run.optimizer.load_state_dict(load_tensor_file(os.path.join(directory, "optimizer.pt")))
+    if not args.finetune:
+        _load_delayed_scaling_state(directory, run)
     if not (args.no_load_rng or args.finetune):
         rng_file = os.path.join(directory, "rng", f"rank_{env.rank:05d}.pt")
         if not os.path.isfile(rng_file):  # resumed at a larger DP size: every rank seeds alike

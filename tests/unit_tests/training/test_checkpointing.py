@@ -120,3 +120,16 @@ def test_no_load_optim_and_finetune(saved):
         TINY_GPT + ["--train-iters", "3", "--load", str(saved), "--no-load-optim"]
     )
     assert sorted(resumed.losses) == [3]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "mxfp8"])
+def test_fp8_resume_continues_exactly(tmp_path, recipe):
+    """Delayed scaling's scales and amax histories travel with the checkpoint: without them
+    the resumed losses differ (the first resumed forward would quantize with scale 1)."""
+    argv = TINY_GPT + ["--train-iters", "8", "--fp8-recipe", recipe, "--fp8-amax-history-len", "4"]
+    full = run_pretrain(argv)
+    run_pretrain(argv + ["--save", str(tmp_path), "--exit-interval", "4"])
+    has_state = os.path.isfile(tmp_path / "iter_0000004" / "fp8_delayed_scaling.pt")
+    assert has_state == (recipe == "delayed")
+    resumed = run_pretrain(argv + ["--load", str(tmp_path)])
+    assert [resumed.losses[i] for i in range(5, 9)] == [full.losses[i] for i in range(5, 9)]
