@@ -1,12 +1,15 @@
 """FP8 fast-path benchmark: quantization bandwidth and Linear fwd+bwd speed vs bf16 (one GPU).
 
     python scripts/bench_fp8.py --check          # bitwise self-check first; exit 1 on mismatch
+    python scripts/bench_fp8.py --check --sweep  # also time alternative kernel launch configs
 
-(a) quantize_cuda per recipe on an 8192x8192 bf16 tensor: bytes moved / time against the
-    device-to-device copy bandwidth measured in the same run (target >= 60%).
+(a) Quantization on an 8192x8192 bf16 tensor: bytes moved / time against the device-to-device
+    copy bandwidth measured in the same run (target >= 60%): the public quantize_cuda API
+    cases and the fused operand kernels Fp8Linear runs (linear_ops.quantize_operands).
 (b) Linear forward+backward at M=8192 for (K, N) in (4096, 4096), (4096, 14336), (14336, 4096):
-    megatron.core.fp8.Fp8Linear and this package's own quantize_cuda + scaled_mm chain, each vs
-    bf16 nn.Linear (targets: tensorwise/delayed 1.4x, blockwise 1.3x, mxfp8 emulated 0.8x).
+    megatron.core.fp8.Fp8Linear vs bf16 nn.Linear (targets: tensorwise/delayed 1.4x, blockwise
+    1.3x, mxfp8 emulated 0.8x); --chain adds the quantize_cuda + scaled_mm API chain. Each row
+    also gives host_ms, the host time to issue one step: above time_ms means launch-bound.
 One JSON line per case on stdout (and in $OUT/bench_fp8.jsonl when OUT is set), then a table.
 Times are medians over CUDA-event-timed iterations after warm-up. Budget: under 4 minutes.
 """
@@ -27,10 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.core.fp8.cuda import (  # noqa: E402
     blockwise_gemm_path,
+    linear_ops,
     quantize_cuda,
     scaled_mm,
     triton_available,
 )
+from megatron.core.fp8.cuda import quantize as cq  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
@@ -43,19 +48,24 @@ SPEEDUP_TARGET = {"tensorwise": 1.4, "delayed": 1.4, "blockwise": 1.3, "mxfp8": 
 TIME_BUDGET_S = 200.0
 
 
-def cuda_time_ms(fn, *, warmup: int = 3, iters: int = 10) -> float:
-    """Median milliseconds of fn() timed with CUDA events, after warm-up (compiles, caches)."""
+def cuda_time_ms(fn, *, warmup: int = 3, iters: int = 10, host: list | None = None) -> float:
+    """Median milliseconds of fn() timed with CUDA events, after warm-up (compiles, caches).
+    `host`, when given, receives the median host milliseconds spent issuing fn()."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    times, host_times = [], []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        issued = time.perf_counter()
         fn()
+        host_times.append((time.perf_counter() - issued) * 1e3)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    if host is not None:
+        host.append(statistics.median(host_times))
     return statistics.median(times)
 
 
@@ -125,11 +135,107 @@ def _quant_cases(n: int) -> list[tuple[str, dict, int]]:
     ]  # fmt: skip
 
 
-def bench_quantize(reporter: Reporter) -> None:
+def _operand_fn(x: torch.Tensor, key: str):
+    """A callable running the fused kernel that TILE_CONFIG[key] configures, as Fp8Linear
+    does (linear_ops.quantize_operands), plus the bytes it moves for an n x n bf16 x."""
+    elems = x.numel()
+    read = 2 * elems
+    scale = torch.tensor(64.0, device=x.device)
+    history = torch.zeros(16, device=x.device)
+    if key == "amax":
+        bits = torch.zeros((), dtype=torch.int32, device=x.device)
+        return (lambda: (cq.launch_amax(x, bits), bits)[1]), read
+    if key == "mxfp8_dequant":
+        q = quantize_cuda(x, recipe="mxfp8", fp8_dtype=E4M3, role="weight", rowwise=True,
+                          columnwise=False, power_2_scale=True)  # fmt: skip
+        data, e8m0 = q["rowwise_data"], q["rowwise_scale_inv"]
+        return (
+            lambda: cq.mxfp8_dequantize(data, e8m0, fp8_dtype=E4M3, columnwise=False,
+                                        out_dtype=torch.bfloat16)
+        ), elems + elems // 32 + 2 * elems  # fmt: skip
+    recipe, role, transposed, moved = {
+        "tensorwise": ("tensorwise", "input", True, 2 * read + 2 * elems),
+        "cast": ("delayed", "input", False, read + elems),
+        "cast_t": ("delayed", "input", True, read + 2 * elems),
+        "block_1x128": ("blockwise", "input", True, read + 2 * elems + 8 * (elems // 128)),
+        "block_128x128": ("blockwise", "weight", True, read + 2 * elems),
+        "mxfp8": ("mxfp8", "input", True, read + 4 * elems),
+    }[key]
+
+    def run():
+        return linear_ops.quantize_operands(
+            x, recipe=recipe, fp8_dtype=E4M3, role=role, rowwise=True, transposed=transposed,
+            power_2_scale=recipe in ("blockwise", "mxfp8"),
+            scale=scale if recipe == "delayed" else None,
+            amax_history=history if recipe == "delayed" else None,
+        )  # fmt: skip
+
+    return run, moved
+
+
+# Launch configurations tried by --sweep (first entry of each: the shipped default).
+SWEEP = {
+    "amax": [dict(BLOCK=b, num_warps=w) for b, w in ((16384, 8), (8192, 8), (32768, 16),
+                                                     (16384, 16))],
+    "cast": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((64, 128, 4), (32, 256, 4),
+                                                           (64, 256, 8), (128, 128, 8))],
+    "cast_t": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((128, 128, 8), (64, 64, 4),
+                                                             (128, 64, 4), (64, 128, 4),
+                                                             (128, 128, 4), (256, 64, 8))],
+    "block_1x128": [dict(num_warps=w) for w in (8, 4, 16)],
+    "block_128x128": [dict(num_warps=w) for w in (8, 4, 16)],
+    "mxfp8": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((64, 128, 8), (32, 128, 4),
+                                                            (64, 64, 4), (128, 64, 8),
+                                                            (128, 128, 8))],
+    "mxfp8_dequant": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((64, 128, 4), (32, 256, 4),
+                                                                    (128, 128, 8))],
+}  # fmt: skip
+
+
+def _outputs(result) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if result is None:
+        return []
+    flat = []
+    for item in result:
+        flat.extend(_outputs(item) if not isinstance(item, torch.Tensor) else [item])
+    return flat
+
+
+def sweep_configs(reporter: Reporter, x: torch.Tensor, copy_gbps: float) -> None:
+    """Time each candidate launch config; keep the fastest whose outputs equal the default's."""
+    for key, candidates in SWEEP.items():
+        best = None
+        reference = None
+        for config in candidates:
+            cq.TILE_CONFIG[key] = config
+            fn, moved = _operand_fn(x, key)
+            outputs = [t.clone() for t in _outputs(fn())]
+            if reference is None:
+                reference = outputs
+            same = len(outputs) == len(reference) and all(
+                torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+                for a, b in zip(outputs, reference, strict=True)
+            )
+            gbps = moved / cuda_time_ms(fn, warmup=2, iters=10) / 1e6
+            reporter.emit({"bench": "sweep", "kernel": key, "config": config,
+                           "gbps": round(gbps, 1), "frac_of_copy": round(gbps / copy_gbps, 3),
+                           "same_bytes": same})  # fmt: skip
+            if same and (best is None or gbps > best[0]):
+                best = (gbps, config)
+        cq.TILE_CONFIG[key] = best[1]
+    reporter.emit({"bench": "tile_config", "chosen": cq.TILE_CONFIG})
+
+
+def bench_quantize(reporter: Reporter, *, sweep: bool) -> None:
     x = torch.randn(QUANT_SIZE, QUANT_SIZE, device="cuda", dtype=torch.bfloat16)
     copy_gbps = copy_bandwidth_gbps(x)
     reporter.emit({"bench": "copy", "shape": list(x.shape), "gbps": round(copy_gbps, 1)})
+    if sweep:
+        sweep_configs(reporter, x, copy_gbps)
     scale = torch.tensor(64.0, device="cuda")
+    cases = []
     for name, kwargs, moved in _quant_cases(QUANT_SIZE):
         recipe = kwargs["recipe"]
         extra = {"scale": scale} if recipe == "delayed" else {}
@@ -138,7 +244,16 @@ def bench_quantize(reporter: Reporter) -> None:
         def quantize_once(kwargs=kwargs, extra=extra, pow2=pow2):
             return quantize_cuda(x, fp8_dtype=E4M3, power_2_scale=pow2, **kwargs, **extra)
 
-        ms = cuda_time_ms(quantize_once, warmup=3, iters=20)
+        cases.append((f"API {name}", quantize_once, moved))
+    for name, key in (("tensorwise amax + row+T", "tensorwise"), ("delayed row+T, amax in-kernel",
+                      "cast_t"), ("blockwise 1x128 row+T", "block_1x128"),
+                      ("blockwise 128x128 row+T", "block_128x128"),
+                      ("mxfp8 dequantized row+col bf16", "mxfp8"),
+                      ("mxfp8 dequantize bytes->bf16", "mxfp8_dequant")):  # fmt: skip
+        fn, moved = _operand_fn(x, key)
+        cases.append((f"Fp8Linear {name}", fn, moved))
+    for name, fn, moved in cases:
+        ms = cuda_time_ms(fn, warmup=3, iters=20)
         gbps = moved / ms / 1e6
         reporter.emit({"bench": "quantize", "case": name, "shape": list(x.shape),
                        "time_us": round(ms * 1e3, 1), "bytes": moved, "gbps": round(gbps, 1),
@@ -217,36 +332,61 @@ def _fp8_linear_step(recipe, k, n, x, dy):
         return None, f"{type(err).__name__}: {str(err)[:160]}"
 
 
-def bench_linear(reporter: Reporter, started: float) -> None:
+def _profile_step(step, label: str) -> str:
+    """Top GPU kernels of one step (torch.profiler), as text for $OUT/profile.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=14, max_name_column_width=60
+    )
+    return f"== {label}\n{table}\n"
+
+
+def bench_linear(reporter: Reporter, started: float, *, chain: bool, budget_s: float,
+                 profile_path: Path | None) -> None:  # fmt: skip
     for k, n in LINEAR_SHAPES:
         x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16) * 1e-3
         base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        bf16_ms = cuda_time_ms(make_module_step(base, x, dy, autocast=None))
+        host: list[float] = []
+        bf16_ms = cuda_time_ms(make_module_step(base, x, dy, autocast=None), host=host)
         reporter.emit({"bench": "linear", "impl": "bf16 nn.Linear", "recipe": "bf16",
-                       "M": TOKENS, "K": k, "N": n, "time_ms": round(bf16_ms, 3)})  # fmt: skip
+                       "M": TOKENS, "K": k, "N": n, "time_ms": round(bf16_ms, 3),
+                       "host_ms": round(host[0], 3)})  # fmt: skip
         w = base.weight.detach()
         for recipe in RECIPES:
-            if time.perf_counter() - started > TIME_BUDGET_S:
+            if time.perf_counter() - started > budget_s:
                 reporter.emit({"bench": "linear", "recipe": recipe, "K": k, "N": n,
                                "skipped": "time budget"})  # fmt: skip
                 continue
             module_step, why = _fp8_linear_step(recipe, k, n, x, dy)
-            impls = [("quantize_cuda+scaled_mm", make_chain_step(x.detach(), w, dy, recipe))]
+            impls = []
+            if chain:
+                impls.append(
+                    ("quantize_cuda+scaled_mm", make_chain_step(x.detach(), w, dy, recipe))
+                )
             if module_step is not None:
                 impls.insert(0, ("Fp8Linear", module_step))
             else:
                 reporter.emit({"bench": "linear", "impl": "Fp8Linear", "recipe": recipe,
                                "K": k, "N": n, "unavailable": why})  # fmt: skip
             for impl, step in impls:
-                ms = cuda_time_ms(step)
+                host = []
+                ms = cuda_time_ms(step, host=host)
                 speedup = bf16_ms / ms
                 reporter.emit({"bench": "linear", "impl": impl, "recipe": recipe, "M": TOKENS,
                                "K": k, "N": n, "time_ms": round(ms, 3),
+                               "host_ms": round(host[0], 3),
                                "bf16_ms": round(bf16_ms, 3), "speedup": round(speedup, 3),
                                "target": SPEEDUP_TARGET[recipe],
                                "pass": speedup >= SPEEDUP_TARGET[recipe],
                                "gemm_path": _gemm_path(recipe)})  # fmt: skip
+            if profile_path is not None and module_step is not None and (k, n) == LINEAR_SHAPES[0]:
+                with profile_path.open("a") as handle:
+                    handle.write(_profile_step(module_step, f"Fp8Linear {recipe} K={k} N={n}"))
         del x, dy, base, w
         torch.cuda.empty_cache()
 
@@ -271,9 +411,22 @@ def print_table(rows: list[dict]) -> None:
             print(f"quantize  {row['case']:<38} {row['time_us']:>9.1f} us {row['gbps']:>8.1f} "
                   f"GB/s {100 * row['frac_of_copy']:5.1f}% of copy "
                   f"{'PASS' if row['pass'] else 'below 60%'}")  # fmt: skip
-        elif "time_ms" in row and row["recipe"] != "bf16":
-            print(f"linear    {row['recipe']:<10} {row['impl']:<24} K={row['K']:<6} "
-                  f"N={row['N']:<6} {row['time_ms']:>8.3f} ms vs bf16 {row['bf16_ms']:.3f} ms "
+        elif row["bench"] == "sweep":
+            print(
+                f"sweep     {row['kernel']:<14} {json.dumps(row['config']):<44} "
+                f"{100 * row['frac_of_copy']:5.1f}% of copy same_bytes={row['same_bytes']}"
+            )
+        elif row["bench"] == "tile_config":
+            print(f"chosen    {json.dumps(row['chosen'])}")
+        elif "time_ms" in row and row["recipe"] == "bf16":
+            print(
+                f"linear    bf16 nn.Linear K={row['K']:<6} N={row['N']:<6} "
+                f"{row['time_ms']:>8.3f} ms (host {row['host_ms']:.3f} ms)"
+            )
+        elif "time_ms" in row:
+            print(f"linear    {row['recipe']:<10} {row['impl']:<10} K={row['K']:<6} "
+                  f"N={row['N']:<6} {row['time_ms']:>8.3f} ms (host {row['host_ms']:.3f}) "
+                  f"vs bf16 {row['bf16_ms']:.3f} ms "
                   f"= {row['speedup']:.2f}x (target {row['target']}x) "
                   f"{'PASS' if row['pass'] else 'MISS'} [{row['gemm_path']}]")  # fmt: skip
         elif "unavailable" in row or "skipped" in row:
@@ -286,6 +439,27 @@ def main() -> int:
     parser.add_argument("--check", action="store_true",
                         help="first compare quantize_cuda bitwise with the reference on random "
                              "and edge-case inputs; exit 1 on any mismatch")  # fmt: skip
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time alternative launch configs per kernel and use the fastest",
+    )
+    parser.add_argument(
+        "--chain",
+        action="store_true",
+        help="also time the quantize_cuda + scaled_mm API chain per recipe",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="write the top GPU kernels of one Fp8Linear step to $OUT/profile.txt",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=TIME_BUDGET_S,
+        help="start no new Linear case after this many seconds",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_fp8.py needs a CUDA GPU", file=sys.stderr)
@@ -299,8 +473,11 @@ def main() -> int:
     if args.check and not run_check(reporter):
         print_table(reporter.rows)
         return 1
-    bench_quantize(reporter)
-    bench_linear(reporter, started)
+    bench_quantize(reporter, sweep=args.sweep)
+    out_dir = os.environ.get("OUT")
+    profile_path = Path(out_dir) / "profile.txt" if (args.profile and out_dir) else None
+    bench_linear(reporter, started, chain=args.chain, budget_s=args.budget_s,
+                 profile_path=profile_path)  # fmt: skip
     reporter.emit({"bench": "done", "seconds": round(time.perf_counter() - started, 1),
                    "blockwise_gemm_path": blockwise_gemm_path()})  # fmt: skip
     print_table(reporter.rows)

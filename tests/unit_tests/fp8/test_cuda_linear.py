@@ -1,0 +1,123 @@
+"""GPU: the fused Fp8Linear path (megatron.core.fp8.cuda.linear_ops) feeds the GEMMs exactly
+the bytes and scales of the reference quantizer, and the layer equals the reference path."""
+
+import pytest
+import torch
+
+from megatron.core.fp8 import Fp8Config, Fp8Linear, fp8_autocast, quantize, quantized_model_init
+from megatron.core.fp8.cuda import linear_ops
+from megatron.core.fp8.cuda.quantize import mxfp8_dequantize
+from megatron.core.fp8.reference import dequantize_reference
+
+pytestmark = pytest.mark.gpu
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("role", ["input", "weight", "grad"])
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("shape", [(256, 384), (200, 330)])
+def test_operands_equal_reference_bytes(recipe, role, shape):
+    torch.manual_seed(0)
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
+    x[:, :40] *= 50.0  # blocks with different scales
+    fp8_dtype = E5M2 if role == "grad" else E4M3
+    scale = torch.tensor(7.0, device="cuda") if recipe == "delayed" else None
+    pow2 = recipe in ("blockwise", "mxfp8")
+    history = torch.zeros(4, device="cuda")
+    row, col = linear_ops.quantize_operands(
+        x, recipe=recipe, fp8_dtype=fp8_dtype, role=role, rowwise=True, transposed=True,
+        power_2_scale=pow2, scale=scale, amax_history=history,
+    )  # fmt: skip
+    ref = quantize(x, recipe=recipe, fp8_dtype=fp8_dtype, role=role, rowwise=True,
+                   columnwise=True, scale=scale, backend="reference")  # fmt: skip
+    if recipe == "mxfp8":
+        want_row = ref.dequantize(torch.bfloat16)
+        want_col = dequantize_reference(
+            ref.columnwise_data, ref.columnwise_scale_inv, recipe="mxfp8", fp8_dtype=fp8_dtype,
+            role=role, columnwise=True, out_dtype=torch.bfloat16,
+        )  # fmt: skip
+        assert torch.equal(_bits(row.data), _bits(want_row))
+        assert torch.equal(_bits(col.data.t()), _bits(want_col))
+        return
+    assert torch.equal(_u8(row.data), ref.rowwise_data)
+    assert torch.equal(_bits(row.scale_inv), _bits(ref.rowwise_scale_inv))
+    want_t = ref.columnwise_data.t()
+    assert torch.equal(_u8(col.data), want_t)
+    per_tensor = recipe in ("tensorwise", "delayed")
+    two_d = recipe == "blockwise" and role == "weight"
+    want_col_sinv = ref.columnwise_scale_inv if per_tensor else ref.columnwise_scale_inv.t()
+    assert torch.equal(_bits(col.scale_inv), _bits(want_col_sinv))
+    if recipe == "blockwise" and not two_d:
+        assert row.scale_inv.stride() == (1, shape[0])  # cuBLAS's outer-dim-major 1x128 grid
+    if recipe == "delayed":
+        assert history[0].item() == x.float().abs().max().item()
+        assert history[1:].abs().sum().item() == 0.0
+
+
+@pytest.mark.parametrize("columnwise", [False, True])
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_mxfp8_dequantize_kernel_equals_reference(fp8_dtype, columnwise):
+    x = torch.randn(160, 224, device="cuda") * torch.logspace(-30, 30, 224, device="cuda")
+    ref = quantize(x, recipe="mxfp8", fp8_dtype=fp8_dtype, role="weight", rowwise=not columnwise,
+                   columnwise=columnwise, backend="reference")  # fmt: skip
+    data = ref.columnwise_data if columnwise else ref.rowwise_data
+    e8m0 = ref.columnwise_scale_inv if columnwise else ref.rowwise_scale_inv
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = mxfp8_dequantize(data, e8m0, fp8_dtype=fp8_dtype, columnwise=columnwise,
+                               out_dtype=out_dtype)  # fmt: skip
+        want = dequantize_reference(
+            data, e8m0, recipe="mxfp8", fp8_dtype=fp8_dtype, role="weight",
+            columnwise=columnwise, out_dtype=out_dtype,
+        )  # fmt: skip
+        assert torch.equal(_bits(got), _bits(want))
+
+
+def _step(recipe, *, fused, fp8_weight, monkeypatch, steps=2):
+    monkeypatch.setattr(linear_ops, "available", lambda x: fused)
+    torch.manual_seed(0)
+    config = Fp8Config(recipe=recipe, amax_history_len=4)
+    if fp8_weight:
+        with quantized_model_init(recipe):
+            layer = Fp8Linear(256, 384, fp8_config=config, dtype=torch.bfloat16, device="cuda")
+    else:
+        layer = Fp8Linear(256, 384, fp8_config=config, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(4, 64, 384, device="cuda", dtype=torch.bfloat16)
+    for _ in range(steps):
+        x.grad, layer.weight.grad = None, None
+        with fp8_autocast():
+            y = layer(x)
+        y.backward(dy)
+    state = None
+    if recipe == "delayed":
+        state = {role: (m.scale.clone(), m.amax_history.clone())
+                 for role, m in layer.delayed_scaling.metas.items()}  # fmt: skip
+    return (y.detach(), x.grad.clone(), layer.weight.grad.clone()), state
+
+
+@pytest.mark.parametrize("fp8_weight", [False, True], ids=["bf16_weight", "fp8_weight"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fused_layer_equals_reference_path(recipe, fp8_weight, monkeypatch):
+    """Same operands, same cuBLAS calls: bitwise equal for the hardware recipes. Emulated
+    MXFP8 multiplies in bf16 (fp32 accumulation) instead of fp32: output rounding only."""
+    fused, fused_state = _step(recipe, fused=True, fp8_weight=fp8_weight, monkeypatch=monkeypatch)
+    ref, ref_state = _step(recipe, fused=False, fp8_weight=fp8_weight, monkeypatch=monkeypatch)
+    for got, want in zip(fused, ref, strict=True):
+        if recipe == "mxfp8":
+            assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+        else:
+            assert torch.equal(got, want)
+    if recipe == "delayed":
+        for role in fused_state:
+            assert torch.equal(fused_state[role][0], ref_state[role][0]), role
+            assert torch.equal(fused_state[role][1], ref_state[role][1]), role
