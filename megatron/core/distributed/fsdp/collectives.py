@@ -58,18 +58,22 @@ class CommStats:
     - all_gather_bytes: size of every all-gather's gathered output (W x shard bytes).
     - reduce_scatter_bytes: size of every reduce-scatter's full input (W x shard bytes).
     - all_reduce_bytes: size of every all-reduced buffer (no_shard grads).
+    Reported only when non-zero (FP8 parameters):
+    - fp8_all_gather_bytes: the part of all_gather_bytes that is FP8 bytes plus their scales.
+    - amax_all_reduce_bytes: the packed MAX all-reduce of weight amaxes after a step.
     """
 
     KEYS = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")
+    OPTIONAL_KEYS = ("fp8_all_gather_bytes", "amax_all_reduce_bytes")
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.counts = dict.fromkeys(self.KEYS, 0)
+        self.counts = dict.fromkeys(self.KEYS + self.OPTIONAL_KEYS, 0)
 
     def add(self, key: str, nbytes: int) -> None:
         self.counts[key] += nbytes
 
     def as_dict(self) -> dict[str, int]:
-        return dict(self.counts)
+        return {k: v for k, v in self.counts.items() if k in self.KEYS or v}

@@ -129,8 +129,7 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         if self.optimizer is not None:
             self.optimizer.step()
         self._detach_grads()
-        nbytes = self.engine.buffer.write_back_main_params()
-        self.engine.stats.add("all_gather_bytes", nbytes)
+        self.engine.buffer.write_back_main_params(stats=self.engine.stats)
         return StepResult(update_successful=True, grad_norm=grad_norm)
 
     def _detach_grads(self) -> None:

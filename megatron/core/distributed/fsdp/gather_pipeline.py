@@ -27,6 +27,8 @@ class AllGatherPipeline:
         for group in unit.groups:
             work, nbytes = group.storage.start_gather(role=role, async_op=async_op)
             self.stats.add("all_gather_bytes", nbytes)
+            if group.storage.gather_stats_key is not None:
+                self.stats.add(group.storage.gather_stats_key, nbytes)
             if work is not None:
                 works.append(work)
         return works

@@ -14,6 +14,12 @@ Per step (M micro-batches):
 
 no_sync() only defers reductions for no_shard/optim; sharded-grad strategies still
 reduce-scatter every micro-batch (a rank keeps no full grads between micro-batches).
+
+FP8 parameters (`--fp8-param-gather`): pass `fp8_config` (with fp8_param_gather=True) and every
+Fp8Linear weight is kept only as FP8 bytes + fp32 main shards, whether the model was built in
+high precision (converted here, main params = the exact weight values), on the meta device
+(main params from init_fn), or under quantized_model_init (main params from the kept init
+values; this needs no fp8_config at all). `model_init_context` is the build context to use.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from megatron.core.distributed.fsdp.state_dict import (
     load_model_sharded_state_dict,
     model_sharded_state_dict,
 )
+from megatron.core.fp8.config import Fp8Config
+from megatron.core.fp8.param_init import quantized_model_init
 from megatron.core.optimizer import OptimizerConfig
 
 
@@ -65,6 +73,7 @@ class FullyShardedDataParallel(nn.Module):
         device: torch.device | str | None = None,
         fsdp_unit_modules: tuple[type, ...] | None = None,
         init_fn: InitFn | None = None,
+        fp8_config: Fp8Config | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -85,8 +94,25 @@ class FullyShardedDataParallel(nn.Module):
             device=self.device,
             unit_types=tuple(unit_types),
             init_fn=init_fn,
+            convert_fp8_linears=fp8_config is not None and fp8_config.fp8_param_gather,
         )
         self._init_meta_buffers()
+
+    @staticmethod
+    def model_init_context(
+        *, fsdp_config: FsdpConfig, fp8_config: Fp8Config | None = None
+    ) -> contextlib.ExitStack:
+        """Where to build the model: on meta with init_model_with_meta_device, and under
+        quantized_model_init with fp8_param_gather. Building in high precision and passing
+        fp8_config to the constructor gives the same FP8 weights."""
+        stack = contextlib.ExitStack()
+        if fsdp_config.init_model_with_meta_device:
+            stack.enter_context(torch.device("meta"))
+        if fp8_config is not None and fp8_config.fp8_param_gather:
+            stack.enter_context(
+                quantized_model_init(fp8_config.recipe, preserve_high_precision_init_val=True)
+            )
+        return stack
 
     def _init_meta_buffers(self) -> None:
         """Non-persistent buffers of a meta-built model: the model re-creates them itself."""
@@ -134,11 +160,16 @@ class FullyShardedDataParallel(nn.Module):
         """Persistent bytes this rank holds per role: params, main_params, grads."""
         return self.engine.buffer.persistent_bytes()
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """fp32 main params as flat ShardedTensors (+ their shapes), for dist_checkpointing."""
-        return model_sharded_state_dict(self.engine)
+    def sharded_state_dict(self, *, fp8_scaling_state: bool = True) -> dict[str, Any]:
+        """fp32 main params as flat ShardedTensors (+ their shapes), for dist_checkpointing,
+        plus the delayed-scaling state of every Fp8Linear when any uses that recipe
+        (`fp8_delayed_scaling`). fp8_scaling_state=False leaves it out: the template for
+        loading a checkpoint saved without it (a bf16 or another recipe's run)."""
+        return model_sharded_state_dict(self.engine, fp8_scaling_state=fp8_scaling_state)
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Take loaded main params and re-quantize FP8 weights from them: with the loaded
+        delayed-scaling state when present, else from a fresh one."""
         load_model_sharded_state_dict(self.engine, state)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:

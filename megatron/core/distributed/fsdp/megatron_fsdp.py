@@ -63,6 +63,7 @@ class MegatronFSDP:
         device: torch.device,
         unit_types: tuple[type, ...],
         init_fn: InitFn | None,
+        convert_fp8_linears: bool = False,
     ) -> None:
         self.config = config
         self.process_group = process_group
@@ -73,6 +74,7 @@ class MegatronFSDP:
             group=process_group,
             device=device,
             init_fn=init_fn,
+            convert_fp8_linears=convert_fp8_linears,
         )
         self.stats = CommStats()
         self.gather = AllGatherPipeline(
@@ -111,6 +113,9 @@ class MegatronFSDP:
         def hook(module: nn.Module, args: Any) -> None:
             if _in_backward():  # activation recompute: the pre-backward hook already gathered
                 self.gather.ensure_gathered(unit, "backward")
+                # The recomputed forward reads the forward copy too (a no-op where one buffer
+                # serves both roles; MXFP8 gathers its rowwise bytes as well).
+                self.gather.ensure_gathered(unit, "forward")
                 return
             self._current_order.append(unit)
             self.gather.ensure_gathered(unit, "forward")

@@ -10,6 +10,10 @@ the bf16 rest). A group holds, per role, one flat buffer laid out by `shard_layo
 | main params    | full     | shard      | shard       | shard              |
 | grads          | full     | full       | shard       | shard              |
 
+FP8 weights (QuantizedTensor parameters, or Fp8Linear weights with fp8_param_gather) form their
+own group per recipe, stored by `fp8_storage.Fp8ComputeStorage`; their main params are always
+fp32 shards seeded with the exact high-precision init values.
+
 When the compute dtype equals main_params_dtype the main params *are* the compute buffer's
 shard (no second copy, as FSDP2 does for fp32 params). Grad buffers are allocated at the first
 backward (or when the optimizer is built), so building a model never holds them.
@@ -27,10 +31,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.core.distributed.fsdp.collectives import CommStats
 from megatron.core.distributed.fsdp.config import FsdpConfig
+from megatron.core.distributed.fsdp.fp8_layout import plan_fp8_layout
+from megatron.core.distributed.fsdp.fp8_storage import (
+    Fp8ComputeStorage,
+    Fp8ParamSpec,
+    fp8_param_spec,
+    materialize_delayed_scaling,
+)
 from megatron.core.distributed.fsdp.memory import MemoryTracker
 from megatron.core.distributed.fsdp.shard_layout import LocalPiece, UnitLayout, build_unit_layout
 from megatron.core.distributed.fsdp.storage import ComputeStorage, DenseComputeStorage
+from megatron.core.fp8.param_init import (
+    clear_high_precision_init_val,
+    get_high_precision_init_val,
+)
+from megatron.core.fp8.quantized_tensor import QuantizedTensor
 
 InitFn = Callable[[str, torch.Tensor], None]
 
@@ -161,13 +178,18 @@ class ParamAndGradBuffer:
         group: dist.ProcessGroup,
         device: torch.device,
         init_fn: InitFn | None,
+        convert_fp8_linears: bool = False,
     ) -> None:
+        """convert_fp8_linears: keep every Fp8Linear weight in FP8 (fp8_param_gather), even one
+        built in high precision; QuantizedTensor parameters are kept in FP8 regardless."""
         self.config = config
+        self.convert_fp8_linears = convert_fp8_linears
         self.group = group
         self.device = device
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.tracker = MemoryTracker()
+        materialize_delayed_scaling(module, device)
         all_names: dict[int, list[str]] = {}
         params_by_id: dict[int, nn.Parameter] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
@@ -183,6 +205,9 @@ class ParamAndGradBuffer:
         for unit in self.units:
             ids = members[unit.name]
             self._build_unit(module, unit, [(all_names[i], params_by_id[i]) for i in ids], init_fn)
+        del params_by_id  # the original (FP8) parameters, replaced by buffer-backed ones
+        # FP8 bytes exist only after quantizing the main params: one collective for all units.
+        self.write_back_main_params(groups=self.fp8_groups())
 
     def _build_unit(
         self,
@@ -191,11 +216,19 @@ class ParamAndGradBuffer:
         named: list[tuple[list[str], nn.Parameter]],
         init_fn: InitFn | None,
     ) -> None:
-        by_dtype: dict[torch.dtype, list[tuple[list[str], nn.Parameter]]] = {}
+        buckets: dict[object, list[tuple[list[str], nn.Parameter, Fp8ParamSpec | None]]] = {}
         for names, param in named:
-            by_dtype.setdefault(param.dtype, []).append((names, param))
-        for dtype, members in by_dtype.items():
-            group = self._build_group(dtype, members, init_fn)
+            spec = fp8_param_spec(
+                module, names[0], param, convert_fp8_linears=self.convert_fp8_linears
+            )
+            key = param.dtype if spec is None else spec.group_key
+            buckets.setdefault(key, []).append((names, param, spec))
+        for key, entries in buckets.items():
+            members = [(names, param) for names, param, _ in entries]
+            if entries[0][2] is None:
+                group = self._build_group(key, members, init_fn)
+            else:
+                group = self._build_fp8_group(entries, init_fn)
             unit.groups.append(group)
             for (names, _), new_param in zip(members, group.params):
                 _replace_parameter(module, names, new_param)
@@ -224,25 +257,7 @@ class ParamAndGradBuffer:
             tracker=self.tracker,
         )
         alias = storage.main_shard_alias(config.main_params_dtype)
-        main_shard = alias
-        if main_shard is None:
-            main_shard = self.tracker.zeros(
-                layout.shard_numel, dtype=config.main_params_dtype, device=self.device
-            )
-        reduce_dtype = torch.bfloat16 if config.grad_reduce_in_bf16 else config.main_grads_dtype
-        group = BufferGroup(
-            names=[names[0] for names, _ in members],
-            params=[],
-            layout=layout,
-            storage=storage,
-            main_shard=main_shard,
-            main_is_alias=alias is not None,
-            grad_dtype=config.main_grads_dtype,
-            reduce_dtype=reduce_dtype,
-            shards_grads=config.shards_grads,
-            device=self.device,
-            tracker=self.tracker,
-        )
+        group = self._new_group(members, layout, storage, main_shard=alias)
         for index, (names, param) in enumerate(members):
             self._materialize_param(group, index, names[0], param, init_fn)
         group.params = [
@@ -253,6 +268,102 @@ class ParamAndGradBuffer:
         ]
         storage.bind_params(group.params)
         return group
+
+    def _new_group(
+        self,
+        members: list,
+        layout: UnitLayout,
+        storage: ComputeStorage,
+        *,
+        main_shard: torch.Tensor | None,
+    ) -> BufferGroup:
+        """A group whose main params alias `main_shard`, or a fresh zero main shard if None."""
+        config = self.config
+        main_is_alias = main_shard is not None
+        if main_shard is None:
+            main_shard = self.tracker.zeros(
+                layout.shard_numel, dtype=config.main_params_dtype, device=self.device
+            )
+        reduce_dtype = torch.bfloat16 if config.grad_reduce_in_bf16 else config.main_grads_dtype
+        return BufferGroup(
+            names=[member[0][0] for member in members],
+            params=[],
+            layout=layout,
+            storage=storage,
+            main_shard=main_shard,
+            main_is_alias=main_is_alias,
+            grad_dtype=config.main_grads_dtype,
+            reduce_dtype=reduce_dtype,
+            shards_grads=config.shards_grads,
+            device=self.device,
+            tracker=self.tracker,
+        )
+
+    def _build_fp8_group(
+        self,
+        entries: list[tuple[list[str], nn.Parameter, Fp8ParamSpec]],
+        init_fn: InitFn | None,
+    ) -> BufferGroup:
+        config = self.config
+        if config.main_params_dtype != torch.float32:
+            raise ValueError(
+                "Megatron-FSDP with FP8 parameters needs fp32 main params (the exact values FP8 "
+                f"is re-quantized from); got --main-params-dtype {config.main_params_dtype}"
+            )
+        shards = config.shards_optimizer_state
+        spec = entries[0][2]
+        layout, scales_sharded = plan_fp8_layout(
+            [(names[0], param.shape) for names, param, _ in entries],
+            recipe=spec.recipe,
+            world_size=self.world_size if shards else 1,
+            rank=self.rank if shards else 0,
+        )
+        storage = Fp8ComputeStorage(
+            layout=layout, scales_sharded=scales_sharded, spec=spec,
+            delayed_metas=[entry_spec.delayed_meta for _, _, entry_spec in entries],
+            device=self.device, sharded=config.shards_params, group=self.group,
+            tracker=self.tracker,
+        )  # fmt: skip
+        group = self._new_group(entries, layout, storage, main_shard=None)
+        for index, (names, param, _) in enumerate(entries):
+            full_value = self._fp8_init_value(names[0], param, init_fn)
+            self._copy_to_main(group, index, full_value)
+            clear_high_precision_init_val(param)
+        group.params = [
+            storage.new_param(index, requires_grad=param.requires_grad)
+            for index, (_, param, _) in enumerate(entries)
+        ]
+        storage.bind_params(group.params)
+        return group
+
+    @torch.no_grad()
+    def _fp8_init_value(self, name: str, param: torch.Tensor, init_fn: InitFn | None):
+        """The exact high-precision value of an FP8 weight: init_fn on meta, else the value
+        quantized_model_init kept, else the high-precision weight itself. Only a QuantizedTensor
+        built without a kept value falls back to its (lossy) dequantized bytes."""
+        if param.is_meta:
+            if init_fn is None:
+                raise ValueError(
+                    f"FSDP: FP8 parameter {name!r} is on the meta device but no init_fn was "
+                    "given; pass init_fn=lambda name, t: init_parameter_(t, name=name, ...)"
+                )
+            full_value = self.tracker.empty(param.shape, dtype=torch.float32, device=self.device)
+            init_fn(name, full_value)
+            return full_value
+        kept = get_high_precision_init_val(param)
+        if kept is not None:
+            return kept.to(self.device, torch.float32)
+        if isinstance(param, QuantizedTensor):
+            return param.dequantize(torch.float32).to(self.device)
+        return param.detach().to(self.device, torch.float32)
+
+    @torch.no_grad()
+    def _copy_to_main(self, group: BufferGroup, index: int, full_value: torch.Tensor) -> None:
+        flat = full_value.reshape(-1)
+        for piece in group.layout.pieces():
+            if piece.slot is group.layout.slots[index]:
+                src = flat[piece.param_start : piece.param_start + piece.numel]
+                group.main_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(src)
 
     @torch.no_grad()
     def _materialize_param(
@@ -278,12 +389,7 @@ class ParamAndGradBuffer:
             full_value = param.detach().to(self.device)
         group.storage.load_param_(index, full_value)
         if not group.main_is_alias:
-            for piece in group.layout.pieces():
-                if piece.slot is group.layout.slots[index]:
-                    src = full_value.reshape(-1)[
-                        piece.param_start : piece.param_start + piece.numel
-                    ]
-                    group.main_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(src)
+            self._copy_to_main(group, index, full_value)
 
     def all_groups(self) -> Iterator[BufferGroup]:
         for unit in self.units:
@@ -296,20 +402,61 @@ class ParamAndGradBuffer:
                 totals[role] += nbytes
         return totals
 
+    def fp8_groups(self) -> list[BufferGroup]:
+        return [g for g in self.all_groups() if isinstance(g.storage, Fp8ComputeStorage)]
+
     @torch.no_grad()
-    def write_back_main_params(self) -> int:
+    def write_back_main_params(
+        self,
+        *,
+        stats: CommStats | None = None,
+        groups: list[BufferGroup] | None = None,
+        update_scaling: bool = True,
+    ) -> int:
         """After an optimizer step: main shards -> compute storage (+ replica all-gather).
 
-        Returns the bytes all-gathered (zero under ZeRO-3: the next forward gathers anyway).
+        FP8 groups first agree on their amaxes: every group's partial amaxes are packed into
+        ONE all-reduce MAX (never one per weight). Returns the bytes all-gathered (zero under
+        ZeRO-3: the next forward gathers anyway); `stats` counts them.
         """
+        groups = list(self.all_groups()) if groups is None else groups
+        reduced = self._reduce_amaxes(groups, stats)
         gathered_bytes = 0
         works = []
-        for group in self.all_groups():
-            group.storage.write_main_shard(group.main_shard)
+        for group in groups:
+            group.storage.write_main_shard(
+                group.main_shard, reduced_amax=reduced.get(id(group)),
+                update_scaling=update_scaling,
+            )  # fmt: skip
             work, nbytes = group.storage.sync_replicas(async_op=True)
             gathered_bytes += nbytes
+            if stats is not None:
+                stats.add("all_gather_bytes", nbytes)
+                if group.storage.gather_stats_key is not None:
+                    stats.add(group.storage.gather_stats_key, nbytes)
             if work is not None:
                 works.append(work)
         for work in works:
             work.wait()
         return gathered_bytes
+
+    def _reduce_amaxes(
+        self, groups: list[BufferGroup], stats: CommStats | None
+    ) -> dict[int, torch.Tensor]:
+        """id(group) -> its amax vector, MAX-reduced over the DP group where it is sharded."""
+        vectors: dict[int, torch.Tensor] = {}
+        for group in groups:
+            amax = group.storage.amax_to_reduce(group.main_shard)
+            if amax is not None:
+                vectors[id(group)] = amax
+        # Every rank holds the same groups, so all agree on whether to communicate.
+        shared = [key for key, g in ((id(g), g) for g in groups)
+                  if key in vectors and g.layout.world_size > 1]  # fmt: skip
+        if shared:
+            packed = torch.cat([vectors[key] for key in shared])
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.group)
+            if stats is not None:
+                stats.add("amax_all_reduce_bytes", packed.numel() * packed.element_size())
+            for key, part in zip(shared, packed.split([vectors[k].numel() for k in shared])):
+                vectors[key] = part
+        return vectors

@@ -1,6 +1,10 @@
 """Sharded state dicts of the engine and its optimizer, in the form dist_checkpointing saves.
 
-Model: {"params": {name: flat fp32 main param}, "param_shapes": {name: int64 shape tensor}}.
+Model: {"params": {name: flat fp32 main param}, "param_shapes": {name: int64 shape tensor}},
+plus, when some Fp8Linear uses delayed scaling, "fp8_delayed_scaling": {"<module>/<role>.scale"
+and "<module>/<role>.amax_history": replicated tensors}. FP8 weights need nothing else: their
+bytes are re-quantized from the fp32 main params on load, so a checkpoint resumes under any DP
+size and any recipe (or none).
 Optimizer: {"step": scalar, "<state key>": {name: flat state}} (exp_avg/exp_avg_sq for Adam,
 momentum_buffer for SGD). Every flat value is the parameter flattened to 1-D: a ShardedTensor
 whose local shard is a *view* of this rank's buffer (so DCP writes loads straight into it) when
@@ -49,7 +53,41 @@ def _named_slots(engine: MegatronFSDP):
             yield slot.name, group, index
 
 
-def model_sharded_state_dict(engine: MegatronFSDP) -> dict[str, Any]:
+def _delayed_owners(engine: MegatronFSDP) -> dict[str, Any]:
+    root = engine.buffer.units[0].module
+    return {
+        name: module.delayed_scaling
+        for name, module in root.named_modules()
+        if getattr(module, "delayed_scaling", None) is not None
+    }
+
+
+def _delayed_state(engine: MegatronFSDP) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, scaling in _delayed_owners(engine).items():
+        for role, meta in scaling.metas.items():
+            state[f"{name}/{role}.scale"] = meta.scale.detach().clone()
+            state[f"{name}/{role}.amax_history"] = meta.amax_history.detach().clone()
+    return state
+
+
+@torch.no_grad()
+def _load_delayed_state(engine: MegatronFSDP, state: dict[str, torch.Tensor]) -> None:
+    for name, scaling in _delayed_owners(engine).items():
+        for role, meta in scaling.metas.items():
+            history = state[f"{name}/{role}.amax_history"]
+            if history.shape != meta.amax_history.shape:
+                raise ValueError(
+                    f"checkpoint amax history of {name}/{role} has length {history.shape[0]}, "
+                    f"this run uses {meta.amax_history.shape[0]}; set --fp8-amax-history-len"
+                )
+            meta.scale = state[f"{name}/{role}.scale"].to(meta.scale).clone()
+            meta.amax_history = history.to(meta.amax_history).clone()
+
+
+def model_sharded_state_dict(
+    engine: MegatronFSDP, *, fp8_scaling_state: bool = True
+) -> dict[str, Any]:
     params, shapes = {}, {}
     for name, group, index in _named_slots(engine):
         slot = group.layout.slots[index]
@@ -59,7 +97,11 @@ def model_sharded_state_dict(engine: MegatronFSDP) -> dict[str, Any]:
             view = group.main_shard[piece.shard_start : piece.shard_start + piece.numel]
         params[name] = _wrap(engine, slot, piece, view)
         shapes[name] = torch.tensor(list(slot.shape), dtype=torch.int64)
-    return {"params": params, "param_shapes": shapes}
+    state = {"params": params, "param_shapes": shapes}
+    delayed = _delayed_state(engine) if fp8_scaling_state else {}
+    if delayed:
+        state["fp8_delayed_scaling"] = delayed
+    return state
 
 
 @torch.no_grad()
@@ -75,9 +117,20 @@ def _copy_into_main(engine: MegatronFSDP, params: dict[str, Any]) -> None:
 
 
 def load_model_sharded_state_dict(engine: MegatronFSDP, state: dict[str, Any]) -> None:
-    """Take loaded main params (in place or copied) and refresh the compute params from them."""
+    """Take loaded main params (in place or copied) and refresh the compute params from them.
+
+    FP8 weights are re-quantized: with the loaded delayed-scaling state as it is (the scales
+    the saving run would use next), or, for a checkpoint without it, from a fresh state.
+    """
     _copy_into_main(engine, state["params"])
-    engine.buffer.write_back_main_params()
+    buffer = engine.buffer
+    if "fp8_delayed_scaling" in state:
+        _load_delayed_state(engine, state["fp8_delayed_scaling"])
+        buffer.write_back_main_params(update_scaling=False)
+        return
+    for group in buffer.fp8_groups():
+        group.storage.reset_delayed_scaling()
+    buffer.write_back_main_params()
 
 
 @torch.no_grad()

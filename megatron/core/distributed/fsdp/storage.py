@@ -32,6 +32,8 @@ class ComputeStorage(ABC):
     layout: UnitLayout
     sharded: bool
     """True under ZeRO-3: each rank keeps only its shard; the full buffer exists while gathered."""
+    gather_stats_key: str | None = None
+    """A comm_stats key that counts this storage's all-gather bytes on top of all_gather_bytes."""
 
     @abstractmethod
     def bind_params(self, params: list[nn.Parameter]) -> None:
@@ -59,9 +61,25 @@ class ComputeStorage(ABC):
     def main_shard_alias(self, main_dtype: torch.dtype) -> torch.Tensor | None:
         """This rank's compute shard, when it can double as the fp32 main shard (same dtype)."""
 
+    def amax_to_reduce(self, main_shard: torch.Tensor) -> torch.Tensor | None:
+        """Partial amaxes (fp32, 1-D) that must be all-reduced (MAX) over the DP group before
+        write_main_shard; the buffer packs every group's vector into one collective per step.
+        None: nothing to agree on (dense storage)."""
+        return None
+
     @abstractmethod
-    def write_main_shard(self, main_shard: torch.Tensor) -> None:
-        """Store updated main params (cast or quantize) into this rank's compute shard."""
+    def write_main_shard(
+        self,
+        main_shard: torch.Tensor,
+        *,
+        reduced_amax: torch.Tensor | None = None,
+        update_scaling: bool = True,
+    ) -> None:
+        """Store updated main params (cast or quantize) into this rank's compute shard.
+
+        reduced_amax: amax_to_reduce() after the MAX all-reduce. update_scaling=False re-writes
+        with the current delayed-scaling state (checkpoint load) instead of advancing it.
+        """
 
     @abstractmethod
     def sync_replicas(self, *, async_op: bool) -> tuple[dist.Work | None, int]:
@@ -152,7 +170,13 @@ class DenseComputeStorage(ComputeStorage):
         return self.local_shard if self.dtype == main_dtype else None
 
     @torch.no_grad()
-    def write_main_shard(self, main_shard: torch.Tensor) -> None:
+    def write_main_shard(
+        self,
+        main_shard: torch.Tensor,
+        *,
+        reduced_amax: torch.Tensor | None = None,
+        update_scaling: bool = True,
+    ) -> None:
         if main_shard.data_ptr() != self.local_shard.data_ptr():
             self.local_shard.copy_(main_shard)
 

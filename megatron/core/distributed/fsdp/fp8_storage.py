@@ -1,0 +1,436 @@
+"""FP8 compute storage: Linear weights kept only as FP8 bytes (+ scales) in uint8 DP buffers.
+
+One class serves all four recipes; what differs is data, not code paths in the hooks:
+- directions: rowwise bytes (every recipe) and, for mxfp8, a second columnwise buffer (32x1
+  blocks cannot be derived from rowwise bytes).
+- role "forward" gathers rowwise; role "backward" gathers the backward direction (mxfp8:
+  columnwise; others: rowwise, then a local transpose into each weight's transpose cache).
+- scales: replicated (per-tensor recipes, blockwise, unaligned mxfp8: every rank computes every
+  scale from globally reduced amaxes) or sharded with their blocks (aligned mxfp8: E8M0 bytes in
+  a 1/32-size buffer gathered alongside the data). fp8_layout.py says which and why.
+
+Writing main params (after each optimizer step, at init, after a checkpoint load) is two-phase
+so that a whole model needs ONE collective: `amax_to_reduce` gives this rank's partial amax of
+every scale cell it must agree on; the buffer packs all groups' vectors into one all-reduce MAX;
+`write_main_shard` then quantizes this rank's elements with the exact global scales. The bytes
+and scales equal `megatron.core.fp8.quantize` of the whole fp32 weight bit for bit: the same
+fp32 scale formula and the same single multiply-then-saturate per element.
+
+Delayed scaling: the weight's `ScalingMeta` (owned by its Fp8Linear) is advanced here, not in
+the forward: each write first applies the previous write's recorded amax (scale update + roll),
+quantizes with the resulting scale and records the new global amax. That is exactly the order a
+high-precision weight sees when Fp8Linear quantizes it once per forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.core.distributed.fsdp.collectives import all_gather_flat
+from megatron.core.distributed.fsdp.fp8_layout import (
+    MXFP8_BLOCK,
+    cell_index,
+    grid_numel,
+    grid_shape,
+)
+from megatron.core.distributed.fsdp.memory import MemoryTracker
+from megatron.core.distributed.fsdp.shard_layout import UnitLayout
+from megatron.core.distributed.fsdp.storage import ComputeStorage, GatherRole
+from megatron.core.fp8.autocast import ScalingMeta
+from megatron.core.fp8.formats import e8m0_to_fp32, fp8_dtype_for_role
+from megatron.core.fp8.linear import Fp8Linear
+from megatron.core.fp8.quantization import compute_scale
+from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.fp8.reference import amax_ignoring_nan, reciprocal, saturating_cast
+
+
+@dataclass(frozen=True)
+class Fp8ParamSpec:
+    """How one weight is quantized; weights with equal `group_key` share one buffer group."""
+
+    recipe: str
+    fp8_dtype: torch.dtype
+    power_2_scale: bool | None
+    """As Fp8Linear passes it to quantize (None: the recipe default)."""
+    dtype: torch.dtype
+    """Logical (high-precision) dtype: what the weight's grads arrive in."""
+    delayed_meta: ScalingMeta | None
+
+    @property
+    def group_key(self) -> tuple:
+        return ("fp8", self.recipe, self.fp8_dtype, self.power_2_scale, self.dtype)
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        return ("rowwise", "columnwise") if self.recipe == "mxfp8" else ("rowwise",)
+
+
+def fp8_param_spec(
+    root: nn.Module, name: str, param: torch.Tensor, *, convert_fp8_linears: bool
+) -> Fp8ParamSpec | None:
+    """The spec of an FP8 weight: a QuantizedTensor parameter (quantized_model_init), or an
+    Fp8Linear's high-precision weight when `convert_fp8_linears` (fp8_param_gather)."""
+    owner_path, _, attr = name.rpartition(".")
+    owner = root.get_submodule(owner_path) if owner_path else root
+    is_fp8 = isinstance(param, QuantizedTensor)
+    converts = convert_fp8_linears and isinstance(owner, Fp8Linear) and attr == "weight"
+    if not is_fp8 and not converts:
+        return None
+    if not isinstance(owner, Fp8Linear) or attr != "weight":
+        raise ValueError(
+            f"Megatron-FSDP: FP8 parameter {name!r} is not the weight of an Fp8Linear; only "
+            "Fp8Linear weights can be kept in FP8 (build other layers in high precision)"
+        )
+    config = owner.fp8_config
+    if is_fp8 and param.recipe != config.recipe:
+        raise ValueError(
+            f"FP8 weight {name!r} was quantized with recipe {param.recipe!r} but its Fp8Linear "
+            f"uses {config.recipe!r}; build the model under quantized_model_init(recipe) with "
+            "the layer's recipe"
+        )
+    per_recipe_default = config.recipe in ("delayed", "mxfp8")
+    return Fp8ParamSpec(
+        recipe=config.recipe,
+        fp8_dtype=fp8_dtype_for_role(config.fp8_format, "weight"),
+        power_2_scale=None if per_recipe_default else config.use_power_2_scale,
+        dtype=param.dtype,
+        delayed_meta=owner.delayed_scaling.metas["weight"] if config.recipe == "delayed" else None,
+    )
+
+
+def materialize_delayed_scaling(module: nn.Module, device: torch.device) -> None:
+    """Delayed-scaling state of Fp8Linears built on the meta device: the initial state (scale
+    1, zero history) on `device`. Everything else keeps its values."""
+    for submodule in module.modules():
+        scaling = getattr(submodule, "delayed_scaling", None)
+        if scaling is None:
+            continue
+        for meta in scaling.metas.values():
+            if meta.scale.is_meta:
+                meta.scale = torch.ones((), dtype=torch.float32, device=device)
+                meta.amax_history = torch.zeros(
+                    meta.amax_history.shape, dtype=torch.float32, device=device
+                )
+
+
+class _Works:
+    """Several collectives awaited as one (data and scales of one gather)."""
+
+    def __init__(self, works: list[dist.Work | None]) -> None:
+        self.works = [work for work in works if work is not None]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def _as_work(works: list[dist.Work | None]) -> _Works | None:
+    combined = _Works(works)
+    return combined if combined.works else None
+
+
+class Fp8ComputeStorage(ComputeStorage):
+    """FP8 weights of one unit (one recipe): uint8 data buffers per direction, plus scales."""
+
+    gather_stats_key = "fp8_all_gather_bytes"
+
+    def __init__(
+        self,
+        *,
+        layout: UnitLayout,
+        scales_sharded: bool,
+        spec: Fp8ParamSpec,
+        delayed_metas: list[ScalingMeta | None],
+        device: torch.device,
+        sharded: bool,
+        group: dist.ProcessGroup,
+        tracker: MemoryTracker,
+    ) -> None:
+        self.layout, self.spec, self.sharded = layout, spec, sharded
+        self.scales_sharded = scales_sharded
+        self.delayed_metas = delayed_metas
+        self.group, self.tracker, self.device = group, tracker, device
+        self.directions = spec.directions
+        self.backward_direction = self.directions[-1]
+        # Per-tensor and 128x128 weights: backward reads a transpose of the rowwise bytes.
+        self.transpose_for_backward = self.backward_direction == "rowwise"
+        self.full = {d: tracker.zeros(layout.padded_numel, dtype=torch.uint8, device=device)
+                     for d in self.directions}  # fmt: skip
+        self.scale_full: dict[str, torch.Tensor] = {}
+        if scales_sharded:
+            for d in self.directions:
+                self.scale_full[d] = tracker.zeros(
+                    layout.padded_numel // MXFP8_BLOCK, dtype=torch.uint8, device=device
+                )
+        self.slot_scales = [] if scales_sharded else [self._new_slot_scales(s.shape)
+                                                     for s in layout.slots]  # fmt: skip
+        self.shard: dict[str, torch.Tensor] = {}
+        self.scale_shard: dict[str, torch.Tensor] = {}
+        lo, hi = layout.shard_range(layout.rank)
+        for d in self.directions:
+            if sharded:
+                self.shard[d] = tracker.zeros(layout.shard_numel, dtype=torch.uint8, device=device)
+                tracker.resize_storage(self.full[d], 0)
+            else:
+                self.shard[d] = self.full[d][lo:hi]
+            if scales_sharded:
+                n = layout.shard_numel // MXFP8_BLOCK
+                if sharded:
+                    self.scale_shard[d] = tracker.zeros(n, dtype=torch.uint8, device=device)
+                    tracker.resize_storage(self.scale_full[d], 0)
+                else:
+                    self.scale_shard[d] = self.scale_full[d][lo // MXFP8_BLOCK : hi // MXFP8_BLOCK]
+        self.gathered = dict.fromkeys(self.directions, not sharded)
+        self.transposed = False
+        """Transpose caches built for the backward role (per-tensor and 128x128 recipes)."""
+        self.params: list[QuantizedTensor] = []
+        self.delayed_pending = False
+        """A write recorded an amax that the next write applies (delayed recipe)."""
+
+    def _new_slot_scales(self, shape: torch.Size) -> dict[str, torch.Tensor]:
+        scales = {}
+        for d in self.directions:
+            grid = grid_shape(shape, recipe=self.spec.recipe, columnwise=d == "columnwise")
+            dtype = torch.uint8 if self.spec.recipe == "mxfp8" else torch.float32
+            scales[d] = torch.ones(grid, dtype=dtype, device=self.device)
+        return scales
+
+    @staticmethod
+    def param_alignment(name: str, shape: torch.Size) -> int:
+        return 1  # fp8_layout.plan_fp8_layout lays FP8 groups out itself.
+
+    # ----- parameters and their views --------------------------------------------------
+
+    def new_param(self, slot_index: int, *, requires_grad: bool) -> nn.Parameter:
+        """An FP8 parameter with no bytes yet (bind_params points it at the buffers)."""
+        slot = self.layout.slots[slot_index]
+        qt = QuantizedTensor(
+            shape=slot.shape, dtype=self.spec.dtype, recipe=self.spec.recipe,
+            fp8_dtype=self.spec.fp8_dtype, role="weight", tensor_name=slot.name,
+            device=self.device,
+        )  # fmt: skip
+        return nn.Parameter(qt, requires_grad=requires_grad)
+
+    def bind_params(self, params: list[nn.Parameter]) -> None:
+        self.params = list(params)
+        for d in self.directions:
+            self._point(d) if self.gathered[d] else self._detach(d)
+
+    def _scale_view(self, slot_index: int, direction: str) -> torch.Tensor:
+        if not self.scales_sharded:
+            return self.slot_scales[slot_index][direction]
+        slot = self.layout.slots[slot_index]
+        grid = grid_shape(slot.shape, recipe="mxfp8", columnwise=direction == "columnwise")
+        lo, hi = slot.offset // MXFP8_BLOCK, slot.end // MXFP8_BLOCK
+        return self.scale_full[direction][lo:hi].view(grid)
+
+    def _point(self, direction: str) -> None:
+        for index, (slot, qt) in enumerate(zip(self.layout.slots, self.params)):
+            setattr(qt, f"{direction}_data", self.full[direction][slot.offset : slot.end])
+            setattr(qt, f"{direction}_scale_inv", self._scale_view(index, direction))
+
+    def _detach(self, direction: str) -> None:
+        for qt in self.params:
+            setattr(qt, f"{direction}_data", None)  # later use raises Fp8DataReleasedError
+            if self.scales_sharded:
+                setattr(qt, f"{direction}_scale_inv", None)
+
+    # ----- gather / release ------------------------------------------------------------
+
+    def _role_directions(self, role: GatherRole) -> tuple[str, ...]:
+        return ("rowwise",) if role == "forward" else (self.backward_direction,)
+
+    def is_gathered(self, role: GatherRole) -> bool:
+        # Backward of per-tensor/128x128 weights also needs the local transpose: bytes that
+        # stayed gathered since forward still go through finish_gather once.
+        needs_transpose = role == "backward" and self.transpose_for_backward
+        present = all(self.gathered[d] for d in self._role_directions(role))
+        return present and (self.transposed or not needs_transpose)
+
+    def _gather_nbytes(self) -> int:
+        scales = self.layout.padded_numel // MXFP8_BLOCK if self.scales_sharded else 0
+        return self.layout.padded_numel + scales
+
+    def start_gather(self, *, role: GatherRole, async_op: bool) -> tuple[dist.Work | None, int]:
+        works, nbytes = [], 0
+        for d in self._role_directions(role):
+            if self.gathered[d]:
+                continue
+            self.tracker.resize_storage(self.full[d], self.layout.padded_numel)
+            works.append(all_gather_flat(self.full[d], self.shard[d], group=self.group,
+                                         async_op=async_op))  # fmt: skip
+            if self.scales_sharded:
+                full_scales = self.scale_full[d]
+                self.tracker.resize_storage(full_scales, self.layout.padded_numel // MXFP8_BLOCK)
+                works.append(all_gather_flat(full_scales, self.scale_shard[d], group=self.group,
+                                             async_op=async_op))  # fmt: skip
+            self.gathered[d] = True
+            self._point(d)  # views only; nothing reads them before finish_gather
+            nbytes += self._gather_nbytes()
+        return _as_work(works), nbytes
+
+    def finish_gather(self, role: GatherRole) -> None:
+        if role == "backward" and self.transpose_for_backward:
+            for qt in self.params:
+                qt.create_transpose_cache()
+            self.transposed = True
+
+    def _discard_transposes(self) -> None:
+        for qt in self.params:
+            qt.discard_transpose_cache()
+        self.transposed = False
+
+    def release(self) -> None:
+        self._discard_transposes()
+        if not self.sharded:
+            return
+        for d in self.directions:
+            if self.gathered[d]:
+                self._detach(d)
+                self.tracker.resize_storage(self.full[d], 0)
+                if self.scales_sharded:
+                    self.tracker.resize_storage(self.scale_full[d], 0)
+                self.gathered[d] = False
+
+    def main_shard_alias(self, main_dtype: torch.dtype) -> torch.Tensor | None:
+        return None  # FP8 bytes can never double as main params
+
+    def load_param_(self, slot_index: int, full_value: torch.Tensor) -> None:
+        """Nothing to copy: the bytes come from the first write of the main params."""
+
+    def stored_bytes(self) -> int:
+        data = sum(t.numel() for t in (self.shard if self.sharded else self.full).values())
+        scales = self.scale_shard if self.sharded else self.scale_full
+        total = data + sum(t.numel() for t in scales.values())
+        for per_slot in self.slot_scales:
+            total += sum(t.numel() * t.element_size() for t in per_slot.values())
+        return total
+
+    # ----- writing main params ---------------------------------------------------------
+
+    def _cell_layout(self) -> list[tuple[int, str, int, int]]:
+        """(slot index, direction, offset, cells) of every cell group in the amax vector."""
+        entries, offset = [], 0
+        for index, slot in enumerate(self.layout.slots):
+            for d in self.directions:
+                n = grid_numel(slot.shape, recipe=self.spec.recipe, columnwise=d == "columnwise")
+                entries.append((index, d, offset, n))
+                offset += n
+        return entries
+
+    def _piece_cells(self, piece, direction: str) -> torch.Tensor:
+        return cell_index(
+            piece.slot.shape, recipe=self.spec.recipe, columnwise=direction == "columnwise",
+            param_start=piece.param_start, numel=piece.numel, device=self.device,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def local_amaxes(self, main_shard: torch.Tensor) -> torch.Tensor:
+        """This rank's partial amax of every scale cell (0 where it holds no element)."""
+        entries = self._cell_layout()
+        total = sum(n for *_, n in entries)
+        amaxes = torch.zeros(total, dtype=torch.float32, device=self.device)
+        starts = {(index, d): offset for index, d, offset, _ in entries}
+        slot_index = {id(slot): i for i, slot in enumerate(self.layout.slots)}
+        for piece in self.layout.pieces():
+            values = main_shard[piece.shard_start : piece.shard_start + piece.numel]
+            magnitude = amax_ignoring_nan(values.reshape(1, -1), dim=0)
+            for d in self.directions:
+                start = starts[(slot_index[id(piece.slot)], d)]
+                cells = self._piece_cells(piece, d) + start
+                amaxes.scatter_reduce_(0, cells, magnitude, reduce="amax", include_self=True)
+        return amaxes
+
+    def amax_to_reduce(self, main_shard: torch.Tensor) -> torch.Tensor | None:
+        """Partial amaxes every rank must agree on, or None when blocks never straddle shards
+        (aligned mxfp8: each rank's cells are its own)."""
+        return None if self.scales_sharded else self.local_amaxes(main_shard)
+
+    def _scales(self, slot_index: int, amax_cells: torch.Tensor):
+        """(quantize multiplier, stored scale_inv) per cell, as quantize() derives them."""
+        recipe, fp8_dtype = self.spec.recipe, self.spec.fp8_dtype
+        if recipe == "delayed":
+            scale = self.delayed_metas[slot_index].scale.to(torch.float32).reshape(())
+            return scale, reciprocal(scale)
+        if recipe == "mxfp8":
+            e8m0 = compute_scale(amax_cells, recipe="mxfp8", fp8_dtype=fp8_dtype)
+            return e8m0_to_fp32(e8m0, negate_exponent=True), e8m0
+        scale = compute_scale(
+            amax_cells, recipe=recipe, fp8_dtype=fp8_dtype,
+            power_2_scale=self.spec.power_2_scale, input_dtype=torch.float32,
+        )  # fmt: skip
+        return scale, reciprocal(scale)
+
+    @torch.no_grad()
+    def write_main_shard(
+        self,
+        main_shard: torch.Tensor,
+        *,
+        reduced_amax: torch.Tensor | None = None,
+        update_scaling: bool = True,
+    ) -> None:
+        """Quantize this rank's main shard into its FP8 shard with exact global scales.
+
+        reduced_amax: `amax_to_reduce` after the all-reduce MAX (None: local amaxes suffice).
+        update_scaling=False (checkpoint load): quantize with the current delayed scales and
+        record nothing.
+        """
+        self.release()  # gathered bytes are stale from here on
+        amaxes = reduced_amax if reduced_amax is not None else self.local_amaxes(main_shard)
+        if update_scaling and self.delayed_pending:
+            for meta in self.delayed_metas:
+                meta.update()
+        pieces_by_slot: dict[int, list] = {}
+        for piece in self.layout.pieces():
+            pieces_by_slot.setdefault(id(piece.slot), []).append(piece)
+        for index, d, offset, n in self._cell_layout():
+            slot = self.layout.slots[index]
+            multiplier, scale_inv = self._scales(index, amaxes[offset : offset + n])
+            multiplier = multiplier.reshape(-1)
+            for piece in pieces_by_slot.get(id(slot), []):
+                values = main_shard[piece.shard_start : piece.shard_start + piece.numel]
+                cells = self._piece_cells(piece, d)
+                data = saturating_cast(values * multiplier[cells], self.spec.fp8_dtype)
+                self.shard[d][piece.shard_start : piece.shard_start + piece.numel].copy_(data)
+                if self.scales_sharded:
+                    lo = piece.param_start // MXFP8_BLOCK
+                    hi = (piece.param_start + piece.numel) // MXFP8_BLOCK
+                    at = piece.shard_start // MXFP8_BLOCK
+                    self.scale_shard[d][at : at + hi - lo].copy_(scale_inv.reshape(-1)[lo:hi])
+            if not self.scales_sharded:
+                self.slot_scales[index][d].copy_(
+                    scale_inv.reshape(self.slot_scales[index][d].shape)
+                )
+        if update_scaling and self.spec.recipe == "delayed":
+            # Per-tensor grids have one cell per weight, in slot order.
+            for index, meta in enumerate(self.delayed_metas):
+                meta.record(amaxes[index])
+        self.delayed_pending = self.spec.recipe == "delayed"
+
+    def reset_delayed_scaling(self) -> None:
+        """Forget the weight scales' history (a checkpoint without delayed-scaling state)."""
+        for meta in self.delayed_metas:
+            if meta is not None:
+                meta.scale = torch.ones_like(meta.scale)
+                meta.amax_history = torch.zeros_like(meta.amax_history)
+        self.delayed_pending = False
+
+    def sync_replicas(self, *, async_op: bool) -> tuple[dist.Work | None, int]:
+        self._discard_transposes()
+        if self.sharded or self.layout.world_size == 1:
+            return None, 0
+        works = []
+        # Separate inputs (gloo does not document in-place all-gather); kept until the next sync.
+        self._sync_inputs = {d: self.shard[d].clone() for d in self.directions}
+        for d in self.directions:
+            works.append(all_gather_flat(self.full[d], self._sync_inputs[d], group=self.group,
+                                         async_op=async_op))  # fmt: skip
+            if self.scales_sharded:
+                self._sync_inputs[d + "_scales"] = self.scale_shard[d].clone()
+                works.append(all_gather_flat(self.scale_full[d], self._sync_inputs[d + "_scales"],
+                                             group=self.group, async_op=async_op))  # fmt: skip
+        return _as_work(works), self._gather_nbytes() * len(self.directions)

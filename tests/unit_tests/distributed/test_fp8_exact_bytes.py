@@ -1,0 +1,93 @@
+"""FP8 parameters under Megatron-FSDP: the bytes and scales every gather delivers equal one-rank
+quantize of the full fp32 main weight, at 1, 2 and 4 ranks, at init and after 10 steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.distributed.fp8_toy import (
+    RECIPES,
+    build_fp8_toy,
+    expected_quantization,
+    fp8_config,
+    fp8_weights,
+    train,
+    wrap,
+)
+
+
+def _check_gathered(state, config) -> int:
+    """Gather every unit for both roles; compare each weight with one-rank quantize. Returns
+    the number of weights checked."""
+    fsdp = state.model
+    engine = fsdp.engine
+    full_main = fsdp.full_parameters()
+    checked = 0
+    for unit in engine.buffer.units[1:]:
+        for role in ("forward", "backward"):
+            engine.gather.ensure_gathered(unit, role)
+            for name, qt in fp8_weights(unit.module).items():
+                full_name = f"{unit.name}.{name}"
+                meta = unit.module.get_submodule(name.rpartition(".")[0]).delayed_scaling
+                scale = meta.metas["weight"].scale if config.recipe == "delayed" else None
+                want = expected_quantization(full_main[full_name], config=config, scale=scale)
+                if role == "forward":
+                    assert torch.equal(qt.rowwise_data, want.rowwise_data), full_name
+                    assert torch.equal(qt.rowwise_scale_inv, want.rowwise_scale_inv), full_name
+                elif config.recipe == "mxfp8":
+                    assert torch.equal(qt.columnwise_data, want.columnwise_data), full_name
+                    assert torch.equal(qt.columnwise_scale_inv, want.columnwise_scale_inv)
+                else:  # backward reads the transpose cache, made from the gathered bytes
+                    # ZeRO-3 builds it when the backward gather finishes; replicas lazily.
+                    assert qt.transpose_cache is not None or not fsdp.fsdp_config.shards_params
+                    data_t, scale_t = qt.create_transpose_cache()
+                    assert torch.equal(data_t, want.rowwise_data.t()), full_name
+                    want_scale = want.rowwise_scale_inv
+                    assert torch.equal(
+                        scale_t, want_scale if want_scale.dim() == 0 else want_scale.t()
+                    )
+                checked += 1
+        engine.gather.release(unit)
+    return checked
+
+
+def _exact_bytes(rank: int, world_size: int) -> dict:
+    result = {}
+    strategies = ["optim_grads_params"]
+    if world_size == 2:
+        strategies += ["no_shard", "optim", "optim_grads"]
+    for recipe in RECIPES:
+        config = fp8_config(recipe)
+        for strategy in strategies:
+            steps = 10 if strategy == "optim_grads_params" else 2
+            state = wrap(build_fp8_toy(config), strategy=strategy, config=config)
+            counts = [_check_gathered(state, config)]
+            for step in range(steps):
+                train(state, range(step, step + 1), config=config)
+                counts.append(_check_gathered(state, config))
+            groups = state.model.engine.buffer.fp8_groups()
+            result[f"{recipe}/{strategy}"] = dict(
+                checked=counts,
+                scales_sharded=[g.storage.scales_sharded for g in groups],
+                empty_weights=sum(len(g.layout.slots) - len(g.pieces()) for g in groups),
+            )
+    return result
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_gathered_fp8_equals_one_rank_quantize(world_size: int) -> None:
+    results = run_distributed(_exact_bytes, world_size)
+    for rank_result in results:
+        for name, got in rank_result.items():
+            steps = 10 if name.endswith("optim_grads_params") else 2
+            # 2 layers x 2 weights x 2 roles, at init and after every step.
+            assert got["checked"] == [8] * (steps + 1), name
+            # mxfp8 shards fall on 32-row band edges at 1 and 2 ranks; at 4 ranks an edge
+            # would cut fc2's only band, so scales are replicated from reduced amaxes.
+            aligned = name.startswith("mxfp8") and world_size < 4
+            assert got["scales_sharded"] == [aligned, aligned], name
+    if world_size == 4:
+        # Ranks 2 and 3 hold none of fc1 (its 2048 elements are ranks 0-1's shards).
+        assert results[2]["tensorwise/optim_grads_params"]["empty_weights"] == 2
