@@ -175,20 +175,20 @@ def _operand_fn(x: torch.Tensor, key: str):
 
 # Launch configurations tried by --sweep (first entry of each: the shipped default).
 SWEEP = {
-    "amax": [dict(BLOCK=b, num_warps=w) for b, w in ((16384, 8), (8192, 8), (32768, 16),
-                                                     (16384, 16))],
-    "cast": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((64, 128, 4), (32, 256, 4),
-                                                           (64, 256, 8), (128, 128, 8))],
-    "cast_t": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((128, 128, 8), (64, 64, 4),
-                                                             (128, 64, 4), (64, 128, 4),
-                                                             (128, 128, 4), (256, 64, 8))],
-    "block_1x128": [dict(num_warps=w) for w in (8, 4, 16)],
-    "block_128x128": [dict(num_warps=w) for w in (8, 4, 16)],
-    "mxfp8": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((64, 128, 8), (32, 128, 4),
-                                                            (64, 64, 4), (128, 64, 8),
-                                                            (128, 128, 8))],
-    "mxfp8_dequant": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((64, 128, 4), (32, 256, 4),
-                                                                    (128, 128, 8))],
+    "amax": [dict(BLOCK=b, num_warps=w) for b, w in ((16384, 16), (8192, 4), (4096, 4))],
+    "cast": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((32, 256, 4), (16, 256, 2),
+                                                           (32, 128, 2), (64, 128, 4))],
+    "cast_t": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((64, 64, 4), (64, 64, 2),
+                                                             (32, 64, 2), (64, 32, 2),
+                                                             (32, 128, 4), (128, 32, 4))],
+    "block_1x128": [dict(CHUNK=c, num_warps=w) for c, w in ((32, 4), (16, 4), (32, 8),
+                                                            (64, 8), (128, 8))],
+    "block_128x128": [dict(CHUNK=c, num_warps=w) for c, w in ((32, 4), (16, 4), (32, 8),
+                                                              (64, 8), (128, 16))],
+    "mxfp8": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((32, 128, 4), (32, 64, 2),
+                                                            (32, 256, 8), (64, 64, 4))],
+    "mxfp8_dequant": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((128, 128, 8), (64, 256, 8),
+                                                                    (32, 256, 4))],
 }  # fmt: skip
 
 

@@ -155,14 +155,28 @@ def reduce_and_update(metas: list[ScalingMeta], group: dist.ProcessGroup | None)
             histories[:, 0] = packed[start : start + len(members)].to(histories.device)
         start += len(members)
         first = members[0]
-        scales = delayed_scale_update(
-            histories, torch.stack([meta.scale.reshape(()) for meta in members]),
-            fp8_dtype=first.fp8_dtype, margin=first.config.margin,
-            amax_compute_algo=first.config.amax_compute_algo,
-        )  # fmt: skip
-        rolled = roll_amax_history(histories)
+        settings = dict(fp8_dtype=first.fp8_dtype, margin=first.config.margin,
+                        amax_compute_algo=first.config.amax_compute_algo)  # fmt: skip
+        old_scales = torch.stack([meta.scale.reshape(()) for meta in members])
+        fused = _fused_delayed_update(histories, old_scales, settings)
+        if fused is not None:
+            scales, rolled = fused
+        else:
+            scales = delayed_scale_update(histories, old_scales, **settings)
+            rolled = roll_amax_history(histories)
         for index, meta in enumerate(members):
             meta.scale, meta.amax_history = scales[index], rolled[index]
+
+
+def _fused_delayed_update(histories, scales, settings):
+    """The one-kernel CUDA update (megatron.core.fp8.cuda), or None (CPU, no Triton)."""
+    if not histories.is_cuda:
+        return None
+    try:
+        from megatron.core.fp8.cuda.quantize import delayed_update
+    except ImportError:
+        return None
+    return delayed_update(histories, scales, **settings)
 
 
 def _schedule_forward_flush(meta: ScalingMeta) -> None:

@@ -121,3 +121,25 @@ def test_fused_layer_equals_reference_path(recipe, fp8_weight, monkeypatch):
         for role in fused_state:
             assert torch.equal(fused_state[role][0], ref_state[role][0]), role
             assert torch.equal(fused_state[role][1], ref_state[role][1]), role
+
+
+@pytest.mark.parametrize("margin", [0, 3])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_fused_delayed_update_equals_reference(algo, margin):
+    """The one-kernel flush: new scales and rolled histories bitwise equal to the reference,
+    including zero histories (scale kept), Inf amaxes and tiny amaxes (scale -> FLT_MAX)."""
+    from megatron.core.fp8.cuda.quantize import delayed_update
+    from megatron.core.fp8.reference import delayed_scale_update, roll_amax_history
+
+    histories = torch.rand(6, 1024, device="cuda") * 100
+    histories[1] = 0.0
+    histories[2, 0] = float("inf")
+    histories[3] = 1e-40
+    histories[4, 0] = 0.0
+    scales = torch.arange(1.0, 7.0, device="cuda")
+    for fp8_dtype in (E4M3, E5M2):
+        settings = dict(fp8_dtype=fp8_dtype, margin=margin, amax_compute_algo=algo)
+        got_scales, got_rolled = delayed_update(histories, scales, **settings)
+        want_scales = delayed_scale_update(histories, scales, **settings)
+        assert torch.equal(got_scales.view(torch.int32), want_scales.view(torch.int32))
+        assert torch.equal(got_rolled, roll_amax_history(histories))

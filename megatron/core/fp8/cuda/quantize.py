@@ -32,13 +32,13 @@ from megatron.core.fp8.cuda.formats import (
 # `scripts/bench_fp8.py --sweep` times alternatives; the values here are the measured best on
 # an H200 (docs/PERFORMANCE_FP8_LINEAR.md).
 TILE_CONFIG: dict[str, dict[str, int]] = {
-    "amax": dict(BLOCK=16384, num_warps=8),
-    "cast": dict(BM=64, BK=128, num_warps=4),
-    "cast_t": dict(BM=128, BK=128, num_warps=8),
-    "block_1x128": dict(num_warps=8),
-    "block_128x128": dict(num_warps=8),
-    "mxfp8": dict(BM=64, BK=128, num_warps=8),
-    "mxfp8_dequant": dict(BM=64, BK=128, num_warps=4),
+    "amax": dict(BLOCK=16384, num_warps=16),
+    "cast": dict(BM=32, BK=256, num_warps=4),
+    "cast_t": dict(BM=64, BK=64, num_warps=4),
+    "block_1x128": dict(CHUNK=32, num_warps=4),
+    "block_128x128": dict(CHUNK=32, num_warps=4),
+    "mxfp8": dict(BM=32, BK=128, num_warps=4),
+    "mxfp8_dequant": dict(BM=128, BK=128, num_warps=8),
 }
 
 
@@ -463,6 +463,31 @@ def mxfp8_dequantize(
             E4M3=fp8_dtype == torch.float8_e4m3fn, COLUMNWISE=columnwise, **config,
         )  # fmt: skip
     return out
+
+
+def delayed_update(
+    histories: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    amax_compute_algo: str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(new scales [N], rolled histories [N, L]) of stacked CUDA histories in one kernel, or
+    None where the kernel cannot run (the caller then uses the torch reference)."""
+    kernels = _triton_kernels()
+    if not histories.is_cuda or kernels is None or margin < 0 or margin > 100:
+        return None
+    histories = histories.contiguous()
+    rows, length = histories.shape
+    new_scales = torch.empty(rows, dtype=torch.float32, device=histories.device)
+    rolled = torch.empty_like(histories)
+    kernels.delayed_update_kernel[(rows,)](
+        histories, scales.contiguous(), new_scales, rolled, length, FP8_MAX=fp8_max(fp8_dtype),
+        MARGIN_FACTOR=2.0**-margin, MOST_RECENT=amax_compute_algo == "most_recent",
+        BLOCK_L=max(16, 1 << (length - 1).bit_length()), num_warps=4,
+    )  # fmt: skip
+    return new_scales, rolled
 
 
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:

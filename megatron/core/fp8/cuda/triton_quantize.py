@@ -163,38 +163,69 @@ def per_tensor_cast_kernel(
 
 
 @triton.jit
+def _chunk(x_ptr, M, K, pid_m, pid_k, c, TILE: tl.constexpr, CHUNK: tl.constexpr):
+    """Column chunk c (TILE rows x CHUNK cols) of the (pid_m, pid_k) TILE x TILE tile."""
+    rows = pid_m * TILE + tl.arange(0, TILE)
+    cols = pid_k * TILE + c * CHUNK + tl.arange(0, CHUNK)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return x, rows, cols, mask, offs
+
+
+@triton.jit
+def _tile_ids(K, TILE: tl.constexpr):
+    pid = tl.program_id(0)
+    k_tiles = tl.cdiv(K, TILE)
+    return pid // k_tiles, pid % k_tiles
+
+
+@triton.jit
 def block_1x128_kernel(
     x_ptr, row_ptr, row_sinv_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
     ROW_SCALE_T: tl.constexpr, RECORD_AMAX: tl.constexpr, TILE: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """One 128x128 tile: rowwise 1x128 and columnwise 128x1 copies from a single read.
+    """One 128x128 tile: rowwise 1x128 and columnwise 128x1 copies from a single DRAM read.
 
+    The tile is walked in TILE x CHUNK column chunks so that registers hold one chunk (a
+    whole tile in fp32 spills): each chunk finishes its 128x1 column blocks at once, while
+    the 1x128 row amaxes accumulate; the rowwise pass then re-reads the chunks (from L2).
     COLUMNWISE writes the columnwise bytes in x's shape, WRITE_T their [K, M] transpose (the
     wgrad operand); ROW_SCALE_T stores the rowwise scales as [ceil(K/128), M], the
     outer-dim-major layout cuBLAS reads, instead of the logical [M, ceil(K/128)]."""
-    x, rows, cols, mask, offs, pid_m, pid_k = _tile(x_ptr, M, K, TILE, TILE)
-    x_abs = _nan_ignoring_abs(x)
+    pid_m, pid_k = _tile_ids(K, TILE)
+    rows = pid_m * TILE + tl.arange(0, TILE)
+    row_amax = tl.zeros((TILE,), dtype=tl.float32)
+    for c in tl.static_range(TILE // CHUNK):
+        x, rows, cols, mask, offs = _chunk(x_ptr, M, K, pid_m, pid_k, c, TILE, CHUNK)
+        x_abs = _nan_ignoring_abs(x)
+        row_amax = tl.maximum(row_amax, tl.max(x_abs, axis=1))
+        if COLUMNWISE or WRITE_T:
+            col_scale = _scale_from_amax(tl.max(x_abs, axis=0), FP8_MAX, INF_SCALE, POW2)
+            q = _saturating_cast(x * col_scale[None, :], FP8_MAX, E4M3)
+            if COLUMNWISE:
+                tl.store(col_ptr + offs, q, mask=mask)
+            col_sinv_offs = pid_m.to(tl.int64) * K + cols
+            tl.store(col_sinv_ptr + col_sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
+            if WRITE_T:
+                _store_transposed(col_t_ptr, q, rows, cols, M, K)
     if RECORD_AMAX:
-        _record_amax(amax_bits_ptr, x_abs)
+        tile_amax = tl.max(row_amax, axis=0)
+        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
     if ROWWISE:
-        row_scale = _scale_from_amax(tl.max(x_abs, axis=1), FP8_MAX, INF_SCALE, POW2)
-        tl.store(row_ptr + offs, _saturating_cast(x * row_scale[:, None], FP8_MAX, E4M3), mask)
+        row_scale = _scale_from_amax(row_amax, FP8_MAX, INF_SCALE, POW2)
         if ROW_SCALE_T:
             row_sinv_offs = pid_k.to(tl.int64) * M + rows
         else:
             row_sinv_offs = rows.to(tl.int64) * tl.cdiv(K, TILE) + pid_k
         tl.store(row_sinv_ptr + row_sinv_offs, _reciprocal(row_scale, POW2), mask=rows < M)
-    if COLUMNWISE or WRITE_T:
-        col_scale = _scale_from_amax(tl.max(x_abs, axis=0), FP8_MAX, INF_SCALE, POW2)
-        q = _saturating_cast(x * col_scale[None, :], FP8_MAX, E4M3)
-        if COLUMNWISE:
-            tl.store(col_ptr + offs, q, mask=mask)
-        col_sinv_offs = pid_m.to(tl.int64) * K + cols
-        tl.store(col_sinv_ptr + col_sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
-        if WRITE_T:
-            _store_transposed(col_t_ptr, q, rows, cols, M, K)
+        for c in tl.static_range(TILE // CHUNK):
+            x, rows, cols, mask, offs = _chunk(x_ptr, M, K, pid_m, pid_k, c, TILE, CHUNK)
+            q = _saturating_cast(x * row_scale[:, None], FP8_MAX, E4M3)
+            tl.store(row_ptr + offs, q, mask=mask)
 
 
 @triton.jit
@@ -202,24 +233,30 @@ def block_128x128_kernel(
     x_ptr, data_ptr, sinv_ptr, data_t_ptr, sinv_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, RECORD_AMAX: tl.constexpr,
-    TILE: tl.constexpr,
+    TILE: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """One 128x128 weight block: one scale; the bytes and/or the transposed bytes with the
-    transposed scale grid (what dgrad reads), from one read."""
-    x, rows, cols, mask, offs, pid_m, pid_k = _tile(x_ptr, M, K, TILE, TILE)
-    x_abs = _nan_ignoring_abs(x)
-    tile_amax = tl.max(tl.max(x_abs, axis=1), axis=0)
+    transposed scale grid (what dgrad reads). Pass one finds the block amax chunk by chunk,
+    pass two re-reads the chunks (from L2) to cast and store: one DRAM read, no spills."""
+    pid_m, pid_k = _tile_ids(K, TILE)
+    tile_amax = 0.0
+    for c in tl.static_range(TILE // CHUNK):
+        x, rows, cols, mask, offs = _chunk(x_ptr, M, K, pid_m, pid_k, c, TILE, CHUNK)
+        tile_amax = tl.maximum(tile_amax, tl.max(tl.max(_nan_ignoring_abs(x), axis=1), axis=0))
     if RECORD_AMAX:
         tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
     scale = _scale_from_amax(tile_amax, FP8_MAX, INF_SCALE, POW2)
-    q = _saturating_cast(x * scale, FP8_MAX, E4M3)
     scale_inv = _reciprocal(scale, POW2)
-    if WRITE_ROW:
-        tl.store(data_ptr + offs, q, mask=mask)
     tl.store(sinv_ptr + pid_m * tl.cdiv(K, TILE) + pid_k, scale_inv)
     if WRITE_T:
-        _store_transposed(data_t_ptr, q, rows, cols, M, K)
         tl.store(sinv_t_ptr + pid_k * tl.cdiv(M, TILE) + pid_m, scale_inv)
+    for c in tl.static_range(TILE // CHUNK):
+        x, rows, cols, mask, offs = _chunk(x_ptr, M, K, pid_m, pid_k, c, TILE, CHUNK)
+        q = _saturating_cast(x * scale, FP8_MAX, E4M3)
+        if WRITE_ROW:
+            tl.store(data_ptr + offs, q, mask=mask)
+        if WRITE_T:
+            _store_transposed(data_t_ptr, q, rows, cols, M, K)
 
 
 @triton.jit
@@ -311,3 +348,28 @@ def transpose_kernel(src_ptr, dst_ptr, M, K, TILE: tl.constexpr):
 def grid_size(rows: int, cols: int, tile_rows: int, tile_cols: int) -> tuple[int]:
     """1-D launch grid over row-major tiles (1-D avoids the 65535 limit of grid dims 1, 2)."""
     return (triton.cdiv(rows, tile_rows) * triton.cdiv(cols, tile_cols),)
+
+
+@triton.jit
+def delayed_update_kernel(
+    hist_ptr, scale_ptr, new_scale_ptr, rolled_ptr, L, FP8_MAX: tl.constexpr,
+    MARGIN_FACTOR: tl.constexpr, MOST_RECENT: tl.constexpr, BLOCK_L: tl.constexpr,
+):  # fmt: skip
+    """Delayed scaling steps 3 and 4 for row `program_id` of a stacked [N, L] amax history:
+    new scale from the history, then the rolled history (slot k <- k+1, last <- first, slot
+    0 zeroed). Same arithmetic as reference.delayed_scale_update / roll_amax_history."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_L)
+    history = tl.load(hist_ptr + row * L + offs, mask=offs < L, other=0.0)
+    if MOST_RECENT:
+        amax_used = tl.load(hist_ptr + row * L)
+    else:
+        amax_used = tl.max(history, axis=0)
+    usable = (amax_used > 0.0) & (amax_used.to(tl.int32, bitcast=True) < 0x7F800000)
+    raw = tl.math.div_rn(FP8_MAX + tl.zeros_like(amax_used), tl.where(usable, amax_used, 1.0))
+    # Dividing by 2^margin is exact either way (torch multiplies by the exact reciprocal).
+    raw = raw * MARGIN_FACTOR
+    raw = tl.where(raw.to(tl.int32, bitcast=True) == 0x7F800000, 3.4028234663852886e38, raw)
+    tl.store(new_scale_ptr + row, tl.where(usable, raw, tl.load(scale_ptr + row)))
+    shifted = tl.load(hist_ptr + row * L + (offs + 1) % L, mask=offs < L, other=0.0)
+    tl.store(rolled_ptr + row * L + offs, tl.where(offs == 0, 0.0, shifted), mask=offs < L)
