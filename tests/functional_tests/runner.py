@@ -2,7 +2,7 @@
 
     python3 -m tests.functional_tests.runner --case gpt_ddp_bf16
     python3 -m tests.functional_tests.runner --all
-    python3 -m tests.functional_tests.runner --case gpt_h200_fp8_mxfp8 --platform h200 --regenerate
+    python3 -m tests.functional_tests.runner --case gpt_h200_zero3_bf16 --platform h200 --regenerate
 
 A case trains with `python3 -m torch.distributed.run --nproc-per-node N pretrain_gpt.py ...`
 (twice for a RESUME case: to `stop_at` with --save/--exit-interval, then with --load on
@@ -189,7 +189,9 @@ def collect_metrics(case: Case, log_path: Path) -> dict[str, Values]:
 
 
 def tolerance_of(case: Case) -> Tolerance:
-    return Tolerance(deterministic=case.deterministic, relative=case.tolerance)
+    return Tolerance(
+        deterministic=case.deterministic, relative=case.tolerance, time_factor=case.time_factor
+    )
 
 
 def run_case(

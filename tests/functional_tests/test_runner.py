@@ -212,7 +212,7 @@ def test_cli_regenerate_refuses_existing_golden(tmp_path: Path, capsys):
 
 
 def test_gpu_case_without_goldens_fails_with_the_regenerate_command(tmp_path: Path):
-    case = find_case("gpt_h200_fp8_mxfp8")
+    case = find_case("gpt_h200_fp8_mxfp8_param_gather")
     assert (case.platform, case.nproc, case.deterministic, case.tolerance) == (
         "h200",
         1,
@@ -224,8 +224,8 @@ def test_gpu_case_without_goldens_fails_with_the_regenerate_command(tmp_path: Pa
     with pytest.raises(MissingGoldenError) as raised:
         run_case(case, platform="h200", workdir=tmp_path)
     assert (
-        "run `python3 -m tests.functional_tests.runner --case gpt_h200_fp8_mxfp8 --platform h200 "
-        "--regenerate` on a h200 machine" in str(raised.value)
+        "run `python3 -m tests.functional_tests.runner --case gpt_h200_fp8_mxfp8_param_gather "
+        "--platform h200 --regenerate` on a h200 machine" in str(raised.value)
     )
     assert not (tmp_path / "train.log").exists()
 
@@ -235,10 +235,10 @@ def test_case_configs_parse():
     cpu = sorted(name for name, case in cases.items() if case.platform == "cpu")
     assert cpu == [
         "gpt_ddp_bf16",
-        "gpt_fp8_blockwise",
-        "gpt_fp8_delayed",
-        "gpt_fp8_mxfp8",
-        "gpt_fp8_tensorwise",
+        "gpt_fp8_blockwise_param_gather",
+        "gpt_fp8_delayed_param_gather",
+        "gpt_fp8_mxfp8_param_gather",
+        "gpt_fp8_tensorwise_param_gather",
         "gpt_fsdp_no_shard",
         "gpt_fsdp_optim",
         "gpt_fsdp_optim_grads",
@@ -246,6 +246,9 @@ def test_case_configs_parse():
         "gpt_resume_dp_change",
         "gpt_stop_and_resume",
     ]
+    # Iteration time: 10x either way on the shared 2-core CPU, 3x on a GPU.
+    assert cases["gpt_ddp_bf16"].time_factor == 10.0
+    assert cases["gpt_h200_zero3_bf16"].time_factor == 3.0
     resume = cases["gpt_resume_dp_change"].resume
     assert (resume.stop_at, resume.nproc_after) == (10, 1)
     assert cases["gpt_ddp_bf16"].env_vars == {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -342,7 +345,7 @@ def test_changed_seed_fails_with_a_table_of_the_numbers(tmp_path: Path, capsys):
 
 @cpu_only
 def test_changed_fp8_margin_fails(tmp_path: Path):
-    directory = _copy_case("gpt_fp8_delayed", tmp_path, fp8_margin=2)
+    directory = _copy_case("gpt_fp8_delayed_param_gather", tmp_path, fp8_margin=2)
     result = run_case(load_case(directory), platform="cpu", workdir=tmp_path / "out")
     by_metric = {report.metric: report for report in result.reports}
     assert not by_metric["lm loss"].passed
