@@ -89,7 +89,7 @@ def model_args_to_argv(model_args: dict[str, Any]) -> list[str]:
     return argv
 
 
-def _parse_resume(name: str, raw: Any, train_iters: int) -> Resume | None:
+def _parse_resume(name: str, *, raw: Any, train_iters: int) -> Resume | None:
     if raw is None:
         return None
     if not isinstance(raw, dict) or set(raw) - {"stop_at", "nproc_after"} or "stop_at" not in raw:
@@ -124,7 +124,7 @@ def load_case(directory: Path) -> Case:
     if platform not in PLATFORMS:
         raise CaseError(f"{name}: PLATFORM {platform!r} is not one of {PLATFORMS}")
     nproc = int(raw.get("NPROC", 1))
-    resume = _parse_resume(name, raw.get("RESUME"), int(model_args["train-iters"]))
+    resume = _parse_resume(name, raw=raw.get("RESUME"), train_iters=int(model_args["train-iters"]))
     if resume is not None and resume.nproc_after == 0:
         resume = Resume(stop_at=resume.stop_at, nproc_after=nproc)
     return Case(

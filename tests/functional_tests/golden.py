@@ -145,7 +145,7 @@ def _differences(golden: float | None, actual: float | None) -> dict[str, str]:
     }
 
 
-def _step_matches(metric: str, golden: float, actual: float, tolerance: Tolerance) -> bool:
+def _step_matches(metric: str, *, golden: float, actual: float, tolerance: Tolerance) -> bool:
     if tolerance.deterministic:
         return _format(metric, golden) == _format(metric, actual)
     allowed = tolerance.relative * abs(golden) + PRINT_RESOLUTION[metric]
@@ -163,7 +163,11 @@ def compare_per_step(
     report = MetricReport(metric=metric, rule=rule)
     for step in sorted(set(golden) | set(actual)):
         want, got = golden.get(step), actual.get(step)
-        if want is not None and got is not None and _step_matches(metric, want, got, tolerance):
+        if (
+            want is not None
+            and got is not None
+            and _step_matches(metric, golden=want, actual=got, tolerance=tolerance)
+        ):
             continue
         report.rows.append(
             Row(
