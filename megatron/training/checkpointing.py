@@ -157,7 +157,8 @@ def save_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, state, env
     elif env.rank == 0:
         torch.save(run.optimizer.named_main_params(), os.path.join(tmp, "model.pt"))
         torch.save(run.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    fp8_state = _delayed_scaling_state(run)
+    # torch_dist: the engine's sharded state already holds the delayed-scaling state.
+    fp8_state = _delayed_scaling_state(run) if args.ckpt_format == "torch" else {}
     if fp8_state and env.rank == 0:  # identical on every rank: amaxes are all-reduced
         torch.save(fp8_state, os.path.join(tmp, "fp8_delayed_scaling.pt"))
     rng_path = os.path.join(tmp, "rng", f"rank_{env.rank:05d}.pt")
@@ -295,7 +296,10 @@ def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
         )
     load_optim = not (args.no_load_optim or args.finetune)
     if args.ckpt_format == "torch_dist":
-        _load_sharded(directory, run=run, env=env, load_optim=load_optim)
+        saved_delayed = metadata["args"].get("fp8_recipe") == "delayed"
+        _load_sharded(
+            directory, run=run, env=env, load_optim=load_optim, fp8_scaling_state=saved_delayed
+        )
     else:
         _load_model_tensors(directory, run)
         if load_optim:
@@ -321,10 +325,12 @@ def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
     )
 
 
-def _load_sharded(directory: str, *, run, env, load_optim: bool) -> None:
+def _load_sharded(directory: str, *, run, env, load_optim: bool, fp8_scaling_state: bool) -> None:
     from megatron.core import dist_checkpointing
 
-    state = {"model": run.model.sharded_state_dict()}
+    # Ask for the delayed-scaling state only when the checkpoint has it (a bf16 or other-recipe
+    # checkpoint can resume under delayed scaling, which then starts fresh).
+    state = {"model": run.model.sharded_state_dict(fp8_scaling_state=fp8_scaling_state)}
     if load_optim:
         state["optimizer"] = run.optimizer.sharded_state_dict()
     dist_checkpointing.load(state, os.path.join(directory, "sharded"), process_group=env.dp_group)

@@ -90,6 +90,9 @@ def _build_megatron_fsdp(
         init_fn=lambda name, tensor: init_parameter_(
             tensor, name=name, config=config, seed=args.seed
         ),
+        # With fp8_param_gather the engine keeps Fp8Linear weights only as FP8 bytes plus fp32
+        # main shards, seeded from the exact high-precision values.
+        fp8_config=config.fp8,
     )
     optimizer = model.build_optimizer(build_optimizer_config(args))
     return model, module, optimizer
