@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+from megatron.core.fp8 import Fp8Config, fp8_autocast
 from megatron.core.models.gpt import GPTModel, num_floating_point_operations
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.init import init_parameter_
@@ -43,12 +44,27 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="torch.compile each layer")
     parser.add_argument(
+        "--fp8-recipe",
+        choices=["delayed", "tensorwise", "blockwise", "mxfp8"],
+        default=None,
+        help="FP8 transformer Linears (megatron-fsdp engine only), hybrid format",
+    )
+    parser.add_argument(
+        "--fp8-param-gather",
+        action="store_true",
+        help="keep weights only in FP8 and all-gather FP8 bytes (needs --fp8-recipe)",
+    )
+    parser.add_argument(
         "--peak-tflops", type=float, default=None, help="measured bf16 dense peak, for MFU"
     )
     parser.add_argument(
         "--tiny", action="store_true", help="2 layers, hidden 64, seq 64: a CPU dry run"
     )
     args = parser.parse_args()
+    if args.fp8_recipe and args.engine != "megatron-fsdp":
+        parser.error("--fp8-recipe is measured with --engine megatron-fsdp only")
+    if args.fp8_param_gather and not args.fp8_recipe:
+        parser.error("--fp8-param-gather needs --fp8-recipe")
     if args.tiny:
         args.num_layers, args.hidden_size, args.ffn_hidden_size = 2, 64, 128
         args.num_attention_heads, args.vocab_size, args.seq_length = 4, 256, 64
@@ -57,7 +73,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_config(args: argparse.Namespace, params_dtype: torch.dtype) -> TransformerConfig:
+    fp8 = None
+    if args.fp8_recipe:
+        fp8 = Fp8Config(recipe=args.fp8_recipe, fp8_param_gather=args.fp8_param_gather)
     return TransformerConfig(
+        fp8=fp8,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -92,6 +112,7 @@ def build_megatron_fsdp(args, device):
         ),
         device=device,
         init_fn=lambda name, t: init_parameter_(t, name=name, config=config, seed=0),
+        fp8_config=config.fp8,
     )
     optimizer = model.build_optimizer(OptimizerConfig(lr=1e-5, clip_grad=1.0))
     return config, model, optimizer
@@ -124,7 +145,11 @@ def build_fsdp2(args, device):
 def run_step(args, engine, model, optimizer, inputs, labels) -> None:
     if engine == "megatron-fsdp":
         model.zero_grad_buffer()
-        model(inputs, labels=labels).mean().backward()
+        fp8 = model.module.config.fp8
+        group = dist.group.WORLD
+        with fp8_autocast(enabled=fp8 is not None, fp8_config=fp8, amax_reduction_group=group):
+            loss = model(inputs, labels=labels).mean()
+        loss.backward()
         model.finish_grad_sync()
         optimizer.step()
     else:
@@ -170,6 +195,8 @@ def main() -> None:
     stats = model.comm_stats() if args.engine == "megatron-fsdp" else {}
     result = {
         "engine": args.engine,
+        "fp8_recipe": args.fp8_recipe,
+        "fp8_param_gather": args.fp8_param_gather,
         "compile": args.compile,
         "world_size": dist.get_world_size(),
         "step_ms": round(step_ms, 3),
@@ -179,6 +206,7 @@ def main() -> None:
         "peak_mem_gib": round(peak_gib, 3),
         "all_gather_bytes": stats.get("all_gather_bytes"),
         "reduce_scatter_bytes": stats.get("reduce_scatter_bytes"),
+        "fp8_all_gather_bytes": stats.get("fp8_all_gather_bytes"),
     }
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)
