@@ -93,7 +93,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-ERROR_LINE = re.compile(r"\b(?!ChildFailedError)\w*(Error|Exception): ")
+# A Python exception of a rank, or a native abort (which leaves no traceback).
+ERROR_LINE = re.compile(
+    r"\b(?!ChildFailedError)\w*(Error|Exception): |terminate called|Fatal Python error|"
+    r"Segmentation fault"
+)
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
