@@ -105,7 +105,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--train-iters", type=int, default=100, help="Optimizer steps to run.")
     group.add_argument("--seed", type=int, default=1234, help="Seed of init, data and dropout.")
     group.add_argument(
-        "--exit-interval", type=int, default=None, help="Exit when iteration % N == 0."
+        "--exit-interval", type=int, default=None, help="Exit when iteration %% N == 0."
     )
     group.add_argument(
         "--exit-duration-in-mins",

@@ -29,6 +29,8 @@ def test_flag_list_is_frozen():
 def test_every_flag_has_help():
     for action in build_parser()._actions:
         assert action.help, f"{action.option_strings} has no help text"
+    text = build_parser().format_help()  # raises on a stray % in any help string
+    assert text.count("\n  --") >= 85 and "Exit when iteration % N == 0." in text
 
 
 def parse_error(argv, capsys, world_size=1) -> str:
