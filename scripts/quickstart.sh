@@ -4,7 +4,7 @@
 # Extra arguments are passed to pretrain_gpt.py (e.g. --fp8-recipe tensorwise, --train-iters 50).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MEGATRON_EXTRAS=${MEGATRON_EXTRAS:-all} bash scripts/setup_env.sh
+MEGATRON_EXTRAS=${MEGATRON_EXTRAS:-progress} bash scripts/setup_env.sh
 PYTHON=${PYTHON:-python3}
 PREFIX=$("$PYTHON" scripts/prepare_quickstart_data.py | tail -n 1)
 OUTPUT_DIR=${OUTPUT_DIR:-runs/quickstart}
