@@ -21,6 +21,8 @@ class DistributedEnv:
     device: torch.device
     dp_group: dist.ProcessGroup | None
     """The data-parallel group (all ranks); None for a single process."""
+    owns_process_group: bool = False
+    """Whether initialize_distributed created the default group (and so must destroy it)."""
 
 
 def _slurm_to_torchrun_env() -> None:
@@ -47,6 +49,7 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
     else:
         device = torch.device("cpu")
     dp_group = None
+    owns_process_group = False
     # Megatron-FSDP always runs on a process group (its collectives and sharded checkpoints
     # need one), so a single process gets a one-rank group from an in-memory store.
     if world_size > 1 or args.use_megatron_fsdp:
@@ -59,10 +62,25 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
                 device_id=device if backend == "nccl" else None,
                 store=dist.HashStore() if world_size == 1 else None,
             )
+            owns_process_group = True
         dp_group = dist.group.WORLD
     return DistributedEnv(
-        rank=rank, world_size=world_size, local_rank=local_rank, device=device, dp_group=dp_group
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=device,
+        dp_group=dp_group,
+        owns_process_group=owns_process_group,
     )
+
+
+def shutdown_distributed(env: DistributedEnv) -> None:
+    """Tear the default group down before the interpreter exits: a gloo group left to process
+    teardown can abort ("terminate called without an active exception") while its threads
+    still run."""
+    if env.owns_process_group and dist.is_initialized():
+        dist.barrier(group=env.dp_group)
+        dist.destroy_process_group()
 
 
 def set_random_seeds(seed: int) -> None:

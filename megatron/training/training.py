@@ -25,7 +25,12 @@ from megatron.training.data import (
     build_tokenizer_from_args,
     get_micro_batch,
 )
-from megatron.training.initialize import DistributedEnv, initialize_distributed, set_random_seeds
+from megatron.training.initialize import (
+    DistributedEnv,
+    initialize_distributed,
+    set_random_seeds,
+    shutdown_distributed,
+)
 from megatron.training.log_line import IntervalStats, format_train_line, format_valid_line
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
 
@@ -92,6 +97,7 @@ def pretrain(argv: Sequence[str] | None = None) -> TrainingResult:
     finally:
         if logger is not None:
             logger.close()
+    shutdown_distributed(env)
     return result
 
 
