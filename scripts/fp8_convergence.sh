@@ -2,7 +2,9 @@
 # FP8 vs high precision on the quickstart model: the same seed, data and schedule for the
 # high-precision run (labelled bf16; its params are fp32 unless --bf16 is passed, since bf16
 # matmuls are very slow on CPU) and each recipe; prints final losses and their ratio.
-# Usage: bash scripts/fp8_convergence.sh [ITERS] [extra pretrain_gpt.py flags]
+# Usage: bash scripts/fp8_convergence.sh [ITERS] [extra pretrain_gpt.py flags for every run]
+#   FP8_FLAGS="--fp8-param-gather" adds flags to the FP8 runs only, e.g. FP8 parameters in
+#   Megatron-FSDP: FP8_FLAGS=--fp8-param-gather bash scripts/fp8_convergence.sh 300 --use-megatron-fsdp
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ITERS=${1:-200}
@@ -11,7 +13,7 @@ OUT=${OUT:-runs/fp8_convergence}
 mkdir -p "$OUT"
 for recipe in bf16 tensorwise delayed blockwise mxfp8; do
   flags=()
-  [ "$recipe" != bf16 ] && flags=(--fp8-recipe "$recipe")
+  [ "$recipe" != bf16 ] && flags=(--fp8-recipe "$recipe" ${FP8_FLAGS:-})
   OUTPUT_DIR="$OUT/$recipe" bash scripts/quickstart.sh --train-iters "$ITERS" \
     --lr-warmup-iters $((ITERS / 10)) --eval-interval "$ITERS" --log-interval 10 \
     "${flags[@]}" "$@" > "$OUT/$recipe.log" 2>&1
