@@ -9,15 +9,18 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
   "$PYTHON" -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
 fi
 extras=${MEGATRON_EXTRAS:-test}
-# Already set up (this checkout installed, extras importable)? Then skip pip entirely.
-check_modules="megatron"
+# Already set up (this checkout installed, its deps and extras importable)? Then skip pip.
+# The check runs from / so that the source tree itself cannot stand in for an installed package.
+check_modules="megatron,numpy"
 if [ "$extras" = "test" ]; then
-  check_modules="megatron,pytest,pytest_timeout,ruff,yaml,tensorboard,wandb,tokenizers,tqdm,transformers,safetensors,matplotlib"
+  check_modules="$check_modules,pytest,pytest_timeout,ruff,yaml,tensorboard,wandb,tokenizers,tqdm,transformers,safetensors,matplotlib"
 fi
-if "$PYTHON" - "$check_modules" "$PWD" <<'PY' >/dev/null 2>&1
-import importlib, os, sys
+repo=$PWD
+if (cd / && "$PYTHON" - "$check_modules" "$repo" <<'PY') >/dev/null 2>&1
+import importlib, importlib.metadata, os, sys
+importlib.metadata.version("megatron-fp8")
 for name in sys.argv[1].split(","):
-    module = importlib.import_module(name)
+    importlib.import_module(name)
 import megatron
 assert os.path.dirname(os.path.dirname(os.path.abspath(megatron.__file__))) == sys.argv[2]
 PY
