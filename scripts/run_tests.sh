@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 PYTHON=${PYTHON:-python3}
 set +e
-"$PYTHON" -m pytest tests -q -p no:cacheprovider --timeout 900 "$@"
+# No path given: pytest runs pyproject.toml's testpaths (tests/); a path narrows it.
+"$PYTHON" -m pytest -q -p no:cacheprovider --timeout 900 "$@"
 status=$?
 set -e
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
