@@ -10,20 +10,20 @@ import torch
 from megatron.training.checkpointing import CheckpointError, load_state_for_export
 from tests.unit_tests.training.common import TINY_GPT, run_pretrain
 
-ITERS = ["--train-iters", "12"]
+ITERS = ["--train-iters", "40"]
 
 
 def test_resume_continues_exactly(tmp_path):
-    """Stop at 6, resume to 12: losses 7..12 equal the uninterrupted run exactly (dropout on)."""
+    """Stop at 20, resume to 40: losses 21..40 equal the uninterrupted run exactly (dropout on)."""
     full = run_pretrain(TINY_GPT + ITERS)
-    save = ["--save", str(tmp_path), "--exit-interval", "6"]
+    save = ["--save", str(tmp_path), "--exit-interval", "20"]
     first = run_pretrain(TINY_GPT + ITERS + save)
-    assert sorted(first.losses) == list(range(1, 7))
+    assert sorted(first.losses) == list(range(1, 21))
     second = run_pretrain(TINY_GPT + ITERS + ["--load", str(tmp_path)])
-    assert sorted(second.losses) == list(range(7, 13))
-    for iteration in range(7, 13):
+    assert sorted(second.losses) == list(range(21, 41))
+    for iteration in range(21, 41):
         assert second.losses[iteration] == full.losses[iteration]
-    assert second.state.consumed_train_samples == 12 * 8
+    assert second.state.consumed_train_samples == 40 * 8
 
 
 def test_layout_and_atomicity(tmp_path):
