@@ -78,8 +78,12 @@ def test_bytes_per_rank_by_strategy() -> None:
             "grads": shard,
             "optimizer": moments[rank],
         }
+        # bf16 compute, fp32 main: no persistent bf16 compute shard (it was shard // 2 bytes).
+        # Like FSDP2, each all-gather casts the fp32 main shard into a temporary bf16 input,
+        # the same rounding the optimizer write-back used to do, so the gathered values match.
+        assert got["bf16/optim_grads_params"]["params"] == 0
         assert got["bf16/optim_grads_params"] == {
-            "params": shard // 2,  # bf16 compute shard
+            "params": 0,  # per rank: 0 bytes, down from shard // 2 = 278
             "main_params": shard,  # separate fp32 main shard
             "grads": shard,  # fp32 main grads
             "optimizer": moments[rank],

@@ -6,7 +6,7 @@ the bf16 rest). A group holds, per role, one flat buffer laid out by `shard_layo
 
 | role           | no_shard | optim      | optim_grads | optim_grads_params |
 |----------------|----------|------------|-------------|--------------------|
-| compute params | full     | full       | full        | shard (+ full while gathered) |
+| compute params | full     | full       | full        | shard* (+ full while gathered) |
 | main params    | full     | shard      | shard       | shard              |
 | grads          | full     | full       | shard       | shard              |
 
@@ -15,7 +15,9 @@ own group per recipe, stored by `fp8_storage.Fp8ComputeStorage`; their main para
 fp32 shards seeded with the exact high-precision init values.
 
 When the compute dtype equals main_params_dtype the main params *are* the compute buffer's
-shard (no second copy, as FSDP2 does for fp32 params). Grad buffers are allocated at the first
+shard (no second copy, as FSDP2 does for fp32 params). *With a narrower compute dtype (bf16
+compute, fp32 main) ZeRO-3 keeps no compute shard at all: each all-gather casts the main shard
+into a temporary input, as FSDP2 does. Grad buffers are allocated at the first
 backward (or when the optimizer is built), so building a model never holds them.
 
 no_shard uses a one-rank layout (no padding; the "shard" is the whole buffer); the other
@@ -251,6 +253,7 @@ class ParamAndGradBuffer:
         storage = DenseComputeStorage(
             layout=layout,
             dtype=dtype,
+            main_dtype=config.main_params_dtype,
             device=self.device,
             sharded=config.shards_params,
             group=self.group,
@@ -258,6 +261,7 @@ class ParamAndGradBuffer:
         )
         alias = storage.main_shard_alias(config.main_params_dtype)
         group = self._new_group(members, layout, storage, main_shard=alias)
+        storage.bind_main_shard(group.main_shard)
         for index, (names, param) in enumerate(members):
             self._materialize_param(group, index, names[0], param, init_fn)
         group.params = [

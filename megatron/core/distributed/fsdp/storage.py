@@ -2,7 +2,9 @@
 
 The hooks and pipelines never branch on dtype or FP8 recipe; they call this interface. A unit
 owns one adapter per buffer group. Today there is `DenseComputeStorage` (bf16/fp32: the shard
-is the parameter values, the gathered buffer is what the model reads). The FP8 adapter of the
+is the parameter values, the gathered buffer is what the model reads; under ZeRO-3 with a
+compute dtype narrower than the main params it keeps no shard of its own and casts the main
+shard at gather time, as FSDP2 does). The FP8 adapter of the
 next issue implements the same methods with several gathered buffers: `role="forward"` gathers
 rowwise uint8 bytes (+ scales), `role="backward"` gathers columnwise bytes for MXFP8 or reuses
 the rowwise bytes plus a local transpose for per-tensor/128x128 recipes; `param_alignment`
@@ -61,6 +63,10 @@ class ComputeStorage(ABC):
     def main_shard_alias(self, main_dtype: torch.dtype) -> torch.Tensor | None:
         """This rank's compute shard, when it can double as the fp32 main shard (same dtype)."""
 
+    def bind_main_shard(self, main_shard: torch.Tensor) -> None:
+        """Called once the group's main shard exists; storages that gather from it keep it."""
+        return None
+
     def amax_to_reduce(self, main_shard: torch.Tensor) -> torch.Tensor | None:
         """Partial amaxes (fp32, 1-D) that must be all-reduced (MAX) over the DP group before
         write_main_shard; the buffer packs every group's vector into one collective per step.
@@ -94,14 +100,34 @@ class ComputeStorage(ABC):
         """Bytes held persistently (not counting a transiently gathered ZeRO-3 buffer)."""
 
 
+def _holds_exactly(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Every `narrow` value is exactly representable in `wide` (fp32 holds bf16 and fp16)."""
+    wide_info, narrow_info = torch.finfo(wide), torch.finfo(narrow)
+    return (
+        wide != narrow
+        and wide_info.eps <= narrow_info.eps
+        and wide_info.max >= narrow_info.max
+        # Smallest subnormals: fp32's 2**-149 covers bf16's 2**-133 and fp16's 2**-24.
+        and wide_info.smallest_normal * wide_info.eps
+        <= narrow_info.smallest_normal * narrow_info.eps
+    )
+
+
 class DenseComputeStorage(ComputeStorage):
-    """bf16/fp32 compute params. Gathered buffer = parameter values; one buffer for both roles."""
+    """bf16/fp32 compute params. Gathered buffer = parameter values; one buffer for both roles.
+
+    ZeRO-3 with main params wider than the compute dtype (bf16 compute, fp32 main) keeps no
+    persistent compute shard: each gather casts the main shard into a temporary input that lives
+    only until the gather is finished. The values are those a persistent shard would hold (the
+    same fp32 -> bf16 rounding, done later), and a rank saves one compute shard of memory.
+    """
 
     def __init__(
         self,
         *,
         layout: UnitLayout,
         dtype: torch.dtype,
+        main_dtype: torch.dtype,
         device: torch.device,
         sharded: bool,
         group: dist.ProcessGroup,
@@ -109,12 +135,23 @@ class DenseComputeStorage(ComputeStorage):
     ) -> None:
         self.layout = layout
         self.dtype = dtype
+        self.device = device
         self.sharded = sharded
         self.group = group
         self.tracker = tracker
+        # Only when main holds every compute value exactly: then casting the main shard at
+        # gather time gives the bytes an initialized-then-written-back compute shard would.
+        self.casts_main_shard = sharded and _holds_exactly(main_dtype, dtype)
+        self._main_shard: torch.Tensor | None = None
+        self._gather_input: torch.Tensor | None = None
+        """The cast main shard of a gather in flight (kept alive until finish_gather)."""
         self.full_buffer = tracker.zeros(layout.padded_numel, dtype=dtype, device=device)
         lo, hi = layout.shard_range(layout.rank)
-        if sharded:
+        if self.casts_main_shard:
+            self.local_shard = None
+            tracker.resize_storage(self.full_buffer, 0)
+            self._gathered = False
+        elif sharded:
             self.local_shard = tracker.zeros(layout.shard_numel, dtype=dtype, device=device)
             # The full buffer object stays (parameters are views into it); its memory does not.
             tracker.resize_storage(self.full_buffer, 0)
@@ -148,18 +185,31 @@ class DenseComputeStorage(ComputeStorage):
     def is_gathered(self, role: GatherRole) -> bool:
         return self._gathered
 
+    def _shard_to_gather(self) -> torch.Tensor:
+        if not self.casts_main_shard:
+            return self.local_shard
+        if self._main_shard is None:
+            raise RuntimeError("DenseComputeStorage: bind_main_shard() was never called")
+        gather_input = self.tracker.empty(
+            self._main_shard.shape, dtype=self.dtype, device=self.device
+        )
+        with torch.no_grad():
+            gather_input.copy_(self._main_shard)
+        return gather_input
+
     def start_gather(self, *, role: GatherRole, async_op: bool) -> tuple[dist.Work | None, int]:
         if self._gathered:
             return None, 0
         self.tracker.resize_storage(self.full_buffer, self._full_nbytes())
-        work = all_gather_flat(
-            self.full_buffer, self.local_shard, group=self.group, async_op=async_op
-        )
+        shard = self._shard_to_gather()
+        work = all_gather_flat(self.full_buffer, shard, group=self.group, async_op=async_op)
+        if self.casts_main_shard and work is not None:
+            self._gather_input = shard  # an async gather still reads it
         self._gathered = True
         return work, self._full_nbytes()
 
     def finish_gather(self, role: GatherRole) -> None:
-        return None
+        self._gather_input = None
 
     def release(self) -> None:
         if self.sharded and self._gathered:
@@ -169,6 +219,10 @@ class DenseComputeStorage(ComputeStorage):
     def main_shard_alias(self, main_dtype: torch.dtype) -> torch.Tensor | None:
         return self.local_shard if self.dtype == main_dtype else None
 
+    def bind_main_shard(self, main_shard: torch.Tensor) -> None:
+        if self.casts_main_shard:
+            self._main_shard = main_shard
+
     @torch.no_grad()
     def write_main_shard(
         self,
@@ -177,7 +231,8 @@ class DenseComputeStorage(ComputeStorage):
         reduced_amax: torch.Tensor | None = None,
         update_scaling: bool = True,
     ) -> None:
-        if main_shard.data_ptr() != self.local_shard.data_ptr():
+        # Without a compute shard the next gather casts the updated main shard itself.
+        if self.local_shard is not None and main_shard.data_ptr() != self.local_shard.data_ptr():
             self.local_shard.copy_(main_shard)
 
     def sync_replicas(self, *, async_op: bool) -> tuple[dist.Work | None, int]:
@@ -198,11 +253,15 @@ class DenseComputeStorage(ComputeStorage):
         if not self.sharded:
             self.full_buffer[slot.offset : slot.end].copy_(flat)
             return
+        if self.casts_main_shard:
+            return  # the buffer fills the main shard; gathers read the value from there
         for piece in self.layout.pieces():
             if piece.slot is slot:
                 src = flat[piece.param_start : piece.param_start + piece.numel]
                 self.local_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(src)
 
     def stored_bytes(self) -> int:
-        shard_bytes = self.layout.shard_numel * self.local_shard.element_size()
+        if self.casts_main_shard:
+            return 0  # only a gather's transient input, counted by the tracker's peak
+        shard_bytes = self.layout.shard_numel * self.full_buffer.element_size()
         return shard_bytes if self.sharded else self._full_nbytes()
