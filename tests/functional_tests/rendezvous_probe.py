@@ -24,11 +24,14 @@ def main() -> None:
     contribution = torch.tensor([float(rank + 1)])
     dist.all_reduce(contribution)
     dist.destroy_process_group()
-    print(
+    line = (
         f"probe rank={rank} world={world_size} local_rank={local_rank} master={master} "
-        f"sum={contribution.item():g} argv={json.dumps(sys.argv[1:])}",
-        flush=True,
+        f"sum={contribution.item():g} argv={json.dumps(sys.argv[1:])}\n"
     )
+    # One write(2) of a short line on a shared pipe is atomic, so the ranks' lines never
+    # interleave (print's separate writes of text and newline could).
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), line.encode())
 
 
 if __name__ == "__main__":
