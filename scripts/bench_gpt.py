@@ -60,6 +60,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tiny", action="store_true", help="2 layers, hidden 64, seq 64: a CPU dry run"
     )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="after the timed steps, profile 2 more steps (torch.profiler) and write the op "
+        "tables (by device time and by host time) to FILE on rank 0",
+    )
     args = parser.parse_args()
     if args.fp8_recipe and args.engine != "megatron-fsdp":
         parser.error("--fp8-recipe is measured with --engine megatron-fsdp only")
@@ -159,6 +166,29 @@ def run_step(args, engine, model, optimizer, inputs, labels) -> None:
         optimizer.step()
 
 
+def profile_steps(args, model, optimizer, inputs, labels, steps: int = 2) -> None:
+    """Two more steps under torch.profiler; the op tables go to args.profile (rank 0)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            run_step(args, args.engine, model, optimizer, inputs, labels)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    if dist.get_rank() != 0:
+        return
+    table = prof.key_averages()
+    device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    with open(args.profile, "w") as out:
+        out.write(f"# {steps} steps; sorted by {device_key}\n")
+        out.write(table.table(sort_by=device_key, row_limit=45, max_name_column_width=70))
+        out.write("\n# sorted by cpu_time_total\n")
+        out.write(table.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=70))
+
+
 def main() -> None:
     args = parse_args()
     cuda = torch.cuda.is_available()
@@ -193,6 +223,8 @@ def main() -> None:
     else:  # CPU dry run: the process's peak resident set (kilobytes on Linux)
         peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     stats = model.comm_stats() if args.engine == "megatron-fsdp" else {}
+    if args.profile:
+        profile_steps(args, model, optimizer, inputs, labels)
     result = {
         "engine": args.engine,
         "fp8_recipe": args.fp8_recipe,

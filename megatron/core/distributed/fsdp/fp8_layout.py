@@ -3,8 +3,8 @@
 A weight of shape [..., K] is viewed as [M, K]. Each direction it stores (rowwise; mxfp8 also
 columnwise) has a grid of scale cells (FP8_NUMERICS.md): one cell for per-tensor recipes,
 128x128 blocks for blockwise weights, 1x32 (rowwise) and 32x1 (columnwise) blocks for mxfp8.
-Every element belongs to exactly one cell per direction; `cell_index` maps a flat piece of the
-weight to its cells, so that a rank can compute the partial amax of every cell it touches.
+Every element belongs to exactly one cell per direction; `megatron.core.fp8.cuda.piece_quantize`
+finds the partial amax of every cell a rank's flat piece of the weight touches.
 
 Choice of layout, per recipe (ARCHITECTURE.md, "Shard layout"):
 - delayed / tensorwise: one scale per weight, so nothing can be aligned; the per-weight amaxes
@@ -29,17 +29,13 @@ from collections.abc import Sequence
 import torch
 
 from megatron.core.distributed.fsdp.shard_layout import ParamSlot, UnitLayout, build_unit_layout
-from megatron.core.fp8.reference import RECIPE_BLOCK, scale_grid_shape, uses_2d_blocks
+from megatron.core.fp8.cuda.piece_quantize import rows_cols
+from megatron.core.fp8.reference import RECIPE_BLOCK, scale_grid_shape
 
 PER_TENSOR_RECIPES = ("delayed", "tensorwise")
 MXFP8_BLOCK = RECIPE_BLOCK["mxfp8"]
 MAX_ALIGNMENT_PADDING = 0.01
 """Largest padding (fraction of the unit) accepted to put shard edges on block edges."""
-
-
-def rows_cols(shape: torch.Size) -> tuple[int, int]:
-    cols = shape[-1] if len(shape) else 1
-    return shape.numel() // max(cols, 1), cols
 
 
 def grid_shape(shape: torch.Size, *, recipe: str, columnwise: bool) -> tuple[int, ...]:
@@ -49,29 +45,6 @@ def grid_shape(shape: torch.Size, *, recipe: str, columnwise: bool) -> tuple[int
 
 def grid_numel(shape: torch.Size, *, recipe: str, columnwise: bool) -> int:
     return torch.Size(grid_shape(shape, recipe=recipe, columnwise=columnwise)).numel()
-
-
-def cell_index(
-    shape: torch.Size,
-    *,
-    recipe: str,
-    columnwise: bool,
-    param_start: int,
-    numel: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """Flat grid cell of each element param_start .. param_start + numel of the weight."""
-    flat = torch.arange(param_start, param_start + numel, device=device)
-    if recipe in PER_TENSOR_RECIPES:
-        return torch.zeros_like(flat)
-    _, cols = rows_cols(shape)
-    row, col = flat // cols, flat % cols
-    block = RECIPE_BLOCK[recipe]
-    if uses_2d_blocks(recipe, "weight"):
-        return (row // block) * (-(-cols // block)) + col // block
-    if columnwise:
-        return (row // block) * cols + col
-    return row * (-(-cols // block)) + col // block
 
 
 def _mxfp8_alignable(shapes: Sequence[torch.Size]) -> bool:

@@ -31,21 +31,21 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core.distributed.fsdp.collectives import all_gather_flat
-from megatron.core.distributed.fsdp.fp8_layout import (
-    MXFP8_BLOCK,
-    cell_index,
-    grid_numel,
-    grid_shape,
-)
+from megatron.core.distributed.fsdp.fp8_layout import MXFP8_BLOCK, grid_numel, grid_shape
 from megatron.core.distributed.fsdp.memory import MemoryTracker
 from megatron.core.distributed.fsdp.shard_layout import UnitLayout
 from megatron.core.distributed.fsdp.storage import ComputeStorage, GatherRole
 from megatron.core.fp8.autocast import ScalingMeta
+from megatron.core.fp8.cuda.piece_quantize import (
+    piece_cast_,
+    piece_cell_amax_,
+    quantize_mxfp8_rows_,
+)
 from megatron.core.fp8.formats import e8m0_to_fp32, fp8_dtype_for_role
 from megatron.core.fp8.linear import Fp8Linear
 from megatron.core.fp8.quantization import compute_scale
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
-from megatron.core.fp8.reference import amax_ignoring_nan, reciprocal, saturating_cast
+from megatron.core.fp8.reference import reciprocal
 
 
 @dataclass(frozen=True)
@@ -322,27 +322,22 @@ class Fp8ComputeStorage(ComputeStorage):
                 offset += n
         return entries
 
-    def _piece_cells(self, piece, direction: str) -> torch.Tensor:
-        return cell_index(
-            piece.slot.shape, recipe=self.spec.recipe, columnwise=direction == "columnwise",
-            param_start=piece.param_start, numel=piece.numel, device=self.device,
-        )  # fmt: skip
-
     @torch.no_grad()
     def local_amaxes(self, main_shard: torch.Tensor) -> torch.Tensor:
         """This rank's partial amax of every scale cell (0 where it holds no element)."""
         entries = self._cell_layout()
-        total = sum(n for *_, n in entries)
-        amaxes = torch.zeros(total, dtype=torch.float32, device=self.device)
-        starts = {(index, d): offset for index, d, offset, _ in entries}
+        amaxes = torch.zeros(sum(n for *_, n in entries), dtype=torch.float32,
+                             device=self.device)  # fmt: skip
+        cells = {(index, d): amaxes[offset : offset + n] for index, d, offset, n in entries}
         slot_index = {id(slot): i for i, slot in enumerate(self.layout.slots)}
         for piece in self.layout.pieces():
             values = main_shard[piece.shard_start : piece.shard_start + piece.numel]
-            magnitude = amax_ignoring_nan(values.reshape(1, -1), dim=0)
             for d in self.directions:
-                start = starts[(slot_index[id(piece.slot)], d)]
-                cells = self._piece_cells(piece, d) + start
-                amaxes.scatter_reduce_(0, cells, magnitude, reduce="amax", include_self=True)
+                piece_cell_amax_(
+                    values, cells[(slot_index[id(piece.slot)], d)], shape=piece.slot.shape,
+                    recipe=self.spec.recipe, columnwise=d == "columnwise",
+                    param_start=piece.param_start,
+                )  # fmt: skip
         return amaxes
 
     def amax_to_reduce(self, main_shard: torch.Tensor) -> torch.Tensor | None:
@@ -380,6 +375,9 @@ class Fp8ComputeStorage(ComputeStorage):
         record nothing.
         """
         self.release()  # gathered bytes are stale from here on
+        if self.scales_sharded:
+            self._write_whole_bands(main_shard)
+            return
         amaxes = reduced_amax if reduced_amax is not None else self.local_amaxes(main_shard)
         if update_scaling and self.delayed_pending:
             for meta in self.delayed_metas:
@@ -390,26 +388,35 @@ class Fp8ComputeStorage(ComputeStorage):
         for index, d, offset, n in self._cell_layout():
             slot = self.layout.slots[index]
             multiplier, scale_inv = self._scales(index, amaxes[offset : offset + n])
-            multiplier = multiplier.reshape(-1)
             for piece in pieces_by_slot.get(id(slot), []):
-                values = main_shard[piece.shard_start : piece.shard_start + piece.numel]
-                cells = self._piece_cells(piece, d)
-                data = saturating_cast(values * multiplier[cells], self.spec.fp8_dtype)
-                self.shard[d][piece.shard_start : piece.shard_start + piece.numel].copy_(data)
-                if self.scales_sharded:
-                    lo = piece.param_start // MXFP8_BLOCK
-                    hi = (piece.param_start + piece.numel) // MXFP8_BLOCK
-                    at = piece.shard_start // MXFP8_BLOCK
-                    self.scale_shard[d][at : at + hi - lo].copy_(scale_inv.reshape(-1)[lo:hi])
-            if not self.scales_sharded:
-                self.slot_scales[index][d].copy_(
-                    scale_inv.reshape(self.slot_scales[index][d].shape)
-                )
+                lo, hi = piece.shard_start, piece.shard_start + piece.numel
+                piece_cast_(
+                    main_shard[lo:hi], multiplier, self.shard[d][lo:hi], shape=slot.shape,
+                    recipe=self.spec.recipe, columnwise=d == "columnwise",
+                    param_start=piece.param_start, fp8_dtype=self.spec.fp8_dtype,
+                )  # fmt: skip
+            self.slot_scales[index][d].copy_(scale_inv.reshape(self.slot_scales[index][d].shape))
         if update_scaling and self.spec.recipe == "delayed":
             # Per-tensor grids have one cell per weight, in slot order.
             for index, meta in enumerate(self.delayed_metas):
                 meta.record(amaxes[index])
         self.delayed_pending = self.spec.recipe == "delayed"
+
+    def _write_whole_bands(self, main_shard: torch.Tensor) -> None:
+        """Aligned mxfp8: every piece is whole 32-row bands, so it owns all its blocks and is
+        quantized (bytes and E8M0 scales, both directions) in place, with no amax exchange."""
+        for piece in self.layout.pieces():
+            cols = piece.slot.shape[-1]
+            rows = piece.numel // cols
+            lo, hi = piece.shard_start, piece.shard_start + piece.numel
+            scale_lo, scale_hi = lo // MXFP8_BLOCK, hi // MXFP8_BLOCK
+            quantize_mxfp8_rows_(
+                main_shard[lo:hi].view(rows, cols), fp8_dtype=self.spec.fp8_dtype,
+                row_data=self.shard["rowwise"][lo:hi].view(rows, cols),
+                row_scale=self.scale_shard["rowwise"][scale_lo:scale_hi].view(rows, -1),
+                col_data=self.shard["columnwise"][lo:hi].view(rows, cols),
+                col_scale=self.scale_shard["columnwise"][scale_lo:scale_hi].view(-1, cols),
+            )  # fmt: skip
 
     def reset_delayed_scaling(self) -> None:
         """Forget the weight scales' history (a checkpoint without delayed-scaling state)."""

@@ -373,3 +373,61 @@ def delayed_update_kernel(
     tl.store(new_scale_ptr + row, tl.where(usable, raw, tl.load(scale_ptr + row)))
     shifted = tl.load(hist_ptr + row * L + (offs + 1) % L, mask=offs < L, other=0.0)
     tl.store(rolled_ptr + row * L + offs, tl.where(offs == 0, 0.0, shifted), mask=offs < L)
+
+
+@triton.jit
+def _piece_tile(src_ptr, param_start, numel, K, row_base, TR: tl.constexpr, TC: tl.constexpr):
+    """Tile `program_id` of a flat piece [param_start, param_start + numel) of a row-major
+    [M, K] weight (src_ptr points at the piece's first element). Tiles start at row_base, a
+    multiple of TR, so they are aligned with every scale-cell grid; elements outside the
+    piece are masked (and read as 0, which never raises an amax)."""
+    pid = tl.program_id(0)
+    col_tiles = tl.cdiv(K, TC)
+    row0 = row_base + (pid // col_tiles) * TR
+    col0 = (pid % col_tiles) * TC
+    rows = row0 + tl.arange(0, TR)
+    cols = col0 + tl.arange(0, TC)
+    local = rows.to(tl.int64)[:, None] * K + cols[None, :] - param_start
+    mask = (cols[None, :] < K) & (local >= 0) & (local < numel)
+    x = tl.load(src_ptr + local, mask=mask, other=0.0).to(tl.float32)
+    return x, rows, cols, local, mask, row0, col0
+
+
+@triton.jit
+def piece_amax_kernel(
+    src_ptr, amax_bits_ptr, param_start, numel, K, row_base, grid_rows, grid_cols,
+    CR: tl.constexpr, CC: tl.constexpr, RG: tl.constexpr, CG: tl.constexpr,
+    TR: tl.constexpr, TC: tl.constexpr,
+):  # fmt: skip
+    """Partial amax of every CR x CC scale cell a weight piece touches: the tile's NaN-ignoring
+    |x| is reduced to its RG x CG cells in registers, then one int32 atomic max per cell
+    (fp32 bits; valid because amaxes are >= 0) into the flattened [grid_rows, grid_cols] grid.
+    A whole-tensor cell is CR = CC = 2^30 (one cell, RG = CG = 1)."""
+    x, rows, cols, local, mask, row0, col0 = _piece_tile(
+        src_ptr, param_start, numel, K, row_base, TR, TC
+    )
+    cells = tl.reshape(_nan_ignoring_abs(x), (RG, TR // RG, CG, TC // CG))
+    cells = tl.max(tl.max(cells, axis=3), axis=1)
+    cell_rows = row0 // CR + tl.arange(0, RG)
+    cell_cols = col0 // CC + tl.arange(0, CG)
+    offs = cell_rows.to(tl.int64)[:, None] * grid_cols + cell_cols[None, :]
+    cell_mask = (cell_rows[:, None] < grid_rows) & (cell_cols[None, :] < grid_cols) & (cells > 0)
+    tl.atomic_max(amax_bits_ptr + offs, cells.to(tl.int32, bitcast=True), mask=cell_mask,
+                  sem="relaxed")  # fmt: skip
+
+
+@triton.jit
+def piece_cast_kernel(
+    src_ptr, dst_ptr, multiplier_ptr, param_start, numel, K, row_base, grid_cols,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, CR: tl.constexpr, CC: tl.constexpr,
+    TR: tl.constexpr, TC: tl.constexpr,
+):  # fmt: skip
+    """FP8 bytes of a weight piece: each element times its cell's quantize multiplier (the
+    flattened grid at multiplier_ptr), saturated and rounded; written to dst_ptr (the piece's
+    first byte), so a shard's bytes land in place."""
+    x, rows, cols, local, mask, row0, col0 = _piece_tile(
+        src_ptr, param_start, numel, K, row_base, TR, TC
+    )
+    cells = (rows // CR).to(tl.int64)[:, None] * grid_cols + (cols // CC)[None, :]
+    multiplier = tl.load(multiplier_ptr + cells, mask=mask, other=1.0)
+    tl.store(dst_ptr + local, _saturating_cast(x * multiplier, FP8_MAX, E4M3), mask=mask)

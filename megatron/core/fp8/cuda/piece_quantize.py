@@ -1,0 +1,216 @@
+"""FP8 quantization of weight pieces: the flat ranges of a weight that a data-parallel rank holds.
+
+Megatron-FSDP keeps each unit's fp32 main params in one flat buffer cut into equal shards, so a
+rank holds, of a row-major [M, K] weight, one contiguous range [param_start, param_start +
+numel) that may start and end mid-row. Writing its FP8 bytes takes two passes
+(`megatron/core/distributed/fsdp/fp8_storage.py`): the partial amax of every scale cell the
+piece touches (the caller MAX-reduces them across ranks), then the cast with each cell's
+quantize multiplier. The cells (FP8_NUMERICS.md):
+
+| recipe | rowwise cells | columnwise cells |
+|---|---|---|
+| delayed, tensorwise | the whole weight | none (the transpose cache) |
+| blockwise (weights) | 128 x 128 | none (transposed data and grid) |
+| mxfp8 | 1 x 32 | 32 x 1 |
+
+On CUDA with Triton each pass is one kernel over cell-aligned tiles: the amax pass reduces a
+tile to its cells in registers and issues one atomic max per cell (a per-element scatter into
+one cell, as for a per-tensor weight, serializes on that cell). Elsewhere the torch twin maps
+every element to its cell index. Both are bitwise equal: the same NaN-ignoring max, the same
+single fp32 multiply and saturating round-to-nearest-even cast per element.
+
+Pieces made of whole 32-row bands (the aligned mxfp8 layout of fp8_layout.py) own all their
+cells, so `quantize_mxfp8_rows_` quantizes them in one fused pass with no amax exchange.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.fp8.cuda import quantize as cq
+from megatron.core.fp8.cuda import torch_quantize as tq
+from megatron.core.fp8.cuda.formats import BLOCK_128, MX_BLOCK, ceil_div, fp8_max
+from megatron.core.fp8.reference import amax_ignoring_nan, saturating_cast
+
+PER_TENSOR = ("delayed", "tensorwise")
+WHOLE = 1 << 30
+"""A cell edge longer than any weight dim: the one cell of a per-tensor weight."""
+TILE_ROWS, TILE_COLS = 32, 128
+"""Kernel tile: a multiple or a divisor of every cell edge, so tiles never straddle cells in
+a way the in-register reduction cannot express."""
+
+
+def rows_cols(shape: torch.Size) -> tuple[int, int]:
+    """(M, K) of the 2-D view a weight is quantized in (leading dims fold into rows)."""
+    cols = shape[-1] if len(shape) else 1
+    return shape.numel() // max(cols, 1), cols
+
+
+def cell_shape(recipe: str, *, columnwise: bool) -> tuple[int, int]:
+    """(rows, cols) of one scale cell of a weight under `recipe`, in the given direction."""
+    if recipe in PER_TENSOR:
+        return WHOLE, WHOLE
+    if recipe == "blockwise":
+        return BLOCK_128, BLOCK_128
+    if recipe == "mxfp8":
+        return (MX_BLOCK, 1) if columnwise else (1, MX_BLOCK)
+    raise ValueError(f"unknown recipe {recipe!r}")
+
+
+def grid_dims(shape: torch.Size, *, recipe: str, columnwise: bool) -> tuple[int, int]:
+    """(rows, cols) of the cell grid; its row-major flattening is the scale_inv layout."""
+    rows, cols = rows_cols(shape)
+    cell_rows, cell_cols = cell_shape(recipe, columnwise=columnwise)
+    return ceil_div(rows, cell_rows), ceil_div(cols, cell_cols)
+
+
+def cell_index(
+    shape: torch.Size,
+    *,
+    recipe: str,
+    columnwise: bool,
+    param_start: int,
+    numel: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Flat grid cell of each element param_start .. param_start + numel of the weight."""
+    flat = torch.arange(param_start, param_start + numel, device=device)
+    _, cols = rows_cols(shape)
+    cell_rows, cell_cols = cell_shape(recipe, columnwise=columnwise)
+    _, grid_cols = grid_dims(shape, recipe=recipe, columnwise=columnwise)
+    return (flat // cols // cell_rows) * grid_cols + (flat % cols) // cell_cols
+
+
+def _fused(values: torch.Tensor) -> bool:
+    return values.is_cuda and cq.triton_available()
+
+
+def _launch_geometry(shape: torch.Size, *, param_start: int, numel: int) -> tuple[int, tuple]:
+    """(first tile row, 1-D grid) covering the rows a piece touches, in cell-aligned tiles."""
+    _, cols = rows_cols(shape)
+    first_row = param_start // cols
+    last_row = (param_start + numel - 1) // cols
+    row_base = first_row // TILE_ROWS * TILE_ROWS
+    row_tiles = ceil_div(last_row + 1 - row_base, TILE_ROWS)
+    return row_base, (row_tiles * ceil_div(cols, TILE_COLS),)
+
+
+def _check_piece(values: torch.Tensor, shape: torch.Size, param_start: int) -> None:
+    if values.dim() != 1 or not values.is_contiguous():
+        raise ValueError("a weight piece is a contiguous 1-D slice of a flat buffer")
+    if param_start < 0 or param_start + values.numel() > shape.numel():
+        raise ValueError(
+            f"piece [{param_start}, {param_start + values.numel()}) is outside a weight of "
+            f"{shape.numel()} elements"
+        )
+
+
+@torch.no_grad()
+def piece_cell_amax_(
+    values: torch.Tensor,
+    cell_amax: torch.Tensor,
+    *,
+    shape: torch.Size,
+    recipe: str,
+    columnwise: bool,
+    param_start: int,
+) -> None:
+    """Max into `cell_amax` (fp32, >= 0, the weight's flattened cell grid) the NaN-ignoring
+    max|x| of each cell over the piece `values` (elements param_start.. of the weight)."""
+    _check_piece(values, shape, param_start)
+    grid_rows, grid_cols = grid_dims(shape, recipe=recipe, columnwise=columnwise)
+    if cell_amax.dtype != torch.float32 or cell_amax.numel() != grid_rows * grid_cols:
+        raise ValueError(f"cell_amax must be fp32 with {grid_rows * grid_cols} cells")
+    numel = values.numel()
+    if numel == 0:
+        return
+    if _fused(values):
+        cell_rows, cell_cols = cell_shape(recipe, columnwise=columnwise)
+        row_base, grid = _launch_geometry(shape, param_start=param_start, numel=numel)
+        cq._triton_kernels().piece_amax_kernel[grid](
+            values, cell_amax.view(torch.int32), param_start, numel, rows_cols(shape)[1],
+            row_base, grid_rows, grid_cols, CR=cell_rows, CC=cell_cols,
+            RG=max(TILE_ROWS // cell_rows, 1), CG=max(TILE_COLS // cell_cols, 1),
+            TR=TILE_ROWS, TC=TILE_COLS, num_warps=4,
+        )  # fmt: skip
+        return
+    magnitude = amax_ignoring_nan(values.reshape(1, -1), dim=0)
+    if recipe in PER_TENSOR:
+        cell_amax.copy_(torch.maximum(cell_amax.reshape(()), magnitude.amax()).reshape(1))
+        return
+    cells = cell_index(shape, recipe=recipe, columnwise=columnwise, param_start=param_start,
+                       numel=numel, device=values.device)  # fmt: skip
+    cell_amax.scatter_reduce_(0, cells, magnitude, reduce="amax", include_self=True)
+
+
+@torch.no_grad()
+def piece_cast_(
+    values: torch.Tensor,
+    multiplier: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    shape: torch.Size,
+    recipe: str,
+    columnwise: bool,
+    param_start: int,
+    fp8_dtype: torch.dtype,
+) -> None:
+    """out (uint8, one byte per element of `values`) = the FP8 bytes of values times the
+    quantize multiplier of each element's cell (`multiplier`: fp32, the flattened grid)."""
+    _check_piece(values, shape, param_start)
+    if out.dtype != torch.uint8 or out.shape != values.shape or not out.is_contiguous():
+        raise ValueError("out must be a contiguous uint8 tensor shaped like the piece")
+    grid_rows, grid_cols = grid_dims(shape, recipe=recipe, columnwise=columnwise)
+    multiplier = multiplier.reshape(-1)
+    if multiplier.dtype != torch.float32 or multiplier.numel() != grid_rows * grid_cols:
+        raise ValueError(f"multiplier must be fp32 with {grid_rows * grid_cols} cells")
+    numel = values.numel()
+    if numel == 0:
+        return
+    if _fused(values):
+        cell_rows, cell_cols = cell_shape(recipe, columnwise=columnwise)
+        row_base, grid = _launch_geometry(shape, param_start=param_start, numel=numel)
+        cq._triton_kernels().piece_cast_kernel[grid](
+            values, out, multiplier.contiguous(), param_start, numel, rows_cols(shape)[1],
+            row_base, grid_cols, FP8_MAX=fp8_max(fp8_dtype),
+            E4M3=fp8_dtype == torch.float8_e4m3fn, CR=cell_rows, CC=cell_cols,
+            TR=TILE_ROWS, TC=TILE_COLS, num_warps=4,
+        )  # fmt: skip
+        return
+    if recipe in PER_TENSOR:
+        per_element = multiplier.reshape(())
+    else:
+        cells = cell_index(shape, recipe=recipe, columnwise=columnwise, param_start=param_start,
+                           numel=numel, device=values.device)  # fmt: skip
+        per_element = multiplier[cells]
+    out.copy_(saturating_cast(values * per_element, fp8_dtype))
+
+
+@torch.no_grad()
+def quantize_mxfp8_rows_(
+    values2d: torch.Tensor,
+    *,
+    fp8_dtype: torch.dtype,
+    row_data: torch.Tensor,
+    row_scale: torch.Tensor,
+    col_data: torch.Tensor,
+    col_scale: torch.Tensor,
+) -> None:
+    """MXFP8 rowwise (1x32) and columnwise (32x1) bytes and E8M0 scales of whole 32-row bands
+    of a weight ([rows, K], rows and K multiples of 32), written into the given views:
+    data [rows, K] uint8, row_scale [rows, K/32], col_scale [rows/32, K]."""
+    rows, cols = values2d.shape
+    if rows % MX_BLOCK or cols % MX_BLOCK:
+        raise ValueError(f"whole MX bands need rows and cols divisible by 32, got {rows}x{cols}")
+    if rows == 0:
+        return
+    if _fused(values2d):
+        cq.launch_mxfp8(
+            values2d, row=row_data, row_e=row_scale, col=col_data, col_e=col_scale,
+            col_t=None, record_bits=None, fp8_dtype=fp8_dtype, dequant=False,
+        )  # fmt: skip
+        return
+    for along_rows, data, scale in ((True, row_data, row_scale), (False, col_data, col_scale)):
+        quantized, e8m0 = tq.quantize_mxfp8(values2d, fp8_dtype=fp8_dtype, along_rows=along_rows)
+        data.copy_(quantized)
+        scale.copy_(e8m0)
