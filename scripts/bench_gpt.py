@@ -61,6 +61,13 @@ def parse_args() -> argparse.Namespace:
         "--tiny", action="store_true", help="2 layers, hidden 64, seq 64: a CPU dry run"
     )
     parser.add_argument(
+        "--memory-report",
+        default=None,
+        metavar="FILE",
+        help="record the CUDA allocator during one more step and write, to FILE on rank 0, "
+        "what was alive at that step's peak (grouped by the allocating source line)",
+    )
+    parser.add_argument(
         "--profile",
         default=None,
         metavar="FILE",
@@ -189,6 +196,55 @@ def profile_steps(args, model, optimizer, inputs, labels, steps: int = 2) -> Non
         out.write(table.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=70))
 
 
+def _allocation_site(frames: list[dict]) -> str:
+    """The innermost frame of this repository's code (else torch's) that made an allocation."""
+    for frame in frames:
+        name = frame.get("filename", "")
+        if "/megatron/" in name or "/scripts/" in name:
+            return f"{name.split('/megatron/')[-1]}:{frame.get('line')} {frame.get('name')}"
+    for frame in frames:
+        if frame.get("filename", "").endswith(".py"):
+            return f"{frame['filename'].split('/')[-1]}:{frame.get('line')} {frame.get('name')}"
+    return "(no python frame)"
+
+
+def memory_report(args, model, optimizer, inputs, labels) -> None:
+    """One step under the allocator's recorder; replay its trace to find the peak and write
+    the allocations alive there, grouped by source line, largest first (rank 0)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    run_step(args, args.engine, model, optimizer, inputs, labels)
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    if dist.get_rank() != 0:
+        return
+    events = snapshot["device_traces"][torch.cuda.current_device()]
+    alive: dict[int, dict] = {}
+    current = peak = 0
+    peak_alive: dict[int, dict] = {}
+    for event in events:
+        if event["action"] == "alloc":
+            alive[event["addr"]] = event
+            current += event["size"]
+            if current > peak:
+                peak, peak_alive = current, dict(alive)
+        elif event["action"] == "free_completed" and event["addr"] in alive:
+            current -= alive.pop(event["addr"])["size"]
+    by_site: dict[str, list[int]] = {}
+    for event in peak_alive.values():
+        by_site.setdefault(_allocation_site(event.get("frames", [])), []).append(event["size"])
+    with open(args.memory_report, "w") as out:
+        out.write(
+            f"allocated before the step: {base / 2**30:.3f} GiB; "
+            f"peak within the step: +{peak / 2**30:.3f} GiB\n"
+        )
+        out.write("GiB alive at the peak  count  allocated at\n")
+        for site, sizes in sorted(by_site.items(), key=lambda item: -sum(item[1]))[:40]:
+            out.write(f"{sum(sizes) / 2**30:10.3f}  {len(sizes):6d}  {site}\n")
+
+
 def main() -> None:
     args = parse_args()
     cuda = torch.cuda.is_available()
@@ -225,6 +281,8 @@ def main() -> None:
     stats = model.comm_stats() if args.engine == "megatron-fsdp" else {}
     if args.profile:
         profile_steps(args, model, optimizer, inputs, labels)
+    if args.memory_report and cuda:
+        memory_report(args, model, optimizer, inputs, labels)
     result = {
         "engine": args.engine,
         "fp8_recipe": args.fp8_recipe,

@@ -68,9 +68,20 @@ def build_torch_optimizer(
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
-            foreach=False,
+            **adam_implementation([p for group in groups for p in group["params"]]),
         )
     return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, foreach=False)
+
+
+def adam_implementation(params: list[torch.Tensor]) -> dict[str, bool]:
+    """AdamW's implementation flags: the fused kernel on CUDA, the per-tensor loop elsewhere.
+
+    The per-tensor loop makes ~6 passes over the params and moments per step, which on an H200
+    was 23 ms of a 166 ms step for 1.2 B fp32 params; the fused kernel makes one. On CPU the
+    loop stays: it is what the CPU golden values were recorded with, and CPU runs are small.
+    """
+    on_cuda = bool(params) and all(p.is_cuda and p.dtype == torch.float32 for p in params)
+    return {"fused": True} if on_cuda else {"foreach": False}
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):

@@ -84,7 +84,10 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
             for param in group["params"]:
                 state = self.optimizer.state[param]
                 if self.config.optimizer == "adam":
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    # The fused (CUDA) AdamW keeps its step count on the param's device.
+                    fused = group.get("fused") or False
+                    device = param.device if fused else torch.device("cpu")
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
                     state["exp_avg"] = torch.zeros_like(param)
                     state["exp_avg_sq"] = torch.zeros_like(param)
                 else:

@@ -157,7 +157,9 @@ def optimizer_sharded_state_dict(optimizer: FsdpDistributedOptimizer) -> dict[st
     keys = ("exp_avg", "exp_avg_sq") if adam else ("momentum_buffer",)
     by_name = {shard_piece.name: shard_piece for shard_piece in optimizer.pieces}
     state: dict[str, Any] = {key: {} for key in keys}
-    step = torch.zeros((), dtype=torch.float32)
+    # On the engine's device: NCCL reduces only device tensors (the fused AdamW keeps it there).
+    device = engine.buffer.device
+    step = torch.zeros((), dtype=torch.float32, device=device)
     for name, group, index in _named_slots(engine):
         shard_piece = by_name.get(name)
         torch_state = optimizer.optimizer.state[shard_piece.main] if shard_piece else {}
@@ -166,7 +168,7 @@ def optimizer_sharded_state_dict(optimizer: FsdpDistributedOptimizer) -> dict[st
             view = torch_state[key].view(-1) if shard_piece else None
             state[key][name] = _wrap(engine, group.layout.slots[index], piece, view)
         if "step" in torch_state:
-            step = torch_state["step"].detach().clone().float()
+            step = torch_state["step"].detach().float().to(device, copy=True)
     if adam:
         if engine.config.shards_optimizer_state:
             # Replicated value: a rank without pieces must still write the true step count.
