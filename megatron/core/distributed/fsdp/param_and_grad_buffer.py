@@ -18,7 +18,8 @@ When the compute dtype equals main_params_dtype the main params *are* the comput
 shard (no second copy, as FSDP2 does for fp32 params). *With a narrower compute dtype (bf16
 compute, fp32 main) ZeRO-3 keeps no compute shard at all: each all-gather casts the main shard
 into a temporary input, as FSDP2 does. Grad buffers are allocated at the first
-backward (or when the optimizer is built), so building a model never holds them.
+backward (or when the optimizer is built), so building a model never holds them, and given back
+at every zero_grad_buffer() (re-allocated by the step's first grad), so no forward holds them.
 
 no_shard uses a one-rank layout (no padding; the "shard" is the whole buffer); the other
 strategies pad each group to a multiple of the DP size.
@@ -78,9 +79,13 @@ class BufferGroup:
         return self.layout.pieces()
 
     def ensure_grad_buffer(self) -> torch.Tensor:
+        """The grad buffer, allocated (zeros) on first use in a step."""
+        numel = self.layout.shard_numel if self.shards_grads else self.layout.padded_numel
         if self.grad_buffer is None:
-            numel = self.layout.shard_numel if self.shards_grads else self.layout.padded_numel
             self.grad_buffer = self.tracker.zeros(numel, dtype=self.grad_dtype, device=self.device)
+        elif self.grad_buffer.untyped_storage().nbytes() == 0:
+            self.tracker.resize_storage(self.grad_buffer, numel * self.grad_buffer.element_size())
+            self.grad_buffer.zero_()
         return self.grad_buffer
 
     def grad_shard(self) -> torch.Tensor:
@@ -106,8 +111,10 @@ class BufferGroup:
             self.ensure_grad_buffer()[slot.offset : slot.end].add_(grad.reshape(-1))
 
     def zero_grads(self) -> None:
+        """A new step: the grad memory is given back until the step's first grad arrives (as
+        FSDP2 frees its grads), so the forward pass, where activations peak, never holds it."""
         if self.grad_buffer is not None:
-            self.grad_buffer.zero_()
+            self.tracker.resize_storage(self.grad_buffer, 0)
         self.staging = None
 
     def persistent_bytes(self) -> dict[str, int]:
