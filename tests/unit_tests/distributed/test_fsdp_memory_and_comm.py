@@ -203,3 +203,38 @@ def test_grad_memory_is_given_back_between_steps() -> None:
         assert result["released"] == shard
         assert result["back"] == shard
         assert result["losses"] == result["uninterrupted"]
+
+
+def _pending_reductions_during_backward(rank: int, world_size: int) -> list[int]:
+    model = FullyShardedDataParallel(
+        build_toy(hidden=HIDDEN, num_layers=6),
+        fsdp_config=FsdpConfig(
+            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True
+        ),
+        device="cpu",
+    )
+    reduce = model.engine.reduce
+    in_flight = []
+    launch = reduce.reduce_unit
+
+    def counting_reduce_unit(unit):
+        launch(unit)
+        in_flight.append(len(reduce._pending))  # noqa: SLF001 - the bound under test
+
+    reduce.reduce_unit = counting_reduce_unit
+    model.zero_grad_buffer()
+    inputs, labels = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+    model(inputs, labels).mean().backward()
+    model.finish_grad_sync()
+    in_flight.append(len(reduce._pending))  # noqa: SLF001
+    return in_flight
+
+
+def test_grad_reductions_in_flight_stay_bounded() -> None:
+    """With overlap_grad_reduce, launching a unit's reduce-scatter stores the older ones, so at
+    most one unit's full-size grads wait at any time (not all 7 units' until the backward
+    ends); finish_grad_sync() leaves none."""
+    for in_flight in run_distributed(_pending_reductions_during_backward, 2):
+        assert len(in_flight) == 8  # 6 layers + root reduced, then the final count
+        assert in_flight[:-1] == [1] * 7
+        assert in_flight[-1] == 0

@@ -144,13 +144,14 @@ def test_triton_pieces_equal_torch_twin(recipe, fp8_dtype):
     shapes = (*SHAPES, (1024, 4096), (4096, 1000))
     for index, shape in enumerate(shapes):
         x = _weight(shape, seed=100 + index, device="cuda", edges=index % 2 == 0)
-        delayed_scale = torch.tensor(0.75, dtype=torch.float32, device="cuda")
+        # On the CPU, as a delayed scale is before its Fp8Linear's first forward moves it.
+        delayed_scale = torch.tensor(0.75, dtype=torch.float32)
         for pieces in (1, 2, 5):
             cuts = _cuts(x.numel(), pieces=pieces, seed=7 * index + pieces)
             got = _quantize_in_pieces(x, recipe=recipe, fp8_dtype=fp8_dtype, cuts=cuts,
                                       delayed_scale=delayed_scale)  # fmt: skip
             want = _quantize_in_pieces(x.cpu(), recipe=recipe, fp8_dtype=fp8_dtype, cuts=cuts,
-                                       delayed_scale=delayed_scale.cpu())  # fmt: skip
+                                       delayed_scale=delayed_scale)  # fmt: skip
             for columnwise in got:
                 for name, a, b in zip(("bytes", "scale_inv", "amax"), got[columnwise],
                                       want[columnwise]):  # fmt: skip

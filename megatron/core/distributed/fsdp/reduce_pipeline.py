@@ -11,8 +11,9 @@ Accumulation over micro-batches, by strategy:
 - no_shard / optim: grads accumulate locally in the full grad buffer; the reduction (all-reduce,
   or reduce-scatter into this rank's slice) runs once, for the backward outside no_sync() or in
   finish_grad_sync(). More grads after that reduction in the same step is an error.
-With overlap_grad_reduce the collectives are asynchronous and finish_grad_sync() waits for them;
-results are applied in launch order, so overlap on and off give bitwise equal grads.
+With overlap_grad_reduce the collectives are asynchronous: launching one stores the results of
+the older ones (MAX_IN_FLIGHT), finish_grad_sync() waits for the rest; results are applied in
+launch order, so overlap on and off give bitwise equal grads.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from megatron.core.distributed.fsdp.collectives import (
     reduce_scatter_flat,
 )
 from megatron.core.distributed.fsdp.param_and_grad_buffer import BufferGroup, FsdpUnit
+
+MAX_IN_FLIGHT = 1
+"""Reductions left running after a new one is launched (the newest overlaps the next unit's
+backward; older ones are stored first, in launch order)."""
 
 
 @dataclass(eq=False)
@@ -84,21 +89,29 @@ class GradReducePipeline:
 
     def _queue(self, pending: _PendingReduce) -> None:
         self._pending.append(pending)
-        if not self.overlap:
-            self.wait_all()
+        # Each pending reduction holds a unit's full-size grads (its input) and its output
+        # until stored: keep at most MAX_IN_FLIGHT, so that memory stays at one or two units'
+        # worth instead of growing with the model over the backward (as FSDP2 waits for the
+        # previous unit's reduce-scatter in the next unit's post-backward).
+        limit = MAX_IN_FLIGHT if self.overlap else 0
+        while len(self._pending) > limit:
+            self._store(self._pending.pop(0))
+
+    @torch.no_grad()
+    def _store(self, pending: _PendingReduce) -> None:
+        if pending.work is not None:
+            pending.work.wait()
+        group = pending.group
+        if group.shards_grads:
+            group.grad_buffer.add_(pending.result)
+        elif group.layout.world_size == 1:
+            group.grad_buffer.copy_(pending.result)
+        else:
+            lo, hi = group.layout.shard_range(group.layout.rank)
+            group.grad_buffer[lo:hi].copy_(pending.result)
 
     @torch.no_grad()
     def wait_all(self) -> None:
         """Wait for every launched reduction and store its result, in launch order."""
-        for pending in self._pending:
-            if pending.work is not None:
-                pending.work.wait()
-            group = pending.group
-            if group.shards_grads:
-                group.grad_buffer.add_(pending.result)
-            elif group.layout.world_size == 1:
-                group.grad_buffer.copy_(pending.result)
-            else:
-                lo, hi = group.layout.shard_range(group.layout.rank)
-                group.grad_buffer[lo:hi].copy_(pending.result)
-        self._pending.clear()
+        while self._pending:
+            self._store(self._pending.pop(0))

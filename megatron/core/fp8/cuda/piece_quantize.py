@@ -161,7 +161,8 @@ def piece_cast_(
     if out.dtype != torch.uint8 or out.shape != values.shape or not out.is_contiguous():
         raise ValueError("out must be a contiguous uint8 tensor shaped like the piece")
     grid_rows, grid_cols = grid_dims(shape, recipe=recipe, columnwise=columnwise)
-    multiplier = multiplier.reshape(-1)
+    # A delayed scale can still live on the CPU (its Fp8Linear moves it at the first forward).
+    multiplier = multiplier.reshape(-1).to(values.device)
     if multiplier.dtype != torch.float32 or multiplier.numel() != grid_rows * grid_cols:
         raise ValueError(f"multiplier must be fp32 with {grid_rows * grid_cols} cells")
     numel = values.numel()
