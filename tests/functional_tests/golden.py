@@ -55,9 +55,17 @@ class Tolerance:
     deterministic: bool
     relative: float
     """lm loss / grad norm relative tolerance when not deterministic."""
+    grad_norm_relative: float | None = None
+    """grad norm's own relative tolerance, where it differs (None: `relative`)."""
     time_factor: float = TIME_FACTOR
     memory_relative: float = MEMORY_RELATIVE
     steady_skip: int = STEADY_SKIP
+
+
+def relative_tolerance(metric: str, tolerance: Tolerance) -> float:
+    if metric == "grad norm" and tolerance.grad_norm_relative is not None:
+        return tolerance.grad_norm_relative
+    return tolerance.relative
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +156,7 @@ def _differences(golden: float | None, actual: float | None) -> dict[str, str]:
 def _step_matches(metric: str, *, golden: float, actual: float, tolerance: Tolerance) -> bool:
     if tolerance.deterministic:
         return _format(metric, golden) == _format(metric, actual)
-    allowed = tolerance.relative * abs(golden) + PRINT_RESOLUTION[metric]
+    allowed = relative_tolerance(metric, tolerance) * abs(golden) + PRINT_RESOLUTION[metric]
     return abs(actual - golden) <= allowed
 
 
@@ -158,7 +166,7 @@ def compare_per_step(
     rule = (
         "printed values equal"
         if tolerance.deterministic
-        else f"within {100.0 * tolerance.relative:g}% relative"
+        else f"within {100.0 * relative_tolerance(metric, tolerance):g}% relative"
     )
     report = MetricReport(metric=metric, rule=rule)
     for step in sorted(set(golden) | set(actual)):

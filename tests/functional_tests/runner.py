@@ -194,8 +194,9 @@ def collect_metrics(case: Case, log_path: Path) -> dict[str, Values]:
 
 def tolerance_of(case: Case) -> Tolerance:
     return Tolerance(
-        deterministic=case.deterministic, relative=case.tolerance, time_factor=case.time_factor
-    )
+        deterministic=case.deterministic, relative=case.tolerance,
+        grad_norm_relative=case.grad_norm_tolerance, time_factor=case.time_factor,
+    )  # fmt: skip
 
 
 def run_case(

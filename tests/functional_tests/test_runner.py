@@ -101,6 +101,18 @@ def test_tolerance_mode_grad_norm_allows_print_resolution():
     assert [row.step for row in report.rows] == ["2"]
 
 
+def test_grad_norm_tolerance_applies_to_grad_norm_only():
+    # 8% for grad norm, 5% for lm loss: a 6% grad-norm step passes, a 6% loss step does not.
+    tolerance = Tolerance(deterministic=False, relative=0.05, grad_norm_relative=0.08)
+    grad_norm = compare_per_step(
+        "grad norm", golden={1: 4.0, 2: 4.0}, actual={1: 4.24, 2: 4.4}, tolerance=tolerance
+    )
+    assert [row.step for row in grad_norm.rows] == ["2"]
+    assert grad_norm.rule == "within 8% relative"
+    loss = compare_per_step("lm loss", golden={1: 4.0}, actual={1: 4.24}, tolerance=tolerance)
+    assert [row.step for row in loss.rows] == ["1"]
+
+
 def test_missing_and_extra_steps_are_rows():
     report = compare_per_step(
         "lm loss", golden={1: 5.0, 2: 4.0}, actual={1: 5.0, 3: 3.0}, tolerance=EXACT
