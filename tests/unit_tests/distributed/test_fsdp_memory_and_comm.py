@@ -238,3 +238,36 @@ def test_grad_reductions_in_flight_stay_bounded() -> None:
         assert len(in_flight) == 8  # 6 layers + root reduced, then the final count
         assert in_flight[:-1] == [1] * 7
         assert in_flight[-1] == 0
+
+
+def _reduce_outputs(rank: int, world_size: int) -> dict:
+    model = FullyShardedDataParallel(
+        build_toy(hidden=HIDDEN, num_layers=2),
+        fsdp_config=FsdpConfig(
+            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True
+        ),
+        device="cpu",
+    )
+    reduce = model.engine.reduce
+    in_place = []
+    launch = reduce.reduce_unit
+
+    def recording_reduce_unit(unit):
+        launch(unit)
+        in_place.append(reduce._pending[-1].result is None)  # noqa: SLF001
+
+    reduce.reduce_unit = recording_reduce_unit
+    model.zero_grad_buffer()
+    inputs, labels = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+    with model.no_sync():
+        model(inputs[:2], labels[:2]).mean().backward()
+    model(inputs[2:], labels[2:]).mean().backward()
+    model.finish_grad_sync()
+    return {"in_place": in_place}
+
+
+def test_first_reduce_scatter_of_a_step_lands_in_the_grad_shard() -> None:
+    """The first micro-batch's reduce-scatter writes straight into each (fresh) grad shard;
+    the second one's output is added to it (the accumulation tests check the values)."""
+    for result in run_distributed(_reduce_outputs, 2):
+        assert result["in_place"] == [True] * 3 + [False] * 3

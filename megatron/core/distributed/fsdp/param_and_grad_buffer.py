@@ -74,19 +74,33 @@ class BufferGroup:
     """Sharded-grad strategies: this rank's reduced grad shard. Otherwise: the full local grads."""
     staging: torch.Tensor | None = None
     """Sharded-grad strategies: the full grads of the current micro-batch, until reduced."""
+    grads_accumulated: bool = False
+    """Whether any grad reached grad_buffer since the last zero_grads()."""
 
     def pieces(self) -> list[LocalPiece]:
         return self.layout.pieces()
 
-    def ensure_grad_buffer(self) -> torch.Tensor:
-        """The grad buffer, allocated (zeros) on first use in a step."""
+    def ensure_grad_buffer(self, *, zero: bool = True) -> torch.Tensor:
+        """The grad buffer, allocated on first use in a step: zeros, or (zero=False, for a
+        caller that overwrites all of it) whatever the allocator hands back."""
         numel = self.layout.shard_numel if self.shards_grads else self.layout.padded_numel
         if self.grad_buffer is None:
             self.grad_buffer = self.tracker.zeros(numel, dtype=self.grad_dtype, device=self.device)
         elif self.grad_buffer.untyped_storage().nbytes() == 0:
             self.tracker.resize_storage(self.grad_buffer, numel * self.grad_buffer.element_size())
-            self.grad_buffer.zero_()
+            if zero:
+                self.grad_buffer.zero_()
         return self.grad_buffer
+
+    def takes_reduce_output_in_place(self) -> bool:
+        """Whether the next reduce-scatter can write straight into the grad shard: nothing
+        accumulated there yet this step and no dtype change (FSDP2 likewise makes the first
+        reduce-scatter output the sharded grad). Saves a shard-size buffer and an add."""
+        return (
+            self.shards_grads
+            and not self.grads_accumulated
+            and self.reduce_dtype == self.grad_dtype
+        )
 
     def grad_shard(self) -> torch.Tensor:
         """Grads of this rank's main shard (after the reduction of the step is complete)."""
@@ -109,6 +123,7 @@ class BufferGroup:
             self.staging[slot.offset : slot.end].copy_(grad.reshape(-1))
         else:
             self.ensure_grad_buffer()[slot.offset : slot.end].add_(grad.reshape(-1))
+            self.grads_accumulated = True
 
     def zero_grads(self) -> None:
         """A new step: the grad memory is given back until the step's first grad arrives (as
@@ -116,6 +131,7 @@ class BufferGroup:
         if self.grad_buffer is not None:
             self.tracker.resize_storage(self.grad_buffer, 0)
         self.staging = None
+        self.grads_accumulated = False
 
     def persistent_bytes(self) -> dict[str, int]:
         """Bytes this rank holds per role (padding included); a gathered buffer is transient."""

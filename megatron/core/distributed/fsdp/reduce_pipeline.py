@@ -39,7 +39,8 @@ backward; older ones are stored first, in launch order)."""
 class _PendingReduce:
     group: BufferGroup
     work: dist.Work | None
-    result: torch.Tensor
+    result: torch.Tensor | None
+    """Where the reduction lands, to be stored; None: it lands in the grad buffer itself."""
     keep_alive: torch.Tensor | None
 
 
@@ -66,12 +67,20 @@ class GradReducePipeline:
         if staging is None:
             return
         group.staging = None
-        group.ensure_grad_buffer()
+        in_place = group.takes_reduce_output_in_place()
+        grads = group.ensure_grad_buffer(zero=not in_place)
+        group.grads_accumulated = True
         staging.mul_(1.0 / self.world_size)
-        result = torch.empty(group.layout.shard_numel, dtype=staging.dtype, device=staging.device)
+        if in_place:
+            result = grads
+        else:
+            result = torch.empty(group.layout.shard_numel, dtype=staging.dtype,
+                                 device=staging.device)  # fmt: skip
         work = reduce_scatter_flat(result, staging, group=self.process_group, async_op=self.overlap)
         self.stats.add("reduce_scatter_bytes", staging.numel() * staging.element_size())
-        self._queue(_PendingReduce(group=group, work=work, result=result, keep_alive=staging))
+        pending = _PendingReduce(group=group, work=work, result=None if in_place else result,
+                                 keep_alive=staging)  # fmt: skip
+        self._queue(pending)
 
     def _reduce_local_grads(self, group: BufferGroup) -> None:
         grads = group.ensure_grad_buffer()
@@ -102,6 +111,8 @@ class GradReducePipeline:
         if pending.work is not None:
             pending.work.wait()
         group = pending.group
+        if pending.result is None:
+            return  # reduced straight into the grad shard
         if group.shards_grads:
             group.grad_buffer.add_(pending.result)
         elif group.layout.world_size == 1:
