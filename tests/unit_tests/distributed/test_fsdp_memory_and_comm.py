@@ -205,25 +205,36 @@ def test_grad_memory_is_given_back_between_steps() -> None:
         assert result["losses"] == result["uninterrupted"]
 
 
-def _pending_reductions_during_backward(rank: int, world_size: int) -> list[int]:
+def _overlapped_toy_watching_reductions(num_layers: int, watch) -> tuple:
+    """A ZeRO-3 toy with overlap_grad_reduce whose reduce pipeline calls watch(pending list)
+    after each unit's reduction is launched; returns (model, its reduce pipeline)."""
     model = FullyShardedDataParallel(
-        build_toy(hidden=HIDDEN, num_layers=6),
+        build_toy(hidden=HIDDEN, num_layers=num_layers),
         fsdp_config=FsdpConfig(
             data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True
         ),
         device="cpu",
     )
     reduce = model.engine.reduce
-    in_flight = []
     launch = reduce.reduce_unit
 
-    def counting_reduce_unit(unit):
+    def watched_reduce_unit(unit):
         launch(unit)
-        in_flight.append(len(reduce._pending))  # noqa: SLF001 - the bound under test
+        watch(reduce._pending)  # noqa: SLF001 - the pipeline state under test
 
-    reduce.reduce_unit = counting_reduce_unit
+    reduce.reduce_unit = watched_reduce_unit
     model.zero_grad_buffer()
-    inputs, labels = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+    return model, reduce
+
+
+def _toy_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+
+
+def _pending_reductions_during_backward(rank: int, world_size: int) -> list[int]:
+    in_flight = []
+    model, reduce = _overlapped_toy_watching_reductions(6, lambda p: in_flight.append(len(p)))
+    inputs, labels = _toy_batch()
     model(inputs, labels).mean().backward()
     model.finish_grad_sync()
     in_flight.append(len(reduce._pending))  # noqa: SLF001
@@ -241,24 +252,11 @@ def test_grad_reductions_in_flight_stay_bounded() -> None:
 
 
 def _reduce_outputs(rank: int, world_size: int) -> dict:
-    model = FullyShardedDataParallel(
-        build_toy(hidden=HIDDEN, num_layers=2),
-        fsdp_config=FsdpConfig(
-            data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True
-        ),
-        device="cpu",
-    )
-    reduce = model.engine.reduce
     in_place = []
-    launch = reduce.reduce_unit
-
-    def recording_reduce_unit(unit):
-        launch(unit)
-        in_place.append(reduce._pending[-1].result is None)  # noqa: SLF001
-
-    reduce.reduce_unit = recording_reduce_unit
-    model.zero_grad_buffer()
-    inputs, labels = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+    model, _ = _overlapped_toy_watching_reductions(
+        2, lambda pending: in_place.append(pending[-1].result is None)
+    )
+    inputs, labels = _toy_batch()
     with model.no_sync():
         model(inputs[:2], labels[:2]).mean().backward()
     model(inputs[2:], labels[2:]).mean().backward()

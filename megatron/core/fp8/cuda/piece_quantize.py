@@ -85,14 +85,28 @@ def _fused(values: torch.Tensor) -> bool:
     return values.is_cuda and cq.triton_available()
 
 
-def _launch_geometry(shape: torch.Size, *, param_start: int, numel: int) -> tuple[int, tuple]:
-    """(first tile row, 1-D grid) covering the rows a piece touches, in cell-aligned tiles."""
+def _launch_geometry(
+    shape: torch.Size, *, recipe: str, columnwise: bool, param_start: int, numel: int
+) -> tuple[int, tuple, tuple[int, int]]:
+    """(first tile row, 1-D grid, cell shape): cell-aligned tiles over the rows a piece
+    touches."""
     _, cols = rows_cols(shape)
     first_row = param_start // cols
     last_row = (param_start + numel - 1) // cols
     row_base = first_row // TILE_ROWS * TILE_ROWS
     row_tiles = ceil_div(last_row + 1 - row_base, TILE_ROWS)
-    return row_base, (row_tiles * ceil_div(cols, TILE_COLS),)
+    grid = (row_tiles * ceil_div(cols, TILE_COLS),)
+    return row_base, grid, cell_shape(recipe, columnwise=columnwise)
+
+
+def _checked_grid(
+    cells: torch.Tensor, what: str, *, shape: torch.Size, recipe: str, columnwise: bool
+) -> tuple[int, int]:
+    """The cell grid's (rows, cols), after checking that `cells` is an fp32 value per cell."""
+    grid_rows, grid_cols = grid_dims(shape, recipe=recipe, columnwise=columnwise)
+    if cells.dtype != torch.float32 or cells.numel() != grid_rows * grid_cols:
+        raise ValueError(f"{what} must be fp32 with {grid_rows * grid_cols} cells")
+    return grid_rows, grid_cols
 
 
 def _check_piece(values: torch.Tensor, shape: torch.Size, param_start: int) -> None:
@@ -118,15 +132,15 @@ def piece_cell_amax_(
     """Max into `cell_amax` (fp32, >= 0, the weight's flattened cell grid) the NaN-ignoring
     max|x| of each cell over the piece `values` (elements param_start.. of the weight)."""
     _check_piece(values, shape, param_start)
-    grid_rows, grid_cols = grid_dims(shape, recipe=recipe, columnwise=columnwise)
-    if cell_amax.dtype != torch.float32 or cell_amax.numel() != grid_rows * grid_cols:
-        raise ValueError(f"cell_amax must be fp32 with {grid_rows * grid_cols} cells")
+    grid_rows, grid_cols = _checked_grid(cell_amax, "cell_amax", shape=shape, recipe=recipe,
+                                         columnwise=columnwise)  # fmt: skip
     numel = values.numel()
     if numel == 0:
         return
     if _fused(values):
-        cell_rows, cell_cols = cell_shape(recipe, columnwise=columnwise)
-        row_base, grid = _launch_geometry(shape, param_start=param_start, numel=numel)
+        row_base, grid, (cell_rows, cell_cols) = _launch_geometry(
+            shape, recipe=recipe, columnwise=columnwise, param_start=param_start, numel=numel
+        )
         cq._triton_kernels().piece_amax_kernel[grid](
             values, cell_amax.view(torch.int32), param_start, numel, rows_cols(shape)[1],
             row_base, grid_rows, grid_cols, CR=cell_rows, CC=cell_cols,
@@ -160,17 +174,17 @@ def piece_cast_(
     _check_piece(values, shape, param_start)
     if out.dtype != torch.uint8 or out.shape != values.shape or not out.is_contiguous():
         raise ValueError("out must be a contiguous uint8 tensor shaped like the piece")
-    grid_rows, grid_cols = grid_dims(shape, recipe=recipe, columnwise=columnwise)
     # A delayed scale can still live on the CPU (its Fp8Linear moves it at the first forward).
     multiplier = multiplier.reshape(-1).to(values.device)
-    if multiplier.dtype != torch.float32 or multiplier.numel() != grid_rows * grid_cols:
-        raise ValueError(f"multiplier must be fp32 with {grid_rows * grid_cols} cells")
+    _, grid_cols = _checked_grid(multiplier, "multiplier", shape=shape, recipe=recipe,
+                                 columnwise=columnwise)  # fmt: skip
     numel = values.numel()
     if numel == 0:
         return
     if _fused(values):
-        cell_rows, cell_cols = cell_shape(recipe, columnwise=columnwise)
-        row_base, grid = _launch_geometry(shape, param_start=param_start, numel=numel)
+        row_base, grid, (cell_rows, cell_cols) = _launch_geometry(
+            shape, recipe=recipe, columnwise=columnwise, param_start=param_start, numel=numel
+        )
         cq._triton_kernels().piece_cast_kernel[grid](
             values, out, multiplier.contiguous(), param_start, numel, rows_cols(shape)[1],
             row_base, grid_cols, FP8_MAX=fp8_max(fp8_dtype),
