@@ -4,6 +4,7 @@ changed, which must fail with a table of the right numbers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -224,15 +225,12 @@ def test_cli_regenerate_refuses_existing_golden(tmp_path: Path, capsys):
 
 
 def test_gpu_case_without_goldens_fails_with_the_regenerate_command(tmp_path: Path):
-    case = find_case("gpt_h200_fp8_mxfp8_param_gather")
-    assert (case.platform, case.nproc, case.deterministic, case.tolerance) == (
-        "h200",
-        1,
-        False,
-        0.05,
-    )
-    if case.golden_path().exists():
-        pytest.skip("the H200 goldens are recorded")
+    recorded = find_case("gpt_h200_fp8_mxfp8_param_gather")
+    assert (recorded.platform, recorded.nproc, recorded.deterministic) == ("h200", 1, False)
+    assert (recorded.tolerance, recorded.grad_norm_tolerance) == (0.05, 0.10)
+    # The same case in a directory without its golden file (the recorded one stays untouched).
+    case = dataclasses.replace(recorded, directory=tmp_path / "case")
+    assert not case.golden_path().exists()
     with pytest.raises(MissingGoldenError) as raised:
         run_case(case, platform="h200", workdir=tmp_path)
     assert (
