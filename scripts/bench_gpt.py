@@ -230,15 +230,17 @@ def memory_report(args, model, optimizer, inputs, labels) -> None:
             current += event["size"]
             if current > peak:
                 peak, peak_alive = current, dict(alive)
-        elif event["action"] == "free_completed" and event["addr"] in alive:
-            current -= alive.pop(event["addr"])["size"]
+        elif event["action"] == "free_completed":
+            # Blocks allocated before recording (last step's grads, say) count when freed too.
+            alive.pop(event["addr"], None)
+            current -= event["size"]
     by_site: dict[str, list[int]] = {}
     for event in peak_alive.values():
         by_site.setdefault(_allocation_site(event.get("frames", [])), []).append(event["size"])
     with open(args.memory_report, "w") as out:
         out.write(
             f"allocated before the step: {base / 2**30:.3f} GiB; "
-            f"peak within the step: +{peak / 2**30:.3f} GiB\n"
+            f"peak within the step: {peak / 2**30:+.3f} GiB\n"
         )
         out.write("GiB alive at the peak  count  allocated at\n")
         for site, sizes in sorted(by_site.items(), key=lambda item: -sum(item[1]))[:40]:

@@ -85,8 +85,7 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
                 state = self.optimizer.state[param]
                 if self.config.optimizer == "adam":
                     # The fused (CUDA) AdamW keeps its step count on the param's device.
-                    fused = group.get("fused") or False
-                    device = param.device if fused else torch.device("cpu")
+                    device = param.device if group["fused"] else torch.device("cpu")
                     state["step"] = torch.zeros((), dtype=torch.float32, device=device)
                     state["exp_avg"] = torch.zeros_like(param)
                     state["exp_avg_sq"] = torch.zeros_like(param)
