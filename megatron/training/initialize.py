@@ -74,13 +74,18 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
     )
 
 
-def shutdown_distributed(env: DistributedEnv) -> None:
-    """Tear the default group down before the interpreter exits: a gloo group left to process
-    teardown can abort ("terminate called without an active exception") while its threads
-    still run."""
+def shutdown_distributed(env: DistributedEnv, *, destroy: bool = True) -> None:
+    """End the run's collectives: a barrier (no rank leaves while another still talks), then,
+    with `destroy`, tear the default group down. A library caller that keeps its interpreter
+    needs the destroy: a gloo group left to interpreter teardown can abort ("terminate called
+    without an active exception") while its threads still run. pretrain_gpt.py passes
+    destroy=False because it leaves with os._exit, which runs no teardown at all, and
+    destroying a gloo group is one more step that can block (a 2-rank torchrun run in CI
+    once hung past 300 s after training)."""
     if env.owns_process_group and dist.is_initialized():
         dist.barrier(group=env.dp_group)
-        dist.destroy_process_group()
+        if destroy:
+            dist.destroy_process_group()
 
 
 def set_random_seeds(seed: int) -> None:

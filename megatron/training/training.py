@@ -60,8 +60,14 @@ def print_rank_0(env: DistributedEnv, message: str) -> None:
         print(message, flush=True)
 
 
-def pretrain(argv: Sequence[str] | None = None) -> TrainingResult:
-    """Entry point of pretrain_gpt.py: parse flags, build data, model, optimizer; train."""
+def pretrain(
+    argv: Sequence[str] | None = None, *, destroy_process_group: bool = True
+) -> TrainingResult:
+    """Entry point of pretrain_gpt.py: parse flags, build data, model, optimizer; train.
+
+    destroy_process_group=False leaves the process group this call created alive after the
+    final barrier: for a caller that exits the process next without teardown (pretrain_gpt.py).
+    """
     args = parse_args(argv)
     env = initialize_distributed(args)
     _configure_logging(env)
@@ -97,7 +103,7 @@ def pretrain(argv: Sequence[str] | None = None) -> TrainingResult:
     finally:
         if logger is not None:
             logger.close()
-    shutdown_distributed(env)
+    shutdown_distributed(env, destroy=destroy_process_group)
     return result
 
 

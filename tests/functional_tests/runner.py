@@ -17,8 +17,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +42,7 @@ from tests.functional_tests.golden import (
     read_golden,
     write_golden,
 )
+from tests.launch import end_session_with_stacks, free_port, start_session
 from tools.plot_losses import parse_log
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -85,12 +84,6 @@ def skip_reason(case: Case, platform: str) -> str | None:
     if case.platform == platform:
         return None
     return f"{case.name} runs on platform {case.platform!r}; this machine is {platform!r}"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # A Python exception of a rank, or a native abort (which leaves no traceback).
@@ -143,22 +136,16 @@ def launch(
     with log_path.open("a") as log:
         log.write(f"$ {shlex.join(command)}\n")
         log.flush()
-        # A new session, so that a timeout can end torchrun and its workers together.
-        process = subprocess.Popen(
-            command,
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        process = start_session(
+            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
         try:
             status = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            end_session_with_stacks(process)
             raise LaunchError(
-                f"{case.name}: launch ran past {timeout_s} s; last lines of {log_path}:\n"
+                f"{case.name}: launch ran past {timeout_s} s (stacks of the stuck ranks, "
+                f"printed at SIGABRT, are in the log); last lines of {log_path}:\n"
                 + _tail(log_path)
             ) from None
     if status != 0:

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from tests.unit_tests.dist_utils import free_port, run_distributed
+from tests.launch import end_session_with_stacks, free_port, start_session
+from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.common import (
     NO_DROPOUT,
     TINY_GPT,
@@ -19,6 +20,7 @@ from tests.unit_tests.training.common import (
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 TEN = ["--train-iters", "10"]
+TORCHRUN_TIMEOUT_S = 120
 
 
 def assert_losses_close(actual: dict, expected: dict, rtol: float) -> None:
@@ -52,14 +54,24 @@ def test_torchrun_two_processes_match_single_process():
     """Issue acceptance: `torchrun --nproc-per-node 2 pretrain_gpt.py ...` on CPU."""
     argv = TINY_GPT + ["--train-iters", "6"] + NO_DROPOUT
     single = run_pretrain(argv)
-    proc = subprocess.run(
+    process = start_session(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), "pretrain_gpt.py", *argv],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "pretrain_gpt.py",
+         *argv],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    logged = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", proc.stdout)]
+    try:
+        stdout, stderr = process.communicate(timeout=TORCHRUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        end_session_with_stacks(process)
+        stdout, stderr = process.communicate()
+        raise AssertionError(
+            f"torchrun ran past {TORCHRUN_TIMEOUT_S} s (about 5 s when healthy). stdout tail:\n"
+            f"{stdout[-3000:]}\nstderr tail (stacks of the stuck ranks):\n{stderr[-12000:]}"
+        ) from None
+    assert process.returncode == 0, stderr[-3000:]
+    logged = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", stdout)]
     assert len(logged) == 6
     for iteration, loss in enumerate(logged, start=1):
         # the log prints 7 significant digits
