@@ -79,9 +79,10 @@ def shutdown_distributed(env: DistributedEnv, *, destroy: bool = True) -> None:
     with `destroy`, tear the default group down. A library caller that keeps its interpreter
     needs the destroy: a gloo group left to interpreter teardown can abort ("terminate called
     without an active exception") while its threads still run. pretrain_gpt.py passes
-    destroy=False because it leaves with os._exit, which runs no teardown at all, and
-    destroying a gloo group is one more step that can block (a 2-rank torchrun run in CI
-    once hung past 300 s after training)."""
+    destroy=False and leaves with os._exit, which runs no teardown: with the destroy, 2-rank
+    CPU torchrun runs hung after their last iteration (9 of 240 under load, and once in CI),
+    one rank's main thread stuck returning from pretrain(), i.e. in the destructors of the
+    destroyed group's objects; without it, 0 of 240."""
     if env.owns_process_group and dist.is_initialized():
         dist.barrier(group=env.dp_group)
         if destroy:
