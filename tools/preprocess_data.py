@@ -64,14 +64,34 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
     return files
 
 
+def _first_undecodable_line(path: str) -> str:
+    """'PATH:LINE: byte 0x.. at column C' for the first line of path that is not UTF-8."""
+    with open(path, "rb") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                byte = line[error.start]
+                return f"{path}:{line_number}: byte 0x{byte:02x} at column {error.start + 1}"
+    return path  # unreachable for a file that failed to decode; keeps the message useful
+
+
 def iter_tasks(files: Sequence[str]) -> Iterator[tuple[str, str, int, str]]:
     """(kind, path, line number, payload): one task per JSONL line or per text file."""
     for path in files:
         if path.endswith(JSON_SUFFIXES):
-            with open(path, encoding="utf-8") as handle:
-                for line_number, line in enumerate(handle, start=1):
-                    if line.strip():
-                        yield "json", path, line_number, line
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    for line_number, line in enumerate(handle, start=1):
+                        if line.strip():
+                            yield "json", path, line_number, line
+            except UnicodeDecodeError:
+                # The decoder reads ahead in blocks, so its error gives a block offset, not a
+                # line; find the line again in binary.
+                raise ValueError(
+                    f"{_first_undecodable_line(path)} is not UTF-8; re-encode --input as UTF-8 "
+                    "(for example `iconv -f latin1 -t utf-8`)"
+                ) from None
         else:
             # Workers read text files themselves: only the path crosses the process boundary.
             yield "text", path, 0, ""

@@ -7,12 +7,14 @@ and the fix for any invalid combination, before any model is built.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Sequence
 from typing import NoReturn
 
 from megatron.core.distributed.fsdp.config import SHARDING_STRATEGIES
 from megatron.core.fp8.config import FP8_RECIPES
+from megatron.training.path_checks import check_input_file, check_output_dir
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -204,7 +206,11 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
         help="Tokenizer (ByteTokenizer needs no files).",
     )
     group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary.")
-    group.add_argument("--tokenizer-model", default=None, help="HuggingFace tokenizer.json path.")
+    group.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="HuggingFace tokenizer.json, or the directory that holds it.",
+    )
     group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json path.")
     group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt path.")
     group.add_argument(
@@ -357,12 +363,41 @@ def validate_args(args: argparse.Namespace) -> None:
     _validate_checkpointing(args)
     _validate_fsdp(args)
     _validate_fp8(args)
+    _validate_output_dirs(args)
     _validate_logging(args)
 
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ArgumentError(message)
+
+
+def _flag(attr: str) -> str:
+    return "--" + attr.replace("_", "-")
+
+
+def _require_positive(args: argparse.Namespace, attr: str, hint: str) -> None:
+    """A given value (None: derived later) must be finite and > 0; hint says what to pass."""
+    value = getattr(args, attr)
+    if value is not None:
+        _require(math.isfinite(value) and value > 0, f"{_flag(attr)} {value} must be > 0; {hint}.")
+
+
+def _require_fraction(args: argparse.Namespace, attr: str, hint: str) -> None:
+    value = getattr(args, attr)
+    _require(0.0 <= value < 1.0, f"{_flag(attr)} {value} must be in [0, 1); {hint}.")
+
+
+# Sizes and scales that are silently wrong (a zero-width layer, NaN loss) or raise raw torch
+# errors when <= 0, each with the fix its message names.
+_POSITIVE_MODEL_VALUES = (
+    ("ffn_hidden_size", "omit it for 4 x --hidden-size"),
+    ("kv_channels", "omit it for --hidden-size / --num-attention-heads"),
+    ("max_position_embeddings", "omit it for --seq-length"),
+    ("rotary_base", "Megatron's default is 10000"),
+    ("norm_epsilon", "the default is 1e-5"),
+    ("init_method_std", "the default is 0.02"),
+)
 
 
 def _validate_batch(args: argparse.Namespace) -> None:
@@ -418,9 +453,10 @@ def _validate_model(args: argparse.Namespace) -> None:
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
             f"{args.max_position_embeddings}; raise the latter.",
         )
-    for flag in ("hidden_dropout", "attention_dropout"):
-        value = getattr(args, flag)
-        _require(0.0 <= value < 1.0, f"--{flag.replace('_', '-')} {value} must be in [0, 1).")
+    for attr, hint in _POSITIVE_MODEL_VALUES:
+        _require_positive(args, attr, hint)
+    for attr in ("hidden_dropout", "attention_dropout"):
+        _require_fraction(args, attr, "0 disables it")
     _require(0.0 < args.rotary_percent <= 1.0, "--rotary-percent must be in (0, 1].")
     _require(args.recompute_num_layers > 0, "--recompute-num-layers must be positive.")
     _require(
@@ -431,9 +467,12 @@ def _validate_model(args: argparse.Namespace) -> None:
 def _validate_schedule(args: argparse.Namespace) -> None:
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    _require(args.lr > 0, "--lr must be positive.")
+    _require_positive(args, "lr", "the default is 3e-4")
     _require(0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must be in [0, --lr {args.lr}].")
     _require(args.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0.")
+    _require(
+        args.lr_decay_iters > 0, "--lr-decay-iters must be positive (omit it for --train-iters)."
+    )
     if args.lr_decay_style != "constant":
         _require(
             args.lr_warmup_iters < args.lr_decay_iters,
@@ -449,8 +488,18 @@ def _validate_schedule(args: argparse.Namespace) -> None:
             0 < args.lr_wsd_decay_iters <= args.lr_decay_iters - args.lr_warmup_iters,
             "--lr-wsd-decay-iters must be positive and fit after warmup within --lr-decay-iters.",
         )
-    _require(args.clip_grad >= 0, "--clip-grad must be >= 0.")
-    _require(args.weight_decay >= 0, "--weight-decay must be >= 0.")
+    _require(
+        math.isfinite(args.clip_grad) and args.clip_grad >= 0,
+        f"--clip-grad {args.clip_grad} must be a finite number >= 0 (0 disables clipping).",
+    )
+    _require(
+        math.isfinite(args.weight_decay) and args.weight_decay >= 0,
+        f"--weight-decay {args.weight_decay} must be a finite number >= 0 (0 disables decay).",
+    )
+    _require_fraction(args, "adam_beta1", "the default is 0.9")
+    _require_fraction(args, "adam_beta2", "the default is 0.999")
+    _require_positive(args, "adam_eps", "the default is 1e-8")
+    _require_fraction(args, "sgd_momentum", "0 disables momentum; the default is 0.9")
 
 
 def _validate_data(args: argparse.Namespace) -> None:
@@ -462,7 +511,17 @@ def _validate_data(args: argparse.Namespace) -> None:
             "No training data: pass --data-path PREFIX (made by tools/preprocess_data.py) or "
             "--mock-data for synthetic tokens.",
         )
-    _validate_split(args.split)
+    train_share = _validate_split(args.split)[0]
+    # --train-iters is positive (_validate_batch), so the train split needs documents; mock
+    # data has no documents to split.
+    _require(
+        train_share > 0 or args.mock_data,
+        f"--split {args.split!r} gives the train split no documents, but --train-iters "
+        f"{args.train_iters} needs training data; give the first share a positive weight, like "
+        "969,30,1.",
+    )
+    # numpy's RandomState, which shuffles the data and draws mock samples, takes 32-bit seeds.
+    _require(0 <= args.seed < 2**32, f"--seed {args.seed} must be in [0, 2**32).")
     needs = {
         "NullTokenizer": [("vocab_size", "--vocab-size")],
         "HuggingFaceTokenizer": [("tokenizer_model", "--tokenizer-model")],
@@ -472,24 +531,35 @@ def _validate_data(args: argparse.Namespace) -> None:
         value = getattr(args, attr)
         _require(value is not None, f"--tokenizer-type {args.tokenizer_type} needs {flag}.")
         if isinstance(value, str):
-            _require(
-                os.path.isfile(value),
-                f"{flag} {value}: no such file; pass the path of a local file (nothing is "
-                "downloaded).",
-            )
+            try:
+                check_input_file(value, flag=flag)
+            except ValueError as error:
+                raise ArgumentError(f"{error}.") from None
     if args.vocab_size is not None:
         _require(args.vocab_size > 1, "--vocab-size must be at least 2.")
+        # Other tokenizers define their own vocabulary; an ignored --vocab-size would let a
+        # run believe it trains with a different one.
+        _require(
+            args.tokenizer_type == "NullTokenizer",
+            f"--vocab-size sets the NullTokenizer vocabulary only; --tokenizer-type "
+            f"{args.tokenizer_type} takes its size from the tokenizer: drop --vocab-size or "
+            "use --tokenizer-type NullTokenizer.",
+        )
 
 
-def _validate_split(split: str) -> None:
+def _validate_split(split: str) -> list[float]:
     try:
         parts = [float(part) for part in split.replace("/", ",").split(",")]
     except ValueError:
         raise ArgumentError(f"--split {split!r}: expected numbers like 969,30,1.") from None
     _require(
-        1 <= len(parts) <= 3 and all(part >= 0 for part in parts) and sum(parts) > 0,
-        f"--split {split!r}: give up to three non-negative shares with a positive sum.",
+        1 <= len(parts) <= 3
+        and all(math.isfinite(part) and part >= 0 for part in parts)
+        and sum(parts) > 0,
+        f"--split {split!r}: give up to three finite non-negative shares with a positive sum, "
+        "like 969,30,1.",
     )
+    return parts
 
 
 def _validate_checkpointing(args: argparse.Namespace) -> None:
@@ -524,6 +594,16 @@ def _validate_fsdp(args: argparse.Namespace) -> None:
         _require(
             not getattr(args, attr), f"{flag} is a Megatron-FSDP option; add --use-megatron-fsdp."
         )
+
+
+def _validate_output_dirs(args: argparse.Namespace) -> None:
+    for attr in ("save", "data_cache_path", "tensorboard_dir", "wandb_save_dir"):
+        path = getattr(args, attr)
+        if path:
+            try:
+                check_output_dir(path, flag=_flag(attr))
+            except ValueError as error:
+                raise ArgumentError(f"{error}.") from None
 
 
 def _validate_logging(args: argparse.Namespace) -> None:

@@ -9,7 +9,12 @@ import os
 import torch
 
 from megatron.core.datasets.blended_dataset import BlendedDataset, samples_needed_per_dataset
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, check_vocab_fits
+from megatron.core.datasets.gpt_dataset import (
+    GPTDataset,
+    GPTDatasetConfig,
+    check_token_ids_in_vocab,
+    check_vocab_fits,
+)
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.mock_dataset import MockGPTDataset
 
@@ -56,7 +61,7 @@ def parse_split(split: str) -> list[float]:
         ) from None
     if len(values) > 3 or any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
         raise ValueError(
-            f"--split {split!r} must be up to three non-negative numbers with a positive sum"
+            f"--split {split!r} must be up to three finite non-negative numbers with a positive sum"
         )
     values += [0.0] * (3 - len(values))
     return [value / sum(values) for value in values]
@@ -160,6 +165,9 @@ def build_gpt_datasets(
     parse_split(config.split)  # fail on a bad --split before opening any file
     corpora = _open_corpora(config)
     cache_dir = default_cache_dir(config, corpora[0][1].path_prefix)
+    # After every corpus opened: a missing one fails before any cache file is written.
+    for _, indexed in corpora:
+        check_token_ids_in_vocab(indexed, vocab_size=config.vocab_size, cache_dir=cache_dir)
     return tuple(
         _build_split(
             config=config,

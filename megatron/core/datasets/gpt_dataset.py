@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 # Bump when the index algorithm changes so that stale caches are never read.
 _INDEX_FORMAT_VERSION = 1
 _INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
+# The cached [smallest, largest] token id of a .bin; bump the version with the key's fields.
+_TOKEN_RANGE_FORMAT_VERSION = 1
+_TOKEN_RANGE_NAMES = ("id_range",)
 
 
 @dataclass(kw_only=True)
@@ -110,6 +113,60 @@ def check_vocab_fits(indexed_dataset: IndexedDataset, *, vocab_size: int, eod_id
                 f"{indexed_dataset.bin_path} (max {largest}): the corpus was preprocessed with a "
                 "smaller vocabulary; re-run tools/preprocess_data.py with this tokenizer"
             )
+
+
+def _token_range_cache_key(indexed_dataset: IndexedDataset) -> str:
+    # Sizes and modification times identify the files' contents, as for Python's .pyc
+    # caches: tools/preprocess_data.py writes a new pair (new mtimes) and a moved corpus keeps
+    # its cache. Hashing the tokens would cost as much as the scan it saves.
+    description = {"format": _TOKEN_RANGE_FORMAT_VERSION, "dtype": str(indexed_dataset.dtype)}
+    for suffix, path in (("bin", indexed_dataset.bin_path), ("idx", indexed_dataset.idx_path)):
+        stat = os.stat(path)
+        description[f"{suffix}_bytes"] = stat.st_size
+        description[f"{suffix}_mtime_ns"] = stat.st_mtime_ns
+    return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
+
+
+def corpus_token_id_range(indexed_dataset: IndexedDataset, *, cache_dir: str) -> tuple[int, int]:
+    """Exact (smallest, largest) token id of the corpus, scanned once and cached in cache_dir."""
+    cache_prefix = os.path.join(cache_dir, f"{_token_range_cache_key(indexed_dataset)}-tokens")
+
+    def scan() -> tuple[np.ndarray]:
+        started = time.monotonic()
+        low, high = indexed_dataset.token_id_range()
+        logger.info(
+            "scanned %d tokens of %s for their id range in %.2f s (cached in %s)",
+            indexed_dataset.num_tokens,
+            indexed_dataset.bin_path,
+            time.monotonic() - started,
+            cache_dir,
+        )
+        return (np.array([low, high], dtype=np.int64),)
+
+    (id_range,), _ = load_or_build(cache_prefix, scan, names=_TOKEN_RANGE_NAMES)
+    return int(id_range[0]), int(id_range[1])
+
+
+def check_token_ids_in_vocab(
+    indexed_dataset: IndexedDataset, *, vocab_size: int, cache_dir: str
+) -> None:
+    """Every token id must be an embedding row, 0 <= id < vocab_size; the embedding would
+    otherwise fail with an IndexError a few iterations into training."""
+    low, high = corpus_token_id_range(indexed_dataset, cache_dir=cache_dir)
+    path = indexed_dataset.bin_path
+    if low < 0:
+        raise ValueError(
+            f"{path} holds token id {low}, but token ids are >= 0: the file is corrupt or was "
+            "not written by tools/preprocess_data.py; re-run it"
+        )
+    if high >= vocab_size:
+        raise ValueError(
+            f"{path} holds token ids up to {high}, but the tokenizer's vocabulary has "
+            f"{vocab_size} ids (0..{vocab_size - 1}): the corpus was made with a larger "
+            f"vocabulary. With --tokenizer-type NullTokenizer pass --vocab-size {high + 1} or "
+            "more; otherwise pass the tokenizer that made the corpus, or re-run "
+            "tools/preprocess_data.py with this one"
+        )
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -221,21 +278,23 @@ class GPTDataset(torch.utils.data.Dataset):
         )
 
 
-def _index_paths(cache_prefix: str) -> list[str]:
-    return [f"{cache_prefix}-{name}.npy" for name in _INDEX_NAMES]
+def _index_paths(cache_prefix: str, names: tuple[str, ...]) -> list[str]:
+    return [f"{cache_prefix}-{name}.npy" for name in names]
 
 
-def _read_cache(cache_prefix: str) -> tuple[np.ndarray, ...] | None:
-    paths = _index_paths(cache_prefix)
+def _read_cache(cache_prefix: str, names: tuple[str, ...]) -> tuple[np.ndarray, ...] | None:
+    paths = _index_paths(cache_prefix, names)
     if not all(os.path.isfile(path) for path in paths):
         return None
     return tuple(np.load(path, mmap_mode="r") for path in paths)
 
 
-def _write_cache(cache_prefix: str, indices: tuple[np.ndarray, ...]) -> None:
+def _write_cache(
+    cache_prefix: str, indices: tuple[np.ndarray, ...], names: tuple[str, ...]
+) -> None:
     os.makedirs(os.path.dirname(cache_prefix) or ".", exist_ok=True)
     # Temp name then rename: a reader (or a crash) never sees a half-written index.
-    for path, array in zip(_index_paths(cache_prefix), indices):
+    for path, array in zip(_index_paths(cache_prefix, names), indices):
         temp_path = f"{path}.tmp-{os.getpid()}"
         with open(temp_path, "wb") as handle:
             np.save(handle, array)
@@ -243,25 +302,29 @@ def _write_cache(cache_prefix: str, indices: tuple[np.ndarray, ...]) -> None:
 
 
 def load_or_build(
-    cache_prefix: str, build: Callable[[], tuple[np.ndarray, ...]]
+    cache_prefix: str,
+    build: Callable[[], tuple[np.ndarray, ...]],
+    *,
+    names: tuple[str, ...] = _INDEX_NAMES,
 ) -> tuple[tuple[np.ndarray, ...], str]:
-    """Read the cached indices, or build them (on rank 0 when torch.distributed is up).
+    """Read the cached arrays CACHE_PREFIX-NAME.npy, or build them (on rank 0 when
+    torch.distributed is up).
 
     Other ranks wait on a barrier and read rank 0's files; if their cache directory is not
     shared with rank 0 they rebuild locally (the result is identical: it is seeded).
     """
     distributed = dist.is_available() and dist.is_initialized()
-    cached = _read_cache(cache_prefix)
+    cached = _read_cache(cache_prefix, names)
     if distributed:
         # Every rank must reach the barrier, so rank 0 decides before it, the others after.
         built = None
         if dist.get_rank() == 0 and cached is None:
             built = build()
-            _write_cache(cache_prefix, built)
+            _write_cache(cache_prefix, built, names)
         dist.barrier()
         if built is not None:
             return built, "built"
-        cached = _read_cache(cache_prefix)
+        cached = _read_cache(cache_prefix, names)
         if cached is None:
             logger.warning("index cache %s is not visible here; rebuilding locally", cache_prefix)
             return build(), "built"
@@ -269,5 +332,5 @@ def load_or_build(
     if cached is not None:
         return cached, "cache"
     built = build()
-    _write_cache(cache_prefix, built)
+    _write_cache(cache_prefix, built, names)
     return built, "built"

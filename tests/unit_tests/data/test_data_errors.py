@@ -2,6 +2,9 @@
 
 import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +16,12 @@ from megatron.core.datasets import (
     IndexedDatasetBuilder,
     build_gpt_datasets,
 )
+from megatron.core.datasets import indexed_dataset as indexed_module
+from megatron.core.tokenizer import ByteTokenizer
 from tests.unit_tests.data.corpus_utils import EOD, VOCAB_SIZE, write_random_corpus
+from tests.unit_tests.training.common import TINY_GPT
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -132,3 +140,94 @@ def test_train_split_without_documents(tmp_path):
     write_random_corpus(path, num_documents=2, seed=0)
     with pytest.raises(ValueError, match="the train split is empty for --split '0,1,1'"):
         build_gpt_datasets(_config([str(path)], split="0,1,1"), num_samples=(4, 0, 0))
+
+
+def _write_documents(prefix, documents, dtype=np.uint16):
+    builder = IndexedDatasetBuilder(str(prefix), dtype=dtype)
+    for document in documents:
+        builder.add_document(document)
+    builder.finalize()
+    return str(prefix)
+
+
+def _byte_corpus(prefix):
+    """ByteTokenizer documents: bytes of text, then eod 256, the corpus's largest id."""
+    tokenizer = ByteTokenizer()
+    texts = ["hello world", "ascii only", "zz"]
+    return _write_documents(prefix, [tokenizer.tokenize(text) + [tokenizer.eod] for text in texts])
+
+
+def test_corpus_ids_beyond_vocab_size_fail_before_any_index(tmp_path):
+    prefix = _byte_corpus(tmp_path / "bytes")
+    cache = tmp_path / "cache"
+    config = _config([prefix], vocab_size=100, eod_id=99, path_to_cache=str(cache))  # NullTokenizer
+    with pytest.raises(ValueError) as error:
+        build_gpt_datasets(config, num_samples=(4, 0, 0))
+    assert str(error.value) == (
+        f"{prefix}.bin holds token ids up to 256, but the tokenizer's vocabulary has 100 ids "
+        "(0..99): the corpus was made with a larger vocabulary. With --tokenizer-type "
+        "NullTokenizer pass --vocab-size 257 or more; otherwise pass the tokenizer that made the "
+        "corpus, or re-run tools/preprocess_data.py with this one"
+    )
+    # Only the scanned id range was cached; no sample index was built for the bad corpus.
+    (range_file,) = os.listdir(cache)
+    assert range_file.endswith("-tokens-id_range.npy")
+    assert np.load(cache / range_file).tolist() == [ord(" "), 256]
+    # The byte vocabulary (257 ids) fits: the same corpus then builds.
+    train, _, _ = build_gpt_datasets(
+        _config([prefix], vocab_size=257, eod_id=256, path_to_cache=str(cache)),
+        num_samples=(4, 0, 0),
+    )
+    assert len(train) >= 4
+
+
+def test_token_id_range_is_cached_and_a_rewritten_corpus_rescans(tmp_path, monkeypatch):
+    prefix = _write_documents(tmp_path / "ids", [[5, 17, EOD], [3, EOD]])
+    config = _config([prefix], path_to_cache=str(tmp_path / "cache"))
+    build_gpt_datasets(config, num_samples=(4, 0, 0))
+    scans = []
+    real_scan = IndexedDataset.token_id_range
+    monkeypatch.setattr(
+        IndexedDataset, "token_id_range", lambda self: scans.append(self) or real_scan(self)
+    )
+    build_gpt_datasets(config, num_samples=(4, 0, 0))
+    assert scans == []  # the second build read the cached range
+    # Rewritten with an id past the vocabulary (new size and mtime): the range is scanned again.
+    _write_documents(tmp_path / "ids", [[5, 17, EOD], [3, 1200, 4, EOD]])
+    with pytest.raises(ValueError, match="holds token ids up to 1200, .* --vocab-size 1201 or"):
+        build_gpt_datasets(config, num_samples=(4, 0, 0))
+    assert len(scans) == 1
+
+
+def test_token_id_range_is_exact_across_chunks(tmp_path, monkeypatch):
+    rng = np.random.RandomState(0)
+    documents = [rng.randint(10, 500, size=int(rng.randint(1, 20))).tolist() for _ in range(50)]
+    documents[31][-1] = 7  # the smallest id, mid-corpus
+    documents[-1][-1] = 999  # the largest id, the very last token
+    prefix = _write_documents(tmp_path / "chunks", documents)
+    monkeypatch.setattr(indexed_module, "_SCAN_CHUNK_TOKENS", 13)  # many uneven chunks
+    assert IndexedDataset(prefix).token_id_range() == (7, 999)
+
+
+def test_negative_token_ids_are_rejected(tmp_path):
+    prefix = _write_documents(tmp_path / "signed", [[4, -3, EOD]], dtype=np.int16)
+    with pytest.raises(ValueError, match=r"signed\.bin holds token id -3, but token ids are >= 0"):
+        build_gpt_datasets(_config([prefix]), num_samples=(4, 0, 0))
+
+
+def test_cli_vocab_size_below_corpus_ids_fails_before_training(tmp_path):
+    prefix = _byte_corpus(tmp_path / "bytes")
+    argv = [arg for arg in TINY_GPT if arg != "--mock-data"]
+    argv[argv.index("--vocab-size") + 1] = "100"
+    argv += ["--data-path", prefix, "--seq-length", "8", "--train-iters", "5"]
+    proc = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", *argv],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "holds token ids up to 256, but the tokenizer's vocabulary has 100 ids" in proc.stderr
+    assert "pass --vocab-size 257 or more" in proc.stderr
+    assert "IndexError" not in proc.stderr and "number of parameters" not in proc.stdout

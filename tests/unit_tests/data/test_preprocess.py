@@ -172,3 +172,48 @@ def test_script_missing_tokenizer_file_exits_with_flag_name(tmp_path):
     assert f"{missing!r} does not exist; pass the local vocab.json with --vocab-file" in (
         result.stderr
     )
+
+
+# 2000 UTF-8 lines (40 kB, past the decoder's read-ahead, so documents are written before the
+# error), then "café" in Latin-1 on line 2001: its é (0xe9, column 14) is not UTF-8.
+BAD_LINE = 2001
+
+
+def _write_latin1_jsonl(path: Path) -> None:
+    good = b"".join(b'{"text": "line %05d"}\n' % index for index in range(BAD_LINE - 1))
+    path.write_bytes(good + b'{"text": "caf\xe9"}\n' + b'{"text": "after"}\n')
+
+
+def test_script_non_utf8_jsonl_names_file_and_line_and_leaves_no_files(tmp_path):
+    corpus = tmp_path / "latin1.jsonl"
+    _write_latin1_jsonl(corpus)
+    command = [
+        sys.executable, "tools/preprocess_data.py", "--input", str(corpus),
+        "--output-prefix", str(tmp_path / "out" / "corpus"),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert (
+        f"error: {corpus}:{BAD_LINE}: byte 0xe9 at column 14 is not UTF-8; re-encode --input "
+        "as UTF-8" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+    done = [line for line in result.stderr.splitlines() if line.startswith("done: ")]
+    assert int(done[0].split()[1]) > 1000  # documents were written before the bad line ...
+    assert os.listdir(tmp_path / "out") == []  # ... and the temporary .bin/.idx were removed
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_non_utf8_jsonl_error_with_workers(tmp_path, workers):
+    corpus = tmp_path / "latin1.jsonl"
+    _write_latin1_jsonl(corpus)
+    message = rf"latin1\.jsonl:{BAD_LINE}: byte 0xe9 at column 14 is not UTF-8"
+    with pytest.raises(ValueError, match=message):
+        preprocess(
+            [str(corpus)],
+            output_prefix=str(tmp_path / "out" / "corpus"),
+            tokenizer=ByteTokenizer(),
+            workers=workers,
+            show_progress=False,
+        )
+    assert os.listdir(tmp_path / "out") == []

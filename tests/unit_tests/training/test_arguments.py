@@ -78,6 +78,153 @@ def test_missing_data_names_both_fixes(capsys):
     assert "--data-path PREFIX" in err and "--mock-data" in err
 
 
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--rotary-base", "0"], "--rotary-base 0 must be > 0; Megatron's default is 10000."),
+        (["--rotary-base", "-10000"], "--rotary-base -10000 must be > 0"),
+        (["--norm-epsilon", "-1"], "--norm-epsilon -1.0 must be > 0; the default is 1e-5."),
+        (["--norm-epsilon", "nan"], "--norm-epsilon nan must be > 0"),
+        (["--ffn-hidden-size", "0"], "--ffn-hidden-size 0 must be > 0; omit it for 4 x"),
+        (["--ffn-hidden-size", "-16"], "--ffn-hidden-size -16 must be > 0"),
+        (["--kv-channels", "0"], "--kv-channels 0 must be > 0; omit it for --hidden-size /"),
+        (["--position-embedding-type", "rope", "--max-position-embeddings", "0"],
+         "--max-position-embeddings 0 must be > 0; omit it for --seq-length."),
+        (["--init-method-std", "-1"], "--init-method-std -1.0 must be > 0; the default is 0.02."),
+        (["--init-method-std", "0"], "--init-method-std 0.0 must be > 0"),
+        (["--adam-beta1", "1.5"], "--adam-beta1 1.5 must be in [0, 1); the default is 0.9."),
+        (["--adam-beta1", "-0.1"], "--adam-beta1 -0.1 must be in [0, 1)"),
+        (["--adam-beta2", "1"], "--adam-beta2 1.0 must be in [0, 1); the default is 0.999."),
+        (["--adam-eps", "-1"], "--adam-eps -1.0 must be > 0; the default is 1e-8."),
+        (["--adam-eps", "0"], "--adam-eps 0.0 must be > 0"),
+        (["--sgd-momentum", "1"], "--sgd-momentum 1.0 must be in [0, 1); 0 disables momentum"),
+        (["--lr", "0"], "--lr 0.0 must be > 0; the default is 3e-4."),
+        (["--lr", "inf"], "--lr inf must be > 0"),
+        (["--weight-decay", "-0.1"], "--weight-decay -0.1 must be a finite number >= 0"),
+        (["--weight-decay", "inf"], "--weight-decay inf must be a finite number >= 0"),
+        (["--clip-grad", "-1"], "--clip-grad -1.0 must be a finite number >= 0 (0 disables"),
+        (["--attention-dropout", "1"], "--attention-dropout 1.0 must be in [0, 1); 0 disables"),
+        (["--lr-decay-iters", "0"], "--lr-decay-iters must be positive (omit it for"),
+        (["--seed", "-1"], "--seed -1 must be in [0, 2**32)."),
+        (["--split", "inf,1,1"], "--split 'inf,1,1': give up to three finite non-negative"),
+        (["--split", "1,nan,1"], "--split '1,nan,1': give up to three finite non-negative"),
+        (["--tokenizer-type", "ByteTokenizer"],
+         "--vocab-size sets the NullTokenizer vocabulary only; --tokenizer-type ByteTokenizer "
+         "takes its size from the tokenizer: drop --vocab-size"),
+    ],
+)  # fmt: skip
+def test_out_of_range_values(extra, expected, capsys):
+    assert expected in parse_error(TINY_GPT + extra, capsys)
+
+
+def test_defaults_and_edge_values_stay_valid():
+    args = parse_args(TINY_GPT, world_size=1)
+    assert (args.rotary_base, args.norm_epsilon, args.init_method_std) == (10000, 1e-5, 0.02)
+    assert (args.adam_beta1, args.adam_beta2, args.adam_eps) == (0.9, 0.999, 1e-8)
+    edges = ["--adam-beta1", "0", "--sgd-momentum", "0", "--weight-decay", "0",
+             "--clip-grad", "0", "--hidden-dropout", "0", "--seed", str(2**32 - 1),
+             "--ffn-hidden-size", "16"]  # fmt: skip
+    args = parse_args(TINY_GPT + edges, world_size=1)
+    found = (args.adam_beta1, args.clip_grad, args.seed, args.ffn_hidden_size)
+    assert found == (0.0, 0.0, 2**32 - 1, 16)
+
+
+# Real corpus flags instead of --mock-data: --split applies only to files.
+FILE_DATA = [arg for arg in TINY_GPT if arg != "--mock-data"] + ["--data-path", "corpus"]
+
+
+def test_zero_train_split_fails_at_parse_time(capsys):
+    err = parse_error(FILE_DATA + ["--split", "0,1,0"], capsys)
+    assert (
+        "--split '0,1,0' gives the train split no documents, but --train-iters 100 needs "
+        "training data; give the first share a positive weight, like 969,30,1." in err
+    )
+    assert parse_args(FILE_DATA + ["--split", "1,0,0"], world_size=1).split == "1,0,0"
+    # Mock data has no documents to split, so its --split is not checked for a train share.
+    assert parse_args(TINY_GPT + ["--split", "0,1,0"], world_size=1).split == "0,1,0"
+
+
+def _hf_argv(tokenizer_model):
+    return ["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", str(tokenizer_model)]  # fmt: skip
+
+
+def test_tokenizer_model_directory(capsys, tmp_path):
+    (tmp_path / "with").mkdir()
+    (tmp_path / "with" / "tokenizer.json").write_text("{}")
+    assert parse_args(_hf_argv(tmp_path / "with"), world_size=1).tokenizer_model == str(
+        tmp_path / "with"
+    )
+    (tmp_path / "without").mkdir()
+    (tmp_path / "without" / "vocab.json").write_text("{}")
+    err = parse_error(_hf_argv(tmp_path / "without"), capsys)
+    assert (
+        f"--tokenizer-model {tmp_path / 'without'} is a directory without a tokenizer.json; "
+        "pass the tokenizer.json file itself or the directory that holds it." in err
+    )
+    argv = ["--mock-data", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+            str(tmp_path / "with"), "--merge-file", str(tmp_path / "merges.txt")]  # fmt: skip
+    err = parse_error(argv, capsys)
+    assert f"--vocab-file {tmp_path / 'with'} is a directory; pass the file itself." in err
+
+
+OUTPUT_DIR_FLAGS = ["--save", "--data-cache-path", "--tensorboard-dir", "--wandb-save-dir"]
+
+
+@pytest.mark.parametrize("flag", OUTPUT_DIR_FLAGS)
+def test_output_dir_that_is_a_file(flag, capsys, tmp_path):
+    regular = tmp_path / "notes.txt"
+    regular.write_text("not a directory")
+    err = parse_error(TINY_GPT + [flag, str(regular)], capsys)
+    assert f"{flag} {regular} exists and is not a directory; pass a directory" in err
+    below = regular / "run1"
+    err = parse_error(TINY_GPT + [flag, str(below)], capsys)
+    assert f"{flag} {below} cannot be created: {regular} is a file, not a directory" in err
+
+
+@pytest.mark.parametrize("flag", OUTPUT_DIR_FLAGS)
+def test_output_dir_under_unwritable_directory(flag, capsys, tmp_path, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    # Tests run as root here, for whom every directory is writable; deny this one instead.
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: path != str(locked) and real_access(path, mode)
+    )
+    err = parse_error(TINY_GPT + [flag, str(locked / "a" / "b")], capsys)
+    assert f"{flag} {locked / 'a' / 'b'}: directory {locked} is not writable by this user" in err
+
+
+@pytest.mark.parametrize("flag", OUTPUT_DIR_FLAGS)
+def test_output_dir_to_create_is_accepted_and_not_created(flag, tmp_path):
+    target = tmp_path / "runs" / "new"
+    args = parse_args(TINY_GPT + [flag, str(target)], world_size=1)
+    assert getattr(args, flag[2:].replace("-", "_")) == str(target)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_save_to_a_file_exits_2_before_training(tmp_path):
+    regular = tmp_path / "ckpt"
+    regular.write_text("")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "pretrain_gpt.py",
+            *TINY_GPT,
+            "--train-iters",
+            "2",
+            "--save",
+            str(regular),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert f"--save {regular} exists and is not a directory" in proc.stderr
+    assert "Traceback" not in proc.stderr and "number of parameters" not in proc.stdout
+
+
 def test_missing_tokenizer_file(capsys, tmp_path):
     argv = ["--mock-data", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
             str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt")]  # fmt: skip
