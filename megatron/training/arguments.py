@@ -574,6 +574,14 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
             "--ckpt-format torch_dist is the sharded format of Megatron-FSDP; add "
             "--use-megatron-fsdp or use --ckpt-format torch.",
         )
+    else:
+        # The torch format saves replicated main params; Megatron-FSDP holds only shards.
+        _require(
+            not args.use_megatron_fsdp,
+            "--use-megatron-fsdp saves sharded checkpoints: drop --ckpt-format torch (the "
+            "default with Megatron-FSDP is torch_dist, which also resumes at another "
+            "data-parallel size).",
+        )
 
 
 def _validate_fsdp(args: argparse.Namespace) -> None:

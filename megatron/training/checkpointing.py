@@ -10,9 +10,15 @@ Layout of one `iter_XXXXXXX/` directory (`--ckpt-format torch`):
 `--ckpt-format torch_dist` (Megatron-FSDP) keeps metadata.json and stores model and optimizer as
 shards through megatron.core.dist_checkpointing.
 
-Everything is written under `<dir>.tmp` and renamed when complete, then the tracker file is
-replaced atomically. Loading uses `torch.load(weights_only=True)` and JSON only, so a checkpoint
-from an untrusted source cannot run code.
+Everything is written under `<dir>.tmp`, fsynced, and published when complete: a previous
+`<dir>` (a re-save of the same iteration) is renamed to `<dir>.old` first and deleted only once
+the new one is in place (megatron/core/checkpoint_files.py); then the tracker file is replaced
+atomically. A kill between those renames leaves `<dir>.old` and no `<dir>`: that copy is complete,
+and loading uses it. Loading a `torch` checkpoint uses `torch.load(weights_only=True)` and JSON
+only, so one from an untrusted source cannot run code (torch_dist's `.metadata`, read by
+torch.distributed.checkpoint, is a pickle: trust its source); a missing, truncated or
+malformed file, or one that does not fit this run's flags, raises CheckpointError naming the
+file and the fix before training.
 """
 
 from __future__ import annotations
@@ -27,6 +33,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.checkpoint_files import (
+    TMP_SUFFIX,
+    CheckpointError,
+    fsync_path,
+    publish_dir,
+    resolve_published_dir,
+)
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.optimizer import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -49,10 +62,17 @@ ARCHITECTURE_FLAGS = (
     "untie_embeddings_and_output_weights",
     "disable_bias_linear",
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and the fix."""
+# metadata.json entries that loading reads, with their JSON types.
+REQUIRED_METADATA = {
+    "ckpt_format": str,
+    "iteration": int,
+    "consumed_train_samples": int,
+    "skipped_iterations": int,
+    "nan_iterations": int,
+    "scheduler": dict,
+    "model_config": dict,
+    "args": dict,
+}
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -123,22 +143,33 @@ def _metadata(args, run, scheduler, state, env) -> dict:
         "world_size": env.world_size,
         "model_config": _config_to_json(run.config),
         "args": _json_safe_args(args),
+        # Checked against the model before any tensor is read (a clear error, not torch's).
+        "param_shapes": {name: list(p.shape) for name, p in run.module.named_parameters()},
     }
 
 
 def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
+    tmp = f"{path}{TMP_SUFFIX}"
     with open(tmp, "w") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def _save_tensor_file(obj, path: str) -> None:
+    """torch.save, then fsync: the rename that publishes the checkpoint must not outrun the data."""
+    with open(path, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def save_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, state, env) -> str:
-    """Write iter_XXXXXXX/ under a temporary name, rename it, then update the tracker."""
+    """Write iter_XXXXXXX/ under a temporary name, publish it, then update the tracker."""
     final = iteration_dir(args.save, state.iteration)
-    tmp = f"{final}.tmp"
+    tmp = f"{final}{TMP_SUFFIX}"
     if env.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "rng"))
@@ -155,22 +186,23 @@ def save_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, state, env
             process_group=env.dp_group,
         )
     elif env.rank == 0:
-        torch.save(run.optimizer.named_main_params(), os.path.join(tmp, "model.pt"))
-        torch.save(run.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        _save_tensor_file(run.optimizer.named_main_params(), os.path.join(tmp, "model.pt"))
+        _save_tensor_file(run.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
     # torch_dist: the engine's sharded state already holds the delayed-scaling state.
     fp8_state = _delayed_scaling_state(run) if args.ckpt_format == "torch" else {}
     if fp8_state and env.rank == 0:  # identical on every rank: amaxes are all-reduced
-        torch.save(fp8_state, os.path.join(tmp, "fp8_delayed_scaling.pt"))
+        _save_tensor_file(fp8_state, os.path.join(tmp, "fp8_delayed_scaling.pt"))
     rng_path = os.path.join(tmp, "rng", f"rank_{env.rank:05d}.pt")
-    torch.save(_rng_state_to_plain(get_rng_state()), rng_path)
+    _save_tensor_file(_rng_state_to_plain(get_rng_state()), rng_path)
     _barrier(env)
     if env.rank == 0:
+        fsync_path(os.path.join(tmp, "rng"))
+        # Written last (and fsyncs tmp/): a directory with metadata.json is complete.
         _atomic_write_text(
             os.path.join(tmp, "metadata.json"),
             json.dumps(_metadata(args, run, scheduler, state, env), indent=1),
         )
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        publish_dir(tmp, final)
         _atomic_write_text(os.path.join(args.save, TRACKER_FILENAME), f"{state.iteration}\n")
         print(f" > saved checkpoint at iteration {state.iteration} to {final}", flush=True)
     _barrier(env)
@@ -194,8 +226,24 @@ def _load_delayed_scaling_state(directory: str, run) -> None:
 
     try:
         load_delayed_scaling_state_dict(run.module, load_tensor_file(path))
-    except (KeyError, ValueError) as error:
+    except (KeyError, ValueError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{path}: {error}") from None
+
+
+def check_load_path(load: str) -> None:
+    """--load must name a --save directory, or one that does not exist yet (a first start of
+    `--save X --load X` trains from scratch). Cheap: pretrain calls it before building anything."""
+    if os.path.exists(load) and not os.path.isdir(load):
+        raise CheckpointError(
+            f"--load {load} is a file, not a directory; point --load at the directory that "
+            f"--save wrote (it holds {TRACKER_FILENAME} and iter_XXXXXXX/)."
+        )
+    is_iteration_dir = os.path.isfile(os.path.join(load, "metadata.json"))
+    if is_iteration_dir and not os.path.isfile(os.path.join(load, TRACKER_FILENAME)):
+        raise CheckpointError(
+            f"--load {load} is one iteration's directory; pass its parent, the --save directory "
+            f"(its {TRACKER_FILENAME} picks the iteration)."
+        )
 
 
 def read_tracker(root: str) -> int | None:
@@ -203,13 +251,33 @@ def read_tracker(root: str) -> int | None:
     tracker = os.path.join(root, TRACKER_FILENAME)
     if not os.path.isfile(tracker):
         return None
-    text = open(tracker).read().strip()
+    fix = "fix or delete the file (it names the newest complete iter_XXXXXXX directory)"
+    with open(tracker, "rb") as handle:
+        raw = handle.read(64)  # an iteration number is a few digits; more is not a tracker
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{tracker}: binary data, not an iteration number; {fix}.") from None
     if not text.isdigit():
         raise CheckpointError(
-            f"{tracker}: expected an iteration number, found {text[:40]!r}; fix or delete the "
-            "file (it names the newest complete iter_XXXXXXX directory)."
+            f"{tracker}: expected an iteration number, found {text[:40]!r}; {fix}."
         )
     return int(text)
+
+
+def resolve_iteration_dir(root: str, iteration: int) -> str:
+    """iter_XXXXXXX of `iteration`, or its complete `.old` copy when a re-save was killed
+    between publish_dir's renames (the new copy never took its place)."""
+    final = iteration_dir(root, iteration)
+    directory = resolve_published_dir(final)
+    if directory is None:
+        unfinished = os.path.isdir(f"{final}{TMP_SUFFIX}")
+        raise CheckpointError(
+            f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}, but {final} "
+            f"does not exist{' (its .tmp copy is an unfinished save)' if unfinished else ''}; "
+            "write the iteration of a complete iter_XXXXXXX directory into the tracker."
+        )
+    return directory
 
 
 def read_metadata(directory: str) -> dict:
@@ -220,9 +288,18 @@ def read_metadata(directory: str) -> dict:
             "point --load at a directory written by --save."
         )
     try:
-        metadata = json.load(open(path))
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path}: not valid JSON ({error}); the file is corrupt.") from None
+        with open(path, encoding="utf-8") as handle:
+            metadata = json.load(handle)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(
+            f"{path}: not valid JSON ({type(error).__name__}: {error}); the file is corrupt. "
+            "Load another iteration."
+        ) from None
+    if not isinstance(metadata, dict):
+        raise CheckpointError(
+            f"{path}: holds a JSON {type(metadata).__name__}, not an object; the file is "
+            "corrupt. Load another iteration."
+        )
     if metadata.get("format") != FORMAT_TAG:
         raise CheckpointError(
             f"{path}: format {metadata.get('format')!r} is not {FORMAT_TAG!r}; this checkpoint "
@@ -231,6 +308,16 @@ def read_metadata(directory: str) -> dict:
     if metadata.get("version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: checkpoint version {metadata.get('version')} is not {FORMAT_VERSION}."
+        )
+    bad = [
+        f"{key} (missing)" if key not in metadata else f"{key} (not a JSON {kind.__name__})"
+        for key, kind in REQUIRED_METADATA.items()
+        if not isinstance(metadata.get(key), kind)
+    ]
+    if bad:
+        raise CheckpointError(
+            f"{path}: bad entries {', '.join(bad)}; the file is corrupt or was edited. "
+            "Load another iteration."
         )
     return metadata
 
@@ -248,52 +335,168 @@ def load_tensor_file(path: str) -> dict:
         ) from None
 
 
-def _check_architecture(metadata: dict, args: argparse.Namespace, directory: str) -> None:
-    saved = metadata.get("args", {})
+def _check_saved_flags(metadata: dict, args: argparse.Namespace, *, directory: str) -> None:
+    """Flags whose saved value this run must share: shapes, the format, and (when the
+    optimizer state is loaded) the optimizer, whose state keys differ (Adam moments vs SGD
+    momentum). --no-load-optim and --finetune start a fresh optimizer, so any one is fine."""
+    saved = metadata["args"]
     for flag in ARCHITECTURE_FLAGS:
         if flag in saved and saved[flag] != getattr(args, flag):
             raise CheckpointError(
                 f"{directory}: saved with --{flag.replace('_', '-')} {saved[flag]}, but this run "
                 f"has {getattr(args, flag)}; use the checkpoint's value."
             )
-
-
-def _load_model_tensors(directory: str, run) -> None:
-    named = load_tensor_file(os.path.join(directory, "model.pt"))
-    expected = run.optimizer.named_main_params()
-    missing = sorted(set(expected) - set(named))
-    unexpected = sorted(set(named) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{directory}/model.pt: parameters do not match the model (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}); the checkpoint is of another architecture."
-        )
-    for name, tensor in named.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(
-                f"{directory}/model.pt: {name} has shape {tuple(tensor.shape)}, the model "
-                f"expects {tuple(expected[name].shape)}; check the model-size flags."
-            )
-    run.optimizer.load_main_params(named)
-
-
-def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
-    """Restore from --load; returns the TrainState to continue from (None: nothing to load)."""
-    from megatron.training.training import TrainState
-
-    iteration = read_tracker(args.load)
-    if iteration is None:
-        if env.rank == 0:
-            print(f" > no checkpoint under --load {args.load}; training from scratch", flush=True)
-        return None
-    directory = iteration_dir(args.load, iteration)
-    metadata = read_metadata(directory)
-    _check_architecture(metadata, args, directory)
     if metadata["ckpt_format"] != args.ckpt_format:
         raise CheckpointError(
             f"{directory}: saved with --ckpt-format {metadata['ckpt_format']}, this run uses "
             f"{args.ckpt_format}; pass --ckpt-format {metadata['ckpt_format']}."
         )
+    load_optim = not (args.no_load_optim or args.finetune)
+    if load_optim and saved.get("optimizer", args.optimizer) != args.optimizer:
+        raise CheckpointError(
+            f"{directory}: saved with --optimizer {saved['optimizer']}, but this run has "
+            f"--optimizer {args.optimizer}, which cannot use its state; pass --optimizer "
+            f"{saved['optimizer']}, or --no-load-optim (or --finetune) to start "
+            f"{args.optimizer} from fresh state."
+        )
+
+
+def _shape_fix(name: str, saved: tuple, expected: tuple, saved_args: dict) -> str:
+    """The flag behind a parameter's shape (what a user changed), named for the message."""
+    if name.endswith("word_embeddings.weight") or name.startswith("output_layer."):
+        vocab = saved_args.get("vocab_size")
+        return (
+            f"the padded vocabulary differs (checkpoint {saved[0]}, this run {expected[0]}): "
+            f"pass {f'--vocab-size {vocab}' if vocab else 'the checkpoint tokenizer'} and "
+            f"--make-vocab-size-divisible-by {saved_args.get('make_vocab_size_divisible_by')}, "
+            "as saved"
+        )
+    if name.endswith("position_embeddings.weight"):
+        return (
+            f"the learned position table differs (checkpoint {saved[0]} positions, this run "
+            f"{expected[0]}): pass --max-position-embeddings {saved[0]} (it defaults to "
+            f"--seq-length) with a --seq-length of at most {saved[0]}"
+        )
+    return (
+        "check the model-size flags (--hidden-size, --ffn-hidden-size, --num-attention-heads, "
+        "--num-query-groups, --kv-channels) against the checkpoint's metadata.json 'args'"
+    )
+
+
+def _check_shapes(
+    saved: dict[str, tuple], expected: dict[str, tuple], *, source: str, saved_args: dict
+) -> None:
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source}: parameters do not match the model (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}); the checkpoint is of another architecture."
+        )
+    for name, shape in expected.items():
+        if saved[name] != shape:
+            raise CheckpointError(
+                f"{source}: {name} has shape {saved[name]} in the checkpoint, the model "
+                f"expects {shape}; {_shape_fix(name, saved[name], shape, saved_args)}."
+            )
+
+
+def _check_saved_param_shapes(metadata: dict, run, *, directory: str) -> None:
+    """metadata.json's param shapes against the model, before any tensor is read (checkpoints
+    from before shapes were recorded skip this; model.pt's own shapes are still checked)."""
+    if "param_shapes" not in metadata:
+        return
+    source = os.path.join(directory, "metadata.json")
+    try:
+        saved = {
+            name: tuple(int(d) for d in shape) for name, shape in metadata["param_shapes"].items()
+        }
+    except (AttributeError, TypeError, ValueError):
+        raise CheckpointError(
+            f"{source}: 'param_shapes' is not {{name: [sizes]}}; the file is corrupt or was "
+            "edited. Load another iteration."
+        ) from None
+    expected = {name: tuple(p.shape) for name, p in run.module.named_parameters()}
+    _check_shapes(saved, expected, source=source, saved_args=metadata["args"])
+
+
+def _read_model_file(directory: str) -> dict[str, torch.Tensor]:
+    path = os.path.join(directory, "model.pt")
+    named = load_tensor_file(path)
+    if not isinstance(named, dict) or not all(isinstance(t, torch.Tensor) for t in named.values()):
+        raise CheckpointError(
+            f"{path}: not a {{param name: tensor}} dict; the file is corrupt. Load another "
+            "iteration."
+        )
+    return named
+
+
+def _load_model_tensors(directory: str, run, saved_args: dict) -> None:
+    named = _read_model_file(directory)
+    expected = run.optimizer.named_main_params()
+    _check_shapes(
+        {name: tuple(t.shape) for name, t in named.items()},
+        {name: tuple(t.shape) for name, t in expected.items()},
+        source=os.path.join(directory, "model.pt"),
+        saved_args=saved_args,
+    )
+    run.optimizer.load_main_params(named)
+
+
+def _load_optimizer_file(directory: str, run) -> None:
+    path = os.path.join(directory, "optimizer.pt")
+    state = load_tensor_file(path)
+    try:
+        run.optimizer.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+        raise CheckpointError(
+            f"{path}: not this run's optimizer state ({type(error).__name__}: {error}); the "
+            "file is corrupt. Load another iteration, or pass --no-load-optim."
+        ) from None
+
+
+def _load_rng_state(directory: str, env) -> None:
+    rng_file = os.path.join(directory, "rng", f"rank_{env.rank:05d}.pt")
+    if not os.path.isfile(rng_file):  # resumed at a larger DP size: every rank seeds alike
+        rng_file = os.path.join(directory, "rng", "rank_00000.pt")
+    plain = load_tensor_file(rng_file)
+    try:
+        set_rng_state(_rng_state_from_plain(plain))
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as error:
+        raise CheckpointError(
+            f"{rng_file}: not an RNG state ({type(error).__name__}: {error}); the file is "
+            "corrupt. Load another iteration, or pass --no-load-rng."
+        ) from None
+
+
+def _load_scheduler(metadata: dict, scheduler: OptimizerParamScheduler, directory: str) -> None:
+    try:
+        scheduler.load_state_dict(metadata["scheduler"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(
+            f"{directory}/metadata.json: 'scheduler' is not a learning-rate schedule state "
+            f"({type(error).__name__}: {error}); the file is corrupt or was edited. Load "
+            "another iteration, or pass --no-load-optim to restart the schedule."
+        ) from None
+
+
+def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
+    """Restore from --load; returns the TrainState to continue from (None: nothing to load).
+
+    Every check that needs no tensor (the --load path, tracker, metadata, saved flags and
+    parameter shapes) runs before any file is read into the model or optimizer."""
+    from megatron.training.training import TrainState
+
+    check_load_path(args.load)
+    iteration = read_tracker(args.load)
+    if iteration is None:
+        if env.rank == 0:
+            print(f" > no checkpoint under --load {args.load}; training from scratch", flush=True)
+        return None
+    directory = resolve_iteration_dir(args.load, iteration)
+    metadata = read_metadata(directory)
+    _check_saved_flags(metadata, args, directory=directory)
+    _check_saved_param_shapes(metadata, run, directory=directory)
     load_optim = not (args.no_load_optim or args.finetune)
     if args.ckpt_format == "torch_dist":
         saved_delayed = metadata["args"].get("fp8_recipe") == "delayed"
@@ -301,22 +504,19 @@ def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
             directory, run=run, env=env, load_optim=load_optim, fp8_scaling_state=saved_delayed
         )
     else:
-        _load_model_tensors(directory, run)
+        _load_model_tensors(directory, run, metadata["args"])
         if load_optim:
-            run.optimizer.load_state_dict(load_tensor_file(os.path.join(directory, "optimizer.pt")))
+            _load_optimizer_file(directory, run)
     if not args.finetune:
         _load_delayed_scaling_state(directory, run)
     if not (args.no_load_rng or args.finetune):
-        rng_file = os.path.join(directory, "rng", f"rank_{env.rank:05d}.pt")
-        if not os.path.isfile(rng_file):  # resumed at a larger DP size: every rank seeds alike
-            rng_file = os.path.join(directory, "rng", "rank_00000.pt")
-        set_rng_state(_rng_state_from_plain(load_tensor_file(rng_file)))
+        _load_rng_state(directory, env)
     if env.rank == 0:
         print(f" > loaded checkpoint {directory} (iteration {iteration})", flush=True)
     if args.finetune:
         return TrainState()
     if load_optim:
-        scheduler.load_state_dict(metadata["scheduler"])
+        _load_scheduler(metadata, scheduler, directory)
     return TrainState(
         iteration=metadata["iteration"],
         consumed_train_samples=metadata["consumed_train_samples"],
@@ -333,8 +533,12 @@ def _load_sharded(directory: str, *, run, env, load_optim: bool, fp8_scaling_sta
     state = {"model": run.model.sharded_state_dict(fp8_scaling_state=fp8_scaling_state)}
     if load_optim:
         state["optimizer"] = run.optimizer.sharded_state_dict()
+    # Raises CheckpointError for a missing, truncated or mismatched shard or .metadata.
     dist_checkpointing.load(state, os.path.join(directory, "sharded"), process_group=env.dp_group)
-    run.model.load_sharded_state_dict(state["model"])
+    try:
+        run.model.load_sharded_state_dict(state["model"])
+    except (KeyError, ValueError) as error:
+        raise CheckpointError(f"{directory}/sharded: {error}") from None
     if load_optim:
         run.optimizer.load_sharded_state_dict(state["optimizer"])
 
@@ -350,17 +554,27 @@ def load_state_for_export(
     if os.path.isfile(os.path.join(checkpoint_dir, "metadata.json")):
         directory = checkpoint_dir
     else:
+        if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+            raise CheckpointError(
+                f"{checkpoint_dir}: a file; pass a --save directory or an iter_XXXXXXX directory."
+            )
         iteration = iteration if iteration is not None else read_tracker(checkpoint_dir)
         if iteration is None:
             raise CheckpointError(
                 f"{checkpoint_dir}: no {TRACKER_FILENAME}; pass a --save directory or an "
                 "iter_XXXXXXX directory."
             )
-        directory = iteration_dir(checkpoint_dir, iteration)
+        directory = resolve_iteration_dir(checkpoint_dir, iteration)
     metadata = read_metadata(directory)
-    config = config_from_json(metadata["model_config"])
+    try:
+        config = config_from_json(metadata["model_config"])
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise CheckpointError(
+            f"{directory}/metadata.json: 'model_config' is not a model config "
+            f"({type(error).__name__}: {error}); the file is corrupt or was edited."
+        ) from None
     if metadata["ckpt_format"] == "torch_dist":
-        from megatron.core.dist_checkpointing import load_full_model_state
+        from megatron.core.dist_checkpointing import load_full_model_params
 
-        return load_full_model_state(os.path.join(directory, "sharded")), config
-    return load_tensor_file(os.path.join(directory, "model.pt")), config
+        return load_full_model_params(os.path.join(directory, "sharded")), config
+    return _read_model_file(directory), config

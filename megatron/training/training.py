@@ -69,7 +69,25 @@ def pretrain(
     final barrier: for a caller that exits the process next without teardown (pretrain_gpt.py).
     """
     args = parse_args(argv)
+    if args.load is not None:
+        from megatron.training.checkpointing import check_load_path
+
+        check_load_path(args.load)  # a --load that is a file fails before anything is built
     env = initialize_distributed(args)
+    try:
+        result = _build_and_train(args, env)
+    except BaseException:
+        # A one-rank group (Megatron-FSDP in one process) has no peer to wait for: free it so
+        # that a library caller can run again. With several ranks the others may still be in a
+        # collective, so the group is left to the process's exit.
+        if env.owns_process_group and env.world_size == 1 and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    shutdown_distributed(env, destroy=destroy_process_group)
+    return result
+
+
+def _build_and_train(args: argparse.Namespace, env: DistributedEnv) -> TrainingResult:
     _configure_logging(env)
     set_random_seeds(args.seed)
     tokenizer = build_tokenizer_from_args(args)
@@ -103,7 +121,6 @@ def pretrain(
     finally:
         if logger is not None:
             logger.close()
-    shutdown_distributed(env, destroy=destroy_process_group)
     return result
 
 

@@ -9,7 +9,9 @@ Anything else fails with a message naming the feature HuggingFace's architecture
 
     python3 tools/checkpoint/convert_to_hf.py --load CKPT_DIR [--iteration N] --output HF_DIR
 
-then `AutoModelForCausalLM.from_pretrained(HF_DIR)`. Weights are read through
+then `AutoModelForCausalLM.from_pretrained(HF_DIR)`. HF_DIR is written as `HF_DIR.tmp` and renamed
+when complete (a previous export there is replaced only then), so it never holds a half-written
+model. Weights are read through
 megatron.training.checkpointing.load_state_for_export (full fp32 parameters by model parameter
 name, from any checkpoint format and data-parallel size), so FP8 training checkpoints export
 their fp32 main weights.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 
@@ -29,6 +32,7 @@ if __package__ in (None, ""):
     # Run as a script: make the repository root importable.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from megatron.core.checkpoint_files import TMP_SUFFIX, fsync_tree, publish_dir  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 Tensor = torch.Tensor
@@ -295,6 +299,7 @@ def gpt2_config(config: TransformerConfig, dtype: torch.dtype) -> dict:
     }
 
 
+EXPORTED_FILES = ("config.json", "model.safetensors")
 CONVERTERS: dict[str, tuple[Callable, Callable]] = {
     "llama": (llama_state_dict, llama_config),
     "gpt2": (gpt2_state_dict, gpt2_config),
@@ -308,7 +313,8 @@ def convert_state_dict_to_hf(
     output_dir: str,
     dtype: torch.dtype = torch.float32,
 ) -> dict:
-    """Write `output_dir`/config.json and model.safetensors; returns the config dict.
+    """Write `output_dir`/config.json and model.safetensors (under `output_dir.tmp`, renamed
+    when complete); returns the config dict.
 
     `state_dict` holds full (unsharded) parameters by our GPTModel's parameter names.
     """
@@ -325,13 +331,32 @@ def convert_state_dict_to_hf(
         for name, tensor in to_state_dict(state_dict, config).items()
     }
     hf_config = to_config(config, dtype)
-    os.makedirs(output_dir, exist_ok=True)
+    _check_output_dir(output_dir)
+    tmp = f"{os.path.normpath(output_dir)}{TMP_SUFFIX}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
+    os.makedirs(tmp)
     # The "format" metadata is how transformers recognizes a PyTorch safetensors file.
-    save_file(tensors, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(output_dir, "config.json"), "w") as config_file:
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w") as config_file:
         json.dump(hf_config, config_file, indent=2, sort_keys=True)
         config_file.write("\n")
+    fsync_tree(tmp)
+    publish_dir(tmp, os.path.normpath(output_dir))
     return hf_config
+
+
+def _check_output_dir(output_dir: str) -> None:
+    """A re-export replaces the whole directory: refuse one that holds files we did not write."""
+    if not os.path.exists(output_dir):
+        return
+    if not os.path.isdir(output_dir):
+        raise FileExistsError(f"--output {output_dir} is a file; pass a directory path.")
+    others = sorted(set(os.listdir(output_dir)) - set(EXPORTED_FILES))
+    if others:
+        raise FileExistsError(
+            f"--output {output_dir} holds files an export does not write ({others[:5]}), which "
+            "replacing the directory would delete; pass a new or empty --output directory."
+        )
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -346,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from megatron.training.checkpointing import load_state_for_export
 
+    _check_output_dir(args.output)  # before the (possibly long) load
     state_dict, config = load_state_for_export(args.load, args.iteration)
     hf_config = convert_state_dict_to_hf(
         state_dict, config, output_dir=args.output, dtype=DTYPES[args.dtype]

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megatron.core.checkpoint_files import CheckpointError
+from megatron.core.dist_checkpointing.serialization import checkpoint_path, describe_failure
 
 
 def load_full_model_params(
@@ -17,9 +21,10 @@ def load_full_model_params(
     """{param name: full fp32 tensor} from the Megatron-FSDP model state under `model_key`.
 
     Needs no process group: DCP reads every rank's piece into one full tensor per parameter.
+    Raises CheckpointError, naming the path, for a missing, truncated or foreign checkpoint.
     """
-    reader = dcp.FileSystemReader(str(Path(checkpoint_dir)))
-    metadata = reader.read_metadata()
+    path = checkpoint_path(checkpoint_dir)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
     params_prefix = f"{model_key}.params."
     shapes_prefix = f"{model_key}.param_shapes."
     template: dict[str, torch.Tensor] = {}
@@ -28,17 +33,30 @@ def load_full_model_params(
             (params_prefix, shapes_prefix)
         ):
             template[key] = torch.empty(item.size, dtype=item.properties.dtype)
-    if not template:
-        raise ValueError(
-            f"load_full_model_params: no '{params_prefix}*' tensors in {checkpoint_dir}"
+    if not any(key.startswith(params_prefix) for key in template):
+        raise CheckpointError(
+            f"{path}: no '{params_prefix}*' tensors, so this is not a Megatron-FSDP model "
+            "checkpoint; pass the iter_XXXXXXX/sharded directory that --save wrote."
         )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "no process group: loading on one rank"
-        dcp.load(template, checkpoint_id=str(checkpoint_dir), no_dist=True)
+        try:
+            dcp.load(template, checkpoint_id=str(path), no_dist=True)
+        except (Exception, CheckpointException) as error:  # CheckpointException: BaseException
+            raise CheckpointError(
+                f"{path}: cannot be loaded ({describe_failure(error)}); a shard (.distcp) is "
+                "truncated, corrupt or missing. Export another iteration."
+            ) from None
     result = {}
     for key, value in template.items():
-        if key.startswith(params_prefix):
-            name = key[len(params_prefix) :]
-            shape = template[shapes_prefix + name].tolist()
-            result[name] = value.view(shape)
+        if not key.startswith(params_prefix):
+            continue
+        name = key[len(params_prefix) :]
+        shape = template.get(shapes_prefix + name)
+        if shape is None or math.prod(shape.tolist()) != value.numel():
+            raise CheckpointError(
+                f"{path}: {name} has no recorded shape of {value.numel()} elements; the "
+                "checkpoint is corrupt. Export another iteration."
+            )
+        result[name] = value.view(shape.tolist())
     return result

@@ -4,8 +4,10 @@
 ShardedTensors, resharded by DCP to whatever DP size loads them), plus small replicated values
 (iteration, scheduler state, ...), which every rank passes identically.
 
-Atomic: everything is written to `<dir>.tmp` and rank 0 renames it to `<dir>` only after every
-rank has finished, so a crash never leaves a half-written checkpoint under the final name.
+Atomic: everything is written to `<dir>.tmp` (DCP fsyncs each file) and rank 0 publishes it as
+`<dir>` only after every rank has finished, keeping the previous `<dir>` until the new one is in
+place (megatron/core/checkpoint_files.py), so a crash never leaves a half-written checkpoint
+under the final name. A checkpoint that cannot be read raises CheckpointError naming the path.
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megatron.core.checkpoint_files import (
+    CheckpointError,
+    fsync_path,
+    publish_dir,
+    resolve_published_dir,
+)
 
 
 def save(
@@ -41,9 +51,8 @@ def save(
         dcp.save(state, checkpoint_id=str(tmp), process_group=process_group)
     dist.barrier(group=process_group)
     if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        fsync_path(tmp)
+        publish_dir(tmp, final)
     dist.barrier(group=process_group)
 
 
@@ -58,12 +67,44 @@ def load(
     The template's sharded tensors describe this run's layout; DCP reads the matching ranges
     whatever DP size wrote them.
     """
-    path = Path(checkpoint_dir)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(
-            f"dist_checkpointing.load: {path} is not a torch_dist checkpoint (no .metadata); "
-            "check --load, or a '.tmp' sibling means the save did not finish"
-        )
+    path = checkpoint_path(checkpoint_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor deprecation, as in save
-        dcp.load(state, checkpoint_id=str(path), process_group=process_group)
+        try:
+            dcp.load(state, checkpoint_id=str(path), process_group=process_group)
+        except (Exception, CheckpointException) as error:  # CheckpointException: BaseException
+            raise CheckpointError(
+                f"{path}: cannot be loaded ({describe_failure(error)}); a shard (.distcp) or "
+                ".metadata is truncated, corrupt or missing, or the checkpoint does not match "
+                "this model. Load another iteration."
+            ) from None
+
+
+def checkpoint_path(checkpoint_dir: str | os.PathLike) -> Path:
+    """The complete checkpoint at checkpoint_dir (or its .old copy), with a readable .metadata.
+
+    Every rank reads the same .metadata, so all fail alike, before any collective.
+    """
+    resolved = resolve_published_dir(checkpoint_dir)
+    if resolved is None or not (Path(resolved) / ".metadata").is_file():
+        raise CheckpointError(
+            f"{checkpoint_dir}: not a torch_dist checkpoint (no .metadata); check --load, or a "
+            "'.tmp' sibling means the save did not finish: load another iteration."
+        )
+    path = Path(resolved)
+    try:
+        dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as error:  # a truncated pickle raises one of several types
+        raise CheckpointError(
+            f"{path / '.metadata'}: cannot be read ({describe_failure(error)}); the file is "
+            "truncated or corrupt. Load another iteration."
+        ) from None
+    return path
+
+
+def describe_failure(error: BaseException) -> str:
+    """The root cause in one line: DCP wraps each rank's exception with its whole traceback."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}" if text else type(error).__name__

@@ -202,3 +202,81 @@ def test_cli_exports_a_trained_checkpoint(tmp_path: Path) -> None:
     with torch.no_grad():
         ours = model(tokens)
     assert _relative_error(_hf_logits(output, tokens), ours) < MAX_RELATIVE_ERROR
+
+
+def test_megatron_fsdp_checkpoint_exports_the_trained_weights(tmp_path: Path, monkeypatch) -> None:
+    """Train 2 iterations under Megatron-FSDP (torch_dist), export with the CLI's main(): every
+    exported tensor equals the trained model's parameter, mapped to GPT-2's names and layout."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    import megatron.training.training as training
+    from tests.unit_tests.training.common import TINY_GPT, run_pretrain
+    from tools.checkpoint.convert_to_hf import gpt2_state_dict, main
+
+    runs = []
+    setup = training.setup_model_and_optimizer
+
+    def recording_setup(*args, **kwargs):
+        runs.append(setup(*args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(training, "setup_model_and_optimizer", recording_setup)
+    save_dir, output = tmp_path / "ckpt", tmp_path / "hf"
+    fsdp = ["--use-megatron-fsdp", "--ckpt-format", "torch_dist"]
+    run_pretrain(TINY_GPT + fsdp + ["--train-iters", "2", "--save", str(save_dir)])
+    (run,) = runs
+    trained = run.model.full_parameters()  # one rank: no collective, the group is gone
+    initial = dict(GPTModel(run.config, seed=1234).named_parameters())
+    assert not torch.equal(
+        trained["decoder.final_norm.weight"], initial["decoder.final_norm.weight"]
+    )
+
+    main(["--load", str(save_dir), "--output", str(output)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]  # no hf.tmp left
+    exported = safetensors_torch.load_file(str(output / "model.safetensors"))
+    expected = gpt2_state_dict(trained, run.config)
+    assert sorted(exported) == sorted(expected) and len(exported) == 4 + 2 * 12
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), name
+    assert json.loads((output / "config.json").read_text())["vocab_size"] == 512
+
+
+def test_export_replaces_a_previous_export_only_when_complete(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("safetensors", reason="needs `pip install safetensors`")
+    import safetensors.torch
+
+    config = TransformerConfig(**GPT2)
+    state_dict = {
+        n: p.detach() for n, p in _model_with_every_weight_in_play(config).named_parameters()
+    }
+    output = tmp_path / "hf"
+    convert_state_dict_to_hf(state_dict, config, output_dir=str(output))
+    first = (output / "model.safetensors").read_bytes()
+
+    def killed_mid_write(tensors, path, metadata=None):
+        Path(path).write_bytes(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", killed_mid_write)
+    doubled = {name: 2 * tensor for name, tensor in state_dict.items()}
+    with pytest.raises(KeyboardInterrupt):
+        convert_state_dict_to_hf(doubled, config, output_dir=str(output))
+    assert (output / "model.safetensors").read_bytes() == first  # the old export, untouched
+    assert (tmp_path / "hf.tmp" / "model.safetensors").read_bytes() == b"half a file"
+    monkeypatch.undo()
+    convert_state_dict_to_hf(doubled, config, output_dir=str(output))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    exported = safetensors.torch.load_file(str(output / "model.safetensors"))
+    assert torch.equal(
+        exported["transformer.wte.weight"], doubled["embedding.word_embeddings.weight"]
+    )
+
+
+def test_export_refuses_an_output_dir_with_other_files(tmp_path: Path) -> None:
+    config = TransformerConfig(**GPT2)
+    state_dict = dict(GPTModel(config).named_parameters())
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(
+        FileExistsError, match=r"holds files an export does not write \(\[.tokenizer.json.\]\)"
+    ):
+        convert_state_dict_to_hf(state_dict, config, output_dir=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json"]

@@ -133,3 +133,115 @@ def test_fp8_resume_continues_exactly(tmp_path, recipe):
     assert has_state == (recipe == "delayed")
     resumed = run_pretrain(argv + ["--load", str(tmp_path)])
     assert [resumed.losses[i] for i in range(5, 9)] == [full.losses[i] for i in range(5, 9)]
+
+
+class _Killed(BaseException):
+    """Stands in for SIGKILL: no `except Exception` in the save path can swallow it."""
+
+
+def _kill_on_rename_into(monkeypatch, final: str) -> None:
+    """Kill the process at the rename that would put `final` in place."""
+    import megatron.core.checkpoint_files as checkpoint_files
+
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if os.fspath(dst) == final and os.fspath(src).endswith(".tmp"):
+            raise _Killed
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint_files.os, "replace", replace)
+
+
+def test_killed_resave_leaves_the_previous_copy_loadable(tmp_path, monkeypatch, capsys):
+    """Re-saving iteration 2, killed after the old copy moved aside and before the new one took
+    its place: the old copy (complete) is what the tracker's iteration loads from, and the next
+    save of that iteration puts everything back under the final name."""
+    argv = TINY_GPT + ["--train-iters", "3", "--save", str(tmp_path), "--exit-interval", "2"]
+    full = run_pretrain(TINY_GPT + ["--train-iters", "3"])
+    run_pretrain(argv)
+    final = str(tmp_path / "iter_0000002")
+    with monkeypatch.context() as patch:
+        _kill_on_rename_into(patch, final)
+        with pytest.raises(_Killed):
+            run_pretrain(argv)
+    assert sorted(os.listdir(tmp_path)) == [
+        "iter_0000002.old",
+        "iter_0000002.tmp",
+        "latest_checkpointed_iteration.txt",
+    ]
+    assert sorted(os.listdir(tmp_path / "iter_0000002.old")) == [
+        "metadata.json",
+        "model.pt",
+        "optimizer.pt",
+        "rng",
+    ]
+    capsys.readouterr()
+    resumed = run_pretrain(TINY_GPT + ["--train-iters", "3", "--load", str(tmp_path)])
+    assert f" > loaded checkpoint {final}.old (iteration 2)" in capsys.readouterr().out
+    assert resumed.losses == {3: full.losses[3]}
+    run_pretrain(argv)  # re-save: the aside copy is restored, replaced, then deleted
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+def test_publish_dir_keeps_one_complete_copy(tmp_path):
+    from megatron.core.checkpoint_files import publish_dir, resolve_published_dir
+
+    final = tmp_path / "iter"
+    for name, text in (("iter.tmp", "new"), ("iter.old", "stale")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "data").write_text(text)
+    (final).mkdir()
+    (final / "data").write_text("old")
+    publish_dir(tmp_path / "iter.tmp", final)  # final and a stale aside both exist
+    assert sorted(os.listdir(tmp_path)) == ["iter"]
+    assert (final / "data").read_text() == "new"
+    os.rename(final, tmp_path / "iter.old")  # as a kill between the renames leaves it
+    assert resolve_published_dir(final) == f"{final}.old"
+    (tmp_path / "iter.tmp").mkdir()
+    (tmp_path / "iter.tmp" / "data").write_text("newer")
+    publish_dir(tmp_path / "iter.tmp", final)
+    assert sorted(os.listdir(tmp_path)) == ["iter"]
+    assert (final / "data").read_text() == "newer"
+    assert resolve_published_dir(tmp_path / "absent") is None
+
+
+def test_every_file_is_fsynced_before_the_rename(tmp_path, monkeypatch):
+    """The data, then the directory entries, reach the disk before the rename that publishes
+    them; the parent directory after it (so the rename itself survives a power loss)."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(descriptor):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}")))
+        real_fsync(descriptor)
+
+    def replace(src, dst):
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    run_pretrain(TINY_GPT + ["--train-iters", "2", "--save", str(tmp_path)])
+    final = str(tmp_path / "iter_0000002")
+    publish = events.index(("replace", f"{final}.tmp", final))
+    synced_before = set()  # paths whose data is durable; a rename carries that to its target
+    for event in events[:publish]:
+        if event[0] == "fsync":
+            synced_before.add(event[1])
+        elif event[1] in synced_before:
+            synced_before.add(event[2])
+    written = {f"{final}.tmp"}
+    for directory, _, files in os.walk(final):
+        written.add(directory.replace(final, f"{final}.tmp", 1))
+        written.update(
+            os.path.join(directory, name).replace(final, f"{final}.tmp", 1) for name in files
+        )
+    assert len(written) == 6  # tmp, rng/, metadata.json, model.pt, optimizer.pt, rank_00000.pt
+    assert written <= synced_before
+    tracker = str(tmp_path / "latest_checkpointed_iteration.txt")
+    after = events[publish + 1 :]
+    assert after[0] == ("fsync", str(tmp_path))
+    assert after.index(("replace", f"{tracker}.tmp", tracker)) < after.index(
+        ("fsync", str(tmp_path)), 1
+    )

@@ -1,0 +1,252 @@
+"""Bad checkpoints and --load paths fail before training with a CheckpointError that names the
+file and the fix: malformed metadata and tensor files, a different optimizer, model shapes that
+differ from the checkpoint's, and corrupt Megatron-FSDP (torch_dist) shards."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron.training.training as training
+from megatron.training.checkpointing import CheckpointError, load_state_for_export
+from tests.unit_tests.training.common import TINY_GPT, run_pretrain
+
+FSDP = ["--use-megatron-fsdp", "--ckpt-format", "torch_dist"]
+ITER_DIR = "iter_0000002"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 2-iteration Adam checkpoint in --ckpt-format torch."""
+    root = tmp_path_factory.mktemp("torch_ckpt")
+    run_pretrain(TINY_GPT + ["--train-iters", "2", "--save", str(root)])
+    return root
+
+
+@pytest.fixture(scope="module")
+def saved_fsdp(tmp_path_factory):
+    """A 2-iteration Adam checkpoint of Megatron-FSDP in --ckpt-format torch_dist."""
+    root = tmp_path_factory.mktemp("fsdp_ckpt")
+    run_pretrain(TINY_GPT + FSDP + ["--train-iters", "2", "--save", str(root)])
+    return root
+
+
+def _copy(root, tmp_path):
+    target = tmp_path / "copy"
+    shutil.copytree(root, target)
+    return target
+
+
+def _load_error(root, extra=()) -> str:
+    """The CheckpointError message of resuming from root. pretrain frees the one-rank process
+    group it made for Megatron-FSDP when it fails, so the next test starts without one."""
+    with pytest.raises(CheckpointError) as info:
+        run_pretrain(TINY_GPT + ["--train-iters", "4", "--load", str(root), *extra])
+    assert not dist.is_initialized()
+    return str(info.value)
+
+
+# --- 5. malformed files of a torch-format checkpoint --------------------------------------
+
+
+def _binary_tracker(root):
+    (root / "latest_checkpointed_iteration.txt").write_bytes(b"\x80\xff\x00\x13")
+
+
+def _binary_metadata(root):
+    (root / ITER_DIR / "metadata.json").write_bytes(b"\x80\x04\x95\xff" * 8)
+
+
+def _edit_metadata(root, edit):
+    path = root / ITER_DIR / "metadata.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+
+
+def _without(key):
+    return lambda root: _edit_metadata(
+        root, lambda meta: {k: v for k, v in meta.items() if k != key}
+    )
+
+
+def _replace_tensor_file(relative, obj):
+    return lambda root: torch.save(obj, root / ITER_DIR / relative)
+
+
+MALFORMED = {
+    "binary-tracker": (
+        _binary_tracker,
+        "latest_checkpointed_iteration.txt: binary data, not an iteration number",
+    ),
+    "binary-metadata": (_binary_metadata, "metadata.json: not valid JSON (UnicodeDecodeError"),
+    "metadata-list": (
+        lambda root: (root / ITER_DIR / "metadata.json").write_text("[]"),
+        "metadata.json: holds a JSON list, not an object",
+    ),
+    "no-scheduler": (_without("scheduler"), "metadata.json: bad entries scheduler (missing)"),
+    "iteration-not-int": (
+        lambda root: _edit_metadata(root, lambda meta: {**meta, "iteration": "2"}),
+        "metadata.json: bad entries iteration (not a JSON int)",
+    ),
+    "scheduler-empty": (
+        lambda root: _edit_metadata(root, lambda meta: {**meta, "scheduler": {}}),
+        "metadata.json: 'scheduler' is not a learning-rate schedule state (KeyError",
+    ),
+    "param-shapes-list": (
+        lambda root: _edit_metadata(root, lambda meta: {**meta, "param_shapes": [1, 2]}),
+        "metadata.json: 'param_shapes' is not {name: [sizes]}",
+    ),
+    "optimizer-structure": (
+        _replace_tensor_file("optimizer.pt", {"step": torch.zeros(1)}),
+        "optimizer.pt: not this run's optimizer state (KeyError: 'param_groups')",
+    ),
+    "rng-structure": (
+        _replace_tensor_file("rng/rank_00000.pt", {"torch_cpu": torch.zeros(1)}),
+        "rank_00000.pt: not an RNG state (KeyError: 'numpy')",
+    ),
+    "model-list": (
+        _replace_tensor_file("model.pt", [torch.zeros(1)]),
+        "model.pt: not a {param name: tensor} dict",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_file_names_file_and_problem(saved, tmp_path, case):
+    corrupt, expected = MALFORMED[case]
+    root = _copy(saved, tmp_path)
+    corrupt(root)
+    message = _load_error(root)
+    assert expected in message
+    assert str(root) in message  # the path, not only the file name
+
+
+def test_unfinished_save_named_when_tracker_points_at_it(saved, tmp_path):
+    root = _copy(saved, tmp_path)
+    os.rename(root / ITER_DIR, root / f"{ITER_DIR}.tmp")
+    message = _load_error(root)
+    assert f"names iteration 2, but {root / ITER_DIR} does not exist" in message
+    assert "(its .tmp copy is an unfinished save)" in message
+
+
+# --- 6. --load paths -----------------------------------------------------------------------
+
+
+def _refuse_model_setup(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was built before --load was checked")
+
+    monkeypatch.setattr(training, "setup_model_and_optimizer", refuse)
+
+
+def test_load_path_that_is_a_file_fails_before_the_model_is_built(tmp_path, monkeypatch):
+    load_file = tmp_path / "checkpoint.pt"
+    load_file.write_bytes(b"not a directory")
+    _refuse_model_setup(monkeypatch)
+    message = _load_error(load_file)
+    assert message.startswith(f"--load {load_file} is a file, not a directory;")
+    assert "latest_checkpointed_iteration.txt" in message
+
+
+def test_load_of_an_iteration_directory_names_its_parent(saved, monkeypatch):
+    _refuse_model_setup(monkeypatch)
+    message = _load_error(saved / ITER_DIR)
+    assert f"--load {saved / ITER_DIR} is one iteration's directory; pass its parent" in message
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["missing-dir", "empty-dir"])
+def test_missing_or_empty_load_dir_trains_from_scratch(tmp_path, capsys, existing):
+    """`--save X --load X` on a first start: Megatron's behaviour, with a log line saying so."""
+    load_dir = tmp_path / "ckpt"
+    if existing:
+        load_dir.mkdir()
+    result = run_pretrain(TINY_GPT + ["--train-iters", "2", "--load", str(load_dir)])
+    assert sorted(result.losses) == [1, 2]
+    assert f" > no checkpoint under --load {load_dir}; training from scratch" in (
+        capsys.readouterr().out
+    )
+
+
+# --- 3. a different optimizer --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["torch", "torch_dist"])
+def test_other_optimizer_needs_no_load_optim(saved, saved_fsdp, fsdp):
+    root, extra = (saved_fsdp, FSDP) if fsdp else (saved, [])
+    message = _load_error(root, [*extra, "--optimizer", "sgd"])
+    assert "saved with --optimizer adam, but this run has --optimizer sgd" in message
+    assert "pass --optimizer adam, or --no-load-optim (or --finetune)" in message
+    try:
+        argv = TINY_GPT + extra + ["--train-iters", "3", "--load", str(root), "--optimizer", "sgd"]
+        fresh_optimizer = run_pretrain(argv + ["--no-load-optim"])
+        finetune = run_pretrain(argv + ["--finetune"])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert sorted(fresh_optimizer.losses) == [3]  # weights and iteration restored, SGD fresh
+    assert sorted(finetune.losses) == [1, 2, 3]
+    assert all(torch.isfinite(torch.tensor(list(finetune.losses.values()))))
+
+
+# --- 4. Megatron-FSDP: shapes that differ, corrupt shards -----------------------------------
+
+
+def test_fsdp_vocab_size_mismatch_names_the_flag(saved_fsdp):
+    message = _load_error(saved_fsdp, [*FSDP, "--vocab-size", "1024"])
+    assert (
+        f"{saved_fsdp / ITER_DIR / 'metadata.json'}: embedding.word_embeddings.weight has shape "
+        "(512, 64) in the checkpoint, the model expects (1024, 64)" in message
+    )
+    assert "pass --vocab-size 512 and --make-vocab-size-divisible-by 128, as saved" in message
+
+
+def test_fsdp_learned_position_mismatch_names_the_flag(saved_fsdp):
+    message = _load_error(saved_fsdp, [*FSDP, "--seq-length", "64"])
+    assert "embedding.position_embeddings.weight has shape (32, 64) in the checkpoint" in message
+    assert "pass --max-position-embeddings 32 (it defaults to --seq-length)" in message
+
+
+def test_fsdp_checkpoint_without_recorded_shapes_still_fails_cleanly(saved_fsdp, tmp_path):
+    """Checkpoints saved before metadata.json recorded shapes: DCP's size check, wrapped."""
+    root = _copy(saved_fsdp, tmp_path)
+    _without("param_shapes")(root)
+    message = _load_error(root, [*FSDP, "--vocab-size", "1024"])
+    assert message.startswith(f"{root / ITER_DIR / 'sharded'}: cannot be loaded (ValueError: ")
+    assert "Size mismatch" in message and "model.params.embedding.word_embeddings.weight" in message
+
+
+def _shard(root):
+    (shard,) = (root / ITER_DIR / "sharded").glob("*.distcp")
+    return shard
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+
+
+CORRUPT_SHARDS = {
+    "truncated-distcp": (lambda root: _truncate(_shard(root)), "sharded: cannot be loaded ("),
+    "missing-distcp": (
+        lambda root: _shard(root).unlink(),
+        "sharded: cannot be loaded (FileNotFoundError",
+    ),
+    "truncated-metadata": (
+        lambda root: _truncate(root / ITER_DIR / "sharded" / ".metadata"),
+        "sharded/.metadata: cannot be read (",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT_SHARDS))
+def test_fsdp_corrupt_shard_is_a_checkpoint_error(saved_fsdp, tmp_path, case):
+    corrupt, expected = CORRUPT_SHARDS[case]
+    root = _copy(saved_fsdp, tmp_path)
+    corrupt(root)
+    message = _load_error(root, FSDP)
+    assert str(root / ITER_DIR / "sharded") in message and expected in message
+    assert "Load another iteration." in message
+    with pytest.raises(CheckpointError) as export_error:  # the HF export reads the same files
+        load_state_for_export(str(root))
+    assert expected in str(export_error.value)
