@@ -47,11 +47,26 @@ def test_elementwise_error_bound_for_normal_range_values(recipe, role, columnwis
 
 
 def test_dequantize_keeps_input_dtype_and_crops_padding():
-    x = torch.randn(3, 45).bfloat16()
+    x = torch.randn(3, 45, generator=torch.Generator().manual_seed(2)).bfloat16()
     qt = quantize(x, recipe="mxfp8", fp8_dtype=E4M3, role="input", columnwise=True)
     out = qt.dequantize()
     assert out.dtype == torch.bfloat16 and out.shape == (3, 45)
-    # Dequantizing is exact q * 2^k: re-quantizing the result reproduces the same bytes.
+    # Dequantizing is exact q * 2^k, so re-quantizing keeps every value (not always the bytes:
+    # see the next test).
     again = quantize(out, recipe="mxfp8", fp8_dtype=E4M3, role="input")
-    assert torch.equal(again.rowwise_data, qt.rowwise_data)
-    assert torch.equal(again.rowwise_scale_inv, qt.rowwise_scale_inv)
+    assert torch.equal(again.dequantize(), out)
+
+
+def test_mxfp8_requantize_may_pick_the_next_lower_scale():
+    """A block whose amax rounds down to 224 * 2^k dequantizes to an amax whose t is exactly
+    2^(k-1): the second quantization takes E8M0 byte e - 1 and doubles every byte's value,
+    with the same dequantized values (FP8_NUMERICS.md, mxfp8 steps 2-3)."""
+    x = torch.full((1, 32), 1.796875)  # x * 2^7 = 230 rounds to 224 in E4M3
+    first = quantize(x, recipe="mxfp8", fp8_dtype=E4M3, role="input")
+    second = quantize(first.dequantize(), recipe="mxfp8", fp8_dtype=E4M3, role="input")
+    assert first.rowwise_scale_inv.view(torch.uint8).unique().tolist() == [120]
+    assert second.rowwise_scale_inv.view(torch.uint8).unique().tolist() == [119]
+    assert first.rowwise_data.view(E4M3).float().unique().tolist() == [224.0]
+    assert second.rowwise_data.view(E4M3).float().unique().tolist() == [448.0]
+    assert torch.equal(second.dequantize(), first.dequantize())
+    assert first.dequantize().unique().tolist() == [1.75]
