@@ -1,6 +1,6 @@
 """Parse-time checks of the paths that flags name, so a bad path fails before training.
 
-Each check raises ValueError with a message naming the flag and the fix; arguments.py turns it
+Each check raises ValueError with a message naming the flag and the fix; argument_checks.py turns it
 into exit status 2. Without them, --save pointing at a file failed only at the first checkpoint,
 after training, and --tensorboard-dir or --data-cache-path with a raw FileExistsError.
 """

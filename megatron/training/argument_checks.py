@@ -1,0 +1,339 @@
+"""Cross-flag validation of pretrain_gpt.py's arguments: every check in one function.
+
+`validate_args` fills derived defaults and raises ArgumentError, whose message names the flags
+and the fix; `arguments.parse_args` turns it into exit status 2 before any model is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from megatron.training.path_checks import check_input_file, check_output_dir
+
+
+class ArgumentError(ValueError):
+    """An invalid flag or combination of flags."""
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """All cross-flag checks, in one place. Fills derived defaults. Raises ArgumentError."""
+    _validate_batch(args)
+    _validate_model(args)
+    _validate_schedule(args)
+    _validate_data(args)
+    _validate_checkpointing(args)
+    _validate_fsdp(args)
+    _validate_fp8(args)
+    _validate_output_dirs(args)
+    _validate_logging(args)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ArgumentError(message)
+
+
+def _flag(attr: str) -> str:
+    return "--" + attr.replace("_", "-")
+
+
+def _require_positive(args: argparse.Namespace, attr: str, hint: str) -> None:
+    """A given value (None: derived later) must be finite and > 0; hint says what to pass."""
+    value = getattr(args, attr)
+    if value is not None:
+        _require(math.isfinite(value) and value > 0, f"{_flag(attr)} {value} must be > 0; {hint}.")
+
+
+def _require_fraction(args: argparse.Namespace, attr: str, hint: str) -> None:
+    value = getattr(args, attr)
+    _require(0.0 <= value < 1.0, f"{_flag(attr)} {value} must be in [0, 1); {hint}.")
+
+
+# Sizes and scales that are silently wrong (a zero-width layer, NaN loss) or raise raw torch
+# errors when <= 0, each with the fix its message names.
+_POSITIVE_MODEL_VALUES = (
+    ("ffn_hidden_size", "omit it for 4 x --hidden-size"),
+    ("kv_channels", "omit it for --hidden-size / --num-attention-heads"),
+    ("max_position_embeddings", "omit it for --seq-length"),
+    ("rotary_base", "Megatron's default is 10000"),
+    ("norm_epsilon", "the default is 1e-5"),
+    ("init_method_std", "the default is 0.02"),
+)
+
+
+def _validate_batch(args: argparse.Namespace) -> None:
+    dp = args.data_parallel_size
+    _require(args.micro_batch_size > 0, "--micro-batch-size must be positive.")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    per_step = args.micro_batch_size * dp
+    _require(
+        args.global_batch_size > 0 and args.global_batch_size % per_step == 0,
+        f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+        f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}; set "
+        f"--global-batch-size to a multiple of {per_step} or change --micro-batch-size.",
+    )
+    args.num_microbatches = args.global_batch_size // per_step
+    _require(args.train_iters > 0, "--train-iters must be positive.")
+    _require(args.log_interval > 0, "--log-interval must be positive.")
+    _require(args.eval_interval > 0, "--eval-interval must be positive.")
+    _require(args.eval_iters >= 0, "--eval-iters must be >= 0 (0 disables evaluation).")
+    if args.exit_interval is not None:
+        _require(args.exit_interval > 0, "--exit-interval must be positive.")
+    if args.exit_duration_in_mins is not None:
+        _require(args.exit_duration_in_mins > 0, "--exit-duration-in-mins must be positive.")
+
+
+def _validate_model(args: argparse.Namespace) -> None:
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        _require(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} must be positive.")
+    if args.kv_channels is None:
+        _require(
+            args.hidden_size % args.num_attention_heads == 0,
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}; change one of them or set --kv-channels.",
+        )
+    if args.group_query_attention:
+        _require(
+            args.num_query_groups is not None,
+            "--group-query-attention needs --num-query-groups N (key/value heads).",
+        )
+    elif args.num_query_groups is not None:
+        raise ArgumentError("--num-query-groups needs --group-query-attention.")
+    if args.num_query_groups is not None:
+        _require(
+            args.num_query_groups > 0 and args.num_attention_heads % args.num_query_groups == 0,
+            f"--num-attention-heads {args.num_attention_heads} is not a multiple of "
+            f"--num-query-groups {args.num_query_groups}; pick a divisor.",
+        )
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute":
+        _require(
+            args.seq_length <= args.max_position_embeddings,
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+            f"{args.max_position_embeddings}; raise the latter.",
+        )
+    for attr, hint in _POSITIVE_MODEL_VALUES:
+        _require_positive(args, attr, hint)
+    for attr in ("hidden_dropout", "attention_dropout"):
+        _require_fraction(args, attr, "0 disables it")
+    _require(0.0 < args.rotary_percent <= 1.0, "--rotary-percent must be in (0, 1].")
+    _require(args.recompute_num_layers > 0, "--recompute-num-layers must be positive.")
+    _require(
+        args.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive."
+    )
+
+
+def _validate_schedule(args: argparse.Namespace) -> None:
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    _require_positive(args, "lr", "the default is 3e-4")
+    _require(0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must be in [0, --lr {args.lr}].")
+    _require(args.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0.")
+    _require(
+        args.lr_decay_iters > 0, "--lr-decay-iters must be positive (omit it for --train-iters)."
+    )
+    if args.lr_decay_style != "constant":
+        _require(
+            args.lr_warmup_iters < args.lr_decay_iters,
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
+            f"{args.lr_decay_iters}; shorten warmup or lengthen the decay.",
+        )
+    if args.lr_decay_style == "WSD":
+        _require(
+            args.lr_wsd_decay_iters is not None,
+            "--lr-decay-style WSD needs --lr-wsd-decay-iters (length of the annealing phase).",
+        )
+        _require(
+            0 < args.lr_wsd_decay_iters <= args.lr_decay_iters - args.lr_warmup_iters,
+            "--lr-wsd-decay-iters must be positive and fit after warmup within --lr-decay-iters.",
+        )
+    _require(
+        math.isfinite(args.clip_grad) and args.clip_grad >= 0,
+        f"--clip-grad {args.clip_grad} must be a finite number >= 0 (0 disables clipping).",
+    )
+    _require(
+        math.isfinite(args.weight_decay) and args.weight_decay >= 0,
+        f"--weight-decay {args.weight_decay} must be a finite number >= 0 (0 disables decay).",
+    )
+    _require_fraction(args, "adam_beta1", "the default is 0.9")
+    _require_fraction(args, "adam_beta2", "the default is 0.999")
+    _require_positive(args, "adam_eps", "the default is 1e-8")
+    _require_fraction(args, "sgd_momentum", "0 disables momentum; the default is 0.9")
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    if args.mock_data:
+        _require(not args.data_path, "--mock-data and --data-path exclude each other; pick one.")
+    else:
+        _require(
+            bool(args.data_path),
+            "No training data: pass --data-path PREFIX (made by tools/preprocess_data.py) or "
+            "--mock-data for synthetic tokens.",
+        )
+    train_share = _validate_split(args.split)[0]
+    # --train-iters is positive (_validate_batch), so the train split needs documents; mock
+    # data has no documents to split.
+    _require(
+        train_share > 0 or args.mock_data,
+        f"--split {args.split!r} gives the train split no documents, but --train-iters "
+        f"{args.train_iters} needs training data; give the first share a positive weight, like "
+        "969,30,1.",
+    )
+    # numpy's RandomState, which shuffles the data and draws mock samples, takes 32-bit seeds.
+    _require(0 <= args.seed < 2**32, f"--seed {args.seed} must be in [0, 2**32).")
+    needs = {
+        "NullTokenizer": [("vocab_size", "--vocab-size")],
+        "HuggingFaceTokenizer": [("tokenizer_model", "--tokenizer-model")],
+        "GPT2BPETokenizer": [("vocab_file", "--vocab-file"), ("merge_file", "--merge-file")],
+    }.get(args.tokenizer_type, [])
+    for attr, flag in needs:
+        value = getattr(args, attr)
+        _require(value is not None, f"--tokenizer-type {args.tokenizer_type} needs {flag}.")
+        if isinstance(value, str):
+            try:
+                check_input_file(value, flag=flag)
+            except ValueError as error:
+                raise ArgumentError(f"{error}.") from None
+    if args.vocab_size is not None:
+        _require(args.vocab_size > 1, "--vocab-size must be at least 2.")
+        # Other tokenizers define their own vocabulary; an ignored --vocab-size would let a
+        # run believe it trains with a different one.
+        _require(
+            args.tokenizer_type == "NullTokenizer",
+            f"--vocab-size sets the NullTokenizer vocabulary only; --tokenizer-type "
+            f"{args.tokenizer_type} takes its size from the tokenizer: drop --vocab-size or "
+            "use --tokenizer-type NullTokenizer.",
+        )
+
+
+def _validate_split(split: str) -> list[float]:
+    try:
+        parts = [float(part) for part in split.replace("/", ",").split(",")]
+    except ValueError:
+        raise ArgumentError(f"--split {split!r}: expected numbers like 969,30,1.") from None
+    _require(
+        1 <= len(parts) <= 3
+        and all(math.isfinite(part) and part >= 0 for part in parts)
+        and sum(parts) > 0,
+        f"--split {split!r}: give up to three finite non-negative shares with a positive sum, "
+        "like 969,30,1.",
+    )
+    return parts
+
+
+def _validate_checkpointing(args: argparse.Namespace) -> None:
+    if args.save_interval is not None:
+        _require(args.save_interval > 0, "--save-interval must be positive.")
+        _require(args.save is not None, "--save-interval needs --save DIR.")
+    if args.ckpt_format is None:
+        args.ckpt_format = "torch_dist" if args.use_megatron_fsdp else "torch"
+    if args.ckpt_format == "torch_dist":
+        _require(
+            args.use_megatron_fsdp,
+            "--ckpt-format torch_dist is the sharded format of Megatron-FSDP; add "
+            "--use-megatron-fsdp or use --ckpt-format torch.",
+        )
+    else:
+        # The torch format saves replicated main params; Megatron-FSDP holds only shards.
+        _require(
+            not args.use_megatron_fsdp,
+            "--use-megatron-fsdp saves sharded checkpoints: drop --ckpt-format torch (the "
+            "default with Megatron-FSDP is torch_dist, which also resumes at another "
+            "data-parallel size).",
+        )
+
+
+def _validate_fsdp(args: argparse.Namespace) -> None:
+    if args.use_megatron_fsdp:
+        if args.suggested_communication_unit_size is not None:
+            _require(
+                args.suggested_communication_unit_size > 0,
+                "--suggested-communication-unit-size must be positive.",
+            )
+        return
+    fsdp_only = {
+        "overlap_param_gather": "--overlap-param-gather",
+        "init_model_with_meta_device": "--init-model-with-meta-device",
+        "grad_reduce_in_bf16": "--grad-reduce-in-bf16",
+        "suggested_communication_unit_size": "--suggested-communication-unit-size",
+    }
+    for attr, flag in fsdp_only.items():
+        _require(
+            not getattr(args, attr), f"{flag} is a Megatron-FSDP option; add --use-megatron-fsdp."
+        )
+
+
+def _validate_output_dirs(args: argparse.Namespace) -> None:
+    for attr in ("save", "data_cache_path", "tensorboard_dir", "wandb_save_dir"):
+        path = getattr(args, attr)
+        if path:
+            try:
+                check_output_dir(path, flag=_flag(attr))
+            except ValueError as error:
+                raise ArgumentError(f"{error}.") from None
+
+
+def _validate_logging(args: argparse.Namespace) -> None:
+    if args.wandb_project and args.wandb_save_dir is None and args.save is not None:
+        args.wandb_save_dir = os.path.join(args.save, "wandb")  # Megatron-LM's default
+    if not (args.tensorboard_dir or args.wandb_project):
+        return
+    from megatron.training.loggers import check_logger_settings
+
+    try:
+        check_logger_settings(
+            tensorboard_dir=args.tensorboard_dir,
+            wandb_project=args.wandb_project,
+            wandb_exp_name=args.wandb_exp_name,
+            wandb_save_dir=args.wandb_save_dir,
+        )
+    except (ValueError, ImportError) as error:
+        raise ArgumentError(str(error)) from None
+
+
+def _validate_fp8(args: argparse.Namespace) -> None:
+    if args.fp8_format == "e5m2":
+        raise ArgumentError(
+            "--fp8-format e5m2: E5M2 alone is not allowed (E5M2 x E5M2 GEMMs are not supported); "
+            "use --fp8-format hybrid (E4M3 forward, E5M2 grads) or e4m3."
+        )
+    if args.fp8_recipe is None:
+        _require(
+            args.fp8_format is None,
+            f"--fp8-format {args.fp8_format} needs --fp8-recipe "
+            "delayed|tensorwise|blockwise|mxfp8.",
+        )
+        for flag, on in (
+            ("--fp8-param-gather", args.fp8_param_gather),
+            ("--first-last-layers-bf16", args.first_last_layers_bf16),
+        ):
+            _require(not on, f"{flag} needs --fp8-recipe delayed|tensorwise|blockwise|mxfp8.")
+        return
+    if args.fp8_format is None:
+        args.fp8_format = "hybrid"
+    ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    for flag, size in (("--hidden-size", args.hidden_size), ("--ffn-hidden-size", ffn)):
+        _require(
+            size % 16 == 0,
+            f"{flag} {size} is not divisible by 16, which FP8 GEMMs need; pick a multiple of 16 "
+            "or drop --fp8-recipe.",
+        )
+    _require(args.fp8_margin >= 0, "--fp8-margin must be >= 0.")
+    _require(args.fp8_amax_history_len > 0, "--fp8-amax-history-len must be positive.")
+    if args.fp8_param_gather:
+        _require(
+            args.use_megatron_fsdp,
+            "--fp8-param-gather keeps weights in FP8 inside Megatron-FSDP; add "
+            "--use-megatron-fsdp.",
+        )
+    if args.first_last_layers_bf16:
+        start, end = args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16
+        _require(
+            start >= 0 and end >= 0 and start + end < args.num_layers,
+            f"--num-layers-at-start-in-bf16 {start} + --num-layers-at-end-in-bf16 {end} must "
+            f"leave at least one of --num-layers {args.num_layers} in FP8.",
+        )
