@@ -1,5 +1,5 @@
 """Megatron's log lines. Their fields are a public interface (tools parse them): change them only
-together with tests/unit_tests/training/test_log_line.py."""
+together with test_log_line_fields in tests/unit_tests/training/test_training.py."""
 
 from __future__ import annotations
 
@@ -10,19 +10,28 @@ from datetime import datetime
 
 @dataclass
 class IntervalStats:
-    """Numbers accumulated between two log lines."""
+    """Numbers accumulated between two log lines, as Megatron-LM counts them: the loss is the
+    mean over the iterations that updated the weights, and the skipped and NaN counters start
+    from 0 at every log line (a NaN iteration is a skipped one whose loss is NaN or Inf)."""
 
     losses: list[float] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     last_grad_norm: float = float("nan")
+    skipped: int = 0
+    nans: int = 0
 
-    def add(self, *, loss: float, grad_norm: float, seconds: float) -> None:
-        self.losses.append(loss)
+    def add(self, *, loss: float, grad_norm: float, seconds: float, skipped: bool) -> None:
+        if skipped:
+            self.skipped += 1
+            self.nans += int(not math.isfinite(loss))
+        else:
+            self.losses.append(loss)
         self.seconds.append(seconds)
         self.last_grad_norm = grad_norm
 
     def mean_loss(self) -> float:
-        return sum(self.losses) / len(self.losses)
+        """NaN when every iteration of the interval was skipped."""
+        return sum(self.losses) / len(self.losses) if self.losses else float("nan")
 
     def mean_seconds(self) -> float:
         return sum(self.seconds) / len(self.seconds)

@@ -266,13 +266,12 @@ def train(
             scheduler.step()
         else:
             state.skipped_iterations += 1
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            state.nan_iterations += 1
+            state.nan_iterations += int(not math.isfinite(loss))  # Megatron's rule
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
         result.losses[state.iteration] = loss
         result.grad_norms[state.iteration] = grad_norm
-        stats.add(loss=loss, grad_norm=grad_norm, seconds=time.time() - step_start)
+        stats.add(loss=loss, grad_norm=grad_norm, seconds=time.time() - step_start, skipped=not ok)
         if state.iteration % args.log_interval == 0:
             _log_interval(args, env=env, run=run, state=state, stats=stats, lr=lr, logger=logger)
             stats = IntervalStats()
@@ -331,8 +330,8 @@ def _log_interval(
             global_batch_size=args.global_batch_size,
             loss=stats.mean_loss(),
             grad_norm=stats.last_grad_norm,
-            skipped=state.skipped_iterations,
-            nans=state.nan_iterations,
+            skipped=stats.skipped,
+            nans=stats.nans,
             mem_gib=mem / 2**30,
         ),
     )
@@ -349,7 +348,7 @@ def _log_interval(
                 "mem-allocated-bytes": float(mem),
                 "mem-max-allocated-bytes": float(max_mem),
                 "batch-size": float(args.global_batch_size),
-                "skipped-iterations": float(state.skipped_iterations),
-                "nan-iterations": float(state.nan_iterations),
+                "skipped-iterations": float(stats.skipped),
+                "nan-iterations": float(stats.nans),
             },
         )

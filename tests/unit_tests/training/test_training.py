@@ -111,6 +111,34 @@ def test_nan_loss_skips_the_step(monkeypatch):
     assert all(math.isfinite(result.losses[i]) for i in (1, 2, 4, 5))
 
 
+def test_skipped_iteration_is_left_out_of_the_interval(monkeypatch, capsys):
+    """As Megatron-LM logs it: the interval's lm loss averages the iterations that updated the
+    weights, and the skipped / NaN counters count within the interval only."""
+    from megatron.training import training
+
+    real = training.forward_backward
+    calls = {"n": 0}
+
+    def poisoned(run, batch, *, num_microbatches):
+        calls["n"] += 1
+        if calls["n"] == 2 * 4 + 1:  # iteration 3
+            batch = dict(batch, loss_mask=batch["loss_mask"] * float("nan"))
+        return real(run, batch, num_microbatches=num_microbatches)
+
+    monkeypatch.setattr(training, "forward_backward", poisoned)
+    result = run_pretrain(TINY_GPT + ["--train-iters", "10", "--log-interval", "5"])
+    lines = [LINE.match(line) for line in capsys.readouterr().out.splitlines()]
+    lines = {int(m["it"]): m for m in lines if m}
+    assert sorted(lines) == [5, 10]
+    assert (int(lines[5]["skipped"]), int(lines[5]["nans"])) == (1, 1)
+    assert (int(lines[10]["skipped"]), int(lines[10]["nans"])) == (0, 0)
+    first = sum(result.losses[i] for i in (1, 2, 4, 5)) / 4
+    second = sum(result.losses[i] for i in range(6, 11)) / 5
+    assert float(lines[5]["loss"]) == pytest.approx(first, rel=1e-6)
+    assert float(lines[10]["loss"]) == pytest.approx(second, rel=1e-6)
+    assert result.state.skipped_iterations == 1 and result.state.nan_iterations == 1
+
+
 LINE = re.compile(
     r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(?P<it>\d+)/ +(?P<total>\d+) \|"
     r" consumed samples: +(?P<samples>\d+) \|"
