@@ -226,6 +226,11 @@ def _validate_split(split: str) -> list[float]:
 
 
 def _validate_checkpointing(args: argparse.Namespace) -> None:
+    _require(
+        not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+        "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each "
+        "other: pick the flags' schedule or the checkpoint's.",
+    )
     if args.save_interval is not None:
         _require(args.save_interval > 0, "--save-interval must be positive.")
         _require(args.save is not None, "--save-interval needs --save DIR.")

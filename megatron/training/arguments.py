@@ -181,6 +181,16 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         help="Load model weights only; reset iteration, optimizer and RNG.",
     )
     group.add_argument(
+        "--override-opt_param-scheduler",
+        action="store_true",
+        help="On resume, use this run's learning-rate flags instead of the checkpoint's.",
+    )
+    group.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        action="store_true",
+        help="On resume, use the checkpoint's learning-rate schedule instead of the flags.",
+    )
+    group.add_argument(
         "--ckpt-format",
         choices=("torch", "torch_dist"),
         default=None,

@@ -469,10 +469,42 @@ def _load_rng_state(directory: str, env) -> None:
         ) from None
 
 
-def _load_scheduler(metadata: dict, scheduler: OptimizerParamScheduler, directory: str) -> None:
+# LRScheduleConfig fields, by the flag that sets each (for the mismatch message).
+_SCHEDULE_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "warmup_iters": "--lr-warmup-iters",
+    "decay_iters": "--lr-decay-iters (default --train-iters)",
+    "decay_style": "--lr-decay-style",
+    "wsd_decay_iters": "--lr-wsd-decay-iters",
+    "wsd_decay_style": "--lr-wsd-decay-style",
+}
+
+
+def _load_scheduler(
+    args, metadata: dict, scheduler: OptimizerParamScheduler, directory: str
+) -> None:
+    """Restore the schedule's step count. As in Megatron-LM, a schedule whose flags differ from
+    the checkpoint's (a longer --train-iters moves the decay) is refused unless the run says
+    which one to use."""
+    state = metadata.get("scheduler")
     try:
-        scheduler.load_state_dict(metadata["scheduler"])
-    except (KeyError, TypeError, ValueError) as error:
+        differences = scheduler.config_differences(state)
+        if args.override_opt_param_scheduler:
+            differences = []
+        if differences and not args.use_checkpoint_opt_param_scheduler:
+            listed = "; ".join(
+                f"{_SCHEDULE_FLAGS.get(name, name)}: saved {saved!r}, now {now!r}"
+                for name, saved, now in differences
+            )
+            raise CheckpointError(
+                f"{directory}: the learning-rate schedule differs from the checkpoint's "
+                f"({listed}). Pass the saved values, or --override-opt_param-scheduler to use "
+                "this run's flags, or --use-checkpoint-opt_param-scheduler to keep the "
+                "checkpoint's schedule."
+            )
+        scheduler.load_state_dict(state, use_saved_config=args.use_checkpoint_opt_param_scheduler)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(
             f"{directory}/metadata.json: 'scheduler' is not a learning-rate schedule state "
             f"({type(error).__name__}: {error}); the file is corrupt or was edited. Load "
@@ -516,7 +548,7 @@ def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
     if args.finetune:
         return TrainState()
     if load_optim:
-        _load_scheduler(metadata, scheduler, directory)
+        _load_scheduler(args, metadata, scheduler, directory)
     return TrainState(
         iteration=metadata["iteration"],
         consumed_train_samples=metadata["consumed_train_samples"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -77,8 +78,20 @@ class OptimizerParamScheduler:
         return self.optimizer.param_groups[0]["lr"]
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps}
+        return {"num_steps": self.num_steps, "config": dataclasses.asdict(self.config)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, use_saved_config: bool = False) -> None:
+        """Restore the step count; with use_saved_config also the saved schedule."""
         self.num_steps = int(state["num_steps"])
+        if use_saved_config and "config" in state:
+            self.config = LRScheduleConfig(**state["config"])
         self.step(0)
+
+    def config_differences(self, state: dict) -> list[tuple[str, object, object]]:
+        """(field, saved, current) for each schedule field that differs from `state`'s (none
+        for a state saved before the schedule was recorded)."""
+        saved = state.get("config")
+        if saved is None:
+            return []
+        current = dataclasses.asdict(self.config)
+        return [(k, saved.get(k), v) for k, v in current.items() if saved.get(k) != v]

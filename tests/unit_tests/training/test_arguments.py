@@ -59,6 +59,8 @@ def parse_error(argv, capsys, world_size=1) -> str:
         (["--overlap-param-gather"], 1, "is a Megatron-FSDP option"),
         (["--ckpt-format", "torch_dist"], 1, "add --use-megatron-fsdp"),
         (["--use-megatron-fsdp", "--ckpt-format", "torch"], 1, "drop --ckpt-format torch"),
+        (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], 1,
+         "exclude each other"),
         (["--save-interval", "5"], 1, "needs --save"),
         (["--lr-decay-style", "WSD"], 1, "needs --lr-wsd-decay-iters"),
         (["--lr-warmup-iters", "200", "--train-iters", "100"], 1, "must be below --lr-decay-iters"),

@@ -4,6 +4,7 @@ differ from the checkpoint's, and corrupt Megatron-FSDP (torch_dist) shards."""
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -250,3 +251,35 @@ def test_fsdp_corrupt_shard_is_a_checkpoint_error(saved_fsdp, tmp_path, case):
     with pytest.raises(CheckpointError) as export_error:  # the HF export reads the same files
         load_state_for_export(str(root))
     assert expected in str(export_error.value)
+
+
+# --- a learning-rate schedule that differs from the checkpoint's ----------------------------
+
+
+def _logged_lrs(out: str) -> dict[int, float]:
+    found = re.findall(r"iteration +(\d+)/ +\d+ \|.* learning rate: ([0-9.E+-]+) \|", out)
+    return {int(it): float(lr) for it, lr in found}
+
+
+def test_longer_train_iters_needs_a_schedule_choice(saved, capsys):
+    """saved: 2 iterations, linear decay to lr 0 at --lr-decay-iters = --train-iters = 2.
+    A run to 4 iterations moves the decay end: refused unless a schedule is chosen."""
+    message = _load_error(saved)  # --train-iters 4
+    assert "--lr-decay-iters (default --train-iters): saved 2, now 4" in message
+    assert "--override-opt_param-scheduler" in message
+    assert "--use-checkpoint-opt_param-scheduler" in message
+    argv = TINY_GPT + ["--train-iters", "4", "--load", str(saved)]
+    capsys.readouterr()
+    override = run_pretrain(argv + ["--override-opt_param-scheduler"])
+    override_lrs = _logged_lrs(capsys.readouterr().out)
+    kept = run_pretrain(argv + ["--use-checkpoint-opt_param-scheduler"])
+    kept_lrs = _logged_lrs(capsys.readouterr().out)
+    assert sorted(override.losses) == sorted(kept.losses) == [3, 4]
+    # This run's schedule: linear from 1e-3 at 0 to 0 at 4 -> update 3 at 2.5e-4, 4 at 0.
+    assert override_lrs == {3: pytest.approx(2.5e-4), 4: 0.0}
+    # The checkpoint's: past its decay end (2), so min-lr 0 for both updates.
+    assert kept_lrs == {3: 0.0, 4: 0.0}
+    # Iteration 3's loss is computed before its update, on the saved weights: the same in
+    # both runs; the updates at different lrs then make iteration 4 differ.
+    assert kept.losses[3] == override.losses[3]
+    assert kept.losses[4] != override.losses[4]
