@@ -374,9 +374,11 @@ class ParamAndGradBuffer:
                     f"FSDP: FP8 parameter {name!r} is on the meta device but no init_fn was "
                     "given; pass init_fn=lambda name, t: init_parameter_(t, name=name, ...)"
                 )
-            full_value = self.tracker.empty(param.shape, dtype=torch.float32, device=self.device)
+            # Drawn in the weight's own dtype, as a non-meta build holds it (init rounds its
+            # fp32 draw into the tensor), so meta init starts from the same bf16 values.
+            full_value = self.tracker.empty(param.shape, dtype=param.dtype, device=self.device)
             init_fn(name, full_value)
-            return full_value
+            return full_value.to(torch.float32)
         kept = get_high_precision_init_val(param)
         if kept is not None:
             return kept.to(self.device, torch.float32)
@@ -408,9 +410,9 @@ class ParamAndGradBuffer:
                     f"FSDP: parameter {name!r} is on the meta device but no init_fn was given; "
                     "pass init_fn=lambda name, t: init_parameter_(t, name=name, ...)"
                 )
-            full_value = self.tracker.empty(
-                param.shape, dtype=self.config.main_params_dtype, device=self.device
-            )
+            # The parameter's dtype, not the main params': a non-meta build rounds the init into
+            # a bf16 weight before the fp32 main copy is made, and meta init must match it.
+            full_value = self.tracker.empty(param.shape, dtype=param.dtype, device=self.device)
             init_fn(name, full_value)
         else:
             full_value = param.detach().to(self.device)
