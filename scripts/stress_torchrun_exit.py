@@ -11,41 +11,26 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from tests.launch import end_session_with_stacks, free_port, start_session  # noqa: E402
+from tests.launch import run_torchrun  # noqa: E402
+from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT  # noqa: E402
 
-TINY_RUN = (
-    "--mock-data --tokenizer-type NullTokenizer --vocab-size 512 --num-layers 2 --hidden-size 64 "
-    "--num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --global-batch-size 8 "
-    "--log-interval 1 --eval-iters 0 --lr 1e-3 --seed 1234 --train-iters 6 --hidden-dropout 0 "
-    "--attention-dropout 0"
-).split()
+TINY_RUN = TINY_GPT + NO_DROPOUT + ["--train-iters", "6"]
 
 
 def launch_once(timeout_s: float) -> tuple[str, str, str]:
     """(status, stdout, stderr): status is "ok", "exit N" or "hang"."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "pretrain_gpt.py", *TINY_RUN,
-    ]  # fmt: skip
-    process = start_session(
-        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    try:
-        stdout, stderr = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        end_session_with_stacks(process)
-        stdout, stderr = process.communicate()
+    status, stdout, stderr = run_torchrun(
+        ["pretrain_gpt.py", *TINY_RUN], nproc=2, cwd=REPO_ROOT, timeout_s=timeout_s
+    )
+    if status is None:
         return "hang", stdout, stderr
-    return ("ok" if process.returncode == 0 else f"exit {process.returncode}"), stdout, stderr
+    return ("ok" if status == 0 else f"exit {status}"), stdout, stderr
 
 
 def main() -> int:

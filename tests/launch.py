@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 STACK_PRINT_PAUSE_S = 1.0
@@ -71,3 +72,27 @@ def end_session_with_stacks(process: subprocess.Popen) -> None:
     _signal_all(stuck, signal.SIGABRT, pause_s=STACK_PRINT_PAUSE_S)
     _signal_all([process.pid, *stuck], signal.SIGKILL)
     process.wait()
+
+
+def run_torchrun(
+    script_argv: list[str], *, nproc: int, cwd: str | os.PathLike, timeout_s: float
+) -> tuple[int | None, str, str]:
+    """`torchrun --nproc-per-node nproc <script_argv>` on 127.0.0.1 with one intra-op thread.
+
+    Returns (exit status, stdout, stderr); the status is None when the run passed timeout_s,
+    and its stderr then ends with the stuck ranks' stacks (end_session_with_stacks)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *script_argv,
+    ]  # fmt: skip
+    process = start_session(
+        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        end_session_with_stacks(process)
+        stdout, stderr = process.communicate()
+        return None, stdout, stderr
+    return process.returncode, stdout, stderr

@@ -515,11 +515,11 @@ def _load_scheduler(
 def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
     """Restore from --load; returns the TrainState to continue from (None: nothing to load).
 
-    Every check that needs no tensor (the --load path, tracker, metadata, saved flags and
-    parameter shapes) runs before any file is read into the model or optimizer."""
+    pretrain has already run check_load_path (before building the model). Every other check
+    that needs no tensor (tracker, metadata, saved flags and parameter shapes) runs before any
+    file is read into the model or optimizer."""
     from megatron.training.training import TrainState
 
-    check_load_path(args.load)
     iteration = read_tracker(args.load)
     if iteration is None:
         if env.rank == 0:

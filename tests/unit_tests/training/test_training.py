@@ -3,13 +3,11 @@
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.launch import end_session_with_stacks, free_port, start_session
+from tests.launch import run_torchrun
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.common import (
     NO_DROPOUT,
@@ -54,23 +52,15 @@ def test_torchrun_two_processes_match_single_process():
     """Issue acceptance: `torchrun --nproc-per-node 2 pretrain_gpt.py ...` on CPU."""
     argv = TINY_GPT + ["--train-iters", "6"] + NO_DROPOUT
     single = run_pretrain(argv)
-    process = start_session(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "pretrain_gpt.py",
-         *argv],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    try:
-        stdout, stderr = process.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        end_session_with_stacks(process)
-        stdout, stderr = process.communicate()
+    status, stdout, stderr = run_torchrun(
+        ["pretrain_gpt.py", *argv], nproc=2, cwd=REPO, timeout_s=TORCHRUN_TIMEOUT_S
+    )
+    if status is None:
         raise AssertionError(
             f"torchrun ran past {TORCHRUN_TIMEOUT_S} s (about 5 s when healthy). stdout tail:\n"
             f"{stdout[-3000:]}\nstderr tail (stacks of the stuck ranks):\n{stderr[-12000:]}"
-        ) from None
-    assert process.returncode == 0, stderr[-3000:]
+        )
+    assert status == 0, stderr[-3000:]
     logged = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", stdout)]
     assert len(logged) == 6
     for iteration, loss in enumerate(logged, start=1):
