@@ -8,10 +8,15 @@
     cases and the fused operand kernels Fp8Linear runs (linear_ops.quantize_operands).
 (b) Linear forward+backward at M=8192 for (K, N) in (4096, 4096), (4096, 14336), (14336, 4096):
     megatron.core.fp8.Fp8Linear vs bf16 nn.Linear (targets: tensorwise/delayed 1.4x, blockwise
-    1.3x, mxfp8 emulated 0.8x); --chain adds the quantize_cuda + scaled_mm API chain. Each row
-    also gives host_ms, the host time to issue one step: above time_ms means launch-bound.
+    1.3x, mxfp8 emulated 0.8x); --chain adds the quantize_cuda + scaled_mm API chain. Steps are
+    timed as a training loop runs them: 20 issued back to back, CUDA events around the batch
+    (time_ms, the speedup the targets apply to). Each row also gives host_ms, the host time
+    to issue one step (above time_ms: launch-bound), and graph_ms, the step captured in a CUDA
+    graph and replayed: its GPU time alone, for both sides.
 One JSON line per case on stdout (and in $OUT/bench_fp8.jsonl when OUT is set), then a table.
-Times are medians over CUDA-event-timed iterations after warm-up. Budget: under 4 minutes.
+Quantization times are device times (calls captured in a CUDA graph and replayed, so host
+launch cost is not counted; the copy is timed the same way); Linear times as described in (b).
+Medians over CUDA-event-timed iterations after warm-up. Budget: under 4 minutes.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from megatron.core.fp8.cuda import (  # noqa: E402
     triton_available,
 )
 from megatron.core.fp8.cuda import quantize as cq  # noqa: E402
+from megatron.core.fp8.cuda.launch import direct_launch_status  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
@@ -67,6 +73,73 @@ def cuda_time_ms(fn, *, warmup: int = 3, iters: int = 10, host: list | None = No
     if host is not None:
         host.append(statistics.median(host_times))
     return statistics.median(times)
+
+
+def kernel_ms(fn, *, calls: int = 10) -> float:
+    """Device milliseconds of one fn() call: `calls` calls captured in one CUDA graph, replayed
+    and timed with CUDA events (median of 20 replays), so the host's launch cost, which on the
+    lent machine exceeds a small kernel's run time, is not counted. Falls back to
+    cuda_time_ms where fn cannot be captured."""
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return cuda_time_ms(fn, warmup=3, iters=20)
+    return cuda_time_ms(graph.replay, warmup=2, iters=20) / calls
+
+
+def steady_ms(step, *, steps: int = 20, repeats: int = 3, host: list | None = None) -> float:
+    """Milliseconds per step of `steps` steps issued back to back (no sync between them, as
+    a training loop runs: the host issues step i+1 while the GPU runs step i), timed with CUDA
+    events around the batch; median of `repeats` batches. A step whose host issue time
+    exceeds its GPU time is launch-bound here, as it would be in training. `host` receives
+    the median host milliseconds spent issuing one step."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times, host_times = [], []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        issued = time.perf_counter()
+        for _ in range(steps):
+            step()
+        host_times.append((time.perf_counter() - issued) * 1e3 / steps)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    if host is not None:
+        host.append(statistics.median(host_times))
+    return statistics.median(times)
+
+
+def graph_ms(step) -> float | None:
+    """GPU milliseconds of one step captured in a CUDA graph and replayed (no host cost at
+    all): what the step costs when the host keeps up. None when the step cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+    return cuda_time_ms(graph.replay, warmup=3, iters=20)
 
 
 class Reporter:
@@ -103,7 +176,7 @@ def run_check(reporter: Reporter) -> bool:
 
 def copy_bandwidth_gbps(x: torch.Tensor) -> float:
     dst = torch.empty_like(x)
-    ms = cuda_time_ms(lambda: dst.copy_(x), warmup=5, iters=20)
+    ms = kernel_ms(lambda: dst.copy_(x))
     return 2 * x.numel() * x.element_size() / ms / 1e6
 
 
@@ -153,13 +226,19 @@ def _operand_fn(x: torch.Tensor, key: str):
             lambda: cq.mxfp8_dequantize(data, e8m0, fp8_dtype=E4M3, columnwise=False,
                                         out_dtype=torch.bfloat16)
         ), elems + elems // 32 + 2 * elems  # fmt: skip
+    if key == "mxfp8":  # the bytes kernel (quantize_cuda, FP8 weights), not Fp8Linear's
+        return (
+            lambda: quantize_cuda(x, recipe="mxfp8", fp8_dtype=E4M3, role="input",
+                                  rowwise=True, columnwise=True, power_2_scale=True)
+        ), read + 2 * elems + 2 * (elems // 32)  # fmt: skip
     recipe, role, transposed, moved = {
         "tensorwise": ("tensorwise", "input", True, 2 * read + 2 * elems),
         "cast": ("delayed", "input", False, read + elems),
         "cast_t": ("delayed", "input", True, read + 2 * elems),
         "block_1x128": ("blockwise", "input", True, read + 2 * elems + 8 * (elems // 128)),
+        "block_128x1": ("blockwise", "input", True, read + 2 * elems + 8 * (elems // 128)),
         "block_128x128": ("blockwise", "weight", True, read + 2 * elems),
-        "mxfp8": ("mxfp8", "input", True, read + 4 * elems),
+        "mxfp8_dequantized": ("mxfp8", "input", True, read + 4 * elems),
     }[key]
 
     def run():
@@ -174,19 +253,26 @@ def _operand_fn(x: torch.Tensor, key: str):
 
 
 # Launch configurations tried by --sweep (first entry of each: the shipped default).
+def _cast(bm, bk, group, trans_x, warps):
+    return dict(BM=bm, BK=bk, GROUP=group, TRANS_X=bool(trans_x), num_warps=warps)
+
+
 SWEEP = {
-    "amax": [dict(BLOCK=b, num_warps=w) for b, w in ((16384, 16), (8192, 4), (4096, 4))],
-    "cast": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((32, 256, 4), (16, 256, 2),
-                                                           (32, 128, 2), (64, 128, 4))],
-    "cast_t": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((64, 64, 4), (64, 64, 2),
-                                                             (32, 64, 2), (64, 32, 2),
-                                                             (32, 128, 4), (128, 32, 4))],
-    "block_1x128": [dict(CHUNK=c, num_warps=w) for c, w in ((32, 4), (16, 4), (32, 8),
-                                                            (64, 8), (128, 8))],
-    "block_128x128": [dict(CHUNK=c, num_warps=w) for c, w in ((32, 4), (16, 4), (32, 8),
-                                                              (64, 8), (128, 16))],
+    "amax": [dict(BLOCK=b, GROUP=g, num_warps=w) for b, g, w in ((8192, 8, 8), (16384, 1, 16),
+                                                                 (8192, 16, 8), (4096, 8, 4))],
+    "cast": [_cast(*c) for c in ((64, 128, 1, 0, 4), (64, 128, 4, 0, 4), (32, 128, 8, 0, 4),
+                                 (64, 64, 4, 0, 4))],
+    "cast_t": [_cast(*c) for c in ((64, 64, 4, 0, 4), (32, 128, 8, 1, 4), (64, 64, 8, 0, 4),
+                                   (64, 32, 8, 0, 2), (32, 128, 4, 1, 4))],
+    "block_1x128": [dict(BM=m, GROUP=g, num_warps=w) for m, g, w in ((32, 4, 4), (16, 8, 2),
+                                                                     (64, 2, 4))],
+    "block_128x1": [dict(BK=k, TRANS_X=bool(t), num_warps=w) for k, t, w in ((64, 0, 4),
+                                                                             (32, 1, 4),
+                                                                             (64, 0, 8))],
+    "block_128x128": [dict(num_warps=w) for w in (8, 16, 4)],
     "mxfp8": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((32, 128, 4), (32, 64, 2),
-                                                            (32, 256, 8), (64, 64, 4))],
+                                                            (64, 64, 4))],
+    "mxfp8_dequantized": [dict(CHUNKS=c, num_warps=w) for c, w in ((1, 1), (2, 1), (1, 2))],
     "mxfp8_dequant": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((128, 128, 8), (64, 256, 8),
                                                                     (32, 256, 4))],
 }  # fmt: skip
@@ -197,6 +283,8 @@ def _outputs(result) -> list[torch.Tensor]:
         return [result]
     if result is None:
         return []
+    if isinstance(result, dict):
+        return _outputs(list(result.values()))
     flat = []
     for item in result:
         flat.extend(_outputs(item) if not isinstance(item, torch.Tensor) else [item])
@@ -218,7 +306,7 @@ def sweep_configs(reporter: Reporter, x: torch.Tensor, copy_gbps: float) -> None
                 torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
                 for a, b in zip(outputs, reference, strict=True)
             )
-            gbps = moved / cuda_time_ms(fn, warmup=2, iters=10) / 1e6
+            gbps = moved / kernel_ms(fn) / 1e6
             reporter.emit({"bench": "sweep", "kernel": key, "config": config,
                            "gbps": round(gbps, 1), "frac_of_copy": round(gbps / copy_gbps, 3),
                            "same_bytes": same})  # fmt: skip
@@ -248,12 +336,12 @@ def bench_quantize(reporter: Reporter, *, sweep: bool) -> None:
     for name, key in (("tensorwise amax + row+T", "tensorwise"), ("delayed row+T, amax in-kernel",
                       "cast_t"), ("blockwise 1x128 row+T", "block_1x128"),
                       ("blockwise 128x128 row+T", "block_128x128"),
-                      ("mxfp8 dequantized row+col bf16", "mxfp8"),
+                      ("mxfp8 dequantized row+col bf16", "mxfp8_dequantized"),
                       ("mxfp8 dequantize bytes->bf16", "mxfp8_dequant")):  # fmt: skip
         fn, moved = _operand_fn(x, key)
         cases.append((f"Fp8Linear {name}", fn, moved))
     for name, fn, moved in cases:
-        ms = cuda_time_ms(fn, warmup=3, iters=20)
+        ms = kernel_ms(fn)
         gbps = moved / ms / 1e6
         reporter.emit({"bench": "quantize", "case": name, "shape": list(x.shape),
                        "time_us": round(ms * 1e3, 1), "bytes": moved, "gbps": round(gbps, 1),
@@ -352,10 +440,12 @@ def bench_linear(reporter: Reporter, started: float, *, chain: bool, budget_s: f
         dy = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16) * 1e-3
         base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         host: list[float] = []
-        bf16_ms = cuda_time_ms(make_module_step(base, x, dy, autocast=None), host=host)
+        bf16_step = make_module_step(base, x, dy, autocast=None)
+        bf16_ms = steady_ms(bf16_step, host=host)
+        bf16_graph = graph_ms(bf16_step)
         reporter.emit({"bench": "linear", "impl": "bf16 nn.Linear", "recipe": "bf16",
                        "M": TOKENS, "K": k, "N": n, "time_ms": round(bf16_ms, 3),
-                       "host_ms": round(host[0], 3)})  # fmt: skip
+                       "host_ms": round(host[0], 3), "graph_ms": _round(bf16_graph)})  # fmt: skip
         w = base.weight.detach()
         for recipe in RECIPES:
             if time.perf_counter() - started > budget_s:
@@ -375,20 +465,29 @@ def bench_linear(reporter: Reporter, started: float, *, chain: bool, budget_s: f
                                "K": k, "N": n, "unavailable": why})  # fmt: skip
             for impl, step in impls:
                 host = []
-                ms = cuda_time_ms(step, host=host)
+                ms = steady_ms(step, host=host)
+                graphed = graph_ms(step)
                 speedup = bf16_ms / ms
+                graph_speedup = (bf16_graph / graphed) if (graphed and bf16_graph) else None
                 reporter.emit({"bench": "linear", "impl": impl, "recipe": recipe, "M": TOKENS,
                                "K": k, "N": n, "time_ms": round(ms, 3),
-                               "host_ms": round(host[0], 3),
-                               "bf16_ms": round(bf16_ms, 3), "speedup": round(speedup, 3),
+                               "host_ms": round(host[0], 3), "graph_ms": _round(graphed),
+                               "bf16_ms": round(bf16_ms, 3), "bf16_graph_ms": _round(bf16_graph),
+                               "speedup": round(speedup, 3),
+                               "graph_speedup": _round(graph_speedup),
                                "target": SPEEDUP_TARGET[recipe],
                                "pass": speedup >= SPEEDUP_TARGET[recipe],
-                               "gemm_path": _gemm_path(recipe)})  # fmt: skip
+                               "gemm_path": _gemm_path(recipe),
+                               "launch": direct_launch_status()})  # fmt: skip
             if profile_path is not None and module_step is not None and (k, n) == LINEAR_SHAPES[0]:
                 with profile_path.open("a") as handle:
                     handle.write(_profile_step(module_step, f"Fp8Linear {recipe} K={k} N={n}"))
         del x, dy, base, w
         torch.cuda.empty_cache()
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def _gemm_path(recipe: str) -> str:
@@ -421,14 +520,16 @@ def print_table(rows: list[dict]) -> None:
         elif "time_ms" in row and row["recipe"] == "bf16":
             print(
                 f"linear    bf16 nn.Linear K={row['K']:<6} N={row['N']:<6} "
-                f"{row['time_ms']:>8.3f} ms (host {row['host_ms']:.3f} ms)"
+                f"{row['time_ms']:>8.3f} ms (host {row['host_ms']:.3f} ms, graph "
+                f"{row['graph_ms']} ms)"
             )
         elif "time_ms" in row:
             print(f"linear    {row['recipe']:<10} {row['impl']:<10} K={row['K']:<6} "
                   f"N={row['N']:<6} {row['time_ms']:>8.3f} ms (host {row['host_ms']:.3f}) "
                   f"vs bf16 {row['bf16_ms']:.3f} ms "
                   f"= {row['speedup']:.2f}x (target {row['target']}x) "
-                  f"{'PASS' if row['pass'] else 'MISS'} [{row['gemm_path']}]")  # fmt: skip
+                  f"{'PASS' if row['pass'] else 'MISS'}; graphed {row['graph_speedup']}x "
+                  f"[{row['gemm_path']}]")  # fmt: skip
         elif "unavailable" in row or "skipped" in row:
             print(f"linear    {row['recipe']:<10} {row.get('impl', '')}: "
                   f"{row.get('unavailable') or row.get('skipped')}")  # fmt: skip

@@ -25,7 +25,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("role", ["input", "weight", "grad"])
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("shape", [(256, 384), (200, 330)])
+@pytest.mark.parametrize("shape", [(256, 384), (200, 330), (1100, 640)])
 def test_operands_equal_reference_bytes(recipe, role, shape):
     torch.manual_seed(0)
     x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
@@ -143,3 +143,43 @@ def test_fused_delayed_update_equals_reference(algo, margin):
         want_scales = delayed_scale_update(histories, scales, **settings)
         assert torch.equal(got_scales.view(torch.int32), want_scales.view(torch.int32))
         assert torch.equal(got_rolled, roll_amax_history(histories))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cached_direct_launch_equals_triton_launch(recipe):
+    """Launches after the first skip Triton's binder (megatron.core.fp8.cuda.launch): same
+    bytes as Triton's own launch path, for an aligned input and a misaligned view (another
+    specialization, so another compiled kernel)."""
+    from megatron.core.fp8.cuda import launch
+
+    torch.manual_seed(1)
+    flat = torch.randn(300 * 520 + 1, device="cuda", dtype=torch.bfloat16) * 4
+    inputs = {"aligned": flat[:-1].view(300, 520), "misaligned": flat[1:].view(300, 520)}
+    assert inputs["misaligned"].data_ptr() % 16 != 0
+    scale = torch.tensor(5.0, device="cuda") if recipe == "delayed" else None
+
+    def run(x):
+        row, col = linear_ops.quantize_operands(
+            x, recipe=recipe, fp8_dtype=E4M3, role="input", rowwise=True, transposed=True,
+            power_2_scale=recipe != "delayed", scale=scale,
+        )  # fmt: skip
+        return [
+            _bits(t) if t.dtype.is_floating_point and t.element_size() > 1 else _u8(t)
+            for op in (row, col)
+            for t in (op.data, op.scale_inv)
+            if t is not None
+        ]
+
+    for name, x in inputs.items():
+        first = run(x)
+        direct_before = launch._direct["launches"]
+        second = run(x)  # every kernel of this key was launched before: direct launches
+        assert launch._direct["enabled"], launch.direct_launch_status()
+        assert launch._direct["launches"] > direct_before, name
+        launch._direct["enabled"] = False
+        try:
+            through_triton = run(x)
+        finally:
+            launch._direct["enabled"] = True
+        for a, b, c in zip(first, second, through_triton, strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c), name

@@ -6,6 +6,8 @@ passing it to Triton as a Python float (materialised as fp32) loses nothing.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -25,18 +27,21 @@ FP32_TWO_POW_MINUS_127_BITS = 0x00400000
 FP32_QUIET_NAN_BITS = 0x7FC00000
 
 
+@functools.cache
 def fp8_max(fp8_dtype: torch.dtype) -> float:
     """Largest finite value of an FP8 format (448 for E4M3, 57344 for E5M2)."""
     check_fp8_dtype(fp8_dtype)
     return float(torch.finfo(fp8_dtype).max)
 
 
+@functools.cache
 def fp8_max_reciprocal(fp8_dtype: torch.dtype) -> float:
     """fp32(1 / fp8_max), correctly rounded: the MXFP8 rule multiplies by this constant."""
     one = torch.tensor(1.0, dtype=torch.float32)
     return float(one / torch.tensor(fp8_max(fp8_dtype), dtype=torch.float32))
 
 
+@functools.cache
 def infinite_scale_replacement(*, recipe: str, input_dtype: torch.dtype) -> float:
     """What an infinite scale becomes: FLT_MAX for per-tensor recipes, the largest finite
     value of the input dtype for blockwise (FP8_NUMERICS.md, both rules verbatim)."""

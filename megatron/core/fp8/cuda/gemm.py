@@ -52,7 +52,7 @@ def round_up(value: int, multiple: int) -> int:
 def _pad_fp8(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Zero-pad FP8 data (byte 0 is +0.0); a no-op view when nothing is missing."""
     if data.shape == (rows, cols):
-        return data.contiguous()
+        return data if data.is_contiguous() else data.contiguous()
     padded = F.pad(data.view(torch.uint8), (0, cols - data.shape[1], 0, rows - data.shape[0]))
     return padded.view(data.dtype)
 
@@ -120,12 +120,19 @@ def _per_tensor_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum):
     out = torch._scaled_mm(
         _pad_fp8(a, rows, k_pad),
         _pad_fp8(b, n_pad, k_pad).t(),
-        scale_a=a_scale_inv.float().reshape(()),
-        scale_b=b_scale_inv.float().reshape(()),
+        scale_a=_scalar_scale(a_scale_inv),
+        scale_b=_scalar_scale(b_scale_inv),
         out_dtype=out_dtype,
         use_fast_accum=use_fast_accum,
     )
     return out if n_pad == n else out[:, :n].contiguous()
+
+
+def _scalar_scale(scale: torch.Tensor) -> torch.Tensor:
+    """0-d fp32 as _scaled_mm takes it; the fused kernels' scale_inv already is (no op)."""
+    if scale.dtype == torch.float32 and scale.dim() == 0:
+        return scale
+    return scale.float().reshape(())
 
 
 def _block_kind(scale: torch.Tensor, *, rows: int, k: int, name: str) -> str:

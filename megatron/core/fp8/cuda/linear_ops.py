@@ -62,12 +62,16 @@ def quantize_operands(
     scale: torch.Tensor | None = None,
     amax_history: torch.Tensor | None = None,
     dequant_dtype: torch.dtype | None = None,
+    amax_cell: torch.Tensor | None = None,
 ) -> tuple[GemmOperand | None, GemmOperand | None]:
     """(rowwise operand, transposed operand) of a 2-D tensor, each None when not asked for.
 
     delayed: `scale` is the current 0-d scale; `amax_history` (fp32, contiguous), when given,
-    gets max|x| atomically maxed into its slot 0. The bytes equal `quantize(...)`'s exactly.
-    mxfp8: the dequantized values come in `dequant_dtype` (default: `emulation_dtype`).
+    gets max|x| atomically maxed into its slot 0. tensorwise: `amax_cell`, when given, is a
+    zeroed 0-d int32 tensor the amax pass maxes into (a caller quantizing several tensors
+    zeroes all their cells with one fill, see `amax_cells`); else one is allocated here.
+    The bytes equal `quantize(...)`'s exactly. mxfp8: the dequantized values come in
+    `dequant_dtype` (default: `emulation_dtype`).
     """
     x2d = x2d.contiguous()
     if x2d.numel() == 0:
@@ -75,7 +79,7 @@ def quantize_operands(
     if recipe in PER_TENSOR:
         return _per_tensor(x2d, recipe=recipe, fp8_dtype=fp8_dtype, rowwise=rowwise,
                            transposed=transposed, power_2_scale=power_2_scale, scale=scale,
-                           amax_history=amax_history)  # fmt: skip
+                           amax_history=amax_history, amax_cell=amax_cell)  # fmt: skip
     if recipe == "blockwise":
         run = _block_128x128 if role == "weight" else _block_1x128
         return run(x2d, fp8_dtype=fp8_dtype, rowwise=rowwise, transposed=transposed,
@@ -91,14 +95,20 @@ def _empty(rows: int, cols: int, device: torch.device, dtype=torch.uint8) -> tor
     return torch.empty((rows, cols), dtype=dtype, device=device)
 
 
+def amax_cells(count: int, device: torch.device) -> torch.Tensor:
+    """`count` zeroed int32 amax cells (fp32 bits; +0.0 is 0) from one fill: index one per
+    tensor and pass it as `amax_cell`."""
+    return torch.zeros(count, dtype=torch.int32, device=device)
+
+
 def _per_tensor(x2d, *, recipe, fp8_dtype, rowwise, transposed, power_2_scale, scale,
-                amax_history):  # fmt: skip
+                amax_history, amax_cell):  # fmt: skip
     rows, cols = x2d.shape
     device = x2d.device
     delayed = recipe == "delayed"
     amax = None
     if not delayed:
-        amax_bits = torch.zeros((), dtype=torch.int32, device=device)
+        amax_bits = amax_cell if amax_cell is not None else amax_cells(1, device)[0]
         cq.launch_amax(x2d, amax_bits)
         amax = amax_bits.view(torch.float32)
     data = _empty(rows, cols, device) if rowwise else None

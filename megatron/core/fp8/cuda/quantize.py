@@ -24,21 +24,23 @@ from megatron.core.fp8.cuda.formats import (
     fp8_max_reciprocal,
     infinite_scale_replacement,
 )
+from megatron.core.fp8.cuda.launch import launch
 
-# Launch configurations per kernel: tile rows BM, tile cols BK, warps (and BLOCK elements per
-# program for the amax pass). Per-tensor casts that also write a transpose use square tiles so
-# that both stores stay coalesced; block recipes need the whole 128x128 (1x128 / 128x128) or
-# 32-aligned (MX) block inside one program so that each block's amax finishes there.
-# `scripts/bench_fp8.py --sweep` times alternatives; the values here are the fastest measured
-# on an H200 (docs/PERFORMANCE_FP8_LINEAR.md), except "cast", where 64x128/4 warps gave the
-# rowwise-only tensorwise API case 67% of copy against 47% for the delayed-case winner.
+# Launch configurations per kernel: tile rows BM, tile cols BK, tiles per program GROUP (a
+# program walks GROUP tiles down one column strip), warps; BLOCK elements per step of the amax
+# pass; TRANS_X: transpose the high-precision tile rather than the FP8 bytes. Block recipes
+# need the whole 128x128 (1x128 / 128x128) or 32-aligned (MX) block inside one program so that
+# each block's amax finishes there. `scripts/bench_fp8.py --sweep` times alternatives; the
+# values here are the fastest measured on an H200 (docs/PERFORMANCE_FP8_LINEAR.md).
 TILE_CONFIG: dict[str, dict[str, int]] = {
-    "amax": dict(BLOCK=16384, num_warps=16),
-    "cast": dict(BM=64, BK=128, num_warps=4),
-    "cast_t": dict(BM=64, BK=64, num_warps=4),
-    "block_1x128": dict(CHUNK=32, num_warps=4),
-    "block_128x128": dict(CHUNK=64, num_warps=8),
+    "amax": dict(BLOCK=8192, GROUP=8, num_warps=8),
+    "cast": dict(BM=64, BK=128, GROUP=1, TRANS_X=False, num_warps=4),
+    "cast_t": dict(BM=64, BK=64, GROUP=4, TRANS_X=False, num_warps=4),
+    "block_1x128": dict(BM=32, GROUP=4, num_warps=4),
+    "block_128x1": dict(BK=64, TRANS_X=False, num_warps=4),
+    "block_128x128": dict(num_warps=8),
     "mxfp8": dict(BM=32, BK=128, num_warps=4),
+    "mxfp8_dequantized": dict(CHUNKS=1, num_warps=1),
     "mxfp8_dequant": dict(BM=128, BK=128, num_warps=8),
 }
 
@@ -238,8 +240,8 @@ def _amax_buffer(device: torch.device) -> torch.Tensor:
 def launch_amax(x2d: torch.Tensor, amax_bits: torch.Tensor) -> None:
     """Atomically max the NaN-ignoring max|x| of a contiguous tensor into int32 amax_bits."""
     config = TILE_CONFIG["amax"]
-    grid = (ceil_div(x2d.numel(), config["BLOCK"]),)
-    _triton_kernels().amax_kernel[grid](x2d, amax_bits, x2d.numel(), **config)
+    grid = (ceil_div(x2d.numel(), config["BLOCK"] * config["GROUP"]),)
+    launch(_triton_kernels().amax_kernel, grid, (x2d, amax_bits, x2d.numel()), config)
 
 
 def launch_per_tensor_cast(
@@ -254,16 +256,20 @@ def launch_per_tensor_cast(
     delayed = recipe == "delayed"
     config = TILE_CONFIG["cast_t" if data_t is not None else "cast"]
     placeholder = data if data is not None else data_t
-    kernels.per_tensor_cast_kernel[kernels.grid_size(rows, cols, config["BM"], config["BK"])](
-        x2d, placeholder, placeholder if data_t is None else data_t,
-        scale if delayed else amax, amax if amax is not None else scale, scale_inv,
+    grid = (ceil_div(cols, config["BK"]) * ceil_div(rows, config["BM"] * config["GROUP"]),)
+    args = (
+        x2d, placeholder, placeholder if data_t is None else data_t, scale if delayed else amax,
+        amax if amax is not None else scale, scale_inv,
         record_bits if record_bits is not None else scale_inv, rows, cols,
+    )  # fmt: skip
+    constants = dict(
         FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
         INF_SCALE=infinite_scale_replacement(recipe=recipe, input_dtype=x2d.dtype),
         POW2=power_2_scale and not delayed, SCALE_GIVEN=delayed,
         RECORD_AMAX=record_bits is not None, WRITE_ROW=data is not None,
         WRITE_T=data_t is not None, **config,
     )  # fmt: skip
+    launch(kernels.per_tensor_cast_kernel, grid, args, constants)
 
 
 def _per_tensor_triton(x2d, *, recipe, fp8_dtype, scale, amax, power_2_scale, with_transpose):
@@ -317,14 +323,18 @@ def launch_block_128x128(
     kernels = _triton_kernels()
     rows, cols = x2d.shape
     placeholder = data if data is not None else data_t
-    kernels.block_128x128_kernel[kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)](
+    args = (
         x2d, placeholder, scale_inv, placeholder if data_t is None else data_t,
         scale_inv if scale_inv_t is None else scale_inv_t,
         record_bits if record_bits is not None else scale_inv, rows, cols,
-        WRITE_ROW=data is not None, WRITE_T=data_t is not None,
-        RECORD_AMAX=record_bits is not None, **_block_constants(x2d, fp8_dtype, power_2_scale),
+    )  # fmt: skip
+    constants = dict(
+        **_block_constants(x2d, fp8_dtype, power_2_scale), WRITE_ROW=data is not None,
+        WRITE_T=data_t is not None, RECORD_AMAX=record_bits is not None,
         **TILE_CONFIG["block_128x128"],
     )  # fmt: skip
+    grid = kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)
+    launch(kernels.block_128x128_kernel, grid, args, constants)
 
 
 def launch_block_1x128(
@@ -335,17 +345,27 @@ def launch_block_1x128(
     columnwise bytes in x's shape (col) and/or transposed (col_t), scales [ceil(M/128), K]."""
     kernels = _triton_kernels()
     rows, cols = x2d.shape
-    placeholder = next(t for t in (row, col, col_t) if t is not None)
-    sinv = row_sinv if row_sinv is not None else col_sinv
-    kernels.block_1x128_kernel[kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)](
-        x2d, placeholder if row is None else row, sinv if row_sinv is None else row_sinv,
-        placeholder if col is None else col, sinv if col_sinv is None else col_sinv,
-        placeholder if col_t is None else col_t,
-        record_bits if record_bits is not None else sinv, rows, cols,
-        ROWWISE=row is not None, COLUMNWISE=col is not None, WRITE_T=col_t is not None,
-        ROW_SCALE_T=row_scale_t, RECORD_AMAX=record_bits is not None,
-        **_block_constants(x2d, fp8_dtype, power_2_scale), **TILE_CONFIG["block_1x128"],
+    constants = _block_constants(x2d, fp8_dtype, power_2_scale)
+    if row is not None:
+        config = TILE_CONFIG["block_1x128"]
+        grid = (ceil_div(cols, BLOCK_128) * ceil_div(rows, config["BM"] * config["GROUP"]),)
+        args = (x2d, row, row_sinv, record_bits if record_bits is not None else row_sinv,
+                rows, cols)  # fmt: skip
+        flags = dict(ROW_SCALE_T=row_scale_t, RECORD_AMAX=record_bits is not None)
+        launch(kernels.block_1x128_rows_kernel, grid, args, {**constants, **flags, **config})
+        record_bits = None  # recorded once
+    if col is None and col_t is None:
+        return
+    config = TILE_CONFIG["block_128x1"]
+    placeholder = col if col is not None else col_t
+    grid = (ceil_div(rows, BLOCK_128) * ceil_div(cols, config["BK"]),)
+    args = (
+        x2d, placeholder, col_sinv, placeholder if col_t is None else col_t,
+        record_bits if record_bits is not None else col_sinv, rows, cols,
     )  # fmt: skip
+    flags = dict(COLUMNWISE=col is not None, WRITE_T=col_t is not None,
+                 RECORD_AMAX=record_bits is not None)  # fmt: skip
+    launch(kernels.block_128x1_cols_kernel, grid, args, {**constants, **flags, **config})
 
 
 def _blockwise_triton(
@@ -393,19 +413,41 @@ def launch_mxfp8(x2d, *, row, row_e, col, col_e, col_t, record_bits, fp8_dtype, 
     high-precision outputs that receive dequantize(quantize(x)) (no bytes, no scales)."""
     kernels = _triton_kernels()
     rows, cols = x2d.shape
+    if dequant and col_t is None and record_bits is None:
+        _launch_mxfp8_dequantized(x2d, row=row, col=col, fp8_dtype=fp8_dtype)
+        return
     config = TILE_CONFIG["mxfp8"]
     placeholder = next(t for t in (row, col, col_t) if t is not None)
     e_placeholder = row_e if row_e is not None else (col_e if col_e is not None else placeholder)
-    kernels.mxfp8_kernel[kernels.grid_size(rows, cols, config["BM"], config["BK"])](
+    args = (
         x2d, placeholder if row is None else row, e_placeholder if row_e is None else row_e,
         placeholder if col is None else col, e_placeholder if col_e is None else col_e,
         placeholder if col_t is None else col_t,
         record_bits if record_bits is not None else e_placeholder, rows, cols,
+    )  # fmt: skip
+    constants = dict(
         FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
         RCP_FP8_MAX=fp8_max_reciprocal(fp8_dtype), ROWWISE=row is not None,
         COLUMNWISE=col is not None, WRITE_T=col_t is not None,
         RECORD_AMAX=record_bits is not None, DEQUANT=dequant, **config,
     )  # fmt: skip
+    grid = kernels.grid_size(rows, cols, config["BM"], config["BK"])
+    launch(kernels.mxfp8_kernel, grid, args, constants)
+
+
+def _launch_mxfp8_dequantized(x2d, *, row, col, fp8_dtype) -> None:
+    """dequantize(quantize(x)) rowwise and/or columnwise, no bytes or scales (sm_90 GEMM)."""
+    rows, cols = x2d.shape
+    config = TILE_CONFIG["mxfp8_dequantized"]
+    placeholder = row if row is not None else col
+    args = (x2d, placeholder, placeholder if col is None else col, rows, cols)
+    constants = dict(
+        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
+        RCP_FP8_MAX=fp8_max_reciprocal(fp8_dtype), ROWWISE=row is not None,
+        COLUMNWISE=col is not None, **config,
+    )  # fmt: skip
+    grid = (ceil_div(rows, MX_BLOCK) * ceil_div(cols, MX_BLOCK * config["CHUNKS"]),)
+    launch(_triton_kernels().mxfp8_dequantized_kernel, grid, args, constants)
 
 
 def _mxfp8_triton(x2d, *, fp8_dtype, rowwise, columnwise, with_transpose):
@@ -459,10 +501,12 @@ def mxfp8_dequantize(
     out = torch.empty((rows, cols), dtype=out_dtype, device=data.device)
     config = TILE_CONFIG["mxfp8_dequant"]
     if data.numel() > 0:
-        kernels.mxfp8_dequantize_kernel[kernels.grid_size(rows, cols, config["BM"], config["BK"])](
-            data.view(torch.uint8).contiguous(), e8m0, out, rows, cols,
-            E4M3=fp8_dtype == torch.float8_e4m3fn, COLUMNWISE=columnwise, **config,
-        )  # fmt: skip
+        launch(
+            kernels.mxfp8_dequantize_kernel,
+            kernels.grid_size(rows, cols, config["BM"], config["BK"]),
+            (data.view(torch.uint8).contiguous(), e8m0, out, rows, cols),
+            dict(E4M3=fp8_dtype == torch.float8_e4m3fn, COLUMNWISE=columnwise, **config),
+        )
     return out
 
 
@@ -483,11 +527,13 @@ def delayed_update(
     rows, length = histories.shape
     new_scales = torch.empty(rows, dtype=torch.float32, device=histories.device)
     rolled = torch.empty_like(histories)
-    kernels.delayed_update_kernel[(rows,)](
-        histories, scales.contiguous(), new_scales, rolled, length, FP8_MAX=fp8_max(fp8_dtype),
-        MARGIN_FACTOR=2.0**-margin, MOST_RECENT=amax_compute_algo == "most_recent",
+    constants = dict(
+        FP8_MAX=fp8_max(fp8_dtype), MARGIN_FACTOR=2.0**-margin,
+        MOST_RECENT=amax_compute_algo == "most_recent",
         BLOCK_L=max(16, 1 << (length - 1).bit_length()), num_warps=4,
     )  # fmt: skip
+    launch(kernels.delayed_update_kernel, (rows,),
+           (histories, scales.contiguous(), new_scales, rolled, length), constants)  # fmt: skip
     return new_scales, rolled
 
 

@@ -128,12 +128,16 @@ def _dequantized(q_bytes, multiplier, E4M3: tl.constexpr):
 
 
 @triton.jit
-def amax_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr):
-    """Pass one of tensorwise scaling: NaN-ignoring max|x| of a flat tensor."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
-    tile_amax = tl.max(_nan_ignoring_abs(x), axis=0)
-    tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+def amax_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """Pass one of tensorwise scaling: NaN-ignoring max|x| of a flat tensor. Each program
+    reduces GROUP consecutive blocks in registers, then makes one atomic max."""
+    base = tl.program_id(0).to(tl.int64) * (BLOCK * GROUP)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(GROUP):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, _nan_ignoring_abs(x))
+    tl.atomic_max(amax_bits_ptr, tl.max(acc, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
@@ -141,91 +145,142 @@ def per_tensor_cast_kernel(
     x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
     SCALE_GIVEN: tl.constexpr, RECORD_AMAX: tl.constexpr, WRITE_ROW: tl.constexpr,
-    WRITE_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    WRITE_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+    TRANS_X: tl.constexpr,
 ):  # fmt: skip
     """Delayed (SCALE_GIVEN; RECORD_AMAX atomically maxes max|x| into amax_bits_ptr, which may
     be slot 0 of an amax history) or tensorwise (scale from the finished amax) cast; the
-    rowwise bytes and/or their transpose are written from the same registers."""
-    x, rows, cols, mask, offs, pid_m, pid_k = _tile(x_ptr, M, K, BM, BK)
+    rowwise bytes and/or their transpose are written from the same read.
+
+    Each program walks GROUP BM x BK tiles down one column strip and loads the next tile
+    before it stores the current one, so a load is always in flight (a store may alias a
+    later load as far as the compiler knows, so it would not hoist the load itself); the amax
+    is reduced in registers across the strip, one atomic per program. TRANS_X transposes
+    the high-precision tile and casts it again instead of transposing the FP8 bytes (same
+    bytes, a different shared-memory exchange; the sweep picks)."""
+    pid = tl.program_id(0)
+    k_tiles = tl.cdiv(K, BK)
+    pid_k = pid % k_tiles
     if SCALE_GIVEN:
         scale = tl.load(scale_ptr)
     else:
         scale = _scale_from_amax(tl.load(amax_ptr), FP8_MAX, INF_SCALE, POW2)
-    q = _saturating_cast(x * scale, FP8_MAX, E4M3)
-    if WRITE_ROW:
-        tl.store(data_ptr + offs, q, mask=mask)
-    if WRITE_T:
-        _store_transposed(data_t_ptr, q, rows, cols, M, K)
+    cols = pid_k * BK + tl.arange(0, BK)
+    rows = (pid // k_tiles) * (GROUP * BM) + tl.arange(0, BM)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    running_max = tl.zeros((BM, BK), dtype=tl.float32)
+    for i in range(GROUP):
+        next_rows = rows + BM
+        next_mask = (next_rows[:, None] < M) & (cols[None, :] < K) & (i + 1 < GROUP)
+        next_offs = offs + BM * K
+        next_raw = tl.load(x_ptr + next_offs, mask=next_mask, other=0.0)
+        x = x_raw.to(tl.float32)
+        if WRITE_ROW:
+            tl.store(data_ptr + offs, _saturating_cast(x * scale, FP8_MAX, E4M3), mask=mask)
+        if WRITE_T:
+            if TRANS_X:
+                q_t = _saturating_cast(tl.trans(x_raw).to(tl.float32) * scale, FP8_MAX, E4M3)
+            else:
+                q_t = tl.trans(_saturating_cast(x * scale, FP8_MAX, E4M3))
+            offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
+            mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+            tl.store(data_t_ptr + offs_t, q_t, mask=mask_t)
+        if RECORD_AMAX:
+            running_max = tl.maximum(running_max, _nan_ignoring_abs(x))
+        x_raw, rows, mask, offs = next_raw, next_rows, next_mask, next_offs
     if RECORD_AMAX:
-        _record_amax(amax_bits_ptr, _nan_ignoring_abs(x))
-    if (pid_m == 0) & (pid_k == 0):
+        tile_amax = tl.max(tl.max(running_max, axis=1), axis=0)
+        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+    if pid == 0:
         tl.store(scale_inv_ptr, _reciprocal(scale, POW2))
 
 
 @triton.jit
-def _chunk(x_ptr, M, K, pid_m, pid_k, c, TILE: tl.constexpr, CHUNK: tl.constexpr):
-    """Column chunk c (TILE rows x CHUNK cols) of the (pid_m, pid_k) TILE x TILE tile."""
+def _tile_at(x_ptr, M, K, pid_m, cols, TILE: tl.constexpr):
+    """Tile row pid_m of a column strip: raw values (zero padded), rows, mask, offsets."""
     rows = pid_m * TILE + tl.arange(0, TILE)
-    cols = pid_k * TILE + c * CHUNK + tl.arange(0, CHUNK)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return x, rows, cols, mask, offs
+    return tl.load(x_ptr + offs, mask=mask, other=0.0), rows, mask, offs
 
 
 @triton.jit
-def _tile_ids(K, TILE: tl.constexpr):
+def block_1x128_rows_kernel(
+    x_ptr, row_ptr, row_sinv_ptr, amax_bits_ptr, M, K,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
+    ROW_SCALE_T: tl.constexpr, RECORD_AMAX: tl.constexpr, TILE: tl.constexpr,
+    BM: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """Rowwise 1x128 copy: BM x 128 tiles (each row of a tile is one block), GROUP tiles down
+    one column strip per program. ROW_SCALE_T stores the scales as [ceil(K/128), M], the
+    outer-dim-major layout cuBLAS reads, instead of the logical [M, ceil(K/128)].
+
+    The rowwise and the columnwise (128x1) copies are two kernels that each read x: one
+    kernel holding whole 128x128 tiles needs four times the registers and ran at 25% of copy
+    bandwidth on the H200, the two together at 42% (docs/PERFORMANCE_FP8_LINEAR.md)."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, TILE)
-    return pid // k_tiles, pid % k_tiles
+    pid_k = pid % k_tiles
+    cols = pid_k * TILE + tl.arange(0, TILE)
+    strip_max = tl.zeros((BM,), dtype=tl.float32)
+    for i in range(GROUP):
+        rows = ((pid // k_tiles) * GROUP + i) * BM + tl.arange(0, BM)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        row_amax = tl.max(_nan_ignoring_abs(x), axis=1)
+        if RECORD_AMAX:
+            strip_max = tl.maximum(strip_max, row_amax)
+        scale = _scale_from_amax(row_amax, FP8_MAX, INF_SCALE, POW2)
+        tl.store(row_ptr + offs, _saturating_cast(x * scale[:, None], FP8_MAX, E4M3), mask=mask)
+        if ROW_SCALE_T:
+            sinv_offs = pid_k.to(tl.int64) * M + rows
+        else:
+            sinv_offs = rows.to(tl.int64) * k_tiles + pid_k
+        tl.store(row_sinv_ptr + sinv_offs, _reciprocal(scale, POW2), mask=rows < M)
+    if RECORD_AMAX:
+        amax = tl.max(strip_max, axis=0)
+        tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
-def block_1x128_kernel(
-    x_ptr, row_ptr, row_sinv_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
+def block_128x1_cols_kernel(
+    x_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
-    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
-    ROW_SCALE_T: tl.constexpr, RECORD_AMAX: tl.constexpr, TILE: tl.constexpr,
-    CHUNK: tl.constexpr,
+    COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr, RECORD_AMAX: tl.constexpr,
+    TILE: tl.constexpr, BK: tl.constexpr, TRANS_X: tl.constexpr,
 ):  # fmt: skip
-    """One 128x128 tile: rowwise 1x128 and columnwise 128x1 copies from a single DRAM read.
-
-    The tile is walked in TILE x CHUNK column chunks so that registers hold one chunk (a
-    whole tile in fp32 spills): each chunk finishes its 128x1 column blocks at once, while
-    the 1x128 row amaxes accumulate; the rowwise pass then re-reads the chunks (from L2).
-    COLUMNWISE writes the columnwise bytes in x's shape, WRITE_T their [K, M] transpose (the
-    wgrad operand); ROW_SCALE_T stores the rowwise scales as [ceil(K/128), M], the
-    outer-dim-major layout cuBLAS reads, instead of the logical [M, ceil(K/128)]."""
-    pid_m, pid_k = _tile_ids(K, TILE)
+    """Columnwise 128x1 copy of a 128 x BK tile (each column of it is one block), scales
+    [ceil(M/128), K]. COLUMNWISE writes the bytes in x's shape, WRITE_T their [K, M]
+    transpose (the wgrad operand); TRANS_X casts the transposed high-precision tile instead of
+    transposing the bytes."""
+    pid = tl.program_id(0)
+    k_tiles = tl.cdiv(K, BK)
+    pid_m = pid // k_tiles
+    cols = (pid % k_tiles) * BK + tl.arange(0, BK)
     rows = pid_m * TILE + tl.arange(0, TILE)
-    row_amax = tl.zeros((TILE,), dtype=tl.float32)
-    for c in tl.static_range(TILE // CHUNK):
-        x, rows, cols, mask, offs = _chunk(x_ptr, M, K, pid_m, pid_k, c, TILE, CHUNK)
-        x_abs = _nan_ignoring_abs(x)
-        row_amax = tl.maximum(row_amax, tl.max(x_abs, axis=1))
-        if COLUMNWISE or WRITE_T:
-            col_scale = _scale_from_amax(tl.max(x_abs, axis=0), FP8_MAX, INF_SCALE, POW2)
-            q = _saturating_cast(x * col_scale[None, :], FP8_MAX, E4M3)
-            if COLUMNWISE:
-                tl.store(col_ptr + offs, q, mask=mask)
-            col_sinv_offs = pid_m.to(tl.int64) * K + cols
-            tl.store(col_sinv_ptr + col_sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
-            if WRITE_T:
-                _store_transposed(col_t_ptr, q, rows, cols, M, K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x = x_raw.to(tl.float32)
+    x_abs = _nan_ignoring_abs(x)
     if RECORD_AMAX:
-        tile_amax = tl.max(row_amax, axis=0)
+        tile_amax = tl.max(tl.max(x_abs, axis=1), axis=0)
         tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
-    if ROWWISE:
-        row_scale = _scale_from_amax(row_amax, FP8_MAX, INF_SCALE, POW2)
-        if ROW_SCALE_T:
-            row_sinv_offs = pid_k.to(tl.int64) * M + rows
+    scale = _scale_from_amax(tl.max(x_abs, axis=0), FP8_MAX, INF_SCALE, POW2)
+    tl.store(col_sinv_ptr + pid_m.to(tl.int64) * K + cols, _reciprocal(scale, POW2), mask=cols < K)
+    if COLUMNWISE:
+        tl.store(col_ptr + offs, _saturating_cast(x * scale[None, :], FP8_MAX, E4M3), mask=mask)
+    if WRITE_T:
+        if TRANS_X:
+            q_t = _saturating_cast(tl.trans(x_raw).to(tl.float32) * scale[:, None], FP8_MAX, E4M3)
         else:
-            row_sinv_offs = rows.to(tl.int64) * tl.cdiv(K, TILE) + pid_k
-        tl.store(row_sinv_ptr + row_sinv_offs, _reciprocal(row_scale, POW2), mask=rows < M)
-        for c in tl.static_range(TILE // CHUNK):
-            x, rows, cols, mask, offs = _chunk(x_ptr, M, K, pid_m, pid_k, c, TILE, CHUNK)
-            q = _saturating_cast(x * row_scale[:, None], FP8_MAX, E4M3)
-            tl.store(row_ptr + offs, q, mask=mask)
+            q_t = tl.trans(_saturating_cast(x * scale[None, :], FP8_MAX, E4M3))
+        offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
+        mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+        tl.store(col_t_ptr + offs_t, q_t, mask=mask_t)
 
 
 @triton.jit
@@ -233,30 +288,31 @@ def block_128x128_kernel(
     x_ptr, data_ptr, sinv_ptr, data_t_ptr, sinv_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, RECORD_AMAX: tl.constexpr,
-    TILE: tl.constexpr, CHUNK: tl.constexpr,
+    TILE: tl.constexpr,
 ):  # fmt: skip
     """One 128x128 weight block: one scale; the bytes and/or the transposed bytes with the
-    transposed scale grid (what dgrad reads). Pass one finds the block amax chunk by chunk,
-    pass two re-reads the chunks (from L2) to cast and store: one DRAM read, no spills."""
-    pid_m, pid_k = _tile_ids(K, TILE)
-    tile_amax = 0.0
-    for c in tl.static_range(TILE // CHUNK):
-        x, rows, cols, mask, offs = _chunk(x_ptr, M, K, pid_m, pid_k, c, TILE, CHUNK)
-        tile_amax = tl.maximum(tile_amax, tl.max(tl.max(_nan_ignoring_abs(x), axis=1), axis=0))
+    transposed scale grid (what dgrad reads), from one read of the whole tile."""
+    pid = tl.program_id(0)
+    k_tiles = tl.cdiv(K, TILE)
+    pid_m = pid // k_tiles
+    pid_k = pid % k_tiles
+    cols = pid_k * TILE + tl.arange(0, TILE)
+    x_raw, rows, mask, offs = _tile_at(x_ptr, M, K, pid_m, cols, TILE)
+    x = x_raw.to(tl.float32)
+    tile_amax = tl.max(tl.max(_nan_ignoring_abs(x), axis=1), axis=0)
     if RECORD_AMAX:
         tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
     scale = _scale_from_amax(tile_amax, FP8_MAX, INF_SCALE, POW2)
     scale_inv = _reciprocal(scale, POW2)
-    tl.store(sinv_ptr + pid_m * tl.cdiv(K, TILE) + pid_k, scale_inv)
+    tl.store(sinv_ptr + pid_m * k_tiles + pid_k, scale_inv)
+    if WRITE_ROW:
+        tl.store(data_ptr + offs, _saturating_cast(x * scale, FP8_MAX, E4M3), mask=mask)
     if WRITE_T:
         tl.store(sinv_t_ptr + pid_k * tl.cdiv(M, TILE) + pid_m, scale_inv)
-    for c in tl.static_range(TILE // CHUNK):
-        x, rows, cols, mask, offs = _chunk(x_ptr, M, K, pid_m, pid_k, c, TILE, CHUNK)
-        q = _saturating_cast(x * scale, FP8_MAX, E4M3)
-        if WRITE_ROW:
-            tl.store(data_ptr + offs, q, mask=mask)
-        if WRITE_T:
-            _store_transposed(data_t_ptr, q, rows, cols, M, K)
+        q_t = _saturating_cast(tl.trans(x_raw).to(tl.float32) * scale, FP8_MAX, E4M3)
+        offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
+        mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+        tl.store(data_t_ptr + offs_t, q_t, mask=mask_t)
 
 
 @triton.jit
@@ -306,6 +362,38 @@ def mxfp8_kernel(
             tl.store(col_e_ptr + e_offs, e.to(tl.uint8), mask=e_mask)
             if WRITE_T:
                 _store_transposed(col_t_ptr, q, rows, cols, M, K)
+
+
+@triton.jit
+def mxfp8_dequantized_kernel(
+    x_ptr, row_ptr, col_ptr, M, K, FP8_MAX: tl.constexpr, E4M3: tl.constexpr,
+    RCP_FP8_MAX: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """dequantize(quantize(x)) of the 1x32 rowwise and/or 32x1 columnwise MX copies, in
+    row_ptr / col_ptr's dtype (the emulated MXFP8 GEMM on sm_90 reads these). A program
+    takes one 32-row strip and CHUNKS 32x32 chunks along it: a chunk is exactly one MX block
+    per row and per column, so both amaxes are plain reductions, without the reshapes (and
+    their layout conversions) of the general kernel above."""
+    pid = tl.program_id(0)
+    k_groups = tl.cdiv(K, 32 * CHUNKS)
+    rows = (pid // k_groups) * 32 + tl.arange(0, 32)
+    for c in tl.static_range(CHUNKS):
+        cols = ((pid % k_groups) * CHUNKS + c) * 32 + tl.arange(0, 32)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x_abs = _nan_ignoring_abs(x)
+        if ROWWISE:
+            e = _e8m0_from_amax(tl.max(x_abs, axis=1), RCP_FP8_MAX)
+            q = _saturating_cast(x * _e8m0_multiplier(e)[:, None], FP8_MAX, E4M3)
+            deq = _dequantized(q, _e8m0_dequant_multiplier(e)[:, None], E4M3)
+            tl.store(row_ptr + offs, deq.to(row_ptr.dtype.element_ty), mask=mask)
+        if COLUMNWISE:
+            e = _e8m0_from_amax(tl.max(x_abs, axis=0), RCP_FP8_MAX)
+            q = _saturating_cast(x * _e8m0_multiplier(e)[None, :], FP8_MAX, E4M3)
+            deq = _dequantized(q, _e8m0_dequant_multiplier(e)[None, :], E4M3)
+            tl.store(col_ptr + offs, deq.to(col_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -1,0 +1,105 @@
+"""Triton launches with little host work: `launch(kernel, grid, args, constexprs)`.
+
+`kernel[grid](...)` re-binds every argument, recomputes Triton's specialization key and hashes
+it on each call; on the lent H200's host that is about a third of a launch's ~20 us, and an
+Fp8Linear step makes up to six launches. Here the compiled kernel is looked up in a dict keyed
+by what Triton specializes on, and its launcher is called directly:
+
+- a tensor: its dtype and whether its address is 16-byte aligned;
+- an int: whether it is 1, whether it is divisible by 16, and whether it fits in int32 (Triton
+  types larger values as int64);
+- a float: nothing (always fp32); constexprs and launch options by value;
+- the device the kernel runs on (compiled modules are loaded per device).
+
+The first launch of a key goes through Triton (compiling or reusing its own cache) and keeps
+the CompiledKernel it returns; later launches call its launcher exactly as Triton's own run
+does once it has found a kernel (launch metadata and enter/exit hooks included, so profilers
+such as Proton still see them). If a direct call fails, launches go back to Triton's path for
+the rest of the process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg"))
+_INT32 = range(-(2**31), 2**31)
+
+# (kernel, device, constexpr/option values, argument keys) -> (compiled kernel, tail args)
+_compiled: dict[tuple, tuple] = {}
+_direct = {"enabled": True, "why_not": "", "launches": 0}
+
+
+def direct_launch_status() -> str:
+    """'direct (N launches)' while cached launches run, else why they were turned off."""
+    if _direct["enabled"]:
+        return f"direct ({_direct['launches']} launches)"
+    return f"triton jit ({_direct['why_not']})"
+
+
+def _arg_key(value) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, int):
+        return ("int", value == 1, value % 16 == 0, value in _INT32)
+    if isinstance(value, float):
+        return ("float",)
+    return ("other", value)
+
+
+def _raw_stream(device: int) -> int:
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+def _knobs():
+    try:
+        from triton import knobs
+    except ImportError:  # Triton before knobs (3.3): no direct path
+        return None
+    return knobs.runtime
+
+
+def launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
+    """kernel[grid](*args, **constexprs), where args are the kernel's leading runtime
+    parameters in order and constexprs holds every constexpr parameter and launch option."""
+    device = args[0].get_device()
+    key = (id(kernel), device, tuple(constexprs.values()), tuple(map(_arg_key, args)))
+    entry = _compiled.get(key)
+    runtime = _knobs() if entry is not None and _direct["enabled"] else None
+    if runtime is None:
+        compiled = kernel[grid](*args, **constexprs)
+        if entry is None and _direct["enabled"]:
+            _remember(key, kernel, compiled, len(args), constexprs)
+        return
+    compiled, tail = entry
+    grid_3d = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    stream = _raw_stream(device)
+    try:
+        # Exactly what Triton's JITFunction.run does once it has found the compiled kernel.
+        metadata = compiled.launch_metadata(grid_3d, stream, *args, *tail)
+        compiled.run(*grid_3d, stream, compiled.function, compiled.packed_metadata, metadata,
+                     runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *tail)  # fmt: skip
+    except (TypeError, AttributeError, RuntimeError) as err:
+        # Argument checks in the launcher fail before anything runs: relaunching is safe.
+        _direct["enabled"], _direct["why_not"] = False, f"{type(err).__name__}: {err}"[:200]
+        kernel[grid](*args, **constexprs)
+        return
+    _direct["launches"] += 1
+
+
+def _remember(key, kernel, compiled, n_args: int, constexprs: dict) -> None:
+    if compiled is None or not hasattr(compiled, "packed_metadata"):
+        return
+    init = getattr(compiled, "_init_handles", None)
+    if init is not None:
+        init()
+    names = kernel.arg_names[n_args:]
+    if any(name not in constexprs for name in names):
+        return  # a parameter left at its default: let Triton bind it every time
+    tail = tuple(constexprs[name] for name in names)
+    if any(name in _OPTIONS for name in names):
+        return
+    _compiled[key] = (compiled, tail)
