@@ -258,11 +258,11 @@ def _cast(bm, bk, group, trans_x, warps):
 
 
 SWEEP = {
-    "amax": [dict(BLOCK=b, GROUP=g, num_warps=w) for b, g, w in ((8192, 8, 8), (16384, 1, 16),
+    "amax": [dict(BLOCK=b, GROUP=g, num_warps=w) for b, g, w in ((16384, 1, 16), (8192, 8, 8),
                                                                  (8192, 16, 8), (4096, 8, 4))],
-    "cast": [_cast(*c) for c in ((64, 128, 1, 0, 4), (64, 128, 4, 0, 4), (32, 128, 8, 0, 4),
+    "cast": [_cast(*c) for c in ((32, 128, 8, 0, 4), (64, 128, 1, 0, 4), (64, 128, 4, 0, 4),
                                  (64, 64, 4, 0, 4))],
-    "cast_t": [_cast(*c) for c in ((64, 64, 4, 0, 4), (32, 128, 8, 1, 4), (64, 64, 8, 0, 4),
+    "cast_t": [_cast(*c) for c in ((64, 64, 8, 0, 4), (32, 128, 8, 1, 4), (64, 64, 4, 0, 4),
                                    (64, 32, 8, 0, 2), (32, 128, 4, 1, 4))],
     "block_1x128": [dict(BM=m, GROUP=g, num_warps=w) for m, g, w in ((32, 4, 4), (16, 8, 2),
                                                                      (64, 2, 4))],
@@ -270,7 +270,7 @@ SWEEP = {
                                                                              (32, 1, 4),
                                                                              (64, 0, 8))],
     "block_128x128": [dict(num_warps=w) for w in (8, 16, 4)],
-    "mxfp8": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((32, 128, 4), (32, 64, 2),
+    "mxfp8": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((32, 64, 2), (32, 128, 4),
                                                             (64, 64, 4))],
     "mxfp8_dequantized": [dict(CHUNKS=c, num_warps=w) for c, w in ((1, 1), (2, 1), (1, 2))],
     "mxfp8_dequant": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((128, 128, 8), (64, 256, 8),

@@ -33,13 +33,13 @@ from megatron.core.fp8.cuda.launch import launch
 # each block's amax finishes there. `scripts/bench_fp8.py --sweep` times alternatives; the
 # values here are the fastest measured on an H200 (docs/PERFORMANCE_FP8_LINEAR.md).
 TILE_CONFIG: dict[str, dict[str, int]] = {
-    "amax": dict(BLOCK=8192, GROUP=8, num_warps=8),
-    "cast": dict(BM=64, BK=128, GROUP=1, TRANS_X=False, num_warps=4),
-    "cast_t": dict(BM=64, BK=64, GROUP=4, TRANS_X=False, num_warps=4),
+    "amax": dict(BLOCK=16384, GROUP=1, num_warps=16),
+    "cast": dict(BM=32, BK=128, GROUP=8, TRANS_X=False, num_warps=4),
+    "cast_t": dict(BM=64, BK=64, GROUP=8, TRANS_X=False, num_warps=4),
     "block_1x128": dict(BM=32, GROUP=4, num_warps=4),
     "block_128x1": dict(BK=64, TRANS_X=False, num_warps=4),
     "block_128x128": dict(num_warps=8),
-    "mxfp8": dict(BM=32, BK=128, num_warps=4),
+    "mxfp8": dict(BM=32, BK=64, num_warps=2),
     "mxfp8_dequantized": dict(CHUNKS=1, num_warps=1),
     "mxfp8_dequant": dict(BM=128, BK=128, num_warps=8),
 }
