@@ -253,28 +253,28 @@ def _operand_fn(x: torch.Tensor, key: str):
 
 
 # Launch configurations tried by --sweep (first entry of each: the shipped default).
-def _cast(bm, bk, group, trans_x, warps):
-    return dict(BM=bm, BK=bk, GROUP=group, TRANS_X=bool(trans_x), num_warps=warps)
+def _cast(bm, bk, group, trans_x, warps, per_tile=0):
+    return dict(BM=bm, BK=bk, GROUP=group, TRANS_X=bool(trans_x), AMAX_PER_TILE=bool(per_tile),
+                num_warps=warps)  # fmt: skip
 
 
 SWEEP = {
     "amax": [dict(BLOCK=b, GROUP=g, num_warps=w) for b, g, w in ((16384, 1, 16), (8192, 8, 8),
                                                                  (8192, 16, 8), (4096, 8, 4))],
-    "cast": [_cast(*c) for c in ((32, 128, 8, 0, 4), (64, 128, 1, 0, 4), (64, 128, 4, 0, 4),
-                                 (64, 64, 4, 0, 4))],
-    "cast_t": [_cast(*c) for c in ((64, 64, 8, 0, 4), (32, 128, 8, 1, 4), (64, 64, 4, 0, 4),
-                                   (64, 32, 8, 0, 2), (32, 128, 4, 1, 4))],
+    "cast": [_cast(*c) for c in ((32, 128, 8, 0, 4), (32, 128, 8, 0, 4, 1), (64, 128, 4, 0, 4),
+                                 (64, 64, 4, 0, 4, 1))],
+    "cast_t": [_cast(*c) for c in ((64, 64, 8, 0, 4), (64, 64, 8, 0, 4, 1), (32, 128, 8, 1, 4, 1),
+                                   (64, 64, 4, 0, 4, 1), (128, 64, 4, 0, 8, 1),
+                                   (64, 32, 8, 0, 2, 1))],
     "block_1x128": [dict(BM=m, GROUP=g, num_warps=w) for m, g, w in ((32, 4, 4), (16, 8, 2),
                                                                      (64, 2, 4))],
-    "block_128x1": [dict(BK=k, TRANS_X=bool(t), num_warps=w) for k, t, w in ((64, 0, 4),
-                                                                             (32, 1, 4),
+    "block_128x1": [dict(BK=k, TRANS_X=bool(t), num_warps=w) for k, t, w in ((32, 1, 4),
+                                                                             (64, 0, 4),
                                                                              (64, 0, 8))],
     "block_128x128": [dict(num_warps=w) for w in (8, 16, 4)],
-    "mxfp8": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((32, 64, 2), (32, 128, 4),
-                                                            (64, 64, 4))],
+    "mxfp8": [dict(CHUNKS=c, num_warps=w) for c, w in ((1, 1), (2, 1), (4, 1), (4, 2))],
     "mxfp8_dequantized": [dict(CHUNKS=c, num_warps=w) for c, w in ((1, 1), (2, 1), (1, 2))],
-    "mxfp8_dequant": [dict(BM=m, BK=k, num_warps=w) for m, k, w in ((128, 128, 8), (64, 256, 8),
-                                                                    (32, 256, 4))],
+    "mxfp8_dequant": [dict(CHUNKS=c, num_warps=w) for c, w in ((2, 1), (4, 1), (8, 2), (8, 1))],
 }  # fmt: skip
 
 

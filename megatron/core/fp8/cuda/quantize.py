@@ -34,14 +34,14 @@ from megatron.core.fp8.cuda.launch import launch
 # values here are the fastest measured on an H200 (docs/PERFORMANCE_FP8_LINEAR.md).
 TILE_CONFIG: dict[str, dict[str, int]] = {
     "amax": dict(BLOCK=16384, GROUP=1, num_warps=16),
-    "cast": dict(BM=32, BK=128, GROUP=8, TRANS_X=False, num_warps=4),
-    "cast_t": dict(BM=64, BK=64, GROUP=8, TRANS_X=False, num_warps=4),
+    "cast": dict(BM=32, BK=128, GROUP=8, TRANS_X=False, AMAX_PER_TILE=False, num_warps=4),
+    "cast_t": dict(BM=64, BK=64, GROUP=8, TRANS_X=False, AMAX_PER_TILE=False, num_warps=4),
     "block_1x128": dict(BM=32, GROUP=4, num_warps=4),
-    "block_128x1": dict(BK=64, TRANS_X=False, num_warps=4),
+    "block_128x1": dict(BK=32, TRANS_X=True, num_warps=4),
     "block_128x128": dict(num_warps=8),
-    "mxfp8": dict(BM=32, BK=64, num_warps=2),
+    "mxfp8": dict(CHUNKS=1, num_warps=1),
     "mxfp8_dequantized": dict(CHUNKS=1, num_warps=1),
-    "mxfp8_dequant": dict(BM=128, BK=128, num_warps=8),
+    "mxfp8_dequant": dict(CHUNKS=2, num_warps=1),
 }
 
 
@@ -413,10 +413,7 @@ def launch_mxfp8(x2d, *, row, row_e, col, col_e, col_t, record_bits, fp8_dtype, 
     high-precision outputs that receive dequantize(quantize(x)) (no bytes, no scales)."""
     kernels = _triton_kernels()
     rows, cols = x2d.shape
-    if dequant and col_t is None and record_bits is None:
-        _launch_mxfp8_dequantized(x2d, row=row, col=col, fp8_dtype=fp8_dtype)
-        return
-    config = TILE_CONFIG["mxfp8"]
+    config = TILE_CONFIG["mxfp8_dequantized" if dequant else "mxfp8"]
     placeholder = next(t for t in (row, col, col_t) if t is not None)
     e_placeholder = row_e if row_e is not None else (col_e if col_e is not None else placeholder)
     args = (
@@ -431,23 +428,8 @@ def launch_mxfp8(x2d, *, row, row_e, col, col_e, col_t, record_bits, fp8_dtype, 
         COLUMNWISE=col is not None, WRITE_T=col_t is not None,
         RECORD_AMAX=record_bits is not None, DEQUANT=dequant, **config,
     )  # fmt: skip
-    grid = kernels.grid_size(rows, cols, config["BM"], config["BK"])
-    launch(kernels.mxfp8_kernel, grid, args, constants)
-
-
-def _launch_mxfp8_dequantized(x2d, *, row, col, fp8_dtype) -> None:
-    """dequantize(quantize(x)) rowwise and/or columnwise, no bytes or scales (sm_90 GEMM)."""
-    rows, cols = x2d.shape
-    config = TILE_CONFIG["mxfp8_dequantized"]
-    placeholder = row if row is not None else col
-    args = (x2d, placeholder, placeholder if col is None else col, rows, cols)
-    constants = dict(
-        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
-        RCP_FP8_MAX=fp8_max_reciprocal(fp8_dtype), ROWWISE=row is not None,
-        COLUMNWISE=col is not None, **config,
-    )  # fmt: skip
     grid = (ceil_div(rows, MX_BLOCK) * ceil_div(cols, MX_BLOCK * config["CHUNKS"]),)
-    launch(_triton_kernels().mxfp8_dequantized_kernel, grid, args, constants)
+    launch(kernels.mxfp8_kernel, grid, args, constants)
 
 
 def _mxfp8_triton(x2d, *, fp8_dtype, rowwise, columnwise, with_transpose):
@@ -503,7 +485,7 @@ def mxfp8_dequantize(
     if data.numel() > 0:
         launch(
             kernels.mxfp8_dequantize_kernel,
-            kernels.grid_size(rows, cols, config["BM"], config["BK"]),
+            (ceil_div(rows, MX_BLOCK) * ceil_div(cols, MX_BLOCK * config["CHUNKS"]),),
             (data.view(torch.uint8).contiguous(), e8m0, out, rows, cols),
             dict(E4M3=fp8_dtype == torch.float8_e4m3fn, COLUMNWISE=columnwise, **config),
         )

@@ -89,32 +89,11 @@ def _e8m0_dequant_multiplier(e):
 
 
 @triton.jit
-def _tile(x_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
-    """Load the (pid_m, pid_k) tile of a row-major [M, K] tensor as fp32, zero padded."""
-    pid = tl.program_id(0)
-    k_tiles = tl.cdiv(K, BK)
-    pid_m = pid // k_tiles
-    pid_k = pid % k_tiles
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_k * BK + tl.arange(0, BK)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return x, rows, cols, mask, offs, pid_m, pid_k
-
-
-@triton.jit
 def _store_transposed(out_ptr, q, rows, cols, M, K):
     """Store tile q (rows x cols of [M, K]) into the row-major [K, M] transpose."""
     offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
     mask_t = (cols[:, None] < K) & (rows[None, :] < M)
     tl.store(out_ptr + offs_t, tl.trans(q), mask=mask_t)
-
-
-@triton.jit
-def _record_amax(amax_bits_ptr, x_abs):
-    tile_amax = tl.max(tl.max(x_abs, axis=1), axis=0)
-    tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
@@ -146,7 +125,7 @@ def per_tensor_cast_kernel(
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
     SCALE_GIVEN: tl.constexpr, RECORD_AMAX: tl.constexpr, WRITE_ROW: tl.constexpr,
     WRITE_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-    TRANS_X: tl.constexpr,
+    TRANS_X: tl.constexpr, AMAX_PER_TILE: tl.constexpr,
 ):  # fmt: skip
     """Delayed (SCALE_GIVEN; RECORD_AMAX atomically maxes max|x| into amax_bits_ptr, which may
     be slot 0 of an amax history) or tensorwise (scale from the finished amax) cast; the
@@ -155,9 +134,10 @@ def per_tensor_cast_kernel(
     Each program walks GROUP BM x BK tiles down one column strip and loads the next tile
     before it stores the current one, so a load is always in flight (a store may alias a
     later load as far as the compiler knows, so it would not hoist the load itself); the amax
-    is reduced in registers across the strip, one atomic per program. TRANS_X transposes
-    the high-precision tile and casts it again instead of transposing the FP8 bytes (same
-    bytes, a different shared-memory exchange; the sweep picks)."""
+    is reduced in registers across the strip (AMAX_PER_TILE: each tile to a scalar at once,
+    fewer registers; else elementwise, one reduction at the end), one atomic per program.
+    TRANS_X transposes the high-precision tile and casts it again instead of transposing the
+    FP8 bytes (same bytes, a different shared-memory exchange; the sweep picks)."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, BK)
     pid_k = pid % k_tiles
@@ -171,6 +151,7 @@ def per_tensor_cast_kernel(
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
     x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
     running_max = tl.zeros((BM, BK), dtype=tl.float32)
+    strip_max = tl.max(tl.max(running_max, axis=1), axis=0)
     for i in range(GROUP):
         next_rows = rows + BM
         next_mask = (next_rows[:, None] < M) & (cols[None, :] < K) & (i + 1 < GROUP)
@@ -188,11 +169,16 @@ def per_tensor_cast_kernel(
             mask_t = (cols[:, None] < K) & (rows[None, :] < M)
             tl.store(data_t_ptr + offs_t, q_t, mask=mask_t)
         if RECORD_AMAX:
-            running_max = tl.maximum(running_max, _nan_ignoring_abs(x))
+            if AMAX_PER_TILE:
+                tile_max = tl.max(tl.max(_nan_ignoring_abs(x), axis=1), axis=0)
+                strip_max = tl.maximum(strip_max, tile_max)
+            else:
+                running_max = tl.maximum(running_max, _nan_ignoring_abs(x))
         x_raw, rows, mask, offs = next_raw, next_rows, next_mask, next_offs
     if RECORD_AMAX:
-        tile_amax = tl.max(tl.max(running_max, axis=1), axis=0)
-        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+        if not AMAX_PER_TILE:
+            strip_max = tl.max(tl.max(running_max, axis=1), axis=0)
+        tl.atomic_max(amax_bits_ptr, strip_max.to(tl.int32, bitcast=True), sem="relaxed")
     if pid == 0:
         tl.store(scale_inv_ptr, _reciprocal(scale, POW2))
 
@@ -320,105 +306,90 @@ def mxfp8_kernel(
     x_ptr, row_ptr, row_e_ptr, col_ptr, col_e_ptr, col_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, RCP_FP8_MAX: tl.constexpr,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
-    RECORD_AMAX: tl.constexpr, DEQUANT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    RECORD_AMAX: tl.constexpr, DEQUANT: tl.constexpr, CHUNKS: tl.constexpr,
 ):  # fmt: skip
-    """One BM x BK tile: 1x32 rowwise and 32x1 columnwise MX copies from a single read.
+    """1x32 rowwise and 32x1 columnwise MX copies from a single read.
 
-    DEQUANT (the emulated MXFP8 GEMM on sm_90) writes, instead of bytes and E8M0 scales, the
-    dequantized values q * 2^(e - 127) in row_ptr / col_ptr's dtype: exactly
-    dequantize(quantize(x)), without the FP8 bytes ever reaching memory."""
-    x, rows, cols, mask, offs, pid_m, pid_k = _tile(x_ptr, M, K, BM, BK)
-    x_abs = _nan_ignoring_abs(x)
-    if RECORD_AMAX:
-        _record_amax(amax_bits_ptr, x_abs)
-    if ROWWISE:
-        e = _e8m0_from_amax(tl.max(tl.reshape(x_abs, (BM, BK // 32, 32)), axis=2), RCP_FP8_MAX)
-        y = tl.reshape(x, (BM, BK // 32, 32)) * _e8m0_multiplier(e)[:, :, None]
-        q = _saturating_cast(tl.reshape(y, (BM, BK)), FP8_MAX, E4M3)
-        if DEQUANT:
-            deq = tl.reshape(q, (BM, BK // 32, 32))
-            deq = _dequantized(deq, _e8m0_dequant_multiplier(e)[:, :, None], E4M3)
-            tl.store(row_ptr + offs, tl.reshape(deq, (BM, BK)).to(row_ptr.dtype.element_ty), mask)
-        else:
-            tl.store(row_ptr + offs, q, mask=mask)
-            blocks = pid_k * (BK // 32) + tl.arange(0, BK // 32)
-            e_offs = rows.to(tl.int64)[:, None] * tl.cdiv(K, 32) + blocks[None, :]
-            e_mask = (rows[:, None] < M) & (blocks[None, :] < tl.cdiv(K, 32))
-            tl.store(row_e_ptr + e_offs, e.to(tl.uint8), mask=e_mask)
-    if COLUMNWISE or WRITE_T:
-        e = _e8m0_from_amax(tl.max(tl.reshape(x_abs, (BM // 32, 32, BK)), axis=1), RCP_FP8_MAX)
-        y = tl.reshape(x, (BM // 32, 32, BK)) * _e8m0_multiplier(e)[:, None, :]
-        q = _saturating_cast(tl.reshape(y, (BM, BK)), FP8_MAX, E4M3)
-        if DEQUANT:
-            deq = tl.reshape(q, (BM // 32, 32, BK))
-            deq = _dequantized(deq, _e8m0_dequant_multiplier(e)[:, None, :], E4M3)
-            tl.store(col_ptr + offs, tl.reshape(deq, (BM, BK)).to(col_ptr.dtype.element_ty), mask)
-        else:
-            if COLUMNWISE:
-                tl.store(col_ptr + offs, q, mask=mask)
-            blocks = pid_m * (BM // 32) + tl.arange(0, BM // 32)
-            e_offs = blocks.to(tl.int64)[:, None] * K + cols[None, :]
-            e_mask = (blocks[:, None] < tl.cdiv(M, 32)) & (cols[None, :] < K)
-            tl.store(col_e_ptr + e_offs, e.to(tl.uint8), mask=e_mask)
-            if WRITE_T:
-                _store_transposed(col_t_ptr, q, rows, cols, M, K)
-
-
-@triton.jit
-def mxfp8_dequantized_kernel(
-    x_ptr, row_ptr, col_ptr, M, K, FP8_MAX: tl.constexpr, E4M3: tl.constexpr,
-    RCP_FP8_MAX: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
-    CHUNKS: tl.constexpr,
-):  # fmt: skip
-    """dequantize(quantize(x)) of the 1x32 rowwise and/or 32x1 columnwise MX copies, in
-    row_ptr / col_ptr's dtype (the emulated MXFP8 GEMM on sm_90 reads these). A program
-    takes one 32-row strip and CHUNKS 32x32 chunks along it: a chunk is exactly one MX block
-    per row and per column, so both amaxes are plain reductions, without the reshapes (and
-    their layout conversions) of the general kernel above."""
+    A program takes one 32-row strip and CHUNKS 32x32 chunks along it: a chunk is exactly one
+    MX block per row and one per column, so both amaxes are plain reductions of the chunk
+    (no reshapes, whose layout conversions held an earlier 32x128-tile version to 22-40% of
+    copy bandwidth). E8M0 scales go to row_e [M, ceil(K/32)] and col_e [ceil(M/32), K];
+    WRITE_T also writes the columnwise bytes' [K, M] transpose. DEQUANT (the emulated MXFP8
+    GEMM on sm_90) writes, instead of bytes and scales, the dequantized values
+    q * 2^(e - 127) in row_ptr / col_ptr's dtype: exactly dequantize(quantize(x)), without
+    the FP8 bytes ever reaching memory."""
     pid = tl.program_id(0)
     k_groups = tl.cdiv(K, 32 * CHUNKS)
-    rows = (pid // k_groups) * 32 + tl.arange(0, 32)
+    k_blocks = tl.cdiv(K, 32)
+    pid_m = pid // k_groups
+    rows = pid_m * 32 + tl.arange(0, 32)
+    strip_max = tl.max(tl.zeros((32,), dtype=tl.float32), axis=0)
     for c in tl.static_range(CHUNKS):
-        cols = ((pid % k_groups) * CHUNKS + c) * 32 + tl.arange(0, 32)
+        block = (pid % k_groups) * CHUNKS + c
+        cols = block * 32 + tl.arange(0, 32)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
         offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x_abs = _nan_ignoring_abs(x)
+        if RECORD_AMAX:
+            strip_max = tl.maximum(strip_max, tl.max(tl.max(x_abs, axis=1), axis=0))
         if ROWWISE:
             e = _e8m0_from_amax(tl.max(x_abs, axis=1), RCP_FP8_MAX)
             q = _saturating_cast(x * _e8m0_multiplier(e)[:, None], FP8_MAX, E4M3)
-            deq = _dequantized(q, _e8m0_dequant_multiplier(e)[:, None], E4M3)
-            tl.store(row_ptr + offs, deq.to(row_ptr.dtype.element_ty), mask=mask)
-        if COLUMNWISE:
+            if DEQUANT:
+                deq = _dequantized(q, _e8m0_dequant_multiplier(e)[:, None], E4M3)
+                tl.store(row_ptr + offs, deq.to(row_ptr.dtype.element_ty), mask=mask)
+            else:
+                tl.store(row_ptr + offs, q, mask=mask)
+                e_offs = rows.to(tl.int64) * k_blocks + block
+                tl.store(row_e_ptr + e_offs, e.to(tl.uint8), mask=(rows < M) & (block < k_blocks))
+        if COLUMNWISE or WRITE_T:
             e = _e8m0_from_amax(tl.max(x_abs, axis=0), RCP_FP8_MAX)
             q = _saturating_cast(x * _e8m0_multiplier(e)[None, :], FP8_MAX, E4M3)
-            deq = _dequantized(q, _e8m0_dequant_multiplier(e)[None, :], E4M3)
-            tl.store(col_ptr + offs, deq.to(col_ptr.dtype.element_ty), mask=mask)
+            if DEQUANT:
+                deq = _dequantized(q, _e8m0_dequant_multiplier(e)[None, :], E4M3)
+                tl.store(col_ptr + offs, deq.to(col_ptr.dtype.element_ty), mask=mask)
+            else:
+                if COLUMNWISE:
+                    tl.store(col_ptr + offs, q, mask=mask)
+                e_offs = pid_m.to(tl.int64) * K + cols
+                tl.store(col_e_ptr + e_offs, e.to(tl.uint8), mask=(cols < K) & (pid_m * 32 < M))
+                if WRITE_T:
+                    offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
+                    mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+                    tl.store(col_t_ptr + offs_t, tl.trans(q), mask=mask_t)
+    if RECORD_AMAX:
+        tl.atomic_max(amax_bits_ptr, strip_max.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
 def mxfp8_dequantize_kernel(
     data_ptr, e_ptr, out_ptr, M, K, E4M3: tl.constexpr, COLUMNWISE: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """MXFP8 bytes [M, K] + E8M0 scales (1x32 rowwise [M, K/32] or 32x1 columnwise
-    [M/32, K]) -> q * 2^(e - 127) in out_ptr's dtype (byte 0 means 2^-127, 255 NaN)."""
+    [M/32, K]) -> q * 2^(e - 127) in out_ptr's dtype (byte 0 means 2^-127, 255 NaN). One
+    32-row strip and CHUNKS 32x32 chunks per program: each chunk needs one scale per row
+    (rowwise) or per column (columnwise), loaded as a vector, not gathered per element."""
     pid = tl.program_id(0)
-    k_tiles = tl.cdiv(K, BK)
-    pid_m = pid // k_tiles
-    pid_k = pid % k_tiles
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_k * BK + tl.arange(0, BK)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    q_bytes = tl.load(data_ptr + offs, mask=mask, other=0)
-    if COLUMNWISE:
-        e_offs = (rows // 32).to(tl.int64)[:, None] * K + cols[None, :]
-    else:
-        e_offs = rows.to(tl.int64)[:, None] * tl.cdiv(K, 32) + (cols // 32)[None, :]
-    e = tl.load(e_ptr + e_offs, mask=mask, other=127).to(tl.int32)
-    deq = _dequantized(q_bytes, _e8m0_dequant_multiplier(e), E4M3)
-    tl.store(out_ptr + offs, deq.to(out_ptr.dtype.element_ty), mask=mask)
+    k_groups = tl.cdiv(K, 32 * CHUNKS)
+    pid_m = pid // k_groups
+    rows = pid_m * 32 + tl.arange(0, 32)
+    for c in tl.static_range(CHUNKS):
+        block = (pid % k_groups) * CHUNKS + c
+        cols = block * 32 + tl.arange(0, 32)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+        q_bytes = tl.load(data_ptr + offs, mask=mask, other=0)
+        if COLUMNWISE:
+            e = tl.load(e_ptr + pid_m.to(tl.int64) * K + cols, mask=cols < K, other=127)
+            multiplier = _e8m0_dequant_multiplier(e.to(tl.int32))[None, :]
+        else:
+            e_offs = rows.to(tl.int64) * tl.cdiv(K, 32) + block
+            e = tl.load(e_ptr + e_offs, mask=(rows < M) & (block * 32 < K), other=127)
+            multiplier = _e8m0_dequant_multiplier(e.to(tl.int32))[:, None]
+        deq = _dequantized(q_bytes, multiplier, E4M3)
+        tl.store(out_ptr + offs, deq.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
