@@ -1,0 +1,136 @@
+"""CPU twin of the cached direct Triton launch (megatron/core/fp8/cuda/launch.py): a fake kernel
+stands in for a Triton JITFunction, so the cache key, the argument order of the direct call and
+the fallbacks run without a GPU. The real launcher is checked against Triton's own path on the
+H200 by test_cuda_linear.py::test_cached_direct_launch_equals_triton_launch."""
+
+import pytest
+import torch
+
+from megatron.core.fp8.cuda import launch
+
+
+class FakeCompiled:
+    def __init__(self, log, *, fail=False):
+        self.log, self.fail = log, fail
+        self.function, self.packed_metadata = "function", "metadata"
+        self.initialised = False
+
+    def _init_handles(self):
+        self.initialised = True
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("meta", grid)
+
+    def run(self, *call):
+        if self.fail:
+            raise TypeError("function takes exactly 17 arguments (16 given)")
+        self.log.append(("direct", call))
+
+
+class FakeKernel:
+    """kernel[grid](*args, **constexprs) as Triton's JITFunction: logs the call, compiles (a
+    new FakeCompiled) once per specialization it is asked for, returns it."""
+
+    arg_names = ["x_ptr", "n", "BLOCK", "FLAG"]
+
+    def __init__(self, *, fail_direct=False):
+        self.log, self.compiles, self.fail_direct = [], 0, fail_direct
+
+    def __getitem__(self, grid):
+        def call(*args, **constexprs):
+            self.log.append(("jit", grid, args, constexprs))
+            self.compiles += 1
+            return FakeCompiled(self.log, fail=self.fail_direct)
+
+        return call
+
+
+class FakeRuntime:
+    launch_enter_hook = None
+    launch_exit_hook = None
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(launch, "_compiled", {})
+    monkeypatch.setattr(launch, "_direct", {"enabled": True, "why_not": "", "launches": 0})
+    monkeypatch.setattr(launch, "_knobs", lambda: FakeRuntime)
+    monkeypatch.setattr(launch, "_raw_stream", lambda device: 1234)
+
+
+def test_second_launch_calls_the_compiled_kernel_with_constexprs_in_signature_order(fresh):
+    kernel = FakeKernel()
+    x = torch.zeros(64)
+    constexprs = dict(FLAG=True, BLOCK=128, num_warps=4)  # not in signature order
+    launch.launch(kernel, (8,), (x, 64), constexprs)
+    launch.launch(kernel, (8,), (x, 64), constexprs)
+    assert [entry[0] for entry in kernel.log] == ["jit", "direct"]
+    grid_and_stream, rest = kernel.log[1][1][:4], kernel.log[1][1][4:]
+    assert grid_and_stream == (8, 1, 1, 1234)
+    assert rest[:3] == ("function", "metadata", ("meta", (8, 1, 1)))
+    assert rest[3:5] == (None, None)  # the runtime's enter/exit hooks, passed through
+    assert rest[5:] == (x, 64, 128, True)  # runtime args, then BLOCK and FLAG by name
+    assert launch._direct["launches"] == 1
+    assert launch.direct_launch_status() == "direct (1 launches)"
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["misaligned tensor", "int not divisible by 16", "int equal to 1", "int64 int",
+     "other dtype", "other constexpr"],
+)  # fmt: skip
+def test_anything_triton_specializes_on_compiles_anew(fresh, change):
+    kernel = FakeKernel()
+    base = torch.zeros(64, dtype=torch.float32)
+    launch.launch(kernel, (1,), (base, 64), dict(BLOCK=128, FLAG=True))
+    args, constexprs = (base, 64), dict(BLOCK=128, FLAG=True)
+    if change == "misaligned tensor":
+        args = (torch.zeros(65)[1:], 64)
+        assert args[0].data_ptr() % 16 != 0
+    elif change == "int not divisible by 16":
+        args = (base, 65)
+    elif change == "int equal to 1":
+        args = (base, 1)
+    elif change == "int64 int":
+        args = (base, 2**31 + 16)
+    elif change == "other dtype":
+        args = (torch.zeros(64, dtype=torch.bfloat16), 64)
+    else:
+        constexprs = dict(BLOCK=256, FLAG=True)
+    launch.launch(kernel, (1,), args, constexprs)
+    assert kernel.compiles == 2 and [entry[0] for entry in kernel.log] == ["jit", "jit"]
+    launch.launch(kernel, (1,), args, constexprs)
+    assert kernel.log[-1][0] == "direct"
+
+
+def test_same_specialization_with_other_values_is_a_cache_hit(fresh):
+    kernel = FakeKernel()
+    launch.launch(kernel, (1,), (torch.zeros(64), 64), dict(BLOCK=128, FLAG=False))
+    launch.launch(kernel, (4,), (torch.ones(128), 32), dict(BLOCK=128, FLAG=False))
+    assert kernel.compiles == 1 and kernel.log[-1][0] == "direct"
+    assert kernel.log[-1][1][:3] == (4, 1, 1)
+
+
+def test_a_failing_direct_call_relaunches_through_triton_and_turns_the_path_off(fresh):
+    kernel = FakeKernel(fail_direct=True)
+    x = torch.zeros(64)
+    for _ in range(3):
+        launch.launch(kernel, (1,), (x, 64), dict(BLOCK=128, FLAG=True))
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit"]
+    assert not launch._direct["enabled"]
+    assert "17 arguments" in launch.direct_launch_status()
+
+
+def test_a_parameter_left_at_its_default_is_never_cached(fresh):
+    kernel = FakeKernel()
+    for _ in range(2):
+        launch.launch(kernel, (1,), (torch.zeros(64), 64), dict(BLOCK=128))  # FLAG defaulted
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit"]
+
+
+def test_without_triton_knobs_every_launch_goes_through_triton(fresh, monkeypatch):
+    monkeypatch.setattr(launch, "_knobs", lambda: None)
+    kernel = FakeKernel()
+    for _ in range(2):
+        launch.launch(kernel, (1,), (torch.zeros(64), 64), dict(BLOCK=128, FLAG=True))
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit"]
