@@ -351,6 +351,16 @@ def _check_saved_flags(metadata: dict, args: argparse.Namespace, *, directory: s
             f"{directory}: saved with --ckpt-format {metadata['ckpt_format']}, this run uses "
             f"{args.ckpt_format}; pass --ckpt-format {metadata['ckpt_format']}."
         )
+    saved_len = saved.get("fp8_amax_history_len")
+    delayed_both = saved.get("fp8_recipe") == "delayed" and args.fp8_recipe == "delayed"
+    if delayed_both and not args.finetune and saved_len != args.fp8_amax_history_len:
+        raise CheckpointError(
+            f"{directory}: saved with --fp8-amax-history-len {saved_len}, but this run has "
+            f"{args.fp8_amax_history_len}; the saved amax histories ({saved_len} slots per FP8 "
+            f"tensor) cannot be loaded into {args.fp8_amax_history_len}. Pass "
+            f"--fp8-amax-history-len {saved_len}, or --finetune to load only the weights and "
+            "start the delayed-scaling state fresh."
+        )
     load_optim = not (args.no_load_optim or args.finetune)
     if load_optim and saved.get("optimizer", args.optimizer) != args.optimizer:
         raise CheckpointError(
@@ -531,7 +541,8 @@ def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
     _check_saved_param_shapes(metadata, run, directory=directory)
     load_optim = not (args.no_load_optim or args.finetune)
     if args.ckpt_format == "torch_dist":
-        saved_delayed = metadata["args"].get("fp8_recipe") == "delayed"
+        # --finetune loads weights only, in both formats: no delayed-scaling state either.
+        saved_delayed = metadata["args"].get("fp8_recipe") == "delayed" and not args.finetune
         _load_sharded(
             directory, run=run, env=env, load_optim=load_optim, fp8_scaling_state=saved_delayed
         )

@@ -191,6 +191,30 @@ def test_other_optimizer_needs_no_load_optim(saved, saved_fsdp, fsdp):
     assert all(torch.isfinite(torch.tensor(list(finetune.losses.values()))))
 
 
+@pytest.mark.parametrize("fsdp", [False, True], ids=["torch", "torch_dist"])
+def test_other_amax_history_length_is_named_before_training(tmp_path, fsdp):
+    """Delayed scaling saves each FP8 tensor's amax history: another length cannot load it
+    (torch_dist reported a corrupt shard). --finetune loads only the weights, in both formats."""
+    extra = [*(FSDP if fsdp else []), "--fp8-recipe", "delayed", "--lr-decay-iters", "4"]
+    run_pretrain(TINY_GPT + extra + ["--train-iters", "2", "--fp8-amax-history-len", "4",
+                                     "--save", str(tmp_path)])  # fmt: skip
+    try:
+        message = _load_error(tmp_path, [*extra, "--fp8-amax-history-len", "8"])
+        assert "saved with --fp8-amax-history-len 4, but this run has 8" in message
+        assert "Pass --fp8-amax-history-len 4, or --finetune" in message
+        resumed = run_pretrain(TINY_GPT + extra + ["--train-iters", "3", "--load", str(tmp_path),
+                                                   "--fp8-amax-history-len", "4"])  # fmt: skip
+        finetune = run_pretrain(TINY_GPT + extra + ["--train-iters", "3", "--load", str(tmp_path),
+                                                    "--fp8-amax-history-len", "8",
+                                                    "--finetune"])  # fmt: skip
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert sorted(resumed.losses) == [3]
+    assert sorted(finetune.losses) == [1, 2, 3]
+    assert all(torch.isfinite(torch.tensor(list(finetune.losses.values()))))
+
+
 # --- 4. Megatron-FSDP: shapes that differ, corrupt shards -----------------------------------
 
 
