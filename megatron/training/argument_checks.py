@@ -78,6 +78,7 @@ def _validate_batch(args: argparse.Namespace) -> None:
     args.num_microbatches = args.global_batch_size // per_step
     _require(args.train_iters > 0, "--train-iters must be positive.")
     _require(args.log_interval > 0, "--log-interval must be positive.")
+    _require(args.tensorboard_log_interval > 0, "--tensorboard-log-interval must be positive.")
     _require(args.eval_interval > 0, "--eval-interval must be positive.")
     _require(args.eval_iters >= 0, "--eval-iters must be >= 0 (0 disables evaluation).")
     if args.exit_interval is not None:

@@ -161,6 +161,14 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("logging")
     group.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
+    group.add_argument(
+        "--tensorboard-log-interval",
+        type=int,
+        default=1,
+        help="Iterations between per-iteration TensorBoard/W&B points (loss, learning rate, grad "
+        "norm, batch size, and their 'vs samples' series); timing, throughput and memory are "
+        "logged every --log-interval.",
+    )
     group.add_argument("--wandb-project", default=None, help="Log to this W&B project.")
     group.add_argument("--wandb-exp-name", default=None, help="W&B run name.")
     group.add_argument(

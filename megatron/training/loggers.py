@@ -25,6 +25,17 @@ METRIC_NAMES: tuple[str, ...] = (
     "nan-iterations",
     "lm loss validation",
     "lm loss validation ppl",
+    "samples vs steps",
+)
+# Series that TensorBoard also gets against consumed samples, as "<name> vs samples" (the
+# names Megatron-LM gives them); W&B gets "samples vs steps" to plot them against instead.
+VS_SAMPLES_NAMES: tuple[str, ...] = (
+    "lm loss",
+    "learning-rate",
+    "grad-norm",
+    "batch-size",
+    "lm loss validation",
+    "lm loss validation ppl",
 )
 
 
@@ -101,6 +112,7 @@ class MetricsLogger:
         self._tensorboard_writer: Any = None
         self._wandb_run: Any = None
         self._last_wandb_step: int | None = None
+        self._samples_step: int | None = None
         if not enabled:
             return
         check_logger_settings(
@@ -131,11 +143,16 @@ class MetricsLogger:
             project=project, name=exp_name, dir=save_dir, config=run_config, mode=wandb_mode()
         )
 
-    def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
+    def log_scalars(
+        self, step: int, scalars: dict[str, float], *, samples: int | None = None
+    ) -> None:
         """Record every (name, value) of `scalars` at iteration `step`.
 
-        Steps must not decrease: W&B silently drops points logged at an earlier step, so this
-        raises instead. Logging several dicts at the same step (train, then validation) is fine.
+        `samples` (consumed training samples at `step`), when given, adds "samples vs steps"
+        at `step` and, in TensorBoard, "<name> vs samples" at x = samples for the names in
+        VS_SAMPLES_NAMES. Steps must not decrease: W&B silently drops points logged at an
+        earlier step, so this raises instead. Logging several dicts at the same step (train,
+        then validation) is fine.
         """
         if not self.enabled:
             return
@@ -152,9 +169,16 @@ class MetricsLogger:
             )
         self._last_wandb_step = step
         values = {name: float(value) for name, value in scalars.items()}
+        if samples is not None and step != self._samples_step:
+            values["samples vs steps"] = float(samples)  # once per step (train, then eval)
+            self._samples_step = step
         if self._tensorboard_writer is not None:
             for name, value in values.items():
                 self._tensorboard_writer.add_scalar(name, value, global_step=step)
+                if samples is not None and name in VS_SAMPLES_NAMES:
+                    self._tensorboard_writer.add_scalar(
+                        f"{name} vs samples", value, global_step=samples
+                    )
         if self._wandb_run is not None:
             self._wandb_run.log(values, step=step)
 

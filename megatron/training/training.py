@@ -272,6 +272,8 @@ def train(
         result.losses[state.iteration] = loss
         result.grad_norms[state.iteration] = grad_norm
         stats.add(loss=loss, grad_norm=grad_norm, seconds=time.time() - step_start, skipped=not ok)
+        _log_iteration(args, state=state, logger=logger, loss=loss, grad_norm=grad_norm, lr=lr,
+                       updated=ok)  # fmt: skip
         if state.iteration % args.log_interval == 0:
             _log_interval(args, env=env, run=run, state=state, stats=stats, lr=lr, logger=logger)
             stats = IntervalStats()
@@ -287,6 +289,7 @@ def train(
                             "lm loss validation": valid_loss,
                             "lm loss validation ppl": math.exp(min(20.0, valid_loss)),
                         },
+                        samples=state.consumed_train_samples,
                     )
         exiting = _should_exit(args, env, start, state.iteration)
         if args.save and (
@@ -336,19 +339,29 @@ def _log_interval(
         ),
     )
     if logger is not None:
+        # Interval statistics; the per-iteration series go out in _log_iteration.
         logger.log_scalars(
             state.iteration,
             {
-                "lm loss": stats.mean_loss(),
-                "learning-rate": lr,
-                "grad-norm": stats.last_grad_norm,
                 "iteration-time": seconds,
                 "throughput/tflops-per-gpu": tflops,
                 "throughput/tokens-per-sec-per-gpu": tokens_per_gpu,
                 "mem-allocated-bytes": float(mem),
                 "mem-max-allocated-bytes": float(max_mem),
-                "batch-size": float(args.global_batch_size),
                 "skipped-iterations": float(stats.skipped),
                 "nan-iterations": float(stats.nans),
             },
         )
+
+
+def _log_iteration(args, *, state: TrainState, logger, loss: float, grad_norm: float, lr: float,
+                   updated: bool) -> None:  # fmt: skip
+    """Megatron-LM's per-iteration TensorBoard/W&B points, every --tensorboard-log-interval:
+    this iteration's loss and grad norm (none for a skipped iteration, as Megatron-LM logs no
+    loss for it), learning rate and batch size, each also against consumed samples."""
+    if logger is None or state.iteration % args.tensorboard_log_interval != 0:
+        return
+    scalars = {"learning-rate": lr, "batch-size": float(args.global_batch_size)}
+    if updated:
+        scalars["lm loss"], scalars["grad-norm"] = loss, grad_norm
+    logger.log_scalars(state.iteration, scalars, samples=state.consumed_train_samples)

@@ -12,6 +12,7 @@ import pytest
 
 from megatron.training.loggers import (
     METRIC_NAMES,
+    VS_SAMPLES_NAMES,
     MetricsLogger,
     check_logger_settings,
     wandb_mode,
@@ -76,7 +77,7 @@ def test_tensorboard_and_wandb_offline_read_back_every_point(tmp_path, offline_w
     assert read_tensorboard_scalars(str(tmp_path / "tb")) == expected
     assert read_wandb_offline_scalars(str(tmp_path / "wandb")) == expected
     total_points = sum(len(points) for points in expected.values())
-    assert total_points == 11 * 120 + 2 * 3
+    assert total_points == 12 * 120 + 2 * 3
     # The log spans several 32 KiB blocks, so records split across blocks were reassembled.
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert os.path.getsize(run_file) > 2 * 32768
@@ -231,20 +232,56 @@ def test_pretrain_gpt_logs_the_same_series_to_log_tensorboard_and_wandb(
     assert result.returncode == 0, result.stderr[-3000:]
     tensorboard = read_tensorboard_scalars(str(tmp_path / "tb"))
     wandb_series = read_wandb_offline_scalars(str(tmp_path / "wb"))
-    assert sorted(tensorboard) == sorted(wandb_series) == sorted(METRIC_NAMES)
-    for name, points in tensorboard.items():
-        expected_steps = [3, 6] if name in VALIDATION_NAMES else [2, 4, 6]
+    vs_samples = {f"{name} vs samples" for name in VS_SAMPLES_NAMES}
+    assert sorted(wandb_series) == sorted(METRIC_NAMES)
+    assert sorted(tensorboard) == sorted({*METRIC_NAMES, *vs_samples})
+    for name, points in wandb_series.items():
+        # Megatron-LM's split: per-iteration series every --tensorboard-log-interval (1),
+        # interval statistics every --log-interval (2), validation every --eval-interval (3).
+        if name in VALIDATION_NAMES:
+            expected_steps = [3, 6]
+        elif name in VS_SAMPLES_NAMES or name == "samples vs steps":
+            expected_steps = [1, 2, 3, 4, 5, 6]
+        else:
+            expected_steps = [2, 4, 6]
         assert [step for step, _ in points] == expected_steps, name
-        assert [step for step, _ in wandb_series[name]] == expected_steps, name
-        for (_, tb_value), (_, wandb_value) in zip(points, wandb_series[name]):
+        assert [step for step, _ in tensorboard[name]] == expected_steps, name
+        for (_, tb_value), (_, wandb_value) in zip(tensorboard[name], points):
             assert tb_value == pytest.approx(wandb_value, rel=1e-6, abs=1e-30), name
+    for name in VS_SAMPLES_NAMES:  # the same values at x = consumed samples (batch size 2)
+        by_samples = tensorboard[f"{name} vs samples"]
+        assert [x for x, _ in by_samples] == [2 * step for step, _ in tensorboard[name]], name
+        assert [v for _, v in by_samples] == [v for _, v in tensorboard[name]], name
+    assert [v for _, v in wandb_series["samples vs steps"]] == [2.0 * i for i in range(1, 7)]
     run = parse_log_lines(result.stdout.splitlines(), source="pretrain_gpt.py stdout")
     assert run.iterations == [2, 4, 6]
-    log_losses = run.series["lm loss"]
-    assert [value for _, value in wandb_series["lm loss"]] == pytest.approx(log_losses, rel=1e-6)
+    per_iteration = [value for _, value in wandb_series["lm loss"]]
+    interval_means = [(a + b) / 2 for a, b in zip(per_iteration[0::2], per_iteration[1::2])]
+    assert interval_means == pytest.approx(run.series["lm loss"], rel=1e-6)
     log_validation = run.validation_series["lm loss validation"]
     wandb_validation = [value for _, value in wandb_series["lm loss validation"]]
     assert wandb_validation == pytest.approx(log_validation, rel=1e-6)
-    assert [value for _, value in wandb_series["learning-rate"]] == pytest.approx(
+    assert [value for _, value in wandb_series["learning-rate"]][1::2] == pytest.approx(
         run.series["learning-rate"], rel=1e-6
     )
+
+
+def test_samples_add_vs_samples_series_to_tensorboard_once_per_step(tmp_path) -> None:
+    """Megatron-LM's "<name> vs samples" TensorBoard series (x = consumed samples) for the
+    VS_SAMPLES_NAMES, and one "samples vs steps" point per step even when train and validation
+    metrics are logged at the same step."""
+    pytest.importorskip("tensorboard", reason="needs tensorboard (pip install tensorboard)")
+    logger = MetricsLogger(tensorboard_dir=str(tmp_path / "tb"), wandb_project=None,
+                           wandb_exp_name=None, wandb_save_dir=None, run_config={},
+                           enabled=True)  # fmt: skip
+    with logger:
+        logger.log_scalars(1, {"lm loss": 3.5, "iteration-time": 0.25}, samples=8)
+        logger.log_scalars(2, {"lm loss": 3.25, "learning-rate": 0.5}, samples=16)
+        logger.log_scalars(2, {"lm loss validation": 3.0}, samples=16)
+    scalars = read_tensorboard_scalars(str(tmp_path / "tb"))
+    assert scalars["lm loss"] == [(1, 3.5), (2, 3.25)]
+    assert scalars["lm loss vs samples"] == [(8, 3.5), (16, 3.25)]
+    assert scalars["learning-rate vs samples"] == [(16, 0.5)]
+    assert scalars["lm loss validation vs samples"] == [(16, 3.0)]
+    assert scalars["samples vs steps"] == [(1, 8.0), (2, 16.0)]
+    assert "iteration-time vs samples" not in scalars
