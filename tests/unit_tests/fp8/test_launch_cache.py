@@ -134,3 +134,11 @@ def test_without_triton_knobs_every_launch_goes_through_triton(fresh, monkeypatc
     for _ in range(2):
         launch.launch(kernel, (1,), (torch.zeros(64), 64), dict(BLOCK=128, FLAG=True))
     assert [entry[0] for entry in kernel.log] == ["jit", "jit"]
+
+
+def test_under_torch_compile_tracing_the_plain_triton_call_is_kept(fresh, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    kernel = FakeKernel()
+    for _ in range(2):
+        launch.launch(kernel, (1,), (torch.zeros(64), 64), dict(BLOCK=128, FLAG=True))
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit"] and not launch._compiled

@@ -65,6 +65,10 @@ def _knobs():
 def launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
     """kernel[grid](*args, **constexprs), where args are the kernel's leading runtime
     parameters in order and constexprs holds every constexpr parameter and launch option."""
+    if torch.compiler.is_compiling():
+        # torch.compile traces user Triton kernels through kernel[grid]; keep that call.
+        kernel[grid](*args, **constexprs)
+        return
     device = args[0].get_device()
     key = (id(kernel), device, tuple(constexprs.values()), tuple(map(_arg_key, args)))
     entry = _compiled.get(key)
