@@ -155,7 +155,8 @@ def per_tensor_cast_kernel(
     for i in range(GROUP):
         next_rows = rows + BM
         next_mask = (next_rows[:, None] < M) & (cols[None, :] < K) & (i + 1 < GROUP)
-        next_offs = offs + BM * K
+        # Not offs + BM * K: K is an int32 argument, so BM * K would wrap past 2^31 elements.
+        next_offs = next_rows.to(tl.int64)[:, None] * K + cols[None, :]
         next_raw = tl.load(x_ptr + next_offs, mask=next_mask, other=0.0)
         x = x_raw.to(tl.float32)
         if WRITE_ROW:
