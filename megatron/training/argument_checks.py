@@ -137,6 +137,21 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     _require(
         args.lr_decay_iters > 0, "--lr-decay-iters must be positive (omit it for --train-iters)."
     )
+    if args.lr_warmup_fraction is not None:
+        # Megatron-LM: warmup = fraction x decay length, and the two warmup flags are exclusive.
+        _require(
+            args.lr_warmup_iters == 0,
+            "--lr-warmup-fraction and --lr-warmup-iters both set the warmup; pass only one.",
+        )
+        _require(
+            math.isfinite(args.lr_warmup_fraction) and 0 <= args.lr_warmup_fraction < 1,
+            f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1).",
+        )
+        args.lr_warmup_iters = args.lr_warmup_fraction * args.lr_decay_iters
+    _require(
+        math.isfinite(args.lr_warmup_init) and 0 <= args.lr_warmup_init <= args.lr,
+        f"--lr-warmup-init {args.lr_warmup_init} must be in [0, --lr {args.lr}].",
+    )
     if args.lr_decay_style != "constant":
         _require(
             args.lr_warmup_iters < args.lr_decay_iters,

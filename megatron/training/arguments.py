@@ -147,6 +147,15 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warmup steps.")
     group.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="Warmup length as a fraction of --lr-decay-iters (instead of --lr-warmup-iters).",
+    )
+    group.add_argument(
+        "--lr-warmup-init", type=float, default=0.0, help="Learning rate warmup starts from."
+    )
+    group.add_argument(
         "--lr-decay-iters", type=int, default=None, help="Decay length (default --train-iters)."
     )
     group.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD annealing length.")

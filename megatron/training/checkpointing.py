@@ -483,7 +483,8 @@ def _load_rng_state(directory: str, env) -> None:
 _SCHEDULE_FLAGS = {
     "max_lr": "--lr",
     "min_lr": "--min-lr",
-    "warmup_iters": "--lr-warmup-iters",
+    "warmup_iters": "--lr-warmup-iters (or --lr-warmup-fraction)",
+    "warmup_init": "--lr-warmup-init",
     "decay_iters": "--lr-decay-iters (default --train-iters)",
     "decay_style": "--lr-decay-style",
     "wsd_decay_iters": "--lr-wsd-decay-iters",

@@ -99,6 +99,7 @@ def build_lr_schedule_config(args: argparse.Namespace) -> LRScheduleConfig:
         max_lr=args.lr,
         min_lr=args.min_lr,
         warmup_iters=args.lr_warmup_iters,
+        warmup_init=args.lr_warmup_init,
         decay_iters=args.lr_decay_iters,
         decay_style=args.lr_decay_style,
         wsd_decay_iters=args.lr_wsd_decay_iters or 0,

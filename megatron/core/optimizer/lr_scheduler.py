@@ -14,7 +14,10 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 class LRScheduleConfig:
     max_lr: float
     min_lr: float = 0.0
-    warmup_iters: int = 0
+    warmup_iters: float = 0
+    """Linear warmup length; fractional with --lr-warmup-fraction (fraction x decay_iters)."""
+    warmup_init: float = 0.0
+    """Learning rate the warmup starts from (`--lr-warmup-init`)."""
     decay_iters: int
     """Iteration at which the decay reaches min_lr (`--lr-decay-iters`, default --train-iters)."""
     decay_style: Literal["constant", "linear", "cosine", "WSD"] = "linear"
@@ -26,7 +29,9 @@ class LRScheduleConfig:
 def learning_rate_at(iteration: int, config: LRScheduleConfig) -> float:
     """LR for the update that completes `iteration` (1-based count of optimizer steps taken)."""
     if config.warmup_iters > 0 and iteration <= config.warmup_iters:
-        return config.max_lr * iteration / config.warmup_iters
+        return config.warmup_init + (config.max_lr - config.warmup_init) * (
+            iteration / config.warmup_iters
+        )
     if config.decay_style == "constant":
         return config.max_lr
     if iteration > config.decay_iters:
@@ -94,4 +99,10 @@ class OptimizerParamScheduler:
         if saved is None:
             return []
         current = dataclasses.asdict(self.config)
-        return [(k, saved.get(k), v) for k, v in current.items() if saved.get(k) != v]
+        # A field added after a checkpoint was written counts as its default there.
+        defaults = {f.name: f.default for f in dataclasses.fields(LRScheduleConfig)}
+        return [
+            (k, saved.get(k, defaults[k]), v)
+            for k, v in current.items()
+            if saved.get(k, defaults[k]) != v
+        ]

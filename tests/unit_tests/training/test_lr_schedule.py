@@ -52,3 +52,38 @@ def test_min_lr_after_decay():
 def test_wsd(style, iteration, expected):
     config = cfg(decay_style="WSD", wsd_decay_iters=20, wsd_decay_style=style)
     assert learning_rate_at(iteration, config) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("iteration, expected", [(1, 0.28), (5, 0.6), (10, 1.0), (11, 1.0)])
+def test_warmup_starts_from_warmup_init(iteration, expected):
+    # --lr-warmup-init 0.2: init + (max - init) * k / warmup
+    config = cfg(decay_style="constant", warmup_init=0.2)
+    assert learning_rate_at(iteration, config) == pytest.approx(expected)
+
+
+def test_warmup_fraction_is_a_share_of_the_decay_length():
+    """--lr-warmup-fraction 0.05 of --lr-decay-iters 50: warmup 2.5 iterations, as
+    Megatron-LM's fraction x decay steps (not rounded)."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.configs import build_lr_schedule_config
+    from tests.unit_tests.training.common import TINY_GPT
+
+    args = parse_args(TINY_GPT + ["--train-iters", "50", "--lr", "1e-3", "--lr-warmup-fraction",
+                                  "0.05", "--lr-decay-style", "constant"])  # fmt: skip
+    config = build_lr_schedule_config(args)
+    assert config.warmup_iters == pytest.approx(2.5)
+    assert [learning_rate_at(k, config) for k in (1, 2, 3)] == pytest.approx([4e-4, 8e-4, 1e-3])
+
+
+def test_a_schedule_saved_before_warmup_init_existed_matches_the_default():
+    from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
+
+    class Optimizer:
+        param_groups = [{"lr": 0.0}]
+
+    scheduler = OptimizerParamScheduler(Optimizer(), config=cfg())
+    old_state = scheduler.state_dict()
+    del old_state["config"]["warmup_init"]
+    assert scheduler.config_differences(old_state) == []
+    changed = OptimizerParamScheduler(Optimizer(), config=cfg(warmup_init=0.5))
+    assert changed.config_differences(old_state) == [("warmup_init", 0.0, 0.5)]
