@@ -115,6 +115,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Save (with --save) and exit after this many minutes of training.",
     )
+    group.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="On SIGTERM (e.g. Slurm's --signal before a time limit or preemption), finish the "
+        "iteration, save (with --save) and exit with status 0; all ranks stop at the same "
+        "iteration.",
+    )
     group.add_argument("--log-interval", type=int, default=10, help="Iterations per log line.")
     group.add_argument("--eval-interval", type=int, default=1000, help="Iterations per eval.")
     group.add_argument("--eval-iters", type=int, default=10, help="Batches per evaluation.")

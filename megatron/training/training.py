@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -231,15 +233,47 @@ def _memory_bytes(device: torch.device) -> tuple[int, int]:
     return rss, max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def _should_exit(args: argparse.Namespace, env: DistributedEnv, start: float, iteration: int):
+class ExitSignal:
+    """--exit-signal-handler: SIGTERM only sets a flag; the loop reads it between iterations
+    (Megatron-LM's DistributedSignalHandler). Installed for the length of `with`, on the main
+    thread only (Python delivers signals there)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.received = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def __enter__(self) -> ExitSignal:
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _should_exit(args, env: DistributedEnv, start: float, iteration: int, exit_signal) -> str:
+    """Why to stop after `iteration` ('' to go on). Time and signal are MAX-reduced over the
+    ranks, so that every rank stops (and saves) at the same iteration."""
     if args.exit_interval is not None and iteration % args.exit_interval == 0:
-        return True
-    if args.exit_duration_in_mins is None:
-        return False
-    elapsed = torch.tensor([(time.time() - start) / 60.0])
+        return f"--exit-interval {args.exit_interval}"
+    if args.exit_duration_in_mins is None and not exit_signal.enabled:
+        return ""
+    flags = torch.tensor(
+        [(time.time() - start) / 60.0, float(exit_signal.received)], device=env.device
+    )
     if env.dp_group is not None:
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=env.dp_group)
-    return elapsed.item() > args.exit_duration_in_mins
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=env.dp_group)
+    minutes, received = flags.tolist()
+    if exit_signal.enabled and received > 0:
+        return "SIGTERM received"
+    if args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins:
+        return f"--exit-duration-in-mins {args.exit_duration_in_mins}"
+    return ""
 
 
 def train(
@@ -252,6 +286,12 @@ def train(
     state: TrainState,
     logger=None,
 ) -> TrainingResult:
+    with ExitSignal(args.exit_signal_handler) as exit_signal:
+        return _train_loop(args, env=env, run=run, scheduler=scheduler, datasets=datasets,
+                           state=state, logger=logger, exit_signal=exit_signal)  # fmt: skip
+
+
+def _train_loop(args, *, env, run, scheduler, datasets, state, logger, exit_signal):
     result = TrainingResult(state=state)
     stats = IntervalStats()
     start = time.time()
@@ -291,7 +331,7 @@ def train(
                         },
                         samples=state.consumed_train_samples,
                     )
-        exiting = _should_exit(args, env, start, state.iteration)
+        exiting = _should_exit(args, env, start, state.iteration, exit_signal)
         if args.save and (
             exiting
             or state.iteration == args.train_iters
@@ -301,7 +341,7 @@ def train(
 
             save_checkpoint(args, run=run, scheduler=scheduler, state=state, env=env)
         if exiting:
-            print_rank_0(env, f" > exiting at iteration {state.iteration}")
+            print_rank_0(env, f" > exiting at iteration {state.iteration} ({exiting})")
             break
     return result
 

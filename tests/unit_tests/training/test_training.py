@@ -168,3 +168,81 @@ def test_log_line_fields(capsys):
     assert [int(v[0]) for v in valid] == [2, 4]
     for _, loss, ppl in valid:
         assert float(ppl) == pytest.approx(math.exp(float(loss)), rel=1e-5)
+
+
+def test_sigterm_with_exit_signal_handler_saves_and_resumes(tmp_path):
+    """--exit-signal-handler: SIGTERM mid-run (what Slurm's --signal sends before the time
+    limit) ends the iteration, saves it and exits 0; the run resumes from that iteration."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron.training.checkpointing import read_tracker
+    from tests.unit_tests.training.common import TINY_GPT, run_pretrain
+
+    schedule = ["--lr-decay-iters", "1000"]
+    argv = [sys.executable, "-u", "pretrain_gpt.py", *TINY_GPT, *schedule, "--train-iters",
+            "100000", "--save", str(tmp_path), "--exit-signal-handler"]  # fmt: skip
+    repo_root = Path(__file__).resolve().parents[3]
+    proc = subprocess.Popen(argv, cwd=repo_root, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            logged = re.search(r"iteration\s+(\d+)/", line)
+            if logged and int(logged.group(1)) >= 3:
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output[-3000:]
+    saved = read_tracker(str(tmp_path))
+    assert saved is not None and 3 <= saved < 100000
+    assert f"exiting at iteration {saved} (SIGTERM received)" in output
+    resumed = run_pretrain(TINY_GPT + schedule + ["--train-iters", str(saved + 2), "--load",
+                                                  str(tmp_path)])  # fmt: skip
+    assert sorted(resumed.losses) == [saved + 1, saved + 2]
+
+
+def test_sigterm_handler_is_installed_only_for_the_run():
+    import signal
+
+    from megatron.training.training import ExitSignal
+
+    before = signal.getsignal(signal.SIGTERM)
+    with ExitSignal(True) as handler:
+        assert signal.getsignal(signal.SIGTERM) == handler._handle
+        signal.raise_signal(signal.SIGTERM)
+        assert handler.received
+    assert signal.getsignal(signal.SIGTERM) == before
+    with ExitSignal(False):
+        assert signal.getsignal(signal.SIGTERM) == before
+
+
+def _exit_reasons_when_only_rank_1_got_sigterm(rank, world_size):
+    import argparse
+
+    from megatron.training.training import ExitSignal, _should_exit
+
+    args = argparse.Namespace(exit_interval=None, exit_duration_in_mins=None)
+
+    class Env:
+        device = torch.device("cpu")
+        dp_group = torch.distributed.group.WORLD
+
+    handler = ExitSignal(True)
+    before = _should_exit(args, Env(), 0.0, 1, handler)
+    handler.received = rank == 1
+    return before, _should_exit(args, Env(), 0.0, 2, handler)
+
+
+def test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_iteration():
+    from tests.unit_tests.dist_utils import run_distributed
+
+    reasons = run_distributed(_exit_reasons_when_only_rank_1_got_sigterm, 2)
+    assert reasons == [("", "SIGTERM received"), ("", "SIGTERM received")]
