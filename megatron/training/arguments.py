@@ -200,6 +200,16 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer.")
     group.add_argument("--no-load-rng", action="store_true", help="Do not load RNG states.")
     group.add_argument(
+        "--no-save-optim",
+        action="store_true",
+        help="Save no optimizer state (smaller checkpoints; resume then needs --no-load-optim).",
+    )
+    group.add_argument(
+        "--no-save-rng",
+        action="store_true",
+        help="Save no RNG states (resume then needs --no-load-rng).",
+    )
+    group.add_argument(
         "--finetune",
         action="store_true",
         help="Load model weights only; reset iteration, optimizer and RNG.",

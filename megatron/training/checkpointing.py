@@ -4,8 +4,8 @@ Layout of one `iter_XXXXXXX/` directory (`--ckpt-format torch`):
   metadata.json       format tag, iteration, consumed samples, counters, scheduler state, the
                       model config and the flags (plain JSON)
   model.pt            {param name: fp32 tensor}, the main (fp32) values of every parameter
-  optimizer.pt        the optimizer state (tensors and numbers only)
-  rng/rank_00000.pt   each rank's RNG states (tensors and numbers only)
+  optimizer.pt        the optimizer state (tensors and numbers only; not with --no-save-optim)
+  rng/rank_00000.pt   each rank's RNG states (tensors and numbers only; not with --no-save-rng)
   fp8_delayed_scaling.pt  with --fp8-recipe delayed: every FP8 tensor's scale and amax history
 `--ckpt-format torch_dist` (Megatron-FSDP) keeps metadata.json and stores model and optimizer as
 shards through megatron.core.dist_checkpointing.
@@ -172,31 +172,30 @@ def save_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, state, env
     tmp = f"{final}{TMP_SUFFIX}"
     if env.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"))
+        os.makedirs(os.path.join(tmp, "rng") if not args.no_save_rng else tmp)
     _barrier(env)
     if args.ckpt_format == "torch_dist":
         from megatron.core import dist_checkpointing
 
-        dist_checkpointing.save(
-            {
-                "model": run.model.sharded_state_dict(),
-                "optimizer": run.optimizer.sharded_state_dict(),
-            },
-            os.path.join(tmp, "sharded"),
-            process_group=env.dp_group,
-        )
+        sharded = {"model": run.model.sharded_state_dict()}
+        if not args.no_save_optim:
+            sharded["optimizer"] = run.optimizer.sharded_state_dict()
+        dist_checkpointing.save(sharded, os.path.join(tmp, "sharded"), process_group=env.dp_group)
     elif env.rank == 0:
         _save_tensor_file(run.optimizer.named_main_params(), os.path.join(tmp, "model.pt"))
-        _save_tensor_file(run.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        if not args.no_save_optim:
+            _save_tensor_file(run.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
     # torch_dist: the engine's sharded state already holds the delayed-scaling state.
     fp8_state = _delayed_scaling_state(run) if args.ckpt_format == "torch" else {}
     if fp8_state and env.rank == 0:  # identical on every rank: amaxes are all-reduced
         _save_tensor_file(fp8_state, os.path.join(tmp, "fp8_delayed_scaling.pt"))
-    rng_path = os.path.join(tmp, "rng", f"rank_{env.rank:05d}.pt")
-    _save_tensor_file(_rng_state_to_plain(get_rng_state()), rng_path)
+    if not args.no_save_rng:
+        rng_path = os.path.join(tmp, "rng", f"rank_{env.rank:05d}.pt")
+        _save_tensor_file(_rng_state_to_plain(get_rng_state()), rng_path)
     _barrier(env)
     if env.rank == 0:
-        fsync_path(os.path.join(tmp, "rng"))
+        if not args.no_save_rng:
+            fsync_path(os.path.join(tmp, "rng"))
         # Written last (and fsyncs tmp/): a directory with metadata.json is complete.
         _atomic_write_text(
             os.path.join(tmp, "metadata.json"),
@@ -362,6 +361,18 @@ def _check_saved_flags(metadata: dict, args: argparse.Namespace, *, directory: s
             "start the delayed-scaling state fresh."
         )
     load_optim = not (args.no_load_optim or args.finetune)
+    # Megatron-LM's rule: a checkpoint without a state needs the flag that skips loading it.
+    if load_optim and saved.get("no_save_optim", False):
+        raise CheckpointError(
+            f"{directory}: saved with --no-save-optim, so it holds no optimizer state; pass "
+            "--no-load-optim (weights and iteration restored; optimizer and learning-rate "
+            "schedule start fresh, as in Megatron-LM) or --finetune."
+        )
+    if not (args.no_load_rng or args.finetune) and saved.get("no_save_rng", False):
+        raise CheckpointError(
+            f"{directory}: saved with --no-save-rng, so it holds no RNG states; pass "
+            "--no-load-rng (this run's --seed seeds the RNGs) or --finetune."
+        )
     if load_optim and saved.get("optimizer", args.optimizer) != args.optimizer:
         raise CheckpointError(
             f"{directory}: saved with --optimizer {saved['optimizer']}, but this run has "

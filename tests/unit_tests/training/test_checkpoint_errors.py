@@ -215,6 +215,35 @@ def test_other_amax_history_length_is_named_before_training(tmp_path, fsdp):
     assert all(torch.isfinite(torch.tensor(list(finetune.losses.values()))))
 
 
+@pytest.mark.parametrize("fsdp", [False, True], ids=["torch", "torch_dist"])
+def test_no_save_optim_and_rng_write_neither_and_resume_needs_the_no_load_flags(tmp_path, fsdp):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    extra = [*(FSDP if fsdp else []), "--lr-decay-iters", "4"]
+    run_pretrain(TINY_GPT + extra + ["--train-iters", "2", "--save", str(tmp_path),
+                                     "--no-save-optim", "--no-save-rng"])  # fmt: skip
+    saved = tmp_path / ITER_DIR
+    assert not (saved / "rng").exists() and not (saved / "optimizer.pt").exists()
+    if fsdp:
+        keys = FileSystemReader(str(saved / "sharded")).read_metadata().state_dict_metadata
+        assert keys and not [key for key in keys if key.startswith("optimizer")]
+    try:
+        message = _load_error(tmp_path, extra)
+        assert (
+            "saved with --no-save-optim, so it holds no optimizer state; pass --no-load-optim"
+            in message
+        )
+        message = _load_error(tmp_path, [*extra, "--no-load-optim"])
+        assert "saved with --no-save-rng, so it holds no RNG states; pass --no-load-rng" in message
+        resumed = run_pretrain(TINY_GPT + extra + ["--train-iters", "3", "--load", str(tmp_path),
+                                                   "--no-load-optim", "--no-load-rng"])  # fmt: skip
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert sorted(resumed.losses) == [3]
+    assert all(torch.isfinite(torch.tensor(list(resumed.losses.values()))))
+
+
 # --- 4. Megatron-FSDP: shapes that differ, corrupt shards -----------------------------------
 
 
