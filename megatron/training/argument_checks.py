@@ -76,6 +76,21 @@ def _validate_batch(args: argparse.Namespace) -> None:
         f"--global-batch-size to a multiple of {per_step} or change --micro-batch-size.",
     )
     args.num_microbatches = args.global_batch_size // per_step
+    if args.train_samples is not None:
+        # Megatron-LM: the run length is given one way or the other, and the iterations are
+        # the whole global batches the samples make.
+        _require(
+            args.train_iters is None,
+            "--train-iters and --train-samples both set the run length; pass only one.",
+        )
+        _require(
+            args.train_samples >= args.global_batch_size,
+            f"--train-samples {args.train_samples} is less than one global batch "
+            f"({args.global_batch_size}); train on more samples or a smaller batch.",
+        )
+        args.train_iters = args.train_samples // args.global_batch_size
+    elif args.train_iters is None:
+        args.train_iters = 100
     _require(args.train_iters > 0, "--train-iters must be positive.")
     _require(args.log_interval > 0, "--log-interval must be positive.")
     _require(args.tensorboard_log_interval > 0, "--tensorboard-log-interval must be positive.")
@@ -128,7 +143,53 @@ def _validate_model(args: argparse.Namespace) -> None:
     )
 
 
+def _schedule_in_samples(args: argparse.Namespace) -> None:
+    """--train-samples runs give the schedule in samples (Megatron-LM); the scheduler counts
+    iterations, so each length becomes samples / global batch size (fractional lengths give
+    the same learning rates as a sample-counting schedule at a constant batch size)."""
+    iteration_flags = [
+        name
+        for name, unset in (
+            ("--lr-decay-iters", args.lr_decay_iters is None),
+            ("--lr-warmup-iters", args.lr_warmup_iters == 0),
+            ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters is None),
+        )
+        if not unset
+    ]
+    sample_flags = [
+        name
+        for name, unset in (
+            ("--lr-decay-samples", args.lr_decay_samples is None),
+            ("--lr-warmup-samples", args.lr_warmup_samples == 0),
+            ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples is None),
+        )
+        if not unset
+    ]
+    if args.train_samples is None:
+        _require(
+            not sample_flags,
+            f"{', '.join(sample_flags)} go with --train-samples; with --train-iters give the "
+            "schedule in iterations (--lr-decay-iters, --lr-warmup-iters, --lr-wsd-decay-iters).",
+        )
+        return
+    _require(
+        not iteration_flags,
+        f"with --train-samples give the schedule in samples: replace {', '.join(iteration_flags)} "
+        "by --lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples.",
+    )
+    for attr in ("lr_decay_samples", "lr_wsd_decay_samples"):
+        _require_positive(args, attr, "omit it for the default")
+    _require(args.lr_warmup_samples >= 0, "--lr-warmup-samples must be >= 0.")
+    batch = args.global_batch_size
+    decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+    args.lr_decay_iters = decay / batch
+    args.lr_warmup_iters = args.lr_warmup_samples / batch
+    if args.lr_wsd_decay_samples is not None:
+        args.lr_wsd_decay_iters = args.lr_wsd_decay_samples / batch
+
+
 def _validate_schedule(args: argparse.Namespace) -> None:
+    _schedule_in_samples(args)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     _require_positive(args, "lr", "the default is 3e-4")
@@ -141,7 +202,8 @@ def _validate_schedule(args: argparse.Namespace) -> None:
         # Megatron-LM: warmup = fraction x decay length, and the two warmup flags are exclusive.
         _require(
             args.lr_warmup_iters == 0,
-            "--lr-warmup-fraction and --lr-warmup-iters both set the warmup; pass only one.",
+            "--lr-warmup-fraction and --lr-warmup-iters (or --lr-warmup-samples) both set the "
+            "warmup; pass only one.",
         )
         _require(
             math.isfinite(args.lr_warmup_fraction) and 0 <= args.lr_warmup_fraction < 1,

@@ -104,7 +104,19 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Samples per optimizer step (default micro-batch x data-parallel size).",
     )
-    group.add_argument("--train-iters", type=int, default=100, help="Optimizer steps to run.")
+    group.add_argument(
+        "--train-iters",
+        type=int,
+        default=None,
+        help="Optimizer steps to run (default 100, or derived from --train-samples).",
+    )
+    group.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        help="Samples to train on instead of --train-iters: train_samples // global batch size "
+        "iterations; the schedule is then given in samples (--lr-decay-samples ...).",
+    )
     group.add_argument("--seed", type=int, default=1234, help="Seed of init, data and dropout.")
     group.add_argument(
         "--exit-interval", type=int, default=None, help="Exit when iteration %% N == 0."
@@ -166,6 +178,21 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
         "--lr-decay-iters", type=int, default=None, help="Decay length (default --train-iters)."
     )
     group.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD annealing length.")
+    group.add_argument(
+        "--lr-decay-samples",
+        type=int,
+        default=None,
+        help="With --train-samples: decay length in samples (default --train-samples).",
+    )
+    group.add_argument(
+        "--lr-warmup-samples", type=int, default=0, help="With --train-samples: warmup samples."
+    )
+    group.add_argument(
+        "--lr-wsd-decay-samples",
+        type=int,
+        default=None,
+        help="With --train-samples: WSD annealing length in samples.",
+    )
     group.add_argument(
         "--lr-wsd-decay-style",
         choices=("linear", "cosine", "exponential", "minus_sqrt"),

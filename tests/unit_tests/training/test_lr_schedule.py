@@ -87,3 +87,27 @@ def test_a_schedule_saved_before_warmup_init_existed_matches_the_default():
     assert scheduler.config_differences(old_state) == []
     changed = OptimizerParamScheduler(Optimizer(), config=cfg(warmup_init=0.5))
     assert changed.config_differences(old_state) == [("warmup_init", 0.0, 0.5)]
+
+
+def test_train_samples_give_whole_batches_and_a_schedule_in_samples():
+    from megatron.training.arguments import parse_args
+    from megatron.training.configs import build_lr_schedule_config
+    from tests.unit_tests.training.common import TINY_GPT  # global batch size 8
+
+    flags = ["--train-samples", "100", "--lr-warmup-samples", "20", "--lr-wsd-decay-samples",
+             "40", "--lr-decay-style", "WSD"]  # fmt: skip
+    args = parse_args(TINY_GPT + flags)
+    assert args.train_iters == 12  # 100 // 8
+    config = build_lr_schedule_config(args)
+    assert (config.decay_iters, config.warmup_iters, config.wsd_decay_iters) == (12.5, 2.5, 5.0)
+
+
+def test_a_run_in_samples_trains_like_the_same_run_in_iterations():
+    from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
+
+    samples = run_pretrain(TINY_GPT + NO_DROPOUT + ["--train-samples", "24",
+                                                    "--lr-warmup-samples", "8"])  # fmt: skip
+    iterations = run_pretrain(TINY_GPT + NO_DROPOUT + ["--train-iters", "3",
+                                                       "--lr-warmup-iters", "1"])  # fmt: skip
+    assert sorted(samples.losses) == [1, 2, 3]
+    assert samples.losses == iterations.losses
