@@ -214,20 +214,24 @@ def _validate_schedule(args: argparse.Namespace) -> None:
         math.isfinite(args.lr_warmup_init) and 0 <= args.lr_warmup_init <= args.lr,
         f"--lr-warmup-init {args.lr_warmup_init} must be in [0, --lr {args.lr}].",
     )
+    # Name the flags the user gives: the sample ones in a --train-samples run.
+    unit = "samples" if args.train_samples is not None else "iters"
+    warmup, decay, wsd = (f"--lr-{name}-{unit}" for name in ("warmup", "decay", "wsd-decay"))
     if args.lr_decay_style != "constant":
         _require(
             args.lr_warmup_iters < args.lr_decay_iters,
-            f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
-            f"{args.lr_decay_iters}; shorten warmup or lengthen the decay.",
+            f"the warmup ({warmup}, {args.lr_warmup_iters} iterations) must end before the "
+            f"decay does ({decay}, {args.lr_decay_iters} iterations); shorten warmup or "
+            "lengthen the decay.",
         )
     if args.lr_decay_style == "WSD":
         _require(
             args.lr_wsd_decay_iters is not None,
-            "--lr-decay-style WSD needs --lr-wsd-decay-iters (length of the annealing phase).",
+            f"--lr-decay-style WSD needs {wsd} (length of the annealing phase).",
         )
         _require(
             0 < args.lr_wsd_decay_iters <= args.lr_decay_iters - args.lr_warmup_iters,
-            "--lr-wsd-decay-iters must be positive and fit after warmup within --lr-decay-iters.",
+            f"{wsd} must be positive and fit after warmup within {decay}.",
         )
     _require(
         math.isfinite(args.clip_grad) and args.clip_grad >= 0,

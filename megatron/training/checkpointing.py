@@ -360,6 +360,18 @@ def _check_saved_flags(metadata: dict, args: argparse.Namespace, *, directory: s
             f"--fp8-amax-history-len {saved_len}, or --finetune to load only the weights and "
             "start the delayed-scaling state fresh."
         )
+    if (
+        not args.finetune
+        and (args.train_samples is not None or saved.get("train_samples") is not None)
+        and saved.get("global_batch_size", args.global_batch_size) != args.global_batch_size
+    ):
+        raise CheckpointError(
+            f"{directory}: a --train-samples run saved with --global-batch-size "
+            f"{saved['global_batch_size']}, but this run has {args.global_batch_size} (given, or "
+            "micro-batch x data-parallel size); its iteration count and schedule are counted in "
+            f"batches of {saved['global_batch_size']}. Pass --global-batch-size "
+            f"{saved['global_batch_size']}."
+        )
     load_optim = not (args.no_load_optim or args.finetune)
     # Megatron-LM's rule: a checkpoint without a state needs the flag that skips loading it.
     if load_optim and saved.get("no_save_optim", False):

@@ -252,7 +252,7 @@ class ExitSignal:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        if self.enabled:
+        if self.enabled and self._previous is not None:  # None: set from C, not restorable
             signal.signal(signal.SIGTERM, self._previous)
 
 

@@ -41,7 +41,10 @@ def learning_rate_at(iteration: int, config: LRScheduleConfig) -> float:
         anneal_start = config.decay_iters - config.wsd_decay_iters
         if iteration <= anneal_start:
             return config.max_lr
-        ratio = (iteration - anneal_start) / max(1, config.wsd_decay_iters)
+        if config.wsd_decay_iters <= 0:
+            return config.min_lr
+        # Not max(1, ...): with --lr-wsd-decay-samples the phase can be under one iteration.
+        ratio = (iteration - anneal_start) / config.wsd_decay_iters
         coeff = {
             "linear": 1.0 - ratio,
             "cosine": 0.5 * (math.cos(math.pi * ratio) + 1.0),
@@ -104,5 +107,16 @@ class OptimizerParamScheduler:
         return [
             (k, saved.get(k, defaults[k]), v)
             for k, v in current.items()
-            if saved.get(k, defaults[k]) != v
+            if not _same_setting(saved.get(k, defaults[k]), v)
         ]
+
+
+def _same_setting(saved, current) -> bool:
+    """Equal, or for numbers equal up to rounding: a warmup of 7 iterations written as
+    --lr-warmup-fraction 0.07 of 100 is 7.000000000000001."""
+    numbers = (int, float)
+    if isinstance(saved, numbers) and isinstance(current, numbers):
+        if isinstance(saved, bool) or isinstance(current, bool):
+            return saved == current
+        return math.isclose(saved, current, rel_tol=1e-9, abs_tol=1e-12)
+    return saved == current

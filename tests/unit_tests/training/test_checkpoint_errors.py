@@ -244,6 +244,21 @@ def test_no_save_optim_and_rng_write_neither_and_resume_needs_the_no_load_flags(
     assert all(torch.isfinite(torch.tensor(list(resumed.losses.values()))))
 
 
+def test_train_samples_run_resumes_only_at_its_global_batch_size(tmp_path):
+    """A --train-samples run counts its iterations and schedule in global batches: another
+    batch size would stop at the wrong sample count, so the resume is refused."""
+    flags = ["--train-samples", "40"]  # 5 iterations of 8
+    run_pretrain(TINY_GPT + flags + ["--exit-interval", "2", "--save", str(tmp_path)])
+    with pytest.raises(CheckpointError) as info:
+        run_pretrain(TINY_GPT + ["--train-samples", "80", "--global-batch-size", "16",
+                                 "--load", str(tmp_path)])  # fmt: skip
+    message = str(info.value)
+    assert "saved with --global-batch-size 8, but this run has 16" in message
+    assert "Pass --global-batch-size 8" in message
+    resumed = run_pretrain(TINY_GPT + flags + ["--load", str(tmp_path)])
+    assert sorted(resumed.losses) == [3, 4, 5]
+
+
 # --- 4. Megatron-FSDP: shapes that differ, corrupt shards -----------------------------------
 
 

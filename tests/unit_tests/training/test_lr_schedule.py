@@ -111,3 +111,24 @@ def test_a_run_in_samples_trains_like_the_same_run_in_iterations():
                                                        "--lr-warmup-iters", "1"])  # fmt: skip
     assert sorted(samples.losses) == [1, 2, 3]
     assert samples.losses == iterations.losses
+
+
+def test_wsd_annealing_shorter_than_one_iteration_still_ends_at_min_lr():
+    # --lr-wsd-decay-samples 4 at global batch 8: half an iteration of annealing
+    config = cfg(warmup_iters=0, decay_iters=10, decay_style="WSD", wsd_decay_iters=0.5,
+                 wsd_decay_style="linear")  # fmt: skip
+    assert learning_rate_at(9, config) == pytest.approx(1.0)
+    assert learning_rate_at(10, config) == pytest.approx(0.1)
+
+
+def test_the_same_schedule_written_another_way_is_not_a_difference():
+    from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
+
+    class Optimizer:
+        param_groups = [{"lr": 0.0}]
+
+    saved = OptimizerParamScheduler(Optimizer(), config=cfg(warmup_iters=7)).state_dict()
+    fraction = OptimizerParamScheduler(Optimizer(), config=cfg(warmup_iters=0.07 * 100))
+    assert 0.07 * 100 != 7 and fraction.config_differences(saved) == []
+    longer = OptimizerParamScheduler(Optimizer(), config=cfg(warmup_iters=8))
+    assert longer.config_differences(saved) == [("warmup_iters", 7, 8)]
