@@ -75,18 +75,15 @@ def cuda_time_ms(fn, *, warmup: int = 3, iters: int = 10, host: list | None = No
     return statistics.median(times)
 
 
-def kernel_ms(fn, *, calls: int = 10) -> float:
-    """Device milliseconds of one fn() call: `calls` calls captured in one CUDA graph, replayed
-    and timed with CUDA events (median of 20 replays), so the host's launch cost, which on the
-    lent machine exceeds a small kernel's run time, is not counted. Falls back to
-    cuda_time_ms where fn cannot be captured."""
-    fn()
-    torch.cuda.synchronize()
+def _captured(fn, *, calls: int, warmups: int):
+    """A CUDA graph of `calls` fn() calls (after `warmups` on a side stream, as capture
+    needs), or None where fn cannot be captured."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     try:
         with torch.cuda.stream(side):
-            fn()
+            for _ in range(warmups):
+                fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -94,6 +91,19 @@ def kernel_ms(fn, *, calls: int = 10) -> float:
                 fn()
     except RuntimeError:
         torch.cuda.synchronize()
+        return None
+    return graph
+
+
+def kernel_ms(fn, *, calls: int = 10) -> float:
+    """Device milliseconds of one fn() call: `calls` calls captured in one CUDA graph, replayed
+    and timed with CUDA events (median of 20 replays), so the host's launch cost, which on the
+    lent machine exceeds a small kernel's run time, is not counted. Falls back to
+    cuda_time_ms where fn cannot be captured."""
+    fn()
+    torch.cuda.synchronize()
+    graph = _captured(fn, calls=calls, warmups=1)
+    if graph is None:
         return cuda_time_ms(fn, warmup=3, iters=20)
     return cuda_time_ms(graph.replay, warmup=2, iters=20) / calls
 
@@ -106,40 +116,23 @@ def steady_ms(step, *, steps: int = 20, repeats: int = 3, host: list | None = No
     the median host milliseconds spent issuing one step."""
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    times, host_times = [], []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        issued = time.perf_counter()
+
+    def batch():
         for _ in range(steps):
             step()
-        host_times.append((time.perf_counter() - issued) * 1e3 / steps)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / steps)
+
+    batch_host: list[float] = []
+    ms = cuda_time_ms(batch, warmup=0, iters=repeats, host=batch_host)
     if host is not None:
-        host.append(statistics.median(host_times))
-    return statistics.median(times)
+        host.append(batch_host[0] / steps)
+    return ms / steps
 
 
 def graph_ms(step) -> float | None:
     """GPU milliseconds of one step captured in a CUDA graph and replayed (no host cost at
     all): what the step costs when the host keeps up. None when the step cannot be captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-    except RuntimeError:
-        torch.cuda.synchronize()
-        return None
-    return cuda_time_ms(graph.replay, warmup=3, iters=20)
+    graph = _captured(step, calls=1, warmups=3)
+    return None if graph is None else cuda_time_ms(graph.replay, warmup=3, iters=20)
 
 
 class Reporter:
@@ -253,19 +246,16 @@ def _operand_fn(x: torch.Tensor, key: str):
 
 
 # Launch configurations tried by --sweep (first entry of each: the shipped default).
-def _cast(bm, bk, group, trans_x, warps, per_tile=0):
-    return dict(BM=bm, BK=bk, GROUP=group, TRANS_X=bool(trans_x), AMAX_PER_TILE=bool(per_tile),
-                num_warps=warps)  # fmt: skip
+def _cast(bm, bk, group, trans_x, warps):
+    return dict(BM=bm, BK=bk, GROUP=group, TRANS_X=bool(trans_x), num_warps=warps)
 
 
 SWEEP = {
     "amax": [dict(BLOCK=b, GROUP=g, num_warps=w) for b, g, w in ((16384, 1, 16), (8192, 8, 8),
                                                                  (8192, 16, 8), (4096, 8, 4))],
-    "cast": [_cast(*c) for c in ((32, 128, 8, 0, 4), (32, 128, 8, 0, 4, 1), (64, 128, 4, 0, 4),
-                                 (64, 64, 4, 0, 4, 1))],
-    "cast_t": [_cast(*c) for c in ((64, 64, 8, 0, 4), (64, 64, 8, 0, 4, 1), (32, 128, 8, 1, 4, 1),
-                                   (64, 64, 4, 0, 4, 1), (128, 64, 4, 0, 8, 1),
-                                   (64, 32, 8, 0, 2, 1))],
+    "cast": [_cast(*c) for c in ((32, 128, 8, 0, 4), (64, 128, 4, 0, 4), (64, 64, 4, 0, 4))],
+    "cast_t": [_cast(*c) for c in ((64, 64, 8, 0, 4), (32, 128, 8, 1, 4), (64, 64, 4, 0, 4),
+                                   (64, 32, 8, 0, 2), (32, 128, 4, 1, 4))],
     "block_1x128": [dict(BM=m, GROUP=g, num_warps=w) for m, g, w in ((32, 4, 4), (16, 8, 2),
                                                                      (64, 2, 4))],
     "block_128x1": [dict(BK=k, TRANS_X=bool(t), num_warps=w) for k, t, w in ((32, 1, 4),

@@ -143,28 +143,22 @@ def _validate_model(args: argparse.Namespace) -> None:
     )
 
 
+def _schedule_flags_given(args: argparse.Namespace, unit: str) -> list[str]:
+    """The --lr-{decay,warmup,wsd-decay}-{unit} flags (unit: iters or samples) this run sets."""
+    defaults = {"decay": None, "warmup": 0, "wsd_decay": None}
+    return [
+        f"--lr-{name.replace('_', '-')}-{unit}"
+        for name, default in defaults.items()
+        if getattr(args, f"lr_{name}_{unit}") != default
+    ]
+
+
 def _schedule_in_samples(args: argparse.Namespace) -> None:
     """--train-samples runs give the schedule in samples (Megatron-LM); the scheduler counts
     iterations, so each length becomes samples / global batch size (fractional lengths give
     the same learning rates as a sample-counting schedule at a constant batch size)."""
-    iteration_flags = [
-        name
-        for name, unset in (
-            ("--lr-decay-iters", args.lr_decay_iters is None),
-            ("--lr-warmup-iters", args.lr_warmup_iters == 0),
-            ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters is None),
-        )
-        if not unset
-    ]
-    sample_flags = [
-        name
-        for name, unset in (
-            ("--lr-decay-samples", args.lr_decay_samples is None),
-            ("--lr-warmup-samples", args.lr_warmup_samples == 0),
-            ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples is None),
-        )
-        if not unset
-    ]
+    iteration_flags = _schedule_flags_given(args, "iters")
+    sample_flags = _schedule_flags_given(args, "samples")
     if args.train_samples is None:
         _require(
             not sample_flags,

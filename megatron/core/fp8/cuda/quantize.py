@@ -34,8 +34,8 @@ from megatron.core.fp8.cuda.launch import launch
 # values here are the fastest measured on an H200 (docs/PERFORMANCE_FP8_LINEAR.md).
 TILE_CONFIG: dict[str, dict[str, int]] = {
     "amax": dict(BLOCK=16384, GROUP=1, num_warps=16),
-    "cast": dict(BM=32, BK=128, GROUP=8, TRANS_X=False, AMAX_PER_TILE=False, num_warps=4),
-    "cast_t": dict(BM=64, BK=64, GROUP=8, TRANS_X=False, AMAX_PER_TILE=False, num_warps=4),
+    "cast": dict(BM=32, BK=128, GROUP=8, TRANS_X=False, num_warps=4),
+    "cast_t": dict(BM=64, BK=64, GROUP=8, TRANS_X=False, num_warps=4),
     "block_1x128": dict(BM=32, GROUP=4, num_warps=4),
     "block_128x1": dict(BK=32, TRANS_X=True, num_warps=4),
     "block_128x128": dict(num_warps=8),

@@ -125,7 +125,7 @@ def per_tensor_cast_kernel(
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
     SCALE_GIVEN: tl.constexpr, RECORD_AMAX: tl.constexpr, WRITE_ROW: tl.constexpr,
     WRITE_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-    TRANS_X: tl.constexpr, AMAX_PER_TILE: tl.constexpr,
+    TRANS_X: tl.constexpr,
 ):  # fmt: skip
     """Delayed (SCALE_GIVEN; RECORD_AMAX atomically maxes max|x| into amax_bits_ptr, which may
     be slot 0 of an amax history) or tensorwise (scale from the finished amax) cast; the
@@ -134,10 +134,9 @@ def per_tensor_cast_kernel(
     Each program walks GROUP BM x BK tiles down one column strip and loads the next tile
     before it stores the current one, so a load is always in flight (a store may alias a
     later load as far as the compiler knows, so it would not hoist the load itself); the amax
-    is reduced in registers across the strip (AMAX_PER_TILE: each tile to a scalar at once,
-    fewer registers; else elementwise, one reduction at the end), one atomic per program.
-    TRANS_X transposes the high-precision tile and casts it again instead of transposing the
-    FP8 bytes (same bytes, a different shared-memory exchange; the sweep picks)."""
+    is reduced in registers across the strip, one atomic per program. TRANS_X transposes
+    the high-precision tile and casts it again instead of transposing the FP8 bytes (same
+    bytes, a different shared-memory exchange; the sweep picks)."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, BK)
     pid_k = pid % k_tiles
@@ -151,7 +150,6 @@ def per_tensor_cast_kernel(
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
     x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
     running_max = tl.zeros((BM, BK), dtype=tl.float32)
-    strip_max = tl.max(tl.max(running_max, axis=1), axis=0)
     for i in range(GROUP):
         next_rows = rows + BM
         next_mask = (next_rows[:, None] < M) & (cols[None, :] < K) & (i + 1 < GROUP)
@@ -170,16 +168,11 @@ def per_tensor_cast_kernel(
             mask_t = (cols[:, None] < K) & (rows[None, :] < M)
             tl.store(data_t_ptr + offs_t, q_t, mask=mask_t)
         if RECORD_AMAX:
-            if AMAX_PER_TILE:
-                tile_max = tl.max(tl.max(_nan_ignoring_abs(x), axis=1), axis=0)
-                strip_max = tl.maximum(strip_max, tile_max)
-            else:
-                running_max = tl.maximum(running_max, _nan_ignoring_abs(x))
+            running_max = tl.maximum(running_max, _nan_ignoring_abs(x))
         x_raw, rows, mask, offs = next_raw, next_rows, next_mask, next_offs
     if RECORD_AMAX:
-        if not AMAX_PER_TILE:
-            strip_max = tl.max(tl.max(running_max, axis=1), axis=0)
-        tl.atomic_max(amax_bits_ptr, strip_max.to(tl.int32, bitcast=True), sem="relaxed")
+        tile_amax = tl.max(tl.max(running_max, axis=1), axis=0)
+        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
     if pid == 0:
         tl.store(scale_inv_ptr, _reciprocal(scale, POW2))
 
