@@ -288,6 +288,7 @@ def sweep_configs(reporter: Reporter, x: torch.Tensor, copy_gbps: float) -> None
         reference = None
         for config in candidates:
             cq.TILE_CONFIG[key] = config
+            linear_ops.clear_plans()
             fn, moved = _operand_fn(x, key)
             outputs = [t.clone() for t in _outputs(fn())]
             if reference is None:
@@ -303,6 +304,7 @@ def sweep_configs(reporter: Reporter, x: torch.Tensor, copy_gbps: float) -> None
             if same and (best is None or gbps > best[0]):
                 best = (gbps, config)
         cq.TILE_CONFIG[key] = best[1]
+    linear_ops.clear_plans()  # Fp8Linear's prepared launches read the chosen configs
     reporter.emit({"bench": "tile_config", "chosen": cq.TILE_CONFIG})
 
 
@@ -382,6 +384,11 @@ def make_chain_step(x, w, dy, recipe):
     return step
 
 
+# Backward on the calling thread, as pretrain_gpt.py runs it (--backward-worker-threads there
+# and here: on the autograd engine's device thread, PyTorch's default), for both sides.
+BACKWARD_THREADS = {"worker": False}
+
+
 def make_module_step(module, x, dy, *, autocast):
     def step():
         x.grad = None
@@ -391,7 +398,8 @@ def make_module_step(module, x, dy, *, autocast):
         else:
             with autocast():
                 y = module(x)
-        y.backward(dy)
+        with torch.autograd.set_multithreading_enabled(BACKWARD_THREADS["worker"]):
+            y.backward(dy)
 
     return step
 
@@ -546,12 +554,19 @@ def main() -> int:
         help="write the top GPU kernels of one Fp8Linear step to $OUT/profile.txt",
     )
     parser.add_argument(
+        "--backward-worker-threads",
+        action="store_true",
+        help="run Linear backward on the autograd engine's device thread (PyTorch's default) "
+        "instead of the calling thread (pretrain_gpt.py's default), for both sides",
+    )
+    parser.add_argument(
         "--budget-s",
         type=float,
         default=TIME_BUDGET_S,
         help="start no new Linear case after this many seconds",
     )
     args = parser.parse_args()
+    BACKWARD_THREADS["worker"] = args.backward_worker_threads
     if not torch.cuda.is_available():
         print("bench_fp8.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -560,7 +575,8 @@ def main() -> int:
     reporter.emit({"bench": "env", "torch": torch.__version__, "cuda": torch.version.cuda,
                    "device": torch.cuda.get_device_name(),
                    "capability": list(torch.cuda.get_device_capability()),
-                   "triton": triton_available()})  # fmt: skip
+                   "triton": triton_available(),
+                   "backward_worker_threads": args.backward_worker_threads})  # fmt: skip
     if args.check and not run_check(reporter):
         print_table(reporter.rows)
         return 1

@@ -44,6 +44,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="torch.compile each layer")
     parser.add_argument(
+        "--backward-worker-threads",
+        action="store_true",
+        help="backward on the autograd engine's device thread (PyTorch's default) instead of "
+        "the calling thread (pretrain_gpt.py's default)",
+    )
+    parser.add_argument(
         "--fp8-recipe",
         choices=["delayed", "tensorwise", "blockwise", "mxfp8"],
         default=None,
@@ -163,12 +169,15 @@ def run_step(args, engine, model, optimizer, inputs, labels) -> None:
         group = dist.group.WORLD
         with fp8_autocast(enabled=fp8 is not None, fp8_config=fp8, amax_reduction_group=group):
             loss = model(inputs, labels=labels).mean()
-        loss.backward()
+        with torch.autograd.set_multithreading_enabled(args.backward_worker_threads):
+            loss.backward()
         model.finish_grad_sync()
         optimizer.step()
     else:
         optimizer.zero_grad(set_to_none=True)
-        model(inputs, labels=labels).mean().backward()
+        loss = model(inputs, labels=labels).mean()
+        with torch.autograd.set_multithreading_enabled(args.backward_worker_threads):
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 

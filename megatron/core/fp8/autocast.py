@@ -150,22 +150,38 @@ def reduce_and_update(metas: list[ScalingMeta], group: dist.ProcessGroup | None)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
     start = 0
     for members in groups.values():
-        histories = torch.stack([meta.amax_history for meta in members])
+        first_len = (members[0].amax_history.shape[0],)
+        histories = _stacked([meta.amax_history for meta in members], shape=first_len)
         if packed is not None:
             histories[:, 0] = packed[start : start + len(members)].to(histories.device)
         start += len(members)
         first = members[0]
         settings = dict(fp8_dtype=first.fp8_dtype, margin=first.config.margin,
                         amax_compute_algo=first.config.amax_compute_algo)  # fmt: skip
-        old_scales = torch.stack([meta.scale.reshape(()) for meta in members])
+        old_scales = _stacked([meta.scale for meta in members], shape=())
         fused = _fused_delayed_update(histories, old_scales, settings)
         if fused is not None:
             scales, rolled = fused
         else:
             scales = delayed_scale_update(histories, old_scales, **settings)
             rolled = roll_amax_history(histories)
-        for index, meta in enumerate(members):
-            meta.scale, meta.amax_history = scales[index], rolled[index]
+        for meta, scale, history in zip(members, scales.unbind(0), rolled.unbind(0), strict=True):
+            meta.scale, meta.amax_history = scale, history
+
+
+def _stacked(tensors: list[torch.Tensor], *, shape: tuple) -> torch.Tensor:
+    """torch.stack of the tensors (each reshaped to `shape`), or without a copy the tensor
+    they are the rows of, in order: what the previous flush of the same metas left them as
+    (`unbind` views of its outputs)."""
+    base = tensors[0]._base
+    if base is not None and base.shape == (len(tensors), *shape) and base.is_contiguous():
+        offset, stride = base.storage_offset(), base.stride(0)
+        if all(
+            t._base is base and t.shape == shape and t.storage_offset() == offset + index * stride
+            for index, t in enumerate(tensors)
+        ):
+            return base
+    return torch.stack([t.reshape(shape) for t in tensors])
 
 
 def _fused_delayed_update(histories, scales, settings):

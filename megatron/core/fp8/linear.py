@@ -162,15 +162,14 @@ def _fused_cuda_ops():
     return linear_ops
 
 
-def _fused_quantize(t2d, plan: _Plan, *, role, rowwise, transposed, record, compute_dtype,
-                    amax_cell=None):  # fmt: skip
+def _fused_quantize(t2d, plan: _Plan, *, role, rowwise, transposed, record, compute_dtype):
     """One fused kernel pass: the operands `role`'s GEMMs read (module docstring table)."""
     meta = plan.metas[role] if plan.metas is not None else None
     return _fused_cuda_ops().quantize_operands(
         t2d, recipe=plan.recipe, fp8_dtype=plan.dtype(role), role=role, rowwise=rowwise,
         transposed=transposed, power_2_scale=_pow2(plan), scale=plan.scales.get(role),
         amax_history=meta.amax_history if (record and meta is not None) else None,
-        dequant_dtype=compute_dtype, amax_cell=amax_cell,
+        dequant_dtype=compute_dtype,
     )  # fmt: skip
 
 
@@ -185,13 +184,9 @@ def _forward_fused(ctx, x, weight, plan: _Plan) -> torch.Tensor:
     ops = _fused_cuda_ops()
     compute_dtype = ops.emulation_dtype(x.dtype)
     need_wgrad, need_dgrad = weight.requires_grad, x.requires_grad
-    # Tensorwise amax cells of input, weight and grad, zeroed by one fill for the whole step.
-    cells = ops.amax_cells(3, x.device) if plan.recipe == "tensorwise" else None
-    ctx.grad_amax_cell = cells[2] if cells is not None else None
     x_row, x_t = _fused_quantize(x.reshape(-1, x.shape[-1]), plan, role="input", rowwise=True,
                                  transposed=need_wgrad, record=plan.record,
-                                 compute_dtype=compute_dtype,
-                                 amax_cell=cells[0] if cells is not None else None)  # fmt: skip
+                                 compute_dtype=compute_dtype)  # fmt: skip
     if isinstance(weight, QuantizedTensor):
         w_row, w_t = ops.weight_operand(weight, "rowwise", compute_dtype=compute_dtype), None
         ctx.saved_weight = weight  # re-read in backward, after FSDP re-points its bytes
@@ -199,8 +194,7 @@ def _forward_fused(ctx, x, weight, plan: _Plan) -> torch.Tensor:
         # Quantized once per forward; the transposed copy is kept for dgrad.
         w_row, w_t = _fused_quantize(weight.detach(), plan, role="weight", rowwise=True,
                                      transposed=need_dgrad, record=plan.record,
-                                     compute_dtype=compute_dtype,
-                                     amax_cell=cells[1] if cells is not None else None)  # fmt: skip
+                                     compute_dtype=compute_dtype)  # fmt: skip
         ctx.saved_weight = w_t
     if plan.record:
         fp8_state.forward_recorded(plan.metas["input"])
@@ -218,9 +212,7 @@ def _backward_fused(ctx, dy2d, *, need_dgrad, need_wgrad):
     record = plan.metas is not None
     dy_row, dy_t = _fused_quantize(dy2d, plan, role="grad", rowwise=need_dgrad,
                                    transposed=need_wgrad, record=record,
-                                   compute_dtype=ctx.compute_dtype,
-                                   amax_cell=ctx.grad_amax_cell)  # fmt: skip
-    ctx.grad_amax_cell = None
+                                   compute_dtype=ctx.compute_dtype)  # fmt: skip
     if record:
         # Recorded even for a recomputed graph (reentrant checkpoint): its backward is real.
         fp8_state.record_backward(plan.metas["grad"], None, plan.group)

@@ -76,12 +76,12 @@ def test_nan_loss_skips_the_step(monkeypatch):
     calls = {"n": 0}
     snapshot = {}
 
-    def poisoned(run, batch, *, num_microbatches):
+    def poisoned(run, batch, **options):
         calls["n"] += 1
         if calls["n"] == 2 * 4 + 1:  # first micro-batch of iteration 3 (4 micro-batches/step)
             snapshot.update({k: v.detach().clone() for k, v in run.module.state_dict().items()})
             batch = dict(batch, loss_mask=batch["loss_mask"] * float("nan"))
-        return real(run, batch, num_microbatches=num_microbatches)
+        return real(run, batch, **options)
 
     monkeypatch.setattr(training, "forward_backward", poisoned)
     seen = {}
@@ -109,11 +109,11 @@ def test_skipped_iteration_is_left_out_of_the_interval(monkeypatch, capsys):
     real = training.forward_backward
     calls = {"n": 0}
 
-    def poisoned(run, batch, *, num_microbatches):
+    def poisoned(run, batch, **options):
         calls["n"] += 1
         if calls["n"] == 2 * 4 + 1:  # iteration 3
             batch = dict(batch, loss_mask=batch["loss_mask"] * float("nan"))
-        return real(run, batch, num_microbatches=num_microbatches)
+        return real(run, batch, **options)
 
     monkeypatch.setattr(training, "forward_backward", poisoned)
     result = run_pretrain(TINY_GPT + ["--train-iters", "10", "--log-interval", "5"])

@@ -54,12 +54,22 @@ def _raw_stream(device: int) -> int:
     return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
-def _knobs():
+def _load_knobs():
     try:
         from triton import knobs
     except ImportError:  # Triton before knobs (3.3): no direct path
         return None
     return knobs.runtime
+
+
+_runtime_knobs: list = []
+
+
+def _knobs():
+    """triton.knobs.runtime (its launch hooks are read at every launch), imported once."""
+    if not _runtime_knobs:
+        _runtime_knobs.append(_load_knobs())
+    return _runtime_knobs[0]
 
 
 def launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
@@ -107,3 +117,53 @@ def _remember(key, kernel, compiled, n_args: int, constexprs: dict) -> None:
     if any(name in _OPTIONS for name in names):
         return
     _compiled[key] = (compiled, tail)
+
+
+class LaunchSite:
+    """One call site that launches `kernel` again and again with the same grid, constexprs,
+    argument dtypes and int values (a fixed tensor shape), only the tensors changing: after
+    the first launch the compiled kernel is held here, so a launch skips even the key above.
+
+    `site(args, alignment)`: `alignment` is any hashable value the caller derives from its
+    arguments that determines which tensor arguments are 16-byte aligned (say, one bit per
+    tensor the caller did not allocate itself); the site holds one compiled kernel per value.
+    Everything else Triton specializes on (dtypes, int values, constexprs, device) must stay
+    fixed for the site's lifetime: the caller keeps one site per shape, dtypes and flags."""
+
+    __slots__ = ("kernel", "grid", "constexprs", "_held")
+
+    def __init__(self, kernel, grid: tuple, constexprs: dict) -> None:
+        self.kernel = kernel
+        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.constexprs = constexprs
+        # alignment -> (compiled kernel, constexpr tail, device, triton.knobs.runtime)
+        self._held: dict = {}
+
+    def __call__(self, args: tuple, alignment) -> None:
+        held = self._held.get(alignment)
+        if held is None or not _direct["enabled"]:
+            launch(self.kernel, self.grid, args, self.constexprs)
+            if held is None and _direct["enabled"] and not torch.compiler.is_compiling():
+                self._hold(args, alignment)
+            return
+        compiled, tail, device, runtime = held
+        stream = _raw_stream(device)
+        try:
+            metadata = compiled.launch_metadata(self.grid, stream, *args, *tail)
+            compiled.run(*self.grid, stream, compiled.function, compiled.packed_metadata,
+                         metadata, runtime.launch_enter_hook, runtime.launch_exit_hook,
+                         *args, *tail)  # fmt: skip
+        except (TypeError, AttributeError, RuntimeError) as err:
+            _direct["enabled"], _direct["why_not"] = False, f"{type(err).__name__}: {err}"[:200]
+            self.kernel[self.grid](*args, **self.constexprs)
+            return
+        _direct["launches"] += 1
+
+    def _hold(self, args: tuple, alignment) -> None:
+        device = args[0].get_device()
+        key = (id(self.kernel), device, tuple(self.constexprs.values()),
+               tuple(map(_arg_key, args)))  # fmt: skip
+        entry = _compiled.get(key)
+        runtime = _knobs()
+        if entry is not None and runtime is not None:
+            self._held[alignment] = (entry[0], entry[1], device, runtime)

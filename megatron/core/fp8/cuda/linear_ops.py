@@ -26,7 +26,8 @@ import torch
 
 from megatron.core.fp8.cuda import quantize as cq
 from megatron.core.fp8.cuda.formats import BLOCK_128, ceil_div
-from megatron.core.fp8.cuda.gemm import scaled_mm
+from megatron.core.fp8.cuda.gemm import blockwise_gemm_path, scaled_mm
+from megatron.core.fp8.cuda.launch import LaunchSite
 
 PER_TENSOR = ("delayed", "tensorwise")
 
@@ -62,117 +63,175 @@ def quantize_operands(
     scale: torch.Tensor | None = None,
     amax_history: torch.Tensor | None = None,
     dequant_dtype: torch.dtype | None = None,
-    amax_cell: torch.Tensor | None = None,
 ) -> tuple[GemmOperand | None, GemmOperand | None]:
     """(rowwise operand, transposed operand) of a 2-D tensor, each None when not asked for.
 
-    delayed: `scale` is the current 0-d scale; `amax_history` (fp32, contiguous), when given,
-    gets max|x| atomically maxed into its slot 0. tensorwise: `amax_cell`, when given, is a
-    zeroed 0-d int32 tensor the amax pass maxes into (a caller quantizing several tensors
-    zeroes all their cells with one fill, see `amax_cells`); else one is allocated here.
-    The bytes equal `quantize(...)`'s exactly. mxfp8: the dequantized values come in
+    delayed: `scale` is the current 0-d fp32 scale; `amax_history` (fp32, contiguous), when
+    given, gets max|x| atomically maxed into its slot 0. tensorwise: the amax pass writes
+    partial maxima that the cast kernel reduces (no zero fill, no atomics). The bytes equal
+    `quantize(...)`'s exactly. mxfp8: the dequantized values come in
     `dequant_dtype` (default: `emulation_dtype`).
+
+    The launches of each (recipe, role, outputs, shape, dtype, device) are prepared once and
+    kept (`OperandPlan`), so a training step's call costs its allocations and launches.
     """
     x2d = x2d.contiguous()
     if x2d.numel() == 0:
         raise ValueError("Fp8Linear cannot quantize an empty tensor")
-    if recipe in PER_TENSOR:
-        return _per_tensor(x2d, recipe=recipe, fp8_dtype=fp8_dtype, rowwise=rowwise,
-                           transposed=transposed, power_2_scale=power_2_scale, scale=scale,
-                           amax_history=amax_history, amax_cell=amax_cell)  # fmt: skip
-    if recipe == "blockwise":
-        run = _block_128x128 if role == "weight" else _block_1x128
-        return run(x2d, fp8_dtype=fp8_dtype, rowwise=rowwise, transposed=transposed,
-                   power_2_scale=power_2_scale)  # fmt: skip
+    if recipe == "delayed" and (scale is None or scale.dtype != torch.float32):
+        raise ValueError("recipe='delayed' quantizes with the current 0-d fp32 scale: pass scale=")
     if recipe == "mxfp8":
-        dtype = dequant_dtype or emulation_dtype(x2d.dtype)
-        return _mxfp8_dequantized(x2d, fp8_dtype=fp8_dtype, rowwise=rowwise,
-                                  transposed=transposed, dtype=dtype)  # fmt: skip
-    raise ValueError(f"unknown recipe {recipe!r}")
+        dequant_dtype = dequant_dtype or emulation_dtype(x2d.dtype)
+    key = (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, x2d.shape, x2d.dtype,
+           x2d.device, amax_history is not None, dequant_dtype)  # fmt: skip
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = OperandPlan(*key)
+    return plan(x2d, scale, amax_history)
 
 
-def _empty(rows: int, cols: int, device: torch.device, dtype=torch.uint8) -> torch.Tensor:
-    return torch.empty((rows, cols), dtype=dtype, device=device)
+# (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, shape, dtype, device, record,
+# dequant_dtype) -> OperandPlan
+_plans: dict[tuple, OperandPlan] = {}
 
 
-def amax_cells(count: int, device: torch.device) -> torch.Tensor:
-    """`count` zeroed int32 amax cells (fp32 bits; +0.0 is 0) from one fill: index one per
-    tensor and pass it as `amax_cell`."""
-    return torch.zeros(count, dtype=torch.int32, device=device)
+def clear_plans() -> None:
+    """Forget the prepared launches, e.g. after changing `quantize.TILE_CONFIG` (a plan keeps
+    the launch configuration it was built with)."""
+    _plans.clear()
 
 
-def _per_tensor(x2d, *, recipe, fp8_dtype, rowwise, transposed, power_2_scale, scale,
-                amax_history, amax_cell):  # fmt: skip
-    rows, cols = x2d.shape
-    device = x2d.device
-    delayed = recipe == "delayed"
-    amax = None
-    if not delayed:
-        amax_bits = amax_cell if amax_cell is not None else amax_cells(1, device)[0]
-        cq.launch_amax(x2d, amax_bits)
-        amax = amax_bits.view(torch.float32)
-    data = _empty(rows, cols, device) if rowwise else None
-    data_t = _empty(cols, rows, device) if transposed else None
-    scale_inv = torch.empty((), dtype=torch.float32, device=device)
-    record = amax_history.view(torch.int32) if (delayed and amax_history is not None) else None
-    cq.launch_per_tensor_cast(
-        x2d, data=data, data_t=data_t, scale=scale, amax=amax, scale_inv=scale_inv,
-        record_bits=record, fp8_dtype=fp8_dtype, recipe=recipe, power_2_scale=power_2_scale,
-    )  # fmt: skip
-    row = GemmOperand(data.view(fp8_dtype), scale_inv) if rowwise else None
-    col = GemmOperand(data_t.view(fp8_dtype), scale_inv) if transposed else None
-    return row, col
+def _aligned(t: torch.Tensor) -> bool:
+    return not t.data_ptr() & 15
 
 
-def _block_1x128(x2d, *, fp8_dtype, rowwise, transposed, power_2_scale):
-    rows, cols = x2d.shape
-    device = x2d.device
-    row_blocks, col_blocks = ceil_div(rows, BLOCK_128), ceil_div(cols, BLOCK_128)
-    row = _empty(rows, cols, device) if rowwise else None
-    # Stored [K/128, M]: its .t() is the (M, K/128) outer-dim-major grid cuBLAS reads.
-    row_sinv_t = _empty(col_blocks, rows, device, torch.float32) if rowwise else None
-    col_t = _empty(cols, rows, device) if transposed else None
-    col_sinv = _empty(row_blocks, cols, device, torch.float32) if transposed else None
-    cq.launch_block_1x128(
-        x2d, row=row, row_sinv=row_sinv_t, col=None, col_sinv=col_sinv, col_t=col_t,
-        record_bits=None, row_scale_t=True, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale,
-    )  # fmt: skip
-    row_op = GemmOperand(row.view(fp8_dtype), row_sinv_t.t()) if rowwise else None
-    # The transposed operand [K, M] has 1x128 blocks along M: grid (K, M/128) = col_sinv.t().
-    col_op = GemmOperand(col_t.view(fp8_dtype), col_sinv.t()) if transposed else None
-    return row_op, col_op
+class OperandPlan:
+    """The launches of `quantize_operands` for one (recipe, role, outputs, shape, dtype,
+    device): grids and constexprs computed once, kernels held by `launch.LaunchSite`s. What a
+    call may vary is which of the caller's tensors are 16-byte aligned (outputs allocated
+    here always are), the alignment key of the sites."""
 
+    def __init__(self, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, shape,
+                 dtype, device, record, dequant_dtype) -> None:  # fmt: skip
+        self.recipe, self.fp8_dtype = recipe, fp8_dtype
+        self.rowwise, self.transposed = rowwise, transposed
+        self.rows, self.cols = shape
+        self.device, self.dequant_dtype = device, dequant_dtype
+        rows, cols = shape
+        if recipe in PER_TENSOR:
+            partials = 0
+            if recipe == "tensorwise":
+                kernel, grid, constexprs, self.blocks_per_program = cq.amax_partials_spec(
+                    rows * cols
+                )
+                self.amax = LaunchSite(kernel, grid, constexprs)
+                partials = grid[0]
+            self.partials = partials
+            self.cast = LaunchSite(*cq.per_tensor_cast_spec(
+                rows, cols, write_row=rowwise, write_t=transposed, record=record,
+                fp8_dtype=fp8_dtype, recipe=recipe, power_2_scale=power_2_scale,
+                input_dtype=dtype, amax_partials=partials,
+            ))  # fmt: skip
+            self.run = self._per_tensor
+        elif recipe == "blockwise" and role == "weight":
+            self.cast = LaunchSite(*cq.block_128x128_spec(
+                rows, cols, write_row=rowwise, write_t=transposed, record=False,
+                fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=dtype,
+            ))  # fmt: skip
+            self.run = self._block_128x128
+        elif recipe == "blockwise":
+            options = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=dtype)
+            if rowwise:
+                self.rows_site = LaunchSite(*cq.block_1x128_rows_spec(
+                    rows, cols, record=False, row_scale_t=True, **options))  # fmt: skip
+            if transposed:
+                self.cols_site = LaunchSite(*cq.block_128x1_cols_spec(
+                    rows, cols, columnwise=False, write_t=True, record=False, **options
+                ))  # fmt: skip
+            self.run = self._block_1x128
+        elif recipe == "mxfp8":
+            self.cast = LaunchSite(*cq.mxfp8_spec(
+                rows, cols, rowwise=rowwise, columnwise=transposed, write_t=False,
+                record=False, fp8_dtype=fp8_dtype, dequant=True,
+            ))  # fmt: skip
+            self.run = self._mxfp8_dequantized
+        else:
+            raise ValueError(f"unknown recipe {recipe!r}")
 
-def _block_128x128(x2d, *, fp8_dtype, rowwise, transposed, power_2_scale):
-    rows, cols = x2d.shape
-    device = x2d.device
-    row_blocks, col_blocks = ceil_div(rows, BLOCK_128), ceil_div(cols, BLOCK_128)
-    data = _empty(rows, cols, device) if rowwise else None
-    scale_inv = _empty(row_blocks, col_blocks, device, torch.float32)
-    data_t = _empty(cols, rows, device) if transposed else None
-    scale_inv_t = _empty(col_blocks, row_blocks, device, torch.float32) if transposed else None
-    cq.launch_block_128x128(
-        x2d, data=data, scale_inv=scale_inv, data_t=data_t, scale_inv_t=scale_inv_t,
-        record_bits=None, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale,
-    )  # fmt: skip
-    row_op = GemmOperand(data.view(fp8_dtype), scale_inv) if rowwise else None
-    col_op = GemmOperand(data_t.view(fp8_dtype), scale_inv_t) if transposed else None
-    return row_op, col_op
+    def __call__(self, x2d, scale, amax_history):
+        return self.run(x2d, scale, amax_history)
 
+    def _empty(self, rows: int, cols: int, dtype=torch.uint8) -> torch.Tensor:
+        return torch.empty((rows, cols), dtype=dtype, device=self.device)
 
-def _mxfp8_dequantized(x2d, *, fp8_dtype, rowwise, transposed, dtype):
-    # Ragged edges need no care: the kernel's masked loads zero-pad the blocks, as the rules do.
-    rows, cols = x2d.shape
-    row = _empty(rows, cols, x2d.device, dtype) if rowwise else None
-    col = _empty(rows, cols, x2d.device, dtype) if transposed else None
-    cq.launch_mxfp8(x2d, row=row, row_e=None, col=col, col_e=None, col_t=None,
-                    record_bits=None, fp8_dtype=fp8_dtype, dequant=True)  # fmt: skip
-    # The columnwise values keep x's shape; the transposed operand is a view (bf16 GEMMs take
-    # either layout, so no copy).
-    return (
-        GemmOperand(row, None) if rowwise else None,
-        GemmOperand(col.t(), None) if transposed else None,
-    )
+    def _per_tensor(self, x2d, scale, amax_history):
+        rows, cols = self.rows, self.cols
+        x_aligned = _aligned(x2d)
+        amax = None
+        if self.partials:
+            amax = torch.empty(self.partials, dtype=torch.float32, device=self.device)
+            self.amax((x2d, amax, rows * cols, self.blocks_per_program), x_aligned)
+        data = self._empty(rows, cols) if self.rowwise else None
+        data_t = self._empty(cols, rows) if self.transposed else None
+        scale_inv = torch.empty((), dtype=torch.float32, device=self.device)
+        record = amax_history.view(torch.int32) if amax_history is not None else None
+        args = cq.per_tensor_cast_args(x2d, data, data_t, scale, amax, scale_inv, record)
+        # Which caller tensors are aligned: x, the scale or amax, the amax history.
+        alignment = (x_aligned, _aligned(args[3]), record is None or _aligned(record))
+        self.cast(args, alignment)
+        row = GemmOperand(data.view(self.fp8_dtype), scale_inv) if data is not None else None
+        col = GemmOperand(data_t.view(self.fp8_dtype), scale_inv) if data_t is not None else None
+        return row, col
+
+    def _block_1x128(self, x2d, scale, amax_history):
+        rows, cols = self.rows, self.cols
+        row_blocks, col_blocks = ceil_div(rows, BLOCK_128), ceil_div(cols, BLOCK_128)
+        x_aligned = _aligned(x2d)
+        row_op = col_op = None
+        if self.rowwise:
+            row = self._empty(rows, cols)
+            # Stored [K/128, M]: its .t() is the (M, K/128) outer-dim-major grid cuBLAS reads.
+            row_sinv_t = self._empty(col_blocks, rows, torch.float32)
+            self.rows_site((x2d, row, row_sinv_t, row_sinv_t, rows, cols), x_aligned)
+            row_op = GemmOperand(row.view(self.fp8_dtype), row_sinv_t.t())
+        if self.transposed:
+            col_t = self._empty(cols, rows)
+            col_sinv = self._empty(row_blocks, cols, torch.float32)
+            self.cols_site((x2d, col_t, col_sinv, col_t, col_sinv, rows, cols), x_aligned)
+            # The transposed operand [K, M] has 1x128 blocks along M: grid (K, M/128).
+            col_op = GemmOperand(col_t.view(self.fp8_dtype), col_sinv.t())
+        return row_op, col_op
+
+    def _block_128x128(self, x2d, scale, amax_history):
+        rows, cols = self.rows, self.cols
+        row_blocks, col_blocks = ceil_div(rows, BLOCK_128), ceil_div(cols, BLOCK_128)
+        data = self._empty(rows, cols) if self.rowwise else None
+        scale_inv = self._empty(row_blocks, col_blocks, torch.float32)
+        data_t = self._empty(cols, rows) if self.transposed else None
+        scale_inv_t = (
+            self._empty(col_blocks, row_blocks, torch.float32) if self.transposed else None
+        )
+        args = cq.block_128x128_args(x2d, data, scale_inv, data_t, scale_inv_t, None)
+        self.cast(args, _aligned(x2d))
+        row_op = GemmOperand(data.view(self.fp8_dtype), scale_inv) if data is not None else None
+        col_op = None
+        if data_t is not None:
+            col_op = GemmOperand(data_t.view(self.fp8_dtype), scale_inv_t)
+        return row_op, col_op
+
+    def _mxfp8_dequantized(self, x2d, scale, amax_history):
+        # Ragged edges need no care: the kernel's masked loads zero-pad the blocks, as the
+        # rules do.
+        rows, cols = self.rows, self.cols
+        row = self._empty(rows, cols, self.dequant_dtype) if self.rowwise else None
+        col = self._empty(rows, cols, self.dequant_dtype) if self.transposed else None
+        self.cast(cq.mxfp8_args(x2d, row, None, col, None, None, None), _aligned(x2d))
+        # The columnwise values keep x's shape; the transposed operand is a view (bf16 GEMMs
+        # take either layout, so no copy).
+        return (
+            GemmOperand(row, None) if row is not None else None,
+            GemmOperand(col.t(), None) if col is not None else None,
+        )
 
 
 def weight_operand(weight, usage: str, *, compute_dtype: torch.dtype) -> GemmOperand:
@@ -200,5 +259,44 @@ def gemm(
     if recipe == "mxfp8":
         product = torch.mm(a.data, b.data.t())
         return product if product.dtype == out_dtype else product.to(out_dtype)
+    direct = _direct_scaled_mm(a, b, recipe=recipe, out_dtype=out_dtype, fast_accum=fast_accum)
+    if direct is not None:
+        return direct
     return scaled_mm(a.data, b.data, a_scale_inv=a.scale_inv, b_scale_inv=b.scale_inv,
                      recipe=recipe, out_dtype=out_dtype, use_fast_accum=fast_accum)  # fmt: skip
+
+
+def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum) -> torch.Tensor | None:
+    """torch._scaled_mm called as `gemm.scaled_mm` would call it, without its checks and
+    padding, for operands that need none: the fused kernels' outputs (row-major FP8 bytes,
+    scales already in cuBLAS's layouts) with dims that are multiples of the GEMM's alignment.
+    None when anything differs, and for blockwise until cuBLAS has accepted blockwise scales
+    once in this process (`gemm.blockwise_gemm_path`); the caller then takes the full path."""
+    x, w = a.data, b.data
+    rows, k = x.shape
+    n = w.shape[0]
+    if k % 16 or n % 16 or not (x.is_contiguous() and w.is_contiguous()):
+        return None
+    sa, sb = a.scale_inv, b.scale_inv
+    if recipe in PER_TENSOR:
+        if sa.dim() or sb.dim() or sa.dtype != torch.float32 or sb.dtype != torch.float32:
+            return None
+        return torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)  # fmt: skip
+    if recipe != "blockwise" or blockwise_gemm_path() != "torch._scaled_mm" or rows % 16:
+        return None
+    k_blocks = k // BLOCK_128
+    # a: 1x128, (rows, K/128) outer-dim-major. b: 1x128 (n, K/128) read as its contiguous
+    # transpose, or 128x128 (n/128, K/128) contiguous with K a multiple of 512 (gemm.py).
+    if sa.dtype != torch.float32 or sb.dtype != torch.float32 or k % BLOCK_128:
+        return None
+    if sa.shape != (rows, k_blocks) or sa.stride() != (1, rows):
+        return None
+    if sb.shape == (n, k_blocks) and sb.stride() == (1, n):
+        pass
+    elif sb.shape == (ceil_div(n, BLOCK_128), k_blocks) and sb.is_contiguous() and k % 512 == 0:
+        pass
+    else:
+        return None
+    return torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype,
+                            use_fast_accum=False)  # fmt: skip

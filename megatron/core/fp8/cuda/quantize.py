@@ -237,11 +237,62 @@ def _amax_buffer(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int32, device=device)
 
 
+def amax_spec(numel: int) -> tuple:
+    """(kernel, grid, constexprs) of the amax pass over `numel` contiguous elements."""
+    config = TILE_CONFIG["amax"]
+    grid = (ceil_div(numel, config["BLOCK"] * config["GROUP"]),)
+    return _triton_kernels().amax_kernel, grid, config
+
+
+# At most this many partial maxima (a power of two: the cast kernel loads them as one block).
+AMAX_PARTIALS = 256
+
+
+def amax_partials_spec(numel: int) -> tuple:
+    """(kernel, grid, constexprs, blocks per program) of the atomic-free amax pass into
+    grid[0] partial maxima, grid[0] a power of two <= AMAX_PARTIALS."""
+    block = TILE_CONFIG["amax"]["BLOCK"]
+    blocks = ceil_div(numel, block)
+    programs = min(AMAX_PARTIALS, 1 << max(blocks - 1, 0).bit_length())
+    constexprs = dict(BLOCK=block, num_warps=TILE_CONFIG["amax"]["num_warps"])
+    return (
+        _triton_kernels().amax_partials_kernel, (programs,), constexprs,
+        ceil_div(blocks, programs),
+    )  # fmt: skip
+
+
 def launch_amax(x2d: torch.Tensor, amax_bits: torch.Tensor) -> None:
     """Atomically max the NaN-ignoring max|x| of a contiguous tensor into int32 amax_bits."""
-    config = TILE_CONFIG["amax"]
-    grid = (ceil_div(x2d.numel(), config["BLOCK"] * config["GROUP"]),)
-    launch(_triton_kernels().amax_kernel, grid, (x2d, amax_bits, x2d.numel()), config)
+    kernel, grid, constexprs = amax_spec(x2d.numel())
+    launch(kernel, grid, (x2d, amax_bits, x2d.numel()), constexprs)
+
+
+def per_tensor_cast_spec(
+    rows, cols, *, write_row, write_t, record, fp8_dtype, recipe, power_2_scale, input_dtype,
+    amax_partials=0,
+) -> tuple:  # fmt: skip
+    """(kernel, grid, constexprs) of the per-tensor cast of a [rows, cols] tensor;
+    amax_partials: the amax argument holds that many partial maxima (tensorwise)."""
+    delayed = recipe == "delayed"
+    config = TILE_CONFIG["cast_t" if write_t else "cast"]
+    grid = (ceil_div(cols, config["BK"]) * ceil_div(rows, config["BM"] * config["GROUP"]),)
+    constants = dict(
+        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
+        INF_SCALE=infinite_scale_replacement(recipe=recipe, input_dtype=input_dtype),
+        POW2=power_2_scale and not delayed, SCALE_GIVEN=delayed, RECORD_AMAX=record,
+        WRITE_ROW=write_row, WRITE_T=write_t, **config, AMAX_PARTIALS=amax_partials,
+    )  # fmt: skip
+    return _triton_kernels().per_tensor_cast_kernel, grid, constants
+
+
+def per_tensor_cast_args(x2d, data, data_t, scale, amax, scale_inv, record_bits) -> tuple:
+    """The cast kernel's runtime arguments (absent outputs point at present ones, unused)."""
+    placeholder = data if data is not None else data_t
+    return (
+        x2d, placeholder, placeholder if data_t is None else data_t,
+        scale if scale is not None else amax, amax if amax is not None else scale, scale_inv,
+        record_bits if record_bits is not None else scale_inv, x2d.shape[0], x2d.shape[1],
+    )  # fmt: skip
 
 
 def launch_per_tensor_cast(
@@ -251,25 +302,16 @@ def launch_per_tensor_cast(
 
     delayed: `scale` is the current scale; record_bits (int32 view, may be slot 0 of an amax
     history) receives max|x| by atomic max. tensorwise: the scale comes from `amax`."""
-    kernels = _triton_kernels()
     rows, cols = x2d.shape
     delayed = recipe == "delayed"
-    config = TILE_CONFIG["cast_t" if data_t is not None else "cast"]
-    placeholder = data if data is not None else data_t
-    grid = (ceil_div(cols, config["BK"]) * ceil_div(rows, config["BM"] * config["GROUP"]),)
-    args = (
-        x2d, placeholder, placeholder if data_t is None else data_t, scale if delayed else amax,
-        amax if amax is not None else scale, scale_inv,
-        record_bits if record_bits is not None else scale_inv, rows, cols,
+    kernel, grid, constants = per_tensor_cast_spec(
+        rows, cols, write_row=data is not None, write_t=data_t is not None,
+        record=record_bits is not None, fp8_dtype=fp8_dtype, recipe=recipe,
+        power_2_scale=power_2_scale, input_dtype=x2d.dtype,
     )  # fmt: skip
-    constants = dict(
-        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
-        INF_SCALE=infinite_scale_replacement(recipe=recipe, input_dtype=x2d.dtype),
-        POW2=power_2_scale and not delayed, SCALE_GIVEN=delayed,
-        RECORD_AMAX=record_bits is not None, WRITE_ROW=data is not None,
-        WRITE_T=data_t is not None, **config,
-    )  # fmt: skip
-    launch(kernels.per_tensor_cast_kernel, grid, args, constants)
+    args = per_tensor_cast_args(x2d, data, data_t, scale if delayed else None,
+                                None if delayed else amax, scale_inv, record_bits)  # fmt: skip
+    launch(kernel, grid, args, constants)
 
 
 def _per_tensor_triton(x2d, *, recipe, fp8_dtype, scale, amax, power_2_scale, with_transpose):
@@ -303,14 +345,36 @@ def _per_tensor_triton(x2d, *, recipe, fp8_dtype, scale, amax, power_2_scale, wi
     return out
 
 
-def _block_constants(x2d: torch.Tensor, fp8_dtype: torch.dtype, power_2_scale: bool) -> dict:
+def _block_constants(input_dtype: torch.dtype, fp8_dtype: torch.dtype, power_2_scale: bool) -> dict:
     return dict(
         FP8_MAX=fp8_max(fp8_dtype),
         E4M3=fp8_dtype == torch.float8_e4m3fn,
-        INF_SCALE=infinite_scale_replacement(recipe="blockwise", input_dtype=x2d.dtype),
+        INF_SCALE=infinite_scale_replacement(recipe="blockwise", input_dtype=input_dtype),
         POW2=power_2_scale,
         TILE=BLOCK_128,
     )
+
+
+def block_128x128_spec(
+    rows, cols, *, write_row, write_t, record, fp8_dtype, power_2_scale, input_dtype
+) -> tuple:
+    """(kernel, grid, constexprs) of the 128x128 weight-block kernel."""
+    kernels = _triton_kernels()
+    constants = dict(
+        **_block_constants(input_dtype, fp8_dtype, power_2_scale), WRITE_ROW=write_row,
+        WRITE_T=write_t, RECORD_AMAX=record, **TILE_CONFIG["block_128x128"],
+    )  # fmt: skip
+    grid = kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)
+    return kernels.block_128x128_kernel, grid, constants
+
+
+def block_128x128_args(x2d, data, scale_inv, data_t, scale_inv_t, record_bits) -> tuple:
+    placeholder = data if data is not None else data_t
+    return (
+        x2d, placeholder, scale_inv, placeholder if data_t is None else data_t,
+        scale_inv if scale_inv_t is None else scale_inv_t,
+        record_bits if record_bits is not None else scale_inv, x2d.shape[0], x2d.shape[1],
+    )  # fmt: skip
 
 
 def launch_block_128x128(
@@ -320,21 +384,39 @@ def launch_block_128x128(
     transposed bytes + transposed grid; record_bits (int32) gets max|x| when given."""
     if (data_t is None) != (scale_inv_t is None):
         raise ValueError("the transposed 128x128 bytes and scale grid come together")
-    kernels = _triton_kernels()
     rows, cols = x2d.shape
-    placeholder = data if data is not None else data_t
-    args = (
-        x2d, placeholder, scale_inv, placeholder if data_t is None else data_t,
-        scale_inv if scale_inv_t is None else scale_inv_t,
-        record_bits if record_bits is not None else scale_inv, rows, cols,
+    kernel, grid, constants = block_128x128_spec(
+        rows, cols, write_row=data is not None, write_t=data_t is not None,
+        record=record_bits is not None, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale,
+        input_dtype=x2d.dtype,
     )  # fmt: skip
-    constants = dict(
-        **_block_constants(x2d, fp8_dtype, power_2_scale), WRITE_ROW=data is not None,
-        WRITE_T=data_t is not None, RECORD_AMAX=record_bits is not None,
-        **TILE_CONFIG["block_128x128"],
-    )  # fmt: skip
-    grid = kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)
-    launch(kernels.block_128x128_kernel, grid, args, constants)
+    args = block_128x128_args(x2d, data, scale_inv, data_t, scale_inv_t, record_bits)
+    launch(kernel, grid, args, constants)
+
+
+def block_1x128_rows_spec(
+    rows, cols, *, record, row_scale_t, fp8_dtype, power_2_scale, input_dtype
+) -> tuple:
+    """(kernel, grid, constexprs) of the rowwise 1x128 kernel; args (x2d, row, row_sinv,
+    record_bits or row_sinv, rows, cols)."""
+    config = TILE_CONFIG["block_1x128"]
+    grid = (ceil_div(cols, BLOCK_128) * ceil_div(rows, config["BM"] * config["GROUP"]),)
+    constants = dict(**_block_constants(input_dtype, fp8_dtype, power_2_scale),
+                     ROW_SCALE_T=row_scale_t, RECORD_AMAX=record, **config)  # fmt: skip
+    return _triton_kernels().block_1x128_rows_kernel, grid, constants
+
+
+def block_128x1_cols_spec(
+    rows, cols, *, columnwise, write_t, record, fp8_dtype, power_2_scale, input_dtype
+) -> tuple:
+    """(kernel, grid, constexprs) of the columnwise 128x1 kernel; args (x2d, col, col_sinv,
+    col_t, record_bits or col_sinv, rows, cols), an absent output pointing at the other."""
+    config = TILE_CONFIG["block_128x1"]
+    grid = (ceil_div(rows, BLOCK_128) * ceil_div(cols, config["BK"]),)
+    constants = dict(**_block_constants(input_dtype, fp8_dtype, power_2_scale),
+                     COLUMNWISE=columnwise, WRITE_T=write_t, RECORD_AMAX=record,
+                     **config)  # fmt: skip
+    return _triton_kernels().block_128x1_cols_kernel, grid, constants
 
 
 def launch_block_1x128(
@@ -343,29 +425,28 @@ def launch_block_1x128(
 ) -> None:  # fmt: skip
     """1x128 rowwise bytes/scales (row_scale_t: scales stored [ceil(K/128), M]) and 128x1
     columnwise bytes in x's shape (col) and/or transposed (col_t), scales [ceil(M/128), K]."""
-    kernels = _triton_kernels()
     rows, cols = x2d.shape
-    constants = _block_constants(x2d, fp8_dtype, power_2_scale)
+    options = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x2d.dtype)
     if row is not None:
-        config = TILE_CONFIG["block_1x128"]
-        grid = (ceil_div(cols, BLOCK_128) * ceil_div(rows, config["BM"] * config["GROUP"]),)
+        kernel, grid, constants = block_1x128_rows_spec(
+            rows, cols, record=record_bits is not None, row_scale_t=row_scale_t, **options
+        )
         args = (x2d, row, row_sinv, record_bits if record_bits is not None else row_sinv,
                 rows, cols)  # fmt: skip
-        flags = dict(ROW_SCALE_T=row_scale_t, RECORD_AMAX=record_bits is not None)
-        launch(kernels.block_1x128_rows_kernel, grid, args, {**constants, **flags, **config})
+        launch(kernel, grid, args, constants)
         record_bits = None  # recorded once
     if col is None and col_t is None:
         return
-    config = TILE_CONFIG["block_128x1"]
+    kernel, grid, constants = block_128x1_cols_spec(
+        rows, cols, columnwise=col is not None, write_t=col_t is not None,
+        record=record_bits is not None, **options,
+    )  # fmt: skip
     placeholder = col if col is not None else col_t
-    grid = (ceil_div(rows, BLOCK_128) * ceil_div(cols, config["BK"]),)
     args = (
         x2d, placeholder, col_sinv, placeholder if col_t is None else col_t,
         record_bits if record_bits is not None else col_sinv, rows, cols,
     )  # fmt: skip
-    flags = dict(COLUMNWISE=col is not None, WRITE_T=col_t is not None,
-                 RECORD_AMAX=record_bits is not None)  # fmt: skip
-    launch(kernels.block_128x1_cols_kernel, grid, args, {**constants, **flags, **config})
+    launch(kernel, grid, args, constants)
 
 
 def _blockwise_triton(
@@ -408,28 +489,40 @@ def _blockwise_triton(
     return out
 
 
-def launch_mxfp8(x2d, *, row, row_e, col, col_e, col_t, record_bits, fp8_dtype, dequant) -> None:
-    """MX 1x32 rowwise and 32x1 columnwise copies from one read. dequant: row / col are
-    high-precision outputs that receive dequantize(quantize(x)) (no bytes, no scales)."""
-    kernels = _triton_kernels()
-    rows, cols = x2d.shape
+def mxfp8_spec(rows, cols, *, rowwise, columnwise, write_t, record, fp8_dtype, dequant) -> tuple:
+    """(kernel, grid, constexprs) of the MX kernel (args: `mxfp8_args`)."""
     config = TILE_CONFIG["mxfp8_dequantized" if dequant else "mxfp8"]
+    constants = dict(
+        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
+        RCP_FP8_MAX=fp8_max_reciprocal(fp8_dtype), ROWWISE=rowwise, COLUMNWISE=columnwise,
+        WRITE_T=write_t, RECORD_AMAX=record, DEQUANT=dequant, **config,
+    )  # fmt: skip
+    grid = (ceil_div(rows, MX_BLOCK) * ceil_div(cols, MX_BLOCK * config["CHUNKS"]),)
+    return _triton_kernels().mxfp8_kernel, grid, constants
+
+
+def mxfp8_args(x2d, row, row_e, col, col_e, col_t, record_bits) -> tuple:
+    """The MX kernel's runtime arguments; absent outputs point at present ones (unused)."""
     placeholder = next(t for t in (row, col, col_t) if t is not None)
     e_placeholder = row_e if row_e is not None else (col_e if col_e is not None else placeholder)
-    args = (
+    return (
         x2d, placeholder if row is None else row, e_placeholder if row_e is None else row_e,
         placeholder if col is None else col, e_placeholder if col_e is None else col_e,
         placeholder if col_t is None else col_t,
-        record_bits if record_bits is not None else e_placeholder, rows, cols,
+        record_bits if record_bits is not None else e_placeholder, x2d.shape[0], x2d.shape[1],
     )  # fmt: skip
-    constants = dict(
-        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
-        RCP_FP8_MAX=fp8_max_reciprocal(fp8_dtype), ROWWISE=row is not None,
-        COLUMNWISE=col is not None, WRITE_T=col_t is not None,
-        RECORD_AMAX=record_bits is not None, DEQUANT=dequant, **config,
+
+
+def launch_mxfp8(x2d, *, row, row_e, col, col_e, col_t, record_bits, fp8_dtype, dequant) -> None:
+    """MX 1x32 rowwise and 32x1 columnwise copies from one read. dequant: row / col are
+    high-precision outputs that receive dequantize(quantize(x)) (no bytes, no scales)."""
+    rows, cols = x2d.shape
+    kernel, grid, constants = mxfp8_spec(
+        rows, cols, rowwise=row is not None, columnwise=col is not None,
+        write_t=col_t is not None, record=record_bits is not None, fp8_dtype=fp8_dtype,
+        dequant=dequant,
     )  # fmt: skip
-    grid = (ceil_div(rows, MX_BLOCK) * ceil_div(cols, MX_BLOCK * config["CHUNKS"]),)
-    launch(kernels.mxfp8_kernel, grid, args, constants)
+    launch(kernel, grid, mxfp8_args(x2d, row, row_e, col, col_e, col_t, record_bits), constants)
 
 
 def _mxfp8_triton(x2d, *, fp8_dtype, rowwise, columnwise, with_transpose):

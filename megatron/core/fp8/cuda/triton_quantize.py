@@ -120,12 +120,29 @@ def amax_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr, GROUP: tl.cons
 
 
 @triton.jit
+def amax_partials_kernel(
+    x_ptr, partials_ptr, numel, blocks_per_program, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Pass one of tensorwise scaling without atomics: program p writes the NaN-ignoring
+    max|x| of its `blocks_per_program` consecutive BLOCKs to partials[p] (0 where it has
+    none), so the buffer needs no zero fill first; the cast kernel reduces the partials."""
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * blocks_per_program * BLOCK
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(blocks_per_program):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, _nan_ignoring_abs(x))
+    tl.store(partials_ptr + pid, tl.max(acc, axis=0))
+
+
+@triton.jit
 def per_tensor_cast_kernel(
     x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
     SCALE_GIVEN: tl.constexpr, RECORD_AMAX: tl.constexpr, WRITE_ROW: tl.constexpr,
     WRITE_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-    TRANS_X: tl.constexpr,
+    TRANS_X: tl.constexpr, AMAX_PARTIALS: tl.constexpr = 0,
 ):  # fmt: skip
     """Delayed (SCALE_GIVEN; RECORD_AMAX atomically maxes max|x| into amax_bits_ptr, which may
     be slot 0 of an amax history) or tensorwise (scale from the finished amax) cast; the
@@ -136,12 +153,16 @@ def per_tensor_cast_kernel(
     later load as far as the compiler knows, so it would not hoist the load itself); the amax
     is reduced in registers across the strip, one atomic per program. TRANS_X transposes
     the high-precision tile and casts it again instead of transposing the FP8 bytes (same
-    bytes, a different shared-memory exchange; the sweep picks)."""
+    bytes, a different shared-memory exchange; the sweep picks). AMAX_PARTIALS > 0: amax_ptr
+    holds that many partial maxima (amax_partials_kernel), reduced here."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, BK)
     pid_k = pid % k_tiles
     if SCALE_GIVEN:
         scale = tl.load(scale_ptr)
+    elif AMAX_PARTIALS > 0:
+        partials = tl.load(amax_ptr + tl.arange(0, AMAX_PARTIALS))
+        scale = _scale_from_amax(tl.max(partials, axis=0), FP8_MAX, INF_SCALE, POW2)
     else:
         scale = _scale_from_amax(tl.load(amax_ptr), FP8_MAX, INF_SCALE, POW2)
     cols = pid_k * BK + tl.arange(0, BK)
