@@ -13,13 +13,16 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron.core.fp8 import (
     E4M3,
+    E5M2,
     Fp8Config,
     Fp8Linear,
+    autocast,
     delayed_scaling_state_dict,
     fp8_autocast,
     load_delayed_scaling_state_dict,
     quantize,
 )
+from megatron.core.fp8.reference import delayed_scale_update, roll_amax_history
 from tests.unit_tests.dist_utils import run_distributed
 
 
@@ -211,3 +214,109 @@ def test_one_packed_all_reduce_per_direction_on_two_ranks():
     gathered = torch.cat([r["shard_bytes"] for r in results])
     assert torch.equal(gathered, expected.rowwise_data)
     assert all(torch.equal(r["shard_scale_inv"], expected.rowwise_scale_inv) for r in results)
+
+
+def test_stacked_returns_the_tensor_its_rows_come_from_without_a_copy():
+    # A flush's outputs are no views themselves (a reshape() of arange would be one).
+    histories = torch.arange(12, dtype=torch.float32).reshape(3, 4).clone()
+    assert histories._base is None
+    assert autocast._stacked(list(histories.unbind(0)), shape=(4,)) is histories
+    scales = torch.tensor([1.0, 2.0, 3.0])
+    assert autocast._stacked(list(scales.unbind(0)), shape=()) is scales
+
+
+@pytest.mark.parametrize(
+    "change", ["order", "not a view of it", "a row of another tensor", "fewer", "more"]
+)
+def test_stacked_stacks_anew_unless_given_every_row_in_order(change):
+    values = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    base = values.clone()
+    rows = list(base.unbind(0))
+    if change == "order":
+        tensors = [rows[1], rows[0], rows[2]]
+    elif change == "not a view of it":
+        tensors = [rows[0], rows[1].clone(), rows[2]]
+    elif change == "a row of another tensor":
+        # Same storage offset as base's row 2, but another tensor's.
+        tensors = [rows[0], rows[1], values.clone().unbind(0)[2]]
+    elif change == "fewer":
+        tensors = rows[:2]
+    else:
+        tensors = rows + [torch.full((4,), 7.0)]
+    out = autocast._stacked(tensors, shape=(4,))
+    assert out is not base and out.shape == (len(tensors), 4)
+    assert torch.equal(out, torch.stack(tensors))
+    assert out.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    out.fill_(-1.0)  # fresh storage: the inputs are untouched
+    assert torch.equal(base, values)
+
+
+def test_stacked_reshapes_scales_that_are_not_rows():
+    out = autocast._stacked([torch.tensor(2.0), torch.tensor([3.0])], shape=())
+    assert out.shape == (2,) and out.tolist() == [2.0, 3.0]
+
+
+def test_flushes_reuse_the_previous_flush_outputs_and_follow_the_reference(monkeypatch):
+    """Two Fp8Linears over three steps: every flush updates exactly as delayed_scale_update and
+    roll_amax_history applied to each meta by hand, and from the second flush of a direction
+    on, the stacked histories and scales it updates are the previous flush's outputs (the
+    metas' current rows), not copies; scales captured by a forward keep their values."""
+    config = Fp8Config(recipe="delayed", fp8_format="hybrid", amax_history_len=3, margin=1)
+    torch.manual_seed(0)
+    layers = [Fp8Linear(32, 16, bias=False, fp8_config=config),
+              Fp8Linear(32, 8, bias=False, fp8_config=config)]  # fmt: skip
+    updates = []
+    real_update = autocast.delayed_scale_update
+
+    def spying_update(histories, scales, **settings):
+        updates.append((histories, scales))
+        return real_update(histories, scales, **settings)
+
+    monkeypatch.setattr(autocast, "delayed_scale_update", spying_update)
+    forward_metas = [layer.delayed_scaling.metas[role] for layer in layers
+                     for role in ("input", "weight")]  # fmt: skip
+    grad_metas = [layer.delayed_scaling.metas["grad"] for layer in layers]
+    hand = {id(meta): (torch.zeros(3), torch.ones(())) for meta in forward_metas + grad_metas}
+    previous = {}
+
+    def check_flush(direction, metas, amaxes, fp8_dtype):
+        histories, scales = updates[-1]
+        for meta, amax in zip(metas, amaxes, strict=True):
+            history, scale = hand[id(meta)]
+            history = history.clone()
+            history[0] = torch.maximum(history[0], torch.tensor(amax))
+            scale = delayed_scale_update(history, scale, fp8_dtype=fp8_dtype, margin=1,
+                                         amax_compute_algo="max")  # fmt: skip
+            history = roll_amax_history(history)
+            hand[id(meta)] = (history, scale)
+            assert torch.equal(meta.scale, scale), (direction, meta.scale, scale)
+            assert torch.equal(meta.amax_history, history), (direction, meta.amax_history)
+        # The metas now hold rows of one new history tensor and one new scale tensor.
+        history_base, scale_base = metas[0].amax_history._base, metas[0].scale._base
+        assert history_base.shape == (len(metas), 3) and scale_base.shape == (len(metas),)
+        assert all(meta.amax_history._base is history_base for meta in metas)
+        assert all(meta.scale._base is scale_base for meta in metas)
+        if direction in previous:
+            assert histories is previous[direction][0] and scales is previous[direction][1]
+        else:
+            assert histories._base is None and scales._base is None  # a fresh stack
+        assert histories is not history_base and scales is not scale_base
+        previous[direction] = (history_base, scale_base)
+
+    weight_amaxes = [layer.weight.detach().abs().max().item() for layer in layers]
+    for step, (a, b) in enumerate([(2.0, 0.5), (8.0, 4.0), (1.0, 0.25)]):
+        xs = [(a * unit_pattern(4, 32, step)).requires_grad_(),
+              (a / 2 * unit_pattern(4, 32, 10 + step)).requires_grad_()]  # fmt: skip
+        used_scales = [meta.scale for meta in forward_metas]
+        used_values = [scale.clone() for scale in used_scales]
+        with fp8_autocast():
+            ys = [layer(x) for layer, x in zip(layers, xs)]
+        assert len(updates) == 2 * step + 1
+        amaxes = [a, weight_amaxes[0], a / 2, weight_amaxes[1]]
+        check_flush("forward", forward_metas, amaxes, E4M3)
+        assert all(torch.equal(s, v) for s, v in zip(used_scales, used_values))
+        assert all(meta.scale is not s for meta, s in zip(forward_metas, used_scales))
+        grads = [b * unit_pattern(4, 16, 100 + step), 2 * b * unit_pattern(4, 8, 200 + step)]
+        torch.autograd.backward(ys, grads)
+        assert len(updates) == 2 * step + 2
+        check_flush("backward", grad_metas, [b, 2 * b], E5M2)

@@ -246,3 +246,29 @@ def test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_iteration():
 
     reasons = run_distributed(_exit_reasons_when_only_rank_1_got_sigterm, 2)
     assert reasons == [("", "SIGTERM received"), ("", "SIGTERM received")]
+
+
+def test_backward_runs_without_the_device_worker_threads_unless_asked(monkeypatch):
+    """forward_backward turns the autograd engine's worker threads off for its backward
+    (--backward-worker-threads keeps them), as seen from inside each backward pass, and
+    restores the setting afterwards; the two modes train the same."""
+    seen = []
+    real_backward = torch.Tensor.backward
+
+    def observed_backward(self, *args, **kwargs):
+        # A hook on the root runs inside the engine, while this backward pass runs.
+        self.register_hook(lambda grad: seen.append(torch._C._is_multithreading_enabled()))
+        return real_backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", observed_backward)
+    argv = TINY_GPT + ["--train-iters", "2"]
+    assert torch._C._is_multithreading_enabled()
+    calling_thread = run_pretrain(argv)
+    assert seen == [False] * 8  # 2 iterations x 4 micro-batches
+    assert torch._C._is_multithreading_enabled()
+    seen.clear()
+    worker_threads = run_pretrain(argv + ["--backward-worker-threads"])
+    assert seen == [True] * 8
+    assert torch._C._is_multithreading_enabled()
+    assert worker_threads.losses == calling_thread.losses
+    assert sorted(calling_thread.losses) == [1, 2]

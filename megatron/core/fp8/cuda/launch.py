@@ -141,7 +141,8 @@ class LaunchSite:
 
     def __call__(self, args: tuple, alignment) -> None:
         held = self._held.get(alignment)
-        if held is None or not _direct["enabled"]:
+        if held is None or not _direct["enabled"] or torch.compiler.is_compiling():
+            # Under torch.compile tracing launch() keeps Triton's own call, held or not.
             launch(self.kernel, self.grid, args, self.constexprs)
             if held is None and _direct["enabled"] and not torch.compiler.is_compiling():
                 self._hold(args, alignment)

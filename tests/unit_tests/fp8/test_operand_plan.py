@@ -1,0 +1,652 @@
+"""CPU twin of Fp8Linear's prepared quantize launches (megatron/core/fp8/cuda/linear_ops.py,
+`OperandPlan` / `quantize_operands`) and of its direct GEMM (`_direct_scaled_mm`).
+
+Fake kernels with the real kernels' parameter names (read from triton_quantize.py) stand in
+for Triton: every launch is recorded, whether it went through `kernel[grid](...)` (Triton's
+jit path) or through the held compiled kernel's launcher (the direct path), so the kernels,
+grids, argument order and constexprs of each recipe are checked without a GPU. The real
+kernels run on the H200 in test_cuda_linear.py."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+from megatron.core.fp8.cuda import gemm as cuda_gemm
+from megatron.core.fp8.cuda import launch, linear_ops
+from megatron.core.fp8.cuda import quantize as cq
+from megatron.core.fp8.cuda.formats import ceil_div
+from megatron.core.fp8.cuda.linear_ops import GemmOperand
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+M, K = 256, 384
+KERNELS = (
+    "amax_partials_kernel", "per_tensor_cast_kernel", "block_1x128_rows_kernel",
+    "block_128x1_cols_kernel", "block_128x128_kernel", "mxfp8_kernel",
+)  # fmt: skip
+STREAM = 1234
+
+
+def _signatures() -> dict[str, tuple[list[str], list[str]]]:
+    """kernel name -> (parameter names, constexpr parameter names), in signature order."""
+    path = pathlib.Path(cq.__file__).with_name("triton_quantize.py")
+    found = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef) and node.name in KERNELS:
+            params = node.args.args
+            constexpr = [p.arg for p in params if p.annotation is not None
+                         and ast.unparse(p.annotation) == "tl.constexpr"]  # fmt: skip
+            found[node.name] = ([p.arg for p in params], constexpr)
+    assert sorted(found) == sorted(KERNELS)
+    return found
+
+
+SIGNATURES = _signatures()
+
+
+class FakeCompiled:
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.function, self.packed_metadata = "function", "packed"
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("metadata", grid, stream)
+
+    def run(self, grid0, grid1, grid2, stream, function, packed, metadata, enter, exit_, *rest):
+        kernel = self.kernel
+        n_args = len(kernel.runtime_names)
+        args, tail = rest[:n_args], rest[n_args:]
+        assert (stream, function, packed) == (STREAM, "function", "packed")
+        assert metadata == ("metadata", (grid0, grid1, grid2), STREAM)
+        assert (enter, exit_) == ("enter hook", "exit hook")
+        kernel.log.append(
+            dict(path="direct", kernel=kernel.name, grid=(grid0, grid1, grid2), args=args,
+                 constexprs=dict(zip(kernel.constexpr_names, tail, strict=True)))
+        )  # fmt: skip
+
+
+class FakeKernel:
+    """A Triton JITFunction as launch.py sees it: arg_names, and kernel[grid](...) that
+    records the launch and returns a compiled kernel."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+        self.arg_names, self.constexpr_names = SIGNATURES[name]
+        self.runtime_names = [n for n in self.arg_names if n not in self.constexpr_names]
+
+    def __getitem__(self, grid):
+        def call(*args, **passed):
+            assert len(args) == len(self.runtime_names), (self.name, len(args))
+            constexprs = {name: passed[name] for name in self.constexpr_names if name in passed}
+            options = {name: value for name, value in passed.items() if name not in constexprs}
+            self.log.append(
+                dict(path="jit", kernel=self.name, grid=tuple(grid), args=args,
+                     constexprs=constexprs, options=options, passed=passed)
+            )  # fmt: skip
+            return FakeCompiled(self)
+
+        return call
+
+
+class FakeKernels:
+    """What quantize._triton_kernels() returns: the kernels and grid_size."""
+
+    def __init__(self):
+        self.log: list[dict] = []
+        for name in KERNELS:
+            setattr(self, name, FakeKernel(name, self.log))
+
+    @staticmethod
+    def grid_size(rows, cols, tile_rows, tile_cols):
+        return (ceil_div(rows, tile_rows) * ceil_div(cols, tile_cols),)
+
+    def take(self) -> list[dict]:
+        taken = list(self.log)
+        self.log.clear()
+        return taken
+
+
+class FakeRuntime:
+    launch_enter_hook = "enter hook"
+    launch_exit_hook = "exit hook"
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    fakes = FakeKernels()
+    monkeypatch.setattr(cq, "_triton_kernels", lambda: fakes)
+    monkeypatch.setattr(launch, "_compiled", {})
+    monkeypatch.setattr(launch, "_direct", {"enabled": True, "why_not": "", "launches": 0})
+    monkeypatch.setattr(launch, "_knobs", lambda: FakeRuntime)
+    monkeypatch.setattr(launch, "_raw_stream", lambda device: STREAM)
+    linear_ops.clear_plans()
+    yield fakes
+    linear_ops.clear_plans()
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+
+def same_tensor(a, b) -> bool:
+    """The same bytes read the same way: address, dtype, shape and strides."""
+    return _layout(a) == _layout(b)
+
+
+def same_args(actual: tuple, expected: tuple) -> bool:
+    if len(actual) != len(expected):
+        return False
+    for a, b in zip(actual, expected):
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+                return False
+            if not same_tensor(a, b):
+                return False
+        elif type(a) is not type(b) or a != b:
+            return False
+    return True
+
+
+OPTIONS = {
+    "tensorwise": dict(recipe="tensorwise", fp8_dtype=E4M3, role="input", power_2_scale=True),
+    "delayed": dict(recipe="delayed", fp8_dtype=E4M3, role="input", power_2_scale=False),
+    "blockwise input": dict(recipe="blockwise", fp8_dtype=E4M3, role="input", power_2_scale=False),
+    "blockwise weight": dict(recipe="blockwise", fp8_dtype=E4M3, role="weight", power_2_scale=True),
+    "mxfp8": dict(recipe="mxfp8", fp8_dtype=E4M3, role="input", power_2_scale=False),
+}
+# Hand-computed for M=256, K=384 with quantize.TILE_CONFIG: (kernel, grid) per launch.
+GRIDS = {
+    # amax: ceil(98304 / 16384) = 6 blocks -> 8 programs; cast_t: ceil(384/64) * ceil(256/512)
+    "tensorwise": [("amax_partials_kernel", (8, 1, 1)), ("per_tensor_cast_kernel", (6, 1, 1))],
+    "delayed": [("per_tensor_cast_kernel", (6, 1, 1))],
+    # rows: ceil(384/128) * ceil(256/(32*4)); cols: ceil(256/128) * ceil(384/32)
+    "blockwise input": [
+        ("block_1x128_rows_kernel", (6, 1, 1)),
+        ("block_128x1_cols_kernel", (24, 1, 1)),
+    ],
+    "blockwise weight": [("block_128x128_kernel", (6, 1, 1))],  # 2 x 3 blocks
+    "mxfp8": [("mxfp8_kernel", (96, 1, 1))],  # ceil(256/32) * ceil(384/32)
+}
+
+
+def _extra(case: str) -> dict:
+    if case == "delayed":
+        return dict(scale=torch.tensor(2.0), amax_history=torch.zeros(8))
+    return {}
+
+
+def _expected_specs(case: str) -> list[tuple]:
+    """(kernel, grid, constexprs) of each launch, from quantize.py's generic spec helpers."""
+    options = OPTIONS[case]
+    fp8_dtype, pow2 = options["fp8_dtype"], options["power_2_scale"]
+    common = dict(fp8_dtype=fp8_dtype, power_2_scale=pow2, input_dtype=torch.bfloat16)
+    if case in ("tensorwise", "delayed"):
+        specs = []
+        partials = 0
+        if case == "tensorwise":
+            kernel, grid, constexprs, _ = cq.amax_partials_spec(M * K)
+            specs.append((kernel, grid, constexprs))
+            partials = grid[0]
+        specs.append(cq.per_tensor_cast_spec(
+            M, K, write_row=True, write_t=True, record=case == "delayed",
+            recipe=options["recipe"], amax_partials=partials, **common,
+        ))  # fmt: skip
+        return specs
+    if case == "blockwise input":
+        return [
+            cq.block_1x128_rows_spec(M, K, record=False, row_scale_t=True, **common),
+            cq.block_128x1_cols_spec(M, K, columnwise=False, write_t=True, record=False, **common),
+        ]
+    if case == "blockwise weight":
+        return [cq.block_128x128_spec(M, K, write_row=True, write_t=True, record=False, **common)]
+    return [cq.mxfp8_spec(M, K, rowwise=True, columnwise=True, write_t=False, record=False,
+                          fp8_dtype=fp8_dtype, dequant=True)]  # fmt: skip
+
+
+def _quantize(x, case, **extra):
+    return linear_ops.quantize_operands(
+        x, rowwise=True, transposed=True, **OPTIONS[case], **(extra or _extra(case))
+    )
+
+
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_first_call_goes_through_triton_then_direct_with_the_same_launches(kernels, case):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    _quantize(x, case)
+    first = kernels.take()
+    _quantize(x, case)
+    second = kernels.take()
+    expected = GRIDS[case]
+    assert [(r["path"], r["kernel"], r["grid"]) for r in first] == [
+        ("jit", name, grid) for name, grid in expected
+    ]
+    assert [(r["path"], r["kernel"], r["grid"]) for r in second] == [
+        ("direct", name, grid) for name, grid in expected
+    ]
+    assert [r["constexprs"] for r in first] == [r["constexprs"] for r in second]
+    assert launch._direct["launches"] == len(expected)
+    assert len(linear_ops._plans) == 1
+    # The jit launches pass exactly the spec helpers' constexprs and launch options, on the
+    # spec's kernel and grid; the direct launches pass every constexpr in signature order.
+    specs = _expected_specs(case)
+    assert len(specs) == len(first)
+    for record, (kernel, grid, constexprs) in zip(first, specs):
+        assert getattr(kernels, record["kernel"]) is kernel
+        assert record["grid"] == (*grid, 1, 1)
+        assert record["passed"] == constexprs
+        assert set(record["options"]) == {"num_warps"}
+    for record in second:
+        names = getattr(kernels, record["kernel"]).constexpr_names
+        assert list(record["constexprs"]) == names
+    # Both calls read the same input; the second writes fresh outputs.
+    for one, two in zip(first, second):
+        assert one["args"][0] is x and two["args"][0] is x
+        assert one["args"][1].data_ptr() != two["args"][1].data_ptr()
+
+
+def test_tensorwise_partial_maxima_reach_the_cast(kernels):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    for _ in range(2):
+        row, col = _quantize(x, "tensorwise")
+        amax, cast = kernels.take()
+        partials = amax["args"][1]
+        programs = amax["grid"][0]
+        assert programs == 8 and programs & (programs - 1) == 0
+        assert programs <= cq.AMAX_PARTIALS
+        assert partials.dtype == torch.float32 and partials.shape == (programs,)
+        assert same_args(amax["args"], (x, partials, M * K, 1))  # 6 blocks over 8 programs
+        assert amax["constexprs"] == {"BLOCK": 16384}
+        assert cast["constexprs"]["AMAX_PARTIALS"] == programs
+        assert cast["constexprs"]["SCALE_GIVEN"] is False and cast["constexprs"]["POW2"] is True
+        assert cast["constexprs"]["WRITE_ROW"] is True and cast["constexprs"]["WRITE_T"] is True
+        args = cast["args"]
+        assert args[3] is partials and args[4] is partials
+        data, data_t, scale_inv = args[1], args[2], args[5]
+        expected = cq.per_tensor_cast_args(x, data, data_t, None, partials, scale_inv, None)
+        assert same_args(args, expected)
+        assert args[6] is scale_inv and args[7:] == (M, K)  # no history: a placeholder
+        _check_per_tensor_operands(row, col, data, data_t, scale_inv)
+
+
+def test_tensorwise_amax_programs_cover_every_block(kernels):
+    # Blocks of 16384 elements -> the next power of two of programs, at most AMAX_PARTIALS:
+    # 64 x 64: 1 block, 1 program; 272 x 1024: 17 blocks, 32 programs; 300 x 1000: 19 blocks
+    # (the last one partial), 32 programs; 2048 x 4096: 512 blocks, 256 programs of 2 blocks.
+    for (rows, cols), programs, blocks_per_program in (
+        ((64, 64), 1, 1), ((272, 1024), 32, 1), ((300, 1000), 32, 1),
+        ((2048, 4096), cq.AMAX_PARTIALS, 2),
+    ):  # fmt: skip
+        x = torch.zeros(rows, cols, dtype=torch.bfloat16)
+        _quantize(x, "tensorwise")
+        amax, cast = kernels.take()
+        assert amax["grid"] == (programs, 1, 1)
+        assert amax["args"][2:] == (rows * cols, blocks_per_program)
+        assert programs * blocks_per_program * 16384 >= rows * cols
+        assert cast["constexprs"]["AMAX_PARTIALS"] == programs
+        assert cast["args"][3].shape == (programs,)
+
+
+def _check_per_tensor_operands(row, col, data, data_t, scale_inv):
+    assert row.data.dtype == E4M3 and row.data.shape == (M, K) and row.data.stride() == (K, 1)
+    assert col.data.dtype == E4M3 and col.data.shape == (K, M) and col.data.stride() == (M, 1)
+    assert data.dtype == torch.uint8 and row.data.data_ptr() == data.data_ptr()
+    assert data_t.dtype == torch.uint8 and col.data.data_ptr() == data_t.data_ptr()
+    assert row.scale_inv is scale_inv and col.scale_inv is scale_inv
+    assert scale_inv.dtype == torch.float32 and scale_inv.dim() == 0
+
+
+def test_delayed_cast_reads_the_scale_and_records_into_the_history(kernels):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    scale, history = torch.tensor(2.0), torch.zeros(8)
+    for _ in range(2):
+        row, col = _quantize(x, "delayed", scale=scale, amax_history=history)
+        (cast,) = kernels.take()
+        args = cast["args"]
+        assert args[3] is scale and args[4] is scale  # no amax: the scale stands in
+        record = args[6]
+        assert record.dtype == torch.int32 and record.shape == (8,)
+        assert record.data_ptr() == history.data_ptr()
+        assert cast["constexprs"]["SCALE_GIVEN"] is True and cast["constexprs"]["RECORD_AMAX"]
+        assert cast["constexprs"]["AMAX_PARTIALS"] == 0 and cast["constexprs"]["POW2"] is False
+        _check_per_tensor_operands(row, col, args[1], args[2], args[5])
+        # The generic launch helper passes the same arguments and constexprs on the same grid.
+        cq.launch_per_tensor_cast(
+            x, data=args[1], data_t=args[2], scale=scale, amax=None, scale_inv=args[5],
+            record_bits=history.view(torch.int32), fp8_dtype=E4M3, recipe="delayed",
+            power_2_scale=False,
+        )  # fmt: skip
+        (generic,) = kernels.take()
+        assert generic["kernel"] == cast["kernel"] and generic["grid"] == cast["grid"]
+        assert generic["constexprs"] == cast["constexprs"]
+        assert same_args(generic["args"], args)
+
+
+def test_delayed_without_history_writes_no_record(kernels):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    linear_ops.quantize_operands(x, rowwise=True, transposed=False, scale=torch.tensor(1.0),
+                                 **OPTIONS["delayed"])  # fmt: skip
+    (cast,) = kernels.take()
+    args = cast["args"]
+    assert cast["constexprs"]["RECORD_AMAX"] is False and cast["constexprs"]["WRITE_T"] is False
+    assert args[2] is args[1]  # the absent transposed output points at the rowwise bytes
+    assert args[6] is args[5]  # the absent record points at scale_inv
+    assert cast["grid"] == (ceil_div(K, 128) * ceil_div(M, 32 * 8), 1, 1)  # "cast" tiles
+
+
+def test_delayed_needs_an_fp32_scale(kernels):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fp32 scale"):
+        _quantize(x, "delayed", scale=None, amax_history=torch.zeros(8))
+    with pytest.raises(ValueError, match="fp32 scale"):
+        _quantize(x, "delayed", scale=torch.tensor(2.0, dtype=torch.float64))
+    assert kernels.log == [] and linear_ops._plans == {}
+
+
+def test_blockwise_input_launches_and_layouts(kernels):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    for _ in range(2):
+        row, col = _quantize(x, "blockwise input")
+        rows_launch, cols_launch = kernels.take()
+        r_args, c_args = rows_launch["args"], cols_launch["args"]
+        row_bytes, row_sinv_t = r_args[1], r_args[2]
+        col_t, col_sinv = c_args[1], c_args[2]
+        assert same_args(r_args, (x, row_bytes, row_sinv_t, row_sinv_t, M, K))
+        assert same_args(c_args, (x, col_t, col_sinv, col_t, col_sinv, M, K))
+        assert row_sinv_t.shape == (3, M) and row_sinv_t.dtype == torch.float32
+        assert col_t.shape == (K, M) and col_sinv.shape == (2, K)
+        assert rows_launch["constexprs"]["ROW_SCALE_T"] is True
+        assert cols_launch["constexprs"]["COLUMNWISE"] is False
+        assert cols_launch["constexprs"]["WRITE_T"] is True
+        # Rowwise operand: bytes [M, K], scale (M, K/128) outer-dim-major.
+        assert row.data.dtype == E4M3 and row.data.shape == (M, K)
+        assert row.data.data_ptr() == row_bytes.data_ptr()
+        assert row.scale_inv.shape == (M, 3) and row.scale_inv.stride() == (1, M)
+        assert row.scale_inv.data_ptr() == row_sinv_t.data_ptr()
+        # Transposed operand [K, M]: 1x128 blocks along M, scale (K, M/128) strides (1, K).
+        assert col.data.dtype == E4M3 and col.data.shape == (K, M) and col.data.stride() == (M, 1)
+        assert col.data.data_ptr() == col_t.data_ptr()
+        assert col.scale_inv.shape == (K, 2) and col.scale_inv.stride() == (1, K)
+        assert col.scale_inv.data_ptr() == col_sinv.data_ptr()
+        cq.launch_block_1x128(
+            x, row=row_bytes, row_sinv=row_sinv_t, col=None, col_sinv=col_sinv, col_t=col_t,
+            record_bits=None, row_scale_t=True, fp8_dtype=E4M3, power_2_scale=False,
+        )  # fmt: skip
+        generic = kernels.take()
+        for mine, theirs in zip((rows_launch, cols_launch), generic, strict=True):
+            assert (mine["kernel"], mine["grid"]) == (theirs["kernel"], theirs["grid"])
+            assert mine["constexprs"] == theirs["constexprs"]
+            assert same_args(mine["args"], theirs["args"])
+
+
+def test_blockwise_weight_launch_and_layouts(kernels):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    for _ in range(2):
+        row, col = _quantize(x, "blockwise weight")
+        (cast,) = kernels.take()
+        args = cast["args"]
+        data, scale_inv, data_t, scale_inv_t = args[1:5]
+        assert same_args(args, (x, data, scale_inv, data_t, scale_inv_t, scale_inv, M, K))
+        assert cast["constexprs"]["POW2"] is True and cast["constexprs"]["TILE"] == 128
+        assert row.data.shape == (M, K) and row.data.data_ptr() == data.data_ptr()
+        assert row.scale_inv is scale_inv
+        assert scale_inv.shape == (2, 3) and scale_inv.stride() == (3, 1)
+        assert col.data.shape == (K, M) and col.data.stride() == (M, 1)
+        assert col.data.dtype == E4M3 and col.data.data_ptr() == data_t.data_ptr()
+        assert col.scale_inv is scale_inv_t
+        assert scale_inv_t.shape == (3, 2) and scale_inv_t.stride() == (2, 1)
+        cq.launch_block_128x128(
+            x, data=data, scale_inv=scale_inv, data_t=data_t, scale_inv_t=scale_inv_t,
+            record_bits=None, fp8_dtype=E4M3, power_2_scale=True,
+        )  # fmt: skip
+        (generic,) = kernels.take()
+        assert (generic["kernel"], generic["grid"]) == (cast["kernel"], cast["grid"])
+        assert generic["constexprs"] == cast["constexprs"]
+        assert same_args(generic["args"], args)
+
+
+def test_mxfp8_dequantized_launch_and_layouts(kernels):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    for _ in range(2):
+        row, col = _quantize(x, "mxfp8")
+        (cast,) = kernels.take()
+        args = cast["args"]
+        values, col_values = args[1], args[3]
+        # Absent scales, transpose and record point at the rowwise values.
+        assert same_args(args, (x, values, values, col_values, values, values, values, M, K))
+        assert cast["constexprs"]["DEQUANT"] is True and cast["constexprs"]["WRITE_T"] is False
+        assert cast["constexprs"]["ROWWISE"] and cast["constexprs"]["COLUMNWISE"]
+        assert row.scale_inv is None and col.scale_inv is None
+        assert row.data is values and values.dtype == torch.bfloat16
+        assert values.shape == (M, K) and values.stride() == (K, 1)
+        assert col.data.shape == (K, M) and col.data.stride() == (1, K)
+        assert col.data.data_ptr() == col_values.data_ptr() and col_values.shape == (M, K)
+        cq.launch_mxfp8(x, row=values, row_e=None, col=col_values, col_e=None, col_t=None,
+                        record_bits=None, fp8_dtype=E4M3, dequant=True)  # fmt: skip
+        (generic,) = kernels.take()
+        assert (generic["kernel"], generic["grid"]) == (cast["kernel"], cast["grid"])
+        assert generic["constexprs"] == cast["constexprs"]
+        assert same_args(generic["args"], args)
+
+
+def _sites(plan) -> list:
+    return [getattr(plan, name) for name in ("amax", "cast", "rows_site", "cols_site")
+            if hasattr(plan, name)]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_a_misaligned_input_is_held_separately(kernels, case):
+    aligned = torch.randn(M, K, dtype=torch.bfloat16)
+    misaligned = torch.empty(M * K + 8, dtype=torch.bfloat16)[1 : 1 + M * K].view(M, K)
+    assert aligned.data_ptr() % 16 == 0 and misaligned.data_ptr() % 16 == 2
+    n = len(GRIDS[case])
+    paths = []
+    for x in (aligned, aligned, misaligned, misaligned, aligned):
+        _quantize(x, case)
+        launches = kernels.take()
+        assert all(record["args"][0] is x for record in launches)
+        paths.append([record["path"] for record in launches])
+    assert paths == [["jit"] * n, ["direct"] * n, ["jit"] * n, ["direct"] * n, ["direct"] * n]
+    (plan,) = linear_ops._plans.values()  # one plan: alignment is not part of its key
+    sites = _sites(plan)
+    assert len(sites) == n and all(len(site._held) == 2 for site in sites)
+    assert len(launch._compiled) == 2 * n
+
+
+def test_delayed_scale_and_history_alignment_are_part_of_the_key(kernels):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    # What a flush leaves: the scales and histories of several metas as rows of one tensor.
+    scales, histories = torch.tensor([1.0, 2.0]), torch.zeros(2, 3)
+    scale_row1, history_row1 = scales.unbind(0)[1], histories.unbind(0)[1]
+    assert scale_row1.data_ptr() % 16 == 4 and history_row1.data_ptr() % 16 == 12
+    calls = [
+        (scales.unbind(0)[0], histories.unbind(0)[0]),
+        (scale_row1, histories.unbind(0)[0]),
+        (scales.unbind(0)[0], history_row1),
+        (scale_row1, history_row1),
+    ]
+    paths = []
+    for _ in range(2):
+        for scale, history in calls:
+            _quantize(x, "delayed", scale=scale, amax_history=history)
+            (cast,) = kernels.take()
+            assert cast["args"][3] is scale
+            assert cast["args"][6].data_ptr() == history.data_ptr()
+            paths.append(cast["path"])
+    assert paths == ["jit"] * 4 + ["direct"] * 4
+    (plan,) = linear_ops._plans.values()
+    assert sorted(plan.cast._held) == [
+        (True, False, False), (True, False, True), (True, True, False), (True, True, True),
+    ]  # fmt: skip
+
+
+def test_cleared_plans_are_rebuilt_from_the_compiled_kernels(kernels):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    _quantize(x, "tensorwise")
+    old_plan = next(iter(linear_ops._plans.values()))
+    kernels.take()
+    linear_ops.clear_plans()
+    assert linear_ops._plans == {}
+    _quantize(x, "tensorwise")
+    # A new plan, whose sites find the kernels in launch's process-wide cache: no compile.
+    assert [r["path"] for r in kernels.take()] == ["direct", "direct"]
+    (new_plan,) = linear_ops._plans.values()
+    assert new_plan is not old_plan and all(len(site._held) == 1 for site in _sites(new_plan))
+
+
+def test_each_shape_and_output_set_gets_its_own_plan(kernels):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    _quantize(x, "blockwise input")
+    linear_ops.quantize_operands(x, rowwise=True, transposed=False, **OPTIONS["blockwise input"])
+    linear_ops.quantize_operands(x[:128], rowwise=True, transposed=True,
+                                 **OPTIONS["blockwise input"])  # fmt: skip
+    assert len(linear_ops._plans) == 3
+    launches = kernels.take()
+    assert [r["kernel"] for r in launches] == [
+        "block_1x128_rows_kernel", "block_128x1_cols_kernel", "block_1x128_rows_kernel",
+        "block_1x128_rows_kernel", "block_128x1_cols_kernel",
+    ]  # fmt: skip
+    # 128 rows: ceil(384/128) * ceil(128/128) rowwise programs, 1 * 12 columnwise ones.
+    assert launches[3]["grid"] == (3, 1, 1) and launches[4]["grid"] == (12, 1, 1)
+    assert launches[3]["args"][4:] == (128, K)
+
+
+# _direct_scaled_mm: torch._scaled_mm exactly as gemm.scaled_mm calls it, without its checks.
+
+
+class ScaledMmRecorder:
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def __call__(self, a, b, *, scale_a, scale_b, out_dtype, use_fast_accum):
+        self.calls.append((a, b, scale_a, scale_b, out_dtype, use_fast_accum))
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+@pytest.fixture
+def scaled_mm(monkeypatch):
+    recorder = ScaledMmRecorder()
+    monkeypatch.setattr(torch, "_scaled_mm", recorder)
+    monkeypatch.setattr(cuda_gemm, "_blockwise_unavailable", lambda device: None)
+    monkeypatch.setitem(cuda_gemm._blockwise_status, "path", "torch._scaled_mm")
+    monkeypatch.setitem(cuda_gemm._blockwise_status, "refused", "")
+    return recorder
+
+
+def _fp8(rows, cols, dtype=E4M3, seed=0):
+    values = torch.rand(rows, cols, generator=torch.Generator().manual_seed(seed)) * 8 - 4
+    return values.to(dtype)
+
+
+def _rand(*shape, seed=1):
+    return torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) + 0.5
+
+
+def _same_call(direct: tuple, general: tuple) -> None:
+    assert len(direct) == len(general) == 6
+    for one, two in zip(direct[:4], general[:4]):
+        assert same_tensor(one, two), (one.shape, one.stride(), two.shape, two.stride())
+    assert direct[4:] == general[4:]
+
+
+def _operands(kind: str, rows: int, k: int, n: int):
+    if kind == "per-tensor":
+        a = GemmOperand(_fp8(rows, k), torch.tensor(0.5))
+        b = GemmOperand(_fp8(n, k, E5M2, seed=2), torch.tensor(0.25))
+    elif kind == "1x128 x 128x128":
+        # Fprop / dgrad: a 1x128 input or grad, b a 128x128 weight (contiguous grid).
+        a = GemmOperand(_fp8(rows, k), _rand(k // 128, rows).t())
+        b = GemmOperand(_fp8(n, k, seed=2), _rand(ceil_div(n, 128), k // 128, seed=3))
+    else:
+        # Wgrad: both transposed 1x128 operands, scales (R, K/128) with strides (1, R).
+        a = GemmOperand(_fp8(rows, k, E5M2), _rand(k // 128, rows).t())
+        b = GemmOperand(_fp8(n, k, seed=2), _rand(k // 128, n, seed=3).t())
+    return a, b
+
+
+@pytest.mark.parametrize(
+    "recipe, kind, rows, k, n, fast_accum",
+    [
+        ("tensorwise", "per-tensor", 64, 256, 128, True),
+        ("delayed", "per-tensor", 40, 48, 32, False),  # per-tensor rows need no alignment
+        ("blockwise", "1x128 x 128x128", 64, 512, 256, True),  # fast_accum: ignored
+        ("blockwise", "1x128 x 128x128", 32, 1024, 144, False),
+        ("blockwise", "1x128 x 1x128", 64, 256, 128, False),
+    ],
+)  # fmt: skip
+def test_direct_gemm_calls_scaled_mm_as_the_general_path(
+    scaled_mm, monkeypatch, recipe, kind, rows, k, n, fast_accum
+):
+    a, b = _operands(kind, rows, k, n)
+    if kind != "per-tensor":
+        assert a.scale_inv.shape == (rows, k // 128) and a.scale_inv.stride() == (1, rows)
+    general = cuda_gemm.scaled_mm(a.data, b.data, a_scale_inv=a.scale_inv,
+                                  b_scale_inv=b.scale_inv, recipe=recipe,
+                                  out_dtype=torch.bfloat16, use_fast_accum=fast_accum)  # fmt: skip
+    assert len(scaled_mm.calls) == 1
+
+    def no_general_path(*args, **kwargs):
+        raise AssertionError("linear_ops.gemm took the general path")
+
+    monkeypatch.setattr(linear_ops, "scaled_mm", no_general_path)
+    out = linear_ops.gemm(a, b, recipe=recipe, out_dtype=torch.bfloat16, fast_accum=fast_accum)
+    assert len(scaled_mm.calls) == 2
+    _same_call(scaled_mm.calls[1], scaled_mm.calls[0])
+    mat1, mat2, scale_a, scale_b, out_dtype, use_fast_accum = scaled_mm.calls[1]
+    assert mat1 is a.data and mat2.shape == (k, n) and mat2.stride() == (1, k)
+    assert out_dtype == torch.bfloat16
+    assert use_fast_accum is (fast_accum if recipe != "blockwise" else False)
+    if kind == "per-tensor":
+        assert scale_a is a.scale_inv and scale_b is b.scale_inv
+    else:
+        assert scale_a.stride() == (1, rows)
+        assert same_tensor(scale_b, b.scale_inv.t())
+    assert out.shape == general.shape == (rows, n) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "recipe, kind, rows, k, n, padded",
+    [
+        ("tensorwise", "per-tensor", 64, 40, 128, ((64, 48), (48, 128))),  # K % 16
+        ("delayed", "per-tensor", 64, 256, 120, ((64, 256), (256, 128))),  # N % 16
+        ("blockwise", "1x128 x 128x128", 64, 256, 256, ((64, 512), (512, 256))),  # K % 512
+        ("blockwise", "1x128 x 1x128", 40, 256, 128, ((48, 256), (256, 128))),  # rows % 16
+    ],
+)  # fmt: skip
+def test_direct_gemm_declines_what_needs_padding(scaled_mm, recipe, kind, rows, k, n, padded):
+    a, b = _operands(kind, rows, k, n)
+    direct = linear_ops._direct_scaled_mm(a, b, recipe=recipe, out_dtype=torch.float32,
+                                          fast_accum=False)  # fmt: skip
+    assert direct is None and scaled_mm.calls == []
+    out = linear_ops.gemm(a, b, recipe=recipe, out_dtype=torch.float32, fast_accum=False)
+    (call,) = scaled_mm.calls  # the general path, which padded the operands
+    assert (tuple(call[0].shape), tuple(call[1].shape)) == padded
+    assert out.shape == (rows, n)
+
+
+def test_direct_gemm_declines_a_non_contiguous_operand(scaled_mm):
+    a, b = _operands("per-tensor", 64, 256, 128)
+    strided = GemmOperand(_fp8(256, 64).t(), a.scale_inv)
+    assert linear_ops._direct_scaled_mm(strided, b, recipe="tensorwise", out_dtype=torch.float32,
+                                        fast_accum=True) is None  # fmt: skip
+    assert scaled_mm.calls == []
+
+
+def test_direct_gemm_waits_until_cublas_has_taken_blockwise_scales(scaled_mm, monkeypatch):
+    a, b = _operands("1x128 x 128x128", 64, 512, 256)
+    monkeypatch.setitem(cuda_gemm._blockwise_status, "path", "untried")
+    assert cuda_gemm.blockwise_gemm_path() == "untried"
+    options = dict(recipe="blockwise", out_dtype=torch.bfloat16, fast_accum=False)
+    assert linear_ops._direct_scaled_mm(a, b, **options) is None
+    assert scaled_mm.calls == []
+    # The general path runs (and records that cuBLAS took the scales); then the direct one.
+    linear_ops.gemm(a, b, **options)
+    assert cuda_gemm.blockwise_gemm_path() == "torch._scaled_mm"
+    assert linear_ops._direct_scaled_mm(a, b, **options) is not None
+    assert len(scaled_mm.calls) == 2
+    _same_call(scaled_mm.calls[1], scaled_mm.calls[0])
+    monkeypatch.setitem(cuda_gemm._blockwise_status, "path", "emulated: not a CUDA tensor")
+    assert linear_ops._direct_scaled_mm(a, b, **options) is None
+    assert len(scaled_mm.calls) == 2
