@@ -115,7 +115,10 @@ class _AutocastFrame:
 _frames: list[_AutocastFrame] = []
 # Backward-pending metas per reduction group (keyed by id(group) so that None works too).
 _backward_pending: dict[int, tuple[dist.ProcessGroup | None, dict[int, ScalingMeta]]] = {}
-_backward_callback_queued = [False]
+# Graph task (torch._C._current_graph_task_id) whose end runs the queued backward flush; None
+# when none is queued. A backward that raises never runs its final callbacks: keying on the
+# task lets the next backward queue its own flush instead of waiting on a dead one.
+_backward_callback_task: list[int | None] = [None]
 
 
 def current_autocast() -> _AutocastFrame | None:
@@ -133,8 +136,10 @@ def reduce_and_update(metas: list[ScalingMeta], group: dist.ProcessGroup | None)
 
     Metas that share format and settings are updated together as one [N, L] history, so a
     flush costs a fixed number of small kernels whatever the number of layers. Afterwards
-    each meta's scale and history are views into the new stacked tensors (replaced, never
-    written in place, so a scale captured by a forward stays what that forward used)."""
+    each meta's scale and history are views into the new stacked tensors: scales are
+    replaced, never written in place, so a scale captured by a forward stays what that
+    forward used. (The reduced amaxes are written into slot 0 of the histories being
+    replaced, which may be the previous flush's stacked tensor itself, see `_stacked`.)"""
     if not metas:
         return
     groups: dict[tuple, list[ScalingMeta]] = {}
@@ -215,7 +220,7 @@ def forward_recorded(meta: ScalingMeta) -> None:
 
 
 def _flush_backward() -> None:
-    _backward_callback_queued[0] = False
+    _backward_callback_task[0] = None
     pending = list(_backward_pending.values())
     _backward_pending.clear()
     for group, metas in pending:
@@ -228,9 +233,10 @@ def record_backward(meta: ScalingMeta, amax: torch.Tensor | None, group) -> None
     if amax is not None:
         meta.record(amax)
     _backward_pending.setdefault(id(group), (group, {}))[1][id(meta)] = meta
-    if not _backward_callback_queued[0]:
+    task = torch._C._current_graph_task_id()
+    if _backward_callback_task[0] != task:
         torch.autograd.Variable._execution_engine.queue_callback(_flush_backward)
-        _backward_callback_queued[0] = True
+        _backward_callback_task[0] = task
 
 
 @contextlib.contextmanager

@@ -320,3 +320,33 @@ def test_flushes_reuse_the_previous_flush_outputs_and_follow_the_reference(monke
         torch.autograd.backward(ys, grads)
         assert len(updates) == 2 * step + 2
         check_flush("backward", grad_metas, [b, 2 * b], E5M2)
+
+
+class _RaisingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed on purpose")
+
+
+def test_a_backward_that_raises_does_not_stop_later_grad_flushes():
+    """A backward that raises never runs its final callbacks, so the grad flush it queued is
+    lost; the next backward must queue its own (it is keyed on the graph task), not wait."""
+    layer = Fp8Linear(32, 32, bias=False, fp8_config=Fp8Config(recipe="delayed"))
+    grad_meta = layer.delayed_scaling.metas["grad"]
+    x = torch.randn(16, 32, requires_grad=True)
+    with fp8_autocast():
+        y = layer(_RaisingBackward.apply(x))
+    with pytest.raises(RuntimeError, match="on purpose"):
+        y.sum().backward()  # the layer's backward ran (and recorded) before the failure
+    assert grad_meta.amax_history[0].item() == 1.0 and grad_meta.scale.item() == 1.0
+    with fp8_autocast():
+        y = layer(x)
+    y.sum().backward()
+    # Flushed: slot 0 (max of both passes' |dy| = 1) rolled to the end, scale from amax 1.
+    history = grad_meta.amax_history.tolist()
+    assert history[0] == 0.0 and history[-1] == 1.0
+    assert grad_meta.scale.item() == torch.finfo(grad_meta.fp8_dtype).max

@@ -650,3 +650,70 @@ def test_direct_gemm_waits_until_cublas_has_taken_blockwise_scales(scaled_mm, mo
     monkeypatch.setitem(cuda_gemm._blockwise_status, "path", "emulated: not a CUDA tensor")
     assert linear_ops._direct_scaled_mm(a, b, **options) is None
     assert len(scaled_mm.calls) == 2
+
+
+def test_a_blockwise_shape_cublas_refuses_falls_back_to_the_general_path(monkeypatch):
+    """cuBLASLt may refuse one blockwise shape after taking others: the direct call returns
+    None and the general path records the refusal and emulates, as before the shortcut."""
+    calls = []
+
+    def refusing(a, b, **kwargs):
+        calls.append(tuple(a.shape))
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refusing)
+    monkeypatch.setattr(cuda_gemm, "_blockwise_unavailable", lambda device: None)
+    monkeypatch.setitem(cuda_gemm._blockwise_status, "path", "torch._scaled_mm")
+    monkeypatch.setitem(cuda_gemm._blockwise_status, "refused", "")
+    a, b = _operands("1x128 x 128x128", 64, 512, 256)
+    options = dict(recipe="blockwise", out_dtype=torch.float32, fast_accum=False)
+    assert linear_ops._direct_scaled_mm(a, b, **options) is None
+    out = linear_ops.gemm(a, b, **options)
+    assert calls == [(64, 512), (64, 512), (64, 512)]  # direct, general, then emulated
+    assert cuda_gemm.blockwise_gemm_path().startswith("emulated: torch._scaled_mm refused")
+    expected = cuda_gemm.emulated_mm(a.data, b.data, a_scale_inv=a.scale_inv,
+                                     b_scale_inv=b.scale_inv, recipe="blockwise",
+                                     out_dtype=torch.float32)  # fmt: skip
+    assert torch.equal(out, expected)
+
+
+def test_tensorwise_ignores_a_scale_and_history_meant_for_delayed(kernels):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    history = torch.zeros(8)
+    _quantize(x, "tensorwise", scale=torch.tensor(2.0), amax_history=history)
+    amax, cast = kernels.take()
+    assert cast["constexprs"]["RECORD_AMAX"] is False and cast["constexprs"]["SCALE_GIVEN"] is False
+    partials = amax["args"][1]
+    assert cast["args"][3] is partials and cast["args"][4] is partials
+    assert all(arg is not history for arg in cast["args"] if isinstance(arg, torch.Tensor))
+    assert len(linear_ops._plans) == 1 and next(iter(linear_ops._plans))[9] is False
+
+
+def test_under_torch_compile_no_pointer_is_read_and_no_plan_is_kept(kernels, monkeypatch):
+    """Traced by torch.compile: data_ptr() cannot be traced, and a global cache written while
+    tracing would be a side effect; every launch goes through kernel[grid], which is traced."""
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    _quantize(x, "delayed")  # an eager call first: its plan holds the compiled kernel
+    kernels.take()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+    def no_pointer(self):
+        raise AssertionError("data_ptr() read while tracing")
+
+    monkeypatch.setattr(torch.Tensor, "data_ptr", no_pointer)
+    for case in OPTIONS:
+        _quantize(x, case)
+        records = kernels.take()
+        assert [(r["path"], r["kernel"]) for r in records] == [
+            ("jit", name) for name, _ in GRIDS[case]
+        ]
+    assert len(linear_ops._plans) == 1  # only the eager call's plan
+
+
+def test_the_plan_cache_is_bounded(kernels, monkeypatch):
+    monkeypatch.setattr(linear_ops, "MAX_PLANS", 3)
+    for rows in (16, 32, 48):
+        _quantize(torch.randn(rows, K, dtype=torch.bfloat16), "mxfp8")
+    assert len(linear_ops._plans) == 3
+    _quantize(torch.randn(64, K, dtype=torch.bfloat16), "mxfp8")
+    assert [key[6] for key in linear_ops._plans] == [torch.Size([64, K])]

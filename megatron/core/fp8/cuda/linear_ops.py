@@ -80,12 +80,20 @@ def quantize_operands(
         raise ValueError("Fp8Linear cannot quantize an empty tensor")
     if recipe == "delayed" and (scale is None or scale.dtype != torch.float32):
         raise ValueError("recipe='delayed' quantizes with the current 0-d fp32 scale: pass scale=")
+    if recipe != "delayed":
+        scale = amax_history = None  # only the delayed recipe reads a scale or records
     if recipe == "mxfp8":
         dequant_dtype = dequant_dtype or emulation_dtype(x2d.dtype)
     key = (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, x2d.shape, x2d.dtype,
            x2d.device, amax_history is not None, dequant_dtype)  # fmt: skip
+    if torch.compiler.is_compiling():
+        # Traced: no data pointers read and no global cache written; every launch goes
+        # through Triton's own call, which torch.compile traces (launch.LaunchSite).
+        return OperandPlan(*key)(x2d, scale, amax_history, aligned=_alignment_unread)
     plan = _plans.get(key)
     if plan is None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()  # many token counts (e.g. varying sequence lengths): start over
         plan = _plans[key] = OperandPlan(*key)
     return plan(x2d, scale, amax_history)
 
@@ -93,6 +101,8 @@ def quantize_operands(
 # (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, shape, dtype, device, record,
 # dequant_dtype) -> OperandPlan
 _plans: dict[tuple, OperandPlan] = {}
+# A plan is small, but one is kept per token count: bound them for runs whose shapes vary.
+MAX_PLANS = 1024
 
 
 def clear_plans() -> None:
@@ -103,6 +113,10 @@ def clear_plans() -> None:
 
 def _aligned(t: torch.Tensor) -> bool:
     return not t.data_ptr() & 15
+
+
+def _alignment_unread(t: torch.Tensor) -> None:
+    return None
 
 
 class OperandPlan:
@@ -158,15 +172,17 @@ class OperandPlan:
         else:
             raise ValueError(f"unknown recipe {recipe!r}")
 
-    def __call__(self, x2d, scale, amax_history):
-        return self.run(x2d, scale, amax_history)
+    def __call__(self, x2d, scale, amax_history, aligned=None):
+        """`aligned(t)`: the alignment key part of a caller tensor (default: whether it is
+        16-byte aligned)."""
+        return self.run(x2d, scale, amax_history, aligned or _aligned)
 
     def _empty(self, rows: int, cols: int, dtype=torch.uint8) -> torch.Tensor:
         return torch.empty((rows, cols), dtype=dtype, device=self.device)
 
-    def _per_tensor(self, x2d, scale, amax_history):
+    def _per_tensor(self, x2d, scale, amax_history, aligned):
         rows, cols = self.rows, self.cols
-        x_aligned = _aligned(x2d)
+        x_aligned = aligned(x2d)
         amax = None
         if self.partials:
             amax = torch.empty(self.partials, dtype=torch.float32, device=self.device)
@@ -177,16 +193,16 @@ class OperandPlan:
         record = amax_history.view(torch.int32) if amax_history is not None else None
         args = cq.per_tensor_cast_args(x2d, data, data_t, scale, amax, scale_inv, record)
         # Which caller tensors are aligned: x, the scale or amax, the amax history.
-        alignment = (x_aligned, _aligned(args[3]), record is None or _aligned(record))
+        alignment = (x_aligned, aligned(args[3]), record is None or aligned(record))
         self.cast(args, alignment)
         row = GemmOperand(data.view(self.fp8_dtype), scale_inv) if data is not None else None
         col = GemmOperand(data_t.view(self.fp8_dtype), scale_inv) if data_t is not None else None
         return row, col
 
-    def _block_1x128(self, x2d, scale, amax_history):
+    def _block_1x128(self, x2d, scale, amax_history, aligned):
         rows, cols = self.rows, self.cols
         row_blocks, col_blocks = ceil_div(rows, BLOCK_128), ceil_div(cols, BLOCK_128)
-        x_aligned = _aligned(x2d)
+        x_aligned = aligned(x2d)
         row_op = col_op = None
         if self.rowwise:
             row = self._empty(rows, cols)
@@ -202,7 +218,7 @@ class OperandPlan:
             col_op = GemmOperand(col_t.view(self.fp8_dtype), col_sinv.t())
         return row_op, col_op
 
-    def _block_128x128(self, x2d, scale, amax_history):
+    def _block_128x128(self, x2d, scale, amax_history, aligned):
         rows, cols = self.rows, self.cols
         row_blocks, col_blocks = ceil_div(rows, BLOCK_128), ceil_div(cols, BLOCK_128)
         data = self._empty(rows, cols) if self.rowwise else None
@@ -212,20 +228,20 @@ class OperandPlan:
             self._empty(col_blocks, row_blocks, torch.float32) if self.transposed else None
         )
         args = cq.block_128x128_args(x2d, data, scale_inv, data_t, scale_inv_t, None)
-        self.cast(args, _aligned(x2d))
+        self.cast(args, aligned(x2d))
         row_op = GemmOperand(data.view(self.fp8_dtype), scale_inv) if data is not None else None
         col_op = None
         if data_t is not None:
             col_op = GemmOperand(data_t.view(self.fp8_dtype), scale_inv_t)
         return row_op, col_op
 
-    def _mxfp8_dequantized(self, x2d, scale, amax_history):
+    def _mxfp8_dequantized(self, x2d, scale, amax_history, aligned):
         # Ragged edges need no care: the kernel's masked loads zero-pad the blocks, as the
         # rules do.
         rows, cols = self.rows, self.cols
         row = self._empty(rows, cols, self.dequant_dtype) if self.rowwise else None
         col = self._empty(rows, cols, self.dequant_dtype) if self.transposed else None
-        self.cast(cq.mxfp8_args(x2d, row, None, col, None, None, None), _aligned(x2d))
+        self.cast(cq.mxfp8_args(x2d, row, None, col, None, None, None), aligned(x2d))
         # The columnwise values keep x's shape; the transposed operand is a view (bf16 GEMMs
         # take either layout, so no copy).
         return (
@@ -298,5 +314,10 @@ def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum) -> torch.Tensor | 
         pass
     else:
         return None
-    return torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype,
-                            use_fast_accum=False)  # fmt: skip
+    try:
+        return torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype,
+                                use_fast_accum=False)  # fmt: skip
+    except (RuntimeError, NotImplementedError, ValueError):
+        # cuBLASLt may refuse one shape after accepting others: the general path decides
+        # (it records the refusal and emulates), as it would have without this shortcut.
+        return None
