@@ -2,6 +2,8 @@
 
     python scripts/bench_fp8.py --check          # bitwise self-check first; exit 1 on mismatch
     python scripts/bench_fp8.py --check --sweep  # also time alternative kernel launch configs
+    python scripts/bench_fp8.py --no-quantize --shapes 4096x4096 --recipes tensorwise,delayed
+                                                 # one Linear comparison only (~30 s)
 
 (a) Quantization on an 8192x8192 bf16 tensor: bytes moved / time against the device-to-device
     copy bandwidth measured in the same run (target >= 60%): the public quantize_cuda API
@@ -436,8 +438,9 @@ def _profile_step(step, label: str) -> str:
 
 
 def bench_linear(reporter: Reporter, started: float, *, chain: bool, budget_s: float,
-                 profile_path: Path | None) -> None:  # fmt: skip
-    for k, n in LINEAR_SHAPES:
+                 profile_path: Path | None, shapes=LINEAR_SHAPES,
+                 recipes=RECIPES) -> None:  # fmt: skip
+    for k, n in shapes:
         x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16) * 1e-3
         base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -449,7 +452,7 @@ def bench_linear(reporter: Reporter, started: float, *, chain: bool, budget_s: f
                        "M": TOKENS, "K": k, "N": n, "time_ms": round(bf16_ms, 3),
                        "host_ms": round(host[0], 3), "graph_ms": _round(bf16_graph)})  # fmt: skip
         w = base.weight.detach()
-        for recipe in RECIPES:
+        for recipe in recipes:
             if time.perf_counter() - started > budget_s:
                 reporter.emit({"bench": "linear", "recipe": recipe, "K": k, "N": n,
                                "skipped": "time budget"})  # fmt: skip
@@ -481,7 +484,7 @@ def bench_linear(reporter: Reporter, started: float, *, chain: bool, budget_s: f
                                "pass": speedup >= SPEEDUP_TARGET[recipe],
                                "gemm_path": _gemm_path(recipe),
                                "launch": direct_launch_status()})  # fmt: skip
-            if profile_path is not None and module_step is not None and (k, n) == LINEAR_SHAPES[0]:
+            if profile_path is not None and module_step is not None and (k, n) == shapes[0]:
                 with profile_path.open("a") as handle:
                     handle.write(_profile_step(module_step, f"Fp8Linear {recipe} K={k} N={n}"))
         del x, dy, base, w
@@ -537,6 +540,25 @@ def print_table(rows: list[dict]) -> None:
                   f"{row.get('unavailable') or row.get('skipped')}")  # fmt: skip
 
 
+def _parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        shapes = tuple(tuple(int(v) for v in item.split("x")) for item in text.split(","))
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(shape) != 2 or min(shape) <= 0 for shape in shapes):
+        raise argparse.ArgumentTypeError(f"expected KxN[,KxN...] with positive sizes, got {text!r}")
+    return shapes
+
+
+def _parse_recipes(text: str) -> tuple[str, ...]:
+    recipes = tuple(item.strip() for item in text.split(",") if item.strip())
+    unknown = [recipe for recipe in recipes if recipe not in RECIPES]
+    if not recipes or unknown:
+        choices = ", ".join(RECIPES)
+        raise argparse.ArgumentTypeError(f"recipes must be among {choices}; got {text!r}")
+    return recipes
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true",
@@ -564,6 +586,23 @@ def main() -> int:
         "instead of the calling thread (pretrain_gpt.py's default), for both sides",
     )
     parser.add_argument(
+        "--shapes",
+        type=_parse_shapes,
+        default=LINEAR_SHAPES,
+        help="Linear (K, N) shapes as KxN,KxN (default: the three of the FP8 issue)",
+    )
+    parser.add_argument(
+        "--recipes",
+        type=_parse_recipes,
+        default=RECIPES,
+        help="comma-separated recipes for the Linear comparison (default: all four)",
+    )
+    parser.add_argument(
+        "--no-quantize",
+        action="store_true",
+        help="skip the quantization bandwidth table (and --sweep): Linear comparison only",
+    )
+    parser.add_argument(
         "--budget-s",
         type=float,
         default=TIME_BUDGET_S,
@@ -584,11 +623,13 @@ def main() -> int:
     if args.check and not run_check(reporter):
         print_table(reporter.rows)
         return 1
-    bench_quantize(reporter, sweep=args.sweep)
+    if not args.no_quantize:
+        bench_quantize(reporter, sweep=args.sweep)
     out_dir = os.environ.get("OUT")
     profile_path = Path(out_dir) / "profile.txt" if (args.profile and out_dir) else None
     bench_linear(reporter, started, chain=args.chain, budget_s=args.budget_s,
-                 profile_path=profile_path)  # fmt: skip
+                 profile_path=profile_path, shapes=args.shapes,
+                 recipes=args.recipes)  # fmt: skip
     reporter.emit({"bench": "done", "seconds": round(time.perf_counter() - started, 1),
                    "blockwise_gemm_path": blockwise_gemm_path()})  # fmt: skip
     print_table(reporter.rows)
