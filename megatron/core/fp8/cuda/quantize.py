@@ -38,7 +38,7 @@ TILE_CONFIG: dict[str, dict[str, int]] = {
     "cast_t": dict(BM=64, BK=64, GROUP=8, TRANS_X=False, num_warps=4),
     "block_1x128": dict(BM=32, GROUP=4, num_warps=4),
     "block_128x1": dict(BK=32, TRANS_X=True, num_warps=4),
-    "block_128x128": dict(num_warps=8),
+    "block_128x128": dict(TRANS_X=True, num_warps=8),
     "mxfp8": dict(CHUNKS=1, num_warps=1),
     "mxfp8_dequantized": dict(CHUNKS=1, num_warps=1),
     "mxfp8_dequant": dict(CHUNKS=2, num_warps=1),

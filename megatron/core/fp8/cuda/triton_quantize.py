@@ -291,10 +291,12 @@ def block_128x128_kernel(
     x_ptr, data_ptr, sinv_ptr, data_t_ptr, sinv_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, RECORD_AMAX: tl.constexpr,
-    TILE: tl.constexpr,
+    TILE: tl.constexpr, TRANS_X: tl.constexpr,
 ):  # fmt: skip
     """One 128x128 weight block: one scale; the bytes and/or the transposed bytes with the
-    transposed scale grid (what dgrad reads), from one read of the whole tile."""
+    transposed scale grid (what dgrad reads), from one read of the whole tile. TRANS_X casts
+    the transposed high-precision tile again; without it the bytes are cast once and
+    transposed (the same bytes: one scale for the whole block; half the FP8 conversions)."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, TILE)
     pid_m = pid // k_tiles
@@ -308,11 +310,16 @@ def block_128x128_kernel(
     scale = _scale_from_amax(tile_amax, FP8_MAX, INF_SCALE, POW2)
     scale_inv = _reciprocal(scale, POW2)
     tl.store(sinv_ptr + pid_m * k_tiles + pid_k, scale_inv)
+    if WRITE_ROW or not TRANS_X:
+        q = _saturating_cast(x * scale, FP8_MAX, E4M3)
     if WRITE_ROW:
-        tl.store(data_ptr + offs, _saturating_cast(x * scale, FP8_MAX, E4M3), mask=mask)
+        tl.store(data_ptr + offs, q, mask=mask)
     if WRITE_T:
         tl.store(sinv_t_ptr + pid_k * tl.cdiv(M, TILE) + pid_m, scale_inv)
-        q_t = _saturating_cast(tl.trans(x_raw).to(tl.float32) * scale, FP8_MAX, E4M3)
+        if TRANS_X:
+            q_t = _saturating_cast(tl.trans(x_raw).to(tl.float32) * scale, FP8_MAX, E4M3)
+        else:
+            q_t = tl.trans(q)
         offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
         mask_t = (cols[:, None] < K) & (rows[None, :] < M)
         tl.store(data_t_ptr + offs_t, q_t, mask=mask_t)
