@@ -326,7 +326,8 @@ def _per_tensor_triton(x2d, *, recipe, fp8_dtype, scale, amax, power_2_scale, wi
         amax_out = _scalar_f32(amax, device)
     data = _empty_u8(rows, cols, device)
     data_t = _empty_u8(cols, rows, device) if with_transpose else None
-    scale_inv = torch.ones((), dtype=torch.float32, device=device)
+    # Written by the cast kernel's first program (no fill kernel); empty inputs set it below.
+    scale_inv = torch.empty((), dtype=torch.float32, device=device)
     if x2d.numel() > 0:
         launch_per_tensor_cast(
             x2d, data=data, data_t=data_t, scale=_scalar_f32(scale, device) if delayed else None,
