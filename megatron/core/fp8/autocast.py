@@ -155,12 +155,12 @@ def reduce_and_update(metas: list[ScalingMeta], group: dist.ProcessGroup | None)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
     start = 0
     for members in groups.values():
-        first_len = (members[0].amax_history.shape[0],)
-        histories = _stacked([meta.amax_history for meta in members], shape=first_len)
+        first = members[0]
+        histories = _stacked([meta.amax_history for meta in members],
+                             shape=first.amax_history.shape)  # fmt: skip
         if packed is not None:
             histories[:, 0] = packed[start : start + len(members)].to(histories.device)
         start += len(members)
-        first = members[0]
         settings = dict(fp8_dtype=first.fp8_dtype, margin=first.config.margin,
                         amax_compute_algo=first.config.amax_compute_algo)  # fmt: skip
         old_scales = _stacked([meta.scale for meta in members], shape=())

@@ -20,6 +20,8 @@ the rest of the process.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg"))
@@ -54,7 +56,9 @@ def _raw_stream(device: int) -> int:
     return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
-def _load_knobs():
+@functools.cache
+def _knobs():
+    """triton.knobs.runtime (its launch hooks are read at every launch), imported once."""
     try:
         from triton import knobs
     except ImportError:  # Triton before knobs (3.3): no direct path
@@ -62,14 +66,28 @@ def _load_knobs():
     return knobs.runtime
 
 
-_runtime_knobs: list = []
+def _key(kernel, device: int, args: tuple, constexprs: dict) -> tuple:
+    return (id(kernel), device, tuple(constexprs.values()), tuple(map(_arg_key, args)))
 
 
-def _knobs():
-    """triton.knobs.runtime (its launch hooks are read at every launch), imported once."""
-    if not _runtime_knobs:
-        _runtime_knobs.append(_load_knobs())
-    return _runtime_knobs[0]
+def _grid_3d(grid: tuple) -> tuple[int, int, int]:
+    return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+
+
+def _run_compiled(kernel, grid_3d, args, constexprs, compiled, tail, device, runtime) -> None:
+    """Exactly what Triton's JITFunction.run does once it has found the compiled kernel. If
+    the launcher rejects the call (its argument checks fail before anything runs, so
+    relaunching is safe), launch through Triton and turn the direct path off."""
+    stream = _raw_stream(device)
+    try:
+        metadata = compiled.launch_metadata(grid_3d, stream, *args, *tail)
+        compiled.run(*grid_3d, stream, compiled.function, compiled.packed_metadata, metadata,
+                     runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *tail)  # fmt: skip
+    except (TypeError, AttributeError, RuntimeError) as err:
+        _direct["enabled"], _direct["why_not"] = False, f"{type(err).__name__}: {err}"[:200]
+        kernel[grid_3d](*args, **constexprs)
+        return
+    _direct["launches"] += 1
 
 
 def launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
@@ -80,7 +98,7 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
         kernel[grid](*args, **constexprs)
         return
     device = args[0].get_device()
-    key = (id(kernel), device, tuple(constexprs.values()), tuple(map(_arg_key, args)))
+    key = _key(kernel, device, args, constexprs)
     entry = _compiled.get(key)
     runtime = _knobs() if entry is not None and _direct["enabled"] else None
     if runtime is None:
@@ -89,19 +107,7 @@ def launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
             _remember(key, kernel, compiled, len(args), constexprs)
         return
     compiled, tail = entry
-    grid_3d = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    stream = _raw_stream(device)
-    try:
-        # Exactly what Triton's JITFunction.run does once it has found the compiled kernel.
-        metadata = compiled.launch_metadata(grid_3d, stream, *args, *tail)
-        compiled.run(*grid_3d, stream, compiled.function, compiled.packed_metadata, metadata,
-                     runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *tail)  # fmt: skip
-    except (TypeError, AttributeError, RuntimeError) as err:
-        # Argument checks in the launcher fail before anything runs: relaunching is safe.
-        _direct["enabled"], _direct["why_not"] = False, f"{type(err).__name__}: {err}"[:200]
-        kernel[grid](*args, **constexprs)
-        return
-    _direct["launches"] += 1
+    _run_compiled(kernel, _grid_3d(grid), args, constexprs, compiled, tail, device, runtime)
 
 
 def _remember(key, kernel, compiled, n_args: int, constexprs: dict) -> None:
@@ -134,37 +140,24 @@ class LaunchSite:
 
     def __init__(self, kernel, grid: tuple, constexprs: dict) -> None:
         self.kernel = kernel
-        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.grid = _grid_3d(grid)
         self.constexprs = constexprs
         # alignment -> (compiled kernel, constexpr tail, device, triton.knobs.runtime)
         self._held: dict = {}
 
     def __call__(self, args: tuple, alignment) -> None:
         held = self._held.get(alignment)
-        if held is None or not _direct["enabled"] or torch.compiler.is_compiling():
-            # Under torch.compile tracing launch() keeps Triton's own call, held or not.
-            launch(self.kernel, self.grid, args, self.constexprs)
-            if held is None and _direct["enabled"] and not torch.compiler.is_compiling():
-                self._hold(args, alignment)
+        if held is not None and _direct["enabled"] and not torch.compiler.is_compiling():
+            _run_compiled(self.kernel, self.grid, args, self.constexprs, *held)
             return
-        compiled, tail, device, runtime = held
-        stream = _raw_stream(device)
-        try:
-            metadata = compiled.launch_metadata(self.grid, stream, *args, *tail)
-            compiled.run(*self.grid, stream, compiled.function, compiled.packed_metadata,
-                         metadata, runtime.launch_enter_hook, runtime.launch_exit_hook,
-                         *args, *tail)  # fmt: skip
-        except (TypeError, AttributeError, RuntimeError) as err:
-            _direct["enabled"], _direct["why_not"] = False, f"{type(err).__name__}: {err}"[:200]
-            self.kernel[self.grid](*args, **self.constexprs)
-            return
-        _direct["launches"] += 1
+        # Under torch.compile tracing launch() keeps Triton's own call, held or not.
+        launch(self.kernel, self.grid, args, self.constexprs)
+        if held is None and _direct["enabled"] and not torch.compiler.is_compiling():
+            self._hold(args, alignment)
 
     def _hold(self, args: tuple, alignment) -> None:
         device = args[0].get_device()
-        key = (id(self.kernel), device, tuple(self.constexprs.values()),
-               tuple(map(_arg_key, args)))  # fmt: skip
-        entry = _compiled.get(key)
+        entry = _compiled.get(_key(self.kernel, device, args, self.constexprs))
         runtime = _knobs()
         if entry is not None and runtime is not None:
             self._held[alignment] = (entry[0], entry[1], device, runtime)

@@ -308,11 +308,9 @@ def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum) -> torch.Tensor | 
         return None
     if sa.shape != (rows, k_blocks) or sa.stride() != (1, rows):
         return None
-    if sb.shape == (n, k_blocks) and sb.stride() == (1, n):
-        pass
-    elif sb.shape == (ceil_div(n, BLOCK_128), k_blocks) and sb.is_contiguous() and k % 512 == 0:
-        pass
-    else:
+    b_1x128 = sb.shape == (n, k_blocks) and sb.stride() == (1, n)
+    b_128x128 = sb.shape == (ceil_div(n, BLOCK_128), k_blocks) and sb.is_contiguous()
+    if not (b_1x128 or (b_128x128 and k % 512 == 0)):
         return None
     try:
         return torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype,

@@ -237,13 +237,6 @@ def _amax_buffer(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int32, device=device)
 
 
-def amax_spec(numel: int) -> tuple:
-    """(kernel, grid, constexprs) of the amax pass over `numel` contiguous elements."""
-    config = TILE_CONFIG["amax"]
-    grid = (ceil_div(numel, config["BLOCK"] * config["GROUP"]),)
-    return _triton_kernels().amax_kernel, grid, config
-
-
 # At most this many partial maxima (a power of two: the cast kernel loads them as one block).
 AMAX_PARTIALS = 256
 
@@ -263,8 +256,9 @@ def amax_partials_spec(numel: int) -> tuple:
 
 def launch_amax(x2d: torch.Tensor, amax_bits: torch.Tensor) -> None:
     """Atomically max the NaN-ignoring max|x| of a contiguous tensor into int32 amax_bits."""
-    kernel, grid, constexprs = amax_spec(x2d.numel())
-    launch(kernel, grid, (x2d, amax_bits, x2d.numel()), constexprs)
+    config = TILE_CONFIG["amax"]
+    grid = (ceil_div(x2d.numel(), config["BLOCK"] * config["GROUP"]),)
+    launch(_triton_kernels().amax_kernel, grid, (x2d, amax_bits, x2d.numel()), config)
 
 
 def per_tensor_cast_spec(
