@@ -34,12 +34,12 @@ from megatron.core.fp8.cuda.launch import launch
 # values here are the fastest measured on an H200 (docs/PERFORMANCE_FP8_LINEAR.md).
 TILE_CONFIG: dict[str, dict[str, int]] = {
     "amax": dict(BLOCK=16384, GROUP=1, num_warps=16),
-    "cast": dict(BM=32, BK=128, GROUP=8, TRANS_X=False, num_warps=4),
-    "cast_t": dict(BM=64, BK=64, GROUP=8, TRANS_X=False, num_warps=4),
-    "block_1x128": dict(BM=32, GROUP=4, num_warps=4),
-    "block_128x1": dict(BK=32, TRANS_X=True, num_warps=4),
-    "block_128x128": dict(TRANS_X=True, num_warps=8),
-    "mxfp8": dict(CHUNKS=1, num_warps=1),
+    "cast": dict(BM=64, BK=64, GROUP=4, TRANS_X=False, num_warps=4),
+    "cast_t": dict(BM=64, BK=64, GROUP=4, TRANS_X=False, num_warps=4),
+    "block_1x128": dict(BM=64, GROUP=2, num_warps=4),
+    "block_128x1": dict(BK=64, TRANS_X=False, num_warps=4),
+    "block_128x128": dict(TRANS_X=False, num_warps=4),
+    "mxfp8": dict(CHUNKS=2, num_warps=1),
     "mxfp8_dequantized": dict(CHUNKS=1, num_warps=1),
     "mxfp8_dequant": dict(CHUNKS=2, num_warps=1),
 }

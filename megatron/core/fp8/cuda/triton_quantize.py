@@ -3,12 +3,22 @@
 Imported lazily by `quantize.py` only when Triton is present. Bitwise rules:
 shared/design/FP8_NUMERICS.md; the plain-torch twin is `torch_quantize.py`.
 
-Choices that keep the kernels bitwise equal to PyTorch:
+Choices that keep the kernels bitwise equal to PyTorch at few instructions per element (the
+kernels are bound by instruction issue as much as by DRAM: every instruction per element
+costs bandwidth; `scripts/aot_kernels.py` counts them on CPU):
 - divisions use `tl.math.div_rn` (IEEE round-to-nearest); Triton's `/` may be approximate;
-- the FP8 cast is clamp-then-`.to(fp8)`, which is cvt.rn.satfinite on sm_89+; the NaN byte is
-  written explicitly as 0x7F | sign, which is what torch's own fp32->fp8 conversion produces;
-- amaxes replace NaN by 0 before reducing and are combined with an int32 atomic max on the
-  fp32 bit pattern (valid because every amax is >= 0, where int order equals float order).
+- the FP8 cast is the hardware's `cvt.rn.satfinite` alone (`.to(fp8)` on sm_89+): it rounds
+  to nearest even and saturates overflow and +-Inf to +-max, which is the reference's
+  clamp-then-cast; a NaN product becomes byte 0x7F, which is what torch writes for the
+  canonical NaN (sign clear) that every GPU multiply by a scale returns;
+- max|x| uses the hardware max, which returns the non-NaN operand (maxNum), in the input's
+  own dtype (exact; packed bf16x2 on sm_90); only a block that is all NaN reduces to NaN, and
+  that reduced value is replaced by 0;
+- partial amaxes are combined with an int32 atomic max on the fp32 bit pattern (valid
+  because every amax is >= 0, where int order equals float order).
+
+Triton's CPU interpreter differs from the GPU on both hardware behaviours above (and
+mis-rounds FP8 casts): check these kernels on a GPU against the reference.
 """
 
 from __future__ import annotations
@@ -18,22 +28,49 @@ import triton.language as tl
 
 
 @triton.jit
-def _saturating_cast(y, FP8_MAX: tl.constexpr, E4M3: tl.constexpr):
-    """fp32 -> FP8 bytes (uint8): clamp with comparisons (NaN-keeping), hardware RNE cast."""
-    y = tl.where(y > FP8_MAX, FP8_MAX, y)
-    y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
+def _saturating_cast(y, E4M3: tl.constexpr):
+    """fp32 -> FP8 bytes (uint8) by cvt.rn.satfinite (see the module docstring)."""
     if E4M3:
-        q_bytes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        q_bytes = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
-    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
-    nan_bytes = (sign | 0x7F).to(tl.uint8)
-    return tl.where(y != y, nan_bytes, q_bytes)
+        return y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+
+
+_PAIR_CAST = (
+    "{ .reg .b16 pair; .reg .b32 word; cvt.rn.satfinite.%s.f32 pair, $3, $2; "
+    "cvt.u32.u16 word, pair; and.b32 $0, word, 255; shr.u32 $1, word, 8; }"
+)
+_PAIR_CAST_E4M3: tl.constexpr = tl.constexpr(_PAIR_CAST % "e4m3x2")
+_PAIR_CAST_E5M2: tl.constexpr = tl.constexpr(_PAIR_CAST % "e5m2x2")
 
 
 @triton.jit
-def _nan_ignoring_abs(x):
-    return tl.where(x == x, tl.abs(x), 0.0)
+def _saturating_cast_t(y, E4M3: tl.constexpr):
+    """_saturating_cast for a tile that is transposed before it is stored. `.to(fp8)` leaves
+    two bytes in each 16-bit register, and such a tile moved through shared memory by
+    tl.trans came out wrong on the H200 (Triton 3.6: about a third of the transposed bytes
+    differed); the same cvt through inline PTX leaves one zero-extended byte per register."""
+    if E4M3:
+        asm: tl.constexpr = _PAIR_CAST_E4M3
+    else:
+        asm: tl.constexpr = _PAIR_CAST_E5M2
+    words = tl.inline_asm_elementwise(asm, "=r,=r,r,r", [y], dtype=tl.int32, is_pure=True,
+                                      pack=2)  # fmt: skip
+    return words.to(tl.uint8)
+
+
+@triton.jit
+def _amax_along(x, axis: tl.constexpr):
+    """fp32 NaN-ignoring max|x| along `axis` (0 where every element is NaN)."""
+    amax = tl.max(tl.abs(x), axis=axis).to(tl.float32)
+    return tl.where(amax == amax, amax, 0.0)
+
+
+@triton.jit
+def _amax_all(x):
+    """fp32 NaN-ignoring max|x| of a 2-D tile (0 where every element is NaN)."""
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32)
+    return tl.where(amax == amax, amax, 0.0)
 
 
 @triton.jit
@@ -115,8 +152,9 @@ def amax_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr, GROUP: tl.cons
     for i in range(GROUP):
         offs = base + i * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, _nan_ignoring_abs(x))
-    tl.atomic_max(amax_bits_ptr, tl.max(acc, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
+        acc = tl.maximum(acc, tl.abs(x))
+    amax = _amax_along(acc, 0)
+    tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
@@ -132,8 +170,8 @@ def amax_partials_kernel(
     for i in range(blocks_per_program):
         offs = base + i * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, _nan_ignoring_abs(x))
-    tl.store(partials_ptr + pid, tl.max(acc, axis=0))
+        acc = tl.maximum(acc, tl.abs(x))
+    tl.store(partials_ptr + pid, _amax_along(acc, 0))
 
 
 @triton.jit
@@ -181,17 +219,17 @@ def per_tensor_cast_kernel(
         next_raw = tl.load(x_ptr + next_offs, mask=next_mask, other=0.0)
         x = x_raw.to(tl.float32)
         if WRITE_ROW:
-            tl.store(data_ptr + offs, _saturating_cast(x * scale, FP8_MAX, E4M3), mask=mask)
+            tl.store(data_ptr + offs, _saturating_cast(x * scale, E4M3), mask=mask)
         if WRITE_T:
             if TRANS_X:
-                q_t = _saturating_cast(tl.trans(x_raw).to(tl.float32) * scale, FP8_MAX, E4M3)
+                q_t = _saturating_cast_t(tl.trans(x_raw).to(tl.float32) * scale, E4M3)
             else:
-                q_t = tl.trans(_saturating_cast(x * scale, FP8_MAX, E4M3))
+                q_t = tl.trans(_saturating_cast_t(x * scale, E4M3))
             offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
             mask_t = (cols[:, None] < K) & (rows[None, :] < M)
             tl.store(data_t_ptr + offs_t, q_t, mask=mask_t)
         if RECORD_AMAX:
-            running_max = tl.maximum(running_max, tl.max(_nan_ignoring_abs(x), axis=1))
+            running_max = tl.maximum(running_max, _amax_along(x_raw, 1))
         x_raw, rows, mask, offs = next_raw, next_rows, next_mask, next_offs
     if RECORD_AMAX:
         tile_amax = tl.max(running_max, axis=0)
@@ -232,12 +270,13 @@ def block_1x128_rows_kernel(
         rows = ((pid // k_tiles) * GROUP + i) * BM + tl.arange(0, BM)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
         offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        row_amax = tl.max(_nan_ignoring_abs(x), axis=1)
+        x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        row_amax = _amax_along(x_raw, 1)
         if RECORD_AMAX:
             strip_max = tl.maximum(strip_max, row_amax)
         scale = _scale_from_amax(row_amax, FP8_MAX, INF_SCALE, POW2)
-        tl.store(row_ptr + offs, _saturating_cast(x * scale[:, None], FP8_MAX, E4M3), mask=mask)
+        q = _saturating_cast(x_raw.to(tl.float32) * scale[:, None], E4M3)
+        tl.store(row_ptr + offs, q, mask=mask)
         if ROW_SCALE_T:
             sinv_offs = pid_k.to(tl.int64) * M + rows
         else:
@@ -268,19 +307,19 @@ def block_128x1_cols_kernel(
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
     x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
     x = x_raw.to(tl.float32)
-    x_abs = _nan_ignoring_abs(x)
+    col_amax = _amax_along(x_raw, 0)
     if RECORD_AMAX:
-        tile_amax = tl.max(tl.max(x_abs, axis=1), axis=0)
+        tile_amax = tl.max(col_amax, axis=0)
         tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
-    scale = _scale_from_amax(tl.max(x_abs, axis=0), FP8_MAX, INF_SCALE, POW2)
+    scale = _scale_from_amax(col_amax, FP8_MAX, INF_SCALE, POW2)
     tl.store(col_sinv_ptr + pid_m.to(tl.int64) * K + cols, _reciprocal(scale, POW2), mask=cols < K)
     if COLUMNWISE:
-        tl.store(col_ptr + offs, _saturating_cast(x * scale[None, :], FP8_MAX, E4M3), mask=mask)
+        tl.store(col_ptr + offs, _saturating_cast(x * scale[None, :], E4M3), mask=mask)
     if WRITE_T:
         if TRANS_X:
-            q_t = _saturating_cast(tl.trans(x_raw).to(tl.float32) * scale[:, None], FP8_MAX, E4M3)
+            q_t = _saturating_cast_t(tl.trans(x_raw).to(tl.float32) * scale[:, None], E4M3)
         else:
-            q_t = tl.trans(_saturating_cast(x * scale[None, :], FP8_MAX, E4M3))
+            q_t = tl.trans(_saturating_cast_t(x * scale[None, :], E4M3))
         offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
         mask_t = (cols[:, None] < K) & (rows[None, :] < M)
         tl.store(col_t_ptr + offs_t, q_t, mask=mask_t)
@@ -304,20 +343,22 @@ def block_128x128_kernel(
     cols = pid_k * TILE + tl.arange(0, TILE)
     x_raw, rows, mask, offs = _tile_at(x_ptr, M, K, pid_m, cols, TILE)
     x = x_raw.to(tl.float32)
-    tile_amax = tl.max(tl.max(_nan_ignoring_abs(x), axis=1), axis=0)
+    tile_amax = _amax_all(x_raw)
     if RECORD_AMAX:
         tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
     scale = _scale_from_amax(tile_amax, FP8_MAX, INF_SCALE, POW2)
     scale_inv = _reciprocal(scale, POW2)
     tl.store(sinv_ptr + pid_m * k_tiles + pid_k, scale_inv)
-    if WRITE_ROW or not TRANS_X:
-        q = _saturating_cast(x * scale, FP8_MAX, E4M3)
+    if WRITE_T and not TRANS_X:
+        q = _saturating_cast_t(x * scale, E4M3)
+    elif WRITE_ROW:
+        q = _saturating_cast(x * scale, E4M3)
     if WRITE_ROW:
         tl.store(data_ptr + offs, q, mask=mask)
     if WRITE_T:
         tl.store(sinv_t_ptr + pid_k * tl.cdiv(M, TILE) + pid_m, scale_inv)
         if TRANS_X:
-            q_t = _saturating_cast(tl.trans(x_raw).to(tl.float32) * scale, FP8_MAX, E4M3)
+            q_t = _saturating_cast_t(tl.trans(x_raw).to(tl.float32) * scale, E4M3)
         else:
             q_t = tl.trans(q)
         offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
@@ -353,13 +394,15 @@ def mxfp8_kernel(
         cols = block * 32 + tl.arange(0, 32)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
         offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x_abs = _nan_ignoring_abs(x)
+        x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        x = x_raw.to(tl.float32)
+        if ROWWISE or RECORD_AMAX:
+            row_amax = _amax_along(x_raw, 1)
         if RECORD_AMAX:
-            strip_max = tl.maximum(strip_max, tl.max(tl.max(x_abs, axis=1), axis=0))
+            strip_max = tl.maximum(strip_max, tl.max(row_amax, axis=0))
         if ROWWISE:
-            e = _e8m0_from_amax(tl.max(x_abs, axis=1), RCP_FP8_MAX)
-            q = _saturating_cast(x * _e8m0_multiplier(e)[:, None], FP8_MAX, E4M3)
+            e = _e8m0_from_amax(row_amax, RCP_FP8_MAX)
+            q = _saturating_cast(x * _e8m0_multiplier(e)[:, None], E4M3)
             if DEQUANT:
                 deq = _dequantized(q, _e8m0_dequant_multiplier(e)[:, None], E4M3)
                 tl.store(row_ptr + offs, deq.to(row_ptr.dtype.element_ty), mask=mask)
@@ -368,8 +411,11 @@ def mxfp8_kernel(
                 e_offs = rows.to(tl.int64) * k_blocks + block
                 tl.store(row_e_ptr + e_offs, e.to(tl.uint8), mask=(rows < M) & (block < k_blocks))
         if COLUMNWISE or WRITE_T:
-            e = _e8m0_from_amax(tl.max(x_abs, axis=0), RCP_FP8_MAX)
-            q = _saturating_cast(x * _e8m0_multiplier(e)[None, :], FP8_MAX, E4M3)
+            e = _e8m0_from_amax(_amax_along(x_raw, 0), RCP_FP8_MAX)
+            if WRITE_T:
+                q = _saturating_cast_t(x * _e8m0_multiplier(e)[None, :], E4M3)
+            else:
+                q = _saturating_cast(x * _e8m0_multiplier(e)[None, :], E4M3)
             if DEQUANT:
                 deq = _dequantized(q, _e8m0_dequant_multiplier(e)[None, :], E4M3)
                 tl.store(col_ptr + offs, deq.to(col_ptr.dtype.element_ty), mask=mask)
@@ -489,7 +535,9 @@ def piece_amax_kernel(
     x, rows, cols, local, mask, row0, col0 = _piece_tile(
         src_ptr, param_start, numel, K, row_base, TR, TC
     )
-    cells = tl.reshape(_nan_ignoring_abs(x), (RG, TR // RG, CG, TC // CG))
+    # The hardware max skips NaN; a cell that is all NaN reduces to NaN, which `cells > 0`
+    # leaves out like a zero cell.
+    cells = tl.reshape(tl.abs(x), (RG, TR // RG, CG, TC // CG))
     cells = tl.max(tl.max(cells, axis=3), axis=1)
     cell_rows = row0 // CR + tl.arange(0, RG)
     cell_cols = col0 // CC + tl.arange(0, CG)
@@ -513,4 +561,4 @@ def piece_cast_kernel(
     )
     cells = (rows // CR).to(tl.int64)[:, None] * grid_cols + (cols // CC)[None, :]
     multiplier = tl.load(multiplier_ptr + cells, mask=mask, other=1.0)
-    tl.store(dst_ptr + local, _saturating_cast(x * multiplier, FP8_MAX, E4M3), mask=mask)
+    tl.store(dst_ptr + local, _saturating_cast(x * multiplier, E4M3), mask=mask)
