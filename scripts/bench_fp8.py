@@ -226,19 +226,24 @@ def _operand_fn(x: torch.Tensor, key: str):
             lambda: quantize_cuda(x, recipe="mxfp8", fp8_dtype=E4M3, role="input",
                                   rowwise=True, columnwise=True, power_2_scale=True)
         ), read + 2 * elems + 2 * (elems // 32)  # fmt: skip
-    recipe, role, transposed, moved = {
-        "tensorwise": ("tensorwise", "input", True, 2 * read + 2 * elems),
-        "cast": ("delayed", "input", False, read + elems),
-        "cast_t": ("delayed", "input", True, read + 2 * elems),
-        "block_1x128": ("blockwise", "input", True, read + 2 * elems + 8 * (elems // 128)),
-        "block_128x1": ("blockwise", "input", True, read + 2 * elems + 8 * (elems // 128)),
-        "block_128x128": ("blockwise", "weight", True, read + 2 * elems),
-        "mxfp8_dequantized": ("mxfp8", "input", True, read + 4 * elems),
-    }[key]
+    scales_1x128 = 4 * (elems // 128)
+    # (recipe, role, rowwise, transposed, bytes); block_1x128 / block_128x1: one copy (one
+    # kernel each), block_1x128_fused: both (one kernel, or the two when the config is empty).
+    recipe, role, rowwise, transposed, moved = {
+        "tensorwise": ("tensorwise", "input", True, True, 2 * read + 2 * elems),
+        "cast": ("delayed", "input", True, False, read + elems),
+        "cast_t": ("delayed", "input", True, True, read + 2 * elems),
+        "block_1x128": ("blockwise", "input", True, False, read + elems + scales_1x128),
+        "block_128x1": ("blockwise", "input", False, True, read + elems + scales_1x128),
+        "block_1x128_fused": ("blockwise", "input", True, True,
+                              read + 2 * elems + 2 * scales_1x128),
+        "block_128x128": ("blockwise", "weight", True, True, read + 2 * elems),
+        "mxfp8_dequantized": ("mxfp8", "input", True, True, read + 4 * elems),
+    }[key]  # fmt: skip
 
     def run():
         return linear_ops.quantize_operands(
-            x, recipe=recipe, fp8_dtype=E4M3, role=role, rowwise=True, transposed=transposed,
+            x, recipe=recipe, fp8_dtype=E4M3, role=role, rowwise=rowwise, transposed=transposed,
             power_2_scale=recipe in ("blockwise", "mxfp8"),
             scale=scale if recipe == "delayed" else None,
             amax_history=history if recipe == "delayed" else None,
@@ -259,14 +264,16 @@ SWEEP = {
     "cast_t": [_cast(*c) for c in ((64, 64, 4, 0, 4), (32, 128, 8, 1, 4), (64, 64, 8, 0, 4),
                                    (64, 32, 8, 0, 2), (32, 128, 4, 1, 4), (64, 128, 4, 0, 4),
                                    (64, 64, 8, 0, 8))],
-    "block_1x128": [dict(BM=m, GROUP=g, num_warps=w) for m, g, w in ((64, 2, 4), (16, 8, 2),
-                                                                     (32, 4, 4), (32, 4, 8),
+    "block_1x128": [dict(BM=m, GROUP=g, num_warps=w) for m, g, w in ((64, 2, 4), (64, 1, 4),
+                                                                     (32, 4, 4), (128, 1, 8),
                                                                      (16, 8, 4))],
     "block_128x1": [dict(BK=k, TRANS_X=bool(t), num_warps=w) for k, t, w in ((64, 0, 4),
                                                                              (32, 1, 4),
                                                                              (64, 0, 8),
                                                                              (32, 1, 8),
                                                                              (16, 1, 4))],
+    "block_1x128_fused": [dict(TRANS_X=False, num_warps=8), dict(TRANS_X=False, num_warps=16),
+                          dict(TRANS_X=False, num_warps=4), {}],
     "block_128x128": [dict(TRANS_X=t, num_warps=w) for t, w in ((False, 4), (True, 16),
                                                                 (True, 4), (False, 8),
                                                                 (True, 8), (False, 16))],
@@ -334,7 +341,7 @@ def bench_quantize(reporter: Reporter, *, sweep: bool) -> None:
 
         cases.append((f"API {name}", quantize_once, moved))
     for name, key in (("tensorwise amax + row+T", "tensorwise"), ("delayed row+T, amax in-kernel",
-                      "cast_t"), ("blockwise 1x128 row+T", "block_1x128"),
+                      "cast_t"), ("blockwise 1x128 row+T", "block_1x128_fused"),
                       ("blockwise 128x128 row+T", "block_128x128"),
                       ("mxfp8 dequantized row+col bf16", "mxfp8_dequantized"),
                       ("mxfp8 dequantize bytes->bf16", "mxfp8_dequant")):  # fmt: skip

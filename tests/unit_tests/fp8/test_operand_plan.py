@@ -25,7 +25,8 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 M, K = 256, 384
 KERNELS = (
     "amax_partials_kernel", "per_tensor_cast_kernel", "block_1x128_rows_kernel",
-    "block_128x1_cols_kernel", "block_128x128_kernel", "mxfp8_kernel",
+    "block_128x1_cols_kernel", "block_1x128_fused_kernel", "block_128x128_kernel",
+    "mxfp8_kernel",
 )  # fmt: skip
 STREAM = 1234
 
@@ -122,6 +123,8 @@ def kernels(monkeypatch):
     monkeypatch.setattr(launch, "_direct", {"enabled": True, "why_not": "", "launches": 0})
     monkeypatch.setattr(launch, "_knobs", lambda: FakeRuntime)
     monkeypatch.setattr(launch, "_raw_stream", lambda device: STREAM)
+    # The tests below check the two single-copy 1x128 kernels; test_fused_1x128_* the fused one.
+    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_fused", {})
     linear_ops.clear_plans()
     yield fakes
     linear_ops.clear_plans()
@@ -717,3 +720,67 @@ def test_the_plan_cache_is_bounded(kernels, monkeypatch):
     assert len(linear_ops._plans) == 3
     _quantize(torch.randn(64, K, dtype=torch.bfloat16), "mxfp8")
     assert [key[6] for key in linear_ops._plans] == [torch.Size([64, K])]
+
+
+# The fused 1x128 kernel (TILE_CONFIG's default): both copies from one launch.
+
+
+@pytest.fixture
+def fused_kernels(kernels, monkeypatch):
+    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_fused", dict(TRANS_X=False, num_warps=8))
+    return kernels
+
+
+def test_fused_1x128_launch_layouts_and_generic_twin(fused_kernels):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    for path in ("jit", "direct"):
+        row, col = _quantize(x, "blockwise input")
+        (fused,) = fused_kernels.take()
+        assert (fused["path"], fused["kernel"]) == (path, "block_1x128_fused_kernel")
+        assert fused["grid"] == (2 * 3, 1, 1)  # ceil(256/128) * ceil(384/128) tiles
+        args = fused["args"]
+        row_bytes, row_sinv_t, col_t, col_sinv = args[1], args[2], args[3], args[4]
+        assert same_args(args, (x, row_bytes, row_sinv_t, col_t, col_sinv, col_t, row_sinv_t,
+                                M, K))  # fmt: skip
+        constexprs = fused["constexprs"]
+        assert constexprs["ROW_SCALE_T"] is True and constexprs["WRITE_T"] is True
+        assert constexprs["COLUMNWISE"] is False and constexprs["RECORD_AMAX"] is False
+        assert row_sinv_t.shape == (3, M) and col_sinv.shape == (2, K)
+        # The operands read the same buffers as with the two kernels (see the test above).
+        assert row.data.data_ptr() == row_bytes.data_ptr() and row.data.shape == (M, K)
+        assert row.scale_inv.shape == (M, 3) and row.scale_inv.stride() == (1, M)
+        assert row.scale_inv.data_ptr() == row_sinv_t.data_ptr()
+        assert col.data.shape == (K, M) and col.data.data_ptr() == col_t.data_ptr()
+        assert col.scale_inv.shape == (K, 2) and col.scale_inv.stride() == (1, K)
+        assert col.scale_inv.data_ptr() == col_sinv.data_ptr()
+    cq.launch_block_1x128(
+        x, row=row_bytes, row_sinv=row_sinv_t, col=None, col_sinv=col_sinv, col_t=col_t,
+        record_bits=None, row_scale_t=True, fp8_dtype=E4M3, power_2_scale=False,
+    )  # fmt: skip
+    (generic,) = fused_kernels.take()
+    assert (generic["kernel"], generic["grid"]) == ("block_1x128_fused_kernel", (6, 1, 1))
+    assert generic["constexprs"] == constexprs
+    assert same_args(generic["args"], args)
+
+
+def test_fused_1x128_only_when_both_copies_are_wanted(fused_kernels):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    linear_ops.quantize_operands(x, rowwise=True, transposed=False, **OPTIONS["blockwise input"])
+    linear_ops.quantize_operands(x, rowwise=False, transposed=True, **OPTIONS["blockwise input"])
+    assert [r["kernel"] for r in fused_kernels.take()] == [
+        "block_1x128_rows_kernel", "block_128x1_cols_kernel",
+    ]  # fmt: skip
+    # The API with both copies and an amax record: one fused launch, columnwise in x's shape.
+    row, row_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(M, 3)
+    col, col_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(2, K)
+    bits = torch.zeros((), dtype=torch.int32)
+    cq.launch_block_1x128(
+        x, row=row, row_sinv=row_sinv, col=col, col_sinv=col_sinv, col_t=None,
+        record_bits=bits, row_scale_t=False, fp8_dtype=E4M3, power_2_scale=True,
+    )  # fmt: skip
+    (api,) = fused_kernels.take()
+    assert api["kernel"] == "block_1x128_fused_kernel"
+    assert same_args(api["args"], (x, row, row_sinv, col, col_sinv, col, bits, M, K))
+    constexprs = api["constexprs"]
+    assert (constexprs["COLUMNWISE"], constexprs["WRITE_T"]) == (True, False)
+    assert (constexprs["RECORD_AMAX"], constexprs["ROW_SCALE_T"]) == (True, False)

@@ -155,10 +155,17 @@ class OperandPlan:
             self.run = self._block_128x128
         elif recipe == "blockwise":
             options = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=dtype)
-            if rowwise:
+            fused = None
+            if rowwise and transposed:
+                fused = cq.block_1x128_fused_spec(
+                    rows, cols, columnwise=False, write_t=True, record=False, row_scale_t=True,
+                    **options,
+                )  # fmt: skip
+            self.fused_site = LaunchSite(*fused) if fused is not None else None
+            if rowwise and fused is None:
                 self.rows_site = LaunchSite(*cq.block_1x128_rows_spec(
                     rows, cols, record=False, row_scale_t=True, **options))  # fmt: skip
-            if transposed:
+            if transposed and fused is None:
                 self.cols_site = LaunchSite(*cq.block_128x1_cols_spec(
                     rows, cols, columnwise=False, write_t=True, record=False, **options
                 ))  # fmt: skip
@@ -208,12 +215,17 @@ class OperandPlan:
             row = self._empty(rows, cols)
             # Stored [K/128, M]: its .t() is the (M, K/128) outer-dim-major grid cuBLAS reads.
             row_sinv_t = self._empty(col_blocks, rows, torch.float32)
-            self.rows_site((x2d, row, row_sinv_t, row_sinv_t, rows, cols), x_aligned)
+            if self.fused_site is None:
+                self.rows_site((x2d, row, row_sinv_t, row_sinv_t, rows, cols), x_aligned)
             row_op = GemmOperand(row.view(self.fp8_dtype), row_sinv_t.t())
         if self.transposed:
             col_t = self._empty(cols, rows)
             col_sinv = self._empty(row_blocks, cols, torch.float32)
-            self.cols_site((x2d, col_t, col_sinv, col_t, col_sinv, rows, cols), x_aligned)
+            if self.fused_site is None:
+                self.cols_site((x2d, col_t, col_sinv, col_t, col_sinv, rows, cols), x_aligned)
+            else:
+                args = (x2d, row, row_sinv_t, col_t, col_sinv, col_t, row_sinv_t, rows, cols)
+                self.fused_site(args, x_aligned)
             # The transposed operand [K, M] has 1x128 blocks along M: grid (K, M/128).
             col_op = GemmOperand(col_t.view(self.fp8_dtype), col_sinv.t())
         return row_op, col_op

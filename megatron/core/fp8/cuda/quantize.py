@@ -38,6 +38,8 @@ TILE_CONFIG: dict[str, dict[str, int]] = {
     "cast_t": dict(BM=64, BK=64, GROUP=4, TRANS_X=False, num_warps=4),
     "block_1x128": dict(BM=64, GROUP=2, num_warps=4),
     "block_128x1": dict(BK=64, TRANS_X=False, num_warps=4),
+    # Both 1x128 copies from one 128x128 tile read; empty: the two kernels above instead.
+    "block_1x128_fused": dict(TRANS_X=False, num_warps=8),
     "block_128x128": dict(TRANS_X=False, num_warps=4),
     "mxfp8": dict(CHUNKS=2, num_warps=1),
     "mxfp8_dequantized": dict(CHUNKS=1, num_warps=1),
@@ -414,6 +416,25 @@ def block_128x1_cols_spec(
     return _triton_kernels().block_128x1_cols_kernel, grid, constants
 
 
+def block_1x128_fused_spec(
+    rows, cols, *, columnwise, write_t, record, row_scale_t, fp8_dtype, power_2_scale,
+    input_dtype,
+) -> tuple | None:  # fmt: skip
+    """(kernel, grid, constexprs) of the kernel writing both 1x128 copies, args (x2d, row,
+    row_sinv, col, col_sinv, col_t, record_bits, rows, cols); None when TILE_CONFIG picks
+    the two single-copy kernels."""
+    config = TILE_CONFIG["block_1x128_fused"]
+    if not config:
+        return None
+    kernels = _triton_kernels()
+    constants = dict(
+        **_block_constants(input_dtype, fp8_dtype, power_2_scale), ROW_SCALE_T=row_scale_t,
+        COLUMNWISE=columnwise, WRITE_T=write_t, RECORD_AMAX=record, **config,
+    )  # fmt: skip
+    grid = kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)
+    return kernels.block_1x128_fused_kernel, grid, constants
+
+
 def launch_block_1x128(
     x2d, *, row, row_sinv, col, col_sinv, col_t, record_bits, row_scale_t, fp8_dtype,
     power_2_scale,
@@ -422,6 +443,18 @@ def launch_block_1x128(
     columnwise bytes in x's shape (col) and/or transposed (col_t), scales [ceil(M/128), K]."""
     rows, cols = x2d.shape
     options = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x2d.dtype)
+    fused = None
+    if row is not None and (col is not None or col_t is not None):
+        fused = block_1x128_fused_spec(
+            rows, cols, columnwise=col is not None, write_t=col_t is not None,
+            record=record_bits is not None, row_scale_t=row_scale_t, **options,
+        )  # fmt: skip
+    if fused is not None:
+        col_out = col if col is not None else col_t
+        args = (x2d, row, row_sinv, col_out, col_sinv, col_t if col_t is not None else col_out,
+                record_bits if record_bits is not None else row_sinv, rows, cols)  # fmt: skip
+        launch(*fused[:2], args, fused[2])
+        return
     if row is not None:
         kernel, grid, constants = block_1x128_rows_spec(
             rows, cols, record=record_bits is not None, row_scale_t=row_scale_t, **options

@@ -100,20 +100,21 @@ def _reciprocal(scale, POW2: tl.constexpr):
 
 @triton.jit
 def _e8m0_from_amax(amax, RCP_FP8_MAX: tl.constexpr):
-    """E8M0 byte (as int32) of t = amax * fp32(1/fp8_max), rounded up to a power of two."""
+    """E8M0 byte (as int32) of t = amax * fp32(1/fp8_max), rounded up to a power of two, for
+    an amax that is >= 0 and not NaN (what _amax_along returns). The rule of FP8_NUMERICS.md
+    in three integer steps: adding 0x7FFFFF to t's bits carries into the exponent exactly when
+    the mantissa is nonzero (normal t), adding 0x3FFFFF when it exceeds 0x400000 (subnormal
+    t); the +Inf byte 255 and the carry out of 254 both become 254."""
     bits = (amax * RCP_FP8_MAX).to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) & 0xFF
-    mantissa = bits & 0x7FFFFF
-    round_up = (mantissa > 0) & (exponent != 254) & ~((exponent == 0) & (mantissa <= 0x400000))
-    e = tl.where(round_up, exponent + 1, exponent)
-    return tl.where(exponent == 255, tl.where(mantissa != 0, 255, 254), e)
+    carry = tl.where(bits < 0x00800000, 0x003FFFFF, 0x007FFFFF)
+    return tl.minimum((bits + carry) >> 23, 254)
 
 
 @triton.jit
 def _e8m0_multiplier(e):
-    """Exactly 2^(127 - e) from bits; e = 254 is the fp32 subnormal 2^-127, e = 255 NaN."""
+    """Exactly 2^(127 - e) from bits, for e in [0, 254]; e = 254 is the fp32 subnormal
+    2^-127."""
     bits = tl.where(e == 254, 0x00400000, (254 - e) << 23)
-    bits = tl.where(e == 255, 0x7FC00000, bits)
     return bits.to(tl.float32, bitcast=True)
 
 
@@ -320,6 +321,57 @@ def block_128x1_cols_kernel(
             q_t = _saturating_cast_t(tl.trans(x_raw).to(tl.float32) * scale[:, None], E4M3)
         else:
             q_t = tl.trans(_saturating_cast_t(x * scale[None, :], E4M3))
+        offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
+        mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+        tl.store(col_t_ptr + offs_t, q_t, mask=mask_t)
+
+
+@triton.jit
+def block_1x128_fused_kernel(
+    x_ptr, row_ptr, row_sinv_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
+    ROW_SCALE_T: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
+    RECORD_AMAX: tl.constexpr, TILE: tl.constexpr, TRANS_X: tl.constexpr,
+):  # fmt: skip
+    """Both 1x128 copies from one read of a 128x128 tile: the rowwise bytes with one scale per
+    tile row (ROW_SCALE_T as in block_1x128_rows_kernel) and the 128x1 columnwise bytes with
+    one scale per tile column, in x's shape (COLUMNWISE) and/or transposed (WRITE_T). Reads x
+    once where the two single-copy kernels read it twice. TRANS_X casts the transposed
+    high-precision tile for the transposed copy instead of transposing the bytes."""
+    pid = tl.program_id(0)
+    k_tiles = tl.cdiv(K, TILE)
+    pid_m = pid // k_tiles
+    pid_k = pid % k_tiles
+    cols = pid_k * TILE + tl.arange(0, TILE)
+    x_raw, rows, mask, offs = _tile_at(x_ptr, M, K, pid_m, cols, TILE)
+    row_amax = _amax_along(x_raw, 1)
+    if RECORD_AMAX:
+        tile_amax = tl.max(row_amax, axis=0)
+        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+    row_scale = _scale_from_amax(row_amax, FP8_MAX, INF_SCALE, POW2)
+    q_row = _saturating_cast(x_raw.to(tl.float32) * row_scale[:, None], E4M3)
+    tl.store(row_ptr + offs, q_row, mask=mask)
+    if ROW_SCALE_T:
+        sinv_offs = pid_k.to(tl.int64) * M + rows
+    else:
+        sinv_offs = rows.to(tl.int64) * k_tiles + pid_k
+    tl.store(row_sinv_ptr + sinv_offs, _reciprocal(row_scale, POW2), mask=rows < M)
+    col_scale = _scale_from_amax(_amax_along(x_raw, 0), FP8_MAX, INF_SCALE, POW2)
+    col_sinv_offs = pid_m.to(tl.int64) * K + cols
+    tl.store(col_sinv_ptr + col_sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
+    if COLUMNWISE or (WRITE_T and not TRANS_X):
+        if WRITE_T and not TRANS_X:
+            q_col = _saturating_cast_t(x_raw.to(tl.float32) * col_scale[None, :], E4M3)
+        else:
+            q_col = _saturating_cast(x_raw.to(tl.float32) * col_scale[None, :], E4M3)
+    if COLUMNWISE:
+        tl.store(col_ptr + offs, q_col, mask=mask)
+    if WRITE_T:
+        if TRANS_X:
+            x_t = tl.trans(x_raw).to(tl.float32)
+            q_t = _saturating_cast_t(x_t * col_scale[:, None], E4M3)
+        else:
+            q_t = tl.trans(q_col)
         offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
         mask_t = (cols[:, None] < K) & (rows[None, :] < M)
         tl.store(col_t_ptr + offs_t, q_t, mask=mask_t)
