@@ -38,8 +38,10 @@ TILE_CONFIG: dict[str, dict[str, int]] = {
     "cast_t": dict(BM=64, BK=64, GROUP=4, TRANS_X=False, num_warps=4),
     "block_1x128": dict(BM=64, GROUP=2, num_warps=4),
     "block_128x1": dict(BK=64, TRANS_X=False, num_warps=4),
-    # Both 1x128 copies from one 128x128 tile read; empty: the two kernels above instead.
-    "block_1x128_fused": dict(TRANS_X=False, num_warps=8),
+    # The transposed 128x1 copy as int32 words (rows % 4 == 0); empty: block_128x1 always.
+    "block_128x1_words": dict(BK=64, num_warps=4),
+    # Both 1x128 copies from one 128x128 tile read (rows % 4 == 0); empty: the two kernels.
+    "block_1x128_fused": dict(num_warps=8),
     "block_128x128": dict(TRANS_X=False, num_warps=4),
     "mxfp8": dict(CHUNKS=2, num_warps=1),
     "mxfp8_dequantized": dict(CHUNKS=1, num_warps=1),
@@ -408,6 +410,12 @@ def block_128x1_cols_spec(
 ) -> tuple:
     """(kernel, grid, constexprs) of the columnwise 128x1 kernel; args (x2d, col, col_sinv,
     col_t, record_bits or col_sinv, rows, cols), an absent output pointing at the other."""
+    words = TILE_CONFIG["block_128x1_words"]
+    if write_t and rows % 4 == 0 and words:  # the same arguments, in the same order
+        grid = (ceil_div(rows, BLOCK_128) * ceil_div(cols, words["BK"]),)
+        constants = dict(**_block_constants(input_dtype, fp8_dtype, power_2_scale),
+                         COLUMNWISE=columnwise, RECORD_AMAX=record, **words)  # fmt: skip
+        return _triton_kernels().block_128x1_words_kernel, grid, constants
     config = TILE_CONFIG["block_128x1"]
     grid = (ceil_div(rows, BLOCK_128) * ceil_div(cols, config["BK"]),)
     constants = dict(**_block_constants(input_dtype, fp8_dtype, power_2_scale),
@@ -422,9 +430,9 @@ def block_1x128_fused_spec(
 ) -> tuple | None:  # fmt: skip
     """(kernel, grid, constexprs) of the kernel writing both 1x128 copies, args (x2d, row,
     row_sinv, col, col_sinv, col_t, record_bits, rows, cols); None when TILE_CONFIG picks
-    the two single-copy kernels."""
+    the two single-copy kernels or rows % 4 != 0."""
     config = TILE_CONFIG["block_1x128_fused"]
-    if not config:
+    if not config or rows % 4:
         return None
     kernels = _triton_kernels()
     constants = dict(

@@ -45,18 +45,23 @@ _PAIR_CAST_E5M2: tl.constexpr = tl.constexpr(_PAIR_CAST % "e5m2x2")
 
 
 @triton.jit
+def _byte_words(y, E4M3: tl.constexpr):
+    """_saturating_cast's bytes, each zero-extended in an int32 (see _saturating_cast_t)."""
+    if E4M3:
+        asm: tl.constexpr = _PAIR_CAST_E4M3
+    else:
+        asm: tl.constexpr = _PAIR_CAST_E5M2
+    return tl.inline_asm_elementwise(asm, "=r,=r,r,r", [y], dtype=tl.int32, is_pure=True,
+                                     pack=2)  # fmt: skip
+
+
+@triton.jit
 def _saturating_cast_t(y, E4M3: tl.constexpr):
     """_saturating_cast for a tile that is transposed before it is stored. `.to(fp8)` leaves
     two bytes in each 16-bit register, and such a tile moved through shared memory by
     tl.trans came out wrong on the H200 (Triton 3.6: about a third of the transposed bytes
     differed); the same cvt through inline PTX leaves one zero-extended byte per register."""
-    if E4M3:
-        asm: tl.constexpr = _PAIR_CAST_E4M3
-    else:
-        asm: tl.constexpr = _PAIR_CAST_E5M2
-    words = tl.inline_asm_elementwise(asm, "=r,=r,r,r", [y], dtype=tl.int32, is_pure=True,
-                                      pack=2)  # fmt: skip
-    return words.to(tl.uint8)
+    return _byte_words(y, E4M3).to(tl.uint8)
 
 
 @triton.jit
@@ -77,13 +82,34 @@ def _amax_all(x):
 def _scale_from_amax(amax, FP8_MAX: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr):
     """fp8_max / amax; amax 0/Inf/NaN -> 1; Inf scale -> INF_SCALE; optional mantissa clear."""
     usable = (amax > 0.0) & (amax.to(tl.int32, bitcast=True) < 0x7F800000)
-    safe_amax = tl.where(usable, amax, 1.0)
-    raw = tl.math.div_rn(tl.zeros_like(safe_amax) + FP8_MAX, safe_amax)
-    raw = tl.where(raw.to(tl.int32, bitcast=True) == 0x7F800000, INF_SCALE, raw)
-    scale = tl.where(usable, raw, 1.0)
     if POW2:
-        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    return scale
+        scale = _pow2_scale(amax, FP8_MAX, INF_SCALE)
+    else:
+        safe_amax = tl.where(usable, amax, 1.0)
+        raw = tl.math.div_rn(tl.zeros_like(safe_amax) + FP8_MAX, safe_amax)
+        scale = tl.where(raw.to(tl.int32, bitcast=True) == 0x7F800000, INF_SCALE, raw)
+    return tl.where(usable, scale, 1.0)
+
+
+@triton.jit
+def _pow2_scale(amax, FP8_MAX: tl.constexpr, INF_SCALE: tl.constexpr):
+    """The power-of-two scale (mantissa of RN(FP8_MAX / amax) cleared, INF_SCALE's where
+    that is Inf) of a positive finite amax, without the division. FP8_MAX = 1.75 * 2^f, so the
+    quotient's exponent is f - e(amax), one less when amax's mantissa exceeds 1.75's
+    (0x600000); rounding never carries into the exponent. Subnormal amaxes and exponents past
+    254 are the Inf cases. Checked against the division for every positive finite fp32 amax
+    and both formats (docs/PERFORMANCE_FP8_LINEAR.md)."""
+    if FP8_MAX == 448.0:
+        f: tl.constexpr = 8
+    else:
+        tl.static_assert(FP8_MAX == 57344.0, "FP8_MAX is E4M3's or E5M2's")
+        f: tl.constexpr = 15
+    bits = amax.to(tl.int32, bitcast=True)
+    exponent = bits >> 23
+    scale_exponent = 254 + f - exponent - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    inf_bits = tl.full((), INF_SCALE, tl.float32).to(tl.int32, bitcast=True) & 0x7F800000
+    overflow = (exponent == 0) | (scale_exponent >= 255)
+    return tl.where(overflow, inf_bits, scale_exponent << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -327,54 +353,124 @@ def block_128x1_cols_kernel(
 
 
 @triton.jit
+def block_128x1_words_kernel(
+    x_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
+    COLUMNWISE: tl.constexpr, RECORD_AMAX: tl.constexpr, TILE: tl.constexpr,
+    BK: tl.constexpr,
+):  # fmt: skip
+    """block_128x1_cols_kernel's transposed copy (and optionally the one in x's shape) without
+    a byte transpose, for M % 4 == 0: the 128 x BK tile is read as four 32 x BK tiles of rows
+    4q + j (j = 0..3), which Triton lays out alike, so each thread holds the four bytes of
+    rows 4q..4q+3 of a column, i.e. one little-endian int32 of the [K, M] transpose; only
+    those words (a quarter of the elements) go through shared memory."""
+    pid = tl.program_id(0)
+    k_tiles = tl.cdiv(K, BK)
+    pid_m = pid // k_tiles
+    cols = (pid % k_tiles) * BK + tl.arange(0, BK)
+    quads = pid_m * (TILE // 4) + tl.arange(0, TILE // 4)
+    mask = (quads[:, None] * 4 < M) & (cols[None, :] < K)
+    offs = (quads * 4).to(tl.int64)[:, None] * K + cols[None, :]
+    x0 = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x1 = tl.load(x_ptr + offs + K, mask=mask, other=0.0)
+    x2 = tl.load(x_ptr + offs + 2 * K, mask=mask, other=0.0)
+    x3 = tl.load(x_ptr + offs + 3 * K, mask=mask, other=0.0)
+    quad_max = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+    col_amax = _amax_along(quad_max, 0)
+    if RECORD_AMAX:
+        tile_amax = tl.max(col_amax, axis=0)
+        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+    scale = _scale_from_amax(col_amax, FP8_MAX, INF_SCALE, POW2)
+    tl.store(col_sinv_ptr + pid_m.to(tl.int64) * K + cols, _reciprocal(scale, POW2), mask=cols < K)
+    b0 = _byte_words(x0.to(tl.float32) * scale[None, :], E4M3)
+    b1 = _byte_words(x1.to(tl.float32) * scale[None, :], E4M3)
+    b2 = _byte_words(x2.to(tl.float32) * scale[None, :], E4M3)
+    b3 = _byte_words(x3.to(tl.float32) * scale[None, :], E4M3)
+    if COLUMNWISE:
+        tl.store(col_ptr + offs, b0.to(tl.uint8), mask=mask)
+        tl.store(col_ptr + offs + K, b1.to(tl.uint8), mask=mask)
+        tl.store(col_ptr + offs + 2 * K, b2.to(tl.uint8), mask=mask)
+        tl.store(col_ptr + offs + 3 * K, b3.to(tl.uint8), mask=mask)
+    words = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+    words_t_ptr = col_t_ptr.to(tl.pointer_type(tl.int32))
+    offs_t = cols.to(tl.int64)[:, None] * (M // 4) + quads[None, :]
+    mask_t = (cols[:, None] < K) & (quads[None, :] * 4 < M)
+    tl.store(words_t_ptr + offs_t, tl.trans(words), mask=mask_t)
+
+
+@triton.jit
 def block_1x128_fused_kernel(
     x_ptr, row_ptr, row_sinv_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
     ROW_SCALE_T: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
-    RECORD_AMAX: tl.constexpr, TILE: tl.constexpr, TRANS_X: tl.constexpr,
+    RECORD_AMAX: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
-    """Both 1x128 copies from one read of a 128x128 tile: the rowwise bytes with one scale per
-    tile row (ROW_SCALE_T as in block_1x128_rows_kernel) and the 128x1 columnwise bytes with
-    one scale per tile column, in x's shape (COLUMNWISE) and/or transposed (WRITE_T). Reads x
-    once where the two single-copy kernels read it twice. TRANS_X casts the transposed
-    high-precision tile for the transposed copy instead of transposing the bytes."""
+    """Both 1x128 copies from one read of a 128x128 tile, for M % 4 == 0: the rowwise bytes
+    with one scale per row (ROW_SCALE_T as in block_1x128_rows_kernel) and the 128x1
+    columnwise bytes with one scale per column, in x's shape (COLUMNWISE) and/or transposed
+    (WRITE_T, as int32 words: see block_128x1_words_kernel). Reads x once where the two
+    single-copy kernels read it twice."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, TILE)
     pid_m = pid // k_tiles
     pid_k = pid % k_tiles
     cols = pid_k * TILE + tl.arange(0, TILE)
-    x_raw, rows, mask, offs = _tile_at(x_ptr, M, K, pid_m, cols, TILE)
-    row_amax = _amax_along(x_raw, 1)
+    quads = pid_m * (TILE // 4) + tl.arange(0, TILE // 4)
+    mask = (quads[:, None] * 4 < M) & (cols[None, :] < K)
+    offs = (quads * 4).to(tl.int64)[:, None] * K + cols[None, :]
+    x0 = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x1 = tl.load(x_ptr + offs + K, mask=mask, other=0.0)
+    x2 = tl.load(x_ptr + offs + 2 * K, mask=mask, other=0.0)
+    x3 = tl.load(x_ptr + offs + 3 * K, mask=mask, other=0.0)
+    quad_max = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+    col_amax = _amax_along(quad_max, 0)
     if RECORD_AMAX:
-        tile_amax = tl.max(row_amax, axis=0)
+        tile_amax = tl.max(col_amax, axis=0)
         tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
-    row_scale = _scale_from_amax(row_amax, FP8_MAX, INF_SCALE, POW2)
-    q_row = _saturating_cast(x_raw.to(tl.float32) * row_scale[:, None], E4M3)
-    tl.store(row_ptr + offs, q_row, mask=mask)
+    # Rowwise: row 4q + j of the tile is row q of x_j.
+    _fused_rows(x0, row_ptr, row_sinv_ptr, offs, mask, quads * 4, pid_k, k_tiles, M,
+                FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
+    _fused_rows(x1, row_ptr, row_sinv_ptr, offs + K, mask, quads * 4 + 1, pid_k, k_tiles, M,
+                FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
+    _fused_rows(x2, row_ptr, row_sinv_ptr, offs + 2 * K, mask, quads * 4 + 2, pid_k, k_tiles,
+                M, FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
+    _fused_rows(x3, row_ptr, row_sinv_ptr, offs + 3 * K, mask, quads * 4 + 3, pid_k, k_tiles,
+                M, FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
+    col_scale = _scale_from_amax(col_amax, FP8_MAX, INF_SCALE, POW2)
+    col_sinv_offs = pid_m.to(tl.int64) * K + cols
+    tl.store(col_sinv_ptr + col_sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
+    b0 = _byte_words(x0.to(tl.float32) * col_scale[None, :], E4M3)
+    b1 = _byte_words(x1.to(tl.float32) * col_scale[None, :], E4M3)
+    b2 = _byte_words(x2.to(tl.float32) * col_scale[None, :], E4M3)
+    b3 = _byte_words(x3.to(tl.float32) * col_scale[None, :], E4M3)
+    if COLUMNWISE:
+        tl.store(col_ptr + offs, b0.to(tl.uint8), mask=mask)
+        tl.store(col_ptr + offs + K, b1.to(tl.uint8), mask=mask)
+        tl.store(col_ptr + offs + 2 * K, b2.to(tl.uint8), mask=mask)
+        tl.store(col_ptr + offs + 3 * K, b3.to(tl.uint8), mask=mask)
+    if WRITE_T:
+        words = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+        words_t_ptr = col_t_ptr.to(tl.pointer_type(tl.int32))
+        offs_t = cols.to(tl.int64)[:, None] * (M // 4) + quads[None, :]
+        mask_t = (cols[:, None] < K) & (quads[None, :] * 4 < M)
+        tl.store(words_t_ptr + offs_t, tl.trans(words), mask=mask_t)
+
+
+@triton.jit
+def _fused_rows(
+    x_raw, row_ptr, row_sinv_ptr, offs, mask, rows, pid_k, k_tiles, M,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
+    ROW_SCALE_T: tl.constexpr,
+):  # fmt: skip
+    """block_1x128_fused_kernel's rowwise bytes and scales of the rows in one x_j."""
+    row_scale = _scale_from_amax(_amax_along(x_raw, 1), FP8_MAX, INF_SCALE, POW2)
+    q = _saturating_cast(x_raw.to(tl.float32) * row_scale[:, None], E4M3)
+    tl.store(row_ptr + offs, q, mask=mask)
     if ROW_SCALE_T:
         sinv_offs = pid_k.to(tl.int64) * M + rows
     else:
         sinv_offs = rows.to(tl.int64) * k_tiles + pid_k
     tl.store(row_sinv_ptr + sinv_offs, _reciprocal(row_scale, POW2), mask=rows < M)
-    col_scale = _scale_from_amax(_amax_along(x_raw, 0), FP8_MAX, INF_SCALE, POW2)
-    col_sinv_offs = pid_m.to(tl.int64) * K + cols
-    tl.store(col_sinv_ptr + col_sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
-    if COLUMNWISE or (WRITE_T and not TRANS_X):
-        if WRITE_T and not TRANS_X:
-            q_col = _saturating_cast_t(x_raw.to(tl.float32) * col_scale[None, :], E4M3)
-        else:
-            q_col = _saturating_cast(x_raw.to(tl.float32) * col_scale[None, :], E4M3)
-    if COLUMNWISE:
-        tl.store(col_ptr + offs, q_col, mask=mask)
-    if WRITE_T:
-        if TRANS_X:
-            x_t = tl.trans(x_raw).to(tl.float32)
-            q_t = _saturating_cast_t(x_t * col_scale[:, None], E4M3)
-        else:
-            q_t = tl.trans(q_col)
-        offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
-        mask_t = (cols[:, None] < K) & (rows[None, :] < M)
-        tl.store(col_t_ptr + offs_t, q_t, mask=mask_t)
 
 
 @triton.jit
