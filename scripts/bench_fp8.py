@@ -221,7 +221,7 @@ def _operand_fn(x: torch.Tensor, key: str):
             lambda: cq.mxfp8_dequantize(data, e8m0, fp8_dtype=E4M3, columnwise=False,
                                         out_dtype=torch.bfloat16)
         ), elems + elems // 32 + 2 * elems  # fmt: skip
-    if key == "mxfp8":  # the bytes kernel (quantize_cuda, FP8 weights), not Fp8Linear's
+    if key in ("mxfp8", "mxfp8_quads"):  # bytes (quantize_cuda, FP8 weights), not Fp8Linear
         return (
             lambda: quantize_cuda(x, recipe="mxfp8", fp8_dtype=E4M3, role="input",
                                   rowwise=True, columnwise=True, power_2_scale=True)
@@ -240,6 +240,7 @@ def _operand_fn(x: torch.Tensor, key: str):
                               read + 2 * elems + 2 * scales_1x128),
         "block_128x128": ("blockwise", "weight", True, True, read + 2 * elems),
         "mxfp8_dequantized": ("mxfp8", "input", True, True, read + 4 * elems),
+        "mxfp8_quads_dequantized": ("mxfp8", "input", True, True, read + 4 * elems),
     }[key]  # fmt: skip
 
     def run():
@@ -282,6 +283,9 @@ SWEEP = {
                                                                 (True, 8), (False, 16))],
     "mxfp8": [dict(CHUNKS=c, num_warps=w) for c, w in ((2, 1), (1, 1), (4, 1), (4, 2))],
     "mxfp8_dequantized": [dict(CHUNKS=c, num_warps=w) for c, w in ((1, 1), (2, 1), (1, 2))],
+    "mxfp8_quads": [dict(CHUNKS=c, num_warps=w) for c, w in ((2, 1), (1, 1), (4, 1))] + [{}],
+    "mxfp8_quads_dequantized": [dict(CHUNKS=c, num_warps=w) for c, w in ((1, 1), (2, 1),
+                                                                        (4, 1))] + [{}],
     "mxfp8_dequant": [dict(CHUNKS=c, num_warps=w) for c, w in ((2, 1), (4, 1), (8, 2), (8, 1))],
 }  # fmt: skip
 
@@ -300,7 +304,8 @@ def _outputs(result) -> list[torch.Tensor]:
 
 
 # Kernels that take over another's launches while configured: off while that one is swept.
-SWEEP_WITHOUT = {"block_128x1": "block_128x1_words"}
+SWEEP_WITHOUT = {"block_128x1": "block_128x1_words", "mxfp8": "mxfp8_quads",
+                 "mxfp8_dequantized": "mxfp8_quads_dequantized"}
 
 
 def sweep_configs(reporter: Reporter, x: torch.Tensor, copy_gbps: float) -> None:

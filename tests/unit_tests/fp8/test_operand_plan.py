@@ -26,7 +26,7 @@ M, K = 256, 384
 KERNELS = (
     "amax_partials_kernel", "per_tensor_cast_kernel", "block_1x128_rows_kernel",
     "block_128x1_cols_kernel", "block_128x1_words_kernel", "block_1x128_fused_kernel",
-    "block_128x128_kernel", "mxfp8_kernel",
+    "block_128x128_kernel", "mxfp8_kernel", "mxfp8_quads_kernel",
 )  # fmt: skip
 STREAM = 1234
 
@@ -173,7 +173,7 @@ GRIDS = {
         ("block_128x1_cols_kernel", (12, 1, 1)),
     ],
     "blockwise weight": [("block_128x128_kernel", (6, 1, 1))],  # 2 x 3 blocks
-    "mxfp8": [("mxfp8_kernel", (96, 1, 1))],  # ceil(256/32) * ceil(384/32)
+    "mxfp8": [("mxfp8_quads_kernel", (96, 1, 1))],  # ceil(256/32) * ceil(384/32)
 }
 
 
@@ -421,7 +421,8 @@ def test_mxfp8_dequantized_launch_and_layouts(kernels):
         values, col_values = args[1], args[3]
         # Absent scales, transpose and record point at the rowwise values.
         assert same_args(args, (x, values, values, col_values, values, values, values, M, K))
-        assert cast["constexprs"]["DEQUANT"] is True and cast["constexprs"]["WRITE_T"] is False
+        assert cast["kernel"] == "mxfp8_quads_kernel" and "WRITE_T" not in cast["constexprs"]
+        assert cast["constexprs"]["DEQUANT"] is True
         assert cast["constexprs"]["ROWWISE"] and cast["constexprs"]["COLUMNWISE"]
         assert row.scale_inv is None and col.scale_inv is None
         assert row.data is values and values.dtype == torch.bfloat16
@@ -437,8 +438,8 @@ def test_mxfp8_dequantized_launch_and_layouts(kernels):
 
 
 def _sites(plan) -> list:
-    return [getattr(plan, name) for name in ("amax", "cast", "rows_site", "cols_site")
-            if hasattr(plan, name)]  # fmt: skip
+    names = ("amax", "cast", "rows_site", "cols_site", "fused_site")
+    return [getattr(plan, name) for name in names if getattr(plan, name, None) is not None]
 
 
 @pytest.mark.parametrize("case", list(OPTIONS))
@@ -821,3 +822,26 @@ def test_fused_1x128_needs_rows_divisible_by_4(fused_kernels):
     assert [r["kernel"] for r in fused_kernels.take()] == [
         "block_1x128_rows_kernel", "block_128x1_cols_kernel",
     ]  # fmt: skip
+
+
+def test_mxfp8_quads_kernel_unless_transposed_or_configured_off(kernels, monkeypatch):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    row, col = torch.empty(M, K, dtype=torch.uint8), torch.empty(M, K, dtype=torch.uint8)
+    row_e, col_e = torch.empty(M, K // 32, dtype=torch.uint8), torch.empty(8, K, dtype=torch.uint8)
+    col_t, bits = torch.empty(K, M, dtype=torch.uint8), torch.zeros((), dtype=torch.int32)
+    outputs = dict(row=row, row_e=row_e, col=col, col_e=col_e, record_bits=bits, fp8_dtype=E4M3,
+                   dequant=False)  # fmt: skip
+    chunks = cq.TILE_CONFIG["mxfp8_quads"]["CHUNKS"]
+    cq.launch_mxfp8(x, col_t=None, **outputs)
+    cq.launch_mxfp8(x, col_t=col_t, **outputs)
+    monkeypatch.setitem(cq.TILE_CONFIG, "mxfp8_quads", {})
+    cq.launch_mxfp8(x, col_t=None, **outputs)
+    quads, transposed, off = kernels.take()
+    assert quads["kernel"] == "mxfp8_quads_kernel"
+    assert quads["grid"] == (8 * ceil_div(K, 32 * chunks),)
+    assert same_args(quads["args"], (x, row, row_e, col, col_e, row, bits, M, K))
+    assert quads["constexprs"]["RECORD_AMAX"] is True and "WRITE_T" not in quads["constexprs"]
+    assert transposed["kernel"] == "mxfp8_kernel" and transposed["constexprs"]["WRITE_T"]
+    assert same_args(transposed["args"], (x, row, row_e, col, col_e, col_t, bits, M, K))
+    assert off["kernel"] == "mxfp8_kernel" and off["constexprs"]["WRITE_T"] is False
+    assert same_args(off["args"], quads["args"])

@@ -45,6 +45,9 @@ TILE_CONFIG: dict[str, dict[str, int]] = {
     "block_128x128": dict(TRANS_X=False, num_warps=4),
     "mxfp8": dict(CHUNKS=2, num_warps=1),
     "mxfp8_dequantized": dict(CHUNKS=1, num_warps=1),
+    # mxfp8_quads_kernel for the two above when there is no transposed copy; empty: not used.
+    "mxfp8_quads": dict(CHUNKS=2, num_warps=1),
+    "mxfp8_quads_dequantized": dict(CHUNKS=1, num_warps=1),
     "mxfp8_dequant": dict(CHUNKS=2, num_warps=1),
 }
 
@@ -527,13 +530,18 @@ def _blockwise_triton(
 
 def mxfp8_spec(rows, cols, *, rowwise, columnwise, write_t, record, fp8_dtype, dequant) -> tuple:
     """(kernel, grid, constexprs) of the MX kernel (args: `mxfp8_args`)."""
-    config = TILE_CONFIG["mxfp8_dequantized" if dequant else "mxfp8"]
+    key = "mxfp8_dequantized" if dequant else "mxfp8"
+    quads = TILE_CONFIG[key.replace("mxfp8", "mxfp8_quads")]
+    config = quads if quads and not write_t else TILE_CONFIG[key]
     constants = dict(
         FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
         RCP_FP8_MAX=fp8_max_reciprocal(fp8_dtype), ROWWISE=rowwise, COLUMNWISE=columnwise,
         WRITE_T=write_t, RECORD_AMAX=record, DEQUANT=dequant, **config,
     )  # fmt: skip
     grid = (ceil_div(rows, MX_BLOCK) * ceil_div(cols, MX_BLOCK * config["CHUNKS"]),)
+    if config is quads:
+        del constants["WRITE_T"]
+        return _triton_kernels().mxfp8_quads_kernel, grid, constants
     return _triton_kernels().mxfp8_kernel, grid, constants
 
 

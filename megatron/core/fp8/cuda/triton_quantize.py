@@ -408,8 +408,8 @@ def block_1x128_fused_kernel(
     """Both 1x128 copies from one read of a 128x128 tile, for M % 4 == 0: the rowwise bytes
     with one scale per row (ROW_SCALE_T as in block_1x128_rows_kernel) and the 128x1
     columnwise bytes with one scale per column, in x's shape (COLUMNWISE) and/or transposed
-    (WRITE_T, as int32 words: see block_128x1_words_kernel). Reads x once where the two
-    single-copy kernels read it twice."""
+    (WRITE_T, as int32 words: see block_128x1_words_kernel). Reads x from DRAM once where
+    the two single-copy kernels read it twice."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, TILE)
     pid_m = pid // k_tiles
@@ -418,38 +418,31 @@ def block_1x128_fused_kernel(
     quads = pid_m * (TILE // 4) + tl.arange(0, TILE // 4)
     mask = (quads[:, None] * 4 < M) & (cols[None, :] < K)
     offs = (quads * 4).to(tl.int64)[:, None] * K + cols[None, :]
-    x0 = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    x1 = tl.load(x_ptr + offs + K, mask=mask, other=0.0)
-    x2 = tl.load(x_ptr + offs + 2 * K, mask=mask, other=0.0)
-    x3 = tl.load(x_ptr + offs + 3 * K, mask=mask, other=0.0)
-    quad_max = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
-    col_amax = _amax_along(quad_max, 0)
+    # Pass 1: the amaxes only (each x_j dies once reduced, which keeps registers low).
+    quad_max = tl.zeros((TILE // 4, TILE), dtype=tl.float32)
+    for j in tl.static_range(4):
+        x_j = tl.load(x_ptr + offs + j * K, mask=mask, other=0.0)
+        quad_max = tl.maximum(quad_max, tl.abs(x_j.to(tl.float32)))
+    col_max = _amax_along(quad_max, 0)
     if RECORD_AMAX:
-        tile_amax = tl.max(col_amax, axis=0)
+        tile_amax = tl.max(col_max, axis=0)
         tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
-    # Rowwise: row 4q + j of the tile is row q of x_j.
-    _fused_rows(x0, row_ptr, row_sinv_ptr, offs, mask, quads * 4, pid_k, k_tiles, M,
-                FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
-    _fused_rows(x1, row_ptr, row_sinv_ptr, offs + K, mask, quads * 4 + 1, pid_k, k_tiles, M,
-                FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
-    _fused_rows(x2, row_ptr, row_sinv_ptr, offs + 2 * K, mask, quads * 4 + 2, pid_k, k_tiles,
-                M, FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
-    _fused_rows(x3, row_ptr, row_sinv_ptr, offs + 3 * K, mask, quads * 4 + 3, pid_k, k_tiles,
-                M, FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
-    col_scale = _scale_from_amax(col_amax, FP8_MAX, INF_SCALE, POW2)
+    col_scale = _scale_from_amax(col_max, FP8_MAX, INF_SCALE, POW2)
     col_sinv_offs = pid_m.to(tl.int64) * K + cols
     tl.store(col_sinv_ptr + col_sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
-    b0 = _byte_words(x0.to(tl.float32) * col_scale[None, :], E4M3)
-    b1 = _byte_words(x1.to(tl.float32) * col_scale[None, :], E4M3)
-    b2 = _byte_words(x2.to(tl.float32) * col_scale[None, :], E4M3)
-    b3 = _byte_words(x3.to(tl.float32) * col_scale[None, :], E4M3)
-    if COLUMNWISE:
-        tl.store(col_ptr + offs, b0.to(tl.uint8), mask=mask)
-        tl.store(col_ptr + offs + K, b1.to(tl.uint8), mask=mask)
-        tl.store(col_ptr + offs + 2 * K, b2.to(tl.uint8), mask=mask)
-        tl.store(col_ptr + offs + 3 * K, b3.to(tl.uint8), mask=mask)
+    # Pass 2: the tile again, from L2 (DRAM reads it once): both casts, four rows at a time,
+    # the transposed words built up byte by byte. The store above keeps the compiler from
+    # merging these loads with pass 1's.
+    words = tl.zeros((TILE // 4, TILE), dtype=tl.int32)
+    for j in tl.static_range(4):
+        x_j = tl.load(x_ptr + offs + j * K, mask=mask, other=0.0)
+        _fused_rows(x_j, row_ptr, row_sinv_ptr, offs + j * K, mask, quads * 4 + j, pid_k,
+                    k_tiles, M, FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
+        b_j = _byte_words(x_j.to(tl.float32) * col_scale[None, :], E4M3)
+        if COLUMNWISE:
+            tl.store(col_ptr + offs + j * K, b_j.to(tl.uint8), mask=mask)
+        words = words | (b_j << (8 * j))
     if WRITE_T:
-        words = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
         words_t_ptr = col_t_ptr.to(tl.pointer_type(tl.int32))
         offs_t = cols.to(tl.int64)[:, None] * (M // 4) + quads[None, :]
         mask_t = (cols[:, None] < K) & (quads[None, :] * 4 < M)
@@ -578,6 +571,97 @@ def mxfp8_kernel(
                     tl.store(col_t_ptr + offs_t, tl.trans(q), mask=mask_t)
     if RECORD_AMAX:
         tl.atomic_max(amax_bits_ptr, strip_max.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def mxfp8_quads_kernel(
+    x_ptr, row_ptr, row_e_ptr, col_ptr, col_e_ptr, col_t_ptr, amax_bits_ptr, M, K,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, RCP_FP8_MAX: tl.constexpr,
+    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, RECORD_AMAX: tl.constexpr,
+    DEQUANT: tl.constexpr, CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """mxfp8_kernel without the transposed copy (col_t_ptr is unused: the arguments are
+    mxfp8_kernel's), each 32x32 chunk read as four 8 x 32 tiles
+    of rows 4q + j: a thread then holds four rows of each of its columns, so a column's
+    amax is mostly an in-thread max and needs three shuffle rounds where the 32-row tile of
+    mxfp8_kernel needed four or five (shuffles were a quarter of its instructions)."""
+    pid = tl.program_id(0)
+    k_groups = tl.cdiv(K, 32 * CHUNKS)
+    k_blocks = tl.cdiv(K, 32)
+    pid_m = pid // k_groups
+    quads = pid_m * 8 + tl.arange(0, 8)
+    strip_max = tl.max(tl.zeros((8,), dtype=tl.float32), axis=0)
+    for c in tl.static_range(CHUNKS):
+        block = (pid % k_groups) * CHUNKS + c
+        cols = block * 32 + tl.arange(0, 32)
+        x0, r0, m0, o0 = _quad_rows(x_ptr, quads, 0, cols, M, K)
+        x1, r1, m1, o1 = _quad_rows(x_ptr, quads, 1, cols, M, K)
+        x2, r2, m2, o2 = _quad_rows(x_ptr, quads, 2, cols, M, K)
+        x3, r3, m3, o3 = _quad_rows(x_ptr, quads, 3, cols, M, K)
+        quad_max = tl.maximum(
+            tl.maximum(tl.abs(x0.to(tl.float32)), tl.abs(x1.to(tl.float32))),
+            tl.maximum(tl.abs(x2.to(tl.float32)), tl.abs(x3.to(tl.float32))),
+        )
+        col_amax = _amax_along(quad_max, 0)
+        if RECORD_AMAX:
+            strip_max = tl.maximum(strip_max, tl.max(col_amax, axis=0))
+        if ROWWISE:
+            _mx_rows(x0, r0, m0, o0, block, k_blocks, row_ptr, row_e_ptr, M, E4M3, RCP_FP8_MAX,
+                     DEQUANT)  # fmt: skip
+            _mx_rows(x1, r1, m1, o1, block, k_blocks, row_ptr, row_e_ptr, M, E4M3, RCP_FP8_MAX,
+                     DEQUANT)  # fmt: skip
+            _mx_rows(x2, r2, m2, o2, block, k_blocks, row_ptr, row_e_ptr, M, E4M3, RCP_FP8_MAX,
+                     DEQUANT)  # fmt: skip
+            _mx_rows(x3, r3, m3, o3, block, k_blocks, row_ptr, row_e_ptr, M, E4M3, RCP_FP8_MAX,
+                     DEQUANT)  # fmt: skip
+        if COLUMNWISE:
+            e = _e8m0_from_amax(col_amax, RCP_FP8_MAX)
+            multiplier = _e8m0_multiplier(e)[None, :]
+            _mx_cols(x0, m0, o0, multiplier, e, col_ptr, E4M3, DEQUANT)
+            _mx_cols(x1, m1, o1, multiplier, e, col_ptr, E4M3, DEQUANT)
+            _mx_cols(x2, m2, o2, multiplier, e, col_ptr, E4M3, DEQUANT)
+            _mx_cols(x3, m3, o3, multiplier, e, col_ptr, E4M3, DEQUANT)
+            if not DEQUANT:
+                e_offs = pid_m.to(tl.int64) * K + cols
+                tl.store(col_e_ptr + e_offs, e.to(tl.uint8), mask=(cols < K) & (pid_m * 32 < M))
+    if RECORD_AMAX:
+        tl.atomic_max(amax_bits_ptr, strip_max.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _quad_rows(x_ptr, quads, j: tl.constexpr, cols, M, K):
+    """Rows 4q + j (q in quads) of x at cols: values (zero padded), rows, mask, offsets."""
+    rows = quads * 4 + j
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    return tl.load(x_ptr + offs, mask=mask, other=0.0), rows, mask, offs
+
+
+@triton.jit
+def _mx_rows(x_raw, rows, mask, offs, block, k_blocks, row_ptr, row_e_ptr, M,
+             E4M3: tl.constexpr, RCP_FP8_MAX: tl.constexpr, DEQUANT: tl.constexpr):  # fmt: skip
+    """mxfp8_quads_kernel's rowwise copy of one 8 x 32 tile (one MX block per row)."""
+    e = _e8m0_from_amax(_amax_along(x_raw, 1), RCP_FP8_MAX)
+    q = _saturating_cast(x_raw.to(tl.float32) * _e8m0_multiplier(e)[:, None], E4M3)
+    if DEQUANT:
+        deq = _dequantized(q, _e8m0_dequant_multiplier(e)[:, None], E4M3)
+        tl.store(row_ptr + offs, deq.to(row_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(row_ptr + offs, q, mask=mask)
+        e_offs = rows.to(tl.int64) * k_blocks + block
+        tl.store(row_e_ptr + e_offs, e.to(tl.uint8), mask=(rows < M) & (block < k_blocks))
+
+
+@triton.jit
+def _mx_cols(x_raw, mask, offs, multiplier, e, col_ptr, E4M3: tl.constexpr,
+             DEQUANT: tl.constexpr):  # fmt: skip
+    """mxfp8_quads_kernel's columnwise copy (x's shape) of one 8 x 32 tile."""
+    q = _saturating_cast(x_raw.to(tl.float32) * multiplier, E4M3)
+    if DEQUANT:
+        deq = _dequantized(q, _e8m0_dequant_multiplier(e)[None, :], E4M3)
+        tl.store(col_ptr + offs, deq.to(col_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(col_ptr + offs, q, mask=mask)
 
 
 @triton.jit
