@@ -266,7 +266,7 @@ SWEEP = {
     "cast_t": [_cast(*c) for c in ((64, 64, 4, 0, 4), (32, 128, 8, 1, 4), (64, 64, 8, 0, 4),
                                    (64, 32, 8, 0, 2), (32, 128, 4, 1, 4), (64, 128, 4, 0, 4),
                                    (64, 64, 8, 0, 8))],
-    "block_1x128": [dict(BM=m, GROUP=g, num_warps=w) for m, g, w in ((64, 2, 4), (64, 1, 4),
+    "block_1x128": [dict(BM=m, GROUP=g, num_warps=w) for m, g, w in ((64, 1, 4), (64, 2, 4),
                                                                      (32, 4, 4), (128, 1, 8),
                                                                      (16, 8, 4))],
     "block_128x1": [dict(BK=k, TRANS_X=bool(t), num_warps=w) for k, t, w in ((64, 0, 4),
@@ -274,16 +274,17 @@ SWEEP = {
                                                                              (64, 0, 8),
                                                                              (32, 1, 8),
                                                                              (16, 1, 4))],
-    "block_128x1_words": [dict(BK=64, num_warps=4), dict(BK=128, num_warps=4),
+    "block_128x1_words": [{}, dict(BK=64, num_warps=4), dict(BK=128, num_warps=4),
                           dict(BK=64, num_warps=2), dict(BK=128, num_warps=8),
-                          dict(BK=32, num_warps=2), {}],
-    "block_1x128_fused": [dict(num_warps=8), dict(num_warps=16), dict(num_warps=4), {}],
-    "block_128x128": [dict(TRANS_X=t, num_warps=w) for t, w in ((False, 4), (True, 16),
-                                                                (True, 4), (False, 8),
+                          dict(BK=32, num_warps=2)],
+    "block_1x128_fused": [dict(BK=k, num_warps=w) for k, w in ((64, 4), (64, 8), (128, 4),
+                                                                (32, 4))] + [{}],
+    "block_128x128": [dict(TRANS_X=t, num_warps=w) for t, w in ((True, 4), (True, 16),
+                                                                (False, 4), (False, 8),
                                                                 (True, 8), (False, 16))],
     "mxfp8": [dict(CHUNKS=c, num_warps=w) for c, w in ((2, 1), (1, 1), (4, 1), (4, 2))],
     "mxfp8_dequantized": [dict(CHUNKS=c, num_warps=w) for c, w in ((1, 1), (2, 1), (1, 2))],
-    "mxfp8_quads": [dict(CHUNKS=c, num_warps=w) for c, w in ((2, 1), (1, 1), (4, 1))] + [{}],
+    "mxfp8_quads": [dict(CHUNKS=c, num_warps=w) for c, w in ((4, 1), (2, 1), (8, 1))] + [{}],
     "mxfp8_quads_dequantized": [dict(CHUNKS=c, num_warps=w) for c, w in ((1, 1), (2, 1),
                                                                         (4, 1))] + [{}],
     "mxfp8_dequant": [dict(CHUNKS=c, num_warps=w) for c, w in ((2, 1), (4, 1), (8, 2), (8, 1))],
@@ -304,8 +305,11 @@ def _outputs(result) -> list[torch.Tensor]:
 
 
 # Kernels that take over another's launches while configured: off while that one is swept.
-SWEEP_WITHOUT = {"block_128x1": "block_128x1_words", "mxfp8": "mxfp8_quads",
-                 "mxfp8_dequantized": "mxfp8_quads_dequantized"}
+SWEEP_WITHOUT = {
+    "block_128x1": "block_128x1_words",
+    "mxfp8": "mxfp8_quads",
+    "mxfp8_dequantized": "mxfp8_quads_dequantized",
+}
 
 
 def sweep_configs(reporter: Reporter, x: torch.Tensor, copy_gbps: float) -> None:

@@ -403,67 +403,52 @@ def block_1x128_fused_kernel(
     x_ptr, row_ptr, row_sinv_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
     ROW_SCALE_T: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
-    RECORD_AMAX: tl.constexpr, TILE: tl.constexpr,
+    RECORD_AMAX: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    """Both 1x128 copies from one read of a 128x128 tile, for M % 4 == 0: the rowwise bytes
-    with one scale per row (ROW_SCALE_T as in block_1x128_rows_kernel) and the 128x1
-    columnwise bytes with one scale per column, in x's shape (COLUMNWISE) and/or transposed
-    (WRITE_T, as int32 words: see block_128x1_words_kernel). Reads x from DRAM once where
-    the two single-copy kernels read it twice."""
+    """Both 1x128 copies of a 128x128 tile with one DRAM read of it: the rowwise bytes with
+    one scale per row (ROW_SCALE_T as in block_1x128_rows_kernel) and the 128x1 columnwise
+    bytes with one scale per column, in x's shape (COLUMNWISE) and/or transposed (WRITE_T).
+    Pass 1 reduces the row amaxes over the tile's 128 x BK strips; pass 2 reads the strips
+    again (from L2) and writes both copies, so that one strip, not the whole tile, is held."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, TILE)
     pid_m = pid // k_tiles
     pid_k = pid % k_tiles
-    cols = pid_k * TILE + tl.arange(0, TILE)
-    quads = pid_m * (TILE // 4) + tl.arange(0, TILE // 4)
-    mask = (quads[:, None] * 4 < M) & (cols[None, :] < K)
-    offs = (quads * 4).to(tl.int64)[:, None] * K + cols[None, :]
-    # Pass 1: the amaxes only (each x_j dies once reduced, which keeps registers low).
-    quad_max = tl.zeros((TILE // 4, TILE), dtype=tl.float32)
-    for j in tl.static_range(4):
-        x_j = tl.load(x_ptr + offs + j * K, mask=mask, other=0.0)
-        quad_max = tl.maximum(quad_max, tl.abs(x_j.to(tl.float32)))
-    col_max = _amax_along(quad_max, 0)
+    rows = pid_m * TILE + tl.arange(0, TILE)
+    row_max = tl.zeros((TILE,), dtype=tl.float32)
+    for h in tl.static_range(TILE // BK):
+        cols = pid_k * TILE + h * BK + tl.arange(0, BK)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+        row_max = tl.maximum(row_max, _amax_along(tl.load(x_ptr + offs, mask=mask, other=0.0), 1))
     if RECORD_AMAX:
-        tile_amax = tl.max(col_max, axis=0)
-        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
-    col_scale = _scale_from_amax(col_max, FP8_MAX, INF_SCALE, POW2)
-    col_sinv_offs = pid_m.to(tl.int64) * K + cols
-    tl.store(col_sinv_ptr + col_sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
-    # Pass 2: the tile again, from L2 (DRAM reads it once): both casts, four rows at a time,
-    # the transposed words built up byte by byte. The store above keeps the compiler from
-    # merging these loads with pass 1's.
-    words = tl.zeros((TILE // 4, TILE), dtype=tl.int32)
-    for j in tl.static_range(4):
-        x_j = tl.load(x_ptr + offs + j * K, mask=mask, other=0.0)
-        _fused_rows(x_j, row_ptr, row_sinv_ptr, offs + j * K, mask, quads * 4 + j, pid_k,
-                    k_tiles, M, FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
-        b_j = _byte_words(x_j.to(tl.float32) * col_scale[None, :], E4M3)
-        if COLUMNWISE:
-            tl.store(col_ptr + offs + j * K, b_j.to(tl.uint8), mask=mask)
-        words = words | (b_j << (8 * j))
-    if WRITE_T:
-        words_t_ptr = col_t_ptr.to(tl.pointer_type(tl.int32))
-        offs_t = cols.to(tl.int64)[:, None] * (M // 4) + quads[None, :]
-        mask_t = (cols[:, None] < K) & (quads[None, :] * 4 < M)
-        tl.store(words_t_ptr + offs_t, tl.trans(words), mask=mask_t)
-
-
-@triton.jit
-def _fused_rows(
-    x_raw, row_ptr, row_sinv_ptr, offs, mask, rows, pid_k, k_tiles, M,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
-    ROW_SCALE_T: tl.constexpr,
-):  # fmt: skip
-    """block_1x128_fused_kernel's rowwise bytes and scales of the rows in one x_j."""
-    row_scale = _scale_from_amax(_amax_along(x_raw, 1), FP8_MAX, INF_SCALE, POW2)
-    q = _saturating_cast(x_raw.to(tl.float32) * row_scale[:, None], E4M3)
-    tl.store(row_ptr + offs, q, mask=mask)
+        tile_max = tl.max(row_max, axis=0)
+        tl.atomic_max(amax_bits_ptr, tile_max.to(tl.int32, bitcast=True), sem="relaxed")
+    row_scale = _scale_from_amax(row_max, FP8_MAX, INF_SCALE, POW2)
     if ROW_SCALE_T:
-        sinv_offs = pid_k.to(tl.int64) * M + rows
+        row_sinv_offs = pid_k.to(tl.int64) * M + rows
     else:
-        sinv_offs = rows.to(tl.int64) * k_tiles + pid_k
-    tl.store(row_sinv_ptr + sinv_offs, _reciprocal(row_scale, POW2), mask=rows < M)
+        row_sinv_offs = rows.to(tl.int64) * k_tiles + pid_k
+    tl.store(row_sinv_ptr + row_sinv_offs, _reciprocal(row_scale, POW2), mask=rows < M)
+    # Pass 2 (the store above keeps the compiler from reusing pass 1's loads): a strip holds
+    # whole 128x1 blocks, so its column scales are complete.
+    for h in tl.static_range(TILE // BK):
+        cols = pid_k * TILE + h * BK + tl.arange(0, BK)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+        x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        x = x_raw.to(tl.float32)
+        tl.store(row_ptr + offs, _saturating_cast(x * row_scale[:, None], E4M3), mask=mask)
+        col_scale = _scale_from_amax(_amax_along(x_raw, 0), FP8_MAX, INF_SCALE, POW2)
+        sinv_offs = pid_m.to(tl.int64) * K + cols
+        tl.store(col_sinv_ptr + sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
+        if COLUMNWISE:
+            tl.store(col_ptr + offs, _saturating_cast(x * col_scale[None, :], E4M3), mask=mask)
+        if WRITE_T:
+            q_t = tl.trans(_saturating_cast_t(x * col_scale[None, :], E4M3))
+            offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
+            mask_t = (cols[:, None] < K) & (rows[None, :] < M)
+            tl.store(col_t_ptr + offs_t, q_t, mask=mask_t)
 
 
 @triton.jit
