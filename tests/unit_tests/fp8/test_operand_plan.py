@@ -730,7 +730,7 @@ def test_the_plan_cache_is_bounded(kernels, monkeypatch):
 
 @pytest.fixture
 def fused_kernels(kernels, monkeypatch):
-    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_fused", dict(BK=64, num_warps=4))
+    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_fused", dict(num_warps=4))
     return kernels
 
 

@@ -41,7 +41,7 @@ TILE_CONFIG: dict[str, dict[str, int]] = {
     # The transposed 128x1 copy as int32 words (rows % 4 == 0); empty: block_128x1 always.
     "block_128x1_words": {},  # measured 86-87% of copy against block_128x1's 89-90%
     # Both 1x128 copies from one 128x128 tile read (rows % 4 == 0); empty: the two kernels.
-    "block_1x128_fused": dict(BK=64, num_warps=4),
+    "block_1x128_fused": dict(num_warps=4),
     "block_128x128": dict(TRANS_X=True, num_warps=4),
     "mxfp8": dict(CHUNKS=2, num_warps=1),
     "mxfp8_dequantized": dict(CHUNKS=1, num_warps=1),

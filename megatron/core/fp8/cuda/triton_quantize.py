@@ -173,8 +173,10 @@ def _dequantized(q_bytes, multiplier, E4M3: tl.constexpr):
 @triton.jit
 def amax_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """Pass one of tensorwise scaling: NaN-ignoring max|x| of a flat tensor. Each program
-    reduces GROUP consecutive blocks in registers, then makes one atomic max."""
-    base = tl.program_id(0).to(tl.int64) * (BLOCK * GROUP)
+    reduces GROUP consecutive blocks in registers, then makes one atomic max. Programs take
+    their blocks from the end of the tensor backwards (see amax_partials_kernel)."""
+    programs = tl.num_programs(0)
+    base = (programs - 1 - tl.program_id(0)).to(tl.int64) * (BLOCK * GROUP)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in range(GROUP):
         offs = base + i * BLOCK + tl.arange(0, BLOCK)
@@ -189,13 +191,19 @@ def amax_partials_kernel(
     x_ptr, partials_ptr, numel, blocks_per_program, BLOCK: tl.constexpr
 ):  # fmt: skip
     """Pass one of tensorwise scaling without atomics: program p writes the NaN-ignoring
-    max|x| of its `blocks_per_program` consecutive BLOCKs to partials[p] (0 where it has
-    none), so the buffer needs no zero fill first; the cast kernel reduces the partials."""
+    max|x| of its `blocks_per_program` BLOCKs to partials[p] (0 where it has none), so the
+    buffer needs no zero fill first; the cast kernel reduces the partials.
+
+    Program p takes blocks p, p + P, p + 2P, ... (P programs, all resident at once) from the
+    last such block down, so the tensor is read from its end towards its start: what is
+    still in L2 when the cast kernel starts is the tensor's start, which is what the cast
+    kernel (tiles in address order) reads first."""
     pid = tl.program_id(0)
-    base = pid.to(tl.int64) * blocks_per_program * BLOCK
+    programs = tl.num_programs(0)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in range(blocks_per_program):
-        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        block = (blocks_per_program - 1 - i) * programs + pid
+        offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, tl.abs(x))
     tl.store(partials_ptr + pid, _amax_along(acc, 0))
@@ -403,52 +411,67 @@ def block_1x128_fused_kernel(
     x_ptr, row_ptr, row_sinv_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
     ROW_SCALE_T: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
-    RECORD_AMAX: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr,
+    RECORD_AMAX: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
-    """Both 1x128 copies of a 128x128 tile with one DRAM read of it: the rowwise bytes with
-    one scale per row (ROW_SCALE_T as in block_1x128_rows_kernel) and the 128x1 columnwise
-    bytes with one scale per column, in x's shape (COLUMNWISE) and/or transposed (WRITE_T).
-    Pass 1 reduces the row amaxes over the tile's 128 x BK strips; pass 2 reads the strips
-    again (from L2) and writes both copies, so that one strip, not the whole tile, is held."""
+    """Both 1x128 copies from one read of a 128x128 tile, for M % 4 == 0: the rowwise bytes
+    with one scale per row (ROW_SCALE_T as in block_1x128_rows_kernel) and the 128x1
+    columnwise bytes with one scale per column, in x's shape (COLUMNWISE) and/or transposed
+    (WRITE_T, as int32 words: see block_128x1_words_kernel). Reads x from DRAM once where
+    the two single-copy kernels read it twice."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, TILE)
     pid_m = pid // k_tiles
     pid_k = pid % k_tiles
-    rows = pid_m * TILE + tl.arange(0, TILE)
-    row_max = tl.zeros((TILE,), dtype=tl.float32)
-    for h in tl.static_range(TILE // BK):
-        cols = pid_k * TILE + h * BK + tl.arange(0, BK)
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-        row_max = tl.maximum(row_max, _amax_along(tl.load(x_ptr + offs, mask=mask, other=0.0), 1))
+    cols = pid_k * TILE + tl.arange(0, TILE)
+    quads = pid_m * (TILE // 4) + tl.arange(0, TILE // 4)
+    mask = (quads[:, None] * 4 < M) & (cols[None, :] < K)
+    offs = (quads * 4).to(tl.int64)[:, None] * K + cols[None, :]
+    # Pass 1: the amaxes only (each x_j dies once reduced, which keeps registers low).
+    quad_max = tl.zeros((TILE // 4, TILE), dtype=tl.float32)
+    for j in tl.static_range(4):
+        x_j = tl.load(x_ptr + offs + j * K, mask=mask, other=0.0)
+        quad_max = tl.maximum(quad_max, tl.abs(x_j.to(tl.float32)))
+    col_max = _amax_along(quad_max, 0)
     if RECORD_AMAX:
-        tile_max = tl.max(row_max, axis=0)
-        tl.atomic_max(amax_bits_ptr, tile_max.to(tl.int32, bitcast=True), sem="relaxed")
-    row_scale = _scale_from_amax(row_max, FP8_MAX, INF_SCALE, POW2)
-    if ROW_SCALE_T:
-        row_sinv_offs = pid_k.to(tl.int64) * M + rows
-    else:
-        row_sinv_offs = rows.to(tl.int64) * k_tiles + pid_k
-    tl.store(row_sinv_ptr + row_sinv_offs, _reciprocal(row_scale, POW2), mask=rows < M)
-    # Pass 2 (the store above keeps the compiler from reusing pass 1's loads): a strip holds
-    # whole 128x1 blocks, so its column scales are complete.
-    for h in tl.static_range(TILE // BK):
-        cols = pid_k * TILE + h * BK + tl.arange(0, BK)
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-        x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        x = x_raw.to(tl.float32)
-        tl.store(row_ptr + offs, _saturating_cast(x * row_scale[:, None], E4M3), mask=mask)
-        col_scale = _scale_from_amax(_amax_along(x_raw, 0), FP8_MAX, INF_SCALE, POW2)
-        sinv_offs = pid_m.to(tl.int64) * K + cols
-        tl.store(col_sinv_ptr + sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
+        tile_amax = tl.max(col_max, axis=0)
+        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+    col_scale = _scale_from_amax(col_max, FP8_MAX, INF_SCALE, POW2)
+    col_sinv_offs = pid_m.to(tl.int64) * K + cols
+    tl.store(col_sinv_ptr + col_sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
+    # Pass 2: the tile again, from L2 (DRAM reads it once): both casts, four rows at a time,
+    # the transposed words built up byte by byte. The store above keeps the compiler from
+    # merging these loads with pass 1's.
+    words = tl.zeros((TILE // 4, TILE), dtype=tl.int32)
+    for j in tl.static_range(4):
+        x_j = tl.load(x_ptr + offs + j * K, mask=mask, other=0.0)
+        _fused_rows(x_j, row_ptr, row_sinv_ptr, offs + j * K, mask, quads * 4 + j, pid_k,
+                    k_tiles, M, FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
+        b_j = _byte_words(x_j.to(tl.float32) * col_scale[None, :], E4M3)
         if COLUMNWISE:
-            tl.store(col_ptr + offs, _saturating_cast(x * col_scale[None, :], E4M3), mask=mask)
-        if WRITE_T:
-            q_t = tl.trans(_saturating_cast_t(x * col_scale[None, :], E4M3))
-            offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
-            mask_t = (cols[:, None] < K) & (rows[None, :] < M)
-            tl.store(col_t_ptr + offs_t, q_t, mask=mask_t)
+            tl.store(col_ptr + offs + j * K, b_j.to(tl.uint8), mask=mask)
+        words = words | (b_j << (8 * j))
+    if WRITE_T:
+        words_t_ptr = col_t_ptr.to(tl.pointer_type(tl.int32))
+        offs_t = cols.to(tl.int64)[:, None] * (M // 4) + quads[None, :]
+        mask_t = (cols[:, None] < K) & (quads[None, :] * 4 < M)
+        tl.store(words_t_ptr + offs_t, tl.trans(words), mask=mask_t)
+
+
+@triton.jit
+def _fused_rows(
+    x_raw, row_ptr, row_sinv_ptr, offs, mask, rows, pid_k, k_tiles, M,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
+    ROW_SCALE_T: tl.constexpr,
+):  # fmt: skip
+    """block_1x128_fused_kernel's rowwise bytes and scales of the rows in one x_j."""
+    row_scale = _scale_from_amax(_amax_along(x_raw, 1), FP8_MAX, INF_SCALE, POW2)
+    q = _saturating_cast(x_raw.to(tl.float32) * row_scale[:, None], E4M3)
+    tl.store(row_ptr + offs, q, mask=mask)
+    if ROW_SCALE_T:
+        sinv_offs = pid_k.to(tl.int64) * M + rows
+    else:
+        sinv_offs = rows.to(tl.int64) * k_tiles + pid_k
+    tl.store(row_sinv_ptr + sinv_offs, _reciprocal(row_scale, POW2), mask=rows < M)
 
 
 @triton.jit
