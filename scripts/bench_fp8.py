@@ -222,10 +222,13 @@ def _operand_fn(x: torch.Tensor, key: str):
                                         out_dtype=torch.bfloat16)
         ), elems + elems // 32 + 2 * elems  # fmt: skip
     if key in ("mxfp8", "mxfp8_quads"):  # bytes (quantize_cuda, FP8 weights), not Fp8Linear
+        # "mxfp8" configures mxfp8_kernel, which now runs only with the transposed copy.
+        transpose = key == "mxfp8"
         return (
             lambda: quantize_cuda(x, recipe="mxfp8", fp8_dtype=E4M3, role="input",
-                                  rowwise=True, columnwise=True, power_2_scale=True)
-        ), read + 2 * elems + 2 * (elems // 32)  # fmt: skip
+                                  rowwise=True, columnwise=True, power_2_scale=True,
+                                  with_transpose=transpose)
+        ), read + (3 if transpose else 2) * elems + 2 * (elems // 32)  # fmt: skip
     scales_1x128 = 4 * (elems // 128)
     # (recipe, role, rowwise, transposed, bytes); block_1x128 / block_128x1: one copy (one
     # kernel each), block_1x128_fused: both (one kernel, or the two when the config is empty).
@@ -306,7 +309,6 @@ def _outputs(result) -> list[torch.Tensor]:
 # Kernels that take over another's launches while configured: off while that one is swept.
 SWEEP_WITHOUT = {
     "block_128x1": "block_128x1_words",
-    "mxfp8": "mxfp8_quads",
     "mxfp8_dequantized": "mxfp8_quads_dequantized",
 }
 
@@ -317,8 +319,22 @@ def sweep_configs(reporter: Reporter, x: torch.Tensor, copy_gbps: float) -> None
         other = SWEEP_WITHOUT.get(key)
         if other is not None:
             other_config, cq.TILE_CONFIG[other] = cq.TILE_CONFIG[other], {}
-        best = None
-        reference = None
+        try:
+            _sweep_one(reporter, x, copy_gbps, key, candidates)
+        finally:
+            if other is not None:
+                cq.TILE_CONFIG[other] = other_config
+    linear_ops.clear_plans()  # Fp8Linear's prepared launches read the chosen configs
+    reporter.emit({"bench": "tile_config", "chosen": cq.TILE_CONFIG})
+
+
+def _sweep_one(reporter: Reporter, x: torch.Tensor, copy_gbps: float, key: str,
+               candidates: list[dict]) -> None:  # fmt: skip
+    """Time TILE_CONFIG[key]'s candidates and keep the fastest with the default's bytes (the
+    default, the first candidate, if one of them raises)."""
+    best = None
+    reference = None
+    try:
         for config in candidates:
             cq.TILE_CONFIG[key] = config
             linear_ops.clear_plans()
@@ -336,11 +352,8 @@ def sweep_configs(reporter: Reporter, x: torch.Tensor, copy_gbps: float) -> None
                            "same_bytes": same})  # fmt: skip
             if same and (best is None or gbps > best[0]):
                 best = (gbps, config)
-        cq.TILE_CONFIG[key] = best[1]
-        if other is not None:
-            cq.TILE_CONFIG[other] = other_config
-    linear_ops.clear_plans()  # Fp8Linear's prepared launches read the chosen configs
-    reporter.emit({"bench": "tile_config", "chosen": cq.TILE_CONFIG})
+    finally:
+        cq.TILE_CONFIG[key] = best[1] if best is not None else candidates[0]
 
 
 def bench_quantize(reporter: Reporter, *, sweep: bool) -> None:

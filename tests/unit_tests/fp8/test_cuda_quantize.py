@@ -8,7 +8,12 @@ import torch
 
 from megatron.core.fp8 import quantize
 from megatron.core.fp8.cuda import quantize_cuda, transpose_fp8, triton_available
-from megatron.core.fp8.cuda.selfcheck import CHECK_FORMATS, CHECK_RECIPES, check_cases, compare_case
+from megatron.core.fp8.cuda.selfcheck import (
+    CHECK_FORMATS,
+    CHECK_RECIPES,
+    check_cases,
+    compare_case_both_ways,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -29,9 +34,10 @@ def test_triton_kernels_are_the_path_under_test():
 @pytest.mark.parametrize("recipe", CHECK_RECIPES)
 def test_bytes_and_scales_equal_reference(recipe, fp8_dtype):
     """Random inputs of 6 shapes and all edge cases, bf16 and fp32, every role and scale
-    option: rowwise, columnwise and transposed bytes, scales and amax bitwise equal."""
+    option, with and without the transposed copy: rowwise, columnwise and transposed bytes,
+    scales and amax bitwise equal."""
     cases = check_cases("cuda", recipes=(recipe,), fp8_dtypes=(fp8_dtype,))
-    failures = [message for case in cases for message in compare_case(case)]
+    failures = [message for case in cases for message in compare_case_both_ways(case)]
     assert not failures, f"{len(failures)} mismatches, first ones:\n" + "\n".join(failures[:15])
 
 

@@ -451,7 +451,9 @@ def launch_block_1x128(
     power_2_scale,
 ) -> None:  # fmt: skip
     """1x128 rowwise bytes/scales (row_scale_t: scales stored [ceil(K/128), M]) and 128x1
-    columnwise bytes in x's shape (col) and/or transposed (col_t), scales [ceil(M/128), K]."""
+    columnwise bytes in x's shape (col) and/or transposed (col_t), scales [ceil(M/128), K].
+    Both copies at once go through the fused kernel when TILE_CONFIG enables it and rows % 4
+    == 0 (block_1x128_fused_spec); otherwise each copy has its own kernel."""
     rows, cols = x2d.shape
     options = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x2d.dtype)
     fused = None
@@ -532,14 +534,15 @@ def mxfp8_spec(rows, cols, *, rowwise, columnwise, write_t, record, fp8_dtype, d
     """(kernel, grid, constexprs) of the MX kernel (args: `mxfp8_args`)."""
     key = "mxfp8_dequantized" if dequant else "mxfp8"
     quads = TILE_CONFIG[key.replace("mxfp8", "mxfp8_quads")]
-    config = quads if quads and not write_t else TILE_CONFIG[key]
+    use_quads = bool(quads) and not write_t
+    config = quads if use_quads else TILE_CONFIG[key]
     constants = dict(
         FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
         RCP_FP8_MAX=fp8_max_reciprocal(fp8_dtype), ROWWISE=rowwise, COLUMNWISE=columnwise,
         WRITE_T=write_t, RECORD_AMAX=record, DEQUANT=dequant, **config,
     )  # fmt: skip
     grid = (ceil_div(rows, MX_BLOCK) * ceil_div(cols, MX_BLOCK * config["CHUNKS"]),)
-    if config is quads:
+    if use_quads:
         del constants["WRITE_T"]
         return _triton_kernels().mxfp8_quads_kernel, grid, constants
     return _triton_kernels().mxfp8_kernel, grid, constants

@@ -98,7 +98,8 @@ def _pow2_scale(amax, FP8_MAX: tl.constexpr, INF_SCALE: tl.constexpr):
     quotient's exponent is f - e(amax), one less when amax's mantissa exceeds 1.75's
     (0x600000); rounding never carries into the exponent. Subnormal amaxes and exponents past
     254 are the Inf cases. Checked against the division for every positive finite fp32 amax
-    and both formats (docs/PERFORMANCE_FP8_LINEAR.md)."""
+    and both formats (docs/PERFORMANCE_FP8_LINEAR.md); its torch twin is pinned in
+    tests/unit_tests/fp8/test_kernel_integer_rules.py."""
     if FP8_MAX == 448.0:
         f: tl.constexpr = 8
     else:
@@ -130,7 +131,8 @@ def _e8m0_from_amax(amax, RCP_FP8_MAX: tl.constexpr):
     an amax that is >= 0 and not NaN (what _amax_along returns). The rule of FP8_NUMERICS.md
     in three integer steps: adding 0x7FFFFF to t's bits carries into the exponent exactly when
     the mantissa is nonzero (normal t), adding 0x3FFFFF when it exceeds 0x400000 (subnormal
-    t); the +Inf byte 255 and the carry out of 254 both become 254."""
+    t); the +Inf byte 255 and the carry out of 254 both become 254 (torch twin:
+    tests/unit_tests/fp8/test_kernel_integer_rules.py)."""
     bits = (amax * RCP_FP8_MAX).to(tl.int32, bitcast=True)
     carry = tl.where(bits < 0x00800000, 0x003FFFFF, 0x007FFFFF)
     return tl.minimum((bits + carry) >> 23, 254)
@@ -293,9 +295,8 @@ def block_1x128_rows_kernel(
     one column strip per program. ROW_SCALE_T stores the scales as [ceil(K/128), M], the
     outer-dim-major layout cuBLAS reads, instead of the logical [M, ceil(K/128)].
 
-    The rowwise and the columnwise (128x1) copies are two kernels that each read x: one
-    kernel holding whole 128x128 tiles needs four times the registers and ran at 25% of copy
-    bandwidth on the H200, the two together at 42% (docs/PERFORMANCE_FP8_LINEAR.md)."""
+    Used for the rowwise copy alone, and with block_128x1_cols_kernel for both copies where
+    block_1x128_fused_kernel does not apply (rows % 4 != 0, or TILE_CONFIG turns it off)."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, TILE)
     pid_k = pid % k_tiles

@@ -1,0 +1,97 @@
+"""CPU twin of scripts/bench_fp8.py's launch-config sweep: which config it keeps, that a kernel
+taking over another's launches is off while that one is swept, and that TILE_CONFIG is
+restored when a candidate raises. Timings and outputs are faked; the GPU run is bench_fp8."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+from megatron.core.fp8.cuda import quantize as cq
+
+_PATH = pathlib.Path(__file__).resolve().parents[3] / "scripts" / "bench_fp8.py"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_fp8_under_test", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for key in ("block_128x1", "block_128x1_words", "block_1x128"):
+        monkeypatch.setitem(cq.TILE_CONFIG, key, dict(cq.TILE_CONFIG[key]))
+    return module
+
+
+class FakeReporter:
+    def __init__(self):
+        self.rows = []
+
+    def emit(self, row):
+        self.rows.append(row)
+
+
+def _fake_operands(monkeypatch, bench, *, seen, fail_on=None, bytes_of=None):
+    """_operand_fn / kernel_ms fakes: a config's time is its "us" entry; its output bytes are
+    bytes_of(config) (default: the same for every config)."""
+
+    def operand_fn(x, key):
+        config = dict(cq.TILE_CONFIG[key])
+        seen.append((key, config, dict(cq.TILE_CONFIG["block_128x1_words"])))
+        if fail_on is not None and config == fail_on:
+            raise RuntimeError("candidate failed to compile")
+        value = 7 if bytes_of is None else bytes_of(config)
+        fn = lambda: torch.full((4,), value, dtype=torch.uint8)  # noqa: E731
+        fn.us = config["us"]
+        return fn, 1000
+
+    monkeypatch.setattr(bench, "_operand_fn", operand_fn)
+    monkeypatch.setattr(bench, "kernel_ms", lambda fn: fn.us / 1000)
+
+
+def test_keeps_the_fastest_config_with_the_defaults_bytes(bench, monkeypatch):
+    seen = []
+    fast_but_wrong, slow, fast = dict(us=1), dict(us=5), dict(us=2)
+    _fake_operands(monkeypatch, bench, seen=seen,
+                   bytes_of=lambda config: 9 if config == fast_but_wrong else 7)  # fmt: skip
+    monkeypatch.setattr(bench, "SWEEP", {"block_1x128": [slow, fast_but_wrong, fast]})
+    reporter = FakeReporter()
+    bench.sweep_configs(reporter, torch.zeros(1), copy_gbps=1.0)
+    assert cq.TILE_CONFIG["block_1x128"] == fast
+    rows = [r for r in reporter.rows if r["bench"] == "sweep"]
+    assert [r["same_bytes"] for r in rows] == [True, False, True]
+    assert [r["gbps"] for r in rows] == [0.2, 1.0, 0.5]  # 1000 bytes / (us * 1e3) GB/s
+    assert reporter.rows[-1]["bench"] == "tile_config"
+
+
+def test_the_word_kernel_is_off_while_the_byte_kernel_is_swept(bench, monkeypatch):
+    seen = []
+    words = dict(BK=64, num_warps=4, us=3)
+    monkeypatch.setitem(cq.TILE_CONFIG, "block_128x1_words", words)
+    _fake_operands(monkeypatch, bench, seen=seen)
+    monkeypatch.setattr(bench, "SWEEP", {"block_128x1": [dict(us=4), dict(us=2)]})
+    bench.sweep_configs(FakeReporter(), torch.zeros(1), copy_gbps=1.0)
+    assert [entry[2] for entry in seen] == [{}, {}]  # off during the sweep
+    assert cq.TILE_CONFIG["block_128x1_words"] == words  # and back afterwards
+    assert cq.TILE_CONFIG["block_128x1"] == dict(us=2)
+
+
+def test_a_failing_candidate_restores_the_default_and_the_other_kernel(bench, monkeypatch):
+    seen = []
+    words = dict(BK=64, num_warps=4, us=3)
+    monkeypatch.setitem(cq.TILE_CONFIG, "block_128x1_words", words)
+    default, broken = dict(us=4), dict(us=1)
+    _fake_operands(monkeypatch, bench, seen=seen, fail_on=broken)
+    monkeypatch.setattr(bench, "SWEEP", {"block_128x1": [default, broken]})
+    with pytest.raises(RuntimeError, match="failed to compile"):
+        bench.sweep_configs(FakeReporter(), torch.zeros(1), copy_gbps=1.0)
+    assert cq.TILE_CONFIG["block_128x1"] == default
+    assert cq.TILE_CONFIG["block_128x1_words"] == words
+
+
+def test_shipped_defaults_are_the_first_sweep_candidates(bench):
+    """TILE_CONFIG holds what the sweep starts from (the measured default)."""
+    for key, candidates in bench.SWEEP.items():
+        assert candidates[0] == cq.TILE_CONFIG[key], key
