@@ -238,7 +238,6 @@ def _operand_fn(x: torch.Tensor, key: str):
         "cast_t": ("delayed", "input", True, True, read + 2 * elems),
         "block_1x128": ("blockwise", "input", True, False, read + elems + scales_1x128),
         "block_128x1": ("blockwise", "input", False, True, read + elems + scales_1x128),
-        "block_128x1_words": ("blockwise", "input", False, True, read + elems + scales_1x128),
         "block_1x128_fused": ("blockwise", "input", True, True,
                               read + 2 * elems + 2 * scales_1x128),
         "block_128x128": ("blockwise", "weight", True, True, read + 2 * elems),
@@ -277,9 +276,6 @@ SWEEP = {
                                                                              (64, 0, 8),
                                                                              (32, 1, 8),
                                                                              (16, 1, 4))],
-    "block_128x1_words": [{}, dict(BK=64, num_warps=4), dict(BK=128, num_warps=4),
-                          dict(BK=64, num_warps=2), dict(BK=128, num_warps=8),
-                          dict(BK=32, num_warps=2)],
     "block_1x128_fused": [dict(num_warps=4), dict(num_warps=8), {}],
     "block_128x128": [dict(TRANS_X=t, num_warps=w) for t, w in ((True, 4), (True, 16),
                                                                 (False, 4), (False, 8),
@@ -308,7 +304,6 @@ def _outputs(result) -> list[torch.Tensor]:
 
 # Kernels that take over another's launches while configured: off while that one is swept.
 SWEEP_WITHOUT = {
-    "block_128x1": "block_128x1_words",
     "mxfp8_dequantized": "mxfp8_quads_dequantized",
 }
 

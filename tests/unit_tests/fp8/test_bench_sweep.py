@@ -20,7 +20,7 @@ def bench(monkeypatch):
     spec = importlib.util.spec_from_file_location("bench_fp8_under_test", _PATH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for key in ("block_128x1", "block_128x1_words", "block_1x128"):
+    for key in ("mxfp8_dequantized", "mxfp8_quads_dequantized", "block_1x128"):
         monkeypatch.setitem(cq.TILE_CONFIG, key, dict(cq.TILE_CONFIG[key]))
     return module
 
@@ -39,7 +39,7 @@ def _fake_operands(monkeypatch, bench, *, seen, fail_on=None, bytes_of=None):
 
     def operand_fn(x, key):
         config = dict(cq.TILE_CONFIG[key])
-        seen.append((key, config, dict(cq.TILE_CONFIG["block_128x1_words"])))
+        seen.append((key, config, dict(cq.TILE_CONFIG["mxfp8_quads_dequantized"])))
         if fail_on is not None and config == fail_on:
             raise RuntimeError("candidate failed to compile")
         value = 7 if bytes_of is None else bytes_of(config)
@@ -66,29 +66,29 @@ def test_keeps_the_fastest_config_with_the_defaults_bytes(bench, monkeypatch):
     assert reporter.rows[-1]["bench"] == "tile_config"
 
 
-def test_the_word_kernel_is_off_while_the_byte_kernel_is_swept(bench, monkeypatch):
+def test_the_quads_kernel_is_off_while_the_kernel_it_replaces_is_swept(bench, monkeypatch):
     seen = []
-    words = dict(BK=64, num_warps=4, us=3)
-    monkeypatch.setitem(cq.TILE_CONFIG, "block_128x1_words", words)
+    quads = dict(CHUNKS=1, num_warps=1, us=3)
+    monkeypatch.setitem(cq.TILE_CONFIG, "mxfp8_quads_dequantized", quads)
     _fake_operands(monkeypatch, bench, seen=seen)
-    monkeypatch.setattr(bench, "SWEEP", {"block_128x1": [dict(us=4), dict(us=2)]})
+    monkeypatch.setattr(bench, "SWEEP", {"mxfp8_dequantized": [dict(us=4), dict(us=2)]})
     bench.sweep_configs(FakeReporter(), torch.zeros(1), copy_gbps=1.0)
     assert [entry[2] for entry in seen] == [{}, {}]  # off during the sweep
-    assert cq.TILE_CONFIG["block_128x1_words"] == words  # and back afterwards
-    assert cq.TILE_CONFIG["block_128x1"] == dict(us=2)
+    assert cq.TILE_CONFIG["mxfp8_quads_dequantized"] == quads  # and back afterwards
+    assert cq.TILE_CONFIG["mxfp8_dequantized"] == dict(us=2)
 
 
 def test_a_failing_candidate_restores_the_default_and_the_other_kernel(bench, monkeypatch):
     seen = []
-    words = dict(BK=64, num_warps=4, us=3)
-    monkeypatch.setitem(cq.TILE_CONFIG, "block_128x1_words", words)
+    quads = dict(CHUNKS=1, num_warps=1, us=3)
+    monkeypatch.setitem(cq.TILE_CONFIG, "mxfp8_quads_dequantized", quads)
     default, broken = dict(us=4), dict(us=1)
     _fake_operands(monkeypatch, bench, seen=seen, fail_on=broken)
-    monkeypatch.setattr(bench, "SWEEP", {"block_128x1": [default, broken]})
+    monkeypatch.setattr(bench, "SWEEP", {"mxfp8_dequantized": [default, broken]})
     with pytest.raises(RuntimeError, match="failed to compile"):
         bench.sweep_configs(FakeReporter(), torch.zeros(1), copy_gbps=1.0)
-    assert cq.TILE_CONFIG["block_128x1"] == default
-    assert cq.TILE_CONFIG["block_128x1_words"] == words
+    assert cq.TILE_CONFIG["mxfp8_dequantized"] == default
+    assert cq.TILE_CONFIG["mxfp8_quads_dequantized"] == quads
 
 
 def test_shipped_defaults_are_the_first_sweep_candidates(bench):

@@ -25,7 +25,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 M, K = 256, 384
 KERNELS = (
     "amax_partials_kernel", "per_tensor_cast_kernel", "block_1x128_rows_kernel",
-    "block_128x1_cols_kernel", "block_128x1_words_kernel", "block_1x128_fused_kernel",
+    "block_128x1_cols_kernel", "block_1x128_fused_kernel",
     "block_128x128_kernel", "mxfp8_kernel", "mxfp8_quads_kernel",
 )  # fmt: skip
 STREAM = 1234
@@ -123,10 +123,8 @@ def kernels(monkeypatch):
     monkeypatch.setattr(launch, "_direct", {"enabled": True, "why_not": "", "launches": 0})
     monkeypatch.setattr(launch, "_knobs", lambda: FakeRuntime)
     monkeypatch.setattr(launch, "_raw_stream", lambda device: STREAM)
-    # The tests below check the two single-copy 1x128 kernels; test_fused_1x128_* the fused
-    # one, test_words_128x1_* the word-transposing one.
+    # The tests below check the two single-copy 1x128 kernels; test_fused_1x128_* the fused one.
     monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_fused", {})
-    monkeypatch.setitem(cq.TILE_CONFIG, "block_128x1_words", {})
     linear_ops.clear_plans()
     yield fakes
     linear_ops.clear_plans()
@@ -787,33 +785,6 @@ def test_fused_1x128_only_when_both_copies_are_wanted(fused_kernels):
     constexprs = api["constexprs"]
     assert (constexprs["COLUMNWISE"], constexprs["WRITE_T"]) == (True, False)
     assert (constexprs["RECORD_AMAX"], constexprs["ROW_SCALE_T"]) == (True, False)
-
-
-def test_words_128x1_takes_the_transposed_copy_when_rows_divide_by_4(kernels, monkeypatch):
-    monkeypatch.setitem(cq.TILE_CONFIG, "block_128x1_words", dict(BK=64, num_warps=4))
-    options = dict(fp8_dtype=E4M3, power_2_scale=True, input_dtype=torch.bfloat16)
-    kernel, grid, constexprs = cq.block_128x1_cols_spec(
-        M, K, columnwise=False, write_t=True, record=True, **options
-    )
-    assert kernel is kernels.block_128x1_words_kernel
-    assert grid == (ceil_div(M, 128) * ceil_div(K, 64),)
-    assert constexprs["BK"] == 64 and constexprs["RECORD_AMAX"] is True
-    assert "WRITE_T" not in constexprs and constexprs["COLUMNWISE"] is False
-    # Rows not divisible by 4, or no transposed copy: the byte kernel.
-    for rows, write_t in ((M - 2, True), (M, False)):
-        kernel, _, constexprs = cq.block_128x1_cols_spec(
-            rows, K, columnwise=True, write_t=write_t, record=False, **options
-        )
-        assert kernel is kernels.block_128x1_cols_kernel and constexprs["WRITE_T"] is write_t
-    # Fp8Linear's transposed-only operand launches it with the byte kernel's arguments.
-    x = torch.randn(M, K, dtype=torch.bfloat16)
-    _, col = linear_ops.quantize_operands(x, rowwise=False, transposed=True,
-                                          **OPTIONS["blockwise input"])  # fmt: skip
-    (words,) = kernels.take()
-    assert words["kernel"] == "block_128x1_words_kernel"
-    col_t, col_sinv = words["args"][1], words["args"][2]
-    assert same_args(words["args"], (x, col_t, col_sinv, col_t, col_sinv, M, K))
-    assert col.data.data_ptr() == col_t.data_ptr() and col.data.shape == (K, M)
 
 
 def test_fused_1x128_needs_rows_divisible_by_4(fused_kernels):

@@ -38,8 +38,6 @@ TILE_CONFIG: dict[str, dict[str, int]] = {
     "cast_t": dict(BM=64, BK=64, GROUP=4, TRANS_X=False, num_warps=4),
     "block_1x128": dict(BM=64, GROUP=1, num_warps=4),
     "block_128x1": dict(BK=64, TRANS_X=False, num_warps=4),
-    # The transposed 128x1 copy as int32 words (rows % 4 == 0); empty: block_128x1 always.
-    "block_128x1_words": {},  # measured 86-87% of copy against block_128x1's 89-90%
     # Both 1x128 copies from one 128x128 tile read (rows % 4 == 0); empty: the two kernels.
     "block_1x128_fused": dict(num_warps=4),
     "block_128x128": dict(TRANS_X=True, num_warps=4),
@@ -413,12 +411,6 @@ def block_128x1_cols_spec(
 ) -> tuple:
     """(kernel, grid, constexprs) of the columnwise 128x1 kernel; args (x2d, col, col_sinv,
     col_t, record_bits or col_sinv, rows, cols), an absent output pointing at the other."""
-    words = TILE_CONFIG["block_128x1_words"]
-    if write_t and rows % 4 == 0 and words:  # the same arguments, in the same order
-        grid = (ceil_div(rows, BLOCK_128) * ceil_div(cols, words["BK"]),)
-        constants = dict(**_block_constants(input_dtype, fp8_dtype, power_2_scale),
-                         COLUMNWISE=columnwise, RECORD_AMAX=record, **words)  # fmt: skip
-        return _triton_kernels().block_128x1_words_kernel, grid, constants
     config = TILE_CONFIG["block_128x1"]
     grid = (ceil_div(rows, BLOCK_128) * ceil_div(cols, config["BK"]),)
     constants = dict(**_block_constants(input_dtype, fp8_dtype, power_2_scale),

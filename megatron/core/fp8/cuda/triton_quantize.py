@@ -362,52 +362,6 @@ def block_128x1_cols_kernel(
 
 
 @triton.jit
-def block_128x1_words_kernel(
-    x_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
-    COLUMNWISE: tl.constexpr, RECORD_AMAX: tl.constexpr, TILE: tl.constexpr,
-    BK: tl.constexpr,
-):  # fmt: skip
-    """block_128x1_cols_kernel's transposed copy (and optionally the one in x's shape) without
-    a byte transpose, for M % 4 == 0: the 128 x BK tile is read as four 32 x BK tiles of rows
-    4q + j (j = 0..3), which Triton lays out alike, so each thread holds the four bytes of
-    rows 4q..4q+3 of a column, i.e. one little-endian int32 of the [K, M] transpose; only
-    those words (a quarter of the elements) go through shared memory."""
-    pid = tl.program_id(0)
-    k_tiles = tl.cdiv(K, BK)
-    pid_m = pid // k_tiles
-    cols = (pid % k_tiles) * BK + tl.arange(0, BK)
-    quads = pid_m * (TILE // 4) + tl.arange(0, TILE // 4)
-    mask = (quads[:, None] * 4 < M) & (cols[None, :] < K)
-    offs = (quads * 4).to(tl.int64)[:, None] * K + cols[None, :]
-    x0 = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    x1 = tl.load(x_ptr + offs + K, mask=mask, other=0.0)
-    x2 = tl.load(x_ptr + offs + 2 * K, mask=mask, other=0.0)
-    x3 = tl.load(x_ptr + offs + 3 * K, mask=mask, other=0.0)
-    quad_max = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
-    col_amax = _amax_along(quad_max, 0)
-    if RECORD_AMAX:
-        tile_amax = tl.max(col_amax, axis=0)
-        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
-    scale = _scale_from_amax(col_amax, FP8_MAX, INF_SCALE, POW2)
-    tl.store(col_sinv_ptr + pid_m.to(tl.int64) * K + cols, _reciprocal(scale, POW2), mask=cols < K)
-    b0 = _byte_words(x0.to(tl.float32) * scale[None, :], E4M3)
-    b1 = _byte_words(x1.to(tl.float32) * scale[None, :], E4M3)
-    b2 = _byte_words(x2.to(tl.float32) * scale[None, :], E4M3)
-    b3 = _byte_words(x3.to(tl.float32) * scale[None, :], E4M3)
-    if COLUMNWISE:
-        tl.store(col_ptr + offs, b0.to(tl.uint8), mask=mask)
-        tl.store(col_ptr + offs + K, b1.to(tl.uint8), mask=mask)
-        tl.store(col_ptr + offs + 2 * K, b2.to(tl.uint8), mask=mask)
-        tl.store(col_ptr + offs + 3 * K, b3.to(tl.uint8), mask=mask)
-    words = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
-    words_t_ptr = col_t_ptr.to(tl.pointer_type(tl.int32))
-    offs_t = cols.to(tl.int64)[:, None] * (M // 4) + quads[None, :]
-    mask_t = (cols[:, None] < K) & (quads[None, :] * 4 < M)
-    tl.store(words_t_ptr + offs_t, tl.trans(words), mask=mask_t)
-
-
-@triton.jit
 def block_1x128_fused_kernel(
     x_ptr, row_ptr, row_sinv_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
@@ -417,8 +371,12 @@ def block_1x128_fused_kernel(
     """Both 1x128 copies from one read of a 128x128 tile, for M % 4 == 0: the rowwise bytes
     with one scale per row (ROW_SCALE_T as in block_1x128_rows_kernel) and the 128x1
     columnwise bytes with one scale per column, in x's shape (COLUMNWISE) and/or transposed
-    (WRITE_T, as int32 words: see block_128x1_words_kernel). Reads x from DRAM once where
-    the two single-copy kernels read it twice."""
+    (WRITE_T). Reads x from DRAM once where the two single-copy kernels read it twice.
+
+    The tile is read as four 32 x 128 tiles of rows 4q + j (j = 0..3), which Triton lays out
+    alike, so each thread holds the four bytes of rows 4q..4q+3 of a column: one
+    little-endian int32 of the [K, M] transpose, and only those words (a quarter of the
+    elements) go through shared memory for the transposed store."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, TILE)
     pid_m = pid // k_tiles
@@ -590,10 +548,10 @@ def mxfp8_quads_kernel(
     DEQUANT: tl.constexpr, CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """mxfp8_kernel without the transposed copy (col_t_ptr is unused: the arguments are
-    mxfp8_kernel's), each 32x32 chunk read as four 8 x 32 tiles
-    of rows 4q + j: a thread then holds four rows of each of its columns, so a column's
-    amax is mostly an in-thread max and needs three shuffle rounds where the 32-row tile of
-    mxfp8_kernel needed four or five (shuffles were a quarter of its instructions)."""
+    mxfp8_kernel's), each 32x32 chunk read as four 8 x 32 tiles of rows 4q + j: a thread
+    then holds four rows of each of its columns, so a column's amax is mostly an in-thread
+    max and needs three shuffle rounds where the 32-row tile of mxfp8_kernel needed four or
+    five (shuffles were a quarter of its instructions)."""
     pid = tl.program_id(0)
     k_groups = tl.cdiv(K, 32 * CHUNKS)
     k_blocks = tl.cdiv(K, 32)
