@@ -348,6 +348,20 @@ def test_delayed_needs_an_fp32_scale(kernels):
     assert kernels.log == [] and linear_ops._plans == {}
 
 
+def _assert_1x128_operands(row, col, row_bytes, row_sinv_t, col_t, col_sinv) -> None:
+    """The blockwise input operands of an M x K tensor over the launch's buffers."""
+    # Rowwise operand: bytes [M, K], scale (M, K/128) outer-dim-major.
+    assert row.data.dtype == E4M3 and row.data.shape == (M, K)
+    assert row.data.data_ptr() == row_bytes.data_ptr()
+    assert row.scale_inv.shape == (M, 3) and row.scale_inv.stride() == (1, M)
+    assert row.scale_inv.data_ptr() == row_sinv_t.data_ptr()
+    # Transposed operand [K, M]: 1x128 blocks along M, scale (K, M/128) strides (1, K).
+    assert col.data.dtype == E4M3 and col.data.shape == (K, M) and col.data.stride() == (M, 1)
+    assert col.data.data_ptr() == col_t.data_ptr()
+    assert col.scale_inv.shape == (K, 2) and col.scale_inv.stride() == (1, K)
+    assert col.scale_inv.data_ptr() == col_sinv.data_ptr()
+
+
 def test_blockwise_input_launches_and_layouts(kernels):
     x = torch.randn(M, K, dtype=torch.bfloat16)
     for _ in range(2):
@@ -363,16 +377,7 @@ def test_blockwise_input_launches_and_layouts(kernels):
         assert rows_launch["constexprs"]["ROW_SCALE_T"] is True
         assert cols_launch["constexprs"]["COLUMNWISE"] is False
         assert cols_launch["constexprs"]["WRITE_T"] is True
-        # Rowwise operand: bytes [M, K], scale (M, K/128) outer-dim-major.
-        assert row.data.dtype == E4M3 and row.data.shape == (M, K)
-        assert row.data.data_ptr() == row_bytes.data_ptr()
-        assert row.scale_inv.shape == (M, 3) and row.scale_inv.stride() == (1, M)
-        assert row.scale_inv.data_ptr() == row_sinv_t.data_ptr()
-        # Transposed operand [K, M]: 1x128 blocks along M, scale (K, M/128) strides (1, K).
-        assert col.data.dtype == E4M3 and col.data.shape == (K, M) and col.data.stride() == (M, 1)
-        assert col.data.data_ptr() == col_t.data_ptr()
-        assert col.scale_inv.shape == (K, 2) and col.scale_inv.stride() == (1, K)
-        assert col.scale_inv.data_ptr() == col_sinv.data_ptr()
+        _assert_1x128_operands(row, col, row_bytes, row_sinv_t, col_t, col_sinv)
         cq.launch_block_1x128(
             x, row=row_bytes, row_sinv=row_sinv_t, col=None, col_sinv=col_sinv, col_t=col_t,
             record_bits=None, row_scale_t=True, fp8_dtype=E4M3, power_2_scale=False,
@@ -747,13 +752,8 @@ def test_fused_1x128_launch_layouts_and_generic_twin(fused_kernels):
         assert constexprs["ROW_SCALE_T"] is True and constexprs["WRITE_T"] is True
         assert constexprs["COLUMNWISE"] is False and constexprs["RECORD_AMAX"] is False
         assert row_sinv_t.shape == (3, M) and col_sinv.shape == (2, K)
-        # The operands read the same buffers as with the two kernels (see the test above).
-        assert row.data.data_ptr() == row_bytes.data_ptr() and row.data.shape == (M, K)
-        assert row.scale_inv.shape == (M, 3) and row.scale_inv.stride() == (1, M)
-        assert row.scale_inv.data_ptr() == row_sinv_t.data_ptr()
-        assert col.data.shape == (K, M) and col.data.data_ptr() == col_t.data_ptr()
-        assert col.scale_inv.shape == (K, 2) and col.scale_inv.stride() == (1, K)
-        assert col.scale_inv.data_ptr() == col_sinv.data_ptr()
+        # The operands read the same buffers as with the two kernels.
+        _assert_1x128_operands(row, col, row_bytes, row_sinv_t, col_t, col_sinv)
     cq.launch_block_1x128(
         x, row=row_bytes, row_sinv=row_sinv_t, col=None, col_sinv=col_sinv, col_t=col_t,
         record_bits=None, row_scale_t=True, fp8_dtype=E4M3, power_2_scale=False,
