@@ -115,11 +115,22 @@ def cases(rows: int, cols: int) -> dict[str, tuple]:
     )
     out["128x1 cols T"] = (kernel, (bf16, u8, f32, u8, f32, rows, cols), constexprs, grid)
     fused_spec = getattr(cq, "block_1x128_fused_spec", None)  # absent before cc97b24
-    fused = fused_spec and fused_spec(rows, cols, columnwise=False, write_t=True, record=False,
-                                      row_scale_t=True, **block)  # fmt: skip
-    if fused is not None:
-        args = (bf16, u8, f32, u8, f32, u8, f32, rows, cols)
-        out["1x128 fused row + T"] = (fused[0], args, fused[2], fused[1])
+    pair = cq.TILE_CONFIG.get("block_1x128_pair")  # absent before this session's pair kernel
+    # The one-launch 1x128 pair: the paired kernel where configured, and the fused kernel.
+    for name, pair_config in (("1x128 pair row + T", pair), ("1x128 fused row + T", {})):
+        if fused_spec is None or (pair_config is not None and name.startswith("1x128 pair")
+                                  and not pair_config):  # fmt: skip
+            continue
+        if pair is not None:
+            cq.TILE_CONFIG["block_1x128_pair"] = pair_config
+        try:
+            spec = fused_spec(rows, cols, columnwise=False, write_t=True, record=False,
+                              row_scale_t=True, **block)  # fmt: skip
+        finally:
+            if pair is not None:
+                cq.TILE_CONFIG["block_1x128_pair"] = pair
+        if spec is not None:
+            out[name] = (spec[0], (bf16, u8, f32, u8, f32, u8, f32, rows, cols), spec[2], spec[1])
     kernel, grid, constexprs = cq.block_128x128_spec(rows, cols, write_row=True, write_t=True,
                                                      record=False, **block)  # fmt: skip
     out["128x128 row + T"] = (kernel, (bf16, u8, f32, u8, f32, f32, rows, cols), constexprs, grid)
@@ -153,7 +164,10 @@ def main(argv=None) -> int:
             continue
         registers, ops = sass_report(compile_sm90(kernel, kernel_args, constexprs))
         total = sum(ops.values())
-        per_thread = rows * cols / grid[0] / (32 * constexprs.get("num_warps", 4))
+        # The pair kernel's programs each run one of its two branches (a rows or a cols tile)
+        # and every element is visited by one of each: count both copies per element.
+        visits = 2 if name.startswith("1x128 pair") else 1
+        per_thread = visits * rows * cols / grid[0] / (32 * constexprs.get("num_warps", 4))
         memory = {op: n for op, n in sorted(ops.items()) if op.startswith(("LD", "ST"))}
         print(f"{name:24} {registers:4d} {total:6d} {total / per_thread:8.2f}  {memory}")
     return 0

@@ -12,9 +12,10 @@
     megatron.core.fp8.Fp8Linear vs bf16 nn.Linear (targets: tensorwise/delayed 1.4x, blockwise
     1.3x, mxfp8 emulated 0.8x); --chain adds the quantize_cuda + scaled_mm API chain. Steps are
     timed as a training loop runs them: 20 issued back to back, CUDA events around the batch
-    (time_ms, the speedup the targets apply to). Each row also gives host_ms, the host time
-    to issue one step (above time_ms: launch-bound), and graph_ms, the step captured in a CUDA
-    graph and replayed: its GPU time alone, for both sides.
+    (time_ms), in 5 rounds that time every side once each; the speedup the targets apply to
+    is the median of the rounds' ratios. Each row also gives host_ms, the host time to issue
+    one step (above time_ms: launch-bound), and graph_ms, the step captured in a CUDA graph
+    and replayed: its GPU time alone, for both sides.
 One JSON line per case on stdout (and in $OUT/bench_fp8.jsonl when OUT is set), then a table.
 Quantization times are device times (calls captured in a CUDA graph and replayed, so host
 launch cost is not counted; the copy is timed the same way); Linear times as described in (b).
@@ -54,6 +55,8 @@ BANDWIDTH_TARGET = 0.60
 SPEEDUP_TARGET = {"tensorwise": 1.4, "delayed": 1.4, "blockwise": 1.3, "mxfp8": 0.8}
 # Stop starting new cases past this many seconds so the whole run stays under 4 minutes.
 TIME_BUDGET_S = 200.0
+# Interleaved timing rounds per Linear shape (bench_linear).
+ROUNDS = 5
 
 
 def cuda_time_ms(fn, *, warmup: int = 3, iters: int = 10, host: list | None = None) -> float:
@@ -231,7 +234,8 @@ def _operand_fn(x: torch.Tensor, key: str):
         ), read + (3 if transpose else 2) * elems + 2 * (elems // 32)  # fmt: skip
     scales_1x128 = 4 * (elems // 128)
     # (recipe, role, rowwise, transposed, bytes); block_1x128 / block_128x1: one copy (one
-    # kernel each), block_1x128_fused: both (one kernel, or the two when the config is empty).
+    # kernel each), block_1x128_pair / _fused: both (one launch; with both configs empty, the
+    # two kernels).
     recipe, role, rowwise, transposed, moved = {
         "tensorwise": ("tensorwise", "input", True, True, 2 * read + 2 * elems),
         "cast": ("delayed", "input", True, False, read + elems),
@@ -240,6 +244,8 @@ def _operand_fn(x: torch.Tensor, key: str):
         "block_128x1": ("blockwise", "input", False, True, read + elems + scales_1x128),
         "block_1x128_fused": ("blockwise", "input", True, True,
                               read + 2 * elems + 2 * scales_1x128),
+        "block_1x128_pair": ("blockwise", "input", True, True,
+                             read + 2 * elems + 2 * scales_1x128),
         "block_128x128": ("blockwise", "weight", True, True, read + 2 * elems),
         "mxfp8_dequantized": ("mxfp8", "input", True, True, read + 4 * elems),
         "mxfp8_quads_dequantized": ("mxfp8", "input", True, True, read + 4 * elems),
@@ -276,6 +282,9 @@ SWEEP = {
                                                                              (64, 0, 8),
                                                                              (32, 1, 8),
                                                                              (16, 1, 4))],
+    "block_1x128_pair": [dict(BM=m, BK=k, TRANS_X=bool(t), num_warps=w)
+                         for m, k, t, w in ((64, 64, 0, 4), (128, 64, 0, 4), (32, 64, 0, 4))]
+                        + [{}],
     "block_1x128_fused": [dict(num_warps=4), dict(num_warps=8), {}],
     "block_128x128": [dict(TRANS_X=t, num_warps=w) for t, w in ((True, 4), (True, 16),
                                                                 (False, 4), (False, 8),
@@ -305,6 +314,7 @@ def _outputs(result) -> list[torch.Tensor]:
 # Kernels that take over another's launches while configured: off while that one is swept.
 SWEEP_WITHOUT = {
     "mxfp8_dequantized": "mxfp8_quads_dequantized",
+    "block_1x128_fused": "block_1x128_pair",
 }
 
 
@@ -369,7 +379,7 @@ def bench_quantize(reporter: Reporter, *, sweep: bool) -> None:
 
         cases.append((f"API {name}", quantize_once, moved))
     for name, key in (("tensorwise amax + row+T", "tensorwise"), ("delayed row+T, amax in-kernel",
-                      "cast_t"), ("blockwise 1x128 row+T", "block_1x128_fused"),
+                      "cast_t"), ("blockwise 1x128 row+T", "block_1x128_pair"),
                       ("blockwise 128x128 row+T", "block_128x128"),
                       ("mxfp8 dequantized row+col bf16", "mxfp8_dequantized"),
                       ("mxfp8 dequantize bytes->bf16", "mxfp8_dequant")):  # fmt: skip
@@ -474,20 +484,25 @@ def _profile_step(step, label: str) -> str:
     return f"== {label}\n{table}\n"
 
 
+def round_speedups(bf16_ms: list[float], fp8_ms: list[float]) -> tuple[list[float], float]:
+    """(each round's bf16/FP8 time ratio, their median): the speedup bench_linear reports,
+    taken within rounds rather than as a ratio of medians, so a drift between rounds cancels."""
+    ratios = [b / t for b, t in zip(bf16_ms, fp8_ms, strict=True)]
+    return ratios, statistics.median(ratios)
+
+
 def bench_linear(reporter: Reporter, started: float, *, chain: bool, budget_s: float,
-                 profile_path: Path | None, shapes=LINEAR_SHAPES,
-                 recipes=RECIPES) -> None:  # fmt: skip
+                 profile_path: Path | None, shapes=LINEAR_SHAPES, recipes=RECIPES,
+                 rounds: int = ROUNDS) -> None:  # fmt: skip
+    """Time bf16 nn.Linear and each recipe's Fp8Linear (and --chain's API chain) in
+    `rounds` interleaved rounds: every round times each step once (steady_ms), bf16 first.
+    The lent H200's step times drift by up to 10% within a run (clocks, host speed), so each
+    speedup is the median of the rounds' own ratios, both sides measured seconds apart."""
     for k, n in shapes:
         x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16) * 1e-3
         base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        host: list[float] = []
-        bf16_step = make_module_step(base, x, dy, autocast=None)
-        bf16_ms = steady_ms(bf16_step, host=host)
-        bf16_graph = graph_ms(bf16_step)
-        reporter.emit({"bench": "linear", "impl": "bf16 nn.Linear", "recipe": "bf16",
-                       "M": TOKENS, "K": k, "N": n, "time_ms": round(bf16_ms, 3),
-                       "host_ms": round(host[0], 3), "graph_ms": _round(bf16_graph)})  # fmt: skip
+        cases = [("bf16 nn.Linear", "bf16", make_module_step(base, x, dy, autocast=None))]
         w = base.weight.detach()
         for recipe in recipes:
             if time.perf_counter() - started > budget_s:
@@ -495,36 +510,49 @@ def bench_linear(reporter: Reporter, started: float, *, chain: bool, budget_s: f
                                "skipped": "time budget"})  # fmt: skip
                 continue
             module_step, why = _fp8_linear_step(recipe, k, n, x, dy)
-            impls = []
-            if chain:
-                impls.append(
-                    ("quantize_cuda+scaled_mm", make_chain_step(x.detach(), w, dy, recipe))
-                )
             if module_step is not None:
-                impls.insert(0, ("Fp8Linear", module_step))
+                cases.append(("Fp8Linear", recipe, module_step))
             else:
                 reporter.emit({"bench": "linear", "impl": "Fp8Linear", "recipe": recipe,
                                "K": k, "N": n, "unavailable": why})  # fmt: skip
-            for impl, step in impls:
-                host = []
-                ms = steady_ms(step, host=host)
-                graphed = graph_ms(step)
-                speedup = bf16_ms / ms
-                graph_speedup = (bf16_graph / graphed) if (graphed and bf16_graph) else None
-                reporter.emit({"bench": "linear", "impl": impl, "recipe": recipe, "M": TOKENS,
-                               "K": k, "N": n, "time_ms": round(ms, 3),
-                               "host_ms": round(host[0], 3), "graph_ms": _round(graphed),
-                               "bf16_ms": round(bf16_ms, 3), "bf16_graph_ms": _round(bf16_graph),
-                               "speedup": round(speedup, 3),
-                               "graph_speedup": _round(graph_speedup),
-                               "target": SPEEDUP_TARGET[recipe],
-                               "pass": speedup >= SPEEDUP_TARGET[recipe],
-                               "gemm_path": _gemm_path(recipe),
-                               "launch": direct_launch_status()})  # fmt: skip
-            if profile_path is not None and module_step is not None and (k, n) == shapes[0]:
+            if chain:
+                cases.append(("quantize_cuda+scaled_mm", recipe,
+                              make_chain_step(x.detach(), w, dy, recipe)))  # fmt: skip
+        times: list[list[float]] = [[] for _ in cases]
+        hosts: list[list[float]] = [[] for _ in cases]
+        for _ in range(rounds):
+            for index, (_, _, step) in enumerate(cases):
+                host: list[float] = []
+                times[index].append(steady_ms(step, host=host))
+                hosts[index].append(host[0])
+        graphs = [graph_ms(step) for _, _, step in cases]
+        bf16_ms, bf16_graph = statistics.median(times[0]), graphs[0]
+        reporter.emit({"bench": "linear", "impl": "bf16 nn.Linear", "recipe": "bf16",
+                       "M": TOKENS, "K": k, "N": n, "time_ms": round(bf16_ms, 3),
+                       "round_ms": [round(t, 3) for t in times[0]],
+                       "host_ms": round(statistics.median(hosts[0]), 3),
+                       "graph_ms": _round(bf16_graph)})  # fmt: skip
+        for index in range(1, len(cases)):
+            impl, recipe, step = cases[index]
+            ratios, speedup = round_speedups(times[0], times[index])
+            graphed = graphs[index]
+            graph_speedup = (bf16_graph / graphed) if (graphed and bf16_graph) else None
+            reporter.emit({"bench": "linear", "impl": impl, "recipe": recipe, "M": TOKENS,
+                           "K": k, "N": n, "time_ms": round(statistics.median(times[index]), 3),
+                           "round_ms": [round(t, 3) for t in times[index]],
+                           "round_speedups": [round(r, 3) for r in ratios],
+                           "host_ms": round(statistics.median(hosts[index]), 3),
+                           "graph_ms": _round(graphed), "bf16_ms": round(bf16_ms, 3),
+                           "bf16_graph_ms": _round(bf16_graph), "speedup": round(speedup, 3),
+                           "graph_speedup": _round(graph_speedup),
+                           "target": SPEEDUP_TARGET[recipe],
+                           "pass": speedup >= SPEEDUP_TARGET[recipe],
+                           "gemm_path": _gemm_path(recipe),
+                           "launch": direct_launch_status()})  # fmt: skip
+            if profile_path is not None and impl == "Fp8Linear" and (k, n) == shapes[0]:
                 with profile_path.open("a") as handle:
-                    handle.write(_profile_step(module_step, f"Fp8Linear {recipe} K={k} N={n}"))
-        del x, dy, base, w
+                    handle.write(_profile_step(step, f"Fp8Linear {recipe} K={k} N={n}"))
+        del x, dy, base, w, cases
         torch.cuda.empty_cache()
 
 

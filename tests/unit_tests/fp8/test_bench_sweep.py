@@ -95,3 +95,13 @@ def test_shipped_defaults_are_the_first_sweep_candidates(bench):
     """TILE_CONFIG holds what the sweep starts from (the measured default)."""
     for key, candidates in bench.SWEEP.items():
         assert candidates[0] == cq.TILE_CONFIG[key], key
+
+
+def test_linear_speedup_is_the_median_of_per_round_ratios(bench):
+    # Per-round ratios 1.25, 1.6, 1.1 -> median 1.25; the ratio of the medians (bf16 1.1 over
+    # FP8 0.8) would claim 1.375 from times measured in different rounds.
+    ratios, speedup = bench.round_speedups([1.0, 1.2, 1.1], [0.8, 0.75, 1.0])
+    assert [round(r, 6) for r in ratios] == [1.25, 1.6, 1.1]
+    assert speedup == pytest.approx(1.25)
+    with pytest.raises(ValueError):
+        bench.round_speedups([1.0, 2.0], [1.0])

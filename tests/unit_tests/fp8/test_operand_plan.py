@@ -25,7 +25,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 M, K = 256, 384
 KERNELS = (
     "amax_partials_kernel", "per_tensor_cast_kernel", "block_1x128_rows_kernel",
-    "block_128x1_cols_kernel", "block_1x128_fused_kernel",
+    "block_128x1_cols_kernel", "block_1x128_fused_kernel", "block_1x128_pair_kernel",
     "block_128x128_kernel", "mxfp8_kernel", "mxfp8_quads_kernel",
 )  # fmt: skip
 STREAM = 1234
@@ -123,7 +123,9 @@ def kernels(monkeypatch):
     monkeypatch.setattr(launch, "_direct", {"enabled": True, "why_not": "", "launches": 0})
     monkeypatch.setattr(launch, "_knobs", lambda: FakeRuntime)
     monkeypatch.setattr(launch, "_raw_stream", lambda device: STREAM)
-    # The tests below check the two single-copy 1x128 kernels; test_fused_1x128_* the fused one.
+    # The tests below check the two single-copy 1x128 kernels; test_fused_1x128_* the fused
+    # one, test_pair_1x128_* the paired one.
+    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_pair", {})
     monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_fused", {})
     linear_ops.clear_plans()
     yield fakes
@@ -348,16 +350,17 @@ def test_delayed_needs_an_fp32_scale(kernels):
     assert kernels.log == [] and linear_ops._plans == {}
 
 
-def _assert_1x128_operands(row, col, row_bytes, row_sinv_t, col_t, col_sinv) -> None:
-    """The blockwise input operands of an M x K tensor over the launch's buffers."""
-    # Rowwise operand: bytes [M, K], scale (M, K/128) outer-dim-major.
-    assert row.data.dtype == E4M3 and row.data.shape == (M, K)
+def _assert_1x128_operands(row, col, row_bytes, row_sinv_t, col_t, col_sinv, rows=M) -> None:
+    """The blockwise input operands of a rows x K tensor (rows in (128, 256]) over the
+    launch's buffers."""
+    # Rowwise operand: bytes [rows, K], scale (rows, K/128) outer-dim-major.
+    assert row.data.dtype == E4M3 and row.data.shape == (rows, K)
     assert row.data.data_ptr() == row_bytes.data_ptr()
-    assert row.scale_inv.shape == (M, 3) and row.scale_inv.stride() == (1, M)
+    assert row.scale_inv.shape == (rows, 3) and row.scale_inv.stride() == (1, rows)
     assert row.scale_inv.data_ptr() == row_sinv_t.data_ptr()
-    # Transposed operand [K, M]: 1x128 blocks along M, scale (K, M/128) strides (1, K).
-    assert col.data.dtype == E4M3 and col.data.shape == (K, M) and col.data.stride() == (M, 1)
-    assert col.data.data_ptr() == col_t.data_ptr()
+    # Transposed operand [K, rows]: 1x128 blocks along rows, scale (K, 2) strides (1, K).
+    assert col.data.dtype == E4M3 and col.data.shape == (K, rows)
+    assert col.data.stride() == (rows, 1) and col.data.data_ptr() == col_t.data_ptr()
     assert col.scale_inv.shape == (K, 2) and col.scale_inv.stride() == (1, K)
     assert col.scale_inv.data_ptr() == col_sinv.data_ptr()
 
@@ -728,7 +731,8 @@ def test_the_plan_cache_is_bounded(kernels, monkeypatch):
     assert [key[6] for key in linear_ops._plans] == [torch.Size([64, K])]
 
 
-# The fused 1x128 kernel (TILE_CONFIG's default): both copies from one launch.
+# The fused 1x128 kernel (TILE_CONFIG's choice when the paired one is off): both copies from
+# one launch.
 
 
 @pytest.fixture
@@ -795,6 +799,80 @@ def test_fused_1x128_needs_rows_divisible_by_4(fused_kernels):
     ]  # fmt: skip
 
 
+# The paired 1x128 kernel (TILE_CONFIG's default): both copies from one launch, the rows and
+# cols kernels' tiles of each 128x128 tile as consecutive programs.
+
+PAIR = dict(BM=64, BK=64, TRANS_X=False, num_warps=4)
+
+
+@pytest.fixture
+def pair_kernels(kernels, monkeypatch):
+    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_pair", dict(PAIR))
+    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_fused", dict(num_warps=4))
+    return kernels
+
+
+def test_pair_is_tile_configs_default():
+    assert cq.TILE_CONFIG["block_1x128_pair"] == PAIR
+
+
+@pytest.mark.parametrize("rows", [M, M - 2])
+def test_pair_1x128_launch_layouts_any_row_count(pair_kernels, rows):
+    """Both operands from one paired launch, also where rows % 4 != 0 (the fused kernel's
+    condition): 4 programs per 128x128 tile, the fused kernel's arguments."""
+    x = torch.randn(rows, K, dtype=torch.bfloat16)
+    for path in ("jit", "direct"):
+        row, col = _quantize(x, "blockwise input")
+        (pair,) = pair_kernels.take()
+        assert (pair["path"], pair["kernel"]) == (path, "block_1x128_pair_kernel")
+        # ceil(rows/128) * ceil(384/128) tiles, 128/64 rows + 128/64 cols programs each
+        assert pair["grid"] == (2 * 3 * 4, 1, 1)
+        args = pair["args"]
+        row_bytes, row_sinv_t, col_t, col_sinv = args[1], args[2], args[3], args[4]
+        assert same_args(args, (x, row_bytes, row_sinv_t, col_t, col_sinv, col_t, row_sinv_t,
+                                rows, K))  # fmt: skip
+        constexprs = pair["constexprs"]
+        assert {name: constexprs[name] for name in ("BM", "BK", "TRANS_X")} == dict(
+            BM=64, BK=64, TRANS_X=False
+        )
+        assert constexprs["ROW_SCALE_T"] is True and constexprs["WRITE_T"] is True
+        assert constexprs["COLUMNWISE"] is False and constexprs["RECORD_AMAX"] is False
+        assert row_sinv_t.shape == (3, rows) and col_sinv.shape == (2, K)
+        _assert_1x128_operands(row, col, row_bytes, row_sinv_t, col_t, col_sinv, rows)
+
+
+def test_pair_1x128_grid_follows_its_tile_sizes(pair_kernels, monkeypatch):
+    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_pair", dict(PAIR, BM=128, BK=32))
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    bits = torch.zeros((), dtype=torch.int32)
+    row, row_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(M, 3)
+    col, col_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(2, K)
+    cq.launch_block_1x128(
+        x, row=row, row_sinv=row_sinv, col=col, col_sinv=col_sinv, col_t=None,
+        record_bits=bits, row_scale_t=False, fp8_dtype=E4M3, power_2_scale=True,
+    )  # fmt: skip
+    (api,) = pair_kernels.take()
+    assert api["kernel"] == "block_1x128_pair_kernel"
+    assert api["grid"] == (2 * 3 * (1 + 4),)  # 128/128 rows programs + 128/32 cols programs
+    assert same_args(api["args"], (x, row, row_sinv, col, col_sinv, col, bits, M, K))
+    constexprs = api["constexprs"]
+    assert (constexprs["COLUMNWISE"], constexprs["WRITE_T"]) == (True, False)
+    assert (constexprs["RECORD_AMAX"], constexprs["ROW_SCALE_T"]) == (True, False)
+    assert (constexprs["BM"], constexprs["BK"]) == (128, 32)
+
+
+def test_pair_off_falls_back_to_fused_then_two_kernels(pair_kernels, monkeypatch):
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_pair", {})
+    _quantize(x, "blockwise input")
+    linear_ops.clear_plans()
+    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_fused", {})
+    _quantize(x, "blockwise input")
+    assert [r["kernel"] for r in pair_kernels.take()] == [
+        "block_1x128_fused_kernel", "block_1x128_rows_kernel", "block_128x1_cols_kernel",
+    ]  # fmt: skip
+
+
 def test_mxfp8_quads_kernel_unless_transposed_or_configured_off(kernels, monkeypatch):
     x = torch.randn(M, K, dtype=torch.bfloat16)
     row, col = torch.empty(M, K, dtype=torch.uint8), torch.empty(M, K, dtype=torch.uint8)
@@ -812,7 +890,32 @@ def test_mxfp8_quads_kernel_unless_transposed_or_configured_off(kernels, monkeyp
     assert quads["grid"] == (8 * ceil_div(K, 32 * chunks),)
     assert same_args(quads["args"], (x, row, row_e, col, col_e, row, bits, M, K))
     assert quads["constexprs"]["RECORD_AMAX"] is True and "WRITE_T" not in quads["constexprs"]
+    # K = 384: whole 128-column words of E8M0 bytes per row, packed when CHUNKS == 4.
+    assert quads["constexprs"]["E_WORDS"] is (chunks == 4)
     assert transposed["kernel"] == "mxfp8_kernel" and transposed["constexprs"]["WRITE_T"]
     assert same_args(transposed["args"], (x, row, row_e, col, col_e, col_t, bits, M, K))
     assert off["kernel"] == "mxfp8_kernel" and off["constexprs"]["WRITE_T"] is False
     assert same_args(off["args"], quads["args"])
+
+
+@pytest.mark.parametrize(
+    ("cols", "chunks", "rowwise", "dequant", "words"),
+    [
+        (384, 4, True, False, True),  # K % 128 == 0: one int32 per row and program
+        (352, 4, True, False, False),  # K % 128 != 0: the last word would be partial
+        (384, 2, True, False, False),  # two chunks: two bytes per program, not a word
+        (384, 4, False, False, False),  # no rowwise copy: no rowwise E8M0 bytes
+        (384, 4, True, True, False),  # dequantized values: no E8M0 bytes at all
+    ],
+)
+def test_mxfp8_packed_e8m0_words_only_where_whole(kernels, monkeypatch, cols, chunks, rowwise,
+                                                  dequant, words):  # fmt: skip
+    monkeypatch.setitem(cq.TILE_CONFIG, "mxfp8_quads", dict(CHUNKS=chunks, num_warps=1))
+    monkeypatch.setitem(cq.TILE_CONFIG, "mxfp8_quads_dequantized", dict(CHUNKS=chunks, num_warps=1))
+    kernel, grid, constexprs = cq.mxfp8_spec(
+        M, cols, rowwise=rowwise, columnwise=True, write_t=False, record=False,
+        fp8_dtype=E4M3, dequant=dequant,
+    )  # fmt: skip
+    assert kernel is kernels.mxfp8_quads_kernel
+    assert constexprs["E_WORDS"] is words
+    assert grid == (8 * ceil_div(cols, 32 * chunks),)

@@ -38,6 +38,9 @@ TILE_CONFIG: dict[str, dict[str, int]] = {
     "cast_t": dict(BM=64, BK=64, GROUP=4, TRANS_X=False, num_warps=4),
     "block_1x128": dict(BM=64, GROUP=1, num_warps=4),
     "block_128x1": dict(BK=64, TRANS_X=False, num_warps=4),
+    # Both 1x128 copies in one launch: the rows and cols kernels' tiles of each 128x128 tile
+    # as consecutive programs (block_1x128_pair_kernel); empty: "block_1x128_fused".
+    "block_1x128_pair": dict(BM=64, BK=64, TRANS_X=False, num_warps=4),
     # Both 1x128 copies from one 128x128 tile read (rows % 4 == 0); empty: the two kernels.
     "block_1x128_fused": dict(num_warps=4),
     "block_128x128": dict(TRANS_X=True, num_warps=4),
@@ -423,19 +426,24 @@ def block_1x128_fused_spec(
     rows, cols, *, columnwise, write_t, record, row_scale_t, fp8_dtype, power_2_scale,
     input_dtype,
 ) -> tuple | None:  # fmt: skip
-    """(kernel, grid, constexprs) of the kernel writing both 1x128 copies, args (x2d, row,
-    row_sinv, col, col_sinv, col_t, record_bits, rows, cols); None when TILE_CONFIG picks
-    the two single-copy kernels or rows % 4 != 0."""
-    config = TILE_CONFIG["block_1x128_fused"]
-    if not config or rows % 4:
-        return None
+    """(kernel, grid, constexprs) of the one launch writing both 1x128 copies, args (x2d,
+    row, row_sinv, col, col_sinv, col_t, record_bits, rows, cols): block_1x128_pair_kernel
+    where TILE_CONFIG configures it, else block_1x128_fused_kernel; None when TILE_CONFIG
+    picks the two single-copy kernels (or only the fused kernel and rows % 4 != 0)."""
     kernels = _triton_kernels()
+    pair = TILE_CONFIG["block_1x128_pair"]
+    config = pair or TILE_CONFIG["block_1x128_fused"]
+    if not config or (not pair and rows % 4):
+        return None
     constants = dict(
         **_block_constants(input_dtype, fp8_dtype, power_2_scale), ROW_SCALE_T=row_scale_t,
         COLUMNWISE=columnwise, WRITE_T=write_t, RECORD_AMAX=record, **config,
     )  # fmt: skip
-    grid = kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)
-    return kernels.block_1x128_fused_kernel, grid, constants
+    tiles = kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)[0]
+    if pair:
+        programs_per_tile = BLOCK_128 // pair["BM"] + BLOCK_128 // pair["BK"]
+        return kernels.block_1x128_pair_kernel, (tiles * programs_per_tile,), constants
+    return kernels.block_1x128_fused_kernel, (tiles,), constants
 
 
 def launch_block_1x128(
@@ -536,6 +544,10 @@ def mxfp8_spec(rows, cols, *, rowwise, columnwise, write_t, record, fp8_dtype, d
     grid = (ceil_div(rows, MX_BLOCK) * ceil_div(cols, MX_BLOCK * config["CHUNKS"]),)
     if use_quads:
         del constants["WRITE_T"]
+        # Packed rowwise E8M0 words: four chunks of 32 per program and whole words per row.
+        constants["E_WORDS"] = rowwise and not dequant and config["CHUNKS"] == 4 and (
+            cols % (4 * MX_BLOCK) == 0
+        )  # fmt: skip
         return _triton_kernels().mxfp8_quads_kernel, grid, constants
     return _triton_kernels().mxfp8_kernel, grid, constants
 

@@ -304,23 +304,36 @@ def block_1x128_rows_kernel(
     strip_max = tl.zeros((BM,), dtype=tl.float32)
     for i in range(GROUP):
         rows = ((pid // k_tiles) * GROUP + i) * BM + tl.arange(0, BM)
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-        x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        row_amax = _amax_along(x_raw, 1)
+        row_amax = _rows_tile(x_ptr, row_ptr, row_sinv_ptr, rows, cols, pid_k, k_tiles, M, K,
+                              FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
         if RECORD_AMAX:
             strip_max = tl.maximum(strip_max, row_amax)
-        scale = _scale_from_amax(row_amax, FP8_MAX, INF_SCALE, POW2)
-        q = _saturating_cast(x_raw.to(tl.float32) * scale[:, None], E4M3)
-        tl.store(row_ptr + offs, q, mask=mask)
-        if ROW_SCALE_T:
-            sinv_offs = pid_k.to(tl.int64) * M + rows
-        else:
-            sinv_offs = rows.to(tl.int64) * k_tiles + pid_k
-        tl.store(row_sinv_ptr + sinv_offs, _reciprocal(scale, POW2), mask=rows < M)
     if RECORD_AMAX:
         amax = tl.max(strip_max, axis=0)
         tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _rows_tile(
+    x_ptr, row_ptr, row_sinv_ptr, rows, cols, pid_k, k_tiles, M, K,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
+    ROW_SCALE_T: tl.constexpr,
+):  # fmt: skip
+    """The 1x128 rowwise bytes and scales of one (rows x 128 cols) tile; returns the rows'
+    amaxes."""
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    row_amax = _amax_along(x_raw, 1)
+    scale = _scale_from_amax(row_amax, FP8_MAX, INF_SCALE, POW2)
+    q = _saturating_cast(x_raw.to(tl.float32) * scale[:, None], E4M3)
+    tl.store(row_ptr + offs, q, mask=mask)
+    if ROW_SCALE_T:
+        sinv_offs = pid_k.to(tl.int64) * M + rows
+    else:
+        sinv_offs = rows.to(tl.int64) * k_tiles + pid_k
+    tl.store(row_sinv_ptr + sinv_offs, _reciprocal(scale, POW2), mask=rows < M)
+    return row_amax
 
 
 @triton.jit
@@ -338,15 +351,28 @@ def block_128x1_cols_kernel(
     k_tiles = tl.cdiv(K, BK)
     pid_m = pid // k_tiles
     cols = (pid % k_tiles) * BK + tl.arange(0, BK)
+    col_amax = _cols_tile(x_ptr, col_ptr, col_sinv_ptr, col_t_ptr, pid_m, cols, M, K, FP8_MAX,
+                          E4M3, INF_SCALE, POW2, COLUMNWISE, WRITE_T, TILE, TRANS_X)  # fmt: skip
+    if RECORD_AMAX:
+        tile_amax = tl.max(col_amax, axis=0)
+        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _cols_tile(
+    x_ptr, col_ptr, col_sinv_ptr, col_t_ptr, pid_m, cols, M, K,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
+    COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr, TILE: tl.constexpr,
+    TRANS_X: tl.constexpr,
+):  # fmt: skip
+    """The 128x1 columnwise bytes (x's shape and/or transposed) and scales of one (128 rows x
+    cols) tile; returns the columns' amaxes."""
     rows = pid_m * TILE + tl.arange(0, TILE)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
     x_raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
     x = x_raw.to(tl.float32)
     col_amax = _amax_along(x_raw, 0)
-    if RECORD_AMAX:
-        tile_amax = tl.max(col_amax, axis=0)
-        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
     scale = _scale_from_amax(col_amax, FP8_MAX, INF_SCALE, POW2)
     tl.store(col_sinv_ptr + pid_m.to(tl.int64) * K + cols, _reciprocal(scale, POW2), mask=cols < K)
     if COLUMNWISE:
@@ -359,6 +385,49 @@ def block_128x1_cols_kernel(
         offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
         mask_t = (cols[:, None] < K) & (rows[None, :] < M)
         tl.store(col_t_ptr + offs_t, q_t, mask=mask_t)
+    return col_amax
+
+
+@triton.jit
+def block_1x128_pair_kernel(
+    x_ptr, row_ptr, row_sinv_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
+    ROW_SCALE_T: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
+    RECORD_AMAX: tl.constexpr, TILE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    TRANS_X: tl.constexpr,
+):  # fmt: skip
+    """Both 1x128 copies in one launch, each program doing one kernel's work: every 128x128
+    tile of x gets TILE // BM programs of block_1x128_rows_kernel's tiles and TILE // BK of
+    block_128x1_cols_kernel's, with consecutive ids. The GPU starts consecutive programs
+    together, so the tile is read from DRAM about once between them and the other reads hit
+    L2; each program keeps its single-copy kernel's registers and occupancy (arguments as
+    block_1x128_fused_kernel's)."""
+    ROW_PARTS: tl.constexpr = TILE // BM
+    PARTS: tl.constexpr = ROW_PARTS + TILE // BK
+    pid = tl.program_id(0)
+    tile = pid // PARTS
+    part = pid % PARTS
+    k_tiles = tl.cdiv(K, TILE)
+    pid_m = tile // k_tiles
+    pid_k = tile % k_tiles
+    # (Triton needs a name bound in both branches to have one type: each branch has its own.)
+    if part < ROW_PARTS:
+        tile_rows = pid_m * TILE + part * BM + tl.arange(0, BM)
+        tile_cols = pid_k * TILE + tl.arange(0, TILE)
+        row_amax = _rows_tile(x_ptr, row_ptr, row_sinv_ptr, tile_rows, tile_cols, pid_k,
+                              k_tiles, M, K, FP8_MAX, E4M3, INF_SCALE, POW2,
+                              ROW_SCALE_T)  # fmt: skip
+        if RECORD_AMAX:
+            amax = tl.max(row_amax, axis=0)
+            tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True), sem="relaxed")
+    else:
+        strip_cols = pid_k * TILE + (part - ROW_PARTS) * BK + tl.arange(0, BK)
+        col_amax = _cols_tile(x_ptr, col_ptr, col_sinv_ptr, col_t_ptr, pid_m, strip_cols, M, K,
+                              FP8_MAX, E4M3, INF_SCALE, POW2, COLUMNWISE, WRITE_T, TILE,
+                              TRANS_X)  # fmt: skip
+        if RECORD_AMAX:
+            amax = tl.max(col_amax, axis=0)
+            tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
@@ -545,19 +614,31 @@ def mxfp8_quads_kernel(
     x_ptr, row_ptr, row_e_ptr, col_ptr, col_e_ptr, col_t_ptr, amax_bits_ptr, M, K,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, RCP_FP8_MAX: tl.constexpr,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, RECORD_AMAX: tl.constexpr,
-    DEQUANT: tl.constexpr, CHUNKS: tl.constexpr,
+    DEQUANT: tl.constexpr, CHUNKS: tl.constexpr, E_WORDS: tl.constexpr,
 ):  # fmt: skip
     """mxfp8_kernel without the transposed copy (col_t_ptr is unused: the arguments are
     mxfp8_kernel's), each 32x32 chunk read as four 8 x 32 tiles of rows 4q + j: a thread
     then holds four rows of each of its columns, so a column's amax is mostly an in-thread
     max and needs three shuffle rounds where the 32-row tile of mxfp8_kernel needed four or
-    five (shuffles were a quarter of its instructions)."""
+    five (shuffles were a quarter of its instructions).
+
+    E_WORDS (CHUNKS == 4 and K % 128 == 0) stores each row's four rowwise E8M0 bytes of the
+    program as one little-endian int32: a one-byte store per row and chunk wrote a sector
+    per 32 elements, as many L2 writes as the rowwise bytes themselves, and held the rowwise
+    copy to 58% of copy bandwidth against the columnwise copy's 76%."""
     pid = tl.program_id(0)
     k_groups = tl.cdiv(K, 32 * CHUNKS)
     k_blocks = tl.cdiv(K, 32)
     pid_m = pid // k_groups
     quads = pid_m * 8 + tl.arange(0, 8)
     strip_max = tl.max(tl.zeros((8,), dtype=tl.float32), axis=0)
+    if E_WORDS:
+        tl.static_assert(CHUNKS == 4, "E_WORDS packs the E8M0 bytes of four chunks")
+    words0 = tl.zeros((8,), dtype=tl.int32)
+    words1 = tl.zeros((8,), dtype=tl.int32)
+    words2 = tl.zeros((8,), dtype=tl.int32)
+    words3 = tl.zeros((8,), dtype=tl.int32)
+    STORE_E: tl.constexpr = not (DEQUANT or E_WORDS)
     for c in tl.static_range(CHUNKS):
         block = (pid % k_groups) * CHUNKS + c
         cols = block * 32 + tl.arange(0, 32)
@@ -573,14 +654,19 @@ def mxfp8_quads_kernel(
         if RECORD_AMAX:
             strip_max = tl.maximum(strip_max, tl.max(col_amax, axis=0))
         if ROWWISE:
-            _mx_rows(x0, r0, m0, o0, block, k_blocks, row_ptr, row_e_ptr, M, E4M3, RCP_FP8_MAX,
-                     DEQUANT)  # fmt: skip
-            _mx_rows(x1, r1, m1, o1, block, k_blocks, row_ptr, row_e_ptr, M, E4M3, RCP_FP8_MAX,
-                     DEQUANT)  # fmt: skip
-            _mx_rows(x2, r2, m2, o2, block, k_blocks, row_ptr, row_e_ptr, M, E4M3, RCP_FP8_MAX,
-                     DEQUANT)  # fmt: skip
-            _mx_rows(x3, r3, m3, o3, block, k_blocks, row_ptr, row_e_ptr, M, E4M3, RCP_FP8_MAX,
-                     DEQUANT)  # fmt: skip
+            e0 = _mx_rows(x0, r0, m0, o0, block, k_blocks, row_ptr, row_e_ptr, M, E4M3,
+                          RCP_FP8_MAX, DEQUANT, STORE_E)  # fmt: skip
+            e1 = _mx_rows(x1, r1, m1, o1, block, k_blocks, row_ptr, row_e_ptr, M, E4M3,
+                          RCP_FP8_MAX, DEQUANT, STORE_E)  # fmt: skip
+            e2 = _mx_rows(x2, r2, m2, o2, block, k_blocks, row_ptr, row_e_ptr, M, E4M3,
+                          RCP_FP8_MAX, DEQUANT, STORE_E)  # fmt: skip
+            e3 = _mx_rows(x3, r3, m3, o3, block, k_blocks, row_ptr, row_e_ptr, M, E4M3,
+                          RCP_FP8_MAX, DEQUANT, STORE_E)  # fmt: skip
+            if E_WORDS:
+                words0 = words0 | (e0 << (8 * c))
+                words1 = words1 | (e1 << (8 * c))
+                words2 = words2 | (e2 << (8 * c))
+                words3 = words3 | (e3 << (8 * c))
         if COLUMNWISE:
             e = _e8m0_from_amax(col_amax, RCP_FP8_MAX)
             multiplier = _e8m0_multiplier(e)[None, :]
@@ -591,8 +677,22 @@ def mxfp8_quads_kernel(
             if not DEQUANT:
                 e_offs = pid_m.to(tl.int64) * K + cols
                 tl.store(col_e_ptr + e_offs, e.to(tl.uint8), mask=(cols < K) & (pid_m * 32 < M))
+    if ROWWISE and E_WORDS:
+        # Word pid % k_groups of each row of row_e viewed as int32 [M, K / 128].
+        words_ptr = row_e_ptr.to(tl.pointer_type(tl.int32))
+        word = pid % k_groups
+        _mx_row_words(words_ptr, words0, quads * 4 + 0, word, k_groups, M)
+        _mx_row_words(words_ptr, words1, quads * 4 + 1, word, k_groups, M)
+        _mx_row_words(words_ptr, words2, quads * 4 + 2, word, k_groups, M)
+        _mx_row_words(words_ptr, words3, quads * 4 + 3, word, k_groups, M)
     if RECORD_AMAX:
         tl.atomic_max(amax_bits_ptr, strip_max.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _mx_row_words(words_ptr, words, rows, word, words_per_row, M):
+    """Store one int32 of packed E8M0 bytes per row (mxfp8_quads_kernel's E_WORDS)."""
+    tl.store(words_ptr + rows.to(tl.int64) * words_per_row + word, words, mask=rows < M)
 
 
 @triton.jit
@@ -606,8 +706,10 @@ def _quad_rows(x_ptr, quads, j: tl.constexpr, cols, M, K):
 
 @triton.jit
 def _mx_rows(x_raw, rows, mask, offs, block, k_blocks, row_ptr, row_e_ptr, M,
-             E4M3: tl.constexpr, RCP_FP8_MAX: tl.constexpr, DEQUANT: tl.constexpr):  # fmt: skip
-    """mxfp8_quads_kernel's rowwise copy of one 8 x 32 tile (one MX block per row)."""
+             E4M3: tl.constexpr, RCP_FP8_MAX: tl.constexpr, DEQUANT: tl.constexpr,
+             STORE_E: tl.constexpr):  # fmt: skip
+    """mxfp8_quads_kernel's rowwise copy of one 8 x 32 tile (one MX block per row); returns
+    the rows' E8M0 bytes (as int32), stored here when STORE_E."""
     e = _e8m0_from_amax(_amax_along(x_raw, 1), RCP_FP8_MAX)
     q = _saturating_cast(x_raw.to(tl.float32) * _e8m0_multiplier(e)[:, None], E4M3)
     if DEQUANT:
@@ -615,8 +717,10 @@ def _mx_rows(x_raw, rows, mask, offs, block, k_blocks, row_ptr, row_e_ptr, M,
         tl.store(row_ptr + offs, deq.to(row_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(row_ptr + offs, q, mask=mask)
+    if STORE_E:
         e_offs = rows.to(tl.int64) * k_blocks + block
         tl.store(row_e_ptr + e_offs, e.to(tl.uint8), mask=(rows < M) & (block < k_blocks))
+    return e
 
 
 @triton.jit
