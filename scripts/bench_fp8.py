@@ -597,7 +597,8 @@ def print_table(rows: list[dict]) -> None:
             print(f"linear    {row['recipe']:<10} {row['impl']:<10} K={row['K']:<6} "
                   f"N={row['N']:<6} {row['time_ms']:>8.3f} ms (host {row['host_ms']:.3f}) "
                   f"vs bf16 {row['bf16_ms']:.3f} ms "
-                  f"= {row['speedup']:.2f}x (target {row['target']}x) "
+                  f"= {row['speedup']:.2f}x (rounds {min(row['round_speedups']):.2f}-"
+                  f"{max(row['round_speedups']):.2f}x, target {row['target']}x) "
                   f"{'PASS' if row['pass'] else 'MISS'}; graphed {row['graph_speedup']}x "
                   f"[{row['gemm_path']}]")  # fmt: skip
         elif "unavailable" in row or "skipped" in row:
