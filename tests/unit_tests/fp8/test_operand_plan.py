@@ -841,24 +841,32 @@ def test_pair_1x128_launch_layouts_any_row_count(pair_kernels, rows):
         _assert_1x128_operands(row, col, row_bytes, row_sinv_t, col_t, col_sinv, rows)
 
 
-def test_pair_1x128_grid_follows_its_tile_sizes(pair_kernels, monkeypatch):
+def test_pair_1x128_grid_follows_its_tile_sizes_and_only_transposes(pair_kernels, monkeypatch):
+    """The API: with the transposed copy (and an amax record) the paired launch, its grid from
+    BM and BK; with the columnwise bytes in x's shape the fused kernel (faster there)."""
     monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_pair", dict(PAIR, BM=128, BK=32))
     x = torch.randn(M, K, dtype=torch.bfloat16)
     bits = torch.zeros((), dtype=torch.int32)
     row, row_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(M, 3)
     col, col_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(2, K)
-    cq.launch_block_1x128(
-        x, row=row, row_sinv=row_sinv, col=col, col_sinv=col_sinv, col_t=None,
-        record_bits=bits, row_scale_t=False, fp8_dtype=E4M3, power_2_scale=True,
-    )  # fmt: skip
-    (api,) = pair_kernels.take()
-    assert api["kernel"] == "block_1x128_pair_kernel"
-    assert api["grid"] == (2 * 3 * (1 + 4),)  # 128/128 rows programs + 128/32 cols programs
-    assert same_args(api["args"], (x, row, row_sinv, col, col_sinv, col, bits, M, K))
-    constexprs = api["constexprs"]
-    assert (constexprs["COLUMNWISE"], constexprs["WRITE_T"]) == (True, False)
+    col_t = torch.empty(K, M, dtype=torch.uint8)
+    common = dict(row=row, row_sinv=row_sinv, col_sinv=col_sinv, record_bits=bits,
+                  row_scale_t=False, fp8_dtype=E4M3, power_2_scale=True)  # fmt: skip
+    cq.launch_block_1x128(x, col=None, col_t=col_t, **common)
+    cq.launch_block_1x128(x, col=col, col_t=None, **common)
+    transposed, in_shape = pair_kernels.take()
+    assert transposed["kernel"] == "block_1x128_pair_kernel"
+    assert transposed["grid"] == (2 * 3 * (1 + 4),)  # 128/128 rows + 128/32 cols programs
+    assert same_args(transposed["args"], (x, row, row_sinv, col_t, col_sinv, col_t, bits, M, K))
+    constexprs = transposed["constexprs"]
+    assert (constexprs["COLUMNWISE"], constexprs["WRITE_T"]) == (False, True)
     assert (constexprs["RECORD_AMAX"], constexprs["ROW_SCALE_T"]) == (True, False)
     assert (constexprs["BM"], constexprs["BK"]) == (128, 32)
+    assert in_shape["kernel"] == "block_1x128_fused_kernel" and in_shape["grid"] == (6,)
+    assert same_args(in_shape["args"], (x, row, row_sinv, col, col_sinv, col, bits, M, K))
+    assert (in_shape["constexprs"]["COLUMNWISE"], in_shape["constexprs"]["WRITE_T"]) == (
+        True, False,
+    )  # fmt: skip
 
 
 def test_pair_off_falls_back_to_fused_then_two_kernels(pair_kernels, monkeypatch):

@@ -38,8 +38,9 @@ TILE_CONFIG: dict[str, dict[str, int]] = {
     "cast_t": dict(BM=64, BK=64, GROUP=4, TRANS_X=False, num_warps=4),
     "block_1x128": dict(BM=64, GROUP=1, num_warps=4),
     "block_128x1": dict(BK=64, TRANS_X=False, num_warps=4),
-    # Both 1x128 copies in one launch: the rows and cols kernels' tiles of each 128x128 tile
-    # as consecutive programs (block_1x128_pair_kernel); empty: "block_1x128_fused".
+    # Both 1x128 copies in one launch when one is transposed: the rows and cols kernels'
+    # tiles of each 128x128 tile as consecutive programs (block_1x128_pair_kernel); empty:
+    # "block_1x128_fused".
     "block_1x128_pair": dict(BM=64, BK=64, TRANS_X=False, num_warps=4),
     # Both 1x128 copies from one 128x128 tile read (rows % 4 == 0); empty: the two kernels.
     "block_1x128_fused": dict(num_warps=4),
@@ -428,10 +429,13 @@ def block_1x128_fused_spec(
 ) -> tuple | None:  # fmt: skip
     """(kernel, grid, constexprs) of the one launch writing both 1x128 copies, args (x2d,
     row, row_sinv, col, col_sinv, col_t, record_bits, rows, cols): block_1x128_pair_kernel
-    where TILE_CONFIG configures it, else block_1x128_fused_kernel; None when TILE_CONFIG
-    picks the two single-copy kernels (or only the fused kernel and rows % 4 != 0)."""
+    for the transposed copy (Fp8Linear's operands) where TILE_CONFIG configures it, else
+    block_1x128_fused_kernel; None when TILE_CONFIG picks the two single-copy kernels (or
+    only the fused kernel and rows % 4 != 0). Without the transpose (the API's columnwise
+    bytes in x's shape) the fused kernel measured faster on the H200: 76.8% of copy
+    against the pair's 66.5% (docs/PERFORMANCE_FP8_LINEAR.md)."""
     kernels = _triton_kernels()
-    pair = TILE_CONFIG["block_1x128_pair"]
+    pair = TILE_CONFIG["block_1x128_pair"] if write_t else {}
     config = pair or TILE_CONFIG["block_1x128_fused"]
     if not config or (not pair and rows % 4):
         return None
@@ -542,12 +546,15 @@ def mxfp8_spec(rows, cols, *, rowwise, columnwise, write_t, record, fp8_dtype, d
         WRITE_T=write_t, RECORD_AMAX=record, DEQUANT=dequant, **config,
     )  # fmt: skip
     grid = (ceil_div(rows, MX_BLOCK) * ceil_div(cols, MX_BLOCK * config["CHUNKS"]),)
+    # Packed rowwise E8M0 words (one store per row and program, not one per chunk): whole
+    # words per row, of four chunks (quads kernel) or two or four (mxfp8_kernel).
+    chunks = config["CHUNKS"]
+    constants["E_WORDS"] = (
+        rowwise and not dequant and chunks in ((4,) if use_quads else (2, 4))
+        and cols % (chunks * MX_BLOCK) == 0
+    )  # fmt: skip
     if use_quads:
         del constants["WRITE_T"]
-        # Packed rowwise E8M0 words: four chunks of 32 per program and whole words per row.
-        constants["E_WORDS"] = rowwise and not dequant and config["CHUNKS"] == 4 and (
-            cols % (4 * MX_BLOCK) == 0
-        )  # fmt: skip
         return _triton_kernels().mxfp8_quads_kernel, grid, constants
     return _triton_kernels().mxfp8_kernel, grid, constants
 

@@ -549,6 +549,7 @@ def mxfp8_kernel(
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, RCP_FP8_MAX: tl.constexpr,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
     RECORD_AMAX: tl.constexpr, DEQUANT: tl.constexpr, CHUNKS: tl.constexpr,
+    E_WORDS: tl.constexpr,
 ):  # fmt: skip
     """1x32 rowwise and 32x1 columnwise MX copies from a single read.
 
@@ -559,13 +560,18 @@ def mxfp8_kernel(
     WRITE_T also writes the columnwise bytes' [K, M] transpose. DEQUANT (the emulated MXFP8
     GEMM on sm_90) writes, instead of bytes and scales, the dequantized values
     q * 2^(e - 127) in row_ptr / col_ptr's dtype: exactly dequantize(quantize(x)), without
-    the FP8 bytes ever reaching memory."""
+    the FP8 bytes ever reaching memory. E_WORDS (CHUNKS 2 or 4, K a multiple of 32 * CHUNKS)
+    stores each row's CHUNKS rowwise E8M0 bytes as one little-endian int16 / int32, as
+    mxfp8_quads_kernel does."""
     pid = tl.program_id(0)
     k_groups = tl.cdiv(K, 32 * CHUNKS)
     k_blocks = tl.cdiv(K, 32)
     pid_m = pid // k_groups
     rows = pid_m * 32 + tl.arange(0, 32)
     strip_max = tl.max(tl.zeros((32,), dtype=tl.float32), axis=0)
+    if E_WORDS:
+        tl.static_assert((CHUNKS == 2) or (CHUNKS == 4), "E_WORDS packs 2 or 4 E8M0 bytes")
+    row_words = tl.zeros((32,), dtype=tl.int32)
     for c in tl.static_range(CHUNKS):
         block = (pid % k_groups) * CHUNKS + c
         cols = block * 32 + tl.arange(0, 32)
@@ -585,8 +591,12 @@ def mxfp8_kernel(
                 tl.store(row_ptr + offs, deq.to(row_ptr.dtype.element_ty), mask=mask)
             else:
                 tl.store(row_ptr + offs, q, mask=mask)
-                e_offs = rows.to(tl.int64) * k_blocks + block
-                tl.store(row_e_ptr + e_offs, e.to(tl.uint8), mask=(rows < M) & (block < k_blocks))
+                if E_WORDS:
+                    row_words = row_words | (e << (8 * c))
+                else:
+                    e_offs = rows.to(tl.int64) * k_blocks + block
+                    tl.store(row_e_ptr + e_offs, e.to(tl.uint8),
+                             mask=(rows < M) & (block < k_blocks))  # fmt: skip
         if COLUMNWISE or WRITE_T:
             e = _e8m0_from_amax(_amax_along(x_raw, 0), RCP_FP8_MAX)
             if WRITE_T:
@@ -605,6 +615,16 @@ def mxfp8_kernel(
                     offs_t = cols.to(tl.int64)[:, None] * M + rows[None, :]
                     mask_t = (cols[:, None] < K) & (rows[None, :] < M)
                     tl.store(col_t_ptr + offs_t, tl.trans(q), mask=mask_t)
+    if ROWWISE and E_WORDS and not DEQUANT:
+        # Word pid % k_groups of each row of row_e viewed as [M, K / (32 * CHUNKS)] words.
+        if CHUNKS == 2:
+            words_ptr = row_e_ptr.to(tl.pointer_type(tl.int16))
+            words = row_words.to(tl.int16)
+        else:
+            words_ptr = row_e_ptr.to(tl.pointer_type(tl.int32))
+            words = row_words
+        word_offs = rows.to(tl.int64) * k_groups + pid % k_groups
+        tl.store(words_ptr + word_offs, words, mask=rows < M)
     if RECORD_AMAX:
         tl.atomic_max(amax_bits_ptr, strip_max.to(tl.int32, bitcast=True), sem="relaxed")
 
