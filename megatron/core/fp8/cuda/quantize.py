@@ -456,8 +456,9 @@ def launch_block_1x128(
 ) -> None:  # fmt: skip
     """1x128 rowwise bytes/scales (row_scale_t: scales stored [ceil(K/128), M]) and 128x1
     columnwise bytes in x's shape (col) and/or transposed (col_t), scales [ceil(M/128), K].
-    Both copies at once go through the fused kernel when TILE_CONFIG enables it and rows % 4
-    == 0 (block_1x128_fused_spec); otherwise each copy has its own kernel."""
+    Both copies at once take one launch where TILE_CONFIG enables one (block_1x128_fused_spec:
+    the paired kernel with the transpose, the fused kernel where rows % 4 == 0); otherwise
+    each copy has its own kernel."""
     rows, cols = x2d.shape
     options = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x2d.dtype)
     fused = None
