@@ -118,8 +118,7 @@ def cases(rows: int, cols: int) -> dict[str, tuple]:
     pair = cq.TILE_CONFIG.get("block_1x128_pair")  # absent before this session's pair kernel
     # The one-launch 1x128 pair: the paired kernel where configured, and the fused kernel.
     for name, pair_config in (("1x128 pair row + T", pair), ("1x128 fused row + T", {})):
-        if fused_spec is None or (pair_config is not None and name.startswith("1x128 pair")
-                                  and not pair_config):  # fmt: skip
+        if fused_spec is None or (name.startswith("1x128 pair") and not pair_config):
             continue
         if pair is not None:
             cq.TILE_CONFIG["block_1x128_pair"] = pair_config

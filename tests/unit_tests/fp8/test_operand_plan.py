@@ -907,23 +907,47 @@ def test_mxfp8_quads_kernel_unless_transposed_or_configured_off(kernels, monkeyp
 
 
 @pytest.mark.parametrize(
-    ("cols", "chunks", "rowwise", "dequant", "words"),
+    ("cols", "chunks", "transposed", "rowwise", "dequant", "words"),
     [
-        (384, 4, True, False, True),  # K % 128 == 0: one int32 per row and program
-        (352, 4, True, False, False),  # K % 128 != 0: the last word would be partial
-        (384, 2, True, False, False),  # two chunks: two bytes per program, not a word
-        (384, 4, False, False, False),  # no rowwise copy: no rowwise E8M0 bytes
-        (384, 4, True, True, False),  # dequantized values: no E8M0 bytes at all
+        (384, 4, False, True, False, True),  # K % 128 == 0: one int32 per row and program
+        (352, 4, False, True, False, False),  # K % 128 != 0: the last word would be partial
+        (384, 2, False, True, False, False),  # quads kernel, two chunks: not a whole word
+        (384, 4, False, False, False, False),  # no rowwise copy: no rowwise E8M0 bytes
+        (384, 4, False, True, True, False),  # dequantized values: no E8M0 bytes at all
+        (320, 2, True, True, False, True),  # mxfp8_kernel, K % 64 == 0: one int16 per row
+        (352, 2, True, True, False, False),  # mxfp8_kernel, K % 64 != 0
+        (384, 4, True, True, False, True),  # mxfp8_kernel, four chunks: one int32
+        (384, 1, True, True, False, False),  # mxfp8_kernel, one chunk: a single byte
     ],
 )
-def test_mxfp8_packed_e8m0_words_only_where_whole(kernels, monkeypatch, cols, chunks, rowwise,
-                                                  dequant, words):  # fmt: skip
-    monkeypatch.setitem(cq.TILE_CONFIG, "mxfp8_quads", dict(CHUNKS=chunks, num_warps=1))
-    monkeypatch.setitem(cq.TILE_CONFIG, "mxfp8_quads_dequantized", dict(CHUNKS=chunks, num_warps=1))
+def test_mxfp8_packed_e8m0_words_only_where_whole(kernels, monkeypatch, cols, chunks, transposed,
+                                                  rowwise, dequant, words):  # fmt: skip
+    config = dict(CHUNKS=chunks, num_warps=1)
+    for key in ("mxfp8", "mxfp8_quads", "mxfp8_dequantized", "mxfp8_quads_dequantized"):
+        monkeypatch.setitem(cq.TILE_CONFIG, key, dict(config))
     kernel, grid, constexprs = cq.mxfp8_spec(
-        M, cols, rowwise=rowwise, columnwise=True, write_t=False, record=False,
+        M, cols, rowwise=rowwise, columnwise=True, write_t=transposed, record=False,
         fp8_dtype=E4M3, dequant=dequant,
     )  # fmt: skip
-    assert kernel is kernels.mxfp8_quads_kernel
+    expected = kernels.mxfp8_kernel if transposed else kernels.mxfp8_quads_kernel
+    assert kernel is expected
     assert constexprs["E_WORDS"] is words
     assert grid == (8 * ceil_div(cols, 32 * chunks),)
+
+
+def test_mxfp8_words_only_into_a_contiguous_aligned_row_e(kernels):
+    """launch_mxfp8 stores words only where row_e is a contiguous buffer at a 4-byte-aligned
+    address; a view at an odd offset (or a strided one) gets the byte stores."""
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    row, col = torch.empty(M, K, dtype=torch.uint8), torch.empty(M, K, dtype=torch.uint8)
+    col_e = torch.empty(8, K, dtype=torch.uint8)
+    buffer = torch.empty(M * K // 32 + 2, dtype=torch.uint8)
+    aligned = buffer[:-2].view(M, K // 32)
+    odd = buffer[1:-1].view(M, K // 32)
+    strided = torch.empty(M, K // 16, dtype=torch.uint8)[:, ::2]
+    for row_e in (aligned, odd, strided):
+        cq.launch_mxfp8(x, row=row, row_e=row_e, col=col, col_e=col_e, col_t=None,
+                        record_bits=None, fp8_dtype=E4M3, dequant=False)  # fmt: skip
+    launches = kernels.take()
+    assert aligned.data_ptr() % 4 == 0 and odd.data_ptr() % 4 != 0
+    assert [r["constexprs"]["E_WORDS"] for r in launches] == [True, False, False]

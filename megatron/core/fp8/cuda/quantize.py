@@ -42,7 +42,9 @@ TILE_CONFIG: dict[str, dict[str, int]] = {
     # tiles of each 128x128 tile as consecutive programs (block_1x128_pair_kernel); empty:
     # "block_1x128_fused".
     "block_1x128_pair": dict(BM=64, BK=64, TRANS_X=False, num_warps=4),
-    # Both 1x128 copies from one 128x128 tile read (rows % 4 == 0); empty: the two kernels.
+    # Both 1x128 copies from one 128x128 tile read (rows % 4 == 0): the API's columnwise copy
+    # in x's shape, and the transposed one when "block_1x128_pair" is empty; empty: the two
+    # single-copy kernels.
     "block_1x128_fused": dict(num_warps=4),
     "block_128x128": dict(TRANS_X=True, num_warps=4),
     "mxfp8": dict(CHUNKS=2, num_warps=1),
@@ -535,8 +537,11 @@ def _blockwise_triton(
     return out
 
 
-def mxfp8_spec(rows, cols, *, rowwise, columnwise, write_t, record, fp8_dtype, dequant) -> tuple:
-    """(kernel, grid, constexprs) of the MX kernel (args: `mxfp8_args`)."""
+def mxfp8_spec(rows, cols, *, rowwise, columnwise, write_t, record, fp8_dtype, dequant,
+               e_words_ok: bool = True) -> tuple:  # fmt: skip
+    """(kernel, grid, constexprs) of the MX kernel (args: `mxfp8_args`). `e_words_ok`: the
+    rowwise E8M0 tensor is a contiguous [rows, cols / 32] buffer at a 4-byte-aligned address,
+    so the kernel may store its bytes as int16 / int32 words (E_WORDS)."""
     key = "mxfp8_dequantized" if dequant else "mxfp8"
     quads = TILE_CONFIG[key.replace("mxfp8", "mxfp8_quads")]
     use_quads = bool(quads) and not write_t
@@ -551,7 +556,7 @@ def mxfp8_spec(rows, cols, *, rowwise, columnwise, write_t, record, fp8_dtype, d
     # words per row, of four chunks (quads kernel) or two or four (mxfp8_kernel).
     chunks = config["CHUNKS"]
     constants["E_WORDS"] = (
-        rowwise and not dequant and chunks in ((4,) if use_quads else (2, 4))
+        e_words_ok and rowwise and not dequant and chunks in ((4,) if use_quads else (2, 4))
         and cols % (chunks * MX_BLOCK) == 0
     )  # fmt: skip
     if use_quads:
@@ -576,10 +581,13 @@ def launch_mxfp8(x2d, *, row, row_e, col, col_e, col_t, record_bits, fp8_dtype, 
     """MX 1x32 rowwise and 32x1 columnwise copies from one read. dequant: row / col are
     high-precision outputs that receive dequantize(quantize(x)) (no bytes, no scales)."""
     rows, cols = x2d.shape
+    # Word stores of the E8M0 bytes need a contiguous, word-aligned row_e (callers may pass
+    # views into a larger buffer, e.g. piece_quantize.quantize_mxfp8_rows_).
+    e_words_ok = row_e is not None and row_e.is_contiguous() and row_e.data_ptr() % 4 == 0
     kernel, grid, constants = mxfp8_spec(
         rows, cols, rowwise=row is not None, columnwise=col is not None,
         write_t=col_t is not None, record=record_bits is not None, fp8_dtype=fp8_dtype,
-        dequant=dequant,
+        dequant=dequant, e_words_ok=e_words_ok,
     )  # fmt: skip
     launch(kernel, grid, mxfp8_args(x2d, row, row_e, col, col_e, col_t, record_bits), constants)
 

@@ -403,6 +403,7 @@ def block_1x128_pair_kernel(
     together, so the tile is read from DRAM about once between them and the other reads hit
     L2; each program keeps its single-copy kernel's registers and occupancy (arguments as
     block_1x128_fused_kernel's)."""
+    tl.static_assert((TILE % BM == 0) and (TILE % BK == 0), "BM and BK must divide 128")
     ROW_PARTS: tl.constexpr = TILE // BM
     PARTS: tl.constexpr = ROW_PARTS + TILE // BK
     pid = tl.program_id(0)
@@ -575,6 +576,7 @@ def mxfp8_kernel(
     strip_max = tl.max(tl.zeros((32,), dtype=tl.float32), axis=0)
     if E_WORDS:
         tl.static_assert((CHUNKS == 2) or (CHUNKS == 4), "E_WORDS packs 2 or 4 E8M0 bytes")
+        tl.static_assert(not DEQUANT, "dequantized values have no E8M0 bytes")
     row_words = tl.zeros((32,), dtype=tl.int32)
     for c in tl.static_range(CHUNKS):
         block = (pid % k_groups) * CHUNKS + c
@@ -658,6 +660,7 @@ def mxfp8_quads_kernel(
     strip_max = tl.max(tl.zeros((8,), dtype=tl.float32), axis=0)
     if E_WORDS:
         tl.static_assert(CHUNKS == 4, "E_WORDS packs the E8M0 bytes of four chunks")
+        tl.static_assert(not DEQUANT, "dequantized values have no E8M0 bytes")
     words0 = tl.zeros((8,), dtype=tl.int32)
     words1 = tl.zeros((8,), dtype=tl.int32)
     words2 = tl.zeros((8,), dtype=tl.int32)
