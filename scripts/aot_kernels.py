@@ -115,7 +115,7 @@ def cases(rows: int, cols: int) -> dict[str, tuple]:
     )
     out["128x1 cols T"] = (kernel, (bf16, u8, f32, u8, f32, rows, cols), constexprs, grid)
     fused_spec = getattr(cq, "block_1x128_fused_spec", None)  # absent before cc97b24
-    pair = cq.TILE_CONFIG.get("block_1x128_pair")  # absent before this session's pair kernel
+    pair = cq.TILE_CONFIG.get("block_1x128_pair")  # absent before 02aec6e
     # The one-launch 1x128 pair: the paired kernel where configured, and the fused kernel.
     for name, pair_config in (("1x128 pair row + T", pair), ("1x128 fused row + T", {})):
         if fused_spec is None or (name.startswith("1x128 pair") and not pair_config):

@@ -211,6 +211,7 @@ def _operand_fn(x: torch.Tensor, key: str):
     does (linear_ops.quantize_operands), plus the bytes it moves for an n x n bf16 x."""
     elems = x.numel()
     read = 2 * elems
+    scales_1x128 = 4 * (elems // 128)
     scale = torch.tensor(64.0, device=x.device)
     history = torch.zeros(16, device=x.device)
     if key == "amax":
@@ -228,7 +229,7 @@ def _operand_fn(x: torch.Tensor, key: str):
         return (
             lambda: quantize_cuda(x, recipe="blockwise", fp8_dtype=E4M3, role="input",
                                   rowwise=True, columnwise=True, power_2_scale=True)
-        ), read + 2 * elems + 2 * (4 * (elems // 128))  # fmt: skip
+        ), read + 2 * elems + 2 * scales_1x128  # fmt: skip
     if key in ("mxfp8", "mxfp8_quads"):  # bytes (quantize_cuda, FP8 weights), not Fp8Linear
         # "mxfp8" configures mxfp8_kernel, which now runs only with the transposed copy.
         transpose = key == "mxfp8"
@@ -237,7 +238,6 @@ def _operand_fn(x: torch.Tensor, key: str):
                                   rowwise=True, columnwise=True, power_2_scale=True,
                                   with_transpose=transpose)
         ), read + (3 if transpose else 2) * elems + 2 * (elems // 32)  # fmt: skip
-    scales_1x128 = 4 * (elems // 128)
     # (recipe, role, rowwise, transposed, bytes); block_1x128 / block_128x1: one copy (one
     # kernel each), block_1x128_pair: both (one launch; empty: the fused kernel, or with its
     # config empty too, the two kernels).

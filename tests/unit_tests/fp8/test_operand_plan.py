@@ -155,6 +155,14 @@ def same_args(actual: tuple, expected: tuple) -> bool:
     return True
 
 
+def assert_same_launch(got: dict, want: dict) -> None:
+    """Two recorded launches ran the same kernel on the same grid with the same constexprs
+    and arguments."""
+    assert (got["kernel"], got["grid"]) == (want["kernel"], want["grid"])
+    assert got["constexprs"] == want["constexprs"]
+    assert same_args(got["args"], want["args"])
+
+
 OPTIONS = {
     "tensorwise": dict(recipe="tensorwise", fp8_dtype=E4M3, role="input", power_2_scale=True),
     "delayed": dict(recipe="delayed", fp8_dtype=E4M3, role="input", power_2_scale=False),
@@ -324,9 +332,7 @@ def test_delayed_cast_reads_the_scale_and_records_into_the_history(kernels):
             power_2_scale=False,
         )  # fmt: skip
         (generic,) = kernels.take()
-        assert generic["kernel"] == cast["kernel"] and generic["grid"] == cast["grid"]
-        assert generic["constexprs"] == cast["constexprs"]
-        assert same_args(generic["args"], args)
+        assert_same_launch(generic, cast)
 
 
 def test_delayed_without_history_writes_no_record(kernels):
@@ -387,9 +393,7 @@ def test_blockwise_input_launches_and_layouts(kernels):
         )  # fmt: skip
         generic = kernels.take()
         for mine, theirs in zip((rows_launch, cols_launch), generic, strict=True):
-            assert (mine["kernel"], mine["grid"]) == (theirs["kernel"], theirs["grid"])
-            assert mine["constexprs"] == theirs["constexprs"]
-            assert same_args(mine["args"], theirs["args"])
+            assert_same_launch(theirs, mine)
 
 
 def test_blockwise_weight_launch_and_layouts(kernels):
@@ -413,9 +417,7 @@ def test_blockwise_weight_launch_and_layouts(kernels):
             record_bits=None, fp8_dtype=E4M3, power_2_scale=True,
         )  # fmt: skip
         (generic,) = kernels.take()
-        assert (generic["kernel"], generic["grid"]) == (cast["kernel"], cast["grid"])
-        assert generic["constexprs"] == cast["constexprs"]
-        assert same_args(generic["args"], args)
+        assert_same_launch(generic, cast)
 
 
 def test_mxfp8_dequantized_launch_and_layouts(kernels):
@@ -438,9 +440,7 @@ def test_mxfp8_dequantized_launch_and_layouts(kernels):
         cq.launch_mxfp8(x, row=values, row_e=None, col=col_values, col_e=None, col_t=None,
                         record_bits=None, fp8_dtype=E4M3, dequant=True)  # fmt: skip
         (generic,) = kernels.take()
-        assert (generic["kernel"], generic["grid"]) == (cast["kernel"], cast["grid"])
-        assert generic["constexprs"] == cast["constexprs"]
-        assert same_args(generic["args"], args)
+        assert_same_launch(generic, cast)
 
 
 def _sites(plan) -> list:
@@ -763,9 +763,7 @@ def test_fused_1x128_launch_layouts_and_generic_twin(fused_kernels):
         record_bits=None, row_scale_t=True, fp8_dtype=E4M3, power_2_scale=False,
     )  # fmt: skip
     (generic,) = fused_kernels.take()
-    assert (generic["kernel"], generic["grid"]) == ("block_1x128_fused_kernel", (6, 1, 1))
-    assert generic["constexprs"] == constexprs
-    assert same_args(generic["args"], args)
+    assert_same_launch(generic, fused)
 
 
 def test_fused_1x128_only_when_both_copies_are_wanted(fused_kernels):

@@ -79,6 +79,13 @@ def _amax_all(x):
 
 
 @triton.jit
+def _record_amax(amax_bits_ptr, amax):
+    """Fold a (non-negative, non-NaN) fp32 amax into the int32 cell at amax_bits_ptr: an atomic
+    max on the fp32 bit pattern (see the module docstring)."""
+    tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
 def _scale_from_amax(amax, FP8_MAX: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr):
     """fp8_max / amax; amax 0/Inf/NaN -> 1; Inf scale -> INF_SCALE; optional mantissa clear."""
     usable = (amax > 0.0) & (amax.to(tl.int32, bitcast=True) < 0x7F800000)
@@ -185,7 +192,7 @@ def amax_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr, GROUP: tl.cons
         x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, tl.abs(x))
     amax = _amax_along(acc, 0)
-    tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True), sem="relaxed")
+    _record_amax(amax_bits_ptr, amax)
 
 
 @triton.jit
@@ -269,8 +276,7 @@ def per_tensor_cast_kernel(
             running_max = tl.maximum(running_max, _amax_along(x_raw, 1))
         x_raw, rows, mask, offs = next_raw, next_rows, next_mask, next_offs
     if RECORD_AMAX:
-        tile_amax = tl.max(running_max, axis=0)
-        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+        _record_amax(amax_bits_ptr, tl.max(running_max, axis=0))
     if pid == 0:
         tl.store(scale_inv_ptr, _reciprocal(scale, POW2))
 
@@ -310,8 +316,7 @@ def block_1x128_rows_kernel(
         if RECORD_AMAX:
             strip_max = tl.maximum(strip_max, row_amax)
     if RECORD_AMAX:
-        amax = tl.max(strip_max, axis=0)
-        tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True), sem="relaxed")
+        _record_amax(amax_bits_ptr, tl.max(strip_max, axis=0))
 
 
 @triton.jit
@@ -355,8 +360,7 @@ def block_128x1_cols_kernel(
     col_amax = _cols_tile(x_ptr, col_ptr, col_sinv_ptr, col_t_ptr, pid_m, cols, M, K, FP8_MAX,
                           E4M3, INF_SCALE, POW2, COLUMNWISE, WRITE_T, TILE, TRANS_X)  # fmt: skip
     if RECORD_AMAX:
-        tile_amax = tl.max(col_amax, axis=0)
-        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+        _record_amax(amax_bits_ptr, tl.max(col_amax, axis=0))
 
 
 @triton.jit
@@ -420,16 +424,14 @@ def block_1x128_pair_kernel(
                               k_tiles, M, K, FP8_MAX, E4M3, INF_SCALE, POW2,
                               ROW_SCALE_T)  # fmt: skip
         if RECORD_AMAX:
-            amax = tl.max(row_amax, axis=0)
-            tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True), sem="relaxed")
+            _record_amax(amax_bits_ptr, tl.max(row_amax, axis=0))
     else:
         strip_cols = pid_k * TILE + (part - ROW_PARTS) * BK + tl.arange(0, BK)
         col_amax = _cols_tile(x_ptr, col_ptr, col_sinv_ptr, col_t_ptr, pid_m, strip_cols, M, K,
                               FP8_MAX, E4M3, INF_SCALE, POW2, COLUMNWISE, WRITE_T, TILE,
                               TRANS_X)  # fmt: skip
         if RECORD_AMAX:
-            amax = tl.max(col_amax, axis=0)
-            tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True), sem="relaxed")
+            _record_amax(amax_bits_ptr, tl.max(col_amax, axis=0))
 
 
 @triton.jit
@@ -466,8 +468,7 @@ def block_1x128_fused_kernel(
         quad_max = tl.maximum(quad_max, tl.abs(x_j.to(tl.float32)))
     col_max = _amax_along(quad_max, 0)
     if RECORD_AMAX:
-        tile_amax = tl.max(col_max, axis=0)
-        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+        _record_amax(amax_bits_ptr, tl.max(col_max, axis=0))
     col_scale = _scale_from_amax(col_max, FP8_MAX, INF_SCALE, POW2)
     col_sinv_offs = pid_m.to(tl.int64) * K + cols
     tl.store(col_sinv_ptr + col_sinv_offs, _reciprocal(col_scale, POW2), mask=cols < K)
@@ -527,7 +528,7 @@ def block_128x128_kernel(
     x = x_raw.to(tl.float32)
     tile_amax = _amax_all(x_raw)
     if RECORD_AMAX:
-        tl.atomic_max(amax_bits_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+        _record_amax(amax_bits_ptr, tile_amax)
     scale = _scale_from_amax(tile_amax, FP8_MAX, INF_SCALE, POW2)
     scale_inv = _reciprocal(scale, POW2)
     tl.store(sinv_ptr + pid_m * k_tiles + pid_k, scale_inv)
@@ -632,7 +633,7 @@ def mxfp8_kernel(
         word_offs = rows.to(tl.int64) * k_groups + pid % k_groups
         tl.store(words_ptr + word_offs, words, mask=rows < M)
     if RECORD_AMAX:
-        tl.atomic_max(amax_bits_ptr, strip_max.to(tl.int32, bitcast=True), sem="relaxed")
+        _record_amax(amax_bits_ptr, strip_max)
 
 
 @triton.jit
@@ -713,7 +714,7 @@ def mxfp8_quads_kernel(
         _mx_row_words(words_ptr, words2, quads * 4 + 2, word, k_groups, M)
         _mx_row_words(words_ptr, words3, quads * 4 + 3, word, k_groups, M)
     if RECORD_AMAX:
-        tl.atomic_max(amax_bits_ptr, strip_max.to(tl.int32, bitcast=True), sem="relaxed")
+        _record_amax(amax_bits_ptr, strip_max)
 
 
 @triton.jit
