@@ -271,7 +271,8 @@ def test_tensorwise_partial_maxima_reach_the_cast(kernels):
         assert programs <= cq.AMAX_PARTIALS
         assert partials.dtype == torch.float32 and partials.shape == (programs,)
         assert same_args(amax["args"], (x, partials, M * K, 1))  # 6 blocks over 8 programs
-        assert amax["constexprs"] == {"BLOCK": 16384}
+        # 6 blocks over 8 programs: two programs have none, so the loads are masked.
+        assert amax["constexprs"] == {"BLOCK": 16384, "EVEN": False}
         assert cast["constexprs"]["AMAX_PARTIALS"] == programs
         assert cast["constexprs"]["SCALE_GIVEN"] is False and cast["constexprs"]["POW2"] is True
         assert cast["constexprs"]["WRITE_ROW"] is True and cast["constexprs"]["WRITE_T"] is True
@@ -288,9 +289,9 @@ def test_tensorwise_amax_programs_cover_every_block(kernels):
     # Blocks of 16384 elements -> the next power of two of programs, at most AMAX_PARTIALS:
     # 64 x 64: 1 block, 1 program; 272 x 1024: 17 blocks, 32 programs; 300 x 1000: 19 blocks
     # (the last one partial), 32 programs; 2048 x 4096: 512 blocks, 256 programs of 2 blocks.
-    for (rows, cols), programs, blocks_per_program in (
-        ((64, 64), 1, 1), ((272, 1024), 32, 1), ((300, 1000), 32, 1),
-        ((2048, 4096), cq.AMAX_PARTIALS, 2),
+    for (rows, cols), programs, blocks_per_program, even in (
+        ((64, 64), 1, 1, False), ((272, 1024), 32, 1, False), ((300, 1000), 32, 1, False),
+        ((256, 2048), 32, 1, True), ((2048, 4096), cq.AMAX_PARTIALS, 2, True),
     ):  # fmt: skip
         x = torch.zeros(rows, cols, dtype=torch.bfloat16)
         _quantize(x, "tensorwise")
@@ -298,6 +299,9 @@ def test_tensorwise_amax_programs_cover_every_block(kernels):
         assert amax["grid"] == (programs, 1, 1)
         assert amax["args"][2:] == (rows * cols, blocks_per_program)
         assert programs * blocks_per_program * 16384 >= rows * cols
+        # EVEN (no masked loads) exactly when the programs' blocks cover the tensor.
+        assert amax["constexprs"]["EVEN"] is even
+        assert even == (programs * blocks_per_program * 16384 == rows * cols)
         assert cast["constexprs"]["AMAX_PARTIALS"] == programs
         assert cast["args"][3].shape == (programs,)
 

@@ -258,11 +258,10 @@ def amax_partials_spec(numel: int) -> tuple:
     block = TILE_CONFIG["amax"]["BLOCK"]
     blocks = ceil_div(numel, block)
     programs = min(AMAX_PARTIALS, 1 << max(blocks - 1, 0).bit_length())
-    constexprs = dict(BLOCK=block, num_warps=TILE_CONFIG["amax"]["num_warps"])
-    return (
-        _triton_kernels().amax_partials_kernel, (programs,), constexprs,
-        ceil_div(blocks, programs),
-    )  # fmt: skip
+    per_program = ceil_div(blocks, programs)
+    constexprs = dict(BLOCK=block, EVEN=numel == programs * per_program * block,
+                      num_warps=TILE_CONFIG["amax"]["num_warps"])  # fmt: skip
+    return _triton_kernels().amax_partials_kernel, (programs,), constexprs, per_program
 
 
 def launch_amax(x2d: torch.Tensor, amax_bits: torch.Tensor) -> None:

@@ -197,7 +197,8 @@ def amax_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr, GROUP: tl.cons
 
 @triton.jit
 def amax_partials_kernel(
-    x_ptr, partials_ptr, numel, blocks_per_program, BLOCK: tl.constexpr
+    x_ptr, partials_ptr, numel, blocks_per_program, BLOCK: tl.constexpr,
+    EVEN: tl.constexpr = False,
 ):  # fmt: skip
     """Pass one of tensorwise scaling without atomics: program p writes the NaN-ignoring
     max|x| of its `blocks_per_program` BLOCKs to partials[p] (0 where it has none), so the
@@ -206,15 +207,22 @@ def amax_partials_kernel(
     Program p takes blocks p, p + P, p + 2P, ... (P programs, all resident at once) from the
     last such block down, so the tensor is read from its end towards its start: what is
     still in L2 when the cast kernel starts is the tensor's start, which is what the cast
-    kernel (tiles in address order) reads first."""
+    kernel (tiles in address order) reads first. The running max stays in x's dtype (exact;
+    packed bf16x2 on sm_90). EVEN: the programs' blocks cover the tensor exactly, so no load
+    needs a mask."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK,), dtype=x_ptr.dtype.element_ty)
     for i in range(blocks_per_program):
         block = (blocks_per_program - 1 - i) * programs + pid
         offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.abs(x))
+        if EVEN:
+            x = tl.load(x_ptr + offs)
+        else:
+            x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0)
+        # Triton computes a bf16 max in fp32; the exact casts around it fold away (SASS:
+        # HMNMX2.BF16_V2).
+        acc = tl.maximum(acc, tl.abs(x)).to(acc.dtype)
     tl.store(partials_ptr + pid, _amax_along(acc, 0))
 
 
