@@ -11,7 +11,8 @@
 (b) Linear forward+backward at M=8192 for (K, N) in (4096, 4096), (4096, 14336), (14336, 4096):
     megatron.core.fp8.Fp8Linear vs bf16 nn.Linear (targets: tensorwise/delayed 1.4x, blockwise
     1.3x, mxfp8 emulated 0.8x); --chain adds the quantize_cuda + scaled_mm API chain. Steps are
-    timed as a training loop runs them: 20 issued back to back, CUDA events around the batch
+    timed as a training loop runs them: 20 issued back to back behind 3 untimed ones (so the
+    GPU's queue is not empty when timing starts), CUDA events around the batch
     (time_ms), in 5 rounds that time every side once each; the speedup the targets apply to
     is the median of the rounds' ratios. Each row also gives host_ms, the host time to issue
     one step (above time_ms: launch-bound), and graph_ms, the step captured in a CUDA graph
@@ -113,24 +114,36 @@ def kernel_ms(fn, *, calls: int = 10) -> float:
     return cuda_time_ms(graph.replay, warmup=2, iters=20) / calls
 
 
-def steady_ms(step, *, steps: int = 20, repeats: int = 3, host: list | None = None) -> float:
+def steady_ms(step, *, steps: int = 20, repeats: int = 3, lead: int = 3,
+              host: list | None = None) -> float:  # fmt: skip
     """Milliseconds per step of `steps` steps issued back to back (no sync between them, as
     a training loop runs: the host issues step i+1 while the GPU runs step i), timed with CUDA
-    events around the batch; median of `repeats` batches. A step whose host issue time
-    exceeds its GPU time is launch-bound here, as it would be in training. `host` receives
-    the median host milliseconds spent issuing one step."""
+    events around the batch; median of `repeats` batches. Each batch starts behind `lead`
+    untimed steps issued after the last sync, so the GPU already has work queued when the
+    start event is reached, as inside a training step; without them the batch also timed the
+    empty queue after the sync (the GPU waiting on the host's first launches: 0.2-0.6 ms per
+    batch on the lent H200, most for the FP8 steps). A step whose host issue time exceeds its
+    GPU time is still launch-bound here, as it would be in training. `host` receives the
+    median host milliseconds spent issuing one timed step."""
     for _ in range(3):
         step()
-
-    def batch():
+    torch.cuda.synchronize()
+    times, hosts = [], []
+    for _ in range(repeats):
+        for _ in range(lead):
+            step()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        issued = time.perf_counter()
         for _ in range(steps):
             step()
-
-    batch_host: list[float] = []
-    ms = cuda_time_ms(batch, warmup=0, iters=repeats, host=batch_host)
+        hosts.append((time.perf_counter() - issued) * 1e3 / steps)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps)
     if host is not None:
-        host.append(batch_host[0] / steps)
-    return ms / steps
+        host.append(statistics.median(hosts))
+    return statistics.median(times)
 
 
 def graph_ms(step) -> float | None:

@@ -105,3 +105,46 @@ def test_linear_speedup_is_the_median_of_per_round_ratios(bench):
     assert speedup == pytest.approx(1.25)
     with pytest.raises(ValueError):
         bench.round_speedups([1.0, 2.0], [1.0])
+
+
+class _Timeline:
+    """Fake CUDA clock for steady_ms: every step() costs `gpu_ms` of GPU time and is
+    recorded, events record the step count when issued, and elapsed_time converts the
+    steps issued between two events into milliseconds."""
+
+    def __init__(self, gpu_ms):
+        self.gpu_ms, self.steps, self.log = gpu_ms, 0, []
+
+    def step(self):
+        self.steps += 1
+        self.log.append("step")
+
+    def event(self, enable_timing=False):
+        timeline = self
+
+        class Event:
+            def record(self):
+                self.at = timeline.steps
+                timeline.log.append("record")
+
+            def synchronize(self):
+                timeline.log.append("sync")
+
+            def elapsed_time(self, end):
+                return (end.at - self.at) * timeline.gpu_ms
+
+        return Event()
+
+
+def test_steady_timing_starts_behind_untimed_steps_and_times_only_the_batch(bench, monkeypatch):
+    timeline = _Timeline(gpu_ms=0.75)
+    monkeypatch.setattr(bench.torch.cuda, "Event", timeline.event)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: timeline.log.append("sync"))
+    host = []
+    ms = bench.steady_ms(timeline.step, steps=4, repeats=2, lead=3, host=host)
+    assert ms == pytest.approx(0.75)  # the lead steps are not in the timed window
+    batch = ["step"] * 3 + ["record"] + ["step"] * 4 + ["record", "sync"]
+    # 3 warm-up steps and a sync, then per repeat: 3 untimed steps, start, 4 timed, end.
+    assert timeline.log == ["step"] * 3 + ["sync"] + batch * 2
+    assert timeline.steps == 3 + 2 * (3 + 4)
+    assert len(host) == 1 and host[0] >= 0.0
