@@ -147,4 +147,4 @@ def test_steady_timing_starts_behind_untimed_steps_and_times_only_the_batch(benc
     # 3 warm-up steps and a sync, then per repeat: 3 untimed steps, start, 4 timed, end.
     assert timeline.log == ["step"] * 3 + ["sync"] + batch * 2
     assert timeline.steps == 3 + 2 * (3 + 4)
-    assert len(host) == 1 and host[0] >= 0.0
+    assert len(host) == 1  # one median over the repeats

@@ -64,6 +64,42 @@ def test_operands_equal_reference_bytes(recipe, role, shape):
         assert history[1:].abs().sum().item() == 0.0
 
 
+# amax_partials_kernel's two load paths: (256, 2048) and (2048, 4096) are covered exactly by
+# its programs' 16384-element blocks (EVEN: no masks; 32 programs of 1 block, 256 programs
+# of 2), (300, 1000) is not (masked loads, a partial last block, idle programs).
+AMAX_SHAPES = {(256, 2048): True, (2048, 4096): True, (300, 1000): False}
+
+
+@pytest.mark.parametrize("content", ["nan", "all_nan_block", "inf"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])  # fmt: skip
+@pytest.mark.parametrize("shape", list(AMAX_SHAPES), ids=lambda s: f"{s[0]}x{s[1]}")
+def test_tensorwise_amax_pass_equals_reference(shape, dtype, content):
+    from megatron.core.fp8.cuda import quantize as cq
+
+    assert cq.amax_partials_spec(shape[0] * shape[1])[2]["EVEN"] is AMAX_SHAPES[shape]
+    torch.manual_seed(1)
+    x = torch.randn(*shape, device="cuda", dtype=dtype) * 5
+    flat = x.view(-1)
+    if content == "nan":  # NaNs are skipped; the largest magnitude sits late in the tensor
+        flat[::997] = float("nan")
+        flat[-3] = -900.0
+    elif content == "all_nan_block":  # one program's whole first block is NaN
+        flat[:16384] = float("nan")
+        flat[20000] = 300.0
+    else:  # an infinite amax: the rules' scale for a non-finite amax
+        flat[123] = float("inf")
+    row, col = linear_ops.quantize_operands(
+        x, recipe="tensorwise", fp8_dtype=E4M3, role="input", rowwise=True, transposed=True,
+        power_2_scale=False,
+    )  # fmt: skip
+    ref = quantize(x, recipe="tensorwise", fp8_dtype=E4M3, role="input", rowwise=True,
+                   columnwise=True, backend="reference")  # fmt: skip
+    assert torch.equal(_bits(row.scale_inv), _bits(ref.rowwise_scale_inv))
+    assert torch.equal(_u8(row.data), ref.rowwise_data)
+    assert torch.equal(_u8(col.data), ref.columnwise_data.t())
+
+
 @pytest.mark.parametrize("columnwise", [False, True])
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_mxfp8_dequantize_kernel_equals_reference(fp8_dtype, columnwise):

@@ -288,7 +288,9 @@ def test_tensorwise_partial_maxima_reach_the_cast(kernels):
 def test_tensorwise_amax_programs_cover_every_block(kernels):
     # Blocks of 16384 elements -> the next power of two of programs, at most AMAX_PARTIALS:
     # 64 x 64: 1 block, 1 program; 272 x 1024: 17 blocks, 32 programs; 300 x 1000: 19 blocks
-    # (the last one partial), 32 programs; 2048 x 4096: 512 blocks, 256 programs of 2 blocks.
+    # (the last one partial), 32 programs; 256 x 2048: 32 blocks, 32 programs of 1 block;
+    # 2048 x 4096: 512 blocks, 256 programs of 2 blocks. Only the last two are covered
+    # exactly (EVEN: no load masks).
     for (rows, cols), programs, blocks_per_program, even in (
         ((64, 64), 1, 1, False), ((272, 1024), 32, 1, False), ((300, 1000), 32, 1, False),
         ((256, 2048), 32, 1, True), ((2048, 4096), cq.AMAX_PARTIALS, 2, True),
@@ -299,9 +301,7 @@ def test_tensorwise_amax_programs_cover_every_block(kernels):
         assert amax["grid"] == (programs, 1, 1)
         assert amax["args"][2:] == (rows * cols, blocks_per_program)
         assert programs * blocks_per_program * 16384 >= rows * cols
-        # EVEN (no masked loads) exactly when the programs' blocks cover the tensor.
         assert amax["constexprs"]["EVEN"] is even
-        assert even == (programs * blocks_per_program * 16384 == rows * cols)
         assert cast["constexprs"]["AMAX_PARTIALS"] == programs
         assert cast["args"][3].shape == (programs,)
 
