@@ -60,14 +60,18 @@ TIME_BUDGET_S = 200.0
 ROUNDS = 5
 
 
-def cuda_time_ms(fn, *, warmup: int = 3, iters: int = 10, host: list | None = None) -> float:
+def cuda_time_ms(fn, *, warmup: int = 3, iters: int = 10, host: list | None = None,
+                 prime=None) -> float:  # fmt: skip
     """Median milliseconds of fn() timed with CUDA events, after warm-up (compiles, caches).
-    `host`, when given, receives the median host milliseconds spent issuing fn()."""
+    `host`, when given, receives the median host milliseconds spent issuing fn(). `prime`,
+    when given, is called untimed before each timed fn(), after the last sync."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times, host_times = [], []
     for _ in range(iters):
+        if prime is not None:
+            prime()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         issued = time.perf_counter()
@@ -127,23 +131,17 @@ def steady_ms(step, *, steps: int = 20, repeats: int = 3, lead: int = 3,
     median host milliseconds spent issuing one timed step."""
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    times, hosts = [], []
-    for _ in range(repeats):
-        for _ in range(lead):
+
+    def run(count):
+        for _ in range(count):
             step()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        issued = time.perf_counter()
-        for _ in range(steps):
-            step()
-        hosts.append((time.perf_counter() - issued) * 1e3 / steps)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / steps)
+
+    batch_host: list[float] = []
+    ms = cuda_time_ms(lambda: run(steps), warmup=0, iters=repeats, host=batch_host,
+                      prime=lambda: run(lead))  # fmt: skip
     if host is not None:
-        host.append(statistics.median(hosts))
-    return statistics.median(times)
+        host.append(batch_host[0] / steps)
+    return ms / steps
 
 
 def graph_ms(step) -> float | None:

@@ -6,6 +6,7 @@ import torch
 
 from megatron.core.fp8 import Fp8Config, Fp8Linear, fp8_autocast, quantize, quantized_model_init
 from megatron.core.fp8.cuda import linear_ops
+from megatron.core.fp8.cuda import quantize as cq
 from megatron.core.fp8.cuda.quantize import mxfp8_dequantize
 from megatron.core.fp8.reference import dequantize_reference
 
@@ -75,8 +76,6 @@ AMAX_SHAPES = {(256, 2048): True, (2048, 4096): True, (300, 1000): False}
                          ids=["bf16", "fp16", "fp32"])  # fmt: skip
 @pytest.mark.parametrize("shape", list(AMAX_SHAPES), ids=lambda s: f"{s[0]}x{s[1]}")
 def test_tensorwise_amax_pass_equals_reference(shape, dtype, content):
-    from megatron.core.fp8.cuda import quantize as cq
-
     assert cq.amax_partials_spec(shape[0] * shape[1])[2]["EVEN"] is AMAX_SHAPES[shape]
     torch.manual_seed(1)
     x = torch.randn(*shape, device="cuda", dtype=dtype) * 5
