@@ -45,13 +45,16 @@ from megatron.core.fp8.cuda import linear_ops
 
 BLOCK_K = 128  # the recipe's scaling block along K
 
-# (kernel, BM, BN, stages, warps): the configurations that compiled for sm_90 in earlier
-# probes, plus each kernel's fastest.
+# (BM, BN, stages, warps, register cap or None) per kernel: each kernel's fastest configurations
+# in earlier probes, and configurations that compile for sm_90 (several warp-specialized ones
+# fail in Triton 3.6's NVGPUWarpSpecialization pass).
 CONFIGS = {
-    "loop": [(64, 128, 4, 4), (128, 128, 3, 8), (128, 64, 4, 4), (64, 64, 4, 4)],
-    "pipelined": [(128, 64, 3, 4), (64, 128, 4, 4), (128, 128, 3, 8), (64, 64, 4, 4)],
-    "specialized": [(128, 128, 3, 8), (64, 128, 4, 4)],
-}
+    "loop": [(64, 128, 3, 4, 168), (64, 128, 3, 4, None), (64, 128, 4, 4, None),
+             (128, 128, 3, 8, None), (128, 64, 3, 4, None), (64, 64, 4, 4, None)],
+    "pipelined": [(128, 64, 3, 4, None), (64, 128, 4, 4, None), (128, 128, 3, 8, None),
+                  (64, 64, 4, 4, None)],
+    "specialized": [(128, 128, 3, 8, None), (64, 128, 4, 4, None)],
+}  # fmt: skip
 
 
 @triton.jit
@@ -81,16 +84,29 @@ def _block_scales(sa_ptr, sb_ptr, offs_m, offs_n, kb, M, N, k_blocks, B_2D: tl.c
 def loop_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, k_blocks,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                 B_2D: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    # STAGES is unused: this loop takes the launch's num_stages, as in the fastest earlier run.
     pid_m, pid_n = _tile_coords(M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
     b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    sa_ptrs = sa_ptr + offs_m
+    if B_2D:
+        sb_ptrs = sb_ptr + (offs_n // 128) * k_blocks
+    else:
+        sb_ptrs = sb_ptr + offs_n
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in tl.range(k_blocks, num_stages=STAGES):
-        part = tl.dot(tl.load(a_ptrs + kb * BK), tl.trans(tl.load(b_ptrs + kb * BK)))
-        acc += part * _block_scales(sa_ptr, sb_ptr, offs_m, offs_n, kb, M, N, k_blocks, B_2D)
+    for _ in range(k_blocks):
+        part = tl.dot(tl.load(a_ptrs), tl.trans(tl.load(b_ptrs)))
+        acc += part * (tl.load(sa_ptrs)[:, None] * tl.load(sb_ptrs)[None, :])
+        a_ptrs += BK
+        b_ptrs += BK
+        sa_ptrs += M  # next K block's scales (K-block-major layout, see _block_scales)
+        if B_2D:
+            sb_ptrs += 1
+        else:
+            sb_ptrs += N
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty))
 
@@ -181,18 +197,21 @@ def _operands(m: int, k: int, n: int) -> dict[str, tuple]:
 
 
 def _time_kernel(name: str, config: tuple, a, b, two_d: bool, reference: torch.Tensor) -> dict:
-    block_m, block_n, stages, warps = config
+    block_m, block_n, stages, warps, max_registers = config
     rows, k = a.data.shape
     cols = b.data.shape[0]
     out = torch.zeros(rows, cols, device="cuda", dtype=torch.bfloat16)
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n),)
+    options = {} if max_registers is None else {"maxnreg": max_registers}
 
     def launch():
         KERNELS[name][grid](a.data, b.data, a.scale_inv, b.scale_inv, out, rows, cols, k,
                             k // BLOCK_K, BM=block_m, BN=block_n, BK=BLOCK_K, GROUP_M=8,
-                            B_2D=two_d, STAGES=stages, num_warps=warps)  # fmt: skip
+                            B_2D=two_d, STAGES=stages, num_stages=stages, num_warps=warps,
+                            **options)  # fmt: skip
 
-    row = {"kernel": name, "BM": block_m, "BN": block_n, "stages": stages, "warps": warps}
+    row = {"kernel": name, "BM": block_m, "BN": block_n, "stages": stages, "warps": warps,
+           "maxnreg": max_registers}  # fmt: skip
     try:
         launch()
         torch.cuda.synchronize()
