@@ -40,6 +40,7 @@ try:
 except ImportError:
     sys.exit("probe_blockwise_gemm.py needs Triton and a CUDA GPU (it times GPU kernels)")
 from bench_fp8 import kernel_ms
+from probe_cublaslt_blockwise import linear_gemm_operands
 
 from megatron.core.fp8.cuda import linear_ops
 
@@ -177,26 +178,6 @@ def _check_scale_layout(operand: linear_ops.GemmOperand, *, two_d: bool) -> None
                          f" (kernels expect {want_shape} stride {want_stride})")  # fmt: skip
 
 
-def _operands(m: int, k: int, n: int) -> dict[str, tuple]:
-    """The Linear's three GEMMs as (A, B, B has 128x128 scales), from its blockwise operands."""
-    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
-    torch.manual_seed(0)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
-
-    def quantize(t, role, fp8_dtype):
-        return linear_ops.quantize_operands(
-            t, recipe="blockwise", fp8_dtype=fp8_dtype, role=role, rowwise=True,
-            transposed=True, power_2_scale=True)  # fmt: skip
-
-    x_row, x_t = quantize(x, "input", e4m3)
-    w_row, w_t = quantize(w, "weight", e4m3)
-    dy_row, dy_t = quantize(dy, "grad", e5m2)
-    return {"fprop": (x_row, w_row, True), "dgrad": (dy_row, w_t, True),
-            "wgrad": (dy_t, x_t, False)}  # fmt: skip
-
-
 def _time_kernel(name: str, config: tuple, a, b, two_d: bool, reference: torch.Tensor) -> dict:
     block_m, block_n, stages, warps, max_registers = config
     rows, k = a.data.shape
@@ -235,7 +216,8 @@ def main() -> int:
     print(f"torch {torch.__version__}, Triton {triton.__version__}, "
           f"{torch.cuda.get_device_name()}; M={m} K={k} N={n}")  # fmt: skip
     rows = []
-    for gemm_name, (a, b, two_d) in _operands(m, k, n).items():
+    for gemm_name, (a, b) in linear_gemm_operands("blockwise", m=m, k=k, n=n).items():
+        two_d = gemm_name != "wgrad"  # fprop and dgrad read the 128x128-scaled weight
         _check_scale_layout(a, two_d=False)
         _check_scale_layout(b, two_d=two_d)
 

@@ -155,12 +155,16 @@ class LtMatmul:
         return out
 
 
-def _gemm_operands(recipe: str) -> dict[str, tuple]:
+def linear_gemm_operands(recipe: str, *, m: int = 8192, k: int = 4096,
+                         n: int = 4096) -> dict[str, tuple]:  # fmt: skip
+    """Fp8Linear's three GEMMs at M=m, K=k, N=n as {name: (A, B)} with C = A B^T, from random
+    x, w and dy (seed 0) quantized as Fp8Linear quantizes them: fprop X W^T, dgrad dY W,
+    wgrad dY^T X. Shared with probe_blockwise_gemm.py."""
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     torch.manual_seed(0)
-    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
-    dy = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16) * 1e-3
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
 
     def quantize(t, role, fp8_dtype):
         return linear_ops.quantize_operands(
@@ -170,10 +174,7 @@ def _gemm_operands(recipe: str) -> dict[str, tuple]:
     x_row, x_t = quantize(x, "input", e4m3)
     w_row, w_t = quantize(w, "weight", e4m3)
     dy_row, dy_t = quantize(dy, "grad", e5m2)
-    # Fp8Linear's fast accumulation: only the tensorwise forward GEMM (FP8_NUMERICS.md).
-    fast = recipe == "tensorwise"
-    return {"fprop": (x_row, w_row, fast), "dgrad": (dy_row, w_t, False),
-            "wgrad": (dy_t, x_t, False)}  # fmt: skip
+    return {"fprop": (x_row, w_row), "dgrad": (dy_row, w_t), "wgrad": (dy_t, x_t)}
 
 
 def _host_us(fn, calls: int = 3000) -> float:
@@ -241,7 +242,9 @@ def main() -> int:
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
     for recipe in sys.argv[1:] or ["blockwise", "tensorwise"]:
-        for name, (a, b, fast) in _gemm_operands(recipe).items():
+        for name, (a, b) in linear_gemm_operands(recipe).items():
+            # Fp8Linear's fast accumulation: only the tensorwise forward GEMM (FP8_NUMERICS.md).
+            fast = recipe == "tensorwise" and name == "fprop"
             rows += _probe_gemm(lib, handle, workspace, recipe=recipe, name=name, a=a, b=b,
                                 fast=fast)  # fmt: skip
     rows.append(_host_costs(lib, handle, workspace))
