@@ -73,7 +73,15 @@ class Case:
     resume: Resume | None = None
 
     def golden_path(self, platform: str | None = None) -> Path:
+        """The primary golden file of a platform."""
         return self.directory / f"golden_values_{platform or self.platform}.json"
+
+    def golden_kinds(self, platform: str | None = None) -> list[Path]:
+        """Every golden file of a platform: the primary one first (where it exists), then those
+        recorded on other machines of the platform, golden_values_<platform>.<tag>.json."""
+        primary = self.golden_path(platform)
+        others = sorted(self.directory.glob(f"golden_values_{platform or self.platform}.*.json"))
+        return ([primary] if primary.exists() else []) + others
 
     @property
     def train_iters(self) -> int:

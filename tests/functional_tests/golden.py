@@ -60,6 +60,8 @@ class Tolerance:
     time_factor: float = TIME_FACTOR
     memory_relative: float = MEMORY_RELATIVE
     steady_skip: int = STEADY_SKIP
+    origin: str = ""
+    """Why this rule applies (which golden kind against which machine), shown in reports."""
 
 
 def relative_tolerance(metric: str, tolerance: Tolerance) -> float:
@@ -114,13 +116,28 @@ def to_golden_json(metrics: dict[str, Values]) -> dict[str, dict]:
     return golden
 
 
-def write_golden(path: Path, metrics: dict[str, Values], *, force: bool) -> None:
-    """Write golden values; refuse to replace an existing file unless `force`."""
+# The entry that records the machine a golden file was written on (machine.cpu_fingerprint);
+# every other top-level entry is a metric in Megatron-LM's format.
+MACHINE_KEY = "machine"
+
+
+def write_golden(
+    path: Path,
+    metrics: dict[str, Values],
+    *,
+    force: bool,
+    machine: dict[str, str] | None = None,
+) -> None:
+    """Write golden values (and the recording machine's fingerprint, where given); refuse to
+    replace an existing file unless `force`."""
     if path.exists() and not force:
         raise FileExistsError(
             f"{path} exists; pass --force to overwrite it (check the new numbers first)"
         )
-    path.write_text(json.dumps(to_golden_json(metrics), indent=2) + "\n")
+    golden = to_golden_json(metrics)
+    if machine is not None:
+        golden[MACHINE_KEY] = dict(machine)
+    path.write_text(json.dumps(golden, indent=2) + "\n")
 
 
 def read_golden(path: Path) -> dict[str, Values]:
@@ -128,7 +145,13 @@ def read_golden(path: Path) -> dict[str, Values]:
     return {
         name: {int(step): float(v) for step, v in entry["values"].items()}
         for name, entry in raw.items()
+        if name != MACHINE_KEY
     }
+
+
+def read_machine(path: Path) -> dict[str, str] | None:
+    """The fingerprint of the machine that recorded `path`, or None where none was recorded."""
+    return json.loads(path.read_text()).get(MACHINE_KEY)
 
 
 def _relative(golden: float, actual: float) -> float:
@@ -168,6 +191,8 @@ def compare_per_step(
         if tolerance.deterministic
         else f"within {100.0 * relative_tolerance(metric, tolerance):g}% relative"
     )
+    if tolerance.origin:
+        rule = f"{rule}; {tolerance.origin}"
     report = MetricReport(metric=metric, rule=rule)
     for step in sorted(set(golden) | set(actual)):
         want, got = golden.get(step), actual.get(step)

@@ -13,6 +13,7 @@ compared by golden.compare_metrics. See README.md next to this file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shlex
@@ -40,7 +41,15 @@ from tests.functional_tests.golden import (
     format_reports,
     metrics_from_run,
     read_golden,
+    read_machine,
     write_golden,
+)
+from tests.functional_tests.machine import (
+    CROSS_CPU_RELATIVE,
+    cpu_fingerprint,
+    describe,
+    golden_tag,
+    same_machine,
 )
 from tests.launch import end_session_with_stacks, free_port, start_session
 from tools.plot_losses import parse_log
@@ -67,6 +76,8 @@ class CaseResult:
     reports: list[MetricReport] = field(default_factory=list)
     seconds: float = 0.0
     regenerated: bool = False
+    golden_path: Path | None = None
+    """The golden file compared with (or written)."""
 
     @property
     def passed(self) -> bool:
@@ -198,6 +209,66 @@ def tolerance_of(case: Case) -> Tolerance:
     )  # fmt: skip
 
 
+@dataclass(frozen=True, kw_only=True)
+class GoldenChoice:
+    path: Path
+    tolerance: Tolerance
+
+
+def choose_golden(case: Case, *, platform: str, machine: dict[str, str]) -> GoldenChoice:
+    """The golden file to compare with and the rule (machine.py): a deterministic case compares
+    exactly against the golden kind recorded on this very machine; without one, against the
+    kind of the same CPU vendor (else the primary file) within CROSS_CPU_RELATIVE."""
+    kinds = case.golden_kinds(platform)
+    if not kinds:
+        raise MissingGoldenError(
+            f"{case.name}: no golden values for platform {platform!r} "
+            f"({case.golden_path(platform)} is missing); run "
+            f"`{regenerate_command(case, platform)}` on a {platform} machine and commit the file"
+        )
+    tolerance = tolerance_of(case)
+    if not tolerance.deterministic:
+        return GoldenChoice(path=kinds[0], tolerance=tolerance)
+    recorded = {path: read_machine(path) for path in kinds}
+    for path, fingerprint in recorded.items():
+        if same_machine(fingerprint, machine):
+            origin = f"golden recorded on this machine's CPU ({path.name})"
+            return GoldenChoice(path=path, tolerance=dataclasses.replace(tolerance, origin=origin))
+    same_vendor = [
+        path
+        for path, fingerprint in recorded.items()
+        if fingerprint and fingerprint.get("cpu_vendor") == machine.get("cpu_vendor")
+    ]
+    path = (same_vendor or kinds)[0]
+    origin = (
+        f"cross-CPU rule: {path.name} was recorded on {describe(recorded[path])}, "
+        f"this machine is {describe(machine)}"
+    )
+    cross = dataclasses.replace(
+        tolerance,
+        deterministic=False,
+        relative=CROSS_CPU_RELATIVE["lm loss"],
+        grad_norm_relative=CROSS_CPU_RELATIVE["grad norm"],
+        origin=origin,
+    )
+    return GoldenChoice(path=path, tolerance=cross)
+
+
+def regenerate_target(case: Case, *, platform: str, machine: dict[str, str]) -> Path:
+    """Where --regenerate writes: the golden kind of this machine where one exists, else the
+    primary file where none exists yet, else a new kind golden_values_<platform>.<tag>.json (a
+    deterministic case keeps one kind per machine; the others stay for their machines)."""
+    primary = case.golden_path(platform)
+    if not case.deterministic:
+        return primary
+    for path in case.golden_kinds(platform):
+        if same_machine(read_machine(path), machine):
+            return path
+    if not primary.exists():
+        return primary
+    return case.directory / f"golden_values_{platform}.{golden_tag(machine)}.json"
+
+
 def run_case(
     case: Case,
     *,
@@ -205,29 +276,30 @@ def run_case(
     workdir: Path,
     regenerate: bool = False,
     force: bool = False,
+    machine: dict[str, str] | None = None,
 ) -> CaseResult:
-    """Train the case and compare with (or, with `regenerate`, write) its golden values."""
-    golden_path = case.golden_path(platform)
-    if regenerate and golden_path.exists() and not force:
-        raise FileExistsError(
-            f"{golden_path} exists; pass --force to overwrite it (check the new numbers first)"
-        )
-    if not regenerate and not golden_path.exists():
-        raise MissingGoldenError(
-            f"{case.name}: no golden values for platform {platform!r} ({golden_path} is "
-            f"missing); run `{regenerate_command(case, platform)}` on a {platform} machine "
-            "and commit the file"
-        )
+    """Train the case and compare with (or, with `regenerate`, write) its golden values.
+    `machine`: this machine's fingerprint (default: machine.cpu_fingerprint())."""
+    machine = machine if machine is not None else cpu_fingerprint()
+    if regenerate:
+        golden_path = regenerate_target(case, platform=platform, machine=machine)
+        if golden_path.exists() and not force:
+            raise FileExistsError(
+                f"{golden_path} exists; pass --force to overwrite it (check the new numbers first)"
+            )
+    else:
+        choice = choose_golden(case, platform=platform, machine=machine)
     start = time.monotonic()
     log_path = run_training(case, workdir=workdir)
     metrics = collect_metrics(case, log_path)
     result = CaseResult(case=case, log_path=log_path, metrics=metrics)
     if regenerate:
-        write_golden(golden_path, metrics, force=force)
-        result.regenerated = True
+        write_golden(golden_path, metrics, force=force, machine=machine)
+        result.regenerated, result.golden_path = True, golden_path
     else:
+        result.golden_path = choice.path
         result.reports = compare_metrics(
-            golden=read_golden(golden_path), actual=metrics, tolerance=tolerance_of(case)
+            golden=read_golden(choice.path), actual=metrics, tolerance=choice.tolerance
         )
     result.seconds = time.monotonic() - start
     return result
@@ -275,7 +347,7 @@ def _run_one(case: Case, *, args: argparse.Namespace, platform: str) -> bool:
         print(f"FAIL {case.name}: {error}", flush=True)
         return False
     if result.regenerated:
-        print(f"WROTE {case.golden_path(platform)} ({result.seconds:.1f} s)", flush=True)
+        print(f"WROTE {result.golden_path} ({result.seconds:.1f} s)", flush=True)
         return True
     verdict = "PASS" if result.passed else "FAIL"
     print(f"{verdict} {case.name} ({result.seconds:.1f} s, log {result.log_path})", flush=True)
@@ -297,9 +369,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             runnable.append(case)
         else:
             print(f"SKIP {case.name}: {reason}", flush=True)
-    existing = [
-        case.golden_path(platform) for case in runnable if case.golden_path(platform).exists()
-    ]
+    machine = cpu_fingerprint()
+    targets = [regenerate_target(case, platform=platform, machine=machine) for case in runnable]
+    existing = [path for path in targets if path.exists()]
     if args.regenerate and existing and not args.force:
         listing = "\n  ".join(str(path) for path in existing)
         print(
