@@ -158,7 +158,11 @@ def build_fsdp2(args, device):
             init_parameter_(full, name=name, config=config, seed=0)
             param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
     model.init_buffers(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
+    # The strongest stock optimizer: fused AdamW on CUDA (foreach, the default, ran 10% slower
+    # on Model A), with the same clipping as our engine (run_step).
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-5, weight_decay=0.01, fused=device.type == "cuda"
+    )
     return config, model, optimizer
 
 

@@ -142,6 +142,15 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "thread hand-off per backward pass (0.3 ms per FP8 layer step on the lent H200's host, "
         "docs/PERFORMANCE_FP8_LINEAR.md).",
     )
+    group.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="torch.compile each transformer layer's forward (regional compile: identical "
+        "layers share one compiled graph; the FSDP hooks and the FP8 kernels stay outside it, "
+        "so the model's elementwise code fuses around them). The first iteration pays the "
+        "compile (seconds on a GPU, tens of seconds on a CPU). Off by default; on CUDA it is "
+        "the fast configuration (docs/PERFORMANCE.md).",
+    )
     group.add_argument("--log-interval", type=int, default=10, help="Iterations per log line.")
     group.add_argument("--eval-interval", type=int, default=1000, help="Iterations per eval.")
     group.add_argument("--eval-iters", type=int, default=10, help="Batches per evaluation.")

@@ -56,8 +56,24 @@ def _fp8_context_factory(config: TransformerConfig, env: DistributedEnv) -> Call
     )
 
 
+def compile_layers(module: GPTModel) -> None:
+    """Regional compile: each transformer layer's forward goes through torch.compile.
+
+    Only `forward` is compiled, not the module call, so the FSDP engine's forward hooks (its
+    gathers and releases) run eagerly around the compiled region. Every layer runs the same
+    code object and its parameters are graph inputs (dynamo inlines nn.Modules), so identical
+    layers share one compiled graph instead of compiling once each. This is the third step of
+    the model-setup seam: FP8 conversion (the Linear factory, at construction), activation
+    recompute (TransformerConfig, read by the block), compile, then sharding.
+    """
+    for layer in module.decoder.layers:
+        layer.forward = torch.compile(layer.forward)
+
+
 def _build_ddp(config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv):
     module = GPTModel(config, seed=args.seed).to(env.device)
+    if args.torch_compile:
+        compile_layers(module)
     model: nn.Module = module
     if env.world_size > 1:
         model = nn.parallel.DistributedDataParallel(
@@ -82,6 +98,8 @@ def _build_megatron_fsdp(
             module = GPTModel(config, seed=args.seed)
     else:
         module = GPTModel(config, seed=args.seed).to(env.device)
+    if args.torch_compile:
+        compile_layers(module)
     model = FullyShardedDataParallel(
         module,
         fsdp_config=fsdp_config,

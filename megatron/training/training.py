@@ -123,6 +123,13 @@ def _build_and_train(args: argparse.Namespace, env: DistributedEnv) -> TrainingR
     finally:
         if logger is not None:
             logger.close()
+    allocated, peak = _memory_bytes(env.device)
+    # As Megatron-LM's memory report: what benchmarks compare (peak over the whole run).
+    print_rank_0(
+        env,
+        f" > memory (GiB) | allocated: {allocated / 2**30:.2f} | "
+        f"max allocated: {peak / 2**30:.2f}",
+    )
     return result
 
 

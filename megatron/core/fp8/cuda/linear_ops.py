@@ -283,7 +283,43 @@ def weight_operand(weight, usage: str, *, compute_dtype: torch.dtype) -> GemmOpe
 def gemm(
     a: GemmOperand, b: GemmOperand, *, recipe: str, out_dtype: torch.dtype, fast_accum: bool
 ) -> torch.Tensor:
-    """[rows_a, rows_b] = A B^T, both contracted over their last dim."""
+    """[rows_a, rows_b] = A B^T, both contracted over their last dim.
+
+    Under torch.compile the GEMM is the custom op `megatron_fp8::gemm`: opaque to the
+    compiler, which neither traces our checks and padding nor lowers torch._scaled_mm itself
+    (Inductor's lowering refuses blockwise scale grids with symbolic shapes), and fuses the
+    model's elementwise code around it. Eager calls skip the op's dispatch (a few us each)."""
+    if torch.compiler.is_compiling():
+        return _gemm_op(
+            a.data, a.scale_inv, b.data, b.scale_inv, recipe, out_dtype, fast_accum
+        )
+    return _gemm_eager(a, b, recipe=recipe, out_dtype=out_dtype, fast_accum=fast_accum)
+
+
+@torch.library.custom_op("megatron_fp8::gemm", mutates_args=())
+def _gemm_op(
+    a_data: torch.Tensor,
+    a_scale_inv: torch.Tensor | None,
+    b_data: torch.Tensor,
+    b_scale_inv: torch.Tensor | None,
+    recipe: str,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
+    return _gemm_eager(
+        GemmOperand(a_data, a_scale_inv), GemmOperand(b_data, b_scale_inv), recipe=recipe,
+        out_dtype=out_dtype, fast_accum=fast_accum,
+    )  # fmt: skip
+
+
+@_gemm_op.register_fake
+def _(a_data, a_scale_inv, b_data, b_scale_inv, recipe, out_dtype, fast_accum):
+    return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+def _gemm_eager(
+    a: GemmOperand, b: GemmOperand, *, recipe: str, out_dtype: torch.dtype, fast_accum: bool
+) -> torch.Tensor:
     if recipe == "mxfp8":
         product = torch.mm(a.data, b.data.t())
         return product if product.dtype == out_dtype else product.to(out_dtype)

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Model A (docs/PERFORMANCE.md) at DP=1 on one GPU, every row in one job: the FSDP2 bf16 peer
+# (compiled, fused AdamW, clip 1.0) from scripts/bench_gpt.py, then pretrain_gpt.py
+# --torch-compile with Megatron-FSDP (ZeRO-3) in bf16 and with FP8 parameters for each recipe.
+# One JSON line per row in $OUT/model_a_dp1.jsonl: step_ms is the median of the logged
+# iteration times after the first WARMUP iterations (compile and allocator warm-up).
+#   ROWS="fsdp2 bf16 tensorwise" ITERS=20 bash benchmarks/model_a_dp1.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/model_a}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+ITERS=${ITERS:-20}
+WARMUP=${WARMUP:-8}
+MODEL_A=(
+  --num-layers 8 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
+  --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 2 --global-batch-size 2
+  --mock-data --tokenizer-type NullTokenizer --vocab-size 32768
+  --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+  --hidden-dropout 0 --attention-dropout 0 --untie-embeddings-and-output-weights --bf16
+  --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
+  --init-model-with-meta-device --lr 1e-5 --clip-grad 1.0 --eval-iters 0 --log-interval 1
+  --train-iters "$ITERS" --torch-compile
+)
+row() {  # name, then the command
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$OUT/model_a_dp1.log"
+  timeout "${RUN_TIMEOUT:-240}" "$@" > "$OUT/$name.log" 2>&1
+  echo "exit $? ($name)" | tee -a "$OUT/model_a_dp1.log"
+}
+summarize() {  # name: the median logged step after WARMUP, peak memory of the log
+  python3 - "$OUT/$1.log" "$1" "$WARMUP" <<'PY' | tee -a "$OUT/model_a_dp1.jsonl"
+import json, re, statistics, sys
+text = open(sys.argv[1]).read()
+times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
+mem = [float(m) for m in re.findall(r"max allocated: ([0-9.]+)", text)]
+steady = times[int(sys.argv[3]):]
+print(json.dumps({"row": sys.argv[2], "step_ms": round(statistics.median(steady), 1) if steady else None,
+                  "steps": len(steady), "peak_mem_gib": max(mem) if mem else None}))
+PY
+}
+for name in ${ROWS:-fsdp2 bf16 tensorwise delayed blockwise mxfp8 bench_tensorwise}; do
+  case $name in
+    fsdp2)
+      row fsdp2 torchrun --nproc-per-node 1 scripts/bench_gpt.py --engine fsdp2 --compile
+      grep '^{' "$OUT/fsdp2.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;
+    bench_*)
+      row "$name" torchrun --nproc-per-node 1 scripts/bench_gpt.py --engine megatron-fsdp \
+        --compile --fp8-recipe "${name#bench_}" --fp8-param-gather
+      grep '^{' "$OUT/$name.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;
+    bf16)
+      row bf16 torchrun --nproc-per-node 1 pretrain_gpt.py "${MODEL_A[@]}"
+      summarize bf16 ;;
+    *)
+      row "$name" torchrun --nproc-per-node 1 pretrain_gpt.py "${MODEL_A[@]}" \
+        --fp8-recipe "$name" --fp8-format hybrid --fp8-param-gather
+      summarize "$name" ;;
+  esac
+done

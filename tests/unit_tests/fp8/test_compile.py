@@ -1,0 +1,155 @@
+"""Fp8Linear under torch.compile: the GEMM is the custom op `megatron_fp8::gemm` (opaque to the
+compiler, with a fake implementation), every recipe compiles a transformer layer without a graph
+break (GPU), and compiled FP8 operands and outputs equal eager ones bitwise (GPU). The CPU twins
+check the op's registration, its fake, and compiled-vs-eager equality of the op on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.fp8 import Fp8Config, fp8_autocast, quantized_model_init
+from megatron.core.fp8.cuda import linear_ops
+from megatron.core.fp8.cuda.linear_ops import GemmOperand
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+E4M3 = torch.float8_e4m3fn
+RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+def _tensorwise_operands(rows: int, cols: int, k: int):
+    generator = torch.Generator().manual_seed(3)
+    a = (torch.randn(rows, k, generator=generator) * 4).to(E4M3)
+    b = (torch.randn(cols, k, generator=generator) * 4).to(E4M3)
+    return a, torch.tensor(0.5), b, torch.tensor(0.25)
+
+
+def test_gemm_op_passes_opcheck_on_cpu():
+    a, sa, b, sb = _tensorwise_operands(32, 48, 64)
+    # The schema check mutates inputs with ops that FP8 dtypes lack: fake and dispatch only.
+    torch.library.opcheck(
+        linear_ops._gemm_op, (a, sa, b, sb, "tensorwise", torch.bfloat16, False),
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+    )  # fmt: skip
+    # Emulated MXFP8: dequantized bf16 operands, no scales.
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 64, generator=generator).to(torch.bfloat16)
+    w = torch.randn(48, 64, generator=generator).to(torch.bfloat16)
+    torch.library.opcheck(linear_ops._gemm_op, (x, None, w, None, "mxfp8", torch.float32, False))
+
+
+def test_gemm_op_fake_gives_the_output_shape_and_dtype():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = torch.empty(128, 256, dtype=E4M3)
+        b = torch.empty(96, 256, dtype=E4M3)
+        out = linear_ops._gemm_op(
+            a, torch.empty(()), b, torch.empty(()), "tensorwise", torch.bfloat16, True
+        )
+    assert (tuple(out.shape), out.dtype, out.stride()) == ((128, 96), torch.bfloat16, (96, 1))
+
+
+def test_compiled_gemm_equals_eager_on_cpu():
+    a, sa, b, sb = _tensorwise_operands(64, 80, 128)
+
+    def product(a, sa, b, sb):
+        y = linear_ops.gemm(
+            GemmOperand(a, sa), GemmOperand(b, sb), recipe="tensorwise",
+            out_dtype=torch.float32, fast_accum=False,
+        )  # fmt: skip
+        return torch.nn.functional.silu(y) * 2.0
+
+    eager = product(a, sa, b, sb)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(product)(a, sa, b, sb)
+    assert explanation.graph_break_count == 0
+    ops = [node.target for graph in explanation.graphs for node in graph.graph.nodes]
+    assert torch.ops.megatron_fp8.gemm.default in ops
+    compiled = torch.compile(product, backend="aot_eager")(a, sa, b, sb)
+    assert torch.equal(compiled, eager)
+    expected = a.float() @ b.float().t() * (0.5 * 0.25)
+    assert torch.allclose(eager, torch.nn.functional.silu(expected) * 2.0, rtol=1e-5, atol=1e-5)
+
+
+# --- GPU: a whole transformer layer per recipe -------------------------------------------------
+
+
+def _layer_config(recipe: str) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=1, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
+        vocab_size=128, max_sequence_length=256, normalization="RMSNorm", swiglu=True,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.bfloat16, fp8=Fp8Config(recipe=recipe, fp8_format="hybrid"),
+    )  # fmt: skip
+
+
+def _fp8_layer(recipe: str, *, fp8_params: bool) -> TransformerLayer:
+    config = _layer_config(recipe)
+    torch.manual_seed(0)
+    if fp8_params:
+        with quantized_model_init(recipe, preserve_high_precision_init_val=True):
+            layer = TransformerLayer(config, layer_number=1)
+    else:
+        layer = TransformerLayer(config, layer_number=1)
+    return layer.cuda()
+
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("fp8_params", [False, True])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_layer_compiles_without_graph_breaks_and_equals_eager(recipe: str, fp8_params: bool):
+    layer = _fp8_layer(recipe, fp8_params=fp8_params)
+    x = torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    config = layer.mlp.linear_fc1.fp8_config
+    # As in training: fp8_autocast around the model call, the layer's forward compiled
+    # (model_setup.compile_layers).
+    torch._dynamo.reset()
+    with fp8_autocast(enabled=True, fp8_config=config):
+        explanation = torch._dynamo.explain(layer.forward)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    with fp8_autocast(enabled=True, fp8_config=config):
+        eager = layer(x)
+    (grad_eager,) = torch.autograd.grad(eager.float().sum(), x)
+    compiled_forward = torch.compile(layer.forward)
+    with fp8_autocast(enabled=True, fp8_config=config):
+        compiled = compiled_forward(x)
+    (grad_compiled,) = torch.autograd.grad(compiled.float().sum(), x)
+    # Elementwise code fuses differently (bf16 rounding of norms and SwiGLU), so outputs agree
+    # closely, not bitwise; the FP8 bytes are checked below on the layer's own operands.
+    assert torch.allclose(compiled.float(), eager.float(), rtol=0.05, atol=0.05)
+    assert torch.allclose(grad_compiled.float(), grad_eager.float(), rtol=0.1, atol=0.1)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_compiled_operands_equal_eager_bytes(recipe: str):
+    torch.manual_seed(1)
+    x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16) * 3
+    x[:, :64] *= 40.0
+    scale = torch.tensor(7.0, device="cuda") if recipe == "delayed" else None
+    options = dict(
+        recipe=recipe, fp8_dtype=E4M3, role="input", rowwise=True, transposed=True,
+        power_2_scale=recipe in ("blockwise", "mxfp8"), scale=scale,
+    )  # fmt: skip
+
+    def operands(x):
+        row, col = linear_ops.quantize_operands(x, **options)
+        return row.data, row.scale_inv, col.data, col.scale_inv
+
+    eager = operands(x)
+    compiled = torch.compile(operands)(x)
+    for want, got in zip(eager, compiled):
+        if want is None:
+            assert got is None
+            continue
+        assert want.shape == got.shape
+        assert torch.equal(want.contiguous().view(torch.uint8), got.contiguous().view(torch.uint8))
