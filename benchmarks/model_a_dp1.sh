@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/model_a}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 ITERS=${ITERS:-20}
-WARMUP=${WARMUP:-8}
+WARMUP=${WARMUP:-3}
 MODEL_A=(
   --num-layers 8 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
   --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 2 --global-batch-size 2
@@ -39,11 +39,14 @@ print(json.dumps({"row": sys.argv[2], "step_ms": round(statistics.median(steady)
                   "steps": len(steady), "peak_mem_gib": max(mem) if mem else None}))
 PY
 }
-for name in ${ROWS:-fsdp2 bf16 tensorwise delayed blockwise mxfp8 bench_tensorwise}; do
+for name in ${ROWS:-fsdp2 bf16 tensorwise delayed blockwise mxfp8 bench_bf16 bench_tensorwise}; do
   case $name in
     fsdp2)
       row fsdp2 torchrun --nproc-per-node 1 scripts/bench_gpt.py --engine fsdp2 --compile
       grep '^{' "$OUT/fsdp2.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;
+    bench_bf16)
+      row "$name" torchrun --nproc-per-node 1 scripts/bench_gpt.py --engine megatron-fsdp --compile
+      grep '^{' "$OUT/$name.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;
     bench_*)
       row "$name" torchrun --nproc-per-node 1 scripts/bench_gpt.py --engine megatron-fsdp \
         --compile --fp8-recipe "${name#bench_}" --fp8-param-gather

@@ -252,6 +252,7 @@ class Fp8Linear(nn.Module):
         self._init_like_nn_linear(weight)
         self.delayed_scaling = None
         self._first_forward: tuple = (True, fp8_config, None)
+        self._first_forward_in_autocast = False
         if fp8_config.recipe == "delayed":
             dtypes = {r: fp8_dtype_for_role(fp8_config.fp8_format, r) for r in ("input", "weight")}
             dtypes["grad"] = fp8_dtype_for_role(fp8_config.fp8_format, "grad")
@@ -314,7 +315,14 @@ class Fp8Linear(nn.Module):
                 f"Fp8Linear expects input [..., {self.in_features}], got {tuple(x.shape)}"
             )
         frame = fp8_state.current_autocast()
-        recompute = fp8_state.in_recompute()
+        if torch.compiler.is_compiling() and self.fp8_config.recipe != "delayed":
+            # Reading the autograd engine's task id is a graph break. Compiled, a call outside
+            # any fp8_autocast replays the first forward's settings, which in training is the
+            # backward's recompute (training runs under fp8_autocast); these recipes keep no
+            # scale state, so nothing else differs. Delayed scaling still asks the engine.
+            recompute = frame is None and self._first_forward_in_autocast
+        else:
+            recompute = fp8_state.in_recompute()
         if recompute:
             # fp8_autocast is not active during backward: replay the first forward's settings.
             enabled, config, group = self._first_forward
@@ -323,6 +331,7 @@ class Fp8Linear(nn.Module):
             config = (frame.fp8_config if frame is not None else None) or self.fp8_config
             group = frame.group if frame is not None else None
             self._first_forward = (enabled, config, group)
+            self._first_forward_in_autocast = frame is not None
         if not enabled:
             # A QuantizedTensor weight dequantizes through __torch_dispatch__; grads still flow.
             bias = None if self.bias is None else self.bias.to(x.dtype)

@@ -34,11 +34,22 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
     return float(torch.finfo(fp8_dtype).max)
 
 
-@functools.cache
+def _fp32_reciprocal(value: float) -> float:
+    one = torch.tensor(1.0, dtype=torch.float32)
+    return float(one / torch.tensor(value, dtype=torch.float32))
+
+
+# fp32(1 / fp8_max), correctly rounded (an fp32 division), computed once at import: a lookup
+# is all torch.compile then traces (a tensor op turned into a Python float is a graph break).
+_FP8_MAX_RECIPROCAL = {
+    dtype: _fp32_reciprocal(float(torch.finfo(dtype).max)) for dtype in FP8_DTYPES
+}
+
+
 def fp8_max_reciprocal(fp8_dtype: torch.dtype) -> float:
     """fp32(1 / fp8_max), correctly rounded: the MXFP8 rule multiplies by this constant."""
-    one = torch.tensor(1.0, dtype=torch.float32)
-    return float(one / torch.tensor(fp8_max(fp8_dtype), dtype=torch.float32))
+    check_fp8_dtype(fp8_dtype)
+    return _FP8_MAX_RECIPROCAL[fp8_dtype]
 
 
 @functools.cache
