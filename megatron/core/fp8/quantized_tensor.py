@@ -178,7 +178,13 @@ class QuantizedTensor(torch.Tensor):
             )
             rows2d = source.reshape(-1, self.shape[-1])
             scale_t = scale_inv if scale_inv.dim() == 0 else scale_inv.t().contiguous()
-            self._transpose_cache = (_transpose_bytes(rows2d), scale_t)
+            transposed = (_transpose_bytes(rows2d), scale_t)
+            if torch.compiler.is_compiling():
+                # Storing into the parameter from a compiled backward is a side effect the
+                # compiler refuses (a graph break); the FSDP engine drops the cache after each
+                # unit's backward anyway, so a compiled step transposes once per backward too.
+                return transposed
+            self._transpose_cache = transposed
         return self._transpose_cache
 
     def discard_transpose_cache(self) -> None:

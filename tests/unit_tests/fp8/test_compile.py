@@ -121,10 +121,20 @@ def test_layer_compiles_without_graph_breaks_and_equals_eager(recipe: str, fp8_p
     with fp8_autocast(enabled=True, fp8_config=config):
         compiled = compiled_forward(x)
     (grad_compiled,) = torch.autograd.grad(compiled.float().sum(), x)
-    # Elementwise code fuses differently (bf16 rounding of norms and SwiGLU), so outputs agree
-    # closely, not bitwise; the FP8 bytes are checked below on the layer's own operands.
-    assert torch.allclose(compiled.float(), eager.float(), rtol=0.05, atol=0.05)
-    assert torch.allclose(grad_compiled.float(), grad_eager.float(), rtol=0.1, atol=0.1)
+    # Inductor fuses the norms and SwiGLU in another order, so a few bf16 values round
+    # differently and land on neighbouring FP8 values: the outputs agree at FP8 noise level
+    # (an E4M3 step is 1/8 to 1/16 relative), not bitwise. The FP8 bytes of the same input are
+    # compared exactly below.
+    output_error = _relative_error(compiled, eager)
+    grad_error = _relative_error(grad_compiled, grad_eager)
+    print(f"{recipe} fp8_params={fp8_params}: relative error out {output_error:.4f}, "
+          f"grad {grad_error:.4f}")  # fmt: skip
+    assert output_error < 0.03 and grad_error < 0.06
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm())
 
 
 @gpu
