@@ -3,10 +3,16 @@
 import os
 import sys
 
-from megatron.training.training import pretrain
+from megatron.training.training import NonFiniteTrainingError, pretrain
 
 if __name__ == "__main__":
-    pretrain(destroy_process_group=False)
+    try:
+        pretrain(destroy_process_group=False)
+    except NonFiniteTrainingError as error:
+        rank = os.environ.get("RANK", "0")
+        print(f"error: rank {rank}: {error}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     # Leave without interpreter teardown. After a completed multi-rank CPU run, gloo's worker
     # threads could still be joinable while static destructors ran, which intermittently aborted
     # a finished run ("terminate called without an active exception", exit -6). By now every

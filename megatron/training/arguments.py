@@ -143,6 +143,15 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "docs/PERFORMANCE_FP8_LINEAR.md).",
     )
     group.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Stop the run, before any checkpoint of that state, when the loss or the grad "
+        "norm of an iteration is NaN or Inf (Megatron-LM's default). With "
+        "--no-check-for-nan-in-loss-and-grad such an iteration skips its update and is counted "
+        "in the log's skipped (and, for a NaN loss, nan) iterations.",
+    )
+    group.add_argument(
         "--torch-compile",
         action="store_true",
         help="torch.compile each transformer layer's forward (regional compile: identical "

@@ -37,6 +37,11 @@ from megatron.training.log_line import IntervalStats, format_train_line, format_
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
 
 
+class NonFiniteTrainingError(RuntimeError):
+    """--check-for-nan-in-loss-and-grad found a NaN/Inf loss or grad norm: the run stops.
+    pretrain_gpt.py prints it as one `error:` line on every rank and exits with status 1."""
+
+
 @dataclass
 class TrainState:
     """What a checkpoint restores besides weights and optimizer state."""
@@ -325,6 +330,17 @@ def _train_loop(args, *, env, run, scheduler, datasets, state, logger, exit_sign
         loss, grad_norm, ok = train_step(
             args, env=env, run=run, dataset=datasets.train, state=state
         )
+        if args.check_for_nan_in_loss_and_grad and not (
+            math.isfinite(loss) and math.isfinite(grad_norm)
+        ):
+            # Every rank sees the same reduced loss and global grad norm, so all stop here
+            # together; the update was not applied and nothing of this state is saved.
+            raise NonFiniteTrainingError(
+                f"iteration {state.iteration + 1}: lm loss {loss} and grad norm {grad_norm}; "
+                "the run stops before saving (--check-for-nan-in-loss-and-grad is on by "
+                "default; lower --lr or check the data, resume with --load from the last "
+                "checkpoint, or pass --no-check-for-nan-in-loss-and-grad to skip such updates)"
+            )
         if ok:
             scheduler.step()
         else:

@@ -94,7 +94,7 @@ def test_nan_loss_skips_the_step(monkeypatch):
         return out
 
     monkeypatch.setattr(training, "train_step", spy_step)
-    result = run_pretrain(TINY_GPT + ["--train-iters", "5"])
+    result = run_pretrain(TINY_GPT + ["--train-iters", "5", "--no-check-for-nan-in-loss-and-grad"])
     assert math.isnan(result.losses[3])
     assert result.state.skipped_iterations == 1 and result.state.nan_iterations == 1
     assert all(torch.equal(seen[k], snapshot[k]) for k in snapshot)
@@ -116,7 +116,10 @@ def test_skipped_iteration_is_left_out_of_the_interval(monkeypatch, capsys):
         return real(run, batch, **options)
 
     monkeypatch.setattr(training, "forward_backward", poisoned)
-    result = run_pretrain(TINY_GPT + ["--train-iters", "10", "--log-interval", "5"])
+    result = run_pretrain(
+        TINY_GPT
+        + ["--train-iters", "10", "--log-interval", "5", "--no-check-for-nan-in-loss-and-grad"]
+    )
     lines = [LINE.match(line) for line in capsys.readouterr().out.splitlines()]
     lines = {int(m["it"]): m for m in lines if m}
     assert sorted(lines) == [5, 10]
@@ -272,3 +275,42 @@ def test_backward_runs_without_the_device_worker_threads_unless_asked(monkeypatc
     assert torch._C._is_multithreading_enabled()
     assert worker_threads.losses == calling_thread.losses
     assert sorted(calling_thread.losses) == [1, 2]
+
+
+def test_nan_loss_stops_the_run_by_default(monkeypatch, tmp_path):
+    """--check-for-nan-in-loss-and-grad (on by default, as in Megatron-LM): a NaN loss at
+    iteration 3 stops the run there, and the last checkpoint stays iteration 2's."""
+    from megatron.training import training
+
+    real = training.forward_backward
+    calls = {"n": 0}
+
+    def poisoned(run, batch, **options):
+        calls["n"] += 1
+        if calls["n"] == 2 * 4 + 1:  # first micro-batch of iteration 3
+            batch = dict(batch, loss_mask=batch["loss_mask"] * float("nan"))
+        return real(run, batch, **options)
+
+    monkeypatch.setattr(training, "forward_backward", poisoned)
+    save = tmp_path / "ckpt"
+    argv = TINY_GPT + ["--train-iters", "5", "--save", str(save), "--save-interval", "1"]
+    with pytest.raises(training.NonFiniteTrainingError, match=r"^iteration 3: lm loss nan "):
+        run_pretrain(argv)
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert sorted(path.name for path in save.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
+
+
+def test_diverging_run_exits_1_with_one_error_line():
+    """The issue's case: --lr 1e6 turns the loss NaN; the run stops with one line, status 1."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "pretrain_gpt.py", *TINY_GPT, "--train-iters", "20", "--lr", "1e6"]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: iteration "), done.stderr
+    assert "--no-check-for-nan-in-loss-and-grad" in lines[0]
+    logged = re.findall(r"iteration +(\d+)/", done.stdout)
+    stopped_at = int(lines[0].split("iteration ")[1].split(":")[0])
+    assert len(logged) == stopped_at - 1  # every finished iteration logged, none after
