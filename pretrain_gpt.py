@@ -3,16 +3,23 @@
 import os
 import sys
 
+from megatron.core.checkpoint_files import CheckpointError
 from megatron.training.training import NonFiniteTrainingError, pretrain
+
+# One `error:` line per rank instead of a traceback: status 2 for what a --load path caused,
+# 1 for a run stopped by --check-for-nan-in-loss-and-grad. MEGATRON_TRACEBACK=1 re-raises.
+USER_ERRORS = {CheckpointError: 2, NonFiniteTrainingError: 1}
 
 if __name__ == "__main__":
     try:
         pretrain(destroy_process_group=False)
-    except NonFiniteTrainingError as error:
+    except tuple(USER_ERRORS) as error:
+        if os.environ.get("MEGATRON_TRACEBACK") == "1":
+            raise
         rank = os.environ.get("RANK", "0")
         print(f"error: rank {rank}: {error}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(1)
+        os._exit(next(code for kind, code in USER_ERRORS.items() if isinstance(error, kind)))
     # Leave without interpreter teardown. After a completed multi-rank CPU run, gloo's worker
     # threads could still be joinable while static destructors ran, which intermittently aborted
     # a finished run ("terminate called without an active exception", exit -6). By now every

@@ -310,6 +310,9 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
     if args.save_interval is not None:
         _require(args.save_interval > 0, "--save-interval must be positive.")
         _require(args.save is not None, "--save-interval needs --save DIR.")
+    if args.ckpt_step is not None:
+        _require(args.load is not None, "--ckpt-step needs --load DIR (the --save directory).")
+        _require(args.ckpt_step > 0, f"--ckpt-step {args.ckpt_step} must be a saved iteration > 0.")
     if args.ckpt_format is None:
         args.ckpt_format = "torch_dist" if args.use_megatron_fsdp else "torch"
     if args.ckpt_format == "torch_dist":

@@ -278,6 +278,13 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         help="On resume, use the checkpoint's learning-rate schedule instead of the flags.",
     )
     group.add_argument(
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="Resume from this iteration's checkpoint under --load instead of the one that "
+        "latest_checkpointed_iteration.txt names (Megatron-LM's flag).",
+    )
+    group.add_argument(
         "--ckpt-format",
         choices=("torch", "torch_dist"),
         default=None,

@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -229,9 +230,28 @@ def _load_delayed_scaling_state(directory: str, run) -> None:
         raise CheckpointError(f"{path}: {error}") from None
 
 
-def check_load_path(load: str) -> None:
+_ITERATION_DIR = re.compile(r"iter_(\d{7})(\.old)?")
+
+
+def complete_iteration_dirs(root: str) -> list[str]:
+    """The names of root's published iteration directories (iter_XXXXXXX, or the complete
+    .old copy of an interrupted re-save), oldest first; unfinished .tmp saves are left out."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _ITERATION_DIR.fullmatch(name)
+        if match and os.path.isfile(os.path.join(root, name, "metadata.json")):
+            found.append((int(match.group(1)), name))
+    return [name for _, name in sorted(found)]
+
+
+def check_load_path(load: str, ckpt_step: int | None = None) -> None:
     """--load must name a --save directory, or one that does not exist yet (a first start of
-    `--save X --load X` trains from scratch). Cheap: pretrain calls it before building anything."""
+    `--save X --load X` trains from scratch). Cheap: pretrain calls it before building anything.
+
+    A --save directory whose tracker is gone but which holds iterations is refused rather than
+    trained from scratch (the work would be thrown away silently): --ckpt-step picks one."""
     if os.path.exists(load) and not os.path.isdir(load):
         raise CheckpointError(
             f"--load {load} is a file, not a directory; point --load at the directory that "
@@ -243,6 +263,15 @@ def check_load_path(load: str) -> None:
             f"--load {load} is one iteration's directory; pass its parent, the --save directory "
             f"(its {TRACKER_FILENAME} picks the iteration)."
         )
+    if ckpt_step is None and not os.path.isfile(os.path.join(load, TRACKER_FILENAME)):
+        published = complete_iteration_dirs(load)
+        if published:
+            newest = int(_ITERATION_DIR.fullmatch(published[-1]).group(1))
+            raise CheckpointError(
+                f"--load {load} holds {', '.join(published)} but no {TRACKER_FILENAME}, so "
+                f"which iteration to resume is unknown; pass --ckpt-step N (e.g. --ckpt-step "
+                f"{newest}, the newest) or write N into {os.path.join(load, TRACKER_FILENAME)}."
+            )
 
 
 def read_tracker(root: str) -> int | None:
@@ -554,7 +583,7 @@ def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
     file is read into the model or optimizer."""
     from megatron.training.training import TrainState
 
-    iteration = read_tracker(args.load)
+    iteration = args.ckpt_step if args.ckpt_step is not None else read_tracker(args.load)
     if iteration is None:
         if env.rank == 0:
             print(f" > no checkpoint under --load {args.load}; training from scratch", flush=True)

@@ -79,7 +79,8 @@ def pretrain(
     if args.load is not None:
         from megatron.training.checkpointing import check_load_path
 
-        check_load_path(args.load)  # a --load that is a file fails before anything is built
+        # A --load that is a file, or iterations without a tracker, fail before anything is built.
+        check_load_path(args.load, args.ckpt_step)
     env = initialize_distributed(args)
     try:
         result = _build_and_train(args, env)

@@ -351,3 +351,58 @@ def test_longer_train_iters_needs_a_schedule_choice(saved, capsys):
     # both runs; the updates at different lrs then make iteration 4 differ.
     assert kept.losses[3] == override.losses[3]
     assert kept.losses[4] != override.losses[4]
+
+
+# --- a tracker lost next to complete iterations ---------------------------------------------
+
+
+def test_missing_tracker_next_to_iterations_is_refused(tmp_path, monkeypatch):
+    """Not "training from scratch": the directories are named, and the fix (--ckpt-step)."""
+    root = tmp_path / "ckpt"
+    run_pretrain(TINY_GPT + ["--train-iters", "3", "--save", str(root), "--save-interval", "1"])
+    (root / "latest_checkpointed_iteration.txt").unlink()
+    (root / "iter_0000004.tmp").mkdir()  # an unfinished save is not offered
+    _refuse_model_setup(monkeypatch)
+    message = _load_error(root)
+    assert message == (
+        f"--load {root} holds iter_0000001, iter_0000002, iter_0000003 but no "
+        "latest_checkpointed_iteration.txt, so which iteration to resume is unknown; pass "
+        "--ckpt-step N (e.g. --ckpt-step 3, the newest) or write N into "
+        f"{root / 'latest_checkpointed_iteration.txt'}."
+    )
+
+
+def test_ckpt_step_resumes_the_named_iteration(tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    full = run_pretrain(TINY_GPT + ["--train-iters", "4", "--save", str(root), "--save-interval", "1"])
+    (root / "latest_checkpointed_iteration.txt").unlink()
+    resumed = run_pretrain(
+        TINY_GPT + ["--train-iters", "4", "--load", str(root), "--ckpt-step", "2"]
+    )
+    assert f" > loaded checkpoint {root / 'iter_0000002'} (iteration 2)" in capsys.readouterr().out
+    assert sorted(resumed.losses) == [3, 4]
+    assert [resumed.losses[i] for i in (3, 4)] == [full.losses[i] for i in (3, 4)]
+
+
+def test_bad_load_path_exits_2_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    load_file = tmp_path / "not_a_dir"
+    load_file.write_text("x")
+    argv = [sys.executable, "pretrain_gpt.py", *TINY_GPT, "--train-iters", "2"]
+    done = subprocess.run(
+        [*argv, "--load", str(load_file)], cwd=repo, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: rank 0: --load {load_file} is a file, not a directory; point --load at the "
+        "directory that --save wrote (it holds latest_checkpointed_iteration.txt and "
+        "iter_XXXXXXX/)."
+    ]
+    debug = subprocess.run(
+        [*argv, "--load", str(load_file)], cwd=repo, capture_output=True, text=True,
+        timeout=120, env={**os.environ, "MEGATRON_TRACEBACK": "1"},
+    )  # fmt: skip
+    assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
