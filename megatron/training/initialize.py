@@ -90,7 +90,8 @@ def shutdown_distributed(env: DistributedEnv, *, destroy: bool = True) -> None:
 
 
 def set_random_seeds(seed: int) -> None:
-    """Same seed on every rank: init and dropout masks do not depend on data-parallel size."""
+    """Same seed on every rank, so the init does not depend on the data-parallel size. Dropout
+    masks are reseeded per micro-batch from its first global sample (training.seed_dropout)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -195,6 +196,17 @@ def forward_backward(
     return loss.detach()
 
 
+def seed_dropout(seed: int, *, first_sample: int) -> None:
+    """Seed the generators dropout draws from by the micro-batch's first global sample.
+
+    The micro-batches of a step are the same sample ranges at any data-parallel size (rank r's
+    m-th micro-batch at DP=N is the (m*N + r)-th at DP=1), so their dropout masks, and the
+    losses, do not depend on the DP size, and a resume at another DP size is exact. Activation
+    recompute restores the state the forward started from (torch.utils.checkpoint)."""
+    mixed = np.random.SeedSequence([seed, first_sample]).generate_state(1, np.uint64)[0]
+    torch.manual_seed(int(mixed) >> 1)  # manual_seed takes a non-negative 63-bit value
+
+
 def train_step(
     args: argparse.Namespace, *, env: DistributedEnv, run: ModelAndOptimizer, dataset, state
 ) -> tuple[float, float, bool]:
@@ -211,6 +223,11 @@ def train_step(
             device=env.device,
         )
         is_last = microbatch == args.num_microbatches - 1
+        seed_dropout(
+            args.seed,
+            first_sample=state.consumed_train_samples + microbatch * step_samples
+            + env.rank * args.micro_batch_size,
+        )
         with contextlib.nullcontext() if is_last else run.no_sync():
             losses.append(
                 forward_backward(

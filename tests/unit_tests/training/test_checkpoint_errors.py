@@ -374,7 +374,8 @@ def test_missing_tracker_next_to_iterations_is_refused(tmp_path, monkeypatch):
 
 def test_ckpt_step_resumes_the_named_iteration(tmp_path, capsys):
     root = tmp_path / "ckpt"
-    full = run_pretrain(TINY_GPT + ["--train-iters", "4", "--save", str(root), "--save-interval", "1"])
+    save = ["--save", str(root), "--save-interval", "1"]
+    full = run_pretrain(TINY_GPT + ["--train-iters", "4", *save])
     (root / "latest_checkpointed_iteration.txt").unlink()
     resumed = run_pretrain(
         TINY_GPT + ["--train-iters", "4", "--load", str(root), "--ckpt-step", "2"]

@@ -314,3 +314,29 @@ def test_diverging_run_exits_1_with_one_error_line():
     logged = re.findall(r"iteration +(\d+)/", done.stdout)
     stopped_at = int(lines[0].split("iteration ")[1].split(":")[0])
     assert len(logged) == stopped_at - 1  # every finished iteration logged, none after
+
+
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--train-iters", "20"]
+
+
+@pytest.mark.slow
+def test_dropout_losses_do_not_depend_on_the_data_parallel_size():
+    """Dropout masks come from each micro-batch's first global sample, not from the rank."""
+    single = run_pretrain(TINY_GPT + DROPOUT).losses
+    plain = run_pretrain(TINY_GPT + NO_DROPOUT + DROPOUT[-2:]).losses  # the masks matter
+    assert max(abs(single[i] - plain[i]) / plain[i] for i in single) > 1e-3
+    for world_size in (2, 4):
+        per_rank = run_distributed(run_pretrain_on_rank, world_size, TINY_GPT + DROPOUT)
+        for losses in per_rank:
+            assert_losses_close(losses, single, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_dropout_run_saved_at_dp2_resumes_at_dp1_exactly(tmp_path):
+    root = str(tmp_path / "ckpt")
+    uninterrupted = run_pretrain(TINY_GPT + DROPOUT).losses
+    first = TINY_GPT + DROPOUT + ["--save", root, "--exit-interval", "10"]
+    run_distributed(run_pretrain_on_rank, 2, first)
+    resumed = run_pretrain(TINY_GPT + DROPOUT + ["--load", root]).losses
+    assert sorted(resumed) == list(range(11, 21))
+    assert_losses_close(resumed, {i: uninterrupted[i] for i in range(11, 21)}, rtol=1e-5)
