@@ -385,12 +385,9 @@ def _validate_fp8(args: argparse.Namespace) -> None:
             "--fp8-format e5m2: E5M2 alone is not allowed (E5M2 x E5M2 GEMMs are not supported); "
             "use --fp8-format hybrid (E4M3 forward, E5M2 grads) or e4m3."
         )
+    if args.fp8_recipe is None and args.fp8_format is not None:
+        args.fp8_recipe = "delayed"  # Megatron-LM: --fp8-format alone trains delayed scaling
     if args.fp8_recipe is None:
-        _require(
-            args.fp8_format is None,
-            f"--fp8-format {args.fp8_format} needs --fp8-recipe "
-            "delayed|tensorwise|blockwise|mxfp8.",
-        )
         for flag, on in (
             ("--fp8-param-gather", args.fp8_param_gather),
             ("--first-last-layers-bf16", args.first_last_layers_bf16),

@@ -368,19 +368,28 @@ def _add_fp8_args(parser: argparse.ArgumentParser) -> None:
         "--fp8-format",
         choices=("e4m3", "hybrid", "e5m2"),
         default=None,
-        help="hybrid: E4M3 forward, E5M2 grads; e4m3 everywhere (default hybrid with a recipe).",
+        help="Train the transformer Linears in FP8 (Megatron-LM's switch). hybrid: E4M3 "
+        "forward, E5M2 grads; e4m3 everywhere. Default: off, or hybrid when --fp8-recipe is "
+        "given alone.",
     )
     group.add_argument(
-        "--fp8-recipe", choices=FP8_RECIPES, default=None, help="FP8 scaling recipe."
+        "--fp8-recipe",
+        choices=FP8_RECIPES,
+        default=None,
+        help="FP8 scaling recipe; with --fp8-format and no recipe, delayed (Megatron-LM's "
+        "default). Given alone it also turns FP8 on, in the hybrid format.",
     )
     group.add_argument("--fp8-margin", type=int, default=0, help="Delayed-scaling margin.")
     group.add_argument(
-        "--fp8-amax-history-len", type=int, default=1024, help="Delayed-scaling history length."
+        "--fp8-amax-history-len",
+        type=int,
+        default=1,
+        help="Delayed-scaling history length (Megatron-LM's default 1).",
     )
     group.add_argument(
         "--fp8-amax-compute-algo",
         choices=("max", "most_recent"),
-        default="max",
+        default="most_recent",
         help="Delayed scaling: amax from the history max or the newest entry.",
     )
     group.add_argument(

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from megatron.training.arguments import build_parser, parse_args
-from tests.unit_tests.training.common import TINY_GPT
+from tests.unit_tests.training.common import TINY_GPT, run_pretrain
 
 FROZEN = os.path.join(os.path.dirname(__file__), "frozen_flags.txt")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -250,6 +250,28 @@ def test_recipe_implies_hybrid_format():
     assert args.fp8_format == "hybrid"
     args = parse_args(TINY_GPT + ["--fp8-recipe", "mxfp8", "--fp8-format", "e4m3"], world_size=1)
     assert args.fp8_format == "e4m3"
+
+
+def test_fp8_format_alone_trains_megatron_lm_delayed_defaults():
+    """Megatron-LM's FP8 defaults: --fp8-format alone means delayed scaling with a 1-long amax
+    history and most_recent, and the run's Fp8Linears are built with exactly that."""
+    from megatron.training.configs import build_transformer_config
+
+    args = parse_args(TINY_GPT + ["--fp8-format", "hybrid", "--train-iters", "3"], world_size=1)
+    assert (args.fp8_recipe, args.fp8_format) == ("delayed", "hybrid")
+    assert (args.fp8_amax_history_len, args.fp8_amax_compute_algo) == (1, "most_recent")
+    fp8 = build_transformer_config(args, vocab_size=512).fp8
+    assert (fp8.recipe, fp8.amax_history_len) == ("delayed", 1)
+    assert fp8.amax_compute_algo == "most_recent"
+    result = run_pretrain(TINY_GPT + ["--fp8-format", "hybrid", "--train-iters", "3"])
+    delayed = run_pretrain(TINY_GPT + ["--fp8-recipe", "delayed", "--train-iters", "3",
+                                       "--fp8-amax-history-len", "1",
+                                       "--fp8-amax-compute-algo", "most_recent"])  # fmt: skip
+    longer = run_pretrain(TINY_GPT + ["--fp8-recipe", "delayed", "--train-iters", "3",
+                                      "--fp8-amax-history-len", "1024",
+                                      "--fp8-amax-compute-algo", "max"])  # fmt: skip
+    assert result.losses == delayed.losses
+    assert result.losses != longer.losses  # the defaults are what changed the numbers
 
 
 def test_wandb_save_dir_defaults_under_save():
