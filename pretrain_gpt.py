@@ -4,11 +4,13 @@ import os
 import sys
 
 from megatron.core.checkpoint_files import CheckpointError
+from megatron.training.checkpointing import CheckpointSaveError
 from megatron.training.training import NonFiniteTrainingError, pretrain
 
 # One `error:` line per rank instead of a traceback: status 2 for what a --load path caused,
-# 1 for a run stopped by --check-for-nan-in-loss-and-grad. MEGATRON_TRACEBACK=1 re-raises.
-USER_ERRORS = {CheckpointError: 2, NonFiniteTrainingError: 1}
+# 1 for a failed save or a run stopped by --check-for-nan-in-loss-and-grad.
+# MEGATRON_TRACEBACK=1 re-raises instead.
+USER_ERRORS = {CheckpointError: 2, CheckpointSaveError: 1, NonFiniteTrainingError: 1}
 
 if __name__ == "__main__":
     try:

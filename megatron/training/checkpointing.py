@@ -24,6 +24,7 @@ file and the fix before training.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,6 +34,7 @@ import shutil
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.core.checkpoint_files import (
     TMP_SUFFIX,
@@ -167,14 +169,71 @@ def _save_tensor_file(obj, path: str) -> None:
         os.fsync(handle.fileno())
 
 
-def save_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, state, env) -> str:
-    """Write iter_XXXXXXX/ under a temporary name, publish it, then update the tracker."""
-    final = iteration_dir(args.save, state.iteration)
-    tmp = f"{final}{TMP_SUFFIX}"
+class CheckpointSaveError(RuntimeError):
+    """A save that failed on some rank (a full disk, a permission, a vanished directory): its
+    partial .tmp is removed and the previous checkpoint stays the one --load uses.
+    pretrain_gpt.py prints it as one `error:` line per rank and exits with status 1."""
+
+
+def _first_failure(env: DistributedEnv, failure: BaseException | None) -> int:
+    """Every rank's verdict at once: the lowest failing rank, or -1 when all succeeded. It
+    stands in for the barrier between the save's phases, so no rank waits on one that gave up."""
+    if env.dp_group is None:
+        return env.rank if failure is not None else -1
+    # gloo and NCCL both reduce a float MIN; ranks that succeeded send the world size.
+    code = torch.tensor(
+        [float(env.rank if failure is not None else env.world_size)], device=env.device
+    )
+    dist.all_reduce(code, op=dist.ReduceOp.MIN, group=env.dp_group)
+    failed = int(code.item())
+    return failed if failed < env.world_size else -1
+
+
+def _describe_failure(failure: BaseException | None) -> str:
+    """One line for the cause; DCP's collective exception is unwrapped to the rank whose error
+    says the most (an OSError such as ENOSPC, where one rank had it)."""
+    if failure is None:
+        return "see that rank's error line"
+    if isinstance(failure, CheckpointException) and failure.failures:
+        # Each value is (exception, its stack summary).
+        by_rank = [
+            (rank, value[0] if isinstance(value, tuple) else value)
+            for rank, value in sorted(failure.failures.items())
+        ]
+        rank, error = next(
+            ((r, e) for r, e in by_rank if isinstance(e, OSError)), by_rank[0]
+        )
+        return f"rank {rank}: {type(error).__name__}: {error}".splitlines()[0]
+    return f"{type(failure).__name__}: {failure}".splitlines()[0]
+
+
+def _save_failed(args, *, env, state, tmp: str, failure, failed_rank: int) -> None:
     if env.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng") if not args.no_save_rng else tmp)
     _barrier(env)
+    previous = read_tracker(args.save) if os.path.isdir(args.save) else None
+    kept = (
+        f"iteration {previous} stays the checkpoint --load uses"
+        if previous is not None
+        else "no earlier checkpoint exists"
+    )
+    cause = _describe_failure(failure)
+    if failure is not None:
+        # torch.save reports a full disk as a zip-writer position error, not ENOSPC: say
+        # what the disk holds so the cause is plain either way.
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(args.save).free
+            cause += f"; {free / 2**20:.2f} MiB free on the disk of {args.save}"
+    raise CheckpointSaveError(
+        f"saving iteration {state.iteration} to {iteration_dir(args.save, state.iteration)} "
+        f"failed on rank {failed_rank} ({cause}); the partial {os.path.basename(tmp)} was "
+        f"removed and {kept}. Free space or fix the directory's permissions, then resume "
+        f"with --load {args.save}."
+    ) from failure
+
+
+def _write_checkpoint_files(args, *, run, env, tmp: str) -> None:
+    """Every rank's share of iteration `tmp`: model and optimizer state, FP8 state, RNG."""
     if args.ckpt_format == "torch_dist":
         from megatron.core import dist_checkpointing
 
@@ -193,19 +252,65 @@ def save_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, state, env
     if not args.no_save_rng:
         rng_path = os.path.join(tmp, "rng", f"rank_{env.rank:05d}.pt")
         _save_tensor_file(_rng_state_to_plain(get_rng_state()), rng_path)
-    _barrier(env)
+
+
+def save_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, state, env) -> str:
+    """Write iter_XXXXXXX/ under a temporary name, publish it, then update the tracker.
+
+    A failure on any rank (OSError such as ENOSPC, or torch.distributed.checkpoint's
+    collective error wrapping one) is agreed on by every rank before anything is published;
+    all of them then raise CheckpointSaveError naming the path and the iteration."""
+    final = iteration_dir(args.save, state.iteration)
+    tmp = f"{final}{TMP_SUFFIX}"
+    failure: BaseException | None = None
+    try:
+        if env.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "rng") if not args.no_save_rng else tmp)
+    except OSError as error:
+        failure = error
+    failed_rank = _first_failure(env, failure)
+    if failed_rank < 0:
+        try:
+            _write_checkpoint_files(args, run=run, env=env, tmp=tmp)
+        # DCP's collective CheckpointException derives from BaseException, not Exception.
+        except (Exception, CheckpointException) as error:  # noqa: BLE001 - reported, re-raised
+            failure = error
+        failed_rank = _first_failure(env, failure)
+    if failed_rank < 0 and env.rank == 0:
+        try:
+            if not args.no_save_rng:
+                fsync_path(os.path.join(tmp, "rng"))
+            # Written last (and fsyncs tmp/): a directory with metadata.json is complete.
+            _atomic_write_text(
+                os.path.join(tmp, "metadata.json"),
+                json.dumps(_metadata(args, run, scheduler, state, env), indent=1),
+            )
+            publish_dir(tmp, final)
+        except OSError as error:
+            failure = error
+    if failed_rank < 0:
+        failed_rank = _first_failure(env, failure)
+    if failed_rank >= 0:
+        _save_failed(args, env=env, state=state, tmp=tmp, failure=failure, failed_rank=failed_rank)
+    tracker_failure = None
     if env.rank == 0:
-        if not args.no_save_rng:
-            fsync_path(os.path.join(tmp, "rng"))
-        # Written last (and fsyncs tmp/): a directory with metadata.json is complete.
-        _atomic_write_text(
-            os.path.join(tmp, "metadata.json"),
-            json.dumps(_metadata(args, run, scheduler, state, env), indent=1),
-        )
-        publish_dir(tmp, final)
-        _atomic_write_text(os.path.join(args.save, TRACKER_FILENAME), f"{state.iteration}\n")
+        try:
+            _atomic_write_text(os.path.join(args.save, TRACKER_FILENAME), f"{state.iteration}\n")
+        except OSError as error:  # the new directory is complete; the old tracker still loads
+            tracker_failure = error
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(args.save, TRACKER_FILENAME + TMP_SUFFIX))
+    if _first_failure(env, tracker_failure) >= 0:
+        previous = read_tracker(args.save)
+        raise CheckpointSaveError(
+            f"iteration {state.iteration} was written to {final} but "
+            f"{os.path.join(args.save, TRACKER_FILENAME)} could not be updated "
+            f"({tracker_failure}); it still names iteration {previous}. Free space, then "
+            f"resume with --load {args.save} --ckpt-step {state.iteration}."
+        ) from tracker_failure
+    if env.rank == 0:
         print(f" > saved checkpoint at iteration {state.iteration} to {final}", flush=True)
-    _barrier(env)
     return final
 
 
