@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.core.checkpoint_files import CheckpointError
+from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
 from megatron.core.dist_checkpointing.serialization import checkpoint_path, describe_failure
 
 
@@ -24,7 +25,7 @@ def load_full_model_params(
     Raises CheckpointError, naming the path, for a missing, truncated or foreign checkpoint.
     """
     path = checkpoint_path(checkpoint_dir)
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = SafeFileSystemReader(str(path)).read_metadata()  # checked by checkpoint_path
     params_prefix = f"{model_key}.params."
     shapes_prefix = f"{model_key}.param_shapes."
     template: dict[str, torch.Tensor] = {}
@@ -41,7 +42,7 @@ def load_full_model_params(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "no process group: loading on one rank"
         try:
-            dcp.load(template, checkpoint_id=str(path), no_dist=True)
+            dcp.load(template, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
         except (Exception, CheckpointException) as error:  # CheckpointException: BaseException
             raise CheckpointError(
                 f"{path}: cannot be loaded ({describe_failure(error)}); a shard (.distcp) is "

@@ -28,6 +28,10 @@ from megatron.core.checkpoint_files import (
     publish_dir,
     resolve_published_dir,
 )
+from megatron.core.dist_checkpointing.safe_reader import (
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+)
 
 
 def save(
@@ -71,7 +75,9 @@ def load(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor deprecation, as in save
         try:
-            dcp.load(state, checkpoint_id=str(path), process_group=process_group)
+            dcp.load(
+                state, storage_reader=SafeFileSystemReader(str(path)), process_group=process_group
+            )
         except (Exception, CheckpointException) as error:  # CheckpointException: BaseException
             raise CheckpointError(
                 f"{path}: cannot be loaded ({describe_failure(error)}); a shard (.distcp) or "
@@ -93,7 +99,12 @@ def checkpoint_path(checkpoint_dir: str | os.PathLike) -> Path:
         )
     path = Path(resolved)
     try:
-        dcp.FileSystemReader(str(path)).read_metadata()
+        SafeFileSystemReader(str(path)).read_metadata()
+    except UnsafeCheckpointError as error:
+        raise CheckpointError(
+            f"{path / '.metadata'}: refused: it {error}. Load only checkpoints written by "
+            "megatron-fp8 (or torch.distributed.checkpoint) from sources you trust."
+        ) from None
     except Exception as error:  # a truncated pickle raises one of several types
         raise CheckpointError(
             f"{path / '.metadata'}: cannot be read ({describe_failure(error)}); the file is "

@@ -407,3 +407,48 @@ def test_bad_load_path_exits_2_with_one_line(tmp_path):
         timeout=120, env={**os.environ, "MEGATRON_TRACEBACK": "1"},
     )  # fmt: skip
     assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
+
+
+# --- torch_dist .metadata is never run ------------------------------------------------------
+
+
+class _MetadataPayload:
+    """Unpickling this makes a directory: the proof that a file ran code."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_malicious_metadata_is_refused_and_not_run(saved_fsdp, tmp_path):
+    import pickle
+
+    root = _copy(saved_fsdp, tmp_path)
+    marker = str(tmp_path / "pwned_by_metadata")
+    metadata_path = root / ITER_DIR / "sharded" / ".metadata"
+    with open(metadata_path, "wb") as handle:
+        pickle.dump({"metadata": _MetadataPayload(marker)}, handle)
+    message = _load_error(root, FSDP)
+    assert message.startswith(f"{metadata_path}: refused: it refers to posix.mkdir, which a ")
+    assert not os.path.exists(marker)
+
+
+def test_metadata_with_pickled_entries_is_refused(saved_fsdp, tmp_path):
+    """DCP would torch.load a bytes entry with weights_only=False: such metadata is refused."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    root = _copy(saved_fsdp, tmp_path)
+    metadata_path = root / ITER_DIR / "sharded" / ".metadata"
+    with open(metadata_path, "rb") as handle:
+        metadata = pickle.load(handle)  # our own file, written by the fixture
+    metadata.state_dict_metadata["model.params.decoder.layers.0.mlp.linear_fc1.weight"] = (
+        BytesStorageMetadata()
+    )
+    with open(metadata_path, "wb") as handle:
+        pickle.dump(metadata, handle)
+    message = _load_error(root, FSDP)
+    assert "refused: it declares pickled-object entries (model.params.decoder.layers.0" in message

@@ -1,0 +1,83 @@
+"""Reading a torch_dist checkpoint without running code from it.
+
+torch.distributed.checkpoint stores its `.metadata` as a pickle and reads it with
+`pickle.load`, so a crafted file runs whatever it names; its planner also `torch.load`s any
+entry the metadata declares as bytes with `weights_only=False`. SafeFileSystemReader reads the
+metadata through an unpickler that admits only the classes DCP's metadata is made of, and
+refuses byte entries (this project's checkpoints hold tensors only), so the shard files are
+read as tensor data alone.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+
+# What a .metadata written by torch.distributed.checkpoint consists of (read off checkpoints
+# written by torch 2.11 and 2.13): DCP's metadata dataclasses, the file reader's storage info,
+# torch.Size, dtypes and the layout lookup, and the checkpoint's relative paths.
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+        "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}  # fmt: skip
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file that asks to load something a checkpoint never holds."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"refers to {module}.{name}, which a torch.distributed.checkpoint .metadata never "
+            "holds; the file was not written by torch.distributed.checkpoint and was not run"
+        )
+
+
+def load_metadata(stream) -> Metadata:
+    """A .metadata file's Metadata, read without running code; UnsafeCheckpointError for a
+    file that names anything else or declares byte (pickled-object) entries."""
+    metadata = _MetadataUnpickler(stream).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"holds a {type(metadata).__name__}, not DCP Metadata")
+    pickled = [
+        key
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, BytesStorageMetadata)
+    ]
+    if pickled:
+        raise UnsafeCheckpointError(
+            f"declares pickled-object entries ({', '.join(sorted(pickled)[:3])}), which "
+            "torch.distributed.checkpoint would unpickle with weights_only=False; this "
+            "project's checkpoints hold tensors only"
+        )
+    return metadata
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """dcp.FileSystemReader whose metadata goes through load_metadata."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = load_metadata(stream)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
