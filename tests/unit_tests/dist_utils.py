@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import traceback
 from collections.abc import Callable
@@ -26,7 +27,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # By value: a tensor sent through a torch.multiprocessing queue travels as a shared-memory
+        # handle that the receiver opens from this process, which may have exited by then
+        # (seen as FileNotFoundError in the parent on a loaded machine).
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # report every failure, including assertion errors, to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -57,7 +63,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
             else:
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for proc in procs:
             proc.join(timeout=30)
