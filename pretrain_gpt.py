@@ -19,8 +19,11 @@ if __name__ == "__main__":
         if os.environ.get("MEGATRON_TRACEBACK") == "1":
             raise
         rank = os.environ.get("RANK", "0")
-        print(f"error: rank {rank}: {error}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        sys.stderr.flush()
+        # One write per line: ranks share the launcher's stderr pipe, and print's separate
+        # newline write let two ranks' lines run together (seen under torchrun).
+        os.write(2, f"error: rank {rank}: {error}\n".encode())
         os._exit(next(code for kind, code in USER_ERRORS.items() if isinstance(error, kind)))
     # Leave without interpreter teardown. After a completed multi-rank CPU run, gloo's worker
     # threads could still be joinable while static destructors ran, which intermittently aborted

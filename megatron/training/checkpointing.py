@@ -704,14 +704,21 @@ def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
         _load_sharded(
             directory, run=run, env=env, load_optim=load_optim, fp8_scaling_state=saved_delayed
         )
-    else:
-        _load_model_tensors(directory, run, metadata["args"])
-        if load_optim:
-            _load_optimizer_file(directory, run)
-    if not args.finetune:
-        _load_delayed_scaling_state(directory, run)
-    if not (args.no_load_rng or args.finetune):
-        _load_rng_state(directory, env)
+    # Every rank reads these files on its own (its RNG file is its alone): a bad file on one
+    # rank must stop all of them together, not leave the others in the first collective.
+    failure: CheckpointError | None = None
+    try:
+        if args.ckpt_format != "torch_dist":
+            _load_model_tensors(directory, run, metadata["args"])
+            if load_optim:
+                _load_optimizer_file(directory, run)
+        if not args.finetune:
+            _load_delayed_scaling_state(directory, run)
+        if not (args.no_load_rng or args.finetune):
+            _load_rng_state(directory, env)
+    except CheckpointError as error:
+        failure = error
+    _raise_if_any_rank_failed(env, failure)
     if env.rank == 0:
         print(f" > loaded checkpoint {directory} (iteration {iteration})", flush=True)
     if args.finetune:
@@ -724,6 +731,21 @@ def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
         skipped_iterations=metadata["skipped_iterations"],
         nan_iterations=metadata["nan_iterations"],
     )
+
+
+def _raise_if_any_rank_failed(env: DistributedEnv, failure: CheckpointError | None) -> None:
+    """The same CheckpointError on every rank when any rank's load failed: the lowest failing
+    rank's message, which names its file."""
+    if env.dp_group is None:
+        if failure is not None:
+            raise failure
+        return
+    if _first_failure(env, failure) < 0:
+        return
+    messages: list[str | None] = [None] * env.world_size
+    dist.all_gather_object(messages, None if failure is None else str(failure), group=env.dp_group)
+    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+    raise CheckpointError(message if rank == env.rank else f"(on rank {rank}) {message}")
 
 
 def _load_sharded(directory: str, *, run, env, load_optim: bool, fp8_scaling_state: bool) -> None:
