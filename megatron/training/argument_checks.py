@@ -10,6 +10,8 @@ import argparse
 import math
 import os
 
+import torch
+
 from megatron.training.path_checks import check_input_file, check_output_dir
 
 
@@ -24,6 +26,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _validate_schedule(args)
     _validate_data(args)
     _validate_checkpointing(args)
+    _validate_backend(args)
     _validate_fsdp(args)
     _validate_fp8(args)
     _validate_output_dirs(args)
@@ -377,6 +380,15 @@ def _validate_logging(args: argparse.Namespace) -> None:
         )
     except (ValueError, ImportError) as error:
         raise ArgumentError(str(error)) from None
+
+
+def _validate_backend(args: argparse.Namespace) -> None:
+    if args.distributed_backend == "nccl":
+        _require(
+            torch.cuda.is_available(),
+            "--distributed-backend nccl needs CUDA GPUs and none is visible here; use "
+            "--distributed-backend gloo (the default without GPUs).",
+        )
 
 
 def _validate_fp8(args: argparse.Namespace) -> None:

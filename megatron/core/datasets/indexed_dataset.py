@@ -138,6 +138,28 @@ class IndexedDatasetBuilder:
                 os.remove(path)
 
 
+def _prefix_hint(path_prefix: str) -> str:
+    """What to pass instead: --data-path takes the prefix of a .bin/.idx pair."""
+    for suffix in (".bin", ".idx"):
+        if path_prefix.endswith(suffix) and os.path.isfile(path_prefix):
+            return (
+                f"--data-path takes the prefix without {suffix}: pass "
+                f"{path_prefix[: -len(suffix)]}"
+            )
+    if os.path.isdir(path_prefix):
+        found = sorted(
+            os.path.join(path_prefix, name[:-4])
+            for name in os.listdir(path_prefix)
+            if name.endswith(".idx")
+        )
+        listing = f" (prefixes there: {', '.join(found[:3])})" if found else ""
+        return (
+            f"{path_prefix} is a directory; --data-path takes the prefix of a .bin/.idx pair "
+            f"inside it{listing}"
+        )
+    return f"create {path_prefix}.bin/.idx with tools/preprocess_data.py --output-prefix ..."
+
+
 class CorruptIndexError(ValueError):
     """A .bin/.idx pair that is missing, truncated, corrupt, or does not belong together."""
 
@@ -187,8 +209,7 @@ class IndexedDataset:
         for path in (self.idx_path, self.bin_path):
             if not os.path.isfile(path):
                 raise FileNotFoundError(
-                    f"data file {path} does not exist; create {path_prefix}.bin/.idx with "
-                    "tools/preprocess_data.py --output-prefix ..."
+                    f"data file {path} does not exist; {_prefix_hint(path_prefix)}"
                 )
         self._open()
 

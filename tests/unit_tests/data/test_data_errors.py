@@ -106,6 +106,21 @@ def test_missing_prefix_named_before_any_index_is_built(prefix, tmp_path):
     assert not (tmp_path / "index-cache").exists()
 
 
+def test_a_directory_or_a_bin_file_as_prefix_gets_the_fix(prefix, tmp_path):
+    """The issue's cases: `--data-path some_dir` and a prefix that ends in .bin."""
+    with pytest.raises(FileNotFoundError) as raised:
+        build_gpt_datasets(_config([str(tmp_path)]), num_samples=(4, 0, 0))
+    assert str(raised.value) == (
+        f"data file {tmp_path}.idx does not exist; {tmp_path} is a directory; --data-path takes "
+        f"the prefix of a .bin/.idx pair inside it (prefixes there: {prefix})"
+    )
+    with pytest.raises(FileNotFoundError) as raised:
+        build_gpt_datasets(_config([prefix + ".bin"]), num_samples=(4, 0, 0))
+    assert str(raised.value).endswith(
+        f"--data-path takes the prefix without .bin: pass {prefix}"
+    )
+
+
 @pytest.mark.parametrize(
     ("data_path", "message"),
     [

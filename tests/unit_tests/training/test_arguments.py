@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron.training.arguments import build_parser, parse_args
 from tests.unit_tests.training.common import TINY_GPT, run_pretrain
@@ -250,6 +251,15 @@ def test_recipe_implies_hybrid_format():
     assert args.fp8_format == "hybrid"
     args = parse_args(TINY_GPT + ["--fp8-recipe", "mxfp8", "--fp8-format", "e4m3"], world_size=1)
     assert args.fp8_format == "e4m3"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs a machine without GPUs")
+def test_nccl_without_gpus_is_a_flag_error(capsys):
+    message = parse_error(TINY_GPT + ["--distributed-backend", "nccl"], capsys)
+    assert (
+        "error: --distributed-backend nccl needs CUDA GPUs and none is visible here; use "
+        "--distributed-backend gloo (the default without GPUs).\n" in message
+    )
 
 
 def test_fp8_format_alone_trains_megatron_lm_delayed_defaults():
