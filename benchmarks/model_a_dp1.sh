@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Model A (docs/PERFORMANCE.md) at DP=1 on one GPU, every row in one job: the FSDP2 bf16 peer
+# Model A (docs/PERFORMANCE.md) at DP=$NPROC (default 1) on one host, every row in one job: the
+# FSDP2 bf16 peer
 # (compiled, fused AdamW, clip 1.0) from scripts/bench_gpt.py, then pretrain_gpt.py
 # --torch-compile with Megatron-FSDP (ZeRO-3) in bf16 and with FP8 parameters for each recipe.
 # One JSON line per row in $OUT/model_a_dp1.jsonl: step_ms is the median of the logged
@@ -11,10 +12,11 @@ OUT=${OUT:-/tmp/model_a}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 ITERS=${ITERS:-20}
+NPROC=${NPROC:-1}  # GPUs (data-parallel ranks); Model A's micro-batch 2 on each
 WARMUP=${WARMUP:-3}
 MODEL_A=(
   --num-layers 8 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
-  --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 2 --global-batch-size 2
+  --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 2 --global-batch-size $((2 * NPROC))
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32768
   --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
   --hidden-dropout 0 --attention-dropout 0 --untie-embeddings-and-output-weights --bf16
@@ -42,20 +44,20 @@ PY
 for name in ${ROWS:-fsdp2 bf16 tensorwise delayed blockwise mxfp8 bench_bf16 bench_tensorwise}; do
   case $name in
     fsdp2)
-      row fsdp2 torchrun --nproc-per-node 1 scripts/bench_gpt.py --engine fsdp2 --compile
+      row fsdp2 torchrun --nproc-per-node "$NPROC" scripts/bench_gpt.py --engine fsdp2 --compile
       grep '^{' "$OUT/fsdp2.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;
     bench_bf16)
-      row "$name" torchrun --nproc-per-node 1 scripts/bench_gpt.py --engine megatron-fsdp --compile
+      row "$name" torchrun --nproc-per-node "$NPROC" scripts/bench_gpt.py --engine megatron-fsdp --compile
       grep '^{' "$OUT/$name.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;
     bench_*)
-      row "$name" torchrun --nproc-per-node 1 scripts/bench_gpt.py --engine megatron-fsdp \
+      row "$name" torchrun --nproc-per-node "$NPROC" scripts/bench_gpt.py --engine megatron-fsdp \
         --compile --fp8-recipe "${name#bench_}" --fp8-param-gather
       grep '^{' "$OUT/$name.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;
     bf16)
-      row bf16 torchrun --nproc-per-node 1 pretrain_gpt.py "${MODEL_A[@]}"
+      row bf16 torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}"
       summarize bf16 ;;
     *)
-      row "$name" torchrun --nproc-per-node 1 pretrain_gpt.py "${MODEL_A[@]}" \
+      row "$name" torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" \
         --fp8-recipe "$name" --fp8-format hybrid --fp8-param-gather
       summarize "$name" ;;
   esac
