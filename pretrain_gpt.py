@@ -5,12 +5,14 @@ import sys
 
 from megatron.core.checkpoint_files import CheckpointError
 from megatron.training.checkpointing import CheckpointSaveError
-from megatron.training.training import NonFiniteTrainingError, pretrain
+from megatron.training.training import DataError, NonFiniteTrainingError, pretrain
 
-# One `error:` line per rank instead of a traceback: status 2 for what a --load path caused,
-# 1 for a failed save or a run stopped by --check-for-nan-in-loss-and-grad.
+# One `error:` line per rank instead of a traceback: status 2 for what a --load path or the
+# data flags caused, 1 for a failed save or a run stopped by --check-for-nan-in-loss-and-grad.
 # MEGATRON_TRACEBACK=1 re-raises instead.
-USER_ERRORS = {CheckpointError: 2, CheckpointSaveError: 1, NonFiniteTrainingError: 1}
+USER_ERRORS = {
+    CheckpointError: 2, DataError: 2, CheckpointSaveError: 1, NonFiniteTrainingError: 1,
+}  # fmt: skip
 
 if __name__ == "__main__":
     try:

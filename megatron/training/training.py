@@ -38,6 +38,12 @@ from megatron.training.log_line import IntervalStats, format_train_line, format_
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
 
 
+class DataError(RuntimeError):
+    """The training data or tokenizer files given on the command line cannot be used: a missing
+    or corrupt .bin/.idx, a bad split or blend. pretrain_gpt.py prints one `error:` line and
+    exits with status 2."""
+
+
 class NonFiniteTrainingError(RuntimeError):
     """--check-for-nan-in-loss-and-grad found a NaN/Inf loss or grad norm: the run stops.
     pretrain_gpt.py prints it as one `error:` line on every rank and exits with status 1."""
@@ -99,8 +105,12 @@ def pretrain(
 def _build_and_train(args: argparse.Namespace, env: DistributedEnv) -> TrainingResult:
     _configure_logging(env)
     set_random_seeds(args.seed)
-    tokenizer = build_tokenizer_from_args(args)
-    datasets = build_datasets_from_args(args, tokenizer=tokenizer)
+    try:
+        tokenizer = build_tokenizer_from_args(args)
+        datasets = build_datasets_from_args(args, tokenizer=tokenizer)
+    except (OSError, ValueError) as error:
+        # The data and tokenizer checks name the file and the fix in their message.
+        raise DataError(str(error)) from error
     config = build_transformer_config(args, vocab_size=tokenizer.vocab_size)
     run = setup_model_and_optimizer(args, config=config, env=env)
     scheduler = OptimizerParamScheduler(run.optimizer, config=build_lr_schedule_config(args))

@@ -242,7 +242,9 @@ def test_cli_vocab_size_below_corpus_ids_fails_before_training(tmp_path):
         text=True,
         timeout=120,
     )
-    assert proc.returncode != 0
-    assert "holds token ids up to 256, but the tokenizer's vocabulary has 100 ids" in proc.stderr
-    assert "pass --vocab-size 257 or more" in proc.stderr
+    assert proc.returncode == 2  # a data flag's error: one line, no traceback
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: rank 0: ") and "Traceback" not in proc.stderr
+    assert "holds token ids up to 256, but the tokenizer's vocabulary has 100 ids" in line
+    assert "pass --vocab-size 257 or more" in line
     assert "IndexError" not in proc.stderr and "number of parameters" not in proc.stdout
