@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Model A (docs/PERFORMANCE.md) at DP=$NPROC (default 1) on one host, every row in one job: the
-# FSDP2 bf16 peer
-# (compiled, fused AdamW, clip 1.0) from scripts/bench_gpt.py, then pretrain_gpt.py
+# FSDP2 bf16 peer (compiled, fused AdamW, clip 1.0) from scripts/bench_gpt.py, then pretrain_gpt.py
 # --torch-compile with Megatron-FSDP (ZeRO-3) in bf16 and with FP8 parameters for each recipe.
 # One JSON line per row in $OUT/model_a_dp1.jsonl: step_ms is the median of the logged
 # iteration times after the first WARMUP iterations (compile and allocator warm-up).

@@ -43,6 +43,7 @@ from megatron.core.checkpoint_files import (
     publish_dir,
     resolve_published_dir,
 )
+from megatron.core.dist_checkpointing.serialization import describe_failure, root_failure
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.optimizer import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -190,21 +191,12 @@ def _first_failure(env: DistributedEnv, failure: BaseException | None) -> int:
 
 
 def _describe_failure(failure: BaseException | None) -> str:
-    """One line for the cause; DCP's collective exception is unwrapped to the rank whose error
-    says the most (an OSError such as ENOSPC, where one rank had it)."""
+    """One line for the cause, naming the rank behind a DCP collective error."""
     if failure is None:
         return "see that rank's error line"
-    if isinstance(failure, CheckpointException) and failure.failures:
-        # Each value is (exception, its stack summary).
-        by_rank = [
-            (rank, value[0] if isinstance(value, tuple) else value)
-            for rank, value in sorted(failure.failures.items())
-        ]
-        rank, error = next(
-            ((r, e) for r, e in by_rank if isinstance(e, OSError)), by_rank[0]
-        )
-        return f"rank {rank}: {type(error).__name__}: {error}".splitlines()[0]
-    return f"{type(failure).__name__}: {failure}".splitlines()[0]
+    rank, _ = root_failure(failure)
+    cause = describe_failure(failure)
+    return cause if rank is None else f"rank {rank}: {cause}"
 
 
 def _save_failed(args, *, env, state, tmp: str, failure, failed_rank: int) -> None:

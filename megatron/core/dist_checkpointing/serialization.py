@@ -113,9 +113,21 @@ def checkpoint_path(checkpoint_dir: str | os.PathLike) -> Path:
     return path
 
 
+def root_failure(error: BaseException) -> tuple[int | None, BaseException]:
+    """(rank, exception) behind DCP's collective CheckpointException, which wraps each failing
+    rank's exception with its stack summary; the rank with an OSError (a full disk, say) is
+    preferred, as its message says the most. Any other error: (None, error)."""
+    if not (isinstance(error, CheckpointException) and error.failures):
+        return None, error
+    by_rank = [
+        (rank, value[0] if isinstance(value, tuple) else value)
+        for rank, value in sorted(error.failures.items())
+    ]
+    return next(((r, e) for r, e in by_rank if isinstance(e, OSError)), by_rank[0])
+
+
 def describe_failure(error: BaseException) -> str:
     """The root cause in one line: DCP wraps each rank's exception with its whole traceback."""
-    if isinstance(error, CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))[0]
+    _, error = root_failure(error)
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text[:300]}" if text else type(error).__name__
