@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Model A (docs/PERFORMANCE.md) at DP=$NPROC (default 1) on one host, every row in one job: the
-# FSDP2 bf16 peer (compiled, fused AdamW, clip 1.0) from scripts/bench_gpt.py, then pretrain_gpt.py
+# FSDP2 bf16 peer (compiled, fused AdamW, clip 1.0) from benchmarks/bench_gpt.py, then pretrain_gpt.py
 # --torch-compile with Megatron-FSDP (ZeRO-3) in bf16 and with FP8 parameters for each recipe.
 # One JSON line per row in $OUT/model_a_dp1.jsonl: step_ms is the median of the logged
 # iteration times after the first WARMUP iterations (compile and allocator warm-up).
@@ -43,13 +43,13 @@ PY
 for name in ${ROWS:-fsdp2 bf16 tensorwise delayed blockwise mxfp8 bench_bf16 bench_tensorwise}; do
   case $name in
     fsdp2)
-      row fsdp2 torchrun --nproc-per-node "$NPROC" scripts/bench_gpt.py --engine fsdp2 --compile
+      row fsdp2 torchrun --nproc-per-node "$NPROC" benchmarks/bench_gpt.py --engine fsdp2 --compile
       grep '^{' "$OUT/fsdp2.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;
     bench_bf16)
-      row "$name" torchrun --nproc-per-node "$NPROC" scripts/bench_gpt.py --engine megatron-fsdp --compile
+      row "$name" torchrun --nproc-per-node "$NPROC" benchmarks/bench_gpt.py --engine megatron-fsdp --compile
       grep '^{' "$OUT/$name.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;
     bench_*)
-      row "$name" torchrun --nproc-per-node "$NPROC" scripts/bench_gpt.py --engine megatron-fsdp \
+      row "$name" torchrun --nproc-per-node "$NPROC" benchmarks/bench_gpt.py --engine megatron-fsdp \
         --compile --fp8-recipe "${name#bench_}" --fp8-param-gather
       grep '^{' "$OUT/$name.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;
     bf16)

@@ -11,4 +11,4 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
   python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } 2>&1 | tee "$OUT/versions.txt"
 timeout 300 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/unit_tests 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
-timeout 280 python3 scripts/bench_fp8.py --check 2>&1 | tee "$OUT/bench_fp8.txt" | tail -30
+timeout 280 python3 benchmarks/bench_fp8.py --check 2>&1 | tee "$OUT/bench_fp8.txt" | tail -30

@@ -1,4 +1,4 @@
-"""CPU twin of scripts/bench_fp8.py's launch-config sweep: which config it keeps, that a kernel
+"""CPU twin of benchmarks/bench_fp8.py's launch-config sweep: which config it keeps, that a kernel
 taking over another's launches is off while that one is swept, and that TILE_CONFIG is
 restored when a candidate raises. Timings and outputs are faked; the GPU run is bench_fp8."""
 
@@ -12,7 +12,7 @@ import torch
 
 from megatron.core.fp8.cuda import quantize as cq
 
-_PATH = pathlib.Path(__file__).resolve().parents[3] / "scripts" / "bench_fp8.py"
+_PATH = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "bench_fp8.py"
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from megatron.core.fp8.cuda.launch import launch
 # program walks GROUP tiles down one column strip), warps; BLOCK elements per step of the amax
 # pass; TRANS_X: transpose the high-precision tile rather than the FP8 bytes. Block recipes
 # need the whole 128x128 (1x128 / 128x128) or 32-aligned (MX) block inside one program so that
-# each block's amax finishes there. `scripts/bench_fp8.py --sweep` times alternatives; the
+# each block's amax finishes there. `benchmarks/bench_fp8.py --sweep` times alternatives; the
 # values here are the fastest measured on an H200 (docs/PERFORMANCE_FP8_LINEAR.md).
 TILE_CONFIG: dict[str, dict[str, int]] = {
     "amax": dict(BLOCK=16384, GROUP=1, num_warps=16),

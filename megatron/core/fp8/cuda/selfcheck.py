@@ -1,6 +1,6 @@
 """Bitwise self-check of `quantize_cuda` against the reference quantizer (zero tolerance).
 
-Shared by tests/unit_tests/fp8/test_cuda_quantize.py and `scripts/bench_fp8.py --check`, so
+Shared by tests/unit_tests/fp8/test_cuda_quantize.py and `benchmarks/bench_fp8.py --check`, so
 that the GPU run and the unit tests exercise the same inputs: random tensors of awkward shapes
 plus every edge case listed in FP8_NUMERICS.md.
 """

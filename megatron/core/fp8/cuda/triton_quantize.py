@@ -5,7 +5,7 @@ shared/design/FP8_NUMERICS.md; the plain-torch twin is `torch_quantize.py`.
 
 Choices that keep the kernels bitwise equal to PyTorch at few instructions per element (the
 kernels are bound by instruction issue as much as by DRAM: every instruction per element
-costs bandwidth; `scripts/aot_kernels.py` counts them on CPU):
+costs bandwidth; `dev/aot_kernels.py` counts them on CPU):
 - divisions use `tl.math.div_rn` (IEEE round-to-nearest); Triton's `/` may be approximate;
 - the FP8 cast is the hardware's `cvt.rn.satfinite` alone (`.to(fp8)` on sm_89+): it rounds
   to nearest even and saturates overflow and +-Inf to +-max, which is the reference's

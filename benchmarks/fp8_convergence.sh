@@ -2,9 +2,9 @@
 # FP8 vs high precision on the quickstart model: the same seed, data and schedule for the
 # high-precision run (labelled bf16; its params are fp32 unless --bf16 is passed, since bf16
 # matmuls are very slow on CPU) and each recipe; prints final losses and their ratio.
-# Usage: bash scripts/fp8_convergence.sh [ITERS] [extra pretrain_gpt.py flags for every run]
+# Usage: bash benchmarks/fp8_convergence.sh [ITERS] [extra pretrain_gpt.py flags for every run]
 #   FP8_FLAGS="--fp8-param-gather" adds flags to the FP8 runs only, e.g. FP8 parameters in
-#   Megatron-FSDP: FP8_FLAGS=--fp8-param-gather bash scripts/fp8_convergence.sh 300 --use-megatron-fsdp
+#   Megatron-FSDP: FP8_FLAGS=--fp8-param-gather bash benchmarks/fp8_convergence.sh 300 --use-megatron-fsdp
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ITERS=${1:-200}

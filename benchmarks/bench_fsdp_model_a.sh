@@ -12,7 +12,7 @@ for engine in ${ENGINES:-fsdp2 megatron-fsdp}; do
     compile=""
     [ "$mode" = compile ] && compile="--compile"
     echo "== $engine $mode" | tee -a "$OUT/bench_gpt.log"
-    timeout "${RUN_TIMEOUT:-200}" torchrun --nproc-per-node "$NPROC" scripts/bench_gpt.py \
+    timeout "${RUN_TIMEOUT:-200}" torchrun --nproc-per-node "$NPROC" benchmarks/bench_gpt.py \
       --engine "$engine" $compile ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench_gpt.log" \
       | grep '^{' >> "$OUT/bench_gpt.jsonl"
   done

@@ -7,7 +7,7 @@ wrong transposed bytes for fp32 inputs, about a third of them; bf16 inputs came 
 So triton_quantize.py casts tiles it transposes with `_saturating_cast_t` (the same cvt
 through inline PTX, one byte per register). This script compares both casts, rowwise and
 transposed, with torch for fp32 and bf16 tiles of several shapes, and exits 1 if the
-shipped cast (`_saturating_cast_t`) is wrong anywhere. Run: python3 scripts/probe_fp8_transpose.py
+shipped cast (`_saturating_cast_t`) is wrong anywhere. Run: python3 dev/probe_fp8_transpose.py
 """
 
 from __future__ import annotations

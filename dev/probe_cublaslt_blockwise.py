@@ -7,7 +7,7 @@ algorithm the heuristic offers for each of Fp8Linear's three GEMMs at M=8192, K=
 times each one (CUDA graph replay) against torch._scaled_mm, checking its output bitwise.
 Then it measures the host cost of one call both ways.
 
-Run: python3 scripts/probe_cublaslt_blockwise.py [blockwise] [tensorwise]
+Run: python3 dev/probe_cublaslt_blockwise.py [blockwise] [tensorwise]
 (default: both recipes). JSON lines go to $OUT/probe_cublaslt_blockwise.jsonl.
 """
 
@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_fp8's timers
+sys.path.insert(  # bench_fp8's timers
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+)
 
 import torch
 from bench_fp8 import kernel_ms

@@ -4,12 +4,12 @@ kernel, registers per thread, SASS instructions per element and memory instructi
 
 The kernels are bound by instruction issue as much as by DRAM (each instruction per element
 costs bandwidth), so the count per element is a cheap first check of a kernel change before
-any GPU time is spent; ncu (scripts/profile_quantize_kernels.py) and bench_fp8.py on the
+any GPU time is spent; ncu (dev/profile_quantize_kernels.py) and bench_fp8.py on the
 H200 have the last word. Needs Triton (its wheel ships ptxas and cuobjdump), not CUDA:
 
     pip download triton==3.6.0 --no-deps -d /tmp/w
     pip install --target /tmp/tritonpkg /tmp/w/triton-*.whl
-    PYTHONPATH=/tmp/tritonpkg:. python3 scripts/aot_kernels.py [--shape 8192x4096] [names...]
+    PYTHONPATH=/tmp/tritonpkg:. python3 dev/aot_kernels.py [--shape 8192x4096] [names...]
 
 Launch configurations and constexprs come from quantize.py's spec helpers (TILE_CONFIG), so
 what is compiled is what Fp8Linear launches. "per elem" divides the static instruction count

@@ -5,7 +5,7 @@ cudaProfilerStart and cudaProfilerStop, so that ncu profiles exactly one launch 
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
         --section Occupancy --section LaunchStats --section WarpStateStats \\
-        python3 scripts/profile_quantize_kernels.py
+        python3 dev/profile_quantize_kernels.py
 
 The cases are those of bench_fp8.py's quantization table whose kernels missed 60% of copy
 bandwidth, plus the rowwise tensorwise cast and the MX dequantized copies for comparison.

@@ -1,7 +1,7 @@
 """Launch the same short 2-rank CPU torchrun run of pretrain_gpt.py many times and count the
 runs that fail or hang; a hung run's ranks print their stacks (tests/launch.py) into a file.
 
-    python scripts/stress_torchrun_exit.py --runs 120 --out /tmp/stress   # ~5 s a run
+    python dev/stress_torchrun_exit.py --runs 120 --out /tmp/stress   # ~5 s a run
 
 Two copies side by side load the 2-core machine the way CI does; that is how an exit hang that
 CI met once showed up here (9 of 240 runs before the fix, 0 of 240 after).

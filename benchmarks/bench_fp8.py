@@ -1,8 +1,8 @@
 """FP8 fast-path benchmark: quantization bandwidth and Linear fwd+bwd speed vs bf16 (one GPU).
 
-    python scripts/bench_fp8.py --check          # bitwise self-check first; exit 1 on mismatch
-    python scripts/bench_fp8.py --check --sweep  # also time alternative kernel launch configs
-    python scripts/bench_fp8.py --no-quantize --shapes 4096x4096 --recipes tensorwise,delayed
+    python benchmarks/bench_fp8.py --check          # bitwise self-check first; exit 1 on mismatch
+    python benchmarks/bench_fp8.py --check --sweep  # also time alternative kernel launch configs
+    python benchmarks/bench_fp8.py --no-quantize --shapes 4096x4096 --recipes tensorwise,delayed
                                                  # one Linear comparison only (~30 s)
 
 (a) Quantization on an 8192x8192 bf16 tensor: bytes moved / time against the device-to-device

@@ -19,7 +19,7 @@ bitwise:
 
 Every kernel applies the same per-block promotion in the same order as cuBLAS, so the
 outputs are expected to be bitwise equal. Results go to stdout and, as JSON lines, to
-$OUT/probe_blockwise_gemm.jsonl. Run: python3 scripts/probe_blockwise_gemm.py
+$OUT/probe_blockwise_gemm.jsonl. Run: python3 dev/probe_blockwise_gemm.py
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_fp8's timers
+sys.path.insert(  # bench_fp8's timers
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+)
 
 import torch
 

@@ -4,9 +4,9 @@ Model A of docs PERFORMANCE.md by default (8 layers, hidden 4096, SwiGLU FFN 143
 vocab 32768, seq 4096, micro-batch 2, untied head), ZeRO-3, bf16 compute, fp32 main params and
 grads. Launch:
 
-    torchrun --nproc-per-node 2 scripts/bench_gpt.py --engine megatron-fsdp [--compile]
-    torchrun --nproc-per-node 2 scripts/bench_gpt.py --engine fsdp2
-    torchrun --nproc-per-node 2 scripts/bench_gpt.py --tiny --steps 4   # CPU dry run on gloo
+    torchrun --nproc-per-node 2 benchmarks/bench_gpt.py --engine megatron-fsdp [--compile]
+    torchrun --nproc-per-node 2 benchmarks/bench_gpt.py --engine fsdp2
+    torchrun --nproc-per-node 2 benchmarks/bench_gpt.py --tiny --steps 4   # CPU dry run on gloo
 """
 
 from __future__ import annotations
