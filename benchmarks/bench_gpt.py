@@ -61,6 +61,15 @@ def parse_args() -> argparse.Namespace:
         help="keep weights only in FP8 and all-gather FP8 bytes (needs --fp8-recipe)",
     )
     parser.add_argument(
+        "--torchao-float8",
+        choices=["tensorwise", "rowwise"],
+        default=None,
+        help="the torchao peer (--engine fsdp2 only): convert the transformer Linears with "
+        "torchao.float8 as torchtitan does (tensorwise: FP8 all-gather of the weights and "
+        "scales precomputed after each step; rowwise: torchao's rowwise recipe); the output "
+        "head stays bf16 as in our FP8 rows",
+    )
+    parser.add_argument(
         "--peak-tflops", type=float, default=None, help="measured bf16 dense peak, for MFU"
     )
     parser.add_argument(
@@ -83,6 +92,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.fp8_recipe and args.engine != "megatron-fsdp":
         parser.error("--fp8-recipe is measured with --engine megatron-fsdp only")
+    if args.torchao_float8 and args.engine != "fsdp2":
+        parser.error("--torchao-float8 is the FSDP2 peer: use it with --engine fsdp2")
     if args.fp8_param_gather and not args.fp8_recipe:
         parser.error("--fp8-param-gather needs --fp8-recipe")
     if args.tiny:
@@ -145,6 +156,8 @@ def build_fsdp2(args, device):
     config = model_config(args, torch.float32)  # FSDP2 keeps fp32 shards, computes in bf16
     with torch.device("meta"):
         model = GPTModel(config)
+    if args.torchao_float8:
+        convert_torchao_float8(model, args.torchao_float8)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.decoder.layers:
         if args.compile:
@@ -166,6 +179,22 @@ def build_fsdp2(args, device):
     return config, model, optimizer
 
 
+def convert_torchao_float8(model: torch.nn.Module, recipe: str) -> None:
+    """torchao's float8 training on the decoder's Linears (torchtitan's order: convert, then
+    compile, then shard). An optional dependency of this benchmark only."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as error:
+        raise SystemExit(f"--torchao-float8 needs torchao ({error}); pip install torchao") from None
+    if recipe == "tensorwise":
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    else:
+        config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(
+        model.decoder, config=config, module_filter_fn=lambda module, name: "linear" in name
+    )
+
+
 def run_step(args, engine, model, optimizer, inputs, labels) -> None:
     if engine == "megatron-fsdp":
         model.zero_grad_buffer()
@@ -184,6 +213,11 @@ def run_step(args, engine, model, optimizer, inputs, labels) -> None:
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        if args.torchao_float8 == "tensorwise":
+            # The weights' FP8 scales for the next step's all-gather, in one pass (torchtitan)
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def profile_steps(args, model, optimizer, inputs, labels, steps: int = 2) -> None:
@@ -302,6 +336,7 @@ def main() -> None:
         "engine": args.engine,
         "fp8_recipe": args.fp8_recipe,
         "fp8_param_gather": args.fp8_param_gather,
+        "torchao_float8": args.torchao_float8,
         "compile": args.compile,
         "world_size": dist.get_world_size(),
         "step_ms": round(step_ms, 3),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Model A (docs/PERFORMANCE.md) at DP=$NPROC (default 1) on one host, every row in one job: the
 # FSDP2 bf16 peer (compiled, fused AdamW, clip 1.0) from benchmarks/bench_gpt.py, then pretrain_gpt.py
-# --torch-compile with Megatron-FSDP (ZeRO-3) in bf16 and with FP8 parameters for each recipe.
+# --torch-compile with Megatron-FSDP (ZeRO-3) in bf16 and with FP8 parameters for each recipe;
+# torchao_tensorwise / torchao_rowwise: the torchao float8 peer rows (FSDP2, compiled).
 # One JSON line per row in $OUT/model_a_dp1.jsonl: step_ms is the median of the logged
 # iteration times after the first WARMUP iterations (compile and allocator warm-up).
 #   ROWS="fsdp2 bf16 tensorwise" ITERS=20 bash benchmarks/model_a_dp1.sh
@@ -9,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/model_a}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 ITERS=${ITERS:-20}
 NPROC=${NPROC:-1}  # GPUs (data-parallel ranks); Model A's micro-batch 2 on each
 WARMUP=${WARMUP:-3}
@@ -40,11 +41,15 @@ print(json.dumps({"row": sys.argv[2], "step_ms": round(statistics.median(steady)
                   "steps": len(steady), "peak_mem_gib": max(mem) if mem else None}))
 PY
 }
-for name in ${ROWS:-fsdp2 bf16 tensorwise delayed blockwise mxfp8 bench_bf16 bench_tensorwise}; do
+for name in ${ROWS:-fsdp2 torchao_tensorwise torchao_rowwise bf16 tensorwise delayed blockwise mxfp8 bench_bf16 bench_tensorwise}; do
   case $name in
     fsdp2)
       row fsdp2 torchrun --nproc-per-node "$NPROC" benchmarks/bench_gpt.py --engine fsdp2 --compile
       grep '^{' "$OUT/fsdp2.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;
+    torchao_*)  # the torchao float8 peer under FSDP2 (needs torchao importable)
+      row "$name" torchrun --nproc-per-node "$NPROC" benchmarks/bench_gpt.py --engine fsdp2 --compile \
+        --torchao-float8 "${name#torchao_}"
+      grep '^{' "$OUT/$name.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;
     bench_bf16)
       row "$name" torchrun --nproc-per-node "$NPROC" benchmarks/bench_gpt.py --engine megatron-fsdp --compile
       grep '^{' "$OUT/$name.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;

@@ -342,4 +342,22 @@ class Fp8Linear(nn.Module):
                 f"for '{config.recipe}'; build the model under the same recipe"
             )
         plan = self._plan(config, recompute, group, x.device)
+        if COMPILED_FP8_PARAMS_RUN_EAGERLY and isinstance(self.weight, QuantizedTensor):
+            if torch.compiler.is_compiling():
+                return _fp8_param_linear_outside_the_graph(x, self.weight, self.bias, plan)
         return _Fp8LinearFunction.apply(x, self.weight, self.bias, plan)
+
+
+COMPILED_FP8_PARAMS_RUN_EAGERLY = True
+"""Under torch.compile, an Fp8Linear whose weight is an FP8 parameter (a QuantizedTensor) runs
+its autograd function outside the compiled graph (a graph break on each side). Traced, the
+compiled backward dropped those weights' grads on CUDA: QuantizedTensor is not a traceable
+tensor subclass, so the compiled graph does not see the parameter as needing a grad, skips the
+wgrad GEMM and never delivers the grad (dev/probe_compile_grads.py shows it per parameter;
+tests/unit_tests/training/test_torch_compile.py guards it). False restores the traced call,
+for that probe only."""
+
+
+@torch._dynamo.disable
+def _fp8_param_linear_outside_the_graph(x, weight, bias, plan) -> torch.Tensor:
+    return _Fp8LinearFunction.apply(x, weight, bias, plan)

@@ -1,6 +1,6 @@
 """Optimizers over fp32 main params, grad-norm clipping and LR schedules."""
 
-from megatron.core.optimizer.clip_grads import clip_grads_, global_grad_norm
+from megatron.core.optimizer.clip_grads import clip_and_step, clip_grads_, global_grad_norm
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.lr_scheduler import (
     LRScheduleConfig,
@@ -23,6 +23,7 @@ __all__ = [
     "OptimizerParamScheduler",
     "StepResult",
     "build_torch_optimizer",
+    "clip_and_step",
     "clip_grads_",
     "global_grad_norm",
     "is_no_weight_decay",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.optimizer.clip_grads import clip_grads_, global_grad_norm
+from megatron.core.optimizer.clip_grads import clip_and_step, global_grad_norm
 from megatron.core.optimizer.config import OptimizerConfig
 
 
@@ -132,8 +132,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         if not math.isfinite(grad_norm):
             self.zero_grad()
             return StepResult(update_successful=False, grad_norm=grad_norm)
-        clip_grads_(grads, max_norm=self.config.clip_grad, total_norm=grad_norm)
-        self.optimizer.step()
+        clip_and_step(self.optimizer, grads, max_norm=self.config.clip_grad, total_norm=grad_norm)
         with torch.no_grad():
             for param, main in zip(self.model_params, self.main_params):
                 if main is not param:

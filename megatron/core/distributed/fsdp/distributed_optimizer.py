@@ -30,7 +30,7 @@ from megatron.core.optimizer import (
     OptimizerConfig,
     StepResult,
     build_torch_optimizer,
-    clip_grads_,
+    clip_and_step,
     global_grad_norm,
 )
 
@@ -127,9 +127,10 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
             self._detach_grads()
             self.engine.zero_grad_buffer()
             return StepResult(update_successful=False, grad_norm=grad_norm)
-        clip_grads_(grads, max_norm=self.config.clip_grad, total_norm=grad_norm)
         if self.optimizer is not None:
-            self.optimizer.step()
+            clip_and_step(
+                self.optimizer, grads, max_norm=self.config.clip_grad, total_norm=grad_norm
+            )
         self._detach_grads()
         self.engine.buffer.write_back_main_params(stats=self.engine.stats)
         return StepResult(update_successful=True, grad_norm=grad_norm)

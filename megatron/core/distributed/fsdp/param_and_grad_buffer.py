@@ -43,6 +43,7 @@ from megatron.core.distributed.fsdp.fp8_storage import (
     fp8_param_spec,
     materialize_delayed_scaling,
 )
+from megatron.core.distributed.fsdp.grad_copy import write_grad_
 from megatron.core.distributed.fsdp.memory import MemoryTracker
 from megatron.core.distributed.fsdp.shard_layout import LocalPiece, UnitLayout, build_unit_layout
 from megatron.core.distributed.fsdp.storage import ComputeStorage, DenseComputeStorage
@@ -76,6 +77,22 @@ class BufferGroup:
     """Sharded-grad strategies: the full grads of the current micro-batch, until reduced."""
     grads_accumulated: bool = False
     """Whether any grad reached grad_buffer since the last zero_grads()."""
+    written_slots: set[int] = field(default_factory=set)
+    """Slots of the grad target (staging, or grad_buffer where grads are written directly)
+    that a grad has written since the target was allocated."""
+    target_needs_zeroing: bool = False
+    """The grad target was allocated without zeros, and what no grad wrote (padding, params
+    without a grad) has not been zeroed yet: finalize_grad_target() does it."""
+
+    @property
+    def writes_grads_directly(self) -> bool:
+        """Grads go straight into grad_buffer: every strategy but the sharded-grad ones, and
+        those too on a one-rank layout in the grad dtype, where the reduce-scatter would only
+        copy the staging buffer into the grad shard (DP=1: saves a zero fill, a scaling pass
+        by 1.0 and that copy, 16 bytes per fp32 grad element per micro-batch)."""
+        if not self.shards_grads:
+            return True
+        return self.layout.world_size == 1 and self.reduce_dtype == self.grad_dtype
 
     def pieces(self) -> list[LocalPiece]:
         return self.layout.pieces()
@@ -85,12 +102,16 @@ class BufferGroup:
         caller that overwrites all of it) whatever the allocator hands back."""
         numel = self.layout.shard_numel if self.shards_grads else self.layout.padded_numel
         if self.grad_buffer is None:
-            self.grad_buffer = self.tracker.zeros(numel, dtype=self.grad_dtype, device=self.device)
+            allocate = self.tracker.zeros if zero else self._empty_flat
+            self.grad_buffer = allocate(numel, dtype=self.grad_dtype, device=self.device)
         elif self.grad_buffer.untyped_storage().nbytes() == 0:
             self.tracker.resize_storage(self.grad_buffer, numel * self.grad_buffer.element_size())
             if zero:
                 self.grad_buffer.zero_()
         return self.grad_buffer
+
+    def _empty_flat(self, numel: int, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.tracker.empty(torch.Size([numel]), dtype=dtype, device=device)
 
     def takes_reduce_output_in_place(self) -> bool:
         """Whether the next reduce-scatter can write straight into the grad shard: nothing
@@ -104,6 +125,8 @@ class BufferGroup:
 
     def grad_shard(self) -> torch.Tensor:
         """Grads of this rank's main shard (after the reduction of the step is complete)."""
+        if self.writes_grads_directly:
+            self.finalize_grad_target()
         grads = self.ensure_grad_buffer()
         if self.shards_grads:
             return grads
@@ -112,18 +135,55 @@ class BufferGroup:
 
     @torch.no_grad()
     def add_param_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Put one parameter's micro-batch grad where the strategy accumulates it."""
+        """Put one parameter's micro-batch grad where the strategy accumulates it.
+
+        The first grad of a slot in its target is copied, later ones added, so the target needs
+        no zero fill up front: finalize_grad_target() zeroes only what no grad wrote (padding,
+        params without a grad)."""
         slot = self.layout.slots[index]
-        if self.shards_grads:
-            if self.staging is None:
-                # Zeros: padding and params without a grad this micro-batch contribute nothing.
-                self.staging = self.tracker.zeros(
-                    self.layout.padded_numel, dtype=self.reduce_dtype, device=self.device
-                )
-            self.staging[slot.offset : slot.end].copy_(grad.reshape(-1))
-        else:
-            self.ensure_grad_buffer()[slot.offset : slot.end].add_(grad.reshape(-1))
+        if self.writes_grads_directly:
+            target = self._grad_buffer_for_writing()
             self.grads_accumulated = True
+        else:
+            if self.staging is None:
+                self.staging = self.tracker.empty(
+                    torch.Size([self.layout.padded_numel]),
+                    dtype=self.reduce_dtype,
+                    device=self.device,
+                )
+                self.written_slots = set()
+                self.target_needs_zeroing = True
+            target = self.staging
+        accumulate = index in self.written_slots
+        write_grad_(target[slot.offset : slot.end], grad, accumulate=accumulate)
+        self.written_slots.add(index)
+
+    def _grad_buffer_for_writing(self) -> torch.Tensor:
+        """grad_buffer for direct grad writes, allocated without zeros by the step's first
+        grad."""
+        if self.grad_buffer is None or self.grad_buffer.untyped_storage().nbytes() == 0:
+            self.ensure_grad_buffer(zero=False)
+            self.written_slots = set()
+            self.target_needs_zeroing = True
+        return self.grad_buffer
+
+    @torch.no_grad()
+    def finalize_grad_target(self) -> None:
+        """Zero what no grad wrote in the grad target (the gaps between written slots, and the
+        padding), so that a reduction or the optimizer reads zeros there. Idempotent."""
+        if not self.target_needs_zeroing:
+            return
+        target = self.grad_buffer if self.writes_grads_directly else self.staging
+        start = 0
+        for index, slot in sorted(enumerate(self.layout.slots), key=lambda item: item[1].offset):
+            if index in self.written_slots:
+                if slot.offset > start:
+                    target[start : slot.offset].zero_()
+                start = max(start, slot.end)
+        if target.numel() > start:
+            target[start:].zero_()
+        self.written_slots = set(range(len(self.layout.slots)))
+        self.target_needs_zeroing = False
 
     def zero_grads(self) -> None:
         """A new step: the grad memory is given back until the step's first grad arrives (as
@@ -131,6 +191,8 @@ class BufferGroup:
         if self.grad_buffer is not None:
             self.tracker.resize_storage(self.grad_buffer, 0)
         self.staging = None
+        self.written_slots = set()
+        self.target_needs_zeroing = False
         self.grads_accumulated = False
 
     def persistent_bytes(self) -> dict[str, int]:

@@ -57,6 +57,9 @@ class GradReducePipeline:
     @torch.no_grad()
     def reduce_unit(self, unit: FsdpUnit) -> None:
         for group in unit.groups:
+            group.finalize_grad_target()
+            if group.writes_grads_directly and group.shards_grads:
+                continue  # one-rank layout: the grads already sit in the grad shard
             if group.shards_grads:
                 self._reduce_scatter_staging(group)
             else:
@@ -84,6 +87,8 @@ class GradReducePipeline:
 
     def _reduce_local_grads(self, group: BufferGroup) -> None:
         grads = group.ensure_grad_buffer()
+        if self.world_size == 1 and group.reduce_dtype == grads.dtype:
+            return  # the mean over one rank is the grads themselves
         scaled = (grads * (1.0 / self.world_size)).to(group.reduce_dtype)
         nbytes = scaled.numel() * scaled.element_size()
         if group.layout.world_size == 1:  # no_shard: every rank keeps every grad
