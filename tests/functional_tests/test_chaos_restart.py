@@ -34,11 +34,18 @@ MODEL_FLAGS = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--train-iters", str(TRAIN_ITERS), "--log-interval", "1", "--eval-iters", "0",
+    "--log-interval", "1", "--eval-iters", "0",
     "--lr", "0.001", "--min-lr", "0.0001", "--lr-decay-style", "cosine",
     "--lr-warmup-iters", "2", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
-    "--seed", "1234", "--save-interval", str(SAVE_INTERVAL),
+    "--seed", "1234",
 ]  # fmt: skip
+CHAOS_FLAGS = [
+    *MODEL_FLAGS,
+    "--train-iters",
+    str(TRAIN_ITERS),
+    "--save-interval",
+    str(SAVE_INTERVAL),
+]
 LOADED = re.compile(r" > loaded checkpoint \S+ \(iteration (\d+)\)")
 CHAOS_LINE = re.compile(
     r"^chaos: SIGKILL to rank (\d) in attempt (\d) at iteration (\d+) \(([a-z-]+)\)$"
@@ -74,18 +81,24 @@ def expected_resume(kill: dict) -> int:
     return kill["iteration"] - SAVE_INTERVAL  # the save of k was cut short or never tracked
 
 
-def _torchrun(script: str, save_dir: str, *, plan: list[dict], cwd: str) -> tuple[int, str, str]:
+def _torchrun(
+    script: str, flags: list[str], *, plan: list[dict], rendezvous: str = "c10d"
+) -> tuple[int, str, str]:
+    """torchrun --max-restarts 5 on 2 ranks, with c10d rendezvous or the static one (torchrun's
+    default, --master-port): both keep one store for the whole job."""
+    endpoint = {
+        "c10d": ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"],
+        "static": ["--master-addr", "127.0.0.1", "--master-port", str(free_port())],
+    }[rendezvous]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--max-restarts", "5", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", script, *MODEL_FLAGS,
-        "--save", save_dir, "--load", save_dir,
+        "--max-restarts", "5", *endpoint, script, *flags,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["MEGATRON_CHAOS_PLAN"] = json.dumps(plan)
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # torchrun's default: the shared store
     process = start_session(
-        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     try:
         stdout, stderr = process.communicate(timeout=RUN_TIMEOUT_S)
@@ -135,12 +148,13 @@ def test_draw_kills_covers_a_step_and_both_save_moments():
 def test_killed_ranks_restart_and_match_an_uninterrupted_run(tmp_path):
     kills = draw_kills(CHAOS_SEED)
     pretrain = os.path.join(REPO_ROOT, "pretrain_gpt.py")
+    reference_dir, chaos_dir = str(tmp_path / "reference"), str(tmp_path / "chaos")
     status, reference_out, reference_err = _torchrun(
-        pretrain, str(tmp_path / "reference"), plan=[], cwd=REPO_ROOT
+        pretrain, [*CHAOS_FLAGS, "--save", reference_dir, "--load", reference_dir], plan=[]
     )
     assert status == 0, reference_err[-4000:]
     status, chaos_out, chaos_err = _torchrun(
-        CHAOS_WORKER, str(tmp_path / "chaos"), plan=kills, cwd=REPO_ROOT
+        CHAOS_WORKER, [*CHAOS_FLAGS, "--save", chaos_dir, "--load", chaos_dir], plan=kills
     )
     assert status == 0, chaos_err[-6000:]
 
@@ -170,3 +184,22 @@ def test_killed_ranks_restart_and_match_an_uninterrupted_run(tmp_path):
     _assert_same_tree(
         _final_state(str(tmp_path / "chaos")), _final_state(str(tmp_path / "reference"))
     )
+
+
+@pytest.mark.slow
+def test_a_restarted_group_meets_again_under_static_rendezvous():
+    """torchrun's default (static) rendezvous, no checkpoints: rank 1 dies in iteration 2 and
+    the restarted group trains from scratch to the end. Before each group agreed on a store
+    namespace of its own, the restarted ranks read the dead group's gloo addresses from the
+    job's store and failed to connect (or waited on its stale keys until the timeout)."""
+    flags = [*MODEL_FLAGS, "--train-iters", "3"]
+    kill = {"attempt": 0, "rank": 1, "iteration": 2, "moment": "after-backward"}
+    status, stdout, stderr = _torchrun(CHAOS_WORKER, flags, plan=[kill], rendezvous="static")
+    assert status == 0, stderr[-6000:]
+    assert [line for line in stderr.splitlines() if CHAOS_LINE.match(line)] == [
+        "chaos: SIGKILL to rank 1 in attempt 0 at iteration 2 (after-backward)"
+    ]
+    assert stdout.count(" > megatron-fp8 run:") == 2
+    assert "connectFullMesh" not in stderr
+    run = parse_log_lines(stdout.splitlines(), source="static")
+    assert run.iterations == [1, 2, 3]
