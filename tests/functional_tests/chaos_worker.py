@@ -58,18 +58,19 @@ def _install(kills: list[dict]) -> None:
 
         setattr(module, name, hooked)
 
-    def track(name: str, module, counter: str) -> None:
+    def track(name: str, module, counter: str, *, ahead: int) -> None:
         original = getattr(module, name)
 
         @functools.wraps(original)
         def tracked(*args, **kwargs):
-            current[counter] = kwargs["state"].iteration + (counter == "step")
+            current[counter] = kwargs["state"].iteration + ahead
             return original(*args, **kwargs)
 
         setattr(module, name, tracked)
 
-    track("train_step", training, "step")
-    track("save_checkpoint", checkpointing, "save")
+    # train_step runs before its iteration is counted; save_checkpoint after.
+    track("train_step", training, "step", ahead=1)
+    track("save_checkpoint", checkpointing, "save", ahead=0)
     after("forward_backward", "after-backward", training, "step")
     after("_write_checkpoint_files", "save-partial", checkpointing, "save")
     after("publish_dir", "save-published", checkpointing, "save")
