@@ -28,7 +28,9 @@ import sys
 
 PLAN_ENV = "MEGATRON_CHAOS_PLAN"
 MOMENTS = ("after-backward", "save-partial", "save-published")
-PRETRAIN_GPT = os.path.join(os.path.dirname(__file__), "..", "..", "pretrain_gpt.py")
+PRETRAIN_GPT = os.path.abspath(
+    os.path.join(os.path.dirname(__file__), "..", "..", "pretrain_gpt.py")
+)
 
 
 def _die(kill: dict) -> None:
