@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import secrets
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -60,7 +62,7 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
                 world_size=world_size,
                 timeout=timedelta(minutes=30),
                 device_id=device if backend == "nccl" else None,
-                store=dist.HashStore() if world_size == 1 else None,
+                store=dist.HashStore() if world_size == 1 else _attempt_store(rank, world_size),
             )
             owns_process_group = True
         dp_group = dist.group.WORLD
@@ -72,6 +74,54 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
         dp_group=dp_group,
         owns_process_group=owns_process_group,
     )
+
+
+ATTEMPT_HANDSHAKE_POLL_S = 0.01
+"""Rank 0's pause between looks for the other ranks' tokens: short next to a process start."""
+
+
+def _attempt_store(rank: int, world_size: int) -> dist.Store | None:
+    """A store namespace of this worker group's own, under torchrun's shared store; else None
+    (init_process_group then builds its store from MASTER_ADDR/MASTER_PORT as usual).
+
+    torchrun (c10d or static rendezvous) keeps one TCPStore for the whole job and hands every
+    restarted worker group the same one, so keys from a killed group (gloo's peer addresses, the
+    init barrier's counters) are still there: after `--max-restarts` restarted the group, a rank
+    read the dead rank 0's address (gloo: "connectFullMesh failed ... Connection refused") or
+    waited on a stale counter until the 30-minute timeout (torch 2.13; pytorch issues 135712,
+    167288). TORCHELASTIC_RESTART_COUNT cannot name the group: each node's agent counts its own
+    restarts, and a node restarted for a membership change does not count one.
+
+    So the group agrees on a fresh random name: every other rank queues a fresh token, rank 0
+    answers each token it finds with its own fresh nonce, and waits until all have answered
+    under that nonce. A stale answer cannot match a fresh token, so every rank ends up with the
+    nonce of this group's rank 0."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    shared = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=False, timeout=timedelta(minutes=30),
+    )  # fmt: skip
+    handshake = dist.PrefixStore("megatron-fp8/handshake", shared)
+    if rank == 0:
+        nonce = secrets.token_hex(16)
+        answered, queued = set(), 0
+        while int(handshake.add(f"joined/{nonce}", 0)) < world_size - 1:
+            queued = int(handshake.add("queue", 0))
+            # Entries of killed groups stay queued (some never got their token written, so
+            # `check` first: `get` would wait for them); answering them again is harmless.
+            for index in range(1, queued + 1):
+                key = f"queue/{index}"
+                if index not in answered and handshake.check([key]):
+                    handshake.set(f"answer/{handshake.get(key).decode()}", nonce)
+                    answered.add(index)
+            time.sleep(ATTEMPT_HANDSHAKE_POLL_S)
+    else:
+        token = secrets.token_hex(16)
+        handshake.set(f"queue/{handshake.add('queue', 1)}", token)
+        nonce = handshake.get(f"answer/{token}").decode()  # waits for this group's rank 0
+        handshake.add(f"joined/{nonce}", 1)
+    return dist.PrefixStore(f"megatron-fp8/group/{nonce}", shared)
 
 
 def shutdown_distributed(env: DistributedEnv, *, destroy: bool = True) -> None:
