@@ -50,12 +50,15 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def load_metadata(stream) -> Metadata:
+def load_metadata(stream, *, allow_byte_entries: bool = False) -> Metadata:
     """A .metadata file's Metadata, read without running code; UnsafeCheckpointError for a
-    file that names anything else or declares byte (pickled-object) entries."""
+    file that names anything else or declares byte (pickled-object) entries. A reader of
+    foreign checkpoints that never requests their byte entries passes allow_byte_entries."""
     metadata = _MetadataUnpickler(stream).load()
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"holds a {type(metadata).__name__}, not DCP Metadata")
+    if allow_byte_entries:
+        return metadata
     pickled = [
         key
         for key, item in metadata.state_dict_metadata.items()
