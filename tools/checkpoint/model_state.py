@@ -51,7 +51,7 @@ def expected_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
         with torch.device("meta"):
             model = GPTModel(model_config(config))
     except ValueError as error:
-        raise ConversionError(f"the source's model config cannot build a GPTModel: {error}") from None
+        raise ConversionError(f"the model config cannot build a GPTModel: {error}") from None
     return {name: tuple(param.shape) for name, param in model.named_parameters()}
 
 
