@@ -21,7 +21,6 @@ Facts of megatron-core's layout (read off megatron-core 0.16.1, models/gpt and t
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import warnings
@@ -240,12 +239,10 @@ def megatron_args(config: TransformerConfig, iteration: int) -> argparse.Namespa
     )
 
 
-def _extra_state_bytes() -> io.BytesIO:
-    """megatron-core's serialized ShardedObject: torch.save of the list of the objects' data."""
-    buffer = io.BytesIO()
-    torch.save([None], buffer)
-    buffer.seek(0)
-    return buffer
+def _extra_state() -> list:
+    """megatron-core stores a ShardedObject as torch.save of the list of its pieces' data; DCP
+    torch.saves a non-tensor value itself, so this list becomes the same bytes."""
+    return [None]
 
 
 def mcore_state_dict(state: ModelState) -> dict:
@@ -273,7 +270,7 @@ def mcore_state_dict(state: ModelState) -> dict:
             out[f"decoder.layers.{linear}.{suffix}"] = torch.stack(per_layer)
         for index in range(layers):
             out[f"decoder.layers.{linear}._extra_state/shard_{index}_{layers}"] = (
-                _extra_state_bytes()
+                _extra_state()
             )
     return {
         key: value.detach().cpu().contiguous().clone() if isinstance(value, torch.Tensor) else value

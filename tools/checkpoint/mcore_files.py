@@ -153,7 +153,7 @@ class _ForeignMetadataReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            return load_metadata(stream, allow_byte_entries=True)
+            return load_metadata(stream, foreign=True)
 
 
 def tensor_shapes(directory: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
