@@ -269,9 +269,7 @@ def mcore_state_dict(state: ModelState) -> dict:
                 per_layer = [qkv_ours_to_mcore(t, config) for t in per_layer]
             out[f"decoder.layers.{linear}.{suffix}"] = torch.stack(per_layer)
         for index in range(layers):
-            out[f"decoder.layers.{linear}._extra_state/shard_{index}_{layers}"] = (
-                _extra_state()
-            )
+            out[f"decoder.layers.{linear}._extra_state/shard_{index}_{layers}"] = _extra_state()
     return {
         key: value.detach().cpu().contiguous().clone() if isinstance(value, torch.Tensor) else value
         for key, value in out.items()

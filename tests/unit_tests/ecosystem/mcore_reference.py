@@ -28,10 +28,11 @@ import torch.nn.functional as F
 if os.path.isdir(os.path.join(os.getcwd(), "megatron", "training")):
     sys.exit("run from a directory without this repository's megatron/ (e.g. cd /tmp)")
 
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.transformer.enums import AttnBackend  # noqa: E402
+
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 ITERATION = 7
