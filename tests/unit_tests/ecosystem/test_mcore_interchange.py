@@ -1,0 +1,184 @@
+"""Megatron-LM checkpoints in and out, against real megatron-core 0.16.1 in its own venv.
+
+mcore_reference.py (run by the venv's python, from a directory without our `megatron/`) writes
+a torch_dist checkpoint the way Megatron-LM's training does, and its logits on fixed tokens. We
+import it (`--loader mcore --saver megatron_fp8`) and compare our logits; then export ours
+(`--saver mcore`), have megatron-core load that into its GPTModel, and compare its logits with
+the original ones bitwise. The venv: $MCORE_VENV, else /work/venv-mcore, else .venv-mcore here
+(scripts/setup_mcore_venv.sh creates it; .ci/run calls it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+REFERENCE = Path(__file__).with_name("mcore_reference.py")
+MAX_RELATIVE_ERROR = 1e-5
+
+
+def _venv_python() -> Path:
+    candidates = [os.environ.get("MCORE_VENV"), "/work/venv-mcore", str(REPO_ROOT / ".venv-mcore")]
+    for venv in filter(None, candidates):
+        python = Path(venv) / "bin" / "python"
+        if python.is_file():
+            return python
+    pytest.skip(
+        "no megatron-core 0.16.1 venv (MCORE_VENV, /work/venv-mcore or .venv-mcore): "
+        "`bash scripts/setup_mcore_venv.sh` creates it (needs network access to PyPI)"
+    )
+
+
+def _reference(*argv: str, cwd: Path) -> None:
+    """The venv's python, without our PYTHONPATH (our `megatron` would shadow megatron-core)."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env["PYTHONWARNINGS"] = "ignore"
+    result = subprocess.run(
+        [str(_venv_python()), str(REFERENCE), *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+def _convert(*argv: str) -> str:
+    from tools.checkpoint.convert import convert
+
+    return convert(list(argv))
+
+
+def _our_logits(checkpoint: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    from megatron.training.checkpointing import load_state_for_export
+
+    state_dict, config = load_state_for_export(str(checkpoint))
+    model = GPTModel(config).eval()
+    model.load_state_dict(state_dict, strict=True)
+    with torch.no_grad():
+        return model(tokens), json.loads(
+            (checkpoint / "iter_0000007" / "metadata.json").read_text()
+        )["model_config"]
+
+
+@pytest.mark.parametrize("variant", ["llama", "gpt"])
+def test_megatron_core_checkpoint_round_trip(tmp_path: Path, variant: str) -> None:
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    _reference("save", "--variant", variant, "--out", str(reference), cwd=tmp_path)
+    tokens = torch.load(reference / "tokens.pt")
+    their_logits = torch.load(reference / "logits.pt")
+    assert their_logits.shape == (2, 16, 96) and their_logits.std().item() > 0.5
+
+    ours = tmp_path / "ours"
+    _convert("--loader", "mcore", "--saver", "megatron_fp8",
+             "--load-dir", str(reference / "ckpt"), "--save-dir", str(ours))  # fmt: skip
+    our_logits, config = _our_logits(ours, tokens)  # the iteration (7) is kept
+    assert _relative_error(our_logits, their_logits) < MAX_RELATIVE_ERROR
+    expected = {
+        "llama": dict(normalization="RMSNorm", swiglu=True, num_query_groups=2, kv_channels=24,
+                      rotary_base=5000, position_embedding_type="rope", add_bias_linear=False,
+                      untie_embeddings_and_output_weights=True, ffn_hidden_size=80),
+        "gpt": dict(normalization="LayerNorm", swiglu=False, num_query_groups=4, kv_channels=16,
+                    position_embedding_type="learned_absolute", add_bias_linear=True,
+                    untie_embeddings_and_output_weights=False, max_sequence_length=32),
+    }[variant]  # fmt: skip
+    assert {key: config[key] for key in expected} == expected
+    assert (config["vocab_size"], config["layernorm_epsilon"]) == (96, 1e-6)
+
+    exported = tmp_path / "exported"
+    _convert("--loader", "megatron_fp8", "--saver", "mcore",
+             "--load-dir", str(ours), "--save-dir", str(exported))  # fmt: skip
+    assert (exported / "latest_checkpointed_iteration.txt").read_text() == "7"
+    _reference("load", "--ckpt", str(exported), "--tokens", str(reference / "tokens.pt"),
+               "--out", str(tmp_path / "reloaded.pt"), cwd=tmp_path)  # fmt: skip
+    assert torch.equal(torch.load(tmp_path / "reloaded.pt"), their_logits)
+
+
+def _relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((actual - reference).abs().max() / reference.abs().max()).item()
+
+
+def test_qkv_layout_is_per_query_group() -> None:
+    """megatron-core's rows, group by group: [q heads of the group | k | v]; ours [q | k | v]."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from tools.checkpoint.mcore import qkv_mcore_to_ours, qkv_ours_to_mcore
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=4, num_query_groups=2, kv_channels=1,
+        vocab_size=8, max_sequence_length=4,
+    )  # fmt: skip
+    # Row labels: q0 q1 k0 v0 | q2 q3 k1 v1 (one channel per head).
+    mcore_rows = torch.tensor([0.0, 1.0, 10.0, 20.0, 2.0, 3.0, 11.0, 21.0])
+    ours = qkv_mcore_to_ours(mcore_rows, config)
+    assert ours.tolist() == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 20.0, 21.0]
+    assert torch.equal(qkv_ours_to_mcore(ours, config), mcore_rows)
+    weight = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
+    assert torch.equal(qkv_ours_to_mcore(qkv_mcore_to_ours(weight, config), config), weight)
+
+
+def _edited_mcore_checkpoint(path: Path, monkeypatch, edit) -> None:
+    """A small Llama-layout Megatron-LM checkpoint written by our saver, its tensors edited."""
+    import tools.checkpoint.mcore as mcore
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from tools.checkpoint.model_state import ModelState
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+        max_sequence_length=16, normalization="RMSNorm", swiglu=True,
+        position_embedding_type="rope", num_query_groups=2, add_bias_linear=False,
+    )  # fmt: skip
+    state_dict = {name: p.detach() for name, p in GPTModel(config).named_parameters()}
+    original = mcore.mcore_state_dict
+
+    def edited(state):
+        tensors = original(state)
+        edit(tensors)
+        return tensors
+
+    monkeypatch.setattr(mcore, "mcore_state_dict", edited)
+    mcore.save_mcore(ModelState(state_dict=state_dict, config=config, iteration=3), str(path))
+    monkeypatch.undo()
+
+
+def _drop_fc2(tensors: dict) -> None:
+    del tensors["decoder.layers.mlp.linear_fc2.weight"]
+
+
+def _add_q_layernorm(tensors: dict) -> None:
+    tensors["decoder.layers.self_attention.q_layernorm.weight"] = torch.ones(2, 8)
+
+
+@pytest.mark.parametrize(
+    ("edit", "flags", "message"),
+    [
+        (None, ["--num-attention-heads", "8"], "--num-attention-heads 8 contradicts the mcore "
+         "checkpoint, which records 4"),
+        (_drop_fc2, [], "tensor decoder.layers.mlp.linear_fc2.weight is missing"),
+        (_add_q_layernorm, [], "unexpected tensor decoder.layers.self_attention.q_layernorm"),
+    ],
+    ids=["contradicting-flag", "missing", "extra"],
+)  # fmt: skip
+def test_bad_mcore_input_fails_before_writing(
+    tmp_path: Path, monkeypatch, capsys, edit, flags, message
+) -> None:
+    from tools.checkpoint.convert import main
+
+    _edited_mcore_checkpoint(tmp_path / "mc", monkeypatch, edit or (lambda tensors: None))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--loader", "mcore", "--saver", "megatron_fp8", "--load-dir", str(tmp_path / "mc"),
+              "--save-dir", str(tmp_path / "out"), *flags])  # fmt: skip
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mc"]
