@@ -360,3 +360,31 @@ def test_cli_exit_status_and_one_error_line(tmp_path: Path) -> None:
         "(gpt2, llama)\n"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_sharded_import_round_trip(tmp_path: Path) -> None:
+    """--ckpt-format torch_dist: the import is written by Megatron-FSDP's sharded save (one
+    rank) and reads back bitwise."""
+    _save_hf_model("llama", tmp_path / "hf")
+    ours = tmp_path / "ours"
+    line = _convert("--loader", "hf", "--saver", "megatron_fp8", "--ckpt-format", "torch_dist",
+                    "--load-dir", str(tmp_path / "hf"), "--save-dir", str(ours))  # fmt: skip
+    assert line.startswith("wrote megatron-fp8 checkpoint (--ckpt-format torch_dist)")
+    metadata = json.loads((ours / "iter_0000000" / "metadata.json").read_text())
+    assert (metadata["ckpt_format"], metadata["args"]["use_megatron_fsdp"]) == ("torch_dist", True)
+    _convert("--loader", "megatron_fp8", "--saver", "hf", "--load-dir", str(ours),
+             "--save-dir", str(tmp_path / "back"))  # fmt: skip
+    original = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    returned = safetensors_torch.load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(returned) == sorted(original)
+    assert all(torch.equal(returned[name], tensor) for name, tensor in original.items())
+
+
+def test_use_checkpoint_args_needs_a_checkpoint(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", "--mock-data", "--use-checkpoint-args",
+         "--load", str(tmp_path / "none")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert f"--load {tmp_path / 'none'} holds no latest_checkpointed_iteration.txt" in result.stderr

@@ -70,6 +70,7 @@ def _our_logits(checkpoint: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, d
         )["model_config"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["llama", "gpt"])
 def test_megatron_core_checkpoint_round_trip(tmp_path: Path, variant: str) -> None:
     reference = tmp_path / "reference"
