@@ -154,6 +154,14 @@ def convert(argv: Sequence[str] | None = None) -> str:
         if dest not in ("loader", "saver", "load_dir", "save_dir", "iteration")
         and dest not in ("ckpt_format", "dtype")
     }
+    # (flag, its value, its default, the loader or saver it belongs to, the one chosen)
+    for flag, value, default, owner, chosen in (
+        ("--iteration", args.iteration, None, "megatron_fp8 loader", f"{args.loader} loader"),
+        ("--ckpt-format", args.ckpt_format, "torch", "megatron_fp8 saver", f"{args.saver} saver"),
+        ("--dtype", args.dtype, None, "hf saver", f"{args.saver} saver"),
+    ):
+        if value != default and owner != chosen:
+            raise ConversionError(f"{flag} applies to the {owner} only; drop it")
     if not os.path.exists(args.load_dir):
         raise ConversionError(f"--load-dir {args.load_dir} does not exist")
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):

@@ -183,3 +183,29 @@ def test_bad_mcore_input_fails_before_writing(
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mc"]
+
+
+def test_checkpoint_without_args_takes_the_command_line(tmp_path: Path, capsys) -> None:
+    """Megatron-LM checkpoints whose common.pt has no args: the model flags come from the
+    converter's command line, with Megatron's names; missing ones are named."""
+    from tools.checkpoint.convert import convert, main
+
+    _edited_mcore_checkpoint(tmp_path / "mc", pytest.MonkeyPatch(), lambda tensors: None)
+    common_path = tmp_path / "mc" / "iter_0000003" / "common.pt"
+    common = torch.load(common_path, weights_only=False)
+    del common["args"]
+    torch.save(common, common_path)
+    base = ["--loader", "mcore", "--saver", "megatron_fp8", "--load-dir", str(tmp_path / "mc")]
+    with pytest.raises(SystemExit):
+        main([*base, "--save-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "(no saved args) and the command line: records no num_attention_heads" in err
+    flags = ["--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+             "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
+             "--position-embedding-type", "rope", "--max-position-embeddings", "16",
+             "--disable-bias-linear"]  # fmt: skip
+    convert([*base, "--save-dir", str(tmp_path / "out"), *flags])
+    metadata = json.loads((tmp_path / "out" / "iter_0000003" / "metadata.json").read_text())
+    assert metadata["model_config"]["num_query_groups"] == 2
+    assert metadata["model_config"]["vocab_size"] == 64  # read off the embedding's rows
+    assert metadata["model_config"]["num_layers"] == 2  # read off the layer-stacked tensors
