@@ -19,7 +19,13 @@ import os
 import torch
 
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tools.checkpoint.model_state import ConversionError, ModelState, StateDict, check_model_state
+from tools.checkpoint.model_state import (
+    ConversionError,
+    ModelState,
+    SourceTensors,
+    StateDict,
+    check_model_state,
+)
 
 # Buffers old transformers versions saved alongside the weights (causal masks, rope
 # frequencies): derived values, not parameters.
@@ -173,30 +179,7 @@ def read_hf_tensors(directory: str) -> StateDict:
     )
 
 
-class _TensorSource:
-    """The file's tensors, taken one by one: what is left at the end was not used."""
-
-    def __init__(self, tensors: StateDict, source: str) -> None:
-        self.tensors = {
-            name: tensor for name, tensor in tensors.items() if not name.endswith(_DERIVED_BUFFERS)
-        }
-        self.source = source
-
-    def take(self, name: str) -> torch.Tensor:
-        if name not in self.tensors:
-            raise ConversionError(f"{self.source}: tensor {name} is missing")
-        return self.tensors.pop(name)
-
-    def check_all_used(self) -> None:
-        if self.tensors:
-            extra = sorted(self.tensors)
-            raise ConversionError(
-                f"{self.source}: unexpected tensor {extra[0]} ({len(extra)} the model config does "
-                "not account for); the checkpoint is of another architecture or size"
-            )
-
-
-def llama_to_ours(files: _TensorSource, config: TransformerConfig) -> StateDict:
+def llama_to_ours(files: SourceTensors, config: TransformerConfig) -> StateDict:
     ours = {
         "embedding.word_embeddings.weight": files.take("model.embed_tokens.weight"),
         "decoder.final_norm.weight": files.take("model.norm.weight"),
@@ -230,7 +213,7 @@ def llama_to_ours(files: _TensorSource, config: TransformerConfig) -> StateDict:
     return ours
 
 
-def gpt2_to_ours(files: _TensorSource, config: TransformerConfig) -> StateDict:
+def gpt2_to_ours(files: SourceTensors, config: TransformerConfig) -> StateDict:
     """GPT-2's Conv1D weights are [in, out]: transposed to nn.Linear's [out, in]."""
     if not any(name.startswith("transformer.") for name in files.tensors):
         # The original OpenAI checkpoints name the transformer's tensors without the prefix.
@@ -281,7 +264,8 @@ def load_hf(load_dir: str) -> ModelState:
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     to_config, to_ours = _ARCHITECTURES[model_type]
     config = to_config(hf_config, source=config_path, dtype=dtype)
-    files = _TensorSource(tensors, source=load_dir)
+    weights = {name: t for name, t in tensors.items() if not name.endswith(_DERIVED_BUFFERS)}
+    files = SourceTensors(weights, source=load_dir)
     state = ModelState(state_dict=to_ours(files, config), config=config)
     files.check_all_used()
     check_model_state(state, source=load_dir)

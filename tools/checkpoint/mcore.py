@@ -34,6 +34,7 @@ from tools.checkpoint.model_flags import config_from_megatron_args
 from tools.checkpoint.model_state import (
     ConversionError,
     ModelState,
+    SourceTensors,
     StateDict,
     check_model_state,
     write_dir_atomically,
@@ -102,28 +103,7 @@ def _check_supported(args: dict, source: str) -> None:
         )
 
 
-class _Tensors:
-    """The checkpoint's model tensors, taken one by one; what is left was not used."""
-
-    def __init__(self, tensors: StateDict, source: str) -> None:
-        self.tensors, self.source = tensors, source
-
-    def take(self, *names: str) -> torch.Tensor:
-        for name in names:
-            if name in self.tensors:
-                return self.tensors.pop(name)
-        raise ConversionError(f"{self.source}: tensor {names[0]} is missing")
-
-    def check_all_used(self) -> None:
-        if self.tensors:
-            extra = sorted(self.tensors)
-            raise ConversionError(
-                f"{self.source}: unexpected tensor {extra[0]} ({len(extra)} the model config does "
-                "not account for); the checkpoint is of another architecture"
-            )
-
-
-def _mcore_to_ours(files: _Tensors, config: TransformerConfig) -> StateDict:
+def _mcore_to_ours(files: SourceTensors, config: TransformerConfig) -> StateDict:
     ours = {"embedding.word_embeddings.weight": files.take("embedding.word_embeddings.weight")}
     if config.position_embedding_type == "learned_absolute":
         ours["embedding.position_embeddings.weight"] = files.take(
@@ -183,7 +163,7 @@ def load_mcore(load_dir: str, given_flags: dict) -> ModelState:
         padded_vocab_size=embedding[0][0],
         num_layers=qkv[0][0],
     )
-    files = _Tensors(mcore_files.read_tensors(directory, shapes), source=directory)
+    files = SourceTensors(mcore_files.read_tensors(directory, shapes), source=directory)
     dtypes = {tensor.dtype for tensor in files.tensors.values()}
     if len(dtypes) == 1:
         config.params_dtype = dtypes.pop()

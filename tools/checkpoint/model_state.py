@@ -40,6 +40,29 @@ class ModelState:
     """The source's training iteration (0 for a HuggingFace model)."""
 
 
+class SourceTensors:
+    """A source's tensors, taken one by one as a loader maps them: a name not there is a
+    missing tensor, and what is left at the end is an unexpected one (another architecture)."""
+
+    def __init__(self, tensors: StateDict, source: str) -> None:
+        self.tensors, self.source = dict(tensors), source
+
+    def take(self, *names: str) -> Tensor:
+        """The first of `names` present (alternative spellings of one tensor)."""
+        for name in names:
+            if name in self.tensors:
+                return self.tensors.pop(name)
+        raise ConversionError(f"{self.source}: tensor {names[0]} is missing")
+
+    def check_all_used(self) -> None:
+        if self.tensors:
+            extra = sorted(self.tensors)
+            raise ConversionError(
+                f"{self.source}: unexpected tensor {extra[0]} ({len(extra)} the model config does "
+                "not account for); the checkpoint is of another architecture or size"
+            )
+
+
 def model_config(config: TransformerConfig) -> TransformerConfig:
     """`config` without its training-only settings (FP8 recipe, activation recompute)."""
     return dataclasses.replace(config, fp8=None, recompute_granularity=None, recompute_num_layers=1)
