@@ -35,6 +35,12 @@ MODEL_FLAGS: dict[str, tuple[type, str]] = {
 }
 
 
+CHOICES = {
+    "position_embedding_type": ("learned_absolute", "rope"),
+    "normalization": ("LayerNorm", "RMSNorm"),
+}
+
+
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """The flags, for a source that does not record them; an absent flag stays absent."""
     group = parser.add_argument_group(
@@ -45,7 +51,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
         else:
-            group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text)
+            group.add_argument(
+                flag, type=kind, choices=CHOICES.get(dest), default=argparse.SUPPRESS, help=text
+            )
 
 
 def flag_values(config: TransformerConfig) -> dict:
