@@ -44,8 +44,15 @@ def _gpt2_config():
     )  # fmt: skip
 
 
+def _tied_llama_config():
+    config = _llama_config()
+    config.tie_word_embeddings = True
+    return config
+
+
 MODELS = {
     "llama": (transformers.LlamaForCausalLM, _llama_config),
+    "llama_tied": (transformers.LlamaForCausalLM, _tied_llama_config),
     "gpt2": (transformers.GPT2LMHeadModel, _gpt2_config),
 }
 
@@ -112,7 +119,7 @@ def test_hf_round_trip_is_bitwise_and_logits_match(tmp_path: Path, kind: str) ->
     original = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
     returned = safetensors_torch.load_file(str(back / "model.safetensors"))
     assert sorted(returned) == sorted(original)
-    assert len(original) == {"llama": 3 + 2 * 9, "gpt2": 4 + 2 * 12}[kind]
+    assert len(original) == {"llama": 3 + 2 * 9, "llama_tied": 2 + 2 * 9, "gpt2": 4 + 2 * 12}[kind]
     for name, tensor in original.items():
         assert returned[name].dtype == tensor.dtype == torch.float32, name
         assert torch.equal(returned[name], tensor), name

@@ -209,3 +209,33 @@ def test_checkpoint_without_args_takes_the_command_line(tmp_path: Path, capsys) 
     assert metadata["model_config"]["num_query_groups"] == 2
     assert metadata["model_config"]["vocab_size"] == 64  # read off the embedding's rows
     assert metadata["model_config"]["num_layers"] == 2  # read off the layer-stacked tensors
+
+
+def test_local_spec_norm_names_are_read(tmp_path: Path, monkeypatch) -> None:
+    """Norms under the local spec's own names (input_layernorm, pre_mlp_layernorm) import as
+    the TE-spec names (linear_qkv/linear_fc1.layer_norm_weight) do."""
+    from tools.checkpoint.megatron_fp8 import load_megatron_fp8
+
+    def local_names(tensors: dict) -> None:
+        for te_name, local_name in (
+            ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+            ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+        ):
+            tensors[f"decoder.layers.{local_name}"] = tensors.pop(f"decoder.layers.{te_name}")
+            tensors[f"decoder.layers.{local_name}"][1] += 1.0  # layer 1 differs from layer 0
+
+    paths = {}
+    for name, edit in (("te", lambda tensors: None), ("local", local_names)):
+        _edited_mcore_checkpoint(tmp_path / f"mc_{name}", monkeypatch, edit)
+        paths[name] = tmp_path / f"ours_{name}"
+        source = str(tmp_path / f"mc_{name}")
+        _convert("--loader", "mcore", "--saver", "megatron_fp8",
+                 "--load-dir", source, "--save-dir", str(paths[name]))  # fmt: skip
+    te, local = (load_megatron_fp8(str(paths[name])).state_dict for name in ("te", "local"))
+    for norm in ("input_layernorm", "pre_mlp_layernorm"):
+        assert torch.equal(
+            local[f"decoder.layers.0.{norm}.weight"], te[f"decoder.layers.0.{norm}.weight"]
+        )
+        assert torch.equal(
+            local[f"decoder.layers.1.{norm}.weight"], te[f"decoder.layers.1.{norm}.weight"] + 1.0
+        )
