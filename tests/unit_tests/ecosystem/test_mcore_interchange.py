@@ -239,3 +239,29 @@ def test_local_spec_norm_names_are_read(tmp_path: Path, monkeypatch) -> None:
         assert torch.equal(
             local[f"decoder.layers.1.{norm}.weight"], te[f"decoder.layers.1.{norm}.weight"] + 1.0
         )
+
+
+class _RunsCommand:
+    """What a crafted common.pt could hold: unpickling it would run a shell command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_common_pt_is_read_without_running_code(tmp_path: Path) -> None:
+    import argparse
+
+    from tools.checkpoint import mcore_files
+
+    marker = tmp_path / "ran"
+    args = argparse.Namespace(hidden_size=64, payload=_RunsCommand(marker), dtype=torch.bfloat16)
+    torch.save({"args": args, "iteration": 5}, tmp_path / "common.pt")
+    common = mcore_files.read_common(str(tmp_path))
+    assert not marker.exists()
+    assert isinstance(common["args"].payload, mcore_files.Opaque)
+    assert common["args"].payload.qualname in ("posix.system", "nt.system")
+    assert (common["iteration"], common["args"].hidden_size) == (5, 64)
+    assert common["args"].dtype is torch.bfloat16
