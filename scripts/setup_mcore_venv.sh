@@ -16,5 +16,8 @@ fi
 "$PYTHON" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
 "$venv/bin/python" -m pip install --quiet "megatron-core==0.16.1"
-(cd / && "$venv/bin/python" -c "import megatron.core.models.gpt") >/dev/null
+if ! (cd / && PYTHONWARNINGS=ignore "$venv/bin/python" -c "import megatron.core.models.gpt"); then
+  echo "ERROR: megatron-core does not import in $venv" >&2
+  exit 1
+fi
 echo "megatron-core 0.16.1 reference venv ready at $venv"
