@@ -268,6 +268,13 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         help="Load model weights only; reset iteration, optimizer and RNG.",
     )
     group.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="Take the model flags (sizes, heads, norm, position embeddings, vocabulary rows) "
+        "from the --load checkpoint's saved args instead of the command line (Megatron-LM's "
+        "flag); each flag it changes is logged.",
+    )
+    group.add_argument(
         "--override-opt_param-scheduler",
         action="store_true",
         help="On resume, use this run's learning-rate flags instead of the checkpoint's.",
@@ -456,6 +463,17 @@ def parse_args(
     args = parser.parse_args(argv)
     args.world_size = world_size if world_size is not None else world_size_from_env()
     args.data_parallel_size = args.world_size
+    if args.use_checkpoint_args:
+        from megatron.core.checkpoint_files import CheckpointError
+        from megatron.training.checkpointing import load_args_from_checkpoint
+
+        try:
+            changed = load_args_from_checkpoint(args)
+        except CheckpointError as error:
+            parser.error(str(error))
+        if int(os.environ.get("RANK", "0")) == 0:
+            for line in changed:
+                print(f" > --use-checkpoint-args: {line}", flush=True)
     try:
         validate_args(args)
     except ArgumentError as error:

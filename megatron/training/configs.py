@@ -38,11 +38,23 @@ def build_fp8_config(args: argparse.Namespace) -> Fp8Config | None:
 
 
 def build_transformer_config(args: argparse.Namespace, *, vocab_size: int) -> TransformerConfig:
+    rows = padded_vocab_size(vocab_size, divisible_by=args.make_vocab_size_divisible_by)
+    saved_rows = getattr(args, "padded_vocab_size", None)  # set by --use-checkpoint-args
+    if saved_rows is not None:
+        if vocab_size > saved_rows:
+            from megatron.core.checkpoint_files import CheckpointError
+
+            raise CheckpointError(
+                f"--use-checkpoint-args: the checkpoint's embedding has {saved_rows} rows, fewer "
+                f"than the tokenizer's {vocab_size} ids; use the tokenizer the model was "
+                "trained with."
+            )
+        rows = saved_rows
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
-        vocab_size=padded_vocab_size(vocab_size, divisible_by=args.make_vocab_size_divisible_by),
+        vocab_size=rows,
         max_sequence_length=args.max_position_embeddings,
         ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups,

@@ -70,8 +70,12 @@ def compile_layers(module: GPTModel) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
-def _build_ddp(config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv):
+def _build_ddp(
+    config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv, initial_params
+):
     module = GPTModel(config, seed=args.seed).to(env.device)
+    if initial_params is not None:
+        module.load_state_dict(initial_params, strict=True)
     if args.torch_compile:
         compile_layers(module)
     model: nn.Module = module
@@ -87,7 +91,7 @@ def _build_ddp(config: TransformerConfig, *, args: argparse.Namespace, env: Dist
 
 
 def _build_megatron_fsdp(
-    config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv
+    config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv, initial_params
 ):
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.transformer.init import init_parameter_
@@ -98,16 +102,23 @@ def _build_megatron_fsdp(
             module = GPTModel(config, seed=args.seed)
     else:
         module = GPTModel(config, seed=args.seed).to(env.device)
+        if initial_params is not None:
+            module.load_state_dict(initial_params, strict=True)
     if args.torch_compile:
         compile_layers(module)
+
+    def init_fn(name: str, tensor: torch.Tensor) -> None:
+        if initial_params is not None:
+            tensor.copy_(initial_params[name])
+        else:
+            init_parameter_(tensor, name=name, config=config, seed=args.seed)
+
     model = FullyShardedDataParallel(
         module,
         fsdp_config=fsdp_config,
         process_group=env.dp_group,
         device=env.device,
-        init_fn=lambda name, tensor: init_parameter_(
-            tensor, name=name, config=config, seed=args.seed
-        ),
+        init_fn=init_fn,
         # With fp8_param_gather the engine keeps Fp8Linear weights only as FP8 bytes plus fp32
         # main shards, seeded from the exact high-precision values.
         fp8_config=config.fp8,
@@ -117,10 +128,16 @@ def _build_megatron_fsdp(
 
 
 def setup_model_and_optimizer(
-    args: argparse.Namespace, *, config: TransformerConfig, env: DistributedEnv
+    args: argparse.Namespace,
+    *,
+    config: TransformerConfig,
+    env: DistributedEnv,
+    initial_params: dict[str, torch.Tensor] | None = None,
 ) -> ModelAndOptimizer:
+    """`initial_params` (full tensors by parameter name) replace the init: the converter
+    builds a run from imported weights this way and saves it with save_checkpoint."""
     build = _build_megatron_fsdp if args.use_megatron_fsdp else _build_ddp
-    model, module, optimizer = build(config, args=args, env=env)
+    model, module, optimizer = build(config, args=args, env=env, initial_params=initial_params)
     return ModelAndOptimizer(
         model=model,
         module=module,

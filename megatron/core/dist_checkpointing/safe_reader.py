@@ -32,6 +32,13 @@ _ALLOWED = {
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "slice"},
 }  # fmt: skip
+# megatron-core also stores each rank's save plan in the metadata (`all_local_plans`): DCP's
+# plan dataclasses, admitted only when reading such a foreign checkpoint.
+_FOREIGN_ALLOWED = {
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+    },
+}  # fmt: skip
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -39,8 +46,14 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, stream, *, foreign: bool = False) -> None:
+        super().__init__(stream)
+        self.foreign = foreign
+
     def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
+        if name in _ALLOWED.get(module, ()) or (
+            self.foreign and name in _FOREIGN_ALLOWED.get(module, ())
+        ):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
@@ -50,12 +63,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def load_metadata(stream) -> Metadata:
+def load_metadata(stream, *, foreign: bool = False) -> Metadata:
     """A .metadata file's Metadata, read without running code; UnsafeCheckpointError for a
-    file that names anything else or declares byte (pickled-object) entries."""
-    metadata = _MetadataUnpickler(stream).load()
+    file that names anything else or declares byte (pickled-object) entries. `foreign`: a
+    Megatron-LM checkpoint, read by a caller that never requests its byte entries (pickled
+    extra and RNG states), so they are allowed, as are the save plans megatron-core stores."""
+    metadata = _MetadataUnpickler(stream, foreign=foreign).load()
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"holds a {type(metadata).__name__}, not DCP Metadata")
+    if foreign:
+        return metadata
     pickled = [
         key
         for key, item in metadata.state_dict_metadata.items()

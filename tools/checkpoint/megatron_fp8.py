@@ -1,0 +1,114 @@
+"""Our own checkpoints, read and written by megatron/training/checkpointing.py itself.
+
+Loading goes through `load_state_for_export` (any --ckpt-format, any data-parallel size; FP8
+runs give their fp32 main weights). Saving builds the run pretrain_gpt.py would build for the
+model's flags (config_to_argv) with the imported weights in place of the init, and calls
+`save_checkpoint`: the result is an ordinary --save directory (iteration 0 for an import) with
+no optimizer or RNG state, which `pretrain_gpt.py --load DIR --finetune` (or
+`--no-load-optim --no-load-rng`) continues from, and whose recorded flags
+`--use-checkpoint-args` reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from megatron.core.checkpoint_files import CheckpointError
+from tools.checkpoint.model_flags import config_to_argv
+from tools.checkpoint.model_state import (
+    ConversionError,
+    ModelState,
+    check_model_state,
+    model_config,
+    write_dir_atomically,
+)
+
+# Sharded formats are written by Megatron-FSDP, which every sharded format supports.
+SHARDED_FORMATS_ENGINE = ["--use-megatron-fsdp"]
+
+
+def load_megatron_fp8(load_dir: str, iteration: int | None = None) -> ModelState:
+    from megatron.training.checkpointing import load_state_for_export, read_metadata
+
+    try:
+        state_dict, config = load_state_for_export(load_dir, iteration)
+    except CheckpointError as error:
+        raise ConversionError(str(error)) from None
+    if iteration is None:
+        directory = load_dir
+        if not os.path.isfile(os.path.join(load_dir, "metadata.json")):
+            from megatron.training.checkpointing import read_tracker, resolve_iteration_dir
+
+            directory = resolve_iteration_dir(load_dir, read_tracker(load_dir))
+        iteration = read_metadata(directory)["iteration"]
+    state = ModelState(state_dict=state_dict, config=model_config(config), iteration=iteration)
+    check_model_state(state, source=load_dir)
+    return state
+
+
+def _saver_args(state: ModelState, *, save: str, ckpt_format: str):
+    from megatron.training.arguments import parse_args
+
+    config = state.config
+    argv = config_to_argv(config) + [
+        # The tokenizer is the user's choice at training time; the vocabulary rows are the
+        # model's, so they are recorded unpadded-as-is (divisible by 1).
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(config.vocab_size),
+        "--make-vocab-size-divisible-by", "1", "--mock-data",
+        "--seq-length", str(min(config.max_sequence_length, 4096)),
+        "--micro-batch-size", "1", "--train-iters", "1", "--eval-iters", "0",
+        "--save", save, "--ckpt-format", ckpt_format, "--no-save-optim", "--no-save-rng",
+    ]  # fmt: skip
+    if ckpt_format != "torch":
+        argv += SHARDED_FORMATS_ENGINE
+    if config.params_dtype == torch.bfloat16:
+        argv.append("--bf16")
+    try:
+        return parse_args(argv, world_size=1)
+    except SystemExit:
+        raise ConversionError(
+            f"the model's flags ({' '.join(config_to_argv(config))}) are not valid "
+            "pretrain_gpt.py flags (see the error line above)"
+        ) from None
+
+
+def save_megatron_fp8(state: ModelState, save_dir: str, *, ckpt_format: str = "torch") -> None:
+    from megatron.core.optimizer import OptimizerParamScheduler
+    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.configs import build_lr_schedule_config, build_transformer_config
+    from megatron.training.initialize import initialize_distributed, shutdown_distributed
+    from megatron.training.model_setup import setup_model_and_optimizer
+    from megatron.training.training import TrainState
+
+    check_model_state(state, source="the converted model")
+    # Everything that can refuse the model runs before the first byte is written.
+    probe = _saver_args(state, save=save_dir, ckpt_format=ckpt_format)
+    config = build_transformer_config(probe, vocab_size=state.config.vocab_size)
+    # The dtype may differ (an fp16 source trains in fp32): the checkpoint holds fp32 main
+    # weights either way, which fp16 and bf16 values convert to exactly.
+    wanted = dataclasses.replace(state.config, params_dtype=config.params_dtype)
+    if dataclasses.asdict(config) != dataclasses.asdict(wanted):
+        raise ConversionError(
+            f"pretrain_gpt.py's flags cannot express this model: the flags build {config}, "
+            f"the source is {state.config}"
+        )
+
+    def write(tmp: str) -> None:
+        args = _saver_args(state, save=tmp, ckpt_format=ckpt_format)
+        env = initialize_distributed(args)
+        try:
+            run = setup_model_and_optimizer(
+                args, config=config, env=env, initial_params=state.state_dict
+            )
+            scheduler = OptimizerParamScheduler(
+                run.optimizer, config=build_lr_schedule_config(args)
+            )
+            train_state = TrainState(iteration=state.iteration)
+            save_checkpoint(args, run=run, scheduler=scheduler, state=train_state, env=env)
+        finally:
+            shutdown_distributed(env)
+
+    write_dir_atomically(save_dir, write)
