@@ -69,8 +69,6 @@ class AsyncCheckpointSaver:
         pending.thread = threading.Thread(target=run, name="async-checkpoint", daemon=True)
         self.pending = pending
         pending.thread.start()
-        if self.env.rank == 0:
-            print(f" > writing checkpoint of iteration {iteration} asynchronously", flush=True)
 
     def _all_done(self) -> bool:
         done = torch.tensor(

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import time
 
 import numpy as np
 import torch
@@ -292,6 +293,7 @@ def save_checkpoint(
     With `async_saver` (megatron/training/async_checkpoint.py, --async-save) the files are
     written by its thread from a CPU copy and this returns None at once; the saver publishes
     the directory and moves the tracker later, when every rank's write completed."""
+    started = time.perf_counter()
     if async_saver is not None:
         async_saver.finalize(blocking=True)  # one save in flight at a time
     final = iteration_dir(args.save, state.iteration)
@@ -311,14 +313,25 @@ def save_checkpoint(
     if async_saver is not None:
         _start_async_write(args, run=run, env=env, tmp=tmp, iteration=state.iteration,
                            metadata=metadata, saver=async_saver)  # fmt: skip
+        if env.rank == 0:  # benchmarks/async_save.sh reads this line
+            print(f" > writing checkpoint of iteration {state.iteration} asynchronously "
+                  f"(blocked training {_ms_since(started):.1f} ms)", flush=True)  # fmt: skip
         return None
     try:
         _write_checkpoint_files(args, run=run, env=env, tmp=tmp)
     # DCP's collective CheckpointException derives from BaseException, not Exception.
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - reported, re-raised
         failure = error
-    return finish_save(args, env=env, iteration=state.iteration, metadata=metadata,
-                       failure=failure)  # fmt: skip
+    final = finish_save(args, env=env, iteration=state.iteration, metadata=metadata,
+                        failure=failure)  # fmt: skip
+    if env.rank == 0:
+        print(f" > save of iteration {state.iteration} blocked training "
+              f"{_ms_since(started):.1f} ms", flush=True)  # fmt: skip
+    return final
+
+
+def _ms_since(started: float) -> float:
+    return (time.perf_counter() - started) * 1000.0
 
 
 def finish_save(args, *, env, iteration: int, metadata: dict, failure: BaseException | None) -> str:

@@ -76,10 +76,14 @@ def load_metadata(stream) -> Metadata:
 class ShardReadError(Exception):
     """A .distcp shard that cannot be read (missing, truncated, zeroed): `path` names it."""
 
-    def __init__(self, path: str, cause: BaseException) -> None:
+    def __init__(self, path: str, cause: str) -> None:
+        # Both in args: DCP pickles a rank's exception to gather it on the coordinator.
+        super().__init__(path, cause)
         self.path = path
-        self.cause = _describe_read_failure(cause)
-        super().__init__(f"{path}: {self.cause}")
+        self.cause = cause
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.cause}"
 
 
 def _describe_read_failure(error: BaseException) -> str:
@@ -90,7 +94,8 @@ def _describe_read_failure(error: BaseException) -> str:
         return f"{type(error).__name__}: not tensor data"
     if isinstance(error, OSError) and error.strerror:
         return f"{type(error).__name__}: {error.strerror}"
-    return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
+    first_sentence = text.split(". ")[0][:200]  # torch appends paragraphs of guesses
+    return f"{type(error).__name__}: {first_sentence}" if text else type(error).__name__
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -110,7 +115,8 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             except AssertionError:  # DCP's size check: the checkpoint does not fit the model
                 raise
             except Exception as error:  # torch.load raises many types for a damaged file
-                raise ShardReadError(os.path.join(str(self.path), relative_path), error) from None
+                path = os.path.join(str(self.path), relative_path)
+                raise ShardReadError(path, _describe_read_failure(error)) from None
         done: Future = Future()
         done.set_result(None)
         return done

@@ -79,10 +79,10 @@ def load_error(path: Path, error: BaseException) -> CheckpointError:
     (from any rank), anything else (a size mismatch, a missing key) names the directory."""
     rank, cause = root_failure(error)
     if isinstance(cause, ShardReadError):
-        where = "" if rank is None else f" (read by rank {rank})"
+        where = "" if rank is None else f" (rank {rank} read it)"
         return CheckpointError(
-            f"{cause.path}: cannot be read{where} ({cause.cause}); the shard is truncated, "
-            f"corrupt or missing, so {path} cannot be loaded. Load another iteration."
+            f"{cause.path}: cannot be read ({cause.cause}); the shard is truncated, corrupt or "
+            f"missing, so {path} cannot be loaded{where}. Load another iteration."
         )
     return CheckpointError(
         f"{path}: cannot be loaded ({describe_failure(error)}); a shard (.distcp) or "

@@ -120,7 +120,7 @@ def test_rank_killed_during_async_save_resumes_from_previous_checkpoint(tmp_path
     assert 3 in logged, stdout[-3000:]
 
     capsys.readouterr()
-    resumed = run_pretrain(argv)  # same command, one rank, no hold: nothing cleaned by hand
+    resumed = run_pretrain(argv + ["--load", str(save)])  # one rank, nothing cleaned by hand
     out = capsys.readouterr().out
     assert f" > loaded checkpoint {save / 'iter_0000002'} (iteration 2)" in out
     assert sorted(resumed.losses) == [3, 4, 5, 6]
