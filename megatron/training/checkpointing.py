@@ -546,6 +546,15 @@ def _check_saved_flags(metadata: dict, args: argparse.Namespace, *, directory: s
             f"{directory}: saved with --ckpt-format {metadata['ckpt_format']}, this run uses "
             f"{args.ckpt_format}; pass --ckpt-format {metadata['ckpt_format']}."
         )
+    engine_changed = bool(saved.get("use_megatron_fsdp")) != bool(args.use_megatron_fsdp)
+    if engine_changed and saved.get("fp8_recipe") == "delayed" and not args.finetune:
+        # DDP keeps the delayed-scaling state in fp8_delayed_scaling.pt, Megatron-FSDP in its
+        # sharded state: neither engine finds the other's.
+        raise CheckpointError(
+            f"{directory}: a --fp8-recipe delayed checkpoint saved "
+            f"{'with' if saved.get('use_megatron_fsdp') else 'without'} --use-megatron-fsdp; "
+            "resume it under the same engine, or pass --finetune to load only the weights."
+        )
     saved_len = saved.get("fp8_amax_history_len")
     delayed_both = saved.get("fp8_recipe") == "delayed" and args.fp8_recipe == "delayed"
     if delayed_both and not args.finetune and saved_len != args.fp8_amax_history_len:

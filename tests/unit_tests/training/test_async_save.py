@@ -145,3 +145,18 @@ def test_no_sharded_tensor_and_no_silenced_deprecation_in_the_package():
                 offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert len(sources) > 50
     assert offenders == []
+
+
+def test_delayed_scaling_checkpoint_of_the_other_engine_is_refused(tmp_path):
+    """DDP keeps the delayed-scaling state in a file, Megatron-FSDP in its shards: a resume
+    under the other engine is refused by name; --finetune (weights only) loads."""
+    from megatron.training.checkpointing import CheckpointError
+
+    base = TINY_GPT + NO_DROPOUT + ["--fp8-recipe", "delayed", "--ckpt-format", "torch_dist"]
+    run_pretrain(base + ["--train-iters", "2", "--save", str(tmp_path)])
+    assert (tmp_path / "iter_0000002" / "fp8_delayed_scaling.pt").is_file()
+    resume = base + ["--use-megatron-fsdp", "--train-iters", "3", "--load", str(tmp_path)]
+    with pytest.raises(CheckpointError) as info:
+        run_pretrain(resume)
+    assert "a --fp8-recipe delayed checkpoint saved without --use-megatron-fsdp" in str(info.value)
+    assert sorted(run_pretrain(resume + ["--finetune"]).losses) == [1, 2, 3]
