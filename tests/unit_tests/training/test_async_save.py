@@ -47,14 +47,24 @@ def test_async_save_at_dp2_resumes_at_dp1_and_dp4(tmp_path, precision):
     ]  # fmt: skip
     assert (save / "latest_checkpointed_iteration.txt").read_text() == f"{TOTAL}\n"
     resume = base + ["--load", str(save), "--ckpt-step", str(SAVE_AT)]
-    for world_size in (1, 4):
-        resumed = run_distributed(run_pretrain_on_rank, world_size, resume)[0]
+    resumed_at = {ws: run_distributed(run_pretrain_on_rank, ws, resume)[0] for ws in (1, 4)}
+    for world_size, resumed in resumed_at.items():
         assert sorted(resumed) == list(range(SAVE_AT + 1, TOTAL + 1))
+        # FP8 parameters only: reductions summed in another order at another DP size move a
+        # weight across an FP8 rounding boundary now and then, and the loss with it. From
+        # scratch, DP=1 and DP=4 differ from DP=2 by up to 7e-5 within 13 iterations; after
+        # the checkpoint the first 5 stay within 1e-6 (measured: all 10 at DP=1, 9 of 10 at
+        # DP=4, whose 10th is 2.6e-6 off), and the resume at DP=2 below is exact.
+        exact_steps = 10 if not precision else 5
         for iteration, loss in resumed.items():
-            assert loss == pytest.approx(uninterrupted[iteration], rel=1e-6), (
+            rel = 1e-6 if iteration <= SAVE_AT + exact_steps else 1e-5
+            assert loss == pytest.approx(uninterrupted[iteration], rel=rel), (
                 world_size,
                 iteration,
             )
+    if precision:  # same DP size: nothing but the checkpoint differs, so bitwise equal
+        resumed = run_distributed(run_pretrain_on_rank, 2, resume)[0]
+        assert resumed == {i: uninterrupted[i] for i in range(SAVE_AT + 1, TOTAL + 1)}
 
 
 def test_ddp_torch_dist_resumes_at_dp1_and_under_megatron_fsdp(tmp_path):
