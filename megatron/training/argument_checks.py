@@ -318,13 +318,13 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
         _require(args.ckpt_step > 0, f"--ckpt-step {args.ckpt_step} must be a saved iteration > 0.")
     if args.ckpt_format is None:
         args.ckpt_format = "torch_dist" if args.use_megatron_fsdp else "torch"
-    if args.ckpt_format == "torch_dist":
+    if args.ckpt_format == "fsdp_dtensor":
         _require(
             args.use_megatron_fsdp,
-            "--ckpt-format torch_dist is the sharded format of Megatron-FSDP; add "
-            "--use-megatron-fsdp or use --ckpt-format torch.",
+            "--ckpt-format fsdp_dtensor is Megatron-FSDP's format; add --use-megatron-fsdp, or "
+            "use --ckpt-format torch_dist (the same sharded layout, for DDP too).",
         )
-    else:
+    if args.ckpt_format == "torch":
         # The torch format saves replicated main params; Megatron-FSDP holds only shards.
         _require(
             not args.use_megatron_fsdp,
@@ -332,6 +332,14 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
             "default with Megatron-FSDP is torch_dist, which also resumes at another "
             "data-parallel size).",
         )
+    if args.async_save:
+        # As Megatron-LM: only the sharded format has an asynchronous writer.
+        _require(
+            args.ckpt_format != "torch",
+            "--async-save needs --ckpt-format torch_dist (or fsdp_dtensor with "
+            "--use-megatron-fsdp); the torch format is written synchronously.",
+        )
+        _require(args.save is not None, "--async-save needs --save DIR.")
 
 
 def _validate_fsdp(args: argparse.Namespace) -> None:

@@ -293,9 +293,19 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--ckpt-format",
-        choices=("torch", "torch_dist"),
+        choices=("torch", "torch_dist", "fsdp_dtensor"),
         default=None,
-        help="torch: one file set on rank 0; torch_dist: sharded (default with Megatron-FSDP).",
+        help="torch: one file set on rank 0 (default without Megatron-FSDP); torch_dist: "
+        "sharded with torch.distributed.checkpoint, loadable at any data-parallel size (DDP or "
+        "Megatron-FSDP; default with Megatron-FSDP); fsdp_dtensor: Megatron-FSDP's name for the "
+        "same DTensor layout (needs --use-megatron-fsdp).",
+    )
+    group.add_argument(
+        "--async-save",
+        action="store_true",
+        help="Write checkpoints in a background thread from a CPU copy while training goes on; "
+        "the tracker names the iteration only once every rank's write completed. Needs "
+        "--ckpt-format torch_dist or fsdp_dtensor.",
     )
 
 

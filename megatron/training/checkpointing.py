@@ -7,8 +7,11 @@ Layout of one `iter_XXXXXXX/` directory (`--ckpt-format torch`):
   optimizer.pt        the optimizer state (tensors and numbers only; not with --no-save-optim)
   rng/rank_00000.pt   each rank's RNG states (tensors and numbers only; not with --no-save-rng)
   fp8_delayed_scaling.pt  with --fp8-recipe delayed: every FP8 tensor's scale and amax history
-`--ckpt-format torch_dist` (Megatron-FSDP) keeps metadata.json and stores model and optimizer as
-shards through megatron.core.dist_checkpointing.
+`--ckpt-format torch_dist` (DDP or Megatron-FSDP; `fsdp_dtensor` is Megatron-FSDP's name for the
+same layout) keeps metadata.json and stores model and optimizer under `sharded/` through
+megatron.core.dist_checkpointing (megatron/training/sharded_checkpoint.py says which state);
+with --async-save those files are written by a background thread (async_checkpoint.py) and
+published, tracker last, once every rank's write completed.
 
 Everything is written under `<dir>.tmp`, fsynced, and published when complete: a previous
 `<dir>` (a re-save of the same iteration) is renamed to `<dir>.old` first and deleted only once
@@ -16,7 +19,7 @@ the new one is in place (megatron/core/checkpoint_files.py); then the tracker fi
 atomically. A kill between those renames leaves `<dir>.old` and no `<dir>`: that copy is complete,
 and loading uses it. Loading a `torch` checkpoint uses `torch.load(weights_only=True)` and JSON
 only, so one from an untrusted source cannot run code (torch_dist's `.metadata`, read by
-torch.distributed.checkpoint, is a pickle: trust its source); a missing, truncated or
+torch.distributed.checkpoint, is read through a restricted unpickler); a missing, truncated or
 malformed file, or one that does not fit this run's flags, raises CheckpointError naming the
 file and the fix before training.
 """
@@ -30,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import time
 
 import numpy as np
 import torch
@@ -48,6 +52,12 @@ from megatron.core.fp8.config import Fp8Config
 from megatron.core.optimizer import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.initialize import DistributedEnv, get_rng_state, set_rng_state
+from megatron.training.sharded_checkpoint import (
+    SHARDED_FORMATS,
+    load_sharded_state,
+    sharded_state,
+    stage_to_cpu,
+)
 
 FORMAT_TAG = "megatron-fp8"
 FORMAT_VERSION = 1
@@ -209,7 +219,7 @@ def _describe_failure(failure: BaseException | None) -> str:
     return cause if rank is None else f"rank {rank}: {cause}"
 
 
-def _save_failed(args, *, env, state, tmp: str, failure, failed_rank: int) -> None:
+def _save_failed(args, *, env, iteration: int, tmp: str, failure, failed_rank: int) -> None:
     if env.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier(env)
@@ -227,7 +237,7 @@ def _save_failed(args, *, env, state, tmp: str, failure, failed_rank: int) -> No
             free = shutil.disk_usage(args.save).free
             cause += f"; {free / 2**20:.2f} MiB free on the disk of {args.save}"
     raise CheckpointSaveError(
-        f"saving iteration {state.iteration} to {iteration_dir(args.save, state.iteration)} "
+        f"saving iteration {iteration} to {iteration_dir(args.save, iteration)} "
         f"failed on rank {failed_rank} ({cause}); the partial {os.path.basename(tmp)} was "
         f"removed and {kept}. Free space or fix the directory's permissions, then resume "
         f"with --load {args.save}."
@@ -236,32 +246,66 @@ def _save_failed(args, *, env, state, tmp: str, failure, failed_rank: int) -> No
 
 def _write_checkpoint_files(args, *, run, env, tmp: str) -> None:
     """Every rank's share of iteration `tmp`: model and optimizer state, FP8 state, RNG."""
-    if args.ckpt_format == "torch_dist":
+    if args.ckpt_format in SHARDED_FORMATS:
         from megatron.core import dist_checkpointing
 
-        sharded = {"model": run.model.sharded_state_dict()}
-        if not args.no_save_optim:
-            sharded["optimizer"] = run.optimizer.sharded_state_dict()
+        sharded = sharded_state(run, optimizer=not args.no_save_optim)
         dist_checkpointing.save(sharded, os.path.join(tmp, "sharded"), process_group=env.dp_group)
     elif env.rank == 0:
         _save_tensor_file(run.optimizer.named_main_params(), os.path.join(tmp, "model.pt"))
         if not args.no_save_optim:
             _save_tensor_file(run.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    # torch_dist: the engine's sharded state already holds the delayed-scaling state.
-    fp8_state = _delayed_scaling_state(run) if args.ckpt_format == "torch" else {}
+    _write_small_files(args, env=env, tmp=tmp, fp8_state=_fp8_file_state(args, run),
+                       rng_state=get_rng_state())  # fmt: skip
+
+
+def _fp8_file_state(args, run) -> dict:
+    # Megatron-FSDP's sharded state already holds the delayed-scaling state.
+    return {} if args.use_megatron_fsdp else _delayed_scaling_state(run)
+
+
+def _write_small_files(args, *, env, tmp: str, fp8_state: dict, rng_state: dict) -> None:
     if fp8_state and env.rank == 0:  # identical on every rank: amaxes are all-reduced
         _save_tensor_file(fp8_state, os.path.join(tmp, "fp8_delayed_scaling.pt"))
     if not args.no_save_rng:
         rng_path = os.path.join(tmp, "rng", f"rank_{env.rank:05d}.pt")
-        _save_tensor_file(_rng_state_to_plain(get_rng_state()), rng_path)
+        _save_tensor_file(_rng_state_to_plain(rng_state), rng_path)
 
 
-def save_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, state, env) -> str:
+def _start_async_write(args, *, run, env, tmp: str, iteration: int, metadata: dict, saver):
+    """Copy this rank's share to CPU now (training then changes the live tensors) and hand
+    the copy to `saver`'s writer thread; the metadata was taken at the same moment."""
+    from megatron.core import dist_checkpointing
+
+    staged = stage_to_cpu(
+        sharded_state(run, optimizer=not args.no_save_optim), cpu_mesh=saver.cpu_mesh
+    )
+    fp8_state = stage_to_cpu(_fp8_file_state(args, run), cpu_mesh=saver.cpu_mesh)
+    rng_state = get_rng_state()
+
+    def write(group) -> None:
+        dist_checkpointing.save(staged, os.path.join(tmp, "sharded"), process_group=group)
+        saver.test_hold(tmp, iteration)
+        _write_small_files(args, env=env, tmp=tmp, fp8_state=fp8_state, rng_state=rng_state)
+
+    saver.start(iteration=iteration, metadata=metadata, write=write)
+
+
+def save_checkpoint(
+    args, *, run, scheduler: OptimizerParamScheduler, state, env, async_saver=None
+) -> str | None:
     """Write iter_XXXXXXX/ under a temporary name, publish it, then update the tracker.
 
     A failure on any rank (OSError such as ENOSPC, or torch.distributed.checkpoint's
     collective error wrapping one) is agreed on by every rank before anything is published;
-    all of them then raise CheckpointSaveError naming the path and the iteration."""
+    all of them then raise CheckpointSaveError naming the path and the iteration.
+
+    With `async_saver` (megatron/training/async_checkpoint.py, --async-save) the files are
+    written by its thread from a CPU copy and this returns None at once; the saver publishes
+    the directory and moves the tracker later, when every rank's write completed."""
+    started = time.perf_counter()
+    if async_saver is not None:
+        async_saver.finalize(blocking=True)  # one save in flight at a time
     final = iteration_dir(args.save, state.iteration)
     tmp = f"{final}{TMP_SUFFIX}"
     failure: BaseException | None = None
@@ -272,33 +316,58 @@ def save_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, state, env
     except OSError as error:
         failure = error
     failed_rank = _first_failure(env, failure)
-    if failed_rank < 0:
-        try:
-            _write_checkpoint_files(args, run=run, env=env, tmp=tmp)
-        # DCP's collective CheckpointException derives from BaseException, not Exception.
-        except (Exception, CheckpointException) as error:  # noqa: BLE001 - reported, re-raised
-            failure = error
-        failed_rank = _first_failure(env, failure)
+    if failed_rank >= 0:
+        _save_failed(args, env=env, iteration=state.iteration, tmp=tmp, failure=failure,
+                     failed_rank=failed_rank)  # fmt: skip
+    metadata = _metadata(args, run, scheduler, state, env)
+    if async_saver is not None:
+        _start_async_write(args, run=run, env=env, tmp=tmp, iteration=state.iteration,
+                           metadata=metadata, saver=async_saver)  # fmt: skip
+        if env.rank == 0:  # benchmarks/async_save.sh reads this line
+            print(f" > writing checkpoint of iteration {state.iteration} asynchronously "
+                  f"(blocked training {_ms_since(started):.1f} ms)", flush=True)  # fmt: skip
+        return None
+    try:
+        _write_checkpoint_files(args, run=run, env=env, tmp=tmp)
+    # DCP's collective CheckpointException derives from BaseException, not Exception.
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - reported, re-raised
+        failure = error
+    final = finish_save(args, env=env, iteration=state.iteration, metadata=metadata,
+                        failure=failure)  # fmt: skip
+    if env.rank == 0:
+        print(f" > save of iteration {state.iteration} blocked training "
+              f"{_ms_since(started):.1f} ms", flush=True)  # fmt: skip
+    return final
+
+
+def _ms_since(started: float) -> float:
+    return (time.perf_counter() - started) * 1000.0
+
+
+def finish_save(args, *, env, iteration: int, metadata: dict, failure: BaseException | None) -> str:
+    """After every rank wrote its files (or failed to): agree, write metadata.json, publish
+    the directory, move the tracker. Collective over the data-parallel group."""
+    final = iteration_dir(args.save, iteration)
+    tmp = f"{final}{TMP_SUFFIX}"
+    failed_rank = _first_failure(env, failure)
     if failed_rank < 0 and env.rank == 0:
         try:
             if not args.no_save_rng:
                 fsync_path(os.path.join(tmp, "rng"))
             # Written last (and fsyncs tmp/): a directory with metadata.json is complete.
-            _atomic_write_text(
-                os.path.join(tmp, "metadata.json"),
-                json.dumps(_metadata(args, run, scheduler, state, env), indent=1),
-            )
+            _atomic_write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata, indent=1))
             publish_dir(tmp, final)
         except OSError as error:
             failure = error
     if failed_rank < 0:
         failed_rank = _first_failure(env, failure)
     if failed_rank >= 0:
-        _save_failed(args, env=env, state=state, tmp=tmp, failure=failure, failed_rank=failed_rank)
+        _save_failed(args, env=env, iteration=iteration, tmp=tmp, failure=failure,
+                     failed_rank=failed_rank)  # fmt: skip
     tracker_failure = None
     if env.rank == 0:
         try:
-            _atomic_write_text(os.path.join(args.save, TRACKER_FILENAME), f"{state.iteration}\n")
+            _atomic_write_text(os.path.join(args.save, TRACKER_FILENAME), f"{iteration}\n")
         except OSError as error:  # the new directory is complete; the old tracker still loads
             tracker_failure = error
             with contextlib.suppress(OSError):
@@ -306,13 +375,13 @@ def save_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, state, env
     if _first_failure(env, tracker_failure) >= 0:
         previous = read_tracker(args.save)
         raise CheckpointSaveError(
-            f"iteration {state.iteration} was written to {final} but "
+            f"iteration {iteration} was written to {final} but "
             f"{os.path.join(args.save, TRACKER_FILENAME)} could not be updated "
             f"({tracker_failure}); it still names iteration {previous}. Free space, then "
-            f"resume with --load {args.save} --ckpt-step {state.iteration}."
+            f"resume with --load {args.save} --ckpt-step {iteration}."
         ) from tracker_failure
     if env.rank == 0:
-        print(f" > saved checkpoint at iteration {state.iteration} to {final}", flush=True)
+        print(f" > saved checkpoint at iteration {iteration} to {final}", flush=True)
     return final
 
 
@@ -481,10 +550,20 @@ def _check_saved_flags(metadata: dict, args: argparse.Namespace, *, directory: s
                 f"{directory}: saved with --{flag.replace('_', '-')} {saved[flag]}, but this run "
                 f"has {getattr(args, flag)}; use the checkpoint's value."
             )
-    if metadata["ckpt_format"] != args.ckpt_format:
+    same_layout = {metadata["ckpt_format"], args.ckpt_format} <= set(SHARDED_FORMATS)
+    if metadata["ckpt_format"] != args.ckpt_format and not same_layout:
         raise CheckpointError(
             f"{directory}: saved with --ckpt-format {metadata['ckpt_format']}, this run uses "
             f"{args.ckpt_format}; pass --ckpt-format {metadata['ckpt_format']}."
+        )
+    engine_changed = bool(saved.get("use_megatron_fsdp")) != bool(args.use_megatron_fsdp)
+    if engine_changed and saved.get("fp8_recipe") == "delayed" and not args.finetune:
+        # DDP keeps the delayed-scaling state in fp8_delayed_scaling.pt, Megatron-FSDP in its
+        # sharded state: neither engine finds the other's.
+        raise CheckpointError(
+            f"{directory}: a --fp8-recipe delayed checkpoint saved "
+            f"{'with' if saved.get('use_megatron_fsdp') else 'without'} --use-megatron-fsdp; "
+            "resume it under the same engine, or pass --finetune to load only the weights."
         )
     saved_len = saved.get("fp8_amax_history_len")
     delayed_both = saved.get("fp8_recipe") == "delayed" and args.fp8_recipe == "delayed"
@@ -700,7 +779,7 @@ def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
     _check_saved_flags(metadata, args, directory=directory)
     _check_saved_param_shapes(metadata, run, directory=directory)
     load_optim = not (args.no_load_optim or args.finetune)
-    if args.ckpt_format == "torch_dist":
+    if args.ckpt_format in SHARDED_FORMATS:
         # --finetune loads weights only, in both formats: no delayed-scaling state either.
         saved_delayed = metadata["args"].get("fp8_recipe") == "delayed" and not args.finetune
         _load_sharded(
@@ -710,7 +789,7 @@ def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
     # rank must stop all of them together, not leave the others in the first collective.
     failure: CheckpointError | None = None
     try:
-        if args.ckpt_format != "torch_dist":
+        if args.ckpt_format not in SHARDED_FORMATS:
             _load_model_tensors(directory, run, metadata["args"])
             if load_optim:
                 _load_optimizer_file(directory, run)
@@ -755,17 +834,13 @@ def _load_sharded(directory: str, *, run, env, load_optim: bool, fp8_scaling_sta
 
     # Ask for the delayed-scaling state only when the checkpoint has it (a bf16 or other-recipe
     # checkpoint can resume under delayed scaling, which then starts fresh).
-    state = {"model": run.model.sharded_state_dict(fp8_scaling_state=fp8_scaling_state)}
-    if load_optim:
-        state["optimizer"] = run.optimizer.sharded_state_dict()
+    state = sharded_state(run, optimizer=load_optim, fp8_scaling_state=fp8_scaling_state)
     # Raises CheckpointError for a missing, truncated or mismatched shard or .metadata.
     dist_checkpointing.load(state, os.path.join(directory, "sharded"), process_group=env.dp_group)
     try:
-        run.model.load_sharded_state_dict(state["model"])
+        load_sharded_state(run, state)
     except (KeyError, ValueError) as error:
         raise CheckpointError(f"{directory}/sharded: {error}") from None
-    if load_optim:
-        run.optimizer.load_sharded_state_dict(state["optimizer"])
 
 
 def load_args_from_checkpoint(args: argparse.Namespace) -> list[str]:
@@ -827,7 +902,7 @@ def load_state_for_export(
             f"{directory}/metadata.json: 'model_config' is not a model config "
             f"({type(error).__name__}: {error}); the file is corrupt or was edited."
         ) from None
-    if metadata["ckpt_format"] == "torch_dist":
+    if metadata["ckpt_format"] in SHARDED_FORMATS:
         from megatron.core.dist_checkpointing import load_full_model_params
 
         return load_full_model_params(os.path.join(directory, "sharded")), config

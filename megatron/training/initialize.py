@@ -52,9 +52,11 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
         device = torch.device("cpu")
     dp_group = None
     owns_process_group = False
-    # Megatron-FSDP always runs on a process group (its collectives and sharded checkpoints
-    # need one), so a single process gets a one-rank group from an in-memory store.
-    if world_size > 1 or args.use_megatron_fsdp:
+    # Megatron-FSDP and the sharded checkpoint formats always run on a process group (their
+    # collectives and torch.distributed.checkpoint need one), so a single process gets a
+    # one-rank group from an in-memory store.
+    sharded_format = getattr(args, "ckpt_format", None) in ("torch_dist", "fsdp_dtensor")
+    if world_size > 1 or args.use_megatron_fsdp or sharded_format:
         if not dist.is_initialized():
             dist.init_process_group(
                 backend=backend,

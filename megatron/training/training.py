@@ -342,12 +342,21 @@ def train(
     state: TrainState,
     logger=None,
 ) -> TrainingResult:
+    saver = None
+    if args.async_save and args.save:
+        from megatron.training.async_checkpoint import AsyncCheckpointSaver
+
+        saver = AsyncCheckpointSaver(args, env)
     with ExitSignal(args.exit_signal_handler) as exit_signal:
-        return _train_loop(args, env=env, run=run, scheduler=scheduler, datasets=datasets,
-                           state=state, logger=logger, exit_signal=exit_signal)  # fmt: skip
+        result = _train_loop(args, env=env, run=run, scheduler=scheduler, datasets=datasets,
+                             state=state, logger=logger, exit_signal=exit_signal,
+                             saver=saver)  # fmt: skip
+        if saver is not None:
+            saver.finalize(blocking=True)  # a run ends only once its last save is published
+    return result
 
 
-def _train_loop(args, *, env, run, scheduler, datasets, state, logger, exit_signal):
+def _train_loop(args, *, env, run, scheduler, datasets, state, logger, exit_signal, saver=None):
     result = TrainingResult(state=state)
     stats = IntervalStats()
     start = time.time()
@@ -398,6 +407,8 @@ def _train_loop(args, *, env, run, scheduler, datasets, state, logger, exit_sign
                         },
                         samples=state.consumed_train_samples,
                     )
+        if saver is not None:
+            saver.finalize(blocking=False)  # publishes a save in flight once all ranks wrote it
         exiting = _should_exit(args, env, start, state.iteration, exit_signal)
         if args.save and (
             exiting
@@ -406,7 +417,8 @@ def _train_loop(args, *, env, run, scheduler, datasets, state, logger, exit_sign
         ):
             from megatron.training.checkpointing import save_checkpoint
 
-            save_checkpoint(args, run=run, scheduler=scheduler, state=state, env=env)
+            save_checkpoint(args, run=run, scheduler=scheduler, state=state, env=env,
+                            async_saver=saver)  # fmt: skip
         if exiting:
             print_rank_0(env, f" > exiting at iteration {state.iteration} ({exiting})")
             break

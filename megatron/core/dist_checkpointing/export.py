@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.core.checkpoint_files import CheckpointError
 from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
-from megatron.core.dist_checkpointing.serialization import checkpoint_path, describe_failure
+from megatron.core.dist_checkpointing.serialization import checkpoint_path, load_error
 
 
 def load_full_model_params(
@@ -44,10 +44,8 @@ def load_full_model_params(
         try:
             dcp.load(template, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
         except (Exception, CheckpointException) as error:  # CheckpointException: BaseException
-            raise CheckpointError(
-                f"{path}: cannot be loaded ({describe_failure(error)}); a shard (.distcp) is "
-                "truncated, corrupt or missing. Export another iteration."
-            ) from None
+            message = str(load_error(path, error)).replace("Load another", "Export another")
+            raise CheckpointError(message) from None
     result = {}
     for key, value in template.items():
         if not key.startswith(params_prefix):

@@ -5,17 +5,20 @@ torch.distributed.checkpoint stores its `.metadata` as a pickle and reads it wit
 entry the metadata declares as bytes with `weights_only=False`. SafeFileSystemReader reads the
 metadata through an unpickler that admits only the classes DCP's metadata is made of, and
 refuses byte entries (this project's checkpoints hold tensors only), so the shard files are
-read as tensor data alone.
+read as tensor data alone. A shard that cannot be read raises ShardReadError naming the file.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import pickle
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.futures import Future
 
 # What a .metadata written by torch.distributed.checkpoint consists of (read off checkpoints
 # written by torch 2.11 and 2.13): DCP's metadata dataclasses, the file reader's storage info,
@@ -87,8 +90,53 @@ def load_metadata(stream, *, foreign: bool = False) -> Metadata:
     return metadata
 
 
+class ShardReadError(Exception):
+    """A .distcp shard that cannot be read (missing, truncated, zeroed): `path` names it."""
+
+    def __init__(self, path: str, cause: str) -> None:
+        # Both in args: DCP pickles a rank's exception to gather it on the coordinator.
+        super().__init__(path, cause)
+        self.path = path
+        self.cause = cause
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.cause}"
+
+
+def _describe_read_failure(error: BaseException) -> str:
+    """One line for a shard read failure. torch.load's refusal of a zeroed or foreign file
+    suggests retrying with weights_only=False, which would run the file's code: never relayed."""
+    text = " ".join(str(error).split())
+    if "weights_only" in text or isinstance(error, pickle.UnpicklingError):
+        return f"{type(error).__name__}: not tensor data"
+    if isinstance(error, OSError) and error.strerror:
+        return f"{type(error).__name__}: {error.strerror}"
+    first_sentence = text.split(". ")[0][:200]  # torch appends paragraphs of guesses
+    return f"{type(error).__name__}: {first_sentence}" if text else type(error).__name__
+
+
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """dcp.FileSystemReader whose metadata goes through load_metadata."""
+    """dcp.FileSystemReader whose metadata goes through load_metadata, and whose shard reads
+    name the file that fails."""
+
+    def read_data(self, plan: Any, planner: Any) -> Future:
+        """DCP's reader, one shard file at a time, so that a failure carries the file's path."""
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        for relative_path, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except AssertionError:  # DCP's size check: the checkpoint does not fit the model
+                raise
+            except Exception as error:  # torch.load raises many types for a damaged file
+                path = os.path.join(str(self.path), relative_path)
+                raise ShardReadError(path, _describe_read_failure(error)) from None
+        done: Future = Future()
+        done.set_result(None)
+        return done
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))

@@ -1,8 +1,8 @@
 """Sharded save/load (`--ckpt-format torch_dist`) on torch.distributed.checkpoint.
 
-`state` is a nested dict: Megatron-FSDP's model and optimizer sharded state dicts (flat
-ShardedTensors, resharded by DCP to whatever DP size loads them), plus small replicated values
-(iteration, scheduler state, ...), which every rank passes identically.
+`state` is a nested dict: the model and optimizer state dicts (Megatron-FSDP's flat DTensor
+pieces, resharded by DCP to whatever DP size loads them, or replicated tensors), plus small
+replicated values (iteration, ...), which every rank passes identically.
 
 Atomic: everything is written to `<dir>.tmp` (DCP fsyncs each file) and rank 0 publishes it as
 `<dir>` only after every rank has finished, keeping the previous `<dir>` until the new one is in
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from megatron.core.checkpoint_files import (
 )
 from megatron.core.dist_checkpointing.safe_reader import (
     SafeFileSystemReader,
+    ShardReadError,
     UnsafeCheckpointError,
 )
 
@@ -48,11 +48,7 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier(group=process_group)
-    with warnings.catch_warnings():
-        # DCP warns on every ShardedTensor (deprecated for DTensor, which cannot express the
-        # uneven per-rank pieces FSDP shards are); nothing in it is actionable for a user.
-        warnings.simplefilter("ignore", FutureWarning)
-        dcp.save(state, checkpoint_id=str(tmp), process_group=process_group)
+    dcp.save(state, checkpoint_id=str(tmp), process_group=process_group)
     dist.barrier(group=process_group)
     if rank == 0:
         fsync_path(tmp)
@@ -72,18 +68,27 @@ def load(
     whatever DP size wrote them.
     """
     path = checkpoint_path(checkpoint_dir)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor deprecation, as in save
-        try:
-            dcp.load(
-                state, storage_reader=SafeFileSystemReader(str(path)), process_group=process_group
-            )
-        except (Exception, CheckpointException) as error:  # CheckpointException: BaseException
-            raise CheckpointError(
-                f"{path}: cannot be loaded ({describe_failure(error)}); a shard (.distcp) or "
-                ".metadata is truncated, corrupt or missing, or the checkpoint does not match "
-                "this model. Load another iteration."
-            ) from None
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), process_group=process_group)
+    except (Exception, CheckpointException) as error:  # CheckpointException: BaseException
+        raise load_error(path, error) from None
+
+
+def load_error(path: Path, error: BaseException) -> CheckpointError:
+    """The CheckpointError for a failed DCP load of `path`: a shard that cannot be read is named
+    (from any rank), anything else (a size mismatch, a missing key) names the directory."""
+    rank, cause = root_failure(error)
+    if isinstance(cause, ShardReadError):
+        where = "" if rank is None else f" (rank {rank} read it)"
+        return CheckpointError(
+            f"{cause.path}: cannot be read ({cause.cause}); the shard is truncated, corrupt or "
+            f"missing, so {path} cannot be loaded{where}. Load another iteration."
+        )
+    return CheckpointError(
+        f"{path}: cannot be loaded ({describe_failure(error)}); a shard (.distcp) or "
+        ".metadata is truncated, corrupt or missing, or the checkpoint does not match "
+        "this model. Load another iteration."
+    )
 
 
 def checkpoint_path(checkpoint_dir: str | os.PathLike) -> Path:
@@ -123,7 +128,8 @@ def root_failure(error: BaseException) -> tuple[int | None, BaseException]:
         (rank, value[0] if isinstance(value, tuple) else value)
         for rank, value in sorted(error.failures.items())
     ]
-    return next(((r, e) for r, e in by_rank if isinstance(e, OSError)), by_rank[0])
+    preferred = (ShardReadError, OSError)  # what names a file says the most
+    return next(((r, e) for r, e in by_rank if isinstance(e, preferred)), by_rank[0])
 
 
 def describe_failure(error: BaseException) -> str:

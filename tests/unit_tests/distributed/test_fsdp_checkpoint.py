@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.flat_dtensor import local_piece
 from megatron.core.distributed.fsdp.config import FsdpConfig
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.distributed.toy_model import build_toy, train_steps, wrap_toy
@@ -26,6 +29,16 @@ def _train_save_continue(rank: int, world_size: int, strategy: str, ckpt: str):
     train_steps(run, range(SAVE_AT))
     state = _state(run)
     state["iteration"] = torch.tensor(SAVE_AT)
+    # Sharded strategies: each rank's pieces are DTensors of the whole flat parameter (a rank
+    # holding none of a parameter leaves it out); no_shard: plain replicated tensors.
+    numels = {name: p.numel() for name, p in build_toy().named_parameters()}
+    pieces = state["model"]["params"]
+    sharded = strategy != "no_shard"
+    assert all(isinstance(v, DTensor) == sharded for v in pieces.values())
+    assert all(v.shape == (numels[name],) for name, v in pieces.items())
+    held = torch.tensor([sum(local_piece(v).numel() for v in pieces.values())])
+    dist.all_reduce(held)
+    assert int(held) == sum(numels.values()) * (1 if sharded else world_size)
     dist_checkpointing.save(state, ckpt, process_group=None)
     # numpy: torch tensors would travel back to the test process through shared memory that
     # dies with the worker.

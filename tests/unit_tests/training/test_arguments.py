@@ -58,7 +58,10 @@ def parse_error(argv, capsys, world_size=1) -> str:
         (["--fp8-param-gather", "--fp8-recipe", "mxfp8"], 1, "add --use-megatron-fsdp"),
         (["--fp8-param-gather"], 1, "needs --fp8-recipe"),
         (["--overlap-param-gather"], 1, "is a Megatron-FSDP option"),
-        (["--ckpt-format", "torch_dist"], 1, "add --use-megatron-fsdp"),
+        (["--ckpt-format", "fsdp_dtensor"], 1, "add --use-megatron-fsdp, or use --ckpt-format "
+         "torch_dist"),
+        (["--async-save", "--save", "/tmp/x"], 1, "--async-save needs --ckpt-format torch_dist"),
+        (["--async-save", "--ckpt-format", "torch_dist"], 1, "--async-save needs --save DIR"),
         (["--use-megatron-fsdp", "--ckpt-format", "torch"], 1, "drop --ckpt-format torch"),
         (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], 1,
          "exclude each other"),
@@ -296,6 +299,8 @@ def test_derived_defaults():
     assert args.ckpt_format == "torch"
     fsdp = parse_args(TINY_GPT + ["--use-megatron-fsdp"], world_size=2)
     assert fsdp.ckpt_format == "torch_dist"
+    ddp_sharded = parse_args(TINY_GPT + ["--ckpt-format", "torch_dist"], world_size=2)
+    assert ddp_sharded.ckpt_format == "torch_dist" and not ddp_sharded.use_megatron_fsdp
 
 
 def test_cli_exits_2_before_building_a_model():

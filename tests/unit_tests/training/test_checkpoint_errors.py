@@ -295,30 +295,48 @@ def _truncate(path):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
 
 
+def _zero(path):
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+def _shard_named(reason):
+    """The message names the shard file itself, from the directory down."""
+    return lambda root: f"{_shard(root)}: cannot be read ({reason}"
+
+
 CORRUPT_SHARDS = {
-    "truncated-distcp": (lambda root: _truncate(_shard(root)), "sharded: cannot be loaded ("),
+    # The cause depends on which tensor is read first (a zip error, an EOFError).
+    "truncated-distcp": (lambda root: _truncate(_shard(root)), _shard_named("")),
+    # torch.load's own message for a zeroed file advises weights_only=False: never relayed.
+    "zeroed-distcp": (
+        lambda root: _zero(_shard(root)),
+        _shard_named("UnpicklingError: not tensor data)"),
+    ),
     "missing-distcp": (
         lambda root: _shard(root).unlink(),
-        "sharded: cannot be loaded (FileNotFoundError",
+        _shard_named("FileNotFoundError: No such file or directory)"),
     ),
     "truncated-metadata": (
         lambda root: _truncate(root / ITER_DIR / "sharded" / ".metadata"),
-        "sharded/.metadata: cannot be read (",
+        lambda root: "sharded/.metadata: cannot be read (",
     ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CORRUPT_SHARDS))
 def test_fsdp_corrupt_shard_is_a_checkpoint_error(saved_fsdp, tmp_path, case):
-    corrupt, expected = CORRUPT_SHARDS[case]
+    corrupt, expected_of = CORRUPT_SHARDS[case]
     root = _copy(saved_fsdp, tmp_path)
+    expected = expected_of(root)  # before the damage: a missing shard has no path afterwards
     corrupt(root)
     message = _load_error(root, FSDP)
-    assert str(root / ITER_DIR / "sharded") in message and expected in message
+    assert message.startswith(str(root / ITER_DIR / "sharded")) and expected in message, message
     assert "Load another iteration." in message
+    assert "weights_only" not in message
     with pytest.raises(CheckpointError) as export_error:  # the HF export reads the same files
         load_state_for_export(str(root))
     assert expected in str(export_error.value)
+    assert "weights_only" not in str(export_error.value)
 
 
 # --- a learning-rate schedule that differs from the checkpoint's ----------------------------

@@ -161,7 +161,7 @@ class FullyShardedDataParallel(nn.Module):
         return self.engine.buffer.persistent_bytes()
 
     def sharded_state_dict(self, *, fp8_scaling_state: bool = True) -> dict[str, Any]:
-        """fp32 main params as flat ShardedTensors (+ their shapes), for dist_checkpointing,
+        """fp32 main params as flat DTensor pieces (+ their shapes), for dist_checkpointing,
         plus the delayed-scaling state of every Fp8Linear when any uses that recipe
         (`fp8_delayed_scaling`). fp8_scaling_state=False leaves it out: the template for
         loading a checkpoint saved without it (a bf16 or another recipe's run)."""

@@ -6,9 +6,10 @@ and "<module>/<role>.amax_history": replicated tensors}. FP8 weights need nothin
 bytes are re-quantized from the fp32 main params on load, so a checkpoint resumes under any DP
 size and any recipe (or none).
 Optimizer: {"step": scalar, "<state key>": {name: flat state}} (exp_avg/exp_avg_sq for Adam,
-momentum_buffer for SGD). Every flat value is the parameter flattened to 1-D: a ShardedTensor
-whose local shard is a *view* of this rank's buffer (so DCP writes loads straight into it) when
-main params are sharded, or a plain replicated tensor under no_shard.
+momentum_buffer for SGD). Every flat value is the parameter flattened to 1-D: a DTensor over the
+data-parallel mesh whose local piece is a *view* of this rank's buffer (so DCP writes loads
+straight into it) when main params are sharded (absent on a rank that holds none of the
+parameter), or a plain replicated tensor under no_shard.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing.sharded_tensor import flat_sharded_tensor, local_piece
+from megatron.core.dist_checkpointing.flat_dtensor import (
+    data_parallel_mesh,
+    flat_dtensor,
+    local_piece,
+)
 from megatron.core.distributed.fsdp.collectives import all_gather_flat
 from megatron.core.distributed.fsdp.megatron_fsdp import MegatronFSDP
 from megatron.core.distributed.fsdp.param_and_grad_buffer import BufferGroup
@@ -28,19 +33,31 @@ if TYPE_CHECKING:
     from megatron.core.distributed.fsdp.distributed_optimizer import FsdpDistributedOptimizer
 
 
-def _wrap(
-    engine: MegatronFSDP, slot: ParamSlot, piece: LocalPiece | None, view: torch.Tensor | None
-) -> Any:
-    """One parameter's flat value: replicated tensor (no_shard) or this rank's ShardedTensor
-    piece (`view`, None where the rank holds none of the parameter)."""
+def _mesh(engine: MegatronFSDP) -> Any:
+    """The DP device mesh of the engine's flat DTensors (None under no_shard: no DTensors)."""
     if not engine.config.shards_optimizer_state:
+        return None
+    return data_parallel_mesh(engine.process_group, engine.buffer.device)
+
+
+def _wrap(
+    mesh: Any, slot: ParamSlot, piece: LocalPiece | None, view: torch.Tensor | None
+) -> torch.Tensor | None:
+    """One parameter's flat value: replicated tensor (no_shard, mesh None) or this rank's
+    DTensor piece (`view`); None where the rank holds none of the parameter."""
+    if mesh is None:
         return view
-    return flat_sharded_tensor(
+    return flat_dtensor(
         view,
         offset=0 if piece is None else piece.param_start,
         global_numel=slot.numel,
-        process_group=engine.process_group,
+        mesh=mesh,
     )
+
+
+def _set_present(values: dict[str, Any], name: str, value: Any) -> None:
+    if value is not None:  # DCP would save a None as a pickled object
+        values[name] = value
 
 
 def _piece_of(group: BufferGroup, slot: ParamSlot) -> LocalPiece | None:
@@ -89,13 +106,14 @@ def model_sharded_state_dict(
     engine: MegatronFSDP, *, fp8_scaling_state: bool = True
 ) -> dict[str, Any]:
     params, shapes = {}, {}
+    mesh = _mesh(engine)
     for name, group, index in _named_slots(engine):
         slot = group.layout.slots[index]
         piece = _piece_of(group, slot)
         view = None
         if piece is not None:
             view = group.main_shard[piece.shard_start : piece.shard_start + piece.numel]
-        params[name] = _wrap(engine, slot, piece, view)
+        _set_present(params, name, _wrap(mesh, slot, piece, view))
         shapes[name] = torch.tensor(list(slot.shape), dtype=torch.int64)
     state = {"params": params, "param_shapes": shapes}
     delayed = _delayed_state(engine) if fp8_scaling_state else {}
@@ -108,7 +126,7 @@ def model_sharded_state_dict(
 def _copy_into_main(engine: MegatronFSDP, params: dict[str, Any]) -> None:
     for name, group, index in _named_slots(engine):
         piece = _piece_of(group, group.layout.slots[index])
-        loaded = local_piece(params[name])
+        loaded = local_piece(params.get(name))
         if piece is None or loaded is None:
             continue
         dest = group.main_shard[piece.shard_start : piece.shard_start + piece.numel]
@@ -159,6 +177,7 @@ def optimizer_sharded_state_dict(optimizer: FsdpDistributedOptimizer) -> dict[st
     state: dict[str, Any] = {key: {} for key in keys}
     # On the engine's device: NCCL reduces only device tensors (the fused AdamW keeps it there).
     device = engine.buffer.device
+    mesh = _mesh(engine)
     step = torch.zeros((), dtype=torch.float32, device=device)
     for name, group, index in _named_slots(engine):
         shard_piece = by_name.get(name)
@@ -166,7 +185,7 @@ def optimizer_sharded_state_dict(optimizer: FsdpDistributedOptimizer) -> dict[st
         piece = shard_piece.piece if shard_piece else None
         for key in keys:
             view = torch_state[key].view(-1) if shard_piece else None
-            state[key][name] = _wrap(engine, group.layout.slots[index], piece, view)
+            _set_present(state[key], name, _wrap(mesh, group.layout.slots[index], piece, view))
         if "step" in torch_state:
             step = torch_state["step"].detach().float().to(device, copy=True)
     if adam:
@@ -187,6 +206,6 @@ def load_optimizer_sharded_state_dict(
             if key == "step":
                 value.copy_(state["step"])
                 continue
-            loaded = local_piece(state[key][piece.name])
+            loaded = local_piece(state[key].get(piece.name))
             if loaded is not None and loaded.data_ptr() != value.data_ptr():
                 value.view(-1).copy_(loaded.reshape(-1))

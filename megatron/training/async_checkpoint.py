@@ -1,0 +1,101 @@
+"""--async-save: checkpoints written by a background thread while training goes on.
+
+A save copies this rank's share (sharded model and optimizer state, RNG state) to CPU memory
+at the save's iteration, then a thread writes the copy into `iter_XXXXXXX.tmp/` through
+torch.distributed.checkpoint on a gloo group of its own (a collective of the writer must not
+interleave with the training loop's on the same group). After each later iteration every rank
+asks whether all writers are done (one small all-reduce, only while a save is in flight); when
+they are, `finish_save` runs as for a synchronous save: the ranks agree on failures, rank 0
+writes metadata.json, publishes the directory and only then moves
+`latest_checkpointed_iteration.txt`. A crash before that leaves a `.tmp` directory that no load
+reads and the tracker naming the previous checkpoint; the next save of that iteration replaces
+it. The run waits for the write in flight before the next save and before it exits.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.dist_checkpointing.flat_dtensor import data_parallel_mesh
+from megatron.training.initialize import DistributedEnv
+
+TEST_HOLD_ENV = "MEGATRON_FP8_TEST_HOLD_ASYNC_SAVE"
+"""Tests only: `<iteration>` makes the writer of that iteration stop for good after its shards
+are written (the .tmp then holds shards but no RNG files or metadata.json), after writing
+`<tmp>/held_by_rank_<r>` with its pid, so that a test can kill a rank mid-save
+deterministically. Unset: no effect."""
+
+
+@dataclass
+class _PendingSave:
+    iteration: int
+    metadata: dict
+    thread: threading.Thread
+    failure: BaseException | None = None
+
+
+class AsyncCheckpointSaver:
+    """One asynchronous save in flight at a time, finished collectively (every rank calls
+    `finalize` at the same points of the loop)."""
+
+    def __init__(self, args, env: DistributedEnv) -> None:
+        self.args = args
+        self.env = env
+        ranks = dist.get_process_group_ranks(env.dp_group)
+        # Collective over the default group: every rank builds its saver at the same point.
+        self.group = dist.new_group(ranks=ranks, backend="gloo")
+        self.cpu_mesh = data_parallel_mesh(self.group, torch.device("cpu"))
+        self.pending: _PendingSave | None = None
+
+    def start(self, *, iteration: int, metadata: dict, write: Callable) -> None:
+        """Run `write(group)` in a thread; `metadata` goes into metadata.json when it is done."""
+        if self.pending is not None:
+            raise RuntimeError("an asynchronous save is still in flight; finalize it first")
+        pending = _PendingSave(iteration=iteration, metadata=metadata, thread=None)
+
+        def run() -> None:
+            try:
+                write(self.group)
+            except BaseException as error:  # noqa: BLE001 - agreed on and raised by finalize
+                pending.failure = error
+
+        # A daemon: a run that stops on an error does not wait for a write nobody finalizes.
+        pending.thread = threading.Thread(target=run, name="async-checkpoint", daemon=True)
+        self.pending = pending
+        pending.thread.start()
+
+    def _all_done(self) -> bool:
+        done = torch.tensor(
+            [0.0 if self.pending.thread.is_alive() else 1.0], device=self.env.device
+        )
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.env.dp_group)
+        return bool(done.item())
+
+    def finalize(self, *, blocking: bool) -> str | None:
+        """Publish the save in flight once every rank's write completed (wait for it when
+        `blocking`); returns its directory, or None when nothing was published. Raises
+        CheckpointSaveError, on every rank, when some rank's write failed."""
+        if self.pending is None or not (blocking or self._all_done()):
+            return None
+        self.pending.thread.join()
+        pending, self.pending = self.pending, None
+        from megatron.training.checkpointing import finish_save
+
+        return finish_save(self.args, env=self.env, iteration=pending.iteration,
+                           metadata=pending.metadata, failure=pending.failure)  # fmt: skip
+
+    def test_hold(self, tmp: str, iteration: int) -> None:
+        """The test hook (TEST_HOLD_ENV); inert unless the variable names this iteration."""
+        if os.environ.get(TEST_HOLD_ENV) != str(iteration):
+            return
+        marker = os.path.join(tmp, f"held_by_rank_{self.env.rank}")
+        with open(marker + ".part", "w") as handle:
+            handle.write(str(os.getpid()))
+        os.replace(marker + ".part", marker)
+        threading.Event().wait()
