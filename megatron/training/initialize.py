@@ -58,7 +58,7 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
                 backend=backend,
                 rank=rank,
                 world_size=world_size,
-                timeout=timedelta(minutes=30),
+                timeout=timedelta(minutes=args.distributed_timeout_minutes),
                 device_id=device if backend == "nccl" else None,
                 store=dist.HashStore() if world_size == 1 else None,
             )

@@ -16,6 +16,7 @@ from torch import nn
 
 from megatron.core.models.gpt import GPTModel, count_parameters, num_floating_point_operations
 from megatron.core.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
+from megatron.core.optimizer.grad_scaler import GradScaler
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.configs import build_fsdp_config, build_optimizer_config
 from megatron.training.initialize import DistributedEnv
@@ -34,6 +35,10 @@ class ModelAndOptimizer:
     fp8_context: Callable[[], contextlib.AbstractContextManager] = field(
         default=contextlib.nullcontext
     )
+    grad_scaler: GradScaler | None = None
+    """--fp16: the loss scale backward runs at (None: no scaling)."""
+    last_step: dict = field(default_factory=dict)
+    """What the last train_step measured beyond its return value (timings, zero-grad count)."""
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Skip cross-rank grad reduction for a non-final micro-batch, where the engine can."""
@@ -82,6 +87,11 @@ def _build_ddp(config: TransformerConfig, *, args: argparse.Namespace, env: Dist
             process_group=env.dp_group,
             broadcast_buffers=False,
         )
+        if args.grad_reduce_in_bf16:
+            # Megatron-LM's --grad-reduce-in-bf16 under DDP: the all-reduce runs in bf16.
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model.register_comm_hook(env.dp_group, default_hooks.bf16_compress_hook)
     optimizer = MixedPrecisionOptimizer(module, config=build_optimizer_config(args))
     return model, module, optimizer
 
@@ -121,6 +131,9 @@ def setup_model_and_optimizer(
 ) -> ModelAndOptimizer:
     build = _build_megatron_fsdp if args.use_megatron_fsdp else _build_ddp
     model, module, optimizer = build(config, args=args, env=env)
+    optimizer.count_zeros_in_grad = args.log_num_zeros_in_grad
+    from megatron.training.run_hooks import build_grad_scaler
+
     return ModelAndOptimizer(
         model=model,
         module=module,
@@ -131,4 +144,5 @@ def setup_model_and_optimizer(
         ),
         num_parameters=count_parameters(module),
         fp8_context=_fp8_context_factory(config, env),
+        grad_scaler=build_grad_scaler(args),
     )
