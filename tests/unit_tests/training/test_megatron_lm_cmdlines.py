@@ -26,9 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)
 # The tokenizer part of issue 20 adds --tiktoken-pattern; until it is merged the llama lines
 # run without it (it only matters for TikTokenizer, and these lines use NullTokenizer).
 _TIKTOKEN = (
-    "--tiktoken-pattern v2"
-    if "--tiktoken-pattern" in build_parser()._option_string_actions
-    else ""
+    "--tiktoken-pattern v2" if "--tiktoken-pattern" in build_parser()._option_string_actions else ""
 )
 
 # examples/llama/train_llama3_8b_h100_fp8.sh, mock-data branch:
@@ -127,7 +125,9 @@ _FUNCTIONAL_HEAD = """
     --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 1
 """
 # gpt3_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files
-FUNCTIONAL_DIST_OPTIMIZER_NO_MMAP = _FUNCTIONAL_HEAD + """
+FUNCTIONAL_DIST_OPTIMIZER_NO_MMAP = (
+    _FUNCTIONAL_HEAD
+    + """
     --transformer-impl transformer_engine --tensor-model-parallel-size 1
     --pipeline-model-parallel-size 1 --use-distributed-optimizer --no-mmap-bin-files
     --deterministic-mode --no-gradient-accumulation-fusion --attention-softmax-in-fp32
@@ -135,8 +135,11 @@ FUNCTIONAL_DIST_OPTIMIZER_NO_MMAP = _FUNCTIONAL_HEAD + """
     --data-cache-path {tmp}/cache --bf16 --attention-backend unfused
     --log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker
 """
+)
 # gpt3_mcore_te_tp1_pp1_uniform_full_recompute
-FUNCTIONAL_UNIFORM_FULL_RECOMPUTE = _FUNCTIONAL_HEAD + """
+FUNCTIONAL_UNIFORM_FULL_RECOMPUTE = (
+    _FUNCTIONAL_HEAD
+    + """
     --transformer-impl transformer_engine --tensor-model-parallel-size 1
     --pipeline-model-parallel-size 1 --recompute-granularity full --recompute-method uniform
     --recompute-num-layers 1 --deterministic-mode --no-gradient-accumulation-fusion
@@ -145,8 +148,11 @@ FUNCTIONAL_UNIFORM_FULL_RECOMPUTE = _FUNCTIONAL_HEAD + """
     --data-cache-path {tmp}/cache --bf16 --attention-backend unfused
     --log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker
 """
+)
 # gpt3_mcore_tp1_pp1_dist_optimizer_overlap_grad_reduce_param_gather
-FUNCTIONAL_OVERLAP_GRAD_REDUCE_PARAM_GATHER = _FUNCTIONAL_HEAD + """
+FUNCTIONAL_OVERLAP_GRAD_REDUCE_PARAM_GATHER = (
+    _FUNCTIONAL_HEAD
+    + """
     --transformer-impl local --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
     --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
     --deterministic-mode --no-gradient-accumulation-fusion --use-mcore-models
@@ -154,10 +160,11 @@ FUNCTIONAL_OVERLAP_GRAD_REDUCE_PARAM_GATHER = _FUNCTIONAL_HEAD + """
     --bf16 --apply-query-key-layer-scaling --log-memory-to-tensorboard --async-save
     --use-persistent-ckpt-worker
 """
+)
 # gpt3_mcore_te_tp1_pp1_resume_torch_dist_dist_optimizer (its first, saving, run)
-FUNCTIONAL_RESUME_DIST_OPTIMIZER = _FUNCTIONAL_HEAD.replace(
-    "--save-interval 10000", "--save-interval 2"
-) + """
+FUNCTIONAL_RESUME_DIST_OPTIMIZER = (
+    _FUNCTIONAL_HEAD.replace("--save-interval 10000", "--save-interval 2")
+    + """
     --transformer-impl transformer_engine --tensor-model-parallel-size 1
     --pipeline-model-parallel-size 1 --use-distributed-optimizer --no-ckpt-fully-parallel-save
     --deterministic-mode --no-gradient-accumulation-fusion --use-checkpoint-opt_param-scheduler
@@ -165,6 +172,7 @@ FUNCTIONAL_RESUME_DIST_OPTIMIZER = _FUNCTIONAL_HEAD.replace(
     --dist-ckpt-strictness log_all --data-cache-path {tmp}/cache --bf16
     --log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker
 """
+)
 
 COMMAND_LINES = {
     "llama3_8b_h100_fp8": LLAMA3_8B_FP8,

@@ -14,10 +14,15 @@ import re
 import pytest
 import torch
 
-from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig, OptimizerParamScheduler
-from megatron.core.optimizer import MixedPrecisionOptimizer, learning_rate_at
+from megatron.core.optimizer import (
+    LRScheduleConfig,
+    MixedPrecisionOptimizer,
+    OptimizerConfig,
+    OptimizerParamScheduler,
+    learning_rate_at,
+)
 from megatron.core.optimizer.grad_scaler import GradScaler
-from megatron.core.transformer.norm import RMSNorm, LayerNorm
+from megatron.core.transformer.norm import LayerNorm, RMSNorm
 from megatron.training.arguments import parse_args
 from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
 
@@ -233,10 +238,10 @@ def test_flag_spellings_of_megatron_lm_scripts():
     args = parse_args(TINY_GPT + ["--split", "'99,1,0'", "--sequence-parallel",
                                   "--tensor-model-parallel-size", "1"], world_size=1)  # fmt: skip
     assert args.split == "99,1,0" and args.sequence_parallel is False
-    args = parse_args(TINY_GPT + ["--bf16", "--use-megatron-fsdp",
-                                  "--megatron-fsdp-main-params-dtype", "fp32",
-                                  "--megatron-fsdp-main-grads-dtype", "auto",
-                                  "--megatron-fsdp-grad-comm-dtype", "bf16"], world_size=1)  # fmt: skip
+    fsdp_dtypes = ["--bf16", "--use-megatron-fsdp", "--megatron-fsdp-main-params-dtype", "fp32",
+                   "--megatron-fsdp-main-grads-dtype", "auto",
+                   "--megatron-fsdp-grad-comm-dtype", "bf16"]  # fmt: skip
+    args = parse_args(TINY_GPT + fsdp_dtypes, world_size=1)
     assert (args.main_params_dtype, args.main_grads_dtype, args.grad_reduce_in_bf16) == (
         "fp32", "bf16", True
     )  # fmt: skip
