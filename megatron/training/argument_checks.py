@@ -373,9 +373,14 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
         )
     else:
         # The torch format saves replicated main params; Megatron-FSDP holds only shards.
+        engine_flag = (
+            "--use-distributed-optimizer (Megatron-FSDP's optim strategy)"
+            if args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "optim"
+            else "--use-megatron-fsdp"
+        )
         _require(
             not args.use_megatron_fsdp,
-            "--use-megatron-fsdp saves sharded checkpoints: drop --ckpt-format torch (the "
+            f"{engine_flag} saves sharded checkpoints: drop --ckpt-format torch (the "
             "default with Megatron-FSDP is torch_dist, which also resumes at another "
             "data-parallel size).",
         )

@@ -108,7 +108,20 @@ def _build_and_train(args: argparse.Namespace, env: DistributedEnv) -> TrainingR
     for note in getattr(args, "megatron_lm_notes", ()):
         print_rank_0(env, f" > note: {note}")
     if args.deterministic_mode:
+        # Restored at the end of the run: a library caller's process keeps its own setting.
+        previous = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
         torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            return _build_and_train_seeded(args, env)
+        finally:
+            torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+    return _build_and_train_seeded(args, env)
+
+
+def _build_and_train_seeded(args: argparse.Namespace, env: DistributedEnv) -> TrainingResult:
     set_random_seeds(args.seed)
     try:
         tokenizer = build_tokenizer_from_args(args)
