@@ -254,3 +254,18 @@ def test_fp16_static_scale_trains_like_fp32():
                                                  "--loss-scale", "1024"]).losses  # fmt: skip
     assert all(abs(fp16[i] - fp32[i]) < 2e-4 for i in (1, 2, 3)), (fp16, fp32)
     assert fp16[3] < fp16[1] - 0.03  # it trained
+
+
+def test_per_token_loss_with_distributed_optimizer_is_the_same_at_two_ranks():
+    """--calculate-per-token-loss normalizes by the global batch's tokens over all ranks, and
+    --use-distributed-optimizer really shards at DP=2: the losses match the one-rank run."""
+    from tests.unit_tests.dist_utils import run_distributed
+    from tests.unit_tests.training.common import run_pretrain_on_rank
+
+    argv = TINY_GPT + NO_DROPOUT + ["--train-iters", "3", "--calculate-per-token-loss",
+                                    "--use-distributed-optimizer"]  # fmt: skip
+    one_rank = run_pretrain(argv).losses
+    by_rank = run_distributed(run_pretrain_on_rank, 2, argv)
+    assert by_rank[0] == by_rank[1]
+    assert all(by_rank[0][i] == pytest.approx(one_rank[i], rel=1e-6) for i in (1, 2, 3))
+    assert one_rank[3] < one_rank[1]
