@@ -269,3 +269,19 @@ def test_per_token_loss_with_distributed_optimizer_is_the_same_at_two_ranks():
     assert by_rank[0] == by_rank[1]
     assert all(by_rank[0][i] == pytest.approx(one_rank[i], rel=1e-6) for i in (1, 2, 3))
     assert one_rank[3] < one_rank[1]
+
+
+def test_fp16_loss_scale_resumes_from_the_checkpoint(tmp_path):
+    """The dynamic loss scale is saved with the optimizer state: a resumed fp16 run continues
+    with the scale (and so the skipped updates and losses) of the uninterrupted one. 2**20
+    overflows this model's fp16 grads at iteration 1 and 2**19 does not at iteration 2, so a
+    resume after iteration 1 that restarted at 2**20 would skip iteration 2."""
+    fp16 = TINY_GPT + NO_DROPOUT + ["--fp16", "--initial-loss-scale", str(2**20),
+                                    "--hysteresis", "1"]  # fmt: skip
+    whole = run_pretrain(fp16 + ["--train-iters", "4"])
+    assert whole.state.skipped_iterations >= 1 and math.isfinite(whole.grad_norms[4])
+    assert math.isnan(whole.grad_norms[1]) and math.isfinite(whole.grad_norms[2])
+    run_pretrain(fp16 + ["--train-iters", "4", "--save", str(tmp_path), "--exit-interval", "1"])
+    resumed = run_pretrain(fp16 + ["--train-iters", "4", "--load", str(tmp_path)])
+    assert [resumed.losses[i] for i in (2, 3, 4)] == [whole.losses[i] for i in (2, 3, 4)]
+    assert resumed.state.skipped_iterations == whole.state.skipped_iterations
