@@ -75,6 +75,22 @@ def compile_layers(module: GPTModel) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
+def bf16_all_reduce_hook(group: torch.distributed.ProcessGroup, bucket):
+    """DDP comm hook: average each grad bucket across ranks in bf16 (torch's own
+    bf16_compress_hook needs NCCL; this one also runs on gloo)."""
+    import torch.distributed as dist
+
+    compressed = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size(group))
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(done) -> torch.Tensor:
+        out = bucket.buffer()
+        out.copy_(done.value()[0])
+        return out
+
+    return future.then(decompress)
+
+
 def _build_ddp(config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv):
     module = GPTModel(config, seed=args.seed).to(env.device)
     if args.torch_compile:
@@ -89,9 +105,7 @@ def _build_ddp(config: TransformerConfig, *, args: argparse.Namespace, env: Dist
         )
         if args.grad_reduce_in_bf16:
             # Megatron-LM's --grad-reduce-in-bf16 under DDP: the all-reduce runs in bf16.
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            model.register_comm_hook(env.dp_group, default_hooks.bf16_compress_hook)
+            model.register_comm_hook(env.dp_group, bf16_all_reduce_hook)
     optimizer = MixedPrecisionOptimizer(module, config=build_optimizer_config(args))
     return model, module, optimizer
 

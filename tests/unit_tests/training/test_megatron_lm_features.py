@@ -285,3 +285,24 @@ def test_fp16_loss_scale_resumes_from_the_checkpoint(tmp_path):
     resumed = run_pretrain(fp16 + ["--train-iters", "4", "--load", str(tmp_path)])
     assert [resumed.losses[i] for i in (2, 3, 4)] == [whole.losses[i] for i in (2, 3, 4)]
     assert resumed.state.skipped_iterations == whole.state.skipped_iterations
+
+
+def test_profile_ranks_leave_other_ranks_unprofiled(tmp_path):
+    run_pretrain(TINY_GPT + ["--train-iters", "2", "--profile", "--use-pytorch-profiler",
+                             "--profile-step-start", "1", "--profile-step-end", "2",
+                             "--profile-ranks", "1", "--tensorboard-dir",
+                             str(tmp_path / "tb")])  # fmt: skip
+    assert not (tmp_path / "torch_profile").exists()
+
+
+def test_grad_reduce_in_bf16_under_ddp_reduces_in_bf16():
+    """--grad-reduce-in-bf16 without Megatron-FSDP: DDP's all-reduce runs in bf16, so the two
+    ranks' updates differ from the fp32 reduction by bf16 rounding only."""
+    from tests.unit_tests.dist_utils import run_distributed
+    from tests.unit_tests.training.common import run_pretrain_on_rank
+
+    argv = TINY_GPT + NO_DROPOUT + ["--train-iters", "3"]
+    fp32 = run_distributed(run_pretrain_on_rank, 2, argv)[0]
+    bf16 = run_distributed(run_pretrain_on_rank, 2, argv + ["--grad-reduce-in-bf16"])[0]
+    assert fp32[1] == bf16[1]  # same weights before the first update
+    assert fp32[3] != bf16[3] and abs(fp32[3] - bf16[3]) < 1e-3
