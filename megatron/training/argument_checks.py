@@ -332,7 +332,7 @@ def _resolve_data_parallel_engine(args: argparse.Namespace) -> None:
     state sharded over data parallelism) is Megatron-FSDP's 'optim' strategy; a sharded
     checkpoint (--ckpt-format torch_dist) without it is Megatron-FSDP's 'no_shard', which
     trains as DDP. --use-megatron-fsdp alone keeps optim_grads_params."""
-    if not args.use_megatron_fsdp:
+    if not (args.use_megatron_fsdp or args.use_torch_fsdp2):
         if args.use_distributed_optimizer:
             args.use_megatron_fsdp = True
             args.data_parallel_sharding_strategy = "optim"

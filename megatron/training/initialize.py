@@ -50,9 +50,9 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
         device = torch.device("cpu")
     dp_group = None
     owns_process_group = False
-    # Megatron-FSDP always runs on a process group (its collectives and sharded checkpoints
-    # need one), so a single process gets a one-rank group from an in-memory store.
-    if world_size > 1 or args.use_megatron_fsdp:
+    # Megatron-FSDP and FSDP2 always run on a process group (their collectives and sharded
+    # checkpoints need one), so a single process gets a one-rank group from an in-memory store.
+    if world_size > 1 or args.use_megatron_fsdp or args.use_torch_fsdp2:
         if not dist.is_initialized():
             dist.init_process_group(
                 backend=backend,

@@ -39,6 +39,14 @@ def _add_features(parser: argparse.ArgumentParser) -> None:
         "torch_dist.",
     )
     group.add_argument(
+        "--use-torch-fsdp2",
+        action="store_true",
+        help="Shard the model with PyTorch's FSDP2 (fully_shard per transformer layer and on the "
+        "model; fp32 shards, --bf16 compute, fp32 grad reduce-scatter, bf16 with "
+        "--grad-reduce-in-bf16). Not with FP8, --fp16 or checkpoints (use --use-megatron-fsdp "
+        "for those).",
+    )
+    group.add_argument(
         "--recompute-method",
         choices=("uniform", "block"),
         default=None,
@@ -342,7 +350,7 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Sequence parallelism; at tensor-parallel size 1 it is off, as in Megatron-LM.",
     )
-    for flag in ("--tp-comm-overlap", "--use-torch-fsdp2", "--use-mup", "--fim-data",
+    for flag in ("--tp-comm-overlap", "--use-mup", "--fim-data",
                  "--verify-integrity"):  # fmt: skip
         group.add_argument(flag, action="store_true", help="Not built here (refused).")
     for flag in ("--fim-rate", "--fim-spm-rate"):
@@ -382,8 +390,6 @@ _UNBUILT = (
     ("tp_comm_overlap", bool, "--tp-comm-overlap", "no tensor parallelism, so nothing to overlap"),
     ("num_distributed_optimizer_instances", lambda v: v != 1,
      "--num-distributed-optimizer-instances {v}", "one instance (--use-distributed-optimizer)"),
-    ("use_torch_fsdp2", bool, "--use-torch-fsdp2",
-     "--use-megatron-fsdp (our FSDP engine, FP8 weights included)"),
     ("use_mup", bool, "--use-mup", "standard parametrization (--init-method-std)"),
     ("mup_base_hidden_size", lambda v: v is not None, "--mup-base-hidden-size {v}",
      "standard parametrization"),
@@ -551,6 +557,31 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
             )
     _validate_fp16(args)
     _validate_profiling(args)
+    _validate_torch_fsdp2(args)
+
+
+def _validate_torch_fsdp2(args: argparse.Namespace) -> None:
+    if not args.use_torch_fsdp2:
+        return
+    conflicts = [
+        flag
+        for flag, given in (
+            ("--use-megatron-fsdp", args.use_megatron_fsdp),
+            ("--use-distributed-optimizer", args.use_distributed_optimizer),
+            ("--fp16", args.fp16),
+            ("--fp8-format/--fp8-recipe", args.fp8_format or args.fp8_recipe),
+            ("--save", args.save),
+            ("--load", args.load),
+        )
+        if given
+    ]
+    if conflicts:
+        raise ValueError(
+            f"--use-torch-fsdp2 does not go with {', '.join(conflicts)} here (Megatron-LM also "
+            "refuses it with the distributed optimizer and fp16; FP8 weights and checkpoints "
+            "under FSDP2 are not built): use --use-megatron-fsdp, the same sharding with FP8 "
+            "and torch_dist checkpoints."
+        )
 
 
 def _validate_fp16(args: argparse.Namespace) -> None:

@@ -140,10 +140,52 @@ def _build_megatron_fsdp(
     return model, module, optimizer
 
 
+def _build_torch_fsdp2(config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv):
+    """--use-torch-fsdp2 (Megatron-LM's flag): PyTorch's fully_shard on every transformer layer
+    and on the model. Parameters are fp32 DTensor shards; forward and backward run in the
+    --bf16 dtype through FSDP2's mixed-precision policy, grads are reduce-scattered in fp32.
+    The optimizer steps the shards in place (their grads are shards too)."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from megatron.core.transformer.init import init_parameter_
+
+    compute_dtype = config.params_dtype
+    config = dataclasses.replace(config, params_dtype=torch.float32)
+    with torch.device("meta"):
+        module = GPTModel(config, seed=args.seed)
+    if args.torch_compile:
+        compile_layers(module)
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+        reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32,
+    )
+    for layer in module.decoder.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
+    module.to_empty(device=env.device)
+    with torch.no_grad():  # the values DDP starts from, one full tensor at a time, then sharded
+        for name, param in module.named_parameters():
+            full = torch.empty(param.shape, dtype=param.dtype, device=env.device)
+            init_parameter_(full, name=name, config=config, seed=args.seed)
+            param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+    module.init_buffers(env.device)
+    optimizer = MixedPrecisionOptimizer(
+        module, config=build_optimizer_config(args), grad_group=env.dp_group
+    )
+    return module, module, optimizer
+
+
 def setup_model_and_optimizer(
     args: argparse.Namespace, *, config: TransformerConfig, env: DistributedEnv
 ) -> ModelAndOptimizer:
     build = _build_megatron_fsdp if args.use_megatron_fsdp else _build_ddp
+    if args.use_torch_fsdp2:
+        build = _build_torch_fsdp2
     model, module, optimizer = build(config, args=args, env=env)
     optimizer.count_zeros_in_grad = args.log_num_zeros_in_grad
     from megatron.training.run_hooks import build_grad_scaler

@@ -117,6 +117,12 @@ def adam_implementation(params: list[torch.Tensor]) -> dict[str, bool]:
     return {"fused": True} if on_cuda else {"foreach": False}
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: in-place ops reach the DTensor), else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 @torch.no_grad()
 def unscale_grads_(grads: list[torch.Tensor], loss_scale: float) -> None:
     """Divide grads by the loss scale (a no-op at 1); an overflow stays Inf for the norm."""
@@ -146,8 +152,13 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     be averaged across data-parallel ranks (DDP does that), so the norm is computed locally.
     """
 
-    def __init__(self, model: torch.nn.Module, *, config: OptimizerConfig) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, config: OptimizerConfig, grad_group=None
+    ) -> None:
         self.config = config
+        # With DTensor (FSDP2) params each rank holds disjoint shards: norms and counts are
+        # summed over this group.
+        self.grad_group = grad_group
         self.model_params: list[torch.Tensor] = []
         named_main = []
         for name, param in model.named_parameters():
@@ -182,10 +193,10 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         return grads
 
     def step(self) -> StepResult:
-        grads = self._copy_model_grads_to_main()
+        grads = [_local(grad) for grad in self._copy_model_grads_to_main()]
         unscale_grads_(grads, self.loss_scale)
-        grad_norm = global_grad_norm(grads)
-        zeros = count_zeros(grads) if self.count_zeros_in_grad else None
+        grad_norm = global_grad_norm(grads, group=self.grad_group)
+        zeros = count_zeros(grads, group=self.grad_group) if self.count_zeros_in_grad else None
         if not math.isfinite(grad_norm):
             self.zero_grad()
             return StepResult(update_successful=False, grad_norm=grad_norm, num_zeros_in_grad=zeros)
@@ -199,7 +210,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     def params_norm(self) -> float:
         """L2 norm of all main params (--log-params-norm)."""
-        return global_grad_norm(self.main_params)
+        return global_grad_norm([_local(p) for p in self.main_params], group=self.grad_group)
 
     def named_main_params(self) -> dict[str, torch.Tensor]:
         """The fp32 values of every trained param: what checkpoints store as the model."""

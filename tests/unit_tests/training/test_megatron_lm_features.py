@@ -306,3 +306,16 @@ def test_grad_reduce_in_bf16_under_ddp_reduces_in_bf16():
     bf16 = run_distributed(run_pretrain_on_rank, 2, argv + ["--grad-reduce-in-bf16"])[0]
     assert fp32[1] == bf16[1]  # same weights before the first update
     assert fp32[3] != bf16[3] and abs(fp32[3] - bf16[3]) < 1e-3
+
+
+def test_torch_fsdp2_trains_as_ddp_at_two_ranks():
+    """--use-torch-fsdp2: fp32 shards on two ranks give the one-rank DDP losses."""
+    from tests.unit_tests.dist_utils import run_distributed
+    from tests.unit_tests.training.common import run_pretrain_on_rank
+
+    argv = TINY_GPT + NO_DROPOUT + ["--train-iters", "3"]
+    ddp = run_pretrain(argv).losses
+    fsdp2 = run_distributed(run_pretrain_on_rank, 2, argv + ["--use-torch-fsdp2"])
+    assert fsdp2[0] == fsdp2[1]
+    assert all(fsdp2[0][i] == pytest.approx(ddp[i], rel=1e-6) for i in (1, 2, 3))
+    assert ddp[3] < ddp[1]
