@@ -419,7 +419,8 @@ def unbuilt_features(args: argparse.Namespace) -> str | None:
     return (
         f"megatron-fp8 has not built these Megatron-LM features: {lines}. Supported: one model "
         "replica per rank (tensor, pipeline, context and expert parallel sizes 1) with data "
-        "parallelism, Megatron-FSDP or --use-distributed-optimizer; dense GPT models."
+        "parallelism, Megatron-FSDP, --use-distributed-optimizer or --use-torch-fsdp2; dense "
+        "GPT models."
     )
 
 
