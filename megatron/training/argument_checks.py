@@ -12,6 +12,11 @@ import os
 
 import torch
 
+from megatron.training.megatron_lm_flags import (
+    resolve_megatron_lm_args,
+    unbuilt_features,
+    validate_megatron_lm_args,
+)
 from megatron.training.path_checks import check_input_file, check_output_dir
 
 
@@ -21,10 +26,24 @@ class ArgumentError(ValueError):
 
 def validate_args(args: argparse.Namespace) -> None:
     """All cross-flag checks, in one place. Fills derived defaults. Raises ArgumentError."""
+    # First: a command line that asks for features we have not built gets one message naming
+    # all of them, before any other check.
+    unbuilt = unbuilt_features(args)
+    if unbuilt is not None:
+        raise ArgumentError(unbuilt)
+    try:
+        args.megatron_lm_notes = resolve_megatron_lm_args(args)
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
     _validate_batch(args)
     _validate_model(args)
     _validate_schedule(args)
+    try:
+        validate_megatron_lm_args(args)
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
     _validate_data(args)
+    _resolve_data_parallel_engine(args)
     _validate_checkpointing(args)
     _validate_backend(args)
     _validate_fsdp(args)
@@ -245,6 +264,10 @@ def _validate_schedule(args: argparse.Namespace) -> None:
 
 
 def _validate_data(args: argparse.Namespace) -> None:
+    # Megatron-LM's llama scripts pass "--split '99,1,0'" through an unquoted array, so the
+    # quotes reach argv; Megatron-LM reads the shares inside them.
+    if len(args.split) >= 2 and args.split[0] == args.split[-1] and args.split[0] in "'\"":
+        args.split = args.split[1:-1]
     if args.mock_data:
         _require(not args.data_path, "--mock-data and --data-path exclude each other; pick one.")
     else:
@@ -304,6 +327,23 @@ def _validate_split(split: str) -> list[float]:
     return parts
 
 
+def _resolve_data_parallel_engine(args: argparse.Namespace) -> None:
+    """Which engine a Megatron-LM command line means. --use-distributed-optimizer (optimizer
+    state sharded over data parallelism) is Megatron-FSDP's 'optim' strategy; a sharded
+    checkpoint (--ckpt-format torch_dist) without it stays under DDP, which writes that format
+    itself. --use-megatron-fsdp alone keeps optim_grads_params."""
+    if not (args.use_megatron_fsdp or args.use_torch_fsdp2):
+        if args.use_distributed_optimizer:
+            args.use_megatron_fsdp = True
+            args.data_parallel_sharding_strategy = "optim"
+            args.megatron_lm_notes.append(
+                "--use-distributed-optimizer: main params and optimizer state are sharded "
+                "over the data-parallel ranks by Megatron-FSDP's 'optim' strategy."
+            )
+    if args.data_parallel_sharding_strategy is None:
+        args.data_parallel_sharding_strategy = "optim_grads_params"
+
+
 def _validate_checkpointing(args: argparse.Namespace) -> None:
     _require(
         not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
@@ -326,9 +366,14 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
         )
     if args.ckpt_format == "torch":
         # The torch format saves replicated main params; Megatron-FSDP holds only shards.
+        engine_flag = (
+            "--use-distributed-optimizer (Megatron-FSDP's optim strategy)"
+            if args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "optim"
+            else "--use-megatron-fsdp"
+        )
         _require(
             not args.use_megatron_fsdp,
-            "--use-megatron-fsdp saves sharded checkpoints: drop --ckpt-format torch (the "
+            f"{engine_flag} saves sharded checkpoints: drop --ckpt-format torch (the "
             "default with Megatron-FSDP is torch_dist, which also resumes at another "
             "data-parallel size).",
         )
@@ -350,15 +395,17 @@ def _validate_fsdp(args: argparse.Namespace) -> None:
                 "--suggested-communication-unit-size must be positive.",
             )
         return
+    # --grad-reduce-in-bf16 also works with DDP (a bf16 all-reduce hook).
     fsdp_only = {
         "overlap_param_gather": "--overlap-param-gather",
         "init_model_with_meta_device": "--init-model-with-meta-device",
-        "grad_reduce_in_bf16": "--grad-reduce-in-bf16",
         "suggested_communication_unit_size": "--suggested-communication-unit-size",
     }
     for attr, flag in fsdp_only.items():
         _require(
-            not getattr(args, attr), f"{flag} is a Megatron-FSDP option; add --use-megatron-fsdp."
+            not getattr(args, attr),
+            f"{flag} is a Megatron-FSDP option; add --use-megatron-fsdp or "
+            "--use-distributed-optimizer.",
         )
 
 
@@ -429,7 +476,7 @@ def _validate_fp8(args: argparse.Namespace) -> None:
         _require(
             args.use_megatron_fsdp,
             "--fp8-param-gather keeps weights in FP8 inside Megatron-FSDP; add "
-            "--use-megatron-fsdp.",
+            "--use-megatron-fsdp or --use-distributed-optimizer.",
         )
     if args.first_last_layers_bf16:
         start, end = args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16

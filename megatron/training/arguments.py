@@ -15,6 +15,7 @@ from typing import NoReturn
 from megatron.core.distributed.fsdp.config import SHARDING_STRATEGIES
 from megatron.core.fp8.config import FP8_RECIPES
 from megatron.training.argument_checks import ArgumentError, validate_args
+from megatron.training.megatron_lm_flags import add_megatron_lm_args
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +86,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--recompute-num-layers",
         type=int,
         default=1,
-        help="Layers per checkpointed chunk with --recompute-granularity full.",
+        help="With --recompute-granularity full: layers per checkpointed chunk (uniform) or "
+        "layers recomputed (block).",
     )
     group.add_argument(
         "--make-vocab-size-divisible-by",
@@ -317,7 +319,12 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Prefix of a .bin/.idx pair, or weighted prefixes: 0.75 a 0.25 b.",
     )
-    group.add_argument("--split", default="969,30,1", help="Train,valid,test document shares.")
+    group.add_argument(
+        "--split",
+        default="969,30,1",
+        help="Train,valid,test document shares (quotes around it, as Megatron-LM's example "
+        "scripts leave in, are dropped).",
+    )
     group.add_argument("--mock-data", action="store_true", help="Synthetic tokens, no files.")
     group.add_argument("--data-cache-path", default=None, help="Where index caches go.")
     group.add_argument(
@@ -348,11 +355,14 @@ def _add_fsdp_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--data-parallel-sharding-strategy",
         choices=SHARDING_STRATEGIES,
-        default="optim_grads_params",
-        help="What is sharded: nothing, optimizer, +grads, +params (ZeRO-3).",
+        default=None,
+        help="What is sharded: nothing, optimizer, +grads, +params (ZeRO-3). Default "
+        "optim_grads_params with --use-megatron-fsdp, optim with --use-distributed-optimizer.",
     )
     group.add_argument(
-        "--overlap-param-gather", action="store_true", help="Prefetch the next unit's gather."
+        "--overlap-param-gather",
+        action="store_true",
+        help="Prefetch the next unit's gather (Megatron-FSDP or --use-distributed-optimizer).",
     )
     group.add_argument(
         "--overlap-grad-reduce", action="store_true", help="Reduce-scatter grads asynchronously."
@@ -370,7 +380,10 @@ def _add_fsdp_args(parser: argparse.ArgumentParser) -> None:
         "--main-grads-dtype", choices=("fp32", "bf16"), default="fp32", help="Grad dtype."
     )
     group.add_argument(
-        "--grad-reduce-in-bf16", action="store_true", help="Reduce-scatter grads in bf16."
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="Reduce grads across data-parallel ranks in bf16 (Megatron-FSDP's reduce-scatter, "
+        "or DDP's all-reduce through a bf16 compression hook).",
     )
     group.add_argument(
         "--init-model-with-meta-device",
@@ -455,6 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_data_args,
         _add_fsdp_args,
         _add_fp8_args,
+        add_megatron_lm_args,
     ):
         add(parser)
     return parser

@@ -164,6 +164,8 @@ def _metadata(args, run, scheduler, state, env) -> dict:
         "skipped_iterations": state.skipped_iterations,
         "nan_iterations": state.nan_iterations,
         "scheduler": scheduler.state_dict(),
+        # --fp16's loss scale: part of the optimizer state in Megatron-LM, restored with it.
+        "grad_scaler": run.grad_scaler.state_dict() if run.grad_scaler is not None else None,
         "world_size": env.world_size,
         "model_config": _config_to_json(run.config),
         "args": _json_safe_args(args),
@@ -806,6 +808,8 @@ def load_checkpoint(args, *, run, scheduler: OptimizerParamScheduler, env):
         return TrainState()
     if load_optim:
         _load_scheduler(args, metadata, scheduler, directory)
+        if run.grad_scaler is not None and metadata.get("grad_scaler") is not None:
+            run.grad_scaler.load_state_dict(metadata["grad_scaler"])
     return TrainState(
         iteration=metadata["iteration"],
         consumed_train_samples=metadata["consumed_train_samples"],

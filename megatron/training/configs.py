@@ -37,6 +37,13 @@ def build_fp8_config(args: argparse.Namespace) -> Fp8Config | None:
     )
 
 
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    """Model parameter and compute dtype: --bf16, --fp16, or fp32."""
+    if args.bf16:
+        return torch.bfloat16
+    return torch.float16 if args.fp16 else torch.float32
+
+
 def build_transformer_config(args: argparse.Namespace, *, vocab_size: int) -> TransformerConfig:
     rows = padded_vocab_size(vocab_size, divisible_by=args.make_vocab_size_divisible_by)
     saved_rows = getattr(args, "padded_vocab_size", None)  # set by --use-checkpoint-args
@@ -70,9 +77,11 @@ def build_transformer_config(args: argparse.Namespace, *, vocab_size: int) -> Tr
         attention_dropout=args.attention_dropout,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         init_method_std=args.init_method_std,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        params_dtype=params_dtype(args),
         recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method or "uniform",
         recompute_num_layers=args.recompute_num_layers,
+        apply_layernorm_1p=args.apply_layernorm_1p,
         fp8=build_fp8_config(args),
     )
 
@@ -103,6 +112,8 @@ def build_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum,
         clip_grad=args.clip_grad,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
     )
 
 

@@ -52,17 +52,17 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
         device = torch.device("cpu")
     dp_group = None
     owns_process_group = False
-    # Megatron-FSDP and the sharded checkpoint formats always run on a process group (their
-    # collectives and torch.distributed.checkpoint need one), so a single process gets a
+    # Megatron-FSDP, FSDP2 and the sharded checkpoint formats always run on a process group
+    # (their collectives and torch.distributed.checkpoint need one), so a single process gets a
     # one-rank group from an in-memory store.
     sharded_format = getattr(args, "ckpt_format", None) in ("torch_dist", "fsdp_dtensor")
-    if world_size > 1 or args.use_megatron_fsdp or sharded_format:
+    if world_size > 1 or args.use_megatron_fsdp or args.use_torch_fsdp2 or sharded_format:
         if not dist.is_initialized():
             dist.init_process_group(
                 backend=backend,
                 rank=rank,
                 world_size=world_size,
-                timeout=timedelta(minutes=30),
+                timeout=timedelta(minutes=args.distributed_timeout_minutes),
                 device_id=device if backend == "nccl" else None,
                 store=dist.HashStore() if world_size == 1 else _attempt_store(rank, world_size),
             )

@@ -52,7 +52,12 @@ def format_train_line(
     skipped: int,
     nans: int,
     mem_gib: float,
+    loss_scale: float | None = None,
+    num_zeros: int | None = None,
+    params_norm: float | None = None,
 ) -> str:
+    """Megatron-LM's iteration line. loss scale (--fp16), num zeros (--log-num-zeros-in-grad)
+    and params norm (--log-params-norm) appear only when given, where Megatron-LM puts them."""
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return (
         f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} |"
@@ -63,8 +68,11 @@ def format_train_line(
         f" learning rate: {learning_rate:.6E} |"
         f" global batch size: {global_batch_size:5d} |"
         f" lm loss: {loss:.6E} |"
-        f" grad norm: {grad_norm:.3f} |"
-        f" number of skipped iterations: {skipped:3d} |"
+        + (f" loss scale: {loss_scale:.1f} |" if loss_scale is not None else "")
+        + f" grad norm: {grad_norm:.3f} |"
+        + (f" num zeros: {num_zeros} |" if num_zeros is not None else "")
+        + (f" params norm: {params_norm:.3f} |" if params_norm is not None else "")
+        + f" number of skipped iterations: {skipped:3d} |"
         f" number of nan iterations: {nans:3d} |"
         f" mem allocated (GiB): {mem_gib:.2f} |"
     )

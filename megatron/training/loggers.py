@@ -27,6 +27,15 @@ METRIC_NAMES: tuple[str, ...] = (
     "lm loss validation ppl",
     "samples vs steps",
 )
+# Series written only when a flag asks for them (Megatron-LM's names): --fp16's loss scale,
+# --log-params-norm, --log-num-zeros-in-grad, --log-timers-to-tensorboard.
+OPTIONAL_METRIC_NAMES: tuple[str, ...] = (
+    "loss-scale",
+    "params-norm",
+    "num-zeros",
+    "forward-backward-time",
+    "optimizer-time",
+)
 # Series that TensorBoard also gets against consumed samples, as "<name> vs samples" (the
 # names Megatron-LM gives them); W&B gets "samples vs steps" to plot them against instead.
 VS_SAMPLES_NAMES: tuple[str, ...] = (
@@ -156,7 +165,7 @@ class MetricsLogger:
         """
         if not self.enabled:
             return
-        unknown = sorted(set(scalars) - set(METRIC_NAMES))
+        unknown = sorted(set(scalars) - set(METRIC_NAMES) - set(OPTIONAL_METRIC_NAMES))
         if unknown:
             raise ValueError(
                 f"unknown metric name(s) {unknown}; metric names are a public interface: use one "

@@ -16,6 +16,7 @@ from torch import nn
 
 from megatron.core.models.gpt import GPTModel, count_parameters, num_floating_point_operations
 from megatron.core.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
+from megatron.core.optimizer.grad_scaler import GradScaler
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.configs import build_fsdp_config, build_optimizer_config
 from megatron.training.initialize import DistributedEnv
@@ -34,6 +35,10 @@ class ModelAndOptimizer:
     fp8_context: Callable[[], contextlib.AbstractContextManager] = field(
         default=contextlib.nullcontext
     )
+    grad_scaler: GradScaler | None = None
+    """--fp16: the loss scale backward runs at (None: no scaling)."""
+    last_step: dict = field(default_factory=dict)
+    """What the last train_step measured beyond its return value (timings, zero-grad count)."""
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Skip cross-rank grad reduction for a non-final micro-batch, where the engine can."""
@@ -70,6 +75,22 @@ def compile_layers(module: GPTModel) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
+def bf16_all_reduce_hook(group: torch.distributed.ProcessGroup, bucket):
+    """DDP comm hook: average each grad bucket across ranks in bf16 (torch's own
+    bf16_compress_hook needs NCCL; this one also runs on gloo)."""
+    import torch.distributed as dist
+
+    compressed = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size(group))
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(done) -> torch.Tensor:
+        out = bucket.buffer()
+        out.copy_(done.value()[0])
+        return out
+
+    return future.then(decompress)
+
+
 def _build_ddp(
     config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv, initial_params
 ):
@@ -86,6 +107,9 @@ def _build_ddp(
             process_group=env.dp_group,
             broadcast_buffers=False,
         )
+        if args.grad_reduce_in_bf16:
+            # Megatron-LM's --grad-reduce-in-bf16 under DDP: the all-reduce runs in bf16.
+            model.register_comm_hook(env.dp_group, bf16_all_reduce_hook)
     optimizer = MixedPrecisionOptimizer(module, config=build_optimizer_config(args))
     return model, module, optimizer
 
@@ -127,6 +151,51 @@ def _build_megatron_fsdp(
     return model, module, optimizer
 
 
+def _build_torch_fsdp2(
+    config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv, initial_params
+):
+    """--use-torch-fsdp2 (Megatron-LM's flag): PyTorch's fully_shard on every transformer layer
+    and on the model. Parameters are fp32 DTensor shards; forward and backward run in the
+    --bf16 dtype through FSDP2's mixed-precision policy, grads are reduce-scattered in fp32.
+    The optimizer steps the shards in place (their grads are shards too)."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from megatron.core.transformer.init import init_parameter_
+
+    if initial_params is not None:
+        raise ValueError("--use-torch-fsdp2 builds from its own init; imported weights go "
+                         "through DDP or Megatron-FSDP")  # fmt: skip
+    compute_dtype = config.params_dtype
+    config = dataclasses.replace(config, params_dtype=torch.float32)
+    with torch.device("meta"):
+        module = GPTModel(config, seed=args.seed)
+    if args.torch_compile:
+        compile_layers(module)
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+        reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32,
+    )
+    for layer in module.decoder.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
+    module.to_empty(device=env.device)
+    with torch.no_grad():  # the values DDP starts from, one full tensor at a time, then sharded
+        for name, param in module.named_parameters():
+            full = torch.empty(param.shape, dtype=param.dtype, device=env.device)
+            init_parameter_(full, name=name, config=config, seed=args.seed)
+            param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+    module.init_buffers(env.device)
+    optimizer = MixedPrecisionOptimizer(
+        module, config=build_optimizer_config(args), grad_group=env.dp_group
+    )
+    return module, module, optimizer
+
+
 def setup_model_and_optimizer(
     args: argparse.Namespace,
     *,
@@ -137,7 +206,12 @@ def setup_model_and_optimizer(
     """`initial_params` (full tensors by parameter name) replace the init: the converter
     builds a run from imported weights this way and saves it with save_checkpoint."""
     build = _build_megatron_fsdp if args.use_megatron_fsdp else _build_ddp
+    if args.use_torch_fsdp2:
+        build = _build_torch_fsdp2
     model, module, optimizer = build(config, args=args, env=env, initial_params=initial_params)
+    optimizer.count_zeros_in_grad = args.log_num_zeros_in_grad
+    from megatron.training.run_hooks import build_grad_scaler
+
     return ModelAndOptimizer(
         model=model,
         module=module,
@@ -148,4 +222,5 @@ def setup_model_and_optimizer(
         ),
         num_parameters=count_parameters(module),
         fp8_context=_fp8_context_factory(config, env),
+        grad_scaler=build_grad_scaler(args),
     )

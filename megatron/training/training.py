@@ -36,6 +36,7 @@ from megatron.training.initialize import (
 )
 from megatron.training.log_line import IntervalStats, format_train_line, format_valid_line
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
+from megatron.training.run_hooks import ManualGC, MemoryHistory, Profiler, empty_cuda_cache
 
 
 class DataError(RuntimeError):
@@ -103,7 +104,24 @@ def pretrain(
 
 
 def _build_and_train(args: argparse.Namespace, env: DistributedEnv) -> TrainingResult:
-    _configure_logging(env)
+    _configure_logging(env, level=args.logging_level)
+    for note in getattr(args, "megatron_lm_notes", ()):
+        print_rank_0(env, f" > note: {note}")
+    if args.deterministic_mode:
+        # Restored at the end of the run: a library caller's process keeps its own setting.
+        previous = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            return _build_and_train_seeded(args, env)
+        finally:
+            torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+    return _build_and_train_seeded(args, env)
+
+
+def _build_and_train_seeded(args: argparse.Namespace, env: DistributedEnv) -> TrainingResult:
     set_random_seeds(args.seed)
     try:
         tokenizer = build_tokenizer_from_args(args)
@@ -150,14 +168,15 @@ def _build_and_train(args: argparse.Namespace, env: DistributedEnv) -> TrainingR
     return result
 
 
-def _configure_logging(env: DistributedEnv) -> None:
-    """Library progress (index building, data checks) goes through `logging`: show it on rank 0."""
+def _configure_logging(env: DistributedEnv, *, level: int | None = None) -> None:
+    """Library progress (index building, data checks) goes through `logging`: show it on rank 0
+    (every rank at --logging-level, as Megatron-LM)."""
     import logging
 
-    logging.basicConfig(
-        level=logging.INFO if env.rank == 0 else logging.WARNING,
-        format=" > %(name)s: %(message)s",
-    )
+    if level is None:
+        level = logging.INFO if env.rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=" > %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)
 
 
 def _build_metrics_logger(args: argparse.Namespace, env: DistributedEnv):
@@ -189,8 +208,16 @@ def forward_backward(
     *,
     num_microbatches: int,
     worker_threads: bool = False,
+    loss_scale: float = 1.0,
+    tokens_per_rank: float | None = None,
 ) -> torch.Tensor:
     """One micro-batch: token-mean loss over the loss mask, backward of loss / micro-batches.
+
+    With `tokens_per_rank` (--calculate-per-token-loss: the global batch's loss-mask tokens
+    divided by the data-parallel size, which the grad averaging divides by again) backward
+    runs on the micro-batch's loss sum / tokens_per_rank, so the step's grads are those of
+    the mean over every token of the global batch; the micro-batch's loss sum comes back.
+    `loss_scale` (--fp16) multiplies what backward sees.
 
     Backward runs on this thread unless `worker_threads` (--backward-worker-threads): with
     one GPU per process the autograd engine's device worker thread only adds a hand-off,
@@ -200,9 +227,14 @@ def forward_backward(
             batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"]
         )
     mask = batch["loss_mask"]
-    loss = (token_losses * mask).sum() / mask.sum().clamp(min=1.0)
+    if tokens_per_rank is not None:
+        loss = (token_losses.float() * mask).sum()
+        objective = loss / tokens_per_rank
+    else:
+        loss = (token_losses * mask).sum() / mask.sum().clamp(min=1.0)
+        objective = loss / num_microbatches
     with torch.autograd.set_multithreading_enabled(worker_threads):
-        (loss / num_microbatches).backward()
+        (objective * loss_scale if loss_scale != 1.0 else objective).backward()
     return loss.detach()
 
 
@@ -220,18 +252,31 @@ def seed_dropout(seed: int, *, first_sample: int) -> None:
 def train_step(
     args: argparse.Namespace, *, env: DistributedEnv, run: ModelAndOptimizer, dataset, state
 ) -> tuple[float, float, bool]:
-    """One optimizer step over the global batch. Returns (loss, grad norm, update succeeded)."""
+    """One optimizer step over the global batch. Returns (loss, grad norm, update succeeded);
+    run.last_step gets the forward-backward and optimizer seconds and the zero-grad count."""
+    step_start = time.time()
     run.optimizer.zero_grad()
     step_samples = args.micro_batch_size * env.world_size
-    losses = []
-    for microbatch in range(args.num_microbatches):
-        batch = get_micro_batch(
+    batches = [
+        get_micro_batch(
             dataset,
             first_sample=state.consumed_train_samples + microbatch * step_samples,
             micro_batch_size=args.micro_batch_size,
             rank=env.rank,
             device=env.device,
         )
+        for microbatch in range(args.num_microbatches)
+    ]
+    tokens_per_rank = None
+    if args.calculate_per_token_loss:
+        # The whole global batch's loss tokens, known before any forward (as Megatron-LM
+        # normalizes by them after the reduction).
+        tokens = torch.stack([batch["loss_mask"].sum() for batch in batches]).sum().float()
+        global_tokens = _mean_over_ranks(tokens, env) * env.world_size
+        tokens_per_rank = max(global_tokens, 1.0) / env.world_size
+    scaler = run.grad_scaler
+    losses = []
+    for microbatch, batch in enumerate(batches):
         is_last = microbatch == args.num_microbatches - 1
         seed_dropout(
             args.seed,
@@ -245,11 +290,27 @@ def train_step(
                     batch,
                     num_microbatches=args.num_microbatches,
                     worker_threads=args.backward_worker_threads,
+                    loss_scale=scaler.scale if scaler is not None else 1.0,
+                    tokens_per_rank=tokens_per_rank,
                 )
             )
     run.finish_grad_sync()
+    empty_cuda_cache(args, level=1, device=env.device)
+    optimizer_start = time.time()
+    run.optimizer.loss_scale = scaler.scale if scaler is not None else 1.0
     result = run.optimizer.step()
-    loss = _mean_over_ranks(torch.stack(losses).mean(), env)
+    if scaler is not None:
+        scaler.update(found_inf=not result.update_successful)
+    empty_cuda_cache(args, level=2, device=env.device)
+    if tokens_per_rank is not None:
+        loss = _mean_over_ranks(torch.stack(losses).sum(), env) / tokens_per_rank
+    else:
+        loss = _mean_over_ranks(torch.stack(losses).mean(), env)
+    run.last_step = {
+        "forward-backward-time": optimizer_start - step_start,
+        "optimizer-time": time.time() - optimizer_start,
+        "num-zeros": result.num_zeros_in_grad,
+    }
     return loss, result.grad_norm, result.update_successful
 
 
@@ -347,29 +408,55 @@ def train(
         from megatron.training.async_checkpoint import AsyncCheckpointSaver
 
         saver = AsyncCheckpointSaver(args, env)
-    with ExitSignal(args.exit_signal_handler) as exit_signal:
-        result = _train_loop(args, env=env, run=run, scheduler=scheduler, datasets=datasets,
-                             state=state, logger=logger, exit_signal=exit_signal,
-                             saver=saver)  # fmt: skip
-        if saver is not None:
-            saver.finalize(blocking=True)  # a run ends only once its last save is published
-    return result
+    hooks = RunHooks(
+        profiler=Profiler(args, rank=env.rank, device=env.device),
+        memory=MemoryHistory(args, rank=env.rank, device=env.device),
+        gc=ManualGC(args),
+    )
+    try:
+        with ExitSignal(args.exit_signal_handler) as exit_signal:
+            result = _train_loop(args, env=env, run=run, scheduler=scheduler, datasets=datasets,
+                                 state=state, logger=logger, exit_signal=exit_signal,
+                                 hooks=hooks, saver=saver)  # fmt: skip
+            if saver is not None:
+                saver.finalize(blocking=True)  # a run ends only once its last save is published
+            return result
+    finally:
+        hooks.close()
 
 
-def _train_loop(args, *, env, run, scheduler, datasets, state, logger, exit_signal, saver=None):
+@dataclass
+class RunHooks:
+    """The per-iteration side work of the run flags (run_hooks.py)."""
+
+    profiler: Profiler
+    memory: MemoryHistory
+    gc: ManualGC
+
+    def close(self) -> None:
+        self.profiler.stop()
+        self.memory.stop()
+        self.gc.close()
+
+
+def _train_loop(
+    args, *, env, run, scheduler, datasets, state, logger, exit_signal, hooks, saver=None
+):
     result = TrainingResult(state=state)
     stats = IntervalStats()
     start = time.time()
     run.model.train()
     while state.iteration < args.train_iters:
+        hooks.profiler.before_iteration(state.iteration)
         step_start = time.time()
         lr = scheduler.get_lr()
         loss, grad_norm, ok = train_step(
             args, env=env, run=run, dataset=datasets.train, state=state
         )
-        if args.check_for_nan_in_loss_and_grad and not (
-            math.isfinite(loss) and math.isfinite(grad_norm)
-        ):
+        # Under fp16 loss scaling an Inf grad norm is an overflow: the scaler skips that update
+        # and lowers the scale (Megatron-LM), so only the loss stops the run.
+        grad_checked = math.isfinite(grad_norm) or run.grad_scaler is not None
+        if args.check_for_nan_in_loss_and_grad and not (math.isfinite(loss) and grad_checked):
             # Every rank sees the same reduced loss and global grad norm, so all stop here
             # together; the update was not applied and nothing of this state is saved.
             raise NonFiniteTrainingError(
@@ -390,12 +477,18 @@ def _train_loop(args, *, env, run, scheduler, datasets, state, logger, exit_sign
         stats.add(loss=loss, grad_norm=grad_norm, seconds=time.time() - step_start, skipped=not ok)
         _log_iteration(args, state=state, logger=logger, loss=loss, grad_norm=grad_norm, lr=lr,
                        updated=ok)  # fmt: skip
+        _log_step_extras(args, run=run, state=state, logger=logger)
+        hooks.profiler.after_iteration(state.iteration)
+        hooks.gc.after_iteration(state.iteration)
         if state.iteration % args.log_interval == 0:
             _log_interval(args, env=env, run=run, state=state, stats=stats, lr=lr, logger=logger)
+            hooks.memory.dump()
             stats = IntervalStats()
         if datasets.valid is not None and args.eval_iters > 0:
             if state.iteration % args.eval_interval == 0 or state.iteration == args.train_iters:
+                hooks.gc.around_evaluation()
                 valid_loss = evaluate(args, env=env, run=run, dataset=datasets.valid)
+                hooks.gc.around_evaluation()
                 result.valid_losses[state.iteration] = valid_loss
                 print_rank_0(env, format_valid_line(state.iteration, valid_loss))
                 if logger is not None:
@@ -439,6 +532,8 @@ def _log_interval(
     tokens_per_gpu = args.global_batch_size * args.seq_length / seconds / env.world_size
     tflops = run.flops_per_iteration / seconds / env.world_size / 1e12
     mem, max_mem = _memory_bytes(env.device)
+    # A collective under Megatron-FSDP: every rank computes it.
+    params_norm = run.optimizer.params_norm() if args.log_params_norm else None
     print_rank_0(
         env,
         format_train_line(
@@ -455,6 +550,9 @@ def _log_interval(
             skipped=stats.skipped,
             nans=stats.nans,
             mem_gib=mem / 2**30,
+            loss_scale=run.grad_scaler.scale if run.grad_scaler is not None else None,
+            num_zeros=run.last_step.get("num-zeros") if args.log_num_zeros_in_grad else None,
+            params_norm=params_norm,
         ),
     )
     if logger is not None:
@@ -471,6 +569,26 @@ def _log_interval(
                 "nan-iterations": float(stats.nans),
             },
         )
+
+
+def _log_step_extras(args, *, run: ModelAndOptimizer, state: TrainState, logger) -> None:
+    """The Megatron-LM logging switches: step timers, params norm, zero-grad count, loss
+    scale (TensorBoard/W&B, every --tensorboard-log-interval)."""
+    if logger is None or state.iteration % args.tensorboard_log_interval != 0:
+        return
+    scalars = {}
+    if args.log_timers_to_tensorboard:
+        for name in ("forward-backward-time", "optimizer-time"):
+            if name in run.last_step:
+                scalars[name] = run.last_step[name]
+    if args.log_params_norm:
+        scalars["params-norm"] = run.optimizer.params_norm()
+    if args.log_num_zeros_in_grad and run.last_step.get("num-zeros") is not None:
+        scalars["num-zeros"] = float(run.last_step["num-zeros"])
+    if run.grad_scaler is not None:
+        scalars["loss-scale"] = run.grad_scaler.scale
+    if scalars:
+        logger.log_scalars(state.iteration, scalars, samples=state.consumed_train_samples)
 
 
 def _log_iteration(args, *, state: TrainState, logger, loss: float, grad_norm: float, lr: float,

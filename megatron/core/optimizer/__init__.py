@@ -12,7 +12,10 @@ from megatron.core.optimizer.optimizer import (
     MixedPrecisionOptimizer,
     StepResult,
     build_torch_optimizer,
+    count_zeros,
+    is_embedding_or_output_parameter,
     is_no_weight_decay,
+    unscale_grads_,
 )
 
 __all__ = [
@@ -25,7 +28,10 @@ __all__ = [
     "build_torch_optimizer",
     "clip_and_step",
     "clip_grads_",
+    "count_zeros",
     "global_grad_norm",
+    "is_embedding_or_output_parameter",
     "is_no_weight_decay",
     "learning_rate_at",
+    "unscale_grads_",
 ]

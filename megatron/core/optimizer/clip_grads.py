@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def global_grad_norm(
@@ -74,7 +75,11 @@ def clip_and_step(
     separate clip's up to the rounding of grad / (1 / c) against grad * c.
     """
     clip_coeff = clip_coefficient(max_norm=max_norm, total_norm=total_norm)
-    fused = all(group.get("fused") for group in optimizer.param_groups)
+    # DTensor params (FSDP2) would mix a plain grad_scale tensor into DTensor dispatch.
+    fused = all(
+        group.get("fused") and not isinstance(group["params"][0], DTensor)
+        for group in optimizer.param_groups
+    )
     if clip_coeff is None or not fused or not grads:
         if clip_coeff is not None:
             clip_grads_(grads, max_norm=max_norm, total_norm=total_norm)

@@ -29,5 +29,12 @@ class OptimizerConfig:
     sgd_momentum: float = 0.9
     """Momentum of SGD (`--sgd-momentum`)."""
 
+    decoupled_lr: float | None = None
+    """Peak learning rate of the input embedding and output layer weights (`--decoupled-lr`);
+    None: they follow `lr` like every other parameter."""
+
+    decoupled_min_lr: float | None = None
+    """Floor of the decoupled learning rate (`--decoupled-min-lr`; None: `min_lr`)."""
+
     clip_grad: float = 1.0
     """Clip the global L2 grad norm (over all shards and ranks) to this value; 0 disables."""

@@ -77,10 +77,12 @@ class OptimizerParamScheduler:
     def step(self, increment: int = 1) -> float:
         """Count `increment` finished updates and set the lr of the next one."""
         self.num_steps += increment
-        lr = learning_rate_at(self.num_steps + 1, self.config)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+            config = self.config
+            if "max_lr" in group:  # --decoupled-lr: this group's own peak and floor
+                config = dataclasses.replace(config, max_lr=group["max_lr"], min_lr=group["min_lr"])
+            group["lr"] = learning_rate_at(self.num_steps + 1, config)
+        return self.get_lr()
 
     def get_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]

@@ -30,7 +30,15 @@ class MegatronOptimizer(ABC):
     """What the training loop needs: zero_grad, step, LR/WD groups, and a state to checkpoint."""
 
     param_groups: list[dict]
-    """Each group has 'lr' and 'weight_decay' (set by the LR scheduler every step)."""
+    """Each group has 'lr' and 'weight_decay' (set by the LR scheduler every step), and
+    'max_lr'/'min_lr' where the group has its own schedule (--decoupled-lr)."""
+
+    loss_scale: float = 1.0
+    """The factor the loss was multiplied by before backward (--fp16): step() divides the
+    grads by it before the norm, the clip and the update."""
+
+    count_zeros_in_grad: bool = False
+    """--log-num-zeros-in-grad: step() counts the zero entries of the (reduced) grads."""
 
     @abstractmethod
     def zero_grad(self) -> None: ...
@@ -50,18 +58,43 @@ def is_no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.ndim < 2 or name.endswith(".bias")
 
 
+def is_embedding_or_output_parameter(name: str) -> bool:
+    """The input embedding table and the output layer weight: what --decoupled-lr trains at
+    its own rate (Megatron-LM's is_embedding_or_output_parameter)."""
+    return name.endswith("embedding.word_embeddings.weight") or name.endswith(
+        "output_layer.weight"
+    )
+
+
 def build_torch_optimizer(
     named_main_params: Iterable[tuple[str, torch.Tensor]], *, config: OptimizerConfig
 ) -> torch.optim.Optimizer:
-    """AdamW or SGD over main params, split into a decayed and a non-decayed group."""
-    decay, no_decay = [], []
+    """AdamW or SGD over main params, split into a decayed and a non-decayed group, and with
+    --decoupled-lr each of those again into the embedding/output weights and the rest."""
+    decoupled = config.decoupled_lr is not None
+    split: dict[tuple[bool, bool], list[torch.Tensor]] = {}
     for name, param in named_main_params:
-        (no_decay if is_no_weight_decay(name, param) else decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay, "wd_mult": 1.0},
-        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
-    ]
-    groups = [group for group in groups if group["params"]]
+        own_lr = decoupled and is_embedding_or_output_parameter(name)
+        key = (own_lr, is_no_weight_decay(name, param))
+        split.setdefault(key, []).append(param)
+    groups = []
+    # Plain groups first: the scheduler reports group 0's lr as the run's learning rate.
+    for own_lr in (False, True):
+        for no_decay in (False, True):
+            params = split.get((own_lr, no_decay), [])
+            if not params:
+                continue
+            group = {
+                "params": params,
+                "weight_decay": 0.0 if no_decay else config.weight_decay,
+                "wd_mult": 0.0 if no_decay else 1.0,
+            }
+            if own_lr:
+                group["max_lr"] = config.decoupled_lr
+                group["min_lr"] = (
+                    config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr
+                )
+            groups.append(group)
     if config.optimizer == "adam":
         return torch.optim.AdamW(
             groups,
@@ -84,6 +117,34 @@ def adam_implementation(params: list[torch.Tensor]) -> dict[str, bool]:
     return {"fused": True} if on_cuda else {"foreach": False}
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: in-place ops reach the DTensor), else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+@torch.no_grad()
+def unscale_grads_(grads: list[torch.Tensor], loss_scale: float) -> None:
+    """Divide grads by the loss scale (a no-op at 1); an overflow stays Inf for the norm."""
+    if loss_scale != 1.0:
+        for grad in grads:
+            grad.mul_(1.0 / loss_scale)
+
+
+@torch.no_grad()
+def count_zeros(grads: list[torch.Tensor], group=None) -> int:
+    """Zero entries over the grads (summed over `group`'s ranks when the grads are shards)."""
+    total = sum(int((grad == 0).sum()) for grad in grads)
+    if group is not None:
+        import torch.distributed as dist
+
+        device = grads[0].device if grads else torch.device("cpu")
+        count = torch.tensor([float(total)], device=device)
+        dist.all_reduce(count, group=group)
+        total = int(count.item())
+    return total
+
+
 class MixedPrecisionOptimizer(MegatronOptimizer):
     """Optimizer over replicated params (no sharding): fp32 main copies of bf16 model params.
 
@@ -91,8 +152,13 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     be averaged across data-parallel ranks (DDP does that), so the norm is computed locally.
     """
 
-    def __init__(self, model: torch.nn.Module, *, config: OptimizerConfig) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, config: OptimizerConfig, grad_group=None
+    ) -> None:
         self.config = config
+        # With DTensor (FSDP2) params each rank holds disjoint shards: norms and counts are
+        # summed over this group.
+        self.grad_group = grad_group
         self.model_params: list[torch.Tensor] = []
         named_main = []
         for name, param in model.named_parameters():
@@ -127,17 +193,23 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         return grads
 
     def step(self) -> StepResult:
-        grads = self._copy_model_grads_to_main()
-        grad_norm = global_grad_norm(grads)
+        grads = [_local(grad) for grad in self._copy_model_grads_to_main()]
+        unscale_grads_(grads, self.loss_scale)
+        grad_norm = global_grad_norm(grads, group=self.grad_group)
+        zeros = count_zeros(grads, group=self.grad_group) if self.count_zeros_in_grad else None
         if not math.isfinite(grad_norm):
             self.zero_grad()
-            return StepResult(update_successful=False, grad_norm=grad_norm)
+            return StepResult(update_successful=False, grad_norm=grad_norm, num_zeros_in_grad=zeros)
         clip_and_step(self.optimizer, grads, max_norm=self.config.clip_grad, total_norm=grad_norm)
         with torch.no_grad():
             for param, main in zip(self.model_params, self.main_params):
                 if main is not param:
                     param.copy_(main)
-        return StepResult(update_successful=True, grad_norm=grad_norm)
+        return StepResult(update_successful=True, grad_norm=grad_norm, num_zeros_in_grad=zeros)
+
+    def params_norm(self) -> float:
+        """L2 norm of all main params (--log-params-norm)."""
+        return global_grad_norm([_local(p) for p in self.main_params], group=self.grad_group)
 
     def named_main_params(self) -> dict[str, torch.Tensor]:
         """The fp32 values of every trained param: what checkpoints store as the model."""

@@ -57,7 +57,8 @@ def _init_rule(name: str, config: TransformerConfig) -> tuple[str, float]:
     if parts[-1] == "bias":
         return "zeros", 0.0
     if module_name in NORM_MODULE_NAMES:
-        return "ones", 0.0
+        # --apply-layernorm-1p stores scale - 1, which starts at 0.
+        return ("zeros" if config.apply_layernorm_1p else "ones"), 0.0
     if module_name in RESIDUAL_OUTPUT_MODULE_NAMES:
         return "normal", config.init_method_std / math.sqrt(2.0 * config.num_layers)
     if module_name in PLAIN_NORMAL_MODULE_NAMES:
@@ -75,8 +76,8 @@ def init_parameter_(
     """Fill `tensor` in place with the initial value of GPTModel parameter `name`.
 
     `tensor` must have the parameter's full shape (a shard owner draws the full tensor and
-    slices it). Rules: norm weights 1, biases 0, embeddings and Linear weights
-    normal(0, init_method_std), attention/MLP output projections
+    slices it). Rules: norm weights 1 (0 with apply_layernorm_1p), biases 0, embeddings and
+    Linear weights normal(0, init_method_std), attention/MLP output projections
     normal(0, init_method_std / sqrt(2 * num_layers)). Meta tensors are left alone.
     """
     kind, std = _init_rule(name, config)

@@ -19,6 +19,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.full_recompute = config.recompute_granularity == "full"
         self.recompute_num_layers = config.recompute_num_layers
+        self.recompute_method = config.recompute_method
         self.layers = nn.ModuleList(
             TransformerLayer(config, layer_number=number)
             for number in range(1, config.num_layers + 1)
@@ -36,11 +37,23 @@ class TransformerBlock(nn.Module):
         if self.full_recompute and torch.is_grad_enabled():
             # Keep only each chunk's input; its layers re-run in backward. Checkpoint saves
             # and restores the RNG state, so dropout masks match the first forward.
-            for start in range(0, len(self.layers), self.recompute_num_layers):
-                end = min(start + self.recompute_num_layers, len(self.layers))
+            chunks = self._recompute_chunks()
+            for start, end in chunks:
                 x_BSD = checkpoint(
                     self._run_layers, start, end, x_BSD, rotary_cos_sin, use_reentrant=False
                 )
+            stored_from = chunks[-1][1] if chunks else 0
+            x_BSD = self._run_layers(stored_from, len(self.layers), x_BSD, rotary_cos_sin)
         else:
             x_BSD = self._run_layers(0, len(self.layers), x_BSD, rotary_cos_sin)
         return self.final_norm(x_BSD)
+
+    def _recompute_chunks(self) -> list[tuple[int, int]]:
+        """[start, end) layer ranges run under checkpoint, in order; layers after the last
+        range keep their activations (block method, as Megatron-LM)."""
+        num_layers, per_chunk = len(self.layers), self.recompute_num_layers
+        if self.recompute_method == "block":
+            return [(index, index + 1) for index in range(min(per_chunk, num_layers))]
+        return [
+            (start, min(start + per_chunk, num_layers)) for start in range(0, num_layers, per_chunk)
+        ]

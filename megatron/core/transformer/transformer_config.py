@@ -79,8 +79,17 @@ class TransformerConfig:
     recompute_granularity: Literal["full", "selective"] | None = None
     """Activation recompute: whole layers (`full`) or only the attention core (`selective`)."""
 
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """With full recompute (Megatron-LM's `--recompute-method`): `uniform` checkpoints every
+    chunk of recompute_num_layers consecutive layers; `block` checkpoints only the first
+    recompute_num_layers layers, one by one, and keeps the activations of the rest."""
+
     recompute_num_layers: int = 1
-    """With full recompute, how many consecutive layers form one checkpointed chunk."""
+    """With full recompute: layers per checkpointed chunk (uniform) or layers recomputed (block)."""
+
+    apply_layernorm_1p: bool = False
+    """Zero-centred norm scales (Megatron-LM's `--apply-layernorm-1p`): the stored weight w
+    starts at 0 and the norm multiplies by 1 + w, so weight decay pulls the scale toward 1."""
 
     fp8: Fp8Config | None = None
     """FP8 settings for transformer Linears; None keeps every Linear in params_dtype."""

@@ -31,7 +31,9 @@ from megatron.core.optimizer import (
     StepResult,
     build_torch_optimizer,
     clip_and_step,
+    count_zeros,
     global_grad_norm,
+    unscale_grads_,
 )
 
 
@@ -122,18 +124,27 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         group = None if self.replicated else self.engine.process_group
         if not grads:
             grads = [torch.zeros(1, device=self.engine.buffer.device)]
+        unscale_grads_(grads, self.loss_scale)
         grad_norm = global_grad_norm(grads, group=group)
+        zeros = count_zeros(grads, group=group) if self.count_zeros_in_grad else None
         if not math.isfinite(grad_norm):
             self._detach_grads()
             self.engine.zero_grad_buffer()
-            return StepResult(update_successful=False, grad_norm=grad_norm)
+            return StepResult(update_successful=False, grad_norm=grad_norm, num_zeros_in_grad=zeros)
         if self.optimizer is not None:
             clip_and_step(
                 self.optimizer, grads, max_norm=self.config.clip_grad, total_norm=grad_norm
             )
         self._detach_grads()
         self.engine.buffer.write_back_main_params(stats=self.engine.stats)
-        return StepResult(update_successful=True, grad_norm=grad_norm)
+        return StepResult(update_successful=True, grad_norm=grad_norm, num_zeros_in_grad=zeros)
+
+    def params_norm(self) -> float:
+        """L2 norm of all main params over the shards (--log-params-norm)."""
+        mains = [piece.main for piece in self.pieces] or [
+            torch.zeros(1, device=self.engine.buffer.device)
+        ]
+        return global_grad_norm(mains, group=None if self.replicated else self.engine.process_group)
 
     def _detach_grads(self) -> None:
         for shard_piece in self.pieces:

@@ -1,0 +1,614 @@
+"""The Megatron-LM flags its dense GPT recipes use, beyond the core ones in arguments.py.
+
+Three kinds (docs/MEGATRON_LM_FLAGS.md lists every flag and what it does here):
+- features, with Megatron-LM's meaning and defaults (distributed optimizer, per-token loss,
+  decoupled learning rate, fp16 loss scaling, profiling, manual GC, logging switches ...);
+- knobs of code we do not have (TransformerEngine, apex fusions, NCCL user buffers, async
+  checkpoint workers): accepted, and the log says once why each given one does not apply;
+- features we have not built (model parallelism above 1, MoE, MTP, ...): refused at parse time
+  with one message that names every such flag of the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+# Megatron-LM's --dist-ckpt-strictness choices.
+_STRICTNESS = (
+    "assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+    "return_unexpected", "return_all", "ignore_all",
+)  # fmt: skip
+_FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
+
+
+def add_megatron_lm_args(parser: argparse.ArgumentParser) -> None:
+    for add in (_add_features, _add_logging, _add_fp16, _add_profiling, _add_knobs, _add_unbuilt):
+        add(parser)
+
+
+def _add_features(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Megatron-LM training features")
+    group.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="Shard the fp32 main params and optimizer state over the data-parallel ranks "
+        "(Megatron-LM's distributed optimizer, ZeRO-1). Runs as Megatron-FSDP's 'optim' "
+        "strategy; with --use-megatron-fsdp the strategy flag decides. Checkpoints are "
+        "torch_dist.",
+    )
+    group.add_argument(
+        "--use-torch-fsdp2",
+        action="store_true",
+        help="Shard the model with PyTorch's FSDP2 (fully_shard per transformer layer and on the "
+        "model; fp32 shards, --bf16 compute, fp32 grad reduce-scatter, bf16 with "
+        "--grad-reduce-in-bf16). Not with FP8, --fp16 or checkpoints (use --use-megatron-fsdp "
+        "for those).",
+    )
+    group.add_argument(
+        "--recompute-method",
+        choices=("uniform", "block"),
+        default=None,
+        help="With --recompute-granularity full: uniform checkpoints every chunk of "
+        "--recompute-num-layers layers; block checkpoints only the first --recompute-num-layers "
+        "layers (default uniform).",
+    )
+    group.add_argument(
+        "--apply-layernorm-1p",
+        action="store_true",
+        help="Zero-centred norm scales: weights start at 0 and the norm multiplies by 1 + w.",
+    )
+    group.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="Average the loss over all tokens of the global batch (every micro-batch and rank) "
+        "instead of averaging per-micro-batch means.",
+    )
+    group.add_argument(
+        "--decoupled-lr",
+        type=float,
+        default=None,
+        help="Peak learning rate of the input embedding and output layer weights.",
+    )
+    group.add_argument(
+        "--decoupled-min-lr",
+        type=float,
+        default=None,
+        help="Learning-rate floor of the input embedding and output layer (default --min-lr).",
+    )
+    group.add_argument(
+        "--manual-gc",
+        action="store_true",
+        help="Turn Python's automatic garbage collector off; collect at evaluation start/end "
+        "and every --manual-gc-interval iterations instead (same timing on every rank).",
+    )
+    group.add_argument(
+        "--manual-gc-interval",
+        type=int,
+        default=0,
+        help="With --manual-gc: iterations between collections (0: only around evaluation).",
+    )
+    group.add_argument(
+        "--empty-unused-memory-level",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="torch.cuda.empty_cache() after each forward-backward (1) and also after each "
+        "optimizer step (2); 0 never. No effect on CPU (the log says so).",
+    )
+    group.add_argument(
+        "--distributed-timeout-minutes",
+        type=int,
+        default=10,
+        help="Timeout of the process group's collectives (Megatron-LM's default 10).",
+    )
+    group.add_argument(
+        "--num-workers",
+        type=int,
+        default=2,
+        help="Data-loader worker processes in Megatron-LM. Batches are read in the training "
+        "process here (an index lookup into memory-mapped files), so it only is validated.",
+    )
+    group.add_argument(
+        "--no-mmap-bin-files",
+        action="store_false",
+        dest="mmap_bin_files",
+        help="Read .bin files without mmap in Megatron-LM. Here they are memory-mapped "
+        "(same tokens); the log says so.",
+    )
+    group.add_argument(
+        "--megatron-fsdp-main-params-dtype",
+        choices=_FSDP_DTYPES,
+        default=None,
+        help="Megatron-FSDP main-param dtype (Megatron-LM's name of --main-params-dtype); "
+        "only fp32 (or auto with fp32 params) is built.",
+    )
+    group.add_argument(
+        "--megatron-fsdp-main-grads-dtype",
+        choices=_FSDP_DTYPES,
+        default=None,
+        help="Megatron-FSDP grad-buffer dtype (Megatron-LM's name of --main-grads-dtype); "
+        "auto: the params' dtype.",
+    )
+    group.add_argument(
+        "--megatron-fsdp-grad-comm-dtype",
+        choices=_FSDP_DTYPES,
+        default=None,
+        help="Megatron-FSDP grad reduce-scatter dtype; bf16 is --grad-reduce-in-bf16, auto the "
+        "grad-buffer dtype.",
+    )
+
+
+def _add_logging(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Megatron-LM logging switches")
+    group.add_argument(
+        "--log-throughput",
+        action="store_true",
+        help="Throughput per GPU in the log line (always printed here).",
+    )
+    group.add_argument(
+        "--logging-level",
+        type=int,
+        default=None,
+        help="Python logging level of the run (10 DEBUG, 20 INFO, 30 WARNING); default INFO "
+        "on rank 0 and WARNING elsewhere.",
+    )
+    group.add_argument(
+        "--log-timers-to-tensorboard",
+        action="store_true",
+        help="Also write forward-backward-time and optimizer-time (seconds) to TensorBoard.",
+    )
+    group.add_argument(
+        "--timing-log-level",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="Megatron-LM's timer detail; the timers here are the level-0 ones (iteration, "
+        "forward-backward, optimizer), so every level logs the same.",
+    )
+    group.add_argument(
+        "--log-memory-to-tensorboard",
+        action="store_true",
+        help="Memory to TensorBoard (mem-allocated-bytes, mem-max-allocated-bytes: always "
+        "written here).",
+    )
+    group.add_argument(
+        "--log-validation-ppl-to-tensorboard",
+        action="store_true",
+        help="Validation perplexity to TensorBoard (always written here).",
+    )
+    group.add_argument(
+        "--log-params-norm",
+        action="store_true",
+        help="L2 norm of all fp32 main params in the log line and TensorBoard (params-norm).",
+    )
+    group.add_argument(
+        "--log-num-zeros-in-grad",
+        action="store_true",
+        help="Count of zero entries of the reduced grads in the log line and TensorBoard.",
+    )
+
+
+def _add_fp16(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("fp16 and loss scaling")
+    group.add_argument(
+        "--fp16",
+        action="store_true",
+        help="fp16 params and compute with fp32 main params and loss scaling (dynamic "
+        "unless --loss-scale).",
+    )
+    group.add_argument(
+        "--loss-scale",
+        type=float,
+        default=None,
+        help="Static loss scale (a positive power of 2 works best); default dynamic.",
+    )
+    group.add_argument(
+        "--initial-loss-scale", type=float, default=2**32, help="Dynamic scale's start."
+    )
+    group.add_argument("--min-loss-scale", type=float, default=1.0, help="Dynamic scale floor.")
+    group.add_argument(
+        "--loss-scale-window",
+        type=float,
+        default=1000,
+        help="Overflow-free iterations before the dynamic scale doubles.",
+    )
+    group.add_argument(
+        "--hysteresis",
+        type=int,
+        default=2,
+        help="Overflows tolerated before the dynamic scale halves.",
+    )
+
+
+def _add_profiling(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("profiling")
+    group.add_argument(
+        "--profile",
+        action="store_true",
+        help="Profile iterations --profile-step-start .. --profile-step-end - 1: an Nsight "
+        "capture range (cudaProfilerStart/Stop) or, with --use-pytorch-profiler, a "
+        "torch.profiler trace.",
+    )
+    group.add_argument(
+        "--use-pytorch-profiler",
+        action="store_true",
+        help="With --profile: write a Chrome trace to <--tensorboard-dir>/../torch_profile/"
+        "rank-R.json.gz (as Megatron-LM).",
+    )
+    group.add_argument(
+        "--profile-step-start", type=int, default=10, help="First profiled iteration."
+    )
+    group.add_argument(
+        "--profile-step-end", type=int, default=12, help="Iteration the profile stops at."
+    )
+    group.add_argument(
+        "--profile-ranks",
+        nargs="+",
+        type=int,
+        default=[],
+        help="Global ranks to profile (default: all).",
+    )
+    group.add_argument(
+        "--record-memory-history",
+        action="store_true",
+        help="Record CUDA allocator history and dump a snapshot at every log interval to "
+        "--memory-snapshot-path (with _RANK before the extension). CUDA only.",
+    )
+    group.add_argument(
+        "--memory-snapshot-path",
+        default="snapshot.pickle",
+        help="Where --record-memory-history writes its snapshot.",
+    )
+
+
+def _add_knobs(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "Megatron-LM implementation knobs (accepted; the log says why a given one does not apply)"
+    )
+    for flag, kwargs in _KNOB_ARGS.items():
+        group.add_argument(flag, **kwargs)
+
+
+_KNOB_ARGS: dict[str, dict] = {
+    "--use-mcore-models": dict(action="store_true", help="The only model here is mcore-style."),
+    "--transformer-impl": dict(
+        choices=("transformer_engine", "local", "inference_optimized"),
+        default=None,
+        help="TransformerEngine or Megatron's local layers; here always our own PyTorch layers.",
+    ),
+    "--attention-backend": dict(
+        choices=("auto", "flash", "fused", "unfused", "local"),
+        default="auto",
+        help="Attention kernel family; here torch's scaled_dot_product_attention picks it.",
+    ),
+    "--no-gradient-accumulation-fusion": dict(
+        action="store_false",
+        dest="gradient_accumulation_fusion",
+        help="Turn off the apex/TE fused weight-grad accumulation (never used here).",
+    ),
+    "--cross-entropy-loss-fusion": dict(
+        action="store_true", help="Fused cross-entropy kernel; here torch's cross_entropy."
+    ),
+    "--attention-softmax-in-fp32": dict(
+        action="store_true", help="Softmax in fp32 (scaled_dot_product_attention does)."
+    ),
+    "--apply-query-key-layer-scaling": dict(
+        action="store_true",
+        help="Scale QK^T by 1/layer before an fp16 softmax; equal math, only fp16 range.",
+    ),
+    "--deterministic-mode": dict(
+        action="store_true", help="torch.use_deterministic_algorithms(True) for the run."
+    ),
+    "--no-create-attention-mask-in-dataloader": dict(
+        action="store_false",
+        dest="create_attention_mask_in_dataloader",
+        help="No attention mask from the data loader (none is ever made here: causal kernel).",
+    ),
+    "--use-nccl-ub": dict(action="store_true", help="NCCL user-buffer registration."),
+    "--fsdp-double-buffer": dict(action="store_true", help="Megatron-FSDP NCCL double buffer."),
+    "--fsdp-manual-registration": dict(
+        action="store_true", help="Megatron-FSDP manual NCCL buffer registration."
+    ),
+    "--use-persistent-ckpt-worker": dict(
+        action="store_true", help="Keep the async checkpoint worker alive between saves."
+    ),
+    "--no-ckpt-fully-parallel-save": dict(
+        action="store_false",
+        dest="ckpt_fully_parallel_save",
+        help="Let one rank of each replica group write (here each rank writes its own shard).",
+    ),
+    "--dist-ckpt-strictness": dict(
+        choices=_STRICTNESS,
+        default="assume_ok_unexpected",
+        help="What loading does with missing/unexpected keys; here loads are always strict.",
+    ),
+    "--dist-ckpt-optim-fully-reshardable": dict(
+        action="store_true",
+        help="Reshardable optimizer checkpoints (torch_dist ones always are here).",
+    ),
+}
+
+
+def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "Megatron-LM features not built here (sizes of 1 and 'off' are accepted; anything "
+        "else is refused at parse time)"
+    )
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--context-parallel-size", "--expert-model-parallel-size",
+                 "--num-distributed-optimizer-instances"):  # fmt: skip
+        group.add_argument(flag, type=int, default=1, help="Must be 1 here (not built above).")
+    for flag in ("--expert-tensor-parallel-size", "--virtual-pipeline-model-parallel-size",
+                 "--num-layers-per-virtual-pipeline-stage", "--num-experts",
+                 "--mtp-num-layers", "--mup-base-hidden-size"):  # fmt: skip
+        group.add_argument(flag, type=int, default=None, help="Not built here (refused).")
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Sequence parallelism; at tensor-parallel size 1 it is off, as in Megatron-LM.",
+    )
+    for flag in ("--tp-comm-overlap", "--use-mup", "--fim-data",
+                 "--verify-integrity"):  # fmt: skip
+        group.add_argument(flag, action="store_true", help="Not built here (refused).")
+    for flag in ("--fim-rate", "--fim-spm-rate"):
+        group.add_argument(flag, type=float, default=None, help="Not built here (refused).")
+    group.add_argument("--step-batch-size-schedule", default=None, help="Not built here (refused).")
+    group.add_argument(
+        "--rampup-batch-size", nargs="+", default=None, help="Not built here (refused)."
+    )
+    group.add_argument(
+        "--rerun-mode",
+        choices=("disabled", "validate_results", "report_stats"),
+        default="disabled",
+        help="Megatron-LM's re-run engine; only 'disabled' here (NaN/Inf losses stop the run "
+        "through --check-for-nan-in-loss-and-grad).",
+    )
+
+
+# (attribute, test of the parsed value, flag as written, what to use instead)
+_UNBUILT = (
+    ("tensor_model_parallel_size", lambda v: v != 1, "--tensor-model-parallel-size {v}",
+     "data parallelism (torchrun ranks), Megatron-FSDP for memory"),
+    ("pipeline_model_parallel_size", lambda v: v != 1, "--pipeline-model-parallel-size {v}",
+     "data parallelism, Megatron-FSDP (--use-megatron-fsdp) for memory"),
+    ("virtual_pipeline_model_parallel_size", lambda v: v is not None,
+     "--virtual-pipeline-model-parallel-size {v}", "no pipeline (size 1)"),
+    ("num_layers_per_virtual_pipeline_stage", lambda v: v is not None,
+     "--num-layers-per-virtual-pipeline-stage {v}", "no pipeline (size 1)"),
+    ("context_parallel_size", lambda v: v != 1, "--context-parallel-size {v}",
+     "activation recompute (--recompute-granularity) for long sequences"),
+    ("expert_model_parallel_size", lambda v: v != 1, "--expert-model-parallel-size {v}",
+     "a dense model"),
+    ("expert_tensor_parallel_size", lambda v: v is not None and v != 1,
+     "--expert-tensor-parallel-size {v}", "a dense model"),
+    ("num_experts", lambda v: v is not None, "--num-experts {v} (MoE)", "a dense model"),
+    ("mtp_num_layers", lambda v: v is not None, "--mtp-num-layers {v} (multi-token prediction)",
+     "next-token prediction only"),
+    ("tp_comm_overlap", bool, "--tp-comm-overlap", "no tensor parallelism, so nothing to overlap"),
+    ("num_distributed_optimizer_instances", lambda v: v != 1,
+     "--num-distributed-optimizer-instances {v}", "one instance (--use-distributed-optimizer)"),
+    ("use_mup", bool, "--use-mup", "standard parametrization (--init-method-std)"),
+    ("mup_base_hidden_size", lambda v: v is not None, "--mup-base-hidden-size {v}",
+     "standard parametrization"),
+    ("fim_data", bool, "--fim-data", "plain GPT data"),
+    ("fim_rate", lambda v: v is not None, "--fim-rate {v}", "plain GPT data"),
+    ("fim_spm_rate", lambda v: v is not None, "--fim-spm-rate {v}", "plain GPT data"),
+    ("step_batch_size_schedule", lambda v: v is not None, "--step-batch-size-schedule",
+     "a constant --global-batch-size"),
+    ("rampup_batch_size", lambda v: v is not None, "--rampup-batch-size",
+     "a constant --global-batch-size"),
+    ("rerun_mode", lambda v: v != "disabled", "--rerun-mode {v}",
+     "--rerun-mode disabled with --check-for-nan-in-loss-and-grad"),
+    ("verify_integrity", bool, "--verify-integrity", "torch_dist checkpoints without hashes"),
+)  # fmt: skip
+
+
+def unbuilt_features(args: argparse.Namespace) -> str | None:
+    """One message naming every not-built feature the command line asks for, or None."""
+    found = [
+        (written.format(v=getattr(args, attr)), instead)
+        for attr, wanted, written, instead in _UNBUILT
+        if wanted(getattr(args, attr))
+    ]
+    if not found:
+        return None
+    lines = "; ".join(f"{flag} (use {instead})" for flag, instead in found)
+    return (
+        f"megatron-fp8 has not built these Megatron-LM features: {lines}. Supported: one model "
+        "replica per rank (tensor, pipeline, context and expert parallel sizes 1) with data "
+        "parallelism, Megatron-FSDP, --use-distributed-optimizer or --use-torch-fsdp2; dense "
+        "GPT models."
+    )
+
+
+def resolve_megatron_lm_args(args: argparse.Namespace) -> list[str]:
+    """Map the Megatron-LM flags onto ours; return the log notes for given flags that do not
+    apply here. Raises ValueError (shown as one `error:` line) for a value we cannot honour."""
+    _resolve_parallel(args)
+    _resolve_fsdp_dtypes(args)
+    return _notes(args)
+
+
+def _resolve_parallel(args: argparse.Namespace) -> None:
+    if args.sequence_parallel:
+        args.sequence_parallel = False  # Megatron-LM turns it off at tensor-parallel size 1
+        args.sequence_parallel_given = True
+    else:
+        args.sequence_parallel_given = False
+
+
+def _resolve_fsdp_dtypes(args: argparse.Namespace) -> None:
+    """Megatron-LM's --megatron-fsdp-*-dtype names onto --main-params-dtype,
+    --main-grads-dtype and --grad-reduce-in-bf16 ('auto': the params' dtype)."""
+    params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+    main_params = args.megatron_fsdp_main_params_dtype
+    if main_params is not None:
+        resolved = params_dtype if main_params == "auto" else main_params
+        if resolved != "fp32":
+            raise ValueError(
+                f"--megatron-fsdp-main-params-dtype {main_params} means {resolved} main params; "
+                "only fp32 main params are built: pass fp32 (or leave it out)."
+            )
+        args.main_params_dtype = "fp32"
+    main_grads = args.megatron_fsdp_main_grads_dtype
+    if main_grads is not None:
+        resolved = params_dtype if main_grads == "auto" else main_grads
+        if resolved not in ("fp32", "bf16"):
+            raise ValueError(
+                f"--megatron-fsdp-main-grads-dtype {main_grads} means {resolved} grads; use fp32 "
+                "or bf16."
+            )
+        args.main_grads_dtype = resolved
+    comm = args.megatron_fsdp_grad_comm_dtype
+    if comm is not None:
+        resolved = args.main_grads_dtype if comm == "auto" else comm
+        if resolved not in ("fp32", "bf16"):
+            raise ValueError(
+                f"--megatron-fsdp-grad-comm-dtype {comm} means {resolved}; use fp32 or bf16."
+            )
+        if resolved == "bf16":
+            args.grad_reduce_in_bf16 = True
+        elif args.main_grads_dtype == "bf16":
+            raise ValueError(
+                "--megatron-fsdp-grad-comm-dtype fp32 with bf16 grad buffers is not built; use "
+                "--megatron-fsdp-main-grads-dtype fp32."
+            )
+
+
+def _notes(args: argparse.Namespace) -> list[str]:
+    """Why each given knob changes nothing here (printed once, on rank 0)."""
+    cuda = torch.cuda.is_available()
+    checks = (
+        (args.use_mcore_models, "--use-mcore-models: the mcore-style GPTModel is the only model "
+         "here, so this is the default."),
+        (args.transformer_impl is not None,
+         f"--transformer-impl {args.transformer_impl}: the layers here are our own PyTorch "
+         "modules with our FP8 Linear, not TransformerEngine or Megatron's local ones; the "
+         "model math is the same."),
+        (args.attention_backend != "auto", f"--attention-backend {args.attention_backend}: "
+         "attention runs torch's scaled_dot_product_attention, which picks its kernel "
+         "(flash / memory-efficient / math) itself."),
+        (not args.gradient_accumulation_fusion, "--no-gradient-accumulation-fusion: weight "
+         "grads accumulate through autograd here; there is no fused kernel to turn off."),
+        (args.cross_entropy_loss_fusion, "--cross-entropy-loss-fusion: the loss is torch's "
+         "cross_entropy (fp32); no fused kernel here."),
+        (args.attention_softmax_in_fp32, "--attention-softmax-in-fp32: "
+         "scaled_dot_product_attention already accumulates its softmax in fp32."),
+        (args.apply_query_key_layer_scaling, "--apply-query-key-layer-scaling: the 1/layer "
+         "scaling cancels in exact math; the fp32-accumulating softmax here needs no guard "
+         "against fp16 overflow."),
+        (not args.create_attention_mask_in_dataloader, "--no-create-attention-mask-in-"
+         "dataloader: no mask is ever built here (causal attention kernel)."),
+        (args.use_nccl_ub or args.fsdp_double_buffer or args.fsdp_manual_registration,
+         "--use-nccl-ub / --fsdp-double-buffer / --fsdp-manual-registration: NCCL user-buffer "
+         "registration is not built; it changes only NCCL speed, never results."
+         + ("" if cuda else " (No NCCL on this CPU run anyway.)")),
+        (args.use_persistent_ckpt_worker, "--use-persistent-ckpt-worker: --async-save writes "
+         "from a thread of each rank; there is no separate worker process to keep."),
+        (not args.ckpt_fully_parallel_save, "--no-ckpt-fully-parallel-save: each rank writes "
+         "its own shard here; there is no replica-group writer choice."),
+        (args.dist_ckpt_strictness != "assume_ok_unexpected", f"--dist-ckpt-strictness "
+         f"{args.dist_ckpt_strictness}: loads here are strict (a missing or unexpected key "
+         "stops the load with an error)."),
+        (args.dist_ckpt_optim_fully_reshardable, "--dist-ckpt-optim-fully-reshardable: "
+         "torch_dist optimizer state here always reshards to any data-parallel size."),
+        (args.sequence_parallel_given, "--sequence-parallel: off at tensor-parallel size 1, "
+         "as in Megatron-LM."),
+        (args.num_workers != 2, f"--num-workers {args.num_workers}: batches are read in the "
+         "training process (index lookups into memory-mapped files), no worker processes."),
+        (not args.mmap_bin_files, "--no-mmap-bin-files: .bin files are memory-mapped here "
+         "(same tokens; only the page-cache use differs)."),
+        (args.timing_log_level != 0, f"--timing-log-level {args.timing_log_level}: only "
+         "level-0 timers exist here."),
+        (args.empty_unused_memory_level > 0 and not cuda, f"--empty-unused-memory-level "
+         f"{args.empty_unused_memory_level}: no CUDA caching allocator on this CPU run."),
+        (args.profile and not args.use_pytorch_profiler and not cuda, "--profile without "
+         "--use-pytorch-profiler marks an Nsight capture range (cudaProfilerStart/Stop); no "
+         "CUDA on this run, so nothing is captured (add --use-pytorch-profiler for a trace)."),
+        (args.record_memory_history and not cuda, "--record-memory-history: the CUDA "
+         "allocator history (torch.cuda.memory._record_memory_history) does not exist on "
+         f"this CPU run; no snapshot is written to {args.memory_snapshot_path}."),
+    )  # fmt: skip
+    return [note for given, note in checks if given]
+
+
+def validate_megatron_lm_args(args: argparse.Namespace) -> None:
+    """Value checks of the flags above (raise ValueError with the fix)."""
+    if args.manual_gc_interval < 0:
+        raise ValueError("--manual-gc-interval must be >= 0 (0: collect only around evaluation).")
+    if args.distributed_timeout_minutes <= 0:
+        raise ValueError("--distributed-timeout-minutes must be positive (default 10).")
+    if args.num_workers < 0:
+        raise ValueError("--num-workers must be >= 0.")
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        raise ValueError(
+            f"--recompute-method {args.recompute_method} goes with --recompute-granularity "
+            "full; add it or drop --recompute-method."
+        )
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ValueError("--decoupled-min-lr needs --decoupled-lr (the peak it decays from).")
+    if args.decoupled_lr is not None:
+        floor = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+        if not 0 <= floor <= args.decoupled_lr:
+            raise ValueError(
+                f"--decoupled-min-lr {floor} must be in [0, --decoupled-lr {args.decoupled_lr}]."
+            )
+    _validate_fp16(args)
+    _validate_profiling(args)
+    _validate_torch_fsdp2(args)
+
+
+def _validate_torch_fsdp2(args: argparse.Namespace) -> None:
+    if not args.use_torch_fsdp2:
+        return
+    conflicts = [
+        flag
+        for flag, given in (
+            ("--use-megatron-fsdp", args.use_megatron_fsdp),
+            ("--use-distributed-optimizer", args.use_distributed_optimizer),
+            ("--fp16", args.fp16),
+            ("--fp8-format/--fp8-recipe", args.fp8_format or args.fp8_recipe),
+            ("--save", args.save),
+            ("--load", args.load),
+        )
+        if given
+    ]
+    if conflicts:
+        raise ValueError(
+            f"--use-torch-fsdp2 does not go with {', '.join(conflicts)} here (Megatron-LM also "
+            "refuses it with the distributed optimizer and fp16; FP8 weights and checkpoints "
+            "under FSDP2 are not built): use --use-megatron-fsdp, the same sharding with FP8 "
+            "and torch_dist checkpoints."
+        )
+
+
+def _validate_fp16(args: argparse.Namespace) -> None:
+    if not args.fp16:
+        return
+    if args.bf16:
+        raise ValueError("--fp16 and --bf16 exclude each other; pick one.")
+    if args.fp8_recipe is not None or args.fp8_format is not None:
+        raise ValueError("FP8 here trains with bf16 or fp32 params; use --bf16 instead of --fp16.")
+    if args.loss_scale is not None and not args.loss_scale > 0:
+        raise ValueError(f"--loss-scale {args.loss_scale} must be > 0.")
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+        raise ValueError("--min-loss-scale must be in (0, --initial-loss-scale].")
+    if args.loss_scale_window < 1 or args.hysteresis < 1:
+        raise ValueError("--loss-scale-window and --hysteresis must be >= 1.")
+
+
+def _validate_profiling(args: argparse.Namespace) -> None:
+    if not args.profile:
+        return
+    if not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ValueError(
+            f"--profile-step-start {args.profile_step_start} must be >= 0 and below "
+            f"--profile-step-end {args.profile_step_end}."
+        )
+    if args.use_pytorch_profiler and not args.tensorboard_dir:
+        raise ValueError(
+            "--use-pytorch-profiler writes its trace to <--tensorboard-dir>/../torch_profile/ "
+            "(as Megatron-LM); pass --tensorboard-dir DIR."
+        )

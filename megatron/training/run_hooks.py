@@ -1,0 +1,153 @@
+"""What the training loop does around its steps for Megatron-LM's run flags: profiling
+(--profile), memory snapshots (--record-memory-history), manual garbage collection
+(--manual-gc), emptying the CUDA cache (--empty-unused-memory-level), fp16 loss scaling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+
+import torch
+
+from megatron.core.optimizer.grad_scaler import GradScaler
+
+
+def _profiles_rank(args: argparse.Namespace, rank: int) -> bool:
+    return not args.profile_ranks or rank in args.profile_ranks  # [] is every rank
+
+
+def torch_profile_dir(tensorboard_dir: str) -> str:
+    """Megatron-LM's trace directory: torch_profile/ next to the TensorBoard directory."""
+    return os.path.join(os.path.dirname(os.path.abspath(tensorboard_dir)), "torch_profile")
+
+
+class Profiler:
+    """--profile: iterations profile_step_start .. profile_step_end - 1 (1-based, as the log
+    counts them) are profiled. With --use-pytorch-profiler a torch.profiler schedule (wait
+    start - 1, warmup 1, active end - start, as Megatron-LM) records them and the trace goes to
+    torch_profile/rank-R.json.gz; the k-th iteration is ProfilerStep#k. Without it, on CUDA,
+    cudaProfilerStart/Stop bound an Nsight capture range (after iteration start until after
+    iteration end, as Megatron-LM)."""
+
+    def __init__(self, args: argparse.Namespace, *, rank: int, device: torch.device) -> None:
+        self.enabled = args.profile and _profiles_rank(args, rank)
+        self.start, self.end = args.profile_step_start, args.profile_step_end
+        self.rank = rank
+        self.torch_profiler = None
+        self.cuda_range = self.enabled and not args.use_pytorch_profiler and device.type == "cuda"
+        if self.enabled and args.use_pytorch_profiler:
+            self.trace_dir = torch_profile_dir(args.tensorboard_dir)
+            self.torch_profiler = torch.profiler.profile(
+                schedule=torch.profiler.schedule(
+                    wait=max(self.start - 1, 0),
+                    warmup=1 if self.start > 0 else 0,
+                    active=self.end - self.start,
+                    repeat=1,
+                ),
+                on_trace_ready=self._write_trace,
+            )
+            self.torch_profiler.start()
+
+    def _write_trace(self, profiler: torch.profiler.profile) -> None:
+        os.makedirs(self.trace_dir, exist_ok=True)
+        path = os.path.join(self.trace_dir, f"rank-{self.rank}.json.gz")
+        profiler.export_chrome_trace(path + ".tmp.json.gz")  # the suffix picks gzip
+        os.replace(path + ".tmp.json.gz", path)
+
+    def before_iteration(self, iteration: int) -> None:
+        """`iteration`: iterations completed so far (the next one is iteration + 1)."""
+        if self.torch_profiler is not None:
+            self.torch_profiler.step()
+        elif self.cuda_range and iteration == self.start:
+            # Megatron-LM opens the Nsight range once `start` iterations are done.
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
+
+    def after_iteration(self, iteration: int) -> None:
+        """`iteration`: iterations completed, this one included."""
+        if iteration == self.end:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.torch_profiler is not None:
+            self.torch_profiler.stop()
+            self.torch_profiler = None
+        elif self.cuda_range:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
+            self.cuda_range = False
+
+
+class MemoryHistory:
+    """--record-memory-history: the CUDA allocator records every allocation with its stack;
+    a snapshot (for pytorch.org/memory_viz) is dumped at every log interval to
+    --memory-snapshot-path with _RANK before the extension, as Megatron-LM names it. There is
+    no CPU allocator history in torch, so on CPU this does nothing (the log says so)."""
+
+    def __init__(self, args: argparse.Namespace, *, rank: int, device: torch.device) -> None:
+        self.enabled = (
+            args.record_memory_history and device.type == "cuda" and _profiles_rank(args, rank)
+        )
+        base, ext = os.path.splitext(args.memory_snapshot_path)
+        self.path = f"{base}_{rank}{ext}"
+        if self.enabled:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def dump(self) -> None:
+        if not self.enabled:
+            return
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(self.path + ".tmp")
+        os.replace(self.path + ".tmp", self.path)
+
+    def stop(self) -> None:
+        if self.enabled:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.enabled = False
+
+
+class ManualGC:
+    """--manual-gc: the automatic collector is off for the run; a full collection runs every
+    --manual-gc-interval iterations and around each evaluation, at the same point on every
+    rank (Megatron-LM: aligns the pauses across ranks)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.enabled = args.manual_gc
+        self.interval = args.manual_gc_interval
+        self._was_enabled = gc.isenabled()
+        if self.enabled:
+            gc.disable()
+            gc.collect()
+
+    def after_iteration(self, iteration: int) -> None:
+        if self.enabled and self.interval > 0 and iteration % self.interval == 0:
+            gc.collect()
+
+    def around_evaluation(self) -> None:
+        if self.enabled:
+            gc.collect()
+
+    def close(self) -> None:
+        if self.enabled and self._was_enabled:
+            gc.enable()
+
+
+def empty_cuda_cache(args: argparse.Namespace, *, level: int, device: torch.device) -> None:
+    """--empty-unused-memory-level: 1 after forward-backward, 2 also after the step."""
+    if args.empty_unused_memory_level >= level and device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def build_grad_scaler(args: argparse.Namespace) -> GradScaler | None:
+    """--fp16: the static --loss-scale, or a dynamic scaler from the --*loss-scale* flags."""
+    if not args.fp16:
+        return None
+    if args.loss_scale is not None:
+        return GradScaler(scale=args.loss_scale, dynamic=False)
+    return GradScaler(
+        scale=args.initial_loss_scale,
+        min_scale=args.min_loss_scale,
+        growth_interval=int(args.loss_scale_window),
+        hysteresis=args.hysteresis,
+    )
