@@ -1,6 +1,7 @@
 """Blending tracks the weights; mock data is deterministic from the seed."""
 
 import numpy as np
+import pytest
 import torch
 
 from megatron.core.datasets import (
@@ -10,6 +11,7 @@ from megatron.core.datasets import (
     build_blending_indices,
     build_gpt_datasets,
 )
+from megatron.core.datasets.blended_dataset import blend_sizes, normalize_weights
 from tests.unit_tests.data.corpus_utils import EOD, VOCAB_SIZE, write_random_corpus
 
 
@@ -42,13 +44,25 @@ def test_blend_three_to_one_over_10000_samples(tmp_path):
         assert torch.equal(train[index]["tokens"], expected)
 
 
-def test_blending_indices_are_prefix_stable_and_normalized():
+def test_blending_indices_are_megatron_cores_greedy_choice():
+    # Draw n goes to argmax_d(w_d * max(n, 1) - served_d), ties to the lower id: with 3:1,
+    # draw 4 is a tie (0.75 * 4 - 3 == 0.25 * 4 - 1) and goes to dataset 0.
+    ids, samples = build_blending_indices([0.75, 0.25], size=1000)
+    assert ids[:10].tolist() == [0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
+    assert samples[:10].tolist() == [0, 0, 1, 2, 3, 1, 4, 5, 6, 2]
     short_ids, short_samples = build_blending_indices([0.75, 0.25], size=100)
-    long_ids, long_samples = build_blending_indices([3.0, 1.0], size=1000)
-    assert np.array_equal(short_ids, long_ids[:100])
-    assert np.array_equal(short_samples, long_samples[:100])
+    assert np.array_equal(short_ids, ids[:100]) and np.array_equal(short_samples, samples[:100])
     ids, _ = build_blending_indices([0.5, 0.3, 0.2], size=1000)
     assert np.bincount(ids).tolist() == [500, 300, 200]
+    with pytest.raises(ValueError, match="normalized"):
+        build_blending_indices([3.0, 1.0], size=10)
+
+
+def test_blend_sizes_add_megatron_cores_surplus():
+    # Each dataset is asked for ceil(ceil(size * w) * 1.005); the blend draws sum(ceil(size * w)).
+    assert blend_sizes([0.6, 0.4], size=1500) == ([905, 603], 1500)
+    assert blend_sizes([1 / 3, 2 / 3], size=100) == ([35, 68], 101)
+    assert normalize_weights([3, 1]) == [0.75, 0.25]
 
 
 def _mock_config(**overrides):
