@@ -252,6 +252,10 @@ def preprocess(
     if not json_keys:
         raise ValueError("--json-keys needs at least one key")
     files = expand_inputs(inputs)
+    # GPT-2 BPE picks (and checks) its encoder here, once, before workers receive copies.
+    encoder_name = getattr(tokenizer, "encoder_name", None)
+    if show_progress and encoder_name is not None:
+        print(f"{type(tokenizer).__name__} encoder: {encoder_name}", file=sys.stderr, flush=True)
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
     prefixes = {key: f"{output_prefix}_{key}_document" for key in json_keys}
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
