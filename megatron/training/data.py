@@ -32,6 +32,9 @@ def build_tokenizer_from_args(args: argparse.Namespace):
         tokenizer_model=args.tokenizer_model,
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=args.tiktoken_special_tokens,
     )
 
 
