@@ -99,13 +99,18 @@ def _rebuilds_each_token(
 
         model = models.BPE(vocab=dict(encoder), merges=merges)
 
-        def rebuild(symbol: str) -> tuple[str, ...]:
-            return tuple(token.value for token in model.tokenize(symbol))
+        def pieces(symbol: str) -> int:
+            return len(model.tokenize(symbol))
 
     except Exception:  # no tokenizers, or merges it refuses: check with the Python encoder
-        rebuild = classic_bpe
+
+        def pieces(symbol: str) -> int:
+            return len(classic_bpe(symbol))
+
     for left, right in merges:
-        if rebuild(left + right) != (left + right,):
+        # Two single bytes always merge into their token; only longer results can split
+        # otherwise. One piece covering the whole symbol is the symbol itself.
+        if (len(left) > 1 or len(right) > 1) and pieces(left + right) != 1:
             return left, right
     return True
 
