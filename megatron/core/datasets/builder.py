@@ -143,7 +143,7 @@ def _build_split(
     ]
     if not weighted:
         return datasets[0]
-    return BlendedDataset(datasets=datasets, weights=weights, size=blend_size)
+    return BlendedDataset(datasets=datasets, weights=weights, size=blend_size, cache_dir=cache_dir)
 
 
 def build_gpt_datasets(

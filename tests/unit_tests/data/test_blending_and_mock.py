@@ -105,3 +105,33 @@ def test_mock_respects_eod_mask_and_position_reset():
         assert torch.equal(item["loss_mask"] == 0.0, is_eod)
         after_eod = torch.nonzero(is_eod[:-1]).flatten() + 1
         assert item["position_ids"][after_eod].tolist() == [0] * after_eod.numel()
+
+
+def test_blend_indices_are_cached_and_reread(tmp_path, monkeypatch):
+    write_random_corpus(tmp_path / "a", num_documents=30, seed=1)
+    write_random_corpus(tmp_path / "b", num_documents=30, seed=2)
+    config = GPTDatasetConfig(
+        seq_length=8,
+        seed=5,
+        data_path=["0.6", str(tmp_path / "a"), "0.4", str(tmp_path / "b")],
+        split="1",
+        vocab_size=VOCAB_SIZE,
+        eod_id=EOD,
+        path_to_cache=str(tmp_path / "cache"),
+    )
+    first, _, _ = build_gpt_datasets(config, num_samples=(500, 0, 0))
+    cached = sorted(path.name for path in (tmp_path / "cache").glob("*-BlendedDataset-*.npy"))
+    assert [name.split("-", 1)[1] for name in cached] == [
+        "BlendedDataset-dataset_index.npy",
+        "BlendedDataset-dataset_sample_index.npy",
+    ]
+    import megatron.core.datasets.blended_dataset as blended_module
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the blend indices were rebuilt instead of read from the cache")
+
+    monkeypatch.setattr(blended_module, "build_blending_indices", fail)
+    again, _, _ = build_gpt_datasets(config, num_samples=(500, 0, 0))
+    assert np.array_equal(again.dataset_index, first.dataset_index)
+    assert np.array_equal(again.dataset_sample_index, first.dataset_sample_index)
+    assert len(again) == 500 and np.bincount(again.dataset_index).tolist() == [300, 200]
