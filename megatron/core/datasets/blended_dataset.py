@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from megatron.core.datasets.blending_indices import build_blending_indices
 from megatron.core.datasets.gpt_dataset import load_or_build
 
 # Bump when build_blending_indices changes so that stale caches are never read.
@@ -21,33 +22,6 @@ def normalize_weights(weights: Sequence[float]) -> list[float]:
     """weights / sum(weights) in float64, as megatron-core's `normalize` (same bits)."""
     array = np.asarray(weights, dtype=np.float64)
     return (array / np.sum(array)).tolist()
-
-
-def build_blending_indices(weights: Sequence[float], *, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset_index, dataset_sample_index) for `size` draws, tracking normalized weights.
-
-    megatron-core's greedy rule: draw n goes to the dataset furthest behind its share,
-    argmax_d(w_d * max(n, 1) - served_d), ties to the lower dataset id. The loop is sequential
-    by nature; it runs in plain Python floats, which are the same IEEE doubles as megatron-core's
-    C++, so the choices (ties included) are the same. About 1 s per million draws.
-    """
-    weight_list = [float(weight) for weight in weights]
-    if not np.isclose(sum(weight_list), 1.0):
-        raise ValueError(f"blending weights must be normalized (sum 1), got {weight_list}")
-    served = [0] * len(weight_list)
-    dataset_index = np.zeros(size, dtype=np.int16)
-    dataset_sample_index = np.zeros(size, dtype=np.int64)
-    for draw in range(size):
-        draw_time = float(max(draw, 1))
-        chosen, largest_error = 0, weight_list[0] * draw_time - served[0]
-        for dataset_id in range(1, len(weight_list)):
-            error = weight_list[dataset_id] * draw_time - served[dataset_id]
-            if error > largest_error:
-                chosen, largest_error = dataset_id, error
-        dataset_index[draw] = chosen
-        dataset_sample_index[draw] = served[chosen]
-        served[chosen] += 1
-    return dataset_index, dataset_sample_index
 
 
 class BlendedDataset(torch.utils.data.Dataset):

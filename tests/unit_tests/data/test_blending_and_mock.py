@@ -135,3 +135,22 @@ def test_blend_indices_are_cached_and_reread(tmp_path, monkeypatch):
     assert np.array_equal(again.dataset_index, first.dataset_index)
     assert np.array_equal(again.dataset_sample_index, first.dataset_sample_index)
     assert len(again) == 500 and np.bincount(again.dataset_index).tolist() == [300, 200]
+
+
+@pytest.mark.parametrize(
+    "weights", [[0.6, 0.4], [1 / 3, 2 / 3], [0.999, 0.001], [0.5, 0.5], [0.123456789, 0.876543211]]
+)
+def test_two_way_checked_guess_equals_the_greedy_loop(weights, monkeypatch):
+    import megatron.core.datasets.blending_indices as blending
+
+    weights = normalize_weights(weights)
+    monkeypatch.setattr(blending, "CHUNK_DRAWS", 7_000)  # several chunks, one partial
+    dataset_index, sample_index = blending.build_blending_indices(weights, size=50_000)
+    loop = blending._greedy_loop(weights, [0, 0], start=0, stop=50_000)
+    assert np.array_equal(dataset_index, loop)
+    for dataset_id in (0, 1):
+        drawn = sample_index[dataset_index == dataset_id]
+        assert drawn.tolist() == list(range(drawn.size))
+    # A guess that is always dataset 0 still gives the rule's choices (corrected, or by the loop).
+    monkeypatch.setattr(blending, "_guess", lambda w, served, count: np.zeros(count, np.int64))
+    assert np.array_equal(blending.build_blending_indices(weights, size=3_000)[0], loop[:3_000])
