@@ -252,6 +252,10 @@ def preprocess(
     if not json_keys:
         raise ValueError("--json-keys needs at least one key")
     files = expand_inputs(inputs)
+    # GPT-2 BPE picks (and checks) its encoder here, once, before workers receive copies.
+    encoder_name = getattr(tokenizer, "encoder_name", None)
+    if show_progress and encoder_name is not None:
+        print(f"{type(tokenizer).__name__} encoder: {encoder_name}", file=sys.stderr, flush=True)
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
     prefixes = {key: f"{output_prefix}_{key}_document" for key in json_keys}
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
@@ -305,10 +309,24 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TOKENIZER_TYPES,
         help="tokenizer name (default ByteTokenizer: needs no files)",
     )
-    parser.add_argument("--tokenizer-model", help="HuggingFace tokenizer.json (or its directory)")
+    parser.add_argument(
+        "--tokenizer-model",
+        help="HuggingFace tokenizer.json (or its directory), TikTokenizer JSON vocabulary or "
+        "SentencePiece .model",
+    )
     parser.add_argument("--vocab-file", help="GPT-2 vocab.json for GPT2BPETokenizer")
     parser.add_argument("--merge-file", help="GPT-2 merges.txt for GPT2BPETokenizer")
-    parser.add_argument("--vocab-size", type=int, help="vocabulary size for NullTokenizer")
+    parser.add_argument(
+        "--vocab-size", type=int, help="vocabulary size for NullTokenizer or TikTokenizer"
+    )
+    parser.add_argument("--tiktoken-pattern", choices=("v1", "v2"), help="TikTokenizer regex")
+    parser.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=1000,
+        help="TikTokenizer: ids reserved for special tokens",
+    )
+    parser.add_argument("--tiktoken-special-tokens", nargs="+", help="TikTokenizer special tokens")
     parser.add_argument(
         "--append-eod",
         action="store_true",
@@ -334,6 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer_model=args.tokenizer_model,
             vocab_file=args.vocab_file,
             merge_file=args.merge_file,
+            tiktoken_pattern=args.tiktoken_pattern,
+            tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+            tiktoken_special_tokens=args.tiktoken_special_tokens,
         )
         prefixes = preprocess(
             args.input,

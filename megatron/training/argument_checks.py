@@ -291,9 +291,16 @@ def _validate_data(args: argparse.Namespace) -> None:
         "NullTokenizer": [("vocab_size", "--vocab-size")],
         "HuggingFaceTokenizer": [("tokenizer_model", "--tokenizer-model")],
         "GPT2BPETokenizer": [("vocab_file", "--vocab-file"), ("merge_file", "--merge-file")],
+        "TikTokenizer": [("tokenizer_model", "--tokenizer-model"), ("tiktoken_pattern", None)],
+        "SentencePieceTokenizer": [("tokenizer_model", "--tokenizer-model")],
+        "GPTSentencePieceTokenizer": [("tokenizer_model", "--tokenizer-model")],
     }.get(args.tokenizer_type, [])
     for attr, flag in needs:
         value = getattr(args, attr)
+        if flag is None:  # a choice, not a path
+            flag = "--" + attr.replace("_", "-")
+            _require(value is not None, f"--tokenizer-type {args.tokenizer_type} needs {flag}.")
+            continue
         _require(value is not None, f"--tokenizer-type {args.tokenizer_type} needs {flag}.")
         if isinstance(value, str):
             try:
@@ -305,10 +312,15 @@ def _validate_data(args: argparse.Namespace) -> None:
         # Other tokenizers define their own vocabulary; an ignored --vocab-size would let a
         # run believe it trains with a different one.
         _require(
-            args.tokenizer_type == "NullTokenizer",
+            args.tokenizer_type in ("NullTokenizer", "TikTokenizer"),
             f"--vocab-size sets the NullTokenizer vocabulary only; --tokenizer-type "
             f"{args.tokenizer_type} takes its size from the tokenizer: drop --vocab-size or "
-            "use --tokenizer-type NullTokenizer.",
+            "use --tokenizer-type NullTokenizer (or TikTokenizer, whose size it also sets).",
+        )
+    if args.tokenizer_type == "TikTokenizer":
+        _require(
+            args.tiktoken_num_special_tokens >= 3,
+            "--tiktoken-num-special-tokens must be at least 3 (<unk>, <s>, </s>).",
         )
 
 

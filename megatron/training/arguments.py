@@ -329,15 +329,47 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-cache-path", default=None, help="Where index caches go.")
     group.add_argument(
         "--tokenizer-type",
-        choices=("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"),
+        choices=(
+            "ByteTokenizer",
+            "NullTokenizer",
+            "HuggingFaceTokenizer",
+            "GPT2BPETokenizer",
+            "TikTokenizer",
+            "SentencePieceTokenizer",
+            "GPTSentencePieceTokenizer",
+        ),
         default="ByteTokenizer",
         help="Tokenizer (ByteTokenizer needs no files).",
     )
-    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary.")
+    group.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="NullTokenizer vocabulary; TikTokenizer's size with its special tokens (2**17).",
+    )
     group.add_argument(
         "--tokenizer-model",
         default=None,
-        help="HuggingFace tokenizer.json, or the directory that holds it.",
+        help="HuggingFace tokenizer.json (or its directory), TikTokenizer JSON vocabulary, or "
+        "SentencePiece .model file.",
+    )
+    group.add_argument(
+        "--tiktoken-pattern",
+        choices=("v1", "v2"),
+        default=None,
+        help="TikTokenizer split regex: Megatron-LM's v1 or v2.",
+    )
+    group.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=1000,
+        help="TikTokenizer: ids reserved for special tokens before the vocabulary.",
+    )
+    group.add_argument(
+        "--tiktoken-special-tokens",
+        nargs="+",
+        default=None,
+        help="TikTokenizer special tokens; must include <unk> <s> </s> (the default).",
     )
     group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json path.")
     group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt path.")

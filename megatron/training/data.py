@@ -32,7 +32,23 @@ def build_tokenizer_from_args(args: argparse.Namespace):
         tokenizer_model=args.tokenizer_model,
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=args.tiktoken_special_tokens,
     )
+
+
+def requested_num_samples(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(train, valid, test) samples asked of the datasets, as Megatron-LM counts them.
+
+    The sample order depends on these counts (megatron-core shuffles all the epochs a count
+    needs), so they follow Megatron-LM for a run to see the samples a Megatron-LM run sees:
+    valid is sized for every evaluation of the run, test for one.
+    """
+    train = args.train_samples or args.train_iters * args.global_batch_size
+    evaluations = args.train_iters // args.eval_interval + 1
+    valid = evaluations * args.eval_iters * args.global_batch_size
+    return train, valid, args.eval_iters * args.global_batch_size
 
 
 def build_datasets_from_args(args: argparse.Namespace, *, tokenizer) -> Datasets:
@@ -51,10 +67,7 @@ def build_datasets_from_args(args: argparse.Namespace, *, tokenizer) -> Datasets
         reset_position_ids=args.reset_position_ids,
         eod_mask_loss=args.eod_mask_loss,
     )
-    eval_samples = args.eval_iters * args.global_batch_size
-    train, valid, test = build_gpt_datasets(
-        config, num_samples=(args.train_iters * args.global_batch_size, eval_samples, eval_samples)
-    )
+    train, valid, test = build_gpt_datasets(config, num_samples=requested_num_samples(args))
     if train is None:
         raise SystemExit(
             f"--split {args.split} leaves no training documents; give the first share a "

@@ -2,51 +2,47 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import os
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from megatron.core.datasets.blending_indices import build_blending_indices
+from megatron.core.datasets.gpt_dataset import load_or_build
 
-def build_blending_indices(weights: Sequence[float], *, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset_index, dataset_sample_index) for `size` draws, tracking the weights.
+# Bump when build_blending_indices changes so that stale caches are never read.
+_BLEND_FORMAT_VERSION = 1
 
-    Stride scheduling: the k-th sample of dataset d is due at time (k + 0.5) / w_d and draws are
-    served in due order (ties to the lower dataset id). After any n draws each dataset has
-    served close to n * w_d (within one sample for two datasets), like Megatron's greedy
-    error-minimizing choice, but vectorized and prefix-stable (the first n draws never depend
-    on `size`).
-    """
-    normalized = np.asarray(weights, dtype=np.float64)
-    normalized = normalized / normalized.sum()
-    dataset_ids, sample_ids, due_times = [], [], []
-    for dataset_id, weight in enumerate(normalized):
-        # Each dataset serves at most w_d * (size + D) + 1 of the first `size` draws.
-        count = int(np.ceil(weight * size)) + len(normalized) + 1
-        sample_id = np.arange(count, dtype=np.int64)
-        dataset_ids.append(np.full(count, dataset_id, dtype=np.int64))
-        sample_ids.append(sample_id)
-        due_times.append((sample_id + 0.5) / weight)
-    order = np.argsort(np.concatenate(due_times), kind="stable")[:size]
-    return np.concatenate(dataset_ids)[order], np.concatenate(sample_ids)[order]
+
+def normalize_weights(weights: Sequence[float]) -> list[float]:
+    """weights / sum(weights) in float64, as megatron-core's `normalize` (same bits)."""
+    array = np.asarray(weights, dtype=np.float64)
+    return (array / np.sum(array)).tolist()
 
 
 class BlendedDataset(torch.utils.data.Dataset):
     """Draw i comes from datasets[dataset_index[i]], its sample dataset_sample_index[i]."""
 
     def __init__(
-        self, *, datasets: Sequence[torch.utils.data.Dataset], weights: Sequence[float], size: int
+        self,
+        *,
+        datasets: Sequence[torch.utils.data.Dataset],
+        weights: Sequence[float],
+        size: int,
+        cache_dir: str | None = None,
     ) -> None:
         if len(datasets) != len(weights) or not datasets:
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         if any(not weight > 0 for weight in weights):
             raise ValueError(f"blending weights must be positive, got {list(weights)}")
         self.datasets = list(datasets)
-        self.weights = [float(weight) / float(sum(weights)) for weight in weights]
+        self.weights = normalize_weights(weights)
         self.size = size
-        self.dataset_index, self.dataset_sample_index = build_blending_indices(
-            self.weights, size=size
-        )
+        self.dataset_index, self.dataset_sample_index = self._indices(cache_dir)
         for dataset_id, dataset in enumerate(self.datasets):
             drawn = self.dataset_sample_index[self.dataset_index == dataset_id]
             if drawn.size and int(drawn.max()) >= len(dataset):
@@ -54,6 +50,30 @@ class BlendedDataset(torch.utils.data.Dataset):
                     f"blended dataset {dataset_id} has {len(dataset)} samples but "
                     f"{int(drawn.max()) + 1} are drawn from it"
                 )
+
+    def _indices(self, cache_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
+        """build_blending_indices, cached next to the datasets' indices when they are cached:
+        its exact greedy loop costs about 1 s per million draws, so a long run pays it once."""
+
+        def build() -> tuple[np.ndarray, np.ndarray]:
+            return build_blending_indices(self.weights, size=self.size)
+
+        prefixes = [getattr(dataset, "cache_prefix", None) for dataset in self.datasets]
+        if cache_dir is None or None in prefixes:
+            return build()
+        description = {
+            "format": _BLEND_FORMAT_VERSION,
+            "datasets": [os.path.basename(prefix) for prefix in prefixes],
+            "weights": self.weights,
+            "size": self.size,
+        }
+        key = hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
+        (dataset_index, sample_index), _ = load_or_build(
+            os.path.join(cache_dir, f"{key}-BlendedDataset"),
+            build,
+            names=("dataset_index", "dataset_sample_index"),
+        )
+        return dataset_index, sample_index
 
     def __len__(self) -> int:
         return self.size
@@ -65,11 +85,15 @@ class BlendedDataset(torch.utils.data.Dataset):
         return dataset[int(self.dataset_sample_index[index])]
 
 
-def samples_needed_per_dataset(weights: Sequence[float], *, size: int) -> list[int]:
-    """How many samples each dataset must provide for `size` blended draws."""
-    dataset_index, sample_index = build_blending_indices(weights, size=size)
-    needed = []
-    for dataset_id in range(len(weights)):
-        drawn = sample_index[dataset_index == dataset_id]
-        needed.append(int(drawn.max()) + 1 if drawn.size else 0)
-    return needed
+# megatron-core builds each blended dataset 0.5% larger than its share (its default
+# mid_level_dataset_surplus), which changes that dataset's shuffle; kept for the same order.
+MID_LEVEL_SURPLUS = 0.005
+
+
+def blend_sizes(normalized_weights: Sequence[float], *, size: int) -> tuple[list[int], int]:
+    """(samples requested from each dataset, size of the blend), as megatron-core's builder:
+    dataset d is asked for ceil(ceil(size * w_d) * 1.005) samples, and the blend draws
+    sum(ceil(size * w_d)) >= size times."""
+    shares = [math.ceil(size * weight) for weight in normalized_weights]
+    requested = [math.ceil(share * (1 + MID_LEVEL_SURPLUS)) for share in shares]
+    return requested, sum(shares)

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from megatron.core.datasets.blended_dataset import BlendedDataset, samples_needed_per_dataset
+from megatron.core.datasets.blended_dataset import BlendedDataset, blend_sizes, normalize_weights
 from megatron.core.datasets.gpt_dataset import (
     GPTDataset,
     GPTDatasetConfig,
@@ -64,17 +64,16 @@ def parse_split(split: str) -> list[float]:
             f"--split {split!r} must be up to three finite non-negative numbers with a positive sum"
         )
     values += [0.0] * (3 - len(values))
-    return [value / sum(values) for value in values]
+    return normalize_weights(values)
 
 
 def split_document_ranges(num_documents: int, split_weights: list[float]) -> list[tuple[int, int]]:
-    """Contiguous [first, stop) document ranges per split, rounding as Megatron-LM does."""
-    bounds = [0]
+    """Contiguous [first, stop) document ranges per split, as megatron-core cuts them: the
+    cumulative split fractions, each rounded (half to even) to a document count."""
+    fractions = [0.0]
     for weight in split_weights:
-        bounds.append(bounds[-1] + int(round(weight * num_documents)))
-    # Rounding can overshoot or undershoot the total; move every inner bound by the difference.
-    excess = bounds[-1] - num_documents
-    bounds = [0] + [max(0, bound - excess) for bound in bounds[1:]]
+        fractions.append(fractions[-1] + weight)
+    bounds = [int(round(fraction * num_documents)) for fraction in fractions]
     return [(bounds[index], bounds[index + 1]) for index in range(len(split_weights))]
 
 
@@ -102,6 +101,7 @@ def _build_split(
     split_index: int,
     num_samples: int,
     cache_dir: str,
+    weighted: bool,
 ) -> Dataset | None:
     split_name = SPLIT_NAMES[split_index]
     split_weights = parse_split(config.split)
@@ -124,10 +124,12 @@ def _build_split(
                 "few documents for it; give train a larger share"
             )
         return None
-    weights = [weight for weight, _, _ in parts]
-    needed = (
-        [num_samples] if len(parts) == 1 else samples_needed_per_dataset(weights, size=num_samples)
-    )
+    if weighted:
+        # megatron-core blends whenever weights are given, even for one corpus.
+        weights = normalize_weights([weight for weight, _, _ in parts])
+        needed, blend_size = blend_sizes(weights, size=num_samples)
+    else:
+        needed = [num_samples]
     datasets = [
         GPTDataset(
             indexed_dataset=indexed,
@@ -139,9 +141,9 @@ def _build_split(
         )
         for (_, indexed, document_range), count in zip(parts, needed)
     ]
-    if len(datasets) == 1:
+    if not weighted:
         return datasets[0]
-    return BlendedDataset(datasets=datasets, weights=weights, size=num_samples)
+    return BlendedDataset(datasets=datasets, weights=weights, size=blend_size, cache_dir=cache_dir)
 
 
 def build_gpt_datasets(
@@ -175,6 +177,7 @@ def build_gpt_datasets(
             split_index=split_index,
             num_samples=count,
             cache_dir=cache_dir,
+            weighted=len(config.data_path) > 1,
         )
         if count
         else None

@@ -20,7 +20,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 logger = logging.getLogger(__name__)
 
 # Bump when the index algorithm changes so that stale caches are never read.
-_INDEX_FORMAT_VERSION = 1
+# 2: megatron-core's sample order (one RandomState, epochs shuffled together).
+_INDEX_FORMAT_VERSION = 2
 _INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 # The cached [smallest, largest] token id of a .bin; bump the version with the key's fields.
 _TOKEN_RANGE_FORMAT_VERSION = 1
@@ -170,7 +171,8 @@ def check_token_ids_in_vocab(
 
 
 class GPTDataset(torch.utils.data.Dataset):
-    """Samples of one split of one corpus; item i depends only on data, seed, split, seq_length.
+    """Samples of one split of one corpus, in megatron-core's order: item i depends on the
+    data, seed, split, seq_length and the number of samples requested (gpt_indices explains).
 
     `indices_source` is "built" when this process built the indices, "cache" when it read them.
     """
@@ -198,13 +200,15 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"the {split_name} split (documents {first}..{stop - 1}) of "
                 f"{indexed_dataset.path_prefix} holds no tokens; change --split"
             )
-        self.served_epochs, self.laid_out_epochs = gpt_indices.epoch_plan(
+        self.requested_samples = num_samples
+        self.num_epochs = gpt_indices.num_epochs_needed(
             num_samples=num_samples,
             tokens_per_epoch=self.tokens_per_epoch,
             seq_length=config.seq_length,
         )
-        self.num_samples = gpt_indices.samples_before_epoch(
-            self.served_epochs, tokens_per_epoch=self.tokens_per_epoch, seq_length=config.seq_length
+        # Every whole sample of the laid-out epochs, as megatron-core: usually > num_samples.
+        self.num_samples = gpt_indices.samples_in_epochs(
+            self.num_epochs, tokens_per_epoch=self.tokens_per_epoch, seq_length=config.seq_length
         )
         key = self._cache_key(lengths, document_range)
         self.cache_prefix = os.path.join(cache_dir, f"{key}-GPTDataset-{split_name}")
@@ -220,8 +224,7 @@ class GPTDataset(torch.utils.data.Dataset):
             "document_range": list(document_range),
             "seq_length": self.config.seq_length,
             "seed": self.config.seed,
-            "laid_out_epochs": self.laid_out_epochs,
-            "served_epochs": self.served_epochs,
+            "requested_samples": self.requested_samples,
         }
         return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
 
@@ -232,25 +235,17 @@ class GPTDataset(torch.utils.data.Dataset):
             self.split_name,
             self.indexed_dataset.path_prefix,
             self.num_samples,
-            self.served_epochs,
+            self.num_epochs,
         )
-        document_index = gpt_indices.build_document_index(
-            self.document_ids, num_epochs=self.laid_out_epochs, seed=self.config.seed
-        )
-        sample_index = gpt_indices.build_sample_index(
+        indices = gpt_indices.build_indices(
+            document_ids=self.document_ids,
             sequence_lengths=self.indexed_dataset.sequence_lengths,
-            document_index=document_index,
-            seq_length=self.config.seq_length,
-            num_samples=self.num_samples,
-        )
-        shuffle_index = gpt_indices.build_shuffle_index(
-            served_epochs=self.served_epochs,
-            tokens_per_epoch=self.tokens_per_epoch,
+            num_samples=self.requested_samples,
             seq_length=self.config.seq_length,
             seed=self.config.seed,
         )
         logger.info("built GPT %s indices in %.2f s", self.split_name, time.monotonic() - started)
-        return document_index, sample_index, shuffle_index
+        return indices
 
     def __len__(self) -> int:
         return self.num_samples

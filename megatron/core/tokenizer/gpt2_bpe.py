@@ -4,6 +4,11 @@ Algorithm (Radford et al. 2019, "Language Models are Unsupervised Multitask Lear
 text is split into pre-tokens by a regex, each pre-token's UTF-8 bytes are mapped to printable
 characters, then the lowest-ranked adjacent pair from merges.txt is merged until no listed
 pair remains, and each resulting symbol is looked up in vocab.json.
+
+Two encoders give the same ids: the optional `tiktoken` package (Rust, about 7x faster; see
+gpt2_bpe_tiktoken.py for when it applies), used when installed, and the pure-Python encoder
+below, the fallback. tests/unit_tests/data/test_gpt2_bpe_fast.py compares them on varied text;
+benchmarks/preprocess_gpt2bpe.py measures the difference.
 """
 
 from __future__ import annotations
@@ -14,7 +19,11 @@ import os
 import re
 import unicodedata
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
+
+from megatron.core.tokenizer import gpt2_bpe_tiktoken
 from megatron.core.tokenizer.base import check_token_ids
 
 EOD_TOKEN = "<|endoftext|>"
@@ -22,6 +31,8 @@ EOD_TOKEN = "<|endoftext|>"
 # No letters or numbers are assigned above plane 3 (planes 4-13 are empty, 14 holds tags and
 # variation selectors, 15-16 are private use), so scanning to U+3FFFF covers \p{L} and \p{N}.
 _LAST_SCANNED_CODE_POINT = 0x3FFFF
+# U+3000 (ideographic space) is the last code point str.isspace() accepts.
+_LAST_WHITESPACE_CODE_POINT = 0x3000
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -66,15 +77,30 @@ def _category_class(prefix: str) -> str:
     return "".join(parts)
 
 
+def _whitespace_class() -> str:
+    """Unicode White_Space as a character class body: Python's \\s less U+001C..U+001F.
+
+    Python's `re` counts the four information separators as whitespace (str.isspace); GPT-2's
+    reference encoder (the `regex` module) and the `tokenizers` package do not.
+    """
+    return "".join(
+        re.escape(chr(code_point))
+        for code_point in range(_LAST_WHITESPACE_CODE_POINT + 1)
+        if chr(code_point).isspace() and not 0x1C <= code_point <= 0x1F
+    )
+
+
 @functools.lru_cache(maxsize=1)
 def gpt2_pretokenizer() -> re.Pattern[str]:
-    """GPT-2's split pattern with \\p{L} (letters) and \\p{N} (numbers) spelled out as ranges."""
+    """GPT-2's split pattern with \\p{L} (letters), \\p{N} (numbers) and \\s (Unicode
+    whitespace) spelled out as ranges."""
     letters = _category_class("L")
     numbers = _category_class("N")
+    space = _whitespace_class()
     pattern = (
         r"'s|'t|'re|'ve|'m|'ll|'d"
-        rf"| ?[{letters}]+| ?[{numbers}]+| ?[^\s{letters}{numbers}]+"
-        r"|\s+(?!\S)|\s+"
+        rf"| ?[{letters}]+| ?[{numbers}]+| ?[^{space}{letters}{numbers}]+"
+        rf"|[{space}]+(?![^{space}])|[{space}]+"
     )
     return re.compile(pattern)
 
@@ -120,10 +146,21 @@ def _read_merges(merge_file: str) -> dict[tuple[str, str], int]:
     return ranks
 
 
-class GPT2BPETokenizer:
-    """Byte-level BPE over a local GPT-2 style vocab.json + merges.txt; eod is <|endoftext|>."""
+# Encoders GPT2BPETokenizer can use: "auto" takes tiktoken when it can, else "python".
+ENCODERS = ("auto", "tiktoken", "python")
 
-    def __init__(self, vocab_file: str, merge_file: str) -> None:
+
+class GPT2BPETokenizer:
+    """Byte-level BPE over a local GPT-2 style vocab.json + merges.txt; eod is <|endoftext|>.
+
+    encoder: "auto" (the `tiktoken` package when installed and the files suit it, else pure
+    Python), "tiktoken" (required: ImportError/ValueError otherwise) or "python". Both give the
+    same ids. The tiktoken tables are built (and the files checked) on first use.
+    """
+
+    def __init__(self, vocab_file: str, merge_file: str, *, encoder: str = "auto") -> None:
+        if encoder not in ENCODERS:
+            raise ValueError(f"encoder must be one of {ENCODERS}, got {encoder!r}")
         self.encoder = _read_vocab(vocab_file)
         self.decoder = {token_id: token for token, token_id in self.encoder.items()}
         self.bpe_ranks = _read_merges(merge_file)
@@ -136,10 +173,57 @@ class GPT2BPETokenizer:
         self.vocab_size: int = max(self.encoder.values()) + 1
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {char: byte for byte, char in self.byte_encoder.items()}
-        self._pattern = gpt2_pretokenizer()
         self._vocab_file = vocab_file
         # Pre-tokens repeat heavily in natural text; memoizing their merges is the main speedup.
         self._cache: dict[str, tuple[str, ...]] = {}
+        self._requested_encoder = encoder
+        self._tiktoken_tables: tuple[dict[bytes, int], np.ndarray | None] | None = None
+        self._fast: Any = None
+        self._resolved = encoder == "python"
+
+    def _resolve_encoder(self) -> None:
+        """Build the tiktoken encoder once, unless the Python one was asked for or must do."""
+        self._resolved = True
+        if not gpt2_bpe_tiktoken.tiktoken_available():
+            if self._requested_encoder == "tiktoken":
+                raise ImportError(
+                    "GPT2BPETokenizer(encoder='tiktoken') needs the optional `tiktoken` "
+                    "package: pip install tiktoken"
+                )
+            return
+        self._tiktoken_tables = gpt2_bpe_tiktoken.build_tables(
+            encoder=self.encoder,
+            bpe_ranks=self.bpe_ranks,
+            byte_encoder=self.byte_encoder,
+            classic_bpe=self._bpe,
+        )
+        if self._tiktoken_tables is None:
+            if self._requested_encoder == "tiktoken":
+                raise ValueError(
+                    f"--vocab-file {self._vocab_file!r} and its merges do not suit tiktoken "
+                    "(see megatron/core/tokenizer/gpt2_bpe_tiktoken.py); use encoder='python'"
+                )
+            return
+        self._fast = gpt2_bpe_tiktoken.make_encoding(self._tiktoken_tables[0])
+
+    @property
+    def encoder_name(self) -> str:
+        """'tiktoken' or 'python': the encoder tokenize() uses (resolving it now)."""
+        if not self._resolved:
+            self._resolve_encoder()
+        return "python" if self._fast is None else "tiktoken"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Preprocessing workers get the checked tables and rebuild the Rust object from them.
+        state = dict(self.__dict__)
+        state["_fast"] = None
+        state["_cache"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._tiktoken_tables is not None:
+            self._fast = gpt2_bpe_tiktoken.make_encoding(self._tiktoken_tables[0])
 
     def _bpe(self, pretoken: str) -> tuple[str, ...]:
         cached = self._cache.get(pretoken)
@@ -167,8 +251,18 @@ class GPT2BPETokenizer:
         return result
 
     def tokenize(self, text: str) -> list[int]:
+        if not self._resolved:
+            self._resolve_encoder()
+        if self._fast is not None:
+            ranks = self._fast.encode_ordinary(text)
+            rank_to_id = self._tiktoken_tables[1]
+            return ranks if rank_to_id is None else rank_to_id[ranks].tolist()
+        return self.tokenize_python(text)
+
+    def tokenize_python(self, text: str) -> list[int]:
+        """The pure-Python encoder (the fallback), whatever encoder is in use."""
         token_ids: list[int] = []
-        for pretoken in self._pattern.findall(text):
+        for pretoken in gpt2_pretokenizer().findall(text):
             mapped = "".join(self.byte_encoder[byte] for byte in pretoken.encode("utf-8"))
             for symbol in self._bpe(mapped):
                 token_id = self.encoder.get(symbol)
@@ -192,4 +286,7 @@ class GPT2BPETokenizer:
         return data.decode("utf-8", errors="replace")
 
     def __repr__(self) -> str:
-        return f"GPT2BPETokenizer(vocab_size={self.vocab_size}, eod={self.eod})"
+        return (
+            f"GPT2BPETokenizer(vocab_size={self.vocab_size}, eod={self.eod}, "
+            f"encoder={self.encoder_name})"
+        )

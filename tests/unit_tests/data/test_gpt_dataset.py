@@ -75,15 +75,14 @@ def test_indices_deterministic_cached_and_seed_dependent(corpus, tmp_path):
 def test_samples_equal_brute_force_concatenation(corpus, tmp_path):
     prefix, documents = corpus
     dataset = _dataset(prefix, tmp_path / "cache", num_samples=150)
-    assert len(dataset) >= 150
     tokens_per_epoch = sum(len(document) for document in documents)
-    # Every epoch of the document index is one permutation of all 40 documents.
-    epochs = dataset.document_index.reshape(-1, 40)
-    assert all(sorted(epoch.tolist()) == list(range(40)) for epoch in epochs)
-    assert not np.array_equal(epochs[0], epochs[1])  # epochs are shuffled differently
+    # Enough epochs E for 150 samples of 16 + 1 tokens; every whole sample of them is served.
+    num_epochs = -(-(150 * SEQ_LENGTH + 1) // tokens_per_epoch)
+    assert dataset.num_epochs == num_epochs >= 2
+    assert len(dataset) == (num_epochs * tokens_per_epoch - 1) // SEQ_LENGTH >= 150
+    # Each document appears once per epoch; the epochs are shuffled together (megatron-core).
+    assert np.bincount(dataset.document_index).tolist() == [num_epochs] * 40
     stream = np.concatenate([documents[doc] for doc in dataset.document_index])
-    assert stream.size >= len(dataset) * SEQ_LENGTH + 1
-    assert len(dataset) == -(-tokens_per_epoch * dataset.served_epochs // SEQ_LENGTH)
     for sample in range(len(dataset)):
         expected = stream[sample * SEQ_LENGTH : sample * SEQ_LENGTH + SEQ_LENGTH + 1]
         assert dataset.sample_tokens(sample).tolist() == expected.tolist(), sample
@@ -92,6 +91,21 @@ def test_samples_equal_brute_force_concatenation(corpus, tmp_path):
     unshuffled = stream[dataset.shuffle_index[7] * SEQ_LENGTH :][: SEQ_LENGTH + 1]
     assert item["tokens"].tolist() == unshuffled[:-1].tolist()
     assert item["labels"].tolist() == unshuffled[1:].tolist()
+
+
+def test_one_epoch_indices_follow_megatron_cores_random_state_order(corpus, tmp_path):
+    # One RandomState(seed): first the int32 document ids are shuffled in place, then the
+    # sample ids 0..n-1 (megatron-core's _build_document_index and _build_shuffle_index).
+    prefix, _ = corpus
+    dataset = _dataset(prefix, tmp_path / "cache", num_samples=10)
+    assert dataset.num_epochs == 1
+    rng = np.random.RandomState(1234)
+    documents = np.arange(40, dtype=np.int32)
+    rng.shuffle(documents)
+    samples = np.arange(len(dataset), dtype=np.uint32)
+    rng.shuffle(samples)
+    assert dataset.document_index.tolist() == documents.tolist()
+    assert dataset.shuffle_index.tolist() == samples.tolist()
 
 
 def test_sequence_longer_than_an_epoch_spans_several_epochs(tmp_path):
@@ -113,13 +127,18 @@ def test_sequence_longer_than_an_epoch_spans_several_epochs(tmp_path):
         assert dataset.sample_tokens(sample).tolist() == expected.tolist()
 
 
-def test_item_i_does_not_depend_on_requested_samples(corpus, tmp_path):
+def test_order_depends_on_epochs_requested_as_in_megatron_core(corpus, tmp_path):
+    # Requests within one epoch give the same dataset; a request that needs more epochs
+    # reshuffles everything, as in Megatron-LM (a longer run sees other first samples).
     prefix, _ = corpus
     small = _dataset(prefix, tmp_path / "cache", num_samples=10)
+    same_epoch = _dataset(prefix, tmp_path / "cache", num_samples=20)
     large = _dataset(prefix, tmp_path / "cache", num_samples=400)
-    assert len(large) > 3 * len(small)
+    assert (small.num_epochs, same_epoch.num_epochs) == (1, 1) and large.num_epochs > 3
+    assert len(small) == len(same_epoch) and len(large) > 3 * len(small)
     for index in range(len(small)):
-        assert torch.equal(small[index]["tokens"], large[index]["tokens"])
+        assert torch.equal(small[index]["tokens"], same_epoch[index]["tokens"])
+    assert not torch.equal(small[0]["tokens"], large[0]["tokens"])
 
 
 def test_pickled_datasets_reopen_files_instead_of_copying(corpus, tmp_path):
