@@ -9,6 +9,11 @@ Step: finish the grad reduction; global L2 norm over all ranks' pieces (each ele
 once: pieces are disjoint; under no_shard everything is replicated so the norm is local); skip
 on NaN/Inf; clip; step; write main shards back into the compute storage (all-gathering the
 replicas for optim/optim_grads).
+
+HSDP: with outer no_shard every replica runs the same update on the same shard (the norm sums
+over the shard group only); with outer optim each replica updates only its part of the shard
+(`BufferGroup.optimizer_range`; the norm sums over every DP rank) and the updated parts are
+all-gathered across replicas before the compute params are written.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         self.pieces: list[ShardPiece] = []
         for group in engine.buffer.all_groups():
             group.ensure_grad_buffer()
-            for piece in group.pieces():
+            for piece in group.optimizer_pieces():
                 flat = group.main_shard[piece.shard_start : piece.shard_start + piece.numel]
                 is_matrix = len(piece.slot.shape) >= 2
                 main = flat.view(1, -1) if is_matrix else flat
@@ -72,6 +77,12 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         else:
             self.param_groups = [{"lr": config.lr, "weight_decay": config.weight_decay}]
         self.replicated = not engine.config.shards_optimizer_state
+        groups = engine.groups
+        # The group over which pieces are disjoint and together cover the model once.
+        self.norm_group = None
+        if not self.replicated:
+            outer_split = groups.outer is not None and engine.config.outer_shards_optimizer
+            self.norm_group = groups.full if outer_split else groups.shard
 
     @torch.no_grad()
     def _init_state(self) -> None:
@@ -119,10 +130,9 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
     def step(self) -> StepResult:
         self.engine.finish_grad_sync()
         grads = self._attach_grads()
-        group = None if self.replicated else self.engine.process_group
         if not grads:
             grads = [torch.zeros(1, device=self.engine.buffer.device)]
-        grad_norm = global_grad_norm(grads, group=group)
+        grad_norm = global_grad_norm(grads, group=self.norm_group)
         if not math.isfinite(grad_norm):
             self._detach_grads()
             self.engine.zero_grad_buffer()
@@ -131,6 +141,7 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         if self.optimizer is not None:
             self.optimizer.step()
         self._detach_grads()
+        self.engine.buffer.gather_outer_main_shards(stats=self.engine.stats)
         self.engine.buffer.write_back_main_params(stats=self.engine.stats)
         return StepResult(update_successful=True, grad_norm=grad_norm)
 
