@@ -89,6 +89,7 @@ def _build_ddp(config: TransformerConfig, *, args: argparse.Namespace, env: Dist
 def _build_megatron_fsdp(
     config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv
 ):
+    from megatron.core.distributed.data_parallel_mesh import DP_OUTER_DIM, DP_SHARD_DIM
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.transformer.init import init_parameter_
 
@@ -103,7 +104,10 @@ def _build_megatron_fsdp(
     model = FullyShardedDataParallel(
         module,
         fsdp_config=fsdp_config,
-        process_group=env.dp_group,
+        # Inner (shard) and, with --num-distributed-optimizer-instances > 1, outer groups.
+        device_mesh=env.dp_mesh,
+        dp_shard_dim=DP_SHARD_DIM,
+        dp_outer_dim=DP_OUTER_DIM,
         device=env.device,
         init_fn=lambda name, tensor: init_parameter_(
             tensor, name=name, config=config, seed=args.seed
