@@ -7,12 +7,13 @@ is checked against its formula and against plain ZeRO-3 at the inner size.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch.distributed as dist
 
 from megatron.core.distributed.data_parallel_mesh import (
     DP_OUTER_DIM,
-    DataParallelGroups,
     build_data_parallel_mesh,
 )
 from megatron.core.distributed.fsdp.config import FsdpConfig
@@ -44,12 +45,16 @@ def wrap_hsdp(module, *, instances: int, config: FsdpConfig, **kwargs) -> RunSta
     return RunState(model=model, optimizer=model.build_optimizer(OPT_CONFIG))
 
 
-def _fp32_losses(rank: int, world_size: int, instances: int, cases: list) -> dict:
+def _fp32_run(rank: int, world_size: int, instances: int, cases: list) -> dict:
+    """Losses of every case (hidden 16, 20 steps) and the byte counters of the last of 2 steps
+    of the hidden-6 toy (whose unit sizes test_fsdp_memory_and_comm spells out)."""
     groups = wrap_hsdp(build_toy(), instances=instances, config=FsdpConfig()).model.dp_groups
-    losses = {
+    result = {
         "shard_ranks": dist.get_process_group_ranks(groups.shard),
         "outer_ranks": dist.get_process_group_ranks(groups.outer) if groups.outer else None,
     }
+    # 2 micro-batches (the first under no_sync) while a rank's share of the batch allows.
+    micro = 2 if 2 * world_size <= GLOBAL_BATCH else 1
     for strategy, outer, overlap in cases:
         config = FsdpConfig(
             data_parallel_sharding_strategy=strategy,
@@ -58,12 +63,14 @@ def _fp32_losses(rank: int, world_size: int, instances: int, cases: list) -> dic
             overlap_param_gather=overlap,
         )
         state = wrap_hsdp(build_toy(), instances=instances, config=config)
-        # 2 micro-batches (the first under no_sync) while a rank's share of the batch allows.
-        micro = 2 if 2 * world_size <= GLOBAL_BATCH else 1
-        losses[(strategy, outer, overlap)], _ = train_steps(
+        result[(strategy, outer, overlap)], _ = train_steps(
             state, range(STEPS), micro_batches=micro
         )
-    return losses
+        if strategy == ZERO3 and not overlap:
+            state = wrap_hsdp(build_toy(hidden=6), instances=instances, config=config)
+            _, stats = train_steps(state, range(2), micro_batches=micro)
+            result[("bytes", outer)] = stats[-1]
+    return result
 
 
 ZERO3 = "optim_grads_params"
@@ -72,27 +79,80 @@ FP32_CASES = {
     (4, 2): [(ZERO3, "no_shard", False), (ZERO3, "optim", False), (ZERO3, "no_shard", True),
              (ZERO3, "optim", True), ("optim", "optim", False), ("optim_grads", "no_shard", True)],
     (4, 4): [(ZERO3, "no_shard", False), (ZERO3, "optim", False)],  # 4 x 1: pure replicas
-    (8, 2): [(ZERO3, "no_shard", False), (ZERO3, "optim", True)],  # 2 x 4
+    (8, 2): [(ZERO3, "no_shard", False), (ZERO3, "optim", False)],  # 2 x 4
 }  # fmt: skip
+
+
+@functools.cache
+def fp32_results(world_size: int, instances: int) -> list[dict]:
+    """One multi-rank run per mesh shape, shared by the loss and the byte-counter tests."""
+    return run_distributed(_fp32_run, world_size, instances, FP32_CASES[(world_size, instances)])
 
 
 @pytest.mark.parametrize("world_size, instances", list(FP32_CASES))
 def test_fp32_losses_equal_single_process(world_size: int, instances: int) -> None:
     expected = reference_losses(STEPS)
     assert expected[-1] < expected[0] - 0.1  # it learns
-    cases = FP32_CASES[(world_size, instances)]
-    results = run_distributed(_fp32_losses, world_size, instances, cases)
+    results = fp32_results(world_size, instances)
     # Consecutive ranks form a replica (one node); the outer group links equal shard ranks.
     inner = world_size // instances
     for rank, result in enumerate(results):
         first = rank // inner * inner
-        assert result.pop("shard_ranks") == list(range(first, first + inner))
-        outer = result.pop("outer_ranks")
-        assert outer == list(range(rank % inner, world_size, inner)), rank
-    for case in cases:
+        assert result["shard_ranks"] == list(range(first, first + inner))
+        assert result["outer_ranks"] == list(range(rank % inner, world_size, inner)), rank
+    for case in FP32_CASES[(world_size, instances)]:
         losses = results[0][case]
         assert len(losses) == STEPS
         for step, (got, want) in enumerate(zip(losses, expected)):
             assert got == pytest.approx(want, rel=1e-5, abs=0), (case, step)
-    for rank_result in results[1:]:
-        assert rank_result == results[0]  # every rank logs the same global loss
+        for rank_result in results[1:]:
+            assert rank_result[case] == losses  # every rank logs the same global loss
+
+
+# Hidden-6 toy: root unit (embedding + final norm) 204 elements, each of 2 layers 174.
+UNIT_NUMELS = (204, 174, 174)
+
+
+def zero3_bytes(shard_ranks: int, *, micro_batches: int) -> dict[str, int]:
+    """Plain ZeRO-3 at `shard_ranks` ranks, fp32, per step (test_fsdp_memory_and_comm's rule):
+    each micro-batch gathers the root once and every layer twice (forward, backward) and
+    reduce-scatters every unit once; units are padded to a multiple of the ranks."""
+    padded = [-(-n // shard_ranks) * shard_ranks * 4 for n in UNIT_NUMELS]
+    gather = padded[0] + 2 * sum(padded[1:])
+    return {
+        "all_gather_bytes": micro_batches * gather,
+        "reduce_scatter_bytes": micro_batches * sum(padded),
+        "all_reduce_bytes": 0,
+    }
+
+
+@pytest.mark.parametrize("world_size, instances", [(4, 2), (8, 2)])
+def test_inner_and_outer_byte_counters(world_size: int, instances: int) -> None:
+    """Inner traffic is ZeRO-3's at DP/N ranks; outer traffic is one shard's grads per step
+    (outer no_shard: all-reduced), or that shard, padded to N parts, reduce-scattered plus the
+    fp32 main shard all-gathered (outer optim)."""
+    inner = world_size // instances
+    micro = 2 if 2 * world_size <= GLOBAL_BATCH else 1
+    shards = [-(-n // inner) for n in UNIT_NUMELS]  # elements of each unit's shard
+    shard_bytes = 4 * sum(shards)
+    split_bytes = 4 * sum(-(-n // instances) * instances for n in shards)
+    for result in fp32_results(world_size, instances):
+        stats = result[("bytes", "no_shard")]
+        assert stats == {
+            **zero3_bytes(inner, micro_batches=micro),
+            "outer_all_reduce_bytes": shard_bytes,
+            "outer_reduce_scatter_bytes": 0,
+            "outer_all_gather_bytes": 0,
+        }
+        stats = result[("bytes", "optim")]
+        assert stats == {
+            **zero3_bytes(inner, micro_batches=micro),
+            "outer_all_reduce_bytes": 0,
+            "outer_reduce_scatter_bytes": split_bytes,
+            "outer_all_gather_bytes": split_bytes,
+        }
+    if (world_size, instances) == (4, 2):
+        # Spelled out for 2 x 2: shards of 102 + 87 + 87 elements; outer optim pads each to
+        # 2 parts: 102 + 88 + 88.
+        assert (shard_bytes, split_bytes) == (276 * 4, 278 * 4)
+        assert zero3_bytes(2, micro_batches=2)["all_gather_bytes"] == 2 * (204 + 4 * 174) * 4

@@ -78,11 +78,12 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
             self.param_groups = [{"lr": config.lr, "weight_decay": config.weight_decay}]
         self.replicated = not engine.config.shards_optimizer_state
         groups = engine.groups
-        # The group over which pieces are disjoint and together cover the model once.
-        self.norm_group = None
+        # The group over which the ranks' pieces are disjoint and cover the model once: the
+        # grad norm sums over it, and optimizer-state checkpoints are sharded over it.
+        self.piece_group = None
         if not self.replicated:
             outer_split = groups.outer is not None and engine.config.outer_shards_optimizer
-            self.norm_group = groups.full if outer_split else groups.shard
+            self.piece_group = groups.full if outer_split else groups.shard
 
     @torch.no_grad()
     def _init_state(self) -> None:
@@ -132,7 +133,7 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         grads = self._attach_grads()
         if not grads:
             grads = [torch.zeros(1, device=self.engine.buffer.device)]
-        grad_norm = global_grad_norm(grads, group=self.norm_group)
+        grad_norm = global_grad_norm(grads, group=self.piece_group)
         if not math.isfinite(grad_norm):
             self._detach_grads()
             self.engine.zero_grad_buffer()

@@ -29,17 +29,23 @@ if TYPE_CHECKING:
 
 
 def _wrap(
-    engine: MegatronFSDP, slot: ParamSlot, piece: LocalPiece | None, view: torch.Tensor | None
+    engine: MegatronFSDP,
+    slot: ParamSlot,
+    piece: LocalPiece | None,
+    view: torch.Tensor | None,
+    *,
+    group: dist.ProcessGroup | None = None,
 ) -> Any:
     """One parameter's flat value: replicated tensor (no_shard) or this rank's ShardedTensor
-    piece (`view`, None where the rank holds none of the parameter)."""
+    piece (`view`, None where the rank holds none of the parameter), over `group` (default:
+    the shard group; HSDP outer optim splits optimizer state over every DP rank)."""
     if not engine.config.shards_optimizer_state:
         return view
     return flat_sharded_tensor(
         view,
         offset=0 if piece is None else piece.param_start,
         global_numel=slot.numel,
-        process_group=engine.process_group,
+        process_group=group or engine.process_group,
     )
 
 
@@ -166,7 +172,9 @@ def optimizer_sharded_state_dict(optimizer: FsdpDistributedOptimizer) -> dict[st
         piece = shard_piece.piece if shard_piece else None
         for key in keys:
             view = torch_state[key].view(-1) if shard_piece else None
-            state[key][name] = _wrap(engine, group.layout.slots[index], piece, view)
+            state[key][name] = _wrap(
+                engine, group.layout.slots[index], piece, view, group=optimizer.piece_group
+            )
         if "step" in torch_state:
             step = torch_state["step"].detach().float().to(device, copy=True)
     if adam:
