@@ -18,6 +18,7 @@ from megatron.core.distributed.data_parallel_mesh import (
 )
 from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+from megatron.core.distributed.fsdp.traffic import Unit, counter_bytes
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.distributed.toy_model import (
     GLOBAL_BATCH,
@@ -109,50 +110,38 @@ def test_fp32_losses_equal_single_process(world_size: int, instances: int) -> No
             assert rank_result[case] == losses  # every rank logs the same global loss
 
 
-# Hidden-6 toy: root unit (embedding + final norm) 204 elements, each of 2 layers 174.
-UNIT_NUMELS = (204, 174, 174)
-
-
-def zero3_bytes(shard_ranks: int, *, micro_batches: int) -> dict[str, int]:
-    """Plain ZeRO-3 at `shard_ranks` ranks, fp32, per step (test_fsdp_memory_and_comm's rule):
-    each micro-batch gathers the root once and every layer twice (forward, backward) and
-    reduce-scatters every unit once; units are padded to a multiple of the ranks."""
-    padded = [-(-n // shard_ranks) * shard_ranks * 4 for n in UNIT_NUMELS]
-    gather = padded[0] + 2 * sum(padded[1:])
-    return {
-        "all_gather_bytes": micro_batches * gather,
-        "reduce_scatter_bytes": micro_batches * sum(padded),
-        "all_reduce_bytes": 0,
-    }
+# Hidden-6 toy, fp32: root unit (embedding + final norm) 204 elements, each of 2 layers 174.
+ROOT, LAYERS = Unit(204, 4), [Unit(174, 4), Unit(174, 4)]
 
 
 @pytest.mark.parametrize("world_size, instances", [(4, 2), (8, 2)])
 def test_inner_and_outer_byte_counters(world_size: int, instances: int) -> None:
-    """Inner traffic is ZeRO-3's at DP/N ranks; outer traffic is one shard's grads per step
-    (outer no_shard: all-reduced), or that shard, padded to N parts, reduce-scattered plus the
-    fp32 main shard all-gathered (outer optim)."""
+    """The measured counters equal traffic.counter_bytes, the formulas docs/SCALING.md is built
+    from: inner traffic is plain ZeRO-3's at DP/N ranks; outer traffic is one shard's grads
+    per step (outer no_shard: all-reduced), or that shard, padded to N parts, reduce-scattered
+    plus the fp32 main shard all-gathered (outer optim)."""
     inner = world_size // instances
     micro = 2 if 2 * world_size <= GLOBAL_BATCH else 1
-    shards = [-(-n // inner) for n in UNIT_NUMELS]  # elements of each unit's shard
-    shard_bytes = 4 * sum(shards)
-    split_bytes = 4 * sum(-(-n // instances) * instances for n in shards)
-    for result in fp32_results(world_size, instances):
-        stats = result[("bytes", "no_shard")]
-        assert stats == {
-            **zero3_bytes(inner, micro_batches=micro),
-            "outer_all_reduce_bytes": shard_bytes,
+    for outer in ("no_shard", "optim"):
+        expected = counter_bytes(
+            ROOT, LAYERS, shard_size=inner, outer_size=instances, outer_strategy=outer,
+            micro_batches=micro,
+        )  # fmt: skip
+        plain = counter_bytes(ROOT, LAYERS, shard_size=inner, micro_batches=micro)
+        assert {key: expected[key] for key in plain} == plain  # inner = ZeRO-3 at DP/N
+        for result in fp32_results(world_size, instances):
+            assert result[("bytes", outer)] == expected, outer
+    if (world_size, instances) == (4, 2):
+        # Spelled out for 2 x 2 (2 micro-batches): ZeRO-3 at 2 ranks as test_fsdp_memory_and_comm
+        # asserts it; shards of 102 + 87 + 87 elements, which outer optim pads to 102 + 88 + 88.
+        got = fp32_results(4, 2)[0]
+        assert got[("bytes", "no_shard")] == {
+            "all_gather_bytes": 2 * (204 + 4 * 174) * 4,
+            "reduce_scatter_bytes": 2 * (204 + 2 * 174) * 4,
+            "all_reduce_bytes": 0,
+            "outer_all_reduce_bytes": 276 * 4,
             "outer_reduce_scatter_bytes": 0,
             "outer_all_gather_bytes": 0,
         }
-        stats = result[("bytes", "optim")]
-        assert stats == {
-            **zero3_bytes(inner, micro_batches=micro),
-            "outer_all_reduce_bytes": 0,
-            "outer_reduce_scatter_bytes": split_bytes,
-            "outer_all_gather_bytes": split_bytes,
-        }
-    if (world_size, instances) == (4, 2):
-        # Spelled out for 2 x 2: shards of 102 + 87 + 87 elements; outer optim pads each to
-        # 2 parts: 102 + 88 + 88.
-        assert (shard_bytes, split_bytes) == (276 * 4, 278 * 4)
-        assert zero3_bytes(2, micro_batches=2)["all_gather_bytes"] == 2 * (204 + 4 * 174) * 4
+        assert got[("bytes", "optim")]["outer_reduce_scatter_bytes"] == 278 * 4
+        assert got[("bytes", "optim")]["outer_all_gather_bytes"] == 278 * 4

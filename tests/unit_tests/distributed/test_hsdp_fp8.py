@@ -68,7 +68,9 @@ def _digest(model) -> str:
         for name, qt in sorted(fp8_weights(unit.module).items()):
             digest.update(name.encode())
             digest.update(qt.rowwise_data.contiguous().numpy().tobytes())
-            digest.update(qt.rowwise_scale_inv.contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(
+                qt.rowwise_scale_inv.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            )
         engine.gather.release(unit)
     return digest.hexdigest()
 
