@@ -67,10 +67,9 @@ def _digest(model) -> str:
         engine.gather.ensure_gathered(unit, "forward")
         for name, qt in sorted(fp8_weights(unit.module).items()):
             digest.update(name.encode())
-            digest.update(qt.rowwise_data.contiguous().numpy().tobytes())
-            digest.update(
-                qt.rowwise_scale_inv.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-            )
+            # Copies: numpy() of a buffer's own storage would pin it (release resizes it).
+            digest.update(qt.rowwise_data.clone().numpy().tobytes())
+            digest.update(qt.rowwise_scale_inv.reshape(-1).clone().view(torch.uint8).numpy())
         engine.gather.release(unit)
     return digest.hexdigest()
 
