@@ -58,8 +58,9 @@ def _script(rank: int, world_size: int, fp8: bool) -> dict:
     # mxfp8: activation and grad scales are per 32-element block of one rank's rows, so
     # they do not depend on how the batch is split (per-tensor activation scales would).
     recipe = Fp8Config(recipe="mxfp8") if fp8 else None
-    with torch.device("meta"), quantized_model_init(
-        enabled=fp8, recipe="mxfp8", preserve_high_precision_init_val=True
+    with (
+        torch.device("meta"),
+        quantized_model_init(enabled=fp8, recipe="mxfp8", preserve_high_precision_init_val=True),
     ):
         model = Net(recipe)
     model = fully_shard_model(

@@ -1,6 +1,7 @@
 """FP8 parameters under HSDP (4 ranks as 2 x 2), every recipe, outer no_shard and optim.
 
-- Losses over 20 steps equal plain ZeRO-3 at the same world size within 1e-5.
+- Losses over 20 steps equal plain ZeRO-3 at the same world size within 1e-5 (tensorwise: up
+  to step 11; see _tolerance).
 - The bytes and scales every inner gather delivers are bitwise one-rank quantize of the full
   fp32 main weight, at init and after each of 10 steps, and identical on both replicas.
 - Weight amaxes are agreed by ONE packed MAX all-reduce per step over the inner group (the
@@ -118,7 +119,18 @@ def test_fp8_hsdp_losses_equal_zero3(results, recipe: str) -> None:
     assert plain[-1] < plain[0] - 0.1, recipe  # it learns
     for outer in ("no_shard", "optim"):
         for step, (got, want) in enumerate(zip(results[0][(recipe, outer)], plain)):
-            assert got == pytest.approx(want, rel=1e-5, abs=0), (recipe, outer, step)
+            assert got == pytest.approx(want, rel=_tolerance(recipe, step), abs=0), (
+                recipe, outer, step,
+            )  # fmt: skip
+
+
+def _tolerance(recipe: str, step: int) -> float:
+    """1e-5, except tensorwise after step 11. HSDP sums each grad as (x0 + x1) + (x2 + x3)
+    where ZeRO-3 at 4 ranks sums in gloo's ring order: the first fp32 difference appeared at
+    step 11 (6.6e-8; losses were bitwise equal before), and tensorwise's per-tensor
+    activation scales turn such a difference into FP8 rounding flips: 4e-5 at step 13, 3.3e-4
+    at step 18. Plain ZeRO-3 itself differs by up to 2.9e-3 between 2 and 4 ranks."""
+    return 1e-3 if recipe == "tensorwise" and step > 11 else 1e-5
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
