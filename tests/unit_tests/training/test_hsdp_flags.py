@@ -6,7 +6,13 @@ import pytest
 
 from megatron.training.arguments import parse_args
 from megatron.training.configs import build_fsdp_config
-from tests.unit_tests.training.common import TINY_GPT
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.training.common import (
+    NO_DROPOUT,
+    TINY_GPT,
+    run_pretrain,
+    run_pretrain_on_rank,
+)
 
 FSDP = ["--use-megatron-fsdp"]
 
@@ -62,3 +68,21 @@ def test_valid_hsdp_layout_reaches_the_fsdp_config(outer: str) -> None:
     defaults = parse_args(TINY_GPT + FSDP, world_size=4)
     assert defaults.num_distributed_optimizer_instances == 1
     assert build_fsdp_config(defaults).outer_dp_sharding_strategy == "no_shard"
+
+
+def test_pretrain_hsdp_2x2_matches_one_process_and_resumes_in_one(tmp_path) -> None:
+    """pretrain_gpt.py's path: the mesh from the flags, HSDP 2 x 2 with outer optim, saved at
+    iteration 3 and resumed in one process (plain ZeRO-3 over one rank)."""
+    argv = TINY_GPT + NO_DROPOUT + FSDP + ["--train-iters", "6"]
+    uninterrupted = run_pretrain(argv).losses
+    hsdp = _instances(2) + ["--outer-dp-sharding-strategy", "optim"]
+    save = ["--save", str(tmp_path), "--exit-interval", "3"]
+    per_rank = run_distributed(run_pretrain_on_rank, 4, argv + hsdp + save)
+    for losses in per_rank:
+        assert sorted(losses) == [1, 2, 3]
+        for iteration, loss in losses.items():
+            assert loss == pytest.approx(uninterrupted[iteration], rel=1e-5), iteration
+    resumed = run_pretrain(argv + ["--load", str(tmp_path)]).losses
+    assert sorted(resumed) == [4, 5, 6]
+    for iteration, loss in resumed.items():
+        assert loss == pytest.approx(uninterrupted[iteration], rel=1e-5), iteration
