@@ -164,3 +164,39 @@ def test_fp8_hsdp_amax_reduction_and_inner_bytes(results, recipe: str) -> None:
     for outer in ("no_shard", "optim"):
         stats = results[0][(recipe, outer, "stats")]
         assert stats["fp8_all_gather_bytes"] == micro * (2 * weights + scales), outer
+
+
+def _fp8_hsdp_2x4(rank: int, world_size: int) -> dict:
+    """8 ranks as 2 x 4: one sample per rank, so one micro-batch; both outer strategies."""
+    result = {}
+    for recipe in RECIPES:
+        config = fp8_config(recipe)
+        plain = wrap(build_fp8_toy(config), strategy=ZERO3, config=config)
+        result[(recipe, "zero3")] = train(plain, range(STEPS), config=config)
+        for outer in ("no_shard", "optim"):
+            fsdp_config = FsdpConfig(
+                data_parallel_sharding_strategy=ZERO3, outer_dp_sharding_strategy=outer
+            )
+            state = wrap_hsdp(
+                build_fp8_toy(config), instances=2, config=fsdp_config, fp8_config=config
+            )
+            checked = [_check_gathered(state, config)]
+            result[(recipe, outer)] = train(state, range(STEPS), config=config)
+            checked.append(_check_gathered(state, config))
+            result[(recipe, outer, "checked")] = checked
+            result[(recipe, outer, "digest")] = _digest(state.model)
+    return result
+
+
+def test_fp8_hsdp_2x4_losses_and_exact_bytes() -> None:
+    results = run_distributed(_fp8_hsdp_2x4, 8)
+    for recipe in RECIPES:
+        plain = results[0][(recipe, "zero3")]
+        for outer in ("no_shard", "optim"):
+            for step, (got, want) in enumerate(zip(results[0][(recipe, outer)], plain)):
+                assert got == pytest.approx(want, rel=_tolerance(recipe, step), abs=0), (
+                    recipe, outer, step,
+                )  # fmt: skip
+            for rank_result in results:  # exact at init and after 20 steps
+                assert rank_result[(recipe, outer, "checked")] == [8, 8], (recipe, outer)
+            assert len({r[(recipe, outer, "digest")] for r in results}) == 1, (recipe, outer)
