@@ -399,7 +399,47 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
         _require(args.save is not None, "--async-save needs --save DIR.")
 
 
+def _validate_hsdp(args: argparse.Namespace) -> None:
+    """--num-distributed-optimizer-instances / --outer-dp-sharding-strategy (HSDP)."""
+    instances, dp = args.num_distributed_optimizer_instances, args.data_parallel_size
+    _require(
+        instances >= 1,
+        f"--num-distributed-optimizer-instances {instances} must be >= 1 (1: no HSDP).",
+    )
+    if args.outer_dp_sharding_strategy == "optim":
+        _require(
+            args.data_parallel_sharding_strategy != "no_shard",
+            "--outer-dp-sharding-strategy optim splits the optimizer state across replicas, "
+            "but --data-parallel-sharding-strategy no_shard does not shard it inside one; use "
+            "--data-parallel-sharding-strategy optim_grads_params (or optim, optim_grads).",
+        )
+        _require(
+            instances > 1,
+            "--outer-dp-sharding-strategy optim shards across HSDP replicas; add "
+            "--num-distributed-optimizer-instances N (N > 1, e.g. the number of nodes) or "
+            "drop it.",
+        )
+    if instances > 1:
+        _require(
+            args.use_megatron_fsdp,
+            f"--num-distributed-optimizer-instances {instances} builds HSDP replicas of "
+            "Megatron-FSDP's sharded state; add --use-megatron-fsdp.",
+        )
+        _require(
+            dp % instances == 0,
+            f"--num-distributed-optimizer-instances {instances} does not divide the "
+            f"data-parallel size {dp}; pick a divisor of {dp} (typically the number of nodes).",
+        )
+        _require(
+            args.data_parallel_sharding_strategy != "no_shard",
+            "--num-distributed-optimizer-instances > 1 replicates a sharded state, but "
+            "--data-parallel-sharding-strategy no_shard shards nothing; use optim_grads_params "
+            "(or optim, optim_grads).",
+        )
+
+
 def _validate_fsdp(args: argparse.Namespace) -> None:
+    _validate_hsdp(args)
     if args.use_megatron_fsdp:
         if args.suggested_communication_unit_size is not None:
             _require(

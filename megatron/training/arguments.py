@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import NoReturn
 
-from megatron.core.distributed.fsdp.config import SHARDING_STRATEGIES
+from megatron.core.distributed.fsdp.config import OUTER_SHARDING_STRATEGIES, SHARDING_STRATEGIES
 from megatron.core.fp8.config import FP8_RECIPES
 from megatron.training.argument_checks import ArgumentError, validate_args
 from megatron.training.megatron_lm_flags import add_megatron_lm_args
@@ -421,6 +421,22 @@ def _add_fsdp_args(parser: argparse.ArgumentParser) -> None:
         "--init-model-with-meta-device",
         action="store_true",
         help="Build on the meta device and materialize shard by shard.",
+    )
+    group.add_argument(
+        "--num-distributed-optimizer-instances",
+        type=int,
+        default=1,
+        help="Number of copies of the sharded state across the data-parallel domain (HSDP): "
+        "each of N replicas shards over DP/N consecutive ranks (one node under torchrun/Slurm) "
+        "and only grads cross replicas. Default 1: shard over all DP ranks.",
+    )
+    group.add_argument(
+        "--outer-dp-sharding-strategy",
+        choices=OUTER_SHARDING_STRATEGIES,
+        default="no_shard",
+        help="HSDP: what is sharded across the replicas. no_shard: all-reduce grads across "
+        "them; optim: also split the optimizer state across them (reduce-scatter grads, "
+        "all-gather updated params). Needs --num-distributed-optimizer-instances > 1.",
     )
 
 

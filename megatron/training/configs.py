@@ -98,6 +98,7 @@ def build_fsdp_config(args: argparse.Namespace) -> FsdpConfig | None:
         main_grads_dtype=_DTYPES[args.main_grads_dtype],
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         init_model_with_meta_device=args.init_model_with_meta_device,
+        outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
     )
 
 

@@ -13,6 +13,9 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from megatron.core.distributed.data_parallel_mesh import build_data_parallel_mesh
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,9 @@ class DistributedEnv:
     """The data-parallel group (all ranks); None for a single process."""
     owns_process_group: bool = False
     """Whether initialize_distributed created the default group (and so must destroy it)."""
+    dp_mesh: DeviceMesh | None = None
+    """Megatron-FSDP: the (dp_outer, dp_shard) mesh, from --num-distributed-optimizer-instances;
+    the engine cuts its groups from it. None for torch DDP."""
 
 
 def _slurm_to_torchrun_env() -> None:
@@ -68,6 +74,13 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
             )
             owns_process_group = True
         dp_group = dist.group.WORLD
+    dp_mesh = None
+    if args.use_megatron_fsdp:
+        dp_mesh = build_data_parallel_mesh(
+            world_size=world_size,
+            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+            device_type=device.type,
+        )
     return DistributedEnv(
         rank=rank,
         world_size=world_size,
@@ -75,6 +88,7 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
         device=device,
         dp_group=dp_group,
         owns_process_group=owns_process_group,
+        dp_mesh=dp_mesh,
     )
 
 

@@ -117,6 +117,7 @@ def _build_ddp(
 def _build_megatron_fsdp(
     config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv, initial_params
 ):
+    from megatron.core.distributed.data_parallel_mesh import DP_OUTER_DIM, DP_SHARD_DIM
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.transformer.init import init_parameter_
 
@@ -140,7 +141,10 @@ def _build_megatron_fsdp(
     model = FullyShardedDataParallel(
         module,
         fsdp_config=fsdp_config,
-        process_group=env.dp_group,
+        # Inner (shard) and, with --num-distributed-optimizer-instances > 1, outer groups.
+        device_mesh=env.dp_mesh,
+        dp_shard_dim=DP_SHARD_DIM,
+        dp_outer_dim=DP_OUTER_DIM,
         device=env.device,
         init_fn=init_fn,
         # With fp8_param_gather the engine keeps Fp8Linear weights only as FP8 bytes plus fp32

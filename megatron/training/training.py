@@ -143,6 +143,13 @@ def _build_and_train_seeded(args: argparse.Namespace, env: DistributedEnv) -> Tr
         f"fp8-param-gather={args.fp8_param_gather} use-megatron-fsdp={args.use_megatron_fsdp} "
         f"data-parallel-size={env.world_size}",
     )
+    if args.num_distributed_optimizer_instances > 1:
+        instances = args.num_distributed_optimizer_instances
+        print_rank_0(
+            env,
+            f" > HSDP: {instances} replicas x {env.world_size // instances} sharding ranks "
+            f"(consecutive), outer-dp-sharding-strategy={args.outer_dp_sharding_strategy}",
+        )
     print_rank_0(env, f" > number of parameters: {run.num_parameters}")
     logger = _build_metrics_logger(args, env)
     try:

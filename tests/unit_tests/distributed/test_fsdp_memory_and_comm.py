@@ -218,8 +218,8 @@ def _overlapped_toy_watching_reductions(num_layers: int, watch) -> tuple:
     reduce = model.engine.reduce
     launch = reduce.reduce_unit
 
-    def watched_reduce_unit(unit):
-        launch(unit)
+    def watched_reduce_unit(unit, **kwargs):
+        launch(unit, **kwargs)
         watch(reduce._pending)  # noqa: SLF001 - the pipeline state under test
 
     reduce.reduce_unit = watched_reduce_unit

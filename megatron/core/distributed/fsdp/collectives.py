@@ -54,26 +54,33 @@ class CommStats:
     """Bytes this rank's collectives produce or consume, since the last reset.
 
     Definitions (per rank, logical payload; on a ring each rank actually sends and receives
-    (W-1)/W of it):
+    (W-1)/W of it, W the size of the group the collective runs on):
     - all_gather_bytes: size of every all-gather's gathered output (W x shard bytes).
     - reduce_scatter_bytes: size of every reduce-scatter's full input (W x shard bytes).
     - all_reduce_bytes: size of every all-reduced buffer (no_shard grads).
+    These three count the shard group only: the whole DP group under plain ZeRO, the inner
+    (intra-node) group under HSDP. With an outer (replica) group, always reported:
+    - outer_all_reduce_bytes: grad shards all-reduced across replicas (outer no_shard).
+    - outer_reduce_scatter_bytes / outer_all_gather_bytes: the padded grad shard
+      reduce-scattered, and the fp32 main shard all-gathered, across replicas (outer optim).
     Reported only when non-zero (FP8 parameters):
     - fp8_all_gather_bytes: the part of all_gather_bytes that is FP8 bytes plus their scales.
     - amax_all_reduce_bytes: the packed MAX all-reduce of weight amaxes after a step.
     """
 
     KEYS = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")
+    OUTER_KEYS = ("outer_all_reduce_bytes", "outer_reduce_scatter_bytes", "outer_all_gather_bytes")
     OPTIONAL_KEYS = ("fp8_all_gather_bytes", "amax_all_reduce_bytes")
 
-    def __init__(self) -> None:
+    def __init__(self, *, outer: bool = False) -> None:
+        self.reported = self.KEYS + (self.OUTER_KEYS if outer else ())
         self.reset()
 
     def reset(self) -> None:
-        self.counts = dict.fromkeys(self.KEYS + self.OPTIONAL_KEYS, 0)
+        self.counts = dict.fromkeys(self.KEYS + self.OUTER_KEYS + self.OPTIONAL_KEYS, 0)
 
     def add(self, key: str, nbytes: int) -> None:
         self.counts[key] += nbytes
 
     def as_dict(self) -> dict[str, int]:
-        return {k: v for k, v in self.counts.items() if k in self.KEYS or v}
+        return {k: v for k, v in self.counts.items() if k in self.reported or v}

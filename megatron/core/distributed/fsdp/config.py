@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
 
 
 @dataclass(kw_only=True)
@@ -40,6 +41,24 @@ class FsdpConfig:
 
     init_model_with_meta_device: bool = False
     """Build the model on the meta device and materialize it shard by shard."""
+
+    outer_dp_sharding_strategy: Literal["no_shard", "optim"] = "no_shard"
+    """HSDP only (a mesh with an outer dimension): what is sharded across the replicas.
+    no_shard: each replica holds the whole sharded state; grads are all-reduced over the outer
+    group. optim: the optimizer state (Adam moments) is split across the replicas as well;
+    grads are reduce-scattered over the outer group and the updated fp32 main params
+    all-gathered over it. Megatron-FSDP's `--outer-dp-sharding-strategy`."""
+
+    def __post_init__(self) -> None:
+        if self.outer_dp_sharding_strategy not in OUTER_SHARDING_STRATEGIES:
+            raise ValueError(
+                f"outer_dp_sharding_strategy={self.outer_dp_sharding_strategy!r}: use one of "
+                f"{OUTER_SHARDING_STRATEGIES}"
+            )
+
+    @property
+    def outer_shards_optimizer(self) -> bool:
+        return self.outer_dp_sharding_strategy == "optim"
 
     @property
     def shards_optimizer_state(self) -> bool:

@@ -9,6 +9,11 @@ Step: finish the grad reduction; global L2 norm over all ranks' pieces (each ele
 once: pieces are disjoint; under no_shard everything is replicated so the norm is local); skip
 on NaN/Inf; clip; step; write main shards back into the compute storage (all-gathering the
 replicas for optim/optim_grads).
+
+HSDP: with outer no_shard every replica runs the same update on the same shard (the norm sums
+over the shard group only); with outer optim each replica updates only its part of the shard
+(`BufferGroup.optimizer_range`; the norm sums over every DP rank) and the updated parts are
+all-gathered across replicas before the compute params are written.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         self.pieces: list[ShardPiece] = []
         for group in engine.buffer.all_groups():
             group.ensure_grad_buffer()
-            for piece in group.pieces():
+            for piece in group.optimizer_pieces():
                 flat = group.main_shard[piece.shard_start : piece.shard_start + piece.numel]
                 is_matrix = len(piece.slot.shape) >= 2
                 main = flat.view(1, -1) if is_matrix else flat
@@ -74,6 +79,13 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         else:
             self.param_groups = [{"lr": config.lr, "weight_decay": config.weight_decay}]
         self.replicated = not engine.config.shards_optimizer_state
+        groups = engine.groups
+        # The group over which the ranks' pieces are disjoint and cover the model once: the
+        # grad norm sums over it, and optimizer-state checkpoints are sharded over it.
+        self.piece_group = None
+        if not self.replicated:
+            outer_split = groups.outer is not None and engine.config.outer_shards_optimizer
+            self.piece_group = groups.full if outer_split else groups.shard
 
     @torch.no_grad()
     def _init_state(self) -> None:
@@ -121,12 +133,11 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
     def step(self) -> StepResult:
         self.engine.finish_grad_sync()
         grads = self._attach_grads()
-        group = None if self.replicated else self.engine.process_group
         if not grads:
             grads = [torch.zeros(1, device=self.engine.buffer.device)]
         unscale_grads_(grads, self.loss_scale)
-        grad_norm = global_grad_norm(grads, group=group)
-        zeros = count_zeros(grads, group=group) if self.count_zeros_in_grad else None
+        grad_norm = global_grad_norm(grads, group=self.piece_group)
+        zeros = count_zeros(grads, group=self.piece_group) if self.count_zeros_in_grad else None
         if not math.isfinite(grad_norm):
             self._detach_grads()
             self.engine.zero_grad_buffer()
@@ -136,6 +147,7 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
                 self.optimizer, grads, max_norm=self.config.clip_grad, total_norm=grad_norm
             )
         self._detach_grads()
+        self.engine.buffer.gather_outer_main_shards(stats=self.engine.stats)
         self.engine.buffer.write_back_main_params(stats=self.engine.stats)
         return StepResult(update_successful=True, grad_norm=grad_norm, num_zeros_in_grad=zeros)
 
@@ -144,7 +156,7 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         mains = [piece.main for piece in self.pieces] or [
             torch.zeros(1, device=self.engine.buffer.device)
         ]
-        return global_grad_norm(mains, group=None if self.replicated else self.engine.process_group)
+        return global_grad_norm(mains, group=self.piece_group)
 
     def _detach_grads(self) -> None:
         for shard_piece in self.pieces:

@@ -1,80 +1,321 @@
-"""Megatron-FSDP for plain PyTorch users, without Megatron's configs or training loop.
+"""Megatron-FSDP for plain PyTorch users: the standalone API of `megatron_fsdp` (PyPI).
 
-model = fully_shard_model(model, fsdp_unit_modules=(MyBlock,), zero_dp_strategy=3)
-optimizer = fully_shard_optimizer(model, {"lr": 1e-3, "weight_decay": 0.1})
-loss = model(x).mean(); loss.backward()
-model.finish_grad_sync(); optimizer.step(); model.zero_grad_buffer()
+A script written against Megatron-FSDP runs with only its imports changed:
+
+    with torch.device("meta"), quantized_model_init(enabled=True, recipe="tensorwise",
+                                                     preserve_high_precision_init_val=True):
+        model = MyModel()                          # nn.Linear / Fp8Linear blocks
+    model = fully_shard_model(model, fsdp_unit_modules=[MyBlock], zero_dp_strategy=3,
+                              init_model_with_meta_device=True)
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for batch in data:
+        loss_fn(model(batch)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+Same names, argument order and defaults as megatron_fsdp's `fully_shard_model`,
+`fully_shard_optimizer`, `fully_shard` and `MixedPrecisionPolicy`. Where ours differs:
+- `device_mesh` / `dp_shard_dim` / `dp_outer_dim`: HSDP needs no `hybrid_fsdp_group` (the full
+  DP group is cut from the mesh; a given one is ignored). `tp_dim` must name a size-1 dimension
+  (no tensor parallelism yet). Without a mesh, `process_group` (ours) or WORLD is sharded over.
+- Meta-device init: each module's `reset_parameters()` re-runs on a real copy seeded by the
+  module's name, so values do not depend on the rank or world size; Fp8Linear (no
+  reset_parameters) is initialized as nn.Linear is. Ours also takes `init_fn(name, tensor)`.
+- `MixedPrecisionPolicy(main_grads_dtype=None)` accumulates fp32 grads (megatron_fsdp: the
+  compute dtype); main params must be fp32.
+- `sync_model_each_microbatch=False` defers every deferrable reduction (no_shard/optim grads,
+  HSDP's replica reduction) to `optimizer.step()`.
+- Megatron-FSDP's buffer/NCCL tuning options (`nccl_ub`, `fsdp_double_buffer`, ...) are
+  accepted at their defaults only.
+The previous forms stay: `fully_shard_optimizer(model, {"lr": ...})` builds our distributed
+optimizer (clipping, skip on NaN, checkpoints) from an OptimizerConfig or its fields.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
+import contextlib
+import copy
+import importlib
+import math
+import types
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from megatron.core.distributed.fsdp.config import FsdpConfig
-from megatron.core.distributed.fsdp.distributed_optimizer import FsdpDistributedOptimizer
+from megatron.core.distributed.fsdp.distributed_optimizer import (
+    FsdpDistributedOptimizer,
+    ShardPiece,
+)
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.distributed.fsdp.param_and_grad_buffer import InitFn
+from megatron.core.fp8.config import Fp8Config
+from megatron.core.fp8.linear import Fp8Linear
+from megatron.core.fp8.param_init import quantized_model_init as _fp8_quantized_model_init
 from megatron.core.optimizer import OptimizerConfig
 
 # ZeRO stage number -> Megatron-FSDP strategy name.
 _ZERO_STAGES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
+# Megatron-FSDP options about its own buffers and NCCL, with their defaults: accepted unchanged.
+_MEGATRON_ONLY_DEFAULTS = {
+    "expt_device_mesh": None, "hybrid_fsdp_expt_group": None, "fsdp_group_ag": None,
+    "expt_fsdp_group_ag": None, "preproc_state_dict_for_dcp_ckpt": True,
+    "report_nan_in_param_grad": False, "average_in_collective": False,
+    "disable_bucketing": False, "calculate_per_token_loss": False,
+    "keep_fp8_transpose_cache": False, "nccl_ub": False, "fsdp_double_buffer": False,
+    "fsdp_db_use_persist_buf_on_alloc_fail": False, "disable_symmetric_registration": False,
+    "enable_fine_grained_param_gather": False, "use_decoupled_grad": False,
+    "cuda_graph_mode": False, "maxpool_double_buffer": False,
+}  # fmt: skip
 
 
-def _strategy(zero_dp_strategy: int | str) -> str:
-    if isinstance(zero_dp_strategy, int):
-        if zero_dp_strategy not in _ZERO_STAGES:
-            raise ValueError(f"zero_dp_strategy={zero_dp_strategy}: use 0, 1, 2 or 3")
-        return _ZERO_STAGES[zero_dp_strategy]
-    if zero_dp_strategy not in _ZERO_STAGES.values():
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Megatron-FSDP's mixed-precision settings (same fields and defaults)."""
+
+    main_params_dtype: torch.dtype | None = torch.float32
+    """Optimizer/checkpoint params; fp32 (None: the compute dtype, accepted for fp32 models)."""
+    main_grads_dtype: torch.dtype | None = None
+    """Grad accumulation dtype; None: fp32 here."""
+    grad_comm_dtype: torch.dtype | None = None
+    """Reduce-scatter dtype; None: main_grads_dtype. bf16 = our grad_reduce_in_bf16."""
+
+
+@contextlib.contextmanager
+def quantized_model_init(
+    enabled: bool = True,
+    recipe: str | Fp8Config | None = None,
+    preserve_high_precision_init_val: bool = True,
+) -> Iterator[None]:
+    """Fp8Linears built inside keep their weight only in FP8 (TransformerEngine's signature;
+    `recipe` is a recipe name or an Fp8Config, None: each layer's own)."""
+    if not enabled:
+        yield
+        return
+    name = recipe.recipe if isinstance(recipe, Fp8Config) else recipe
+    with _fp8_quantized_model_init(
+        name, preserve_high_precision_init_val=preserve_high_precision_init_val
+    ):
+        yield
+
+
+def _strategy(value: int | str, *, allowed: dict[int, str], what: str) -> str:
+    if isinstance(value, int) and value in allowed:
+        return allowed[value]
+    if value in allowed.values():
+        return value
+    raise ValueError(f"{what}={value!r}: use one of {sorted(allowed)} or {list(allowed.values())}")
+
+
+def _unit_classes(units: Sequence[type | str] | None, module: nn.Module) -> tuple[type, ...]:
+    """Classes, or import paths like "torch.nn.TransformerEncoderLayer"."""
+    if units is None:
+        return tuple(getattr(module, "fsdp_unit_modules", ()) or ())
+    classes = []
+    for unit in units:
+        if isinstance(unit, str):
+            module_path, _, name = unit.rpartition(".")
+            unit = getattr(importlib.import_module(module_path), name)
+        classes.append(unit)
+    return tuple(classes)
+
+
+def _fresh_parameters(owner: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """High-precision initial values of `owner`'s own parameters, on `device`."""
+    if isinstance(owner, Fp8Linear):  # as nn.Linear.reset_parameters
+        dtype = torch.float32 if owner.bias is None else owner.bias.dtype
+        weight = torch.empty(owner.out_features, owner.in_features, dtype=dtype, device=device)
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        values = {"weight": weight}
+        if owner.bias is not None:
+            bound = 1.0 / math.sqrt(owner.in_features)
+            values["bias"] = torch.empty_like(owner.bias, device=device).uniform_(-bound, bound)
+        return values
+    reset = getattr(owner, "reset_parameters", None)
+    if reset is None:
         raise ValueError(
-            f"zero_dp_strategy={zero_dp_strategy!r}: use one of {sorted(_ZERO_STAGES.values())}"
+            f"init_model_with_meta_device: {type(owner).__name__} has no reset_parameters(); "
+            "implement it or pass init_fn=lambda name, tensor: ..."
         )
-    return zero_dp_strategy
+    clone = copy.deepcopy(owner).to_empty(device=device)
+    clone.reset_parameters()
+    return {name: param.detach() for name, param in clone.named_parameters(recurse=False)}
+
+
+def reset_parameters_init_fn(root: nn.Module, device: torch.device) -> InitFn:
+    """An init_fn running each owner module's reset_parameters() under a seed from its name."""
+    cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def init(name: str, tensor: torch.Tensor) -> None:
+        owner_path, _, attr = name.rpartition(".")
+        if owner_path not in cache:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(zlib.crc32(owner_path.encode()))
+                owner = root.get_submodule(owner_path) if owner_path else root
+                cache[owner_path] = _fresh_parameters(owner, device)
+        values = cache[owner_path]
+        with torch.no_grad():
+            tensor.copy_(values.pop(attr))
+        if not values:
+            del cache[owner_path]
+
+    return init
 
 
 def fully_shard_model(
     module: nn.Module,
-    *,
-    fsdp_unit_modules: tuple[type, ...],
+    device_mesh: DeviceMesh | None = None,
+    dp_shard_dim: str | None = None,
+    dp_outer_dim: str | None = None,
+    tp_dim: str | None = None,
+    hybrid_fsdp_group: dist.ProcessGroup | None = None,
+    fsdp_unit_modules: Sequence[type | str] | None = None,
     zero_dp_strategy: int | str = 3,
-    init_model_with_meta_device: bool = False,
-    process_group: dist.ProcessGroup | None = None,
+    outer_dp_sharding_strategy: int | str = 0,
     device: torch.device | str | None = None,
+    init_model_with_meta_device: bool = False,
+    mixed_precision_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    sync_model_each_microbatch: bool = True,
+    *,
+    process_group: dist.ProcessGroup | None = None,
     init_fn: InitFn | None = None,
-    **fsdp_config_overrides: Any,
+    fp8_config: Fp8Config | None = None,
+    **options: Any,
 ) -> FullyShardedDataParallel:
-    """Wrap `module`; each `fsdp_unit_modules` instance is one gather/reduce unit.
-
-    With init_model_with_meta_device the module was built on meta and `init_fn(name, tensor)`
-    fills each full parameter once, on the target device, one at a time.
-    """
+    """Wrap `module`; each `fsdp_unit_modules` instance is one gather/reduce unit (default:
+    the module's `fsdp_unit_modules` attribute, else none: everything is one unit). Other
+    keyword options are FsdpConfig fields, or Megatron-FSDP options at their defaults."""
+    fsdp_fields = {f.name for f in fields(FsdpConfig)}
+    overrides = {k: v for k, v in options.items() if k in fsdp_fields}
+    for key, value in options.items():
+        if key in fsdp_fields:
+            continue
+        if key not in _MEGATRON_ONLY_DEFAULTS:
+            raise TypeError(f"fully_shard_model: unknown option {key!r}")
+        if value != _MEGATRON_ONLY_DEFAULTS[key]:
+            raise ValueError(
+                f"fully_shard_model: {key}={value!r} is not supported here; leave it at "
+                f"{_MEGATRON_ONLY_DEFAULTS[key]!r}"
+            )
+    if tp_dim is not None and device_mesh is not None and device_mesh[tp_dim].size() > 1:
+        raise ValueError("fully_shard_model: tensor parallelism is not supported; tp_dim size 1")
+    policy = mixed_precision_policy
+    if policy.main_params_dtype not in (None, torch.float32):
+        raise ValueError("MixedPrecisionPolicy.main_params_dtype: only torch.float32 (or None)")
+    main_grads = policy.main_grads_dtype or torch.float32
+    comm = policy.grad_comm_dtype or main_grads
+    if comm not in (main_grads, torch.bfloat16):
+        raise ValueError("MixedPrecisionPolicy.grad_comm_dtype: None, main_grads_dtype or bf16")
     config = FsdpConfig(
-        data_parallel_sharding_strategy=_strategy(zero_dp_strategy),
+        data_parallel_sharding_strategy=_strategy(
+            zero_dp_strategy, allowed=_ZERO_STAGES, what="zero_dp_strategy"
+        ),
+        outer_dp_sharding_strategy=_strategy(
+            outer_dp_sharding_strategy,
+            allowed={0: "no_shard", 1: "optim"},
+            what="outer_dp_sharding_strategy",
+        ),  # fmt: skip
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        main_grads_dtype=main_grads,
+        grad_reduce_in_bf16=comm == torch.bfloat16 and main_grads != torch.bfloat16,
         init_model_with_meta_device=init_model_with_meta_device,
-        **fsdp_config_overrides,
+        **overrides,
     )
-    return FullyShardedDataParallel(
+    target = torch.device(device) if device is not None else None
+    if init_fn is None and any(p.is_meta for p in module.parameters()):
+        init_device = target or (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        init_fn = reset_parameters_init_fn(module, init_device)
+    model = FullyShardedDataParallel(
         module,
         fsdp_config=config,
         process_group=process_group,
-        device=device,
-        fsdp_unit_modules=fsdp_unit_modules,
+        device=target,
+        fsdp_unit_modules=_unit_classes(fsdp_unit_modules, module),
         init_fn=init_fn,
+        fp8_config=fp8_config,
+        device_mesh=device_mesh,
+        dp_shard_dim=dp_shard_dim,
+        dp_outer_dim=dp_outer_dim,
     )
+    model.engine.sync_enabled = sync_model_each_microbatch
+    for param in model.parameters():
+        param._megatron_fsdp_model = model  # how fully_shard_optimizer finds the engine
+    return model
+
+
+def _shard_torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Point `optimizer` (built over a fully_shard_model's parameters) at this rank's fp32
+    main-param pieces, in place, and make step()/zero_grad() run the engine around it."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    owners = {getattr(p, "_megatron_fsdp_model", None) for p in params}
+    if len(owners) != 1 or None in owners:
+        raise ValueError(
+            "fully_shard_optimizer: build the optimizer over fully_shard_model(...).parameters() "
+            "of one model (e.g. torch.optim.AdamW(model.parameters(), lr=...))"
+        )
+    model = owners.pop()
+    engine = model.engine
+    pieces_by_name: dict[str, list[ShardPiece]] = {}
+    for group in engine.buffer.all_groups():
+        group.ensure_grad_buffer()
+        for piece in group.optimizer_pieces():
+            main = group.main_shard[piece.shard_start : piece.shard_start + piece.numel]
+            shard_piece = ShardPiece(piece.slot.name, piece, group, main)
+            pieces_by_name.setdefault(piece.slot.name, []).append(shard_piece)
+    all_pieces: list[ShardPiece] = []
+    for param_group in optimizer.param_groups:
+        mains = []
+        for param in param_group["params"]:
+            for shard_piece in pieces_by_name.get(engine.buffer.param_names[param][0], []):
+                mains.append(shard_piece.main)
+                all_pieces.append(shard_piece)
+        param_group["params"] = mains
+    optimizer.state.clear()
+    torch_step = optimizer.step
+
+    def step(self, closure=None):
+        engine.finish_grad_sync()
+        for shard_piece in all_pieces:
+            shard_piece.main.grad = shard_piece.grad_view().to(shard_piece.main.dtype)
+        result = torch_step(closure)
+        for shard_piece in all_pieces:
+            shard_piece.main.grad = None
+        engine.buffer.gather_outer_main_shards(stats=engine.stats)
+        engine.buffer.write_back_main_params(stats=engine.stats)
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        engine.zero_grad_buffer()
+
+    optimizer.step = types.MethodType(step, optimizer)
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+    return optimizer
 
 
 def fully_shard_optimizer(
-    model: FullyShardedDataParallel, optimizer_config_or_kwargs: OptimizerConfig | dict[str, Any]
-) -> FsdpDistributedOptimizer:
-    """The distributed optimizer over `model`'s main-param shards.
-
-    Accepts an OptimizerConfig or its fields as a dict, e.g. {"lr": 1e-3, "clip_grad": 1.0}.
-    """
+    optimizer: torch.optim.Optimizer | FullyShardedDataParallel,
+    optimizer_config_or_kwargs: OptimizerConfig | dict[str, Any] | None = None,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+) -> torch.optim.Optimizer | FsdpDistributedOptimizer:
+    """Megatron-FSDP's form: any torch.optim.Optimizer built over a fully_shard_model's
+    parameters, modified in place so that backward(); step(); zero_grad() trains the sharded
+    fp32 main params. Ours: (model, OptimizerConfig or its fields as a dict) builds the
+    distributed optimizer (clip_grad, skip on NaN/Inf, sharded checkpoints)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _shard_torch_optimizer(optimizer)
     config = optimizer_config_or_kwargs
     if isinstance(config, dict):
         known = {f.name for f in fields(OptimizerConfig)}
@@ -84,4 +325,19 @@ def fully_shard_optimizer(
                 f"fully_shard_optimizer: unknown options {unknown}; use {sorted(known)}"
             )
         config = OptimizerConfig(**config)
-    return model.build_optimizer(config)
+    if config is None:
+        raise ValueError("fully_shard_optimizer(model, config): pass an OptimizerConfig or dict")
+    return optimizer.build_optimizer(config)
+
+
+def fully_shard(
+    module: nn.Module, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any
+) -> tuple[FullyShardedDataParallel, torch.optim.Optimizer]:
+    """fully_shard_model(module, ...) then fully_shard_optimizer(optimizer), where `optimizer`
+    was built over `module`'s parameters (they are re-pointed at the sharded ones)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    model = fully_shard_model(module, *args, **kwargs)
+    sharded = dict(model.module.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+    return model, fully_shard_optimizer(optimizer)

@@ -20,6 +20,10 @@ Fp8Linear weight is kept only as FP8 bytes + fp32 main shards, whether the model
 high precision (converted here, main params = the exact weight values), on the meta device
 (main params from init_fn), or under quantized_model_init (main params from the kept init
 values; this needs no fp8_config at all). `model_init_context` is the build context to use.
+
+Groups: `process_group` (plain ZeRO over it; default WORLD) or a `device_mesh` with the names
+of its shard dimension and, for HSDP, its outer (replicate) dimension
+(`megatron.core.distributed.data_parallel_mesh`). Nothing reads process groups from globals.
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from megatron.core.distributed.data_parallel_mesh import (
+    DP_SHARD_DIM,
+    DataParallelGroups,
+)
 from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.distributed.fsdp.distributed_optimizer import FsdpDistributedOptimizer
 from megatron.core.distributed.fsdp.megatron_fsdp import MegatronFSDP
@@ -61,8 +70,34 @@ def default_unit_modules(module: nn.Module) -> tuple[type, ...]:
     return (TransformerLayer,)
 
 
+def resolve_groups(
+    *,
+    process_group: dist.ProcessGroup | None,
+    device_mesh: DeviceMesh | None,
+    dp_shard_dim: str | None,
+    dp_outer_dim: str | None,
+) -> DataParallelGroups:
+    """The engine's groups from either a process group or a mesh (not both)."""
+    if device_mesh is None:
+        if dp_outer_dim is not None:
+            raise ValueError(
+                "FullyShardedDataParallel: dp_outer_dim names a dimension of device_mesh; pass "
+                "device_mesh=build_data_parallel_mesh(...) with it"
+            )
+        return DataParallelGroups.single_group(process_group or dist.group.WORLD)
+    if process_group is not None:
+        raise ValueError(
+            "FullyShardedDataParallel: pass process_group or device_mesh, not both (the mesh's "
+            "dp_shard_dim group is the shard group)"
+        )
+    return DataParallelGroups.from_mesh(
+        device_mesh, shard_dim=dp_shard_dim or DP_SHARD_DIM, outer_dim=dp_outer_dim
+    )
+
+
 class FullyShardedDataParallel(nn.Module):
-    """Shards `module`'s params, grads and optimizer state over `process_group`."""
+    """Shards `module`'s params, grads and optimizer state over the shard group; under HSDP
+    (`dp_outer_dim`) replicates that sharded state across the outer group."""
 
     def __init__(
         self,
@@ -74,11 +109,25 @@ class FullyShardedDataParallel(nn.Module):
         fsdp_unit_modules: tuple[type, ...] | None = None,
         init_fn: InitFn | None = None,
         fp8_config: Fp8Config | None = None,
+        device_mesh: DeviceMesh | None = None,
+        dp_shard_dim: str | None = None,
+        dp_outer_dim: str | None = None,
     ) -> None:
         super().__init__()
         self.module = module
         self.fsdp_config = fsdp_config
-        self.process_group = process_group or dist.group.WORLD
+        self.dp_groups = resolve_groups(
+            process_group=process_group,
+            device_mesh=device_mesh,
+            dp_shard_dim=dp_shard_dim,
+            dp_outer_dim=dp_outer_dim,
+        )
+        if self.dp_groups.outer is not None and not fsdp_config.shards_optimizer_state:
+            raise ValueError(
+                "HSDP (dp_outer_dim) needs an inner strategy that shards: use "
+                "data_parallel_sharding_strategy optim_grads_params (or optim, optim_grads)"
+            )
+        self.process_group = self.dp_groups.shard
         if device is None:
             device = (
                 torch.device("cuda", torch.cuda.current_device())
@@ -90,7 +139,7 @@ class FullyShardedDataParallel(nn.Module):
         self.engine = MegatronFSDP(
             module,
             config=fsdp_config,
-            process_group=self.process_group,
+            groups=self.dp_groups,
             device=self.device,
             unit_types=tuple(unit_types),
             init_fn=init_fn,
@@ -153,7 +202,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def comm_stats(self) -> dict[str, int]:
         """Bytes all-gathered / reduce-scattered / all-reduced by this rank since the last
-        zero_grad_buffer() (definitions in collectives.CommStats)."""
+        zero_grad_buffer(), inner and (HSDP) outer apart (definitions in
+        collectives.CommStats)."""
         return self.engine.stats.as_dict()
 
     def memory_bytes(self) -> dict[str, int]:

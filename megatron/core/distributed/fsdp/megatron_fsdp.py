@@ -10,6 +10,11 @@ One training step under ZeRO-3 (optim_grads_params), for each micro-batch:
                     (async with overlap_grad_reduce) and release the gathered buffer.
 Other strategies keep compute params replicated, so only the grad half applies.
 
+HSDP (groups.outer set): all of the above runs over the inner (shard) group; a unit's grads
+are reduced across replicas once per step, after its final inner reduction (see
+reduce_pipeline). Every micro-batch but the last must then run under no_sync(), for every
+strategy: grads arriving after the replica reduction are an error, not a silent loss.
+
 Activation recompute re-runs a unit's forward inside backward: those hooks see that backward is
 running, keep the buffer gathered and neither prefetch nor re-register.
 """
@@ -23,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.core.distributed.data_parallel_mesh import DataParallelGroups
 from megatron.core.distributed.fsdp.collectives import CommStats
 from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.distributed.fsdp.gather_pipeline import AllGatherPipeline
@@ -59,32 +65,40 @@ class MegatronFSDP:
         module: nn.Module,
         *,
         config: FsdpConfig,
-        process_group: dist.ProcessGroup,
+        groups: DataParallelGroups,
         device: torch.device,
         unit_types: tuple[type, ...],
         init_fn: InitFn | None,
         convert_fp8_linears: bool = False,
     ) -> None:
         self.config = config
-        self.process_group = process_group
+        self.groups = groups
+        self.process_group: dist.ProcessGroup = groups.shard
+        """The shard group: gathers, reduce-scatters, sharded checkpoints' pieces."""
         self.buffer = ParamAndGradBuffer(
             module,
             unit_modules=find_unit_modules(module, unit_types),
             config=config,
-            group=process_group,
+            group=groups.shard,
             device=device,
             init_fn=init_fn,
             convert_fp8_linears=convert_fp8_linears,
+            outer_group=groups.outer,
         )
-        self.stats = CommStats()
+        self.stats = CommStats(outer=groups.outer is not None)
         self.gather = AllGatherPipeline(
             overlap=config.overlap_param_gather,
             max_inflight_numel=config.suggested_communication_unit_size,
             stats=self.stats,
         )
         self.reduce = GradReducePipeline(
-            process_group=process_group, overlap=config.overlap_grad_reduce, stats=self.stats
+            process_group=groups.shard,
+            overlap=config.overlap_grad_reduce,
+            stats=self.stats,
+            outer_group=groups.outer,
+            outer_shards_optimizer=config.outer_shards_optimizer,
         )
+        self.hsdp = groups.outer is not None
         self.root = self.buffer.units[0]
         self.layer_units = self.buffer.units[1:]
         self.sync_enabled = True
@@ -93,6 +107,8 @@ class MegatronFSDP:
         self._grads_seen: dict[int, int] = {}
         self._reduced: set[int] = set()
         self._locally_accumulated: set[int] = set()
+        self._outer_pending: set[int] = set()
+        """HSDP: units with inner reductions this step (under no_sync) and no replica one yet."""
         self._param_owner: dict[nn.Parameter, tuple[FsdpUnit, BufferGroup, int]] = {}
         self._install_hooks()
 
@@ -150,9 +166,9 @@ class MegatronFSDP:
         unit, group, index = self._param_owner[param]
         if param.grad is None:
             return
-        if not group.shards_grads and id(unit) in self._reduced:
+        if id(unit) in self._reduced:
             raise RuntimeError(
-                f"Megatron-FSDP ({self.config.data_parallel_sharding_strategy}): unit "
+                f"Megatron-FSDP ({self._strategy_name()}): unit "
                 f"{unit.name or '<root>'} got grads after its grads were already reduced this "
                 "step; run every micro-batch but the last under model.no_sync()"
             )
@@ -163,14 +179,26 @@ class MegatronFSDP:
         if seen == sum(p.requires_grad for p in unit.params()):
             self._on_unit_grads_done(unit)
 
+    def _strategy_name(self) -> str:
+        name = self.config.data_parallel_sharding_strategy
+        if self.hsdp:
+            name += f", HSDP outer {self.config.outer_dp_sharding_strategy}"
+        return name
+
     def _on_unit_grads_done(self, unit: FsdpUnit) -> None:
         self._grads_seen[id(unit)] = 0
         shards_grads = self.config.shards_grads
         if shards_grads or self.sync_enabled:
-            if not shards_grads:
+            # Final grads of the step: no_shard/optim reduce only now; under HSDP every
+            # strategy then reduces across replicas, which cannot take more grads after it.
+            final = self.sync_enabled and (self.hsdp or not shards_grads)
+            if final:
                 self._reduced.add(id(unit))
                 self._locally_accumulated.discard(id(unit))
-            self.reduce.reduce_unit(unit)
+                self._outer_pending.discard(id(unit))
+            elif self.hsdp:
+                self._outer_pending.add(id(unit))
+            self.reduce.reduce_unit(unit, then_outer=final and self.hsdp)
         else:
             self._locally_accumulated.add(id(unit))
         if self.config.shards_params:
@@ -203,7 +231,12 @@ class MegatronFSDP:
             if id(unit) in self._locally_accumulated:
                 self._locally_accumulated.discard(id(unit))
                 self._reduced.add(id(unit))
-                self.reduce.reduce_unit(unit)
+                self.reduce.reduce_unit(unit, then_outer=self.hsdp)
+        for unit in self.buffer.units:
+            if id(unit) in self._outer_pending:  # every micro-batch ran under no_sync()
+                self._outer_pending.discard(id(unit))
+                self._reduced.add(id(unit))
+                self.reduce.reduce_unit_outer(unit)
         self.reduce.wait_all()
         self.gather.drain()
 
@@ -214,6 +247,7 @@ class MegatronFSDP:
             group.zero_grads()
         self._reduced.clear()
         self._locally_accumulated.clear()
+        self._outer_pending.clear()
         self._grads_seen.clear()
         self.stats.reset()
 

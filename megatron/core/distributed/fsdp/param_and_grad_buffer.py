@@ -23,6 +23,12 @@ at every zero_grad_buffer() (re-allocated by the step's first grad), so no forwa
 
 no_shard uses a one-rank layout (no padding; the "shard" is the whole buffer); the other
 strategies pad each group to a multiple of the DP size.
+
+HSDP (an outer replica group): everything above is per replica, over the inner (shard) group.
+With outer `optim` each replica's optimizer owns only `optimizer_range`, its 1/N part of the
+shard; the fp32 main shard itself stays whole on every replica (FP8 bytes and bf16 compute
+values are written from it, with amaxes agreed over the inner group only) and is refreshed by
+an outer all-gather of the updated parts after each step.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.distributed.fsdp.collectives import CommStats
+from megatron.core.distributed.fsdp.collectives import CommStats, all_gather_flat
 from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.distributed.fsdp.fp8_layout import plan_fp8_layout
 from megatron.core.distributed.fsdp.fp8_storage import (
@@ -45,7 +51,14 @@ from megatron.core.distributed.fsdp.fp8_storage import (
 )
 from megatron.core.distributed.fsdp.grad_copy import write_grad_
 from megatron.core.distributed.fsdp.memory import MemoryTracker
-from megatron.core.distributed.fsdp.shard_layout import LocalPiece, UnitLayout, build_unit_layout
+from megatron.core.distributed.fsdp.shard_layout import (
+    LocalPiece,
+    UnitLayout,
+    build_unit_layout,
+    clip_pieces,
+    outer_chunk_numel,
+    outer_shard_range,
+)
 from megatron.core.distributed.fsdp.storage import ComputeStorage, DenseComputeStorage
 from megatron.core.fp8.param_init import (
     clear_high_precision_init_val,
@@ -83,6 +96,11 @@ class BufferGroup:
     target_needs_zeroing: bool = False
     """The grad target was allocated without zeros, and what no grad wrote (padding, params
     without a grad) has not been zeroed yet: finalize_grad_target() does it."""
+    optimizer_range: tuple[int, int] | None = None
+    """[lo, hi) of the shard whose optimizer state this rank holds (outer optim); None: all."""
+    outer_replicas: int = 1
+    """Replicas of this shard across the outer (HSDP) group; grads then need the outer
+    reduction, so they always go through the reduce pipeline."""
 
     @property
     def writes_grads_directly(self) -> bool:
@@ -92,10 +110,20 @@ class BufferGroup:
         by 1.0 and that copy, 16 bytes per fp32 grad element per micro-batch)."""
         if not self.shards_grads:
             return True
-        return self.layout.world_size == 1 and self.reduce_dtype == self.grad_dtype
+        return (
+            self.layout.world_size == 1
+            and self.outer_replicas == 1
+            and self.reduce_dtype == self.grad_dtype
+        )
 
     def pieces(self) -> list[LocalPiece]:
         return self.layout.pieces()
+
+    def optimizer_pieces(self) -> list[LocalPiece]:
+        """The pieces this rank's optimizer updates: all of its shard, or its outer part."""
+        if self.optimizer_range is None:
+            return self.pieces()
+        return clip_pieces(self.pieces(), *self.optimizer_range)
 
     def ensure_grad_buffer(self, *, zero: bool = True) -> torch.Tensor:
         """The grad buffer, allocated on first use in a step: zeros, or (zero=False, for a
@@ -266,12 +294,17 @@ class ParamAndGradBuffer:
         device: torch.device,
         init_fn: InitFn | None,
         convert_fp8_linears: bool = False,
+        outer_group: dist.ProcessGroup | None = None,
     ) -> None:
         """convert_fp8_linears: keep every Fp8Linear weight in FP8 (fp8_param_gather), even one
-        built in high precision; QuantizedTensor parameters are kept in FP8 regardless."""
+        built in high precision; QuantizedTensor parameters are kept in FP8 regardless.
+        group: the shard group; outer_group: the replica group under HSDP (None otherwise)."""
         self.config = config
         self.convert_fp8_linears = convert_fp8_linears
         self.group = group
+        self.outer_group = outer_group
+        self.outer_size = 1 if outer_group is None else dist.get_world_size(outer_group)
+        self.outer_rank = 0 if outer_group is None else dist.get_rank(outer_group)
         self.device = device
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -374,6 +407,11 @@ class ParamAndGradBuffer:
                 layout.shard_numel, dtype=config.main_params_dtype, device=self.device
             )
         reduce_dtype = torch.bfloat16 if config.grad_reduce_in_bf16 else config.main_grads_dtype
+        optimizer_range = None
+        if config.outer_shards_optimizer and self.outer_size > 1:
+            optimizer_range = outer_shard_range(
+                layout.shard_numel, outer_size=self.outer_size, outer_rank=self.outer_rank
+            )
         return BufferGroup(
             names=[member[0][0] for member in members],
             params=[],
@@ -386,6 +424,8 @@ class ParamAndGradBuffer:
             shards_grads=config.shards_grads,
             device=self.device,
             tracker=self.tracker,
+            optimizer_range=optimizer_range,
+            outer_replicas=self.outer_size,
         )
 
     def _build_fp8_group(
@@ -530,6 +570,30 @@ class ParamAndGradBuffer:
         for work in works:
             work.wait()
         return gathered_bytes
+
+    @torch.no_grad()
+    def gather_outer_main_shards(self, stats: CommStats | None = None) -> None:
+        """Outer optim, after a step: each replica updated its part of the main shard; gather
+        the parts so every replica holds the whole updated shard (exact fp32 values, from which
+        FP8 bytes and compute values are then written identically on every replica)."""
+        if self.outer_group is None or not self.config.outer_shards_optimizer:
+            return
+        works = []
+        for group in self.all_groups():
+            shard = group.main_shard
+            chunk = outer_chunk_numel(shard.numel(), outer_size=self.outer_size)
+            lo, hi = group.optimizer_range
+            part = torch.zeros(chunk, dtype=shard.dtype, device=shard.device)
+            part[: hi - lo].copy_(shard[lo:hi])
+            gathered = torch.empty(chunk * self.outer_size, dtype=shard.dtype, device=shard.device)
+            works.append((group, part, gathered, all_gather_flat(
+                gathered, part, group=self.outer_group, async_op=True)))  # fmt: skip
+            if stats is not None:
+                stats.add("outer_all_gather_bytes", gathered.numel() * gathered.element_size())
+        for group, _, gathered, work in works:
+            if work is not None:
+                work.wait()
+            group.main_shard.copy_(gathered[: group.main_shard.numel()])
 
     def _reduce_amaxes(
         self, groups: list[BufferGroup], stats: CommStats | None

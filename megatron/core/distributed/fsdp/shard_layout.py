@@ -106,3 +106,36 @@ def build_unit_layout(
     return UnitLayout(
         slots=tuple(slots), padded_numel=shard_numel * world_size, world_size=world_size, rank=rank
     )
+
+
+def outer_chunk_numel(shard_numel: int, *, outer_size: int) -> int:
+    """Elements of each replica's part of a shard under outer `optim` (the last may be short)."""
+    return -(-shard_numel // outer_size)
+
+
+def outer_shard_range(shard_numel: int, *, outer_size: int, outer_rank: int) -> tuple[int, int]:
+    """The [lo, hi) part of a shard whose optimizer state replica `outer_rank` owns.
+
+    Cut in equal chunks (padding only in the collectives' temporaries), so the inner layout,
+    and with it the FP8 block alignment, is the same as without an outer split.
+    """
+    chunk = outer_chunk_numel(shard_numel, outer_size=outer_size)
+    return min(outer_rank * chunk, shard_numel), min((outer_rank + 1) * chunk, shard_numel)
+
+
+def clip_pieces(pieces: list[LocalPiece], lo: int, hi: int) -> list[LocalPiece]:
+    """The parts of `pieces` (offsets within a shard) that fall inside [lo, hi) of it."""
+    clipped = []
+    for piece in pieces:
+        start = max(lo, piece.shard_start)
+        end = min(hi, piece.shard_start + piece.numel)
+        if end > start:
+            clipped.append(
+                LocalPiece(
+                    slot=piece.slot,
+                    param_start=piece.param_start + start - piece.shard_start,
+                    shard_start=start,
+                    numel=end - start,
+                )
+            )
+    return clipped

@@ -177,7 +177,10 @@ def optimizer_sharded_state_dict(optimizer: FsdpDistributedOptimizer) -> dict[st
     state: dict[str, Any] = {key: {} for key in keys}
     # On the engine's device: NCCL reduces only device tensors (the fused AdamW keeps it there).
     device = engine.buffer.device
+    # HSDP with outer optim splits optimizer state over every DP rank (optimizer.piece_group).
     mesh = _mesh(engine)
+    if mesh is not None and optimizer.piece_group is not None:
+        mesh = data_parallel_mesh(optimizer.piece_group, device)
     step = torch.zeros((), dtype=torch.float32, device=device)
     for name, group, index in _named_slots(engine):
         shard_piece = by_name.get(name)
