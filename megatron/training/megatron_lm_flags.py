@@ -337,8 +337,7 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         "else is refused at parse time)"
     )
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-                 "--context-parallel-size", "--expert-model-parallel-size",
-                 "--num-distributed-optimizer-instances"):  # fmt: skip
+                 "--context-parallel-size", "--expert-model-parallel-size"):  # fmt: skip
         group.add_argument(flag, type=int, default=1, help="Must be 1 here (not built above).")
     for flag in ("--expert-tensor-parallel-size", "--virtual-pipeline-model-parallel-size",
                  "--num-layers-per-virtual-pipeline-stage", "--num-experts",
@@ -387,8 +386,6 @@ _UNBUILT = (
     ("mtp_num_layers", lambda v: v is not None, "--mtp-num-layers {v} (multi-token prediction)",
      "next-token prediction only"),
     ("tp_comm_overlap", bool, "--tp-comm-overlap", "no tensor parallelism, so nothing to overlap"),
-    ("num_distributed_optimizer_instances", lambda v: v != 1,
-     "--num-distributed-optimizer-instances {v}", "one instance (--use-distributed-optimizer)"),
     ("use_mup", bool, "--use-mup", "standard parametrization (--init-method-std)"),
     ("mup_base_hidden_size", lambda v: v is not None, "--mup-base-hidden-size {v}",
      "standard parametrization"),
