@@ -171,7 +171,7 @@ class Reporter:
 
 
 def run_check(reporter: Reporter) -> bool:
-    from megatron.core.fp8.cuda.selfcheck import run_selfcheck
+    from tests.unit_tests.fp8.selfcheck import run_selfcheck
 
     started = time.perf_counter()
     cases, failures = run_selfcheck("cuda", quick=True)
