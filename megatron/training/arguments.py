@@ -139,8 +139,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Run backward on the autograd engine's per-device worker thread (PyTorch's "
         "default). Without it backward runs on the training loop's own thread, which saves a "
-        "thread hand-off per backward pass (0.3 ms per FP8 layer step on the lent H200's host, "
-        "docs/PERFORMANCE_FP8_LINEAR.md).",
+        "thread hand-off per backward pass (0.3-0.5 ms per FP8 layer step on an H200 host, "
+        "docs/benchmarks/fp8_linear_host_path_h200_2026-12-01.md).",
     )
     group.add_argument(
         "--check-for-nan-in-loss-and-grad",

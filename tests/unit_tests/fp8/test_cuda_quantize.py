@@ -1,4 +1,4 @@
-"""GPU: the fused Triton quantizers are bitwise equal to the reference (FP8_NUMERICS.md).
+"""GPU: the fused Triton quantizers are bitwise equal to the reference (docs/FP8_NUMERICS.md).
 
 Every test here needs CUDA (skipped on CPU); the CPU twin is test_cuda_fallback.py.
 """

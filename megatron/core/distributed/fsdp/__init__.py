@@ -1,4 +1,4 @@
-"""Megatron-FSDP: sharded data parallelism over flat per-unit buffers (see ARCHITECTURE.md)."""
+"""Megatron-FSDP: sharded data parallelism over flat per-unit buffers (see docs/ARCHITECTURE.md)."""
 
 from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.distributed.fsdp.fully_shard import fully_shard_model, fully_shard_optimizer
