@@ -428,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pretrain_gpt.py",
         description="Pretrain a GPT with megatron-fp8.",
         allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag's help shows it
     )
     for add in (
         _add_model_args,
