@@ -42,8 +42,10 @@ def test_rendered_help_shows_defaults():
         ("--log-interval LOG_INTERVAL", "10"),
         ("--fp8-amax-history-len FP8_AMAX_HISTORY_LEN", "1"),
         ("--fp8-amax-compute-algo {max,most_recent}", "most_recent"),
-        ("--data-parallel-sharding-strategy {no_shard,optim,optim_grads,optim_grads_params}",
-         "optim_grads_params"),
+        (
+            "--data-parallel-sharding-strategy {no_shard,optim,optim_grads,optim_grads_params}",
+            "optim_grads_params",
+        ),
         ("--check-for-nan-in-loss-and-grad, --no-check-for-nan-in-loss-and-grad", "True"),
         ("--swiglu", "False"),
     ):
