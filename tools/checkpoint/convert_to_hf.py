@@ -376,7 +376,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     hf_config = convert_state_dict_to_hf(
         state_dict, config, output_dir=args.output, dtype=DTYPES[args.dtype]
     )
-    print(f"wrote {hf_config['architectures'][0]} ({args.dtype}) to {args.output}")
+    print(
+        f"wrote {hf_config['architectures'][0]} ({args.dtype}) from iteration "
+        f"{_exported_iteration(args.load, args.iteration)} of {args.load} to {args.output}"
+    )
+
+
+def _exported_iteration(load: str, iteration: int | None) -> int:
+    """The iteration load_state_for_export read: given, the tracker's, or an iter_ dir's own."""
+    from megatron.training.checkpointing import read_metadata, read_tracker, resolve_iteration_dir
+
+    if os.path.isfile(os.path.join(load, "metadata.json")):
+        return read_metadata(load)["iteration"]
+    chosen = iteration if iteration is not None else read_tracker(load)
+    return read_metadata(resolve_iteration_dir(load, chosen))["iteration"]
 
 
 if __name__ == "__main__":
