@@ -33,7 +33,7 @@ case " $* " in
   *" --fp8-recipe"*) expect="FP8 on CPU emulates its GEMMs: 5-6x slower than without FP8" ;;
 esac
 echo "quickstart: run directory $RUN_DIR (checkpoints/, train.log); OMP_NUM_THREADS=$OMP_NUM_THREADS"
-echo "quickstart: training 300 iterations, a log line every 20 ($expect)"
+echo "quickstart: training (300 iterations unless --train-iters says otherwise; a log line every 20): $expect"
 # -u: unbuffered, so each log line reaches the terminal and train.log as it is printed.
 "$PYTHON" -u pretrain_gpt.py \
   --data-path "$PREFIX" --tokenizer-type ByteTokenizer --split 98,2,0 \
