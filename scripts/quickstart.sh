@@ -32,6 +32,10 @@ expect="about 3 minutes on 2 CPU cores"
 case " $* " in
   *" --fp8-recipe"*) expect="FP8 on CPU emulates its GEMMs: 5-6x slower than without FP8" ;;
 esac
+case " $* " in
+  *" --torch-compile "*) echo "quickstart: --torch-compile: the first iteration compiles the layers" \
+    "(30-45 s on 2 cores) before any log line" ;;
+esac
 echo "quickstart: run directory $RUN_DIR (checkpoints/, train.log); OMP_NUM_THREADS=$OMP_NUM_THREADS"
 echo "quickstart: training (300 iterations unless --train-iters says otherwise; a log line every 20): $expect"
 # -u: unbuffered, so each log line reaches the terminal and train.log as it is printed.
