@@ -126,7 +126,7 @@ def steady_ms(step, *, steps: int = 20, repeats: int = 3, lead: int = 3,
     untimed steps issued after the last sync, so the GPU already has work queued when the
     start event is reached, as inside a training step; without them the batch also timed the
     empty queue after the sync (the GPU waiting on the host's first launches: 0.2-0.6 ms per
-    batch on the lent H200, most for the FP8 steps). A step whose host issue time exceeds its
+    batch on an H200, most for the FP8 steps). A step whose host issue time exceeds its
     GPU time is still launch-bound here, as it would be in training. `host` receives the
     median host milliseconds spent issuing one timed step."""
     for _ in range(3):
@@ -171,7 +171,7 @@ class Reporter:
 
 
 def run_check(reporter: Reporter) -> bool:
-    from megatron.core.fp8.cuda.selfcheck import run_selfcheck
+    from tests.unit_tests.fp8.selfcheck import run_selfcheck
 
     started = time.perf_counter()
     cases, failures = run_selfcheck("cuda", quick=True)
@@ -509,7 +509,7 @@ def bench_linear(reporter: Reporter, started: float, *, chain: bool, budget_s: f
                  rounds: int = ROUNDS) -> None:  # fmt: skip
     """Time bf16 nn.Linear and each recipe's Fp8Linear (and --chain's API chain) in
     `rounds` interleaved rounds: every round times each step once (steady_ms), bf16 first.
-    The lent H200's step times drift by up to 18% within a run (clocks, host speed), so each
+    An H200's step times drift by up to 18% within a run (clocks, host speed), so each
     speedup is the median of the rounds' own ratios, both sides measured seconds apart."""
     for k, n in shapes:
         x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Model A of PERFORMANCE.md on all local GPUs: FSDP2 bf16 vs Megatron-FSDP bf16 (ZeRO-3), each
+# Model A of docs/PERFORMANCE.md on all local GPUs: FSDP2 bf16 vs Megatron-FSDP bf16 (ZeRO-3), each
 # with and without torch.compile, in one job. One JSON line per run in $OUT/bench_gpt.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -245,7 +245,7 @@ def main() -> int:
     rows = []
     for recipe in sys.argv[1:] or ["blockwise", "tensorwise"]:
         for name, (a, b) in linear_gemm_operands(recipe).items():
-            # Fp8Linear's fast accumulation: only the tensorwise forward GEMM (FP8_NUMERICS.md).
+            # Fp8Linear's fast accumulation: tensorwise forward GEMM only (docs/FP8_NUMERICS.md).
             fast = recipe == "tensorwise" and name == "fprop"
             rows += _probe_gemm(lib, handle, workspace, recipe=recipe, name=name, a=a, b=b,
                                 fast=fast)  # fmt: skip

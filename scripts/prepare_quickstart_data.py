@@ -86,6 +86,12 @@ def prepare(*, output_dir: str, max_bytes: int, workers: int = 1) -> tuple[str, 
     manifest = manifest_for(files, stdlib_dir=stdlib_dir, max_bytes=max_bytes)
     if is_cached(prefix, manifest_path, manifest):
         return prefix, True
+    print(
+        f"preparing the quickstart corpus: byte-tokenizing {len(files)} files of {stdlib_dir} "
+        f"into {output_dir} (first run only, a few seconds)",
+        file=sys.stderr,
+        flush=True,
+    )
     preprocess(
         files,
         output_prefix=os.path.join(output_dir, "stdlib"),

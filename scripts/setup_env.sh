@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
-  "$PYTHON" -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
+  echo "setup_env: installing torch==${TORCH_VERSION:-2.13.0} (pip shows its progress)"
+  "$PYTHON" -m pip install "torch==${TORCH_VERSION:-2.13.0}"
 fi
 extras=${MEGATRON_EXTRAS:-test}
 # Already set up (this checkout installed, its deps and extras importable)? Then skip pip.
@@ -27,5 +28,7 @@ PY
 then
   exit 0
 fi
+echo "setup_env: installing megatron-fp8 (editable) and its extras [${extras}] with pip (30-60 s) ..."
 "$PYTHON" -m pip install --quiet --no-build-isolation -e ".[${extras}]" 2>/dev/null \
   || "$PYTHON" -m pip install --quiet -e ".[${extras}]"
+echo "setup_env: installed"

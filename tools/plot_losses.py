@@ -202,7 +202,10 @@ def _import_pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as error:
-        raise ImportError("plotting needs matplotlib: run `pip install matplotlib`") from error
+        raise ImportError(
+            "plotting needs matplotlib, which is not installed: run `pip install matplotlib` "
+            "(or `pip install -e .[plot]`)"
+        ) from error
     matplotlib.use("Agg")  # files only; never open a window
     import matplotlib.pyplot as pyplot
 
@@ -266,6 +269,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> Any:
     """The command line; returns the matplotlib Figure it saved."""
     args = _parse_args(argv)
+    try:
+        _import_pyplot()  # before reading the logs: a missing package is one line, not a traceback
+    except ImportError as error:
+        raise SystemExit(f"error: {error}") from None
     labels = args.labels or [None] * len(args.runs)
     runs = [load_run(path, label) for path, label in zip(args.runs, labels)]
     if args.labels is None:

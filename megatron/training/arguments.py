@@ -141,8 +141,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Run backward on the autograd engine's per-device worker thread (PyTorch's "
         "default). Without it backward runs on the training loop's own thread, which saves a "
-        "thread hand-off per backward pass (0.3 ms per FP8 layer step on the lent H200's host, "
-        "docs/PERFORMANCE_FP8_LINEAR.md).",
+        "thread hand-off per backward pass (0.3-0.5 ms per FP8 layer step on an H200 host, "
+        "docs/benchmarks/fp8_linear_host_path_h200_2026-12-01.md).",
     )
     group.add_argument(
         "--check-for-nan-in-loss-and-grad",
@@ -506,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pretrain_gpt.py",
         description="Pretrain a GPT with megatron-fp8.",
         allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag's help shows it
     )
     for add in (
         _add_model_args,

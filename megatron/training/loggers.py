@@ -1,7 +1,7 @@
 """Scalar metrics to TensorBoard and Weights & Biases, from one rank.
 
 Both backends are optional packages, imported only when their flag is given. Metric names are
-a public interface (STYLE.md rule 8): `METRIC_NAMES` lists them and `log_scalars` rejects any
+a public interface (docs/STYLE.md rule 8): `METRIC_NAMES` lists them and `log_scalars` rejects any
 other name, so a renamed metric fails loudly instead of starting a new, empty curve.
 """
 

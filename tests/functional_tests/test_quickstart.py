@@ -1,9 +1,12 @@
 """The README's train command on the real corpus (shortened to 100 iterations for CI time): it
-trains, logs, and its validation loss ends at least 30% below the first logged training loss."""
+trains, logs, and its validation loss ends at least 30% below the first logged training loss;
+its run directory holds the checkpoint and a train.log that tools/plot_losses.py reads."""
 
 import os
 import re
 import subprocess
+
+from tools.plot_losses import parse_log
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,4 +23,13 @@ def test_quickstart_learns(tmp_path):
     valid = [float(x) for x in re.findall(r"lm loss value: ([0-9.E+-]+)", proc.stdout)]
     assert len(train) == 5 and len(valid) == 1  # log every 20 iterations, one final evaluation
     assert valid[-1] <= 0.7 * train[0], (train, valid)
-    assert os.path.isdir(tmp_path / "quickstart" / "checkpoints" / "iter_0000100")
+    # The run directory is named by the extra flags, so another flag set gets another one.
+    run_dir = tmp_path / "quickstart" / "train-iters_100_lr-warmup-iters_10_eval-interval_100"
+    assert os.path.isdir(run_dir / "checkpoints" / "iter_0000100")
+    # One torch thread unless the caller chose (the default that holds up under contention).
+    assert f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}" in proc.stdout
+    run = parse_log(str(run_dir / "train.log"))  # what the README's plot command reads
+    assert run.iterations == [20, 40, 60, 80, 100]
+    assert run.series["lm loss"] == train
+    assert run.validation_series["lm loss validation"] == valid
+    assert run.recipe == "bf16"

@@ -174,7 +174,11 @@ def convert(argv: Sequence[str] | None = None) -> str:
         raise ConversionError(str(error)) from None
     check_given_flags(state.config, given, source=f"the {args.loader} checkpoint")
     written = saver.save(state, args)
-    return f"wrote {written} to {args.save_dir}"
+    # Which saved iteration a megatron_fp8 source gave (the tracker's unless --iteration).
+    source = ""
+    if args.loader == "megatron_fp8":
+        source = f" from iteration {state.iteration} of {args.load_dir}"
+    return f"wrote {written}{source} to {args.save_dir}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

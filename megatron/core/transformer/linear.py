@@ -1,6 +1,6 @@
 """The one place a transformer Linear is built: plain torch.nn.Linear or FP8 Linear.
 
-Model code calls `build_linear` and never looks at FP8 settings itself (STYLE.md rule 1).
+Model code calls `build_linear` and never looks at FP8 settings itself (docs/STYLE.md rule 1).
 """
 
 from __future__ import annotations

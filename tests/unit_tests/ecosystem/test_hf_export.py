@@ -192,7 +192,9 @@ def test_cli_exports_a_trained_checkpoint(tmp_path: Path) -> None:
     output = tmp_path / "hf"
     convert = [sys.executable, "tools/checkpoint/convert_to_hf.py", "--load", str(save_dir)]
     result = _run([*convert, "--iteration", "2", "--output", str(output)])
-    assert f"wrote LlamaForCausalLM (float32) to {output}" in result.stdout
+    assert f"wrote LlamaForCausalLM (float32) from iteration 2 of {save_dir} to {output}" in (
+        result.stdout
+    )
 
     state_dict, config = load_state_for_export(str(save_dir), 2)
     model = GPTModel(config)
@@ -204,7 +206,9 @@ def test_cli_exports_a_trained_checkpoint(tmp_path: Path) -> None:
     assert _relative_error(_hf_logits(output, tokens), ours) < MAX_RELATIVE_ERROR
 
 
-def test_megatron_fsdp_checkpoint_exports_the_trained_weights(tmp_path: Path, monkeypatch) -> None:
+def test_megatron_fsdp_checkpoint_exports_the_trained_weights(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
     """Train 2 iterations under Megatron-FSDP (torch_dist), export with the CLI's main(): every
     exported tensor equals the trained model's parameter, mapped to GPT-2's names and layout."""
     safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -230,7 +234,12 @@ def test_megatron_fsdp_checkpoint_exports_the_trained_weights(tmp_path: Path, mo
         trained["decoder.final_norm.weight"], initial["decoder.final_norm.weight"]
     )
 
+    capsys.readouterr()
     main(["--load", str(save_dir), "--output", str(output)])
+    # No --iteration: the tracker's iteration, and the message names it.
+    assert f"wrote GPT2LMHeadModel (float32) from iteration 2 of {save_dir} to {output}" in (
+        capsys.readouterr().out
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]  # no hf.tmp left
     exported = safetensors_torch.load_file(str(output / "model.safetensors"))
     expected = gpt2_state_dict(trained, run.config)

@@ -180,3 +180,31 @@ def test_tensorboard_dir_gives_the_same_series_as_the_log(tmp_path: Path) -> Non
         {"lm loss validation": [5.5]},
     )
     assert not any(math.isnan(value) for value in run.series["lm loss"])
+
+
+def test_cli_without_matplotlib_prints_one_line(tmp_path: Path) -> None:
+    """No traceback: one `error:` line naming the package and the install command, status 1,
+    before any log is read (the missing log file below is never opened)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[3]
+    hide_matplotlib = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; "
+        f"sys.argv = ['plot_losses.py', {str(tmp_path / 'absent.log')!r}, '--output', "
+        f"{str(tmp_path / 'out.png')!r}]; "
+        "runpy.run_path('tools/plot_losses.py', run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", hide_matplotlib],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: plotting needs matplotlib")
+    assert "pip install matplotlib" in lines[0]
+    assert not (tmp_path / "out.png").exists()

@@ -1,4 +1,4 @@
-"""An independent numpy model of FP8_NUMERICS.md, used only as the tests' source of truth.
+"""An independent numpy model of docs/FP8_NUMERICS.md, used only as the tests' source of truth.
 
 Written from the spec without calling megatron code: FP8 values are decoded from their bit
 fields, casts search the value table (round to nearest, ties to the even code), and scales use
@@ -76,7 +76,7 @@ def nan_free_amax(block: np.ndarray) -> np.float32:
 
 
 def current_scale(amax: np.float32, fmt: str, pow2: bool, inf_value: float) -> np.float32:
-    """fp8_max / amax with the FP8_NUMERICS.md guards, all in fp32."""
+    """fp8_max / amax with the docs/FP8_NUMERICS.md guards, all in fp32."""
     if amax == 0 or not np.isfinite(amax):
         scale = F32(1.0)
     else:

@@ -11,7 +11,7 @@ import torch
 from megatron.core.fp8 import quantize
 from megatron.core.fp8.cuda import scaled_mm
 from megatron.core.fp8.cuda.gemm import swizzle_mx_scales
-from megatron.core.fp8.cuda.selfcheck import check_cases, compare_case_both_ways
+from tests.unit_tests.fp8.selfcheck import check_cases, compare_case_both_ways
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

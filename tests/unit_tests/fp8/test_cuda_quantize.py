@@ -1,4 +1,4 @@
-"""GPU: the fused Triton quantizers are bitwise equal to the reference (FP8_NUMERICS.md).
+"""GPU: the fused Triton quantizers are bitwise equal to the reference (docs/FP8_NUMERICS.md).
 
 Every test here needs CUDA (skipped on CPU); the CPU twin is test_cuda_fallback.py.
 """
@@ -8,7 +8,7 @@ import torch
 
 from megatron.core.fp8 import quantize
 from megatron.core.fp8.cuda import quantize_cuda, transpose_fp8, triton_available
-from megatron.core.fp8.cuda.selfcheck import (
+from tests.unit_tests.fp8.selfcheck import (
     CHECK_FORMATS,
     CHECK_RECIPES,
     check_cases,

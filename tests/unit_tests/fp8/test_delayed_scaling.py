@@ -34,7 +34,7 @@ def unit_pattern(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 
 class HandSimulation:
-    """FP8_NUMERICS.md delayed steps 1-4 in plain numpy fp32."""
+    """docs/FP8_NUMERICS.md delayed steps 1-4 in plain numpy fp32."""
 
     def __init__(self, length: int, margin: int, algo: str, fp8_max: float = 448.0):
         self.history = [np.float32(0)] * length

@@ -1,4 +1,4 @@
-"""dequantize(quantize(x)) error bounds and SQNR, per recipe (FP8_NUMERICS.md tolerances)."""
+"""dequantize(quantize(x)) error bounds and SQNR, per recipe (docs/FP8_NUMERICS.md tolerances)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_dequantize_keeps_input_dtype_and_crops_padding():
 def test_mxfp8_requantize_may_pick_the_next_lower_scale():
     """A block whose amax rounds down to 224 * 2^k dequantizes to an amax whose t is exactly
     2^(k-1): the second quantization takes E8M0 byte e - 1 and doubles every byte's value,
-    with the same dequantized values (FP8_NUMERICS.md, mxfp8 steps 2-3)."""
+    with the same dequantized values (docs/FP8_NUMERICS.md, mxfp8 steps 2-3)."""
     x = torch.full((1, 32), 1.796875)  # x * 2^7 = 230 rounds to 224 in E4M3
     first = quantize(x, recipe="mxfp8", fp8_dtype=E4M3, role="input")
     second = quantize(first.dequantize(), recipe="mxfp8", fp8_dtype=E4M3, role="input")

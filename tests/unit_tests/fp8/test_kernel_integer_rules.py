@@ -1,14 +1,14 @@
 """The integer shortcuts in triton_quantize.py, written out in torch here, against the reference
-rules (FP8_NUMERICS.md) on CPU:
+rules (docs/FP8_NUMERICS.md) on CPU:
 
 - `_pow2_scale`: the power-of-two scale from exponent arithmetic instead of clear_mantissa(
   RN(fp8_max / amax)), with the Inf replacement of each input dtype;
 - `_e8m0_from_amax`: the E8M0 byte in three integer steps instead of the rule's branches.
 
-The GPU self-check (selfcheck.py) tests the compiled kernels themselves; these tests pin the
-arithmetic on every fp32 exponent, at the mantissas where the rules change, and at random
-mantissas. An exhaustive sweep of all 2^31 patterns (0 mismatches) is recorded in
-docs/PERFORMANCE_FP8_LINEAR.md."""
+The GPU self-check (tests/unit_tests/fp8/selfcheck.py) tests the compiled kernels themselves;
+these tests pin the arithmetic on every fp32 exponent, at the mantissas where the rules change,
+and at random mantissas. An exhaustive sweep of all 2^31 patterns (0 mismatches) is recorded in
+docs/benchmarks/fp8_quantize_instructions_h200_2026-12-01.md."""
 
 from __future__ import annotations
 

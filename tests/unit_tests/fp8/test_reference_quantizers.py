@@ -1,4 +1,5 @@
-"""Reference quantizers vs an independent numpy model and hand-computed bytes (FP8_NUMERICS.md)."""
+"""Reference quantizers vs an independent numpy model and hand-computed bytes
+(docs/FP8_NUMERICS.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ FLT_MAX = float(np.finfo(np.float32).max)
 
 
 def edge_tensor(rows: int, cols: int, *, seed: int = 0) -> torch.Tensor:
-    """Random data at mixed magnitudes plus every edge case of FP8_NUMERICS.md."""
+    """Random data at mixed magnitudes plus every edge case of docs/FP8_NUMERICS.md."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=gen)
     magnitude = 10.0 ** torch.randint(-6, 6, (rows, 1), generator=gen).float()

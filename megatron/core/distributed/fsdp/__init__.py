@@ -1,4 +1,4 @@
-"""Megatron-FSDP: sharded data parallelism over flat per-unit buffers (see ARCHITECTURE.md).
+"""Megatron-FSDP: sharded data parallelism over flat per-unit buffers (see docs/ARCHITECTURE.md).
 
 The standalone API (`fully_shard_model`, `fully_shard_optimizer`, `fully_shard`,
 `MixedPrecisionPolicy`, `quantized_model_init`) follows the `megatron_fsdp` package's.

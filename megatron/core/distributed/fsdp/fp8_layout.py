@@ -1,12 +1,12 @@
 """Where FP8 quantization blocks fall in a unit's flat buffer, and how shards are cut for them.
 
 A weight of shape [..., K] is viewed as [M, K]. Each direction it stores (rowwise; mxfp8 also
-columnwise) has a grid of scale cells (FP8_NUMERICS.md): one cell for per-tensor recipes,
+columnwise) has a grid of scale cells (docs/FP8_NUMERICS.md): one cell for per-tensor recipes,
 128x128 blocks for blockwise weights, 1x32 (rowwise) and 32x1 (columnwise) blocks for mxfp8.
 Every element belongs to exactly one cell per direction; `megatron.core.fp8.cuda.piece_quantize`
 finds the partial amax of every cell a rank's flat piece of the weight touches.
 
-Choice of layout, per recipe (ARCHITECTURE.md, "Shard layout"):
+Choice of layout, per recipe (docs/ARCHITECTURE.md, "Shard layout"):
 - delayed / tensorwise: one scale per weight, so nothing can be aligned; the per-weight amaxes
   of all weights of a step go into one packed all-reduce MAX. Scales are replicated.
 - blockwise (128x128): a 128-row band of a 4096-wide weight is 512K elements, so aligning shard

@@ -1,11 +1,11 @@
 """Storage adapters: how one buffer group keeps its compute params and gathers them.
 
 The hooks and pipelines never branch on dtype or FP8 recipe; they call this interface. A unit
-owns one adapter per buffer group. Today there is `DenseComputeStorage` (bf16/fp32: the shard
-is the parameter values, the gathered buffer is what the model reads; under ZeRO-3 with a
+owns one adapter per buffer group. There are two: `DenseComputeStorage` here (bf16/fp32: the
+shard is the parameter values, the gathered buffer is what the model reads; under ZeRO-3 with a
 compute dtype narrower than the main params it keeps no shard of its own and casts the main
-shard at gather time, as FSDP2 does). The FP8 adapter of the
-next issue implements the same methods with several gathered buffers: `role="forward"` gathers
+shard at gather time, as FSDP2 does), and `fp8_storage.Fp8ComputeStorage`, which implements the
+same methods with several gathered buffers: `role="forward"` gathers
 rowwise uint8 bytes (+ scales), `role="backward"` gathers columnwise bytes for MXFP8 or reuses
 the rowwise bytes plus a local transpose for per-tensor/128x128 recipes; `param_alignment`
 returns the block size so that blocks never straddle a parameter or shard edge; and

@@ -1,8 +1,9 @@
 """Bitwise self-check of `quantize_cuda` against the reference quantizer (zero tolerance).
 
-Shared by tests/unit_tests/fp8/test_cuda_quantize.py and `benchmarks/bench_fp8.py --check`, so
-that the GPU run and the unit tests exercise the same inputs: random tensors of awkward shapes
-plus every edge case listed in FP8_NUMERICS.md.
+A test harness, not library code: shared by tests/unit_tests/fp8/test_cuda_quantize.py (GPU),
+its CPU twin test_cuda_fallback.py and `benchmarks/bench_fp8.py --check`, so that the GPU run
+and the unit tests exercise the same inputs: random tensors of awkward shapes plus every edge
+case listed in docs/FP8_NUMERICS.md.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class CheckCase:
 
 
 def edge_case_inputs(*, dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Named [rows, cols] tensors covering the edge cases of FP8_NUMERICS.md."""
+    """Named [rows, cols] tensors covering the edge cases of docs/FP8_NUMERICS.md."""
     gen = torch.Generator(device="cpu").manual_seed(1234)
     small = torch.randn(130, 300, generator=gen)
     cases = {"all_zero": torch.zeros(130, 300)}

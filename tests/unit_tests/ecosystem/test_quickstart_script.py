@@ -1,0 +1,68 @@
+"""scripts/quickstart.sh around a stand-in interpreter (no install, no training): the torch
+thread default, one run directory per flag set, train.log as written by the run, and the run's
+exit status."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+# Answers the calls quickstart.sh and setup_env.sh make: setup_env's two import checks, the
+# data preparation (its last line is the prefix), and pretrain_gpt.py, whose arguments and
+# thread setting it prints as a training run would print its log.
+FAKE_PYTHON = """#!/usr/bin/env bash
+case "$1" in
+  -c) exit 0 ;;
+  -) cat > /dev/null; exit 0 ;;
+  scripts/prepare_quickstart_data.py) echo "wrote 1 documents" >&2; echo /data/prefix; exit 0 ;;
+  -u) shift; echo "OMP_NUM_THREADS=$OMP_NUM_THREADS argv: $*"; exit "${FAKE_RC:-0}" ;;
+esac
+exit 99
+"""
+
+
+def _quickstart(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RUN_NAME")}
+    return subprocess.run(
+        ["bash", "scripts/quickstart.sh", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, "PYTHON": str(fake), "OUTPUT_DIR": str(tmp_path / "runs"), **env},
+    )
+
+
+def test_default_run_gets_one_thread_its_directory_and_a_log(tmp_path: Path) -> None:
+    proc = _quickstart(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    run_dir = tmp_path / "runs" / "default"
+    log = (run_dir / "train.log").read_text()
+    assert log.startswith("OMP_NUM_THREADS=1 argv: pretrain_gpt.py --data-path /data/prefix ")
+    assert f"--save {run_dir}/checkpoints" in log
+    assert log in proc.stdout  # the terminal sees what the log gets
+
+
+def test_other_flags_get_another_directory_and_the_user_thread_count(tmp_path: Path) -> None:
+    proc = _quickstart(tmp_path, "--fp8-recipe", "tensorwise", OMP_NUM_THREADS="3")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["fp8-recipe_tensorwise"]
+    log = (tmp_path / "runs" / "fp8-recipe_tensorwise" / "train.log").read_text()
+    assert log.startswith("OMP_NUM_THREADS=3 ")
+    assert log.rstrip().endswith("--fp8-recipe tensorwise")
+    assert "5-6x slower" in proc.stdout  # FP8 on CPU: the expected time is said up front
+    named = _quickstart(tmp_path, "--train-iters", "50", RUN_NAME="short")
+    assert named.returncode == 0, named.stderr
+    assert (tmp_path / "runs" / "short" / "train.log").is_file()
+
+
+def test_a_failed_run_fails_the_quickstart(tmp_path: Path) -> None:
+    proc = _quickstart(tmp_path, FAKE_RC="3")
+    assert proc.returncode == 3  # not hidden by the tee into train.log
+    assert "quickstart: log" not in proc.stdout
