@@ -11,7 +11,7 @@ FP8_FORMATS = ("e4m3", "hybrid")
 
 @dataclass(kw_only=True)
 class Fp8Config:
-    """How transformer Linears quantize to FP8. Rules: shared/design/FP8_NUMERICS.md."""
+    """How transformer Linears quantize to FP8. Rules: docs/FP8_NUMERICS.md."""
 
     recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "tensorwise"
     """Scaling recipe (`--fp8-recipe`)."""

@@ -1,6 +1,6 @@
 """FP8 formats (E4M3, E5M2) and E8M0 scale helpers; which format each tensor role uses.
 
-Rules: shared/design/FP8_NUMERICS.md ("Formats"). Everything here works on fp32 tensors on any
+Rules: docs/FP8_NUMERICS.md ("Formats"). Everything here works on fp32 tensors on any
 device and is bit-exact: no fast-math, no flush-to-zero assumptions.
 """
 

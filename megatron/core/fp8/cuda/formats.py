@@ -1,6 +1,6 @@
 """FP8 constants shared by the Triton kernels, the torch fallback and the GEMM wrapper.
 
-Rules: shared/design/FP8_NUMERICS.md. Every constant here is an exact fp32 value, so that
+Rules: docs/FP8_NUMERICS.md. Every constant here is an exact fp32 value, so that
 passing it to Triton as a Python float (materialised as fp32) loses nothing.
 """
 

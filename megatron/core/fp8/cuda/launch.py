@@ -1,7 +1,7 @@
 """Triton launches with little host work: `launch(kernel, grid, args, constexprs)`.
 
 `kernel[grid](...)` re-binds every argument, recomputes Triton's specialization key and hashes
-it on each call; on the lent H200's host that is about a third of a launch's ~20 us, and an
+it on each call; on an H200 host that is about a third of a launch's ~20 us, and an
 Fp8Linear step makes up to six launches. Here the compiled kernel is looked up in a dict keyed
 by what Triton specializes on, and its launcher is called directly:
 

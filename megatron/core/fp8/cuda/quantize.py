@@ -31,7 +31,8 @@ from megatron.core.fp8.cuda.launch import launch
 # pass; TRANS_X: transpose the high-precision tile rather than the FP8 bytes. Block recipes
 # need the whole 128x128 (1x128 / 128x128) or 32-aligned (MX) block inside one program so that
 # each block's amax finishes there. `benchmarks/bench_fp8.py --sweep` times alternatives; the
-# values here are the fastest measured on an H200 (docs/PERFORMANCE_FP8_LINEAR.md).
+# values here are the fastest measured on an H200
+# (docs/benchmarks/fp8_quantize_pair_kernel_h200_2026-12-01.md).
 TILE_CONFIG: dict[str, dict[str, int]] = {
     "amax": dict(BLOCK=16384, GROUP=1, num_warps=16),
     "cast": dict(BM=64, BK=64, GROUP=4, TRANS_X=False, num_warps=4),
@@ -434,7 +435,7 @@ def block_1x128_fused_spec(
     block_1x128_fused_kernel; None when TILE_CONFIG picks the two single-copy kernels (or
     only the fused kernel and rows % 4 != 0). Without the transpose (the API's columnwise
     bytes in x's shape) the fused kernel measured faster on the H200: 76.8% of copy
-    against the pair's 66.5% (docs/PERFORMANCE_FP8_LINEAR.md)."""
+    against the pair's 66.5% (docs/benchmarks/fp8_quantize_pair_kernel_h200_2026-12-01.md)."""
     kernels = _triton_kernels()
     pair = TILE_CONFIG["block_1x128_pair"] if write_t else {}
     config = pair or TILE_CONFIG["block_1x128_fused"]

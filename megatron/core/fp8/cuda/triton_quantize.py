@@ -1,7 +1,7 @@
 """Fused Triton quantization kernels (amax + scale + saturating cast + copies in one read).
 
 Imported lazily by `quantize.py` only when Triton is present. Bitwise rules:
-shared/design/FP8_NUMERICS.md; the plain-torch twin is `torch_quantize.py`.
+docs/FP8_NUMERICS.md; the plain-torch twin is `torch_quantize.py`.
 
 Choices that keep the kernels bitwise equal to PyTorch at few instructions per element (the
 kernels are bound by instruction issue as much as by DRAM: every instruction per element
@@ -105,8 +105,8 @@ def _pow2_scale(amax, FP8_MAX: tl.constexpr, INF_SCALE: tl.constexpr):
     quotient's exponent is f - e(amax), one less when amax's mantissa exceeds 1.75's
     (0x600000); rounding never carries into the exponent. Subnormal amaxes and exponents past
     254 are the Inf cases. Checked against the division for every positive finite fp32 amax
-    and both formats (docs/PERFORMANCE_FP8_LINEAR.md); its torch twin is pinned in
-    tests/unit_tests/fp8/test_kernel_integer_rules.py."""
+    and both formats (docs/benchmarks/fp8_quantize_instructions_h200_2026-12-01.md); its
+    torch twin is pinned in tests/unit_tests/fp8/test_kernel_integer_rules.py."""
     if FP8_MAX == 448.0:
         f: tl.constexpr = 8
     else:
