@@ -14,6 +14,7 @@ from typing import NoReturn
 
 from megatron.core.distributed.fsdp.config import OUTER_SHARDING_STRATEGIES, SHARDING_STRATEGIES
 from megatron.core.fp8.config import FP8_RECIPES
+from megatron.core.tokenizer.build import TOKENIZER_TYPES
 from megatron.training.argument_checks import ArgumentError, validate_args
 from megatron.training.megatron_lm_flags import add_megatron_lm_args
 
@@ -329,15 +330,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-cache-path", default=None, help="Where index caches go.")
     group.add_argument(
         "--tokenizer-type",
-        choices=(
-            "ByteTokenizer",
-            "NullTokenizer",
-            "HuggingFaceTokenizer",
-            "GPT2BPETokenizer",
-            "TikTokenizer",
-            "SentencePieceTokenizer",
-            "GPTSentencePieceTokenizer",
-        ),
+        choices=TOKENIZER_TYPES,
         default="ByteTokenizer",
         help="Tokenizer (ByteTokenizer needs no files).",
     )
