@@ -11,8 +11,11 @@ from megatron.training.training import DataError, NonFiniteTrainingError, pretra
 # data flags caused, 1 for a failed save or a run stopped by --check-for-nan-in-loss-and-grad.
 # MEGATRON_TRACEBACK=1 re-raises instead.
 USER_ERRORS = {
-    CheckpointError: 2, DataError: 2, CheckpointSaveError: 1, NonFiniteTrainingError: 1,
-}  # fmt: skip
+    CheckpointError: 2,
+    DataError: 2,
+    CheckpointSaveError: 1,
+    NonFiniteTrainingError: 1,
+}
 
 if __name__ == "__main__":
     try:

@@ -60,8 +60,9 @@ TIME_BUDGET_S = 200.0
 ROUNDS = 5
 
 
-def cuda_time_ms(fn, *, warmup: int = 3, iters: int = 10, host: list | None = None,
-                 prime=None) -> float:  # fmt: skip
+def cuda_time_ms(
+    fn, *, warmup: int = 3, iters: int = 10, host: list | None = None, prime=None
+) -> float:
     """Median milliseconds of fn() timed with CUDA events, after warm-up (compiles, caches).
     `host`, when given, receives the median host milliseconds spent issuing fn(). `prime`,
     when given, is called untimed before each timed fn(), after the last sync."""
@@ -118,8 +119,9 @@ def kernel_ms(fn, *, calls: int = 10) -> float:
     return cuda_time_ms(graph.replay, warmup=2, iters=20) / calls
 
 
-def steady_ms(step, *, steps: int = 20, repeats: int = 3, lead: int = 3,
-              host: list | None = None) -> float:  # fmt: skip
+def steady_ms(
+    step, *, steps: int = 20, repeats: int = 3, lead: int = 3, host: list | None = None
+) -> float:
     """Milliseconds per step of `steps` steps issued back to back (no sync between them, as
     a training loop runs: the host issues step i+1 while the GPU runs step i), timed with CUDA
     events around the batch; median of `repeats` batches. Each batch starts behind `lead`
@@ -137,8 +139,9 @@ def steady_ms(step, *, steps: int = 20, repeats: int = 3, lead: int = 3,
             step()
 
     batch_host: list[float] = []
-    ms = cuda_time_ms(lambda: run(steps), warmup=0, iters=repeats, host=batch_host,
-                      prime=lambda: run(lead))  # fmt: skip
+    ms = cuda_time_ms(
+        lambda: run(steps), warmup=0, iters=repeats, host=batch_host, prime=lambda: run(lead)
+    )
     if host is not None:
         host.append(batch_host[0] / steps)
     return ms / steps
@@ -177,9 +180,15 @@ def run_check(reporter: Reporter) -> bool:
     cases, failures = run_selfcheck("cuda", quick=True)
     for message in failures[:20]:
         print("MISMATCH", message, flush=True)
-    reporter.emit({"bench": "check", "cases": cases, "mismatches": len(failures),
-                   "seconds": round(time.perf_counter() - started, 1),
-                   "pass": not failures})  # fmt: skip
+    reporter.emit(
+        {
+            "bench": "check",
+            "cases": cases,
+            "mismatches": len(failures),
+            "seconds": round(time.perf_counter() - started, 1),
+            "pass": not failures,
+        }
+    )
     return not failures
 
 
@@ -197,24 +206,51 @@ def _quant_cases(n: int) -> list[tuple[str, dict, int]]:
     elems, read = n * n, 2 * n * n
     blocks_1x128, blocks_1x32 = elems // 128, elems // 32
     return [
-        ("tensorwise/rowwise", dict(recipe="tensorwise", role="input", rowwise=True,
-                                    columnwise=False), 2 * read + elems),
-        ("tensorwise/rowwise+transpose", dict(recipe="tensorwise", role="input", rowwise=True,
-                                              columnwise=True, with_transpose=True),
-         2 * read + 2 * elems),
-        ("delayed/rowwise+transpose", dict(recipe="delayed", role="input", rowwise=True,
-                                           columnwise=True, with_transpose=True),
-         read + 2 * elems),
-        ("blockwise/1x128 rowwise+columnwise", dict(recipe="blockwise", role="input",
-                                                    rowwise=True, columnwise=True),
-         read + 2 * elems + 8 * blocks_1x128),
-        ("blockwise/128x128 weight+transpose", dict(recipe="blockwise", role="weight",
-                                                    rowwise=True, columnwise=True,
-                                                    with_transpose=True),
-         read + 2 * elems + 4 * (elems // 128**2)),
-        ("mxfp8/rowwise+columnwise", dict(recipe="mxfp8", role="input", rowwise=True,
-                                          columnwise=True), read + 2 * elems + 2 * blocks_1x32),
-    ]  # fmt: skip
+        (
+            "tensorwise/rowwise",
+            dict(recipe="tensorwise", role="input", rowwise=True, columnwise=False),
+            2 * read + elems,
+        ),
+        (
+            "tensorwise/rowwise+transpose",
+            dict(
+                recipe="tensorwise",
+                role="input",
+                rowwise=True,
+                columnwise=True,
+                with_transpose=True,
+            ),
+            2 * read + 2 * elems,
+        ),
+        (
+            "delayed/rowwise+transpose",
+            dict(
+                recipe="delayed", role="input", rowwise=True, columnwise=True, with_transpose=True
+            ),
+            read + 2 * elems,
+        ),
+        (
+            "blockwise/1x128 rowwise+columnwise",
+            dict(recipe="blockwise", role="input", rowwise=True, columnwise=True),
+            read + 2 * elems + 8 * blocks_1x128,
+        ),
+        (
+            "blockwise/128x128 weight+transpose",
+            dict(
+                recipe="blockwise",
+                role="weight",
+                rowwise=True,
+                columnwise=True,
+                with_transpose=True,
+            ),
+            read + 2 * elems + 4 * (elems // 128**2),
+        ),
+        (
+            "mxfp8/rowwise+columnwise",
+            dict(recipe="mxfp8", role="input", rowwise=True, columnwise=True),
+            read + 2 * elems + 2 * blocks_1x32,
+        ),
+    ]
 
 
 def _operand_fn(x: torch.Tensor, key: str):
@@ -229,26 +265,48 @@ def _operand_fn(x: torch.Tensor, key: str):
         bits = torch.zeros((), dtype=torch.int32, device=x.device)
         return (lambda: (cq.launch_amax(x, bits), bits)[1]), read
     if key == "mxfp8_dequant":
-        q = quantize_cuda(x, recipe="mxfp8", fp8_dtype=E4M3, role="weight", rowwise=True,
-                          columnwise=False, power_2_scale=True)  # fmt: skip
+        q = quantize_cuda(
+            x,
+            recipe="mxfp8",
+            fp8_dtype=E4M3,
+            role="weight",
+            rowwise=True,
+            columnwise=False,
+            power_2_scale=True,
+        )
         data, e8m0 = q["rowwise_data"], q["rowwise_scale_inv"]
         return (
-            lambda: cq.mxfp8_dequantize(data, e8m0, fp8_dtype=E4M3, columnwise=False,
-                                        out_dtype=torch.bfloat16)
-        ), elems + elems // 32 + 2 * elems  # fmt: skip
+            lambda: cq.mxfp8_dequantize(
+                data, e8m0, fp8_dtype=E4M3, columnwise=False, out_dtype=torch.bfloat16
+            )
+        ), elems + elems // 32 + 2 * elems
     if key == "block_1x128_fused":  # now only the API's columnwise copy in x's shape
         return (
-            lambda: quantize_cuda(x, recipe="blockwise", fp8_dtype=E4M3, role="input",
-                                  rowwise=True, columnwise=True, power_2_scale=True)
-        ), read + 2 * elems + 2 * scales_1x128  # fmt: skip
+            lambda: quantize_cuda(
+                x,
+                recipe="blockwise",
+                fp8_dtype=E4M3,
+                role="input",
+                rowwise=True,
+                columnwise=True,
+                power_2_scale=True,
+            )
+        ), read + 2 * elems + 2 * scales_1x128
     if key in ("mxfp8", "mxfp8_quads"):  # bytes (quantize_cuda, FP8 weights), not Fp8Linear
         # "mxfp8" configures mxfp8_kernel, which now runs only with the transposed copy.
         transpose = key == "mxfp8"
         return (
-            lambda: quantize_cuda(x, recipe="mxfp8", fp8_dtype=E4M3, role="input",
-                                  rowwise=True, columnwise=True, power_2_scale=True,
-                                  with_transpose=transpose)
-        ), read + (3 if transpose else 2) * elems + 2 * (elems // 32)  # fmt: skip
+            lambda: quantize_cuda(
+                x,
+                recipe="mxfp8",
+                fp8_dtype=E4M3,
+                role="input",
+                rowwise=True,
+                columnwise=True,
+                power_2_scale=True,
+                with_transpose=transpose,
+            )
+        ), read + (3 if transpose else 2) * elems + 2 * (elems // 32)
     # (recipe, role, rowwise, transposed, bytes); block_1x128 / block_128x1: one copy (one
     # kernel each), block_1x128_pair: both (one launch; empty: the fused kernel, or with its
     # config empty too, the two kernels).
@@ -258,20 +316,24 @@ def _operand_fn(x: torch.Tensor, key: str):
         "cast_t": ("delayed", "input", True, True, read + 2 * elems),
         "block_1x128": ("blockwise", "input", True, False, read + elems + scales_1x128),
         "block_128x1": ("blockwise", "input", False, True, read + elems + scales_1x128),
-        "block_1x128_pair": ("blockwise", "input", True, True,
-                             read + 2 * elems + 2 * scales_1x128),
+        "block_1x128_pair": ("blockwise", "input", True, True, read + 2 * elems + 2 * scales_1x128),
         "block_128x128": ("blockwise", "weight", True, True, read + 2 * elems),
         "mxfp8_dequantized": ("mxfp8", "input", True, True, read + 4 * elems),
         "mxfp8_quads_dequantized": ("mxfp8", "input", True, True, read + 4 * elems),
-    }[key]  # fmt: skip
+    }[key]
 
     def run():
         return linear_ops.quantize_operands(
-            x, recipe=recipe, fp8_dtype=E4M3, role=role, rowwise=rowwise, transposed=transposed,
+            x,
+            recipe=recipe,
+            fp8_dtype=E4M3,
+            role=role,
+            rowwise=rowwise,
+            transposed=transposed,
             power_2_scale=recipe in ("blockwise", "mxfp8"),
             scale=scale if recipe == "delayed" else None,
             amax_history=history if recipe == "delayed" else None,
-        )  # fmt: skip
+        )
 
     return run, moved
 
@@ -282,34 +344,48 @@ def _cast(bm, bk, group, trans_x, warps):
 
 
 SWEEP = {
-    "amax": [dict(BLOCK=b, GROUP=g, num_warps=w) for b, g, w in ((16384, 1, 16), (8192, 8, 8),
-                                                                 (8192, 16, 8), (4096, 8, 4))],
+    "amax": [
+        dict(BLOCK=b, GROUP=g, num_warps=w)
+        for b, g, w in ((16384, 1, 16), (8192, 8, 8), (8192, 16, 8), (4096, 8, 4))
+    ],
     "cast": [_cast(*c) for c in ((64, 64, 4, 0, 4), (32, 128, 8, 0, 4), (64, 128, 4, 0, 4))],
-    "cast_t": [_cast(*c) for c in ((64, 64, 4, 0, 4), (32, 128, 8, 1, 4), (64, 64, 8, 0, 4),
-                                   (64, 32, 8, 0, 2), (32, 128, 4, 1, 4), (64, 128, 4, 0, 4),
-                                   (64, 64, 8, 0, 8))],
-    "block_1x128": [dict(BM=m, GROUP=g, num_warps=w) for m, g, w in ((64, 1, 4), (64, 2, 4),
-                                                                     (32, 4, 4), (128, 1, 8),
-                                                                     (16, 8, 4))],
-    "block_128x1": [dict(BK=k, TRANS_X=bool(t), num_warps=w) for k, t, w in ((64, 0, 4),
-                                                                             (32, 1, 4),
-                                                                             (64, 0, 8),
-                                                                             (32, 1, 8),
-                                                                             (16, 1, 4))],
-    "block_1x128_pair": [dict(BM=m, BK=k, TRANS_X=bool(t), num_warps=w)
-                         for m, k, t, w in ((64, 64, 0, 4), (128, 64, 0, 4), (32, 64, 0, 4))]
-                        + [{}],
+    "cast_t": [
+        _cast(*c)
+        for c in (
+            (64, 64, 4, 0, 4),
+            (32, 128, 8, 1, 4),
+            (64, 64, 8, 0, 4),
+            (64, 32, 8, 0, 2),
+            (32, 128, 4, 1, 4),
+            (64, 128, 4, 0, 4),
+            (64, 64, 8, 0, 8),
+        )
+    ],
+    "block_1x128": [
+        dict(BM=m, GROUP=g, num_warps=w)
+        for m, g, w in ((64, 1, 4), (64, 2, 4), (32, 4, 4), (128, 1, 8), (16, 8, 4))
+    ],
+    "block_128x1": [
+        dict(BK=k, TRANS_X=bool(t), num_warps=w)
+        for k, t, w in ((64, 0, 4), (32, 1, 4), (64, 0, 8), (32, 1, 8), (16, 1, 4))
+    ],
+    "block_1x128_pair": [
+        dict(BM=m, BK=k, TRANS_X=bool(t), num_warps=w)
+        for m, k, t, w in ((64, 64, 0, 4), (128, 64, 0, 4), (32, 64, 0, 4))
+    ]
+    + [{}],
     "block_1x128_fused": [dict(num_warps=4), dict(num_warps=8), {}],
-    "block_128x128": [dict(TRANS_X=t, num_warps=w) for t, w in ((True, 4), (True, 16),
-                                                                (False, 4), (False, 8),
-                                                                (True, 8), (False, 16))],
+    "block_128x128": [
+        dict(TRANS_X=t, num_warps=w)
+        for t, w in ((True, 4), (True, 16), (False, 4), (False, 8), (True, 8), (False, 16))
+    ],
     "mxfp8": [dict(CHUNKS=c, num_warps=w) for c, w in ((2, 1), (1, 1), (4, 1), (4, 2))],
     "mxfp8_dequantized": [dict(CHUNKS=c, num_warps=w) for c, w in ((1, 1), (2, 1), (1, 2))],
     "mxfp8_quads": [dict(CHUNKS=c, num_warps=w) for c, w in ((4, 1), (2, 1), (8, 1))] + [{}],
-    "mxfp8_quads_dequantized": [dict(CHUNKS=c, num_warps=w) for c, w in ((1, 1), (2, 1),
-                                                                        (4, 1))] + [{}],
+    "mxfp8_quads_dequantized": [dict(CHUNKS=c, num_warps=w) for c, w in ((1, 1), (2, 1), (4, 1))]
+    + [{}],
     "mxfp8_dequant": [dict(CHUNKS=c, num_warps=w) for c, w in ((2, 1), (4, 1), (8, 2), (8, 1))],
-}  # fmt: skip
+}
 
 
 def _outputs(result) -> list[torch.Tensor]:
@@ -346,8 +422,9 @@ def sweep_configs(reporter: Reporter, x: torch.Tensor, copy_gbps: float) -> None
     reporter.emit({"bench": "tile_config", "chosen": cq.TILE_CONFIG})
 
 
-def _sweep_one(reporter: Reporter, x: torch.Tensor, copy_gbps: float, key: str,
-               candidates: list[dict]) -> None:  # fmt: skip
+def _sweep_one(
+    reporter: Reporter, x: torch.Tensor, copy_gbps: float, key: str, candidates: list[dict]
+) -> None:
     """Time TILE_CONFIG[key]'s candidates and keep the fastest with the default's bytes (the
     default, the first candidate, if one of them raises)."""
     best = None
@@ -365,9 +442,16 @@ def _sweep_one(reporter: Reporter, x: torch.Tensor, copy_gbps: float, key: str,
                 for a, b in zip(outputs, reference, strict=True)
             )
             gbps = moved / kernel_ms(fn) / 1e6
-            reporter.emit({"bench": "sweep", "kernel": key, "config": config,
-                           "gbps": round(gbps, 1), "frac_of_copy": round(gbps / copy_gbps, 3),
-                           "same_bytes": same})  # fmt: skip
+            reporter.emit(
+                {
+                    "bench": "sweep",
+                    "kernel": key,
+                    "config": config,
+                    "gbps": round(gbps, 1),
+                    "frac_of_copy": round(gbps / copy_gbps, 3),
+                    "same_bytes": same,
+                }
+            )
             if same and (best is None or gbps > best[0]):
                 best = (gbps, config)
     finally:
@@ -391,28 +475,48 @@ def bench_quantize(reporter: Reporter, *, sweep: bool) -> None:
             return quantize_cuda(x, fp8_dtype=E4M3, power_2_scale=pow2, **kwargs, **extra)
 
         cases.append((f"API {name}", quantize_once, moved))
-    for name, key in (("tensorwise amax + row+T", "tensorwise"), ("delayed row+T, amax in-kernel",
-                      "cast_t"), ("blockwise 1x128 row+T", "block_1x128_pair"),
-                      ("blockwise 128x128 row+T", "block_128x128"),
-                      ("mxfp8 dequantized row+col bf16", "mxfp8_dequantized"),
-                      ("mxfp8 dequantize bytes->bf16", "mxfp8_dequant")):  # fmt: skip
+    for name, key in (
+        ("tensorwise amax + row+T", "tensorwise"),
+        ("delayed row+T, amax in-kernel", "cast_t"),
+        ("blockwise 1x128 row+T", "block_1x128_pair"),
+        ("blockwise 128x128 row+T", "block_128x128"),
+        ("mxfp8 dequantized row+col bf16", "mxfp8_dequantized"),
+        ("mxfp8 dequantize bytes->bf16", "mxfp8_dequant"),
+    ):
         fn, moved = _operand_fn(x, key)
         cases.append((f"Fp8Linear {name}", fn, moved))
     for name, fn, moved in cases:
         ms = kernel_ms(fn)
         gbps = moved / ms / 1e6
-        reporter.emit({"bench": "quantize", "case": name, "shape": list(x.shape),
-                       "time_us": round(ms * 1e3, 1), "bytes": moved, "gbps": round(gbps, 1),
-                       "frac_of_copy": round(gbps / copy_gbps, 3), "target": BANDWIDTH_TARGET,
-                       "pass": gbps / copy_gbps >= BANDWIDTH_TARGET,
-                       "triton": triton_available()})  # fmt: skip
+        reporter.emit(
+            {
+                "bench": "quantize",
+                "case": name,
+                "shape": list(x.shape),
+                "time_us": round(ms * 1e3, 1),
+                "bytes": moved,
+                "gbps": round(gbps, 1),
+                "frac_of_copy": round(gbps / copy_gbps, 3),
+                "target": BANDWIDTH_TARGET,
+                "pass": gbps / copy_gbps >= BANDWIDTH_TARGET,
+                "triton": triton_available(),
+            }
+        )
 
 
 def _quantize_for_chain(t, *, recipe, fp8_dtype, role, scale):
     """Rowwise operand + the transposed columnwise operand (data, scale_inv) of one tensor."""
-    out = quantize_cuda(t, recipe=recipe, fp8_dtype=fp8_dtype, role=role, rowwise=True,
-                        columnwise=True, with_transpose=True, scale=scale,
-                        power_2_scale=recipe in ("blockwise", "mxfp8"))  # fmt: skip
+    out = quantize_cuda(
+        t,
+        recipe=recipe,
+        fp8_dtype=fp8_dtype,
+        role=role,
+        rowwise=True,
+        columnwise=True,
+        with_transpose=True,
+        scale=scale,
+        power_2_scale=recipe in ("blockwise", "mxfp8"),
+    )
     row = (out["rowwise_data"].view(fp8_dtype), out["rowwise_scale_inv"])
     col_sinv = out["columnwise_scale_inv"]
     if recipe not in ("delayed", "tensorwise"):
@@ -425,26 +529,50 @@ def make_chain_step(x, w, dy, recipe):
     does); mxfp8 GEMMs are emulated (dequantize to bf16, exact for normal values)."""
     scales = {"input": None, "weight": None, "grad": None}
     if recipe == "delayed":
-        scales = {role: torch.tensor(s, device=x.device) for role, s in
-                  (("input", 64.0), ("weight", 1024.0), ("grad", 1024.0))}  # fmt: skip
+        scales = {
+            role: torch.tensor(s, device=x.device)
+            for role, s in (("input", 64.0), ("weight", 1024.0), ("grad", 1024.0))
+        }
     emulate = recipe == "mxfp8"
-    mm = dict(recipe=recipe, out_dtype=torch.bfloat16, emulate=emulate,
-              emulate_dtype=torch.bfloat16)  # fmt: skip
+    mm = dict(
+        recipe=recipe, out_dtype=torch.bfloat16, emulate=emulate, emulate_dtype=torch.bfloat16
+    )
     fast = recipe in ("delayed", "tensorwise")
 
     def step():
-        (x_row, x_col) = _quantize_for_chain(x, recipe=recipe, fp8_dtype=E4M3, role="input",
-                                             scale=scales["input"])  # fmt: skip
-        (w_row, w_col) = _quantize_for_chain(w, recipe=recipe, fp8_dtype=E4M3, role="weight",
-                                             scale=scales["weight"])  # fmt: skip
-        y = scaled_mm(x_row[0], w_row[0], a_scale_inv=x_row[1], b_scale_inv=w_row[1],
-                      use_fast_accum=fast, **mm)  # fmt: skip
-        (g_row, g_col) = _quantize_for_chain(dy, recipe=recipe, fp8_dtype=E5M2, role="grad",
-                                             scale=scales["grad"])  # fmt: skip
-        dx = scaled_mm(g_row[0], w_col[0], a_scale_inv=g_row[1], b_scale_inv=w_col[1],
-                       use_fast_accum=False, **mm)  # fmt: skip
-        dw = scaled_mm(g_col[0], x_col[0], a_scale_inv=g_col[1], b_scale_inv=x_col[1],
-                       use_fast_accum=False, **mm)  # fmt: skip
+        (x_row, x_col) = _quantize_for_chain(
+            x, recipe=recipe, fp8_dtype=E4M3, role="input", scale=scales["input"]
+        )
+        (w_row, w_col) = _quantize_for_chain(
+            w, recipe=recipe, fp8_dtype=E4M3, role="weight", scale=scales["weight"]
+        )
+        y = scaled_mm(
+            x_row[0],
+            w_row[0],
+            a_scale_inv=x_row[1],
+            b_scale_inv=w_row[1],
+            use_fast_accum=fast,
+            **mm,
+        )
+        (g_row, g_col) = _quantize_for_chain(
+            dy, recipe=recipe, fp8_dtype=E5M2, role="grad", scale=scales["grad"]
+        )
+        dx = scaled_mm(
+            g_row[0],
+            w_col[0],
+            a_scale_inv=g_row[1],
+            b_scale_inv=w_col[1],
+            use_fast_accum=False,
+            **mm,
+        )
+        dw = scaled_mm(
+            g_col[0],
+            x_col[0],
+            a_scale_inv=g_col[1],
+            b_scale_inv=x_col[1],
+            use_fast_accum=False,
+            **mm,
+        )
         return y, dx, dw
 
     return step
@@ -475,8 +603,14 @@ def _fp8_linear_step(recipe, k, n, x, dy):
     try:
         from megatron.core.fp8 import Fp8Config, Fp8Linear, fp8_autocast
 
-        module = Fp8Linear(k, n, bias=False, fp8_config=Fp8Config(recipe=recipe),
-                           dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        module = Fp8Linear(
+            k,
+            n,
+            bias=False,
+            fp8_config=Fp8Config(recipe=recipe),
+            dtype=torch.bfloat16,
+            device="cuda",
+        )
         step = make_module_step(module, x, dy, autocast=fp8_autocast)
         step()
         return step, None
@@ -504,9 +638,17 @@ def round_speedups(bf16_ms: list[float], fp8_ms: list[float]) -> tuple[list[floa
     return ratios, statistics.median(ratios)
 
 
-def bench_linear(reporter: Reporter, started: float, *, chain: bool, budget_s: float,
-                 profile_path: Path | None, shapes=LINEAR_SHAPES, recipes=RECIPES,
-                 rounds: int = ROUNDS) -> None:  # fmt: skip
+def bench_linear(
+    reporter: Reporter,
+    started: float,
+    *,
+    chain: bool,
+    budget_s: float,
+    profile_path: Path | None,
+    shapes=LINEAR_SHAPES,
+    recipes=RECIPES,
+    rounds: int = ROUNDS,
+) -> None:
     """Time bf16 nn.Linear and each recipe's Fp8Linear (and --chain's API chain) in
     `rounds` interleaved rounds: every round times each step once (steady_ms), bf16 first.
     An H200's step times drift by up to 18% within a run (clocks, host speed), so each
@@ -519,18 +661,28 @@ def bench_linear(reporter: Reporter, started: float, *, chain: bool, budget_s: f
         w = base.weight.detach()
         for recipe in recipes:
             if time.perf_counter() - started > budget_s:
-                reporter.emit({"bench": "linear", "recipe": recipe, "K": k, "N": n,
-                               "skipped": "time budget"})  # fmt: skip
+                reporter.emit(
+                    {"bench": "linear", "recipe": recipe, "K": k, "N": n, "skipped": "time budget"}
+                )
                 continue
             module_step, why = _fp8_linear_step(recipe, k, n, x, dy)
             if module_step is not None:
                 cases.append(("Fp8Linear", recipe, module_step))
             else:
-                reporter.emit({"bench": "linear", "impl": "Fp8Linear", "recipe": recipe,
-                               "K": k, "N": n, "unavailable": why})  # fmt: skip
+                reporter.emit(
+                    {
+                        "bench": "linear",
+                        "impl": "Fp8Linear",
+                        "recipe": recipe,
+                        "K": k,
+                        "N": n,
+                        "unavailable": why,
+                    }
+                )
             if chain:
-                cases.append(("quantize_cuda+scaled_mm", recipe,
-                              make_chain_step(x.detach(), w, dy, recipe)))  # fmt: skip
+                cases.append(
+                    ("quantize_cuda+scaled_mm", recipe, make_chain_step(x.detach(), w, dy, recipe))
+                )
         times: list[list[float]] = [[] for _ in cases]
         hosts: list[list[float]] = [[] for _ in cases]
         for _ in range(rounds):
@@ -540,28 +692,48 @@ def bench_linear(reporter: Reporter, started: float, *, chain: bool, budget_s: f
                 hosts[index].append(host[0])
         graphs = [graph_ms(step) for _, _, step in cases]
         bf16_ms, bf16_graph = statistics.median(times[0]), graphs[0]
-        reporter.emit({"bench": "linear", "impl": "bf16 nn.Linear", "recipe": "bf16",
-                       "M": TOKENS, "K": k, "N": n, "time_ms": round(bf16_ms, 3),
-                       "round_ms": [round(t, 3) for t in times[0]],
-                       "host_ms": round(statistics.median(hosts[0]), 3),
-                       "graph_ms": _round(bf16_graph)})  # fmt: skip
+        reporter.emit(
+            {
+                "bench": "linear",
+                "impl": "bf16 nn.Linear",
+                "recipe": "bf16",
+                "M": TOKENS,
+                "K": k,
+                "N": n,
+                "time_ms": round(bf16_ms, 3),
+                "round_ms": [round(t, 3) for t in times[0]],
+                "host_ms": round(statistics.median(hosts[0]), 3),
+                "graph_ms": _round(bf16_graph),
+            }
+        )
         for index in range(1, len(cases)):
             impl, recipe, step = cases[index]
             ratios, speedup = round_speedups(times[0], times[index])
             graphed = graphs[index]
             graph_speedup = (bf16_graph / graphed) if (graphed and bf16_graph) else None
-            reporter.emit({"bench": "linear", "impl": impl, "recipe": recipe, "M": TOKENS,
-                           "K": k, "N": n, "time_ms": round(statistics.median(times[index]), 3),
-                           "round_ms": [round(t, 3) for t in times[index]],
-                           "round_speedups": [round(r, 3) for r in ratios],
-                           "host_ms": round(statistics.median(hosts[index]), 3),
-                           "graph_ms": _round(graphed), "bf16_ms": round(bf16_ms, 3),
-                           "bf16_graph_ms": _round(bf16_graph), "speedup": round(speedup, 3),
-                           "graph_speedup": _round(graph_speedup),
-                           "target": SPEEDUP_TARGET[recipe],
-                           "pass": speedup >= SPEEDUP_TARGET[recipe],
-                           "gemm_path": _gemm_path(recipe),
-                           "launch": direct_launch_status()})  # fmt: skip
+            reporter.emit(
+                {
+                    "bench": "linear",
+                    "impl": impl,
+                    "recipe": recipe,
+                    "M": TOKENS,
+                    "K": k,
+                    "N": n,
+                    "time_ms": round(statistics.median(times[index]), 3),
+                    "round_ms": [round(t, 3) for t in times[index]],
+                    "round_speedups": [round(r, 3) for r in ratios],
+                    "host_ms": round(statistics.median(hosts[index]), 3),
+                    "graph_ms": _round(graphed),
+                    "bf16_ms": round(bf16_ms, 3),
+                    "bf16_graph_ms": _round(bf16_graph),
+                    "speedup": round(speedup, 3),
+                    "graph_speedup": _round(graph_speedup),
+                    "target": SPEEDUP_TARGET[recipe],
+                    "pass": speedup >= SPEEDUP_TARGET[recipe],
+                    "gemm_path": _gemm_path(recipe),
+                    "launch": direct_launch_status(),
+                }
+            )
             if profile_path is not None and impl == "Fp8Linear" and (k, n) == shapes[0]:
                 with profile_path.open("a") as handle:
                     handle.write(_profile_step(step, f"Fp8Linear {recipe} K={k} N={n}"))
@@ -585,14 +757,18 @@ def print_table(rows: list[dict]) -> None:
     print("\n== summary ==")
     for row in rows:
         if row["bench"] == "check":
-            print(f"check     {row['cases']} cases, {row['mismatches']} mismatches "
-                  f"({'PASS' if row['pass'] else 'FAIL'})")  # fmt: skip
+            print(
+                f"check     {row['cases']} cases, {row['mismatches']} mismatches "
+                f"({'PASS' if row['pass'] else 'FAIL'})"
+            )
         elif row["bench"] == "copy":
             print(f"copy      d2d bandwidth {row['gbps']} GB/s")
         elif row["bench"] == "quantize":
-            print(f"quantize  {row['case']:<38} {row['time_us']:>9.1f} us {row['gbps']:>8.1f} "
-                  f"GB/s {100 * row['frac_of_copy']:5.1f}% of copy "
-                  f"{'PASS' if row['pass'] else 'below 60%'}")  # fmt: skip
+            print(
+                f"quantize  {row['case']:<38} {row['time_us']:>9.1f} us {row['gbps']:>8.1f} "
+                f"GB/s {100 * row['frac_of_copy']:5.1f}% of copy "
+                f"{'PASS' if row['pass'] else 'below 60%'}"
+            )
         elif row["bench"] == "sweep":
             print(
                 f"sweep     {row['kernel']:<14} {json.dumps(row['config']):<44} "
@@ -607,16 +783,20 @@ def print_table(rows: list[dict]) -> None:
                 f"{row['graph_ms']} ms)"
             )
         elif "time_ms" in row:
-            print(f"linear    {row['recipe']:<10} {row['impl']:<10} K={row['K']:<6} "
-                  f"N={row['N']:<6} {row['time_ms']:>8.3f} ms (host {row['host_ms']:.3f}) "
-                  f"vs bf16 {row['bf16_ms']:.3f} ms "
-                  f"= {row['speedup']:.2f}x (rounds {min(row['round_speedups']):.2f}-"
-                  f"{max(row['round_speedups']):.2f}x, target {row['target']}x) "
-                  f"{'PASS' if row['pass'] else 'MISS'}; graphed {row['graph_speedup']}x "
-                  f"[{row['gemm_path']}]")  # fmt: skip
+            print(
+                f"linear    {row['recipe']:<10} {row['impl']:<10} K={row['K']:<6} "
+                f"N={row['N']:<6} {row['time_ms']:>8.3f} ms (host {row['host_ms']:.3f}) "
+                f"vs bf16 {row['bf16_ms']:.3f} ms "
+                f"= {row['speedup']:.2f}x (rounds {min(row['round_speedups']):.2f}-"
+                f"{max(row['round_speedups']):.2f}x, target {row['target']}x) "
+                f"{'PASS' if row['pass'] else 'MISS'}; graphed {row['graph_speedup']}x "
+                f"[{row['gemm_path']}]"
+            )
         elif "unavailable" in row or "skipped" in row:
-            print(f"linear    {row['recipe']:<10} {row.get('impl', '')}: "
-                  f"{row.get('unavailable') or row.get('skipped')}")  # fmt: skip
+            print(
+                f"linear    {row['recipe']:<10} {row.get('impl', '')}: "
+                f"{row.get('unavailable') or row.get('skipped')}"
+            )
 
 
 def _parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
@@ -640,9 +820,12 @@ def _parse_recipes(text: str) -> tuple[str, ...]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true",
-                        help="first compare quantize_cuda bitwise with the reference on random "
-                             "and edge-case inputs; exit 1 on any mismatch")  # fmt: skip
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="first compare quantize_cuda bitwise with the reference on random "
+        "and edge-case inputs; exit 1 on any mismatch",
+    )
     parser.add_argument(
         "--sweep",
         action="store_true",
@@ -694,11 +877,17 @@ def main() -> int:
         return 2
     started = time.perf_counter()
     reporter = Reporter()
-    reporter.emit({"bench": "env", "torch": torch.__version__, "cuda": torch.version.cuda,
-                   "device": torch.cuda.get_device_name(),
-                   "capability": list(torch.cuda.get_device_capability()),
-                   "triton": triton_available(),
-                   "backward_worker_threads": args.backward_worker_threads})  # fmt: skip
+    reporter.emit(
+        {
+            "bench": "env",
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name(),
+            "capability": list(torch.cuda.get_device_capability()),
+            "triton": triton_available(),
+            "backward_worker_threads": args.backward_worker_threads,
+        }
+    )
     if args.check and not run_check(reporter):
         print_table(reporter.rows)
         return 1
@@ -706,11 +895,22 @@ def main() -> int:
         bench_quantize(reporter, sweep=args.sweep)
     out_dir = os.environ.get("OUT")
     profile_path = Path(out_dir) / "profile.txt" if (args.profile and out_dir) else None
-    bench_linear(reporter, started, chain=args.chain, budget_s=args.budget_s,
-                 profile_path=profile_path, shapes=args.shapes,
-                 recipes=args.recipes)  # fmt: skip
-    reporter.emit({"bench": "done", "seconds": round(time.perf_counter() - started, 1),
-                   "blockwise_gemm_path": blockwise_gemm_path()})  # fmt: skip
+    bench_linear(
+        reporter,
+        started,
+        chain=args.chain,
+        budget_s=args.budget_s,
+        profile_path=profile_path,
+        shapes=args.shapes,
+        recipes=args.recipes,
+    )
+    reporter.emit(
+        {
+            "bench": "done",
+            "seconds": round(time.perf_counter() - started, 1),
+            "blockwise_gemm_path": blockwise_gemm_path(),
+        }
+    )
     print_table(reporter.rows)
     return 0
 

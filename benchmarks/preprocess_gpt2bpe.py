@@ -69,14 +69,20 @@ def run_preprocess(repo: str, *, corpus: str, prefix: str, vocab: str, merges: s
     command = [
         sys.executable,
         os.path.join(repo, "tools", "preprocess_data.py"),
-        "--input", corpus,
-        "--output-prefix", prefix,
-        "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-file", vocab,
-        "--merge-file", merges,
+        "--input",
+        corpus,
+        "--output-prefix",
+        prefix,
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        vocab,
+        "--merge-file",
+        merges,
         "--append-eod",
-        "--workers", str(workers),
-    ]  # fmt: skip
+        "--workers",
+        str(workers),
+    ]
     environment = dict(os.environ, PYTHONPATH=repo)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()

@@ -69,8 +69,12 @@ def compile_sm90(kernel, args: tuple, constexprs: dict):
     for param in kernel.params:  # constexprs left at their defaults
         if param.name not in signature:
             signature[param.name], constants[param.name] = "constexpr", param.default
-    source = ASTSource(fn=kernel, signature={n: signature[n] for n in kernel.arg_names},
-                       constexprs=constants, attrs=attrs)  # fmt: skip
+    source = ASTSource(
+        fn=kernel,
+        signature={n: signature[n] for n in kernel.arg_names},
+        constexprs=constants,
+        attrs=attrs,
+    )
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -81,10 +85,12 @@ def sass_report(compiled) -> tuple[int, collections.Counter]:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         dump = [os.path.join(tools, "cuobjdump"), cubin.name]
-        usage = subprocess.run(dump[:1] + ["-res-usage"] + dump[1:], capture_output=True,
-                               text=True, check=True).stdout  # fmt: skip
-        sass = subprocess.run(dump[:1] + ["-sass"] + dump[1:], capture_output=True, text=True,
-                              check=True).stdout  # fmt: skip
+        usage = subprocess.run(
+            dump[:1] + ["-res-usage"] + dump[1:], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            dump[:1] + ["-sass"] + dump[1:], capture_output=True, text=True, check=True
+        ).stdout
     return int(re.search(r"REG:(\d+)", usage).group(1)), collections.Counter(_OP.findall(sass))
 
 
@@ -101,14 +107,22 @@ def cases(rows: int, cols: int) -> dict[str, tuple]:
     for write_t in (False, True):
         for recipe in ("tensorwise", "delayed"):
             kernel, grid, constexprs = cq.per_tensor_cast_spec(
-                rows, cols, write_row=True, write_t=write_t, record=recipe == "delayed",
-                fp8_dtype=e4m3, recipe=recipe, power_2_scale=False,
-                input_dtype=torch.bfloat16, amax_partials=256 if recipe == "tensorwise" else 0,
-            )  # fmt: skip
+                rows,
+                cols,
+                write_row=True,
+                write_t=write_t,
+                record=recipe == "delayed",
+                fp8_dtype=e4m3,
+                recipe=recipe,
+                power_2_scale=False,
+                input_dtype=torch.bfloat16,
+                amax_partials=256 if recipe == "tensorwise" else 0,
+            )
             name = f"{recipe} cast{' + T' if write_t else ''}"
             out[name] = (kernel, (bf16, u8, u8, f32, f32, f32, f32, rows, cols), constexprs, grid)
-    kernel, grid, constexprs = cq.block_1x128_rows_spec(rows, cols, record=False,
-                                                        row_scale_t=True, **block)  # fmt: skip
+    kernel, grid, constexprs = cq.block_1x128_rows_spec(
+        rows, cols, record=False, row_scale_t=True, **block
+    )
     out["1x128 rows"] = (kernel, (bf16, u8, f32, f32, rows, cols), constexprs, grid)
     kernel, grid, constexprs = cq.block_128x1_cols_spec(
         rows, cols, columnwise=False, write_t=True, record=False, **block
@@ -123,24 +137,37 @@ def cases(rows: int, cols: int) -> dict[str, tuple]:
         if pair is not None:
             cq.TILE_CONFIG["block_1x128_pair"] = pair_config
         try:
-            spec = fused_spec(rows, cols, columnwise=False, write_t=True, record=False,
-                              row_scale_t=True, **block)  # fmt: skip
+            spec = fused_spec(
+                rows, cols, columnwise=False, write_t=True, record=False, row_scale_t=True, **block
+            )
         finally:
             if pair is not None:
                 cq.TILE_CONFIG["block_1x128_pair"] = pair
         if spec is not None:
             out[name] = (spec[0], (bf16, u8, f32, u8, f32, u8, f32, rows, cols), spec[2], spec[1])
-    kernel, grid, constexprs = cq.block_128x128_spec(rows, cols, write_row=True, write_t=True,
-                                                     record=False, **block)  # fmt: skip
+    kernel, grid, constexprs = cq.block_128x128_spec(
+        rows, cols, write_row=True, write_t=True, record=False, **block
+    )
     out["128x128 row + T"] = (kernel, (bf16, u8, f32, u8, f32, f32, rows, cols), constexprs, grid)
     for dequant in (False, True):
-        kernel, grid, constexprs = cq.mxfp8_spec(rows, cols, rowwise=True, columnwise=True,
-                                                 write_t=False, record=False, fp8_dtype=e4m3,
-                                                 dequant=dequant)  # fmt: skip
+        kernel, grid, constexprs = cq.mxfp8_spec(
+            rows,
+            cols,
+            rowwise=True,
+            columnwise=True,
+            write_t=False,
+            record=False,
+            fp8_dtype=e4m3,
+            dequant=dequant,
+        )
         values = bf16 if dequant else u8
         args = (bf16, values, u8, values, u8, u8, f32, rows, cols)
-        out[f"mxfp8 row + col{' dequantized' if dequant else ''}"] = (kernel, args, constexprs,
-                                                                      grid)  # fmt: skip
+        out[f"mxfp8 row + col{' dequantized' if dequant else ''}"] = (
+            kernel,
+            args,
+            constexprs,
+            grid,
+        )
     return out
 
 

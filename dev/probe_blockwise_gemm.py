@@ -52,13 +52,27 @@ BLOCK_K = 128  # the recipe's scaling block along K
 # in earlier probes. The last two warp-specialized ones do not compile with Triton 3.6 (its
 # NVGPUWarpSpecialization pass fails); they stay so that the probe shows it.
 CONFIGS = {
-    "loop": [(64, 128, 3, 4, 168), (64, 128, 3, 4, None), (64, 128, 4, 4, None),
-             (128, 128, 3, 8, None), (128, 64, 3, 4, None), (64, 64, 4, 4, None)],
-    "pipelined": [(128, 64, 3, 4, None), (64, 128, 4, 4, None), (128, 128, 3, 8, None),
-                  (64, 64, 4, 4, None)],
-    "specialized": [(128, 128, 3, 8, None), (64, 128, 4, 4, None), (128, 128, 4, 4, None),
-                    (128, 64, 4, 4, None)],
-}  # fmt: skip
+    "loop": [
+        (64, 128, 3, 4, 168),
+        (64, 128, 3, 4, None),
+        (64, 128, 4, 4, None),
+        (128, 128, 3, 8, None),
+        (128, 64, 3, 4, None),
+        (64, 64, 4, 4, None),
+    ],
+    "pipelined": [
+        (128, 64, 3, 4, None),
+        (64, 128, 4, 4, None),
+        (128, 128, 3, 8, None),
+        (64, 64, 4, 4, None),
+    ],
+    "specialized": [
+        (128, 128, 3, 8, None),
+        (64, 128, 4, 4, None),
+        (128, 128, 4, 4, None),
+        (128, 64, 4, 4, None),
+    ],
+}
 
 
 @triton.jit
@@ -85,9 +99,23 @@ def _block_scales(sa_ptr, sb_ptr, offs_m, offs_n, kb, M, N, k_blocks, B_2D: tl.c
 
 
 @triton.jit
-def loop_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, k_blocks,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                B_2D: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+def loop_kernel(
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    k_blocks,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    B_2D: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     # STAGES is unused: this loop takes the launch's num_stages, as in the fastest earlier run.
     pid_m, pid_n = _tile_coords(M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -116,9 +144,23 @@ def loop_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, k_blocks,
 
 
 @triton.jit
-def pipelined_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, k_blocks,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     GROUP_M: tl.constexpr, B_2D: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+def pipelined_kernel(
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    k_blocks,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    B_2D: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     pid_m, pid_n = _tile_coords(M, N, BM, BN, GROUP_M)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
@@ -139,18 +181,33 @@ def pipelined_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, k_blocks,
 
 
 @triton.jit
-def specialized_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, k_blocks,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GROUP_M: tl.constexpr, B_2D: tl.constexpr,
-                       STAGES: tl.constexpr):  # fmt: skip
+def specialized_kernel(
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    k_blocks,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    B_2D: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     # B_2D is unused: only 1x128 x 1x128 (wgrad) runs here, see the module docstring.
     pid_m, pid_n = _tile_coords(M, N, BM, BN, GROUP_M)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
-    sa_desc = tl.make_tensor_descriptor(sa_ptr, shape=[k_blocks, M], strides=[M, 1],
-                                        block_shape=[1, BM])  # fmt: skip
-    sb_desc = tl.make_tensor_descriptor(sb_ptr, shape=[k_blocks, N], strides=[N, 1],
-                                        block_shape=[1, BN])  # fmt: skip
+    sa_desc = tl.make_tensor_descriptor(
+        sa_ptr, shape=[k_blocks, M], strides=[M, 1], block_shape=[1, BM]
+    )
+    sb_desc = tl.make_tensor_descriptor(
+        sb_ptr, shape=[k_blocks, N], strides=[N, 1], block_shape=[1, BN]
+    )
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in tl.range(k_blocks, num_stages=STAGES, warp_specialize=True):
         a = a_desc.load([pid_m * BM, kb * BK])
@@ -176,8 +233,10 @@ def _check_scale_layout(operand: linear_ops.GemmOperand, *, two_d: bool) -> None
     else:
         want_shape, want_stride = (rows, k // BLOCK_K), (1, rows)
     if tuple(scales.shape) != want_shape or scales.stride() != want_stride:
-        raise SystemExit(f"unexpected scale layout {tuple(scales.shape)} stride {scales.stride()}"
-                         f" (kernels expect {want_shape} stride {want_stride})")  # fmt: skip
+        raise SystemExit(
+            f"unexpected scale layout {tuple(scales.shape)} stride {scales.stride()}"
+            f" (kernels expect {want_shape} stride {want_stride})"
+        )
 
 
 def _time_kernel(name: str, config: tuple, a, b, two_d: bool, reference: torch.Tensor) -> dict:
@@ -189,13 +248,35 @@ def _time_kernel(name: str, config: tuple, a, b, two_d: bool, reference: torch.T
     options = {} if max_registers is None else {"maxnreg": max_registers}
 
     def launch():
-        KERNELS[name][grid](a.data, b.data, a.scale_inv, b.scale_inv, out, rows, cols, k,
-                            k // BLOCK_K, BM=block_m, BN=block_n, BK=BLOCK_K, GROUP_M=8,
-                            B_2D=two_d, STAGES=stages, num_stages=stages, num_warps=warps,
-                            **options)  # fmt: skip
+        KERNELS[name][grid](
+            a.data,
+            b.data,
+            a.scale_inv,
+            b.scale_inv,
+            out,
+            rows,
+            cols,
+            k,
+            k // BLOCK_K,
+            BM=block_m,
+            BN=block_n,
+            BK=BLOCK_K,
+            GROUP_M=8,
+            B_2D=two_d,
+            STAGES=stages,
+            num_stages=stages,
+            num_warps=warps,
+            **options,
+        )
 
-    row = {"kernel": name, "BM": block_m, "BN": block_n, "stages": stages, "warps": warps,
-           "maxnreg": max_registers}  # fmt: skip
+    row = {
+        "kernel": name,
+        "BM": block_m,
+        "BN": block_n,
+        "stages": stages,
+        "warps": warps,
+        "maxnreg": max_registers,
+    }
     try:
         launch()
         torch.cuda.synchronize()
@@ -211,12 +292,15 @@ def main() -> int:
         sys.exit("probe_blockwise_gemm.py needs a CUDA GPU (it times compiled GPU kernels)")
     m, k, n = 8192, 4096, 4096
     # TMA descriptors built on the device need a global scratch allocation from Triton.
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
-                                                                 device="cuda"))  # fmt: skip
+    triton.set_allocator(
+        lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda")
+    )
     out_dir = os.environ.get("OUT")
     sink = Path(out_dir) / "probe_blockwise_gemm.jsonl" if out_dir else None
-    print(f"torch {torch.__version__}, Triton {triton.__version__}, "
-          f"{torch.cuda.get_device_name()}; M={m} K={k} N={n}")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, Triton {triton.__version__}, "
+        f"{torch.cuda.get_device_name()}; M={m} K={k} N={n}"
+    )
     rows = []
     for gemm_name, (a, b) in linear_gemm_operands("blockwise", m=m, k=k, n=n).items():
         two_d = gemm_name != "wgrad"  # fprop and dgrad read the 128x128-scaled weight
@@ -224,8 +308,9 @@ def main() -> int:
         _check_scale_layout(b, two_d=two_d)
 
         def cublas(a=a, b=b):
-            return linear_ops.gemm(a, b, recipe="blockwise", out_dtype=torch.bfloat16,
-                                   fast_accum=False)  # fmt: skip
+            return linear_ops.gemm(
+                a, b, recipe="blockwise", out_dtype=torch.bfloat16, fast_accum=False
+            )
 
         reference = cublas()
         cublas_us = kernel_ms(cublas) * 1e3
@@ -236,25 +321,34 @@ def main() -> int:
             if name == "specialized" and two_d:
                 continue
             for config in configs:
-                row = {"gemm": gemm_name, "cublas_us": round(cublas_us, 1),
-                       **_time_kernel(name, config, a, b, two_d, reference)}  # fmt: skip
+                row = {
+                    "gemm": gemm_name,
+                    "cublas_us": round(cublas_us, 1),
+                    **_time_kernel(name, config, a, b, two_d, reference),
+                }
                 rows.append(row)
                 if "error" in row:
                     print(f"  {name} {config}: {row['error']}")
                 else:
                     tflops, ratio = flop / row["us"] / 1e6, cublas_us / row["us"]
-                    print(f"  {name} {config}: {row['us']:.1f} us ({tflops:.0f} TFLOPS, "
-                          f"{ratio:.3f}x cuBLAS), bitwise equal: "
-                          f"{row['bitwise_equal']}")  # fmt: skip
+                    print(
+                        f"  {name} {config}: {row['us']:.1f} us ({tflops:.0f} TFLOPS, "
+                        f"{ratio:.3f}x cuBLAS), bitwise equal: "
+                        f"{row['bitwise_equal']}"
+                    )
     if sink is not None:
         sink.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
     timed = [row for row in rows if "us" in row]
-    best = {g: min((r for r in timed if r["gemm"] == g), key=lambda r: r["us"], default=None)
-            for g in ("fprop", "dgrad", "wgrad")}  # fmt: skip
+    best = {
+        g: min((r for r in timed if r["gemm"] == g), key=lambda r: r["us"], default=None)
+        for g in ("fprop", "dgrad", "wgrad")
+    }
     for gemm_name, row in best.items():
         if row is not None:
-            print(f"best {gemm_name}: {row['kernel']} {row['BM']}x{row['BN']} {row['us']} us, "
-                  f"{row['cublas_us'] / row['us']:.3f}x cuBLAS")  # fmt: skip
+            print(
+                f"best {gemm_name}: {row['kernel']} {row['BM']}x{row['BN']} {row['us']} us, "
+                f"{row['cublas_us'] / row['us']:.3f}x cuBLAS"
+            )
     return 0
 
 

@@ -33,12 +33,22 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 def grad_norms(recipe: str, *, compiled: bool, traced_fp8_params: bool = False) -> dict:
     config = TransformerConfig(
-        fp8=Fp8Config(recipe=recipe, fp8_param_gather=True), num_layers=2, hidden_size=512,
-        ffn_hidden_size=1024, num_attention_heads=4, vocab_size=1024, max_sequence_length=256,
-        position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        untie_embeddings_and_output_weights=True, params_dtype=torch.bfloat16,
-    )  # fmt: skip
+        fp8=Fp8Config(recipe=recipe, fp8_param_gather=True),
+        num_layers=2,
+        hidden_size=512,
+        ffn_hidden_size=1024,
+        num_attention_heads=4,
+        vocab_size=1024,
+        max_sequence_length=256,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        untie_embeddings_and_output_weights=True,
+        params_dtype=torch.bfloat16,
+    )
     linear_module.COMPILED_FP8_PARAMS_RUN_EAGERLY = not traced_fp8_params
     torch._dynamo.reset()
     with torch.device("meta"):
@@ -48,8 +58,9 @@ def grad_norms(recipe: str, *, compiled: bool, traced_fp8_params: bool = False) 
             layer.forward = torch.compile(layer.forward)
     model = FullyShardedDataParallel(
         model,
-        fsdp_config=FsdpConfig(data_parallel_sharding_strategy="optim_grads_params",
-                               init_model_with_meta_device=True),  # fmt: skip
+        fsdp_config=FsdpConfig(
+            data_parallel_sharding_strategy="optim_grads_params", init_model_with_meta_device=True
+        ),
         device=DEVICE,
         init_fn=lambda name, t: init_parameter_(t, name=name, config=config, seed=0),
         fp8_config=config.fp8,

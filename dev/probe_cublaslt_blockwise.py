@@ -46,9 +46,13 @@ VoidP = ctypes.c_void_p
 class HeuristicResult(ctypes.Structure):
     """cublasLtMatmulHeuristicResult_t."""
 
-    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t),
-                ("state", ctypes.c_int), ("waves", ctypes.c_float),
-                ("reserved", ctypes.c_int * 4)]  # fmt: skip
+    _fields_ = [
+        ("algo", ctypes.c_uint64 * 8),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
 
 
 def _load_cublaslt() -> ctypes.CDLL:
@@ -62,14 +66,25 @@ def _load_cublaslt() -> ctypes.CDLL:
     lib.cublasLtCreate.argtypes = [ctypes.POINTER(VoidP)]
     lib.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(VoidP), ctypes.c_int, ctypes.c_int]
     lib.cublasLtMatmulDescSetAttribute.argtypes = [VoidP, ctypes.c_int, VoidP, ctypes.c_size_t]
-    lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(VoidP), ctypes.c_int,
-                                               ctypes.c_uint64, ctypes.c_uint64,
-                                               ctypes.c_int64]  # fmt: skip
+    lib.cublasLtMatrixLayoutCreate.argtypes = [
+        ctypes.POINTER(VoidP),
+        ctypes.c_int,
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        ctypes.c_int64,
+    ]
     lib.cublasLtMatmulPreferenceCreate.argtypes = [ctypes.POINTER(VoidP)]
-    lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [VoidP, ctypes.c_int, VoidP,
-                                                         ctypes.c_size_t]  # fmt: skip
+    lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [
+        VoidP,
+        ctypes.c_int,
+        VoidP,
+        ctypes.c_size_t,
+    ]
     lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [VoidP] * 7 + [
-        ctypes.c_int, ctypes.POINTER(HeuristicResult), ctypes.POINTER(ctypes.c_int)]  # fmt: skip
+        ctypes.c_int,
+        ctypes.POINTER(HeuristicResult),
+        ctypes.POINTER(ctypes.c_int),
+    ]
     lib.cublasLtMatmul.argtypes = [VoidP] * 14 + [ctypes.c_size_t, VoidP]
     print(f"cuBLASLt: {paths[0]}")
     return lib
@@ -90,8 +105,10 @@ class LtMatmul:
         rows_b = b.data.shape[0]
         self.out_shape = (rows_a, rows_b)
         self.desc = VoidP()
-        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), COMPUTE_32F, CUDA_R_32F),
-               "cublasLtMatmulDescCreate")  # fmt: skip
+        _check(
+            lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), COMPUTE_32F, CUDA_R_32F),
+            "cublasLtMatmulDescCreate",
+        )
         self._set(DESC_TRANSA, ctypes.c_int32(1))
         self._set(DESC_TRANSB, ctypes.c_int32(0))
         if fast_accum:
@@ -107,15 +124,32 @@ class LtMatmul:
         preference = VoidP()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "PreferenceCreate")
         limit = ctypes.c_uint64(workspace.numel())
-        _check(lib.cublasLtMatmulPreferenceSetAttribute(
-            preference, PREF_MAX_WORKSPACE_BYTES, ctypes.cast(ctypes.byref(limit), VoidP),
-            ctypes.sizeof(limit)), "PreferenceSetAttribute")  # fmt: skip
+        _check(
+            lib.cublasLtMatmulPreferenceSetAttribute(
+                preference,
+                PREF_MAX_WORKSPACE_BYTES,
+                ctypes.cast(ctypes.byref(limit), VoidP),
+                ctypes.sizeof(limit),
+            ),
+            "PreferenceSetAttribute",
+        )
         self.results = (HeuristicResult * MAX_ALGOS)()
         count = ctypes.c_int(0)
-        _check(lib.cublasLtMatmulAlgoGetHeuristic(
-            handle, self.desc, self.layout_a, self.layout_b, self.layout_c, self.layout_c,
-            preference, MAX_ALGOS, self.results, ctypes.byref(count)),
-            "cublasLtMatmulAlgoGetHeuristic")  # fmt: skip
+        _check(
+            lib.cublasLtMatmulAlgoGetHeuristic(
+                handle,
+                self.desc,
+                self.layout_a,
+                self.layout_b,
+                self.layout_c,
+                self.layout_c,
+                preference,
+                MAX_ALGOS,
+                self.results,
+                ctypes.byref(count),
+            ),
+            "cublasLtMatmulAlgoGetHeuristic",
+        )
         self.algo_count = count.value
 
     @staticmethod
@@ -127,9 +161,12 @@ class LtMatmul:
         return SCALE_VEC128_32F if tuple(scales.shape) == (rows, k // 128) else SCALE_BLK128x128_32F
 
     def _set(self, attribute: int, value) -> None:
-        _check(self.lib.cublasLtMatmulDescSetAttribute(
-            self.desc, attribute, ctypes.cast(ctypes.byref(value), VoidP), ctypes.sizeof(value)),
-            f"MatmulDescSetAttribute({attribute})")  # fmt: skip
+        _check(
+            self.lib.cublasLtMatmulDescSetAttribute(
+                self.desc, attribute, ctypes.cast(ctypes.byref(value), VoidP), ctypes.sizeof(value)
+            ),
+            f"MatmulDescSetAttribute({attribute})",
+        )
 
     def _set_scales(self, a, b) -> None:
         self._set(DESC_A_SCALE_POINTER, VoidP(b.scale_inv.data_ptr()))
@@ -137,8 +174,12 @@ class LtMatmul:
 
     def _layout(self, cuda_type: int, rows: int, cols: int, leading: int) -> VoidP:
         layout = VoidP()
-        _check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), cuda_type, rows, cols,
-                                                   leading), "MatrixLayoutCreate")  # fmt: skip
+        _check(
+            self.lib.cublasLtMatrixLayoutCreate(
+                ctypes.byref(layout), cuda_type, rows, cols, leading
+            ),
+            "MatrixLayoutCreate",
+        )
         return layout
 
     def __call__(self, a, b, *, algo: int) -> torch.Tensor:
@@ -146,19 +187,33 @@ class LtMatmul:
         self._set_scales(a, b)
         one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         stream = VoidP(torch.cuda.current_stream().cuda_stream)
-        _check(self.lib.cublasLtMatmul(
-            self.handle, self.desc, ctypes.cast(ctypes.byref(one), VoidP),
-            VoidP(b.data.data_ptr()), self.layout_a, VoidP(a.data.data_ptr()), self.layout_b,
-            ctypes.cast(ctypes.byref(zero), VoidP), VoidP(out.data_ptr()), self.layout_c,
-            VoidP(out.data_ptr()), self.layout_c,
-            ctypes.cast(ctypes.byref(self.results[algo].algo), VoidP),
-            VoidP(self.workspace.data_ptr()), self.workspace.numel(), stream),
-            "cublasLtMatmul")  # fmt: skip
+        _check(
+            self.lib.cublasLtMatmul(
+                self.handle,
+                self.desc,
+                ctypes.cast(ctypes.byref(one), VoidP),
+                VoidP(b.data.data_ptr()),
+                self.layout_a,
+                VoidP(a.data.data_ptr()),
+                self.layout_b,
+                ctypes.cast(ctypes.byref(zero), VoidP),
+                VoidP(out.data_ptr()),
+                self.layout_c,
+                VoidP(out.data_ptr()),
+                self.layout_c,
+                ctypes.cast(ctypes.byref(self.results[algo].algo), VoidP),
+                VoidP(self.workspace.data_ptr()),
+                self.workspace.numel(),
+                stream,
+            ),
+            "cublasLtMatmul",
+        )
         return out
 
 
-def linear_gemm_operands(recipe: str, *, m: int = 8192, k: int = 4096,
-                         n: int = 4096) -> dict[str, tuple]:  # fmt: skip
+def linear_gemm_operands(
+    recipe: str, *, m: int = 8192, k: int = 4096, n: int = 4096
+) -> dict[str, tuple]:
     """Fp8Linear's three GEMMs at M=m, K=k, N=n as {name: (A, B)} with C = A B^T, from random
     x, w and dy (seed 0) quantized as Fp8Linear quantizes them: fprop X W^T, dgrad dY W,
     wgrad dY^T X. Shared with probe_blockwise_gemm.py."""
@@ -170,8 +225,14 @@ def linear_gemm_operands(recipe: str, *, m: int = 8192, k: int = 4096,
 
     def quantize(t, role, fp8_dtype):
         return linear_ops.quantize_operands(
-            t, recipe=recipe, fp8_dtype=fp8_dtype, role=role, rowwise=True, transposed=True,
-            power_2_scale=recipe == "blockwise")  # fmt: skip
+            t,
+            recipe=recipe,
+            fp8_dtype=fp8_dtype,
+            role=role,
+            rowwise=True,
+            transposed=True,
+            power_2_scale=recipe == "blockwise",
+        )
 
     x_row, x_t = quantize(x, "input", e4m3)
     w_row, w_t = quantize(w, "weight", e4m3)
@@ -200,8 +261,10 @@ def _probe_gemm(lib, handle, workspace, *, recipe: str, name: str, a, b, fast: b
     reference = torch_gemm()
     torch_us = kernel_ms(torch_gemm) * 1e3
     lt = LtMatmul(lib, handle, a, b, fast_accum=fast, workspace=workspace)
-    print(f"{recipe} {name}: torch._scaled_mm {torch_us:.1f} us; scale modes {lt.modes};"
-          f" {lt.algo_count} algorithms")  # fmt: skip
+    print(
+        f"{recipe} {name}: torch._scaled_mm {torch_us:.1f} us; scale modes {lt.modes};"
+        f" {lt.algo_count} algorithms"
+    )
     rows = []
     for algo in range(lt.algo_count):
         row = {"recipe": recipe, "gemm": name, "algo": algo, "torch_us": round(torch_us, 1)}
@@ -215,8 +278,10 @@ def _probe_gemm(lib, handle, workspace, *, recipe: str, name: str, a, b, fast: b
         row["bitwise_equal"] = bool(torch.equal(out, reference))
         row["us"] = round(kernel_ms(lambda algo=algo: lt(a, b, algo=algo)) * 1e3, 1)
         rows.append(row)
-        print(f"  algo {algo}: {row['us']:.1f} us ({torch_us / row['us']:.3f}x torch),"
-              f" bitwise equal: {row['bitwise_equal']}")  # fmt: skip
+        print(
+            f"  algo {algo}: {row['us']:.1f} us ({torch_us / row['us']:.3f}x torch),"
+            f" bitwise equal: {row['bitwise_equal']}"
+        )
     return rows
 
 
@@ -224,12 +289,20 @@ def _host_costs(lib, handle, workspace) -> dict:
     """Host microseconds to issue one call on a tiny GEMM (the GPU idles: only issuing counts)."""
     small = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     small_row, _ = linear_ops.quantize_operands(
-        small, recipe="tensorwise", fp8_dtype=torch.float8_e4m3fn, role="input", rowwise=True,
-        transposed=False, power_2_scale=False)  # fmt: skip
+        small,
+        recipe="tensorwise",
+        fp8_dtype=torch.float8_e4m3fn,
+        role="input",
+        rowwise=True,
+        transposed=False,
+        power_2_scale=False,
+    )
     small_lt = LtMatmul(lib, handle, small_row, small_row, fast_accum=True, workspace=workspace)
-    torch_us = _host_us(lambda: linear_ops.gemm(small_row, small_row, recipe="tensorwise",
-                                                out_dtype=torch.bfloat16,
-                                                fast_accum=True))  # fmt: skip
+    torch_us = _host_us(
+        lambda: linear_ops.gemm(
+            small_row, small_row, recipe="tensorwise", out_dtype=torch.bfloat16, fast_accum=True
+        )
+    )
     lt_us = _host_us(lambda: small_lt(small_row, small_row, algo=0))
     print(f"host per call: torch._scaled_mm {torch_us:.1f} us, ctypes cuBLASLt {lt_us:.1f} us")
     return {"host_us_torch": round(torch_us, 1), "host_us_ctypes": round(lt_us, 1)}
@@ -247,8 +320,9 @@ def main() -> int:
         for name, (a, b) in linear_gemm_operands(recipe).items():
             # Fp8Linear's fast accumulation: tensorwise forward GEMM only (docs/FP8_NUMERICS.md).
             fast = recipe == "tensorwise" and name == "fprop"
-            rows += _probe_gemm(lib, handle, workspace, recipe=recipe, name=name, a=a, b=b,
-                                fast=fast)  # fmt: skip
+            rows += _probe_gemm(
+                lib, handle, workspace, recipe=recipe, name=name, a=a, b=b, fast=fast
+            )
     rows.append(_host_costs(lib, handle, workspace))
     out_dir = os.environ.get("OUT")
     if out_dir:

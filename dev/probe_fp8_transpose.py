@@ -29,8 +29,18 @@ from megatron.core.fp8.cuda.triton_quantize import _saturating_cast, _saturating
 
 
 @triton.jit
-def _probe_kernel(x_ptr, row_ptr, t_ptr, scale, M, K, SHIPPED: tl.constexpr, BM: tl.constexpr,
-                  BK: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+def _probe_kernel(
+    x_ptr,
+    row_ptr,
+    t_ptr,
+    scale,
+    M,
+    K,
+    SHIPPED: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, BK)
     cols = (pid % k_tiles) * BK + tl.arange(0, BK)
@@ -62,13 +72,16 @@ def main() -> int:
                 row = torch.empty(rows, cols, dtype=torch.uint8, device="cuda")
                 t = torch.empty(cols, rows, dtype=torch.uint8, device="cuda")
                 grid = (triton.cdiv(cols, bk) * triton.cdiv(rows, bm * group),)
-                _probe_kernel[grid](x, row, t, 2.0, rows, cols, SHIPPED=shipped, BM=bm, BK=bk,
-                                    GROUP=group)  # fmt: skip
+                _probe_kernel[grid](
+                    x, row, t, 2.0, rows, cols, SHIPPED=shipped, BM=bm, BK=bk, GROUP=group
+                )
                 row_diff = int((row != want).sum())
                 t_diff = int((t != want.t()).sum())
                 name = "_saturating_cast_t" if shipped else "_saturating_cast (.to(fp8))"
-                print(f"{str(dtype):15} {name:27} tile {bm}x{bk}x{group}: "
-                      f"rowwise bytes differing {row_diff:6d}, transposed {t_diff:6d}")  # fmt: skip
+                print(
+                    f"{str(dtype):15} {name:27} tile {bm}x{bk}x{group}: "
+                    f"rowwise bytes differing {row_diff:6d}, transposed {t_diff:6d}"
+                )
                 if shipped:
                     shipped_wrong += row_diff + t_diff
     print("shipped cast:", "exact" if shipped_wrong == 0 else f"{shipped_wrong} bytes WRONG")

@@ -32,16 +32,27 @@ def _cases(x: torch.Tensor) -> list:
     def operands(recipe: str, role: str):
         delayed = recipe == "delayed"
         return lambda: linear_ops.quantize_operands(
-            x, recipe=recipe, fp8_dtype=E4M3, role=role, rowwise=True, transposed=True,
-            power_2_scale=not delayed, scale=scale if delayed else None,
+            x,
+            recipe=recipe,
+            fp8_dtype=E4M3,
+            role=role,
+            rowwise=True,
+            transposed=True,
+            power_2_scale=not delayed,
+            scale=scale if delayed else None,
             amax_history=history if delayed else None,
-        )  # fmt: skip
+        )
 
     def api(recipe: str, columnwise: bool):
         return lambda: quantize_cuda(
-            x, recipe=recipe, fp8_dtype=E4M3, role="input", rowwise=True,
-            columnwise=columnwise, power_2_scale=recipe == "mxfp8",
-        )  # fmt: skip
+            x,
+            recipe=recipe,
+            fp8_dtype=E4M3,
+            role="input",
+            rowwise=True,
+            columnwise=columnwise,
+            power_2_scale=recipe == "mxfp8",
+        )
 
     return [
         api("tensorwise", columnwise=False),

@@ -33,17 +33,32 @@ TOKENS_PER_GPU = 2 * 4096  # Model A's measured step: micro-batch 2 x sequence 4
 MEASURED_MS = {"bf16": 233.8, "fp8": 186.7}  # Model A, DP=1, compiled; fp8 = tensorwise params
 
 MODEL_A = TransformerConfig(
-    num_layers=8, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=14336,
-    swiglu=True, vocab_size=32768, max_sequence_length=4096, normalization="RMSNorm",
-    add_bias_linear=False, untie_embeddings_and_output_weights=True,
+    num_layers=8,
+    hidden_size=4096,
+    num_attention_heads=32,
+    ffn_hidden_size=14336,
+    swiglu=True,
+    vocab_size=32768,
+    max_sequence_length=4096,
+    normalization="RMSNorm",
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
     position_embedding_type="rope",
-)  # fmt: skip
+)
 LLAMA_70B = TransformerConfig(
-    num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
-    ffn_hidden_size=28672, swiglu=True, vocab_size=128256, max_sequence_length=4096,
-    normalization="RMSNorm", add_bias_linear=False, untie_embeddings_and_output_weights=True,
+    num_layers=80,
+    hidden_size=8192,
+    num_attention_heads=64,
+    num_query_groups=8,
+    ffn_hidden_size=28672,
+    swiglu=True,
+    vocab_size=128256,
+    max_sequence_length=4096,
+    normalization="RMSNorm",
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
     position_embedding_type="rope",
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -91,11 +106,23 @@ def row(name: str, config: TransformerConfig, gpus: int, layout: str, precision:
     # The two link classes carry different collectives and run concurrently.
     comm_s = max(links["nvlink"] / NVLINK_BYTES_PER_S, links["network"] / NETWORK_BYTES_PER_S)
     state = state_bytes_per_gpu(
-        count_parameters_from_config(config), shard_size=shard, outer_size=outer,
-        outer_strategy=strategy, fp8_numel=fp8_numel,
-    )  # fmt: skip
-    return Row(name, gpus, layout, precision, links["nvlink"] / 1e9, links["network"] / 1e9,
-               comm_s * 1e3, _compute_ms(config, precision), state / 1e9)  # fmt: skip
+        count_parameters_from_config(config),
+        shard_size=shard,
+        outer_size=outer,
+        outer_strategy=strategy,
+        fp8_numel=fp8_numel,
+    )
+    return Row(
+        name,
+        gpus,
+        layout,
+        precision,
+        links["nvlink"] / 1e9,
+        links["network"] / 1e9,
+        comm_s * 1e3,
+        _compute_ms(config, precision),
+        state / 1e9,
+    )
 
 
 def table(name: str, config: TransformerConfig) -> str:

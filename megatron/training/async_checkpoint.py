@@ -87,8 +87,13 @@ class AsyncCheckpointSaver:
         pending, self.pending = self.pending, None
         from megatron.training.checkpointing import finish_save
 
-        return finish_save(self.args, env=self.env, iteration=pending.iteration,
-                           metadata=pending.metadata, failure=pending.failure)  # fmt: skip
+        return finish_save(
+            self.args,
+            env=self.env,
+            iteration=pending.iteration,
+            metadata=pending.metadata,
+            failure=pending.failure,
+        )
 
     def test_hold(self, tmp: str, iteration: int) -> None:
         """The test hook (TEST_HOLD_ENV); inert unless the variable names this iteration."""

@@ -257,8 +257,9 @@ def _write_checkpoint_files(args, *, run, env, tmp: str) -> None:
         _save_tensor_file(run.optimizer.named_main_params(), os.path.join(tmp, "model.pt"))
         if not args.no_save_optim:
             _save_tensor_file(run.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    _write_small_files(args, env=env, tmp=tmp, fp8_state=_fp8_file_state(args, run),
-                       rng_state=get_rng_state())  # fmt: skip
+    _write_small_files(
+        args, env=env, tmp=tmp, fp8_state=_fp8_file_state(args, run), rng_state=get_rng_state()
+    )
 
 
 def _fp8_file_state(args, run) -> dict:
@@ -319,26 +320,45 @@ def save_checkpoint(
         failure = error
     failed_rank = _first_failure(env, failure)
     if failed_rank >= 0:
-        _save_failed(args, env=env, iteration=state.iteration, tmp=tmp, failure=failure,
-                     failed_rank=failed_rank)  # fmt: skip
+        _save_failed(
+            args,
+            env=env,
+            iteration=state.iteration,
+            tmp=tmp,
+            failure=failure,
+            failed_rank=failed_rank,
+        )
     metadata = _metadata(args, run, scheduler, state, env)
     if async_saver is not None:
-        _start_async_write(args, run=run, env=env, tmp=tmp, iteration=state.iteration,
-                           metadata=metadata, saver=async_saver)  # fmt: skip
+        _start_async_write(
+            args,
+            run=run,
+            env=env,
+            tmp=tmp,
+            iteration=state.iteration,
+            metadata=metadata,
+            saver=async_saver,
+        )
         if env.rank == 0:  # benchmarks/async_save.sh reads this line
-            print(f" > writing checkpoint of iteration {state.iteration} asynchronously "
-                  f"(blocked training {_ms_since(started):.1f} ms)", flush=True)  # fmt: skip
+            print(
+                f" > writing checkpoint of iteration {state.iteration} asynchronously "
+                f"(blocked training {_ms_since(started):.1f} ms)",
+                flush=True,
+            )
         return None
     try:
         _write_checkpoint_files(args, run=run, env=env, tmp=tmp)
     # DCP's collective CheckpointException derives from BaseException, not Exception.
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - reported, re-raised
         failure = error
-    final = finish_save(args, env=env, iteration=state.iteration, metadata=metadata,
-                        failure=failure)  # fmt: skip
+    final = finish_save(
+        args, env=env, iteration=state.iteration, metadata=metadata, failure=failure
+    )
     if env.rank == 0:
-        print(f" > save of iteration {state.iteration} blocked training "
-              f"{_ms_since(started):.1f} ms", flush=True)  # fmt: skip
+        print(
+            f" > save of iteration {state.iteration} blocked training {_ms_since(started):.1f} ms",
+            flush=True,
+        )
     return final
 
 
@@ -364,8 +384,9 @@ def finish_save(args, *, env, iteration: int, metadata: dict, failure: BaseExcep
     if failed_rank < 0:
         failed_rank = _first_failure(env, failure)
     if failed_rank >= 0:
-        _save_failed(args, env=env, iteration=iteration, tmp=tmp, failure=failure,
-                     failed_rank=failed_rank)  # fmt: skip
+        _save_failed(
+            args, env=env, iteration=iteration, tmp=tmp, failure=failure, failed_rank=failed_rank
+        )
     tracker_failure = None
     if env.rank == 0:
         try:

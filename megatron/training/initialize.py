@@ -115,9 +115,12 @@ def _attempt_store(rank: int, world_size: int) -> dist.Store | None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     shared = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-        is_master=False, timeout=timedelta(minutes=30),
-    )  # fmt: skip
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timedelta(minutes=30),
+    )
     handshake = dist.PrefixStore("megatron-fp8/handshake", shared)
     if rank == 0:
         nonce = secrets.token_hex(16)

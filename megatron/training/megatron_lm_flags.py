@@ -17,9 +17,15 @@ import torch
 
 # Megatron-LM's --dist-ckpt-strictness choices.
 _STRICTNESS = (
-    "assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
-    "return_unexpected", "return_all", "ignore_all",
-)  # fmt: skip
+    "assume_ok_unexpected",
+    "log_unexpected",
+    "log_all",
+    "raise_unexpected",
+    "raise_all",
+    "return_unexpected",
+    "return_all",
+    "ignore_all",
+)
 _FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
 
 
@@ -336,20 +342,28 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         "Megatron-LM features not built here (sizes of 1 and 'off' are accepted; anything "
         "else is refused at parse time)"
     )
-    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-                 "--context-parallel-size", "--expert-model-parallel-size"):  # fmt: skip
+    for flag in (
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--context-parallel-size",
+        "--expert-model-parallel-size",
+    ):
         group.add_argument(flag, type=int, default=1, help="Must be 1 here (not built above).")
-    for flag in ("--expert-tensor-parallel-size", "--virtual-pipeline-model-parallel-size",
-                 "--num-layers-per-virtual-pipeline-stage", "--num-experts",
-                 "--mtp-num-layers", "--mup-base-hidden-size"):  # fmt: skip
+    for flag in (
+        "--expert-tensor-parallel-size",
+        "--virtual-pipeline-model-parallel-size",
+        "--num-layers-per-virtual-pipeline-stage",
+        "--num-experts",
+        "--mtp-num-layers",
+        "--mup-base-hidden-size",
+    ):
         group.add_argument(flag, type=int, default=None, help="Not built here (refused).")
     group.add_argument(
         "--sequence-parallel",
         action="store_true",
         help="Sequence parallelism; at tensor-parallel size 1 it is off, as in Megatron-LM.",
     )
-    for flag in ("--tp-comm-overlap", "--use-mup", "--fim-data",
-                 "--verify-integrity"):  # fmt: skip
+    for flag in ("--tp-comm-overlap", "--use-mup", "--fim-data", "--verify-integrity"):
         group.add_argument(flag, action="store_true", help="Not built here (refused).")
     for flag in ("--fim-rate", "--fim-spm-rate"):
         group.add_argument(flag, type=float, default=None, help="Not built here (refused).")
@@ -368,38 +382,86 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
 
 # (attribute, test of the parsed value, flag as written, what to use instead)
 _UNBUILT = (
-    ("tensor_model_parallel_size", lambda v: v != 1, "--tensor-model-parallel-size {v}",
-     "data parallelism (torchrun ranks), Megatron-FSDP for memory"),
-    ("pipeline_model_parallel_size", lambda v: v != 1, "--pipeline-model-parallel-size {v}",
-     "data parallelism, Megatron-FSDP (--use-megatron-fsdp) for memory"),
-    ("virtual_pipeline_model_parallel_size", lambda v: v is not None,
-     "--virtual-pipeline-model-parallel-size {v}", "no pipeline (size 1)"),
-    ("num_layers_per_virtual_pipeline_stage", lambda v: v is not None,
-     "--num-layers-per-virtual-pipeline-stage {v}", "no pipeline (size 1)"),
-    ("context_parallel_size", lambda v: v != 1, "--context-parallel-size {v}",
-     "activation recompute (--recompute-granularity) for long sequences"),
-    ("expert_model_parallel_size", lambda v: v != 1, "--expert-model-parallel-size {v}",
-     "a dense model"),
-    ("expert_tensor_parallel_size", lambda v: v is not None and v != 1,
-     "--expert-tensor-parallel-size {v}", "a dense model"),
+    (
+        "tensor_model_parallel_size",
+        lambda v: v != 1,
+        "--tensor-model-parallel-size {v}",
+        "data parallelism (torchrun ranks), Megatron-FSDP for memory",
+    ),
+    (
+        "pipeline_model_parallel_size",
+        lambda v: v != 1,
+        "--pipeline-model-parallel-size {v}",
+        "data parallelism, Megatron-FSDP (--use-megatron-fsdp) for memory",
+    ),
+    (
+        "virtual_pipeline_model_parallel_size",
+        lambda v: v is not None,
+        "--virtual-pipeline-model-parallel-size {v}",
+        "no pipeline (size 1)",
+    ),
+    (
+        "num_layers_per_virtual_pipeline_stage",
+        lambda v: v is not None,
+        "--num-layers-per-virtual-pipeline-stage {v}",
+        "no pipeline (size 1)",
+    ),
+    (
+        "context_parallel_size",
+        lambda v: v != 1,
+        "--context-parallel-size {v}",
+        "activation recompute (--recompute-granularity) for long sequences",
+    ),
+    (
+        "expert_model_parallel_size",
+        lambda v: v != 1,
+        "--expert-model-parallel-size {v}",
+        "a dense model",
+    ),
+    (
+        "expert_tensor_parallel_size",
+        lambda v: v is not None and v != 1,
+        "--expert-tensor-parallel-size {v}",
+        "a dense model",
+    ),
     ("num_experts", lambda v: v is not None, "--num-experts {v} (MoE)", "a dense model"),
-    ("mtp_num_layers", lambda v: v is not None, "--mtp-num-layers {v} (multi-token prediction)",
-     "next-token prediction only"),
+    (
+        "mtp_num_layers",
+        lambda v: v is not None,
+        "--mtp-num-layers {v} (multi-token prediction)",
+        "next-token prediction only",
+    ),
     ("tp_comm_overlap", bool, "--tp-comm-overlap", "no tensor parallelism, so nothing to overlap"),
     ("use_mup", bool, "--use-mup", "standard parametrization (--init-method-std)"),
-    ("mup_base_hidden_size", lambda v: v is not None, "--mup-base-hidden-size {v}",
-     "standard parametrization"),
+    (
+        "mup_base_hidden_size",
+        lambda v: v is not None,
+        "--mup-base-hidden-size {v}",
+        "standard parametrization",
+    ),
     ("fim_data", bool, "--fim-data", "plain GPT data"),
     ("fim_rate", lambda v: v is not None, "--fim-rate {v}", "plain GPT data"),
     ("fim_spm_rate", lambda v: v is not None, "--fim-spm-rate {v}", "plain GPT data"),
-    ("step_batch_size_schedule", lambda v: v is not None, "--step-batch-size-schedule",
-     "a constant --global-batch-size"),
-    ("rampup_batch_size", lambda v: v is not None, "--rampup-batch-size",
-     "a constant --global-batch-size"),
-    ("rerun_mode", lambda v: v != "disabled", "--rerun-mode {v}",
-     "--rerun-mode disabled with --check-for-nan-in-loss-and-grad"),
+    (
+        "step_batch_size_schedule",
+        lambda v: v is not None,
+        "--step-batch-size-schedule",
+        "a constant --global-batch-size",
+    ),
+    (
+        "rampup_batch_size",
+        lambda v: v is not None,
+        "--rampup-batch-size",
+        "a constant --global-batch-size",
+    ),
+    (
+        "rerun_mode",
+        lambda v: v != "disabled",
+        "--rerun-mode {v}",
+        "--rerun-mode disabled with --check-for-nan-in-loss-and-grad",
+    ),
     ("verify_integrity", bool, "--verify-integrity", "torch_dist checkpoints without hashes"),
-)  # fmt: skip
+)
 
 
 def unbuilt_features(args: argparse.Namespace) -> str | None:
@@ -478,56 +540,112 @@ def _notes(args: argparse.Namespace) -> list[str]:
     """Why each given knob changes nothing here (printed once, on rank 0)."""
     cuda = torch.cuda.is_available()
     checks = (
-        (args.use_mcore_models, "--use-mcore-models: the mcore-style GPTModel is the only model "
-         "here, so this is the default."),
-        (args.transformer_impl is not None,
-         f"--transformer-impl {args.transformer_impl}: the layers here are our own PyTorch "
-         "modules with our FP8 Linear, not TransformerEngine or Megatron's local ones; the "
-         "model math is the same."),
-        (args.attention_backend != "auto", f"--attention-backend {args.attention_backend}: "
-         "attention runs torch's scaled_dot_product_attention, which picks its kernel "
-         "(flash / memory-efficient / math) itself."),
-        (not args.gradient_accumulation_fusion, "--no-gradient-accumulation-fusion: weight "
-         "grads accumulate through autograd here; there is no fused kernel to turn off."),
-        (args.cross_entropy_loss_fusion, "--cross-entropy-loss-fusion: the loss is torch's "
-         "cross_entropy (fp32); no fused kernel here."),
-        (args.attention_softmax_in_fp32, "--attention-softmax-in-fp32: "
-         "scaled_dot_product_attention already accumulates its softmax in fp32."),
-        (args.apply_query_key_layer_scaling, "--apply-query-key-layer-scaling: the 1/layer "
-         "scaling cancels in exact math; the fp32-accumulating softmax here needs no guard "
-         "against fp16 overflow."),
-        (not args.create_attention_mask_in_dataloader, "--no-create-attention-mask-in-"
-         "dataloader: no mask is ever built here (causal attention kernel)."),
-        (args.use_nccl_ub or args.fsdp_double_buffer or args.fsdp_manual_registration,
-         "--use-nccl-ub / --fsdp-double-buffer / --fsdp-manual-registration: NCCL user-buffer "
-         "registration is not built; it changes only NCCL speed, never results."
-         + ("" if cuda else " (No NCCL on this CPU run anyway.)")),
-        (args.use_persistent_ckpt_worker, "--use-persistent-ckpt-worker: --async-save writes "
-         "from a thread of each rank; there is no separate worker process to keep."),
-        (not args.ckpt_fully_parallel_save, "--no-ckpt-fully-parallel-save: each rank writes "
-         "its own shard here; there is no replica-group writer choice."),
-        (args.dist_ckpt_strictness != "assume_ok_unexpected", f"--dist-ckpt-strictness "
-         f"{args.dist_ckpt_strictness}: loads here are strict (a missing or unexpected key "
-         "stops the load with an error)."),
-        (args.dist_ckpt_optim_fully_reshardable, "--dist-ckpt-optim-fully-reshardable: "
-         "torch_dist optimizer state here always reshards to any data-parallel size."),
-        (args.sequence_parallel_given, "--sequence-parallel: off at tensor-parallel size 1, "
-         "as in Megatron-LM."),
-        (args.num_workers != 2, f"--num-workers {args.num_workers}: batches are read in the "
-         "training process (index lookups into memory-mapped files), no worker processes."),
-        (not args.mmap_bin_files, "--no-mmap-bin-files: .bin files are memory-mapped here "
-         "(same tokens; only the page-cache use differs)."),
-        (args.timing_log_level != 0, f"--timing-log-level {args.timing_log_level}: only "
-         "level-0 timers exist here."),
-        (args.empty_unused_memory_level > 0 and not cuda, f"--empty-unused-memory-level "
-         f"{args.empty_unused_memory_level}: no CUDA caching allocator on this CPU run."),
-        (args.profile and not args.use_pytorch_profiler and not cuda, "--profile without "
-         "--use-pytorch-profiler marks an Nsight capture range (cudaProfilerStart/Stop); no "
-         "CUDA on this run, so nothing is captured (add --use-pytorch-profiler for a trace)."),
-        (args.record_memory_history and not cuda, "--record-memory-history: the CUDA "
-         "allocator history (torch.cuda.memory._record_memory_history) does not exist on "
-         f"this CPU run; no snapshot is written to {args.memory_snapshot_path}."),
-    )  # fmt: skip
+        (
+            args.use_mcore_models,
+            "--use-mcore-models: the mcore-style GPTModel is the only model "
+            "here, so this is the default.",
+        ),
+        (
+            args.transformer_impl is not None,
+            f"--transformer-impl {args.transformer_impl}: the layers here are our own PyTorch "
+            "modules with our FP8 Linear, not TransformerEngine or Megatron's local ones; the "
+            "model math is the same.",
+        ),
+        (
+            args.attention_backend != "auto",
+            f"--attention-backend {args.attention_backend}: "
+            "attention runs torch's scaled_dot_product_attention, which picks its kernel "
+            "(flash / memory-efficient / math) itself.",
+        ),
+        (
+            not args.gradient_accumulation_fusion,
+            "--no-gradient-accumulation-fusion: weight "
+            "grads accumulate through autograd here; there is no fused kernel to turn off.",
+        ),
+        (
+            args.cross_entropy_loss_fusion,
+            "--cross-entropy-loss-fusion: the loss is torch's "
+            "cross_entropy (fp32); no fused kernel here.",
+        ),
+        (
+            args.attention_softmax_in_fp32,
+            "--attention-softmax-in-fp32: "
+            "scaled_dot_product_attention already accumulates its softmax in fp32.",
+        ),
+        (
+            args.apply_query_key_layer_scaling,
+            "--apply-query-key-layer-scaling: the 1/layer "
+            "scaling cancels in exact math; the fp32-accumulating softmax here needs no guard "
+            "against fp16 overflow.",
+        ),
+        (
+            not args.create_attention_mask_in_dataloader,
+            "--no-create-attention-mask-in-"
+            "dataloader: no mask is ever built here (causal attention kernel).",
+        ),
+        (
+            args.use_nccl_ub or args.fsdp_double_buffer or args.fsdp_manual_registration,
+            "--use-nccl-ub / --fsdp-double-buffer / --fsdp-manual-registration: NCCL user-buffer "
+            "registration is not built; it changes only NCCL speed, never results."
+            + ("" if cuda else " (No NCCL on this CPU run anyway.)"),
+        ),
+        (
+            args.use_persistent_ckpt_worker,
+            "--use-persistent-ckpt-worker: --async-save writes "
+            "from a thread of each rank; there is no separate worker process to keep.",
+        ),
+        (
+            not args.ckpt_fully_parallel_save,
+            "--no-ckpt-fully-parallel-save: each rank writes "
+            "its own shard here; there is no replica-group writer choice.",
+        ),
+        (
+            args.dist_ckpt_strictness != "assume_ok_unexpected",
+            f"--dist-ckpt-strictness "
+            f"{args.dist_ckpt_strictness}: loads here are strict (a missing or unexpected key "
+            "stops the load with an error).",
+        ),
+        (
+            args.dist_ckpt_optim_fully_reshardable,
+            "--dist-ckpt-optim-fully-reshardable: "
+            "torch_dist optimizer state here always reshards to any data-parallel size.",
+        ),
+        (
+            args.sequence_parallel_given,
+            "--sequence-parallel: off at tensor-parallel size 1, as in Megatron-LM.",
+        ),
+        (
+            args.num_workers != 2,
+            f"--num-workers {args.num_workers}: batches are read in the "
+            "training process (index lookups into memory-mapped files), no worker processes.",
+        ),
+        (
+            not args.mmap_bin_files,
+            "--no-mmap-bin-files: .bin files are memory-mapped here "
+            "(same tokens; only the page-cache use differs).",
+        ),
+        (
+            args.timing_log_level != 0,
+            f"--timing-log-level {args.timing_log_level}: only level-0 timers exist here.",
+        ),
+        (
+            args.empty_unused_memory_level > 0 and not cuda,
+            f"--empty-unused-memory-level "
+            f"{args.empty_unused_memory_level}: no CUDA caching allocator on this CPU run.",
+        ),
+        (
+            args.profile and not args.use_pytorch_profiler and not cuda,
+            "--profile without "
+            "--use-pytorch-profiler marks an Nsight capture range (cudaProfilerStart/Stop); no "
+            "CUDA on this run, so nothing is captured (add --use-pytorch-profiler for a trace).",
+        ),
+        (
+            args.record_memory_history and not cuda,
+            "--record-memory-history: the CUDA "
+            "allocator history (torch.cuda.memory._record_memory_history) does not exist on "
+            f"this CPU run; no snapshot is written to {args.memory_snapshot_path}.",
+        ),
+    )
     return [note for given, note in checks if given]
 
 

@@ -171,8 +171,10 @@ def _build_torch_fsdp2(
     from megatron.core.transformer.init import init_parameter_
 
     if initial_params is not None:
-        raise ValueError("--use-torch-fsdp2 builds from its own init; imported weights go "
-                         "through DDP or Megatron-FSDP")  # fmt: skip
+        raise ValueError(
+            "--use-torch-fsdp2 builds from its own init; imported weights go "
+            "through DDP or Megatron-FSDP"
+        )
     compute_dtype = config.params_dtype
     config = dataclasses.replace(config, params_dtype=torch.float32)
     with torch.device("meta"):

@@ -169,8 +169,7 @@ def _build_and_train_seeded(args: argparse.Namespace, env: DistributedEnv) -> Tr
     # As Megatron-LM's memory report: what benchmarks compare (peak over the whole run).
     print_rank_0(
         env,
-        f" > memory (GiB) | allocated: {allocated / 2**30:.2f} | "
-        f"max allocated: {peak / 2**30:.2f}",
+        f" > memory (GiB) | allocated: {allocated / 2**30:.2f} | max allocated: {peak / 2**30:.2f}",
     )
     return result
 
@@ -287,7 +286,8 @@ def train_step(
         is_last = microbatch == args.num_microbatches - 1
         seed_dropout(
             args.seed,
-            first_sample=state.consumed_train_samples + microbatch * step_samples
+            first_sample=state.consumed_train_samples
+            + microbatch * step_samples
             + env.rank * args.micro_batch_size,
         )
         with contextlib.nullcontext() if is_last else run.no_sync():
@@ -422,9 +422,18 @@ def train(
     )
     try:
         with ExitSignal(args.exit_signal_handler) as exit_signal:
-            result = _train_loop(args, env=env, run=run, scheduler=scheduler, datasets=datasets,
-                                 state=state, logger=logger, exit_signal=exit_signal,
-                                 hooks=hooks, saver=saver)  # fmt: skip
+            result = _train_loop(
+                args,
+                env=env,
+                run=run,
+                scheduler=scheduler,
+                datasets=datasets,
+                state=state,
+                logger=logger,
+                exit_signal=exit_signal,
+                hooks=hooks,
+                saver=saver,
+            )
             if saver is not None:
                 saver.finalize(blocking=True)  # a run ends only once its last save is published
             return result
@@ -482,8 +491,9 @@ def _train_loop(
         result.losses[state.iteration] = loss
         result.grad_norms[state.iteration] = grad_norm
         stats.add(loss=loss, grad_norm=grad_norm, seconds=time.time() - step_start, skipped=not ok)
-        _log_iteration(args, state=state, logger=logger, loss=loss, grad_norm=grad_norm, lr=lr,
-                       updated=ok)  # fmt: skip
+        _log_iteration(
+            args, state=state, logger=logger, loss=loss, grad_norm=grad_norm, lr=lr, updated=ok
+        )
         _log_step_extras(args, run=run, state=state, logger=logger)
         hooks.profiler.after_iteration(state.iteration)
         hooks.gc.after_iteration(state.iteration)
@@ -517,8 +527,9 @@ def _train_loop(
         ):
             from megatron.training.checkpointing import save_checkpoint
 
-            save_checkpoint(args, run=run, scheduler=scheduler, state=state, env=env,
-                            async_saver=saver)  # fmt: skip
+            save_checkpoint(
+                args, run=run, scheduler=scheduler, state=state, env=env, async_saver=saver
+            )
         if exiting:
             print_rank_0(env, f" > exiting at iteration {state.iteration} ({exiting})")
             break
@@ -598,8 +609,9 @@ def _log_step_extras(args, *, run: ModelAndOptimizer, state: TrainState, logger)
         logger.log_scalars(state.iteration, scalars, samples=state.consumed_train_samples)
 
 
-def _log_iteration(args, *, state: TrainState, logger, loss: float, grad_norm: float, lr: float,
-                   updated: bool) -> None:  # fmt: skip
+def _log_iteration(
+    args, *, state: TrainState, logger, loss: float, grad_norm: float, lr: float, updated: bool
+) -> None:
     """Megatron-LM's per-iteration TensorBoard/W&B points, every --tensorboard-log-interval:
     this iteration's loss and grad norm (none for a skipped iteration, as Megatron-LM logs no
     loss for it), learning rate and batch size, each also against consumed samples."""

@@ -22,9 +22,19 @@ import torch
 # The ISA extensions that change which float kernels run (the pinned libraries still read
 # some of them, e.g. for bf16 conversions), plus the vendor and model that MKL dispatches on.
 ISA_FLAGS = (
-    "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-    "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile",
-)  # fmt: skip
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_tile",
+)
 FINGERPRINT_KEYS = ("cpu_vendor", "cpu_model", "cpu_isa", "torch")
 
 # Cross-CPU rule, relative to the golden value: about 3x the largest AMD-vs-Intel difference

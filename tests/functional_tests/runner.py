@@ -204,9 +204,11 @@ def collect_metrics(case: Case, log_path: Path) -> dict[str, Values]:
 
 def tolerance_of(case: Case) -> Tolerance:
     return Tolerance(
-        deterministic=case.deterministic, relative=case.tolerance,
-        grad_norm_relative=case.grad_norm_tolerance, time_factor=case.time_factor,
-    )  # fmt: skip
+        deterministic=case.deterministic,
+        relative=case.tolerance,
+        grad_norm_relative=case.grad_norm_tolerance,
+        time_factor=case.time_factor,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,14 +31,42 @@ TRAIN_ITERS = 60
 SAVE_INTERVAL = 5
 RUN_TIMEOUT_S = 420  # a hang shows the ranks' stacks; a passing run takes 1-2 minutes
 MODEL_FLAGS = [
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--log-interval", "1", "--eval-iters", "0",
-    "--lr", "0.001", "--min-lr", "0.0001", "--lr-decay-style", "cosine",
-    "--lr-warmup-iters", "2", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
-    "--seed", "1234",
-]  # fmt: skip
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "256",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--lr",
+    "0.001",
+    "--min-lr",
+    "0.0001",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "2",
+    "--hidden-dropout",
+    "0.0",
+    "--attention-dropout",
+    "0.0",
+    "--seed",
+    "1234",
+]
 CHAOS_FLAGS = [
     *MODEL_FLAGS,
     "--train-iters",
@@ -91,9 +119,17 @@ def _torchrun(
         "static": ["--master-addr", "127.0.0.1", "--master-port", str(free_port())],
     }[rendezvous]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--max-restarts", "5", *endpoint, script, *flags,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "5",
+        *endpoint,
+        script,
+        *flags,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["MEGATRON_CHAOS_PLAN"] = json.dumps(plan)
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # torchrun's default: the shared store
@@ -136,8 +172,10 @@ def _assert_same_tree(chaos, reference, path: str = "") -> None:
 def test_draw_kills_covers_a_step_and_both_save_moments():
     kills = draw_kills(CHAOS_SEED)
     assert sorted(kill["moment"] for kill in kills) == [
-        "after-backward", "save-partial", "save-published",
-    ]  # fmt: skip
+        "after-backward",
+        "save-partial",
+        "save-published",
+    ]
     iterations = [kill["iteration"] for kill in kills]
     assert iterations == sorted(set(iterations)) and iterations[0] > SAVE_INTERVAL
     resumes = [expected_resume(kill) for kill in kills]

@@ -13,11 +13,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_quickstart_learns(tmp_path):
     proc = subprocess.run(
-        ["bash", "scripts/quickstart.sh", "--train-iters", "100", "--lr-warmup-iters", "10",
-         "--eval-interval", "100"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        [
+            "bash",
+            "scripts/quickstart.sh",
+            "--train-iters",
+            "100",
+            "--lr-warmup-iters",
+            "10",
+            "--eval-interval",
+            "100",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
         env={**os.environ, "OUTPUT_DIR": str(tmp_path / "quickstart")},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     train = [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", proc.stdout)]
     valid = [float(x) for x in re.findall(r"lm loss value: ([0-9.E+-]+)", proc.stdout)]

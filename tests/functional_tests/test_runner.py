@@ -512,8 +512,12 @@ def test_golden_choice_follows_the_machine(tmp_path: Path):
     assert regenerate_target(case, platform="cpu", machine=intel) == directory / INTEL_KIND
     # An AMD EPYC (the primary file records no exact model): the cross-CPU rule, against the
     # kind of its own vendor.
-    epyc = {"cpu_vendor": "AuthenticAMD", "cpu_model": "AMD EPYC 9R14", "cpu_isa": "avx2 fma",
-            "torch": intel["torch"]}  # fmt: skip
+    epyc = {
+        "cpu_vendor": "AuthenticAMD",
+        "cpu_model": "AMD EPYC 9R14",
+        "cpu_isa": "avx2 fma",
+        "torch": intel["torch"],
+    }
     choice = choose_golden(case, platform="cpu", machine=epyc)
     assert choice.path == directory / AMD_PRIMARY and not choice.tolerance.deterministic
     assert choice.tolerance.relative == CROSS_CPU_RELATIVE["lm loss"]

@@ -56,12 +56,28 @@ def _saver_args(state: ModelState, *, save: str, ckpt_format: str):
     argv = config_to_argv(config) + [
         # The tokenizer is the user's choice at training time; the vocabulary rows are the
         # model's, so they are recorded unpadded-as-is (divisible by 1).
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(config.vocab_size),
-        "--make-vocab-size-divisible-by", "1", "--mock-data",
-        "--seq-length", str(min(config.max_sequence_length, 4096)),
-        "--micro-batch-size", "1", "--train-iters", "1", "--eval-iters", "0",
-        "--save", save, "--ckpt-format", ckpt_format, "--no-save-optim", "--no-save-rng",
-    ]  # fmt: skip
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(config.vocab_size),
+        "--make-vocab-size-divisible-by",
+        "1",
+        "--mock-data",
+        "--seq-length",
+        str(min(config.max_sequence_length, 4096)),
+        "--micro-batch-size",
+        "1",
+        "--train-iters",
+        "1",
+        "--eval-iters",
+        "0",
+        "--save",
+        save,
+        "--ckpt-format",
+        ckpt_format,
+        "--no-save-optim",
+        "--no-save-rng",
+    ]
     if ckpt_format != "torch":
         argv += SHARDED_FORMATS_ENGINE
     if config.params_dtype == torch.bfloat16:

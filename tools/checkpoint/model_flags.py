@@ -96,10 +96,16 @@ def config_to_argv(config: TransformerConfig) -> list[str]:
     values = flag_values(config)
     argv = []
     for dest in (
-        "num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
-        "position_embedding_type", "rotary_base", "rotary_percent", "normalization",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "max_position_embeddings",
+        "position_embedding_type",
+        "rotary_base",
+        "rotary_percent",
+        "normalization",
         "norm_epsilon",
-    ):  # fmt: skip
+    ):
         argv += ["--" + dest.replace("_", "-"), str(values[dest])]
     if config.ffn_hidden_size != 4 * config.hidden_size:
         argv += ["--ffn-hidden-size", str(config.ffn_hidden_size)]

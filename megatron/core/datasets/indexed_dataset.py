@@ -143,8 +143,7 @@ def _prefix_hint(path_prefix: str) -> str:
     for suffix in (".bin", ".idx"):
         if path_prefix.endswith(suffix) and os.path.isfile(path_prefix):
             return (
-                f"--data-path takes the prefix without {suffix}: pass "
-                f"{path_prefix[: -len(suffix)]}"
+                f"--data-path takes the prefix without {suffix}: pass {path_prefix[: -len(suffix)]}"
             )
     if os.path.isdir(path_prefix):
         found = sorted(

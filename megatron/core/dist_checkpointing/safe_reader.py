@@ -25,8 +25,14 @@ from torch.futures import Future
 # torch.Size, dtypes and the layout lookup, and the checkpoint's relative paths.
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-        "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -34,14 +40,17 @@ _ALLOWED = {
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "slice"},
-}  # fmt: skip
+}
 # megatron-core also stores each rank's save plan in the metadata (`all_local_plans`): DCP's
 # plan dataclasses, admitted only when reading such a foreign checkpoint.
 _FOREIGN_ALLOWED = {
     "torch.distributed.checkpoint.planner": {
-        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+        "SavePlan",
+        "WriteItem",
+        "WriteItemType",
+        "TensorWriteData",
     },
-}  # fmt: skip
+}
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):

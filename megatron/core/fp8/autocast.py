@@ -53,9 +53,12 @@ class ScalingMeta:
     def update(self) -> None:
         """Step 3 and 4 of the delayed recipe on the (already reduced) history."""
         self.scale = delayed_scale_update(
-            self.amax_history, self.scale, fp8_dtype=self.fp8_dtype,
-            margin=self.config.margin, amax_compute_algo=self.config.amax_compute_algo,
-        )  # fmt: skip
+            self.amax_history,
+            self.scale,
+            fp8_dtype=self.fp8_dtype,
+            margin=self.config.margin,
+            amax_compute_algo=self.config.amax_compute_algo,
+        )
         self.amax_history = roll_amax_history(self.amax_history)
 
 
@@ -86,10 +89,11 @@ class DelayedScaling:
             state[f"{role}.amax_history"] = meta.amax_history.detach().clone().cpu()
         first = self.metas["input"].config
         state["metadata"] = dict(
-            amax_history_len=first.amax_history_len, margin=first.margin,
+            amax_history_len=first.amax_history_len,
+            margin=first.margin,
             amax_compute_algo=first.amax_compute_algo,
             fp8_dtypes={role: str(m.fp8_dtype) for role, m in self.metas.items()},
-        )  # fmt: skip
+        )
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -144,8 +148,13 @@ def reduce_and_update(metas: list[ScalingMeta], group: dist.ProcessGroup | None)
         return
     groups: dict[tuple, list[ScalingMeta]] = {}
     for meta in metas:
-        key = (meta.fp8_dtype, meta.config.margin, meta.config.amax_compute_algo,
-               meta.amax_history.shape[0], meta.amax_history.device)  # fmt: skip
+        key = (
+            meta.fp8_dtype,
+            meta.config.margin,
+            meta.config.amax_compute_algo,
+            meta.amax_history.shape[0],
+            meta.amax_history.device,
+        )
         groups.setdefault(key, []).append(meta)
     ordered = [meta for members in groups.values() for meta in members]
     reduce = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
@@ -156,13 +165,17 @@ def reduce_and_update(metas: list[ScalingMeta], group: dist.ProcessGroup | None)
     start = 0
     for members in groups.values():
         first = members[0]
-        histories = _stacked([meta.amax_history for meta in members],
-                             shape=first.amax_history.shape)  # fmt: skip
+        histories = _stacked(
+            [meta.amax_history for meta in members], shape=first.amax_history.shape
+        )
         if packed is not None:
             histories[:, 0] = packed[start : start + len(members)].to(histories.device)
         start += len(members)
-        settings = dict(fp8_dtype=first.fp8_dtype, margin=first.config.margin,
-                        amax_compute_algo=first.config.amax_compute_algo)  # fmt: skip
+        settings = dict(
+            fp8_dtype=first.fp8_dtype,
+            margin=first.config.margin,
+            amax_compute_algo=first.config.amax_compute_algo,
+        )
         old_scales = _stacked([meta.scale for meta in members], shape=())
         fused = _fused_delayed_update(histories, old_scales, settings)
         if fused is not None:

@@ -93,9 +93,13 @@ def fp8_gemm(
     _check(a_op, b_op, accumulate)
     if _hardware_path_applies(a_op, a_op.data.device):
         return _cuda_scaled_mm()(
-            a_op.data.view(a_op.fp8_dtype), b_op.data.view(b_op.fp8_dtype),
-            a_scale_inv=a_op.scale_inv, b_scale_inv=b_op.scale_inv, recipe=a_op.recipe,
-            out_dtype=out_dtype, use_fast_accum=accumulate == "fast",
-        )  # fmt: skip
+            a_op.data.view(a_op.fp8_dtype),
+            b_op.data.view(b_op.fp8_dtype),
+            a_scale_inv=a_op.scale_inv,
+            b_scale_inv=b_op.scale_inv,
+            recipe=a_op.recipe,
+            out_dtype=out_dtype,
+            use_fast_accum=accumulate == "fast",
+        )
     product = dequantize_operand(a_op) @ dequantize_operand(b_op).t()
     return product.to(out_dtype)

@@ -60,9 +60,15 @@ class _Plan:
 
 def _quantize(x: torch.Tensor, plan: _Plan, *, role: str, rowwise: bool, columnwise: bool):
     return quantize(
-        x, recipe=plan.recipe, fp8_dtype=plan.dtype(role), role=role, rowwise=rowwise,
-        columnwise=columnwise, scale=plan.scales.get(role), power_2_scale=plan.power_2_scale(),
-    )  # fmt: skip
+        x,
+        recipe=plan.recipe,
+        fp8_dtype=plan.dtype(role),
+        role=role,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        scale=plan.scales.get(role),
+        power_2_scale=plan.power_2_scale(),
+    )
 
 
 def _columnwise_only(qt: QuantizedTensor) -> QuantizedTensor:
@@ -70,9 +76,14 @@ def _columnwise_only(qt: QuantizedTensor) -> QuantizedTensor:
     if qt.recipe in PER_TENSOR:
         return qt  # the transposed operand is derived from the rowwise bytes
     return QuantizedTensor(
-        shape=qt.shape, dtype=qt.dtype, recipe=qt.recipe, fp8_dtype=qt.fp8_dtype, role=qt.role,
-        columnwise_data=qt.columnwise_data, columnwise_scale_inv=qt.columnwise_scale_inv,
-    )  # fmt: skip
+        shape=qt.shape,
+        dtype=qt.dtype,
+        recipe=qt.recipe,
+        fp8_dtype=qt.fp8_dtype,
+        role=qt.role,
+        columnwise_data=qt.columnwise_data,
+        columnwise_scale_inv=qt.columnwise_scale_inv,
+    )
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -115,9 +126,12 @@ def _forward_reference(ctx, x, weight) -> torch.Tensor:
         wq = weight
     else:
         wq = _quantize(
-            weight.detach(), plan, role="weight", rowwise=True,
+            weight.detach(),
+            plan,
+            role="weight",
+            rowwise=True,
             columnwise=x.requires_grad and plan.recipe == "mxfp8",
-        )  # fmt: skip
+        )
     if plan.record:
         fp8_state.record_forward(plan.metas["input"], xq.amax)
         if not isinstance(weight, QuantizedTensor):
@@ -134,9 +148,12 @@ def _backward_reference(ctx, dy2d, *, need_dgrad, need_wgrad):
     plan: _Plan = ctx.plan
     per_tensor = plan.recipe in PER_TENSOR
     dyq = _quantize(
-        dy2d, plan, role="grad", rowwise=need_dgrad or (need_wgrad and per_tensor),
+        dy2d,
+        plan,
+        role="grad",
+        rowwise=need_dgrad or (need_wgrad and per_tensor),
         columnwise=need_wgrad and not per_tensor,
-    )  # fmt: skip
+    )
     # Record even for a recomputed graph (reentrant checkpoint): its backward is the real one.
     if plan.metas is not None:
         fp8_state.record_backward(plan.metas["grad"], dyq.amax, plan.group)
@@ -146,9 +163,11 @@ def _backward_reference(ctx, dy2d, *, need_dgrad, need_wgrad):
         dx2d = fp8_gemm(dyq, w_operand, out_dtype=ctx.x_dtype, accumulate="split")
     if need_wgrad:
         dw = fp8_gemm(
-            dyq.gemm_operand("columnwise"), ctx.saved_input.gemm_operand("columnwise"),
-            out_dtype=ctx.weight_dtype, accumulate="split",
-        )  # fmt: skip
+            dyq.gemm_operand("columnwise"),
+            ctx.saved_input.gemm_operand("columnwise"),
+            out_dtype=ctx.weight_dtype,
+            accumulate="split",
+        )
     return dx2d, dw
 
 
@@ -166,11 +185,17 @@ def _fused_quantize(t2d, plan: _Plan, *, role, rowwise, transposed, record, comp
     """One fused kernel pass: the operands `role`'s GEMMs read (module docstring table)."""
     meta = plan.metas[role] if plan.metas is not None else None
     return _fused_cuda_ops().quantize_operands(
-        t2d, recipe=plan.recipe, fp8_dtype=plan.dtype(role), role=role, rowwise=rowwise,
-        transposed=transposed, power_2_scale=_pow2(plan), scale=plan.scales.get(role),
+        t2d,
+        recipe=plan.recipe,
+        fp8_dtype=plan.dtype(role),
+        role=role,
+        rowwise=rowwise,
+        transposed=transposed,
+        power_2_scale=_pow2(plan),
+        scale=plan.scales.get(role),
         amax_history=meta.amax_history if (record and meta is not None) else None,
         dequant_dtype=compute_dtype,
-    )  # fmt: skip
+    )
 
 
 def _pow2(plan: _Plan) -> bool:
@@ -184,17 +209,29 @@ def _forward_fused(ctx, x, weight, plan: _Plan) -> torch.Tensor:
     ops = _fused_cuda_ops()
     compute_dtype = ops.emulation_dtype(x.dtype)
     need_wgrad, need_dgrad = weight.requires_grad, x.requires_grad
-    x_row, x_t = _fused_quantize(x.reshape(-1, x.shape[-1]), plan, role="input", rowwise=True,
-                                 transposed=need_wgrad, record=plan.record,
-                                 compute_dtype=compute_dtype)  # fmt: skip
+    x_row, x_t = _fused_quantize(
+        x.reshape(-1, x.shape[-1]),
+        plan,
+        role="input",
+        rowwise=True,
+        transposed=need_wgrad,
+        record=plan.record,
+        compute_dtype=compute_dtype,
+    )
     if isinstance(weight, QuantizedTensor):
         w_row, w_t = ops.weight_operand(weight, "rowwise", compute_dtype=compute_dtype), None
         ctx.saved_weight = weight  # re-read in backward, after FSDP re-points its bytes
     else:
         # Quantized once per forward; the transposed copy is kept for dgrad.
-        w_row, w_t = _fused_quantize(weight.detach(), plan, role="weight", rowwise=True,
-                                     transposed=need_dgrad, record=plan.record,
-                                     compute_dtype=compute_dtype)  # fmt: skip
+        w_row, w_t = _fused_quantize(
+            weight.detach(),
+            plan,
+            role="weight",
+            rowwise=True,
+            transposed=need_dgrad,
+            record=plan.record,
+            compute_dtype=compute_dtype,
+        )
         ctx.saved_weight = w_t
     if plan.record:
         fp8_state.forward_recorded(plan.metas["input"])
@@ -202,17 +239,24 @@ def _forward_fused(ctx, x, weight, plan: _Plan) -> torch.Tensor:
             fp8_state.forward_recorded(plan.metas["weight"])
     ctx.saved_input = x_t
     ctx.compute_dtype = compute_dtype
-    return ops.gemm(x_row, w_row, recipe=plan.recipe, out_dtype=x.dtype,
-                    fast_accum=plan.recipe in PER_TENSOR)  # fmt: skip
+    return ops.gemm(
+        x_row, w_row, recipe=plan.recipe, out_dtype=x.dtype, fast_accum=plan.recipe in PER_TENSOR
+    )
 
 
 def _backward_fused(ctx, dy2d, *, need_dgrad, need_wgrad):
     ops = _fused_cuda_ops()
     plan: _Plan = ctx.plan
     record = plan.metas is not None
-    dy_row, dy_t = _fused_quantize(dy2d, plan, role="grad", rowwise=need_dgrad,
-                                   transposed=need_wgrad, record=record,
-                                   compute_dtype=ctx.compute_dtype)  # fmt: skip
+    dy_row, dy_t = _fused_quantize(
+        dy2d,
+        plan,
+        role="grad",
+        rowwise=need_dgrad,
+        transposed=need_wgrad,
+        record=record,
+        compute_dtype=ctx.compute_dtype,
+    )
     if record:
         # Recorded even for a recomputed graph (reentrant checkpoint): its backward is real.
         fp8_state.record_backward(plan.metas["grad"], None, plan.group)
@@ -223,8 +267,9 @@ def _backward_fused(ctx, dy2d, *, need_dgrad, need_wgrad):
             w_t = ops.weight_operand(w_t, "columnwise", compute_dtype=ctx.compute_dtype)
         dx2d = ops.gemm(dy_row, w_t, recipe=plan.recipe, out_dtype=ctx.x_dtype, fast_accum=False)
     if need_wgrad:
-        dw = ops.gemm(dy_t, ctx.saved_input, recipe=plan.recipe, out_dtype=ctx.weight_dtype,
-                      fast_accum=False)  # fmt: skip
+        dw = ops.gemm(
+            dy_t, ctx.saved_input, recipe=plan.recipe, out_dtype=ctx.weight_dtype, fast_accum=False
+        )
     return dx2d, dw
 
 

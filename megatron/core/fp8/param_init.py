@@ -76,11 +76,15 @@ def quantize_weight_for_init(
             f"'{config.recipe}'; pass the same recipe to both"
         )
     qt = quantize(
-        weight.detach(), recipe=config.recipe, role="weight",
-        fp8_dtype=fp8_dtype_for_role(config.fp8_format, "weight"), rowwise=True,
-        columnwise=weight_needs_columnwise(config.recipe), scale=scale,
+        weight.detach(),
+        recipe=config.recipe,
+        role="weight",
+        fp8_dtype=fp8_dtype_for_role(config.fp8_format, "weight"),
+        rowwise=True,
+        columnwise=weight_needs_columnwise(config.recipe),
+        scale=scale,
         power_2_scale=None if config.recipe in ("delayed", "mxfp8") else config.use_power_2_scale,
-    )  # fmt: skip
+    )
     param = nn.Parameter(qt, requires_grad=True)
     # A meta-device weight has no values to keep: the FSDP engine's init_fn seeds main params.
     if init.preserve_high_precision_init_val and not weight.is_meta:

@@ -101,18 +101,30 @@ def quantize(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _check_args(
-        x, recipe=recipe, role=role, rowwise=rowwise, columnwise=columnwise, scale=scale,
-        power_2_scale=power_2_scale, amax=amax,
-    )  # fmt: skip
+        x,
+        recipe=recipe,
+        role=role,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        scale=scale,
+        power_2_scale=power_2_scale,
+        amax=amax,
+    )
     if amax_reduction_group is not None and recipe == "tensorwise" and amax is None:
         amax = amax_ignoring_nan(x).reshape(1)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_reduction_group)
         amax = amax.reshape(())
     use_pow2 = default_power_2_scale(recipe) if power_2_scale is None else power_2_scale
     kwargs = dict(
-        recipe=recipe, fp8_dtype=fp8_dtype, role=role, rowwise=rowwise, columnwise=columnwise,
-        scale=scale, power_2_scale=use_pow2, amax=amax,
-    )  # fmt: skip
+        recipe=recipe,
+        fp8_dtype=fp8_dtype,
+        role=role,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        scale=scale,
+        power_2_scale=use_pow2,
+        amax=amax,
+    )
     cuda_fn = _cuda_quantize_fn() if backend != "reference" and x.is_cuda else None
     if backend == "cuda" and cuda_fn is None:
         raise RuntimeError(
@@ -121,11 +133,17 @@ def quantize(
         )
     parts = cuda_fn(x, **kwargs) if cuda_fn is not None else quantize_reference(x, **kwargs)
     return QuantizedTensor(
-        shape=x.shape, dtype=x.dtype, recipe=recipe, fp8_dtype=fp8_dtype, role=role,
-        rowwise_data=parts["rowwise_data"], rowwise_scale_inv=parts["rowwise_scale_inv"],
+        shape=x.shape,
+        dtype=x.dtype,
+        recipe=recipe,
+        fp8_dtype=fp8_dtype,
+        role=role,
+        rowwise_data=parts["rowwise_data"],
+        rowwise_scale_inv=parts["rowwise_scale_inv"],
         columnwise_data=parts["columnwise_data"],
-        columnwise_scale_inv=parts["columnwise_scale_inv"], amax=parts["amax"],
-    )  # fmt: skip
+        columnwise_scale_inv=parts["columnwise_scale_inv"],
+        amax=parts["amax"],
+    )
 
 
 def compute_scale(
@@ -150,9 +168,11 @@ def compute_scale(
         return scale_from_amax(amax, fp8_dtype=fp8_dtype, power_2_scale=use_pow2)
     if recipe == "blockwise":
         return scale_from_amax(
-            amax, fp8_dtype=fp8_dtype, power_2_scale=use_pow2,
+            amax,
+            fp8_dtype=fp8_dtype,
+            power_2_scale=use_pow2,
             infinite_scale_value=torch.finfo(input_dtype).max,
-        )  # fmt: skip
+        )
     if recipe == "mxfp8":
         recip_max = reciprocal(torch.tensor(fp8_max(fp8_dtype), device=amax.device))
         return e8m0_from_t(amax.to(torch.float32) * recip_max)

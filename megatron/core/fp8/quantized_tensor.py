@@ -82,9 +82,20 @@ class QuantizedTensor(torch.Tensor):
             requires_grad=requires_grad,
         )
 
-    def __init__(self, *, recipe, fp8_dtype, role, rowwise_data=None, rowwise_scale_inv=None,
-                 columnwise_data=None, columnwise_scale_inv=None, amax=None, tensor_name=None,
-                 **_wrapper_args) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        recipe,
+        fp8_dtype,
+        role,
+        rowwise_data=None,
+        rowwise_scale_inv=None,
+        columnwise_data=None,
+        columnwise_scale_inv=None,
+        amax=None,
+        tensor_name=None,
+        **_wrapper_args,
+    ) -> None:
         # shape, dtype, requires_grad and device were consumed by __new__.
         self.recipe = recipe
         self.fp8_dtype = fp8_dtype
@@ -205,10 +216,14 @@ class QuantizedTensor(torch.Tensor):
         direction = present[0]
         data = self._data[direction]
         return dequantize_reference(
-            data, getattr(self, f"{direction}_scale_inv"), recipe=self.recipe,
-            fp8_dtype=self.fp8_dtype, role=self.role, columnwise=direction == "columnwise",
+            data,
+            getattr(self, f"{direction}_scale_inv"),
+            recipe=self.recipe,
+            fp8_dtype=self.fp8_dtype,
+            role=self.role,
+            columnwise=direction == "columnwise",
             out_dtype=dtype or self.dtype,
-        )  # fmt: skip
+        )
 
     def gemm_operand(self, usage: str) -> Fp8Operand:
         """The operand a GEMM reads: "rowwise" contracts over the last dim (K), giving
@@ -255,10 +270,17 @@ class QuantizedTensor(torch.Tensor):
         if tuple(source.shape) != tuple(self.shape):
             raise ValueError(f"cannot write shape {tuple(source.shape)} into {self._label()}")
         fresh = quantize(
-            source.detach(), recipe=self.recipe, fp8_dtype=self.fp8_dtype, role=self.role,
-            rowwise=self.has_data("rowwise"), columnwise=self.has_data("columnwise"),
-            scale=scale, amax=amax, power_2_scale=power_2_scale, backend="auto",
-        )  # fmt: skip
+            source.detach(),
+            recipe=self.recipe,
+            fp8_dtype=self.fp8_dtype,
+            role=self.role,
+            rowwise=self.has_data("rowwise"),
+            columnwise=self.has_data("columnwise"),
+            scale=scale,
+            amax=amax,
+            power_2_scale=power_2_scale,
+            backend="auto",
+        )
         for direction in ("rowwise", "columnwise"):
             if self.has_data(direction):
                 self._data[direction].copy_(getattr(fresh, f"{direction}_data"))
@@ -271,12 +293,19 @@ class QuantizedTensor(torch.Tensor):
     # ---- torch.Tensor plumbing ---------------------------------------------------------
     def _fields(self) -> dict:
         return dict(
-            shape=self.shape, dtype=self.dtype, recipe=self.recipe, fp8_dtype=self.fp8_dtype,
-            role=self.role, rowwise_data=self._data["rowwise"],
-            rowwise_scale_inv=self.rowwise_scale_inv, columnwise_data=self._data["columnwise"],
-            columnwise_scale_inv=self.columnwise_scale_inv, amax=self.amax,
-            tensor_name=self.tensor_name, device=self.device,
-        )  # fmt: skip
+            shape=self.shape,
+            dtype=self.dtype,
+            recipe=self.recipe,
+            fp8_dtype=self.fp8_dtype,
+            role=self.role,
+            rowwise_data=self._data["rowwise"],
+            rowwise_scale_inv=self.rowwise_scale_inv,
+            columnwise_data=self._data["columnwise"],
+            columnwise_scale_inv=self.columnwise_scale_inv,
+            amax=self.amax,
+            tensor_name=self.tensor_name,
+            device=self.device,
+        )
 
     def _rewrap(self, convert=lambda t: t) -> QuantizedTensor:
         """A new QuantizedTensor over convert(each storage tensor); released stays released."""

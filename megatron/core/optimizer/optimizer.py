@@ -61,9 +61,7 @@ def is_no_weight_decay(name: str, param: torch.Tensor) -> bool:
 def is_embedding_or_output_parameter(name: str) -> bool:
     """The input embedding table and the output layer weight: what --decoupled-lr trains at
     its own rate (Megatron-LM's is_embedding_or_output_parameter)."""
-    return name.endswith("embedding.word_embeddings.weight") or name.endswith(
-        "output_layer.weight"
-    )
+    return name.endswith("embedding.word_embeddings.weight") or name.endswith("output_layer.weight")
 
 
 def build_torch_optimizer(
@@ -152,9 +150,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     be averaged across data-parallel ranks (DDP does that), so the norm is computed locally.
     """
 
-    def __init__(
-        self, model: torch.nn.Module, *, config: OptimizerConfig, grad_group=None
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, *, config: OptimizerConfig, grad_group=None) -> None:
         self.config = config
         # With DTensor (FSDP2) params each rank holds disjoint shards: norms and counts are
         # summed over this group.

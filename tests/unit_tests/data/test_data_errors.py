@@ -116,9 +116,7 @@ def test_a_directory_or_a_bin_file_as_prefix_gets_the_fix(prefix, tmp_path):
     )
     with pytest.raises(FileNotFoundError) as raised:
         build_gpt_datasets(_config([prefix + ".bin"]), num_samples=(4, 0, 0))
-    assert str(raised.value).endswith(
-        f"--data-path takes the prefix without .bin: pass {prefix}"
-    )
+    assert str(raised.value).endswith(f"--data-path takes the prefix without .bin: pass {prefix}")
 
 
 @pytest.mark.parametrize(

@@ -37,11 +37,21 @@ def _expected_byte_documents() -> list[list[int]]:
 def test_script_output_round_trips_through_independent_reader(tmp_path):
     _write_corpus(tmp_path / "corpus")
     command = [
-        sys.executable, "tools/preprocess_data.py",
-        "--input", str(tmp_path / "corpus" / "docs.jsonl"), str(tmp_path / "corpus" / "text"),
-        "--json-keys", "text", "--output-prefix", str(tmp_path / "out" / "corpus"),
-        "--tokenizer-type", "ByteTokenizer", "--append-eod", "--workers", "2",
-    ]  # fmt: skip
+        sys.executable,
+        "tools/preprocess_data.py",
+        "--input",
+        str(tmp_path / "corpus" / "docs.jsonl"),
+        str(tmp_path / "corpus" / "text"),
+        "--json-keys",
+        "text",
+        "--output-prefix",
+        str(tmp_path / "out" / "corpus"),
+        "--tokenizer-type",
+        "ByteTokenizer",
+        "--append-eod",
+        "--workers",
+        "2",
+    ]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     prefix = str(tmp_path / "out" / "corpus_text_document")
@@ -163,10 +173,19 @@ def test_script_missing_tokenizer_file_exits_with_flag_name(tmp_path):
     (tmp_path / "a.txt").write_text("text")
     missing = str(tmp_path / "vocab.json")
     command = [
-        sys.executable, "tools/preprocess_data.py", "--input", str(tmp_path / "a.txt"),
-        "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-file", missing, "--merge-file", str(tmp_path / "merges.txt"),
-    ]  # fmt: skip
+        sys.executable,
+        "tools/preprocess_data.py",
+        "--input",
+        str(tmp_path / "a.txt"),
+        "--output-prefix",
+        str(tmp_path / "out"),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        missing,
+        "--merge-file",
+        str(tmp_path / "merges.txt"),
+    ]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert f"{missing!r} does not exist; pass the local vocab.json with --vocab-file" in (
@@ -188,9 +207,13 @@ def test_script_non_utf8_jsonl_names_file_and_line_and_leaves_no_files(tmp_path)
     corpus = tmp_path / "latin1.jsonl"
     _write_latin1_jsonl(corpus)
     command = [
-        sys.executable, "tools/preprocess_data.py", "--input", str(corpus),
-        "--output-prefix", str(tmp_path / "out" / "corpus"),
-    ]  # fmt: skip
+        sys.executable,
+        "tools/preprocess_data.py",
+        "--input",
+        str(corpus),
+        "--output-prefix",
+        str(tmp_path / "out" / "corpus"),
+    ]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert (

@@ -51,9 +51,20 @@ def test_unknown_tokenizer_type_lists_choices():
 def _write_tiny_bpe(tmp_path):
     vocab = {
         **{symbol: index for index, symbol in enumerate("helo")},  # h0 e1 l2 o3
-        "Ġ": 4, "w": 5, "r": 6, "d": 7, "he": 8, "ll": 9, "hell": 10, "hello": 11,
-        "Ġw": 12, "or": 13, "Ġwor": 14, "<|endoftext|>": 15, "!": 16,
-    }  # fmt: skip
+        "Ġ": 4,
+        "w": 5,
+        "r": 6,
+        "d": 7,
+        "he": 8,
+        "ll": 9,
+        "hell": 10,
+        "hello": 11,
+        "Ġw": 12,
+        "or": 13,
+        "Ġwor": 14,
+        "<|endoftext|>": 15,
+        "!": 16,
+    }
     merges = ["#version: 0.2", "h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or"]
     vocab_file, merge_file = tmp_path / "vocab.json", tmp_path / "merges.txt"
     vocab_file.write_text(json.dumps(vocab), encoding="utf-8")

@@ -47,8 +47,12 @@ def test_tiktokenizer_ids_follow_megatron_layout(tiktoken_vocab):
     )
     assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.bos, tokenizer.unk) == (270, 2, 1, 0)
     assert tokenizer.special_tokens == {
-        "<unk>": 0, "<s>": 1, "</s>": 2, "<SPECIAL_3>": 3, "<SPECIAL_4>": 4,
-    }  # fmt: skip
+        "<unk>": 0,
+        "<s>": 1,
+        "</s>": 2,
+        "<SPECIAL_3>": 3,
+        "<SPECIAL_4>": 4,
+    }
     # v1 splits "hello world!" into "hello", " world", "!": ranks 259, 263 and byte 33.
     assert tokenizer.tokenize("hello world!") == [259 + 5, 263 + 5, 33 + 5]
     # v1 takes digits one at a time (\p{N}), so the "12" merge never applies.
@@ -143,8 +147,14 @@ def test_sentencepiece_tokenizer_adds_megatron_special_tokens(spm_model):
     # <CLS> <SEP> <EOD> <MASK> <PAD> are not pieces: appended as 80..84; <s> and </s> are the
     # model's bos/eos pieces (1, 2).
     assert tokenizer.special_tokens == {
-        "<CLS>": 80, "<SEP>": 81, "<EOD>": 82, "<MASK>": 83, "<PAD>": 84, "<s>": 1, "</s>": 2,
-    }  # fmt: skip
+        "<CLS>": 80,
+        "<SEP>": 81,
+        "<EOD>": 82,
+        "<MASK>": 83,
+        "<PAD>": 84,
+        "<s>": 1,
+        "</s>": 2,
+    }
     assert (tokenizer.vocab_size, tokenizer.eod) == (85, 82)
     ids = tokenizer.tokenize("hello world<EOD>the fox</s>")
     expected = processor.encode_as_ids("hello world") + [82]
@@ -225,17 +235,32 @@ def test_pretrain_two_iterations_on_a_tiktokenizer_corpus(tiktoken_vocab, tmp_pa
     corpus.write_text(
         "".join(json.dumps({"text": f"hello world {i} " * 40}) + "\n" for i in range(30))
     )
-    tokenizer_flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", tiktoken_vocab,
-                       "--tiktoken-pattern", "v1", "--vocab-size", "270",
-                       "--tiktoken-num-special-tokens", "5"]  # fmt: skip
+    tokenizer_flags = [
+        "--tokenizer-type",
+        "TikTokenizer",
+        "--tokenizer-model",
+        tiktoken_vocab,
+        "--tiktoken-pattern",
+        "v1",
+        "--vocab-size",
+        "270",
+        "--tiktoken-num-special-tokens",
+        "5",
+    ]
     tokenizer = build_tokenizer(
-        tokenizer_type="TikTokenizer", tokenizer_model=tiktoken_vocab, tiktoken_pattern="v1",
-        vocab_size=270, tiktoken_num_special_tokens=5,
-    )  # fmt: skip
+        tokenizer_type="TikTokenizer",
+        tokenizer_model=tiktoken_vocab,
+        tiktoken_pattern="v1",
+        vocab_size=270,
+        tiktoken_num_special_tokens=5,
+    )
     (prefix,) = preprocess(
-        [str(corpus)], output_prefix=str(tmp_path / "data"), tokenizer=tokenizer,
-        append_eod=True, show_progress=False,
-    ).values()  # fmt: skip
+        [str(corpus)],
+        output_prefix=str(tmp_path / "data"),
+        tokenizer=tokenizer,
+        append_eod=True,
+        show_progress=False,
+    ).values()
     argv = [arg for arg in _tiny_gpt_with(tokenizer_flags) if arg != "--mock-data"]
     argv += ["--data-path", prefix, "--split", "1", "--train-iters", "2"]
     result = run_pretrain(argv)

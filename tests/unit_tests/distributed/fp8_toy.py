@@ -120,8 +120,9 @@ def train(
     after each optimizer step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer = state.model, state.optimizer
-    autocast = (lambda: fp8_autocast(enabled=True, fp8_config=config,
-                                     amax_reduction_group=dist.group.WORLD))  # fmt: skip
+    autocast = lambda: fp8_autocast(
+        enabled=True, fp8_config=config, amax_reduction_group=dist.group.WORLD
+    )
     losses = []
     for step in steps:
         model.zero_grad_buffer()
@@ -158,8 +159,13 @@ def expected_quantization(
     """One rank quantizing the whole fp32 main weight: the reference the engine must match."""
     recipe = config.recipe
     return quantize(
-        full_main, recipe=recipe, fp8_dtype=fp8_dtype_for_role(config.fp8_format, "weight"),
-        role="weight", rowwise=True, columnwise=recipe == "mxfp8", scale=scale,
+        full_main,
+        recipe=recipe,
+        fp8_dtype=fp8_dtype_for_role(config.fp8_format, "weight"),
+        role="weight",
+        rowwise=True,
+        columnwise=recipe == "mxfp8",
+        scale=scale,
         power_2_scale=None if recipe in ("delayed", "mxfp8") else config.use_power_2_scale,
         backend="reference",
-    )  # fmt: skip
+    )

@@ -50,8 +50,9 @@ def _resume(ckpt: str, recipe: str, *, param_gather: bool, scaling_state: bool):
 def _load_all(rank: int, world_size: int, ckpt_dir: str) -> dict:
     result = {}
     # Same recipe, other DP size and strategy: the saved delayed scales carry over.
-    result["delayed"] = _resume(f"{ckpt_dir}/delayed", "delayed", param_gather=True,
-                                scaling_state=True)  # fmt: skip
+    result["delayed"] = _resume(
+        f"{ckpt_dir}/delayed", "delayed", param_gather=True, scaling_state=True
+    )
     # Recipe switches: a high-precision checkpoint and a tensorwise one resume in FP8;
     # the reference is the same recipe with fp8_param_gather off, loaded the same way.
     for source, recipe in (("hp", "mxfp8"), ("hp", "delayed"), ("tensorwise", "blockwise")):

@@ -107,9 +107,13 @@ def _memory(rank: int, world_size: int) -> dict:
             module = Fp8ToyGPT(config=config, num_layers=2, hidden=HIDDEN)
         assert all(p.is_meta for p in module.parameters())
         state = wrap(
-            module, strategy="optim_grads_params", config=config, init_fn=toy_init,
-            pass_fp8_config=False, **fsdp_config_meta,
-        )  # fmt: skip
+            module,
+            strategy="optim_grads_params",
+            config=config,
+            init_fn=toy_init,
+            pass_fp8_config=False,
+            **fsdp_config_meta,
+        )
         train(state, range(2), config=config)
         gc.collect()
         weights = fp8_weights(state.model)
@@ -123,9 +127,11 @@ def _memory(rank: int, world_size: int) -> dict:
                 released.append(qt.tensor_name in str(error))
         storages = [g.storage for g in state.model.engine.buffer.all_groups()]
         result[recipe] = dict(
-            kept=kept, copies=copies, released=released,
+            kept=kept,
+            copies=copies,
+            released=released,
             fp8_groups=sum(isinstance(s, Fp8ComputeStorage) for s in storages),
-        )  # fmt: skip
+        )
         del state, module, weights
         gc.collect()
     return result

@@ -99,8 +99,11 @@ def test_gpt_meta_init_matches_single_process(strategy: str) -> None:
         assert a == pytest.approx(b, rel=1e-5), step
 
 
-@pytest.mark.parametrize("fp8", [[], ["--fp8-recipe", "tensorwise", "--fp8-param-gather"]],
-                         ids=["bf16", "fp8_tensorwise"])  # fmt: skip
+@pytest.mark.parametrize(
+    "fp8",
+    [[], ["--fp8-recipe", "tensorwise", "--fp8-param-gather"]],
+    ids=["bf16", "fp8_tensorwise"],
+)
 def test_bf16_meta_init_trains_like_a_materialized_build(fp8) -> None:
     """--bf16 --init-model-with-meta-device starts from the same bf16-rounded weights as a
     normal build (it drew them in fp32 without the rounding: losses 8.7e-6 apart), so the

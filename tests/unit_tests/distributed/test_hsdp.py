@@ -40,9 +40,13 @@ def wrap_hsdp(module, *, instances: int, config: FsdpConfig, **kwargs) -> RunSta
         device_type="cpu",
     )
     model = FullyShardedDataParallel(
-        module, fsdp_config=config, device="cpu", device_mesh=mesh, dp_outer_dim=DP_OUTER_DIM,
+        module,
+        fsdp_config=config,
+        device="cpu",
+        device_mesh=mesh,
+        dp_outer_dim=DP_OUTER_DIM,
         **kwargs,
-    )  # fmt: skip
+    )
     return RunState(model=model, optimizer=model.build_optimizer(OPT_CONFIG))
 
 
@@ -77,11 +81,17 @@ def _fp32_run(rank: int, world_size: int, instances: int, cases: list) -> dict:
 ZERO3 = "optim_grads_params"
 FP32_CASES = {
     # 2 x 2: both outer strategies, overlap on and off, and the other inner strategies.
-    (4, 2): [(ZERO3, "no_shard", False), (ZERO3, "optim", False), (ZERO3, "no_shard", True),
-             (ZERO3, "optim", True), ("optim", "optim", False), ("optim_grads", "no_shard", True)],
+    (4, 2): [
+        (ZERO3, "no_shard", False),
+        (ZERO3, "optim", False),
+        (ZERO3, "no_shard", True),
+        (ZERO3, "optim", True),
+        ("optim", "optim", False),
+        ("optim_grads", "no_shard", True),
+    ],
     (4, 4): [(ZERO3, "no_shard", False), (ZERO3, "optim", False)],  # 4 x 1: pure replicas
     (8, 2): [(ZERO3, "no_shard", False), (ZERO3, "optim", False)],  # 2 x 4
-}  # fmt: skip
+}
 
 
 @functools.cache
@@ -124,9 +134,13 @@ def test_inner_and_outer_byte_counters(world_size: int, instances: int) -> None:
     micro = 2 if 2 * world_size <= GLOBAL_BATCH else 1
     for outer in ("no_shard", "optim"):
         expected = counter_bytes(
-            ROOT, LAYERS, shard_size=inner, outer_size=instances, outer_strategy=outer,
+            ROOT,
+            LAYERS,
+            shard_size=inner,
+            outer_size=instances,
+            outer_strategy=outer,
             micro_batches=micro,
-        )  # fmt: skip
+        )
         plain = counter_bytes(ROOT, LAYERS, shard_size=inner, micro_batches=micro)
         assert {key: expected[key] for key in plain} == plain  # inner = ZeRO-3 at DP/N
         for result in fp32_results(world_size, instances):

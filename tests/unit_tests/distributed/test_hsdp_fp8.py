@@ -120,8 +120,10 @@ def test_fp8_hsdp_losses_equal_zero3(results, recipe: str) -> None:
     for outer in ("no_shard", "optim"):
         for step, (got, want) in enumerate(zip(results[0][(recipe, outer)], plain)):
             assert got == pytest.approx(want, rel=_tolerance(recipe, step), abs=0), (
-                recipe, outer, step,
-            )  # fmt: skip
+                recipe,
+                outer,
+                step,
+            )
 
 
 def _tolerance(recipe: str, step: int) -> float:
@@ -195,8 +197,10 @@ def test_fp8_hsdp_2x4_losses_and_exact_bytes() -> None:
         for outer in ("no_shard", "optim"):
             for step, (got, want) in enumerate(zip(results[0][(recipe, outer)], plain)):
                 assert got == pytest.approx(want, rel=_tolerance(recipe, step), abs=0), (
-                    recipe, outer, step,
-                )  # fmt: skip
+                    recipe,
+                    outer,
+                    step,
+                )
             for rank_result in results:  # exact at init and after 20 steps
                 assert rank_result[(recipe, outer, "checked")] == [8, 8], (recipe, outer)
             assert len({r[(recipe, outer, "digest")] for r in results}) == 1, (recipe, outer)

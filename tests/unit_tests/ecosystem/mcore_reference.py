@@ -38,17 +38,30 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 ITERATION = 7
 VARIANTS = {
     "llama": dict(
-        normalization="RMSNorm", swiglu=True, position_embedding_type="rope", rotary_base=5000,
-        add_bias_linear=False, group_query_attention=True, num_query_groups=2, kv_channels=24,
-        untie_embeddings_and_output_weights=True, ffn_hidden_size=80,
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        rotary_base=5000,
+        add_bias_linear=False,
+        group_query_attention=True,
+        num_query_groups=2,
+        kv_channels=24,
+        untie_embeddings_and_output_weights=True,
+        ffn_hidden_size=80,
     ),
     "gpt": dict(
-        normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
-        rotary_base=10000, add_bias_linear=True, group_query_attention=False,
-        num_query_groups=4, kv_channels=16, untie_embeddings_and_output_weights=False,
+        normalization="LayerNorm",
+        swiglu=False,
+        position_embedding_type="learned_absolute",
+        rotary_base=10000,
+        add_bias_linear=True,
+        group_query_attention=False,
+        num_query_groups=4,
+        kv_channels=16,
+        untie_embeddings_and_output_weights=False,
         ffn_hidden_size=256,
     ),
-}  # fmt: skip
+}
 
 
 def _cpu_shims() -> None:
@@ -70,14 +83,32 @@ def megatron_args(variant: str) -> argparse.Namespace:
     """The subset of Megatron-LM's args a GPT checkpoint records, with its names."""
     shape = VARIANTS[variant]
     return argparse.Namespace(
-        num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
-        max_position_embeddings=32, padded_vocab_size=96, vocab_size=90, norm_epsilon=1e-6,
-        rotary_percent=1.0, rotary_interleaved=False, apply_layernorm_1p=False,
-        qk_layernorm=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, ckpt_format="torch_dist",
-        transformer_impl="local", params_dtype=torch.float32, bf16=False, fp16=False,
-        add_qkv_bias=shape["add_bias_linear"], attention_backend=AttnBackend.auto, **shape,
-    )  # fmt: skip
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=16,
+        max_position_embeddings=32,
+        padded_vocab_size=96,
+        vocab_size=90,
+        norm_epsilon=1e-6,
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        apply_layernorm_1p=False,
+        qk_layernorm=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        ckpt_format="torch_dist",
+        transformer_impl="local",
+        params_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        add_qkv_bias=shape["add_bias_linear"],
+        attention_backend=AttnBackend.auto,
+        **shape,
+    )
 
 
 def build_model(args: argparse.Namespace) -> GPTModel:

@@ -29,19 +29,35 @@ VOCAB = 96
 def _llama_config():
     # GQA (4 heads, 2 groups), a head width that is not hidden / heads, a rope base, untied.
     return transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=64,
-        rms_norm_eps=1e-6, rope_theta=5000.0, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_theta=5000.0,
+        tie_word_embeddings=False,
+    )
 
 
 def _gpt2_config():
     # Exact GeLU: GPT-2's default "gelu_new" (tanh) is refused, see below.
     return transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32, n_inner=80,
-        activation_function="gelu", layer_norm_epsilon=1e-6, resid_pdrop=0.0, embd_pdrop=0.0,
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        n_inner=80,
+        activation_function="gelu",
+        layer_norm_epsilon=1e-6,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
         attn_pdrop=0.0,
-    )  # fmt: skip
+    )
 
 
 def _tied_llama_config():
@@ -158,11 +174,31 @@ def test_import_records_the_source_config(tmp_path: Path) -> None:
 
 
 FINETUNE = [
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
-    "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
-    "--train-iters", "3", "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--eval-iters", "0", "--log-interval", "1", "--finetune",
-]  # fmt: skip
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    str(VOCAB),
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "2",
+    "--train-iters",
+    "3",
+    "--lr",
+    "1e-4",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--finetune",
+]
 
 
 def test_finetune_from_import_with_checkpoint_args(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -292,11 +328,21 @@ def test_wrong_loader_and_contradicting_flags_fail(tmp_path: Path, capsys) -> No
     source = tmp_path / "hf"
     _save_hf_model("llama", source)
     out = str(tmp_path / "out")
-    err = _convert_fails(capsys, "--loader", "megatron_fp8", "--saver", "hf",
-                         "--load-dir", str(source), "--save-dir", out)  # fmt: skip
+    err = _convert_fails(
+        capsys,
+        "--loader",
+        "megatron_fp8",
+        "--saver",
+        "hf",
+        "--load-dir",
+        str(source),
+        "--save-dir",
+        out,
+    )
     assert f"{source}: no latest_checkpointed_iteration.txt" in err
-    err = _convert_fails(capsys, "--loader", "mcore", "--saver", "hf",
-                         "--load-dir", str(source), "--save-dir", out)  # fmt: skip
+    err = _convert_fails(
+        capsys, "--loader", "mcore", "--saver", "hf", "--load-dir", str(source), "--save-dir", out
+    )
     assert f"{source}: no latest_checkpointed_iteration.txt and no metadata.json" in err
     err = _convert_fails(
         capsys,
@@ -357,10 +403,23 @@ def test_cli_exit_status_and_one_error_line(tmp_path: Path) -> None:
     _save_hf_model("gpt2", source)
     _edit_config(source / "config.json", model_type="mistral")
     result = subprocess.run(
-        [sys.executable, "tools/checkpoint/convert.py", "--loader", "hf", "--saver", "mcore",
-         "--load-dir", str(source), "--save-dir", str(tmp_path / "out")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "tools/checkpoint/convert.py",
+            "--loader",
+            "hf",
+            "--saver",
+            "mcore",
+            "--load-dir",
+            str(source),
+            "--save-dir",
+            str(tmp_path / "out"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     assert result.stderr == (
         f"error: {source}/config.json: model_type 'mistral' is not one the hf loader reads "
@@ -374,13 +433,31 @@ def test_sharded_import_round_trip(tmp_path: Path) -> None:
     rank) and reads back bitwise."""
     _save_hf_model("llama", tmp_path / "hf")
     ours = tmp_path / "ours"
-    line = _convert("--loader", "hf", "--saver", "megatron_fp8", "--ckpt-format", "torch_dist",
-                    "--load-dir", str(tmp_path / "hf"), "--save-dir", str(ours))  # fmt: skip
+    line = _convert(
+        "--loader",
+        "hf",
+        "--saver",
+        "megatron_fp8",
+        "--ckpt-format",
+        "torch_dist",
+        "--load-dir",
+        str(tmp_path / "hf"),
+        "--save-dir",
+        str(ours),
+    )
     assert line.startswith("wrote megatron-fp8 checkpoint (--ckpt-format torch_dist)")
     metadata = json.loads((ours / "iter_0000000" / "metadata.json").read_text())
     assert (metadata["ckpt_format"], metadata["args"]["use_megatron_fsdp"]) == ("torch_dist", True)
-    _convert("--loader", "megatron_fp8", "--saver", "hf", "--load-dir", str(ours),
-             "--save-dir", str(tmp_path / "back"))  # fmt: skip
+    _convert(
+        "--loader",
+        "megatron_fp8",
+        "--saver",
+        "hf",
+        "--load-dir",
+        str(ours),
+        "--save-dir",
+        str(tmp_path / "back"),
+    )
     original = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
     returned = safetensors_torch.load_file(str(tmp_path / "back" / "model.safetensors"))
     assert sorted(returned) == sorted(original)
@@ -389,9 +466,18 @@ def test_sharded_import_round_trip(tmp_path: Path) -> None:
 
 def test_use_checkpoint_args_needs_a_checkpoint(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", "--mock-data", "--use-checkpoint-args",
-         "--load", str(tmp_path / "none")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "pretrain_gpt.py",
+            "--mock-data",
+            "--use-checkpoint-args",
+            "--load",
+            str(tmp_path / "none"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     assert f"--load {tmp_path / 'none'} holds no latest_checkpointed_iteration.txt" in result.stderr

@@ -271,9 +271,14 @@ def test_samples_add_vs_samples_series_to_tensorboard_once_per_step(tmp_path) ->
     VS_SAMPLES_NAMES, and one "samples vs steps" point per step even when train and validation
     metrics are logged at the same step."""
     pytest.importorskip("tensorboard", reason="needs tensorboard (pip install tensorboard)")
-    logger = MetricsLogger(tensorboard_dir=str(tmp_path / "tb"), wandb_project=None,
-                           wandb_exp_name=None, wandb_save_dir=None, run_config={},
-                           enabled=True)  # fmt: skip
+    logger = MetricsLogger(
+        tensorboard_dir=str(tmp_path / "tb"),
+        wandb_project=None,
+        wandb_exp_name=None,
+        wandb_save_dir=None,
+        run_config={},
+        enabled=True,
+    )
     with logger:
         logger.log_scalars(1, {"lm loss": 3.5, "iteration-time": 0.25}, samples=8)
         logger.log_scalars(2, {"lm loss": 3.25, "learning-rate": 0.5}, samples=16)

@@ -81,27 +81,66 @@ def test_megatron_core_checkpoint_round_trip(tmp_path: Path, variant: str) -> No
     assert their_logits.shape == (2, 16, 96) and their_logits.std().item() > 0.5
 
     ours = tmp_path / "ours"
-    _convert("--loader", "mcore", "--saver", "megatron_fp8",
-             "--load-dir", str(reference / "ckpt"), "--save-dir", str(ours))  # fmt: skip
+    _convert(
+        "--loader",
+        "mcore",
+        "--saver",
+        "megatron_fp8",
+        "--load-dir",
+        str(reference / "ckpt"),
+        "--save-dir",
+        str(ours),
+    )
     our_logits, config = _our_logits(ours, tokens)  # the iteration (7) is kept
     assert _relative_error(our_logits, their_logits) < MAX_RELATIVE_ERROR
     expected = {
-        "llama": dict(normalization="RMSNorm", swiglu=True, num_query_groups=2, kv_channels=24,
-                      rotary_base=5000, position_embedding_type="rope", add_bias_linear=False,
-                      untie_embeddings_and_output_weights=True, ffn_hidden_size=80),
-        "gpt": dict(normalization="LayerNorm", swiglu=False, num_query_groups=4, kv_channels=16,
-                    position_embedding_type="learned_absolute", add_bias_linear=True,
-                    untie_embeddings_and_output_weights=False, max_sequence_length=32),
-    }[variant]  # fmt: skip
+        "llama": dict(
+            normalization="RMSNorm",
+            swiglu=True,
+            num_query_groups=2,
+            kv_channels=24,
+            rotary_base=5000,
+            position_embedding_type="rope",
+            add_bias_linear=False,
+            untie_embeddings_and_output_weights=True,
+            ffn_hidden_size=80,
+        ),
+        "gpt": dict(
+            normalization="LayerNorm",
+            swiglu=False,
+            num_query_groups=4,
+            kv_channels=16,
+            position_embedding_type="learned_absolute",
+            add_bias_linear=True,
+            untie_embeddings_and_output_weights=False,
+            max_sequence_length=32,
+        ),
+    }[variant]
     assert {key: config[key] for key in expected} == expected
     assert (config["vocab_size"], config["layernorm_epsilon"]) == (96, 1e-6)
 
     exported = tmp_path / "exported"
-    _convert("--loader", "megatron_fp8", "--saver", "mcore",
-             "--load-dir", str(ours), "--save-dir", str(exported))  # fmt: skip
+    _convert(
+        "--loader",
+        "megatron_fp8",
+        "--saver",
+        "mcore",
+        "--load-dir",
+        str(ours),
+        "--save-dir",
+        str(exported),
+    )
     assert (exported / "latest_checkpointed_iteration.txt").read_text() == "7"
-    _reference("load", "--ckpt", str(exported), "--tokens", str(reference / "tokens.pt"),
-               "--out", str(tmp_path / "reloaded.pt"), cwd=tmp_path)  # fmt: skip
+    _reference(
+        "load",
+        "--ckpt",
+        str(exported),
+        "--tokens",
+        str(reference / "tokens.pt"),
+        "--out",
+        str(tmp_path / "reloaded.pt"),
+        cwd=tmp_path,
+    )
     assert torch.equal(torch.load(tmp_path / "reloaded.pt"), their_logits)
 
 
@@ -115,9 +154,14 @@ def test_qkv_layout_is_per_query_group() -> None:
     from tools.checkpoint.mcore import qkv_mcore_to_ours, qkv_ours_to_mcore
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=8, num_attention_heads=4, num_query_groups=2, kv_channels=1,
-        vocab_size=8, max_sequence_length=4,
-    )  # fmt: skip
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=1,
+        vocab_size=8,
+        max_sequence_length=4,
+    )
     # Row labels: q0 q1 k0 v0 | q2 q3 k1 v1 (one channel per head).
     mcore_rows = torch.tensor([0.0, 1.0, 10.0, 20.0, 2.0, 3.0, 11.0, 21.0])
     ours = qkv_mcore_to_ours(mcore_rows, config)
@@ -134,10 +178,17 @@ def _edited_mcore_checkpoint(path: Path, monkeypatch, edit) -> None:
     from tools.checkpoint.model_state import ModelState
 
     config = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
-        max_sequence_length=16, normalization="RMSNorm", swiglu=True,
-        position_embedding_type="rope", num_query_groups=2, add_bias_linear=False,
-    )  # fmt: skip
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=64,
+        max_sequence_length=16,
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        num_query_groups=2,
+        add_bias_linear=False,
+    )
     state_dict = {name: p.detach() for name, p in GPTModel(config).named_parameters()}
     original = mcore.mcore_state_dict
 
@@ -162,13 +213,16 @@ def _add_q_layernorm(tensors: dict) -> None:
 @pytest.mark.parametrize(
     ("edit", "flags", "message"),
     [
-        (None, ["--num-attention-heads", "8"], "--num-attention-heads 8 contradicts the mcore "
-         "checkpoint, which records 4"),
+        (
+            None,
+            ["--num-attention-heads", "8"],
+            "--num-attention-heads 8 contradicts the mcore checkpoint, which records 4",
+        ),
         (_drop_fc2, [], "tensor decoder.layers.mlp.linear_fc2.weight is missing"),
         (_add_q_layernorm, [], "unexpected tensor decoder.layers.self_attention.q_layernorm"),
     ],
     ids=["contradicting-flag", "missing", "extra"],
-)  # fmt: skip
+)
 def test_bad_mcore_input_fails_before_writing(
     tmp_path: Path, monkeypatch, capsys, edit, flags, message
 ) -> None:
@@ -177,8 +231,19 @@ def test_bad_mcore_input_fails_before_writing(
     _edited_mcore_checkpoint(tmp_path / "mc", monkeypatch, edit or (lambda tensors: None))
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        main(["--loader", "mcore", "--saver", "megatron_fp8", "--load-dir", str(tmp_path / "mc"),
-              "--save-dir", str(tmp_path / "out"), *flags])  # fmt: skip
+        main(
+            [
+                "--loader",
+                "mcore",
+                "--saver",
+                "megatron_fp8",
+                "--load-dir",
+                str(tmp_path / "mc"),
+                "--save-dir",
+                str(tmp_path / "out"),
+                *flags,
+            ]
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
@@ -200,10 +265,23 @@ def test_checkpoint_without_args_takes_the_command_line(tmp_path: Path, capsys) 
         main([*base, "--save-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert "(no saved args) and the command line: records no num_attention_heads" in err
-    flags = ["--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
-             "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
-             "--position-embedding-type", "rope", "--max-position-embeddings", "16",
-             "--disable-bias-linear"]  # fmt: skip
+    flags = [
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--position-embedding-type",
+        "rope",
+        "--max-position-embeddings",
+        "16",
+        "--disable-bias-linear",
+    ]
     convert([*base, "--save-dir", str(tmp_path / "out"), *flags])
     metadata = json.loads((tmp_path / "out" / "iter_0000003" / "metadata.json").read_text())
     assert metadata["model_config"]["num_query_groups"] == 2
@@ -229,8 +307,16 @@ def test_local_spec_norm_names_are_read(tmp_path: Path, monkeypatch) -> None:
         _edited_mcore_checkpoint(tmp_path / f"mc_{name}", monkeypatch, edit)
         paths[name] = tmp_path / f"ours_{name}"
         source = str(tmp_path / f"mc_{name}")
-        _convert("--loader", "mcore", "--saver", "megatron_fp8",
-                 "--load-dir", source, "--save-dir", str(paths[name]))  # fmt: skip
+        _convert(
+            "--loader",
+            "mcore",
+            "--saver",
+            "megatron_fp8",
+            "--load-dir",
+            source,
+            "--save-dir",
+            str(paths[name]),
+        )
     te, local = (load_megatron_fp8(str(paths[name])).state_dict for name in ("te", "local"))
     for norm in ("input_layernorm", "pre_mlp_layernorm"):
         assert torch.equal(

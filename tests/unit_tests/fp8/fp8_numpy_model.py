@@ -116,8 +116,16 @@ def quantize_block(block: np.ndarray, fmt: str, recipe: str, pow2: bool, inf_val
         return encode(block.astype(np.float32) * scale, fmt), F32(1.0) / scale
 
 
-def quantize_blocks(x: np.ndarray, fmt: str, recipe: str, *, block_rows: int, block_cols: int,
-                    pow2: bool = True, inf_value: float = 3.4028234663852886e38):  # fmt: skip
+def quantize_blocks(
+    x: np.ndarray,
+    fmt: str,
+    recipe: str,
+    *,
+    block_rows: int,
+    block_cols: int,
+    pow2: bool = True,
+    inf_value: float = 3.4028234663852886e38,
+):
     """Bytes (x's shape) and scale grid for blocks of block_rows x block_cols over 2-D x."""
     rows, cols = x.shape
     grid = (-(-rows // block_rows), -(-cols // block_cols))

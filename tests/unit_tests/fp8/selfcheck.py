@@ -19,8 +19,16 @@ from megatron.core.fp8.cuda.quantize import quantize_cuda
 # Shapes: block-aligned, ragged in one or both dims (rows a multiple of 4 or not: the word
 # kernels need one), ragged rows with whole 128-column blocks (the MX kernel's packed E8M0
 # words), one row, one column, and 3-D.
-CHECK_SHAPES = ((256, 384), (132, 300), (130, 300), (70, 512), (1, 77), (257, 1), (33, 32),
-                (2, 3, 160))  # fmt: skip
+CHECK_SHAPES = (
+    (256, 384),
+    (132, 300),
+    (130, 300),
+    (70, 512),
+    (1, 77),
+    (257, 1),
+    (33, 32),
+    (2, 3, 160),
+)
 CHECK_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 CHECK_FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
 CHECK_INPUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -124,7 +132,7 @@ def _cases_for(name, x, recipe, fp8_dtype, *, quick):
                 role="input",
                 power_2_scale=None,
                 scale=torch.tensor(s, device=x.device),
-            )  # fmt: skip
+            )
             for s in scales
         ]
     roles = ("input", "weight") if recipe == "blockwise" else ("input",)
@@ -137,7 +145,7 @@ def _cases_for(name, x, recipe, fp8_dtype, *, quick):
             fp8_dtype=fp8_dtype,
             role=role,
             power_2_scale=p,
-        )  # fmt: skip
+        )
         for role, p in itertools.product(roles, pow2_options)
     ]
 
@@ -170,8 +178,14 @@ def compare_case(case: CheckCase, *, with_transpose: bool = True) -> list[str]:
     """Mismatches between quantize_cuda and the reference for one case (empty: bitwise equal)."""
     from megatron.core.fp8 import quantize  # the public API; imported late to avoid a cycle
 
-    kwargs = dict(recipe=case.recipe, fp8_dtype=case.fp8_dtype, role=case.role, rowwise=True,
-                  columnwise=True, scale=case.scale)  # fmt: skip
+    kwargs = dict(
+        recipe=case.recipe,
+        fp8_dtype=case.fp8_dtype,
+        role=case.role,
+        rowwise=True,
+        columnwise=True,
+        scale=case.scale,
+    )
     want = quantize(case.x, power_2_scale=case.power_2_scale, backend="reference", **kwargs)
     pow2 = case.power_2_scale
     if pow2 is None:

@@ -54,8 +54,9 @@ def _fake_operands(monkeypatch, bench, *, seen, fail_on=None, bytes_of=None):
 def test_keeps_the_fastest_config_with_the_defaults_bytes(bench, monkeypatch):
     seen = []
     fast_but_wrong, slow, fast = dict(us=1), dict(us=5), dict(us=2)
-    _fake_operands(monkeypatch, bench, seen=seen,
-                   bytes_of=lambda config: 9 if config == fast_but_wrong else 7)  # fmt: skip
+    _fake_operands(
+        monkeypatch, bench, seen=seen, bytes_of=lambda config: 9 if config == fast_but_wrong else 7
+    )
     monkeypatch.setattr(bench, "SWEEP", {"block_1x128": [slow, fast_but_wrong, fast]})
     reporter = FakeReporter()
     bench.sweep_configs(reporter, torch.zeros(1), copy_gbps=1.0)

@@ -29,9 +29,10 @@ def test_gemm_op_passes_opcheck_on_cpu():
     a, sa, b, sb = _tensorwise_operands(32, 48, 64)
     # The schema check mutates inputs with ops that FP8 dtypes lack: fake and dispatch only.
     torch.library.opcheck(
-        linear_ops._gemm_op, (a, sa, b, sb, "tensorwise", torch.bfloat16, False),
+        linear_ops._gemm_op,
+        (a, sa, b, sb, "tensorwise", torch.bfloat16, False),
         test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
-    )  # fmt: skip
+    )
     # Emulated MXFP8: dequantized bf16 operands, no scales.
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(32, 64, generator=generator).to(torch.bfloat16)
@@ -56,9 +57,12 @@ def test_compiled_gemm_equals_eager_on_cpu():
 
     def product(a, sa, b, sb):
         y = linear_ops.gemm(
-            GemmOperand(a, sa), GemmOperand(b, sb), recipe="tensorwise",
-            out_dtype=torch.float32, fast_accum=False,
-        )  # fmt: skip
+            GemmOperand(a, sa),
+            GemmOperand(b, sb),
+            recipe="tensorwise",
+            out_dtype=torch.float32,
+            fast_accum=False,
+        )
         return torch.nn.functional.silu(y) * 2.0
 
     eager = product(a, sa, b, sb)
@@ -78,11 +82,20 @@ def test_compiled_gemm_equals_eager_on_cpu():
 
 def _layer_config(recipe: str) -> TransformerConfig:
     return TransformerConfig(
-        num_layers=1, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
-        vocab_size=128, max_sequence_length=256, normalization="RMSNorm", swiglu=True,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=torch.bfloat16, fp8=Fp8Config(recipe=recipe, fp8_format="hybrid"),
-    )  # fmt: skip
+        num_layers=1,
+        hidden_size=256,
+        ffn_hidden_size=512,
+        num_attention_heads=4,
+        vocab_size=128,
+        max_sequence_length=256,
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.bfloat16,
+        fp8=Fp8Config(recipe=recipe, fp8_format="hybrid"),
+    )
 
 
 def _fp8_layer(recipe: str, *, fp8_params: bool) -> TransformerLayer:
@@ -134,8 +147,12 @@ def test_layer_compiles_without_graph_breaks_and_equals_eager(recipe: str, fp8_p
         assert all("disable()" in reason for reason in reasons), reasons
     else:
         assert explanation.graph_break_count == 0, reasons
-    weights = [layer.self_attention.linear_qkv.weight, layer.self_attention.linear_proj.weight,
-               layer.mlp.linear_fc1.weight, layer.mlp.linear_fc2.weight]  # fmt: skip
+    weights = [
+        layer.self_attention.linear_qkv.weight,
+        layer.self_attention.linear_proj.weight,
+        layer.mlp.linear_fc1.weight,
+        layer.mlp.linear_fc2.weight,
+    ]
     assert all(weight.requires_grad for weight in weights)
     with fp8_autocast(enabled=True, fp8_config=config):
         eager = layer(x)
@@ -156,8 +173,10 @@ def test_layer_compiles_without_graph_breaks_and_equals_eager(recipe: str, fp8_p
     # compared exactly below.
     output_error = _relative_error(compiled, eager)
     grad_error = _relative_error(grad_compiled, grad_eager)
-    print(f"{recipe} fp8_params={fp8_params}: relative error out {output_error:.4f}, "
-          f"grad {grad_error:.4f}")  # fmt: skip
+    print(
+        f"{recipe} fp8_params={fp8_params}: relative error out {output_error:.4f}, "
+        f"grad {grad_error:.4f}"
+    )
     assert output_error < 0.03 and grad_error < 0.06
 
 
@@ -175,9 +194,14 @@ def test_compiled_operands_equal_eager_bytes(recipe: str):
     x[:, :64] *= 40.0
     scale = torch.tensor(7.0, device="cuda") if recipe == "delayed" else None
     options = dict(
-        recipe=recipe, fp8_dtype=E4M3, role="input", rowwise=True, transposed=True,
-        power_2_scale=recipe in ("blockwise", "mxfp8"), scale=scale,
-    )  # fmt: skip
+        recipe=recipe,
+        fp8_dtype=E4M3,
+        role="input",
+        rowwise=True,
+        transposed=True,
+        power_2_scale=recipe in ("blockwise", "mxfp8"),
+        scale=scale,
+    )
 
     def operands(x):
         row, col = linear_ops.quantize_operands(x, **options)

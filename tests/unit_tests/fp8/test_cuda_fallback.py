@@ -48,19 +48,30 @@ def _rowwise_operand(x, *, recipe, role):
 
 @pytest.mark.parametrize(
     "recipe, roles",
-    [("tensorwise", ("input", "weight")), ("blockwise", ("input", "weight")),
-     ("blockwise", ("input", "grad")), ("blockwise", ("weight", "input")),
-     ("mxfp8", ("input", "weight"))],
-)  # fmt: skip
+    [
+        ("tensorwise", ("input", "weight")),
+        ("blockwise", ("input", "weight")),
+        ("blockwise", ("input", "grad")),
+        ("blockwise", ("weight", "input")),
+        ("mxfp8", ("input", "weight")),
+    ],
+)
 def test_emulated_gemm_reads_scales_like_the_reference(recipe, roles):
     """On CPU scaled_mm emulates; its product must equal the product of the reference's own
     dequantized tensors, bit for bit (same fp32 values, same matmul)."""
     torch.manual_seed(0)
     a, a_sinv, a_qt = _rowwise_operand(torch.randn(130, 300) * 7, recipe=recipe, role=roles[0])
     b, b_sinv, b_qt = _rowwise_operand(torch.randn(140, 300), recipe=recipe, role=roles[1])
-    y = scaled_mm(a, b, a_scale_inv=a_sinv, b_scale_inv=b_sinv, recipe=recipe,
-                  out_dtype=torch.float32, use_fast_accum=False,
-                  emulate=recipe != "blockwise")  # fmt: skip
+    y = scaled_mm(
+        a,
+        b,
+        a_scale_inv=a_sinv,
+        b_scale_inv=b_sinv,
+        recipe=recipe,
+        out_dtype=torch.float32,
+        use_fast_accum=False,
+        emulate=recipe != "blockwise",
+    )
     want = a_qt.dequantize(torch.float32) @ b_qt.dequantize(torch.float32).t()
     assert torch.equal(y, want)
 
@@ -69,24 +80,52 @@ def test_mxfp8_gemm_is_refused_off_sm100():
     a = torch.zeros(32, 64).to(E4M3)
     scales = torch.full((32, 2), 127, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="sm_100"):
-        scaled_mm(a, a, a_scale_inv=scales, b_scale_inv=scales, recipe="mxfp8",
-                  out_dtype=torch.bfloat16, use_fast_accum=False)  # fmt: skip
+        scaled_mm(
+            a,
+            a,
+            a_scale_inv=scales,
+            b_scale_inv=scales,
+            recipe="mxfp8",
+            out_dtype=torch.bfloat16,
+            use_fast_accum=False,
+        )
 
 
 def test_gemm_argument_errors_name_the_fix():
     a = torch.zeros(32, 256).to(E5M2)
     one = torch.tensor(1.0)
     with pytest.raises(TypeError, match="E5M2 x E5M2"):
-        scaled_mm(a, a, a_scale_inv=one, b_scale_inv=one, recipe="tensorwise",
-                  out_dtype=torch.bfloat16, use_fast_accum=False)  # fmt: skip
+        scaled_mm(
+            a,
+            a,
+            a_scale_inv=one,
+            b_scale_inv=one,
+            recipe="tensorwise",
+            out_dtype=torch.bfloat16,
+            use_fast_accum=False,
+        )
     w = torch.zeros(256, 256).to(E4M3)
     grid = torch.ones(2, 2)
     with pytest.raises(ValueError, match="at most one operand"):
-        scaled_mm(w, w, a_scale_inv=grid, b_scale_inv=grid, recipe="blockwise",
-                  out_dtype=torch.bfloat16, use_fast_accum=False)  # fmt: skip
+        scaled_mm(
+            w,
+            w,
+            a_scale_inv=grid,
+            b_scale_inv=grid,
+            recipe="blockwise",
+            out_dtype=torch.bfloat16,
+            use_fast_accum=False,
+        )
     with pytest.raises(TypeError, match="FP8 tensors"):
-        scaled_mm(w.view(torch.uint8), w, a_scale_inv=one, b_scale_inv=one, recipe="tensorwise",
-                  out_dtype=torch.bfloat16, use_fast_accum=False)  # fmt: skip
+        scaled_mm(
+            w.view(torch.uint8),
+            w,
+            a_scale_inv=one,
+            b_scale_inv=one,
+            recipe="tensorwise",
+            out_dtype=torch.bfloat16,
+            use_fast_accum=False,
+        )
 
 
 def test_mx_scale_swizzle_layout():

@@ -17,8 +17,16 @@ SHAPES = [(256, 512, 384), (100, 200, 72), (1, 128, 16), (130, 640, 260)]
 def _operand(x, *, recipe, role, fp8_dtype=E4M3, scale=None):
     """Rowwise FP8 operand (data as an FP8 dtype, logical scale_inv) of a [rows, K] tensor."""
     pow2 = recipe != "tensorwise"  # ignored by delayed (given scale) and mxfp8 (always pow2)
-    out = quantize_cuda(x, recipe=recipe, fp8_dtype=fp8_dtype, role=role, rowwise=True,
-                        columnwise=False, scale=scale, power_2_scale=pow2)  # fmt: skip
+    out = quantize_cuda(
+        x,
+        recipe=recipe,
+        fp8_dtype=fp8_dtype,
+        role=role,
+        rowwise=True,
+        columnwise=False,
+        scale=scale,
+        power_2_scale=pow2,
+    )
     return out["rowwise_data"].view(fp8_dtype), out["rowwise_scale_inv"]
 
 
@@ -43,8 +51,10 @@ def _check_close(y, a, a_sinv, b, b_sinv, *, recipe, out_dtype, fast_accum):
     err = (y.double() - exact).abs()
     worst = (err / bound).max().item()
     # Logged (pytest -s) so that the GPU run records the measured accumulation error.
-    print(f"gemm-accuracy {recipe} fast={fast_accum} {out_dtype}: worst |err|/sum|products| = "
-          f"2^{torch.log2((err / (abs_sum + 1e-30)).max()).item():.2f}")  # fmt: skip
+    print(
+        f"gemm-accuracy {recipe} fast={fast_accum} {out_dtype}: worst |err|/sum|products| = "
+        f"2^{torch.log2((err / (abs_sum + 1e-30)).max()).item():.2f}"
+    )
     assert y.dtype == out_dtype and y.shape == exact.shape
     assert worst <= 1.0, f"error {worst:.3g}x the bound"
 
@@ -57,26 +67,50 @@ def test_per_tensor_scaled_mm(shape, recipe, out_dtype, fast_accum):
     m, k, n = shape
     torch.manual_seed(0)
     scale = torch.tensor(16.0, device="cuda") if recipe == "delayed" else None
-    a, a_sinv = _operand(torch.randn(m, k, device="cuda"), recipe=recipe, role="input",
-                         scale=scale)  # fmt: skip
-    b, b_sinv = _operand(torch.randn(n, k, device="cuda") * 0.1, recipe=recipe, role="weight",
-                         scale=scale)  # fmt: skip
-    y = scaled_mm(a, b, a_scale_inv=a_sinv, b_scale_inv=b_sinv, recipe=recipe,
-                  out_dtype=out_dtype, use_fast_accum=fast_accum)  # fmt: skip
-    _check_close(y, a, a_sinv, b, b_sinv, recipe=recipe, out_dtype=out_dtype,
-                 fast_accum=fast_accum)  # fmt: skip
+    a, a_sinv = _operand(torch.randn(m, k, device="cuda"), recipe=recipe, role="input", scale=scale)
+    b, b_sinv = _operand(
+        torch.randn(n, k, device="cuda") * 0.1, recipe=recipe, role="weight", scale=scale
+    )
+    y = scaled_mm(
+        a,
+        b,
+        a_scale_inv=a_sinv,
+        b_scale_inv=b_sinv,
+        recipe=recipe,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
+    _check_close(y, a, a_sinv, b, b_sinv, recipe=recipe, out_dtype=out_dtype, fast_accum=fast_accum)
 
 
 def test_per_tensor_e4m3_by_e5m2_dgrad_pair():
     torch.manual_seed(1)
-    grad, g_sinv = _operand(torch.randn(128, 256, device="cuda") * 1e-3, recipe="tensorwise",
-                            role="grad", fp8_dtype=E5M2)  # fmt: skip
-    w_t, w_sinv = _operand(torch.randn(192, 256, device="cuda"), recipe="tensorwise",
-                           role="weight")  # fmt: skip
-    y = scaled_mm(grad, w_t, a_scale_inv=g_sinv, b_scale_inv=w_sinv, recipe="tensorwise",
-                  out_dtype=torch.bfloat16, use_fast_accum=False)  # fmt: skip
-    _check_close(y, grad, g_sinv, w_t, w_sinv, recipe="tensorwise", out_dtype=torch.bfloat16,
-                 fast_accum=False)  # fmt: skip
+    grad, g_sinv = _operand(
+        torch.randn(128, 256, device="cuda") * 1e-3,
+        recipe="tensorwise",
+        role="grad",
+        fp8_dtype=E5M2,
+    )
+    w_t, w_sinv = _operand(torch.randn(192, 256, device="cuda"), recipe="tensorwise", role="weight")
+    y = scaled_mm(
+        grad,
+        w_t,
+        a_scale_inv=g_sinv,
+        b_scale_inv=w_sinv,
+        recipe="tensorwise",
+        out_dtype=torch.bfloat16,
+        use_fast_accum=False,
+    )
+    _check_close(
+        y,
+        grad,
+        g_sinv,
+        w_t,
+        w_sinv,
+        recipe="tensorwise",
+        out_dtype=torch.bfloat16,
+        fast_accum=False,
+    )
 
 
 # (a role, b role): fprop/dgrad (1x128 x 128x128), wgrad (1x128 x 1x128), and the mirror pair.
@@ -94,10 +128,16 @@ def test_blockwise_scaled_mm(shape, roles, out_dtype):
     x[:, : min(k, 128)] *= 100.0  # different K blocks need different scales
     a, a_sinv = _operand(x, recipe="blockwise", role=roles[0])
     b, b_sinv = _operand(torch.randn(n, k, device="cuda"), recipe="blockwise", role=roles[1])
-    y = scaled_mm(a, b, a_scale_inv=a_sinv, b_scale_inv=b_sinv, recipe="blockwise",
-                  out_dtype=out_dtype, use_fast_accum=False)  # fmt: skip
-    _check_close(y, a, a_sinv, b, b_sinv, recipe="blockwise", out_dtype=out_dtype,
-                 fast_accum=False)  # fmt: skip
+    y = scaled_mm(
+        a,
+        b,
+        a_scale_inv=a_sinv,
+        b_scale_inv=b_sinv,
+        recipe="blockwise",
+        out_dtype=out_dtype,
+        use_fast_accum=False,
+    )
+    _check_close(y, a, a_sinv, b, b_sinv, recipe="blockwise", out_dtype=out_dtype, fast_accum=False)
 
 
 def test_blockwise_runs_on_cublas_on_sm90():
@@ -105,30 +145,59 @@ def test_blockwise_runs_on_cublas_on_sm90():
         pytest.skip("cuBLASLt blockwise scaling exists on sm_90 only")
     a, a_sinv = _operand(torch.randn(256, 512, device="cuda"), recipe="blockwise", role="input")
     b, b_sinv = _operand(torch.randn(256, 512, device="cuda"), recipe="blockwise", role="weight")
-    scaled_mm(a, b, a_scale_inv=a_sinv, b_scale_inv=b_sinv, recipe="blockwise",
-              out_dtype=torch.bfloat16, use_fast_accum=False)  # fmt: skip
+    scaled_mm(
+        a,
+        b,
+        a_scale_inv=a_sinv,
+        b_scale_inv=b_sinv,
+        recipe="blockwise",
+        out_dtype=torch.bfloat16,
+        use_fast_accum=False,
+    )
     assert blockwise_gemm_path() == "torch._scaled_mm", blockwise_gemm_path()
 
 
 def test_mxfp8_gemm_refused_below_sm100_else_matches():
     a, a_sinv = _operand(torch.randn(128, 256, device="cuda"), recipe="mxfp8", role="input")
     b, b_sinv = _operand(torch.randn(64, 256, device="cuda"), recipe="mxfp8", role="weight")
-    kwargs = dict(a_scale_inv=a_sinv, b_scale_inv=b_sinv, recipe="mxfp8",
-                  out_dtype=torch.bfloat16, use_fast_accum=False)  # fmt: skip
+    kwargs = dict(
+        a_scale_inv=a_sinv,
+        b_scale_inv=b_sinv,
+        recipe="mxfp8",
+        out_dtype=torch.bfloat16,
+        use_fast_accum=False,
+    )
     if torch.cuda.get_device_capability()[0] < 10:
         with pytest.raises(RuntimeError, match="sm_100"):
             scaled_mm(a, b, **kwargs)
     else:
-        _check_close(scaled_mm(a, b, **kwargs), a, a_sinv, b, b_sinv, recipe="mxfp8",
-                     out_dtype=torch.bfloat16, fast_accum=False)  # fmt: skip
+        _check_close(
+            scaled_mm(a, b, **kwargs),
+            a,
+            a_sinv,
+            b,
+            b_sinv,
+            recipe="mxfp8",
+            out_dtype=torch.bfloat16,
+            fast_accum=False,
+        )
     emulated = scaled_mm(a, b, emulate=True, **kwargs)
-    _check_close(emulated, a, a_sinv, b, b_sinv, recipe="mxfp8", out_dtype=torch.bfloat16,
-                 fast_accum=False)  # fmt: skip
+    _check_close(
+        emulated, a, a_sinv, b, b_sinv, recipe="mxfp8", out_dtype=torch.bfloat16, fast_accum=False
+    )
 
 
 def test_e5m2_by_e5m2_rejected():
-    g, g_sinv = _operand(torch.randn(32, 64, device="cuda"), recipe="tensorwise", role="grad",
-                         fp8_dtype=E5M2)  # fmt: skip
+    g, g_sinv = _operand(
+        torch.randn(32, 64, device="cuda"), recipe="tensorwise", role="grad", fp8_dtype=E5M2
+    )
     with pytest.raises(TypeError, match="E5M2 x E5M2"):
-        scaled_mm(g, g, a_scale_inv=g_sinv, b_scale_inv=g_sinv, recipe="tensorwise",
-                  out_dtype=torch.bfloat16, use_fast_accum=False)  # fmt: skip
+        scaled_mm(
+            g,
+            g,
+            a_scale_inv=g_sinv,
+            b_scale_inv=g_sinv,
+            recipe="tensorwise",
+            out_dtype=torch.bfloat16,
+            use_fast_accum=False,
+        )

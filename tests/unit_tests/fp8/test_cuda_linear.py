@@ -36,17 +36,37 @@ def test_operands_equal_reference_bytes(recipe, role, shape):
     pow2 = recipe in ("blockwise", "mxfp8")
     history = torch.zeros(4, device="cuda")
     row, col = linear_ops.quantize_operands(
-        x, recipe=recipe, fp8_dtype=fp8_dtype, role=role, rowwise=True, transposed=True,
-        power_2_scale=pow2, scale=scale, amax_history=history,
-    )  # fmt: skip
-    ref = quantize(x, recipe=recipe, fp8_dtype=fp8_dtype, role=role, rowwise=True,
-                   columnwise=True, scale=scale, backend="reference")  # fmt: skip
+        x,
+        recipe=recipe,
+        fp8_dtype=fp8_dtype,
+        role=role,
+        rowwise=True,
+        transposed=True,
+        power_2_scale=pow2,
+        scale=scale,
+        amax_history=history,
+    )
+    ref = quantize(
+        x,
+        recipe=recipe,
+        fp8_dtype=fp8_dtype,
+        role=role,
+        rowwise=True,
+        columnwise=True,
+        scale=scale,
+        backend="reference",
+    )
     if recipe == "mxfp8":
         want_row = ref.dequantize(torch.bfloat16)
         want_col = dequantize_reference(
-            ref.columnwise_data, ref.columnwise_scale_inv, recipe="mxfp8", fp8_dtype=fp8_dtype,
-            role=role, columnwise=True, out_dtype=torch.bfloat16,
-        )  # fmt: skip
+            ref.columnwise_data,
+            ref.columnwise_scale_inv,
+            recipe="mxfp8",
+            fp8_dtype=fp8_dtype,
+            role=role,
+            columnwise=True,
+            out_dtype=torch.bfloat16,
+        )
         assert torch.equal(_bits(row.data), _bits(want_row))
         assert torch.equal(_bits(col.data.t()), _bits(want_col))
         return
@@ -72,8 +92,9 @@ AMAX_SHAPES = {(256, 2048): True, (2048, 4096): True, (300, 1000): False}
 
 
 @pytest.mark.parametrize("content", ["nan", "all_nan_block", "inf"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
-                         ids=["bf16", "fp16", "fp32"])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
 @pytest.mark.parametrize("shape", list(AMAX_SHAPES), ids=lambda s: f"{s[0]}x{s[1]}")
 def test_tensorwise_amax_pass_equals_reference(shape, dtype, content):
     assert cq.amax_partials_spec(shape[0] * shape[1])[2]["EVEN"] is AMAX_SHAPES[shape]
@@ -89,11 +110,23 @@ def test_tensorwise_amax_pass_equals_reference(shape, dtype, content):
     else:  # an infinite amax: the rules' scale for a non-finite amax
         flat[123] = float("inf")
     row, col = linear_ops.quantize_operands(
-        x, recipe="tensorwise", fp8_dtype=E4M3, role="input", rowwise=True, transposed=True,
+        x,
+        recipe="tensorwise",
+        fp8_dtype=E4M3,
+        role="input",
+        rowwise=True,
+        transposed=True,
         power_2_scale=False,
-    )  # fmt: skip
-    ref = quantize(x, recipe="tensorwise", fp8_dtype=E4M3, role="input", rowwise=True,
-                   columnwise=True, backend="reference")  # fmt: skip
+    )
+    ref = quantize(
+        x,
+        recipe="tensorwise",
+        fp8_dtype=E4M3,
+        role="input",
+        rowwise=True,
+        columnwise=True,
+        backend="reference",
+    )
     assert torch.equal(_bits(row.scale_inv), _bits(ref.rowwise_scale_inv))
     assert torch.equal(_u8(row.data), ref.rowwise_data)
     assert torch.equal(_u8(col.data), ref.columnwise_data.t())
@@ -103,17 +136,30 @@ def test_tensorwise_amax_pass_equals_reference(shape, dtype, content):
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_mxfp8_dequantize_kernel_equals_reference(fp8_dtype, columnwise):
     x = torch.randn(160, 224, device="cuda") * torch.logspace(-30, 30, 224, device="cuda")
-    ref = quantize(x, recipe="mxfp8", fp8_dtype=fp8_dtype, role="weight", rowwise=not columnwise,
-                   columnwise=columnwise, backend="reference")  # fmt: skip
+    ref = quantize(
+        x,
+        recipe="mxfp8",
+        fp8_dtype=fp8_dtype,
+        role="weight",
+        rowwise=not columnwise,
+        columnwise=columnwise,
+        backend="reference",
+    )
     data = ref.columnwise_data if columnwise else ref.rowwise_data
     e8m0 = ref.columnwise_scale_inv if columnwise else ref.rowwise_scale_inv
     for out_dtype in (torch.float32, torch.bfloat16):
-        got = mxfp8_dequantize(data, e8m0, fp8_dtype=fp8_dtype, columnwise=columnwise,
-                               out_dtype=out_dtype)  # fmt: skip
+        got = mxfp8_dequantize(
+            data, e8m0, fp8_dtype=fp8_dtype, columnwise=columnwise, out_dtype=out_dtype
+        )
         want = dequantize_reference(
-            data, e8m0, recipe="mxfp8", fp8_dtype=fp8_dtype, role="weight",
-            columnwise=columnwise, out_dtype=out_dtype,
-        )  # fmt: skip
+            data,
+            e8m0,
+            recipe="mxfp8",
+            fp8_dtype=fp8_dtype,
+            role="weight",
+            columnwise=columnwise,
+            out_dtype=out_dtype,
+        )
         assert torch.equal(_bits(got), _bits(want))
 
 
@@ -135,8 +181,10 @@ def _step(recipe, *, fused, fp8_weight, monkeypatch, steps=2):
         y.backward(dy)
     state = None
     if recipe == "delayed":
-        state = {role: (m.scale.clone(), m.amax_history.clone())
-                 for role, m in layer.delayed_scaling.metas.items()}  # fmt: skip
+        state = {
+            role: (m.scale.clone(), m.amax_history.clone())
+            for role, m in layer.delayed_scaling.metas.items()
+        }
     return (y.detach(), x.grad.clone(), layer.weight.grad.clone()), state
 
 
@@ -195,9 +243,15 @@ def test_cached_direct_launch_equals_triton_launch(recipe):
 
     def run(x):
         row, col = linear_ops.quantize_operands(
-            x, recipe=recipe, fp8_dtype=E4M3, role="input", rowwise=True, transposed=True,
-            power_2_scale=recipe != "delayed", scale=scale,
-        )  # fmt: skip
+            x,
+            recipe=recipe,
+            fp8_dtype=E4M3,
+            role="input",
+            rowwise=True,
+            transposed=True,
+            power_2_scale=recipe != "delayed",
+            scale=scale,
+        )
         return [
             _bits(t) if t.dtype.is_floating_point and t.element_size() > 1 else _u8(t)
             for op in (row, col)
@@ -227,8 +281,14 @@ def test_step_replays_from_a_cuda_graph_bitwise(recipe):
     bit for bit. Delayed scaling is left out: its flush replaces scale tensors from Python,
     which a replay would not repeat."""
     torch.manual_seed(2)
-    layer = Fp8Linear(256, 384, bias=True, fp8_config=Fp8Config(recipe=recipe),
-                      dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    layer = Fp8Linear(
+        256,
+        384,
+        bias=True,
+        fp8_config=Fp8Config(recipe=recipe),
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(128, 384, device="cuda", dtype=torch.bfloat16)
 

@@ -56,24 +56,52 @@ def test_public_quantize_cuda_backend_equals_reference():
 def test_cast_rounds_to_nearest_even_and_saturates():
     """Explicit bytes: ties go to the even mantissa, large values and Inf saturate to 0x7E,
     NaN stays NaN (0x7F), negative values carry the sign bit."""
-    values = [1.0625, 1.1875, -1.0625, 0.0, -0.0, 448.0, 464.0, 480.0, 1e9, float("inf"),
-              float("-inf"), float("nan"), 2.0**-10, 3 * 2.0**-10]  # fmt: skip
+    values = [
+        1.0625,
+        1.1875,
+        -1.0625,
+        0.0,
+        -0.0,
+        448.0,
+        464.0,
+        480.0,
+        1e9,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        2.0**-10,
+        3 * 2.0**-10,
+    ]
     # 1.0625 ties 1.0/1.125 -> 1.0; 1.1875 ties 1.125/1.25 -> 1.25; 2^-10 ties 0/2^-9 -> 0;
     # 3*2^-10 ties 2^-9/2^-8 -> 2^-8 (mantissa 010).
     expected = [0x38, 0x3A, 0xB8, 0x00, 0x80, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0x7F, 0x00, 0x02]
     x = torch.tensor([values], device="cuda")
-    out = quantize_cuda(x, recipe="delayed", fp8_dtype=E4M3, role="input", rowwise=True,
-                        columnwise=False, scale=torch.tensor(1.0, device="cuda"),
-                        power_2_scale=False)  # fmt: skip
+    out = quantize_cuda(
+        x,
+        recipe="delayed",
+        fp8_dtype=E4M3,
+        role="input",
+        rowwise=True,
+        columnwise=False,
+        scale=torch.tensor(1.0, device="cuda"),
+        power_2_scale=False,
+    )
     assert out["rowwise_data"].flatten().tolist() == expected
     assert out["amax"].item() == float("inf")
 
 
 def test_e5m2_saturates_instead_of_inf():
     x = torch.tensor([[57344.0, 61440.0, 1e6, float("-inf"), 1.25]], device="cuda")
-    out = quantize_cuda(x, recipe="delayed", fp8_dtype=E5M2, role="grad", rowwise=True,
-                        columnwise=False, scale=torch.tensor(1.0, device="cuda"),
-                        power_2_scale=False)  # fmt: skip
+    out = quantize_cuda(
+        x,
+        recipe="delayed",
+        fp8_dtype=E5M2,
+        role="grad",
+        rowwise=True,
+        columnwise=False,
+        scale=torch.tensor(1.0, device="cuda"),
+        power_2_scale=False,
+    )
     # 57344 = 0x7B is E5M2's max; 61440 is the tie with Inf and must saturate, not overflow.
     assert out["rowwise_data"].flatten().tolist() == [0x7B, 0x7B, 0x7B, 0xFB, 0x3D]
 
@@ -81,10 +109,19 @@ def test_e5m2_saturates_instead_of_inf():
 def test_tensorwise_with_given_amax_uses_it():
     x = torch.randn(64, 256, device="cuda")
     amax = torch.tensor(10.0, device="cuda")
-    got = quantize_cuda(x, recipe="tensorwise", fp8_dtype=E4M3, role="weight", rowwise=True,
-                        columnwise=False, power_2_scale=False, amax=amax)  # fmt: skip
-    want = quantize(x, recipe="tensorwise", fp8_dtype=E4M3, role="weight", amax=amax,
-                    backend="reference")  # fmt: skip
+    got = quantize_cuda(
+        x,
+        recipe="tensorwise",
+        fp8_dtype=E4M3,
+        role="weight",
+        rowwise=True,
+        columnwise=False,
+        power_2_scale=False,
+        amax=amax,
+    )
+    want = quantize(
+        x, recipe="tensorwise", fp8_dtype=E4M3, role="weight", amax=amax, backend="reference"
+    )
     assert got["amax"].item() == 10.0
     assert got["rowwise_scale_inv"].item() == (torch.tensor(1.0) / torch.tensor(44.8)).item()
     assert torch.equal(got["rowwise_data"], want.rowwise_data)
@@ -94,9 +131,16 @@ def test_delayed_records_nan_ignoring_amax():
     x = torch.randn(96, 200, device="cuda")
     x[3, 4] = -37.5
     x[7, 9] = float("nan")
-    out = quantize_cuda(x, recipe="delayed", fp8_dtype=E4M3, role="input", rowwise=True,
-                        columnwise=False, scale=torch.tensor(4.0, device="cuda"),
-                        power_2_scale=False)  # fmt: skip
+    out = quantize_cuda(
+        x,
+        recipe="delayed",
+        fp8_dtype=E4M3,
+        role="input",
+        rowwise=True,
+        columnwise=False,
+        scale=torch.tensor(4.0, device="cuda"),
+        power_2_scale=False,
+    )
     assert out["amax"].item() == 37.5
     assert out["rowwise_scale_inv"].item() == 0.25
 
@@ -115,8 +159,9 @@ def test_large_tensor_many_programs(recipe):
     x = torch.randn(4096, 6144, device="cuda", dtype=torch.bfloat16)
     x[4000, 6000] = 1000.0
     scale = torch.tensor(0.4375, device="cuda") if recipe == "delayed" else None
-    kwargs = dict(recipe=recipe, fp8_dtype=E4M3, role="input", rowwise=True, columnwise=True,
-                  scale=scale)  # fmt: skip
+    kwargs = dict(
+        recipe=recipe, fp8_dtype=E4M3, role="input", rowwise=True, columnwise=True, scale=scale
+    )
     want = quantize(x, backend="reference", **kwargs)
     got = quantize_cuda(x, power_2_scale=recipe in ("blockwise", "mxfp8"), **kwargs)
     assert got["amax"].item() == 1000.0

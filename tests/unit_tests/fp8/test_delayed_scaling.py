@@ -78,8 +78,9 @@ def test_scale_and_history_follow_hand_simulation():
 
 
 def test_most_recent_and_zero_amax_keeps_scale():
-    config = Fp8Config(recipe="delayed", fp8_format="e4m3", amax_history_len=2,
-                       amax_compute_algo="most_recent")  # fmt: skip
+    config = Fp8Config(
+        recipe="delayed", fp8_format="e4m3", amax_history_len=2, amax_compute_algo="most_recent"
+    )
     layer = Fp8Linear(32, 8, bias=False, fp8_config=config)
     scales = []
     for a in (4.0, 1.0, 0.0):
@@ -98,8 +99,9 @@ def test_quantization_uses_the_scale_before_the_update():
     scale = torch.tensor(224.0)
     xq = quantize(x, recipe="delayed", fp8_dtype=E4M3, role="input", scale=scale)
     w_scale = torch.tensor(np.float32(448.0) / np.float32(layer.weight.abs().max().item()))
-    wq = quantize(layer.weight.detach(), recipe="delayed", fp8_dtype=E4M3, role="weight",
-                  scale=w_scale)  # fmt: skip
+    wq = quantize(
+        layer.weight.detach(), recipe="delayed", fp8_dtype=E4M3, role="weight", scale=w_scale
+    )
     assert torch.equal(y, xq.dequantize() @ wq.dequantize().t())
 
 
@@ -134,8 +136,9 @@ def test_recompute_reuses_first_forward_scales_and_records_once(use_reentrant):
 
 def test_state_dict_round_trip_keyed_by_module_names():
     config = Fp8Config(recipe="delayed", fp8_format="hybrid", amax_history_len=5, margin=2)
-    model = torch.nn.Sequential(Fp8Linear(32, 16, fp8_config=config),
-                                Fp8Linear(16, 8, fp8_config=config))  # fmt: skip
+    model = torch.nn.Sequential(
+        Fp8Linear(32, 16, fp8_config=config), Fp8Linear(16, 8, fp8_config=config)
+    )
     for step in range(2):
         with fp8_autocast():
             y = model((step + 1) * unit_pattern(4, 32, step))
@@ -143,8 +146,9 @@ def test_state_dict_round_trip_keyed_by_module_names():
     state = delayed_scaling_state_dict(model)
     assert sorted(state) == ["0", "1"]
     assert json.loads(json.dumps(state["0"]["metadata"]))["amax_history_len"] == 5
-    fresh = torch.nn.Sequential(Fp8Linear(32, 16, fp8_config=config),
-                                Fp8Linear(16, 8, fp8_config=config))  # fmt: skip
+    fresh = torch.nn.Sequential(
+        Fp8Linear(32, 16, fp8_config=config), Fp8Linear(16, 8, fp8_config=config)
+    )
     load_delayed_scaling_state_dict(fresh, state)
     for name in ("0", "1"):
         for role in ("input", "weight", "grad"):
@@ -174,8 +178,9 @@ def _count_collectives(rank: int, world_size: int) -> dict:
     dist.all_reduce = counting_all_reduce
     config = Fp8Config(recipe="delayed", fp8_format="hybrid", amax_history_len=4)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(Fp8Linear(32, 16, fp8_config=config),
-                                Fp8Linear(16, 8, fp8_config=config))  # fmt: skip
+    model = torch.nn.Sequential(
+        Fp8Linear(32, 16, fp8_config=config), Fp8Linear(16, 8, fp8_config=config)
+    )
     x = (rank + 1) * unit_pattern(4, 32, 0)
     with fp8_autocast(amax_reduction_group=dist.group.WORLD):
         y = model(x)
@@ -186,16 +191,24 @@ def _count_collectives(rank: int, world_size: int) -> dict:
     # Tensorwise quantization of a sharded tensor with amax_reduction_group = the whole tensor.
     whole = torch.randn(8, 16, generator=torch.Generator().manual_seed(5)) * 3
     shard = whole[rank * 4 : (rank + 1) * 4]
-    qt = quantize(shard, recipe="tensorwise", fp8_dtype=E4M3, role="weight",
-                  amax_reduction_group=dist.group.WORLD)  # fmt: skip
+    qt = quantize(
+        shard,
+        recipe="tensorwise",
+        fp8_dtype=E4M3,
+        role="weight",
+        amax_reduction_group=dist.group.WORLD,
+    )
     dist.all_reduce = real_all_reduce
     metas = model[0].delayed_scaling.metas
     return dict(
-        forward_calls=forward_calls, after_forward=after_forward, after_backward=after_backward,
+        forward_calls=forward_calls,
+        after_forward=after_forward,
+        after_backward=after_backward,
         input_scale=metas["input"].scale.item(),
         grad_scales=[layer.delayed_scaling.metas["grad"].scale.item() for layer in model],
-        shard_bytes=qt.rowwise_data, shard_scale_inv=qt.rowwise_scale_inv,
-    )  # fmt: skip
+        shard_bytes=qt.rowwise_data,
+        shard_scale_inv=qt.rowwise_scale_inv,
+    )
 
 
 def test_one_packed_all_reduce_per_direction_on_two_ranks():
@@ -263,8 +276,10 @@ def test_flushes_reuse_the_previous_flush_outputs_and_follow_the_reference(monke
     metas' current rows), not copies; scales captured by a forward keep their values."""
     config = Fp8Config(recipe="delayed", fp8_format="hybrid", amax_history_len=3, margin=1)
     torch.manual_seed(0)
-    layers = [Fp8Linear(32, 16, bias=False, fp8_config=config),
-              Fp8Linear(32, 8, bias=False, fp8_config=config)]  # fmt: skip
+    layers = [
+        Fp8Linear(32, 16, bias=False, fp8_config=config),
+        Fp8Linear(32, 8, bias=False, fp8_config=config),
+    ]
     updates = []
     real_update = autocast.delayed_scale_update
 
@@ -273,8 +288,9 @@ def test_flushes_reuse_the_previous_flush_outputs_and_follow_the_reference(monke
         return real_update(histories, scales, **settings)
 
     monkeypatch.setattr(autocast, "delayed_scale_update", spying_update)
-    forward_metas = [layer.delayed_scaling.metas[role] for layer in layers
-                     for role in ("input", "weight")]  # fmt: skip
+    forward_metas = [
+        layer.delayed_scaling.metas[role] for layer in layers for role in ("input", "weight")
+    ]
     grad_metas = [layer.delayed_scaling.metas["grad"] for layer in layers]
     hand = {id(meta): (torch.zeros(3), torch.ones(())) for meta in forward_metas + grad_metas}
     previous = {}
@@ -285,8 +301,9 @@ def test_flushes_reuse_the_previous_flush_outputs_and_follow_the_reference(monke
             history, scale = hand[id(meta)]
             history = history.clone()
             history[0] = torch.maximum(history[0], torch.tensor(amax))
-            scale = delayed_scale_update(history, scale, fp8_dtype=fp8_dtype, margin=1,
-                                         amax_compute_algo="max")  # fmt: skip
+            scale = delayed_scale_update(
+                history, scale, fp8_dtype=fp8_dtype, margin=1, amax_compute_algo="max"
+            )
             history = roll_amax_history(history)
             hand[id(meta)] = (history, scale)
             assert torch.equal(meta.scale, scale), (direction, meta.scale, scale)
@@ -305,8 +322,10 @@ def test_flushes_reuse_the_previous_flush_outputs_and_follow_the_reference(monke
 
     weight_amaxes = [layer.weight.detach().abs().max().item() for layer in layers]
     for step, (a, b) in enumerate([(2.0, 0.5), (8.0, 4.0), (1.0, 0.25)]):
-        xs = [(a * unit_pattern(4, 32, step)).requires_grad_(),
-              (a / 2 * unit_pattern(4, 32, 10 + step)).requires_grad_()]  # fmt: skip
+        xs = [
+            (a * unit_pattern(4, 32, step)).requires_grad_(),
+            (a / 2 * unit_pattern(4, 32, 10 + step)).requires_grad_(),
+        ]
         used_scales = [meta.scale for meta in forward_metas]
         used_values = [scale.clone() for scale in used_scales]
         with fp8_autocast():

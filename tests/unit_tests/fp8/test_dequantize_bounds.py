@@ -29,9 +29,15 @@ def test_e4m3_tensorwise_sqnr_of_unit_normal():
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize(
     ("recipe", "role", "columnwise"),
-    [("tensorwise", "input", False), ("blockwise", "input", False), ("blockwise", "grad", True),
-     ("blockwise", "weight", False), ("mxfp8", "input", False), ("mxfp8", "input", True)],
-)  # fmt: skip
+    [
+        ("tensorwise", "input", False),
+        ("blockwise", "input", False),
+        ("blockwise", "grad", True),
+        ("blockwise", "weight", False),
+        ("mxfp8", "input", False),
+        ("mxfp8", "input", True),
+    ],
+)
 def test_elementwise_error_bound_for_normal_range_values(recipe, role, columnwise, fp8_dtype):
     gen = torch.Generator().manual_seed(1)
     # Values within a factor 8 of each block's max stay in FP8's normal range: error <= half ulp.
@@ -39,8 +45,14 @@ def test_elementwise_error_bound_for_normal_range_values(recipe, role, columnwis
     if recipe != "tensorwise" and role != "weight" and not columnwise:
         # 1xB blocks each have their own scale, so rows may differ by a factor 10^6.
         x = x * 10.0 ** torch.randint(-3, 4, (96, 1), generator=gen).float()
-    qt = quantize(x, recipe=recipe, fp8_dtype=fp8_dtype, role=role,
-                  rowwise=not columnwise, columnwise=columnwise)  # fmt: skip
+    qt = quantize(
+        x,
+        recipe=recipe,
+        fp8_dtype=fp8_dtype,
+        role=role,
+        rowwise=not columnwise,
+        columnwise=columnwise,
+    )
     rel = ((qt.dequantize() - x).abs() / x.abs()).max().item()
     assert rel <= HALF_ULP[fp8_dtype] * (1 + 1e-6), rel
     assert rel > HALF_ULP[fp8_dtype] * 0.75, rel  # the bound is tight: really 3 (2) bits

@@ -89,8 +89,16 @@ def test_gemms_read_the_copies_of_the_table(recipe):
     scale = {"scale": torch.tensor(1.0)} if recipe == "delayed" else {}
 
     def q(t, role, fp8_dtype, columnwise):
-        return quantize(t, recipe=recipe, fp8_dtype=fp8_dtype, role=role, rowwise=not columnwise,
-                        columnwise=columnwise, power_2_scale=pow2, **scale)  # fmt: skip
+        return quantize(
+            t,
+            recipe=recipe,
+            fp8_dtype=fp8_dtype,
+            role=role,
+            rowwise=not columnwise,
+            columnwise=columnwise,
+            power_2_scale=pow2,
+            **scale,
+        )
 
     w = layer.weight.detach()
     x_row, w_row = q(x.detach(), "input", E4M3, False), q(w, "weight", E4M3, False)

@@ -21,16 +21,28 @@ from megatron.core.fp8.reference import scale_from_amax
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # Mantissas where a rule turns: 0, just above 0, 1.75's (0x600000) and the half-subnormal
 # threshold of E8M0 (0x400000) with their neighbours, the largest.
-EDGE_MANTISSAS = (0, 1, 2, 0x3FFFFF, 0x400000, 0x400001, 0x5FFFFF, 0x600000, 0x600001,
-                  0x7FFFFE, 0x7FFFFF)  # fmt: skip
+EDGE_MANTISSAS = (
+    0,
+    1,
+    2,
+    0x3FFFFF,
+    0x400000,
+    0x400001,
+    0x5FFFFF,
+    0x600000,
+    0x600001,
+    0x7FFFFE,
+    0x7FFFFF,
+)
 
 
 def _non_negative_bits() -> torch.Tensor:
     """int32 bit patterns: every exponent field 0..254 with the edge mantissas and 64 random
     ones, plus +0 and +Inf."""
     gen = torch.Generator().manual_seed(0)
-    mantissas = torch.cat([torch.tensor(EDGE_MANTISSAS), torch.randint(0, 1 << 23, (64,),
-                                                                       generator=gen)])  # fmt: skip
+    mantissas = torch.cat(
+        [torch.tensor(EDGE_MANTISSAS), torch.randint(0, 1 << 23, (64,), generator=gen)]
+    )
     exponents = torch.arange(0, 255)
     bits = (exponents[:, None] << 23) | mantissas[None, :]
     return torch.cat([bits.reshape(-1), torch.tensor([0x7F800000])]).to(torch.int32)
@@ -66,13 +78,15 @@ def e8m0_shortcut(amax: torch.Tensor, fp8_dtype) -> torch.Tensor:
 def test_pow2_scale_shortcut_equals_the_reference(fp8_dtype, input_dtype):
     inf_scale = float(torch.finfo(input_dtype).max)  # blockwise: the input dtype's max
     amax = _as_float(_non_negative_bits())
-    want = scale_from_amax(amax, fp8_dtype=fp8_dtype, power_2_scale=True,
-                           infinite_scale_value=inf_scale)  # fmt: skip
+    want = scale_from_amax(
+        amax, fp8_dtype=fp8_dtype, power_2_scale=True, infinite_scale_value=inf_scale
+    )
     got = pow2_scale_shortcut(amax, fp8_dtype, inf_scale)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     # The sweep reached the Inf replacement, its neighbour and the unusable amaxes.
-    inf_pow2 = _as_float(torch.tensor(inf_scale, dtype=torch.float32).view(torch.int32)
-                         & 0x7F800000)  # fmt: skip
+    inf_pow2 = _as_float(
+        torch.tensor(inf_scale, dtype=torch.float32).view(torch.int32) & 0x7F800000
+    )
     assert bool((got == inf_pow2).any())
     assert int((got == 1.0).sum()) >= 2  # amax 0 and +Inf
 

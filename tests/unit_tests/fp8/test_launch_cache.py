@@ -76,9 +76,15 @@ def test_second_launch_calls_the_compiled_kernel_with_constexprs_in_signature_or
 
 @pytest.mark.parametrize(
     "change",
-    ["misaligned tensor", "int not divisible by 16", "int equal to 1", "int64 int",
-     "other dtype", "other constexpr"],
-)  # fmt: skip
+    [
+        "misaligned tensor",
+        "int not divisible by 16",
+        "int equal to 1",
+        "int64 int",
+        "other dtype",
+        "other constexpr",
+    ],
+)
 def test_anything_triton_specializes_on_compiles_anew(fresh, change):
     kernel = FakeKernel()
     base = torch.zeros(64, dtype=torch.float32)

@@ -24,10 +24,16 @@ from megatron.core.fp8.cuda.linear_ops import GemmOperand
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 M, K = 256, 384
 KERNELS = (
-    "amax_partials_kernel", "per_tensor_cast_kernel", "block_1x128_rows_kernel",
-    "block_128x1_cols_kernel", "block_1x128_fused_kernel", "block_1x128_pair_kernel",
-    "block_128x128_kernel", "mxfp8_kernel", "mxfp8_quads_kernel",
-)  # fmt: skip
+    "amax_partials_kernel",
+    "per_tensor_cast_kernel",
+    "block_1x128_rows_kernel",
+    "block_128x1_cols_kernel",
+    "block_1x128_fused_kernel",
+    "block_1x128_pair_kernel",
+    "block_128x128_kernel",
+    "mxfp8_kernel",
+    "mxfp8_quads_kernel",
+)
 STREAM = 1234
 
 
@@ -38,8 +44,11 @@ def _signatures() -> dict[str, tuple[list[str], list[str]]]:
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.FunctionDef) and node.name in KERNELS:
             params = node.args.args
-            constexpr = [p.arg for p in params if p.annotation is not None
-                         and ast.unparse(p.annotation) == "tl.constexpr"]  # fmt: skip
+            constexpr = [
+                p.arg
+                for p in params
+                if p.annotation is not None and ast.unparse(p.annotation) == "tl.constexpr"
+            ]
             found[node.name] = ([p.arg for p in params], constexpr)
     assert sorted(found) == sorted(KERNELS)
     return found
@@ -64,9 +73,14 @@ class FakeCompiled:
         assert metadata == ("metadata", (grid0, grid1, grid2), STREAM)
         assert (enter, exit_) == ("enter hook", "exit hook")
         kernel.log.append(
-            dict(path="direct", kernel=kernel.name, grid=(grid0, grid1, grid2), args=args,
-                 constexprs=dict(zip(kernel.constexpr_names, tail, strict=True)))
-        )  # fmt: skip
+            dict(
+                path="direct",
+                kernel=kernel.name,
+                grid=(grid0, grid1, grid2),
+                args=args,
+                constexprs=dict(zip(kernel.constexpr_names, tail, strict=True)),
+            )
+        )
 
 
 class FakeKernel:
@@ -84,9 +98,16 @@ class FakeKernel:
             constexprs = {name: passed[name] for name in self.constexpr_names if name in passed}
             options = {name: value for name, value in passed.items() if name not in constexprs}
             self.log.append(
-                dict(path="jit", kernel=self.name, grid=tuple(grid), args=args,
-                     constexprs=constexprs, options=options, passed=passed)
-            )  # fmt: skip
+                dict(
+                    path="jit",
+                    kernel=self.name,
+                    grid=tuple(grid),
+                    args=args,
+                    constexprs=constexprs,
+                    options=options,
+                    passed=passed,
+                )
+            )
             return FakeCompiled(self)
 
         return call
@@ -203,10 +224,18 @@ def _expected_specs(case: str) -> list[tuple]:
             kernel, grid, constexprs, _ = cq.amax_partials_spec(M * K)
             specs.append((kernel, grid, constexprs))
             partials = grid[0]
-        specs.append(cq.per_tensor_cast_spec(
-            M, K, write_row=True, write_t=True, record=case == "delayed",
-            recipe=options["recipe"], amax_partials=partials, **common,
-        ))  # fmt: skip
+        specs.append(
+            cq.per_tensor_cast_spec(
+                M,
+                K,
+                write_row=True,
+                write_t=True,
+                record=case == "delayed",
+                recipe=options["recipe"],
+                amax_partials=partials,
+                **common,
+            )
+        )
         return specs
     if case == "blockwise input":
         return [
@@ -215,8 +244,18 @@ def _expected_specs(case: str) -> list[tuple]:
         ]
     if case == "blockwise weight":
         return [cq.block_128x128_spec(M, K, write_row=True, write_t=True, record=False, **common)]
-    return [cq.mxfp8_spec(M, K, rowwise=True, columnwise=True, write_t=False, record=False,
-                          fp8_dtype=fp8_dtype, dequant=True)]  # fmt: skip
+    return [
+        cq.mxfp8_spec(
+            M,
+            K,
+            rowwise=True,
+            columnwise=True,
+            write_t=False,
+            record=False,
+            fp8_dtype=fp8_dtype,
+            dequant=True,
+        )
+    ]
 
 
 def _quantize(x, case, **extra):
@@ -292,9 +331,12 @@ def test_tensorwise_amax_programs_cover_every_block(kernels):
     # 2048 x 4096: 512 blocks, 256 programs of 2 blocks. Only the last two are covered
     # exactly (EVEN: no load masks).
     for (rows, cols), programs, blocks_per_program, even in (
-        ((64, 64), 1, 1, False), ((272, 1024), 32, 1, False), ((300, 1000), 32, 1, False),
-        ((256, 2048), 32, 1, True), ((2048, 4096), cq.AMAX_PARTIALS, 2, True),
-    ):  # fmt: skip
+        ((64, 64), 1, 1, False),
+        ((272, 1024), 32, 1, False),
+        ((300, 1000), 32, 1, False),
+        ((256, 2048), 32, 1, True),
+        ((2048, 4096), cq.AMAX_PARTIALS, 2, True),
+    ):
         x = torch.zeros(rows, cols, dtype=torch.bfloat16)
         _quantize(x, "tensorwise")
         amax, cast = kernels.take()
@@ -331,18 +373,26 @@ def test_delayed_cast_reads_the_scale_and_records_into_the_history(kernels):
         _check_per_tensor_operands(row, col, args[1], args[2], args[5])
         # The generic launch helper passes the same arguments and constexprs on the same grid.
         cq.launch_per_tensor_cast(
-            x, data=args[1], data_t=args[2], scale=scale, amax=None, scale_inv=args[5],
-            record_bits=history.view(torch.int32), fp8_dtype=E4M3, recipe="delayed",
+            x,
+            data=args[1],
+            data_t=args[2],
+            scale=scale,
+            amax=None,
+            scale_inv=args[5],
+            record_bits=history.view(torch.int32),
+            fp8_dtype=E4M3,
+            recipe="delayed",
             power_2_scale=False,
-        )  # fmt: skip
+        )
         (generic,) = kernels.take()
         assert_same_launch(generic, cast)
 
 
 def test_delayed_without_history_writes_no_record(kernels):
     x = torch.randn(M, K, dtype=torch.bfloat16)
-    linear_ops.quantize_operands(x, rowwise=True, transposed=False, scale=torch.tensor(1.0),
-                                 **OPTIONS["delayed"])  # fmt: skip
+    linear_ops.quantize_operands(
+        x, rowwise=True, transposed=False, scale=torch.tensor(1.0), **OPTIONS["delayed"]
+    )
     (cast,) = kernels.take()
     args = cast["args"]
     assert cast["constexprs"]["RECORD_AMAX"] is False and cast["constexprs"]["WRITE_T"] is False
@@ -392,9 +442,17 @@ def test_blockwise_input_launches_and_layouts(kernels):
         assert cols_launch["constexprs"]["WRITE_T"] is True
         _assert_1x128_operands(row, col, row_bytes, row_sinv_t, col_t, col_sinv)
         cq.launch_block_1x128(
-            x, row=row_bytes, row_sinv=row_sinv_t, col=None, col_sinv=col_sinv, col_t=col_t,
-            record_bits=None, row_scale_t=True, fp8_dtype=E4M3, power_2_scale=False,
-        )  # fmt: skip
+            x,
+            row=row_bytes,
+            row_sinv=row_sinv_t,
+            col=None,
+            col_sinv=col_sinv,
+            col_t=col_t,
+            record_bits=None,
+            row_scale_t=True,
+            fp8_dtype=E4M3,
+            power_2_scale=False,
+        )
         generic = kernels.take()
         for mine, theirs in zip((rows_launch, cols_launch), generic, strict=True):
             assert_same_launch(theirs, mine)
@@ -417,9 +475,15 @@ def test_blockwise_weight_launch_and_layouts(kernels):
         assert col.scale_inv is scale_inv_t
         assert scale_inv_t.shape == (3, 2) and scale_inv_t.stride() == (2, 1)
         cq.launch_block_128x128(
-            x, data=data, scale_inv=scale_inv, data_t=data_t, scale_inv_t=scale_inv_t,
-            record_bits=None, fp8_dtype=E4M3, power_2_scale=True,
-        )  # fmt: skip
+            x,
+            data=data,
+            scale_inv=scale_inv,
+            data_t=data_t,
+            scale_inv_t=scale_inv_t,
+            record_bits=None,
+            fp8_dtype=E4M3,
+            power_2_scale=True,
+        )
         (generic,) = kernels.take()
         assert_same_launch(generic, cast)
 
@@ -441,8 +505,17 @@ def test_mxfp8_dequantized_launch_and_layouts(kernels):
         assert values.shape == (M, K) and values.stride() == (K, 1)
         assert col.data.shape == (K, M) and col.data.stride() == (1, K)
         assert col.data.data_ptr() == col_values.data_ptr() and col_values.shape == (M, K)
-        cq.launch_mxfp8(x, row=values, row_e=None, col=col_values, col_e=None, col_t=None,
-                        record_bits=None, fp8_dtype=E4M3, dequant=True)  # fmt: skip
+        cq.launch_mxfp8(
+            x,
+            row=values,
+            row_e=None,
+            col=col_values,
+            col_e=None,
+            col_t=None,
+            record_bits=None,
+            fp8_dtype=E4M3,
+            dequant=True,
+        )
         (generic,) = kernels.take()
         assert_same_launch(generic, cast)
 
@@ -494,8 +567,11 @@ def test_delayed_scale_and_history_alignment_are_part_of_the_key(kernels):
     assert paths == ["jit"] * 4 + ["direct"] * 4
     (plan,) = linear_ops._plans.values()
     assert sorted(plan.cast._held) == [
-        (True, False, False), (True, False, True), (True, True, False), (True, True, True),
-    ]  # fmt: skip
+        (True, False, False),
+        (True, False, True),
+        (True, True, False),
+        (True, True, True),
+    ]
 
 
 def test_cleared_plans_are_rebuilt_from_the_compiled_kernels(kernels):
@@ -516,14 +592,18 @@ def test_each_shape_and_output_set_gets_its_own_plan(kernels):
     x = torch.randn(M, K, dtype=torch.bfloat16)
     _quantize(x, "blockwise input")
     linear_ops.quantize_operands(x, rowwise=True, transposed=False, **OPTIONS["blockwise input"])
-    linear_ops.quantize_operands(x[:128], rowwise=True, transposed=True,
-                                 **OPTIONS["blockwise input"])  # fmt: skip
+    linear_ops.quantize_operands(
+        x[:128], rowwise=True, transposed=True, **OPTIONS["blockwise input"]
+    )
     assert len(linear_ops._plans) == 3
     launches = kernels.take()
     assert [r["kernel"] for r in launches] == [
-        "block_1x128_rows_kernel", "block_128x1_cols_kernel", "block_1x128_rows_kernel",
-        "block_1x128_rows_kernel", "block_128x1_cols_kernel",
-    ]  # fmt: skip
+        "block_1x128_rows_kernel",
+        "block_128x1_cols_kernel",
+        "block_1x128_rows_kernel",
+        "block_1x128_rows_kernel",
+        "block_128x1_cols_kernel",
+    ]
     # 128 rows: ceil(384/128) * ceil(128/64) rowwise programs, 1 * ceil(384/64) columnwise.
     assert launches[3]["grid"] == (6, 1, 1) and launches[4]["grid"] == (6, 1, 1)
     assert launches[3]["args"][4:] == (128, K)
@@ -591,16 +671,22 @@ def _operands(kind: str, rows: int, k: int, n: int):
         ("blockwise", "1x128 x 128x128", 32, 1024, 144, False),
         ("blockwise", "1x128 x 1x128", 64, 256, 128, False),
     ],
-)  # fmt: skip
+)
 def test_direct_gemm_calls_scaled_mm_as_the_general_path(
     scaled_mm, monkeypatch, recipe, kind, rows, k, n, fast_accum
 ):
     a, b = _operands(kind, rows, k, n)
     if kind != "per-tensor":
         assert a.scale_inv.shape == (rows, k // 128) and a.scale_inv.stride() == (1, rows)
-    general = cuda_gemm.scaled_mm(a.data, b.data, a_scale_inv=a.scale_inv,
-                                  b_scale_inv=b.scale_inv, recipe=recipe,
-                                  out_dtype=torch.bfloat16, use_fast_accum=fast_accum)  # fmt: skip
+    general = cuda_gemm.scaled_mm(
+        a.data,
+        b.data,
+        a_scale_inv=a.scale_inv,
+        b_scale_inv=b.scale_inv,
+        recipe=recipe,
+        out_dtype=torch.bfloat16,
+        use_fast_accum=fast_accum,
+    )
     assert len(scaled_mm.calls) == 1
 
     def no_general_path(*args, **kwargs):
@@ -630,11 +716,12 @@ def test_direct_gemm_calls_scaled_mm_as_the_general_path(
         ("blockwise", "1x128 x 128x128", 64, 256, 256, ((64, 512), (512, 256))),  # K % 512
         ("blockwise", "1x128 x 1x128", 40, 256, 128, ((48, 256), (256, 128))),  # rows % 16
     ],
-)  # fmt: skip
+)
 def test_direct_gemm_declines_what_needs_padding(scaled_mm, recipe, kind, rows, k, n, padded):
     a, b = _operands(kind, rows, k, n)
-    direct = linear_ops._direct_scaled_mm(a, b, recipe=recipe, out_dtype=torch.float32,
-                                          fast_accum=False)  # fmt: skip
+    direct = linear_ops._direct_scaled_mm(
+        a, b, recipe=recipe, out_dtype=torch.float32, fast_accum=False
+    )
     assert direct is None and scaled_mm.calls == []
     out = linear_ops.gemm(a, b, recipe=recipe, out_dtype=torch.float32, fast_accum=False)
     (call,) = scaled_mm.calls  # the general path, which padded the operands
@@ -645,8 +732,12 @@ def test_direct_gemm_declines_what_needs_padding(scaled_mm, recipe, kind, rows, 
 def test_direct_gemm_declines_a_non_contiguous_operand(scaled_mm):
     a, b = _operands("per-tensor", 64, 256, 128)
     strided = GemmOperand(_fp8(256, 64).t(), a.scale_inv)
-    assert linear_ops._direct_scaled_mm(strided, b, recipe="tensorwise", out_dtype=torch.float32,
-                                        fast_accum=True) is None  # fmt: skip
+    assert (
+        linear_ops._direct_scaled_mm(
+            strided, b, recipe="tensorwise", out_dtype=torch.float32, fast_accum=True
+        )
+        is None
+    )
     assert scaled_mm.calls == []
 
 
@@ -687,9 +778,14 @@ def test_a_blockwise_shape_cublas_refuses_falls_back_to_the_general_path(monkeyp
     out = linear_ops.gemm(a, b, **options)
     assert calls == [(64, 512), (64, 512), (64, 512)]  # direct, general, then emulated
     assert cuda_gemm.blockwise_gemm_path().startswith("emulated: torch._scaled_mm refused")
-    expected = cuda_gemm.emulated_mm(a.data, b.data, a_scale_inv=a.scale_inv,
-                                     b_scale_inv=b.scale_inv, recipe="blockwise",
-                                     out_dtype=torch.float32)  # fmt: skip
+    expected = cuda_gemm.emulated_mm(
+        a.data,
+        b.data,
+        a_scale_inv=a.scale_inv,
+        b_scale_inv=b.scale_inv,
+        recipe="blockwise",
+        out_dtype=torch.float32,
+    )
     assert torch.equal(out, expected)
 
 
@@ -754,8 +850,7 @@ def test_fused_1x128_launch_layouts_and_generic_twin(fused_kernels):
         assert fused["grid"] == (2 * 3, 1, 1)  # ceil(256/128) * ceil(384/128) tiles
         args = fused["args"]
         row_bytes, row_sinv_t, col_t, col_sinv = args[1], args[2], args[3], args[4]
-        assert same_args(args, (x, row_bytes, row_sinv_t, col_t, col_sinv, col_t, row_sinv_t,
-                                M, K))  # fmt: skip
+        assert same_args(args, (x, row_bytes, row_sinv_t, col_t, col_sinv, col_t, row_sinv_t, M, K))
         constexprs = fused["constexprs"]
         assert constexprs["ROW_SCALE_T"] is True and constexprs["WRITE_T"] is True
         assert constexprs["COLUMNWISE"] is False and constexprs["RECORD_AMAX"] is False
@@ -763,9 +858,17 @@ def test_fused_1x128_launch_layouts_and_generic_twin(fused_kernels):
         # The operands read the same buffers as with the two kernels.
         _assert_1x128_operands(row, col, row_bytes, row_sinv_t, col_t, col_sinv)
     cq.launch_block_1x128(
-        x, row=row_bytes, row_sinv=row_sinv_t, col=None, col_sinv=col_sinv, col_t=col_t,
-        record_bits=None, row_scale_t=True, fp8_dtype=E4M3, power_2_scale=False,
-    )  # fmt: skip
+        x,
+        row=row_bytes,
+        row_sinv=row_sinv_t,
+        col=None,
+        col_sinv=col_sinv,
+        col_t=col_t,
+        record_bits=None,
+        row_scale_t=True,
+        fp8_dtype=E4M3,
+        power_2_scale=False,
+    )
     (generic,) = fused_kernels.take()
     assert_same_launch(generic, fused)
 
@@ -775,16 +878,25 @@ def test_fused_1x128_only_when_both_copies_are_wanted(fused_kernels):
     linear_ops.quantize_operands(x, rowwise=True, transposed=False, **OPTIONS["blockwise input"])
     linear_ops.quantize_operands(x, rowwise=False, transposed=True, **OPTIONS["blockwise input"])
     assert [r["kernel"] for r in fused_kernels.take()] == [
-        "block_1x128_rows_kernel", "block_128x1_cols_kernel",
-    ]  # fmt: skip
+        "block_1x128_rows_kernel",
+        "block_128x1_cols_kernel",
+    ]
     # The API with both copies and an amax record: one fused launch, columnwise in x's shape.
     row, row_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(M, 3)
     col, col_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(2, K)
     bits = torch.zeros((), dtype=torch.int32)
     cq.launch_block_1x128(
-        x, row=row, row_sinv=row_sinv, col=col, col_sinv=col_sinv, col_t=None,
-        record_bits=bits, row_scale_t=False, fp8_dtype=E4M3, power_2_scale=True,
-    )  # fmt: skip
+        x,
+        row=row,
+        row_sinv=row_sinv,
+        col=col,
+        col_sinv=col_sinv,
+        col_t=None,
+        record_bits=bits,
+        row_scale_t=False,
+        fp8_dtype=E4M3,
+        power_2_scale=True,
+    )
     (api,) = fused_kernels.take()
     assert api["kernel"] == "block_1x128_fused_kernel"
     assert same_args(api["args"], (x, row, row_sinv, col, col_sinv, col, bits, M, K))
@@ -797,8 +909,9 @@ def test_fused_1x128_needs_rows_divisible_by_4(fused_kernels):
     x = torch.randn(M - 2, K, dtype=torch.bfloat16)
     linear_ops.quantize_operands(x, rowwise=True, transposed=True, **OPTIONS["blockwise input"])
     assert [r["kernel"] for r in fused_kernels.take()] == [
-        "block_1x128_rows_kernel", "block_128x1_cols_kernel",
-    ]  # fmt: skip
+        "block_1x128_rows_kernel",
+        "block_128x1_cols_kernel",
+    ]
 
 
 # The paired 1x128 kernel (TILE_CONFIG's default): both copies from one launch, the rows and
@@ -831,8 +944,9 @@ def test_pair_1x128_launch_layouts_any_row_count(pair_kernels, rows):
         assert pair["grid"] == (2 * 3 * 4, 1, 1)
         args = pair["args"]
         row_bytes, row_sinv_t, col_t, col_sinv = args[1], args[2], args[3], args[4]
-        assert same_args(args, (x, row_bytes, row_sinv_t, col_t, col_sinv, col_t, row_sinv_t,
-                                rows, K))  # fmt: skip
+        assert same_args(
+            args, (x, row_bytes, row_sinv_t, col_t, col_sinv, col_t, row_sinv_t, rows, K)
+        )
         constexprs = pair["constexprs"]
         assert {name: constexprs[name] for name in ("BM", "BK", "TRANS_X")} == dict(
             BM=64, BK=64, TRANS_X=False
@@ -852,8 +966,15 @@ def test_pair_1x128_grid_follows_its_tile_sizes_and_only_transposes(pair_kernels
     row, row_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(M, 3)
     col, col_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(2, K)
     col_t = torch.empty(K, M, dtype=torch.uint8)
-    common = dict(row=row, row_sinv=row_sinv, col_sinv=col_sinv, record_bits=bits,
-                  row_scale_t=False, fp8_dtype=E4M3, power_2_scale=True)  # fmt: skip
+    common = dict(
+        row=row,
+        row_sinv=row_sinv,
+        col_sinv=col_sinv,
+        record_bits=bits,
+        row_scale_t=False,
+        fp8_dtype=E4M3,
+        power_2_scale=True,
+    )
     cq.launch_block_1x128(x, col=None, col_t=col_t, **common)
     cq.launch_block_1x128(x, col=col, col_t=None, **common)
     transposed, in_shape = pair_kernels.take()
@@ -867,8 +988,9 @@ def test_pair_1x128_grid_follows_its_tile_sizes_and_only_transposes(pair_kernels
     assert in_shape["kernel"] == "block_1x128_fused_kernel" and in_shape["grid"] == (6,)
     assert same_args(in_shape["args"], (x, row, row_sinv, col, col_sinv, col, bits, M, K))
     assert (in_shape["constexprs"]["COLUMNWISE"], in_shape["constexprs"]["WRITE_T"]) == (
-        True, False,
-    )  # fmt: skip
+        True,
+        False,
+    )
 
 
 def test_pair_off_falls_back_to_fused_then_two_kernels(pair_kernels, monkeypatch):
@@ -879,8 +1001,10 @@ def test_pair_off_falls_back_to_fused_then_two_kernels(pair_kernels, monkeypatch
     monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_fused", {})
     _quantize(x, "blockwise input")
     assert [r["kernel"] for r in pair_kernels.take()] == [
-        "block_1x128_fused_kernel", "block_1x128_rows_kernel", "block_128x1_cols_kernel",
-    ]  # fmt: skip
+        "block_1x128_fused_kernel",
+        "block_1x128_rows_kernel",
+        "block_128x1_cols_kernel",
+    ]
 
 
 def test_mxfp8_quads_kernel_unless_transposed_or_configured_off(kernels, monkeypatch):
@@ -888,8 +1012,9 @@ def test_mxfp8_quads_kernel_unless_transposed_or_configured_off(kernels, monkeyp
     row, col = torch.empty(M, K, dtype=torch.uint8), torch.empty(M, K, dtype=torch.uint8)
     row_e, col_e = torch.empty(M, K // 32, dtype=torch.uint8), torch.empty(8, K, dtype=torch.uint8)
     col_t, bits = torch.empty(K, M, dtype=torch.uint8), torch.zeros((), dtype=torch.int32)
-    outputs = dict(row=row, row_e=row_e, col=col, col_e=col_e, record_bits=bits, fp8_dtype=E4M3,
-                   dequant=False)  # fmt: skip
+    outputs = dict(
+        row=row, row_e=row_e, col=col, col_e=col_e, record_bits=bits, fp8_dtype=E4M3, dequant=False
+    )
     chunks = cq.TILE_CONFIG["mxfp8_quads"]["CHUNKS"]
     cq.launch_mxfp8(x, col_t=None, **outputs)
     cq.launch_mxfp8(x, col_t=col_t, **outputs)
@@ -922,15 +1047,22 @@ def test_mxfp8_quads_kernel_unless_transposed_or_configured_off(kernels, monkeyp
         (384, 1, True, True, False, False),  # mxfp8_kernel, one chunk: a single byte
     ],
 )
-def test_mxfp8_packed_e8m0_words_only_where_whole(kernels, monkeypatch, cols, chunks, transposed,
-                                                  rowwise, dequant, words):  # fmt: skip
+def test_mxfp8_packed_e8m0_words_only_where_whole(
+    kernels, monkeypatch, cols, chunks, transposed, rowwise, dequant, words
+):
     config = dict(CHUNKS=chunks, num_warps=1)
     for key in ("mxfp8", "mxfp8_quads", "mxfp8_dequantized", "mxfp8_quads_dequantized"):
         monkeypatch.setitem(cq.TILE_CONFIG, key, dict(config))
     kernel, grid, constexprs = cq.mxfp8_spec(
-        M, cols, rowwise=rowwise, columnwise=True, write_t=transposed, record=False,
-        fp8_dtype=E4M3, dequant=dequant,
-    )  # fmt: skip
+        M,
+        cols,
+        rowwise=rowwise,
+        columnwise=True,
+        write_t=transposed,
+        record=False,
+        fp8_dtype=E4M3,
+        dequant=dequant,
+    )
     expected = kernels.mxfp8_kernel if transposed else kernels.mxfp8_quads_kernel
     assert kernel is expected
     assert constexprs["E_WORDS"] is words
@@ -948,8 +1080,17 @@ def test_mxfp8_words_only_into_a_contiguous_aligned_row_e(kernels):
     odd = buffer[1:-1].view(M, K // 32)
     strided = torch.empty(M, K // 16, dtype=torch.uint8)[:, ::2]
     for row_e in (aligned, odd, strided):
-        cq.launch_mxfp8(x, row=row, row_e=row_e, col=col, col_e=col_e, col_t=None,
-                        record_bits=None, fp8_dtype=E4M3, dequant=False)  # fmt: skip
+        cq.launch_mxfp8(
+            x,
+            row=row,
+            row_e=row_e,
+            col=col,
+            col_e=col_e,
+            col_t=None,
+            record_bits=None,
+            fp8_dtype=E4M3,
+            dequant=False,
+        )
     launches = kernels.take()
     assert aligned.data_ptr() % 4 == 0 and odd.data_ptr() % 4 != 0
     assert [r["constexprs"]["E_WORDS"] for r in launches] == [True, False, False]

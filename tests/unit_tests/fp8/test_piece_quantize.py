@@ -35,8 +35,9 @@ def _weight(shape, *, seed: int, device: str, edges: bool) -> torch.Tensor:
         flat = x.view(-1)
         n = flat.numel()
         picks = torch.randperm(n, generator=generator)[:6].tolist()
-        for index, value in zip(picks, [float("nan"), float("inf"), -float("inf"), 1e30, 1e-40,
-                                        -448.0 * 2]):  # fmt: skip
+        for index, value in zip(
+            picks, [float("nan"), float("inf"), -float("inf"), 1e30, 1e-40, -448.0 * 2]
+        ):
             flat[index] = value
         if x.shape[0] >= 32 and x.shape[1] >= 32:
             x[:32, :32] = 0.0  # an all-zero block in every recipe's grid
@@ -72,14 +73,24 @@ def _quantize_in_pieces(x, *, recipe, fp8_dtype, cuts, delayed_scale):
         grid_rows, grid_cols = pq.grid_dims(shape, recipe=recipe, columnwise=columnwise)
         amax = torch.zeros(grid_rows * grid_cols, dtype=torch.float32, device=x.device)
         for lo, hi in zip(cuts, cuts[1:]):
-            pq.piece_cell_amax_(flat[lo:hi], amax, shape=shape, recipe=recipe,
-                                columnwise=columnwise, param_start=lo)  # fmt: skip
-        multiplier, scale_inv = _multiplier(recipe, amax, fp8_dtype=fp8_dtype,
-                                            delayed_scale=delayed_scale)  # fmt: skip
+            pq.piece_cell_amax_(
+                flat[lo:hi], amax, shape=shape, recipe=recipe, columnwise=columnwise, param_start=lo
+            )
+        multiplier, scale_inv = _multiplier(
+            recipe, amax, fp8_dtype=fp8_dtype, delayed_scale=delayed_scale
+        )
         data = torch.full((flat.numel(),), 0xAA, dtype=torch.uint8, device=x.device)
         for lo, hi in zip(cuts, cuts[1:]):
-            pq.piece_cast_(flat[lo:hi], multiplier, data[lo:hi], shape=shape, recipe=recipe,
-                           columnwise=columnwise, param_start=lo, fp8_dtype=fp8_dtype)  # fmt: skip
+            pq.piece_cast_(
+                flat[lo:hi],
+                multiplier,
+                data[lo:hi],
+                shape=shape,
+                recipe=recipe,
+                columnwise=columnwise,
+                param_start=lo,
+                fp8_dtype=fp8_dtype,
+            )
         results[columnwise] = (data.view(shape), scale_inv, amax)
     return results
 
@@ -92,13 +103,19 @@ def test_pieces_equal_whole_weight_quantize(recipe, fp8_dtype):
         x = _weight(shape, seed=index, device="cpu", edges=True)
         delayed_scale = torch.tensor(37.5, dtype=torch.float32)
         want = quantize(
-            x, recipe=recipe, fp8_dtype=fp8_dtype, role="weight", rowwise=True,
-            columnwise=recipe == "mxfp8", scale=delayed_scale if recipe == "delayed" else None,
-        )  # fmt: skip
+            x,
+            recipe=recipe,
+            fp8_dtype=fp8_dtype,
+            role="weight",
+            rowwise=True,
+            columnwise=recipe == "mxfp8",
+            scale=delayed_scale if recipe == "delayed" else None,
+        )
         for pieces in (1, 3, 7):
             cuts = _cuts(x.numel(), pieces=pieces, seed=10 * index + pieces)
-            got = _quantize_in_pieces(x, recipe=recipe, fp8_dtype=fp8_dtype, cuts=cuts,
-                                      delayed_scale=delayed_scale)  # fmt: skip
+            got = _quantize_in_pieces(
+                x, recipe=recipe, fp8_dtype=fp8_dtype, cuts=cuts, delayed_scale=delayed_scale
+            )
             for columnwise, (data, scale_inv, _) in got.items():
                 prefix = "columnwise" if columnwise else "rowwise"
                 assert torch.equal(data, getattr(want, f"{prefix}_data")), (shape, cuts)
@@ -115,10 +132,12 @@ def test_partial_amaxes_of_a_straddled_block():
     flat = x.reshape(-1)
     cut = 50 * 256 + 3  # mid-row 50, inside block (0, 0)
     first, second = (torch.zeros(2) for _ in range(2))
-    pq.piece_cell_amax_(flat[:cut], first, shape=x.shape, recipe="blockwise",
-                        columnwise=False, param_start=0)  # fmt: skip
-    pq.piece_cell_amax_(flat[cut:], second, shape=x.shape, recipe="blockwise",
-                        columnwise=False, param_start=cut)  # fmt: skip
+    pq.piece_cell_amax_(
+        flat[:cut], first, shape=x.shape, recipe="blockwise", columnwise=False, param_start=0
+    )
+    pq.piece_cell_amax_(
+        flat[cut:], second, shape=x.shape, recipe="blockwise", columnwise=False, param_start=cut
+    )
     assert first.tolist() == [9.0, 2.5]
     assert second.tolist() == [4.0, 0.0]
 
@@ -126,12 +145,25 @@ def test_partial_amaxes_of_a_straddled_block():
 def test_bad_pieces_are_refused():
     x = torch.ones(64, 64)
     with pytest.raises(ValueError, match="outside a weight of 4096 elements"):
-        pq.piece_cell_amax_(x.reshape(-1)[:100], torch.zeros(1), shape=x.shape,
-                            recipe="tensorwise", columnwise=False, param_start=4000)  # fmt: skip
+        pq.piece_cell_amax_(
+            x.reshape(-1)[:100],
+            torch.zeros(1),
+            shape=x.shape,
+            recipe="tensorwise",
+            columnwise=False,
+            param_start=4000,
+        )
     with pytest.raises(ValueError, match="fp32 with 128 cells"):
-        pq.piece_cast_(x.reshape(-1), torch.ones(5), torch.empty(4096, dtype=torch.uint8),
-                       shape=x.shape, recipe="mxfp8", columnwise=True, param_start=0,
-                       fp8_dtype=E4M3)  # fmt: skip
+        pq.piece_cast_(
+            x.reshape(-1),
+            torch.ones(5),
+            torch.empty(4096, dtype=torch.uint8),
+            shape=x.shape,
+            recipe="mxfp8",
+            columnwise=True,
+            param_start=0,
+            fp8_dtype=E4M3,
+        )
 
 
 @pytest.mark.gpu
@@ -148,16 +180,23 @@ def test_triton_pieces_equal_torch_twin(recipe, fp8_dtype):
         delayed_scale = torch.tensor(0.75, dtype=torch.float32)
         for pieces in (1, 2, 5):
             cuts = _cuts(x.numel(), pieces=pieces, seed=7 * index + pieces)
-            got = _quantize_in_pieces(x, recipe=recipe, fp8_dtype=fp8_dtype, cuts=cuts,
-                                      delayed_scale=delayed_scale)  # fmt: skip
-            want = _quantize_in_pieces(x.cpu(), recipe=recipe, fp8_dtype=fp8_dtype, cuts=cuts,
-                                       delayed_scale=delayed_scale)  # fmt: skip
+            got = _quantize_in_pieces(
+                x, recipe=recipe, fp8_dtype=fp8_dtype, cuts=cuts, delayed_scale=delayed_scale
+            )
+            want = _quantize_in_pieces(
+                x.cpu(), recipe=recipe, fp8_dtype=fp8_dtype, cuts=cuts, delayed_scale=delayed_scale
+            )
             for columnwise in got:
-                for name, a, b in zip(("bytes", "scale_inv", "amax"), got[columnwise],
-                                      want[columnwise]):  # fmt: skip
+                for name, a, b in zip(
+                    ("bytes", "scale_inv", "amax"), got[columnwise], want[columnwise]
+                ):
                     assert torch.equal(_bytes(a.cpu()), _bytes(b)), (
-                        recipe, shape, cuts, columnwise, name,
-                    )  # fmt: skip
+                        recipe,
+                        shape,
+                        cuts,
+                        columnwise,
+                        name,
+                    )
 
 
 @pytest.mark.gpu

@@ -58,12 +58,26 @@ def assert_scales(actual: torch.Tensor, expected: np.ndarray) -> None:
 def test_saturating_cast_bytes_by_hand(fp8_dtype):
     is_e4m3 = fp8_dtype == E4M3
     values = [448.0, 464.0, 1e30, float("inf"), -float("inf"), float("nan"), 57344.0, 0.0, -0.0]
-    qt = quantize(torch.tensor(values), recipe="delayed", fp8_dtype=fp8_dtype, role="input",
-                  scale=torch.tensor(1.0))  # fmt: skip
+    qt = quantize(
+        torch.tensor(values),
+        recipe="delayed",
+        fp8_dtype=fp8_dtype,
+        role="input",
+        scale=torch.tensor(1.0),
+    )
     max_code = 0x7E if is_e4m3 else 0x7B
     # 448 is E4M3's max; 464 and above saturate; +-Inf saturates; NaN stays NaN (0x7F).
-    expected = [0x7E if is_e4m3 else 0x5F, 0x7E if is_e4m3 else 0x5F, max_code, max_code,
-                0x80 | max_code, 0x7F, max_code, 0x00, 0x80]  # fmt: skip
+    expected = [
+        0x7E if is_e4m3 else 0x5F,
+        0x7E if is_e4m3 else 0x5F,
+        max_code,
+        max_code,
+        0x80 | max_code,
+        0x7F,
+        max_code,
+        0x00,
+        0x80,
+    ]
     assert qt.rowwise_data.tolist() == expected
     assert qt.rowwise_scale_inv.item() == 1.0
     assert qt.amax.item() == math.inf  # NaN ignored, Inf counts
@@ -108,8 +122,14 @@ def test_tensorwise_matches_model(fp8_dtype, pow2, shape):
     x = edge_tensor(*shape).clamp(-1e4, 1e4)  # keep amax finite so the scale is not 1.0
     x[x.isnan()] = 0
     fmt = FMT_NAME[fp8_dtype]
-    qt = quantize(x, recipe="tensorwise", fp8_dtype=fp8_dtype, role="input",
-                  columnwise=True, power_2_scale=pow2)  # fmt: skip
+    qt = quantize(
+        x,
+        recipe="tensorwise",
+        fp8_dtype=fp8_dtype,
+        role="input",
+        columnwise=True,
+        power_2_scale=pow2,
+    )
     amax = model.nan_free_amax(to_np(x))
     scale = model.current_scale(amax, fmt, pow2, FLT_MAX)
     assert qt.amax.item() == float(amax)
@@ -122,8 +142,9 @@ def test_tensorwise_guards_by_hand():
     fp8 = E4M3
     zeros = quantize(torch.zeros(3, 4), recipe="tensorwise", fp8_dtype=fp8, role="input")
     assert zeros.rowwise_scale_inv.item() == 1.0 and zeros.rowwise_data.sum().item() == 0
-    with_inf = quantize(torch.tensor([[1.0, float("inf")]]), recipe="tensorwise",
-                        fp8_dtype=fp8, role="input")  # fmt: skip
+    with_inf = quantize(
+        torch.tensor([[1.0, float("inf")]]), recipe="tensorwise", fp8_dtype=fp8, role="input"
+    )
     assert with_inf.rowwise_scale_inv.item() == 1.0  # amax Inf -> scale 1.0
     assert with_inf.rowwise_data.tolist() == [[0x38, 0x7E]]  # 1.0 = 0x38; Inf saturates
     # amax 1e-40 (subnormal): 448 / 1e-40 overflows fp32 -> FLT_MAX; 1/FLT_MAX is subnormal.
@@ -131,12 +152,18 @@ def test_tensorwise_guards_by_hand():
     assert tiny.rowwise_scale_inv.item() == float(np.float32(1.0) / np.float32(FLT_MAX))
     expected = model.encode(np.full((2, 2), np.float32(1e-40)) * np.float32(FLT_MAX), "e4m3")
     assert_bytes(tiny.rowwise_data, expected)
-    pow2 = quantize(torch.full((2, 2), 1e-40), recipe="tensorwise", fp8_dtype=fp8,
-                    role="input", power_2_scale=True)  # fmt: skip
+    pow2 = quantize(
+        torch.full((2, 2), 1e-40),
+        recipe="tensorwise",
+        fp8_dtype=fp8,
+        role="input",
+        power_2_scale=True,
+    )
     assert pow2.rowwise_scale_inv.item() == 2.0**-127  # FLT_MAX rounded down to 2^127
     # NaN is ignored by the amax: the scale comes from 2.0 alone.
-    nan = quantize(torch.tensor([2.0, float("nan")]), recipe="tensorwise", fp8_dtype=fp8,
-                   role="input")  # fmt: skip
+    nan = quantize(
+        torch.tensor([2.0, float("nan")]), recipe="tensorwise", fp8_dtype=fp8, role="input"
+    )
     assert nan.rowwise_scale_inv.item() == float(np.float32(1.0) / np.float32(224.0))
     assert nan.rowwise_data.tolist() == [0x7E, 0x7F]
 
@@ -149,8 +176,9 @@ def test_delayed_at_and_above_fp8_max_times_scale():
     assert qt.rowwise_data.tolist() == [0x7E, 0x7E, 0x7E, 0xFE, 0x00, 0x7F]
     assert qt.rowwise_scale_inv.item() == 2.0
     assert qt.amax.item() == float(torch.tensor(1e30, dtype=torch.bfloat16).float())
-    third = quantize(torch.ones(2), recipe="delayed", fp8_dtype=E4M3, role="input",
-                     scale=torch.tensor(3.0))  # fmt: skip
+    third = quantize(
+        torch.ones(2), recipe="delayed", fp8_dtype=E4M3, role="input", scale=torch.tensor(3.0)
+    )
     assert third.rowwise_scale_inv.item() == float(np.float32(1.0) / np.float32(3.0))
 
 
@@ -193,13 +221,23 @@ def block_geometry(recipe, role, columnwise):
 def test_block_recipes_match_model(recipe, role, shape, columnwise, input_dtype, fp8_dtype):
     x = edge_tensor(*shape, seed=shape[0] * 7 + shape[1]).to(input_dtype)
     fmt = FMT_NAME[fp8_dtype]
-    qt = quantize(x, recipe=recipe, fp8_dtype=fp8_dtype, role=role,
-                  rowwise=not columnwise, columnwise=columnwise)  # fmt: skip
+    qt = quantize(
+        x,
+        recipe=recipe,
+        fp8_dtype=fp8_dtype,
+        role=role,
+        rowwise=not columnwise,
+        columnwise=columnwise,
+    )
     block_rows, block_cols = block_geometry(recipe, role, columnwise)
     data, scales = model.quantize_blocks(
-        to_np(x), fmt, recipe, block_rows=block_rows, block_cols=block_cols,
+        to_np(x),
+        fmt,
+        recipe,
+        block_rows=block_rows,
+        block_cols=block_cols,
         inf_value=BF16_MAX if input_dtype == torch.bfloat16 else FLT_MAX,
-    )  # fmt: skip
+    )
     direction = "columnwise" if columnwise else "rowwise"
     assert getattr(qt, f"{direction}_data").shape == x.shape
     assert tuple(getattr(qt, f"{direction}_scale_inv").shape) == scales.shape
@@ -224,8 +262,9 @@ def test_blockwise_scale_shapes_and_hand_values():
 def test_blockwise_infinite_scale_uses_input_dtype_max_without_pow2():
     x = torch.full((1, 4), 1e-40)
     fp32 = quantize(x, recipe="blockwise", fp8_dtype=E4M3, role="input", power_2_scale=False)
-    bf16 = quantize(x.bfloat16(), recipe="blockwise", fp8_dtype=E4M3, role="input",
-                    power_2_scale=False)  # fmt: skip
+    bf16 = quantize(
+        x.bfloat16(), recipe="blockwise", fp8_dtype=E4M3, role="input", power_2_scale=False
+    )
     assert fp32.rowwise_scale_inv.item() == float(np.float32(1) / np.float32(FLT_MAX))
     assert bf16.rowwise_scale_inv.item() == float(np.float32(1) / np.float32(BF16_MAX))
 

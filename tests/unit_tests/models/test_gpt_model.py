@@ -19,9 +19,21 @@ from tests.unit_tests.models.model_configs import SEQ, VOCAB, tiny_config, token
 
 
 def closed_form_parameter_count(
-    *, layers, hidden, heads, groups, head_dim, ffn, vocab, max_seq, learned, layernorm, swiglu,
-    bias, untied,
-):  # fmt: skip
+    *,
+    layers,
+    hidden,
+    heads,
+    groups,
+    head_dim,
+    ffn,
+    vocab,
+    max_seq,
+    learned,
+    layernorm,
+    swiglu,
+    bias,
+    untied,
+):
     norm = 2 * hidden if layernorm else hidden
     qkv = hidden * (heads + 2 * groups) * head_dim + bias * (heads + 2 * groups) * head_dim
     proj = heads * head_dim * hidden + bias * hidden
@@ -57,10 +69,20 @@ def test_shapes_and_parameter_count_for_every_option(position, norm, swiglu, gro
     loss = model(ids, labels=ids)
     assert loss.shape == (2, SEQ) and loss.dtype == torch.float32
     expected = closed_form_parameter_count(
-        layers=2, hidden=32, heads=4, groups=groups, head_dim=8, ffn=48, vocab=VOCAB, max_seq=16,
-        learned=position == "learned_absolute", layernorm=norm == "LayerNorm", swiglu=swiglu,
-        bias=int(bias), untied=untied,
-    )  # fmt: skip
+        layers=2,
+        hidden=32,
+        heads=4,
+        groups=groups,
+        head_dim=8,
+        ffn=48,
+        vocab=VOCAB,
+        max_seq=16,
+        learned=position == "learned_absolute",
+        layernorm=norm == "LayerNorm",
+        swiglu=swiglu,
+        bias=int(bias),
+        untied=untied,
+    )
     assert count_parameters(model) == expected
     assert count_parameters_from_config(config) == expected
     assert (model.output_layer is None) == (not untied)

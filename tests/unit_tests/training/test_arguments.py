@@ -50,54 +50,93 @@ def parse_error(argv, capsys, world_size=1) -> str:
         (["--group-query-attention"], 1, "needs --num-query-groups"),
         (["--group-query-attention", "--num-query-groups", "3"], 1, "not a multiple of"),
         (["--fp8-format", "e5m2", "--fp8-recipe", "tensorwise"], 1, "E5M2 alone is not allowed"),
-        (["--fp8-recipe", "blockwise", "--hidden-size", "72", "--num-attention-heads", "4"],
-         1, "--hidden-size 72 is not divisible by 16"),
-        (["--fp8-recipe", "mxfp8", "--ffn-hidden-size", "200"], 1,
-         "--ffn-hidden-size 200 is not divisible by 16"),
+        (
+            ["--fp8-recipe", "blockwise", "--hidden-size", "72", "--num-attention-heads", "4"],
+            1,
+            "--hidden-size 72 is not divisible by 16",
+        ),
+        (
+            ["--fp8-recipe", "mxfp8", "--ffn-hidden-size", "200"],
+            1,
+            "--ffn-hidden-size 200 is not divisible by 16",
+        ),
         (["--fp8-recipe", "fp4"], 1, "invalid choice: 'fp4'"),
         (["--fp8-param-gather", "--fp8-recipe", "mxfp8"], 1, "add --use-megatron-fsdp"),
         (["--fp8-param-gather"], 1, "needs --fp8-recipe"),
         (["--overlap-param-gather"], 1, "is a Megatron-FSDP option"),
-        (["--ckpt-format", "fsdp_dtensor"], 1, "add --use-megatron-fsdp, or use --ckpt-format "
-         "torch_dist"),
+        (
+            ["--ckpt-format", "fsdp_dtensor"],
+            1,
+            "add --use-megatron-fsdp, or use --ckpt-format torch_dist",
+        ),
         (["--async-save", "--save", "/tmp/x"], 1, "--async-save needs --ckpt-format torch_dist"),
         (["--async-save", "--ckpt-format", "torch_dist"], 1, "--async-save needs --save DIR"),
-        (["--recompute-granularity", "selective", "--recompute-method", "block"], 1,
-         "--recompute-method block goes with --recompute-granularity full"),
+        (
+            ["--recompute-granularity", "selective", "--recompute-method", "block"],
+            1,
+            "--recompute-method block goes with --recompute-granularity full",
+        ),
         (["--decoupled-min-lr", "1e-4"], 1, "--decoupled-min-lr needs --decoupled-lr"),
-        (["--decoupled-lr", "1e-2", "--decoupled-min-lr", "0.1"], 1,
-         "--decoupled-min-lr 0.1 must be in [0, --decoupled-lr 0.01]"),
+        (
+            ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "0.1"],
+            1,
+            "--decoupled-min-lr 0.1 must be in [0, --decoupled-lr 0.01]",
+        ),
         (["--fp16", "--bf16"], 1, "--fp16 and --bf16 exclude each other"),
-        (["--use-torch-fsdp2", "--fp16", "--save", "/tmp/x"], 1,
-         "--use-torch-fsdp2 does not go with --fp16, --save here"),
-        (["--use-torch-fsdp2", "--use-distributed-optimizer"], 1,
-         "--use-torch-fsdp2 does not go with --use-distributed-optimizer"),
-        (["--use-distributed-optimizer", "--ckpt-format", "torch"], 1,
-         "--use-distributed-optimizer (Megatron-FSDP's optim strategy) saves sharded"),
+        (
+            ["--use-torch-fsdp2", "--fp16", "--save", "/tmp/x"],
+            1,
+            "--use-torch-fsdp2 does not go with --fp16, --save here",
+        ),
+        (
+            ["--use-torch-fsdp2", "--use-distributed-optimizer"],
+            1,
+            "--use-torch-fsdp2 does not go with --use-distributed-optimizer",
+        ),
+        (
+            ["--use-distributed-optimizer", "--ckpt-format", "torch"],
+            1,
+            "--use-distributed-optimizer (Megatron-FSDP's optim strategy) saves sharded",
+        ),
         (["--overlap-param-gather"], 1, "add --use-megatron-fsdp or --use-distributed-optimizer"),
         (["--fp16", "--fp8-format", "hybrid"], 1, "use --bf16 instead of --fp16"),
         (["--profile", "--use-pytorch-profiler"], 1, "pass --tensorboard-dir DIR"),
-        (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"], 1,
-         "--profile-step-start 5 must be >= 0 and below --profile-step-end 5"),
+        (
+            ["--profile", "--profile-step-start", "5", "--profile-step-end", "5"],
+            1,
+            "--profile-step-start 5 must be >= 0 and below --profile-step-end 5",
+        ),
         (["--megatron-fsdp-main-params-dtype", "bf16"], 1, "only fp32 main params are built"),
         (["--manual-gc-interval", "-1"], 1, "--manual-gc-interval must be >= 0"),
         (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes must be"),
         (["--use-megatron-fsdp", "--ckpt-format", "torch"], 1, "drop --ckpt-format torch"),
-        (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], 1,
-         "exclude each other"),
+        (
+            ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+            1,
+            "exclude each other",
+        ),
         (["--save-interval", "5"], 1, "needs --save"),
         (["--lr-decay-style", "WSD"], 1, "needs --lr-wsd-decay-iters"),
-        (["--lr-warmup-iters", "200", "--train-iters", "100"], 1,
-         "must end before the decay does (--lr-decay-iters, 100 iterations)"),
-        (["--train-samples", "80", "--lr-decay-style", "WSD"], 1,
-         "--lr-decay-style WSD needs --lr-wsd-decay-samples"),
+        (
+            ["--lr-warmup-iters", "200", "--train-iters", "100"],
+            1,
+            "must end before the decay does (--lr-decay-iters, 100 iterations)",
+        ),
+        (
+            ["--train-samples", "80", "--lr-decay-style", "WSD"],
+            1,
+            "--lr-decay-style WSD needs --lr-wsd-decay-samples",
+        ),
         (["--min-lr", "1"], 1, "--min-lr 1.0 must be in"),
         (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], 1, "pass only one"),
         (["--lr-warmup-fraction", "1.5"], 1, "--lr-warmup-fraction 1.5 must be in [0, 1)"),
         (["--train-samples", "80", "--train-iters", "5"], 1, "both set the run length"),
         (["--train-samples", "4"], 1, "--train-samples 4 is less than one global batch (8)"),
-        (["--train-samples", "80", "--lr-decay-iters", "5"], 1,
-         "with --train-samples give the schedule in samples: replace --lr-decay-iters"),
+        (
+            ["--train-samples", "80", "--lr-decay-iters", "5"],
+            1,
+            "with --train-samples give the schedule in samples: replace --lr-decay-iters",
+        ),
         (["--lr-warmup-samples", "16"], 1, "--lr-warmup-samples go with --train-samples"),
         (["--lr-warmup-init", "1"], 1, "--lr-warmup-init 1.0 must be in [0, --lr"),
         (["--first-last-layers-bf16", "--fp8-recipe", "delayed"], 1, "must leave at least one"),
@@ -106,7 +145,7 @@ def parse_error(argv, capsys, world_size=1) -> str:
         (["--wandb-project", "p", "--wandb-save-dir", "/tmp/w"], 1, "--wandb-exp-name is not"),
         (["--wandb-project", "p", "--wandb-exp-name", "e"], 1, "--wandb-save-dir is not"),
     ],
-)  # fmt: skip
+)
 def test_invalid_combinations(extra, world_size, expected, capsys):
     assert expected in parse_error(TINY_GPT + extra, capsys, world_size=world_size)
 
@@ -126,8 +165,10 @@ def test_missing_data_names_both_fixes(capsys):
         (["--ffn-hidden-size", "0"], "--ffn-hidden-size 0 must be > 0; omit it for 4 x"),
         (["--ffn-hidden-size", "-16"], "--ffn-hidden-size -16 must be > 0"),
         (["--kv-channels", "0"], "--kv-channels 0 must be > 0; omit it for --hidden-size /"),
-        (["--position-embedding-type", "rope", "--max-position-embeddings", "0"],
-         "--max-position-embeddings 0 must be > 0; omit it for --seq-length."),
+        (
+            ["--position-embedding-type", "rope", "--max-position-embeddings", "0"],
+            "--max-position-embeddings 0 must be > 0; omit it for --seq-length.",
+        ),
         (["--init-method-std", "-1"], "--init-method-std -1.0 must be > 0; the default is 0.02."),
         (["--init-method-std", "0"], "--init-method-std 0.0 must be > 0"),
         (["--adam-beta1", "1.5"], "--adam-beta1 1.5 must be in [0, 1); the default is 0.9."),
@@ -146,11 +187,13 @@ def test_missing_data_names_both_fixes(capsys):
         (["--seed", "-1"], "--seed -1 must be in [0, 2**32)."),
         (["--split", "inf,1,1"], "--split 'inf,1,1': give up to three finite non-negative"),
         (["--split", "1,nan,1"], "--split '1,nan,1': give up to three finite non-negative"),
-        (["--tokenizer-type", "ByteTokenizer"],
-         "--vocab-size sets the NullTokenizer vocabulary only; --tokenizer-type ByteTokenizer "
-         "takes its size from the tokenizer: drop --vocab-size"),
+        (
+            ["--tokenizer-type", "ByteTokenizer"],
+            "--vocab-size sets the NullTokenizer vocabulary only; --tokenizer-type ByteTokenizer "
+            "takes its size from the tokenizer: drop --vocab-size",
+        ),
     ],
-)  # fmt: skip
+)
 def test_out_of_range_values(extra, expected, capsys):
     assert expected in parse_error(TINY_GPT + extra, capsys)
 
@@ -159,9 +202,22 @@ def test_defaults_and_edge_values_stay_valid():
     args = parse_args(TINY_GPT, world_size=1)
     assert (args.rotary_base, args.norm_epsilon, args.init_method_std) == (10000, 1e-5, 0.02)
     assert (args.adam_beta1, args.adam_beta2, args.adam_eps) == (0.9, 0.999, 1e-8)
-    edges = ["--adam-beta1", "0", "--sgd-momentum", "0", "--weight-decay", "0",
-             "--clip-grad", "0", "--hidden-dropout", "0", "--seed", str(2**32 - 1),
-             "--ffn-hidden-size", "16"]  # fmt: skip
+    edges = [
+        "--adam-beta1",
+        "0",
+        "--sgd-momentum",
+        "0",
+        "--weight-decay",
+        "0",
+        "--clip-grad",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--seed",
+        str(2**32 - 1),
+        "--ffn-hidden-size",
+        "16",
+    ]
     args = parse_args(TINY_GPT + edges, world_size=1)
     found = (args.adam_beta1, args.clip_grad, args.seed, args.ffn_hidden_size)
     assert found == (0.0, 0.0, 2**32 - 1, 16)
@@ -183,8 +239,13 @@ def test_zero_train_split_fails_at_parse_time(capsys):
 
 
 def _hf_argv(tokenizer_model):
-    return ["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer",
-            "--tokenizer-model", str(tokenizer_model)]  # fmt: skip
+    return [
+        "--mock-data",
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        str(tokenizer_model),
+    ]
 
 
 def test_tokenizer_model_directory(capsys, tmp_path):
@@ -200,8 +261,15 @@ def test_tokenizer_model_directory(capsys, tmp_path):
         f"--tokenizer-model {tmp_path / 'without'} is a directory without a tokenizer.json; "
         "pass the tokenizer.json file itself or the directory that holds it." in err
     )
-    argv = ["--mock-data", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
-            str(tmp_path / "with"), "--merge-file", str(tmp_path / "merges.txt")]  # fmt: skip
+    argv = [
+        "--mock-data",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        str(tmp_path / "with"),
+        "--merge-file",
+        str(tmp_path / "merges.txt"),
+    ]
     err = parse_error(argv, capsys)
     assert f"--vocab-file {tmp_path / 'with'} is a directory; pass the file itself." in err
 
@@ -264,8 +332,15 @@ def test_cli_save_to_a_file_exits_2_before_training(tmp_path):
 
 
 def test_missing_tokenizer_file(capsys, tmp_path):
-    argv = ["--mock-data", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
-            str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt")]  # fmt: skip
+    argv = [
+        "--mock-data",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        str(tmp_path / "vocab.json"),
+        "--merge-file",
+        str(tmp_path / "merges.txt"),
+    ]
     assert f"--vocab-file {tmp_path / 'vocab.json'}: no such file" in parse_error(argv, capsys)
 
 
@@ -297,12 +372,32 @@ def test_fp8_format_alone_trains_megatron_lm_delayed_defaults():
     assert (fp8.recipe, fp8.amax_history_len) == ("delayed", 1)
     assert fp8.amax_compute_algo == "most_recent"
     result = run_pretrain(TINY_GPT + ["--fp8-format", "hybrid", "--train-iters", "3"])
-    delayed = run_pretrain(TINY_GPT + ["--fp8-recipe", "delayed", "--train-iters", "3",
-                                       "--fp8-amax-history-len", "1",
-                                       "--fp8-amax-compute-algo", "most_recent"])  # fmt: skip
-    longer = run_pretrain(TINY_GPT + ["--fp8-recipe", "delayed", "--train-iters", "3",
-                                      "--fp8-amax-history-len", "1024",
-                                      "--fp8-amax-compute-algo", "max"])  # fmt: skip
+    delayed = run_pretrain(
+        TINY_GPT
+        + [
+            "--fp8-recipe",
+            "delayed",
+            "--train-iters",
+            "3",
+            "--fp8-amax-history-len",
+            "1",
+            "--fp8-amax-compute-algo",
+            "most_recent",
+        ]
+    )
+    longer = run_pretrain(
+        TINY_GPT
+        + [
+            "--fp8-recipe",
+            "delayed",
+            "--train-iters",
+            "3",
+            "--fp8-amax-history-len",
+            "1024",
+            "--fp8-amax-compute-algo",
+            "max",
+        ]
+    )
     assert result.losses == delayed.losses
     assert result.losses != longer.losses  # the defaults are what changed the numbers
 

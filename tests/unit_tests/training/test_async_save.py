@@ -29,8 +29,13 @@ from tests.unit_tests.training.common import (
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 SAVE_AT, TOTAL = 3, 13
-ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
-         "--ckpt-format", "fsdp_dtensor"]  # fmt: skip
+ZERO3 = [
+    "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy",
+    "optim_grads_params",
+    "--ckpt-format",
+    "fsdp_dtensor",
+]
 FP8_PARAMS = ["--fp8-recipe", "tensorwise", "--fp8-param-gather"]
 
 
@@ -38,13 +43,20 @@ FP8_PARAMS = ["--fp8-recipe", "tensorwise", "--fp8-param-gather"]
 def test_async_save_at_dp2_resumes_at_dp1_and_dp4(tmp_path, precision):
     base = TINY_GPT + NO_DROPOUT + ZERO3 + precision + ["--train-iters", str(TOTAL)]
     save = tmp_path / "ckpt"
-    uninterrupted = run_distributed(run_pretrain_on_rank, 2, base + [
-        "--save", str(save), "--save-interval", str(SAVE_AT), "--async-save"])[0]  # fmt: skip
+    uninterrupted = run_distributed(
+        run_pretrain_on_rank,
+        2,
+        base + ["--save", str(save), "--save-interval", str(SAVE_AT), "--async-save"],
+    )[0]
     # Every save was published (the last one before the run returned), none left half-done.
     assert sorted(os.listdir(save)) == [
-        "iter_0000003", "iter_0000006", "iter_0000009", "iter_0000012", "iter_0000013",
+        "iter_0000003",
+        "iter_0000006",
+        "iter_0000009",
+        "iter_0000012",
+        "iter_0000013",
         "latest_checkpointed_iteration.txt",
-    ]  # fmt: skip
+    ]
     assert (save / "latest_checkpointed_iteration.txt").read_text() == f"{TOTAL}\n"
     resume = base + ["--load", str(save), "--ckpt-step", str(SAVE_AT)]
     resumed_at = {ws: run_distributed(run_pretrain_on_rank, ws, resume)[0] for ws in (1, 4)}
@@ -72,8 +84,11 @@ def test_ddp_torch_dist_resumes_at_dp1_and_under_megatron_fsdp(tmp_path):
     as Megatron-FSDP's: it resumes at another DP size and under the other engine."""
     base = TINY_GPT + NO_DROPOUT + ["--train-iters", "6"]
     save = tmp_path / "ckpt"
-    uninterrupted = run_distributed(run_pretrain_on_rank, 2, base + [
-        "--ckpt-format", "torch_dist", "--save", str(save), "--save-interval", "3"])[0]  # fmt: skip
+    uninterrupted = run_distributed(
+        run_pretrain_on_rank,
+        2,
+        base + ["--ckpt-format", "torch_dist", "--save", str(save), "--save-interval", "3"],
+    )[0]
     shards = sorted(path.name for path in (save / "iter_0000003" / "sharded").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     resume = base + ["--load", str(save), "--ckpt-step", "3"]
@@ -99,14 +114,29 @@ def test_rank_killed_during_async_save_resumes_from_previous_checkpoint(tmp_path
     rank 1 is then killed. The tracker still names iteration 2, the half-written .tmp is
     never read, and a plain resume (same --save) trains on and replaces it."""
     save = tmp_path / "ckpt"
-    argv = TINY_GPT + NO_DROPOUT + ZERO3 + ["--train-iters", "6", "--save", str(save),
-                                            "--save-interval", "2", "--async-save"]  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               "pretrain_gpt.py", *argv]  # fmt: skip
+    argv = (
+        TINY_GPT
+        + NO_DROPOUT
+        + ZERO3
+        + ["--train-iters", "6", "--save", str(save), "--save-interval", "2", "--async-save"]
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "pretrain_gpt.py",
+        *argv,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", TEST_HOLD_ENV: "4"}
-    process = start_session(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    process = start_session(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     held = save / "iter_0000004.tmp"
     _wait_for([held / "held_by_rank_0", held / "held_by_rank_1"], process, timeout_s=300)
     os.kill(int((held / "held_by_rank_1").read_text()), signal.SIGKILL)
@@ -120,13 +150,24 @@ def test_rank_killed_during_async_save_resumes_from_previous_checkpoint(tmp_path
     assert " > saved checkpoint at iteration 4" not in stdout
     # The killed save: shards written, no metadata.json, not published, not tracked.
     assert sorted(os.listdir(save)) == [
-        "iter_0000002", "iter_0000004.tmp", "latest_checkpointed_iteration.txt"]  # fmt: skip
+        "iter_0000002",
+        "iter_0000004.tmp",
+        "latest_checkpointed_iteration.txt",
+    ]
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2\n"
     assert not (held / "metadata.json").exists()
     assert sorted(p.name for p in (held / "sharded").glob("*.distcp")) == [
-        "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
-    logged = {int(i): float(v) for i, v in re.findall(r"iteration +(\d+)/ +6 \|.*? lm loss: "
-                                                       r"([0-9.E+-]+) \|", stdout)}  # fmt: skip
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    logged = {
+        int(i): float(v)
+        for i, v in re.findall(
+            r"iteration +(\d+)/ +6 \|.*? lm loss: "
+            r"([0-9.E+-]+) \|",
+            stdout,
+        )
+    }
     assert 3 in logged, stdout[-3000:]
 
     capsys.readouterr()

@@ -196,17 +196,33 @@ def test_other_amax_history_length_is_named_before_training(tmp_path, fsdp):
     """Delayed scaling saves each FP8 tensor's amax history: another length cannot load it
     (torch_dist reported a corrupt shard). --finetune loads only the weights, in both formats."""
     extra = [*(FSDP if fsdp else []), "--fp8-recipe", "delayed", "--lr-decay-iters", "4"]
-    run_pretrain(TINY_GPT + extra + ["--train-iters", "2", "--fp8-amax-history-len", "4",
-                                     "--save", str(tmp_path)])  # fmt: skip
+    run_pretrain(
+        TINY_GPT
+        + extra
+        + ["--train-iters", "2", "--fp8-amax-history-len", "4", "--save", str(tmp_path)]
+    )
     try:
         message = _load_error(tmp_path, [*extra, "--fp8-amax-history-len", "8"])
         assert "saved with --fp8-amax-history-len 4, but this run has 8" in message
         assert "Pass --fp8-amax-history-len 4, or --finetune" in message
-        resumed = run_pretrain(TINY_GPT + extra + ["--train-iters", "3", "--load", str(tmp_path),
-                                                   "--fp8-amax-history-len", "4"])  # fmt: skip
-        finetune = run_pretrain(TINY_GPT + extra + ["--train-iters", "3", "--load", str(tmp_path),
-                                                    "--fp8-amax-history-len", "8",
-                                                    "--finetune"])  # fmt: skip
+        resumed = run_pretrain(
+            TINY_GPT
+            + extra
+            + ["--train-iters", "3", "--load", str(tmp_path), "--fp8-amax-history-len", "4"]
+        )
+        finetune = run_pretrain(
+            TINY_GPT
+            + extra
+            + [
+                "--train-iters",
+                "3",
+                "--load",
+                str(tmp_path),
+                "--fp8-amax-history-len",
+                "8",
+                "--finetune",
+            ]
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -220,8 +236,11 @@ def test_no_save_optim_and_rng_write_neither_and_resume_needs_the_no_load_flags(
     from torch.distributed.checkpoint import FileSystemReader
 
     extra = [*(FSDP if fsdp else []), "--lr-decay-iters", "4"]
-    run_pretrain(TINY_GPT + extra + ["--train-iters", "2", "--save", str(tmp_path),
-                                     "--no-save-optim", "--no-save-rng"])  # fmt: skip
+    run_pretrain(
+        TINY_GPT
+        + extra
+        + ["--train-iters", "2", "--save", str(tmp_path), "--no-save-optim", "--no-save-rng"]
+    )
     saved = tmp_path / ITER_DIR
     assert not (saved / "rng").exists() and not (saved / "optimizer.pt").exists()
     if fsdp:
@@ -235,8 +254,11 @@ def test_no_save_optim_and_rng_write_neither_and_resume_needs_the_no_load_flags(
         )
         message = _load_error(tmp_path, [*extra, "--no-load-optim"])
         assert "saved with --no-save-rng, so it holds no RNG states; pass --no-load-rng" in message
-        resumed = run_pretrain(TINY_GPT + extra + ["--train-iters", "3", "--load", str(tmp_path),
-                                                   "--no-load-optim", "--no-load-rng"])  # fmt: skip
+        resumed = run_pretrain(
+            TINY_GPT
+            + extra
+            + ["--train-iters", "3", "--load", str(tmp_path), "--no-load-optim", "--no-load-rng"]
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -250,8 +272,10 @@ def test_train_samples_run_resumes_only_at_its_global_batch_size(tmp_path):
     flags = ["--train-samples", "40"]  # 5 iterations of 8
     run_pretrain(TINY_GPT + flags + ["--exit-interval", "2", "--save", str(tmp_path)])
     with pytest.raises(CheckpointError) as info:
-        run_pretrain(TINY_GPT + ["--train-samples", "80", "--global-batch-size", "16",
-                                 "--load", str(tmp_path)])  # fmt: skip
+        run_pretrain(
+            TINY_GPT
+            + ["--train-samples", "80", "--global-batch-size", "16", "--load", str(tmp_path)]
+        )
     message = str(info.value)
     assert "saved with --global-batch-size 8, but this run has 16" in message
     assert "Pass --global-batch-size 8" in message
@@ -421,9 +445,13 @@ def test_bad_load_path_exits_2_with_one_line(tmp_path):
         "iter_XXXXXXX/)."
     ]
     debug = subprocess.run(
-        [*argv, "--load", str(load_file)], cwd=repo, capture_output=True, text=True,
-        timeout=120, env={**os.environ, "MEGATRON_TRACEBACK": "1"},
-    )  # fmt: skip
+        [*argv, "--load", str(load_file)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MEGATRON_TRACEBACK": "1"},
+    )
     assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
 
 

@@ -25,30 +25,50 @@ def _instances(n: int) -> list[str]:
     "extra, world_size, expected",
     [
         # N does not divide the world size.
-        (FSDP + _instances(3), 4,
-         "--num-distributed-optimizer-instances 3 does not divide the data-parallel size 4; "
-         "pick a divisor of 4"),
+        (
+            FSDP + _instances(3),
+            4,
+            "--num-distributed-optimizer-instances 3 does not divide the data-parallel size 4; "
+            "pick a divisor of 4",
+        ),
         (FSDP + _instances(0), 4, "--num-distributed-optimizer-instances 0 must be >= 1"),
         # HSDP without Megatron-FSDP.
         (_instances(2), 4, "Megatron-FSDP's sharded state; add --use-megatron-fsdp."),
-        (["--outer-dp-sharding-strategy", "optim"] + _instances(2), 4,
-         "add --use-megatron-fsdp"),
+        (["--outer-dp-sharding-strategy", "optim"] + _instances(2), 4, "add --use-megatron-fsdp"),
         # Outer optim with an inner strategy that does not shard the optimizer.
-        (FSDP + _instances(2) + ["--outer-dp-sharding-strategy", "optim",
-                                 "--data-parallel-sharding-strategy", "no_shard"], 4,
-         "--outer-dp-sharding-strategy optim splits the optimizer state across replicas, but "
-         "--data-parallel-sharding-strategy no_shard does not shard it inside one; use "
-         "--data-parallel-sharding-strategy optim_grads_params"),
+        (
+            FSDP
+            + _instances(2)
+            + [
+                "--outer-dp-sharding-strategy",
+                "optim",
+                "--data-parallel-sharding-strategy",
+                "no_shard",
+            ],
+            4,
+            "--outer-dp-sharding-strategy optim splits the optimizer state across replicas, but "
+            "--data-parallel-sharding-strategy no_shard does not shard it inside one; use "
+            "--data-parallel-sharding-strategy optim_grads_params",
+        ),
         # Replicas of nothing sharded.
-        (FSDP + _instances(2) + ["--data-parallel-sharding-strategy", "no_shard"], 4,
-         "--data-parallel-sharding-strategy no_shard shards nothing; use optim_grads_params"),
+        (
+            FSDP + _instances(2) + ["--data-parallel-sharding-strategy", "no_shard"],
+            4,
+            "--data-parallel-sharding-strategy no_shard shards nothing; use optim_grads_params",
+        ),
         # Outer optim without replicas.
-        (FSDP + ["--outer-dp-sharding-strategy", "optim"], 4,
-         "add --num-distributed-optimizer-instances N (N > 1"),
-        (FSDP + _instances(2) + ["--outer-dp-sharding-strategy", "zero3"], 4,
-         "invalid choice: 'zero3'"),
+        (
+            FSDP + ["--outer-dp-sharding-strategy", "optim"],
+            4,
+            "add --num-distributed-optimizer-instances N (N > 1",
+        ),
+        (
+            FSDP + _instances(2) + ["--outer-dp-sharding-strategy", "zero3"],
+            4,
+            "invalid choice: 'zero3'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_hsdp_layouts_exit_2(extra, world_size, expected, capsys) -> None:
     with pytest.raises(SystemExit) as info:
         parse_args(TINY_GPT + extra, world_size=world_size)

@@ -68,8 +68,19 @@ def test_warmup_fraction_is_a_share_of_the_decay_length():
     from megatron.training.configs import build_lr_schedule_config
     from tests.unit_tests.training.common import TINY_GPT
 
-    args = parse_args(TINY_GPT + ["--train-iters", "50", "--lr", "1e-3", "--lr-warmup-fraction",
-                                  "0.05", "--lr-decay-style", "constant"])  # fmt: skip
+    args = parse_args(
+        TINY_GPT
+        + [
+            "--train-iters",
+            "50",
+            "--lr",
+            "1e-3",
+            "--lr-warmup-fraction",
+            "0.05",
+            "--lr-decay-style",
+            "constant",
+        ]
+    )
     config = build_lr_schedule_config(args)
     assert config.warmup_iters == pytest.approx(2.5)
     assert [learning_rate_at(k, config) for k in (1, 2, 3)] == pytest.approx([4e-4, 8e-4, 1e-3])
@@ -94,8 +105,16 @@ def test_train_samples_give_whole_batches_and_a_schedule_in_samples():
     from megatron.training.configs import build_lr_schedule_config
     from tests.unit_tests.training.common import TINY_GPT  # global batch size 8
 
-    flags = ["--train-samples", "100", "--lr-warmup-samples", "20", "--lr-wsd-decay-samples",
-             "40", "--lr-decay-style", "WSD"]  # fmt: skip
+    flags = [
+        "--train-samples",
+        "100",
+        "--lr-warmup-samples",
+        "20",
+        "--lr-wsd-decay-samples",
+        "40",
+        "--lr-decay-style",
+        "WSD",
+    ]
     args = parse_args(TINY_GPT + flags)
     assert args.train_iters == 12  # 100 // 8
     config = build_lr_schedule_config(args)
@@ -105,18 +124,25 @@ def test_train_samples_give_whole_batches_and_a_schedule_in_samples():
 def test_a_run_in_samples_trains_like_the_same_run_in_iterations():
     from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
 
-    samples = run_pretrain(TINY_GPT + NO_DROPOUT + ["--train-samples", "24",
-                                                    "--lr-warmup-samples", "8"])  # fmt: skip
-    iterations = run_pretrain(TINY_GPT + NO_DROPOUT + ["--train-iters", "3",
-                                                       "--lr-warmup-iters", "1"])  # fmt: skip
+    samples = run_pretrain(
+        TINY_GPT + NO_DROPOUT + ["--train-samples", "24", "--lr-warmup-samples", "8"]
+    )
+    iterations = run_pretrain(
+        TINY_GPT + NO_DROPOUT + ["--train-iters", "3", "--lr-warmup-iters", "1"]
+    )
     assert sorted(samples.losses) == [1, 2, 3]
     assert samples.losses == iterations.losses
 
 
 def test_wsd_annealing_shorter_than_one_iteration_still_ends_at_min_lr():
     # --lr-wsd-decay-samples 4 at global batch 8: half an iteration of annealing
-    config = cfg(warmup_iters=0, decay_iters=10, decay_style="WSD", wsd_decay_iters=0.5,
-                 wsd_decay_style="linear")  # fmt: skip
+    config = cfg(
+        warmup_iters=0,
+        decay_iters=10,
+        decay_style="WSD",
+        wsd_decay_iters=0.5,
+        wsd_decay_style="linear",
+    )
     assert learning_rate_at(9, config) == pytest.approx(1.0)
     assert learning_rate_at(10, config) == pytest.approx(0.1)
 

@@ -254,9 +254,14 @@ def test_fp16_line_skips_overflowing_updates(runs):
 
 def test_notes_say_once_why_a_knob_does_not_apply(runs):
     _, out, _ = runs["gpt3_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files"]
-    for key in ("--transformer-impl transformer_engine:", "--attention-backend unfused:",
-                "--no-mmap-bin-files:", "--use-persistent-ckpt-worker:",
-                "--dist-ckpt-strictness log_all:", "--use-distributed-optimizer:"):  # fmt: skip
+    for key in (
+        "--transformer-impl transformer_engine:",
+        "--attention-backend unfused:",
+        "--no-mmap-bin-files:",
+        "--use-persistent-ckpt-worker:",
+        "--dist-ckpt-strictness log_all:",
+        "--use-distributed-optimizer:",
+    ):
         assert out.count(f" > note: {key}") == 1, key
     _, out, _ = runs["llama3_8b_h100_fp8"]
     assert out.count(" > note: --sequence-parallel: off at tensor-parallel size 1") == 1
@@ -288,10 +293,17 @@ def test_llama_script_line_exits_0_through_pretrain_gpt(tmp_path):
 
 # Acceptance 2: features we have not built stop the run at parse time, before any model.
 UNBUILT_LINE = [
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
-    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "512",
+    "--tensor-model-parallel-size",
+    "2",
+    "--pipeline-model-parallel-size",
+    "2",
     "--tp-comm-overlap",
-]  # fmt: skip
+]
 
 
 def test_unbuilt_features_exit_2_in_one_message_before_any_model(monkeypatch, capsys):
@@ -306,8 +318,11 @@ def test_unbuilt_features_exit_2_in_one_message_before_any_model(monkeypatch, ca
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1
-    for flag in ("--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2",
-                 "--tp-comm-overlap"):  # fmt: skip
+    for flag in (
+        "--tensor-model-parallel-size 2",
+        "--pipeline-model-parallel-size 2",
+        "--tp-comm-overlap",
+    ):
         assert flag in err
     assert "Supported: one model replica per rank" in err
 
@@ -321,8 +336,11 @@ def test_175b_as_written_is_refused_naming_each_unbuilt_flag(capsys):
         pretrain(argv)
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.count("error:") == 1
-    for flag in ("--tensor-model-parallel-size 8", "--pipeline-model-parallel-size 16",
-                 "--step-batch-size-schedule"):  # fmt: skip
+    for flag in (
+        "--tensor-model-parallel-size 8",
+        "--pipeline-model-parallel-size 16",
+        "--step-batch-size-schedule",
+    ):
         assert flag in err
 
 

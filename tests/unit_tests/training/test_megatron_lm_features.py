@@ -46,18 +46,29 @@ def _tiny_block(**config):
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    base = dict(num_layers=4, hidden_size=32, num_attention_heads=2, vocab_size=64,
-                max_sequence_length=8, hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    base = dict(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=2,
+        vocab_size=64,
+        max_sequence_length=8,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(0)
     return TransformerBlock(TransformerConfig(**base, **config))
 
 
 @pytest.mark.parametrize(
     "method, layers, chunks",
-    [("uniform", 2, [(0, 2), (2, 4)]), ("uniform", 3, [(0, 3), (3, 4)]),
-     ("block", 1, [(0, 1)]), ("block", 3, [(0, 1), (1, 2), (2, 3)]),
-     ("block", 9, [(0, 1), (1, 2), (2, 3), (3, 4)])],
-)  # fmt: skip
+    [
+        ("uniform", 2, [(0, 2), (2, 4)]),
+        ("uniform", 3, [(0, 3), (3, 4)]),
+        ("block", 1, [(0, 1)]),
+        ("block", 3, [(0, 1), (1, 2), (2, 3)]),
+        ("block", 9, [(0, 1), (1, 2), (2, 3), (3, 4)]),
+    ],
+)
 def test_recompute_methods_checkpoint_the_megatron_lm_layers(method, layers, chunks, monkeypatch):
     from megatron.core.transformer import transformer_block
 
@@ -99,23 +110,32 @@ def test_decoupled_lr_schedules_embedding_and_output_separately():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     model = GPTModel(
-        TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64,
-                          max_sequence_length=8, untie_embeddings_and_output_weights=True)
-    )  # fmt: skip
+        TransformerConfig(
+            num_layers=1,
+            hidden_size=32,
+            num_attention_heads=2,
+            vocab_size=64,
+            max_sequence_length=8,
+            untie_embeddings_and_output_weights=True,
+        )
+    )
     optimizer = MixedPrecisionOptimizer(
         model,
         config=OptimizerConfig(lr=1e-3, min_lr=1e-5, decoupled_lr=5e-3, decoupled_min_lr=4e-4),
     )
-    schedule = LRScheduleConfig(max_lr=1e-3, min_lr=1e-5, warmup_iters=2, decay_iters=10,
-                                decay_style="cosine")  # fmt: skip
+    schedule = LRScheduleConfig(
+        max_lr=1e-3, min_lr=1e-5, warmup_iters=2, decay_iters=10, decay_style="cosine"
+    )
     scheduler = OptimizerParamScheduler(optimizer, config=schedule)
     owners = {id(p): name for name, p in model.named_parameters()}
     own = [g for g in optimizer.param_groups if "max_lr" in g]
     assert sorted(owners[id(p)] for g in own for p in g["params"]) == [
-        "embedding.word_embeddings.weight", "output_layer.weight"
-    ]  # fmt: skip
-    decoupled = LRScheduleConfig(max_lr=5e-3, min_lr=4e-4, warmup_iters=2, decay_iters=10,
-                                 decay_style="cosine")  # fmt: skip
+        "embedding.word_embeddings.weight",
+        "output_layer.weight",
+    ]
+    decoupled = LRScheduleConfig(
+        max_lr=5e-3, min_lr=4e-4, warmup_iters=2, decay_iters=10, decay_style="cosine"
+    )
     for step in range(12):
         for group in optimizer.param_groups:
             expected = decoupled if "max_lr" in group else schedule
@@ -134,8 +154,9 @@ def test_per_token_loss_weights_every_token_of_the_global_batch():
 
     args = parse_args(TINY_GPT + NO_DROPOUT, world_size=1)
     config = build_transformer_config(args, vocab_size=512)
-    env = DistributedEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
-                         dp_group=None)  # fmt: skip
+    env = DistributedEnv(
+        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), dp_group=None
+    )
     run = setup_model_and_optimizer(args, config=config, env=env)
     generator = torch.Generator().manual_seed(3)
     batches = []
@@ -143,8 +164,14 @@ def test_per_token_loss_weights_every_token_of_the_global_batch():
         tokens = torch.randint(0, 512, (2, 32), generator=generator)
         mask = torch.zeros(2, 32)
         mask.view(-1)[:tokens_kept] = 1.0
-        batches.append({"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": mask,
-                        "position_ids": torch.arange(32).expand(2, 32)})  # fmt: skip
+        batches.append(
+            {
+                "tokens": tokens,
+                "labels": tokens.roll(-1, 1),
+                "loss_mask": mask,
+                "position_ids": torch.arange(32).expand(2, 32),
+            }
+        )
 
     def grads(**options) -> list[torch.Tensor]:
         run.module.zero_grad()
@@ -154,10 +181,16 @@ def test_per_token_loss_weights_every_token_of_the_global_batch():
 
     per_token = grads(tokens_per_rank=69.0)
     run.module.zero_grad()
-    total = sum(
-        (run.model(b["tokens"], position_ids=b["position_ids"], labels=b["labels"])
-         * b["loss_mask"]).sum() for b in batches
-    ) / 69.0  # fmt: skip
+    total = (
+        sum(
+            (
+                run.model(b["tokens"], position_ids=b["position_ids"], labels=b["labels"])
+                * b["loss_mask"]
+            ).sum()
+            for b in batches
+        )
+        / 69.0
+    )
     total.backward()
     reference = [p.grad.clone() for p in run.module.parameters()]
     per_microbatch = grads()
@@ -167,9 +200,21 @@ def test_per_token_loss_weights_every_token_of_the_global_batch():
 
 def test_pytorch_profiler_trace_holds_exactly_the_asked_steps(tmp_path):
     """Megatron-LM's schedule: steps start .. end - 1, ProfilerStep#k being iteration k."""
-    run_pretrain(TINY_GPT + ["--train-iters", "4", "--profile", "--use-pytorch-profiler",
-                             "--profile-step-start", "2", "--profile-step-end", "4",
-                             "--tensorboard-dir", str(tmp_path / "tb")])  # fmt: skip
+    run_pretrain(
+        TINY_GPT
+        + [
+            "--train-iters",
+            "4",
+            "--profile",
+            "--use-pytorch-profiler",
+            "--profile-step-start",
+            "2",
+            "--profile-step-end",
+            "4",
+            "--tensorboard-dir",
+            str(tmp_path / "tb"),
+        ]
+    )
     trace = tmp_path / "torch_profile" / "rank-0.json.gz"
     with gzip.open(trace, "rt") as handle:
         events = json.load(handle)["traceEvents"]
@@ -183,8 +228,10 @@ def test_memory_history_on_cpu_says_so_and_writes_nothing(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("CUDA present: test_memory_snapshot_on_gpu covers it")
     snapshot = tmp_path / "snapshot.pickle"
-    run_pretrain(TINY_GPT + ["--train-iters", "1", "--record-memory-history",
-                             "--memory-snapshot-path", str(snapshot)])  # fmt: skip
+    run_pretrain(
+        TINY_GPT
+        + ["--train-iters", "1", "--record-memory-history", "--memory-snapshot-path", str(snapshot)]
+    )
     out = capsys.readouterr().out
     assert out.count(" > note: --record-memory-history: the CUDA allocator history") == 1
     assert list(tmp_path.iterdir()) == []
@@ -193,8 +240,10 @@ def test_memory_history_on_cpu_says_so_and_writes_nothing(tmp_path, capsys):
 @pytest.mark.gpu
 def test_memory_snapshot_on_gpu(tmp_path):
     snapshot = tmp_path / "snapshot.pickle"
-    run_pretrain(TINY_GPT + ["--train-iters", "2", "--record-memory-history",
-                             "--memory-snapshot-path", str(snapshot)])  # fmt: skip
+    run_pretrain(
+        TINY_GPT
+        + ["--train-iters", "2", "--record-memory-history", "--memory-snapshot-path", str(snapshot)]
+    )
     with open(tmp_path / "snapshot_0.pickle", "rb") as handle:
         dumped = pickle.load(handle)
     assert dumped["segments"] and any(trace for trace in dumped["device_traces"])
@@ -223,11 +272,13 @@ def test_manual_gc_collects_on_schedule_and_restores_the_collector(monkeypatch):
     [
         (["--use-distributed-optimizer"], (True, "optim", "torch_dist")),
         (["--ckpt-format", "torch_dist"], (False, "optim_grads_params", "torch_dist")),
-        (["--use-megatron-fsdp", "--use-distributed-optimizer"],
-         (True, "optim_grads_params", "torch_dist")),
+        (
+            ["--use-megatron-fsdp", "--use-distributed-optimizer"],
+            (True, "optim_grads_params", "torch_dist"),
+        ),
         ([], (False, "optim_grads_params", "torch")),
     ],
-)  # fmt: skip
+)
 def test_engine_a_megatron_lm_line_means(extra, expected):
     args = parse_args(TINY_GPT + extra, world_size=1)
     found = (args.use_megatron_fsdp, args.data_parallel_sharding_strategy, args.ckpt_format)
@@ -235,23 +286,36 @@ def test_engine_a_megatron_lm_line_means(extra, expected):
 
 
 def test_flag_spellings_of_megatron_lm_scripts():
-    args = parse_args(TINY_GPT + ["--split", "'99,1,0'", "--sequence-parallel",
-                                  "--tensor-model-parallel-size", "1"], world_size=1)  # fmt: skip
+    args = parse_args(
+        TINY_GPT
+        + ["--split", "'99,1,0'", "--sequence-parallel", "--tensor-model-parallel-size", "1"],
+        world_size=1,
+    )
     assert args.split == "99,1,0" and args.sequence_parallel is False
-    fsdp_dtypes = ["--bf16", "--use-megatron-fsdp", "--megatron-fsdp-main-params-dtype", "fp32",
-                   "--megatron-fsdp-main-grads-dtype", "auto",
-                   "--megatron-fsdp-grad-comm-dtype", "bf16"]  # fmt: skip
+    fsdp_dtypes = [
+        "--bf16",
+        "--use-megatron-fsdp",
+        "--megatron-fsdp-main-params-dtype",
+        "fp32",
+        "--megatron-fsdp-main-grads-dtype",
+        "auto",
+        "--megatron-fsdp-grad-comm-dtype",
+        "bf16",
+    ]
     args = parse_args(TINY_GPT + fsdp_dtypes, world_size=1)
     assert (args.main_params_dtype, args.main_grads_dtype, args.grad_reduce_in_bf16) == (
-        "fp32", "bf16", True
-    )  # fmt: skip
+        "fp32",
+        "bf16",
+        True,
+    )
 
 
 def test_fp16_static_scale_trains_like_fp32():
     """A static --loss-scale 1024 is undone before the update: fp16 losses follow fp32's."""
     fp32 = run_pretrain(TINY_GPT + NO_DROPOUT + ["--train-iters", "3"]).losses
-    fp16 = run_pretrain(TINY_GPT + NO_DROPOUT + ["--train-iters", "3", "--fp16",
-                                                 "--loss-scale", "1024"]).losses  # fmt: skip
+    fp16 = run_pretrain(
+        TINY_GPT + NO_DROPOUT + ["--train-iters", "3", "--fp16", "--loss-scale", "1024"]
+    ).losses
     assert all(abs(fp16[i] - fp32[i]) < 2e-4 for i in (1, 2, 3)), (fp16, fp32)
     assert fp16[3] < fp16[1] - 0.03  # it trained
 
@@ -262,8 +326,11 @@ def test_per_token_loss_with_distributed_optimizer_is_the_same_at_two_ranks():
     from tests.unit_tests.dist_utils import run_distributed
     from tests.unit_tests.training.common import run_pretrain_on_rank
 
-    argv = TINY_GPT + NO_DROPOUT + ["--train-iters", "3", "--calculate-per-token-loss",
-                                    "--use-distributed-optimizer"]  # fmt: skip
+    argv = (
+        TINY_GPT
+        + NO_DROPOUT
+        + ["--train-iters", "3", "--calculate-per-token-loss", "--use-distributed-optimizer"]
+    )
     one_rank = run_pretrain(argv).losses
     by_rank = run_distributed(run_pretrain_on_rank, 2, argv)
     assert by_rank[0] == by_rank[1]
@@ -276,8 +343,9 @@ def test_fp16_loss_scale_resumes_from_the_checkpoint(tmp_path):
     with the scale (and so the skipped updates and losses) of the uninterrupted one. 2**20
     overflows this model's fp16 grads at iteration 1 and 2**19 does not at iteration 2, so a
     resume after iteration 1 that restarted at 2**20 would skip iteration 2."""
-    fp16 = TINY_GPT + NO_DROPOUT + ["--fp16", "--initial-loss-scale", str(2**20),
-                                    "--hysteresis", "1"]  # fmt: skip
+    fp16 = (
+        TINY_GPT + NO_DROPOUT + ["--fp16", "--initial-loss-scale", str(2**20), "--hysteresis", "1"]
+    )
     whole = run_pretrain(fp16 + ["--train-iters", "4"])
     assert whole.state.skipped_iterations >= 1 and math.isfinite(whole.grad_norms[4])
     assert math.isnan(whole.grad_norms[1]) and math.isfinite(whole.grad_norms[2])
@@ -288,10 +356,23 @@ def test_fp16_loss_scale_resumes_from_the_checkpoint(tmp_path):
 
 
 def test_profile_ranks_leave_other_ranks_unprofiled(tmp_path):
-    run_pretrain(TINY_GPT + ["--train-iters", "2", "--profile", "--use-pytorch-profiler",
-                             "--profile-step-start", "1", "--profile-step-end", "2",
-                             "--profile-ranks", "1", "--tensorboard-dir",
-                             str(tmp_path / "tb")])  # fmt: skip
+    run_pretrain(
+        TINY_GPT
+        + [
+            "--train-iters",
+            "2",
+            "--profile",
+            "--use-pytorch-profiler",
+            "--profile-step-start",
+            "1",
+            "--profile-step-end",
+            "2",
+            "--profile-ranks",
+            "1",
+            "--tensorboard-dir",
+            str(tmp_path / "tb"),
+        ]
+    )
     assert not (tmp_path / "torch_profile").exists()
 
 

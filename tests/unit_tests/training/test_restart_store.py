@@ -48,8 +48,10 @@ def test_each_group_gets_a_fresh_namespace_despite_a_killed_groups_keys(monkeypa
         second[rank].set(f"seen_by_{rank}", str(rank))
     for rank in range(WORLD_SIZE):
         assert [second[rank].get(f"seen_by_{other}") for other in range(WORLD_SIZE)] == [
-            b"0", b"1", b"2",
-        ]  # fmt: skip
+            b"0",
+            b"1",
+            b"2",
+        ]
     # and none of the killed group's keys is visible in it
     assert not second[1].check(["rank_0_address"])
     assert first[1].get("rank_0_address") == b"dead"

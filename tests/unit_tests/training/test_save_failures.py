@@ -25,8 +25,9 @@ def small_disk(tmp_path):
     mount_point.mkdir()
     done = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(mount_point)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
     try:
@@ -37,14 +38,27 @@ def small_disk(tmp_path):
 
 @pytest.mark.parametrize(
     "engine",
-    [[], ["--use-megatron-fsdp", "--ckpt-format", "torch_dist"],
-     ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--async-save"]],
+    [
+        [],
+        ["--use-megatron-fsdp", "--ckpt-format", "torch_dist"],
+        ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--async-save"],
+    ],
     ids=["ddp", "fsdp", "fsdp-async"],
-)  # fmt: skip
+)
 def test_full_disk_during_a_save_stops_every_rank_and_keeps_the_previous(small_disk, engine):
     save = small_disk / "ckpt"
-    argv = ["pretrain_gpt.py", *TINY_GPT, *NO_DROPOUT, *engine, "--train-iters", "4",
-            "--save", str(save), "--save-interval", "1"]  # fmt: skip
+    argv = [
+        "pretrain_gpt.py",
+        *TINY_GPT,
+        *NO_DROPOUT,
+        *engine,
+        "--train-iters",
+        "4",
+        "--save",
+        str(save),
+        "--save-interval",
+        "1",
+    ]
     status, stdout, stderr = run_torchrun(argv, nproc=2, cwd=REPO, timeout_s=180)
     assert status == 1, stderr[-3000:]
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
@@ -66,6 +80,7 @@ def test_full_disk_during_a_save_stops_every_rank_and_keeps_the_previous(small_d
         assert "iteration        2/" not in stdout.split(" > saved checkpoint at iteration 1")[0]
     engine = [flag for flag in engine if flag != "--async-save"]  # the resume saves nothing
     # It loads (in one process: torch_dist reshards) and training continues from iteration 1.
-    resumed = run_pretrain(TINY_GPT + NO_DROPOUT + engine + ["--train-iters", "4",
-                                                             "--load", str(save)])  # fmt: skip
+    resumed = run_pretrain(
+        TINY_GPT + NO_DROPOUT + engine + ["--train-iters", "4", "--load", str(save)]
+    )
     assert sorted(resumed.losses) == [2, 3, 4]

@@ -50,11 +50,27 @@ def test_compiled_training_matches_eager(flags: list[str], tolerance: float):
 # --- GPU: the compiled FP8 training step against eager, every recipe ---------------------------
 
 GPU_GPT = [
-    *TINY_GPT, *NO_DROPOUT, "--hidden-size", "256", "--ffn-hidden-size", "512",
-    "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "1024",
-    "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-    "--position-embedding-type", "rope", "--train-iters", str(STEPS),
-]  # fmt: skip
+    *TINY_GPT,
+    *NO_DROPOUT,
+    "--hidden-size",
+    "256",
+    "--ffn-hidden-size",
+    "512",
+    "--seq-length",
+    "128",
+    "--max-position-embeddings",
+    "128",
+    "--vocab-size",
+    "1024",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--position-embedding-type",
+    "rope",
+    "--train-iters",
+    str(STEPS),
+]
 
 
 @pytest.mark.gpu
@@ -73,9 +89,15 @@ def test_compiled_fp8_params_training_matches_eager_on_gpu(recipe: str):
         torch._dynamo.reset()
     for step in range(1, STEPS + 1):
         norm_eager, norm_compiled = eager.grad_norms[step], compiled.grad_norms[step]
-        assert abs(norm_compiled - norm_eager) <= 0.05 * norm_eager, (step, norm_eager,
-                                                                     norm_compiled)
+        assert abs(norm_compiled - norm_eager) <= 0.05 * norm_eager, (
+            step,
+            norm_eager,
+            norm_compiled,
+        )
         loss_eager, loss_compiled = eager.losses[step], compiled.losses[step]
-        assert abs(loss_compiled - loss_eager) <= 1e-2 * loss_eager, (step, loss_eager,
-                                                                      loss_compiled)
+        assert abs(loss_compiled - loss_eager) <= 1e-2 * loss_eager, (
+            step,
+            loss_eager,
+            loss_compiled,
+        )
     assert eager.losses[STEPS] < eager.losses[1] - 0.05  # the run learns at all

@@ -166,8 +166,11 @@ def test_log_line_fields(capsys):
     tokens = float(lines[1]["tokens"])
     ms = float(lines[1]["ms"])
     assert tokens == pytest.approx(8 * 32 / (ms / 1000), rel=0.01)
-    valid = re.findall(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|"
-                       r" lm loss PPL: (\S+) \|", out)  # fmt: skip
+    valid = re.findall(
+        r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|"
+        r" lm loss PPL: (\S+) \|",
+        out,
+    )
     assert [int(v[0]) for v in valid] == [2, 4]
     for _, loss, ppl in valid:
         assert float(ppl) == pytest.approx(math.exp(float(loss)), rel=1e-5)
@@ -186,11 +189,22 @@ def test_sigterm_with_exit_signal_handler_saves_and_resumes(tmp_path):
     from tests.unit_tests.training.common import TINY_GPT, run_pretrain
 
     schedule = ["--lr-decay-iters", "1000"]
-    argv = [sys.executable, "-u", "pretrain_gpt.py", *TINY_GPT, *schedule, "--train-iters",
-            "100000", "--save", str(tmp_path), "--exit-signal-handler"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-u",
+        "pretrain_gpt.py",
+        *TINY_GPT,
+        *schedule,
+        "--train-iters",
+        "100000",
+        "--save",
+        str(tmp_path),
+        "--exit-signal-handler",
+    ]
     repo_root = Path(__file__).resolve().parents[3]
-    proc = subprocess.Popen(argv, cwd=repo_root, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines = []
     try:
         for line in proc.stdout:
@@ -207,8 +221,9 @@ def test_sigterm_with_exit_signal_handler_saves_and_resumes(tmp_path):
     saved = read_tracker(str(tmp_path))
     assert saved is not None and 3 <= saved < 100000
     assert f"exiting at iteration {saved} (SIGTERM received)" in output
-    resumed = run_pretrain(TINY_GPT + schedule + ["--train-iters", str(saved + 2), "--load",
-                                                  str(tmp_path)])  # fmt: skip
+    resumed = run_pretrain(
+        TINY_GPT + schedule + ["--train-iters", str(saved + 2), "--load", str(tmp_path)]
+    )
     assert sorted(resumed.losses) == [saved + 1, saved + 2]
 
 

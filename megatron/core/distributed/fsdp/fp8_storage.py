@@ -158,16 +158,19 @@ class Fp8ComputeStorage(ComputeStorage):
         self.backward_direction = self.directions[-1]
         # Per-tensor and 128x128 weights: backward reads a transpose of the rowwise bytes.
         self.transpose_for_backward = self.backward_direction == "rowwise"
-        self.full = {d: tracker.zeros(layout.padded_numel, dtype=torch.uint8, device=device)
-                     for d in self.directions}  # fmt: skip
+        self.full = {
+            d: tracker.zeros(layout.padded_numel, dtype=torch.uint8, device=device)
+            for d in self.directions
+        }
         self.scale_full: dict[str, torch.Tensor] = {}
         if scales_sharded:
             for d in self.directions:
                 self.scale_full[d] = tracker.zeros(
                     layout.padded_numel // MXFP8_BLOCK, dtype=torch.uint8, device=device
                 )
-        self.slot_scales = [] if scales_sharded else [self._new_slot_scales(s.shape)
-                                                     for s in layout.slots]  # fmt: skip
+        self.slot_scales = (
+            [] if scales_sharded else [self._new_slot_scales(s.shape) for s in layout.slots]
+        )
         self.shard: dict[str, torch.Tensor] = {}
         self.scale_shard: dict[str, torch.Tensor] = {}
         lo, hi = layout.shard_range(layout.rank)
@@ -209,10 +212,14 @@ class Fp8ComputeStorage(ComputeStorage):
         """An FP8 parameter with no bytes yet (bind_params points it at the buffers)."""
         slot = self.layout.slots[slot_index]
         qt = QuantizedTensor(
-            shape=slot.shape, dtype=self.spec.dtype, recipe=self.spec.recipe,
-            fp8_dtype=self.spec.fp8_dtype, role="weight", tensor_name=slot.name,
+            shape=slot.shape,
+            dtype=self.spec.dtype,
+            recipe=self.spec.recipe,
+            fp8_dtype=self.spec.fp8_dtype,
+            role="weight",
+            tensor_name=slot.name,
             device=self.device,
-        )  # fmt: skip
+        )
         return nn.Parameter(qt, requires_grad=requires_grad)
 
     def bind_params(self, params: list[nn.Parameter]) -> None:
@@ -261,13 +268,17 @@ class Fp8ComputeStorage(ComputeStorage):
             if self.gathered[d]:
                 continue
             self.tracker.resize_storage(self.full[d], self.layout.padded_numel)
-            works.append(all_gather_flat(self.full[d], self.shard[d], group=self.group,
-                                         async_op=async_op))  # fmt: skip
+            works.append(
+                all_gather_flat(self.full[d], self.shard[d], group=self.group, async_op=async_op)
+            )
             if self.scales_sharded:
                 full_scales = self.scale_full[d]
                 self.tracker.resize_storage(full_scales, self.layout.padded_numel // MXFP8_BLOCK)
-                works.append(all_gather_flat(full_scales, self.scale_shard[d], group=self.group,
-                                             async_op=async_op))  # fmt: skip
+                works.append(
+                    all_gather_flat(
+                        full_scales, self.scale_shard[d], group=self.group, async_op=async_op
+                    )
+                )
             self.gathered[d] = True
             self._point(d)  # views only; nothing reads them before finish_gather
             nbytes += self._gather_nbytes()
@@ -326,18 +337,20 @@ class Fp8ComputeStorage(ComputeStorage):
     def local_amaxes(self, main_shard: torch.Tensor) -> torch.Tensor:
         """This rank's partial amax of every scale cell (0 where it holds no element)."""
         entries = self._cell_layout()
-        amaxes = torch.zeros(sum(n for *_, n in entries), dtype=torch.float32,
-                             device=self.device)  # fmt: skip
+        amaxes = torch.zeros(sum(n for *_, n in entries), dtype=torch.float32, device=self.device)
         cells = {(index, d): amaxes[offset : offset + n] for index, d, offset, n in entries}
         slot_index = {id(slot): i for i, slot in enumerate(self.layout.slots)}
         for piece in self.layout.pieces():
             values = main_shard[piece.shard_start : piece.shard_start + piece.numel]
             for d in self.directions:
                 piece_cell_amax_(
-                    values, cells[(slot_index[id(piece.slot)], d)], shape=piece.slot.shape,
-                    recipe=self.spec.recipe, columnwise=d == "columnwise",
+                    values,
+                    cells[(slot_index[id(piece.slot)], d)],
+                    shape=piece.slot.shape,
+                    recipe=self.spec.recipe,
+                    columnwise=d == "columnwise",
                     param_start=piece.param_start,
-                )  # fmt: skip
+                )
         return amaxes
 
     def amax_to_reduce(self, main_shard: torch.Tensor) -> torch.Tensor | None:
@@ -355,9 +368,12 @@ class Fp8ComputeStorage(ComputeStorage):
             e8m0 = compute_scale(amax_cells, recipe="mxfp8", fp8_dtype=fp8_dtype)
             return e8m0_to_fp32(e8m0, negate_exponent=True), e8m0
         scale = compute_scale(
-            amax_cells, recipe=recipe, fp8_dtype=fp8_dtype,
-            power_2_scale=self.spec.power_2_scale, input_dtype=torch.float32,
-        )  # fmt: skip
+            amax_cells,
+            recipe=recipe,
+            fp8_dtype=fp8_dtype,
+            power_2_scale=self.spec.power_2_scale,
+            input_dtype=torch.float32,
+        )
         return scale, reciprocal(scale)
 
     @torch.no_grad()
@@ -391,10 +407,15 @@ class Fp8ComputeStorage(ComputeStorage):
             for piece in pieces_by_slot.get(id(slot), []):
                 lo, hi = piece.shard_start, piece.shard_start + piece.numel
                 piece_cast_(
-                    main_shard[lo:hi], multiplier, self.shard[d][lo:hi], shape=slot.shape,
-                    recipe=self.spec.recipe, columnwise=d == "columnwise",
-                    param_start=piece.param_start, fp8_dtype=self.spec.fp8_dtype,
-                )  # fmt: skip
+                    main_shard[lo:hi],
+                    multiplier,
+                    self.shard[d][lo:hi],
+                    shape=slot.shape,
+                    recipe=self.spec.recipe,
+                    columnwise=d == "columnwise",
+                    param_start=piece.param_start,
+                    fp8_dtype=self.spec.fp8_dtype,
+                )
             self.slot_scales[index][d].copy_(scale_inv.reshape(self.slot_scales[index][d].shape))
         if update_scaling and self.spec.recipe == "delayed":
             # Per-tensor grids have one cell per weight, in slot order.
@@ -411,12 +432,13 @@ class Fp8ComputeStorage(ComputeStorage):
             lo, hi = piece.shard_start, piece.shard_start + piece.numel
             scale_lo, scale_hi = lo // MXFP8_BLOCK, hi // MXFP8_BLOCK
             quantize_mxfp8_rows_(
-                main_shard[lo:hi].view(rows, cols), fp8_dtype=self.spec.fp8_dtype,
+                main_shard[lo:hi].view(rows, cols),
+                fp8_dtype=self.spec.fp8_dtype,
                 row_data=self.shard["rowwise"][lo:hi].view(rows, cols),
                 row_scale=self.scale_shard["rowwise"][scale_lo:scale_hi].view(rows, -1),
                 col_data=self.shard["columnwise"][lo:hi].view(rows, cols),
                 col_scale=self.scale_shard["columnwise"][scale_lo:scale_hi].view(-1, cols),
-            )  # fmt: skip
+            )
 
     def reset_delayed_scaling(self) -> None:
         """Forget the weight scales' history (a checkpoint without delayed-scaling state)."""
@@ -434,10 +456,19 @@ class Fp8ComputeStorage(ComputeStorage):
         # Separate inputs (gloo does not document in-place all-gather); kept until the next sync.
         self._sync_inputs = {d: self.shard[d].clone() for d in self.directions}
         for d in self.directions:
-            works.append(all_gather_flat(self.full[d], self._sync_inputs[d], group=self.group,
-                                         async_op=async_op))  # fmt: skip
+            works.append(
+                all_gather_flat(
+                    self.full[d], self._sync_inputs[d], group=self.group, async_op=async_op
+                )
+            )
             if self.scales_sharded:
                 self._sync_inputs[d + "_scales"] = self.scale_shard[d].clone()
-                works.append(all_gather_flat(self.scale_full[d], self._sync_inputs[d + "_scales"],
-                                             group=self.group, async_op=async_op))  # fmt: skip
+                works.append(
+                    all_gather_flat(
+                        self.scale_full[d],
+                        self._sync_inputs[d + "_scales"],
+                        group=self.group,
+                        async_op=async_op,
+                    )
+                )
         return _as_work(works), self._gather_nbytes() * len(self.directions)

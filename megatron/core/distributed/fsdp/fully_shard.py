@@ -64,15 +64,25 @@ from megatron.core.optimizer import OptimizerConfig
 _ZERO_STAGES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
 # Megatron-FSDP options about its own buffers and NCCL, with their defaults: accepted unchanged.
 _MEGATRON_ONLY_DEFAULTS = {
-    "expt_device_mesh": None, "hybrid_fsdp_expt_group": None, "fsdp_group_ag": None,
-    "expt_fsdp_group_ag": None, "preproc_state_dict_for_dcp_ckpt": True,
-    "report_nan_in_param_grad": False, "average_in_collective": False,
-    "disable_bucketing": False, "calculate_per_token_loss": False,
-    "keep_fp8_transpose_cache": False, "nccl_ub": False, "fsdp_double_buffer": False,
-    "fsdp_db_use_persist_buf_on_alloc_fail": False, "disable_symmetric_registration": False,
-    "enable_fine_grained_param_gather": False, "use_decoupled_grad": False,
-    "cuda_graph_mode": False, "maxpool_double_buffer": False,
-}  # fmt: skip
+    "expt_device_mesh": None,
+    "hybrid_fsdp_expt_group": None,
+    "fsdp_group_ag": None,
+    "expt_fsdp_group_ag": None,
+    "preproc_state_dict_for_dcp_ckpt": True,
+    "report_nan_in_param_grad": False,
+    "average_in_collective": False,
+    "disable_bucketing": False,
+    "calculate_per_token_loss": False,
+    "keep_fp8_transpose_cache": False,
+    "nccl_ub": False,
+    "fsdp_double_buffer": False,
+    "fsdp_db_use_persist_buf_on_alloc_fail": False,
+    "disable_symmetric_registration": False,
+    "enable_fine_grained_param_gather": False,
+    "use_decoupled_grad": False,
+    "cuda_graph_mode": False,
+    "maxpool_double_buffer": False,
+}
 
 
 @dataclass(frozen=True)
@@ -222,7 +232,7 @@ def fully_shard_model(
             outer_dp_sharding_strategy,
             allowed={0: "no_shard", 1: "optim"},
             what="outer_dp_sharding_strategy",
-        ),  # fmt: skip
+        ),
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
         main_grads_dtype=main_grads,

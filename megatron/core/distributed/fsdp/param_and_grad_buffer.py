@@ -448,11 +448,15 @@ class ParamAndGradBuffer:
             rank=self.rank if shards else 0,
         )
         storage = Fp8ComputeStorage(
-            layout=layout, scales_sharded=scales_sharded, spec=spec,
+            layout=layout,
+            scales_sharded=scales_sharded,
+            spec=spec,
             delayed_metas=[entry_spec.delayed_meta for _, _, entry_spec in entries],
-            device=self.device, sharded=config.shards_params, group=self.group,
+            device=self.device,
+            sharded=config.shards_params,
+            group=self.group,
             tracker=self.tracker,
-        )  # fmt: skip
+        )
         group = self._new_group(entries, layout, storage, main_shard=None)
         for index, (names, param, _) in enumerate(entries):
             full_value = self._fp8_init_value(names[0], param, init_fn)
@@ -556,9 +560,10 @@ class ParamAndGradBuffer:
         works = []
         for group in groups:
             group.storage.write_main_shard(
-                group.main_shard, reduced_amax=reduced.get(id(group)),
+                group.main_shard,
+                reduced_amax=reduced.get(id(group)),
                 update_scaling=update_scaling,
-            )  # fmt: skip
+            )
             work, nbytes = group.storage.sync_replicas(async_op=True)
             gathered_bytes += nbytes
             if stats is not None:
@@ -586,8 +591,14 @@ class ParamAndGradBuffer:
             part = torch.zeros(chunk, dtype=shard.dtype, device=shard.device)
             part[: hi - lo].copy_(shard[lo:hi])
             gathered = torch.empty(chunk * self.outer_size, dtype=shard.dtype, device=shard.device)
-            works.append((group, part, gathered, all_gather_flat(
-                gathered, part, group=self.outer_group, async_op=True)))  # fmt: skip
+            works.append(
+                (
+                    group,
+                    part,
+                    gathered,
+                    all_gather_flat(gathered, part, group=self.outer_group, async_op=True),
+                )
+            )
             if stats is not None:
                 stats.add("outer_all_gather_bytes", gathered.numel() * gathered.element_size())
         for group, _, gathered, work in works:
@@ -605,8 +616,11 @@ class ParamAndGradBuffer:
             if amax is not None:
                 vectors[id(group)] = amax
         # Every rank holds the same groups, so all agree on whether to communicate.
-        shared = [key for key, g in ((id(g), g) for g in groups)
-                  if key in vectors and g.layout.world_size > 1]  # fmt: skip
+        shared = [
+            key
+            for key, g in ((id(g), g) for g in groups)
+            if key in vectors and g.layout.world_size > 1
+        ]
         if shared:
             packed = torch.cat([vectors[key] for key in shared])
             dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.group)

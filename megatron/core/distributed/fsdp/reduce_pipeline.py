@@ -136,12 +136,18 @@ class GradReducePipeline:
         if in_place:
             result = grads
         else:
-            result = torch.empty(group.layout.shard_numel, dtype=staging.dtype,
-                                 device=staging.device)  # fmt: skip
+            result = torch.empty(
+                group.layout.shard_numel, dtype=staging.dtype, device=staging.device
+            )
         work = reduce_scatter_flat(result, staging, group=self.process_group, async_op=self.overlap)
         self.stats.add("reduce_scatter_bytes", staging.numel() * staging.element_size())
-        pending = _PendingReduce(group=group, work=work, result=None if in_place else result,
-                                 keep_alive=staging, then_outer=then_outer)  # fmt: skip
+        pending = _PendingReduce(
+            group=group,
+            work=work,
+            result=None if in_place else result,
+            keep_alive=staging,
+            then_outer=then_outer,
+        )
         self._queue(pending)
 
     def _reduce_local_grads(self, group: BufferGroup, *, then_outer: bool) -> None:
@@ -153,14 +159,20 @@ class GradReducePipeline:
         if group.layout.world_size == 1:  # no_shard: every rank keeps every grad
             work = all_reduce_sum(scaled, group=self.process_group, async_op=self.overlap)
             self.stats.add("all_reduce_bytes", nbytes if self.world_size > 1 else 0)
-            self._queue(_PendingReduce(group=group, work=work, result=scaled, keep_alive=None,
-                                       then_outer=then_outer))  # fmt: skip
+            self._queue(
+                _PendingReduce(
+                    group=group, work=work, result=scaled, keep_alive=None, then_outer=then_outer
+                )
+            )
             return
         result = torch.empty(group.layout.shard_numel, dtype=scaled.dtype, device=scaled.device)
         work = reduce_scatter_flat(result, scaled, group=self.process_group, async_op=self.overlap)
         self.stats.add("reduce_scatter_bytes", nbytes)
-        self._queue(_PendingReduce(group=group, work=work, result=result, keep_alive=scaled,
-                                   then_outer=then_outer))  # fmt: skip
+        self._queue(
+            _PendingReduce(
+                group=group, work=work, result=result, keep_alive=scaled, then_outer=then_outer
+            )
+        )
 
     def _queue(self, pending: _PendingReduce) -> None:
         self._pending.append(pending)

@@ -32,5 +32,6 @@ def cast_into(target: torch.Tensor, source: torch.Tensor, *, accumulate: bool) -
         return
     grid = (triton.cdiv(numel, BLOCK),)
     with torch.cuda.device(target.device):
-        _cast_into_kernel[grid](target, source, numel, ACCUMULATE=accumulate, BLOCK=BLOCK,
-                                num_warps=8)  # fmt: skip
+        _cast_into_kernel[grid](
+            target, source, numel, ACCUMULATE=accumulate, BLOCK=BLOCK, num_warps=8
+        )

@@ -86,9 +86,14 @@ def scaled_mm(
     _check_operands(a_data, b_data)
     if emulate:
         return emulated_mm(
-            a_data, b_data, a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv,
-            recipe=recipe, out_dtype=out_dtype, compute_dtype=emulate_dtype,
-        )  # fmt: skip
+            a_data,
+            b_data,
+            a_scale_inv=a_scale_inv,
+            b_scale_inv=b_scale_inv,
+            recipe=recipe,
+            out_dtype=out_dtype,
+            compute_dtype=emulate_dtype,
+        )
     if recipe in ("delayed", "tensorwise"):
         return _per_tensor_mm(a_data, b_data, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum)
     if recipe == "blockwise":
@@ -165,9 +170,14 @@ def _blockwise_mm(a, b, a_scale_inv, b_scale_inv, out_dtype):
     if cause:
         _blockwise_status["path"] = f"emulated: {cause}"
         return emulated_mm(
-            a, b, a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv, recipe="blockwise",
-            out_dtype=out_dtype, compute_dtype=torch.float32,
-        )  # fmt: skip
+            a,
+            b,
+            a_scale_inv=a_scale_inv,
+            b_scale_inv=b_scale_inv,
+            recipe="blockwise",
+            out_dtype=out_dtype,
+            compute_dtype=torch.float32,
+        )
     # A multiple of 512 keeps the K-block count a multiple of 4 when a 128x128 scale grid is
     # involved (its row stride must be 16-byte aligned under both the v1 and v2 checks).
     k_pad = round_up(k, 4 * BLOCK_128 if "128x128" in (a_kind, b_kind) else BLOCK_128)

@@ -81,8 +81,17 @@ def _run_compiled(kernel, grid_3d, args, constexprs, compiled, tail, device, run
     stream = _raw_stream(device)
     try:
         metadata = compiled.launch_metadata(grid_3d, stream, *args, *tail)
-        compiled.run(*grid_3d, stream, compiled.function, compiled.packed_metadata, metadata,
-                     runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *tail)  # fmt: skip
+        compiled.run(
+            *grid_3d,
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            metadata,
+            runtime.launch_enter_hook,
+            runtime.launch_exit_hook,
+            *args,
+            *tail,
+        )
     except (TypeError, AttributeError, RuntimeError) as err:
         _direct["enabled"], _direct["why_not"] = False, f"{type(err).__name__}: {err}"[:200]
         kernel[grid_3d](*args, **constexprs)

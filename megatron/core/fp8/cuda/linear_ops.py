@@ -84,8 +84,19 @@ def quantize_operands(
         scale = amax_history = None  # only the delayed recipe reads a scale or records
     if recipe == "mxfp8":
         dequant_dtype = dequant_dtype or emulation_dtype(x2d.dtype)
-    key = (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, x2d.shape, x2d.dtype,
-           x2d.device, amax_history is not None, dequant_dtype)  # fmt: skip
+    key = (
+        recipe,
+        fp8_dtype,
+        role,
+        rowwise,
+        transposed,
+        power_2_scale,
+        x2d.shape,
+        x2d.dtype,
+        x2d.device,
+        amax_history is not None,
+        dequant_dtype,
+    )
     if torch.compiler.is_compiling():
         # Traced: no data pointers read and no global cache written; every launch goes
         # through Triton's own call, which torch.compile traces (launch.LaunchSite).
@@ -125,8 +136,20 @@ class OperandPlan:
     call may vary is which of the caller's tensors are 16-byte aligned (outputs allocated
     here always are), the alignment key of the sites."""
 
-    def __init__(self, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, shape,
-                 dtype, device, record, dequant_dtype) -> None:  # fmt: skip
+    def __init__(
+        self,
+        recipe,
+        fp8_dtype,
+        role,
+        rowwise,
+        transposed,
+        power_2_scale,
+        shape,
+        dtype,
+        device,
+        record,
+        dequant_dtype,
+    ) -> None:
         self.recipe, self.fp8_dtype = recipe, fp8_dtype
         self.rowwise, self.transposed = rowwise, transposed
         self.rows, self.cols = shape
@@ -141,40 +164,73 @@ class OperandPlan:
                 self.amax = LaunchSite(kernel, grid, constexprs)
                 partials = grid[0]
             self.partials = partials
-            self.cast = LaunchSite(*cq.per_tensor_cast_spec(
-                rows, cols, write_row=rowwise, write_t=transposed, record=record,
-                fp8_dtype=fp8_dtype, recipe=recipe, power_2_scale=power_2_scale,
-                input_dtype=dtype, amax_partials=partials,
-            ))  # fmt: skip
+            self.cast = LaunchSite(
+                *cq.per_tensor_cast_spec(
+                    rows,
+                    cols,
+                    write_row=rowwise,
+                    write_t=transposed,
+                    record=record,
+                    fp8_dtype=fp8_dtype,
+                    recipe=recipe,
+                    power_2_scale=power_2_scale,
+                    input_dtype=dtype,
+                    amax_partials=partials,
+                )
+            )
             self.run = self._per_tensor
         elif recipe == "blockwise" and role == "weight":
-            self.cast = LaunchSite(*cq.block_128x128_spec(
-                rows, cols, write_row=rowwise, write_t=transposed, record=False,
-                fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=dtype,
-            ))  # fmt: skip
+            self.cast = LaunchSite(
+                *cq.block_128x128_spec(
+                    rows,
+                    cols,
+                    write_row=rowwise,
+                    write_t=transposed,
+                    record=False,
+                    fp8_dtype=fp8_dtype,
+                    power_2_scale=power_2_scale,
+                    input_dtype=dtype,
+                )
+            )
             self.run = self._block_128x128
         elif recipe == "blockwise":
             options = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=dtype)
             fused = None
             if rowwise and transposed:
                 fused = cq.block_1x128_fused_spec(
-                    rows, cols, columnwise=False, write_t=True, record=False, row_scale_t=True,
+                    rows,
+                    cols,
+                    columnwise=False,
+                    write_t=True,
+                    record=False,
+                    row_scale_t=True,
                     **options,
-                )  # fmt: skip
+                )
             self.fused_site = LaunchSite(*fused) if fused is not None else None
             if rowwise and fused is None:
-                self.rows_site = LaunchSite(*cq.block_1x128_rows_spec(
-                    rows, cols, record=False, row_scale_t=True, **options))  # fmt: skip
+                self.rows_site = LaunchSite(
+                    *cq.block_1x128_rows_spec(rows, cols, record=False, row_scale_t=True, **options)
+                )
             if transposed and fused is None:
-                self.cols_site = LaunchSite(*cq.block_128x1_cols_spec(
-                    rows, cols, columnwise=False, write_t=True, record=False, **options
-                ))  # fmt: skip
+                self.cols_site = LaunchSite(
+                    *cq.block_128x1_cols_spec(
+                        rows, cols, columnwise=False, write_t=True, record=False, **options
+                    )
+                )
             self.run = self._block_1x128
         elif recipe == "mxfp8":
-            self.cast = LaunchSite(*cq.mxfp8_spec(
-                rows, cols, rowwise=rowwise, columnwise=transposed, write_t=False,
-                record=False, fp8_dtype=fp8_dtype, dequant=True,
-            ))  # fmt: skip
+            self.cast = LaunchSite(
+                *cq.mxfp8_spec(
+                    rows,
+                    cols,
+                    rowwise=rowwise,
+                    columnwise=transposed,
+                    write_t=False,
+                    record=False,
+                    fp8_dtype=fp8_dtype,
+                    dequant=True,
+                )
+            )
             self.run = self._mxfp8_dequantized
         else:
             raise ValueError(f"unknown recipe {recipe!r}")
@@ -274,9 +330,12 @@ def weight_operand(weight, usage: str, *, compute_dtype: torch.dtype) -> GemmOpe
     if data is None:
         raise ValueError(f"the FP8 mxfp8 weight has no {usage} copy; quantize it with both")
     values = cq.mxfp8_dequantize(
-        data.reshape(-1, weight.shape[-1]), scale_inv, fp8_dtype=weight.fp8_dtype,
-        columnwise=columnwise, out_dtype=compute_dtype,
-    )  # fmt: skip
+        data.reshape(-1, weight.shape[-1]),
+        scale_inv,
+        fp8_dtype=weight.fp8_dtype,
+        columnwise=columnwise,
+        out_dtype=compute_dtype,
+    )
     return GemmOperand(values.t() if columnwise else values, None)
 
 
@@ -290,9 +349,7 @@ def gemm(
     (Inductor's lowering refuses blockwise scale grids with symbolic shapes), and fuses the
     model's elementwise code around it. Eager calls skip the op's dispatch (a few us each)."""
     if torch.compiler.is_compiling():
-        return _gemm_op(
-            a.data, a.scale_inv, b.data, b.scale_inv, recipe, out_dtype, fast_accum
-        )
+        return _gemm_op(a.data, a.scale_inv, b.data, b.scale_inv, recipe, out_dtype, fast_accum)
     return _gemm_eager(a, b, recipe=recipe, out_dtype=out_dtype, fast_accum=fast_accum)
 
 
@@ -307,9 +364,12 @@ def _gemm_op(
     fast_accum: bool,
 ) -> torch.Tensor:
     return _gemm_eager(
-        GemmOperand(a_data, a_scale_inv), GemmOperand(b_data, b_scale_inv), recipe=recipe,
-        out_dtype=out_dtype, fast_accum=fast_accum,
-    )  # fmt: skip
+        GemmOperand(a_data, a_scale_inv),
+        GemmOperand(b_data, b_scale_inv),
+        recipe=recipe,
+        out_dtype=out_dtype,
+        fast_accum=fast_accum,
+    )
 
 
 @_gemm_op.register_fake
@@ -326,8 +386,15 @@ def _gemm_eager(
     direct = _direct_scaled_mm(a, b, recipe=recipe, out_dtype=out_dtype, fast_accum=fast_accum)
     if direct is not None:
         return direct
-    return scaled_mm(a.data, b.data, a_scale_inv=a.scale_inv, b_scale_inv=b.scale_inv,
-                     recipe=recipe, out_dtype=out_dtype, use_fast_accum=fast_accum)  # fmt: skip
+    return scaled_mm(
+        a.data,
+        b.data,
+        a_scale_inv=a.scale_inv,
+        b_scale_inv=b.scale_inv,
+        recipe=recipe,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
 
 
 def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum) -> torch.Tensor | None:
@@ -345,8 +412,9 @@ def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum) -> torch.Tensor | 
     if recipe in PER_TENSOR:
         if sa.dim() or sb.dim() or sa.dtype != torch.float32 or sb.dtype != torch.float32:
             return None
-        return torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
-                                use_fast_accum=fast_accum)  # fmt: skip
+        return torch._scaled_mm(
+            x, w.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum
+        )
     if recipe != "blockwise" or blockwise_gemm_path() != "torch._scaled_mm" or rows % 16:
         return None
     k_blocks = k // BLOCK_128
@@ -361,8 +429,9 @@ def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum) -> torch.Tensor | 
     if not (b_1x128 or (b_128x128 and k % 512 == 0)):
         return None
     try:
-        return torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype,
-                                use_fast_accum=False)  # fmt: skip
+        return torch._scaled_mm(
+            x, w.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype, use_fast_accum=False
+        )
     except (RuntimeError, NotImplementedError, ValueError):
         # cuBLASLt may refuse one shape after accepting others: the general path decides
         # (it records the refusal and emulates), as it would have without this shortcut.

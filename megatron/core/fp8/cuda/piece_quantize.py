@@ -132,8 +132,9 @@ def piece_cell_amax_(
     """Max into `cell_amax` (fp32, >= 0, the weight's flattened cell grid) the NaN-ignoring
     max|x| of each cell over the piece `values` (elements param_start.. of the weight)."""
     _check_piece(values, shape, param_start)
-    grid_rows, grid_cols = _checked_grid(cell_amax, "cell_amax", shape=shape, recipe=recipe,
-                                         columnwise=columnwise)  # fmt: skip
+    grid_rows, grid_cols = _checked_grid(
+        cell_amax, "cell_amax", shape=shape, recipe=recipe, columnwise=columnwise
+    )
     numel = values.numel()
     if numel == 0:
         return
@@ -142,18 +143,35 @@ def piece_cell_amax_(
             shape, recipe=recipe, columnwise=columnwise, param_start=param_start, numel=numel
         )
         cq._triton_kernels().piece_amax_kernel[grid](
-            values, cell_amax.view(torch.int32), param_start, numel, rows_cols(shape)[1],
-            row_base, grid_rows, grid_cols, CR=cell_rows, CC=cell_cols,
-            RG=max(TILE_ROWS // cell_rows, 1), CG=max(TILE_COLS // cell_cols, 1),
-            TR=TILE_ROWS, TC=TILE_COLS, num_warps=4,
-        )  # fmt: skip
+            values,
+            cell_amax.view(torch.int32),
+            param_start,
+            numel,
+            rows_cols(shape)[1],
+            row_base,
+            grid_rows,
+            grid_cols,
+            CR=cell_rows,
+            CC=cell_cols,
+            RG=max(TILE_ROWS // cell_rows, 1),
+            CG=max(TILE_COLS // cell_cols, 1),
+            TR=TILE_ROWS,
+            TC=TILE_COLS,
+            num_warps=4,
+        )
         return
     magnitude = amax_ignoring_nan(values.reshape(1, -1), dim=0)
     if recipe in PER_TENSOR:
         cell_amax.copy_(torch.maximum(cell_amax.reshape(()), magnitude.amax()).reshape(1))
         return
-    cells = cell_index(shape, recipe=recipe, columnwise=columnwise, param_start=param_start,
-                       numel=numel, device=values.device)  # fmt: skip
+    cells = cell_index(
+        shape,
+        recipe=recipe,
+        columnwise=columnwise,
+        param_start=param_start,
+        numel=numel,
+        device=values.device,
+    )
     cell_amax.scatter_reduce_(0, cells, magnitude, reduce="amax", include_self=True)
 
 
@@ -176,8 +194,9 @@ def piece_cast_(
         raise ValueError("out must be a contiguous uint8 tensor shaped like the piece")
     # A delayed scale can still live on the CPU (its Fp8Linear moves it at the first forward).
     multiplier = multiplier.reshape(-1).to(values.device)
-    _, grid_cols = _checked_grid(multiplier, "multiplier", shape=shape, recipe=recipe,
-                                 columnwise=columnwise)  # fmt: skip
+    _, grid_cols = _checked_grid(
+        multiplier, "multiplier", shape=shape, recipe=recipe, columnwise=columnwise
+    )
     numel = values.numel()
     if numel == 0:
         return
@@ -186,17 +205,34 @@ def piece_cast_(
             shape, recipe=recipe, columnwise=columnwise, param_start=param_start, numel=numel
         )
         cq._triton_kernels().piece_cast_kernel[grid](
-            values, out, multiplier.contiguous(), param_start, numel, rows_cols(shape)[1],
-            row_base, grid_cols, FP8_MAX=fp8_max(fp8_dtype),
-            E4M3=fp8_dtype == torch.float8_e4m3fn, CR=cell_rows, CC=cell_cols,
-            TR=TILE_ROWS, TC=TILE_COLS, num_warps=4,
-        )  # fmt: skip
+            values,
+            out,
+            multiplier.contiguous(),
+            param_start,
+            numel,
+            rows_cols(shape)[1],
+            row_base,
+            grid_cols,
+            FP8_MAX=fp8_max(fp8_dtype),
+            E4M3=fp8_dtype == torch.float8_e4m3fn,
+            CR=cell_rows,
+            CC=cell_cols,
+            TR=TILE_ROWS,
+            TC=TILE_COLS,
+            num_warps=4,
+        )
         return
     if recipe in PER_TENSOR:
         per_element = multiplier.reshape(())
     else:
-        cells = cell_index(shape, recipe=recipe, columnwise=columnwise, param_start=param_start,
-                           numel=numel, device=values.device)  # fmt: skip
+        cells = cell_index(
+            shape,
+            recipe=recipe,
+            columnwise=columnwise,
+            param_start=param_start,
+            numel=numel,
+            device=values.device,
+        )
         per_element = multiplier[cells]
     out.copy_(saturating_cast(values * per_element, fp8_dtype))
 
@@ -221,9 +257,16 @@ def quantize_mxfp8_rows_(
         return
     if _fused(values2d):
         cq.launch_mxfp8(
-            values2d, row=row_data, row_e=row_scale, col=col_data, col_e=col_scale,
-            col_t=None, record_bits=None, fp8_dtype=fp8_dtype, dequant=False,
-        )  # fmt: skip
+            values2d,
+            row=row_data,
+            row_e=row_scale,
+            col=col_data,
+            col_e=col_scale,
+            col_t=None,
+            record_bits=None,
+            fp8_dtype=fp8_dtype,
+            dequant=False,
+        )
         return
     for along_rows, data, scale in ((True, row_data, row_scale), (False, col_data, col_scale)):
         quantized, e8m0 = tq.quantize_mxfp8(values2d, fp8_dtype=fp8_dtype, along_rows=along_rows)

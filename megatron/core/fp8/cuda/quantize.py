@@ -101,30 +101,54 @@ def quantize_cuda(
     plain-torch fallback even when Triton is available (tests, debugging).
     """
     _check_args(
-        recipe=recipe, fp8_dtype=fp8_dtype, role=role, rowwise=rowwise,
-        columnwise=columnwise, scale=scale, amax=amax, with_transpose=with_transpose,
-    )  # fmt: skip
+        recipe=recipe,
+        fp8_dtype=fp8_dtype,
+        role=role,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        scale=scale,
+        amax=amax,
+        with_transpose=with_transpose,
+    )
     x = x.contiguous()
     rows, cols = as_2d_shape(x.shape)
     x2d = x.view(rows, cols)
     triton_path = _use_triton(x, force_torch)
     if recipe in ("delayed", "tensorwise"):
         run = _per_tensor_triton if triton_path else _per_tensor_torch
-        out = run(x2d, recipe=recipe, fp8_dtype=fp8_dtype, scale=scale, amax=amax,
-                  power_2_scale=power_2_scale, with_transpose=with_transpose)  # fmt: skip
+        out = run(
+            x2d,
+            recipe=recipe,
+            fp8_dtype=fp8_dtype,
+            scale=scale,
+            amax=amax,
+            power_2_scale=power_2_scale,
+            with_transpose=with_transpose,
+        )
         out["columnwise_data"] = out["rowwise_data"] if columnwise else None
         out["columnwise_scale_inv"] = out["rowwise_scale_inv"] if columnwise else None
         if not rowwise:
             out["rowwise_data"] = out["rowwise_scale_inv"] = None
     elif recipe == "blockwise":
         run = _blockwise_triton if triton_path else _blockwise_torch
-        out = run(x2d, fp8_dtype=fp8_dtype, weight=role == "weight", rowwise=rowwise,
-                  columnwise=columnwise, power_2_scale=power_2_scale,
-                  with_transpose=with_transpose)  # fmt: skip
+        out = run(
+            x2d,
+            fp8_dtype=fp8_dtype,
+            weight=role == "weight",
+            rowwise=rowwise,
+            columnwise=columnwise,
+            power_2_scale=power_2_scale,
+            with_transpose=with_transpose,
+        )
     else:
         run = _mxfp8_triton if triton_path else _mxfp8_torch
-        out = run(x2d, fp8_dtype=fp8_dtype, rowwise=rowwise, columnwise=columnwise,
-                  with_transpose=with_transpose)  # fmt: skip
+        out = run(
+            x2d,
+            fp8_dtype=fp8_dtype,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            with_transpose=with_transpose,
+        )
     for key in ("rowwise_data", "columnwise_data"):
         if out[key] is not None:
             out[key] = out[key].view(x.shape)
@@ -176,10 +200,11 @@ def _per_tensor_torch(x2d, *, recipe, fp8_dtype, scale, amax, power_2_scale, wit
     else:
         amax_out = _whole_amax_torch(x2d) if amax is None else _scalar_f32(amax, x2d.device)
         scale_used = tq.scale_from_amax(
-            amax_out, fp8_dtype=fp8_dtype,
+            amax_out,
+            fp8_dtype=fp8_dtype,
             inf_scale=infinite_scale_replacement(recipe=recipe, input_dtype=x2d.dtype),
             power_2_scale=power_2_scale,
-        )  # fmt: skip
+        )
     data, scale_inv = tq.quantize_per_tensor(x2d, fp8_dtype=fp8_dtype, scale=scale_used)
     out = {"rowwise_data": data, "rowwise_scale_inv": scale_inv, "amax": amax_out}
     if with_transpose:
@@ -260,8 +285,11 @@ def amax_partials_spec(numel: int) -> tuple:
     blocks = ceil_div(numel, block)
     programs = min(AMAX_PARTIALS, 1 << max(blocks - 1, 0).bit_length())
     per_program = ceil_div(blocks, programs)
-    constexprs = dict(BLOCK=block, EVEN=numel == programs * per_program * block,
-                      num_warps=TILE_CONFIG["amax"]["num_warps"])  # fmt: skip
+    constexprs = dict(
+        BLOCK=block,
+        EVEN=numel == programs * per_program * block,
+        num_warps=TILE_CONFIG["amax"]["num_warps"],
+    )
     return _triton_kernels().amax_partials_kernel, (programs,), constexprs, per_program
 
 
@@ -273,20 +301,35 @@ def launch_amax(x2d: torch.Tensor, amax_bits: torch.Tensor) -> None:
 
 
 def per_tensor_cast_spec(
-    rows, cols, *, write_row, write_t, record, fp8_dtype, recipe, power_2_scale, input_dtype,
+    rows,
+    cols,
+    *,
+    write_row,
+    write_t,
+    record,
+    fp8_dtype,
+    recipe,
+    power_2_scale,
+    input_dtype,
     amax_partials=0,
-) -> tuple:  # fmt: skip
+) -> tuple:
     """(kernel, grid, constexprs) of the per-tensor cast of a [rows, cols] tensor;
     amax_partials: the amax argument holds that many partial maxima (tensorwise)."""
     delayed = recipe == "delayed"
     config = TILE_CONFIG["cast_t" if write_t else "cast"]
     grid = (ceil_div(cols, config["BK"]) * ceil_div(rows, config["BM"] * config["GROUP"]),)
     constants = dict(
-        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
+        FP8_MAX=fp8_max(fp8_dtype),
+        E4M3=fp8_dtype == torch.float8_e4m3fn,
         INF_SCALE=infinite_scale_replacement(recipe=recipe, input_dtype=input_dtype),
-        POW2=power_2_scale and not delayed, SCALE_GIVEN=delayed, RECORD_AMAX=record,
-        WRITE_ROW=write_row, WRITE_T=write_t, **config, AMAX_PARTIALS=amax_partials,
-    )  # fmt: skip
+        POW2=power_2_scale and not delayed,
+        SCALE_GIVEN=delayed,
+        RECORD_AMAX=record,
+        WRITE_ROW=write_row,
+        WRITE_T=write_t,
+        **config,
+        AMAX_PARTIALS=amax_partials,
+    )
     return _triton_kernels().per_tensor_cast_kernel, grid, constants
 
 
@@ -294,10 +337,16 @@ def per_tensor_cast_args(x2d, data, data_t, scale, amax, scale_inv, record_bits)
     """The cast kernel's runtime arguments (absent outputs point at present ones, unused)."""
     placeholder = data if data is not None else data_t
     return (
-        x2d, placeholder, placeholder if data_t is None else data_t,
-        scale if scale is not None else amax, amax if amax is not None else scale, scale_inv,
-        record_bits if record_bits is not None else scale_inv, x2d.shape[0], x2d.shape[1],
-    )  # fmt: skip
+        x2d,
+        placeholder,
+        placeholder if data_t is None else data_t,
+        scale if scale is not None else amax,
+        amax if amax is not None else scale,
+        scale_inv,
+        record_bits if record_bits is not None else scale_inv,
+        x2d.shape[0],
+        x2d.shape[1],
+    )
 
 
 def launch_per_tensor_cast(
@@ -310,12 +359,25 @@ def launch_per_tensor_cast(
     rows, cols = x2d.shape
     delayed = recipe == "delayed"
     kernel, grid, constants = per_tensor_cast_spec(
-        rows, cols, write_row=data is not None, write_t=data_t is not None,
-        record=record_bits is not None, fp8_dtype=fp8_dtype, recipe=recipe,
-        power_2_scale=power_2_scale, input_dtype=x2d.dtype,
-    )  # fmt: skip
-    args = per_tensor_cast_args(x2d, data, data_t, scale if delayed else None,
-                                None if delayed else amax, scale_inv, record_bits)  # fmt: skip
+        rows,
+        cols,
+        write_row=data is not None,
+        write_t=data_t is not None,
+        record=record_bits is not None,
+        fp8_dtype=fp8_dtype,
+        recipe=recipe,
+        power_2_scale=power_2_scale,
+        input_dtype=x2d.dtype,
+    )
+    args = per_tensor_cast_args(
+        x2d,
+        data,
+        data_t,
+        scale if delayed else None,
+        None if delayed else amax,
+        scale_inv,
+        record_bits,
+    )
     launch(kernel, grid, args, constants)
 
 
@@ -335,16 +397,27 @@ def _per_tensor_triton(x2d, *, recipe, fp8_dtype, scale, amax, power_2_scale, wi
     scale_inv = torch.empty((), dtype=torch.float32, device=device)
     if x2d.numel() > 0:
         launch_per_tensor_cast(
-            x2d, data=data, data_t=data_t, scale=_scalar_f32(scale, device) if delayed else None,
-            amax=None if delayed else amax_out, scale_inv=scale_inv,
-            record_bits=amax_bits if delayed else None, fp8_dtype=fp8_dtype, recipe=recipe,
+            x2d,
+            data=data,
+            data_t=data_t,
+            scale=_scalar_f32(scale, device) if delayed else None,
+            amax=None if delayed else amax_out,
+            scale_inv=scale_inv,
+            record_bits=amax_bits if delayed else None,
+            fp8_dtype=fp8_dtype,
+            recipe=recipe,
             power_2_scale=power_2_scale,
-        )  # fmt: skip
+        )
     else:
         scale_inv = _per_tensor_torch(
-            x2d, recipe=recipe, fp8_dtype=fp8_dtype, scale=scale, amax=amax,
-            power_2_scale=power_2_scale, with_transpose=False,
-        )["rowwise_scale_inv"]  # fmt: skip
+            x2d,
+            recipe=recipe,
+            fp8_dtype=fp8_dtype,
+            scale=scale,
+            amax=amax,
+            power_2_scale=power_2_scale,
+            with_transpose=False,
+        )["rowwise_scale_inv"]
     out = {"rowwise_data": data, "rowwise_scale_inv": scale_inv, "amax": amax_out}
     if with_transpose:
         out["columnwise_data_t"] = data_t
@@ -367,9 +440,12 @@ def block_128x128_spec(
     """(kernel, grid, constexprs) of the 128x128 weight-block kernel."""
     kernels = _triton_kernels()
     constants = dict(
-        **_block_constants(input_dtype, fp8_dtype, power_2_scale), WRITE_ROW=write_row,
-        WRITE_T=write_t, RECORD_AMAX=record, **TILE_CONFIG["block_128x128"],
-    )  # fmt: skip
+        **_block_constants(input_dtype, fp8_dtype, power_2_scale),
+        WRITE_ROW=write_row,
+        WRITE_T=write_t,
+        RECORD_AMAX=record,
+        **TILE_CONFIG["block_128x128"],
+    )
     grid = kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)
     return kernels.block_128x128_kernel, grid, constants
 
@@ -377,10 +453,15 @@ def block_128x128_spec(
 def block_128x128_args(x2d, data, scale_inv, data_t, scale_inv_t, record_bits) -> tuple:
     placeholder = data if data is not None else data_t
     return (
-        x2d, placeholder, scale_inv, placeholder if data_t is None else data_t,
+        x2d,
+        placeholder,
+        scale_inv,
+        placeholder if data_t is None else data_t,
         scale_inv if scale_inv_t is None else scale_inv_t,
-        record_bits if record_bits is not None else scale_inv, x2d.shape[0], x2d.shape[1],
-    )  # fmt: skip
+        record_bits if record_bits is not None else scale_inv,
+        x2d.shape[0],
+        x2d.shape[1],
+    )
 
 
 def launch_block_128x128(
@@ -392,10 +473,15 @@ def launch_block_128x128(
         raise ValueError("the transposed 128x128 bytes and scale grid come together")
     rows, cols = x2d.shape
     kernel, grid, constants = block_128x128_spec(
-        rows, cols, write_row=data is not None, write_t=data_t is not None,
-        record=record_bits is not None, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale,
+        rows,
+        cols,
+        write_row=data is not None,
+        write_t=data_t is not None,
+        record=record_bits is not None,
+        fp8_dtype=fp8_dtype,
+        power_2_scale=power_2_scale,
         input_dtype=x2d.dtype,
-    )  # fmt: skip
+    )
     args = block_128x128_args(x2d, data, scale_inv, data_t, scale_inv_t, record_bits)
     launch(kernel, grid, args, constants)
 
@@ -407,8 +493,12 @@ def block_1x128_rows_spec(
     record_bits or row_sinv, rows, cols)."""
     config = TILE_CONFIG["block_1x128"]
     grid = (ceil_div(cols, BLOCK_128) * ceil_div(rows, config["BM"] * config["GROUP"]),)
-    constants = dict(**_block_constants(input_dtype, fp8_dtype, power_2_scale),
-                     ROW_SCALE_T=row_scale_t, RECORD_AMAX=record, **config)  # fmt: skip
+    constants = dict(
+        **_block_constants(input_dtype, fp8_dtype, power_2_scale),
+        ROW_SCALE_T=row_scale_t,
+        RECORD_AMAX=record,
+        **config,
+    )
     return _triton_kernels().block_1x128_rows_kernel, grid, constants
 
 
@@ -419,16 +509,28 @@ def block_128x1_cols_spec(
     col_t, record_bits or col_sinv, rows, cols), an absent output pointing at the other."""
     config = TILE_CONFIG["block_128x1"]
     grid = (ceil_div(rows, BLOCK_128) * ceil_div(cols, config["BK"]),)
-    constants = dict(**_block_constants(input_dtype, fp8_dtype, power_2_scale),
-                     COLUMNWISE=columnwise, WRITE_T=write_t, RECORD_AMAX=record,
-                     **config)  # fmt: skip
+    constants = dict(
+        **_block_constants(input_dtype, fp8_dtype, power_2_scale),
+        COLUMNWISE=columnwise,
+        WRITE_T=write_t,
+        RECORD_AMAX=record,
+        **config,
+    )
     return _triton_kernels().block_128x1_cols_kernel, grid, constants
 
 
 def block_1x128_fused_spec(
-    rows, cols, *, columnwise, write_t, record, row_scale_t, fp8_dtype, power_2_scale,
+    rows,
+    cols,
+    *,
+    columnwise,
+    write_t,
+    record,
+    row_scale_t,
+    fp8_dtype,
+    power_2_scale,
     input_dtype,
-) -> tuple | None:  # fmt: skip
+) -> tuple | None:
     """(kernel, grid, constexprs) of the one launch writing both 1x128 copies, args (x2d,
     row, row_sinv, col, col_sinv, col_t, record_bits, rows, cols): block_1x128_pair_kernel
     for the transposed copy (Fp8Linear's operands) where TILE_CONFIG configures it, else
@@ -442,9 +544,13 @@ def block_1x128_fused_spec(
     if not config or (not pair and rows % 4):
         return None
     constants = dict(
-        **_block_constants(input_dtype, fp8_dtype, power_2_scale), ROW_SCALE_T=row_scale_t,
-        COLUMNWISE=columnwise, WRITE_T=write_t, RECORD_AMAX=record, **config,
-    )  # fmt: skip
+        **_block_constants(input_dtype, fp8_dtype, power_2_scale),
+        ROW_SCALE_T=row_scale_t,
+        COLUMNWISE=columnwise,
+        WRITE_T=write_t,
+        RECORD_AMAX=record,
+        **config,
+    )
     tiles = kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)[0]
     if pair:
         programs_per_tile = BLOCK_128 // pair["BM"] + BLOCK_128 // pair["BK"]
@@ -453,9 +559,18 @@ def block_1x128_fused_spec(
 
 
 def launch_block_1x128(
-    x2d, *, row, row_sinv, col, col_sinv, col_t, record_bits, row_scale_t, fp8_dtype,
+    x2d,
+    *,
+    row,
+    row_sinv,
+    col,
+    col_sinv,
+    col_t,
+    record_bits,
+    row_scale_t,
+    fp8_dtype,
     power_2_scale,
-) -> None:  # fmt: skip
+) -> None:
     """1x128 rowwise bytes/scales (row_scale_t: scales stored [ceil(K/128), M]) and 128x1
     columnwise bytes in x's shape (col) and/or transposed (col_t), scales [ceil(M/128), K].
     Both copies at once take one launch where TILE_CONFIG enables one (block_1x128_fused_spec:
@@ -466,34 +581,63 @@ def launch_block_1x128(
     fused = None
     if row is not None and (col is not None or col_t is not None):
         fused = block_1x128_fused_spec(
-            rows, cols, columnwise=col is not None, write_t=col_t is not None,
-            record=record_bits is not None, row_scale_t=row_scale_t, **options,
-        )  # fmt: skip
+            rows,
+            cols,
+            columnwise=col is not None,
+            write_t=col_t is not None,
+            record=record_bits is not None,
+            row_scale_t=row_scale_t,
+            **options,
+        )
     if fused is not None:
         col_out = col if col is not None else col_t
-        args = (x2d, row, row_sinv, col_out, col_sinv, col_t if col_t is not None else col_out,
-                record_bits if record_bits is not None else row_sinv, rows, cols)  # fmt: skip
+        args = (
+            x2d,
+            row,
+            row_sinv,
+            col_out,
+            col_sinv,
+            col_t if col_t is not None else col_out,
+            record_bits if record_bits is not None else row_sinv,
+            rows,
+            cols,
+        )
         launch(*fused[:2], args, fused[2])
         return
     if row is not None:
         kernel, grid, constants = block_1x128_rows_spec(
             rows, cols, record=record_bits is not None, row_scale_t=row_scale_t, **options
         )
-        args = (x2d, row, row_sinv, record_bits if record_bits is not None else row_sinv,
-                rows, cols)  # fmt: skip
+        args = (
+            x2d,
+            row,
+            row_sinv,
+            record_bits if record_bits is not None else row_sinv,
+            rows,
+            cols,
+        )
         launch(kernel, grid, args, constants)
         record_bits = None  # recorded once
     if col is None and col_t is None:
         return
     kernel, grid, constants = block_128x1_cols_spec(
-        rows, cols, columnwise=col is not None, write_t=col_t is not None,
-        record=record_bits is not None, **options,
-    )  # fmt: skip
+        rows,
+        cols,
+        columnwise=col is not None,
+        write_t=col_t is not None,
+        record=record_bits is not None,
+        **options,
+    )
     placeholder = col if col is not None else col_t
     args = (
-        x2d, placeholder, col_sinv, placeholder if col_t is None else col_t,
-        record_bits if record_bits is not None else col_sinv, rows, cols,
-    )  # fmt: skip
+        x2d,
+        placeholder,
+        col_sinv,
+        placeholder if col_t is None else col_t,
+        record_bits if record_bits is not None else col_sinv,
+        rows,
+        cols,
+    )
     launch(kernel, grid, args, constants)
 
 
@@ -512,10 +656,15 @@ def _blockwise_triton(
         scale_inv = torch.empty((row_blocks, col_blocks), dtype=torch.float32, device=device)
         if x2d.numel() > 0:
             launch_block_128x128(
-                x2d, data=data, scale_inv=scale_inv, data_t=data_t,
+                x2d,
+                data=data,
+                scale_inv=scale_inv,
+                data_t=data_t,
                 scale_inv_t=None if data_t is None else torch.empty_like(scale_inv.t()),
-                record_bits=amax_bits, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale,
-            )  # fmt: skip
+                record_bits=amax_bits,
+                fp8_dtype=fp8_dtype,
+                power_2_scale=power_2_scale,
+            )
         _fill_weight_copies(out, data, scale_inv, rowwise=rowwise, columnwise=columnwise)
     else:
         row_data = _empty_u8(rows, cols, device) if rowwise else None
@@ -524,10 +673,17 @@ def _blockwise_triton(
         col_sinv = torch.empty((row_blocks, cols), dtype=torch.float32, device=device)
         if x2d.numel() > 0:
             launch_block_1x128(
-                x2d, row=row_data, row_sinv=row_sinv, col=col_data, col_sinv=col_sinv,
-                col_t=data_t, record_bits=amax_bits, row_scale_t=False, fp8_dtype=fp8_dtype,
+                x2d,
+                row=row_data,
+                row_sinv=row_sinv,
+                col=col_data,
+                col_sinv=col_sinv,
+                col_t=data_t,
+                record_bits=amax_bits,
+                row_scale_t=False,
+                fp8_dtype=fp8_dtype,
                 power_2_scale=power_2_scale,
-            )  # fmt: skip
+            )
         if rowwise:
             out["rowwise_data"], out["rowwise_scale_inv"] = row_data, row_sinv
         if columnwise:
@@ -537,8 +693,9 @@ def _blockwise_triton(
     return out
 
 
-def mxfp8_spec(rows, cols, *, rowwise, columnwise, write_t, record, fp8_dtype, dequant,
-               e_words_ok: bool = True) -> tuple:  # fmt: skip
+def mxfp8_spec(
+    rows, cols, *, rowwise, columnwise, write_t, record, fp8_dtype, dequant, e_words_ok: bool = True
+) -> tuple:
     """(kernel, grid, constexprs) of the MX kernel (args: `mxfp8_args`). `e_words_ok`: the
     rowwise E8M0 tensor is a contiguous [rows, cols / 32] buffer at a 4-byte-aligned address,
     so the kernel may store its bytes as int16 / int32 words (E_WORDS)."""
@@ -547,18 +704,27 @@ def mxfp8_spec(rows, cols, *, rowwise, columnwise, write_t, record, fp8_dtype, d
     use_quads = bool(quads) and not write_t
     config = quads if use_quads else TILE_CONFIG[key]
     constants = dict(
-        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
-        RCP_FP8_MAX=fp8_max_reciprocal(fp8_dtype), ROWWISE=rowwise, COLUMNWISE=columnwise,
-        WRITE_T=write_t, RECORD_AMAX=record, DEQUANT=dequant, **config,
-    )  # fmt: skip
+        FP8_MAX=fp8_max(fp8_dtype),
+        E4M3=fp8_dtype == torch.float8_e4m3fn,
+        RCP_FP8_MAX=fp8_max_reciprocal(fp8_dtype),
+        ROWWISE=rowwise,
+        COLUMNWISE=columnwise,
+        WRITE_T=write_t,
+        RECORD_AMAX=record,
+        DEQUANT=dequant,
+        **config,
+    )
     grid = (ceil_div(rows, MX_BLOCK) * ceil_div(cols, MX_BLOCK * config["CHUNKS"]),)
     # Packed rowwise E8M0 words (one store per row and program, not one per chunk): whole
     # words per row, of four chunks (quads kernel) or two or four (mxfp8_kernel).
     chunks = config["CHUNKS"]
     constants["E_WORDS"] = (
-        e_words_ok and rowwise and not dequant and chunks in ((4,) if use_quads else (2, 4))
+        e_words_ok
+        and rowwise
+        and not dequant
+        and chunks in ((4,) if use_quads else (2, 4))
         and cols % (chunks * MX_BLOCK) == 0
-    )  # fmt: skip
+    )
     if use_quads:
         del constants["WRITE_T"]
         return _triton_kernels().mxfp8_quads_kernel, grid, constants
@@ -570,11 +736,16 @@ def mxfp8_args(x2d, row, row_e, col, col_e, col_t, record_bits) -> tuple:
     placeholder = next(t for t in (row, col, col_t) if t is not None)
     e_placeholder = row_e if row_e is not None else (col_e if col_e is not None else placeholder)
     return (
-        x2d, placeholder if row is None else row, e_placeholder if row_e is None else row_e,
-        placeholder if col is None else col, e_placeholder if col_e is None else col_e,
+        x2d,
+        placeholder if row is None else row,
+        e_placeholder if row_e is None else row_e,
+        placeholder if col is None else col,
+        e_placeholder if col_e is None else col_e,
         placeholder if col_t is None else col_t,
-        record_bits if record_bits is not None else e_placeholder, x2d.shape[0], x2d.shape[1],
-    )  # fmt: skip
+        record_bits if record_bits is not None else e_placeholder,
+        x2d.shape[0],
+        x2d.shape[1],
+    )
 
 
 def launch_mxfp8(x2d, *, row, row_e, col, col_e, col_t, record_bits, fp8_dtype, dequant) -> None:
@@ -585,10 +756,16 @@ def launch_mxfp8(x2d, *, row, row_e, col, col_e, col_t, record_bits, fp8_dtype, 
     # views into a larger buffer, e.g. piece_quantize.quantize_mxfp8_rows_).
     e_words_ok = row_e is not None and row_e.is_contiguous() and row_e.data_ptr() % 4 == 0
     kernel, grid, constants = mxfp8_spec(
-        rows, cols, rowwise=row is not None, columnwise=col is not None,
-        write_t=col_t is not None, record=record_bits is not None, fp8_dtype=fp8_dtype,
-        dequant=dequant, e_words_ok=e_words_ok,
-    )  # fmt: skip
+        rows,
+        cols,
+        rowwise=row is not None,
+        columnwise=col is not None,
+        write_t=col_t is not None,
+        record=record_bits is not None,
+        fp8_dtype=fp8_dtype,
+        dequant=dequant,
+        e_words_ok=e_words_ok,
+    )
     launch(kernel, grid, mxfp8_args(x2d, row, row_e, col, col_e, col_t, record_bits), constants)
 
 
@@ -605,10 +782,16 @@ def _mxfp8_triton(x2d, *, fp8_dtype, rowwise, columnwise, with_transpose):
     data_t = _empty_u8(cols, rows, device) if with_transpose else None
     if x2d.numel() > 0:
         launch_mxfp8(
-            x2d, row=row_data, row_e=row_e if rowwise else None, col=col_data,
-            col_e=col_e if (columnwise or with_transpose) else None, col_t=data_t,
-            record_bits=amax_bits, fp8_dtype=fp8_dtype, dequant=False,
-        )  # fmt: skip
+            x2d,
+            row=row_data,
+            row_e=row_e if rowwise else None,
+            col=col_data,
+            col_e=col_e if (columnwise or with_transpose) else None,
+            col_t=data_t,
+            record_bits=amax_bits,
+            fp8_dtype=fp8_dtype,
+            dequant=False,
+        )
     if rowwise:
         out["rowwise_data"], out["rowwise_scale_inv"] = row_data, row_e
     if columnwise:
@@ -670,12 +853,18 @@ def delayed_update(
     new_scales = torch.empty(rows, dtype=torch.float32, device=histories.device)
     rolled = torch.empty_like(histories)
     constants = dict(
-        FP8_MAX=fp8_max(fp8_dtype), MARGIN_FACTOR=2.0**-margin,
+        FP8_MAX=fp8_max(fp8_dtype),
+        MARGIN_FACTOR=2.0**-margin,
         MOST_RECENT=amax_compute_algo == "most_recent",
-        BLOCK_L=max(16, 1 << (length - 1).bit_length()), num_warps=4,
-    )  # fmt: skip
-    launch(kernels.delayed_update_kernel, (rows,),
-           (histories, scales.contiguous(), new_scales, rolled, length), constants)  # fmt: skip
+        BLOCK_L=max(16, 1 << (length - 1).bit_length()),
+        num_warps=4,
+    )
+    launch(
+        kernels.delayed_update_kernel,
+        (rows,),
+        (histories, scales.contiguous(), new_scales, rolled, length),
+        constants,
+    )
     return new_scales, rolled
 
 

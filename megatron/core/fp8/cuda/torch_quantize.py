@@ -113,9 +113,12 @@ def quantize_1x128(
     rows, cols = x.shape
     if not along_rows:
         data_t, scale_inv_t = quantize_1x128(
-            x.t(), fp8_dtype=fp8_dtype, inf_scale=inf_scale,
-            power_2_scale=power_2_scale, along_rows=True,
-        )  # fmt: skip
+            x.t(),
+            fp8_dtype=fp8_dtype,
+            inf_scale=inf_scale,
+            power_2_scale=power_2_scale,
+            along_rows=True,
+        )
         return data_t.t().contiguous(), scale_inv_t.t().contiguous()
     blocks = ceil_div(cols, BLOCK_128)
     x_blocks = _pad_2d(x, rows, blocks * BLOCK_128).view(rows, blocks, BLOCK_128)

@@ -51,8 +51,7 @@ def _byte_words(y, E4M3: tl.constexpr):
         asm: tl.constexpr = _PAIR_CAST_E4M3
     else:
         asm: tl.constexpr = _PAIR_CAST_E5M2
-    return tl.inline_asm_elementwise(asm, "=r,=r,r,r", [y], dtype=tl.int32, is_pure=True,
-                                     pack=2)  # fmt: skip
+    return tl.inline_asm_elementwise(asm, "=r,=r,r,r", [y], dtype=tl.int32, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -197,9 +196,13 @@ def amax_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr, GROUP: tl.cons
 
 @triton.jit
 def amax_partials_kernel(
-    x_ptr, partials_ptr, numel, blocks_per_program, BLOCK: tl.constexpr,
+    x_ptr,
+    partials_ptr,
+    numel,
+    blocks_per_program,
+    BLOCK: tl.constexpr,
     EVEN: tl.constexpr = False,
-):  # fmt: skip
+):
     """Pass one of tensorwise scaling without atomics: program p writes the NaN-ignoring
     max|x| of its `blocks_per_program` BLOCKs to partials[p] (0 where it has none), so the
     buffer needs no zero fill first; the cast kernel reduces the partials.
@@ -228,12 +231,29 @@ def amax_partials_kernel(
 
 @triton.jit
 def per_tensor_cast_kernel(
-    x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, amax_bits_ptr, M, K,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
-    SCALE_GIVEN: tl.constexpr, RECORD_AMAX: tl.constexpr, WRITE_ROW: tl.constexpr,
-    WRITE_T: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-    TRANS_X: tl.constexpr, AMAX_PARTIALS: tl.constexpr = 0,
-):  # fmt: skip
+    x_ptr,
+    data_ptr,
+    data_t_ptr,
+    scale_ptr,
+    amax_ptr,
+    scale_inv_ptr,
+    amax_bits_ptr,
+    M,
+    K,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    INF_SCALE: tl.constexpr,
+    POW2: tl.constexpr,
+    SCALE_GIVEN: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,
+    WRITE_ROW: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+    TRANS_X: tl.constexpr,
+    AMAX_PARTIALS: tl.constexpr = 0,
+):
     """Delayed (SCALE_GIVEN; RECORD_AMAX atomically maxes max|x| into amax_bits_ptr, which may
     be slot 0 of an amax history) or tensorwise (scale from the finished amax) cast; the
     rowwise bytes and/or their transpose are written from the same read.
@@ -300,11 +320,22 @@ def _tile_at(x_ptr, M, K, pid_m, cols, TILE: tl.constexpr):
 
 @triton.jit
 def block_1x128_rows_kernel(
-    x_ptr, row_ptr, row_sinv_ptr, amax_bits_ptr, M, K,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
-    ROW_SCALE_T: tl.constexpr, RECORD_AMAX: tl.constexpr, TILE: tl.constexpr,
-    BM: tl.constexpr, GROUP: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    row_ptr,
+    row_sinv_ptr,
+    amax_bits_ptr,
+    M,
+    K,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    INF_SCALE: tl.constexpr,
+    POW2: tl.constexpr,
+    ROW_SCALE_T: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,
+    TILE: tl.constexpr,
+    BM: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     """Rowwise 1x128 copy: BM x 128 tiles (each row of a tile is one block), GROUP tiles down
     one column strip per program. ROW_SCALE_T stores the scales as [ceil(K/128), M], the
     outer-dim-major layout cuBLAS reads, instead of the logical [M, ceil(K/128)].
@@ -319,8 +350,22 @@ def block_1x128_rows_kernel(
     strip_max = tl.zeros((BM,), dtype=tl.float32)
     for i in range(GROUP):
         rows = ((pid // k_tiles) * GROUP + i) * BM + tl.arange(0, BM)
-        row_amax = _rows_tile(x_ptr, row_ptr, row_sinv_ptr, rows, cols, pid_k, k_tiles, M, K,
-                              FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
+        row_amax = _rows_tile(
+            x_ptr,
+            row_ptr,
+            row_sinv_ptr,
+            rows,
+            cols,
+            pid_k,
+            k_tiles,
+            M,
+            K,
+            FP8_MAX,
+            E4M3,
+            INF_SCALE,
+            POW2,
+            ROW_SCALE_T,
+        )
         if RECORD_AMAX:
             strip_max = tl.maximum(strip_max, row_amax)
     if RECORD_AMAX:
@@ -329,10 +374,21 @@ def block_1x128_rows_kernel(
 
 @triton.jit
 def _rows_tile(
-    x_ptr, row_ptr, row_sinv_ptr, rows, cols, pid_k, k_tiles, M, K,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
+    x_ptr,
+    row_ptr,
+    row_sinv_ptr,
+    rows,
+    cols,
+    pid_k,
+    k_tiles,
+    M,
+    K,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    INF_SCALE: tl.constexpr,
+    POW2: tl.constexpr,
     ROW_SCALE_T: tl.constexpr,
-):  # fmt: skip
+):
     """The 1x128 rowwise bytes and scales of one (rows x 128 cols) tile; returns the rows'
     amaxes."""
     mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -352,11 +408,24 @@ def _rows_tile(
 
 @triton.jit
 def block_128x1_cols_kernel(
-    x_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
-    COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr, RECORD_AMAX: tl.constexpr,
-    TILE: tl.constexpr, BK: tl.constexpr, TRANS_X: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    col_ptr,
+    col_sinv_ptr,
+    col_t_ptr,
+    amax_bits_ptr,
+    M,
+    K,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    INF_SCALE: tl.constexpr,
+    POW2: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,
+    TILE: tl.constexpr,
+    BK: tl.constexpr,
+    TRANS_X: tl.constexpr,
+):
     """Columnwise 128x1 copy of a 128 x BK tile (each column of it is one block), scales
     [ceil(M/128), K]. COLUMNWISE writes the bytes in x's shape, WRITE_T their [K, M]
     transpose (the wgrad operand); TRANS_X casts the transposed high-precision tile instead of
@@ -365,19 +434,47 @@ def block_128x1_cols_kernel(
     k_tiles = tl.cdiv(K, BK)
     pid_m = pid // k_tiles
     cols = (pid % k_tiles) * BK + tl.arange(0, BK)
-    col_amax = _cols_tile(x_ptr, col_ptr, col_sinv_ptr, col_t_ptr, pid_m, cols, M, K, FP8_MAX,
-                          E4M3, INF_SCALE, POW2, COLUMNWISE, WRITE_T, TILE, TRANS_X)  # fmt: skip
+    col_amax = _cols_tile(
+        x_ptr,
+        col_ptr,
+        col_sinv_ptr,
+        col_t_ptr,
+        pid_m,
+        cols,
+        M,
+        K,
+        FP8_MAX,
+        E4M3,
+        INF_SCALE,
+        POW2,
+        COLUMNWISE,
+        WRITE_T,
+        TILE,
+        TRANS_X,
+    )
     if RECORD_AMAX:
         _record_amax(amax_bits_ptr, tl.max(col_amax, axis=0))
 
 
 @triton.jit
 def _cols_tile(
-    x_ptr, col_ptr, col_sinv_ptr, col_t_ptr, pid_m, cols, M, K,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
-    COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr, TILE: tl.constexpr,
+    x_ptr,
+    col_ptr,
+    col_sinv_ptr,
+    col_t_ptr,
+    pid_m,
+    cols,
+    M,
+    K,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    INF_SCALE: tl.constexpr,
+    POW2: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    TILE: tl.constexpr,
     TRANS_X: tl.constexpr,
-):  # fmt: skip
+):
     """The 128x1 columnwise bytes (x's shape and/or transposed) and scales of one (128 rows x
     cols) tile; returns the columns' amaxes."""
     rows = pid_m * TILE + tl.arange(0, TILE)
@@ -403,12 +500,28 @@ def _cols_tile(
 
 @triton.jit
 def block_1x128_pair_kernel(
-    x_ptr, row_ptr, row_sinv_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
-    ROW_SCALE_T: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
-    RECORD_AMAX: tl.constexpr, TILE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    x_ptr,
+    row_ptr,
+    row_sinv_ptr,
+    col_ptr,
+    col_sinv_ptr,
+    col_t_ptr,
+    amax_bits_ptr,
+    M,
+    K,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    INF_SCALE: tl.constexpr,
+    POW2: tl.constexpr,
+    ROW_SCALE_T: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,
+    TILE: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
     TRANS_X: tl.constexpr,
-):  # fmt: skip
+):
     """Both 1x128 copies in one launch, each program doing one kernel's work: every 128x128
     tile of x gets TILE // BM programs of block_1x128_rows_kernel's tiles and TILE // BK of
     block_128x1_cols_kernel's, with consecutive ids. The GPU starts consecutive programs
@@ -428,27 +541,69 @@ def block_1x128_pair_kernel(
     if part < ROW_PARTS:
         tile_rows = pid_m * TILE + part * BM + tl.arange(0, BM)
         tile_cols = pid_k * TILE + tl.arange(0, TILE)
-        row_amax = _rows_tile(x_ptr, row_ptr, row_sinv_ptr, tile_rows, tile_cols, pid_k,
-                              k_tiles, M, K, FP8_MAX, E4M3, INF_SCALE, POW2,
-                              ROW_SCALE_T)  # fmt: skip
+        row_amax = _rows_tile(
+            x_ptr,
+            row_ptr,
+            row_sinv_ptr,
+            tile_rows,
+            tile_cols,
+            pid_k,
+            k_tiles,
+            M,
+            K,
+            FP8_MAX,
+            E4M3,
+            INF_SCALE,
+            POW2,
+            ROW_SCALE_T,
+        )
         if RECORD_AMAX:
             _record_amax(amax_bits_ptr, tl.max(row_amax, axis=0))
     else:
         strip_cols = pid_k * TILE + (part - ROW_PARTS) * BK + tl.arange(0, BK)
-        col_amax = _cols_tile(x_ptr, col_ptr, col_sinv_ptr, col_t_ptr, pid_m, strip_cols, M, K,
-                              FP8_MAX, E4M3, INF_SCALE, POW2, COLUMNWISE, WRITE_T, TILE,
-                              TRANS_X)  # fmt: skip
+        col_amax = _cols_tile(
+            x_ptr,
+            col_ptr,
+            col_sinv_ptr,
+            col_t_ptr,
+            pid_m,
+            strip_cols,
+            M,
+            K,
+            FP8_MAX,
+            E4M3,
+            INF_SCALE,
+            POW2,
+            COLUMNWISE,
+            WRITE_T,
+            TILE,
+            TRANS_X,
+        )
         if RECORD_AMAX:
             _record_amax(amax_bits_ptr, tl.max(col_amax, axis=0))
 
 
 @triton.jit
 def block_1x128_fused_kernel(
-    x_ptr, row_ptr, row_sinv_ptr, col_ptr, col_sinv_ptr, col_t_ptr, amax_bits_ptr, M, K,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
-    ROW_SCALE_T: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
-    RECORD_AMAX: tl.constexpr, TILE: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    row_ptr,
+    row_sinv_ptr,
+    col_ptr,
+    col_sinv_ptr,
+    col_t_ptr,
+    amax_bits_ptr,
+    M,
+    K,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    INF_SCALE: tl.constexpr,
+    POW2: tl.constexpr,
+    ROW_SCALE_T: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,
+    TILE: tl.constexpr,
+):
     """Both 1x128 copies from one read of a 128x128 tile, for M % 4 == 0: the rowwise bytes
     with one scale per row (ROW_SCALE_T as in block_1x128_rows_kernel) and the 128x1
     columnwise bytes with one scale per column, in x's shape (COLUMNWISE) and/or transposed
@@ -486,8 +641,22 @@ def block_1x128_fused_kernel(
     words = tl.zeros((TILE // 4, TILE), dtype=tl.int32)
     for j in tl.static_range(4):
         x_j = tl.load(x_ptr + offs + j * K, mask=mask, other=0.0)
-        _fused_rows(x_j, row_ptr, row_sinv_ptr, offs + j * K, mask, quads * 4 + j, pid_k,
-                    k_tiles, M, FP8_MAX, E4M3, INF_SCALE, POW2, ROW_SCALE_T)  # fmt: skip
+        _fused_rows(
+            x_j,
+            row_ptr,
+            row_sinv_ptr,
+            offs + j * K,
+            mask,
+            quads * 4 + j,
+            pid_k,
+            k_tiles,
+            M,
+            FP8_MAX,
+            E4M3,
+            INF_SCALE,
+            POW2,
+            ROW_SCALE_T,
+        )
         b_j = _byte_words(x_j.to(tl.float32) * col_scale[None, :], E4M3)
         if COLUMNWISE:
             tl.store(col_ptr + offs + j * K, b_j.to(tl.uint8), mask=mask)
@@ -501,10 +670,21 @@ def block_1x128_fused_kernel(
 
 @triton.jit
 def _fused_rows(
-    x_raw, row_ptr, row_sinv_ptr, offs, mask, rows, pid_k, k_tiles, M,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
+    x_raw,
+    row_ptr,
+    row_sinv_ptr,
+    offs,
+    mask,
+    rows,
+    pid_k,
+    k_tiles,
+    M,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    INF_SCALE: tl.constexpr,
+    POW2: tl.constexpr,
     ROW_SCALE_T: tl.constexpr,
-):  # fmt: skip
+):
     """block_1x128_fused_kernel's rowwise bytes and scales of the rows in one x_j."""
     row_scale = _scale_from_amax(_amax_along(x_raw, 1), FP8_MAX, INF_SCALE, POW2)
     q = _saturating_cast(x_raw.to(tl.float32) * row_scale[:, None], E4M3)
@@ -518,11 +698,24 @@ def _fused_rows(
 
 @triton.jit
 def block_128x128_kernel(
-    x_ptr, data_ptr, sinv_ptr, data_t_ptr, sinv_t_ptr, amax_bits_ptr, M, K,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, INF_SCALE: tl.constexpr, POW2: tl.constexpr,
-    WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, RECORD_AMAX: tl.constexpr,
-    TILE: tl.constexpr, TRANS_X: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    data_ptr,
+    sinv_ptr,
+    data_t_ptr,
+    sinv_t_ptr,
+    amax_bits_ptr,
+    M,
+    K,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    INF_SCALE: tl.constexpr,
+    POW2: tl.constexpr,
+    WRITE_ROW: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,
+    TILE: tl.constexpr,
+    TRANS_X: tl.constexpr,
+):
     """One 128x128 weight block: one scale; the bytes and/or the transposed bytes with the
     transposed scale grid (what dgrad reads), from one read of the whole tile. TRANS_X casts
     the transposed high-precision tile again; without it the bytes are cast once and
@@ -559,12 +752,26 @@ def block_128x128_kernel(
 
 @triton.jit
 def mxfp8_kernel(
-    x_ptr, row_ptr, row_e_ptr, col_ptr, col_e_ptr, col_t_ptr, amax_bits_ptr, M, K,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, RCP_FP8_MAX: tl.constexpr,
-    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, WRITE_T: tl.constexpr,
-    RECORD_AMAX: tl.constexpr, DEQUANT: tl.constexpr, CHUNKS: tl.constexpr,
+    x_ptr,
+    row_ptr,
+    row_e_ptr,
+    col_ptr,
+    col_e_ptr,
+    col_t_ptr,
+    amax_bits_ptr,
+    M,
+    K,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    RCP_FP8_MAX: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    CHUNKS: tl.constexpr,
     E_WORDS: tl.constexpr,
-):  # fmt: skip
+):
     """1x32 rowwise and 32x1 columnwise MX copies from a single read.
 
     A program takes one 32-row strip and CHUNKS 32x32 chunks along it: a chunk is exactly one
@@ -610,8 +817,9 @@ def mxfp8_kernel(
                     row_words = row_words | (e << (8 * c))
                 else:
                     e_offs = rows.to(tl.int64) * k_blocks + block
-                    tl.store(row_e_ptr + e_offs, e.to(tl.uint8),
-                             mask=(rows < M) & (block < k_blocks))  # fmt: skip
+                    tl.store(
+                        row_e_ptr + e_offs, e.to(tl.uint8), mask=(rows < M) & (block < k_blocks)
+                    )
         if COLUMNWISE or WRITE_T:
             e = _e8m0_from_amax(_amax_along(x_raw, 0), RCP_FP8_MAX)
             if WRITE_T:
@@ -646,11 +854,25 @@ def mxfp8_kernel(
 
 @triton.jit
 def mxfp8_quads_kernel(
-    x_ptr, row_ptr, row_e_ptr, col_ptr, col_e_ptr, col_t_ptr, amax_bits_ptr, M, K,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, RCP_FP8_MAX: tl.constexpr,
-    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, RECORD_AMAX: tl.constexpr,
-    DEQUANT: tl.constexpr, CHUNKS: tl.constexpr, E_WORDS: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    row_ptr,
+    row_e_ptr,
+    col_ptr,
+    col_e_ptr,
+    col_t_ptr,
+    amax_bits_ptr,
+    M,
+    K,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    RCP_FP8_MAX: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    E_WORDS: tl.constexpr,
+):
     """mxfp8_kernel without the transposed copy (col_t_ptr is unused: the arguments are
     mxfp8_kernel's), each 32x32 chunk read as four 8 x 32 tiles of rows 4q + j: a thread
     then holds four rows of each of its columns, so a column's amax is mostly an in-thread
@@ -690,14 +912,66 @@ def mxfp8_quads_kernel(
         if RECORD_AMAX:
             strip_max = tl.maximum(strip_max, tl.max(col_amax, axis=0))
         if ROWWISE:
-            e0 = _mx_rows(x0, r0, m0, o0, block, k_blocks, row_ptr, row_e_ptr, M, E4M3,
-                          RCP_FP8_MAX, DEQUANT, STORE_E)  # fmt: skip
-            e1 = _mx_rows(x1, r1, m1, o1, block, k_blocks, row_ptr, row_e_ptr, M, E4M3,
-                          RCP_FP8_MAX, DEQUANT, STORE_E)  # fmt: skip
-            e2 = _mx_rows(x2, r2, m2, o2, block, k_blocks, row_ptr, row_e_ptr, M, E4M3,
-                          RCP_FP8_MAX, DEQUANT, STORE_E)  # fmt: skip
-            e3 = _mx_rows(x3, r3, m3, o3, block, k_blocks, row_ptr, row_e_ptr, M, E4M3,
-                          RCP_FP8_MAX, DEQUANT, STORE_E)  # fmt: skip
+            e0 = _mx_rows(
+                x0,
+                r0,
+                m0,
+                o0,
+                block,
+                k_blocks,
+                row_ptr,
+                row_e_ptr,
+                M,
+                E4M3,
+                RCP_FP8_MAX,
+                DEQUANT,
+                STORE_E,
+            )
+            e1 = _mx_rows(
+                x1,
+                r1,
+                m1,
+                o1,
+                block,
+                k_blocks,
+                row_ptr,
+                row_e_ptr,
+                M,
+                E4M3,
+                RCP_FP8_MAX,
+                DEQUANT,
+                STORE_E,
+            )
+            e2 = _mx_rows(
+                x2,
+                r2,
+                m2,
+                o2,
+                block,
+                k_blocks,
+                row_ptr,
+                row_e_ptr,
+                M,
+                E4M3,
+                RCP_FP8_MAX,
+                DEQUANT,
+                STORE_E,
+            )
+            e3 = _mx_rows(
+                x3,
+                r3,
+                m3,
+                o3,
+                block,
+                k_blocks,
+                row_ptr,
+                row_e_ptr,
+                M,
+                E4M3,
+                RCP_FP8_MAX,
+                DEQUANT,
+                STORE_E,
+            )
             if E_WORDS:
                 words0 = words0 | (e0 << (8 * c))
                 words1 = words1 | (e1 << (8 * c))
@@ -741,9 +1015,21 @@ def _quad_rows(x_ptr, quads, j: tl.constexpr, cols, M, K):
 
 
 @triton.jit
-def _mx_rows(x_raw, rows, mask, offs, block, k_blocks, row_ptr, row_e_ptr, M,
-             E4M3: tl.constexpr, RCP_FP8_MAX: tl.constexpr, DEQUANT: tl.constexpr,
-             STORE_E: tl.constexpr):  # fmt: skip
+def _mx_rows(
+    x_raw,
+    rows,
+    mask,
+    offs,
+    block,
+    k_blocks,
+    row_ptr,
+    row_e_ptr,
+    M,
+    E4M3: tl.constexpr,
+    RCP_FP8_MAX: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    STORE_E: tl.constexpr,
+):
     """mxfp8_quads_kernel's rowwise copy of one 8 x 32 tile (one MX block per row); returns
     the rows' E8M0 bytes (as int32), stored here when STORE_E."""
     e = _e8m0_from_amax(_amax_along(x_raw, 1), RCP_FP8_MAX)
@@ -760,8 +1046,7 @@ def _mx_rows(x_raw, rows, mask, offs, block, k_blocks, row_ptr, row_e_ptr, M,
 
 
 @triton.jit
-def _mx_cols(x_raw, mask, offs, multiplier, e, col_ptr, E4M3: tl.constexpr,
-             DEQUANT: tl.constexpr):  # fmt: skip
+def _mx_cols(x_raw, mask, offs, multiplier, e, col_ptr, E4M3: tl.constexpr, DEQUANT: tl.constexpr):
     """mxfp8_quads_kernel's columnwise copy (x's shape) of one 8 x 32 tile."""
     q = _saturating_cast(x_raw.to(tl.float32) * multiplier, E4M3)
     if DEQUANT:
@@ -773,9 +1058,15 @@ def _mx_cols(x_raw, mask, offs, multiplier, e, col_ptr, E4M3: tl.constexpr,
 
 @triton.jit
 def mxfp8_dequantize_kernel(
-    data_ptr, e_ptr, out_ptr, M, K, E4M3: tl.constexpr, COLUMNWISE: tl.constexpr,
+    data_ptr,
+    e_ptr,
+    out_ptr,
+    M,
+    K,
+    E4M3: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
     CHUNKS: tl.constexpr,
-):  # fmt: skip
+):
     """MXFP8 bytes [M, K] + E8M0 scales (1x32 rowwise [M, K/32] or 32x1 columnwise
     [M/32, K]) -> q * 2^(e - 127) in out_ptr's dtype (byte 0 means 2^-127, 255 NaN). One
     32-row strip and CHUNKS 32x32 chunks per program: each chunk needs one scale per row
@@ -820,9 +1111,16 @@ def grid_size(rows: int, cols: int, tile_rows: int, tile_cols: int) -> tuple[int
 
 @triton.jit
 def delayed_update_kernel(
-    hist_ptr, scale_ptr, new_scale_ptr, rolled_ptr, L, FP8_MAX: tl.constexpr,
-    MARGIN_FACTOR: tl.constexpr, MOST_RECENT: tl.constexpr, BLOCK_L: tl.constexpr,
-):  # fmt: skip
+    hist_ptr,
+    scale_ptr,
+    new_scale_ptr,
+    rolled_ptr,
+    L,
+    FP8_MAX: tl.constexpr,
+    MARGIN_FACTOR: tl.constexpr,
+    MOST_RECENT: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
     """Delayed scaling steps 3 and 4 for row `program_id` of a stacked [N, L] amax history:
     new scale from the history, then the rolled history (slot k <- k+1, last <- first, slot
     0 zeroed). Same arithmetic as reference.delayed_scale_update / roll_amax_history."""
@@ -863,10 +1161,21 @@ def _piece_tile(src_ptr, param_start, numel, K, row_base, TR: tl.constexpr, TC: 
 
 @triton.jit
 def piece_amax_kernel(
-    src_ptr, amax_bits_ptr, param_start, numel, K, row_base, grid_rows, grid_cols,
-    CR: tl.constexpr, CC: tl.constexpr, RG: tl.constexpr, CG: tl.constexpr,
-    TR: tl.constexpr, TC: tl.constexpr,
-):  # fmt: skip
+    src_ptr,
+    amax_bits_ptr,
+    param_start,
+    numel,
+    K,
+    row_base,
+    grid_rows,
+    grid_cols,
+    CR: tl.constexpr,
+    CC: tl.constexpr,
+    RG: tl.constexpr,
+    CG: tl.constexpr,
+    TR: tl.constexpr,
+    TC: tl.constexpr,
+):
     """Partial amax of every CR x CC scale cell a weight piece touches: the tile's NaN-ignoring
     |x| is reduced to its RG x CG cells in registers, then one int32 atomic max per cell
     (fp32 bits; valid because amaxes are >= 0) into the flattened [grid_rows, grid_cols] grid.
@@ -882,16 +1191,28 @@ def piece_amax_kernel(
     cell_cols = col0 // CC + tl.arange(0, CG)
     offs = cell_rows.to(tl.int64)[:, None] * grid_cols + cell_cols[None, :]
     cell_mask = (cell_rows[:, None] < grid_rows) & (cell_cols[None, :] < grid_cols) & (cells > 0)
-    tl.atomic_max(amax_bits_ptr + offs, cells.to(tl.int32, bitcast=True), mask=cell_mask,
-                  sem="relaxed")  # fmt: skip
+    tl.atomic_max(
+        amax_bits_ptr + offs, cells.to(tl.int32, bitcast=True), mask=cell_mask, sem="relaxed"
+    )
 
 
 @triton.jit
 def piece_cast_kernel(
-    src_ptr, dst_ptr, multiplier_ptr, param_start, numel, K, row_base, grid_cols,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, CR: tl.constexpr, CC: tl.constexpr,
-    TR: tl.constexpr, TC: tl.constexpr,
-):  # fmt: skip
+    src_ptr,
+    dst_ptr,
+    multiplier_ptr,
+    param_start,
+    numel,
+    K,
+    row_base,
+    grid_cols,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    CR: tl.constexpr,
+    CC: tl.constexpr,
+    TR: tl.constexpr,
+    TC: tl.constexpr,
+):
     """FP8 bytes of a weight piece: each element times its cell's quantize multiplier (the
     flattened grid at multiplier_ptr), saturated and rounded; written to dst_ptr (the piece's
     first byte), so a shard's bytes land in place."""
