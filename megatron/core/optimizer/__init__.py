@@ -2,6 +2,7 @@
 
 from megatron.core.optimizer.clip_grads import clip_and_step, clip_grads_, global_grad_norm
 from megatron.core.optimizer.config import OptimizerConfig
+from megatron.core.optimizer.fused_adamw import FusedAdamW
 from megatron.core.optimizer.lr_scheduler import (
     LRScheduleConfig,
     OptimizerParamScheduler,
@@ -23,6 +24,7 @@ __all__ = [
     "MegatronOptimizer",
     "MixedPrecisionOptimizer",
     "OptimizerConfig",
+    "FusedAdamW",
     "OptimizerParamScheduler",
     "StepResult",
     "build_torch_optimizer",

@@ -15,6 +15,7 @@ import torch
 
 from megatron.core.optimizer.clip_grads import clip_and_step, global_grad_norm
 from megatron.core.optimizer.config import OptimizerConfig
+from megatron.core.optimizer.fused_adamw import FusedAdamW
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def build_torch_optimizer(
                 )
             groups.append(group)
     if config.optimizer == "adam":
-        return torch.optim.AdamW(
+        return FusedAdamW(
             groups,
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),

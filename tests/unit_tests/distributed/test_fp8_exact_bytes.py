@@ -91,3 +91,50 @@ def test_gathered_fp8_equals_one_rank_quantize(world_size: int) -> None:
     if world_size == 4:
         # Ranks 2 and 3 hold none of fc1 (its 2048 elements are ranks 0-1's shards).
         assert results[2]["tensorwise/optim_grads_params"]["empty_weights"] == 2
+
+
+def _step_amaxes(rank: int, world_size: int) -> dict:
+    """Per recipe: the amax vectors the optimizer step reported to each FP8 group, against the
+    amaxes the storage measures from the updated main shard (exact values)."""
+    result = {}
+    for recipe in RECIPES:
+        config = fp8_config(recipe)
+        for strategy in ("optim_grads_params", "no_shard"):
+            state = wrap(build_fp8_toy(config), strategy=strategy, config=config)
+            groups = state.model.engine.buffer.fp8_groups()
+            reported = {id(g.storage): [] for g in groups}
+            for group in groups:
+                storage = group.storage
+                plain, sink = storage.use_optimizer_amaxes, reported[id(storage)]
+
+                def spy(amaxes, sink=sink, plain=plain):
+                    sink.append(amaxes.clone())
+                    plain(amaxes)
+
+                storage.use_optimizer_amaxes = spy
+            mismatches = []
+            for step in range(3):
+                train(state, range(step, step + 1), config=config)
+                for group in groups:
+                    got = reported[id(group.storage)]
+                    if got:
+                        measured = group.storage.local_amaxes(group.main_shard)
+                        mismatches += [] if torch.equal(got[-1], measured) else [(step, group)]
+                    # Taken by the step's write-back, never left for a later one.
+                    assert group.storage.optimizer_amaxes is None
+            result[f"{recipe}/{strategy}"] = dict(
+                reports=[len(v) for v in reported.values()], mismatches=len(mismatches)
+            )
+    return result
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_step_reports_the_amaxes_of_per_tensor_weights(world_size: int) -> None:
+    """FusedAdamW hands per-tensor recipes the amax of every updated weight (so the
+    re-quantization does not read the fp32 weights twice); the bytes above are checked after
+    steps that used them. Block recipes measure their 2-D cells in the storage."""
+    for rank_result in run_distributed(_step_amaxes, world_size):
+        for name, got in rank_result.items():
+            per_tensor = name.split("/")[0] in ("tensorwise", "delayed")
+            assert got["reports"] == ([3, 3] if per_tensor else [0, 0]), name
+            assert got["mismatches"] == 0, name

@@ -31,6 +31,7 @@ from megatron.core.distributed.fsdp.state_dict import (
     optimizer_sharded_state_dict,
 )
 from megatron.core.optimizer import (
+    FusedAdamW,
     MegatronOptimizer,
     OptimizerConfig,
     StepResult,
@@ -143,13 +144,39 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
             self.engine.zero_grad_buffer()
             return StepResult(update_successful=False, grad_norm=grad_norm, num_zeros_in_grad=zeros)
         if self.optimizer is not None:
-            clip_and_step(
-                self.optimizer, grads, max_norm=self.config.clip_grad, total_norm=grad_norm
-            )
+            reports = self._request_amaxes()
+            try:
+                clip_and_step(
+                    self.optimizer, grads, max_norm=self.config.clip_grad, total_norm=grad_norm
+                )
+            finally:
+                self.optimizer.amax_targets = {}
+            for storage, amaxes in reports:
+                storage.use_optimizer_amaxes(amaxes)
         self._detach_grads()
         self.engine.buffer.gather_outer_main_shards(stats=self.engine.stats)
         self.engine.buffer.write_back_main_params(stats=self.engine.stats)
         return StepResult(update_successful=True, grad_norm=grad_norm, num_zeros_in_grad=zeros)
+
+    def _request_amaxes(self) -> list[tuple]:
+        """Ask the step for the amaxes that re-quantizing FP8 weights needs (per-tensor
+        recipes), so write_back_main_params does not read every updated weight again to find
+        them. Only where this rank's optimizer updates its whole shard (not outer optim)."""
+        if not isinstance(self.optimizer, FusedAdamW):
+            return []
+        reports, targets = [], {}
+        for group in self.engine.buffer.all_groups():
+            if group.optimizer_range is not None:
+                continue
+            pieces = [p for p in self.pieces if p.group is group]
+            made = group.storage.optimizer_amax_targets([p.piece for p in pieces])
+            if made is None:
+                continue
+            amaxes, cells = made
+            targets.update((p.main, cell) for p, cell in zip(pieces, cells))
+            reports.append((group.storage, amaxes))
+        self.optimizer.amax_targets = targets
+        return reports
 
     def params_norm(self) -> float:
         """L2 norm of all main params over the shards (--log-params-norm)."""

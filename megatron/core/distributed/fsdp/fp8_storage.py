@@ -193,6 +193,8 @@ class Fp8ComputeStorage(ComputeStorage):
         self.params: list[QuantizedTensor] = []
         self.delayed_pending = False
         """A write recorded an amax that the next write applies (delayed recipe)."""
+        self.optimizer_amaxes: torch.Tensor | None = None
+        """The step's partial amaxes (use_optimizer_amaxes), taken by the next amax_to_reduce."""
 
     def _new_slot_scales(self, shape: torch.Size) -> dict[str, torch.Tensor]:
         scales = {}
@@ -355,8 +357,27 @@ class Fp8ComputeStorage(ComputeStorage):
 
     def amax_to_reduce(self, main_shard: torch.Tensor) -> torch.Tensor | None:
         """Partial amaxes every rank must agree on, or None when blocks never straddle shards
-        (aligned mxfp8: each rank's cells are its own)."""
-        return None if self.scales_sharded else self.local_amaxes(main_shard)
+        (aligned mxfp8: each rank's cells are its own). The optimizer step's, when it reported
+        them (use_optimizer_amaxes), else measured from the main shard."""
+        if self.scales_sharded:
+            return None
+        reported, self.optimizer_amaxes = self.optimizer_amaxes, None
+        return reported if reported is not None else self.local_amaxes(main_shard)
+
+    def optimizer_amax_targets(
+        self, pieces: list
+    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """Per-tensor recipes: one cell per weight, which a step's max |param| fills exactly.
+        Block recipes measure their 2-D cells here (None)."""
+        if self.spec.recipe not in ("delayed", "tensorwise") or self.scales_sharded:
+            return None
+        entries = self._cell_layout()  # one rowwise cell per slot
+        amaxes = torch.zeros(len(entries), dtype=torch.float32, device=self.device)
+        cell = {id(self.layout.slots[index]): offset for index, _, offset, _ in entries}
+        return amaxes, [amaxes[cell[id(piece.slot)]] for piece in pieces]
+
+    def use_optimizer_amaxes(self, amaxes: torch.Tensor) -> None:
+        self.optimizer_amaxes = amaxes
 
     def _scales(self, slot_index: int, amax_cells: torch.Tensor):
         """(quantize multiplier, stored scale_inv) per cell, as quantize() derives them."""

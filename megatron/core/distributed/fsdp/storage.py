@@ -67,6 +67,19 @@ class ComputeStorage(ABC):
         """Called once the group's main shard exists; storages that gather from it keep it."""
         return None
 
+    def optimizer_amax_targets(
+        self, pieces: list
+    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """Where the optimizer step may report amaxes of the updated main shard (FusedAdamW's
+        amax_targets): a zeroed amax vector laid out as amax_to_reduce's, and the 0-d cell of
+        the vector that each of `pieces` (this rank's pieces, in order) raises. Hand the vector
+        back with use_optimizer_amaxes after the step. None: amaxes are measured here."""
+        return None
+
+    def use_optimizer_amaxes(self, amaxes: torch.Tensor) -> None:
+        """The next amax_to_reduce returns `amaxes` (the step's) instead of measuring them."""
+        raise NotImplementedError(f"{type(self).__name__} takes no amaxes from the optimizer")
+
     def amax_to_reduce(self, main_shard: torch.Tensor) -> torch.Tensor | None:
         """Partial amaxes (fp32, 1-D) that must be all-reduced (MAX) over the DP group before
         write_main_shard; the buffer packs every group's vector into one collective per step.
