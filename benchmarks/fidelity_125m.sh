@@ -18,7 +18,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 ITERS=${ITERS:-1000}
 RECIPES=${RECIPES:-bf16 tensorwise delayed blockwise mxfp8}
 PREFIX=$(python3 scripts/prepare_quickstart_data.py --max-mb "${MAX_MB:-16}" \
-  --output-dir "$OUT/data" | tail -n 1)
+  --output-dir "${DATA_DIR:-$OUT/data}" | tail -n 1)
 # 12 layers, hidden 768, SwiGLU FFN 3584, byte vocabulary: 127.4M parameters in the layers.
 MODEL=(
   --data-path "$PREFIX" --tokenizer-type ByteTokenizer --split 98,2,0
