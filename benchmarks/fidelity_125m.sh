@@ -27,20 +27,23 @@ MODEL=(
   --max-position-embeddings "${SEQ:-1024}"
   --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
   --hidden-dropout 0 --attention-dropout 0 --bf16
-  --micro-batch-size "${MBS:-8}" --global-batch-size "${MBS:-8}" --train-iters "$ITERS"
+  --micro-batch-size "${MBS:-8}" --global-batch-size "${GBS:-${MBS:-8}}" --train-iters "$ITERS"
   --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters $((ITERS / 10))
-  --weight-decay 0.1 --clip-grad 1.0 --seed 1234
+  --weight-decay 0.1 --clip-grad 1.0
   --log-interval "${LOG_INTERVAL:-50}" --eval-interval "$ITERS" --eval-iters "${EVAL_ITERS:-32}"
   --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
   ${COMPILE---torch-compile}
 )
 pids=()
-for recipe in $RECIPES; do
-  flags=()
-  [ "$recipe" != bf16 ] && flags=(--fp8-recipe "$recipe" --fp8-format hybrid --fp8-param-gather)
-  echo "== $recipe: pretrain_gpt.py ${MODEL[*]} ${flags[*]}" | tee -a "$OUT/fidelity.cmd"
+for run in $RECIPES; do  # RECIPE or RECIPE@SEED (another seed: the run-to-run spread)
+  recipe=${run%@*}
+  seed=1234
+  [ "$run" != "$recipe" ] && seed=${run#*@}
+  flags=(--seed "$seed")
+  [ "$recipe" != bf16 ] && flags+=(--fp8-recipe "$recipe" --fp8-format hybrid --fp8-param-gather)
+  echo "== $run: pretrain_gpt.py ${MODEL[*]} ${flags[*]}" | tee -a "$OUT/fidelity.cmd"
   timeout "${RUN_TIMEOUT:-540}" python3 pretrain_gpt.py "${MODEL[@]}" "${flags[@]}" \
-    > "$OUT/$recipe.log" 2>&1 &
+    > "$OUT/$run.log" 2>&1 &
   pids+=($!)
 done
 status=0
@@ -56,7 +59,7 @@ for recipe in recipes:
     text = open(os.path.join(out, f"{recipe}.log")).read()
     times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
     rows[recipe] = {
-        "recipe": recipe,
+        "run": recipe,
         "train_loss": last(r"lm loss: ([0-9.E+-]+)", text),
         "valid_loss": last(r"lm loss value: ([0-9.E+-]+)", text),
         "iterations_logged": len(times),
