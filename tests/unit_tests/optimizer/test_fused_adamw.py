@@ -135,12 +135,14 @@ def test_triton_step_matches_torch_fused_adamw_on_gpu(grad_scale, monkeypatch):
         torch.testing.assert_close(a.detach(), c, rtol=1e-6, atol=1e-8)
     for param, amax in amaxes[-1].items():
         assert amax.item() == param.detach().abs().max().item()
+    # Moments: the kernel may fuse beta * m + (1 - beta) * g into one FMA; near-zero moments
+    # then differ from torch's by an ulp of the terms (about 3e-8 measured), not of the sum.
     for key in ("exp_avg", "exp_avg_sq"):
         for a, b in zip(ours_params, torch_params):
             if a is ours_params[2]:
                 continue
             torch.testing.assert_close(
-                ours.state[a][key], reference.state[b][key], rtol=2e-6, atol=1e-9
+                ours.state[a][key], reference.state[b][key], rtol=2e-6, atol=1e-7
             )
     steps = [ours.state[p]["step"].item() for p in ours_params if p in ours.state]
     want = [reference.state[p]["step"].item() for p in torch_params if p in reference.state]
