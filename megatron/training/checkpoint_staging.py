@@ -16,6 +16,8 @@ waited on twice:
 - by the writer thread (`copied.synchronize()`) before it hands the copies to
   torch.distributed.checkpoint.
 Without CUDA the copies are plain synchronous copies into the same reused buffers.
+Pinned buffers come from torch's caching host allocator, which rounds each block up to a power
+of two: the host copy holds between 1x and 2x the state's bytes of page-locked memory.
 """
 
 from __future__ import annotations
