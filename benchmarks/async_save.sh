@@ -7,8 +7,12 @@
 #   step_ms            median logged step time of the steps with no write in flight
 #   during_save_ms     median of the steps that ran while a write was in flight (async row)
 #   steps_during_save  how many steps ran while a write was in flight
-#   blocked_ms         the longest stop of training per save (async: the copy to CPU; sync: the
-#                      whole write), from the wall-clock gap between the iterations around it
+#   blocked_ms         the longest stop of training per save (async: queueing the copy to host
+#                      memory, plus allocating its pinned buffers at the first save; sync: the
+#                      whole write), from the log's "blocked training ... ms"
+#   blocked_ms_per_save  that stop for every save, in order (the first one allocates the buffers)
+#   after_save_ms      the step time of the iteration after each save, in order: its optimizer
+#                      step waits on the GPU for the copy to host (async row)
 # Default model: 545 M params (8 layers, hidden 2048, FFN 5632) with FP8 parameters, about
 # 6.5 GB of fp32 main params + Adam moments per checkpoint; SAVE_INTERVAL 15 of ITERS 40 keeps
 # three checkpoints on disk at a time under $OUT/ckpt_<row> (deleted after the row).
@@ -37,20 +41,28 @@ summarize() {  # row name: step times split by whether a write was in flight
   python3 - "$OUT/$1.log" "$1" "$WARMUP" <<'PY' | tee -a "$OUT/async_save.jsonl"
 import json, re, statistics, sys
 path, row, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3])
-outside, during, stamps, gaps, in_flight = [], [], [], [], False
+outside, during, blocked, after_save = [], [], [], []
+in_flight = just_saved = False
 for line in open(path):
     if "writing checkpoint of iteration" in line:
         in_flight = True
     elif "saved checkpoint at iteration" in line:
         in_flight = False
+    stop = re.search(r"blocked training ([0-9.]+) ms", line)
+    if stop:
+        blocked.append(float(stop.group(1)))
+        just_saved = True
     found = re.search(r"iteration +(\d+)/.*elapsed time per iteration \(ms\): ([0-9.]+)", line)
-    if found and int(found.group(1)) > warmup:
-        (during if in_flight else outside).append(float(found.group(2)))
+    if found:
+        if just_saved:
+            after_save.append(float(found.group(2)))
+            just_saved = False
+        if int(found.group(1)) > warmup:
+            (during if in_flight else outside).append(float(found.group(2)))
 median = lambda values: round(statistics.median(values), 1) if values else None
 print(json.dumps({"row": row, "step_ms": median(outside), "during_save_ms": median(during),
-                  "steps_during_save": len(during),
-                  "blocked_ms": max(re.findall(r"blocked training ([0-9.]+) ms",
-                                               open(path).read()), default=None, key=float)}))
+                  "steps_during_save": len(during), "blocked_ms": max(blocked, default=None),
+                  "blocked_ms_per_save": blocked, "after_save_ms": after_save}))
 PY
 }
 for name in ${ROWS:-nosave async sync}; do

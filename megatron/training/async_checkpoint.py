@@ -1,15 +1,17 @@
 """--async-save: checkpoints written by a background thread while training goes on.
 
-A save copies this rank's share (sharded model and optimizer state, RNG state) to CPU memory
-at the save's iteration, then a thread writes the copy into `iter_XXXXXXX.tmp/` through
-torch.distributed.checkpoint on a gloo group of its own (a collective of the writer must not
-interleave with the training loop's on the same group). After each later iteration every rank
-asks whether all writers are done (one small all-reduce, only while a save is in flight); when
-they are, `finish_save` runs as for a synchronous save: the ranks agree on failures, rank 0
-writes metadata.json, publishes the directory and only then moves
-`latest_checkpointed_iteration.txt`. A crash before that leaves a `.tmp` directory that no load
-reads and the tracker naming the previous checkpoint; the next save of that iteration replaces
-it. The run waits for the write in flight before the next save and before it exits.
+A save copies this rank's share (sharded model and optimizer state, RNG state) to host memory
+at the save's iteration (into buffers reused by every save; on CUDA pinned, copied on a side
+stream while training goes on: checkpoint_staging.py), then a thread waits for the copy and
+writes it into `iter_XXXXXXX.tmp/` through torch.distributed.checkpoint on a gloo group of its
+own (a collective of the writer must not interleave with the training loop's on the same
+group). After each later iteration every rank asks whether all writers are done (one small
+all-reduce, only while a save is in flight); when they are, `finish_save` runs as for a
+synchronous save: the ranks agree on failures, rank 0 writes metadata.json, publishes the
+directory and only then moves `latest_checkpointed_iteration.txt`. A crash before that leaves a
+`.tmp` directory that no load reads and the tracker naming the previous checkpoint; the next
+save of that iteration replaces it. The run waits for the write in flight before the next save
+and before it exits.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.flat_dtensor import data_parallel_mesh
+from megatron.training.checkpoint_staging import HostStaging
 from megatron.training.initialize import DistributedEnv
 
 TEST_HOLD_ENV = "MEGATRON_FP8_TEST_HOLD_ASYNC_SAVE"
@@ -52,15 +56,36 @@ class AsyncCheckpointSaver:
         self.group = dist.new_group(ranks=ranks, backend="gloo")
         self.cpu_mesh = data_parallel_mesh(self.group, torch.device("cpu"))
         self.pending: _PendingSave | None = None
+        self.staging = HostStaging(device=env.device)
+
+    def stage(self, state: Any, *, name: str) -> Any:
+        """`state` copied into this rank's host buffers of entry `name` (the copy may still be
+        in flight on CUDA: the writer and the next optimizer step wait for it)."""
+        if self.pending is not None:
+            raise RuntimeError("an asynchronous save still writes the host copy; finalize it first")
+        return self.staging.stage(state, name=name, cpu_mesh=self.cpu_mesh)
+
+    def before_optimizer_step(self) -> None:
+        """The training loop calls this before every optimizer step: the step must not
+        overwrite params or optimizer state that a save's copy has yet to read."""
+        self.staging.before_optimizer_step()
+
+    def close(self) -> None:
+        """Free the host buffers when training ends."""
+        self.staging.release()
 
     def start(self, *, iteration: int, metadata: dict, write: Callable) -> None:
-        """Run `write(group)` in a thread; `metadata` goes into metadata.json when it is done."""
+        """Run `write(group)` in a thread once the last `stage`'s copy is complete; `metadata`
+        goes into metadata.json when it is done."""
         if self.pending is not None:
             raise RuntimeError("an asynchronous save is still in flight; finalize it first")
         pending = _PendingSave(iteration=iteration, metadata=metadata, thread=None)
+        copied = self.staging.copied
 
         def run() -> None:
             try:
+                if copied is not None:
+                    copied.synchronize()  # the host copy of every tensor is complete
                 write(self.group)
             except BaseException as error:  # noqa: BLE001 - agreed on and raised by finalize
                 pending.failure = error

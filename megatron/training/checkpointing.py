@@ -56,7 +56,6 @@ from megatron.training.sharded_checkpoint import (
     SHARDED_FORMATS,
     load_sharded_state,
     sharded_state,
-    stage_to_cpu,
 )
 
 FORMAT_TAG = "megatron-fp8"
@@ -280,10 +279,8 @@ def _start_async_write(args, *, run, env, tmp: str, iteration: int, metadata: di
     the copy to `saver`'s writer thread; the metadata was taken at the same moment."""
     from megatron.core import dist_checkpointing
 
-    staged = stage_to_cpu(
-        sharded_state(run, optimizer=not args.no_save_optim), cpu_mesh=saver.cpu_mesh
-    )
-    fp8_state = stage_to_cpu(_fp8_file_state(args, run), cpu_mesh=saver.cpu_mesh)
+    staged = saver.stage(sharded_state(run, optimizer=not args.no_save_optim), name="sharded")
+    fp8_state = saver.stage(_fp8_file_state(args, run), name="fp8")
     rng_state = get_rng_state()
 
     def write(group) -> None:

@@ -1,5 +1,6 @@
 """The sharded part of a `--ckpt-format torch_dist` / `fsdp_dtensor` checkpoint: which state
-dict each data-parallel engine gives, and the CPU copy an asynchronous save writes from.
+dict each data-parallel engine gives (an asynchronous save writes from a host copy of it,
+checkpoint_staging.py).
 
 Both engines give the same keys (model.params.<name>, model.param_shapes.<name>,
 optimizer.<state key>.<name>, optimizer.step) holding each parameter flattened to 1-D:
@@ -10,12 +11,6 @@ chunk offsets, so a checkpoint loads at any data-parallel size, strategy, or eng
 from __future__ import annotations
 
 from typing import Any
-
-import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-
-from megatron.core.dist_checkpointing.flat_dtensor import flat_dtensor, local_piece, piece_offset
 
 SHARDED_FORMATS = ("torch_dist", "fsdp_dtensor")
 
@@ -54,20 +49,3 @@ def load_sharded_state(run, state: dict[str, Any]) -> None:
     load_model_state_dict(run.optimizer, state["model"])
     if "optimizer" in state:
         load_optimizer_state_dict(run.optimizer, state["optimizer"])
-
-
-@torch.no_grad()
-def stage_to_cpu(state: Any, *, cpu_mesh: DeviceMesh) -> Any:
-    """A copy of `state` in CPU memory of its own, for a writer thread: training goes on
-    updating the live buffers while the copy is written. DTensor pieces keep their offsets
-    (on `cpu_mesh`, a mesh over the writer's gloo group)."""
-    if isinstance(state, dict):
-        return {key: stage_to_cpu(value, cpu_mesh=cpu_mesh) for key, value in state.items()}
-    if isinstance(state, DTensor):
-        piece = local_piece(state).detach().to("cpu", copy=True)
-        return flat_dtensor(
-            piece, offset=piece_offset(state), global_numel=state.shape[0], mesh=cpu_mesh
-        )
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    return state

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron.core.optimizer import OptimizerParamScheduler
 from megatron.training.arguments import parse_args
+from megatron.training.async_checkpoint import AsyncCheckpointSaver  # issue 21
 from megatron.training.configs import build_lr_schedule_config, build_transformer_config
 from megatron.training.data import (
     Datasets,
@@ -256,7 +257,13 @@ def seed_dropout(seed: int, *, first_sample: int) -> None:
 
 
 def train_step(
-    args: argparse.Namespace, *, env: DistributedEnv, run: ModelAndOptimizer, dataset, state
+    args: argparse.Namespace,
+    *,
+    env: DistributedEnv,
+    run: ModelAndOptimizer,
+    dataset,
+    state,
+    saver: AsyncCheckpointSaver | None = None,  # issue 21: waits for a save's host copy
 ) -> tuple[float, float, bool]:
     """One optimizer step over the global batch. Returns (loss, grad norm, update succeeded);
     run.last_step gets the forward-backward and optimizer seconds and the zero-grad count."""
@@ -305,6 +312,8 @@ def train_step(
     empty_cuda_cache(args, level=1, device=env.device)
     optimizer_start = time.time()
     run.optimizer.loss_scale = scaler.scale if scaler is not None else 1.0
+    if saver is not None:  # issue 21: a save's copy may still be reading params and moments
+        saver.before_optimizer_step()
     result = run.optimizer.step()
     if scaler is not None:
         scaler.update(found_inf=not result.update_successful)
@@ -412,8 +421,6 @@ def train(
 ) -> TrainingResult:
     saver = None
     if args.async_save and args.save:
-        from megatron.training.async_checkpoint import AsyncCheckpointSaver
-
         saver = AsyncCheckpointSaver(args, env)
     hooks = RunHooks(
         profiler=Profiler(args, rank=env.rank, device=env.device),
@@ -439,6 +446,8 @@ def train(
             return result
     finally:
         hooks.close()
+        if saver is not None:  # issue 21: free the pinned host copy
+            saver.close()
 
 
 @dataclass
@@ -467,7 +476,7 @@ def _train_loop(
         step_start = time.time()
         lr = scheduler.get_lr()
         loss, grad_norm, ok = train_step(
-            args, env=env, run=run, dataset=datasets.train, state=state
+            args, env=env, run=run, dataset=datasets.train, state=state, saver=saver
         )
         # Under fp16 loss scaling an Inf grad norm is an overflow: the scaler skips that update
         # and lowers the scale (Megatron-LM), so only the loss stops the run.
