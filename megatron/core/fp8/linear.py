@@ -355,6 +355,17 @@ class Fp8Linear(nn.Module):
         return _Plan(config=config, scales=scales, metas=metas, record=not recompute, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            COMPILED_FP8_PARAMS_RUN_EAGERLY
+            and isinstance(self.weight, QuantizedTensor)
+            and torch.compiler.is_compiling()
+        ):
+            # The whole forward (autocast lookup, delayed-scaling plan, the autograd function)
+            # in one eager call: one graph break per Linear, not one more for in_recompute.
+            return _fp8_param_forward_outside_the_graph(self, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Fp8Linear expects input [..., {self.in_features}], got {tuple(x.shape)}"
@@ -387,15 +398,12 @@ class Fp8Linear(nn.Module):
                 f"for '{config.recipe}'; build the model under the same recipe"
             )
         plan = self._plan(config, recompute, group, x.device)
-        if COMPILED_FP8_PARAMS_RUN_EAGERLY and isinstance(self.weight, QuantizedTensor):
-            if torch.compiler.is_compiling():
-                return _fp8_param_linear_outside_the_graph(x, self.weight, self.bias, plan)
         return _Fp8LinearFunction.apply(x, self.weight, self.bias, plan)
 
 
 COMPILED_FP8_PARAMS_RUN_EAGERLY = True
 """Under torch.compile, an Fp8Linear whose weight is an FP8 parameter (a QuantizedTensor) runs
-its autograd function outside the compiled graph (a graph break on each side). Traced, the
+its forward outside the compiled graph (a graph break on each side). Traced, the
 compiled backward dropped those weights' grads on CUDA: QuantizedTensor is not a traceable
 tensor subclass, so the compiled graph does not see the parameter as needing a grad, skips the
 wgrad GEMM and never delivers the grad (dev/probe_compile_grads.py shows it per parameter;
@@ -404,5 +412,5 @@ for that probe only."""
 
 
 @torch._dynamo.disable
-def _fp8_param_linear_outside_the_graph(x, weight, bias, plan) -> torch.Tensor:
-    return _Fp8LinearFunction.apply(x, weight, bias, plan)
+def _fp8_param_forward_outside_the_graph(module: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    return module._forward(x)
