@@ -148,21 +148,20 @@ def test_layer_compiles_without_graph_breaks_and_equals_eager(recipe: str, fp8_p
         assert all("disable()" in reason for reason in reasons), reasons
     else:
         assert explanation.graph_break_count == 0, reasons
-    weights = [
-        layer.self_attention.linear_qkv.weight,
-        layer.self_attention.linear_proj.weight,
-        layer.mlp.linear_fc1.weight,
-        layer.mlp.linear_fc2.weight,
-    ]
-    assert all(weight.requires_grad for weight in weights)
+    # Eager and compiled runs each start from a fresh, identical layer: delayed scaling's state
+    # (amax history, scales) moves with every forward, the explain run's included, and the
+    # two runs must quantize with the same scales to be comparable.
+    eager_layer, compiled_layer = (_fp8_layer(recipe, fp8_params=fp8_params) for _ in range(2))
+    weights, compiled_weights = _linear_weights(eager_layer), _linear_weights(compiled_layer)
+    assert all(weight.requires_grad for weight in weights + compiled_weights)
     with fp8_autocast(enabled=True, fp8_config=config):
-        eager = layer(x)
+        eager = eager_layer(x)
     grad_eager, *weight_grads_eager = torch.autograd.grad(eager.float().sum(), [x, *weights])
-    compiled_forward = torch.compile(layer.forward)
+    compiled_forward = torch.compile(compiled_layer.forward)
     with fp8_autocast(enabled=True, fp8_config=config):
         compiled = compiled_forward(x)
     grad_compiled, *weight_grads_compiled = torch.autograd.grad(
-        compiled.float().sum(), [x, *weights], allow_unused=True
+        compiled.float().sum(), [x, *compiled_weights], allow_unused=True
     )
     # Every FP8 weight gets its grad (wgrad GEMM) in the compiled backward, as in eager.
     for want, got in zip(weight_grads_eager, weight_grads_compiled, strict=True):
@@ -179,6 +178,15 @@ def test_layer_compiles_without_graph_breaks_and_equals_eager(recipe: str, fp8_p
         f"grad {grad_error:.4f}"
     )
     assert output_error < 0.03 and grad_error < 0.06
+
+
+def _linear_weights(layer: TransformerLayer) -> list[torch.Tensor]:
+    return [
+        layer.self_attention.linear_qkv.weight,
+        layer.self_attention.linear_proj.weight,
+        layer.mlp.linear_fc1.weight,
+        layer.mlp.linear_fc2.weight,
+    ]
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
