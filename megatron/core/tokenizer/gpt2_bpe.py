@@ -169,9 +169,18 @@ class GPT2BPETokenizer:
         )
         self.encoder = _parse_vocab(vocab_data, vocab_file)
         self.decoder = {token_id: token for token, token_id in self.encoder.items()}
-        self.bpe_ranks = _parse_merges(merges_data, merge_file)
         # Keys the on-disk cache of the checked tiktoken tables (gpt2_bpe_tiktoken.py).
         self._files_digest = gpt2_bpe_tiktoken.files_digest(vocab_data, merges_data)
+        self._merge_file = merge_file
+        self._merges_data: bytes | None = merges_data
+        self._bpe_ranks: dict[tuple[str, str], int] | None = None
+        self._cached_tables: gpt2_bpe_tiktoken.Tables | None = None
+        if encoder != "python":
+            self._cached_tables = gpt2_bpe_tiktoken.load_cached_tables(self._files_digest)
+        if self._cached_tables is None:
+            # Parsed now so that a malformed merges.txt fails here; files with cached tables
+            # parsed and passed the check before, so only the Python encoder needs the merges.
+            self._parse_merges_now()
         if EOD_TOKEN not in self.encoder:
             raise ValueError(
                 f"--vocab-file {vocab_file!r} has no {EOD_TOKEN!r} entry, which GPT-2 BPE uses "
@@ -189,6 +198,17 @@ class GPT2BPETokenizer:
         self._fast: Any = None
         self._resolved = encoder == "python"
 
+    def _parse_merges_now(self) -> None:
+        self._bpe_ranks = _parse_merges(self._merges_data, self._merge_file)
+        self._merges_data = None
+
+    @property
+    def bpe_ranks(self) -> dict[tuple[str, str], int]:
+        """merges.txt as {(left, right): rank}."""
+        if self._bpe_ranks is None:
+            self._parse_merges_now()
+        return self._bpe_ranks
+
     def _resolve_encoder(self) -> None:
         """Build the tiktoken encoder once, unless the Python one was asked for or must do."""
         self._resolved = True
@@ -199,7 +219,7 @@ class GPT2BPETokenizer:
                     "package: pip install tiktoken"
                 )
             return
-        self._tiktoken_tables = gpt2_bpe_tiktoken.load_cached_tables(self._files_digest)
+        self._tiktoken_tables, self._cached_tables = self._cached_tables, None
         if self._tiktoken_tables is None:
             self._tiktoken_tables = gpt2_bpe_tiktoken.build_tables(
                 encoder=self.encoder,
@@ -247,11 +267,13 @@ class GPT2BPETokenizer:
         cached = self._cache.get(pretoken)
         if cached is not None:
             return cached
+        bpe_ranks = self.bpe_ranks
+        unranked = len(bpe_ranks)
         symbols = list(pretoken)
         while len(symbols) > 1:
             pairs = set(zip(symbols, symbols[1:]))
-            best = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, len(self.bpe_ranks)))
-            if best not in self.bpe_ranks:
+            best = min(pairs, key=lambda pair: bpe_ranks.get(pair, unranked))
+            if best not in bpe_ranks:
                 break
             merged: list[str] = []
             index = 0

@@ -93,6 +93,10 @@ def test_cache_is_written_once_and_read_back(vocab_files, cache_dir, build_calls
     python = GPT2BPETokenizer(*vocab_files, encoder="python")
     for text in VARIED_TEXTS:
         assert second.tokenize(text) == python.tokenize(text), repr(text)
+    # With cached tables merges.txt is parsed only when the Python encoder needs it.
+    assert second._bpe_ranks is None
+    assert second.tokenize_python(VARIED_TEXTS[4]) == python.tokenize(VARIED_TEXTS[4])
+    assert second.bpe_ranks == python.bpe_ranks and len(python.bpe_ranks) == 234
 
 
 def test_cache_misses_when_either_file_changes(vocab_files, tmp_path, cache_dir, build_calls):
