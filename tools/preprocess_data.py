@@ -43,6 +43,12 @@ _GLOB_CHARACTERS = set("*?[")
 # enough to keep both cores busy between the writer's turns, few enough to bound memory.
 _THREAD_CHUNK_DOCUMENTS = 16
 _THREAD_CHUNKS_IN_FLIGHT = 4
+# Threads for tokenizers that release the GIL only up to this many workers: about a third of the
+# per-document work (JSON, the id lists tiktoken builds, arrays, writing) holds the GIL, which
+# caps threads at about 1.5x for 2 and 2x for 4 workers, while processes scale on, at a start-up
+# cost (0.3-0.5 CPU s each) that large corpora repay. On the 2-core machine two threads beat
+# two processes in CPU and wall time (docs/benchmarks/preprocess_gpt2bpe_cpu_2026-12-02b.md).
+_MAX_THREAD_WORKERS = 2
 
 # One tokenizer per worker process, set by the pool initializer.
 _worker_tokenizer: Tokenizer | None = None
@@ -265,7 +271,7 @@ def _encoded_documents(
         for task in tasks:
             yield encode_task(task, tokenizer=tokenizer, json_keys=json_keys, append_eod=append_eod)
         return
-    if getattr(tokenizer, "tokenize_releases_gil", False):
+    if workers <= _MAX_THREAD_WORKERS and getattr(tokenizer, "tokenize_releases_gil", False):
         yield from _encoded_in_threads(
             tasks, tokenizer=tokenizer, json_keys=json_keys, append_eod=append_eod, workers=workers
         )
@@ -384,8 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=1,
-        help="tokenizer processes, or threads of one process for tokenizers that release the "
-        "GIL (GPT2BPETokenizer on tiktoken, TikTokenizer)",
+        help="tokenizer processes; 2 workers are 2 threads of one process for tokenizers that "
+        "release the GIL (GPT2BPETokenizer on tiktoken, TikTokenizer)",
     )
     parser.add_argument(
         "--log-interval",

@@ -248,7 +248,7 @@ class GPT2BPETokenizer:
     @property
     def tokenize_releases_gil(self) -> bool:
         """True when tokenize() runs in tiktoken's Rust code without the GIL, so threads of one
-        process encode in parallel (tools/preprocess_data.py then uses threads for --workers)."""
+        process encode in parallel (tools/preprocess_data.py then runs --workers 2 as threads)."""
         return self.encoder_name == "tiktoken"
 
     def __getstate__(self) -> dict[str, Any]:

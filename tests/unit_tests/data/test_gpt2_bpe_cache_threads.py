@@ -220,7 +220,7 @@ def _preprocess_bytes(corpus, prefix, tokenizer, workers):
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_threads_cache_and_python_write_identical_files(
+def test_threads_processes_cache_and_python_write_identical_files(
     vocab_files, tmp_path, cache_dir, monkeypatch, workers
 ):
     # Many small chunks, so that the in-flight window fills, drains and refills.
@@ -234,17 +234,20 @@ def test_threads_cache_and_python_write_identical_files(
     cached = GPT2BPETokenizer(*vocab_files)  # reads it
     assert uncached.tokenize_releases_gil and cached.tokenize_releases_gil
     assert not python.tokenize_releases_gil
+    assert _preprocess_bytes(corpus, tmp_path / "one", uncached, 1) == expected
+    contexts = []
+    get_context = preprocess_data.multiprocessing.get_context
 
-    # Threads, not processes: a process pool would fail here.
-    def no_processes(*args, **kwargs):
-        raise AssertionError("tiktoken's encoder should run in threads")
+    def recording_get_context(*args, **kwargs):
+        contexts.append(args)
+        return get_context(*args, **kwargs)
 
-    monkeypatch.setattr(preprocess_data.multiprocessing, "get_context", no_processes)
-    for name, tokenizer, count in (("one", uncached, 1), ("threads", cached, workers)):
-        assert _preprocess_bytes(corpus, tmp_path / name, tokenizer, count) == expected, name
-    bin_bytes = expected[0]
+    monkeypatch.setattr(preprocess_data.multiprocessing, "get_context", recording_get_context)
+    assert _preprocess_bytes(corpus, tmp_path / "many", cached, workers) == expected
+    # Two workers are threads of this process; more are (spawned) processes.
+    assert contexts == ([] if workers == 2 else [("spawn",)])
     expected_tokens = sum(len(python.tokenize(text)) + 1 for text in documents)
-    assert len(bin_bytes) == 2 * expected_tokens  # uint16 ids for a 700-token vocabulary
+    assert len(expected[0]) == 2 * expected_tokens  # uint16 ids for a 700-token vocabulary
 
 
 def test_thread_workers_report_the_bad_line_and_leave_no_files(vocab_files, tmp_path, monkeypatch):
