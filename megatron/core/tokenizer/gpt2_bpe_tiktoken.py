@@ -162,7 +162,12 @@ def cache_dir() -> str | None:
     configured = os.environ.get(CACHE_ENV)
     if configured is not None:
         return None if configured.strip().lower() in ("", "off", "0") else configured
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = os.environ.get("XDG_CACHE_HOME")
+    if not root:
+        home = os.path.expanduser("~")
+        if home == "~":  # no home directory to be found: no cache rather than a "~" folder here
+            return None
+        root = os.path.join(home, ".cache")
     return os.path.join(root, "megatron-fp8", "gpt2_bpe_tiktoken")
 
 

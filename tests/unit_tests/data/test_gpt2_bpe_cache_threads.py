@@ -183,6 +183,10 @@ def test_default_cache_location(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     expected = tmp_path / ".cache" / "megatron-fp8" / "gpt2_bpe_tiktoken"
     assert gpt2_bpe_tiktoken.cache_dir() == str(expected)
+    # No home directory at all: no cache (rather than a folder named "~" in the working one).
+    monkeypatch.setattr(gpt2_bpe_tiktoken.os.path, "expanduser", lambda path: path)
+    assert gpt2_bpe_tiktoken.cache_dir() is None
+    assert gpt2_bpe_tiktoken.cache_path("0" * 64) is None
 
 
 def test_unsuitable_vocabulary_is_not_cached(tmp_path, cache_dir):
