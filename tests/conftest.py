@@ -20,6 +20,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _no_gpt2_bpe_table_cache(monkeypatch):
+    """GPT2BPETokenizer's on-disk cache of checked tiktoken tables stays off in tests (no files
+    under ~/.cache, and every test runs the vocabulary check); the cache's own tests point
+    MEGATRON_GPT2_BPE_CACHE at a temporary directory."""
+    monkeypatch.setenv("MEGATRON_GPT2_BPE_CACHE", "off")
+
+
+@pytest.fixture(autouse=True)
 def _seed_global_rngs():
     """Tests that draw from torch's or numpy's global RNG get the same numbers whatever ran
     before them (a file run alone, a subset, or the whole suite)."""

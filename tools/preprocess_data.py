@@ -11,7 +11,10 @@ OUTPUT_PREFIX_K_document.bin/.idx; plain text files feed the key "text".
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import glob
+import itertools
 import json
 import multiprocessing
 import os
@@ -23,6 +26,11 @@ from pathlib import Path
 if __package__ in (None, ""):
     # Run as `python3 tools/preprocess_data.py`: make the repository root importable.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":
+    # Preprocessing does no linear algebra, yet importing numpy starts an OpenBLAS thread per
+    # core: 0.06 CPU s of each run (and of each spawned worker, which inherits this) on the
+    # 2-core machine. Only when run as a script: a program importing this module keeps its BLAS.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
@@ -35,6 +43,17 @@ from megatron.core.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer 
 JSON_SUFFIXES = (".jsonl", ".json")
 TEXT_KEY = "text"
 _GLOB_CHARACTERS = set("*?[")
+
+# Documents per chunk handed to a thread, and chunks per thread queued ahead of the writer:
+# enough to keep both cores busy between the writer's turns, few enough to bound memory.
+_THREAD_CHUNK_DOCUMENTS = 16
+_THREAD_CHUNKS_IN_FLIGHT = 4
+# Threads for tokenizers that release the GIL only up to this many workers: about a third of the
+# per-document work (JSON, the id lists tiktoken builds, arrays, writing) holds the GIL, which
+# caps threads at about 1.5x for 2 and 2x for 4 workers, while processes scale on, at a start-up
+# cost (0.3-0.5 CPU s each) that large corpora repay. On the 2-core machine two threads beat
+# two processes in CPU and wall time (docs/benchmarks/preprocess_gpt2bpe_cpu_2026-12-02b.md).
+_MAX_THREAD_WORKERS = 2
 
 # One tokenizer per worker process, set by the pool initializer.
 _worker_tokenizer: Tokenizer | None = None
@@ -208,6 +227,41 @@ class Progress:
         return summary
 
 
+def _encoded_in_threads(
+    tasks: Iterator[tuple[str, str, int, str]],
+    *,
+    tokenizer: Tokenizer,
+    json_keys: Sequence[str],
+    append_eod: bool,
+    workers: int,
+) -> Iterator[tuple[list[np.ndarray], int]]:
+    """Encoded documents in input order, tokenized by `workers` threads of this process.
+
+    For tokenizers whose tokenize() releases the GIL (tiktoken's Rust encoder): the threads
+    encode in parallel, and there are no worker processes to start, no tokenizer to pickle
+    into each, and no token arrays to send back. Documents go in chunks (fewer hand-offs), and
+    at most a few chunks per thread are in flight, so memory stays bounded on any corpus.
+    """
+
+    def encode_chunk(chunk: list[tuple[str, str, int, str]]) -> list[tuple[list[np.ndarray], int]]:
+        return [
+            encode_task(task, tokenizer=tokenizer, json_keys=json_keys, append_eod=append_eod)
+            for task in chunk
+        ]
+
+    in_flight: collections.deque[concurrent.futures.Future] = collections.deque()
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        while True:
+            chunk = list(itertools.islice(tasks, _THREAD_CHUNK_DOCUMENTS))
+            if chunk:
+                in_flight.append(pool.submit(encode_chunk, chunk))
+            # Results are taken in submission order, so the output does not depend on threads.
+            while in_flight and (not chunk or len(in_flight) >= _THREAD_CHUNKS_IN_FLIGHT * workers):
+                yield from in_flight.popleft().result()
+            if not chunk:
+                return
+
+
 def _encoded_documents(
     files: Sequence[str],
     *,
@@ -221,6 +275,11 @@ def _encoded_documents(
     if workers == 1:
         for task in tasks:
             yield encode_task(task, tokenizer=tokenizer, json_keys=json_keys, append_eod=append_eod)
+        return
+    if workers <= _MAX_THREAD_WORKERS and getattr(tokenizer, "tokenize_releases_gil", False):
+        yield from _encoded_in_threads(
+            tasks, tokenizer=tokenizer, json_keys=json_keys, append_eod=append_eod, workers=workers
+        )
         return
     # spawn, not fork: callers (tests, training scripts) may have threads running, and fork
     # with threads can deadlock; the tokenizer is pickled once per worker.
@@ -332,7 +391,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="append the end-of-document id after every document",
     )
-    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="tokenizer processes; 2 workers are 2 threads of one process for tokenizers that "
+        "release the GIL (GPT2BPETokenizer on tiktoken, TikTokenizer)",
+    )
     parser.add_argument(
         "--log-interval",
         type=int,

@@ -105,44 +105,43 @@ def gpt2_pretokenizer() -> re.Pattern[str]:
     return re.compile(pattern)
 
 
-def _read_vocab(vocab_file: str) -> dict[str, int]:
-    if not os.path.isfile(vocab_file):
+def _read_file(path: str, *, flag: str, kind: str, usual_name: str) -> bytes:
+    if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"GPT-2 vocabulary file {vocab_file!r} does not exist; pass the local vocab.json "
-            "with --vocab-file (nothing is downloaded)"
+            f"GPT-2 {kind} file {path!r} does not exist; pass the local {usual_name} "
+            f"with {flag} (nothing is downloaded)"
         )
-    with open(vocab_file, encoding="utf-8") as handle:
-        try:
-            vocab = json.load(handle)
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"--vocab-file {vocab_file!r} is not valid JSON ({error}); it must map token "
-                "strings to ids like GPT-2's vocab.json"
-            ) from error
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+def _parse_vocab(data: bytes, vocab_file: str) -> dict[str, int]:
+    try:
+        vocab = json.loads(data.decode("utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"--vocab-file {vocab_file!r} is not valid JSON ({error}); it must map token "
+            "strings to ids like GPT-2's vocab.json"
+        ) from error
     if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
         raise ValueError(f"--vocab-file {vocab_file!r} must be a JSON object of token -> int id")
     return vocab
 
 
-def _read_merges(merge_file: str) -> dict[tuple[str, str], int]:
-    if not os.path.isfile(merge_file):
-        raise FileNotFoundError(
-            f"GPT-2 merges file {merge_file!r} does not exist; pass the local merges.txt "
-            "with --merge-file (nothing is downloaded)"
-        )
+def _parse_merges(data: bytes, merge_file: str) -> dict[tuple[str, str], int]:
     ranks: dict[tuple[str, str], int] = {}
-    with open(merge_file, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            line = line.rstrip("\n")
-            if not line or (line_number == 1 and line.startswith("#version")):
-                continue
-            parts = line.split(" ")
-            if len(parts) != 2:
-                raise ValueError(
-                    f"--merge-file {merge_file!r} line {line_number}: expected two symbols "
-                    f"separated by one space, got {line!r}"
-                )
-            ranks.setdefault((parts[0], parts[1]), len(ranks))
+    # Universal newlines, as a text-mode open() reads them.
+    text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    for line_number, line in enumerate(text.split("\n"), start=1):
+        if not line or (line_number == 1 and line.startswith("#version")):
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2:
+            raise ValueError(
+                f"--merge-file {merge_file!r} line {line_number}: expected two symbols "
+                f"separated by one space, got {line!r}"
+            )
+        ranks.setdefault((parts[0], parts[1]), len(ranks))
     return ranks
 
 
@@ -155,15 +154,33 @@ class GPT2BPETokenizer:
 
     encoder: "auto" (the `tiktoken` package when installed and the files suit it, else pure
     Python), "tiktoken" (required: ImportError/ValueError otherwise) or "python". Both give the
-    same ids. The tiktoken tables are built (and the files checked) on first use.
+    same ids. The tiktoken tables are built (and the files checked) on first use, or read from
+    the cache of checked files (gpt2_bpe_tiktoken.py).
     """
 
     def __init__(self, vocab_file: str, merge_file: str, *, encoder: str = "auto") -> None:
         if encoder not in ENCODERS:
             raise ValueError(f"encoder must be one of {ENCODERS}, got {encoder!r}")
-        self.encoder = _read_vocab(vocab_file)
+        vocab_data = _read_file(
+            vocab_file, flag="--vocab-file", kind="vocabulary", usual_name="vocab.json"
+        )
+        merges_data = _read_file(
+            merge_file, flag="--merge-file", kind="merges", usual_name="merges.txt"
+        )
+        self.encoder = _parse_vocab(vocab_data, vocab_file)
         self.decoder = {token_id: token for token, token_id in self.encoder.items()}
-        self.bpe_ranks = _read_merges(merge_file)
+        # Keys the on-disk cache of the checked tiktoken tables (gpt2_bpe_tiktoken.py).
+        self._files_digest = gpt2_bpe_tiktoken.files_digest(vocab_data, merges_data)
+        self._merge_file = merge_file
+        self._merges_data: bytes | None = merges_data
+        self._bpe_ranks: dict[tuple[str, str], int] | None = None
+        self._cached_tables: gpt2_bpe_tiktoken.Tables | None = None
+        if encoder != "python":
+            self._cached_tables = gpt2_bpe_tiktoken.load_cached_tables(self._files_digest)
+        if self._cached_tables is None:
+            # Parsed now so that a malformed merges.txt fails here; files with cached tables
+            # parsed and passed the check before, so only the Python encoder needs the merges.
+            self._parse_merges_now()
         if EOD_TOKEN not in self.encoder:
             raise ValueError(
                 f"--vocab-file {vocab_file!r} has no {EOD_TOKEN!r} entry, which GPT-2 BPE uses "
@@ -181,6 +198,17 @@ class GPT2BPETokenizer:
         self._fast: Any = None
         self._resolved = encoder == "python"
 
+    def _parse_merges_now(self) -> None:
+        self._bpe_ranks = _parse_merges(self._merges_data, self._merge_file)
+        self._merges_data = None
+
+    @property
+    def bpe_ranks(self) -> dict[tuple[str, str], int]:
+        """merges.txt as {(left, right): rank}."""
+        if self._bpe_ranks is None:
+            self._parse_merges_now()
+        return self._bpe_ranks
+
     def _resolve_encoder(self) -> None:
         """Build the tiktoken encoder once, unless the Python one was asked for or must do."""
         self._resolved = True
@@ -191,12 +219,16 @@ class GPT2BPETokenizer:
                     "package: pip install tiktoken"
                 )
             return
-        self._tiktoken_tables = gpt2_bpe_tiktoken.build_tables(
-            encoder=self.encoder,
-            bpe_ranks=self.bpe_ranks,
-            byte_encoder=self.byte_encoder,
-            classic_bpe=self._bpe,
-        )
+        self._tiktoken_tables, self._cached_tables = self._cached_tables, None
+        if self._tiktoken_tables is None:
+            self._tiktoken_tables = gpt2_bpe_tiktoken.build_tables(
+                encoder=self.encoder,
+                bpe_ranks=self.bpe_ranks,
+                byte_encoder=self.byte_encoder,
+                classic_bpe=self._bpe,
+            )
+            if self._tiktoken_tables is not None:
+                gpt2_bpe_tiktoken.store_tables(self._files_digest, self._tiktoken_tables)
         if self._tiktoken_tables is None:
             if self._requested_encoder == "tiktoken":
                 raise ValueError(
@@ -212,6 +244,12 @@ class GPT2BPETokenizer:
         if not self._resolved:
             self._resolve_encoder()
         return "python" if self._fast is None else "tiktoken"
+
+    @property
+    def tokenize_releases_gil(self) -> bool:
+        """True when tokenize() runs in tiktoken's Rust code without the GIL, so threads of one
+        process encode in parallel (tools/preprocess_data.py then runs --workers 2 as threads)."""
+        return self.encoder_name == "tiktoken"
 
     def __getstate__(self) -> dict[str, Any]:
         # Preprocessing workers get the checked tables and rebuild the Rust object from them.
@@ -229,11 +267,13 @@ class GPT2BPETokenizer:
         cached = self._cache.get(pretoken)
         if cached is not None:
             return cached
+        bpe_ranks = self.bpe_ranks
+        unranked = len(bpe_ranks)
         symbols = list(pretoken)
         while len(symbols) > 1:
             pairs = set(zip(symbols, symbols[1:]))
-            best = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, len(self.bpe_ranks)))
-            if best not in self.bpe_ranks:
+            best = min(pairs, key=lambda pair: bpe_ranks.get(pair, unranked))
+            if best not in bpe_ranks:
                 break
             merged: list[str] = []
             index = 0

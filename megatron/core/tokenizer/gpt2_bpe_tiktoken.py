@@ -15,6 +15,11 @@ merge's line makes the two agree when (checked here, once per vocabulary):
 The last check runs the `tokenizers` package's BPE (the same algorithm in Rust, 10x faster) when
 installed, else the Python encoder: 0.1 s or about 1 s for GPT-2's 50,000 merges.
 
+The checked tables are cached on disk under the SHA-256 of vocab.json and merges.txt (so any
+edit of either file misses the cache): $MEGATRON_GPT2_BPE_CACHE, else
+$XDG_CACHE_HOME/megatron-fp8/gpt2_bpe_tiktoken, else ~/.cache/megatron-fp8/gpt2_bpe_tiktoken;
+MEGATRON_GPT2_BPE_CACHE=off turns the cache off. Only vocabularies that pass the check are cached.
+
 tiktoken's ids are the ranks: vocab.json's ids when those follow the merge order, else a table
 maps them. Its regex is GPT-2's, with
 Unicode's \\s and \\p{L}/\\p{N} as the `regex` module that GPT-2's reference encoder uses.
@@ -22,7 +27,10 @@ Unicode's \\s and \\p{L}/\\p{N} as the `regex` module that GPT-2's reference enc
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import marshal
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +38,23 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-GPT2_SPLIT_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# GPT-2's pattern, 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+,
+# rewritten to match exactly the same pieces faster: the contractions share their apostrophe
+# (a(b|c) is ab|ac for ordered alternation), and the alternatives without the lookahead form one
+# group, which fancy-regex hands to the `regex` crate whole instead of trying them one by one in
+# its backtracking VM. tiktoken's encoding is then 1.7x faster on Python source.
+GPT2_SPLIT_PATTERN = (
+    r"(?:'(?:[st]|re|ve|m|ll|d)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+)|\s+(?!\S)|\s+"
+)
+
+
+# Where the checked tables are cached ("off" or empty: no cache); see the module docstring.
+CACHE_ENV = "MEGATRON_GPT2_BPE_CACHE"
+# Part of every cache file's name: bump it when the check or the tables' layout changes, so that
+# entries written by older code are never read.
+CACHE_VERSION = 1
+
+Tables = tuple[dict[bytes, int], np.ndarray | None]
 
 
 def tiktoken_available() -> bool:
@@ -47,7 +71,7 @@ def build_tables(
     bpe_ranks: dict[tuple[str, str], int],
     byte_encoder: dict[int, str],
     classic_bpe: Callable[[str], tuple[str, ...]],
-) -> tuple[dict[bytes, int], np.ndarray | None] | None:
+) -> Tables | None:
     """(tiktoken's mergeable ranks, rank -> vocab id table) or None when the files do not
     qualify. The table is None when the ranks are the vocab ids themselves: GPT-2's vocab.json
     (and a `tokenizers`-trained one) numbers merged tokens in merge order, and tiktoken only
@@ -122,3 +146,78 @@ def make_encoding(ranks: dict[bytes, int]) -> Any:
     return tiktoken.Encoding(
         "megatron_gpt2_bpe", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={}
     )
+
+
+def files_digest(vocab_data: bytes, merges_data: bytes) -> str:
+    """SHA-256 of vocab.json's and merges.txt's bytes (each length-prefixed): the cache key."""
+    digest = hashlib.sha256()
+    for data in (vocab_data, merges_data):
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def cache_dir() -> str | None:
+    """The directory of cached tables, or None when MEGATRON_GPT2_BPE_CACHE turns it off."""
+    configured = os.environ.get(CACHE_ENV)
+    if configured is not None:
+        return None if configured.strip().lower() in ("", "off", "0") else configured
+    root = os.environ.get("XDG_CACHE_HOME")
+    if not root:
+        home = os.path.expanduser("~")
+        if home == "~":  # no home directory to be found: no cache rather than a "~" folder here
+            return None
+        root = os.path.join(home, ".cache")
+    return os.path.join(root, "megatron-fp8", "gpt2_bpe_tiktoken")
+
+
+def cache_path(digest: str) -> str | None:
+    directory = cache_dir()
+    if directory is None:
+        return None
+    return os.path.join(directory, f"v{CACHE_VERSION}-{digest}.marshal")
+
+
+def load_cached_tables(digest: str) -> Tables | None:
+    """The tables cached for these files' digest, or None (no entry, no cache, or an entry
+    that is unreadable or malformed: the caller then checks the files again)."""
+    path = cache_path(digest)
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as handle:
+            ranks, ids = marshal.loads(handle.read())
+    except (OSError, EOFError, ValueError, TypeError):
+        return None
+    # marshal only rebuilds plain values; still make sure they are the ones written.
+    if not isinstance(ranks, dict) or not (ids is None or isinstance(ids, list)):
+        return None
+    if not all(type(token) is bytes and type(rank) is int for token, rank in ranks.items()):
+        return None
+    if ids is None:
+        return ranks, None
+    if len(ids) != len(ranks) or not all(type(token_id) is int for token_id in ids):
+        return None
+    return ranks, np.asarray(ids, dtype=np.int64)
+
+
+def store_tables(digest: str, tables: Tables) -> None:
+    """Cache the tables of checked files (best effort: a read-only home only costs the check
+    next time). Written under a temporary name and renamed, so readers never see half a file."""
+    path = cache_path(digest)
+    if path is None:
+        return
+    ranks, ids = tables
+    payload = marshal.dumps((ranks, None if ids is None else ids.tolist()))
+    temporary = f"{path}.tmp-{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(temporary, "wb") as handle:
+            handle.write(payload)
+        os.replace(temporary, path)
+    except OSError as error:
+        logger.info("GPT-2 BPE: cannot cache the tiktoken tables in %s (%s)", path, error)
+        try:
+            os.remove(temporary)
+        except OSError:
+            pass

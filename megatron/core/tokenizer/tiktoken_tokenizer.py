@@ -74,6 +74,10 @@ def read_tiktoken_vocab(path: str, *, max_entries: int) -> dict[bytes, int]:
 class TikTokenizer:
     """--tokenizer-type TikTokenizer with Megatron-LM's special-token layout (module docstring)."""
 
+    # tiktoken encodes in Rust without the GIL: tools/preprocess_data.py runs --workers 2 as
+    # threads of one process.
+    tokenize_releases_gil = True
+
     def __init__(
         self,
         path: str,

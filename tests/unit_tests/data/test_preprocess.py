@@ -240,3 +240,34 @@ def test_non_utf8_jsonl_error_with_workers(tmp_path, workers):
             show_progress=False,
         )
     assert os.listdir(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize(
+    ("how", "preset", "expected"),
+    [("script", None, "1"), ("script", "3", "3"), ("import", None, "None")],
+)
+def test_openblas_threads_default_to_one_only_when_run_as_a_script(how, preset, expected):
+    # The script needs no BLAS threads; a program importing the module keeps its own setting.
+    run = (
+        "import runpy, sys\n"
+        "sys.argv = ['preprocess_data.py', '--help']\n"
+        "try:\n"
+        "    runpy.run_path('tools/preprocess_data.py', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        if how == "script"
+        else "import tools.preprocess_data\n"
+    )
+    environment = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if preset is not None:
+        environment["OPENBLAS_NUM_THREADS"] = preset
+    environment["PYTHONPATH"] = str(REPO_ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", run + "import os; print(os.environ.get('OPENBLAS_NUM_THREADS'))"],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.strip().splitlines()[-1] == expected
