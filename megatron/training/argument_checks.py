@@ -459,6 +459,11 @@ def _validate_fsdp(args: argparse.Namespace) -> None:
             f"{flag} is a Megatron-FSDP option; add --use-megatron-fsdp or "
             "--use-distributed-optimizer.",
         )
+    _require(
+        args.main_grads_dtype == "fp32",
+        f"--main-grads-dtype {args.main_grads_dtype} sets Megatron-FSDP's grad buffers; add "
+        "--use-megatron-fsdp (DDP and FSDP2 keep fp32 grads).",
+    )
 
 
 def _validate_output_dirs(args: argparse.Namespace) -> None:

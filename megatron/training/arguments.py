@@ -402,7 +402,13 @@ def _add_fsdp_args(parser: argparse.ArgumentParser) -> None:
         "--main-params-dtype", choices=("fp32",), default="fp32", help="Main-param dtype."
     )
     group.add_argument(
-        "--main-grads-dtype", choices=("fp32", "bf16"), default="fp32", help="Grad dtype."
+        "--main-grads-dtype",
+        choices=("fp32", "bf16", "fp64"),
+        default="fp32",
+        help="Megatron-FSDP grad-buffer dtype. fp64 (ours, not Megatron-LM's): grads are "
+        "accumulated, reduced and normed in fp64 and rounded to fp32 once, so the losses do not "
+        "depend on the data-parallel layout (HSDP or ZeRO-3, any DP size at a fixed micro-batch "
+        "size), at twice the grad memory and reduce bytes.",
     )
     group.add_argument(
         "--grad-reduce-in-bf16",

@@ -26,7 +26,7 @@ _STRICTNESS = (
     "return_all",
     "ignore_all",
 )
-_FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
+_FSDP_DTYPES = ("fp32", "bf16", "fp16", "fp64", "auto")
 
 
 def add_megatron_lm_args(parser: argparse.ArgumentParser) -> None:
@@ -514,18 +514,24 @@ def _resolve_fsdp_dtypes(args: argparse.Namespace) -> None:
     main_grads = args.megatron_fsdp_main_grads_dtype
     if main_grads is not None:
         resolved = params_dtype if main_grads == "auto" else main_grads
-        if resolved not in ("fp32", "bf16"):
+        if resolved not in ("fp32", "bf16", "fp64"):
             raise ValueError(
-                f"--megatron-fsdp-main-grads-dtype {main_grads} means {resolved} grads; use fp32 "
-                "or bf16."
+                f"--megatron-fsdp-main-grads-dtype {main_grads} means {resolved} grads; use fp32, "
+                "bf16 or fp64."
             )
         args.main_grads_dtype = resolved
     comm = args.megatron_fsdp_grad_comm_dtype
     if comm is not None:
         resolved = args.main_grads_dtype if comm == "auto" else comm
-        if resolved not in ("fp32", "bf16"):
+        if resolved not in ("fp32", "bf16") and resolved != args.main_grads_dtype:
             raise ValueError(
-                f"--megatron-fsdp-grad-comm-dtype {comm} means {resolved}; use fp32 or bf16."
+                f"--megatron-fsdp-grad-comm-dtype {comm} means {resolved}; use fp32 or bf16 (or "
+                "auto: the grad-buffer dtype)."
+            )
+        if resolved == "fp32" and args.main_grads_dtype == "fp64":
+            raise ValueError(
+                "--megatron-fsdp-grad-comm-dtype fp32 with fp64 grad buffers is not built; use "
+                "auto (fp64) or bf16."
             )
         if resolved == "bf16":
             args.grad_reduce_in_bf16 = True

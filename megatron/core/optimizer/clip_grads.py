@@ -11,17 +11,28 @@ from torch.distributed.tensor import DTensor
 
 
 def global_grad_norm(
-    grads: Iterable[torch.Tensor], *, group: dist.ProcessGroup | None = None
+    grads: Iterable[torch.Tensor],
+    *,
+    group: dist.ProcessGroup | None = None,
+    accumulate_dtype: torch.dtype = torch.float32,
 ) -> float:
     """L2 norm of the concatenation of `grads`; with `group`, of all ranks' pieces together.
 
     With a group, callers pass each rank's disjoint piece (a shard, or a replicated grad on one
     rank only), so the sum of squares over the group is the square of the global norm. Without a
     group the norm is local (replicated grads). NaN/Inf come back as NaN.
+
+    accumulate_dtype=torch.float64: squares summed in fp64, where fp32 values square exactly and
+    sums of any partition agree to about 1e-16, so the norm (and the clip) does not depend on
+    how the grads are split into pieces and ranks (fp64 grad buffers' layout-independent mode).
     """
     grads = list(grads)
     device = grads[0].device if grads else torch.device("cpu")
-    if device.type == "cuda":
+    if accumulate_dtype == torch.float64:
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+        for grad in grads:
+            squares += grad.detach().double().pow(2).sum()
+    elif device.type == "cuda":
         # One read of every grad (multi-tensor norms in fp32), where pow(2).sum() writes and
         # re-reads a squared copy: 4 ms of a Model A step. The CPU keeps the per-tensor sum,
         # whose exact order its golden values were recorded with.

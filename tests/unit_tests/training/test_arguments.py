@@ -64,6 +64,18 @@ def parse_error(argv, capsys, world_size=1) -> str:
         (["--fp8-param-gather", "--fp8-recipe", "mxfp8"], 1, "add --use-megatron-fsdp"),
         (["--fp8-param-gather"], 1, "needs --fp8-recipe"),
         (["--overlap-param-gather"], 1, "is a Megatron-FSDP option"),
+        (["--main-grads-dtype", "fp64"], 1, "--main-grads-dtype fp64 sets Megatron-FSDP's"),
+        (
+            [
+                "--use-megatron-fsdp",
+                "--megatron-fsdp-main-grads-dtype",
+                "fp64",
+                "--megatron-fsdp-grad-comm-dtype",
+                "fp32",
+            ],
+            1,
+            "--megatron-fsdp-grad-comm-dtype fp32 with fp64 grad buffers is not built",
+        ),
         (
             ["--ckpt-format", "fsdp_dtensor"],
             1,

@@ -308,6 +308,10 @@ def test_flag_spellings_of_megatron_lm_scripts():
         "bf16",
         True,
     )
+    # fp64 grad buffers (ours): the layout-independent mode; comm auto follows them.
+    fp64 = ["--use-megatron-fsdp", "--megatron-fsdp-main-grads-dtype", "fp64"]
+    args = parse_args(TINY_GPT + fp64 + ["--megatron-fsdp-grad-comm-dtype", "auto"], world_size=1)
+    assert (args.main_grads_dtype, args.grad_reduce_in_bf16) == ("fp64", False)
 
 
 def test_fp16_static_scale_trains_like_fp32():

@@ -80,6 +80,9 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         else:
             self.param_groups = [{"lr": config.lr, "weight_decay": config.weight_decay}]
         self.replicated = not engine.config.shards_optimizer_state
+        # fp64 grad buffers: the norm too is layout-independent (global_grad_norm).
+        fp64 = engine.config.main_grads_dtype == torch.float64
+        self.norm_dtype = torch.float64 if fp64 else torch.float32
         groups = engine.groups
         # The group over which the ranks' pieces are disjoint and cover the model once: the
         # grad norm sums over it, and optimizer-state checkpoints are sharded over it.
@@ -137,7 +140,9 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         if not grads:
             grads = [torch.zeros(1, device=self.engine.buffer.device)]
         unscale_grads_(grads, self.loss_scale)
-        grad_norm = global_grad_norm(grads, group=self.piece_group)
+        grad_norm = global_grad_norm(
+            grads, group=self.piece_group, accumulate_dtype=self.norm_dtype
+        )
         zeros = count_zeros(grads, group=self.piece_group) if self.count_zeros_in_grad else None
         if not math.isfinite(grad_norm):
             self._detach_grads()
