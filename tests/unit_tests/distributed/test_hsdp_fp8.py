@@ -247,3 +247,31 @@ def test_fp8_hsdp_2x4_losses_and_exact_bytes() -> None:
                 assert rank_result[(recipe, outer, "checked")] == [8, 8], (recipe, outer)
             assert len({r[(recipe, outer, "digest")] for r in results}) == 1, (recipe, outer)
     _assert_fp64_runs_equal(results[0])
+
+
+def _overlap_on_and_off(rank: int, world_size: int) -> dict:
+    result = {}
+    for recipe in RECIPES:
+        config = fp8_config(recipe)
+        micro = 1 if recipe == "delayed" else 2
+        for overlap in (False, True):
+            fsdp_config = FsdpConfig(
+                data_parallel_sharding_strategy=ZERO3,
+                outer_dp_sharding_strategy="optim",
+                overlap_grad_reduce=overlap,
+                overlap_param_gather=overlap,
+            )
+            state = wrap_hsdp(
+                build_fp8_toy(config), instances=2, config=fsdp_config, fp8_config=config
+            )
+            result[(recipe, overlap)] = train(state, range(8), config=config, micro_batches=micro)
+    return result
+
+
+def test_fp8_hsdp_with_overlap_equals_without() -> None:
+    """HSDP 2 x 2 (outer optim) with FP8 parameters and --overlap-grad-reduce /
+    --overlap-param-gather: the same losses, bitwise, as without overlap, every recipe."""
+    result = run_distributed(_overlap_on_and_off, 4)[0]
+    for recipe in RECIPES:
+        assert result[(recipe, True)] == result[(recipe, False)], recipe
+        assert result[(recipe, True)][-1] < result[(recipe, True)][0], recipe  # it learns
