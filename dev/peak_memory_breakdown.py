@@ -1,0 +1,86 @@
+"""What is alive at the peak of a CUDA memory trace, grouped by the code that allocated it.
+
+Question it answers: which tensors make up a run's `max_memory_allocated` (issue 19: the FP8
+rows of Model A peak 0.7 GiB above FSDP2's). Input: a snapshot written by
+`pretrain_gpt.py --record-memory-history --memory-snapshot-path FILE` (or any
+`torch.cuda.memory._dump_snapshot` pickle). The allocation trace is replayed; at the moment the
+live bytes are largest, the live blocks are summed by their innermost frame inside this
+repository (or the innermost frame at all, when none is ours).
+
+    python3 dev/peak_memory_breakdown.py snapshot.pickle [--top 25]
+
+Runs on CPU (it only reads the pickle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+from collections import defaultdict
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _site(frames: list[dict]) -> str:
+    """The innermost frame in this repository, else the innermost frame, as file:line name."""
+    for frame in frames:
+        filename = frame.get("filename", "")
+        if filename.startswith(REPO) or "/megatron/" in filename:
+            return f"{os.path.relpath(filename, REPO)}:{frame.get('line')} {frame.get('name')}"
+    if frames:
+        frame = frames[0]
+        return f"{frame.get('filename')}:{frame.get('line')} {frame.get('name')}"
+    return "(no stack recorded)"
+
+
+def peak_breakdown(snapshot: dict, device: int = 0) -> tuple[int, dict[str, int]]:
+    """(peak live bytes, {allocation site: bytes alive at the peak}) of one device's trace.
+
+    Blocks allocated before tracing began (in `segments` but never in the trace) count as
+    "(before the trace)"."""
+    trace = snapshot["device_traces"][device]
+    traced = {entry["addr"] for entry in trace if entry["action"] == "alloc"}
+    live: dict[int, tuple[int, str]] = {}
+    for segment in snapshot.get("segments", []):
+        if segment.get("device", device) != device:
+            continue
+        for block in segment.get("blocks", []):
+            address = block.get("address")
+            if block.get("state") == "active_allocated" and address not in traced:
+                live[address] = (block["size"], "(before the trace)")
+    total = sum(size for size, _ in live.values())
+    peak, at_peak = total, dict(live)
+    for entry in trace:
+        action = entry["action"]
+        if action == "alloc":
+            live[entry["addr"]] = (entry["size"], _site(entry.get("frames", [])))
+            total += entry["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action in ("free_requested", "free_completed") and entry["addr"] in live:
+            # A block is free from its first free event (the request; traces that record only
+            # the completion count that).
+            total -= live.pop(entry["addr"])[0]
+    by_site: dict[str, int] = defaultdict(int)
+    for size, site in at_peak.values():
+        by_site[site] += size
+    return peak, dict(by_site)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("snapshot")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--device", type=int, default=0)
+    args = parser.parse_args()
+    with open(args.snapshot, "rb") as handle:
+        snapshot = pickle.load(handle)
+    peak, by_site = peak_breakdown(snapshot, args.device)
+    print(f"peak live: {peak / 2**30:.3f} GiB")
+    for site, size in sorted(by_site.items(), key=lambda item: -item[1])[: args.top]:
+        print(f"{size / 2**30:9.3f} GiB  {site}")
+
+
+if __name__ == "__main__":
+    main()
