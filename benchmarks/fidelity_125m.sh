@@ -8,6 +8,8 @@
 # Prints (and writes to $OUT/fidelity.jsonl) each run's last train loss, its validation loss
 # and the validation loss's ratio to the bf16 run's.
 #   OUT=/tmp/fid bash benchmarks/fidelity_125m.sh
+# Seeds (the spread of one recipe against the gap between recipes; the summary adds per-recipe
+# means): RECIPES="bf16 bf16@2 bf16@3 tensorwise tensorwise@2 tensorwise@3 ..."
 # Smaller (a CPU check of the command lines): LAYERS=2 HIDDEN=128 FFN=384 HEADS=4 SEQ=128 \
 #   MBS=2 ITERS=4 EVAL_ITERS=1 COMPILE= RECIPES="bf16 tensorwise" bash benchmarks/fidelity_125m.sh
 set -uo pipefail
@@ -70,5 +72,20 @@ for row in rows.values():
     valid = row["valid_loss"]
     row["valid_vs_bf16"] = round(valid / base, 5) if (valid and base) else None
     print(json.dumps(row))
+# Several seeds of a recipe (RECIPE@SEED runs; a plain RECIPE is seed 1234): the mean
+# validation loss per recipe, its spread, and the ratio of means to bf16's mean.
+by_recipe = {}
+for name, row in rows.items():
+    if row["valid_loss"] is not None:
+        by_recipe.setdefault(name.split("@")[0], []).append(row["valid_loss"])
+if any(len(v) > 1 for v in by_recipe.values()):
+    base_mean = sum(by_recipe["bf16"]) / len(by_recipe["bf16"]) if "bf16" in by_recipe else None
+    for recipe, values in by_recipe.items():
+        mean = sum(values) / len(values)
+        print(json.dumps({
+            "recipe": recipe, "seeds": len(values), "valid_mean": round(mean, 6),
+            "valid_min": min(values), "valid_max": max(values),
+            "mean_vs_bf16_mean": round(mean / base_mean, 5) if base_mean else None,
+        }))
 PY
 exit $status
