@@ -71,7 +71,7 @@ def quantize_weight_for_init(
     scale: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """An FP8 nn.Parameter (QuantizedTensor) from a freshly initialized high-precision weight."""
-    if init.recipe is not None and recipe_spec(init.recipe) != config.spec:
+    if init.recipe is not None and config.spec != recipe_spec(init.recipe):
         raise ValueError(
             f"quantized_model_init(recipe='{init.recipe}') but the layer's Fp8Config uses "
             f"'{config.recipe}'; pass the same recipe to both"
