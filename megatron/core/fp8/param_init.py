@@ -58,11 +58,6 @@ def current_quantized_init() -> _QuantizedInit | None:
     return _active[-1] if _active else None
 
 
-def weight_needs_columnwise(recipe: str) -> bool:
-    """mxfp8 dgrad needs 32x1 blocks, which cannot be derived from rowwise bytes."""
-    return recipe_spec(recipe).columnwise_copy("weight")
-
-
 def quantize_weight_for_init(
     weight: torch.Tensor,
     *,
@@ -82,7 +77,8 @@ def quantize_weight_for_init(
         role="weight",
         fp8_dtype=fp8_dtype_for_role(config.fp8_format, "weight"),
         rowwise=True,
-        columnwise=weight_needs_columnwise(config.recipe),
+        # mxfp8 dgrad needs 32x1 blocks, which cannot be derived from rowwise bytes.
+        columnwise=config.spec.columnwise_copy("weight"),
         scale=scale,
         power_2_scale=config.quantize_power_2_scale,
     )

@@ -36,11 +36,6 @@ def _cuda_quantize_fn():
     return quantize_cuda
 
 
-def default_power_2_scale(recipe: str) -> bool:
-    """Recipe default: blockwise and mxfp8 use power-of-two scales; per-tensor recipes do not."""
-    return recipe_spec(recipe).power_2_default
-
-
 def _check_args(
     x: torch.Tensor,
     *,

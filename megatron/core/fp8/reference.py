@@ -42,11 +42,6 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).to(torch.float32)
 
 
-def uses_2d_blocks(recipe: str, role: str) -> bool:
-    """Blockwise weights use 128x128 blocks; every other block-recipe tensor uses 1-D blocks."""
-    return recipe_spec(recipe).uses_2d_blocks(role)
-
-
 def scale_grid_shape(
     rows: int, cols: int, *, recipe: str, role: str, columnwise: bool
 ) -> tuple[int, ...]:
