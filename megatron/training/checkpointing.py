@@ -406,7 +406,7 @@ def finish_save(args, *, env, iteration: int, metadata: dict, failure: BaseExcep
 
 
 def _delayed_scaling_state(run) -> dict:
-    if run.config.fp8 is None or run.config.fp8.recipe != "delayed":
+    if run.config.fp8 is None or not run.config.fp8.spec.delayed:
         return {}
     from megatron.core.fp8 import delayed_scaling_state_dict
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+from megatron.core.fp8.recipe import FP8_RECIPES, RecipeSpec, recipe_spec
+
+__all__ = ["FP8_FORMATS", "FP8_RECIPES", "Fp8Config"]
+
 FP8_FORMATS = ("e4m3", "hybrid")
 
 
@@ -49,7 +52,18 @@ class Fp8Config:
         return layer_number <= num_layers - self.num_layers_at_end_in_bf16
 
     @property
+    def spec(self) -> RecipeSpec:
+        """The recipe resolved once (megatron/core/fp8/recipe.py); code below reads this."""
+        return recipe_spec(self.recipe)
+
+    @property
     def use_power_2_scale(self) -> bool:
         if self.power_2_scale is not None:
             return self.power_2_scale
-        return self.recipe in ("blockwise", "mxfp8")
+        return self.spec.power_2_default
+
+    @property
+    def quantize_power_2_scale(self) -> bool | None:
+        """What Fp8Linear passes to `quantize(power_2_scale=)`: None (the recipe's fixed rule)
+        where the setting does not apply (delayed, mxfp8), else `use_power_2_scale`."""
+        return self.use_power_2_scale if self.spec.power_2_configurable else None

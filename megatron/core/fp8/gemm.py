@@ -33,7 +33,7 @@ def dequantize_operand(operand: Fp8Operand) -> torch.Tensor:
     q = operand.data.view(operand.fp8_dtype).to(torch.float32)
     if operand.block_cols == 0:  # per-tensor
         return q * operand.scale_inv.to(torch.float32).reshape(())
-    if operand.recipe == "mxfp8":
+    if operand.spec.e8m0_scales:
         multiplier = e8m0_to_fp32(operand.scale_inv)
     else:
         multiplier = operand.scale_inv.to(torch.float32)
@@ -55,25 +55,22 @@ def _check(a: Fp8Operand, b: Fp8Operand, accumulate: str) -> None:
             f"fp8_gemm computes A B^T with A [M, K] and B [N, K]; got A {tuple(a.data.shape)} "
             f"and B {tuple(b.data.shape)}"
         )
-    if a.recipe != b.recipe:
+    if a.spec != b.spec:
         raise ValueError(f"both operands need one recipe, got {a.recipe} and {b.recipe}")
     if a.fp8_dtype == E5M2 and b.fp8_dtype == E5M2:
         raise ValueError("E5M2 x E5M2 GEMMs are not allowed: quantize one operand as E4M3")
     if a.block_rows > 1 and b.block_rows > 1:
         raise ValueError("at most one operand of a GEMM may be 128x128-scaled")
-    if accumulate == "fast" and a.recipe in ("blockwise", "mxfp8"):
+    if accumulate == "fast" and not a.spec.fast_accumulation:
         raise ValueError(f"{a.recipe} GEMMs use split accumulation; pass accumulate='split'")
 
 
 def _hardware_path_applies(a: Fp8Operand, device: torch.device) -> bool:
     if device.type != "cuda" or _cuda_scaled_mm() is None:
         return False
-    major, minor = torch.cuda.get_device_capability(device)
-    if a.recipe in ("delayed", "tensorwise"):
-        return (major, minor) >= (8, 9)
-    if a.recipe == "blockwise":
-        return major == 9
-    return major >= 10  # mxfp8: never below sm_100 (the 1x32 GEMM crashes on sm_90)
+    # sm_89+ per tensor, sm_90 only for blockwise, sm_100+ for mxfp8 (its 1x32 GEMM crashes
+    # on sm_90): RecipeSpec.gemm_min_capability / gemm_max_major.
+    return a.spec.hardware_gemm(tuple(torch.cuda.get_device_capability(device)))
 
 
 def fp8_gemm(

@@ -33,8 +33,7 @@ from megatron.core.fp8.gemm import fp8_gemm
 from megatron.core.fp8.param_init import current_quantized_init, quantize_weight_for_init
 from megatron.core.fp8.quantization import quantize
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
-
-PER_TENSOR = ("delayed", "tensorwise")
+from megatron.core.fp8.recipe import RecipeSpec
 
 
 @dataclass
@@ -51,11 +50,15 @@ class _Plan:
     def recipe(self) -> str:
         return self.config.recipe
 
+    @property
+    def spec(self) -> RecipeSpec:
+        return self.config.spec
+
     def dtype(self, role: str) -> torch.dtype:
         return fp8_dtype_for_role(self.config.fp8_format, role)
 
     def power_2_scale(self) -> bool | None:
-        return None if self.recipe in ("delayed", "mxfp8") else self.config.use_power_2_scale
+        return self.config.quantize_power_2_scale
 
 
 def _quantize(x: torch.Tensor, plan: _Plan, *, role: str, rowwise: bool, columnwise: bool):
@@ -73,7 +76,7 @@ def _quantize(x: torch.Tensor, plan: _Plan, *, role: str, rowwise: bool, columnw
 
 def _columnwise_only(qt: QuantizedTensor) -> QuantizedTensor:
     """Keep only what wgrad reads, so backward does not hold the rowwise bytes too."""
-    if qt.recipe in PER_TENSOR:
+    if qt.spec.transposes_rowwise(qt.role):
         return qt  # the transposed operand is derived from the rowwise bytes
     return QuantizedTensor(
         shape=qt.shape,
@@ -120,8 +123,8 @@ def _forward_reference(ctx, x, weight) -> torch.Tensor:
     plan: _Plan = ctx.plan
     x2d = x.reshape(-1, x.shape[-1])
     need_wgrad = weight.requires_grad
-    one_d = plan.recipe not in PER_TENSOR
-    xq = _quantize(x2d, plan, role="input", rowwise=True, columnwise=need_wgrad and one_d)
+    input_columnwise = need_wgrad and plan.spec.columnwise_copy("input")
+    xq = _quantize(x2d, plan, role="input", rowwise=True, columnwise=input_columnwise)
     if isinstance(weight, QuantizedTensor):
         wq = weight
     else:
@@ -130,13 +133,13 @@ def _forward_reference(ctx, x, weight) -> torch.Tensor:
             plan,
             role="weight",
             rowwise=True,
-            columnwise=x.requires_grad and plan.recipe == "mxfp8",
+            columnwise=x.requires_grad and plan.spec.columnwise_copy("weight"),
         )
     if plan.record:
         fp8_state.record_forward(plan.metas["input"], xq.amax)
         if not isinstance(weight, QuantizedTensor):
             fp8_state.record_forward(plan.metas["weight"], wq.amax)
-    accumulate = "fast" if plan.recipe in PER_TENSOR else "split"
+    accumulate = "fast" if plan.spec.fast_accumulation else "split"
     y2d = fp8_gemm(xq, wq, out_dtype=x.dtype, accumulate=accumulate)
     # FP8 weights are read at backward time, after the FSDP engine re-points their bytes.
     ctx.saved_weight = wq
@@ -146,13 +149,14 @@ def _forward_reference(ctx, x, weight) -> torch.Tensor:
 
 def _backward_reference(ctx, dy2d, *, need_dgrad, need_wgrad):
     plan: _Plan = ctx.plan
-    per_tensor = plan.recipe in PER_TENSOR
+    # wgrad reads a transpose of the rowwise bytes or a separately quantized columnwise copy.
+    grad_columnwise = plan.spec.columnwise_copy("grad")
     dyq = _quantize(
         dy2d,
         plan,
         role="grad",
-        rowwise=need_dgrad or (need_wgrad and per_tensor),
-        columnwise=need_wgrad and not per_tensor,
+        rowwise=need_dgrad or (need_wgrad and not grad_columnwise),
+        columnwise=need_wgrad and grad_columnwise,
     )
     # Record even for a recomputed graph (reentrant checkpoint): its backward is the real one.
     if plan.metas is not None:
@@ -199,9 +203,8 @@ def _fused_quantize(t2d, plan: _Plan, *, role, rowwise, transposed, record, comp
 
 
 def _pow2(plan: _Plan) -> bool:
-    if plan.recipe == "delayed":
-        return False
-    return plan.recipe == "mxfp8" or plan.config.use_power_2_scale
+    # delayed: False, mxfp8: True (their fixed rules), else the configured rounding.
+    return plan.spec.resolve_power_2_scale(plan.power_2_scale())
 
 
 def _forward_fused(ctx, x, weight, plan: _Plan) -> torch.Tensor:
@@ -240,7 +243,7 @@ def _forward_fused(ctx, x, weight, plan: _Plan) -> torch.Tensor:
     ctx.saved_input = x_t
     ctx.compute_dtype = compute_dtype
     return ops.gemm(
-        x_row, w_row, recipe=plan.recipe, out_dtype=x.dtype, fast_accum=plan.recipe in PER_TENSOR
+        x_row, w_row, recipe=plan.recipe, out_dtype=x.dtype, fast_accum=plan.spec.fast_accumulation
     )
 
 
@@ -298,7 +301,7 @@ class Fp8Linear(nn.Module):
         self.delayed_scaling = None
         self._first_forward: tuple = (True, fp8_config, None)
         self._first_forward_in_autocast = False
-        if fp8_config.recipe == "delayed":
+        if fp8_config.spec.delayed:
             dtypes = {r: fp8_dtype_for_role(fp8_config.fp8_format, r) for r in ("input", "weight")}
             dtypes["grad"] = fp8_dtype_for_role(fp8_config.fp8_format, "grad")
             self.delayed_scaling = fp8_state.DelayedScaling(
@@ -334,7 +337,7 @@ class Fp8Linear(nn.Module):
         )
 
     def _plan(self, config: Fp8Config, recompute: bool, group, device: torch.device) -> _Plan:
-        if config.recipe != "delayed":
+        if not config.spec.delayed:
             return _Plan(config=config, scales={}, metas=None, record=False, group=group)
         if self.delayed_scaling is None:
             raise ValueError(
@@ -371,7 +374,7 @@ class Fp8Linear(nn.Module):
                 f"Fp8Linear expects input [..., {self.in_features}], got {tuple(x.shape)}"
             )
         frame = fp8_state.current_autocast()
-        if torch.compiler.is_compiling() and self.fp8_config.recipe != "delayed":
+        if torch.compiler.is_compiling() and not self.fp8_config.spec.delayed:
             # Reading the autograd engine's task id is a graph break. Compiled, a call outside
             # any fp8_autocast replays the first forward's settings, which in training is the
             # backward's recompute (training runs under fp8_autocast); these recipes keep no
@@ -392,7 +395,7 @@ class Fp8Linear(nn.Module):
             # A QuantizedTensor weight dequantizes through __torch_dispatch__; grads still flow.
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight.to(x.dtype), bias)
-        if isinstance(self.weight, QuantizedTensor) and self.weight.recipe != config.recipe:
+        if isinstance(self.weight, QuantizedTensor) and self.weight.spec != config.spec:
             raise ValueError(
                 f"FP8 weight was quantized with recipe '{self.weight.recipe}' but autocast asks "
                 f"for '{config.recipe}'; build the model under the same recipe"

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megatron.core.fp8.config import FP8_RECIPES, Fp8Config
+from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.formats import fp8_dtype_for_role
 from megatron.core.fp8.quantization import quantize
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.fp8.recipe import FP8_RECIPES, is_recipe, recipe_spec
 
 _HP_INIT_ATTR = "_high_precision_init_val"
 
@@ -44,7 +45,7 @@ def quantized_model_init(
 
     recipe: None means each layer's own Fp8Config recipe; a name must match it (checked).
     """
-    if recipe is not None and recipe not in FP8_RECIPES:
+    if recipe is not None and not is_recipe(recipe):
         raise ValueError(f"recipe must be one of {FP8_RECIPES} or None, got {recipe!r}")
     _active.append(_QuantizedInit(recipe, preserve_high_precision_init_val))
     try:
@@ -57,11 +58,6 @@ def current_quantized_init() -> _QuantizedInit | None:
     return _active[-1] if _active else None
 
 
-def weight_needs_columnwise(recipe: str) -> bool:
-    """mxfp8 dgrad needs 32x1 blocks, which cannot be derived from rowwise bytes."""
-    return recipe == "mxfp8"
-
-
 def quantize_weight_for_init(
     weight: torch.Tensor,
     *,
@@ -70,7 +66,7 @@ def quantize_weight_for_init(
     scale: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """An FP8 nn.Parameter (QuantizedTensor) from a freshly initialized high-precision weight."""
-    if init.recipe is not None and init.recipe != config.recipe:
+    if init.recipe is not None and config.spec != recipe_spec(init.recipe):
         raise ValueError(
             f"quantized_model_init(recipe='{init.recipe}') but the layer's Fp8Config uses "
             f"'{config.recipe}'; pass the same recipe to both"
@@ -81,9 +77,10 @@ def quantize_weight_for_init(
         role="weight",
         fp8_dtype=fp8_dtype_for_role(config.fp8_format, "weight"),
         rowwise=True,
-        columnwise=weight_needs_columnwise(config.recipe),
+        # mxfp8 dgrad needs 32x1 blocks, which cannot be derived from rowwise bytes.
+        columnwise=config.spec.columnwise_copy("weight"),
         scale=scale,
-        power_2_scale=None if config.recipe in ("delayed", "mxfp8") else config.use_power_2_scale,
+        power_2_scale=config.quantize_power_2_scale,
     )
     param = nn.Parameter(qt, requires_grad=True)
     # A meta-device weight has no values to keep: the FSDP engine's init_fn seeds main params.

@@ -12,9 +12,9 @@ import functools
 import torch
 import torch.distributed as dist
 
-from megatron.core.fp8.config import FP8_RECIPES
 from megatron.core.fp8.formats import ROLES, check_fp8_dtype, e8m0_from_t, fp8_max
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
 from megatron.core.fp8.reference import (
     INPUT_DTYPES,
     amax_ignoring_nan,
@@ -36,15 +36,10 @@ def _cuda_quantize_fn():
     return quantize_cuda
 
 
-def default_power_2_scale(recipe: str) -> bool:
-    """Recipe default: blockwise and mxfp8 use power-of-two scales; per-tensor recipes do not."""
-    return recipe in ("blockwise", "mxfp8")
-
-
 def _check_args(
     x: torch.Tensor,
     *,
-    recipe: str,
+    spec: RecipeSpec,
     role: str,
     rowwise: bool,
     columnwise: bool,
@@ -52,25 +47,24 @@ def _check_args(
     power_2_scale: bool | None,
     amax: torch.Tensor | None,
 ) -> None:
-    if recipe not in FP8_RECIPES:
-        raise ValueError(f"recipe must be one of {FP8_RECIPES}, got {recipe!r}")
+    recipe = spec.name
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if x.dtype not in INPUT_DTYPES:
         raise ValueError(f"quantize takes fp32, bf16 or fp16 tensors, got {x.dtype}; cast first")
     if not (rowwise or columnwise):
         raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
-    if recipe == "delayed" and scale is None:
+    if spec.delayed and scale is None:
         raise ValueError("recipe 'delayed' quantizes with its current scale: pass scale=")
-    if recipe != "delayed" and scale is not None:
+    if not spec.delayed and scale is not None:
         raise ValueError(f"scale= is only for recipe 'delayed'; {recipe} computes its own scale")
-    if amax is not None and recipe != "tensorwise":
+    if amax is not None and not spec.accepts_global_amax:
         raise ValueError(
             f"amax= (a pre-reduced global amax) is only for 'tensorwise', not {recipe}"
         )
-    if recipe == "delayed" and power_2_scale:
+    if spec.delayed and power_2_scale:
         raise ValueError("delayed scaling never rounds scales: leave power_2_scale unset")
-    if recipe == "mxfp8" and power_2_scale is False:
+    if spec.e8m0_scales and power_2_scale is False:
         raise ValueError("mxfp8 E8M0 scales are always powers of two: leave power_2_scale unset")
 
 
@@ -100,9 +94,10 @@ def quantize(
     check_fp8_dtype(fp8_dtype)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    spec = recipe_spec(recipe)
     _check_args(
         x,
-        recipe=recipe,
+        spec=spec,
         role=role,
         rowwise=rowwise,
         columnwise=columnwise,
@@ -110,11 +105,11 @@ def quantize(
         power_2_scale=power_2_scale,
         amax=amax,
     )
-    if amax_reduction_group is not None and recipe == "tensorwise" and amax is None:
+    if amax_reduction_group is not None and spec.accepts_global_amax and amax is None:
         amax = amax_ignoring_nan(x).reshape(1)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_reduction_group)
         amax = amax.reshape(())
-    use_pow2 = default_power_2_scale(recipe) if power_2_scale is None else power_2_scale
+    use_pow2 = spec.resolve_power_2_scale(power_2_scale)
     kwargs = dict(
         recipe=recipe,
         fp8_dtype=fp8_dtype,
@@ -163,20 +158,18 @@ def compute_scale(
     `megatron.core.fp8.reference.delayed_scale_update` instead (the scale comes from history).
     """
     check_fp8_dtype(fp8_dtype)
-    use_pow2 = default_power_2_scale(recipe) if power_2_scale is None else power_2_scale
-    if recipe == "tensorwise":
-        return scale_from_amax(amax, fp8_dtype=fp8_dtype, power_2_scale=use_pow2)
-    if recipe == "blockwise":
-        return scale_from_amax(
-            amax,
-            fp8_dtype=fp8_dtype,
-            power_2_scale=use_pow2,
-            infinite_scale_value=torch.finfo(input_dtype).max,
+    spec = recipe_spec(recipe)
+    if spec.delayed:
+        raise ValueError(
+            f"compute_scale handles tensorwise, blockwise and mxfp8, got {recipe!r}; delayed "
+            "scales come from the amax history (reference.delayed_scale_update)"
         )
-    if recipe == "mxfp8":
+    if spec.e8m0_scales:
         recip_max = reciprocal(torch.tensor(fp8_max(fp8_dtype), device=amax.device))
         return e8m0_from_t(amax.to(torch.float32) * recip_max)
-    raise ValueError(
-        f"compute_scale handles tensorwise, blockwise and mxfp8, got {recipe!r}; delayed scales "
-        "come from the amax history (reference.delayed_scale_update)"
+    return scale_from_amax(
+        amax,
+        fp8_dtype=fp8_dtype,
+        power_2_scale=spec.resolve_power_2_scale(power_2_scale),
+        infinite_scale_value=spec.infinite_scale_value(input_dtype),
     )

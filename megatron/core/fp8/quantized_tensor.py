@@ -26,7 +26,8 @@ from typing import NamedTuple
 import torch
 from torch.utils._pytree import tree_map
 
-from megatron.core.fp8.reference import RECIPE_BLOCK, dequantize_reference, uses_2d_blocks
+from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
+from megatron.core.fp8.reference import dequantize_reference
 
 aten = torch.ops.aten
 
@@ -48,6 +49,10 @@ class Fp8Operand(NamedTuple):
     fp8_dtype: torch.dtype
     block_rows: int
     block_cols: int
+
+    @property
+    def spec(self) -> RecipeSpec:
+        return recipe_spec(self.recipe)
 
 
 class QuantizedTensor(torch.Tensor):
@@ -166,16 +171,18 @@ class QuantizedTensor(torch.Tensor):
         name = f"{self.tensor_name!r} " if self.tensor_name else ""
         return f"QuantizedTensor {name}(shape {tuple(self.shape)}, recipe {self.recipe})"
 
-    # ---- transpose cache ---------------------------------------------------------------
-    def _per_tensor(self) -> bool:
-        return self.recipe in ("delayed", "tensorwise")
+    @property
+    def spec(self) -> RecipeSpec:
+        """The recipe resolved (megatron/core/fp8/recipe.py)."""
+        return recipe_spec(self.recipe)
 
+    # ---- transpose cache ---------------------------------------------------------------
     def create_transpose_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[K, M] bytes and scales read by backward GEMMs (per-tensor and 128x128 recipes only).
 
         Exact: a transpose of the rowwise bytes (per tensor: same scale; 128x128: transposed grid).
         """
-        if not (self._per_tensor() or uses_2d_blocks(self.recipe, self.role)):
+        if not self.spec.transposes_rowwise(self.role):
             raise ValueError(
                 f"{self._label()} has 1-D blocks: its transposed operand cannot be derived from "
                 "rowwise bytes; quantize with columnwise=True and read columnwise_data instead."
@@ -236,7 +243,7 @@ class QuantizedTensor(torch.Tensor):
             return self._operand(rows2d, self.rowwise_scale_inv)
         if usage != "columnwise":
             raise ValueError(f"usage must be 'rowwise' or 'columnwise', got {usage!r}")
-        if self._per_tensor() or uses_2d_blocks(self.recipe, self.role):
+        if self.spec.transposes_rowwise(self.role):
             data_t, scale_t = self.create_transpose_cache()
             return self._operand(data_t, scale_t)
         data = self.columnwise_data
@@ -248,11 +255,10 @@ class QuantizedTensor(torch.Tensor):
         return self._operand(data_t, self.columnwise_scale_inv.t().contiguous())
 
     def _operand(self, data: torch.Tensor, scale_inv: torch.Tensor) -> Fp8Operand:
-        if self._per_tensor():
-            return Fp8Operand(data, scale_inv, self.recipe, self.fp8_dtype, 0, 0)
-        block = RECIPE_BLOCK[self.recipe]
-        block_rows = block if uses_2d_blocks(self.recipe, self.role) else 1
-        return Fp8Operand(data, scale_inv, self.recipe, self.fp8_dtype, block_rows, block)
+        # The operand is contracted along its last dim: its cells have the rowwise shape.
+        cell = self.spec.block_shape(self.role, columnwise=False)
+        block_rows, block_cols = (0, 0) if cell is None else cell
+        return Fp8Operand(data, scale_inv, self.recipe, self.fp8_dtype, block_rows, block_cols)
 
     def quantize_(
         self,

@@ -28,9 +28,7 @@ from megatron.core.fp8.formats import (
     e8m0_to_fp32,
     fp8_max,
 )
-
-RECIPE_BLOCK = {"blockwise": 128, "mxfp8": 32}
-"""Block length of the block recipes (1xB along a row, Bx1 along a column, BxB for 2-D)."""
+from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -44,23 +42,15 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).to(torch.float32)
 
 
-def uses_2d_blocks(recipe: str, role: str) -> bool:
-    """Blockwise weights use 128x128 blocks; every other block-recipe tensor uses 1-D blocks."""
-    return recipe == "blockwise" and role == "weight"
-
-
 def scale_grid_shape(
     rows: int, cols: int, *, recipe: str, role: str, columnwise: bool
 ) -> tuple[int, ...]:
     """Logical shape of scale_inv for an [rows, cols] tensor (FP8_NUMERICS.md, public API)."""
-    if recipe in ("delayed", "tensorwise"):
+    cell = recipe_spec(recipe).block_shape(role, columnwise=columnwise)
+    if cell is None:
         return ()
-    block = RECIPE_BLOCK[recipe]
-    if uses_2d_blocks(recipe, role):
-        return (-(-rows // block), -(-cols // block))
-    if columnwise:
-        return (-(-rows // block), cols)
-    return (rows, -(-cols // block))
+    cell_rows, cell_cols = cell
+    return (-(-rows // cell_rows), -(-cols // cell_cols))
 
 
 def amax_ignoring_nan(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
@@ -163,13 +153,13 @@ def _per_tensor(
 def _block_scales(
     block_amax: torch.Tensor,
     *,
-    recipe: str,
+    spec: RecipeSpec,
     fp8_dtype: torch.dtype,
     power_2_scale: bool,
     input_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantize multiplier, stored scale_inv) per block for blockwise or mxfp8."""
-    if recipe == "mxfp8":
+    if spec.e8m0_scales:
         # Step 2: multiply by the fp32-rounded reciprocal of fp8_max, not a division.
         recip_max = reciprocal(torch.tensor(fp8_max(fp8_dtype), device=block_amax.device))
         e8m0 = e8m0_from_t(block_amax * recip_max)
@@ -178,7 +168,7 @@ def _block_scales(
         block_amax,
         fp8_dtype=fp8_dtype,
         power_2_scale=power_2_scale,
-        infinite_scale_value=torch.finfo(input_dtype).max,
+        infinite_scale_value=spec.infinite_scale_value(input_dtype),
     )
     return scale, reciprocal(scale)
 
@@ -186,14 +176,14 @@ def _block_scales(
 def _quantize_1d_blocks(
     x2d: torch.Tensor,
     *,
-    recipe: str,
+    spec: RecipeSpec,
     fp8_dtype: torch.dtype,
     power_2_scale: bool,
     columnwise: bool,
     input_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """1xB blocks along K (rowwise) or Bx1 blocks along M (columnwise); data keeps x's shape."""
-    block = RECIPE_BLOCK[recipe]
+    block = spec.block
     rows, cols = x2d.shape
     # Work on the transpose for columnwise so both directions share one code path.
     work = x2d.t() if columnwise else x2d
@@ -202,7 +192,7 @@ def _quantize_1d_blocks(
     blocks = padded.reshape(work_rows, -1, block)
     multiplier, scale_inv = _block_scales(
         amax_ignoring_nan(blocks, dim=-1),
-        recipe=recipe,
+        spec=spec,
         fp8_dtype=fp8_dtype,
         power_2_scale=power_2_scale,
         input_dtype=input_dtype,
@@ -215,16 +205,21 @@ def _quantize_1d_blocks(
 
 
 def _quantize_2d_blocks(
-    x2d: torch.Tensor, *, fp8_dtype: torch.dtype, power_2_scale: bool, input_dtype: torch.dtype
+    x2d: torch.Tensor,
+    *,
+    spec: RecipeSpec,
+    fp8_dtype: torch.dtype,
+    power_2_scale: bool,
+    input_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """128x128 blocks (blockwise weights); scale grid (ceil(M/128), ceil(K/128))."""
-    block = RECIPE_BLOCK["blockwise"]
+    """BxB blocks (blockwise weights, 128x128); scale grid (ceil(M/B), ceil(K/B))."""
+    block = spec.block
     rows, cols = x2d.shape
     padded = _pad_to(x2d, _ceil_to(rows, block), _ceil_to(cols, block))
     blocks = padded.reshape(padded.shape[0] // block, block, padded.shape[1] // block, block)
     multiplier, scale_inv = _block_scales(
         amax_ignoring_nan(blocks, dim=(1, 3)),
-        recipe="blockwise",
+        spec=spec,
         fp8_dtype=fp8_dtype,
         power_2_scale=power_2_scale,
         input_dtype=input_dtype,
@@ -251,18 +246,19 @@ def quantize_reference(
     Returns the dict described in the module docstring.
     """
     check_fp8_dtype(fp8_dtype)
+    spec = recipe_spec(recipe)
     x2d = as_rows(x)
     local_amax = amax_ignoring_nan(x2d)
     out: dict[str, torch.Tensor | None] = dict(
         rowwise_data=None, rowwise_scale_inv=None, columnwise_data=None, columnwise_scale_inv=None
     )
-    if recipe in ("delayed", "tensorwise"):
-        if recipe == "tensorwise":
+    if spec.per_tensor:
+        if spec.delayed:
+            out["amax"] = local_amax
+        else:
             used_amax = local_amax if amax is None else amax.to(torch.float32).reshape(())
             scale = scale_from_amax(used_amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
             out["amax"] = used_amax
-        else:
-            out["amax"] = local_amax
         data, scale_inv = _per_tensor(x2d, scale=scale, fp8_dtype=fp8_dtype)
         data = data.reshape(x.shape)
         if rowwise:
@@ -272,9 +268,9 @@ def quantize_reference(
             out["columnwise_data"], out["columnwise_scale_inv"] = data.clone(), scale_inv.clone()
         return out
     out["amax"] = local_amax
-    if uses_2d_blocks(recipe, role):
+    if spec.uses_2d_blocks(role):
         data, scale_inv = _quantize_2d_blocks(
-            x2d, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x.dtype
+            x2d, spec=spec, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x.dtype
         )
         data = data.reshape(x.shape)
         if rowwise:
@@ -286,7 +282,7 @@ def quantize_reference(
         if wanted:
             data, scale_inv = _quantize_1d_blocks(
                 x2d,
-                recipe=recipe,
+                spec=spec,
                 fp8_dtype=fp8_dtype,
                 power_2_scale=power_2_scale,
                 columnwise=direction == "columnwise",
@@ -318,16 +314,12 @@ def dequantize_reference(
     shape = data.shape
     q = data.reshape(-1, shape[-1]).view(fp8_dtype).to(torch.float32)
     rows, cols = q.shape
-    if recipe in ("delayed", "tensorwise"):
+    spec = recipe_spec(recipe)
+    cell = spec.block_shape(role, columnwise=columnwise)
+    if cell is None:
         return (q * scale_inv.to(torch.float32).reshape(())).to(out_dtype).reshape(shape)
-    block = RECIPE_BLOCK[recipe]
-    multiplier = e8m0_to_fp32(scale_inv) if recipe == "mxfp8" else scale_inv.to(torch.float32)
-    if uses_2d_blocks(recipe, role):
-        block_rows, block_cols = block, block
-    elif columnwise:
-        block_rows, block_cols = block, 1
-    else:
-        block_rows, block_cols = 1, block
+    multiplier = e8m0_to_fp32(scale_inv) if spec.e8m0_scales else scale_inv.to(torch.float32)
+    block_rows, block_cols = cell
     full = _expand_grid(
         multiplier, rows=rows, cols=cols, block_rows=block_rows, block_cols=block_cols
     )

@@ -30,10 +30,10 @@ import torch
 
 from megatron.core.distributed.fsdp.shard_layout import ParamSlot, UnitLayout, build_unit_layout
 from megatron.core.fp8.cuda.piece_quantize import rows_cols
-from megatron.core.fp8.reference import RECIPE_BLOCK, scale_grid_shape
+from megatron.core.fp8.recipe import recipe_spec
+from megatron.core.fp8.reference import scale_grid_shape
 
-PER_TENSOR_RECIPES = ("delayed", "tensorwise")
-MXFP8_BLOCK = RECIPE_BLOCK["mxfp8"]
+MXFP8_BLOCK = recipe_spec("mxfp8").block
 MAX_ALIGNMENT_PADDING = 0.01
 """Largest padding (fraction of the unit) accepted to put shard edges on block edges."""
 
@@ -110,7 +110,8 @@ def plan_fp8_layout(
     named_shapes: Sequence[tuple[str, torch.Size]], *, recipe: str, world_size: int, rank: int
 ) -> tuple[UnitLayout, bool]:
     """(layout, scales_sharded). scales_sharded: shard edges on block edges (mxfp8 only)."""
-    if recipe == "mxfp8":
+    # 1-D weight blocks (mxfp8) have grids too big to all-reduce: try band-aligned edges.
+    if recipe_spec(recipe).columnwise_copy("weight"):
         aligned = mxfp8_aligned_layout(named_shapes, world_size=world_size, rank=rank)
         if aligned is not None:
             return aligned, True

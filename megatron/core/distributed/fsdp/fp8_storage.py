@@ -45,6 +45,7 @@ from megatron.core.fp8.formats import e8m0_to_fp32, fp8_dtype_for_role
 from megatron.core.fp8.linear import Fp8Linear
 from megatron.core.fp8.quantization import compute_scale
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
 from megatron.core.fp8.reference import reciprocal
 
 
@@ -65,8 +66,14 @@ class Fp8ParamSpec:
         return ("fp8", self.recipe, self.fp8_dtype, self.power_2_scale, self.dtype)
 
     @property
+    def recipe_spec(self) -> RecipeSpec:
+        return recipe_spec(self.recipe)
+
+    @property
     def directions(self) -> tuple[str, ...]:
-        return ("rowwise", "columnwise") if self.recipe == "mxfp8" else ("rowwise",)
+        # A separately quantized columnwise copy (mxfp8's 32x1 blocks) needs its own buffer.
+        two = self.recipe_spec.columnwise_copy("weight")
+        return ("rowwise", "columnwise") if two else ("rowwise",)
 
 
 def fp8_param_spec(
@@ -86,19 +93,18 @@ def fp8_param_spec(
             "Fp8Linear weights can be kept in FP8 (build other layers in high precision)"
         )
     config = owner.fp8_config
-    if is_fp8 and param.recipe != config.recipe:
+    if is_fp8 and param.spec != config.spec:
         raise ValueError(
             f"FP8 weight {name!r} was quantized with recipe {param.recipe!r} but its Fp8Linear "
             f"uses {config.recipe!r}; build the model under quantized_model_init(recipe) with "
             "the layer's recipe"
         )
-    per_recipe_default = config.recipe in ("delayed", "mxfp8")
     return Fp8ParamSpec(
         recipe=config.recipe,
         fp8_dtype=fp8_dtype_for_role(config.fp8_format, "weight"),
-        power_2_scale=None if per_recipe_default else config.use_power_2_scale,
+        power_2_scale=config.quantize_power_2_scale,
         dtype=param.dtype,
-        delayed_meta=owner.delayed_scaling.metas["weight"] if config.recipe == "delayed" else None,
+        delayed_meta=owner.delayed_scaling.metas["weight"] if config.spec.delayed else None,
     )
 
 
@@ -200,7 +206,7 @@ class Fp8ComputeStorage(ComputeStorage):
         scales = {}
         for d in self.directions:
             grid = grid_shape(shape, recipe=self.spec.recipe, columnwise=d == "columnwise")
-            dtype = torch.uint8 if self.spec.recipe == "mxfp8" else torch.float32
+            dtype = self.spec.recipe_spec.scale_dtype
             scales[d] = torch.ones(grid, dtype=dtype, device=self.device)
         return scales
 
@@ -233,7 +239,7 @@ class Fp8ComputeStorage(ComputeStorage):
         if not self.scales_sharded:
             return self.slot_scales[slot_index][direction]
         slot = self.layout.slots[slot_index]
-        grid = grid_shape(slot.shape, recipe="mxfp8", columnwise=direction == "columnwise")
+        grid = grid_shape(slot.shape, recipe=self.spec.recipe, columnwise=direction == "columnwise")
         lo, hi = slot.offset // MXFP8_BLOCK, slot.end // MXFP8_BLOCK
         return self.scale_full[direction][lo:hi].view(grid)
 
@@ -369,7 +375,7 @@ class Fp8ComputeStorage(ComputeStorage):
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """Per-tensor recipes: one cell per weight, which a step's max |param| fills exactly.
         Block recipes measure their 2-D cells here (None)."""
-        if self.spec.recipe not in ("delayed", "tensorwise") or self.scales_sharded:
+        if not self.spec.recipe_spec.per_tensor or self.scales_sharded:
             return None
         entries = self._cell_layout()  # one rowwise cell per slot
         amaxes = torch.zeros(len(entries), dtype=torch.float32, device=self.device)
@@ -382,11 +388,11 @@ class Fp8ComputeStorage(ComputeStorage):
     def _scales(self, slot_index: int, amax_cells: torch.Tensor):
         """(quantize multiplier, stored scale_inv) per cell, as quantize() derives them."""
         recipe, fp8_dtype = self.spec.recipe, self.spec.fp8_dtype
-        if recipe == "delayed":
+        if self.spec.recipe_spec.delayed:
             scale = self.delayed_metas[slot_index].scale.to(torch.float32).reshape(())
             return scale, reciprocal(scale)
-        if recipe == "mxfp8":
-            e8m0 = compute_scale(amax_cells, recipe="mxfp8", fp8_dtype=fp8_dtype)
+        if self.spec.recipe_spec.e8m0_scales:
+            e8m0 = compute_scale(amax_cells, recipe=recipe, fp8_dtype=fp8_dtype)
             return e8m0_to_fp32(e8m0, negate_exponent=True), e8m0
         scale = compute_scale(
             amax_cells,
@@ -438,11 +444,11 @@ class Fp8ComputeStorage(ComputeStorage):
                     fp8_dtype=self.spec.fp8_dtype,
                 )
             self.slot_scales[index][d].copy_(scale_inv.reshape(self.slot_scales[index][d].shape))
-        if update_scaling and self.spec.recipe == "delayed":
+        if update_scaling and self.spec.recipe_spec.delayed:
             # Per-tensor grids have one cell per weight, in slot order.
             for index, meta in enumerate(self.delayed_metas):
                 meta.record(amaxes[index])
-        self.delayed_pending = self.spec.recipe == "delayed"
+        self.delayed_pending = self.spec.recipe_spec.delayed
 
     def _write_whole_bands(self, main_shard: torch.Tensor) -> None:
         """Aligned mxfp8: every piece is whole 32-row bands, so it owns all its blocks and is

@@ -10,8 +10,9 @@ import functools
 
 import torch
 
+from megatron.core.fp8.recipe import recipe_spec
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 ROLES = ("input", "weight", "grad")
 
 # Blockwise (DeepSeek-V3) block edge and the MX block length.
@@ -56,9 +57,7 @@ def fp8_max_reciprocal(fp8_dtype: torch.dtype) -> float:
 def infinite_scale_replacement(*, recipe: str, input_dtype: torch.dtype) -> float:
     """What an infinite scale becomes: FLT_MAX for per-tensor recipes, the largest finite
     value of the input dtype for blockwise (FP8_NUMERICS.md, both rules verbatim)."""
-    if recipe == "blockwise":
-        return float(torch.finfo(input_dtype).max)
-    return FLT_MAX
+    return recipe_spec(recipe).infinite_scale_value(input_dtype)
 
 
 def check_fp8_dtype(fp8_dtype: torch.dtype) -> None:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from megatron.core.fp8.cuda.formats import BLOCK_128, FP8_DTYPES, MX_BLOCK, ceil_div
 from megatron.core.fp8.cuda.torch_quantize import e8m0_dequant_multiplier
+from megatron.core.fp8.recipe import recipe_spec
 
 # torch._scaled_mm wants K and N in multiples of 16 (and so do we for M: 16-byte scale rows).
 _MM_ALIGN = 16
@@ -94,13 +95,12 @@ def scaled_mm(
             out_dtype=out_dtype,
             compute_dtype=emulate_dtype,
         )
-    if recipe in ("delayed", "tensorwise"):
+    spec = recipe_spec(recipe)  # an unknown name raises, naming the recipes
+    if spec.per_tensor:
         return _per_tensor_mm(a_data, b_data, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum)
-    if recipe == "blockwise":
+    if not spec.e8m0_scales:  # blockwise: fp32 1x128 / 128x128 scales
         return _blockwise_mm(a_data, b_data, a_scale_inv, b_scale_inv, out_dtype)
-    if recipe == "mxfp8":
-        return _mxfp8_mm(a_data, b_data, a_scale_inv, b_scale_inv, out_dtype)
-    raise ValueError(f"recipe must be delayed, tensorwise, blockwise or mxfp8, got {recipe!r}")
+    return _mxfp8_mm(a_data, b_data, a_scale_inv, b_scale_inv, out_dtype)
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -255,9 +255,10 @@ def dequantize_operand(
     """Exact dequantization of one 2-D GEMM operand whose blocks run along its last dim."""
     values = data.float()
     rows, cols = values.shape
-    if recipe in ("delayed", "tensorwise"):
+    spec = recipe_spec(recipe)
+    if spec.per_tensor:
         return (values * scale_inv.float().reshape(())).to(dtype)
-    if recipe == "mxfp8":
+    if spec.e8m0_scales:
         multiplier = e8m0_dequant_multiplier(scale_inv.view(torch.uint8))
         block_rows, block_cols = 1, MX_BLOCK
     else:

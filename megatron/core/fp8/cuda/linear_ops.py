@@ -28,8 +28,7 @@ from megatron.core.fp8.cuda import quantize as cq
 from megatron.core.fp8.cuda.formats import BLOCK_128, ceil_div
 from megatron.core.fp8.cuda.gemm import blockwise_gemm_path, scaled_mm
 from megatron.core.fp8.cuda.launch import LaunchSite
-
-PER_TENSOR = ("delayed", "tensorwise")
+from megatron.core.fp8.recipe import recipe_spec
 
 
 class GemmOperand(NamedTuple):
@@ -78,11 +77,12 @@ def quantize_operands(
     x2d = x2d.contiguous()
     if x2d.numel() == 0:
         raise ValueError("Fp8Linear cannot quantize an empty tensor")
-    if recipe == "delayed" and (scale is None or scale.dtype != torch.float32):
+    spec = recipe_spec(recipe)
+    if spec.delayed and (scale is None or scale.dtype != torch.float32):
         raise ValueError("recipe='delayed' quantizes with the current 0-d fp32 scale: pass scale=")
-    if recipe != "delayed":
+    if not spec.delayed:
         scale = amax_history = None  # only the delayed recipe reads a scale or records
-    if recipe == "mxfp8":
+    if spec.fused_linear_emulates:
         dequant_dtype = dequant_dtype or emulation_dtype(x2d.dtype)
     key = (
         recipe,
@@ -155,9 +155,10 @@ class OperandPlan:
         self.rows, self.cols = shape
         self.device, self.dequant_dtype = device, dequant_dtype
         rows, cols = shape
-        if recipe in PER_TENSOR:
+        spec = recipe_spec(recipe)
+        if spec.per_tensor:
             partials = 0
-            if recipe == "tensorwise":
+            if not spec.delayed:  # tensorwise: the scale comes from this pass's amax
                 kernel, grid, constexprs, self.blocks_per_program = cq.amax_partials_spec(
                     rows * cols
                 )
@@ -179,7 +180,7 @@ class OperandPlan:
                 )
             )
             self.run = self._per_tensor
-        elif recipe == "blockwise" and role == "weight":
+        elif spec.uses_2d_blocks(role):
             self.cast = LaunchSite(
                 *cq.block_128x128_spec(
                     rows,
@@ -193,7 +194,7 @@ class OperandPlan:
                 )
             )
             self.run = self._block_128x128
-        elif recipe == "blockwise":
+        elif not spec.fused_linear_emulates:  # blockwise 1x128 activations and grads
             options = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=dtype)
             fused = None
             if rowwise and transposed:
@@ -218,7 +219,7 @@ class OperandPlan:
                     )
                 )
             self.run = self._block_1x128
-        elif recipe == "mxfp8":
+        else:  # mxfp8: dequantized values for the emulated GEMM
             self.cast = LaunchSite(
                 *cq.mxfp8_spec(
                     rows,
@@ -232,8 +233,6 @@ class OperandPlan:
                 )
             )
             self.run = self._mxfp8_dequantized
-        else:
-            raise ValueError(f"unknown recipe {recipe!r}")
 
     def __call__(self, x2d, scale, amax_history, aligned=None):
         """`aligned(t)`: the alignment key part of a caller tensor (default: whether it is
@@ -321,7 +320,7 @@ class OperandPlan:
 def weight_operand(weight, usage: str, *, compute_dtype: torch.dtype) -> GemmOperand:
     """The operand of an FP8 parameter (a QuantizedTensor): "rowwise" for fprop, "columnwise"
     (the [K, N] transpose) for dgrad. MXFP8 bytes go through the fused dequantize kernel."""
-    if weight.recipe != "mxfp8":
+    if not weight.spec.fused_linear_emulates:
         operand = weight.gemm_operand(usage)
         return GemmOperand(operand.data.view(operand.fp8_dtype), operand.scale_inv)
     columnwise = usage == "columnwise"
@@ -380,7 +379,7 @@ def _(a_data, a_scale_inv, b_data, b_scale_inv, recipe, out_dtype, fast_accum):
 def _gemm_eager(
     a: GemmOperand, b: GemmOperand, *, recipe: str, out_dtype: torch.dtype, fast_accum: bool
 ) -> torch.Tensor:
-    if recipe == "mxfp8":
+    if recipe_spec(recipe).fused_linear_emulates:
         product = torch.mm(a.data, b.data.t())
         return product if product.dtype == out_dtype else product.to(out_dtype)
     direct = _direct_scaled_mm(a, b, recipe=recipe, out_dtype=out_dtype, fast_accum=fast_accum)
@@ -409,13 +408,14 @@ def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum) -> torch.Tensor | 
     if k % 16 or n % 16 or not (x.is_contiguous() and w.is_contiguous()):
         return None
     sa, sb = a.scale_inv, b.scale_inv
-    if recipe in PER_TENSOR:
+    spec = recipe_spec(recipe)
+    if spec.per_tensor:
         if sa.dim() or sb.dim() or sa.dtype != torch.float32 or sb.dtype != torch.float32:
             return None
         return torch._scaled_mm(
             x, w.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum
         )
-    if recipe != "blockwise" or blockwise_gemm_path() != "torch._scaled_mm" or rows % 16:
+    if spec.e8m0_scales or blockwise_gemm_path() != "torch._scaled_mm" or rows % 16:
         return None
     k_blocks = k // BLOCK_128
     # a: 1x128, (rows, K/128) outer-dim-major. b: 1x128 (n, K/128) read as its contiguous

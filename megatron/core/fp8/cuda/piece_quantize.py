@@ -29,10 +29,10 @@ import torch
 
 from megatron.core.fp8.cuda import quantize as cq
 from megatron.core.fp8.cuda import torch_quantize as tq
-from megatron.core.fp8.cuda.formats import BLOCK_128, MX_BLOCK, ceil_div, fp8_max
+from megatron.core.fp8.cuda.formats import MX_BLOCK, ceil_div, fp8_max
+from megatron.core.fp8.recipe import recipe_spec
 from megatron.core.fp8.reference import amax_ignoring_nan, saturating_cast
 
-PER_TENSOR = ("delayed", "tensorwise")
 WHOLE = 1 << 30
 """A cell edge longer than any weight dim: the one cell of a per-tensor weight."""
 TILE_ROWS, TILE_COLS = 32, 128
@@ -48,13 +48,8 @@ def rows_cols(shape: torch.Size) -> tuple[int, int]:
 
 def cell_shape(recipe: str, *, columnwise: bool) -> tuple[int, int]:
     """(rows, cols) of one scale cell of a weight under `recipe`, in the given direction."""
-    if recipe in PER_TENSOR:
-        return WHOLE, WHOLE
-    if recipe == "blockwise":
-        return BLOCK_128, BLOCK_128
-    if recipe == "mxfp8":
-        return (MX_BLOCK, 1) if columnwise else (1, MX_BLOCK)
-    raise ValueError(f"unknown recipe {recipe!r}")
+    cell = recipe_spec(recipe).block_shape("weight", columnwise=columnwise)
+    return (WHOLE, WHOLE) if cell is None else cell
 
 
 def grid_dims(shape: torch.Size, *, recipe: str, columnwise: bool) -> tuple[int, int]:
@@ -161,7 +156,7 @@ def piece_cell_amax_(
         )
         return
     magnitude = amax_ignoring_nan(values.reshape(1, -1), dim=0)
-    if recipe in PER_TENSOR:
+    if recipe_spec(recipe).per_tensor:
         cell_amax.copy_(torch.maximum(cell_amax.reshape(()), magnitude.amax()).reshape(1))
         return
     cells = cell_index(
@@ -222,7 +217,7 @@ def piece_cast_(
             num_warps=4,
         )
         return
-    if recipe in PER_TENSOR:
+    if recipe_spec(recipe).per_tensor:
         per_element = multiplier.reshape(())
     else:
         cells = cell_index(

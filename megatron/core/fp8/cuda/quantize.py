@@ -15,7 +15,6 @@ from megatron.core.fp8.cuda import torch_quantize as tq
 from megatron.core.fp8.cuda.formats import (
     BLOCK_128,
     MX_BLOCK,
-    RECIPES,
     ROLES,
     as_2d_shape,
     ceil_div,
@@ -25,6 +24,7 @@ from megatron.core.fp8.cuda.formats import (
     infinite_scale_replacement,
 )
 from megatron.core.fp8.cuda.launch import launch
+from megatron.core.fp8.recipe import recipe_spec
 
 # Launch configurations per kernel: tile rows BM, tile cols BK, tiles per program GROUP (a
 # program walks GROUP tiles down one column strip), warps; BLOCK elements per step of the amax
@@ -114,7 +114,8 @@ def quantize_cuda(
     rows, cols = as_2d_shape(x.shape)
     x2d = x.view(rows, cols)
     triton_path = _use_triton(x, force_torch)
-    if recipe in ("delayed", "tensorwise"):
+    spec = recipe_spec(recipe)
+    if spec.per_tensor:
         run = _per_tensor_triton if triton_path else _per_tensor_torch
         out = run(
             x2d,
@@ -129,7 +130,7 @@ def quantize_cuda(
         out["columnwise_scale_inv"] = out["rowwise_scale_inv"] if columnwise else None
         if not rowwise:
             out["rowwise_data"] = out["rowwise_scale_inv"] = None
-    elif recipe == "blockwise":
+    elif not spec.e8m0_scales:
         run = _blockwise_triton if triton_path else _blockwise_torch
         out = run(
             x2d,
@@ -166,8 +167,7 @@ def _check_args(
     amax: torch.Tensor | None,
     with_transpose: bool,
 ) -> None:
-    if recipe not in RECIPES:
-        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    spec = recipe_spec(recipe)  # an unknown name raises, naming the recipes
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     check_fp8_dtype(fp8_dtype)
@@ -175,11 +175,11 @@ def _check_args(
         raise ValueError("ask for at least one of rowwise=True, columnwise=True")
     if with_transpose and not columnwise:
         raise ValueError("with_transpose=True transposes the columnwise copy: set columnwise=True")
-    if recipe == "delayed" and scale is None:
+    if spec.delayed and scale is None:
         raise ValueError("recipe='delayed' quantizes with the current scale: pass scale=")
-    if recipe != "delayed" and scale is not None:
+    if not spec.delayed and scale is not None:
         raise ValueError(f"scale= is only for recipe='delayed', got recipe={recipe!r}")
-    if recipe != "tensorwise" and amax is not None:
+    if not spec.accepts_global_amax and amax is not None:
         raise ValueError(f"amax= is only for recipe='tensorwise', got recipe={recipe!r}")
 
 
@@ -194,7 +194,7 @@ def _whole_amax_torch(x2d: torch.Tensor) -> torch.Tensor:
 
 
 def _per_tensor_torch(x2d, *, recipe, fp8_dtype, scale, amax, power_2_scale, with_transpose):
-    if recipe == "delayed":
+    if recipe_spec(recipe).delayed:
         amax_out = _whole_amax_torch(x2d)
         scale_used = _scalar_f32(scale, x2d.device)
     else:
@@ -315,7 +315,7 @@ def per_tensor_cast_spec(
 ) -> tuple:
     """(kernel, grid, constexprs) of the per-tensor cast of a [rows, cols] tensor;
     amax_partials: the amax argument holds that many partial maxima (tensorwise)."""
-    delayed = recipe == "delayed"
+    delayed = recipe_spec(recipe).delayed
     config = TILE_CONFIG["cast_t" if write_t else "cast"]
     grid = (ceil_div(cols, config["BK"]) * ceil_div(rows, config["BM"] * config["GROUP"]),)
     constants = dict(
@@ -357,7 +357,7 @@ def launch_per_tensor_cast(
     delayed: `scale` is the current scale; record_bits (int32 view, may be slot 0 of an amax
     history) receives max|x| by atomic max. tensorwise: the scale comes from `amax`."""
     rows, cols = x2d.shape
-    delayed = recipe == "delayed"
+    delayed = recipe_spec(recipe).delayed
     kernel, grid, constants = per_tensor_cast_spec(
         rows,
         cols,
@@ -385,7 +385,7 @@ def _per_tensor_triton(x2d, *, recipe, fp8_dtype, scale, amax, power_2_scale, wi
     rows, cols = x2d.shape
     device = x2d.device
     amax_bits = _amax_buffer(device)
-    delayed = recipe == "delayed"
+    delayed = recipe_spec(recipe).delayed
     if not delayed and amax is None and x2d.numel() > 0:
         launch_amax(x2d, amax_bits)
     amax_out = amax_bits.view(torch.float32)
