@@ -1,11 +1,22 @@
-"""Typed configs built once from the validated flags: one per concern."""
+"""Typed configs built once from the validated flags: one per concern.
+
+`build_run_config` is the only place below `parse_args` that reads the argparse Namespace:
+it turns the validated flags into frozen dataclasses (training loop, data, checkpointing,
+logging, run hooks, model setup, process group) bundled in `TrainingRunConfig`, and computes
+the values derived from several flags (micro-batches per step, the learning-rate schedule's
+lengths in iterations, the samples asked of each split). Everything `pretrain` calls takes
+these configs, never the Namespace (tests/unit_tests/training/test_no_namespace.py checks it).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
+from megatron.core.checkpoint_files import CheckpointError
 from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig
@@ -48,20 +59,16 @@ def build_transformer_config(args: argparse.Namespace, *, vocab_size: int) -> Tr
     rows = padded_vocab_size(vocab_size, divisible_by=args.make_vocab_size_divisible_by)
     saved_rows = getattr(args, "padded_vocab_size", None)  # set by --use-checkpoint-args
     if saved_rows is not None:
-        if vocab_size > saved_rows:
-            from megatron.core.checkpoint_files import CheckpointError
+        rows = _checkpoint_vocab_rows(saved_rows, vocab_size=vocab_size)
+    return _transformer_config(args, vocab_rows=rows)
 
-            raise CheckpointError(
-                f"--use-checkpoint-args: the checkpoint's embedding has {saved_rows} rows, fewer "
-                f"than the tokenizer's {vocab_size} ids; use the tokenizer the model was "
-                "trained with."
-            )
-        rows = saved_rows
+
+def _transformer_config(args: argparse.Namespace, *, vocab_rows: int) -> TransformerConfig:
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
-        vocab_size=rows,
+        vocab_size=vocab_rows,
         max_sequence_length=args.max_position_embeddings,
         ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups,
@@ -84,6 +91,16 @@ def build_transformer_config(args: argparse.Namespace, *, vocab_size: int) -> Tr
         apply_layernorm_1p=args.apply_layernorm_1p,
         fp8=build_fp8_config(args),
     )
+
+
+def _checkpoint_vocab_rows(saved_rows: int, *, vocab_size: int) -> int:
+    if vocab_size > saved_rows:
+        raise CheckpointError(
+            f"--use-checkpoint-args: the checkpoint's embedding has {saved_rows} rows, fewer "
+            f"than the tokenizer's {vocab_size} ids; use the tokenizer the model was "
+            "trained with."
+        )
+    return saved_rows
 
 
 def build_fsdp_config(args: argparse.Namespace) -> FsdpConfig | None:
@@ -118,14 +135,547 @@ def build_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     )
 
 
+def num_microbatches(args: argparse.Namespace) -> int:
+    """Micro-batches per step: the global batch over micro-batch size x data-parallel size."""
+    return args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+
+
+def lr_lengths_before_fraction(args: argparse.Namespace) -> tuple[float, float, float | None]:
+    """(warmup, decay, WSD decay) in iterations, before --lr-warmup-fraction. A --train-samples
+    run gives them in samples (Megatron-LM); the scheduler counts iterations, so each becomes
+    samples / global batch size (a fractional length gives the learning rates of a
+    sample-counting schedule at a constant batch size). The decay defaults to the run length."""
+    if args.train_samples is not None:
+        batch = args.global_batch_size
+        decay_samples = args.lr_decay_samples
+        decay = (decay_samples if decay_samples is not None else args.train_samples) / batch
+        wsd = args.lr_wsd_decay_iters
+        if args.lr_wsd_decay_samples is not None:
+            wsd = args.lr_wsd_decay_samples / batch
+        return args.lr_warmup_samples / batch, decay, wsd
+    decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+    return args.lr_warmup_iters, decay, args.lr_wsd_decay_iters
+
+
+def lr_lengths(args: argparse.Namespace) -> tuple[float, float, float | None]:
+    """(warmup, decay, WSD decay) in iterations; --lr-warmup-fraction sets the warmup to that
+    fraction of the decay (Megatron-LM)."""
+    warmup, decay, wsd = lr_lengths_before_fraction(args)
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return warmup, decay, wsd
+
+
 def build_lr_schedule_config(args: argparse.Namespace) -> LRScheduleConfig:
+    warmup, decay, wsd = lr_lengths(args)
     return LRScheduleConfig(
         max_lr=args.lr,
         min_lr=args.min_lr,
-        warmup_iters=args.lr_warmup_iters,
+        warmup_iters=warmup,
         warmup_init=args.lr_warmup_init,
-        decay_iters=args.lr_decay_iters,
+        decay_iters=decay,
         decay_style=args.lr_decay_style,
-        wsd_decay_iters=args.lr_wsd_decay_iters or 0,
+        wsd_decay_iters=wsd or 0,
         wsd_decay_style=args.lr_wsd_decay_style,
+    )
+
+
+def requested_num_samples(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(train, valid, test) samples asked of the datasets, as Megatron-LM counts them.
+
+    The sample order depends on these counts (megatron-core shuffles all the epochs a count
+    needs), so they follow Megatron-LM for a run to see the samples a Megatron-LM run sees:
+    valid is sized for every evaluation of the run, test for one.
+    """
+    train = args.train_samples or args.train_iters * args.global_batch_size
+    evaluations = args.train_iters // args.eval_interval + 1
+    valid = evaluations * args.eval_iters * args.global_batch_size
+    return train, valid, args.eval_iters * args.global_batch_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """The loop: batch geometry, run length, what one step does, when the run stops."""
+
+    micro_batch_size: int
+    """Samples per rank per forward (`--micro-batch-size`)."""
+    global_batch_size: int
+    """Samples per optimizer step over all ranks (`--global-batch-size`)."""
+    num_microbatches: int
+    """Micro-batches per step: global batch / (micro-batch x data-parallel size)."""
+    train_iters: int
+    """Optimizer steps of the run (`--train-iters`, or `--train-samples` / global batch)."""
+    seq_length: int
+    """Tokens per sample (`--seq-length`)."""
+    seed: int
+    """Seed of the init and of every micro-batch's dropout (`--seed`)."""
+    eval_iters: int
+    """Global batches per evaluation; 0 disables it (`--eval-iters`)."""
+    eval_interval: int
+    """Iterations between evaluations (`--eval-interval`)."""
+    exit_interval: int | None
+    """Stop (and save) at a multiple of this iteration (`--exit-interval`)."""
+    exit_duration_in_mins: float | None
+    """Stop (and save) once the run took longer (`--exit-duration-in-mins`)."""
+    exit_signal_handler: bool
+    """SIGTERM stops the run after the current iteration (`--exit-signal-handler`)."""
+    check_for_nan_in_loss_and_grad: bool
+    """A NaN/Inf loss or grad norm stops the run (`--check-for-nan-in-loss-and-grad`)."""
+    calculate_per_token_loss: bool
+    """Normalize by the global batch's loss tokens (`--calculate-per-token-loss`)."""
+    backward_worker_threads: bool
+    """Run backward on autograd's device threads (`--backward-worker-threads`)."""
+    deterministic_mode: bool
+    """torch deterministic algorithms for the run (`--deterministic-mode`)."""
+    empty_unused_memory_level: int
+    """Empty the CUDA cache: 1 after forward-backward, 2 also after the step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerConfig:
+    """The tokenizer flags, as `megatron.core.tokenizer.build_tokenizer` takes them."""
+
+    tokenizer_type: str
+    """Which tokenizer (`--tokenizer-type`)."""
+    vocab_size: int | None
+    """NullTokenizer's vocabulary (`--vocab-size`)."""
+    tokenizer_model: str | None
+    """HuggingFace tokenizer.json, SentencePiece or tiktoken model (`--tokenizer-model`)."""
+    vocab_file: str | None
+    """GPT-2 BPE vocab.json (`--vocab-file`)."""
+    merge_file: str | None
+    """GPT-2 BPE merges.txt (`--merge-file`)."""
+    tiktoken_pattern: str | None
+    """tiktoken split pattern (`--tiktoken-pattern`)."""
+    tiktoken_num_special_tokens: int
+    """Special-token ids reserved by tiktoken (`--tiktoken-num-special-tokens`)."""
+    tiktoken_special_tokens: list[str] | None
+    """Their names (`--tiktoken-special-tokens`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Tokenizer and datasets of the run."""
+
+    tokenizer: TokenizerConfig
+    """The tokenizer the datasets are read with (vocabulary size, end-of-document id)."""
+    seq_length: int
+    """Tokens per sample (`--seq-length`)."""
+    seed: int
+    """Seed of the datasets' sample shuffle (`--seed`)."""
+    data_path: list[str] | None
+    """Weights and prefixes of the blend (`--data-path`); None with `--mock-data`."""
+    split: str
+    """Train/valid/test shares (`--split`)."""
+    mock_data: bool
+    """Synthetic data instead of --data-path (`--mock-data`)."""
+    data_cache_path: str | None
+    """Where the sample indices are cached (`--data-cache-path`)."""
+    reset_position_ids: bool
+    """Positions restart after each end-of-document (`--reset-position-ids`)."""
+    eod_mask_loss: bool
+    """No loss on end-of-document tokens (`--eod-mask-loss`)."""
+    num_samples: tuple[int, int, int]
+    """(train, valid, test) samples asked of the datasets (`requested_num_samples`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Saving and loading: where, which format, what to skip, and what a checkpoint must share
+    with this run."""
+
+    save: str | None
+    """Directory the run saves to (`--save`); None: no saving."""
+    load: str | None
+    """Directory the run resumes from (`--load`); None: from scratch."""
+    save_interval: int | None
+    """Iterations between saves (`--save-interval`); the last one is saved too."""
+    ckpt_step: int | None
+    """The iteration to load instead of the tracker's (`--ckpt-step`)."""
+    ckpt_format: str
+    """torch, torch_dist or fsdp_dtensor (`--ckpt-format`)."""
+    async_save: bool
+    """Written by a background thread (`--async-save`)."""
+    no_save_optim: bool
+    """No optimizer state in the checkpoint (`--no-save-optim`)."""
+    no_save_rng: bool
+    """No RNG states in the checkpoint (`--no-save-rng`)."""
+    no_load_optim: bool
+    """Fresh optimizer and schedule on load (`--no-load-optim`)."""
+    no_load_rng: bool
+    """This run's --seed seeds the RNGs on load (`--no-load-rng`)."""
+    finetune: bool
+    """Load weights only; iteration, optimizer, RNG and FP8 scaling state start fresh."""
+    override_opt_param_scheduler: bool
+    """On load, this run's schedule flags win (`--override-opt_param-scheduler`)."""
+    use_checkpoint_opt_param_scheduler: bool
+    """On load, the saved schedule wins (`--use-checkpoint-opt_param-scheduler`)."""
+    use_megatron_fsdp: bool
+    """The engine: DDP keeps delayed-scaling state in its own file, Megatron-FSDP sharded."""
+    optimizer: str
+    """adam or sgd: a checkpoint's optimizer state fits only its own kind."""
+    fp8_recipe: str | None
+    """This run's FP8 recipe (None: no FP8); delayed scaling has state to restore."""
+    fp8_amax_history_len: int
+    """Slots of each delayed-scaling amax history, which a checkpoint's must match."""
+    train_samples: int | None
+    """A --train-samples run counts its schedule in batches of the saved size."""
+    global_batch_size: int
+    """Samples per step, compared with a --train-samples checkpoint's."""
+    architecture: dict[str, object]
+    """This run's values of the flags that set parameter shapes (checkpointing's
+    ARCHITECTURE_FLAGS), compared with a checkpoint's before loading."""
+    saved_args: dict[str, object]
+    """What metadata.json stores under "args": every flag with a JSON value (derived values
+    included under their Megatron-LM names), as `--use-checkpoint-args` and tools read it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """The log line's interval and the TensorBoard/W&B switches."""
+
+    logging_level: int | None
+    """Python logging level of every rank (`--logging-level`; None: INFO on rank 0)."""
+    log_interval: int
+    """Iterations per log line (`--log-interval`)."""
+    tensorboard_log_interval: int
+    """Iterations between TensorBoard/W&B points (`--tensorboard-log-interval`)."""
+    tensorboard_dir: str | None
+    """TensorBoard event directory (`--tensorboard-dir`); None: none written."""
+    wandb_project: str | None
+    """W&B project (`--wandb-project`); None: no W&B run."""
+    wandb_exp_name: str | None
+    """W&B run name (`--wandb-exp-name`)."""
+    wandb_save_dir: str | None
+    """W&B local directory (`--wandb-save-dir`, default <save>/wandb)."""
+    log_timers_to_tensorboard: bool
+    """Step timers as TensorBoard/W&B points (`--log-timers-to-tensorboard`)."""
+    log_params_norm: bool
+    """The parameters' L2 norm in the log (`--log-params-norm`)."""
+    log_num_zeros_in_grad: bool
+    """The count of zero grads in the log (`--log-num-zeros-in-grad`)."""
+    notes: tuple[str, ...]
+    """One line per given Megatron-LM flag that changes nothing here (printed once)."""
+    run_config: dict[str, object]
+    """The flags with scalar values, recorded with a W&B run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunHooksConfig:
+    """Profiling, memory snapshots and manual garbage collection (run_hooks.py)."""
+
+    profile: bool
+    """Profile a range of iterations (`--profile`)."""
+    profile_ranks: list[int]
+    """Ranks that profile; [] is every rank (`--profile-ranks`)."""
+    profile_step_start: int
+    """First profiled iteration (`--profile-step-start`)."""
+    profile_step_end: int
+    """Iteration the profile stops at (`--profile-step-end`)."""
+    use_pytorch_profiler: bool
+    """torch.profiler instead of an Nsight range (`--use-pytorch-profiler`)."""
+    tensorboard_dir: str | None
+    """The trace goes to torch_profile/ next to it."""
+    record_memory_history: bool
+    """Record CUDA allocations for snapshots (`--record-memory-history`)."""
+    memory_snapshot_path: str
+    """Snapshot file, with _RANK before the extension (`--memory-snapshot-path`)."""
+    manual_gc: bool
+    """Automatic garbage collection off for the run (`--manual-gc`)."""
+    manual_gc_interval: int
+    """Iterations between full collections; 0: only around evaluations."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    """--fp16 loss scaling: a static `loss_scale`, or the dynamic scaler's settings."""
+
+    loss_scale: float | None
+    """A static scale (`--loss-scale`); None: dynamic."""
+    initial_loss_scale: float
+    """The dynamic scale's start (`--initial-loss-scale`)."""
+    min_loss_scale: float
+    """The dynamic scale's floor (`--min-loss-scale`)."""
+    loss_scale_window: float
+    """Clean steps before the scale doubles (`--loss-scale-window`)."""
+    hysteresis: int
+    """Overflowing steps before the scale halves (`--hysteresis`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSetupConfig:
+    """How model_setup.py wraps the model and builds its optimizer."""
+
+    seed: int
+    """Seed of the parameter init."""
+    use_megatron_fsdp: bool
+    """Megatron-FSDP (`--use-megatron-fsdp`); else torch DDP."""
+    use_torch_fsdp2: bool
+    """PyTorch's fully_shard instead (`--use-torch-fsdp2`)."""
+    torch_compile: bool
+    """Compile each transformer layer's forward (`--torch-compile`)."""
+    grad_reduce_in_bf16: bool
+    """Reduce grads in bf16 (`--grad-reduce-in-bf16`)."""
+    log_num_zeros_in_grad: bool
+    """The optimizer counts zero grads (for the log line)."""
+    global_batch_size: int
+    """Samples per step (`--global-batch-size`)."""
+    seq_length: int
+    """With the global batch, the size of the FLOP count per iteration."""
+    optimizer: OptimizerConfig
+    """Adam(W) or SGD settings."""
+    fsdp: FsdpConfig | None
+    """Megatron-FSDP's settings; None under DDP or FSDP2."""
+    loss_scale: LossScaleConfig | None
+    """--fp16 loss scaling; None without --fp16."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """The process group and device (initialize.py)."""
+
+    backend: str | None
+    """nccl or gloo (`--distributed-backend`); None: nccl with GPUs, else gloo."""
+    timeout_minutes: int
+    """Collective timeout (`--distributed-timeout-minutes`)."""
+    always_use_process_group: bool
+    """Megatron-FSDP, FSDP2 and the sharded checkpoint formats need a process group even in
+    one process (their collectives and torch.distributed.checkpoint run on one)."""
+    use_megatron_fsdp: bool
+    """Megatron-FSDP cuts its groups from a data-parallel mesh."""
+    num_distributed_optimizer_instances: int
+    """HSDP replicas; 1: plain sharding."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingRunConfig:
+    """Every config of one pretrain run, built once by `build_run_config`."""
+
+    training: TrainingConfig
+    """The loop."""
+    data: DataConfig
+    """Tokenizer and datasets."""
+    checkpoint: CheckpointConfig
+    """Saving and loading."""
+    logging: LoggingConfig
+    """Log line, TensorBoard and W&B."""
+    hooks: RunHooksConfig
+    """Profiling, memory snapshots, manual GC."""
+    model_setup: ModelSetupConfig
+    """Engine, optimizer and loss scaling."""
+    distributed: DistributedConfig
+    """Process group and device."""
+    lr_schedule: LRScheduleConfig
+    """The learning-rate schedule, lengths in iterations."""
+    model_template: TransformerConfig
+    """The model's config but for its vocabulary rows, which the tokenizer decides: use
+    `model_config(vocab_size=...)`. Its vocab_size is --make-vocab-size-divisible-by."""
+    make_vocab_size_divisible_by: int
+    """The embedding rows are padded to a multiple of this."""
+    checkpoint_vocab_rows: int | None
+    """--use-checkpoint-args: the checkpoint's embedding rows, used instead of padding."""
+
+    def model_config(self, *, vocab_size: int) -> TransformerConfig:
+        """The TransformerConfig for a tokenizer of `vocab_size` ids (rows padded)."""
+        rows = padded_vocab_size(vocab_size, divisible_by=self.make_vocab_size_divisible_by)
+        if self.checkpoint_vocab_rows is not None:
+            rows = _checkpoint_vocab_rows(self.checkpoint_vocab_rows, vocab_size=vocab_size)
+        return dataclasses.replace(self.model_template, vocab_size=rows)
+
+
+def _json_value(value: object) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str, list))
+
+
+def saved_args(args: argparse.Namespace) -> dict[str, object]:
+    """metadata.json's "args": the JSON-valued flags, and the derived values that earlier
+    versions stored in the Namespace (the format stays the same)."""
+    warmup, decay, wsd = lr_lengths(args)
+    flags = {key: value for key, value in vars(args).items() if _json_value(value)}
+    flags.update(
+        num_microbatches=num_microbatches(args),
+        lr_decay_iters=decay,
+        lr_warmup_iters=warmup,
+        lr_wsd_decay_iters=wsd,
+    )
+    return flags
+
+
+def build_training_config(args: argparse.Namespace) -> TrainingConfig:
+    return TrainingConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        num_microbatches=num_microbatches(args),
+        train_iters=args.train_iters,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        eval_iters=args.eval_iters,
+        eval_interval=args.eval_interval,
+        exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins,
+        exit_signal_handler=args.exit_signal_handler,
+        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        backward_worker_threads=args.backward_worker_threads,
+        deterministic_mode=args.deterministic_mode,
+        empty_unused_memory_level=args.empty_unused_memory_level,
+    )
+
+
+def build_data_config(args: argparse.Namespace) -> DataConfig:
+    tokenizer = TokenizerConfig(
+        tokenizer_type=args.tokenizer_type,
+        vocab_size=args.vocab_size,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=args.tiktoken_special_tokens,
+    )
+    return DataConfig(
+        tokenizer=tokenizer,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        data_path=None if args.mock_data else list(args.data_path),
+        split=args.split,
+        mock_data=args.mock_data,
+        data_cache_path=args.data_cache_path,
+        reset_position_ids=args.reset_position_ids,
+        eod_mask_loss=args.eod_mask_loss,
+        num_samples=requested_num_samples(args),
+    )
+
+
+# Flags that change the shapes of parameters: a checkpoint that differs cannot be loaded.
+ARCHITECTURE_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "swiglu",
+    "normalization",
+    "position_embedding_type",
+    "untie_embeddings_and_output_weights",
+    "disable_bias_linear",
+)
+
+
+def build_checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
+    return CheckpointConfig(
+        save=args.save,
+        load=args.load,
+        save_interval=args.save_interval,
+        ckpt_step=args.ckpt_step,
+        ckpt_format=args.ckpt_format,
+        async_save=args.async_save,
+        no_save_optim=args.no_save_optim,
+        no_save_rng=args.no_save_rng,
+        no_load_optim=args.no_load_optim,
+        no_load_rng=args.no_load_rng,
+        finetune=args.finetune,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        use_megatron_fsdp=args.use_megatron_fsdp,
+        optimizer=args.optimizer,
+        fp8_recipe=args.fp8_recipe,
+        fp8_amax_history_len=args.fp8_amax_history_len,
+        train_samples=args.train_samples,
+        global_batch_size=args.global_batch_size,
+        architecture={flag: getattr(args, flag) for flag in ARCHITECTURE_FLAGS},
+        saved_args=saved_args(args),
+    )
+
+
+def build_logging_config(args: argparse.Namespace) -> LoggingConfig:
+    return LoggingConfig(
+        logging_level=args.logging_level,
+        log_interval=args.log_interval,
+        tensorboard_log_interval=args.tensorboard_log_interval,
+        tensorboard_dir=args.tensorboard_dir,
+        wandb_project=args.wandb_project,
+        wandb_exp_name=args.wandb_exp_name,
+        wandb_save_dir=args.wandb_save_dir,
+        log_timers_to_tensorboard=args.log_timers_to_tensorboard,
+        log_params_norm=args.log_params_norm,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        notes=tuple(getattr(args, "megatron_lm_notes", ())),
+        run_config={
+            key: value
+            for key, value in saved_args(args).items()
+            if isinstance(value, (int, float, str, bool))
+        },
+    )
+
+
+def build_run_hooks_config(args: argparse.Namespace) -> RunHooksConfig:
+    return RunHooksConfig(
+        profile=args.profile,
+        profile_ranks=list(args.profile_ranks),
+        profile_step_start=args.profile_step_start,
+        profile_step_end=args.profile_step_end,
+        use_pytorch_profiler=args.use_pytorch_profiler,
+        tensorboard_dir=args.tensorboard_dir,
+        record_memory_history=args.record_memory_history,
+        memory_snapshot_path=args.memory_snapshot_path,
+        manual_gc=args.manual_gc,
+        manual_gc_interval=args.manual_gc_interval,
+    )
+
+
+def build_loss_scale_config(args: argparse.Namespace) -> LossScaleConfig | None:
+    if not args.fp16:
+        return None
+    return LossScaleConfig(
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+    )
+
+
+def build_model_setup_config(args: argparse.Namespace) -> ModelSetupConfig:
+    return ModelSetupConfig(
+        seed=args.seed,
+        use_megatron_fsdp=args.use_megatron_fsdp,
+        use_torch_fsdp2=args.use_torch_fsdp2,
+        torch_compile=args.torch_compile,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        global_batch_size=args.global_batch_size,
+        seq_length=args.seq_length,
+        optimizer=build_optimizer_config(args),
+        fsdp=build_fsdp_config(args),
+        loss_scale=build_loss_scale_config(args),
+    )
+
+
+def build_distributed_config(args: argparse.Namespace) -> DistributedConfig:
+    sharded_format = getattr(args, "ckpt_format", None) in ("torch_dist", "fsdp_dtensor")
+    return DistributedConfig(
+        backend=args.distributed_backend,
+        timeout_minutes=args.distributed_timeout_minutes,
+        always_use_process_group=args.use_megatron_fsdp or args.use_torch_fsdp2 or sharded_format,
+        use_megatron_fsdp=args.use_megatron_fsdp,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+    )
+
+
+def build_run_config(args: argparse.Namespace) -> TrainingRunConfig:
+    """Every config of the run from the validated flags (`parse_args`'s result)."""
+    return TrainingRunConfig(
+        training=build_training_config(args),
+        data=build_data_config(args),
+        checkpoint=build_checkpoint_config(args),
+        logging=build_logging_config(args),
+        hooks=build_run_hooks_config(args),
+        model_setup=build_model_setup_config(args),
+        distributed=build_distributed_config(args),
+        lr_schedule=build_lr_schedule_config(args),
+        model_template=_transformer_config(args, vocab_rows=args.make_vocab_size_divisible_by),
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        checkpoint_vocab_rows=getattr(args, "padded_vocab_size", None),
     )

@@ -16,6 +16,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from megatron.core.dist_checkpointing.flat_dtensor import flat_dtensor, local_piece, piece_offset
+from megatron.core.optimizer.sharded_state import (
+    load_model_state_dict,
+    load_optimizer_state_dict,
+    model_state_dict,
+    optimizer_state_dict,
+)
 
 SHARDED_FORMATS = ("torch_dist", "fsdp_dtensor")
 
@@ -31,8 +37,6 @@ def sharded_state(run, *, optimizer: bool, fp8_scaling_state: bool = True) -> di
         if optimizer:
             state["optimizer"] = run.optimizer.sharded_state_dict()
         return state
-    from megatron.core.optimizer.sharded_state import model_state_dict, optimizer_state_dict
-
     state = {"model": model_state_dict(run.optimizer)}
     if optimizer:
         state["optimizer"] = optimizer_state_dict(run.optimizer)
@@ -46,11 +50,6 @@ def load_sharded_state(run, state: dict[str, Any]) -> None:
         if "optimizer" in state:
             run.optimizer.load_sharded_state_dict(state["optimizer"])
         return
-    from megatron.core.optimizer.sharded_state import (
-        load_model_state_dict,
-        load_optimizer_state_dict,
-    )
-
     load_model_state_dict(run.optimizer, state["model"])
     if "optimizer" in state:
         load_optimizer_state_dict(run.optimizer, state["optimizer"])

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron.core.fp8.config import FP8_RECIPES
 from megatron.core.fp8.formats import ROLES, check_fp8_dtype, e8m0_from_t, fp8_max
-from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.fp8.quantized_tensor import QuantizedTensor, register_quantize
 from megatron.core.fp8.reference import (
     INPUT_DTYPES,
     amax_ignoring_nan,
@@ -180,3 +180,6 @@ def compute_scale(
         f"compute_scale handles tensorwise, blockwise and mxfp8, got {recipe!r}; delayed scales "
         "come from the amax history (reference.delayed_scale_update)"
     )
+
+
+register_quantize(quantize)
