@@ -23,8 +23,8 @@ from megatron.training.checkpoint_layout import (
     read_tracker,
     resolve_iteration_dir,
 )
-from megatron.training.configs import ARCHITECTURE_FLAGS
 from megatron.training.megatron_lm_flags import add_megatron_lm_args
+from megatron.training.run_config import ARCHITECTURE_FLAGS
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.flat_dtensor import data_parallel_mesh
 from megatron.training.checkpoint_save import finish_save
-from megatron.training.configs import CheckpointConfig
 from megatron.training.initialize import DistributedEnv
+from megatron.training.run_config import CheckpointConfig
 
 TEST_HOLD_ENV = "MEGATRON_FP8_TEST_HOLD_ASYNC_SAVE"
 """Tests only: `<iteration>` makes the writer of that iteration stop for good after its shards

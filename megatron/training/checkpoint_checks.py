@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from megatron.core.checkpoint_files import CheckpointError
-from megatron.training.configs import ARCHITECTURE_FLAGS, CheckpointConfig
+from megatron.training.run_config import ARCHITECTURE_FLAGS, CheckpointConfig
 from megatron.training.sharded_checkpoint import SHARDED_FORMATS
 
 

@@ -29,8 +29,8 @@ from megatron.training.checkpoint_layout import (
     resolve_iteration_dir,
     rng_state_from_plain,
 )
-from megatron.training.configs import CheckpointConfig
 from megatron.training.initialize import DistributedEnv, set_rng_state
+from megatron.training.run_config import CheckpointConfig
 from megatron.training.sharded_checkpoint import SHARDED_FORMATS, load_sharded_state, sharded_state
 from megatron.training.train_state import TrainState
 

@@ -31,8 +31,8 @@ from megatron.training.checkpoint_layout import (
     read_tracker,
     rng_state_to_plain,
 )
-from megatron.training.configs import CheckpointConfig
 from megatron.training.initialize import DistributedEnv, get_rng_state
+from megatron.training.run_config import CheckpointConfig
 from megatron.training.sharded_checkpoint import SHARDED_FORMATS, sharded_state, stage_to_cpu
 
 

@@ -50,7 +50,7 @@ from megatron.training.checkpoint_layout import (
 )
 from megatron.training.checkpoint_load import load_checkpoint
 from megatron.training.checkpoint_save import CheckpointSaveError, finish_save, save_checkpoint
-from megatron.training.configs import ARCHITECTURE_FLAGS
+from megatron.training.run_config import ARCHITECTURE_FLAGS
 
 __all__ = [
     "ARCHITECTURE_FLAGS",

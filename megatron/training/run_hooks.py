@@ -1,17 +1,25 @@
 """What the training loop does around its steps for Megatron-LM's run flags: profiling
 (--profile), memory snapshots (--record-memory-history), manual garbage collection
-(--manual-gc), emptying the CUDA cache (--empty-unused-memory-level), fp16 loss scaling.
+(--manual-gc), emptying the CUDA cache (--empty-unused-memory-level), fp16 loss scaling, when to
+stop (--exit-interval, --exit-duration-in-mins, --exit-signal-handler), the memory report.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import resource
+import signal
+import threading
+import time
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.optimizer.grad_scaler import GradScaler
-from megatron.training.configs import LossScaleConfig, RunHooksConfig
+from megatron.training.initialize import DistributedEnv
+from megatron.training.run_config import LossScaleConfig, RunHooksConfig, TrainingConfig
 
 
 def _profiles_rank(config: RunHooksConfig, rank: int) -> bool:
@@ -152,3 +160,77 @@ def build_grad_scaler(config: LossScaleConfig | None) -> GradScaler | None:
         growth_interval=int(config.loss_scale_window),
         hysteresis=config.hysteresis,
     )
+
+
+@dataclass
+class RunHooks:
+    """The per-iteration side work of the run flags: profiler, memory history, manual GC."""
+
+    profiler: Profiler
+    memory: MemoryHistory
+    gc: ManualGC
+
+    def close(self) -> None:
+        self.profiler.stop()
+        self.memory.stop()
+        self.gc.close()
+
+
+class ExitSignal:
+    """--exit-signal-handler: SIGTERM only sets a flag; the loop reads it between iterations
+    (Megatron-LM's DistributedSignalHandler). Installed for the length of `with`, on the main
+    thread only (Python delivers signals there)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.received = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def __enter__(self) -> ExitSignal:
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.enabled and self._previous is not None:  # None: set from C, not restorable
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def exit_reason(
+    config: TrainingConfig,
+    *,
+    env: DistributedEnv,
+    start: float,
+    iteration: int,
+    exit_signal: ExitSignal,
+) -> str:
+    """Why to stop after `iteration` ('' to go on). Time and signal are MAX-reduced over the
+    ranks, so that every rank stops (and saves) at the same iteration."""
+    if config.exit_interval is not None and iteration % config.exit_interval == 0:
+        return f"--exit-interval {config.exit_interval}"
+    if config.exit_duration_in_mins is None and not exit_signal.enabled:
+        return ""
+    flags = torch.tensor(
+        [(time.time() - start) / 60.0, float(exit_signal.received)], device=env.device
+    )
+    if env.dp_group is not None:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=env.dp_group)
+    minutes, received = flags.tolist()
+    if exit_signal.enabled and received > 0:
+        return "SIGTERM received"
+    if config.exit_duration_in_mins is not None and minutes > config.exit_duration_in_mins:
+        return f"--exit-duration-in-mins {config.exit_duration_in_mins}"
+    return ""
+
+
+def memory_bytes(device: torch.device) -> tuple[int, int]:
+    """(allocated, peak allocated) bytes: CUDA allocator on GPU, process RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+    with open("/proc/self/statm") as statm:
+        rss = int(statm.read().split()[1]) * resource.getpagesize()
+    # ru_maxrss is sampled by the kernel; never report a peak below the current value.
+    return rss, max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

@@ -9,9 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import resource
-import signal
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,12 +21,7 @@ from megatron.core.optimizer import OptimizerParamScheduler
 from megatron.training.arguments import parse_args
 from megatron.training.async_checkpoint import AsyncCheckpointSaver
 from megatron.training.checkpointing import check_load_path, load_checkpoint, save_checkpoint
-from megatron.training.configs import (
-    LoggingConfig,
-    TrainingConfig,
-    TrainingRunConfig,
-    build_run_config,
-)
+from megatron.training.configs import build_run_config
 from megatron.training.data import (
     Datasets,
     build_datasets,
@@ -45,7 +37,17 @@ from megatron.training.initialize import (
 from megatron.training.log_line import IntervalStats, format_train_line, format_valid_line
 from megatron.training.loggers import MetricsLogger
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
-from megatron.training.run_hooks import ManualGC, MemoryHistory, Profiler, empty_cuda_cache
+from megatron.training.run_config import LoggingConfig, TrainingConfig, TrainingRunConfig
+from megatron.training.run_hooks import (
+    ExitSignal,
+    ManualGC,
+    MemoryHistory,
+    Profiler,
+    RunHooks,
+    empty_cuda_cache,
+    exit_reason,
+    memory_bytes,
+)
 from megatron.training.train_state import TrainState
 
 __all__ = ["TrainState", "TrainingResult", "pretrain", "train", "train_step", "evaluate"]
@@ -169,7 +171,7 @@ def _build_and_train_seeded(config: TrainingRunConfig, env: DistributedEnv) -> T
     finally:
         if logger is not None:
             logger.close()
-    allocated, peak = _memory_bytes(env.device)
+    allocated, peak = memory_bytes(env.device)
     # As Megatron-LM's memory report: what benchmarks compare (peak over the whole run).
     print_rank_0(
         env,
@@ -356,61 +358,6 @@ def evaluate(
     return _mean_over_ranks(torch.stack(losses).mean(), env)
 
 
-def _memory_bytes(device: torch.device) -> tuple[int, int]:
-    """(allocated, peak allocated) bytes: CUDA allocator on GPU, process RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
-    with open("/proc/self/statm") as statm:
-        rss = int(statm.read().split()[1]) * resource.getpagesize()
-    # ru_maxrss is sampled by the kernel; never report a peak below the current value.
-    return rss, max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-
-
-class ExitSignal:
-    """--exit-signal-handler: SIGTERM only sets a flag; the loop reads it between iterations
-    (Megatron-LM's DistributedSignalHandler). Installed for the length of `with`, on the main
-    thread only (Python delivers signals there)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.received = False
-        self._previous = None
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-
-    def __enter__(self) -> ExitSignal:
-        if self.enabled:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        if self.enabled and self._previous is not None:  # None: set from C, not restorable
-            signal.signal(signal.SIGTERM, self._previous)
-
-
-def _should_exit(
-    config: TrainingConfig, env: DistributedEnv, start: float, iteration: int, exit_signal
-) -> str:
-    """Why to stop after `iteration` ('' to go on). Time and signal are MAX-reduced over the
-    ranks, so that every rank stops (and saves) at the same iteration."""
-    if config.exit_interval is not None and iteration % config.exit_interval == 0:
-        return f"--exit-interval {config.exit_interval}"
-    if config.exit_duration_in_mins is None and not exit_signal.enabled:
-        return ""
-    flags = torch.tensor(
-        [(time.time() - start) / 60.0, float(exit_signal.received)], device=env.device
-    )
-    if env.dp_group is not None:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=env.dp_group)
-    minutes, received = flags.tolist()
-    if exit_signal.enabled and received > 0:
-        return "SIGTERM received"
-    if config.exit_duration_in_mins is not None and minutes > config.exit_duration_in_mins:
-        return f"--exit-duration-in-mins {config.exit_duration_in_mins}"
-    return ""
-
-
 def train(
     config: TrainingRunConfig,
     *,
@@ -448,20 +395,6 @@ def train(
             return result
     finally:
         hooks.close()
-
-
-@dataclass
-class RunHooks:
-    """The per-iteration side work of the run flags (run_hooks.py)."""
-
-    profiler: Profiler
-    memory: MemoryHistory
-    gc: ManualGC
-
-    def close(self) -> None:
-        self.profiler.stop()
-        self.memory.stop()
-        self.gc.close()
 
 
 def _train_loop(
@@ -542,7 +475,9 @@ def _train_loop(
                     )
         if saver is not None:
             saver.finalize(blocking=False)  # publishes a save in flight once all ranks wrote it
-        exiting = _should_exit(training, env, start, state.iteration, exit_signal)
+        exiting = exit_reason(
+            training, env=env, start=start, iteration=state.iteration, exit_signal=exit_signal
+        )
         if checkpoint.save and (
             exiting
             or state.iteration == training.train_iters
@@ -572,7 +507,7 @@ def _log_interval(
         config.training.global_batch_size * config.training.seq_length / seconds / env.world_size
     )
     tflops = run.flops_per_iteration / seconds / env.world_size / 1e12
-    mem, max_mem = _memory_bytes(env.device)
+    mem, max_mem = memory_bytes(env.device)
     # A collective under Megatron-FSDP: every rank computes it.
     params_norm = run.optimizer.params_norm() if config.logging.log_params_norm else None
     print_rank_0(
