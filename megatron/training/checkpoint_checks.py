@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from megatron.core.checkpoint_files import CheckpointError
+from megatron.training.model_setup import ModelAndOptimizer
 from megatron.training.run_config import ARCHITECTURE_FLAGS, CheckpointConfig
 from megatron.training.sharded_checkpoint import SHARDED_FORMATS
 
@@ -123,7 +124,7 @@ def check_shapes(
             )
 
 
-def check_saved_param_shapes(metadata: dict, run, *, directory: str) -> None:
+def check_saved_param_shapes(metadata: dict, run: ModelAndOptimizer, *, directory: str) -> None:
     """metadata.json's param shapes against the model, before any tensor is read (checkpoints
     from before shapes were recorded skip this; model.pt's own shapes are still checked)."""
     if "param_shapes" not in metadata:

@@ -22,6 +22,7 @@ from megatron.core.fp8 import delayed_scaling_state_dict
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.initialize import DistributedEnv
+from megatron.training.model_setup import ModelAndOptimizer
 from megatron.training.sharded_checkpoint import SHARDED_FORMATS
 
 FORMAT_TAG = "megatron-fp8"
@@ -96,7 +97,7 @@ def first_failing_rank(env: DistributedEnv, failure: BaseException | None) -> in
     return failed if failed < env.world_size else -1
 
 
-def delayed_scaling_state(run) -> dict:
+def delayed_scaling_state(run: ModelAndOptimizer) -> dict:
     if run.config.fp8 is None or run.config.fp8.recipe != "delayed":
         return {}
     return delayed_scaling_state_dict(run.module)

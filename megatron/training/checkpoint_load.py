@@ -30,6 +30,7 @@ from megatron.training.checkpoint_layout import (
     rng_state_from_plain,
 )
 from megatron.training.initialize import DistributedEnv, set_rng_state
+from megatron.training.model_setup import ModelAndOptimizer
 from megatron.training.run_config import CheckpointConfig
 from megatron.training.sharded_checkpoint import SHARDED_FORMATS, load_sharded_state, sharded_state
 from megatron.training.train_state import TrainState
@@ -106,7 +107,13 @@ def _load_scheduler(
         ) from None
 
 
-def load_checkpoint(config: CheckpointConfig, *, run, scheduler: OptimizerParamScheduler, env):
+def load_checkpoint(
+    config: CheckpointConfig,
+    *,
+    run: ModelAndOptimizer,
+    scheduler: OptimizerParamScheduler,
+    env: DistributedEnv,
+) -> TrainState | None:
     """Restore from --load; returns the TrainState to continue from (None: nothing to load).
 
     pretrain has already run check_load_path (before building the model). Every other check

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,13 @@ from megatron.training.checkpoint_layout import (
     rng_state_to_plain,
 )
 from megatron.training.initialize import DistributedEnv, get_rng_state
+from megatron.training.model_setup import ModelAndOptimizer
 from megatron.training.run_config import CheckpointConfig
 from megatron.training.sharded_checkpoint import SHARDED_FORMATS, sharded_state, stage_to_cpu
+from megatron.training.train_state import TrainState
+
+if TYPE_CHECKING:  # async_checkpoint.py calls finish_save, so it imports this module
+    from megatron.training.async_checkpoint import AsyncCheckpointSaver
 
 
 def _barrier(env: DistributedEnv) -> None:
@@ -172,11 +178,11 @@ def _start_async_write(
 def save_checkpoint(
     config: CheckpointConfig,
     *,
-    run,
+    run: ModelAndOptimizer,
     scheduler: OptimizerParamScheduler,
-    state,
-    env,
-    async_saver=None,
+    state: TrainState,
+    env: DistributedEnv,
+    async_saver: AsyncCheckpointSaver | None = None,
 ) -> str | None:
     """Write iter_XXXXXXX/ under a temporary name, publish it, then update the tracker.
 
@@ -248,7 +254,12 @@ def _ms_since(started: float) -> float:
 
 
 def finish_save(
-    config: CheckpointConfig, *, env, iteration: int, metadata: dict, failure: BaseException | None
+    config: CheckpointConfig,
+    *,
+    env: DistributedEnv,
+    iteration: int,
+    metadata: dict,
+    failure: BaseException | None,
 ) -> str:
     """After every rank wrote its files (or failed to): agree, write metadata.json, publish
     the directory, move the tracker. Collective over the data-parallel group."""
