@@ -366,7 +366,7 @@ def train(
     scheduler: OptimizerParamScheduler,
     datasets: Datasets,
     state: TrainState,
-    logger=None,
+    logger: MetricsLogger | None = None,
 ) -> TrainingResult:
     saver = None
     if config.checkpoint.async_save and config.checkpoint.save:
@@ -400,16 +400,16 @@ def train(
 def _train_loop(
     config: TrainingRunConfig,
     *,
-    env,
-    run,
-    scheduler,
-    datasets,
-    state,
-    logger,
-    exit_signal,
-    hooks,
-    saver=None,
-):
+    env: DistributedEnv,
+    run: ModelAndOptimizer,
+    scheduler: OptimizerParamScheduler,
+    datasets: Datasets,
+    state: TrainState,
+    logger: MetricsLogger | None,
+    exit_signal: ExitSignal,
+    hooks: RunHooks,
+    saver: AsyncCheckpointSaver | None = None,
+) -> TrainingResult:
     training, logging_config, checkpoint = config.training, config.logging, config.checkpoint
     result = TrainingResult(state=state)
     stats = IntervalStats()
@@ -422,18 +422,7 @@ def _train_loop(
         loss, grad_norm, ok = train_step(
             training, env=env, run=run, dataset=datasets.train, state=state
         )
-        # Under fp16 loss scaling an Inf grad norm is an overflow: the scaler skips that update
-        # and lowers the scale (Megatron-LM), so only the loss stops the run.
-        grad_checked = math.isfinite(grad_norm) or run.grad_scaler is not None
-        if training.check_for_nan_in_loss_and_grad and not (math.isfinite(loss) and grad_checked):
-            # Every rank sees the same reduced loss and global grad norm, so all stop here
-            # together; the update was not applied and nothing of this state is saved.
-            raise NonFiniteTrainingError(
-                f"iteration {state.iteration + 1}: lm loss {loss} and grad norm {grad_norm}; "
-                "the run stops before saving (--check-for-nan-in-loss-and-grad is on by "
-                "default; lower --lr or check the data, resume with --load from the last "
-                "checkpoint, or pass --no-check-for-nan-in-loss-and-grad to skip such updates)"
-            )
+        _check_finite(training, run=run, iteration=state.iteration + 1, loss=loss, norm=grad_norm)
         if ok:
             scheduler.step()
         else:
@@ -454,25 +443,12 @@ def _train_loop(
             _log_interval(config, env=env, run=run, state=state, stats=stats, lr=lr, logger=logger)
             hooks.memory.dump()
             stats = IntervalStats()
-        if datasets.valid is not None and training.eval_iters > 0:
-            if (
-                state.iteration % training.eval_interval == 0
-                or state.iteration == training.train_iters
-            ):
-                hooks.gc.around_evaluation()
-                valid_loss = evaluate(training, env=env, run=run, dataset=datasets.valid)
-                hooks.gc.around_evaluation()
-                result.valid_losses[state.iteration] = valid_loss
-                print_rank_0(env, format_valid_line(state.iteration, valid_loss))
-                if logger is not None:
-                    logger.log_scalars(
-                        state.iteration,
-                        {
-                            "lm loss validation": valid_loss,
-                            "lm loss validation ppl": math.exp(min(20.0, valid_loss)),
-                        },
-                        samples=state.consumed_train_samples,
-                    )
+        if _evaluation_due(training, valid=datasets.valid, iteration=state.iteration):
+            hooks.gc.around_evaluation()
+            valid_loss = evaluate(training, env=env, run=run, dataset=datasets.valid)
+            hooks.gc.around_evaluation()
+            result.valid_losses[state.iteration] = valid_loss
+            _log_validation(env, state=state, logger=logger, valid_loss=valid_loss)
         if saver is not None:
             saver.finalize(blocking=False)  # publishes a save in flight once all ranks wrote it
         exiting = exit_reason(
@@ -490,6 +466,48 @@ def _train_loop(
             print_rank_0(env, f" > exiting at iteration {state.iteration} ({exiting})")
             break
     return result
+
+
+def _check_finite(
+    training: TrainingConfig, *, run: ModelAndOptimizer, iteration: int, loss: float, norm: float
+) -> None:
+    """--check-for-nan-in-loss-and-grad: stop at a NaN/Inf loss or grad norm. Under fp16 loss
+    scaling an Inf grad norm is an overflow: the scaler skips that update and lowers the scale
+    (Megatron-LM), so only the loss stops the run."""
+    grad_checked = math.isfinite(norm) or run.grad_scaler is not None
+    if training.check_for_nan_in_loss_and_grad and not (math.isfinite(loss) and grad_checked):
+        # Every rank sees the same reduced loss and global grad norm, so all stop here
+        # together; the update was not applied and nothing of this state is saved.
+        raise NonFiniteTrainingError(
+            f"iteration {iteration}: lm loss {loss} and grad norm {norm}; "
+            "the run stops before saving (--check-for-nan-in-loss-and-grad is on by "
+            "default; lower --lr or check the data, resume with --load from the last "
+            "checkpoint, or pass --no-check-for-nan-in-loss-and-grad to skip such updates)"
+        )
+
+
+def _evaluation_due(
+    training: TrainingConfig, *, valid: torch.utils.data.Dataset | None, iteration: int
+) -> bool:
+    """Every --eval-interval iterations and after the last one, when there is a valid split."""
+    if valid is None or training.eval_iters <= 0:
+        return False
+    return iteration % training.eval_interval == 0 or iteration == training.train_iters
+
+
+def _log_validation(
+    env: DistributedEnv, *, state: TrainState, logger: MetricsLogger | None, valid_loss: float
+) -> None:
+    print_rank_0(env, format_valid_line(state.iteration, valid_loss))
+    if logger is not None:
+        logger.log_scalars(
+            state.iteration,
+            {
+                "lm loss validation": valid_loss,
+                "lm loss validation ppl": math.exp(min(20.0, valid_loss)),
+            },
+            samples=state.consumed_train_samples,
+        )
 
 
 def _log_interval(
