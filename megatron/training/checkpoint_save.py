@@ -175,6 +175,24 @@ def _start_async_write(
     saver.start(iteration=iteration, metadata=metadata, write=write)
 
 
+def _fresh_tmp_dir(config: CheckpointConfig, *, env: DistributedEnv, iteration: int) -> str:
+    """Rank 0 empties and creates `iter_XXXXXXX.tmp/`; every rank learns whether it could."""
+    tmp = f"{iteration_dir(config.save, iteration)}{TMP_SUFFIX}"
+    failure: BaseException | None = None
+    try:
+        if env.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "rng") if not config.no_save_rng else tmp)
+    except OSError as error:
+        failure = error
+    failed_rank = first_failing_rank(env, failure)
+    if failed_rank >= 0:
+        _save_failed(
+            config, env=env, iteration=iteration, tmp=tmp, failure=failure, failed_rank=failed_rank
+        )
+    return tmp
+
+
 def save_checkpoint(
     config: CheckpointConfig,
     *,
@@ -196,25 +214,7 @@ def save_checkpoint(
     started = time.perf_counter()
     if async_saver is not None:
         async_saver.finalize(blocking=True)  # one save in flight at a time
-    final = iteration_dir(config.save, state.iteration)
-    tmp = f"{final}{TMP_SUFFIX}"
-    failure: BaseException | None = None
-    try:
-        if env.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(os.path.join(tmp, "rng") if not config.no_save_rng else tmp)
-    except OSError as error:
-        failure = error
-    failed_rank = first_failing_rank(env, failure)
-    if failed_rank >= 0:
-        _save_failed(
-            config,
-            env=env,
-            iteration=state.iteration,
-            tmp=tmp,
-            failure=failure,
-            failed_rank=failed_rank,
-        )
+    tmp = _fresh_tmp_dir(config, env=env, iteration=state.iteration)
     metadata = _metadata(config, run, scheduler, state, env)
     if async_saver is not None:
         _start_async_write(
@@ -233,6 +233,7 @@ def save_checkpoint(
                 flush=True,
             )
         return None
+    failure: BaseException | None = None
     try:
         _write_checkpoint_files(config, run=run, env=env, tmp=tmp)
     # DCP's collective CheckpointException derives from BaseException, not Exception.
