@@ -84,14 +84,14 @@ def check_saved_flags(metadata: dict, config: CheckpointConfig, *, directory: st
         )
 
 
-def _shape_fix(name: str, saved: tuple, expected: tuple, saved_args: dict) -> str:
+def _shape_fix(name: str, saved: tuple, expected: tuple, saved_flags: dict) -> str:
     """The flag behind a parameter's shape (what a user changed), named for the message."""
     if name.endswith("word_embeddings.weight") or name.startswith("output_layer."):
-        vocab = saved_args.get("vocab_size")
+        vocab = saved_flags.get("vocab_size")
         return (
             f"the padded vocabulary differs (checkpoint {saved[0]}, this run {expected[0]}): "
             f"pass {f'--vocab-size {vocab}' if vocab else 'the checkpoint tokenizer'} and "
-            f"--make-vocab-size-divisible-by {saved_args.get('make_vocab_size_divisible_by')}, "
+            f"--make-vocab-size-divisible-by {saved_flags.get('make_vocab_size_divisible_by')}, "
             "as saved"
         )
     if name.endswith("position_embeddings.weight"):
@@ -107,7 +107,7 @@ def _shape_fix(name: str, saved: tuple, expected: tuple, saved_args: dict) -> st
 
 
 def check_shapes(
-    saved: dict[str, tuple], expected: dict[str, tuple], *, source: str, saved_args: dict
+    saved: dict[str, tuple], expected: dict[str, tuple], *, source: str, saved_flags: dict
 ) -> None:
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
@@ -120,7 +120,7 @@ def check_shapes(
         if saved[name] != shape:
             raise CheckpointError(
                 f"{source}: {name} has shape {saved[name]} in the checkpoint, the model "
-                f"expects {shape}; {_shape_fix(name, saved[name], shape, saved_args)}."
+                f"expects {shape}; {_shape_fix(name, saved[name], shape, saved_flags)}."
             )
 
 
@@ -140,7 +140,7 @@ def check_saved_param_shapes(metadata: dict, run: ModelAndOptimizer, *, director
             "edited. Load another iteration."
         ) from None
     expected = {name: tuple(p.shape) for name, p in run.module.named_parameters()}
-    check_shapes(saved, expected, source=source, saved_args=metadata["args"])
+    check_shapes(saved, expected, source=source, saved_flags=metadata["args"])
 
 
 # LRScheduleConfig fields, by the flag that sets each (for the mismatch message).

@@ -47,14 +47,14 @@ def _load_delayed_scaling_state(directory: str, run) -> None:
         raise CheckpointError(f"{path}: {error}") from None
 
 
-def _load_model_tensors(directory: str, run, saved_args: dict) -> None:
+def _load_model_tensors(directory: str, run, saved_flags: dict) -> None:
     named = read_model_file(directory)
     expected = run.optimizer.named_main_params()
     check_shapes(
         {name: tuple(t.shape) for name, t in named.items()},
         {name: tuple(t.shape) for name, t in expected.items()},
         source=os.path.join(directory, "model.pt"),
-        saved_args=saved_args,
+        saved_flags=saved_flags,
     )
     run.optimizer.load_main_params(named)
 
