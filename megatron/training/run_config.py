@@ -20,6 +20,7 @@ def padded_vocab_size(vocab_size: int, *, divisible_by: int) -> int:
 
 
 def checkpoint_vocab_rows(saved_rows: int, *, vocab_size: int) -> int:
+    """--use-checkpoint-args: the checkpoint's embedding rows, which must hold every token id."""
     if vocab_size > saved_rows:
         raise CheckpointError(
             f"--use-checkpoint-args: the checkpoint's embedding has {saved_rows} rows, fewer "
