@@ -1,6 +1,6 @@
 """The project's import graph, read from the source with `ast`: no cycle among the modules of
-megatron/, tools/ and pretrain_gpt.py, and no project import inside a function body except the
-optional-dependency modules of ALLOWED_IN_FUNCTION.
+megatron/, tools/ and pretrain_gpt.py, and no project import inside a function body (an import
+statement or `importlib.import_module`) except the modules of ALLOWED_IN_FUNCTION.
 
 Edges are module-level imports (an `if TYPE_CHECKING:` block is left out: it never runs). An
 import `from package import name` is an edge to `package.name` when that is a module of the
@@ -31,6 +31,10 @@ ALLOWED_IN_FUNCTION = {
     ("megatron/core/fp8/linear.py", "megatron.core.fp8.cuda.linear_ops"),
     ("megatron/core/fp8/quantization.py", "megatron.core.fp8.cuda"),
     ("megatron/core/fp8/quantized_tensor.py", "megatron.core.fp8.cuda"),
+    # Not an optional dependency: the package resolves its names on first use
+    # (importlib.import_module in __getattr__) so that preprocessing workers, which import
+    # only indexed_dataset, never import torch.
+    ("megatron/core/datasets/__init__.py", "megatron.core.datasets.*"),
 }
 
 
@@ -74,6 +78,25 @@ def _targets(node: ast.Import | ast.ImportFrom, *, module: str, modules: dict) -
     return found
 
 
+def _dynamic_target(node: ast.Call, *, module: str, modules: dict) -> str | None:
+    """The project module an `importlib.import_module(...)` call loads: a literal name, or
+    "<this package>.*" for a name built from `__name__` (a submodule chosen at run time)."""
+    function = node.func
+    is_import_module = (
+        isinstance(function, ast.Attribute) and function.attr == "import_module"
+    ) or (isinstance(function, ast.Name) and function.id == "import_module")
+    if not is_import_module or not node.args:
+        return None
+    name = node.args[0]
+    if isinstance(name, ast.Constant) and name.value in modules:
+        return name.value
+    if isinstance(name, ast.JoinedStr) and name.values:
+        first = name.values[0]
+        if isinstance(first, ast.FormattedValue) and getattr(first.value, "id", "") == "__name__":
+            return f"{module}.*"
+    return None
+
+
 def import_graph(
     modules: dict[str, Path], *, root: Path = REPO
 ) -> tuple[dict[str, set], list[tuple]]:
@@ -98,6 +121,13 @@ def import_graph(
                         elif target != module:
                             edges.add(target)
                     continue
+                if isinstance(child, ast.Call):
+                    target = _dynamic_target(child, module=module, modules=modules)
+                    if target is not None and inside:
+                        relative = path.relative_to(root).as_posix()
+                        in_function.append((relative, child.lineno, target))
+                    elif target is not None and target in modules and target != module:
+                        edges.add(target)
                 function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
                 visit(child, inside=inside or function)
 
@@ -158,7 +188,8 @@ def test_the_checks_find_a_cycle_and_an_import_in_a_function(tmp_path):
     (package / "__init__.py").write_text("")
     (package / "a.py").write_text("from megatron import b\n")
     (package / "b.py").write_text(
-        "import megatron.a\n\ndef late():\n    from megatron.c import thing\n"
+        "import importlib\nimport megatron.a\n\ndef late():\n    from megatron.c import thing\n"
+        "    return importlib.import_module('megatron.a')\n"
     )
     (package / "c.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron import a\n"
@@ -166,7 +197,7 @@ def test_the_checks_find_a_cycle_and_an_import_in_a_function(tmp_path):
     graph, in_function = import_graph(project_modules(tmp_path), root=tmp_path)
     assert graph["megatron.c"] == set()
     assert find_cycle(graph) == ["megatron.a", "megatron.b", "megatron.a"]
-    assert in_function == [("megatron/b.py", 4, "megatron.c")]
+    assert in_function == [("megatron/b.py", 5, "megatron.c"), ("megatron/b.py", 6, "megatron.a")]
     (package / "b.py").write_text("def late():\n    import megatron.a\n")
     graph, _ = import_graph(project_modules(tmp_path), root=tmp_path)
     assert find_cycle(graph) is None
