@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from megatron.training.configs import lr_lengths_before_fraction
+from megatron.training.loggers import check_logger_settings
 from megatron.training.megatron_lm_flags import (
     resolve_megatron_lm_args,
     unbuilt_features,
@@ -25,7 +27,13 @@ class ArgumentError(ValueError):
 
 
 def validate_args(args: argparse.Namespace) -> None:
-    """All cross-flag checks, in one place. Fills derived defaults. Raises ArgumentError."""
+    """All cross-flag checks, in one place. Raises ArgumentError.
+
+    It resolves flag defaults that depend on other flags (the global batch, the run length,
+    --max-position-embeddings, the checkpoint format, the engine a Megatron-LM flag means) in
+    the Namespace, as Megatron-LM does and as checkpoints save them; values derived for the
+    run (micro-batches per step, the schedule's lengths in iterations) are computed by
+    configs.build_run_config instead."""
     # First: a command line that asks for features we have not built gets one message naming
     # all of them, before any other check.
     unbuilt = unbuilt_features(args)
@@ -97,7 +105,6 @@ def _validate_batch(args: argparse.Namespace) -> None:
         f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}; set "
         f"--global-batch-size to a multiple of {per_step} or change --micro-batch-size.",
     )
-    args.num_microbatches = args.global_batch_size // per_step
     if args.train_samples is not None:
         # Megatron-LM: the run length is given one way or the other, and the iterations are
         # the whole global batches the samples make.
@@ -175,10 +182,9 @@ def _schedule_flags_given(args: argparse.Namespace, unit: str) -> list[str]:
     ]
 
 
-def _schedule_in_samples(args: argparse.Namespace) -> None:
-    """--train-samples runs give the schedule in samples (Megatron-LM); the scheduler counts
-    iterations, so each length becomes samples / global batch size (fractional lengths give
-    the same learning rates as a sample-counting schedule at a constant batch size)."""
+def _check_schedule_units(args: argparse.Namespace) -> None:
+    """--train-samples runs give the schedule in samples (Megatron-LM), --train-iters runs in
+    iterations; configs.lr_lengths converts samples to iterations."""
     iteration_flags = _schedule_flags_given(args, "iters")
     sample_flags = _schedule_flags_given(args, "samples")
     if args.train_samples is None:
@@ -196,28 +202,21 @@ def _schedule_in_samples(args: argparse.Namespace) -> None:
     for attr in ("lr_decay_samples", "lr_wsd_decay_samples"):
         _require_positive(args, attr, "omit it for the default")
     _require(args.lr_warmup_samples >= 0, "--lr-warmup-samples must be >= 0.")
-    batch = args.global_batch_size
-    decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
-    args.lr_decay_iters = decay / batch
-    args.lr_warmup_iters = args.lr_warmup_samples / batch
-    if args.lr_wsd_decay_samples is not None:
-        args.lr_wsd_decay_iters = args.lr_wsd_decay_samples / batch
 
 
 def _validate_schedule(args: argparse.Namespace) -> None:
-    _schedule_in_samples(args)
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
+    """The schedule's lengths in iterations are derived in configs.py (lr_lengths), not
+    written back into the flags; they are checked here as the scheduler will see them."""
+    _check_schedule_units(args)
+    warmup, decay, wsd = lr_lengths_before_fraction(args)
     _require_positive(args, "lr", "the default is 3e-4")
     _require(0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must be in [0, --lr {args.lr}].")
-    _require(args.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0.")
-    _require(
-        args.lr_decay_iters > 0, "--lr-decay-iters must be positive (omit it for --train-iters)."
-    )
+    _require(warmup >= 0, "--lr-warmup-iters must be >= 0.")
+    _require(decay > 0, "--lr-decay-iters must be positive (omit it for --train-iters).")
     if args.lr_warmup_fraction is not None:
         # Megatron-LM: warmup = fraction x decay length, and the two warmup flags are exclusive.
         _require(
-            args.lr_warmup_iters == 0,
+            warmup == 0,
             "--lr-warmup-fraction and --lr-warmup-iters (or --lr-warmup-samples) both set the "
             "warmup; pass only one.",
         )
@@ -225,29 +224,31 @@ def _validate_schedule(args: argparse.Namespace) -> None:
             math.isfinite(args.lr_warmup_fraction) and 0 <= args.lr_warmup_fraction < 1,
             f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1).",
         )
-        args.lr_warmup_iters = args.lr_warmup_fraction * args.lr_decay_iters
+        warmup = args.lr_warmup_fraction * decay
     _require(
         math.isfinite(args.lr_warmup_init) and 0 <= args.lr_warmup_init <= args.lr,
         f"--lr-warmup-init {args.lr_warmup_init} must be in [0, --lr {args.lr}].",
     )
     # Name the flags the user gives: the sample ones in a --train-samples run.
     unit = "samples" if args.train_samples is not None else "iters"
-    warmup, decay, wsd = (f"--lr-{name}-{unit}" for name in ("warmup", "decay", "wsd-decay"))
+    warmup_flag, decay_flag, wsd_flag = (
+        f"--lr-{name}-{unit}" for name in ("warmup", "decay", "wsd-decay")
+    )
     if args.lr_decay_style != "constant":
         _require(
-            args.lr_warmup_iters < args.lr_decay_iters,
-            f"the warmup ({warmup}, {args.lr_warmup_iters} iterations) must end before the "
-            f"decay does ({decay}, {args.lr_decay_iters} iterations); shorten warmup or "
+            warmup < decay,
+            f"the warmup ({warmup_flag}, {warmup} iterations) must end before the "
+            f"decay does ({decay_flag}, {decay} iterations); shorten warmup or "
             "lengthen the decay.",
         )
     if args.lr_decay_style == "WSD":
         _require(
-            args.lr_wsd_decay_iters is not None,
-            f"--lr-decay-style WSD needs {wsd} (length of the annealing phase).",
+            wsd is not None,
+            f"--lr-decay-style WSD needs {wsd_flag} (length of the annealing phase).",
         )
         _require(
-            0 < args.lr_wsd_decay_iters <= args.lr_decay_iters - args.lr_warmup_iters,
-            f"{wsd} must be positive and fit after warmup within {decay}.",
+            0 < wsd <= decay - warmup,
+            f"{wsd_flag} must be positive and fit after warmup within {decay_flag}.",
         )
     _require(
         math.isfinite(args.clip_grad) and args.clip_grad >= 0,
@@ -481,8 +482,6 @@ def _validate_logging(args: argparse.Namespace) -> None:
         args.wandb_save_dir = os.path.join(args.save, "wandb")  # Megatron-LM's default
     if not (args.tensorboard_dir or args.wandb_project):
         return
-    from megatron.training.loggers import check_logger_settings
-
     try:
         check_logger_settings(
             tensorboard_dir=args.tensorboard_dir,

@@ -12,11 +12,19 @@ import os
 from collections.abc import Sequence
 from typing import NoReturn
 
+from megatron.core.checkpoint_files import CheckpointError
 from megatron.core.distributed.fsdp.config import OUTER_SHARDING_STRATEGIES, SHARDING_STRATEGIES
 from megatron.core.fp8.config import FP8_RECIPES
 from megatron.core.tokenizer.build import TOKENIZER_TYPES
 from megatron.training.argument_checks import ArgumentError, validate_args
+from megatron.training.checkpoint_layout import (
+    TRACKER_FILENAME,
+    read_metadata,
+    read_tracker,
+    resolve_iteration_dir,
+)
 from megatron.training.megatron_lm_flags import add_megatron_lm_args
+from megatron.training.run_config import ARCHITECTURE_FLAGS
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -522,6 +530,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What --use-checkpoint-args takes from the checkpoint (Megatron-LM's load_args_from_checkpoint
+# takes the same model flags), besides the vocabulary rows.
+CHECKPOINT_MODEL_ARGS = ARCHITECTURE_FLAGS + (
+    "group_query_attention",
+    "max_position_embeddings",
+    "rotary_base",
+    "rotary_percent",
+    "norm_epsilon",
+    "make_vocab_size_divisible_by",
+)
+
+
+def load_args_from_checkpoint(args: argparse.Namespace) -> list[str]:
+    """--use-checkpoint-args: set the model flags and the vocabulary rows (padded_vocab_size)
+    from the checkpoint --load names, before validation; returns one line per flag changed.
+    CheckpointError names the file when there is no checkpoint to read them from."""
+    if args.load is None:
+        raise CheckpointError("--use-checkpoint-args reads the flags of --load DIR; pass --load.")
+    iteration = args.ckpt_step if args.ckpt_step is not None else read_tracker(args.load)
+    if iteration is None:
+        raise CheckpointError(
+            f"--use-checkpoint-args: --load {args.load} holds no {TRACKER_FILENAME}, so there "
+            "are no saved flags to use; pass a --save directory (or drop the flag)."
+        )
+    metadata = read_metadata(resolve_iteration_dir(args.load, iteration))
+    saved = metadata["args"]
+    changed = []
+    for name in CHECKPOINT_MODEL_ARGS:
+        if name in saved and saved[name] != getattr(args, name):
+            changed.append(
+                f"--{name.replace('_', '-')} {saved[name]} (command line: {getattr(args, name)})"
+            )
+            setattr(args, name, saved[name])
+    vocab_rows = metadata["model_config"].get("vocab_size")
+    if isinstance(vocab_rows, int):
+        args.padded_vocab_size = vocab_rows
+    if args.ckpt_format is None:
+        args.ckpt_format = metadata["ckpt_format"]
+    return changed
+
+
 def world_size_from_env() -> int:
     """Data-parallel size as torchrun/Slurm announce it (1 for a plain `python` launch)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -536,9 +585,6 @@ def parse_args(
     args.world_size = world_size if world_size is not None else world_size_from_env()
     args.data_parallel_size = args.world_size
     if args.use_checkpoint_args:
-        from megatron.core.checkpoint_files import CheckpointError
-        from megatron.training.checkpointing import load_args_from_checkpoint
-
         try:
             changed = load_args_from_checkpoint(args)
         except CheckpointError as error:

@@ -26,8 +26,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.flat_dtensor import data_parallel_mesh
+from megatron.training.checkpoint_save import finish_save
 from megatron.training.checkpoint_staging import HostStaging
 from megatron.training.initialize import DistributedEnv
+from megatron.training.run_config import CheckpointConfig
 
 TEST_HOLD_ENV = "MEGATRON_FP8_TEST_HOLD_ASYNC_SAVE"
 """Tests only: `<iteration>` makes the writer of that iteration stop for good after its shards
@@ -48,8 +50,8 @@ class AsyncCheckpointSaver:
     """One asynchronous save in flight at a time, finished collectively (every rank calls
     `finalize` at the same points of the loop)."""
 
-    def __init__(self, args, env: DistributedEnv) -> None:
-        self.args = args
+    def __init__(self, config: CheckpointConfig, env: DistributedEnv) -> None:
+        self.config = config
         self.env = env
         ranks = dist.get_process_group_ranks(env.dp_group)
         # Collective over the default group: every rank builds its saver at the same point.
@@ -110,10 +112,8 @@ class AsyncCheckpointSaver:
             return None
         self.pending.thread.join()
         pending, self.pending = self.pending, None
-        from megatron.training.checkpointing import finish_save
-
         return finish_save(
-            self.args,
+            self.config,
             env=self.env,
             iteration=pending.iteration,
             metadata=pending.metadata,

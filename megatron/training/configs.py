@@ -1,4 +1,13 @@
-"""Typed configs built once from the validated flags: one per concern."""
+"""Typed configs built once from the validated flags: one per concern.
+
+`build_run_config` is the only place below `parse_args` that reads the argparse Namespace: it
+turns the validated flags into the frozen dataclasses of run_config.py (training loop, data,
+checkpointing, logging, run hooks, model setup, process group) bundled in `TrainingRunConfig`,
+and computes the values derived from several flags (micro-batches per step, the learning-rate
+schedule's lengths in iterations, the samples asked of each split). Everything `pretrain`
+calls takes these configs, never the Namespace (tests/unit_tests/training/test_no_namespace.py
+checks it).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +19,23 @@ from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.run_config import (
+    ARCHITECTURE_FLAGS,
+    CheckpointConfig,
+    DataConfig,
+    DistributedConfig,
+    LoggingConfig,
+    LossScaleConfig,
+    ModelSetupConfig,
+    RunHooksConfig,
+    TokenizerConfig,
+    TrainingConfig,
+    TrainingRunConfig,
+    checkpoint_vocab_rows,
+    padded_vocab_size,
+)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
-
-
-def padded_vocab_size(vocab_size: int, *, divisible_by: int) -> int:
-    """Round the tokenizer's vocabulary up so the embedding has aligned rows (as Megatron does)."""
-    return -(-vocab_size // divisible_by) * divisible_by
 
 
 def build_fp8_config(args: argparse.Namespace) -> Fp8Config | None:
@@ -48,20 +67,16 @@ def build_transformer_config(args: argparse.Namespace, *, vocab_size: int) -> Tr
     rows = padded_vocab_size(vocab_size, divisible_by=args.make_vocab_size_divisible_by)
     saved_rows = getattr(args, "padded_vocab_size", None)  # set by --use-checkpoint-args
     if saved_rows is not None:
-        if vocab_size > saved_rows:
-            from megatron.core.checkpoint_files import CheckpointError
+        rows = checkpoint_vocab_rows(saved_rows, vocab_size=vocab_size)
+    return _transformer_config(args, vocab_rows=rows)
 
-            raise CheckpointError(
-                f"--use-checkpoint-args: the checkpoint's embedding has {saved_rows} rows, fewer "
-                f"than the tokenizer's {vocab_size} ids; use the tokenizer the model was "
-                "trained with."
-            )
-        rows = saved_rows
+
+def _transformer_config(args: argparse.Namespace, *, vocab_rows: int) -> TransformerConfig:
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
-        vocab_size=rows,
+        vocab_size=vocab_rows,
         max_sequence_length=args.max_position_embeddings,
         ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups,
@@ -118,14 +133,241 @@ def build_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     )
 
 
+def num_microbatches(args: argparse.Namespace) -> int:
+    """Micro-batches per step: the global batch over micro-batch size x data-parallel size."""
+    return args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+
+
+def lr_lengths_before_fraction(args: argparse.Namespace) -> tuple[float, float, float | None]:
+    """(warmup, decay, WSD decay) in iterations, before --lr-warmup-fraction. A --train-samples
+    run gives them in samples (Megatron-LM); the scheduler counts iterations, so each becomes
+    samples / global batch size (a fractional length gives the learning rates of a
+    sample-counting schedule at a constant batch size). The decay defaults to the run length."""
+    if args.train_samples is not None:
+        batch = args.global_batch_size
+        decay_samples = args.lr_decay_samples
+        decay = (decay_samples if decay_samples is not None else args.train_samples) / batch
+        wsd = args.lr_wsd_decay_iters
+        if args.lr_wsd_decay_samples is not None:
+            wsd = args.lr_wsd_decay_samples / batch
+        return args.lr_warmup_samples / batch, decay, wsd
+    decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+    return args.lr_warmup_iters, decay, args.lr_wsd_decay_iters
+
+
+def lr_lengths(args: argparse.Namespace) -> tuple[float, float, float | None]:
+    """(warmup, decay, WSD decay) in iterations; --lr-warmup-fraction sets the warmup to that
+    fraction of the decay (Megatron-LM)."""
+    warmup, decay, wsd = lr_lengths_before_fraction(args)
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return warmup, decay, wsd
+
+
 def build_lr_schedule_config(args: argparse.Namespace) -> LRScheduleConfig:
+    warmup, decay, wsd = lr_lengths(args)
     return LRScheduleConfig(
         max_lr=args.lr,
         min_lr=args.min_lr,
-        warmup_iters=args.lr_warmup_iters,
+        warmup_iters=warmup,
         warmup_init=args.lr_warmup_init,
-        decay_iters=args.lr_decay_iters,
+        decay_iters=decay,
         decay_style=args.lr_decay_style,
-        wsd_decay_iters=args.lr_wsd_decay_iters or 0,
+        wsd_decay_iters=wsd or 0,
         wsd_decay_style=args.lr_wsd_decay_style,
+    )
+
+
+def requested_num_samples(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(train, valid, test) samples asked of the datasets, as Megatron-LM counts them.
+
+    The sample order depends on these counts (megatron-core shuffles all the epochs a count
+    needs), so they follow Megatron-LM for a run to see the samples a Megatron-LM run sees:
+    valid is sized for every evaluation of the run, test for one.
+    """
+    train = args.train_samples or args.train_iters * args.global_batch_size
+    evaluations = args.train_iters // args.eval_interval + 1
+    valid = evaluations * args.eval_iters * args.global_batch_size
+    return train, valid, args.eval_iters * args.global_batch_size
+
+
+def _json_value(value: object) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str, list))
+
+
+def saved_args(args: argparse.Namespace) -> dict[str, object]:
+    """metadata.json's "args": the JSON-valued flags, and the derived values that earlier
+    versions stored in the Namespace (the format stays the same)."""
+    warmup, decay, wsd = lr_lengths(args)
+    flags = {key: value for key, value in vars(args).items() if _json_value(value)}
+    flags.update(
+        num_microbatches=num_microbatches(args),
+        lr_decay_iters=decay,
+        lr_warmup_iters=warmup,
+        lr_wsd_decay_iters=wsd,
+    )
+    return flags
+
+
+def build_training_config(args: argparse.Namespace) -> TrainingConfig:
+    return TrainingConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        num_microbatches=num_microbatches(args),
+        train_iters=args.train_iters,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        eval_iters=args.eval_iters,
+        eval_interval=args.eval_interval,
+        exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins,
+        exit_signal_handler=args.exit_signal_handler,
+        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        backward_worker_threads=args.backward_worker_threads,
+        deterministic_mode=args.deterministic_mode,
+        empty_unused_memory_level=args.empty_unused_memory_level,
+    )
+
+
+def build_data_config(args: argparse.Namespace) -> DataConfig:
+    tokenizer = TokenizerConfig(
+        tokenizer_type=args.tokenizer_type,
+        vocab_size=args.vocab_size,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=args.tiktoken_special_tokens,
+    )
+    return DataConfig(
+        tokenizer=tokenizer,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        data_path=None if args.mock_data else list(args.data_path),
+        split=args.split,
+        mock_data=args.mock_data,
+        data_cache_path=args.data_cache_path,
+        reset_position_ids=args.reset_position_ids,
+        eod_mask_loss=args.eod_mask_loss,
+        num_samples=requested_num_samples(args),
+    )
+
+
+def build_checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
+    return CheckpointConfig(
+        save=args.save,
+        load=args.load,
+        save_interval=args.save_interval,
+        ckpt_step=args.ckpt_step,
+        ckpt_format=args.ckpt_format,
+        async_save=args.async_save,
+        no_save_optim=args.no_save_optim,
+        no_save_rng=args.no_save_rng,
+        no_load_optim=args.no_load_optim,
+        no_load_rng=args.no_load_rng,
+        finetune=args.finetune,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        use_megatron_fsdp=args.use_megatron_fsdp,
+        optimizer=args.optimizer,
+        fp8_recipe=args.fp8_recipe,
+        fp8_amax_history_len=args.fp8_amax_history_len,
+        train_samples=args.train_samples,
+        global_batch_size=args.global_batch_size,
+        architecture={flag: getattr(args, flag) for flag in ARCHITECTURE_FLAGS},
+        saved_args=saved_args(args),
+    )
+
+
+def build_logging_config(args: argparse.Namespace) -> LoggingConfig:
+    return LoggingConfig(
+        logging_level=args.logging_level,
+        log_interval=args.log_interval,
+        tensorboard_log_interval=args.tensorboard_log_interval,
+        tensorboard_dir=args.tensorboard_dir,
+        wandb_project=args.wandb_project,
+        wandb_exp_name=args.wandb_exp_name,
+        wandb_save_dir=args.wandb_save_dir,
+        log_timers_to_tensorboard=args.log_timers_to_tensorboard,
+        log_params_norm=args.log_params_norm,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        notes=tuple(getattr(args, "megatron_lm_notes", ())),
+        run_config={
+            key: value
+            for key, value in saved_args(args).items()
+            if isinstance(value, (int, float, str, bool))
+        },
+    )
+
+
+def build_run_hooks_config(args: argparse.Namespace) -> RunHooksConfig:
+    return RunHooksConfig(
+        profile=args.profile,
+        profile_ranks=list(args.profile_ranks),
+        profile_step_start=args.profile_step_start,
+        profile_step_end=args.profile_step_end,
+        use_pytorch_profiler=args.use_pytorch_profiler,
+        tensorboard_dir=args.tensorboard_dir,
+        record_memory_history=args.record_memory_history,
+        memory_snapshot_path=args.memory_snapshot_path,
+        manual_gc=args.manual_gc,
+        manual_gc_interval=args.manual_gc_interval,
+    )
+
+
+def build_loss_scale_config(args: argparse.Namespace) -> LossScaleConfig | None:
+    if not args.fp16:
+        return None
+    return LossScaleConfig(
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+    )
+
+
+def build_model_setup_config(args: argparse.Namespace) -> ModelSetupConfig:
+    return ModelSetupConfig(
+        seed=args.seed,
+        use_megatron_fsdp=args.use_megatron_fsdp,
+        use_torch_fsdp2=args.use_torch_fsdp2,
+        torch_compile=args.torch_compile,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        global_batch_size=args.global_batch_size,
+        seq_length=args.seq_length,
+        optimizer=build_optimizer_config(args),
+        fsdp=build_fsdp_config(args),
+        loss_scale=build_loss_scale_config(args),
+    )
+
+
+def build_distributed_config(args: argparse.Namespace) -> DistributedConfig:
+    sharded_format = getattr(args, "ckpt_format", None) in ("torch_dist", "fsdp_dtensor")
+    return DistributedConfig(
+        backend=args.distributed_backend,
+        timeout_minutes=args.distributed_timeout_minutes,
+        always_use_process_group=args.use_megatron_fsdp or args.use_torch_fsdp2 or sharded_format,
+        use_megatron_fsdp=args.use_megatron_fsdp,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+    )
+
+
+def build_run_config(args: argparse.Namespace) -> TrainingRunConfig:
+    """Every config of the run from the validated flags (`parse_args`'s result)."""
+    return TrainingRunConfig(
+        training=build_training_config(args),
+        data=build_data_config(args),
+        checkpoint=build_checkpoint_config(args),
+        logging=build_logging_config(args),
+        hooks=build_run_hooks_config(args),
+        model_setup=build_model_setup_config(args),
+        distributed=build_distributed_config(args),
+        lr_schedule=build_lr_schedule_config(args),
+        model_template=_transformer_config(args, vocab_rows=args.make_vocab_size_divisible_by),
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        checkpoint_vocab_rows=getattr(args, "padded_vocab_size", None),
     )

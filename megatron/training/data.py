@@ -9,11 +9,15 @@ data-parallel size, and a resumed run continues with exactly the samples it woul
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Dataset
+
+from megatron.core.datasets import GPTDatasetConfig, build_gpt_datasets
+from megatron.core.tokenizer import Tokenizer, build_tokenizer
+from megatron.training.run_config import DataConfig, TokenizerConfig
 
 
 @dataclass(frozen=True)
@@ -23,54 +27,28 @@ class Datasets:
     test: Dataset | None
 
 
-def build_tokenizer_from_args(args: argparse.Namespace):
-    from megatron.core.tokenizer import build_tokenizer
-
-    return build_tokenizer(
-        tokenizer_type=args.tokenizer_type,
-        vocab_size=args.vocab_size,
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tiktoken_pattern=args.tiktoken_pattern,
-        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-        tiktoken_special_tokens=args.tiktoken_special_tokens,
-    )
+def build_tokenizer_from_config(config: TokenizerConfig) -> Tokenizer:
+    return build_tokenizer(**dataclasses.asdict(config))
 
 
-def requested_num_samples(args: argparse.Namespace) -> tuple[int, int, int]:
-    """(train, valid, test) samples asked of the datasets, as Megatron-LM counts them.
-
-    The sample order depends on these counts (megatron-core shuffles all the epochs a count
-    needs), so they follow Megatron-LM for a run to see the samples a Megatron-LM run sees:
-    valid is sized for every evaluation of the run, test for one.
-    """
-    train = args.train_samples or args.train_iters * args.global_batch_size
-    evaluations = args.train_iters // args.eval_interval + 1
-    valid = evaluations * args.eval_iters * args.global_batch_size
-    return train, valid, args.eval_iters * args.global_batch_size
-
-
-def build_datasets_from_args(args: argparse.Namespace, *, tokenizer) -> Datasets:
+def build_datasets(config: DataConfig, *, tokenizer: Tokenizer) -> Datasets:
     """Build (and validate) train/valid/test before any model exists."""
-    from megatron.core.datasets import GPTDatasetConfig, build_gpt_datasets
-
-    config = GPTDatasetConfig(
-        seq_length=args.seq_length,
-        seed=args.seed,
-        data_path=None if args.mock_data else list(args.data_path),
-        split=args.split,
-        mock=args.mock_data,
+    dataset_config = GPTDatasetConfig(
+        seq_length=config.seq_length,
+        seed=config.seed,
+        data_path=config.data_path,
+        split=config.split,
+        mock=config.mock_data,
         vocab_size=tokenizer.vocab_size,
         eod_id=tokenizer.eod,
-        path_to_cache=args.data_cache_path,
-        reset_position_ids=args.reset_position_ids,
-        eod_mask_loss=args.eod_mask_loss,
+        path_to_cache=config.data_cache_path,
+        reset_position_ids=config.reset_position_ids,
+        eod_mask_loss=config.eod_mask_loss,
     )
-    train, valid, test = build_gpt_datasets(config, num_samples=requested_num_samples(args))
+    train, valid, test = build_gpt_datasets(dataset_config, num_samples=config.num_samples)
     if train is None:
         raise SystemExit(
-            f"--split {args.split} leaves no training documents; give the first share a "
+            f"--split {config.split} leaves no training documents; give the first share a "
             "positive weight."
         )
     return Datasets(train=train, valid=valid, test=test)

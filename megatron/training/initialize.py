@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import secrets
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron.core.distributed.data_parallel_mesh import build_data_parallel_mesh
+from megatron.training.run_config import DistributedConfig
 
 
 @dataclass(frozen=True)
@@ -42,13 +42,13 @@ def _slurm_to_torchrun_env() -> None:
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
 
 
-def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
+def initialize_distributed(config: DistributedConfig) -> DistributedEnv:
     """Init the default process group when launched with several ranks; pick the device."""
     _slurm_to_torchrun_env()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise SystemExit("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU.")
@@ -58,27 +58,25 @@ def initialize_distributed(args: argparse.Namespace) -> DistributedEnv:
         device = torch.device("cpu")
     dp_group = None
     owns_process_group = False
-    # Megatron-FSDP, FSDP2 and the sharded checkpoint formats always run on a process group
-    # (their collectives and torch.distributed.checkpoint need one), so a single process gets a
+    # A single process that needs a process group (config.always_use_process_group) gets a
     # one-rank group from an in-memory store.
-    sharded_format = getattr(args, "ckpt_format", None) in ("torch_dist", "fsdp_dtensor")
-    if world_size > 1 or args.use_megatron_fsdp or args.use_torch_fsdp2 or sharded_format:
+    if world_size > 1 or config.always_use_process_group:
         if not dist.is_initialized():
             dist.init_process_group(
                 backend=backend,
                 rank=rank,
                 world_size=world_size,
-                timeout=timedelta(minutes=args.distributed_timeout_minutes),
+                timeout=timedelta(minutes=config.timeout_minutes),
                 device_id=device if backend == "nccl" else None,
                 store=dist.HashStore() if world_size == 1 else _attempt_store(rank, world_size),
             )
             owns_process_group = True
         dp_group = dist.group.WORLD
     dp_mesh = None
-    if args.use_megatron_fsdp:
+    if config.use_megatron_fsdp:
         dp_mesh = build_data_parallel_mesh(
             world_size=world_size,
-            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+            num_distributed_optimizer_instances=config.num_distributed_optimizer_instances,
             device_type=device.type,
         )
     return DistributedEnv(

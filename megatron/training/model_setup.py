@@ -6,20 +6,25 @@ or Megatron-FSDP through its adapter. The training loop only sees ModelAndOptimi
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from megatron.core.distributed.data_parallel_mesh import DP_OUTER_DIM, DP_SHARD_DIM
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+from megatron.core.fp8 import fp8_autocast
 from megatron.core.models.gpt import GPTModel, count_parameters, num_floating_point_operations
 from megatron.core.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
 from megatron.core.optimizer.grad_scaler import GradScaler
+from megatron.core.transformer.init import init_parameter_
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.configs import build_fsdp_config, build_optimizer_config
 from megatron.training.initialize import DistributedEnv
+from megatron.training.run_config import ModelSetupConfig
+from megatron.training.run_hooks import build_grad_scaler
 
 
 @dataclass
@@ -54,8 +59,6 @@ class ModelAndOptimizer:
 def _fp8_context_factory(config: TransformerConfig, env: DistributedEnv) -> Callable:
     if config.fp8 is None:
         return contextlib.nullcontext
-    from megatron.core.fp8 import fp8_autocast
-
     return lambda: fp8_autocast(
         enabled=True, fp8_config=config.fp8, amax_reduction_group=env.dp_group
     )
@@ -78,8 +81,6 @@ def compile_layers(module: GPTModel) -> None:
 def bf16_all_reduce_hook(group: torch.distributed.ProcessGroup, bucket):
     """DDP comm hook: average each grad bucket across ranks in bf16 (torch's own
     bf16_compress_hook needs NCCL; this one also runs on gloo)."""
-    import torch.distributed as dist
-
     compressed = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size(group))
     future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
@@ -92,12 +93,12 @@ def bf16_all_reduce_hook(group: torch.distributed.ProcessGroup, bucket):
 
 
 def _build_ddp(
-    config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv, initial_params
+    config: TransformerConfig, *, setup: ModelSetupConfig, env: DistributedEnv, initial_params
 ):
-    module = GPTModel(config, seed=args.seed).to(env.device)
+    module = GPTModel(config, seed=setup.seed).to(env.device)
     if initial_params is not None:
         module.load_state_dict(initial_params, strict=True)
-    if args.torch_compile:
+    if setup.torch_compile:
         compile_layers(module)
     model: nn.Module = module
     if env.world_size > 1:
@@ -107,36 +108,32 @@ def _build_ddp(
             process_group=env.dp_group,
             broadcast_buffers=False,
         )
-        if args.grad_reduce_in_bf16:
+        if setup.grad_reduce_in_bf16:
             # Megatron-LM's --grad-reduce-in-bf16 under DDP: the all-reduce runs in bf16.
             model.register_comm_hook(env.dp_group, bf16_all_reduce_hook)
-    optimizer = MixedPrecisionOptimizer(module, config=build_optimizer_config(args))
+    optimizer = MixedPrecisionOptimizer(module, config=setup.optimizer)
     return model, module, optimizer
 
 
 def _build_megatron_fsdp(
-    config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv, initial_params
+    config: TransformerConfig, *, setup: ModelSetupConfig, env: DistributedEnv, initial_params
 ):
-    from megatron.core.distributed.data_parallel_mesh import DP_OUTER_DIM, DP_SHARD_DIM
-    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-    from megatron.core.transformer.init import init_parameter_
-
-    fsdp_config = build_fsdp_config(args)
+    fsdp_config = setup.fsdp
     if fsdp_config.init_model_with_meta_device:
         with torch.device("meta"):
-            module = GPTModel(config, seed=args.seed)
+            module = GPTModel(config, seed=setup.seed)
     else:
-        module = GPTModel(config, seed=args.seed).to(env.device)
+        module = GPTModel(config, seed=setup.seed).to(env.device)
         if initial_params is not None:
             module.load_state_dict(initial_params, strict=True)
-    if args.torch_compile:
+    if setup.torch_compile:
         compile_layers(module)
 
     def init_fn(name: str, tensor: torch.Tensor) -> None:
         if initial_params is not None:
             tensor.copy_(initial_params[name])
         else:
-            init_parameter_(tensor, name=name, config=config, seed=args.seed)
+            init_parameter_(tensor, name=name, config=config, seed=setup.seed)
 
     model = FullyShardedDataParallel(
         module,
@@ -151,12 +148,12 @@ def _build_megatron_fsdp(
         # main shards, seeded from the exact high-precision values.
         fp8_config=config.fp8,
     )
-    optimizer = model.build_optimizer(build_optimizer_config(args))
+    optimizer = model.build_optimizer(setup.optimizer)
     return model, module, optimizer
 
 
 def _build_torch_fsdp2(
-    config: TransformerConfig, *, args: argparse.Namespace, env: DistributedEnv, initial_params
+    config: TransformerConfig, *, setup: ModelSetupConfig, env: DistributedEnv, initial_params
 ):
     """--use-torch-fsdp2 (Megatron-LM's flag): PyTorch's fully_shard on every transformer layer
     and on the model. Parameters are fp32 DTensor shards; forward and backward run in the
@@ -168,8 +165,6 @@ def _build_torch_fsdp2(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    from megatron.core.transformer.init import init_parameter_
-
     if initial_params is not None:
         raise ValueError(
             "--use-torch-fsdp2 builds from its own init; imported weights go "
@@ -178,13 +173,13 @@ def _build_torch_fsdp2(
     compute_dtype = config.params_dtype
     config = dataclasses.replace(config, params_dtype=torch.float32)
     with torch.device("meta"):
-        module = GPTModel(config, seed=args.seed)
-    if args.torch_compile:
+        module = GPTModel(config, seed=setup.seed)
+    if setup.torch_compile:
         compile_layers(module)
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     policy = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
-        reduce_dtype=torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32,
+        reduce_dtype=torch.bfloat16 if setup.grad_reduce_in_bf16 else torch.float32,
     )
     for layer in module.decoder.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -193,17 +188,15 @@ def _build_torch_fsdp2(
     with torch.no_grad():  # the values DDP starts from, one full tensor at a time, then sharded
         for name, param in module.named_parameters():
             full = torch.empty(param.shape, dtype=param.dtype, device=env.device)
-            init_parameter_(full, name=name, config=config, seed=args.seed)
+            init_parameter_(full, name=name, config=config, seed=setup.seed)
             param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
     module.init_buffers(env.device)
-    optimizer = MixedPrecisionOptimizer(
-        module, config=build_optimizer_config(args), grad_group=env.dp_group
-    )
+    optimizer = MixedPrecisionOptimizer(module, config=setup.optimizer, grad_group=env.dp_group)
     return module, module, optimizer
 
 
 def setup_model_and_optimizer(
-    args: argparse.Namespace,
+    setup: ModelSetupConfig,
     *,
     config: TransformerConfig,
     env: DistributedEnv,
@@ -211,12 +204,11 @@ def setup_model_and_optimizer(
 ) -> ModelAndOptimizer:
     """`initial_params` (full tensors by parameter name) replace the init: the converter
     builds a run from imported weights this way and saves it with save_checkpoint."""
-    build = _build_megatron_fsdp if args.use_megatron_fsdp else _build_ddp
-    if args.use_torch_fsdp2:
+    build = _build_megatron_fsdp if setup.use_megatron_fsdp else _build_ddp
+    if setup.use_torch_fsdp2:
         build = _build_torch_fsdp2
-    model, module, optimizer = build(config, args=args, env=env, initial_params=initial_params)
-    optimizer.count_zeros_in_grad = args.log_num_zeros_in_grad
-    from megatron.training.run_hooks import build_grad_scaler
+    model, module, optimizer = build(config, setup=setup, env=env, initial_params=initial_params)
+    optimizer.count_zeros_in_grad = setup.log_num_zeros_in_grad
 
     return ModelAndOptimizer(
         model=model,
@@ -224,9 +216,9 @@ def setup_model_and_optimizer(
         optimizer=optimizer,
         config=config,
         flops_per_iteration=num_floating_point_operations(
-            config, batch_size=args.global_batch_size, seq_length=args.seq_length
+            config, batch_size=setup.global_batch_size, seq_length=setup.seq_length
         ),
         num_parameters=count_parameters(module),
         fp8_context=_fp8_context_factory(config, env),
-        grad_scaler=build_grad_scaler(args),
+        grad_scaler=build_grad_scaler(setup.loss_scale),
     )

@@ -12,6 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron.core.optimizer.sharded_state import (
+    load_model_state_dict,
+    load_optimizer_state_dict,
+    model_state_dict,
+    optimizer_state_dict,
+)
+
 SHARDED_FORMATS = ("torch_dist", "fsdp_dtensor")
 
 
@@ -26,8 +33,6 @@ def sharded_state(run, *, optimizer: bool, fp8_scaling_state: bool = True) -> di
         if optimizer:
             state["optimizer"] = run.optimizer.sharded_state_dict()
         return state
-    from megatron.core.optimizer.sharded_state import model_state_dict, optimizer_state_dict
-
     state = {"model": model_state_dict(run.optimizer)}
     if optimizer:
         state["optimizer"] = optimizer_state_dict(run.optimizer)
@@ -41,11 +46,6 @@ def load_sharded_state(run, state: dict[str, Any]) -> None:
         if "optimizer" in state:
             run.optimizer.load_sharded_state_dict(state["optimizer"])
         return
-    from megatron.core.optimizer.sharded_state import (
-        load_model_state_dict,
-        load_optimizer_state_dict,
-    )
-
     load_model_state_dict(run.optimizer, state["model"])
     if "optimizer" in state:
         load_optimizer_state_dict(run.optimizer, state["optimizer"])

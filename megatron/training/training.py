@@ -6,11 +6,9 @@ data fails before any weight exists), then `train` runs `train_step` per iterati
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import logging
 import math
-import signal
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,12 +19,13 @@ import torch.distributed as dist
 
 from megatron.core.optimizer import OptimizerParamScheduler
 from megatron.training.arguments import parse_args
-from megatron.training.async_checkpoint import AsyncCheckpointSaver  # issue 21
-from megatron.training.configs import build_lr_schedule_config, build_transformer_config
+from megatron.training.async_checkpoint import AsyncCheckpointSaver
+from megatron.training.checkpointing import check_load_path, load_checkpoint, save_checkpoint
+from megatron.training.configs import build_run_config
 from megatron.training.data import (
     Datasets,
-    build_datasets_from_args,
-    build_tokenizer_from_args,
+    build_datasets,
+    build_tokenizer_from_config,
     get_micro_batch,
 )
 from megatron.training.initialize import (
@@ -36,8 +35,22 @@ from megatron.training.initialize import (
     shutdown_distributed,
 )
 from megatron.training.log_line import IntervalStats, format_train_line, format_valid_line
+from megatron.training.loggers import MetricsLogger
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
-from megatron.training.run_hooks import ManualGC, MemoryHistory, Profiler, empty_cuda_cache
+from megatron.training.run_config import LoggingConfig, TrainingConfig, TrainingRunConfig
+from megatron.training.run_hooks import (
+    ExitSignal,
+    ManualGC,
+    MemoryHistory,
+    Profiler,
+    RunHooks,
+    empty_cuda_cache,
+    exit_reason,
+    memory_bytes,
+)
+from megatron.training.train_state import TrainState
+
+__all__ = ["TrainState", "TrainingResult", "pretrain", "train", "train_step", "evaluate"]
 
 
 class DataError(RuntimeError):
@@ -49,16 +62,6 @@ class DataError(RuntimeError):
 class NonFiniteTrainingError(RuntimeError):
     """--check-for-nan-in-loss-and-grad found a NaN/Inf loss or grad norm: the run stops.
     pretrain_gpt.py prints it as one `error:` line on every rank and exits with status 1."""
-
-
-@dataclass
-class TrainState:
-    """What a checkpoint restores besides weights and optimizer state."""
-
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    skipped_iterations: int = 0
-    nan_iterations: int = 0
 
 
 @dataclass
@@ -81,18 +84,19 @@ def pretrain(
 ) -> TrainingResult:
     """Entry point of pretrain_gpt.py: parse flags, build data, model, optimizer; train.
 
+    The flags become typed configs here, once (configs.build_run_config); nothing below takes
+    the argparse Namespace.
+
     destroy_process_group=False leaves the process group this call created alive after the
     final barrier: for a caller that exits the process next without teardown (pretrain_gpt.py).
     """
-    args = parse_args(argv)
-    if args.load is not None:
-        from megatron.training.checkpointing import check_load_path
-
+    config = build_run_config(parse_args(argv))
+    if config.checkpoint.load is not None:
         # A --load that is a file, or iterations without a tracker, fail before anything is built.
-        check_load_path(args.load, args.ckpt_step)
-    env = initialize_distributed(args)
+        check_load_path(config.checkpoint.load, config.checkpoint.ckpt_step)
+    env = initialize_distributed(config.distributed)
     try:
-        result = _build_and_train(args, env)
+        result = _build_and_train(config, env)
     except BaseException:
         # A one-rank group (Megatron-FSDP in one process) has no peer to wait for: free it so
         # that a library caller can run again. With several ranks the others may still be in a
@@ -104,11 +108,11 @@ def pretrain(
     return result
 
 
-def _build_and_train(args: argparse.Namespace, env: DistributedEnv) -> TrainingResult:
-    _configure_logging(env, level=args.logging_level)
-    for note in getattr(args, "megatron_lm_notes", ()):
+def _build_and_train(config: TrainingRunConfig, env: DistributedEnv) -> TrainingResult:
+    _configure_logging(env, level=config.logging.logging_level)
+    for note in config.logging.notes:
         print_rank_0(env, f" > note: {note}")
-    if args.deterministic_mode:
+    if config.training.deterministic_mode:
         # Restored at the end of the run: a library caller's process keeps its own setting.
         previous = (
             torch.are_deterministic_algorithms_enabled(),
@@ -116,46 +120,47 @@ def _build_and_train(args: argparse.Namespace, env: DistributedEnv) -> TrainingR
         )
         torch.use_deterministic_algorithms(True, warn_only=True)
         try:
-            return _build_and_train_seeded(args, env)
+            return _build_and_train_seeded(config, env)
         finally:
             torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
-    return _build_and_train_seeded(args, env)
+    return _build_and_train_seeded(config, env)
 
 
-def _build_and_train_seeded(args: argparse.Namespace, env: DistributedEnv) -> TrainingResult:
-    set_random_seeds(args.seed)
+def _build_and_train_seeded(config: TrainingRunConfig, env: DistributedEnv) -> TrainingResult:
+    set_random_seeds(config.training.seed)
     try:
-        tokenizer = build_tokenizer_from_args(args)
-        datasets = build_datasets_from_args(args, tokenizer=tokenizer)
+        tokenizer = build_tokenizer_from_config(config.data.tokenizer)
+        datasets = build_datasets(config.data, tokenizer=tokenizer)
     except (OSError, ValueError) as error:
         # The data and tokenizer checks name the file and the fix in their message.
         raise DataError(str(error)) from error
-    config = build_transformer_config(args, vocab_size=tokenizer.vocab_size)
-    run = setup_model_and_optimizer(args, config=config, env=env)
-    scheduler = OptimizerParamScheduler(run.optimizer, config=build_lr_schedule_config(args))
+    model_config = config.model_config(vocab_size=tokenizer.vocab_size)
+    run = setup_model_and_optimizer(config.model_setup, config=model_config, env=env)
+    scheduler = OptimizerParamScheduler(run.optimizer, config=config.lr_schedule)
     state = TrainState()
-    if args.load is not None:
-        from megatron.training.checkpointing import load_checkpoint
-
-        state = load_checkpoint(args, run=run, scheduler=scheduler, env=env) or state
+    if config.checkpoint.load is not None:
+        state = load_checkpoint(config.checkpoint, run=run, scheduler=scheduler, env=env) or state
+    fp8 = model_config.fp8
     print_rank_0(
         env,
-        f" > megatron-fp8 run: fp8-recipe={args.fp8_recipe or 'bf16'} "
-        f"fp8-param-gather={args.fp8_param_gather} use-megatron-fsdp={args.use_megatron_fsdp} "
+        f" > megatron-fp8 run: fp8-recipe={fp8.recipe if fp8 is not None else 'bf16'} "
+        f"fp8-param-gather={fp8 is not None and fp8.fp8_param_gather} "
+        f"use-megatron-fsdp={config.model_setup.use_megatron_fsdp} "
         f"data-parallel-size={env.world_size}",
     )
-    if args.num_distributed_optimizer_instances > 1:
-        instances = args.num_distributed_optimizer_instances
+    instances = config.distributed.num_distributed_optimizer_instances
+    if instances > 1:
         print_rank_0(
             env,
             f" > HSDP: {instances} replicas x {env.world_size // instances} sharding ranks "
-            f"(consecutive), outer-dp-sharding-strategy={args.outer_dp_sharding_strategy}",
+            "(consecutive), "
+            f"outer-dp-sharding-strategy={config.model_setup.fsdp.outer_dp_sharding_strategy}",
         )
     print_rank_0(env, f" > number of parameters: {run.num_parameters}")
-    logger = _build_metrics_logger(args, env)
+    logger = _build_metrics_logger(config.logging, env)
     try:
         result = train(
-            args,
+            config,
             env=env,
             run=run,
             scheduler=scheduler,
@@ -166,7 +171,7 @@ def _build_and_train_seeded(args: argparse.Namespace, env: DistributedEnv) -> Tr
     finally:
         if logger is not None:
             logger.close()
-    allocated, peak = _memory_bytes(env.device)
+    allocated, peak = memory_bytes(env.device)
     # As Megatron-LM's memory report: what benchmarks compare (peak over the whole run).
     print_rank_0(
         env,
@@ -178,25 +183,21 @@ def _build_and_train_seeded(args: argparse.Namespace, env: DistributedEnv) -> Tr
 def _configure_logging(env: DistributedEnv, *, level: int | None = None) -> None:
     """Library progress (index building, data checks) goes through `logging`: show it on rank 0
     (every rank at --logging-level, as Megatron-LM)."""
-    import logging
-
     if level is None:
         level = logging.INFO if env.rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=" > %(name)s: %(message)s")
     logging.getLogger().setLevel(level)
 
 
-def _build_metrics_logger(args: argparse.Namespace, env: DistributedEnv):
-    if not (args.tensorboard_dir or args.wandb_project):
+def _build_metrics_logger(config: LoggingConfig, env: DistributedEnv) -> MetricsLogger | None:
+    if not (config.tensorboard_dir or config.wandb_project):
         return None
-    from megatron.training.loggers import MetricsLogger
-
     return MetricsLogger(
-        tensorboard_dir=args.tensorboard_dir,
-        wandb_project=args.wandb_project,
-        wandb_exp_name=args.wandb_exp_name,
-        wandb_save_dir=args.wandb_save_dir,
-        run_config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))},
+        tensorboard_dir=config.tensorboard_dir,
+        wandb_project=config.wandb_project,
+        wandb_exp_name=config.wandb_exp_name,
+        wandb_save_dir=config.wandb_save_dir,
+        run_config=config.run_config,
         enabled=env.rank == 0,
     )
 
@@ -257,31 +258,31 @@ def seed_dropout(seed: int, *, first_sample: int) -> None:
 
 
 def train_step(
-    args: argparse.Namespace,
+    config: TrainingConfig,
     *,
     env: DistributedEnv,
     run: ModelAndOptimizer,
-    dataset,
-    state,
-    saver: AsyncCheckpointSaver | None = None,  # issue 21: waits for a save's host copy
+    dataset: torch.utils.data.Dataset,
+    state: TrainState,
+    saver: AsyncCheckpointSaver | None = None,
 ) -> tuple[float, float, bool]:
     """One optimizer step over the global batch. Returns (loss, grad norm, update succeeded);
     run.last_step gets the forward-backward and optimizer seconds and the zero-grad count."""
     step_start = time.time()
     run.optimizer.zero_grad()
-    step_samples = args.micro_batch_size * env.world_size
+    step_samples = config.micro_batch_size * env.world_size
     batches = [
         get_micro_batch(
             dataset,
             first_sample=state.consumed_train_samples + microbatch * step_samples,
-            micro_batch_size=args.micro_batch_size,
+            micro_batch_size=config.micro_batch_size,
             rank=env.rank,
             device=env.device,
         )
-        for microbatch in range(args.num_microbatches)
+        for microbatch in range(config.num_microbatches)
     ]
     tokens_per_rank = None
-    if args.calculate_per_token_loss:
+    if config.calculate_per_token_loss:
         # The whole global batch's loss tokens, known before any forward (as Megatron-LM
         # normalizes by them after the reduction).
         tokens = torch.stack([batch["loss_mask"].sum() for batch in batches]).sum().float()
@@ -290,26 +291,26 @@ def train_step(
     scaler = run.grad_scaler
     losses = []
     for microbatch, batch in enumerate(batches):
-        is_last = microbatch == args.num_microbatches - 1
+        is_last = microbatch == config.num_microbatches - 1
         seed_dropout(
-            args.seed,
+            config.seed,
             first_sample=state.consumed_train_samples
             + microbatch * step_samples
-            + env.rank * args.micro_batch_size,
+            + env.rank * config.micro_batch_size,
         )
         with contextlib.nullcontext() if is_last else run.no_sync():
             losses.append(
                 forward_backward(
                     run,
                     batch,
-                    num_microbatches=args.num_microbatches,
-                    worker_threads=args.backward_worker_threads,
+                    num_microbatches=config.num_microbatches,
+                    worker_threads=config.backward_worker_threads,
                     loss_scale=scaler.scale if scaler is not None else 1.0,
                     tokens_per_rank=tokens_per_rank,
                 )
             )
     run.finish_grad_sync()
-    empty_cuda_cache(args, level=1, device=env.device)
+    empty_cuda_cache(config.empty_unused_memory_level, level=1, device=env.device)
     optimizer_start = time.time()
     run.optimizer.loss_scale = scaler.scale if scaler is not None else 1.0
     if saver is not None:  # issue 21: a save's copy may still be reading params and moments
@@ -317,7 +318,7 @@ def train_step(
     result = run.optimizer.step()
     if scaler is not None:
         scaler.update(found_inf=not result.update_successful)
-    empty_cuda_cache(args, level=2, device=env.device)
+    empty_cuda_cache(config.empty_unused_memory_level, level=2, device=env.device)
     if tokens_per_rank is not None:
         loss = _mean_over_ranks(torch.stack(losses).sum(), env) / tokens_per_rank
     else:
@@ -331,16 +332,22 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(args: argparse.Namespace, *, env: DistributedEnv, run: ModelAndOptimizer, dataset):
+def evaluate(
+    config: TrainingConfig,
+    *,
+    env: DistributedEnv,
+    run: ModelAndOptimizer,
+    dataset: torch.utils.data.Dataset,
+) -> float:
     """Mean loss over the first --eval-iters global batches of the split (the same every time)."""
     run.model.eval()
-    step_samples = args.micro_batch_size * env.world_size
+    step_samples = config.micro_batch_size * env.world_size
     losses = []
-    for index in range(args.eval_iters * args.num_microbatches):
+    for index in range(config.eval_iters * config.num_microbatches):
         batch = get_micro_batch(
             dataset,
             first_sample=index * step_samples,
-            micro_batch_size=args.micro_batch_size,
+            micro_batch_size=config.micro_batch_size,
             rank=env.rank,
             device=env.device,
         )
@@ -354,83 +361,28 @@ def evaluate(args: argparse.Namespace, *, env: DistributedEnv, run: ModelAndOpti
     return _mean_over_ranks(torch.stack(losses).mean(), env)
 
 
-def _memory_bytes(device: torch.device) -> tuple[int, int]:
-    """(allocated, peak allocated) bytes: CUDA allocator on GPU, process RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
-    import resource
-
-    with open("/proc/self/statm") as statm:
-        rss = int(statm.read().split()[1]) * resource.getpagesize()
-    # ru_maxrss is sampled by the kernel; never report a peak below the current value.
-    return rss, max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-
-
-class ExitSignal:
-    """--exit-signal-handler: SIGTERM only sets a flag; the loop reads it between iterations
-    (Megatron-LM's DistributedSignalHandler). Installed for the length of `with`, on the main
-    thread only (Python delivers signals there)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.received = False
-        self._previous = None
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-
-    def __enter__(self) -> ExitSignal:
-        if self.enabled:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        if self.enabled and self._previous is not None:  # None: set from C, not restorable
-            signal.signal(signal.SIGTERM, self._previous)
-
-
-def _should_exit(args, env: DistributedEnv, start: float, iteration: int, exit_signal) -> str:
-    """Why to stop after `iteration` ('' to go on). Time and signal are MAX-reduced over the
-    ranks, so that every rank stops (and saves) at the same iteration."""
-    if args.exit_interval is not None and iteration % args.exit_interval == 0:
-        return f"--exit-interval {args.exit_interval}"
-    if args.exit_duration_in_mins is None and not exit_signal.enabled:
-        return ""
-    flags = torch.tensor(
-        [(time.time() - start) / 60.0, float(exit_signal.received)], device=env.device
-    )
-    if env.dp_group is not None:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=env.dp_group)
-    minutes, received = flags.tolist()
-    if exit_signal.enabled and received > 0:
-        return "SIGTERM received"
-    if args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins:
-        return f"--exit-duration-in-mins {args.exit_duration_in_mins}"
-    return ""
-
-
 def train(
-    args: argparse.Namespace,
+    config: TrainingRunConfig,
     *,
     env: DistributedEnv,
     run: ModelAndOptimizer,
     scheduler: OptimizerParamScheduler,
     datasets: Datasets,
     state: TrainState,
-    logger=None,
+    logger: MetricsLogger | None = None,
 ) -> TrainingResult:
     saver = None
-    if args.async_save and args.save:
-        saver = AsyncCheckpointSaver(args, env)
+    if config.checkpoint.async_save and config.checkpoint.save:
+        saver = AsyncCheckpointSaver(config.checkpoint, env)
     hooks = RunHooks(
-        profiler=Profiler(args, rank=env.rank, device=env.device),
-        memory=MemoryHistory(args, rank=env.rank, device=env.device),
-        gc=ManualGC(args),
+        profiler=Profiler(config.hooks, rank=env.rank, device=env.device),
+        memory=MemoryHistory(config.hooks, rank=env.rank, device=env.device),
+        gc=ManualGC(config.hooks),
     )
     try:
-        with ExitSignal(args.exit_signal_handler) as exit_signal:
+        with ExitSignal(config.training.exit_signal_handler) as exit_signal:
             result = _train_loop(
-                args,
+                config,
                 env=env,
                 run=run,
                 scheduler=scheduler,
@@ -450,94 +402,70 @@ def train(
             saver.close()
 
 
-@dataclass
-class RunHooks:
-    """The per-iteration side work of the run flags (run_hooks.py)."""
-
-    profiler: Profiler
-    memory: MemoryHistory
-    gc: ManualGC
-
-    def close(self) -> None:
-        self.profiler.stop()
-        self.memory.stop()
-        self.gc.close()
-
-
 def _train_loop(
-    args, *, env, run, scheduler, datasets, state, logger, exit_signal, hooks, saver=None
-):
+    config: TrainingRunConfig,
+    *,
+    env: DistributedEnv,
+    run: ModelAndOptimizer,
+    scheduler: OptimizerParamScheduler,
+    datasets: Datasets,
+    state: TrainState,
+    logger: MetricsLogger | None,
+    exit_signal: ExitSignal,
+    hooks: RunHooks,
+    saver: AsyncCheckpointSaver | None = None,
+) -> TrainingResult:
+    training, logging_config, checkpoint = config.training, config.logging, config.checkpoint
     result = TrainingResult(state=state)
     stats = IntervalStats()
     start = time.time()
     run.model.train()
-    while state.iteration < args.train_iters:
+    while state.iteration < training.train_iters:
         hooks.profiler.before_iteration(state.iteration)
         step_start = time.time()
         lr = scheduler.get_lr()
         loss, grad_norm, ok = train_step(
-            args, env=env, run=run, dataset=datasets.train, state=state, saver=saver
+            training, env=env, run=run, dataset=datasets.train, state=state, saver=saver
         )
-        # Under fp16 loss scaling an Inf grad norm is an overflow: the scaler skips that update
-        # and lowers the scale (Megatron-LM), so only the loss stops the run.
-        grad_checked = math.isfinite(grad_norm) or run.grad_scaler is not None
-        if args.check_for_nan_in_loss_and_grad and not (math.isfinite(loss) and grad_checked):
-            # Every rank sees the same reduced loss and global grad norm, so all stop here
-            # together; the update was not applied and nothing of this state is saved.
-            raise NonFiniteTrainingError(
-                f"iteration {state.iteration + 1}: lm loss {loss} and grad norm {grad_norm}; "
-                "the run stops before saving (--check-for-nan-in-loss-and-grad is on by "
-                "default; lower --lr or check the data, resume with --load from the last "
-                "checkpoint, or pass --no-check-for-nan-in-loss-and-grad to skip such updates)"
-            )
+        _check_finite(training, run=run, iteration=state.iteration + 1, loss=loss, norm=grad_norm)
         if ok:
             scheduler.step()
         else:
             state.skipped_iterations += 1
             state.nan_iterations += int(not math.isfinite(loss))  # Megatron's rule
         state.iteration += 1
-        state.consumed_train_samples += args.global_batch_size
+        state.consumed_train_samples += training.global_batch_size
         result.losses[state.iteration] = loss
         result.grad_norms[state.iteration] = grad_norm
         stats.add(loss=loss, grad_norm=grad_norm, seconds=time.time() - step_start, skipped=not ok)
         _log_iteration(
-            args, state=state, logger=logger, loss=loss, grad_norm=grad_norm, lr=lr, updated=ok
+            config, state=state, logger=logger, loss=loss, grad_norm=grad_norm, lr=lr, updated=ok
         )
-        _log_step_extras(args, run=run, state=state, logger=logger)
+        _log_step_extras(logging_config, run=run, state=state, logger=logger)
         hooks.profiler.after_iteration(state.iteration)
         hooks.gc.after_iteration(state.iteration)
-        if state.iteration % args.log_interval == 0:
-            _log_interval(args, env=env, run=run, state=state, stats=stats, lr=lr, logger=logger)
+        if state.iteration % logging_config.log_interval == 0:
+            _log_interval(config, env=env, run=run, state=state, stats=stats, lr=lr, logger=logger)
             hooks.memory.dump()
             stats = IntervalStats()
-        if datasets.valid is not None and args.eval_iters > 0:
-            if state.iteration % args.eval_interval == 0 or state.iteration == args.train_iters:
-                hooks.gc.around_evaluation()
-                valid_loss = evaluate(args, env=env, run=run, dataset=datasets.valid)
-                hooks.gc.around_evaluation()
-                result.valid_losses[state.iteration] = valid_loss
-                print_rank_0(env, format_valid_line(state.iteration, valid_loss))
-                if logger is not None:
-                    logger.log_scalars(
-                        state.iteration,
-                        {
-                            "lm loss validation": valid_loss,
-                            "lm loss validation ppl": math.exp(min(20.0, valid_loss)),
-                        },
-                        samples=state.consumed_train_samples,
-                    )
+        if _evaluation_due(training, valid=datasets.valid, iteration=state.iteration):
+            hooks.gc.around_evaluation()
+            valid_loss = evaluate(training, env=env, run=run, dataset=datasets.valid)
+            hooks.gc.around_evaluation()
+            result.valid_losses[state.iteration] = valid_loss
+            _log_validation(env, state=state, logger=logger, valid_loss=valid_loss)
         if saver is not None:
             saver.finalize(blocking=False)  # publishes a save in flight once all ranks wrote it
-        exiting = _should_exit(args, env, start, state.iteration, exit_signal)
-        if args.save and (
+        exiting = exit_reason(
+            training, env=env, start=start, iteration=state.iteration, exit_signal=exit_signal
+        )
+        if checkpoint.save and (
             exiting
-            or state.iteration == args.train_iters
-            or (args.save_interval and state.iteration % args.save_interval == 0)
+            or state.iteration == training.train_iters
+            or (checkpoint.save_interval and state.iteration % checkpoint.save_interval == 0)
         ):
-            from megatron.training.checkpointing import save_checkpoint
-
             save_checkpoint(
-                args, run=run, scheduler=scheduler, state=state, env=env, async_saver=saver
+                checkpoint, run=run, scheduler=scheduler, state=state, env=env, async_saver=saver
             )
         if exiting:
             print_rank_0(env, f" > exiting at iteration {state.iteration} ({exiting})")
@@ -545,8 +473,50 @@ def _train_loop(
     return result
 
 
+def _check_finite(
+    training: TrainingConfig, *, run: ModelAndOptimizer, iteration: int, loss: float, norm: float
+) -> None:
+    """--check-for-nan-in-loss-and-grad: stop at a NaN/Inf loss or grad norm. Under fp16 loss
+    scaling an Inf grad norm is an overflow: the scaler skips that update and lowers the scale
+    (Megatron-LM), so only the loss stops the run."""
+    grad_checked = math.isfinite(norm) or run.grad_scaler is not None
+    if training.check_for_nan_in_loss_and_grad and not (math.isfinite(loss) and grad_checked):
+        # Every rank sees the same reduced loss and global grad norm, so all stop here
+        # together; the update was not applied and nothing of this state is saved.
+        raise NonFiniteTrainingError(
+            f"iteration {iteration}: lm loss {loss} and grad norm {norm}; "
+            "the run stops before saving (--check-for-nan-in-loss-and-grad is on by "
+            "default; lower --lr or check the data, resume with --load from the last "
+            "checkpoint, or pass --no-check-for-nan-in-loss-and-grad to skip such updates)"
+        )
+
+
+def _evaluation_due(
+    training: TrainingConfig, *, valid: torch.utils.data.Dataset | None, iteration: int
+) -> bool:
+    """Every --eval-interval iterations and after the last one, when there is a valid split."""
+    if valid is None or training.eval_iters <= 0:
+        return False
+    return iteration % training.eval_interval == 0 or iteration == training.train_iters
+
+
+def _log_validation(
+    env: DistributedEnv, *, state: TrainState, logger: MetricsLogger | None, valid_loss: float
+) -> None:
+    print_rank_0(env, format_valid_line(state.iteration, valid_loss))
+    if logger is not None:
+        logger.log_scalars(
+            state.iteration,
+            {
+                "lm loss validation": valid_loss,
+                "lm loss validation ppl": math.exp(min(20.0, valid_loss)),
+            },
+            samples=state.consumed_train_samples,
+        )
+
+
 def _log_interval(
-    args: argparse.Namespace,
+    config: TrainingRunConfig,
     *,
     env: DistributedEnv,
     run: ModelAndOptimizer,
@@ -556,29 +526,33 @@ def _log_interval(
     logger,
 ) -> None:
     seconds = stats.mean_seconds()
-    tokens_per_gpu = args.global_batch_size * args.seq_length / seconds / env.world_size
+    tokens_per_gpu = (
+        config.training.global_batch_size * config.training.seq_length / seconds / env.world_size
+    )
     tflops = run.flops_per_iteration / seconds / env.world_size / 1e12
-    mem, max_mem = _memory_bytes(env.device)
+    mem, max_mem = memory_bytes(env.device)
     # A collective under Megatron-FSDP: every rank computes it.
-    params_norm = run.optimizer.params_norm() if args.log_params_norm else None
+    params_norm = run.optimizer.params_norm() if config.logging.log_params_norm else None
     print_rank_0(
         env,
         format_train_line(
             iteration=state.iteration,
-            train_iters=args.train_iters,
+            train_iters=config.training.train_iters,
             consumed_samples=state.consumed_train_samples,
             iteration_ms=seconds * 1000.0,
             tflops_per_gpu=tflops,
             tokens_per_gpu=tokens_per_gpu,
             learning_rate=lr,
-            global_batch_size=args.global_batch_size,
+            global_batch_size=config.training.global_batch_size,
             loss=stats.mean_loss(),
             grad_norm=stats.last_grad_norm,
             skipped=stats.skipped,
             nans=stats.nans,
             mem_gib=mem / 2**30,
             loss_scale=run.grad_scaler.scale if run.grad_scaler is not None else None,
-            num_zeros=run.last_step.get("num-zeros") if args.log_num_zeros_in_grad else None,
+            num_zeros=run.last_step.get("num-zeros")
+            if config.logging.log_num_zeros_in_grad
+            else None,
             params_norm=params_norm,
         ),
     )
@@ -598,19 +572,21 @@ def _log_interval(
         )
 
 
-def _log_step_extras(args, *, run: ModelAndOptimizer, state: TrainState, logger) -> None:
+def _log_step_extras(
+    config: LoggingConfig, *, run: ModelAndOptimizer, state: TrainState, logger
+) -> None:
     """The Megatron-LM logging switches: step timers, params norm, zero-grad count, loss
     scale (TensorBoard/W&B, every --tensorboard-log-interval)."""
-    if logger is None or state.iteration % args.tensorboard_log_interval != 0:
+    if logger is None or state.iteration % config.tensorboard_log_interval != 0:
         return
     scalars = {}
-    if args.log_timers_to_tensorboard:
+    if config.log_timers_to_tensorboard:
         for name in ("forward-backward-time", "optimizer-time"):
             if name in run.last_step:
                 scalars[name] = run.last_step[name]
-    if args.log_params_norm:
+    if config.log_params_norm:
         scalars["params-norm"] = run.optimizer.params_norm()
-    if args.log_num_zeros_in_grad and run.last_step.get("num-zeros") is not None:
+    if config.log_num_zeros_in_grad and run.last_step.get("num-zeros") is not None:
         scalars["num-zeros"] = float(run.last_step["num-zeros"])
     if run.grad_scaler is not None:
         scalars["loss-scale"] = run.grad_scaler.scale
@@ -619,14 +595,21 @@ def _log_step_extras(args, *, run: ModelAndOptimizer, state: TrainState, logger)
 
 
 def _log_iteration(
-    args, *, state: TrainState, logger, loss: float, grad_norm: float, lr: float, updated: bool
+    config: TrainingRunConfig,
+    *,
+    state: TrainState,
+    logger,
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    updated: bool,
 ) -> None:
     """Megatron-LM's per-iteration TensorBoard/W&B points, every --tensorboard-log-interval:
     this iteration's loss and grad norm (none for a skipped iteration, as Megatron-LM logs no
     loss for it), learning rate and batch size, each also against consumed samples."""
-    if logger is None or state.iteration % args.tensorboard_log_interval != 0:
+    if logger is None or state.iteration % config.logging.tensorboard_log_interval != 0:
         return
-    scalars = {"learning-rate": lr, "batch-size": float(args.global_batch_size)}
+    scalars = {"learning-rate": lr, "batch-size": float(config.training.global_batch_size)}
     if updated:
         scalars["lm loss"], scalars["grad-norm"] = loss, grad_norm
     logger.log_scalars(state.iteration, scalars, samples=state.consumed_train_samples)

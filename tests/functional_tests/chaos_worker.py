@@ -43,7 +43,7 @@ def _die(kill: dict) -> None:
 
 
 def _install(kills: list[dict]) -> None:
-    from megatron.training import checkpointing, training
+    from megatron.training import checkpoint_save, training
 
     current = {"step": 0, "save": 0}  # the iteration being trained, the one being saved
     planned = {(kill["moment"], kill["iteration"]): kill for kill in kills}
@@ -72,10 +72,10 @@ def _install(kills: list[dict]) -> None:
 
     # train_step runs before its iteration is counted; save_checkpoint after.
     track("train_step", training, "step", ahead=1)
-    track("save_checkpoint", checkpointing, "save", ahead=0)
+    track("save_checkpoint", training, "save", ahead=0)  # the name the loop calls
     after("forward_backward", "after-backward", training, "step")
-    after("_write_checkpoint_files", "save-partial", checkpointing, "save")
-    after("publish_dir", "save-published", checkpointing, "save")
+    after("_write_checkpoint_files", "save-partial", checkpoint_save, "save")
+    after("publish_dir", "save-published", checkpoint_save, "save")
 
 
 def main() -> None:

@@ -27,7 +27,18 @@ if __package__ in (None, ""):
     # Run as a script: make the repository root importable.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import torch  # noqa: E402
+
 from megatron.core.checkpoint_files import CheckpointError  # noqa: E402
+from megatron.training.arguments import build_parser as build_pretrain_parser  # noqa: E402
+from tools.checkpoint.hf_export import (  # noqa: E402
+    UnsupportedArchitectureError,
+    check_output_dir,
+    convert_state_dict_to_hf,
+)
+from tools.checkpoint.hf_import import load_hf  # noqa: E402
+from tools.checkpoint.mcore import load_mcore, save_mcore  # noqa: E402
+from tools.checkpoint.megatron_fp8 import load_megatron_fp8, save_megatron_fp8  # noqa: E402
 from tools.checkpoint.model_flags import add_model_flags, check_given_flags  # noqa: E402
 from tools.checkpoint.model_state import (  # noqa: E402
     ConversionError,
@@ -37,20 +48,14 @@ from tools.checkpoint.model_state import (  # noqa: E402
 
 
 def _load_hf(args: argparse.Namespace, given: dict) -> ModelState:
-    from tools.checkpoint.hf_import import load_hf
-
     return load_hf(args.load_dir)
 
 
 def _load_mcore(args: argparse.Namespace, given: dict) -> ModelState:
-    from tools.checkpoint.mcore import load_mcore
-
     return load_mcore(args.load_dir, given)
 
 
 def _load_megatron_fp8(args: argparse.Namespace, given: dict) -> ModelState:
-    from tools.checkpoint.megatron_fp8 import load_megatron_fp8
-
     return load_megatron_fp8(args.load_dir, args.iteration)
 
 
@@ -58,10 +63,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _save_hf(state: ModelState, args: argparse.Namespace) -> str:
-    import torch
-
-    from tools.checkpoint.hf_export import UnsupportedArchitectureError, convert_state_dict_to_hf
-
     dtype = getattr(torch, args.dtype) if args.dtype else state.config.params_dtype
     try:
         hf_config = convert_state_dict_to_hf(
@@ -73,24 +74,18 @@ def _save_hf(state: ModelState, args: argparse.Namespace) -> str:
 
 
 def _save_mcore(state: ModelState, args: argparse.Namespace) -> str:
-    from tools.checkpoint.mcore import save_mcore
-
     save_mcore(state, args.save_dir)
     return "Megatron-LM torch_dist checkpoint"
 
 
 def _save_megatron_fp8(state: ModelState, args: argparse.Namespace) -> str:
-    from tools.checkpoint.megatron_fp8 import save_megatron_fp8
-
     save_megatron_fp8(state, args.save_dir, ckpt_format=args.ckpt_format)
     return f"megatron-fp8 checkpoint (--ckpt-format {args.ckpt_format})"
 
 
 def _check_hf_output(path: str) -> None:
-    from tools.checkpoint.hf_export import _check_output_dir
-
     try:
-        _check_output_dir(path)  # a previous HF export there may be replaced, nothing else
+        check_output_dir(path)  # a previous HF export there may be replaced, nothing else
     except FileExistsError as error:
         raise ConversionError(str(error)) from None
 
@@ -111,9 +106,7 @@ FORMATS: dict[str, Format] = {
 
 def _ckpt_formats() -> list[str]:
     """pretrain_gpt.py's --ckpt-format choices: the saver writes any format training reads."""
-    from megatron.training.arguments import build_parser
-
-    (action,) = [a for a in build_parser()._actions if "--ckpt-format" in a.option_strings]
+    (action,) = [a for a in build_pretrain_parser()._actions if "--ckpt-format" in a.option_strings]
     return list(action.choices)
 
 

@@ -325,7 +325,7 @@ def convert_state_dict_to_hf(
         for name, tensor in to_state_dict(state_dict, config).items()
     }
     hf_config = to_config(config, dtype)
-    _check_output_dir(output_dir)
+    check_output_dir(output_dir)
     tmp = f"{os.path.normpath(output_dir)}{TMP_SUFFIX}"
     shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
     os.makedirs(tmp)
@@ -339,7 +339,7 @@ def convert_state_dict_to_hf(
     return hf_config
 
 
-def _check_output_dir(output_dir: str) -> None:
+def check_output_dir(output_dir: str) -> None:
     """A re-export replaces the whole directory: refuse one that holds files we did not write."""
     if not os.path.exists(output_dir):
         return

@@ -17,6 +17,13 @@ import os
 import torch
 
 from megatron.core.checkpoint_files import CheckpointError
+from megatron.core.optimizer import OptimizerParamScheduler
+from megatron.training import checkpointing
+from megatron.training.arguments import parse_args
+from megatron.training.configs import build_run_config, build_transformer_config
+from megatron.training.initialize import initialize_distributed, shutdown_distributed
+from megatron.training.model_setup import setup_model_and_optimizer
+from megatron.training.train_state import TrainState
 from tools.checkpoint.model_flags import config_to_argv
 from tools.checkpoint.model_state import (
     ConversionError,
@@ -31,27 +38,23 @@ SHARDED_FORMATS_ENGINE = ["--use-megatron-fsdp"]
 
 
 def load_megatron_fp8(load_dir: str, iteration: int | None = None) -> ModelState:
-    from megatron.training.checkpointing import load_state_for_export, read_metadata
-
     try:
-        state_dict, config = load_state_for_export(load_dir, iteration)
+        state_dict, config = checkpointing.load_state_for_export(load_dir, iteration)
     except CheckpointError as error:
         raise ConversionError(str(error)) from None
     if iteration is None:
         directory = load_dir
         if not os.path.isfile(os.path.join(load_dir, "metadata.json")):
-            from megatron.training.checkpointing import read_tracker, resolve_iteration_dir
-
-            directory = resolve_iteration_dir(load_dir, read_tracker(load_dir))
-        iteration = read_metadata(directory)["iteration"]
+            directory = checkpointing.resolve_iteration_dir(
+                load_dir, checkpointing.read_tracker(load_dir)
+            )
+        iteration = checkpointing.read_metadata(directory)["iteration"]
     state = ModelState(state_dict=state_dict, config=model_config(config), iteration=iteration)
     check_model_state(state, source=load_dir)
     return state
 
 
 def _saver_args(state: ModelState, *, save: str, ckpt_format: str):
-    from megatron.training.arguments import parse_args
-
     config = state.config
     argv = config_to_argv(config) + [
         # The tokenizer is the user's choice at training time; the vocabulary rows are the
@@ -92,13 +95,6 @@ def _saver_args(state: ModelState, *, save: str, ckpt_format: str):
 
 
 def save_megatron_fp8(state: ModelState, save_dir: str, *, ckpt_format: str = "torch") -> None:
-    from megatron.core.optimizer import OptimizerParamScheduler
-    from megatron.training.checkpointing import save_checkpoint
-    from megatron.training.configs import build_lr_schedule_config, build_transformer_config
-    from megatron.training.initialize import initialize_distributed, shutdown_distributed
-    from megatron.training.model_setup import setup_model_and_optimizer
-    from megatron.training.training import TrainState
-
     check_model_state(state, source="the converted model")
     # Everything that can refuse the model runs before the first byte is written.
     probe = _saver_args(state, save=save_dir, ckpt_format=ckpt_format)
@@ -113,17 +109,18 @@ def save_megatron_fp8(state: ModelState, save_dir: str, *, ckpt_format: str = "t
         )
 
     def write(tmp: str) -> None:
-        args = _saver_args(state, save=tmp, ckpt_format=ckpt_format)
-        env = initialize_distributed(args)
+        run_config = build_run_config(_saver_args(state, save=tmp, ckpt_format=ckpt_format))
+        env = initialize_distributed(run_config.distributed)
         try:
             run = setup_model_and_optimizer(
-                args, config=config, env=env, initial_params=state.state_dict
+                run_config.model_setup, config=config, env=env, initial_params=state.state_dict
             )
-            scheduler = OptimizerParamScheduler(
-                run.optimizer, config=build_lr_schedule_config(args)
-            )
+            scheduler = OptimizerParamScheduler(run.optimizer, config=run_config.lr_schedule)
             train_state = TrainState(iteration=state.iteration)
-            save_checkpoint(args, run=run, scheduler=scheduler, state=train_state, env=env)
+            # Through the module, so a test can stand in for the save.
+            checkpointing.save_checkpoint(
+                run_config.checkpoint, run=run, scheduler=scheduler, state=train_state, env=env
+            )
         finally:
             shutdown_distributed(env)
 

@@ -147,8 +147,8 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         done.set_result(None)
         return done
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+    def read_metadata(self, *args: Any, **options: Any) -> Metadata:
+        path = self._get_metadata_path(options.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             metadata = load_metadata(stream)
         if getattr(metadata, "storage_meta", None) is None:

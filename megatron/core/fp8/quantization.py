@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.fp8.formats import ROLES, check_fp8_dtype, e8m0_from_t, fp8_max
-from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.fp8.quantized_tensor import QuantizedTensor, register_quantize
 from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
 from megatron.core.fp8.reference import (
     INPUT_DTYPES,
@@ -173,3 +173,6 @@ def compute_scale(
         power_2_scale=spec.resolve_power_2_scale(power_2_scale),
         infinite_scale_value=spec.infinite_scale_value(input_dtype),
     )
+
+
+register_quantize(quantize)

@@ -21,6 +21,7 @@ nn.Parameter(qt) returns a QuantizedTensor flagged as a parameter (torch's custo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -30,6 +31,17 @@ from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
 from megatron.core.fp8.reference import dequantize_reference
 
 aten = torch.ops.aten
+
+# quantization.quantize, registered by that module when it is imported. quantization.py builds
+# QuantizedTensors, so this module cannot import it back; the fp8 package's __init__ imports
+# quantization.py, and importing this module runs that __init__ first, so it is always set.
+_quantize: Callable[..., QuantizedTensor] | None = None
+
+
+def register_quantize(quantize: Callable[..., QuantizedTensor]) -> None:
+    """Give `QuantizedTensor.quantize_` (and copy_) the quantizer it re-quantizes with."""
+    global _quantize
+    _quantize = quantize
 
 
 class Fp8DataReleasedError(RuntimeError):
@@ -271,11 +283,9 @@ class QuantizedTensor(torch.Tensor):
         """Re-quantize `source` (high precision, this shape) into the existing bytes in place,
         so external buffers see the new values. delayed needs `scale`; tensorwise may take a
         global `amax` (e.g. from the engine's packed all-reduce)."""
-        from megatron.core.fp8.quantization import quantize
-
         if tuple(source.shape) != tuple(self.shape):
             raise ValueError(f"cannot write shape {tuple(source.shape)} into {self._label()}")
-        fresh = quantize(
+        fresh = _quantize(
             source.detach(),
             recipe=self.recipe,
             fp8_dtype=self.fp8_dtype,

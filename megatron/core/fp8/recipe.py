@@ -190,3 +190,9 @@ def recipe_spec(recipe: str) -> RecipeSpec:
 def is_recipe(name: object) -> bool:
     """Whether `name` is one of `FP8_RECIPES`."""
     return isinstance(name, str) and name in RECIPE_SPECS
+
+
+def names_delayed_scaling(recipe: str | None) -> bool:
+    """Whether an `--fp8-recipe` flag value (None: no FP8), such as one saved in a checkpoint's
+    metadata, means delayed scaling."""
+    return recipe is not None and recipe_spec(recipe).delayed

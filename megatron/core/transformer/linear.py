@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from megatron.core.fp8 import Fp8Linear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -31,9 +32,6 @@ def build_linear(
     fp8_config = config.fp8
     if fp8_config is None or not fp8_config.layer_uses_fp8(layer_number, config.num_layers):
         return nn.Linear(in_features, out_features, bias=bias, dtype=config.params_dtype)
-    # Imported here so that a model without FP8 never imports the FP8 package.
-    from megatron.core.fp8 import Fp8Linear
-
     return Fp8Linear(
         in_features, out_features, bias=bias, fp8_config=fp8_config, dtype=config.params_dtype
     )

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-import megatron.core.fp8 as fp8_package
+import megatron.core.transformer.linear as linear_factory
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.linear import build_linear
@@ -36,7 +36,7 @@ def test_without_fp8_every_linear_is_plain_in_params_dtype():
 
 
 def test_fp8_only_in_covered_layers_never_embedding_or_head(monkeypatch):
-    monkeypatch.setattr(fp8_package, "Fp8Linear", RecordingFp8Linear, raising=False)
+    monkeypatch.setattr(linear_factory, "Fp8Linear", RecordingFp8Linear)
     RecordingFp8Linear.built = []
     fp8_config = Fp8Config(num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1)
     config = tiny_config(num_layers=4, fp8=fp8_config, untie_embeddings_and_output_weights=True)

@@ -420,9 +420,22 @@ def test_wandb_save_dir_defaults_under_save():
 
 
 def test_derived_defaults():
+    from megatron.training.configs import build_run_config, build_transformer_config
+
     args = parse_args(TINY_GPT + ["--train-iters", "30"], world_size=2)
-    assert args.num_microbatches == 2  # 8 / (2 x 2)
-    assert args.lr_decay_iters == 30
+    run_config = build_run_config(args)
+    assert run_config.training.num_microbatches == 2  # 8 / (2 x 2)
+    assert run_config.lr_schedule.decay_iters == 30
+    # Derived in the config, not written back into the flags (the flag keeps its default) ...
+    assert args.lr_decay_iters is None and not hasattr(args, "num_microbatches")
+    # ... but metadata.json's "args" still holds them, as before.
+    saved = run_config.checkpoint.saved_args
+    derived = [saved[key] for key in ("num_microbatches", "lr_decay_iters", "lr_warmup_iters")]
+    assert derived == [2, 30, 0]
+    # The bundle's model config is build_transformer_config's, rows padded to 128.
+    model = run_config.model_config(vocab_size=500)
+    assert model.vocab_size == 512
+    assert model == build_transformer_config(args, vocab_size=500)
     assert args.ckpt_format == "torch"
     fsdp = parse_args(TINY_GPT + ["--use-megatron-fsdp"], world_size=2)
     assert fsdp.ckpt_format == "torch_dist"

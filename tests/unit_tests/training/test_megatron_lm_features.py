@@ -147,7 +147,7 @@ def test_decoupled_lr_schedules_embedding_and_output_separately():
 def test_per_token_loss_weights_every_token_of_the_global_batch():
     """Two micro-batches with 5 and 64 loss tokens: --calculate-per-token-loss's grads are those
     of the mean over all 69 tokens, not the mean of the two micro-batch means."""
-    from megatron.training.configs import build_transformer_config
+    from megatron.training.configs import build_run_config, build_transformer_config
     from megatron.training.initialize import DistributedEnv
     from megatron.training.model_setup import setup_model_and_optimizer
     from megatron.training.training import forward_backward
@@ -157,7 +157,7 @@ def test_per_token_loss_weights_every_token_of_the_global_batch():
     env = DistributedEnv(
         rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), dp_group=None
     )
-    run = setup_model_and_optimizer(args, config=config, env=env)
+    run = setup_model_and_optimizer(build_run_config(args).model_setup, config=config, env=env)
     generator = torch.Generator().manual_seed(3)
     batches = []
     for tokens_kept in (5, 64):

@@ -230,7 +230,7 @@ def test_sigterm_with_exit_signal_handler_saves_and_resumes(tmp_path):
 def test_sigterm_handler_is_installed_only_for_the_run():
     import signal
 
-    from megatron.training.training import ExitSignal
+    from megatron.training.run_hooks import ExitSignal
 
     before = signal.getsignal(signal.SIGTERM)
     with ExitSignal(True) as handler:
@@ -245,7 +245,7 @@ def test_sigterm_handler_is_installed_only_for_the_run():
 def _exit_reasons_when_only_rank_1_got_sigterm(rank, world_size):
     import argparse
 
-    from megatron.training.training import ExitSignal, _should_exit
+    from megatron.training.run_hooks import ExitSignal, exit_reason
 
     args = argparse.Namespace(exit_interval=None, exit_duration_in_mins=None)
 
@@ -254,9 +254,9 @@ def _exit_reasons_when_only_rank_1_got_sigterm(rank, world_size):
         dp_group = torch.distributed.group.WORLD
 
     handler = ExitSignal(True)
-    before = _should_exit(args, Env(), 0.0, 1, handler)
+    before = exit_reason(args, env=Env(), start=0.0, iteration=1, exit_signal=handler)
     handler.received = rank == 1
-    return before, _should_exit(args, Env(), 0.0, 2, handler)
+    return before, exit_reason(args, env=Env(), start=0.0, iteration=2, exit_signal=handler)
 
 
 def test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_iteration():

@@ -20,15 +20,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.flat_dtensor import data_parallel_mesh, local_piece
 from megatron.core.distributed.fsdp.megatron_fsdp import MegatronFSDP
 from megatron.core.distributed.fsdp.param_and_grad_buffer import BufferGroup
 from megatron.core.distributed.fsdp.shard_layout import LocalPiece
 from megatron.core.distributed.fsdp.state_dict import (
-    load_optimizer_sharded_state_dict,
-    optimizer_sharded_state_dict,
+    engine_mesh,
+    flat_value,
+    named_slots,
+    set_present,
 )
 from megatron.core.optimizer import (
     FusedAdamW,
@@ -202,9 +207,48 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
 
-    def sharded_state_dict(self) -> dict:
-        """Optimizer state as flat per-parameter pieces that DCP can reshard to any DP size."""
-        return optimizer_sharded_state_dict(self)
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Optimizer state as flat per-parameter pieces that DCP can reshard to any DP size
+        (state_dict.py describes the layout)."""
+        engine = self.engine
+        adam = self.config.optimizer == "adam"
+        keys = ("exp_avg", "exp_avg_sq") if adam else ("momentum_buffer",)
+        by_name = {shard_piece.name: shard_piece for shard_piece in self.pieces}
+        state: dict[str, Any] = {key: {} for key in keys}
+        # On the engine's device: NCCL reduces only device tensors (the fused AdamW keeps it there).
+        device = engine.buffer.device
+        # HSDP with outer optim splits optimizer state over every DP rank (self.piece_group).
+        mesh = engine_mesh(engine)
+        if mesh is not None and self.piece_group is not None:
+            mesh = data_parallel_mesh(self.piece_group, device)
+        step = torch.zeros((), dtype=torch.float32, device=device)
+        for name, group, index in named_slots(engine):
+            shard_piece = by_name.get(name)
+            torch_state = self.optimizer.state[shard_piece.main] if shard_piece else {}
+            piece = shard_piece.piece if shard_piece else None
+            for key in keys:
+                view = torch_state[key].view(-1) if shard_piece else None
+                set_present(
+                    state[key], name, flat_value(mesh, group.layout.slots[index], piece, view)
+                )
+            if "step" in torch_state:
+                step = torch_state["step"].detach().float().to(device, copy=True)
+        if adam:
+            if engine.config.shards_optimizer_state:
+                # Replicated value: a rank without pieces must still write the true step count.
+                dist.all_reduce(step, op=dist.ReduceOp.MAX, group=engine.process_group)
+            state["step"] = step
+        return state
 
-    def load_sharded_state_dict(self, state: dict) -> None:
-        load_optimizer_sharded_state_dict(self, state)
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a state that DCP filled (pieces already in place where they are views)."""
+        for piece in self.pieces:
+            torch_state = self.optimizer.state[piece.main]
+            for key, value in torch_state.items():
+                if key == "step":
+                    value.copy_(state["step"])
+                    continue
+                loaded = local_piece(state[key].get(piece.name))
+                if loaded is not None and loaded.data_ptr() != value.data_ptr():
+                    value.view(-1).copy_(loaded.reshape(-1))

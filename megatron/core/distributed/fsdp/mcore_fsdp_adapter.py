@@ -53,6 +53,7 @@ from megatron.core.distributed.fsdp.state_dict import (
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.param_init import quantized_model_init
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
 def default_unit_modules(module: nn.Module) -> tuple[type, ...]:
@@ -60,13 +61,6 @@ def default_unit_modules(module: nn.Module) -> tuple[type, ...]:
     declared = getattr(module, "fsdp_unit_modules", None)
     if declared:
         return tuple(declared)
-    try:
-        from megatron.core.transformer.transformer_layer import TransformerLayer
-    except ImportError as error:
-        raise ValueError(
-            "FullyShardedDataParallel: cannot import TransformerLayer to use as the default FSDP "
-            "unit; pass fsdp_unit_modules=(YourLayerClass,)"
-        ) from error
     return (TransformerLayer,)
 
 

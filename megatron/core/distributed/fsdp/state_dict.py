@@ -5,7 +5,8 @@ plus, when some Fp8Linear uses delayed scaling, "fp8_delayed_scaling": {"<module
 and "<module>/<role>.amax_history": replicated tensors}. FP8 weights need nothing else: their
 bytes are re-quantized from the fp32 main params on load, so a checkpoint resumes under any DP
 size and any recipe (or none).
-Optimizer: {"step": scalar, "<state key>": {name: flat state}} (exp_avg/exp_avg_sq for Adam,
+Optimizer (FsdpDistributedOptimizer.sharded_state_dict, built from the helpers here):
+{"step": scalar, "<state key>": {name: flat state}} (exp_avg/exp_avg_sq for Adam,
 momentum_buffer for SGD). Every flat value is the parameter flattened to 1-D: a DTensor over the
 data-parallel mesh whose local piece is a *view* of this rank's buffer (so DCP writes loads
 straight into it) when main params are sharded (absent on a rank that holds none of the
@@ -14,10 +15,9 @@ parameter), or a plain replicated tensor under no_shard.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.flat_dtensor import (
     data_parallel_mesh,
@@ -29,18 +29,15 @@ from megatron.core.distributed.fsdp.megatron_fsdp import MegatronFSDP
 from megatron.core.distributed.fsdp.param_and_grad_buffer import BufferGroup
 from megatron.core.distributed.fsdp.shard_layout import LocalPiece, ParamSlot
 
-if TYPE_CHECKING:
-    from megatron.core.distributed.fsdp.distributed_optimizer import FsdpDistributedOptimizer
 
-
-def _mesh(engine: MegatronFSDP) -> Any:
+def engine_mesh(engine: MegatronFSDP) -> Any:
     """The DP device mesh of the engine's flat DTensors (None under no_shard: no DTensors)."""
     if not engine.config.shards_optimizer_state:
         return None
     return data_parallel_mesh(engine.process_group, engine.buffer.device)
 
 
-def _wrap(
+def flat_value(
     mesh: Any, slot: ParamSlot, piece: LocalPiece | None, view: torch.Tensor | None
 ) -> torch.Tensor | None:
     """One parameter's flat value: replicated tensor (no_shard, mesh None) or this rank's
@@ -55,7 +52,7 @@ def _wrap(
     )
 
 
-def _set_present(values: dict[str, Any], name: str, value: Any) -> None:
+def set_present(values: dict[str, Any], name: str, value: Any) -> None:
     if value is not None:  # DCP would save a None as a pickled object
         values[name] = value
 
@@ -64,7 +61,7 @@ def _piece_of(group: BufferGroup, slot: ParamSlot) -> LocalPiece | None:
     return next((p for p in group.pieces() if p.slot is slot), None)
 
 
-def _named_slots(engine: MegatronFSDP):
+def named_slots(engine: MegatronFSDP):
     for group in engine.buffer.all_groups():
         for index, slot in enumerate(group.layout.slots):
             yield slot.name, group, index
@@ -106,14 +103,14 @@ def model_sharded_state_dict(
     engine: MegatronFSDP, *, fp8_scaling_state: bool = True
 ) -> dict[str, Any]:
     params, shapes = {}, {}
-    mesh = _mesh(engine)
-    for name, group, index in _named_slots(engine):
+    mesh = engine_mesh(engine)
+    for name, group, index in named_slots(engine):
         slot = group.layout.slots[index]
         piece = _piece_of(group, slot)
         view = None
         if piece is not None:
             view = group.main_shard[piece.shard_start : piece.shard_start + piece.numel]
-        _set_present(params, name, _wrap(mesh, slot, piece, view))
+        set_present(params, name, flat_value(mesh, slot, piece, view))
         shapes[name] = torch.tensor(list(slot.shape), dtype=torch.int64)
     state = {"params": params, "param_shapes": shapes}
     delayed = _delayed_state(engine) if fp8_scaling_state else {}
@@ -124,7 +121,7 @@ def model_sharded_state_dict(
 
 @torch.no_grad()
 def _copy_into_main(engine: MegatronFSDP, params: dict[str, Any]) -> None:
-    for name, group, index in _named_slots(engine):
+    for name, group, index in named_slots(engine):
         piece = _piece_of(group, group.layout.slots[index])
         loaded = local_piece(params.get(name))
         if piece is None or loaded is None:
@@ -167,48 +164,3 @@ def full_parameters(engine: MegatronFSDP) -> dict[str, torch.Tensor]:
         for slot in layout.slots:
             result[slot.name] = full[slot.offset : slot.end].view(slot.shape).clone()
     return result
-
-
-def optimizer_sharded_state_dict(optimizer: FsdpDistributedOptimizer) -> dict[str, Any]:
-    engine = optimizer.engine
-    adam = optimizer.config.optimizer == "adam"
-    keys = ("exp_avg", "exp_avg_sq") if adam else ("momentum_buffer",)
-    by_name = {shard_piece.name: shard_piece for shard_piece in optimizer.pieces}
-    state: dict[str, Any] = {key: {} for key in keys}
-    # On the engine's device: NCCL reduces only device tensors (the fused AdamW keeps it there).
-    device = engine.buffer.device
-    # HSDP with outer optim splits optimizer state over every DP rank (optimizer.piece_group).
-    mesh = _mesh(engine)
-    if mesh is not None and optimizer.piece_group is not None:
-        mesh = data_parallel_mesh(optimizer.piece_group, device)
-    step = torch.zeros((), dtype=torch.float32, device=device)
-    for name, group, index in _named_slots(engine):
-        shard_piece = by_name.get(name)
-        torch_state = optimizer.optimizer.state[shard_piece.main] if shard_piece else {}
-        piece = shard_piece.piece if shard_piece else None
-        for key in keys:
-            view = torch_state[key].view(-1) if shard_piece else None
-            _set_present(state[key], name, _wrap(mesh, group.layout.slots[index], piece, view))
-        if "step" in torch_state:
-            step = torch_state["step"].detach().float().to(device, copy=True)
-    if adam:
-        if engine.config.shards_optimizer_state:
-            # Replicated value: a rank without pieces must still write the true step count.
-            dist.all_reduce(step, op=dist.ReduceOp.MAX, group=engine.process_group)
-        state["step"] = step
-    return state
-
-
-@torch.no_grad()
-def load_optimizer_sharded_state_dict(
-    optimizer: FsdpDistributedOptimizer, state: dict[str, Any]
-) -> None:
-    for piece in optimizer.pieces:
-        torch_state = optimizer.optimizer.state[piece.main]
-        for key, value in torch_state.items():
-            if key == "step":
-                value.copy_(state["step"])
-                continue
-            loaded = local_piece(state[key].get(piece.name))
-            if loaded is not None and loaded.data_ptr() != value.data_ptr():
-                value.view(-1).copy_(loaded.reshape(-1))
