@@ -87,8 +87,8 @@ def test_nan_loss_skips_the_step(monkeypatch):
     seen = {}
     real_step = training.train_step
 
-    def spy_step(args, *, env, run, dataset, state):
-        out = real_step(args, env=env, run=run, dataset=dataset, state=state)
+    def spy_step(config, *, env, run, dataset, state, **rest):
+        out = real_step(config, env=env, run=run, dataset=dataset, state=state, **rest)
         if state.iteration == 2:  # the step that completes iteration 3
             seen.update({k: v.detach().clone() for k, v in run.module.state_dict().items()})
         return out
