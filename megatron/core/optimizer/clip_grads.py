@@ -28,20 +28,16 @@ def global_grad_norm(
     """
     grads = list(grads)
     device = grads[0].device if grads else torch.device("cpu")
-    if accumulate_dtype == torch.float64:
-        squares = torch.zeros((), dtype=torch.float64, device=device)
-        for grad in grads:
-            squares += grad.detach().double().pow(2).sum()
-    elif device.type == "cuda":
+    if device.type == "cuda" and accumulate_dtype == torch.float32:
         # One read of every grad (multi-tensor norms in fp32), where pow(2).sum() writes and
         # re-reads a squared copy: 4 ms of a Model A step. The CPU keeps the per-tensor sum,
         # whose exact order its golden values were recorded with.
         norms = torch._foreach_norm([grad.detach() for grad in grads], 2.0, dtype=torch.float32)
         squares = torch.stack(norms).square().sum()
     else:
-        squares = torch.zeros((), dtype=torch.float32, device=device)
+        squares = torch.zeros((), dtype=accumulate_dtype, device=device)
         for grad in grads:
-            squares += grad.detach().float().pow(2).sum()
+            squares += grad.detach().to(accumulate_dtype).pow(2).sum()
     if group is not None:
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
     total = squares.item()

@@ -12,10 +12,9 @@ import triton.language as tl
 
 BLOCK = 4096
 """Elements per program: 16-byte vectors per thread at 8 warps; a 117M-element weight launches
-about 29K programs."""
-AMAX_BLOCKS_PER_PROGRAM = 1
-"""Blocks per program when the amax is taken. Measured on Model A's shapes (dev/bench_adamw.py,
-H200): 1 block 16.6 ms, 4 blocks 20.2 ms (no amax: 15.3 ms; torch's fused AdamW: 21.1 ms)."""
+about 29K programs. With the amax, one block per program measured best on Model A's shapes
+(dev/bench_adamw.py, H200): 16.6 ms, against 20.2 ms for 4 blocks per program with one
+reduction (no amax: 15.3 ms; torch's fused AdamW: 21.1 ms)."""
 
 
 @triton.jit
@@ -36,34 +35,27 @@ def _adamw_kernel(
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_AMAX: tl.constexpr,
     BLOCK: tl.constexpr,
-    BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
-    first = tl.program_id(0).to(tl.int64) * BLOCK * BLOCKS_PER_PROGRAM
-    running_max = tl.zeros((BLOCK,), dtype=tl.float32)
-    for block in tl.static_range(BLOCKS_PER_PROGRAM):
-        offsets = first + block * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < numel
-        param = tl.load(param_ptr + offsets, mask=mask)
-        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
-        if HAS_GRAD_SCALE:
-            grad = grad / tl.load(grad_scale_ptr)
-        # The order of torch's fused AdamW (decoupled decay first, then the moments).
-        param = param * decay_factor
-        exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
-        exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
-        denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
-        param = param - step_size * exp_avg / denom
-        tl.store(param_ptr + offsets, param, mask=mask)
-        tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
-        tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
-        if HAS_AMAX:
-            running_max = tl.maximum(running_max, tl.where(mask, tl.abs(param), 0.0))
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    param = tl.load(param_ptr + offsets, mask=mask)
+    grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+    exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
+    if HAS_GRAD_SCALE:
+        grad = grad / tl.load(grad_scale_ptr)
+    # The order of torch's fused AdamW (decoupled decay first, then the moments).
+    param = param * decay_factor
+    exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
+    exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
+    denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+    param = param - step_size * exp_avg / denom
+    tl.store(param_ptr + offsets, param, mask=mask)
+    tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
+    tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
     if HAS_AMAX:
-        # One block reduction and one atomic per program; |param| >= 0, so the float max
-        # orders like the bits and masked lanes (0) never win.
-        tl.atomic_max(amax_ptr, tl.max(running_max, axis=0))
+        # |param| >= 0, so the float max orders like the bits; masked lanes contribute 0.
+        tl.atomic_max(amax_ptr, tl.max(tl.where(mask, tl.abs(param), 0.0), axis=0))
 
 
 def adamw_step_(
@@ -86,8 +78,7 @@ def adamw_step_(
     numel = param.numel()
     if numel == 0:
         return
-    blocks_per_program = AMAX_BLOCKS_PER_PROGRAM if amax is not None else 1
-    grid = (triton.cdiv(numel, BLOCK * blocks_per_program),)
+    grid = (triton.cdiv(numel, BLOCK),)
     with torch.cuda.device(param.device):
         _adamw_kernel[grid](
             param,
@@ -106,6 +97,5 @@ def adamw_step_(
             HAS_GRAD_SCALE=grad_scale is not None,
             HAS_AMAX=amax is not None,
             BLOCK=BLOCK,
-            BLOCKS_PER_PROGRAM=blocks_per_program,
             num_warps=8,
         )

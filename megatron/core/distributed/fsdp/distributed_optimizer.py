@@ -75,6 +75,11 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
                 is_matrix = len(piece.slot.shape) >= 2
                 main = flat.view(1, -1) if is_matrix else flat
                 self.pieces.append(ShardPiece(piece.slot.name, piece, group, main))
+        self.pieces_by_group = [
+            (group, [p for p in self.pieces if p.group is group])
+            for group in engine.buffer.all_groups()
+        ]
+        """Each buffer group with its pieces, in order (the step asks them for amaxes)."""
         named = [(p.name, p.main) for p in self.pieces]
         # torch optimizers reject an empty parameter list; a rank whose shards hold only padding
         # (tiny models, many ranks) keeps placeholder groups so the LR scheduler still works.
@@ -175,10 +180,9 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         if not isinstance(self.optimizer, FusedAdamW):
             return []
         reports, targets = [], {}
-        for group in self.engine.buffer.all_groups():
+        for group, pieces in self.pieces_by_group:
             if group.optimizer_range is not None:
                 continue
-            pieces = [p for p in self.pieces if p.group is group]
             made = group.storage.optimizer_amax_targets([p.piece for p in pieces])
             if made is None:
                 continue
