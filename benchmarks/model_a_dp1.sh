@@ -6,6 +6,8 @@
 # One JSON line per row in $OUT/model_a_dp1.jsonl: step_ms is the median of the logged
 # iteration times after the first WARMUP iterations (compile and allocator warm-up).
 #   ROWS="fsdp2 bf16 tensorwise" ITERS=20 bash benchmarks/model_a_dp1.sh
+# MEMORY_SNAPSHOT=1: the pretrain_gpt.py rows also record CUDA allocations (rank 0) and write
+# $OUT/<row>_memory.txt, the live set at the peak by allocating line (dev/peak_memory_breakdown.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/model_a}
@@ -41,6 +43,14 @@ print(json.dumps({"row": sys.argv[2], "step_ms": round(statistics.median(steady)
                   "steps": len(steady), "peak_mem_gib": max(mem) if mem else None}))
 PY
 }
+snapshot_args() {  # name: the memory-history flags when MEMORY_SNAPSHOT=1
+  [ "${MEMORY_SNAPSHOT:-0}" = 1 ] && echo --record-memory-history --memory-snapshot-path "$OUT/$1.pickle"
+}
+breakdown() {  # name: the live set at the peak of rank 0's snapshot
+  [ "${MEMORY_SNAPSHOT:-0}" = 1 ] || return 0
+  python3 dev/peak_memory_breakdown.py "$OUT/${1}_0.pickle" --top 40 > "$OUT/${1}_memory.txt" 2>&1
+  head -15 "$OUT/${1}_memory.txt"
+}
 for name in ${ROWS:-fsdp2 torchao_tensorwise torchao_rowwise bf16 tensorwise delayed blockwise mxfp8 bench_bf16 bench_tensorwise}; do
   case $name in
     fsdp2)
@@ -58,11 +68,11 @@ for name in ${ROWS:-fsdp2 torchao_tensorwise torchao_rowwise bf16 tensorwise del
         --compile --fp8-recipe "${name#bench_}" --fp8-param-gather
       grep '^{' "$OUT/$name.log" | tee -a "$OUT/model_a_dp1.jsonl" ;;
     bf16)
-      row bf16 torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}"
-      summarize bf16 ;;
+      row bf16 torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" $(snapshot_args bf16)
+      summarize bf16; breakdown bf16 ;;
     *)
       row "$name" torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" \
-        --fp8-recipe "$name" --fp8-format hybrid --fp8-param-gather
-      summarize "$name" ;;
+        --fp8-recipe "$name" --fp8-format hybrid --fp8-param-gather $(snapshot_args "$name")
+      summarize "$name"; breakdown "$name" ;;
   esac
 done

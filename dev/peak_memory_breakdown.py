@@ -37,17 +37,29 @@ def _site(frames: list[dict]) -> str:
 def peak_breakdown(snapshot: dict, device: int = 0) -> tuple[int, dict[str, int]]:
     """(peak live bytes, {allocation site: bytes alive at the peak}) of one device's trace.
 
-    Blocks allocated before tracing began (in `segments` but never in the trace) count as
-    "(before the trace)"."""
+    Blocks allocated before the trace window opened count as "(before the trace)": those still
+    allocated at the dump (in `segments`, never allocated in the trace) and those the trace
+    frees without having allocated them (the ring buffer dropped their allocation)."""
     trace = snapshot["device_traces"][device]
     traced = {entry["addr"] for entry in trace if entry["action"] == "alloc"}
     live: dict[int, tuple[int, str]] = {}
+    # The trace is a ring buffer (max_entries): a block freed inside it whose allocation fell
+    # off its start was live when the window opened.
+    seen: set[int] = set()
+    for entry in trace:
+        address = entry["addr"]
+        if entry["action"] == "alloc":
+            seen.add(address)
+        elif entry["action"] in ("free_requested", "free_completed") and address not in seen:
+            live[address] = (entry["size"], "(before the trace)")
+            seen.add(address)
+    known = traced | set(live)
     for segment in snapshot.get("segments", []):
         if segment.get("device", device) != device:
             continue
         for block in segment.get("blocks", []):
             address = block.get("address")
-            if block.get("state") == "active_allocated" and address not in traced:
+            if block.get("state") == "active_allocated" and address not in known:
                 live[address] = (block["size"], "(before the trace)")
     total = sum(size for size, _ in live.values())
     peak, at_peak = total, dict(live)

@@ -58,3 +58,18 @@ def test_peak_live_set_grouped_by_innermost_repository_frame():
         "megatron/x.py:10 weights": 100,
         "megatron/x.py:20 activations": 120,
     }
+
+
+def test_blocks_freed_in_the_trace_but_allocated_before_it_count_from_the_start():
+    # The ring buffer dropped block 7's allocation: its free shows it was live when the
+    # window opened, so the peak (before the free) includes it.
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": _frame("weights", 10)},
+        {"action": "free_requested", "addr": 7, "size": 30},
+        {"action": "free_completed", "addr": 7, "size": 30},
+        {"action": "alloc", "addr": 2, "size": 20, "frames": _frame("activations", 20)},
+    ]
+    snapshot = {"device_traces": [trace], "segments": []}
+    peak, by_site = _module().peak_breakdown(snapshot)
+    assert peak == 130
+    assert by_site == {"(before the trace)": 30, "megatron/x.py:10 weights": 100}
