@@ -28,6 +28,7 @@ from megatron.core.models.gpt import GPTModel, num_floating_point_operations
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.init import init_parameter_
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.model_setup import compile_layers
 
 
 def parse_args() -> argparse.Namespace:
@@ -131,8 +132,7 @@ def build_megatron_fsdp(args, device):
     with torch.device("meta"):
         model = GPTModel(config)
     if args.compile:
-        for layer in model.decoder.layers:
-            layer.compile()
+        compile_layers(model)  # as pretrain_gpt.py --torch-compile does
     model = FullyShardedDataParallel(
         model,
         fsdp_config=FsdpConfig(

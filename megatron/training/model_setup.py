@@ -17,6 +17,7 @@ from torch import nn
 from megatron.core.distributed.data_parallel_mesh import DP_OUTER_DIM, DP_SHARD_DIM
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.fp8 import fp8_autocast
+from megatron.core.fp8.linear import prepare_for_compile
 from megatron.core.models.gpt import GPTModel, count_parameters, num_floating_point_operations
 from megatron.core.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
 from megatron.core.optimizer.grad_scaler import GradScaler
@@ -76,6 +77,8 @@ def compile_layers(module: GPTModel) -> None:
     """
     for layer in module.decoder.layers:
         layer.forward = torch.compile(layer.forward)
+        # FP8-parameter Linears run inside the graph through their weights' stand-ins.
+        prepare_for_compile(layer)
 
 
 def bf16_all_reduce_hook(group: torch.distributed.ProcessGroup, bucket):

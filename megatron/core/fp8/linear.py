@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ from megatron.core.fp8.formats import fp8_dtype_for_role
 from megatron.core.fp8.gemm import fp8_gemm
 from megatron.core.fp8.param_init import current_quantized_init, quantize_weight_for_init
 from megatron.core.fp8.quantization import quantize
-from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec
 
 
@@ -45,6 +46,9 @@ class _Plan:
     metas: dict[str, fp8_state.ScalingMeta] | None
     record: bool
     group: object
+    stand_in: bool = False
+    """The weight argument is an FP8 parameter's stand-in (compiled graphs, see
+    `Fp8Linear.refresh_weight_stand_in`): its GEMMs go through megatron_fp8::fp8_weight_gemm."""
 
     @property
     def recipe(self) -> str:
@@ -125,7 +129,8 @@ def _forward_reference(ctx, x, weight) -> torch.Tensor:
     need_wgrad = weight.requires_grad
     input_columnwise = need_wgrad and plan.spec.columnwise_copy("input")
     xq = _quantize(x2d, plan, role="input", rowwise=True, columnwise=input_columnwise)
-    if isinstance(weight, QuantizedTensor):
+    fp8_weight = plan.stand_in or isinstance(weight, QuantizedTensor)
+    if fp8_weight:
         wq = weight
     else:
         wq = _quantize(
@@ -137,10 +142,13 @@ def _forward_reference(ctx, x, weight) -> torch.Tensor:
         )
     if plan.record:
         fp8_state.record_forward(plan.metas["input"], xq.amax)
-        if not isinstance(weight, QuantizedTensor):
+        if not fp8_weight:
             fp8_state.record_forward(plan.metas["weight"], wq.amax)
     accumulate = "fast" if plan.spec.fast_accumulation else "split"
-    y2d = fp8_gemm(xq, wq, out_dtype=x.dtype, accumulate=accumulate)
+    if plan.stand_in:
+        y2d = _stand_in_gemm(xq.gemm_operand("rowwise"), weight, "rowwise", x.dtype, accumulate)
+    else:
+        y2d = fp8_gemm(xq, wq, out_dtype=x.dtype, accumulate=accumulate)
     # FP8 weights are read at backward time, after the FSDP engine re-points their bytes.
     ctx.saved_weight = wq
     ctx.saved_input = _columnwise_only(xq) if need_wgrad else None
@@ -162,7 +170,10 @@ def _backward_reference(ctx, dy2d, *, need_dgrad, need_wgrad):
     if plan.metas is not None:
         fp8_state.record_backward(plan.metas["grad"], dyq.amax, plan.group)
     dx2d = dw = None
-    if need_dgrad:
+    if need_dgrad and plan.stand_in:
+        dy_operand = dyq.gemm_operand("rowwise")
+        dx2d = _stand_in_gemm(dy_operand, ctx.saved_weight, "columnwise", ctx.x_dtype, "split")
+    elif need_dgrad:
         w_operand = ctx.saved_weight.gemm_operand("columnwise")
         dx2d = fp8_gemm(dyq, w_operand, out_dtype=ctx.x_dtype, accumulate="split")
     if need_wgrad:
@@ -221,8 +232,12 @@ def _forward_fused(ctx, x, weight, plan: _Plan) -> torch.Tensor:
         record=plan.record,
         compute_dtype=compute_dtype,
     )
-    if isinstance(weight, QuantizedTensor):
-        w_row, w_t = ops.weight_operand(weight, "rowwise", compute_dtype=compute_dtype), None
+    fp8_weight = plan.stand_in or isinstance(weight, QuantizedTensor)
+    w_row = None
+    if plan.stand_in:
+        ctx.saved_weight = weight  # megatron_fp8::fp8_weight_gemm reads the weight's bytes
+    elif fp8_weight:
+        w_row = ops.weight_operand(weight, "rowwise", compute_dtype=compute_dtype)
         ctx.saved_weight = weight  # re-read in backward, after FSDP re-points its bytes
     else:
         # Quantized once per forward; the transposed copy is kept for dgrad.
@@ -238,10 +253,13 @@ def _forward_fused(ctx, x, weight, plan: _Plan) -> torch.Tensor:
         ctx.saved_weight = w_t
     if plan.record:
         fp8_state.forward_recorded(plan.metas["input"])
-        if not isinstance(weight, QuantizedTensor):
+        if not fp8_weight:
             fp8_state.forward_recorded(plan.metas["weight"])
     ctx.saved_input = x_t
     ctx.compute_dtype = compute_dtype
+    if w_row is None:
+        fast = plan.spec.fast_accumulation
+        return _fp8_weight_gemm(x_row.data, x_row.scale_inv, weight, "rowwise", 0, 0, x.dtype, fast)
     return ops.gemm(
         x_row, w_row, recipe=plan.recipe, out_dtype=x.dtype, fast_accum=plan.spec.fast_accumulation
     )
@@ -264,7 +282,12 @@ def _backward_fused(ctx, dy2d, *, need_dgrad, need_wgrad):
         # Recorded even for a recomputed graph (reentrant checkpoint): its backward is real.
         fp8_state.record_backward(plan.metas["grad"], None, plan.group)
     dx2d = dw = None
-    if need_dgrad:
+    if need_dgrad and plan.stand_in:
+        stand_in = ctx.saved_weight
+        dx2d = _fp8_weight_gemm(
+            dy_row.data, dy_row.scale_inv, stand_in, "columnwise", 0, 0, ctx.x_dtype, False
+        )
+    elif need_dgrad:
         w_t = ctx.saved_weight
         if isinstance(w_t, QuantizedTensor):
             w_t = ops.weight_operand(w_t, "columnwise", compute_dtype=ctx.compute_dtype)
@@ -299,6 +322,8 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self._init_like_nn_linear(weight)
         self.delayed_scaling = None
+        self._weight_stand_in: torch.Tensor | None = None
+        self._weight_stand_in_spec: RecipeSpec | None = None
         self._first_forward: tuple = (True, fp8_config, None)
         self._first_forward_in_autocast = False
         if fp8_config.spec.delayed:
@@ -357,18 +382,52 @@ class Fp8Linear(nn.Module):
         scales["grad"] = metas["grad"].scale
         return _Plan(config=config, scales=scales, metas=metas, record=not recompute, group=group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def refresh_weight_stand_in(self) -> None:
+        """Give an FP8 parameter its stand-in for compiled graphs, or a new one when the
+        weight's shape, dtype, device or requires_grad changed; none for other weights.
+
+        A QuantizedTensor cannot enter a compiled graph (COMPILED_FP8_PARAMS_RUN_EAGERLY), so
+        the graph takes the stand-in in its place: a plain leaf tensor of the weight's shape
+        and dtype with zero strides (one element of storage). The GEMMs that read the weight
+        are the custom op megatron_fp8::fp8_weight_gemm, which finds the weight through the
+        stand-in when it runs (after the FSDP engine gathered its bytes); the wgrad that the
+        compiled backward returns for the stand-in goes to the weight in the stand-in's
+        post-accumulate-grad hook (`weight.grad`, then the weight's own hooks). Runs eagerly:
+        `prepare_for_compile` calls it before each compiled forward."""
+        weight = self.weight
+        if not isinstance(weight, QuantizedTensor) or weight.device.type == "meta":
+            self._weight_stand_in = self._weight_stand_in_spec = None
+            return
+        current = self._weight_stand_in
         if (
-            COMPILED_FP8_PARAMS_RUN_EAGERLY
-            and isinstance(self.weight, QuantizedTensor)
-            and torch.compiler.is_compiling()
+            current is not None
+            and _stand_in_owner(current) is self
+            and (current.shape, current.dtype, current.device, current.requires_grad)
+            == (weight.shape, weight.dtype, weight.device, weight.requires_grad)
         ):
-            # The whole forward (autocast lookup, delayed-scaling plan, the autograd function)
-            # in one eager call: one graph break per Linear, not one more for in_recompute.
-            return _fp8_param_forward_outside_the_graph(self, x)
+            return
+        stand_in = torch.empty_strided(
+            weight.shape, (0,) * weight.dim(), dtype=weight.dtype, device=weight.device
+        )
+        if weight.requires_grad:
+            stand_in.requires_grad_()
+            stand_in.register_post_accumulate_grad_hook(_deliver_stand_in_grad)
+        _register_stand_in(stand_in, self)
+        self._weight_stand_in, self._weight_stand_in_spec = stand_in, weight.spec
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedTensor) and torch.compiler.is_compiling():
+            stand_in = self._weight_stand_in
+            if stand_in is not None and not self._weight_stand_in_spec.delayed:
+                return self._forward(x, stand_in=stand_in)
+            if COMPILED_FP8_PARAMS_RUN_EAGERLY:
+                # No stand-in (not prepared for compile), or delayed scaling (its amax
+                # bookkeeping breaks the graph): the whole forward in one eager call, one
+                # graph break per Linear rather than one more for in_recompute.
+                return _fp8_param_forward_outside_the_graph(self, x)
         return self._forward(x)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, *, stand_in: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Fp8Linear expects input [..., {self.in_features}], got {tuple(x.shape)}"
@@ -392,28 +451,151 @@ class Fp8Linear(nn.Module):
             self._first_forward = (enabled, config, group)
             self._first_forward_in_autocast = frame is not None
         if not enabled:
+            if stand_in is not None:  # the dequantized weight is computed outside the graph
+                return _fp8_param_forward_outside_the_graph(self, x)
             # A QuantizedTensor weight dequantizes through __torch_dispatch__; grads still flow.
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight.to(x.dtype), bias)
-        if isinstance(self.weight, QuantizedTensor) and self.weight.spec != config.spec:
+        weight_spec = (
+            self._weight_stand_in_spec
+            if stand_in is not None
+            else self.weight.spec
+            if isinstance(self.weight, QuantizedTensor)
+            else None
+        )
+        if weight_spec is not None and weight_spec != config.spec:
             raise ValueError(
-                f"FP8 weight was quantized with recipe '{self.weight.recipe}' but autocast asks "
+                f"FP8 weight was quantized with recipe '{weight_spec.name}' but autocast asks "
                 f"for '{config.recipe}'; build the model under the same recipe"
             )
         plan = self._plan(config, recompute, group, x.device)
+        if stand_in is not None:
+            plan.stand_in = True
+            return _Fp8LinearFunction.apply(x, stand_in, self.bias, plan)
         return _Fp8LinearFunction.apply(x, self.weight, self.bias, plan)
 
 
 COMPILED_FP8_PARAMS_RUN_EAGERLY = True
-"""Under torch.compile, an Fp8Linear whose weight is an FP8 parameter (a QuantizedTensor) runs
-its forward outside the compiled graph (a graph break on each side). Traced, the
-compiled backward dropped those weights' grads on CUDA: QuantizedTensor is not a traceable
-tensor subclass, so the compiled graph does not see the parameter as needing a grad, skips the
-wgrad GEMM and never delivers the grad (dev/probe_compile_grads.py shows it per parameter;
-tests/unit_tests/training/test_torch_compile.py guards it). False restores the traced call,
-for that probe only."""
+"""Under torch.compile, an Fp8Linear whose weight is an FP8 parameter (a QuantizedTensor) and
+that has no weight stand-in (`prepare_for_compile` was not called) or scales with the delayed
+recipe runs its forward outside the compiled graph (a graph break on each side). The
+QuantizedTensor itself must not be traced: the compiled backward dropped those weights' grads on
+CUDA, because QuantizedTensor is not a traceable tensor subclass, so the compiled graph does not
+see the parameter as needing a grad, skips the wgrad GEMM and never delivers the grad
+(dev/probe_compile_grads.py shows it per parameter; tests/unit_tests/training/
+test_torch_compile.py guards it). False restores the traced call, for that probe only."""
 
 
 @torch._dynamo.disable
 def _fp8_param_forward_outside_the_graph(module: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
     return module._forward(x)
+
+
+# ---- FP8 parameters in compiled graphs: stand-ins (Fp8Linear.refresh_weight_stand_in) -------
+
+# (device, data pointer of the stand-in's one-element storage) -> its Fp8Linear
+_stand_in_owners: dict[tuple[str, int], weakref.ref] = {}
+
+
+def _stand_in_key(stand_in: torch.Tensor) -> tuple[str, int]:
+    return str(stand_in.device), stand_in.untyped_storage().data_ptr()
+
+
+def _register_stand_in(stand_in: torch.Tensor, module: Fp8Linear) -> None:
+    key = _stand_in_key(stand_in)
+    owner = _stand_in_owners[key] = weakref.ref(module)
+
+    def forget() -> None:  # the storage (so the key) may be reused once the stand-in dies
+        if _stand_in_owners.get(key) is owner:
+            del _stand_in_owners[key]
+
+    weakref.finalize(stand_in, forget)
+
+
+def _stand_in_owner(stand_in: torch.Tensor) -> Fp8Linear | None:
+    owner = _stand_in_owners.get(_stand_in_key(stand_in))
+    return owner() if owner is not None else None
+
+
+def _stand_in_weight(stand_in: torch.Tensor) -> QuantizedTensor:
+    module = _stand_in_owner(stand_in)
+    if module is None or not isinstance(module.weight, QuantizedTensor):
+        raise RuntimeError(
+            "an FP8 weight stand-in reached megatron_fp8::fp8_weight_gemm without its "
+            "Fp8Linear; call prepare_for_compile(module) on the compiled module"
+        )
+    return module.weight
+
+
+def _deliver_stand_in_grad(stand_in: torch.Tensor) -> None:
+    """The stand-in's post-accumulate-grad hook: its grad becomes the FP8 weight's, and the
+    weight's own post-accumulate-grad hooks (the FSDP engine's) run, as after AccumulateGrad."""
+    grad, stand_in.grad = stand_in.grad, None
+    weight = _stand_in_weight(stand_in)
+    weight.grad = grad if weight.grad is None else weight.grad + grad
+    for hook in list((weight._post_accumulate_grad_hooks or {}).values()):
+        hook(weight)
+
+
+def prepare_for_compile(module: nn.Module) -> None:
+    """Before each forward of `module` (whose forward is compiled), refresh the weight
+    stand-ins of its FP8-parameter Fp8Linears (`Fp8Linear.refresh_weight_stand_in`), so that
+    they run inside the compiled graph. Register before the FSDP engine's hooks; the refresh
+    reads only the weights' shapes, so it needs no gathered bytes."""
+
+    def refresh(unit: nn.Module, args) -> None:
+        for child in unit.modules():
+            if isinstance(child, Fp8Linear):
+                child.refresh_weight_stand_in()
+
+    module.register_forward_pre_hook(refresh)
+
+
+def _stand_in_gemm(a: Fp8Operand, stand_in, usage: str, out_dtype, accumulate: str):
+    """megatron_fp8::fp8_weight_gemm for a reference-path operand (uint8 bytes + block shape)."""
+    return _fp8_weight_gemm(
+        a.data.view(a.fp8_dtype),
+        a.scale_inv,
+        stand_in,
+        usage,
+        a.block_rows,
+        a.block_cols,
+        out_dtype,
+        accumulate == "fast",
+    )
+
+
+@torch.library.custom_op("megatron_fp8::fp8_weight_gemm", mutates_args=())
+def _fp8_weight_gemm(
+    a_data: torch.Tensor,
+    a_scale_inv: torch.Tensor | None,
+    stand_in: torch.Tensor,
+    usage: str,
+    a_block_rows: int,
+    a_block_cols: int,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """A [M, K] times the FP8 weight that `stand_in` stands for: W^T ("rowwise", fprop) or W
+    ("columnwise", dgrad). `a` is the fused CUDA path's operand (FP8 data, scales in cuBLAS's
+    layout, or MXFP8's dequantized values) or on the reference path FP8 data with its block
+    shape (a_block_rows, a_block_cols)."""
+    weight = _stand_in_weight(stand_in)
+    ops = _fused_cuda_ops()
+    if ops is not None and ops.available(a_data):
+        compute_dtype = a_data.dtype if weight.spec.fused_linear_emulates else torch.float32
+        b = ops.weight_operand(weight, usage, compute_dtype=compute_dtype)
+        a = ops.GemmOperand(a_data, a_scale_inv)
+        out = ops.gemm(a, b, recipe=weight.recipe, out_dtype=out_dtype, fast_accum=fast_accum)
+    else:
+        cell = (a_block_rows, a_block_cols)
+        a = Fp8Operand(a_data.view(torch.uint8), a_scale_inv, weight.recipe, a_data.dtype, *cell)
+        accumulate = "fast" if fast_accum else "split"
+        out = fp8_gemm(a, weight.gemm_operand(usage), out_dtype=out_dtype, accumulate=accumulate)
+    return out.contiguous()
+
+
+@_fp8_weight_gemm.register_fake
+def _(a_data, a_scale_inv, stand_in, usage, a_block_rows, a_block_cols, out_dtype, fast_accum):
+    columns = stand_in.shape[0] if usage == "rowwise" else stand_in.shape[1]
+    return a_data.new_empty((a_data.shape[0], columns), dtype=out_dtype)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from megatron.core.fp8 import linear as fp8_linear
 from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
 
 STEPS = 8
@@ -30,10 +31,15 @@ def _losses(argv: list[str]) -> list[float]:
     ],
     ids=["fp32", "fp8-tensorwise-fsdp", "fp8-blockwise-fsdp"],
 )
-def test_compiled_training_matches_eager(flags: list[str], tolerance: float):
+def test_compiled_training_matches_eager(flags: list[str], tolerance: float, monkeypatch):
     eager = _losses(flags)
     torch._dynamo.reset()
     counters.clear()
+    lookups = []
+    find_weight = fp8_linear._stand_in_weight
+    monkeypatch.setattr(
+        fp8_linear, "_stand_in_weight", lambda stand_in: lookups.append(1) or find_weight(stand_in)
+    )
     try:
         compiled = _losses([*flags, "--torch-compile"])
         # The layers really went through dynamo: frames were compiled, and the two identical
@@ -42,6 +48,13 @@ def test_compiled_training_matches_eager(flags: list[str], tolerance: float):
         assert counters["stats"]["calls_captured"] >= 1
     finally:
         torch._dynamo.reset()
+    if flags:
+        # FP8 parameters ran inside the compiled graph through their stand-ins: in each of
+        # the 4 micro-batches of a step (global batch 8, micro-batch 2), 4 Linears x 2 layers
+        # read their weight in fprop and in dgrad and hand over one wgrad.
+        assert len(lookups) == STEPS * 4 * (2 * 4) * 3, len(lookups)
+    else:
+        assert not lookups
     relative = [abs(c - e) / abs(e) for c, e in zip(compiled, eager)]
     assert max(relative) <= tolerance, list(zip(eager, compiled))
     assert len(compiled) == STEPS and all(loss == loss for loss in compiled)  # no NaN
