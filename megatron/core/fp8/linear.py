@@ -384,7 +384,8 @@ class Fp8Linear(nn.Module):
 
     def refresh_weight_stand_in(self) -> None:
         """Give an FP8 parameter its stand-in for compiled graphs, or a new one when the
-        weight's shape, dtype, device or requires_grad changed; none for other weights.
+        weight's shape, dtype, device or requires_grad changed; none for other weights and
+        for delayed scaling (whose forward stays outside the graph).
 
         A QuantizedTensor cannot enter a compiled graph (COMPILED_FP8_PARAMS_RUN_EAGERLY), so
         the graph takes the stand-in in its place: a plain leaf tensor of the weight's shape
@@ -395,7 +396,11 @@ class Fp8Linear(nn.Module):
         post-accumulate-grad hook (`weight.grad`, then the weight's own hooks). Runs eagerly:
         `prepare_for_compile` calls it before each compiled forward."""
         weight = self.weight
-        if not isinstance(weight, QuantizedTensor) or weight.device.type == "meta":
+        if (
+            not isinstance(weight, QuantizedTensor)
+            or weight.device.type == "meta"
+            or weight.spec.delayed  # its amax bookkeeping keeps the forward outside the graph
+        ):
             self._weight_stand_in = self._weight_stand_in_spec = None
             return
         current = self._weight_stand_in
@@ -418,7 +423,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, QuantizedTensor) and torch.compiler.is_compiling():
             stand_in = self._weight_stand_in
-            if stand_in is not None and not self._weight_stand_in_spec.delayed:
+            if stand_in is not None:
                 return self._forward(x, stand_in=stand_in)
             if COMPILED_FP8_PARAMS_RUN_EAGERLY:
                 # No stand-in (not prepared for compile), or delayed scaling (its amax
