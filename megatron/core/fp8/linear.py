@@ -28,11 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.fp8 import autocast as fp8_state
+from megatron.core.fp8 import reference_ops
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.formats import fp8_dtype_for_role
-from megatron.core.fp8.gemm import fp8_gemm
 from megatron.core.fp8.param_init import current_quantized_init, quantize_weight_for_init
-from megatron.core.fp8.quantization import quantize
 from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec
 
@@ -65,34 +64,6 @@ class _Plan:
         return self.config.quantize_power_2_scale
 
 
-def _quantize(x: torch.Tensor, plan: _Plan, *, role: str, rowwise: bool, columnwise: bool):
-    return quantize(
-        x,
-        recipe=plan.recipe,
-        fp8_dtype=plan.dtype(role),
-        role=role,
-        rowwise=rowwise,
-        columnwise=columnwise,
-        scale=plan.scales.get(role),
-        power_2_scale=plan.power_2_scale(),
-    )
-
-
-def _columnwise_only(qt: QuantizedTensor) -> QuantizedTensor:
-    """Keep only what wgrad reads, so backward does not hold the rowwise bytes too."""
-    if qt.spec.transposes_rowwise(qt.role):
-        return qt  # the transposed operand is derived from the rowwise bytes
-    return QuantizedTensor(
-        shape=qt.shape,
-        dtype=qt.dtype,
-        recipe=qt.recipe,
-        fp8_dtype=qt.fp8_dtype,
-        role=qt.role,
-        columnwise_data=qt.columnwise_data,
-        columnwise_scale_inv=qt.columnwise_scale_inv,
-    )
-
-
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: _Plan):  # noqa: D102
@@ -100,10 +71,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.weight_dtype = weight.dtype
-        ops = _fused_cuda_ops()
-        fast = ops is not None and ops.available(x)
-        ctx.fast = fast
-        y2d = _forward_fused(ctx, x, weight, plan) if fast else _forward_reference(ctx, x, weight)
+        ctx.fused = _fused_ops_run(x)
+        y2d = _forward(ctx, x, weight, plan)
         if bias is not None:
             y2d = y2d + bias.to(y2d.dtype)
         return y2d.reshape(*x.shape[:-1], y2d.shape[-1])
@@ -112,8 +81,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):  # noqa: D102
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2d = dy.reshape(-1, dy.shape[-1])
-        run = _backward_fused if ctx.fast else _backward_reference
-        dx2d, dw = run(ctx, dy2d, need_dgrad=need_dgrad, need_wgrad=need_wgrad)
+        dx2d, dw = _backward(ctx, dy2d, need_dgrad=need_dgrad, need_wgrad=need_wgrad)
         dx = dx2d.reshape(ctx.x_shape) if dx2d is not None else None
         dbias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -122,68 +90,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return dx, dw, dbias, None
 
 
-def _forward_reference(ctx, x, weight) -> torch.Tensor:
-    """Any device: quantize() into QuantizedTensors, fp8_gemm (emulated where no hardware)."""
-    plan: _Plan = ctx.plan
-    x2d = x.reshape(-1, x.shape[-1])
-    need_wgrad = weight.requires_grad
-    input_columnwise = need_wgrad and plan.spec.columnwise_copy("input")
-    xq = _quantize(x2d, plan, role="input", rowwise=True, columnwise=input_columnwise)
-    fp8_weight = plan.stand_in or isinstance(weight, QuantizedTensor)
-    if fp8_weight:
-        wq = weight
-    else:
-        wq = _quantize(
-            weight.detach(),
-            plan,
-            role="weight",
-            rowwise=True,
-            columnwise=x.requires_grad and plan.spec.columnwise_copy("weight"),
-        )
-    if plan.record:
-        fp8_state.record_forward(plan.metas["input"], xq.amax)
-        if not fp8_weight:
-            fp8_state.record_forward(plan.metas["weight"], wq.amax)
-    accumulate = "fast" if plan.spec.fast_accumulation else "split"
-    if plan.stand_in:
-        y2d = _stand_in_gemm(xq.gemm_operand("rowwise"), weight, "rowwise", x.dtype, accumulate)
-    else:
-        y2d = fp8_gemm(xq, wq, out_dtype=x.dtype, accumulate=accumulate)
-    # FP8 weights are read at backward time, after the FSDP engine re-points their bytes.
-    ctx.saved_weight = wq
-    ctx.saved_input = _columnwise_only(xq) if need_wgrad else None
-    return y2d
-
-
-def _backward_reference(ctx, dy2d, *, need_dgrad, need_wgrad):
-    plan: _Plan = ctx.plan
-    # wgrad reads a transpose of the rowwise bytes or a separately quantized columnwise copy.
-    grad_columnwise = plan.spec.columnwise_copy("grad")
-    dyq = _quantize(
-        dy2d,
-        plan,
-        role="grad",
-        rowwise=need_dgrad or (need_wgrad and not grad_columnwise),
-        columnwise=need_wgrad and grad_columnwise,
-    )
-    # Record even for a recomputed graph (reentrant checkpoint): its backward is the real one.
-    if plan.metas is not None:
-        fp8_state.record_backward(plan.metas["grad"], dyq.amax, plan.group)
-    dx2d = dw = None
-    if need_dgrad and plan.stand_in:
-        dy_operand = dyq.gemm_operand("rowwise")
-        dx2d = _stand_in_gemm(dy_operand, ctx.saved_weight, "columnwise", ctx.x_dtype, "split")
-    elif need_dgrad:
-        w_operand = ctx.saved_weight.gemm_operand("columnwise")
-        dx2d = fp8_gemm(dyq, w_operand, out_dtype=ctx.x_dtype, accumulate="split")
-    if need_wgrad:
-        dw = fp8_gemm(
-            dyq.gemm_operand("columnwise"),
-            ctx.saved_input.gemm_operand("columnwise"),
-            out_dtype=ctx.weight_dtype,
-            accumulate="split",
-        )
-    return dx2d, dw
+# ---- the backend: chosen here, once per call -----------------------------------------------
 
 
 @functools.cache
@@ -196,10 +103,22 @@ def _fused_cuda_ops():
     return linear_ops
 
 
-def _fused_quantize(t2d, plan: _Plan, *, role, rowwise, transposed, record, compute_dtype):
-    """One fused kernel pass: the operands `role`'s GEMMs read (module docstring table)."""
+def _fused_ops_run(t: torch.Tensor) -> bool:
+    """Whether the fused CUDA kernels serve a tensor on t's device (else the reference)."""
+    ops = _fused_cuda_ops()
+    return ops is not None and ops.available(t)
+
+
+def _backend(fused: bool):
+    """The module that quantizes operands and multiplies them: `cuda.linear_ops` (fused
+    Triton kernels, cuBLAS) or `reference_ops` (pure PyTorch); the same interface."""
+    return _fused_cuda_ops() if fused else reference_ops
+
+
+def _quantize_operands(ops, t2d, plan: _Plan, *, role, rowwise, transposed, record, compute_dtype):
+    """One quantization of `t2d`: the operands `role`'s GEMMs read (module docstring table)."""
     meta = plan.metas[role] if plan.metas is not None else None
-    return _fused_cuda_ops().quantize_operands(
+    return ops.quantize_operands(
         t2d,
         recipe=plan.recipe,
         fp8_dtype=plan.dtype(role),
@@ -218,12 +137,13 @@ def _pow2(plan: _Plan) -> bool:
     return plan.spec.resolve_power_2_scale(plan.power_2_scale())
 
 
-def _forward_fused(ctx, x, weight, plan: _Plan) -> torch.Tensor:
-    """CUDA: one fused quantize per operand, no host sync; amaxes recorded in-kernel."""
-    ops = _fused_cuda_ops()
+def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
+    """One quantization per operand, no host sync; delayed amaxes recorded as they quantize."""
+    ops = _backend(ctx.fused)
     compute_dtype = ops.emulation_dtype(x.dtype)
     need_wgrad, need_dgrad = weight.requires_grad, x.requires_grad
-    x_row, x_t = _fused_quantize(
+    x_row, x_t = _quantize_operands(
+        ops,
         x.reshape(-1, x.shape[-1]),
         plan,
         role="input",
@@ -241,7 +161,8 @@ def _forward_fused(ctx, x, weight, plan: _Plan) -> torch.Tensor:
         ctx.saved_weight = weight  # re-read in backward, after FSDP re-points its bytes
     else:
         # Quantized once per forward; the transposed copy is kept for dgrad.
-        w_row, w_t = _fused_quantize(
+        w_row, w_t = _quantize_operands(
+            ops,
             weight.detach(),
             plan,
             role="weight",
@@ -257,19 +178,18 @@ def _forward_fused(ctx, x, weight, plan: _Plan) -> torch.Tensor:
             fp8_state.forward_recorded(plan.metas["weight"])
     ctx.saved_input = x_t
     ctx.compute_dtype = compute_dtype
+    fast = plan.spec.fast_accumulation
     if w_row is None:
-        fast = plan.spec.fast_accumulation
-        return _fp8_weight_gemm(x_row.data, x_row.scale_inv, weight, "rowwise", 0, 0, x.dtype, fast)
-    return ops.gemm(
-        x_row, w_row, recipe=plan.recipe, out_dtype=x.dtype, fast_accum=plan.spec.fast_accumulation
-    )
+        return _stand_in_gemm(x_row, weight, "rowwise", x.dtype, fast)
+    return ops.gemm(x_row, w_row, recipe=plan.recipe, out_dtype=x.dtype, fast_accum=fast)
 
 
-def _backward_fused(ctx, dy2d, *, need_dgrad, need_wgrad):
-    ops = _fused_cuda_ops()
+def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
+    ops = _backend(ctx.fused)
     plan: _Plan = ctx.plan
     record = plan.metas is not None
-    dy_row, dy_t = _fused_quantize(
+    dy_row, dy_t = _quantize_operands(
+        ops,
         dy2d,
         plan,
         role="grad",
@@ -283,10 +203,7 @@ def _backward_fused(ctx, dy2d, *, need_dgrad, need_wgrad):
         fp8_state.record_backward(plan.metas["grad"], None, plan.group)
     dx2d = dw = None
     if need_dgrad and plan.stand_in:
-        stand_in = ctx.saved_weight
-        dx2d = _fp8_weight_gemm(
-            dy_row.data, dy_row.scale_inv, stand_in, "columnwise", 0, 0, ctx.x_dtype, False
-        )
+        dx2d = _stand_in_gemm(dy_row, ctx.saved_weight, "columnwise", ctx.x_dtype, False)
     elif need_dgrad:
         w_t = ctx.saved_weight
         if isinstance(w_t, QuantizedTensor):
@@ -556,18 +473,15 @@ def prepare_for_compile(module: nn.Module) -> None:
     module.register_forward_pre_hook(refresh)
 
 
-def _stand_in_gemm(a: Fp8Operand, stand_in, usage: str, out_dtype, accumulate: str):
-    """megatron_fp8::fp8_weight_gemm for a reference-path operand (uint8 bytes + block shape)."""
-    return _fp8_weight_gemm(
-        a.data.view(a.fp8_dtype),
-        a.scale_inv,
-        stand_in,
-        usage,
-        a.block_rows,
-        a.block_cols,
-        out_dtype,
-        accumulate == "fast",
-    )
+def _stand_in_gemm(a, stand_in, usage: str, out_dtype, fast_accum: bool):
+    """megatron_fp8::fp8_weight_gemm of either backend's operand: the fused path's (FP8 data,
+    scales in cuBLAS's layout, or MXFP8's dequantized values) or the reference's
+    (`Fp8Operand`: uint8 bytes and the block cell)."""
+    if isinstance(a, Fp8Operand):
+        data, rows, cols = a.data.view(a.fp8_dtype), a.block_rows, a.block_cols
+    else:
+        data, rows, cols = a.data, 0, 0
+    return _fp8_weight_gemm(data, a.scale_inv, stand_in, usage, rows, cols, out_dtype, fast_accum)
 
 
 @torch.library.custom_op("megatron_fp8::fp8_weight_gemm", mutates_args=())
@@ -586,17 +500,17 @@ def _fp8_weight_gemm(
     layout, or MXFP8's dequantized values) or on the reference path FP8 data with its block
     shape (a_block_rows, a_block_cols)."""
     weight = _stand_in_weight(stand_in)
-    ops = _fused_cuda_ops()
-    if ops is not None and ops.available(a_data):
+    fused = _fused_ops_run(a_data)
+    ops = _backend(fused)
+    if fused:
         compute_dtype = a_data.dtype if weight.spec.fused_linear_emulates else torch.float32
-        b = ops.weight_operand(weight, usage, compute_dtype=compute_dtype)
         a = ops.GemmOperand(a_data, a_scale_inv)
-        out = ops.gemm(a, b, recipe=weight.recipe, out_dtype=out_dtype, fast_accum=fast_accum)
     else:
+        compute_dtype = torch.float32
         cell = (a_block_rows, a_block_cols)
         a = Fp8Operand(a_data.view(torch.uint8), a_scale_inv, weight.recipe, a_data.dtype, *cell)
-        accumulate = "fast" if fast_accum else "split"
-        out = fp8_gemm(a, weight.gemm_operand(usage), out_dtype=out_dtype, accumulate=accumulate)
+    b = ops.weight_operand(weight, usage, compute_dtype=compute_dtype)
+    out = ops.gemm(a, b, recipe=weight.recipe, out_dtype=out_dtype, fast_accum=fast_accum)
     return out.contiguous()
 
 

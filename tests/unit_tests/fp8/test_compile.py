@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.core.fp8 import Fp8Config, fp8_autocast, quantized_model_init
+from megatron.core.fp8 import Fp8Config, fp8_autocast, quantized_model_init, reference_ops
 from megatron.core.fp8.cuda import linear_ops
 from megatron.core.fp8.cuda.linear_ops import GemmOperand
+from megatron.core.fp8.gemm import fp8_gemm
 from megatron.core.fp8.linear import prepare_for_compile
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -39,6 +40,55 @@ def test_gemm_op_passes_opcheck_on_cpu():
     x = torch.randn(32, 64, generator=generator).to(torch.bfloat16)
     w = torch.randn(48, 64, generator=generator).to(torch.bfloat16)
     torch.library.opcheck(linear_ops._gemm_op, (x, None, w, None, "mxfp8", torch.float32, False))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("role", ["input", "weight"])
+def test_reference_ops_pass_opcheck(recipe: str, role: str):
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(96, 256, generator=generator).to(torch.bfloat16)
+    delayed = recipe == "delayed"
+    scale = torch.tensor(3.0) if delayed else None
+    history = torch.zeros(4) if delayed else None
+    power_2 = recipe in ("blockwise", "mxfp8")
+    args = (x, recipe, E4M3, role, True, True, power_2, scale, history)
+    torch.library.opcheck(reference_ops._quantize_operands_op, args)
+    operands = {}
+    for name, tensor, tensor_role in (("a", x, "input"), ("b", x[:64], "weight")):
+        operands[name] = reference_ops.quantize_operands(
+            tensor,
+            recipe=recipe,
+            fp8_dtype=E4M3,
+            role=tensor_role,
+            rowwise=True,
+            transposed=True,
+            power_2_scale=power_2,
+            scale=scale,
+        )
+    (a, a_t), (b, _) = operands["a"], operands["b"]
+    assert a.data.shape == (96, 256) and a_t.data.shape == (256, 96)
+    cells = [a.block_rows, a.block_cols, b.block_rows, b.block_cols]
+    # The fake and dispatch only: the schema check writes into FP8 inputs, which FP8 lacks ops for.
+    torch.library.opcheck(
+        reference_ops._gemm_op,
+        (
+            a.data,
+            a.scale_inv,
+            b.data,
+            b.scale_inv,
+            recipe,
+            E4M3,
+            E4M3,
+            cells,
+            torch.float32,
+            "split",
+        ),
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+    expected = fp8_gemm(a, b, out_dtype=torch.float32)
+    assert torch.equal(
+        reference_ops.gemm(a, b, recipe=recipe, out_dtype=torch.float32, fast_accum=False), expected
+    )
 
 
 def test_gemm_op_fake_gives_the_output_shape_and_dtype():
@@ -99,10 +149,10 @@ def _layer_config(recipe: str) -> TransformerConfig:
     )
 
 
-def _fp8_layer(recipe: str, *, fp8_params: bool) -> TransformerLayer:
+def _fp8_layer(recipe: str, *, fp8_params: bool, device: str = "cuda") -> TransformerLayer:
     config = _layer_config(recipe)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         if fp8_params:
             with quantized_model_init(recipe, preserve_high_precision_init_val=True):
                 return TransformerLayer(config, layer_number=1)
@@ -133,9 +183,13 @@ DELAYED_BREAKS = pytest.mark.xfail(
     ],
 )
 def test_layer_compiles_without_graph_breaks_and_equals_eager(recipe: str, fp8_params: bool):
-    layer = _fp8_layer(recipe, fp8_params=fp8_params)
+    _check_layer_compiles(recipe, fp8_params, device="cuda", tokens=256)
+
+
+def _check_layer_compiles(recipe: str, fp8_params: bool, *, device: str, tokens: int) -> None:
+    layer = _fp8_layer(recipe, fp8_params=fp8_params, device=device)
     prepare_for_compile(layer)  # as model_setup.compile_layers does
-    x = torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(2, tokens, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
 
     config = layer.mlp.linear_fc1.fp8_config
     # As in training: fp8_autocast around the model call, the layer's forward compiled
@@ -155,7 +209,9 @@ def test_layer_compiles_without_graph_breaks_and_equals_eager(recipe: str, fp8_p
     # Eager and compiled runs each start from a fresh, identical layer: delayed scaling's state
     # (amax history, scales) moves with every forward, the explain run's included, and the
     # two runs must quantize with the same scales to be comparable.
-    eager_layer, compiled_layer = (_fp8_layer(recipe, fp8_params=fp8_params) for _ in range(2))
+    eager_layer, compiled_layer = (
+        _fp8_layer(recipe, fp8_params=fp8_params, device=device) for _ in range(2)
+    )
     prepare_for_compile(compiled_layer)
     weights, compiled_weights = _linear_weights(eager_layer), _linear_weights(compiled_layer)
     assert all(weight.requires_grad for weight in weights + compiled_weights)
@@ -185,6 +241,21 @@ def test_layer_compiles_without_graph_breaks_and_equals_eager(recipe: str, fp8_p
         f"grad {grad_error:.4f}"
     )
     assert output_error < 0.03 and grad_error < 0.06
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recipe, fp8_params",
+    [
+        pytest.param("delayed", False, marks=DELAYED_BREAKS),
+        *[(recipe, False) for recipe in ("tensorwise", "blockwise", "mxfp8")],
+        *[(recipe, True) for recipe in ("tensorwise", "delayed", "blockwise", "mxfp8")],
+    ],
+)
+def test_layer_compiles_without_graph_breaks_and_equals_eager_on_cpu(recipe: str, fp8_params: bool):
+    # CPU twin of the GPU test: the reference backend (reference_ops) behind the same
+    # Fp8Linear forward, its quantization and GEMM custom ops in the graph.
+    _check_layer_compiles(recipe, fp8_params, device="cpu", tokens=64)
 
 
 def _linear_weights(layer: TransformerLayer) -> list[torch.Tensor]:

@@ -1,0 +1,203 @@
+"""GEMM-ready FP8 operands for Fp8Linear on any device: the pure-PyTorch reference behind the
+interface of the fused CUDA path (`megatron.core.fp8.cuda.linear_ops`).
+
+Fp8Linear runs one forward and one backward; which backend serves it is decided in one place
+(`linear._backend`): the fused CUDA kernels where they run, this module elsewhere (CPU, CUDA
+without Triton). Both give the operands the GEMMs of FP8_NUMERICS.md read ("Which copy each
+GEMM reads"), as (rowwise operand [M, K], transposed operand [K, M]), and multiply them with
+`gemm`. Here an operand is an `Fp8Operand` (uint8 bytes, scale grid, block cell): the rowwise
+operand is `quantize(...)`'s rowwise copy, the transposed one what
+`QuantizedTensor.gemm_operand("columnwise")` returns (a transpose of the rowwise bytes for
+per-tensor and 128x128 cells, the separately quantized columnwise copy for 1-D blocks), and
+`gemm` is `fp8_gemm`. So the bytes and products equal `quantize` and `fp8_gemm` exactly.
+
+Under torch.compile both steps are custom ops (`megatron_fp8::quantize_operands_reference`,
+`megatron_fp8::gemm_reference`), opaque to the compiler: it traces no QuantizedTensor (not a
+traceable tensor subclass: each construction was a graph break) and computes the same values
+as eager.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.fp8.gemm import fp8_gemm
+from megatron.core.fp8.quantization import quantize
+from megatron.core.fp8.quantized_tensor import Fp8Operand
+from megatron.core.fp8.recipe import recipe_spec
+
+
+def available(x: torch.Tensor) -> bool:
+    """The reference runs on every device."""
+    return True
+
+
+def emulation_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """The reference GEMM dequantizes in fp32 itself; operands stay FP8 bytes."""
+    return torch.float32
+
+
+def quantize_operands(
+    x2d: torch.Tensor,
+    *,
+    recipe: str,
+    fp8_dtype: torch.dtype,
+    role: str,
+    rowwise: bool,
+    transposed: bool,
+    power_2_scale: bool,
+    scale: torch.Tensor | None = None,
+    amax_history: torch.Tensor | None = None,
+    dequant_dtype: torch.dtype | None = None,
+) -> tuple[Fp8Operand | None, Fp8Operand | None]:
+    """(rowwise operand, transposed operand) of a 2-D tensor, each None when not asked for;
+    the arguments mean what they mean for `linear_ops.quantize_operands` (dequant_dtype is
+    not used: no operand here is dequantized). delayed: max|x| is maxed into
+    `amax_history[0]` when the history is given."""
+    spec = recipe_spec(recipe)
+    if not spec.delayed:
+        scale = amax_history = None  # only the delayed recipe reads a scale or records
+    args = (x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history)
+    if torch.compiler.is_compiling():
+        row_data, row_scale, t_data, t_scale = _quantize_operands_op(*args)
+    else:
+        row_data, row_scale, t_data, t_scale = _quantize_operands(*args)
+    cell = spec.block_shape(role, columnwise=False) or (0, 0)
+    # Both operands contract over their last dim in cells of the rowwise shape (a columnwise
+    # Bx1 copy, transposed, has 1xB cells).
+    row = Fp8Operand(row_data, row_scale, recipe, fp8_dtype, *cell) if rowwise else None
+    col = Fp8Operand(t_data, t_scale, recipe, fp8_dtype, *cell) if transposed else None
+    return row, col
+
+
+def _quantize_operands(
+    x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history
+):
+    spec = recipe_spec(recipe)
+    qt = quantize(
+        x2d,
+        recipe=recipe,
+        fp8_dtype=fp8_dtype,
+        role=role,
+        # The transposed operand of per-tensor and 128x128 cells is the rowwise bytes'.
+        rowwise=rowwise or (transposed and spec.transposes_rowwise(role)),
+        columnwise=transposed and spec.columnwise_copy(role),
+        scale=scale,
+        power_2_scale=power_2_scale,
+        backend="reference",
+    )
+    if amax_history is not None:
+        amax_history[0] = torch.maximum(amax_history[0], qt.amax.to(amax_history.dtype))
+    row = qt.gemm_operand("rowwise") if rowwise else None
+    col = qt.gemm_operand("columnwise") if transposed else None
+    outputs = []
+    for operand in (row, col):
+        pair = (operand.data, operand.scale_inv) if operand is not None else (None, None)
+        outputs += [x2d.new_empty(0, dtype=torch.uint8) if t is None else t for t in pair]
+    return _distinct(outputs)
+
+
+def _distinct(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The tensors, each copied that shares storage with an earlier one: a custom op's outputs
+    may not alias each other, and a transposed operand can be a view of the rowwise one (the
+    per-tensor scale; a transpose that `.contiguous()` leaves a view, as of a one-block grid)."""
+    seen: set[int] = set()
+    result = []
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() in seen:
+            tensor = tensor.clone()
+        if tensor.untyped_storage().nbytes():
+            seen.add(tensor.untyped_storage().data_ptr())
+        result.append(tensor)
+    return tuple(result)
+
+
+@torch.library.custom_op(
+    "megatron_fp8::quantize_operands_reference", mutates_args=("amax_history",)
+)
+def _quantize_operands_op(
+    x2d: torch.Tensor,
+    recipe: str,
+    fp8_dtype: torch.dtype,
+    role: str,
+    rowwise: bool,
+    transposed: bool,
+    power_2_scale: bool,
+    scale: torch.Tensor | None,
+    amax_history: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_operands(
+        x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history
+    )
+
+
+@_quantize_operands_op.register_fake
+def _(x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history):
+    spec = recipe_spec(recipe)
+    rows, cols = x2d.shape
+    cell = spec.block_shape(role, columnwise=False)
+
+    def operand(r: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        data = x2d.new_empty((r, c), dtype=torch.uint8)
+        grid = () if cell is None else (-(-r // cell[0]), -(-c // cell[1]))
+        return data, x2d.new_empty(grid, dtype=spec.scale_dtype)
+
+    empty = x2d.new_empty(0, dtype=torch.uint8)
+    row = operand(rows, cols) if rowwise else (empty, empty)
+    col = operand(cols, rows) if transposed else (empty, empty)
+    return (*row, *col)
+
+
+def weight_operand(weight, usage: str, *, compute_dtype: torch.dtype) -> Fp8Operand:
+    """The operand of an FP8 parameter (a QuantizedTensor): "rowwise" for fprop,
+    "columnwise" (the [K, N] transpose) for dgrad."""
+    return weight.gemm_operand(usage)
+
+
+def gemm(
+    a: Fp8Operand, b: Fp8Operand, *, recipe: str, out_dtype: torch.dtype, fast_accum: bool
+) -> torch.Tensor:
+    """[rows_a, rows_b] = A B^T (`fp8_gemm`), both contracted over their last dim; under
+    torch.compile the custom op megatron_fp8::gemm_reference."""
+    accumulate = "fast" if fast_accum else "split"
+    if not torch.compiler.is_compiling():
+        return fp8_gemm(a, b, out_dtype=out_dtype, accumulate=accumulate)
+    return _gemm_op(
+        a.data,
+        a.scale_inv,
+        b.data,
+        b.scale_inv,
+        recipe,
+        a.fp8_dtype,
+        b.fp8_dtype,
+        [a.block_rows, a.block_cols, b.block_rows, b.block_cols],
+        out_dtype,
+        accumulate,
+    )
+
+
+@torch.library.custom_op("megatron_fp8::gemm_reference", mutates_args=())
+def _gemm_op(
+    a_data: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    recipe: str,
+    a_fp8_dtype: torch.dtype,
+    b_fp8_dtype: torch.dtype,
+    cells: list[int],
+    out_dtype: torch.dtype,
+    accumulate: str,
+) -> torch.Tensor:
+    """fp8_gemm of two operands given as tensors; cells: (rows, cols) of a's then b's block."""
+    a = Fp8Operand(a_data, a_scale_inv, recipe, a_fp8_dtype, cells[0], cells[1])
+    b = Fp8Operand(b_data, b_scale_inv, recipe, b_fp8_dtype, cells[2], cells[3])
+    return fp8_gemm(a, b, out_dtype=out_dtype, accumulate=accumulate).contiguous()
+
+
+@_gemm_op.register_fake
+def _(
+    a_data, a_scale_inv, b_data, b_scale_inv, recipe, a_dtype, b_dtype, cells, out_dtype, accumulate
+):
+    return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
