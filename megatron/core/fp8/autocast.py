@@ -245,7 +245,19 @@ def record_backward(meta: ScalingMeta, amax: torch.Tensor | None, group) -> None
     backward pass ends."""
     if amax is not None:
         meta.record(amax)
+    expect_backward(meta, group)
+    queue_backward_flush()
+
+
+def expect_backward(meta: ScalingMeta, group) -> None:
+    """Mark a grad meta for the next backward flush (its amax is recorded as the grad is
+    quantized). Called by `record_backward`, or before a compiled forward whose backward
+    cannot run Python (`Fp8Linear.before_compiled_forward`)."""
     _backward_pending.setdefault(id(group), (group, {}))[1][id(meta)] = meta
+
+
+def queue_backward_flush() -> None:
+    """From inside a backward pass: flush the pending grad metas once, when it ends."""
     task = torch._C._current_graph_task_id()
     if _backward_callback_task[0] != task:
         torch.autograd.Variable._execution_engine.queue_callback(_flush_backward)

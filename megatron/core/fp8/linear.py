@@ -10,6 +10,13 @@ never the high-precision input. The weight is either a high-precision nn.Paramet
 every forward, or (built under `quantized_model_init`) a QuantizedTensor parameter whose bytes
 the optimizer / FSDP engine rewrites in place.
 
+One forward and one backward serve every device: the operands are quantized and multiplied by
+a backend chosen in one place (`_backend`), the fused CUDA kernels (`cuda/linear_ops.py`)
+where they run and the pure-PyTorch reference (`reference_ops.py`) elsewhere, both with one
+interface (quantize_operands, weight_operand, gemm). Under torch.compile, a layer prepared with
+`prepare_for_compile` compiles with no graph break for every recipe: FP8 weights enter the
+graph as stand-ins, and delayed scaling's Python bookkeeping runs in the layer's eager hooks.
+
 Gradient hook point for FP8 weights: the weight gradient is returned to autograd in the
 weight's high-precision dtype, so it lands in `weight.grad` through AccumulateGrad. The FSDP
 engine routes it into its grad buffer with `weight.register_post_accumulate_grad_hook(hook)`
@@ -46,6 +53,9 @@ class _Plan:
     record: bool
     group: object
     stand_in: bool = False
+    bookkept_outside: bool = False
+    """Delayed scaling's amax bookkeeping (flush scheduling) is done by prepare_for_compile's
+    hooks, eagerly around the compiled forward; this call only records amaxes in its ops."""
     """The weight argument is an FP8 parameter's stand-in (compiled graphs, see
     `Fp8Linear.refresh_weight_stand_in`): its GEMMs go through megatron_fp8::fp8_weight_gemm."""
 
@@ -172,7 +182,7 @@ def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
             compute_dtype=compute_dtype,
         )
         ctx.saved_weight = w_t
-    if plan.record:
+    if plan.record and not plan.bookkept_outside:
         fp8_state.forward_recorded(plan.metas["input"])
         if not fp8_weight:
             fp8_state.forward_recorded(plan.metas["weight"])
@@ -198,7 +208,7 @@ def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
         record=record,
         compute_dtype=ctx.compute_dtype,
     )
-    if record:
+    if record and not plan.bookkept_outside:
         # Recorded even for a recomputed graph (reentrant checkpoint): its backward is real.
         fp8_state.record_backward(plan.metas["grad"], None, plan.group)
     dx2d = dw = None
@@ -240,6 +250,10 @@ class Fp8Linear(nn.Module):
         self._init_like_nn_linear(weight)
         self.delayed_scaling = None
         self._weight_stand_in: torch.Tensor | None = None
+        # Set by prepare_for_compile's pre-forward hook for the forward that follows: whether
+        # it is an activation recompute (asked eagerly); None outside such a forward.
+        self._hooked_recompute: bool | None = None
+        self._flush_after_forward: list = []
         self._weight_stand_in_spec: RecipeSpec | None = None
         self._first_forward: tuple = (True, fp8_config, None)
         self._first_forward_in_autocast = False
@@ -301,8 +315,7 @@ class Fp8Linear(nn.Module):
 
     def refresh_weight_stand_in(self) -> None:
         """Give an FP8 parameter its stand-in for compiled graphs, or a new one when the
-        weight's shape, dtype, device or requires_grad changed; none for other weights and
-        for delayed scaling (whose forward stays outside the graph).
+        weight's shape, dtype, device or requires_grad changed; none for other weights.
 
         A QuantizedTensor cannot enter a compiled graph (COMPILED_FP8_PARAMS_RUN_EAGERLY), so
         the graph takes the stand-in in its place: a plain leaf tensor of the weight's shape
@@ -313,11 +326,7 @@ class Fp8Linear(nn.Module):
         post-accumulate-grad hook (`weight.grad`, then the weight's own hooks). Runs eagerly:
         `prepare_for_compile` calls it before each compiled forward."""
         weight = self.weight
-        if (
-            not isinstance(weight, QuantizedTensor)
-            or weight.device.type == "meta"
-            or weight.spec.delayed  # its amax bookkeeping keeps the forward outside the graph
-        ):
+        if not isinstance(weight, QuantizedTensor) or weight.device.type == "meta":
             self._weight_stand_in = self._weight_stand_in_spec = None
             return
         current = self._weight_stand_in
@@ -337,15 +346,53 @@ class Fp8Linear(nn.Module):
         _register_stand_in(stand_in, self)
         self._weight_stand_in, self._weight_stand_in_spec = stand_in, weight.spec
 
+    def before_compiled_forward(self) -> None:
+        """Eager bookkeeping for the forward that follows (`prepare_for_compile`'s pre-forward
+        hook): refresh the weight stand-in, ask the autograd engine whether this forward is a
+        recompute, and for delayed scaling schedule what the compiled forward and backward
+        cannot (Python side effects): the forward flush of the input (and weight) metas and
+        the grad meta's place in the next backward flush, which the unit's output hook queues.
+        The compiled call only records amaxes, inside its quantization ops."""
+        self.refresh_weight_stand_in()
+        recompute = fp8_state.in_recompute()
+        self._hooked_recompute = recompute
+        frame = fp8_state.current_autocast()
+        enabled = frame.enabled if frame is not None else True
+        config = (frame.fp8_config if frame is not None else None) or self.fp8_config
+        if recompute or not enabled or not config.spec.delayed or self.delayed_scaling is None:
+            return
+        metas = self.delayed_scaling.metas
+        roles = ("input",) if isinstance(self.weight, QuantizedTensor) else ("input", "weight")
+        if frame is not None:
+            for role in roles:
+                fp8_state.forward_recorded(metas[role])  # flushed when the autocast exits
+        else:
+            self._flush_after_forward = [metas[role] for role in roles]
+        if torch.is_grad_enabled():
+            fp8_state.expect_backward(metas["grad"], frame.group if frame is not None else None)
+
+    def after_compiled_forward(self) -> bool:
+        """The post-forward half: flush outside an autocast (as an eager forward would) and
+        forget the hooked state; whether a backward flush is expected."""
+        if self._flush_after_forward:
+            fp8_state.reduce_and_update(self._flush_after_forward, None)
+            self._flush_after_forward = []
+        expects = (
+            self._hooked_recompute is False
+            and self.delayed_scaling is not None
+            and torch.is_grad_enabled()
+        )
+        self._hooked_recompute = None
+        return expects
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, QuantizedTensor) and torch.compiler.is_compiling():
             stand_in = self._weight_stand_in
             if stand_in is not None:
                 return self._forward(x, stand_in=stand_in)
             if COMPILED_FP8_PARAMS_RUN_EAGERLY:
-                # No stand-in (not prepared for compile), or delayed scaling (its amax
-                # bookkeeping breaks the graph): the whole forward in one eager call, one
-                # graph break per Linear rather than one more for in_recompute.
+                # No stand-in (not prepared for compile): the whole forward in one eager
+                # call, one graph break per Linear rather than one more for in_recompute.
                 return _fp8_param_forward_outside_the_graph(self, x)
         return self._forward(x)
 
@@ -355,7 +402,12 @@ class Fp8Linear(nn.Module):
                 f"Fp8Linear expects input [..., {self.in_features}], got {tuple(x.shape)}"
             )
         frame = fp8_state.current_autocast()
-        if torch.compiler.is_compiling() and not self.fp8_config.spec.delayed:
+        hooked = self._hooked_recompute is not None
+        if hooked:
+            # prepare_for_compile's hook asked the engine (a graph break if asked here) and
+            # scheduled the delayed-scaling flushes.
+            recompute = self._hooked_recompute
+        elif torch.compiler.is_compiling() and not self.fp8_config.spec.delayed:
             # Reading the autograd engine's task id is a graph break. Compiled, a call outside
             # any fp8_autocast replays the first forward's settings, which in training is the
             # backward's recompute (training runs under fp8_autocast); these recipes keep no
@@ -391,6 +443,7 @@ class Fp8Linear(nn.Module):
                 f"for '{config.recipe}'; build the model under the same recipe"
             )
         plan = self._plan(config, recompute, group, x.device)
+        plan.bookkept_outside = hooked
         if stand_in is not None:
             plan.stand_in = True
             return _Fp8LinearFunction.apply(x, stand_in, self.bias, plan)
@@ -399,8 +452,8 @@ class Fp8Linear(nn.Module):
 
 COMPILED_FP8_PARAMS_RUN_EAGERLY = True
 """Under torch.compile, an Fp8Linear whose weight is an FP8 parameter (a QuantizedTensor) and
-that has no weight stand-in (`prepare_for_compile` was not called) or scales with the delayed
-recipe runs its forward outside the compiled graph (a graph break on each side). The
+that has no weight stand-in (`prepare_for_compile` was not called) runs its forward outside
+the compiled graph (a graph break on each side). The
 QuantizedTensor itself must not be traced: the compiled backward dropped those weights' grads on
 CUDA, because QuantizedTensor is not a traceable tensor subclass, so the compiled graph does not
 see the parameter as needing a grad, skips the wgrad GEMM and never delivers the grad
@@ -460,17 +513,39 @@ def _deliver_stand_in_grad(stand_in: torch.Tensor) -> None:
 
 
 def prepare_for_compile(module: nn.Module) -> None:
-    """Before each forward of `module` (whose forward is compiled), refresh the weight
-    stand-ins of its FP8-parameter Fp8Linears (`Fp8Linear.refresh_weight_stand_in`), so that
-    they run inside the compiled graph. Register before the FSDP engine's hooks; the refresh
-    reads only the weights' shapes, so it needs no gathered bytes."""
+    """Hooks that run eagerly around each forward of `module` (whose forward is compiled)
+    what a compiled graph cannot: before it, each Fp8Linear's `before_compiled_forward`
+    (weight stand-ins, the recompute question, delayed scaling's flush scheduling); after it,
+    the forward flush outside an autocast and, when a backward will follow, a hook on the
+    outputs that queues delayed scaling's backward flush once the backward reaches the unit.
+    With the hooks the unit's Fp8Linears compile without graph breaks. Register them before
+    the FSDP engine's hooks; they read no weight bytes."""
 
-    def refresh(unit: nn.Module, args) -> None:
-        for child in unit.modules():
-            if isinstance(child, Fp8Linear):
-                child.refresh_weight_stand_in()
+    def linears(unit: nn.Module) -> list[Fp8Linear]:
+        return [child for child in unit.modules() if isinstance(child, Fp8Linear)]
 
-    module.register_forward_pre_hook(refresh)
+    def before(unit: nn.Module, args) -> None:
+        for linear in linears(unit):
+            linear.before_compiled_forward()
+
+    def after(unit: nn.Module, args, output) -> None:
+        expects_backward = [linear.after_compiled_forward() for linear in linears(unit)]
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        if any(expects_backward) and outputs:
+            torch.autograd.graph.register_multi_grad_hook(
+                outputs, lambda grads: fp8_state.queue_backward_flush(), mode="any"
+            )
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def _stand_in_gemm(a, stand_in, usage: str, out_dtype, fast_accum: bool):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from megatron.core.fp8 import Fp8Config, fp8_autocast, quantized_model_init, reference_ops
 from megatron.core.fp8.cuda import linear_ops
@@ -163,56 +164,28 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-DELAYED_BREAKS = pytest.mark.xfail(
-    strict=True,
-    reason="delayed scaling still breaks the graph (in_recompute reads the autograd engine's "
-    "task; the backward amax flush queues an engine callback): issue 19",
-)
+LAYER_CASES = [(recipe, fp8_params) for recipe in RECIPES for fp8_params in (False, True)]
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize(
-    "recipe, fp8_params",
-    [
-        pytest.param("delayed", False, marks=DELAYED_BREAKS),
-        *[(recipe, False) for recipe in ("tensorwise", "blockwise", "mxfp8")],
-        # FP8-parameter Linears run inside the graph through their weights' stand-ins, but
-        # delayed scaling's run their whole forward outside it.
-        *[(recipe, True) for recipe in ("tensorwise", "delayed", "blockwise", "mxfp8")],
-    ],
-)
+@pytest.mark.parametrize("recipe, fp8_params", LAYER_CASES)
 def test_layer_compiles_without_graph_breaks_and_equals_eager(recipe: str, fp8_params: bool):
     _check_layer_compiles(recipe, fp8_params, device="cuda", tokens=256)
 
 
 def _check_layer_compiles(recipe: str, fp8_params: bool, *, device: str, tokens: int) -> None:
-    layer = _fp8_layer(recipe, fp8_params=fp8_params, device=device)
-    prepare_for_compile(layer)  # as model_setup.compile_layers does
     x = torch.randn(2, tokens, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
-
-    config = layer.mlp.linear_fc1.fp8_config
-    # As in training: fp8_autocast around the model call, the layer's forward compiled
-    # (model_setup.compile_layers).
-    torch._dynamo.reset()
-    with fp8_autocast(enabled=True, fp8_config=config):
-        layer(x)  # eager: the pre-forward hook gives FP8 weights their stand-ins
-        explanation = torch._dynamo.explain(layer.forward)(x)
-    # Delayed scaling's FP8-parameter Linears run outside the graph
-    # (linear.COMPILED_FP8_PARAMS_RUN_EAGERLY): the only breaks are at those calls.
-    reasons = [reason.reason for reason in explanation.break_reasons]
-    if fp8_params and recipe == "delayed":
-        assert explanation.graph_break_count >= 4, reasons
-        assert all("disable()" in reason for reason in reasons), reasons
-    else:
-        assert explanation.graph_break_count == 0, reasons
-    # Eager and compiled runs each start from a fresh, identical layer: delayed scaling's state
-    # (amax history, scales) moves with every forward, the explain run's included, and the
-    # two runs must quantize with the same scales to be comparable.
+    config = Fp8Config(recipe=recipe, fp8_format="hybrid")
+    # Eager and compiled runs each start from a fresh, identical layer (delayed scaling's
+    # state moves with every forward). The compiled one as in training: its forward compiled
+    # and prepared (model_setup.compile_layers), called as a module under fp8_autocast, so
+    # prepare_for_compile's hooks run eagerly around the graph.
     eager_layer, compiled_layer = (
         _fp8_layer(recipe, fp8_params=fp8_params, device=device) for _ in range(2)
     )
     prepare_for_compile(compiled_layer)
+    compiled_layer.forward = torch.compile(compiled_layer.forward)
     weights, compiled_weights = _linear_weights(eager_layer), _linear_weights(compiled_layer)
     assert all(weight.requires_grad for weight in weights + compiled_weights)
     # backward(), not autograd.grad: a compiled FP8 weight gets its grad through its stand-in's
@@ -221,10 +194,15 @@ def _check_layer_compiles(recipe: str, fp8_params: bool, *, device: str, tokens:
     with fp8_autocast(enabled=True, fp8_config=config):
         eager = eager_layer(x_eager)
     eager.float().sum().backward()
-    compiled_layer.forward = torch.compile(compiled_layer.forward)
+    torch._dynamo.reset()
+    counters.clear()
     with fp8_autocast(enabled=True, fp8_config=config):
         compiled = compiled_layer(x_compiled)
     compiled.float().sum().backward()
+    # One graph for the whole layer: no graph break, FP8-parameter Linears and delayed
+    # scaling included.
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     grad_eager, grad_compiled = x_eager.grad, x_compiled.grad
     # Every FP8 weight gets its grad (wgrad GEMM) in the compiled backward, as in eager.
     for want, got in zip(weights, compiled_weights, strict=True):
@@ -244,14 +222,7 @@ def _check_layer_compiles(recipe: str, fp8_params: bool, *, device: str, tokens:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "recipe, fp8_params",
-    [
-        pytest.param("delayed", False, marks=DELAYED_BREAKS),
-        *[(recipe, False) for recipe in ("tensorwise", "blockwise", "mxfp8")],
-        *[(recipe, True) for recipe in ("tensorwise", "delayed", "blockwise", "mxfp8")],
-    ],
-)
+@pytest.mark.parametrize("recipe, fp8_params", LAYER_CASES)
 def test_layer_compiles_without_graph_breaks_and_equals_eager_on_cpu(recipe: str, fp8_params: bool):
     # CPU twin of the GPU test: the reference backend (reference_ops) behind the same
     # Fp8Linear forward, its quantization and GEMM custom ops in the graph.

@@ -68,12 +68,8 @@ def test_compiled_fp8_parameters_equal_eager_through_their_stand_ins(recipe: str
         assert torch.equal(compiled[2][name], want), name
     # Every parameter's post-accumulate-grad hook ran once, FP8 weights' included.
     assert compiled[3] == eager[3] == ["0.weight", "2.bias", "2.weight"]
-    if recipe == "delayed":
-        # Delayed scaling keeps its forward outside the graph: no stand-in is read.
-        assert not lookups
-    else:
-        # fprop of both Linears, dgrad of both (x requires grad), one wgrad hand-over each.
-        assert len(lookups) == 6
+    # fprop of both Linears, dgrad of both (x requires grad), one wgrad hand-over each.
+    assert len(lookups) == 6
 
 
 def test_stand_in_has_the_weight_shape_and_one_element_of_storage():
@@ -102,14 +98,11 @@ def test_stand_in_has_the_weight_shape_and_one_element_of_storage():
     assert fp8_linear._stand_in_weight(linear._weight_stand_in) is linear.weight
 
 
-def test_high_precision_and_delayed_weights_have_no_stand_in():
+def test_high_precision_weights_have_no_stand_in():
     config = Fp8Config(recipe="tensorwise", fp8_format="hybrid")
     linear = Fp8Linear(64, 32, bias=False, fp8_config=config)
     linear.refresh_weight_stand_in()
     assert linear._weight_stand_in is None
-    delayed = _model("delayed")[0]
-    delayed.refresh_weight_stand_in()
-    assert delayed._weight_stand_in is None
 
 
 def test_stand_in_grad_accumulates_into_the_weight_and_runs_its_hooks():

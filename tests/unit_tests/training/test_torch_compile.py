@@ -28,8 +28,10 @@ def _losses(argv: list[str]) -> list[float]:
         ([], 1e-5),
         ([*FSDP_FP8, "--fp8-recipe", "tensorwise"], 1e-3),
         ([*FSDP_FP8, "--fp8-recipe", "blockwise"], 1e-3),
+        ([*FSDP_FP8, "--fp8-recipe", "delayed"], 1e-3),
+        (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"], 1e-3),
     ],
-    ids=["fp32", "fp8-tensorwise-fsdp", "fp8-blockwise-fsdp"],
+    ids=["fp32", "fp8-tensorwise-fsdp", "fp8-blockwise-fsdp", "fp8-delayed-fsdp", "fp8-delayed"],
 )
 def test_compiled_training_matches_eager(flags: list[str], tolerance: float, monkeypatch):
     eager = _losses(flags)
@@ -46,9 +48,11 @@ def test_compiled_training_matches_eager(flags: list[str], tolerance: float, mon
         # layers did not each compile their own graph for every call.
         assert counters["stats"]["unique_graphs"] >= 1
         assert counters["stats"]["calls_captured"] >= 1
+        # and each layer is one graph: no graph break, delayed scaling's included.
+        assert not counters["graph_break"], dict(counters["graph_break"])
     finally:
         torch._dynamo.reset()
-    if flags:
+    if "--fp8-param-gather" in flags:
         # FP8 parameters ran inside the compiled graph through their stand-ins: in each of
         # the 4 micro-batches of a step (global batch 8, micro-batch 2), 4 Linears x 2 layers
         # read their weight in fprop and in dgrad and hand over one wgrad.
