@@ -14,6 +14,8 @@ from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
 
 STEPS = 8
 FSDP_FP8 = ["--bf16", "--use-megatron-fsdp", "--fp8-format", "hybrid", "--fp8-param-gather"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+RECOMPUTE += ["--recompute-num-layers", "1"]
 
 
 def _losses(argv: list[str]) -> list[float]:
@@ -30,8 +32,18 @@ def _losses(argv: list[str]) -> list[float]:
         ([*FSDP_FP8, "--fp8-recipe", "blockwise"], 1e-3),
         ([*FSDP_FP8, "--fp8-recipe", "delayed"], 1e-3),
         (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"], 1e-3),
+        # Activation recompute: the recomputed forward is a second graph (the hooks tell it
+        # that it is a recompute), still without a break.
+        ([*FSDP_FP8, "--fp8-recipe", "delayed", *RECOMPUTE], 1e-3),
     ],
-    ids=["fp32", "fp8-tensorwise-fsdp", "fp8-blockwise-fsdp", "fp8-delayed-fsdp", "fp8-delayed"],
+    ids=[
+        "fp32",
+        "fp8-tensorwise-fsdp",
+        "fp8-blockwise-fsdp",
+        "fp8-delayed-fsdp",
+        "fp8-delayed",
+        "fp8-delayed-fsdp-recompute",
+    ],
 )
 def test_compiled_training_matches_eager(flags: list[str], tolerance: float, monkeypatch):
     eager = _losses(flags)
@@ -55,8 +67,10 @@ def test_compiled_training_matches_eager(flags: list[str], tolerance: float, mon
     if "--fp8-param-gather" in flags:
         # FP8 parameters ran inside the compiled graph through their stand-ins: in each of
         # the 4 micro-batches of a step (global batch 8, micro-batch 2), 4 Linears x 2 layers
-        # read their weight in fprop and in dgrad and hand over one wgrad.
-        assert len(lookups) == STEPS * 4 * (2 * 4) * 3, len(lookups)
+        # read their weight in fprop (again in the recomputed fprop) and in dgrad and hand
+        # over one wgrad.
+        per_linear = 4 if "--recompute-granularity" in flags else 3
+        assert len(lookups) == STEPS * 4 * (2 * 4) * per_linear, len(lookups)
     else:
         assert not lookups
     relative = [abs(c - e) / abs(e) for c, e in zip(compiled, eager)]
