@@ -114,8 +114,11 @@ def test_compiled_fp8_params_training_matches_eager_on_gpu(recipe: str):
     flags = [*GPU_GPT, *FSDP_FP8, "--fp8-recipe", recipe]
     eager = run_pretrain(flags)
     torch._dynamo.reset()
+    counters.clear()
     try:
         compiled = run_pretrain([*flags, "--torch-compile"])
+        # Each layer compiled as one graph, FP8 parameters and delayed scaling included.
+        assert not counters["graph_break"], dict(counters["graph_break"])
     finally:
         torch._dynamo.reset()
     for step in range(1, STEPS + 1):
