@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-from megatron.core.fp8 import Fp8Config, fp8_autocast
+from megatron.core.fp8 import Fp8Config
+from megatron.core.fp8.linear import apply_fp8_setup
 from megatron.core.models.gpt import GPTModel, num_floating_point_operations
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.init import init_parameter_
@@ -131,6 +132,8 @@ def build_megatron_fsdp(args, device):
     config = model_config(args, torch.bfloat16)
     with torch.device("meta"):
         model = GPTModel(config)
+    if config.fp8 is not None:  # as pretrain_gpt.py's model setup does (setup_fp8)
+        apply_fp8_setup(model, fp8_config=config.fp8, amax_reduction_group=dist.group.WORLD)
     if args.compile:
         compile_layers(model)  # as pretrain_gpt.py --torch-compile does
     model = FullyShardedDataParallel(
@@ -198,10 +201,7 @@ def convert_torchao_float8(model: torch.nn.Module, recipe: str) -> None:
 def run_step(args, engine, model, optimizer, inputs, labels) -> None:
     if engine == "megatron-fsdp":
         model.zero_grad_buffer()
-        fp8 = model.module.config.fp8
-        group = dist.group.WORLD
-        with fp8_autocast(enabled=fp8 is not None, fp8_config=fp8, amax_reduction_group=group):
-            loss = model(inputs, labels=labels).mean()
+        loss = model(inputs, labels=labels).mean()  # FP8 settings from apply_fp8_setup
         with torch.autograd.set_multithreading_enabled(args.backward_worker_threads):
             loss.backward()
         model.finish_grad_sync()

@@ -7,7 +7,6 @@ or Megatron-FSDP through its adapter. The training loop only sees ModelAndOptimi
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,8 +15,7 @@ from torch import nn
 
 from megatron.core.distributed.data_parallel_mesh import DP_OUTER_DIM, DP_SHARD_DIM
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-from megatron.core.fp8 import fp8_autocast
-from megatron.core.fp8.linear import prepare_for_compile
+from megatron.core.fp8.linear import apply_fp8_setup, prepare_for_compile
 from megatron.core.models.gpt import GPTModel, count_parameters, num_floating_point_operations
 from megatron.core.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
 from megatron.core.optimizer.grad_scaler import GradScaler
@@ -38,9 +36,6 @@ class ModelAndOptimizer:
     config: TransformerConfig
     flops_per_iteration: float
     num_parameters: int
-    fp8_context: Callable[[], contextlib.AbstractContextManager] = field(
-        default=contextlib.nullcontext
-    )
     grad_scaler: GradScaler | None = None
     """--fp16: the loss scale backward runs at (None: no scaling)."""
     last_step: dict = field(default_factory=dict)
@@ -57,12 +52,12 @@ class ModelAndOptimizer:
             finish()
 
 
-def _fp8_context_factory(config: TransformerConfig, env: DistributedEnv) -> Callable:
-    if config.fp8 is None:
-        return contextlib.nullcontext
-    return lambda: fp8_autocast(
-        enabled=True, fp8_config=config.fp8, amax_reduction_group=env.dp_group
-    )
+def setup_fp8(module: GPTModel, config: TransformerConfig, env: DistributedEnv) -> None:
+    """The first step of the model-setup seam: the model's Fp8Linears (built by the Linear
+    factory) run with the recipe settings and share delayed-scaling amaxes over the
+    data-parallel group, given here once rather than by an fp8_autocast around every call."""
+    if config.fp8 is not None:
+        apply_fp8_setup(module, fp8_config=config.fp8, amax_reduction_group=env.dp_group)
 
 
 def compile_layers(module: GPTModel) -> None:
@@ -72,8 +67,8 @@ def compile_layers(module: GPTModel) -> None:
     gathers and releases) run eagerly around the compiled region. Every layer runs the same
     code object and its parameters are graph inputs (dynamo inlines nn.Modules), so identical
     layers share one compiled graph instead of compiling once each. This is the third step of
-    the model-setup seam: FP8 conversion (the Linear factory, at construction), activation
-    recompute (TransformerConfig, read by the block), compile, then sharding.
+    the model-setup seam: FP8 (the Linear factory at construction, then `setup_fp8`),
+    activation recompute (TransformerConfig, read by the block), compile, then sharding.
     """
     for layer in module.decoder.layers:
         layer.forward = torch.compile(layer.forward)
@@ -101,6 +96,7 @@ def _build_ddp(
     module = GPTModel(config, seed=setup.seed).to(env.device)
     if initial_params is not None:
         module.load_state_dict(initial_params, strict=True)
+    setup_fp8(module, config, env)
     if setup.torch_compile:
         compile_layers(module)
     model: nn.Module = module
@@ -129,6 +125,7 @@ def _build_megatron_fsdp(
         module = GPTModel(config, seed=setup.seed).to(env.device)
         if initial_params is not None:
             module.load_state_dict(initial_params, strict=True)
+    setup_fp8(module, config, env)
     if setup.torch_compile:
         compile_layers(module)
 
@@ -177,6 +174,7 @@ def _build_torch_fsdp2(
     config = dataclasses.replace(config, params_dtype=torch.float32)
     with torch.device("meta"):
         module = GPTModel(config, seed=setup.seed)
+    setup_fp8(module, config, env)
     if setup.torch_compile:
         compile_layers(module)
     mesh = init_device_mesh(env.device.type, (env.world_size,))
@@ -222,6 +220,5 @@ def setup_model_and_optimizer(
             config, batch_size=setup.global_batch_size, seq_length=setup.seq_length
         ),
         num_parameters=count_parameters(module),
-        fp8_context=_fp8_context_factory(config, env),
         grad_scaler=build_grad_scaler(setup.loss_scale),
     )

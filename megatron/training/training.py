@@ -230,10 +230,9 @@ def forward_backward(
     Backward runs on this thread unless `worker_threads` (--backward-worker-threads): with
     one GPU per process the autograd engine's device worker thread only adds a hand-off,
     which costs the Python backward of every FP8 layer a thread switch and its wake-up."""
-    with run.fp8_context():
-        token_losses = run.model(
-            batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"]
-        )
+    token_losses = run.model(
+        batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"]
+    )
     mask = batch["loss_mask"]
     if tokens_per_rank is not None:
         loss = (token_losses.float() * mask).sum()
@@ -351,10 +350,9 @@ def evaluate(
             rank=env.rank,
             device=env.device,
         )
-        with run.fp8_context():
-            token_losses = run.model(
-                batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"]
-            )
+        token_losses = run.model(
+            batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"]
+        )
         mask = batch["loss_mask"]
         losses.append((token_losses * mask).sum() / mask.sum().clamp(min=1.0))
     run.model.train()

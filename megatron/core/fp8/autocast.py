@@ -213,23 +213,44 @@ def _fused_delayed_update(histories, scales, settings):
     return delayed_update(histories, scales, **settings)
 
 
-def _schedule_forward_flush(meta: ScalingMeta) -> None:
+@dataclass
+class Fp8Setup:
+    """What a model's Fp8Linears run with outside any fp8_autocast, given once at model setup
+    (`linear.apply_fp8_setup`, the seam in `training/model_setup.py`): the recipe settings and
+    the group whose ranks share delayed-scaling amaxes. Delayed scaling's forward amaxes wait
+    in `pending` until the model's forward ends, then `flush` reduces them in one packed
+    all-reduce, as an autocast's exit does."""
+
+    fp8_config: Fp8Config | None
+    group: dist.ProcessGroup | None
+    pending: dict[int, ScalingMeta] = field(default_factory=dict)
+
+    def flush(self) -> None:
+        metas = list(self.pending.values())
+        self.pending.clear()
+        reduce_and_update(metas, self.group)
+
+
+def _schedule_forward_flush(meta: ScalingMeta, setup: Fp8Setup | None) -> None:
     frame = current_autocast()
-    if frame is None:
-        reduce_and_update([meta], None)
-    else:
+    if frame is not None:
         _frames[0].pending[id(meta)] = meta
+    elif setup is not None:
+        setup.pending[id(meta)] = meta
+    else:
+        reduce_and_update([meta], None)
 
 
-def record_forward(meta: ScalingMeta, amax: torch.Tensor) -> None:
-    """Record a forward amax; flushed at the outermost autocast exit (or now, outside one)."""
+def record_forward(meta: ScalingMeta, amax: torch.Tensor, setup: Fp8Setup | None = None) -> None:
+    """Record a forward amax; flushed at the outermost autocast exit, else at the end of the
+    model's forward (`setup`), else now."""
     meta.record(amax)
-    _schedule_forward_flush(meta)
+    _schedule_forward_flush(meta, setup)
 
 
-def forward_recorded(meta: ScalingMeta) -> None:
+def forward_recorded(meta: ScalingMeta, setup: Fp8Setup | None = None) -> None:
     """A fused kernel already maxed this forward's amax into slot 0: schedule the flush."""
-    _schedule_forward_flush(meta)
+    _schedule_forward_flush(meta, setup)
 
 
 def _flush_backward() -> None:

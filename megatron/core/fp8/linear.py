@@ -52,6 +52,8 @@ class _Plan:
     metas: dict[str, fp8_state.ScalingMeta] | None
     record: bool
     group: object
+    setup: fp8_state.Fp8Setup | None = None
+    """Where delayed forward amaxes wait for their flush outside an autocast (apply_fp8_setup)."""
     stand_in: bool = False
     bookkept_outside: bool = False
     """Delayed scaling's amax bookkeeping (flush scheduling) is done by prepare_for_compile's
@@ -183,9 +185,9 @@ def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
         )
         ctx.saved_weight = w_t
     if plan.record and not plan.bookkept_outside:
-        fp8_state.forward_recorded(plan.metas["input"])
+        fp8_state.forward_recorded(plan.metas["input"], plan.setup)
         if not fp8_weight:
-            fp8_state.forward_recorded(plan.metas["weight"])
+            fp8_state.forward_recorded(plan.metas["weight"], plan.setup)
     ctx.saved_input = x_t
     ctx.compute_dtype = compute_dtype
     fast = plan.spec.fast_accumulation
@@ -257,6 +259,8 @@ class Fp8Linear(nn.Module):
         self._weight_stand_in_spec: RecipeSpec | None = None
         self._first_forward: tuple = (True, fp8_config, None)
         self._first_forward_in_autocast = False
+        self.fp8_setup: fp8_state.Fp8Setup | None = None
+        """The recipe settings and amax group outside an fp8_autocast (`apply_fp8_setup`)."""
         if fp8_config.spec.delayed:
             dtypes = {r: fp8_dtype_for_role(fp8_config.fp8_format, r) for r in ("input", "weight")}
             dtypes["grad"] = fp8_dtype_for_role(fp8_config.fp8_format, "grad")
@@ -346,6 +350,16 @@ class Fp8Linear(nn.Module):
         _register_stand_in(stand_in, self)
         self._weight_stand_in, self._weight_stand_in_spec = stand_in, weight.spec
 
+    def _current_settings(self, frame) -> tuple[bool, Fp8Config, object, object]:
+        """(enabled, config, amax group, setup) of a forward now: an active fp8_autocast's,
+        else the model setup's (`apply_fp8_setup`), else this module's config, ungrouped."""
+        if frame is not None:
+            return frame.enabled, frame.fp8_config or self.fp8_config, frame.group, None
+        setup = self.fp8_setup
+        if setup is not None:
+            return True, setup.fp8_config or self.fp8_config, setup.group, setup
+        return True, self.fp8_config, None, None
+
     def before_compiled_forward(self) -> None:
         """Eager bookkeeping for the forward that follows (`prepare_for_compile`'s pre-forward
         hook): refresh the weight stand-in, ask the autograd engine whether this forward is a
@@ -357,19 +371,18 @@ class Fp8Linear(nn.Module):
         recompute = fp8_state.in_recompute()
         self._hooked_recompute = recompute
         frame = fp8_state.current_autocast()
-        enabled = frame.enabled if frame is not None else True
-        config = (frame.fp8_config if frame is not None else None) or self.fp8_config
+        enabled, config, group, setup = self._current_settings(frame)
         if recompute or not enabled or not config.spec.delayed or self.delayed_scaling is None:
             return
         metas = self.delayed_scaling.metas
         roles = ("input",) if isinstance(self.weight, QuantizedTensor) else ("input", "weight")
-        if frame is not None:
-            for role in roles:
-                fp8_state.forward_recorded(metas[role])  # flushed when the autocast exits
+        if frame is not None or setup is not None:
+            for role in roles:  # flushed when the autocast exits or the model's forward ends
+                fp8_state.forward_recorded(metas[role], setup)
         else:
             self._flush_after_forward = [metas[role] for role in roles]
         if torch.is_grad_enabled():
-            fp8_state.expect_backward(metas["grad"], frame.group if frame is not None else None)
+            fp8_state.expect_backward(metas["grad"], group)
 
     def after_compiled_forward(self) -> bool:
         """The post-forward half: flush outside an autocast (as an eager forward would) and
@@ -415,13 +428,12 @@ class Fp8Linear(nn.Module):
             recompute = frame is None and self._first_forward_in_autocast
         else:
             recompute = fp8_state.in_recompute()
+        setup = None
         if recompute:
             # fp8_autocast is not active during backward: replay the first forward's settings.
             enabled, config, group = self._first_forward
         else:
-            enabled = frame.enabled if frame is not None else True
-            config = (frame.fp8_config if frame is not None else None) or self.fp8_config
-            group = frame.group if frame is not None else None
+            enabled, config, group, setup = self._current_settings(frame)
             self._first_forward = (enabled, config, group)
             self._first_forward_in_autocast = frame is not None
         if not enabled:
@@ -444,6 +456,7 @@ class Fp8Linear(nn.Module):
             )
         plan = self._plan(config, recompute, group, x.device)
         plan.bookkept_outside = hooked
+        plan.setup = setup
         if stand_in is not None:
             plan.stand_in = True
             return _Fp8LinearFunction.apply(x, stand_in, self.bias, plan)
@@ -510,6 +523,27 @@ def _deliver_stand_in_grad(stand_in: torch.Tensor) -> None:
     weight.grad = grad if weight.grad is None else weight.grad + grad
     for hook in list((weight._post_accumulate_grad_hooks or {}).values()):
         hook(weight)
+
+
+def apply_fp8_setup(
+    model: nn.Module, *, fp8_config: Fp8Config | None, amax_reduction_group=None
+) -> fp8_state.Fp8Setup:
+    """The FP8 step of the model-setup seam: every Fp8Linear of `model` runs with `fp8_config`
+    (None: each its own) and shares delayed-scaling amaxes over `amax_reduction_group`, with
+    no fp8_autocast around the model call. Delayed scaling's forward amaxes are flushed when
+    the model's forward ends (one packed all-reduce); its backward flush is unchanged. An
+    fp8_autocast, where one is active, still takes precedence."""
+    setup = fp8_state.Fp8Setup(fp8_config=fp8_config, group=amax_reduction_group)
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.fp8_setup = setup
+
+    def flush(module: nn.Module, args, output) -> None:
+        if fp8_state.current_autocast() is None:
+            setup.flush()
+
+    model.register_forward_hook(flush)
+    return setup
 
 
 def prepare_for_compile(module: nn.Module) -> None:
