@@ -55,11 +55,11 @@ class _Plan:
     setup: fp8_state.Fp8Setup | None = None
     """Where delayed forward amaxes wait for their flush outside an autocast (apply_fp8_setup)."""
     stand_in: bool = False
+    """The weight argument is an FP8 parameter's stand-in (compiled graphs, see
+    `Fp8Linear.refresh_weight_stand_in`): its GEMMs go through megatron_fp8::fp8_weight_gemm."""
     bookkept_outside: bool = False
     """Delayed scaling's amax bookkeeping (flush scheduling) is done by prepare_for_compile's
     hooks, eagerly around the compiled forward; this call only records amaxes in its ops."""
-    """The weight argument is an FP8 parameter's stand-in (compiled graphs, see
-    `Fp8Linear.refresh_weight_stand_in`): its GEMMs go through megatron_fp8::fp8_weight_gemm."""
 
     @property
     def recipe(self) -> str:
