@@ -231,7 +231,9 @@ class Fp8Setup:
         reduce_and_update(metas, self.group)
 
 
-def _schedule_forward_flush(meta: ScalingMeta, setup: Fp8Setup | None) -> None:
+def forward_recorded(meta: ScalingMeta, setup: Fp8Setup | None = None) -> None:
+    """The quantization already maxed this forward's amax into slot 0: schedule the flush, at
+    the outermost autocast exit, else at the end of the model's forward (`setup`), else now."""
     frame = current_autocast()
     if frame is not None:
         _frames[0].pending[id(meta)] = meta
@@ -239,18 +241,6 @@ def _schedule_forward_flush(meta: ScalingMeta, setup: Fp8Setup | None) -> None:
         setup.pending[id(meta)] = meta
     else:
         reduce_and_update([meta], None)
-
-
-def record_forward(meta: ScalingMeta, amax: torch.Tensor, setup: Fp8Setup | None = None) -> None:
-    """Record a forward amax; flushed at the outermost autocast exit, else at the end of the
-    model's forward (`setup`), else now."""
-    meta.record(amax)
-    _schedule_forward_flush(meta, setup)
-
-
-def forward_recorded(meta: ScalingMeta, setup: Fp8Setup | None = None) -> None:
-    """A fused kernel already maxed this forward's amax into slot 0: schedule the flush."""
-    _schedule_forward_flush(meta, setup)
 
 
 def _flush_backward() -> None:
@@ -261,11 +251,9 @@ def _flush_backward() -> None:
         reduce_and_update(list(metas.values()), group)
 
 
-def record_backward(meta: ScalingMeta, amax: torch.Tensor | None, group) -> None:
-    """Record a grad amax (None: a fused kernel already did); flushed once when the running
+def record_backward(meta: ScalingMeta, group) -> None:
+    """The quantization already maxed the grad's amax into slot 0: flush once when the running
     backward pass ends."""
-    if amax is not None:
-        meta.record(amax)
     expect_backward(meta, group)
     queue_backward_flush()
 

@@ -212,7 +212,7 @@ def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
     )
     if record and not plan.bookkept_outside:
         # Recorded even for a recomputed graph (reentrant checkpoint): its backward is real.
-        fp8_state.record_backward(plan.metas["grad"], None, plan.group)
+        fp8_state.record_backward(plan.metas["grad"], plan.group)
     dx2d = dw = None
     if need_dgrad and plan.stand_in:
         dx2d = _stand_in_gemm(dy_row, ctx.saved_weight, "columnwise", ctx.x_dtype, False)

@@ -27,11 +27,6 @@ from megatron.core.fp8.quantized_tensor import Fp8Operand
 from megatron.core.fp8.recipe import recipe_spec
 
 
-def available(x: torch.Tensor) -> bool:
-    """The reference runs on every device."""
-    return True
-
-
 def emulation_dtype(input_dtype: torch.dtype) -> torch.dtype:
     """The reference GEMM dequantizes in fp32 itself; operands stay FP8 bytes."""
     return torch.float32

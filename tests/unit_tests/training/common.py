@@ -31,6 +31,14 @@ TINY_GPT = [
 ]
 
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+# Megatron-FSDP ZeRO-3 saving sharded fsdp_dtensor checkpoints.
+ZERO3_DTENSOR = [
+    "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy",
+    "optim_grads_params",
+    "--ckpt-format",
+    "fsdp_dtensor",
+]
 
 
 def run_pretrain(argv: list[str]):

@@ -26,16 +26,10 @@ from tests.unit_tests.training.common import (
     run_pretrain,
     run_pretrain_on_rank,
 )
+from tests.unit_tests.training.common import ZERO3_DTENSOR as ZERO3
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 SAVE_AT, TOTAL = 3, 13
-ZERO3 = [
-    "--use-megatron-fsdp",
-    "--data-parallel-sharding-strategy",
-    "optim_grads_params",
-    "--ckpt-format",
-    "fsdp_dtensor",
-]
 FP8_PARAMS = ["--fp8-recipe", "tensorwise", "--fp8-param-gather"]
 FP64_GRADS = ["--main-grads-dtype", "fp64"]
 

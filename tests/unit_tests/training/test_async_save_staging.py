@@ -18,14 +18,8 @@ from megatron.core.distributed.fsdp.distributed_optimizer import FsdpDistributed
 from megatron.training.async_checkpoint import AsyncCheckpointSaver
 from megatron.training.checkpoint_staging import HostStaging
 from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
+from tests.unit_tests.training.common import ZERO3_DTENSOR as ZERO3
 
-ZERO3 = [
-    "--use-megatron-fsdp",
-    "--data-parallel-sharding-strategy",
-    "optim_grads_params",
-    "--ckpt-format",
-    "fsdp_dtensor",
-]
 SAVES = [2, 4, 5]  # --save-interval 2 of --train-iters 5, and the last iteration
 # About half a second of GPU time at ~2 GHz: the copies are still queued when the next
 # iteration's optimizer step is issued (a tiny model's forward and backward take milliseconds).
