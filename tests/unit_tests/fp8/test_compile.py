@@ -274,3 +274,59 @@ def test_compiled_operands_equal_eager_bytes(recipe: str):
         assert want.shape == got.shape
         want_bytes, got_bytes = (t.contiguous().reshape(-1).view(torch.uint8) for t in (want, got))
         assert torch.equal(want_bytes, got_bytes)
+
+
+@gpu
+@needs_cuda
+def test_compiled_delayed_recording_equals_eager_with_stacked_histories():
+    # Delayed scaling records max|x| into slot 0 of each history; after a flush the histories
+    # are rows of one stacked tensor (autocast._flush_metas). Compiled, the recording is the
+    # custom op megatron_fp8::quantize_operands_recording: same bytes and records as eager.
+    torch.manual_seed(2)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) * 3
+    dy = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16) * 0.01
+    scale = torch.tensor(11.0, device="cuda")
+    args = (x, "delayed", E4M3, "input", True, True, False, scale, torch.zeros(8, device="cuda"))
+    torch.library.opcheck(linear_ops._recording_op, args)
+
+    def operands(x, dy, histories):
+        out = []
+        for tensor, history, role in ((x, histories[0], "input"), (dy, histories[1], "grad")):
+            row, col = linear_ops.quantize_operands(
+                tensor,
+                recipe="delayed",
+                fp8_dtype=E4M3,
+                role=role,
+                rowwise=True,
+                transposed=True,
+                power_2_scale=False,
+                scale=scale,
+                amax_history=history,
+            )
+            out += [row.data, col.data, row.scale_inv]
+        return out
+
+    stacks = [torch.zeros(2, 8, device="cuda") for _ in range(2)]
+    for stack in stacks:
+        stack[:, 0] = torch.tensor([1e-3, 5.0])  # slot 0 already holds a record
+    eager = operands(x, dy, stacks[0].unbind(0))
+    compiled = torch.compile(operands)(x, dy, stacks[1].unbind(0))
+    for want, got in zip(eager, compiled, strict=True):
+        assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+    # x's max|x| replaced the smaller record; dy's is below the 5.0 already there.
+    assert float(stacks[0][0, 0]) == float(x.abs().max().float())
+    assert float(stacks[0][1, 0]) == 5.0
+    assert torch.equal(stacks[0], stacks[1])
+
+
+def test_recording_op_fake_gives_the_operand_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(96, 64, dtype=torch.bfloat16)
+        history = torch.empty(4)
+        data, data_t, scale_inv = linear_ops._recording_op(
+            x, "delayed", E4M3, "input", True, False, False, torch.empty(()), history
+        )
+    shapes = [(tuple(t.shape), t.dtype) for t in (data, data_t, scale_inv)]
+    assert shapes == [((96, 64), torch.uint8), ((0,), torch.uint8), ((), torch.float32)]

@@ -98,6 +98,8 @@ def quantize_operands(
         dequant_dtype,
     )
     if torch.compiler.is_compiling():
+        if amax_history is not None:
+            return _recording_operands(x2d, key, scale, amax_history)
         # Traced: no data pointers read and no global cache written; every launch goes
         # through Triton's own call, which torch.compile traces (launch.LaunchSite).
         return OperandPlan(*key)(x2d, scale, amax_history, aligned=_alignment_unread)
@@ -107,6 +109,66 @@ def quantize_operands(
             _plans.clear()  # many token counts (e.g. varying sequence lengths): start over
         plan = _plans[key] = OperandPlan(*key)
     return plan(x2d, scale, amax_history)
+
+
+def _recording_operands(x2d, key, scale, amax_history):
+    """Delayed scaling's quantization under torch.compile: the custom op
+    `megatron_fp8::quantize_operands_recording`, which declares the amax history it writes.
+
+    A traced Triton launch that writes the history does not compile once histories are rows
+    of one stacked tensor (after the first flush, `autocast._flush_metas`) and a backward
+    writes rows of the tensor a forward wrote: AOTAutograd's partitioner finds a forward
+    output that depends on the backward. A custom op's declared mutation is functionalized
+    with its base, so forward and backward records stay apart."""
+    recipe, fp8_dtype, role, rowwise, transposed, power_2_scale = key[:6]
+    data, data_t, scale_inv = _recording_op(
+        x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history
+    )
+    row = GemmOperand(data.view(fp8_dtype), scale_inv) if rowwise else None
+    col = GemmOperand(data_t.view(fp8_dtype), scale_inv) if transposed else None
+    return row, col
+
+
+@torch.library.custom_op(
+    "megatron_fp8::quantize_operands_recording", mutates_args=("amax_history",)
+)
+def _recording_op(
+    x2d: torch.Tensor,
+    recipe: str,
+    fp8_dtype: torch.dtype,
+    role: str,
+    rowwise: bool,
+    transposed: bool,
+    power_2_scale: bool,
+    scale: torch.Tensor,
+    amax_history: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rowwise bytes, transposed bytes, scale_inv) as uint8, uint8 and 0-d fp32; a copy not
+    asked for is an empty tensor. Per-tensor recipes only (the ones that record)."""
+    row, col = quantize_operands(
+        x2d,
+        recipe=recipe,
+        fp8_dtype=fp8_dtype,
+        role=role,
+        rowwise=rowwise,
+        transposed=transposed,
+        power_2_scale=power_2_scale,
+        scale=scale,
+        amax_history=amax_history,
+    )
+    empty = x2d.new_empty(0, dtype=torch.uint8)
+    data = row.data.view(torch.uint8) if row is not None else empty
+    data_t = col.data.view(torch.uint8) if col is not None else empty
+    return data, data_t, (row or col).scale_inv
+
+
+@_recording_op.register_fake
+def _(x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history):
+    rows, cols = x2d.shape
+    empty = x2d.new_empty(0, dtype=torch.uint8)
+    data = x2d.new_empty((rows, cols), dtype=torch.uint8) if rowwise else empty
+    data_t = x2d.new_empty((cols, rows), dtype=torch.uint8) if transposed else empty
+    return data, data_t, x2d.new_empty((), dtype=torch.float32)
 
 
 # (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, shape, dtype, device, record,
