@@ -360,14 +360,21 @@ class Fp8Linear(nn.Module):
             return True, setup.fp8_config or self.fp8_config, setup.group, setup
         return True, self.fp8_config, None, None
 
-    def before_compiled_forward(self) -> None:
+    def before_compiled_forward(self, device: torch.device | None = None) -> None:
         """Eager bookkeeping for the forward that follows (`prepare_for_compile`'s pre-forward
-        hook): refresh the weight stand-in, ask the autograd engine whether this forward is a
-        recompute, and for delayed scaling schedule what the compiled forward and backward
-        cannot (Python side effects): the forward flush of the input (and weight) metas and
-        the grad meta's place in the next backward flush, which the unit's output hook queues.
-        The compiled call only records amaxes, inside its quantization ops."""
+        hook, `device` the unit's input's): refresh the weight stand-in, ask the autograd
+        engine whether this forward is a recompute, and for delayed scaling move its state to
+        `device` and schedule what the compiled forward and backward cannot (Python side
+        effects): the forward flush of the input (and weight) metas and the grad meta's place
+        in the next backward flush, which the unit's output hook queues. The compiled call
+        only records amaxes, inside its quantization ops.
+
+        The move must happen here: traced, it would create the histories inside the graph,
+        and a grad history made by the forward and written by the backward does not compile
+        (AOTAutograd's partitioner: a forward output that depends on the backward)."""
         self.refresh_weight_stand_in()
+        if self.delayed_scaling is not None and device is not None:
+            self.delayed_scaling.move_to(device)
         recompute = fp8_state.in_recompute()
         self._hooked_recompute = recompute
         frame = fp8_state.current_autocast()
@@ -559,8 +566,10 @@ def prepare_for_compile(module: nn.Module) -> None:
         return [child for child in unit.modules() if isinstance(child, Fp8Linear)]
 
     def before(unit: nn.Module, args) -> None:
+        inputs = _tensors(args)
+        device = inputs[0].device if inputs else None
         for linear in linears(unit):
-            linear.before_compiled_forward()
+            linear.before_compiled_forward(device)
 
     def after(unit: nn.Module, args, output) -> None:
         expects_backward = [linear.after_compiled_forward() for linear in linears(unit)]
