@@ -12,11 +12,14 @@ grads. Launch:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import resource
 import statistics
 import time
+import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -90,6 +93,14 @@ def parse_args() -> argparse.Namespace:
         metavar="FILE",
         help="after the timed steps, profile 2 more steps (torch.profiler) and write the op "
         "tables (by device time and by host time) to FILE on rank 0",
+    )
+    parser.add_argument(
+        "--sync-report",
+        default=None,
+        metavar="FILE",
+        help="run one more step with CUDA's sync debug mode on and write, to FILE on rank 0, "
+        "every host-device synchronization it made: count and Python stack, most frequent "
+        "first",
     )
     args = parser.parse_args()
     if args.fp8_recipe and args.engine != "megatron-fsdp":
@@ -243,6 +254,33 @@ def profile_steps(args, model, optimizer, inputs, labels, steps: int = 2) -> Non
         out.write(table.table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=70))
 
 
+def sync_report(args, model, optimizer, inputs, labels) -> None:
+    """One step under torch.cuda.set_sync_debug_mode("warn"): each synchronizing call warns
+    from the Python frame that made it; the stacks are counted and written (rank 0)."""
+    stacks: collections.Counter[str] = collections.Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" in str(message):
+            frames = traceback.format_stack(limit=14)[:-1]
+            stacks["".join(frames)] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run_step(args, args.engine, model, optimizer, inputs, labels)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    if dist.get_rank() != 0:
+        return
+    with open(args.sync_report, "w") as out:
+        out.write(f"# {sum(stacks.values())} synchronizations in one step\n")
+        for stack, count in stacks.most_common():
+            out.write(f"\n## {count} x\n{stack}")
+
+
 def _allocation_site(frames: list[dict]) -> str:
     """The innermost frame of this repository's code (else torch's) that made an allocation."""
     for frame in frames:
@@ -332,6 +370,8 @@ def main() -> None:
         profile_steps(args, model, optimizer, inputs, labels)
     if args.memory_report and cuda:
         memory_report(args, model, optimizer, inputs, labels)
+    if args.sync_report and cuda:
+        sync_report(args, model, optimizer, inputs, labels)
     result = {
         "engine": args.engine,
         "fp8_recipe": args.fp8_recipe,

@@ -115,11 +115,12 @@ def _recording_operands(x2d, key, scale, amax_history):
     """Delayed scaling's quantization under torch.compile: the custom op
     `megatron_fp8::quantize_operands_recording`, which declares the amax history it writes.
 
-    A traced Triton launch that writes the history does not compile once histories are rows
-    of one stacked tensor (after the first flush, `autocast._flush_metas`) and a backward
-    writes rows of the tensor a forward wrote: AOTAutograd's partitioner finds a forward
-    output that depends on the backward. A custom op's declared mutation is functionalized
-    with its base, so forward and backward records stay apart."""
+    After a flush each history is a row of one stacked tensor (`autocast.reduce_and_update`).
+    Traced, the Triton launch's write into such a row did not reach the stacked tensor: on
+    the H200 the compiled records differed from eager
+    (`test_compiled_delayed_recording_equals_eager_with_stacked_histories`, run with this
+    op bypassed). A custom op's declared mutation is functionalized with the row's base, and
+    the records equal eager's."""
     recipe, fp8_dtype, role, rowwise, transposed, power_2_scale = key[:6]
     data, data_t, scale_inv = _recording_op(
         x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history
