@@ -191,6 +191,12 @@ def _stacked(tensors: list[torch.Tensor], *, shape: tuple) -> torch.Tensor:
     """torch.stack of the tensors (each reshaped to `shape`), or without a copy the tensor
     they are the rows of, in order: what the previous flush of the same metas left them as
     (`unbind` views of its outputs)."""
+    base = _rows_base(tensors, shape=shape)
+    return base if base is not None else torch.stack([t.reshape(shape) for t in tensors])
+
+
+def _rows_base(tensors: list[torch.Tensor], *, shape: tuple) -> torch.Tensor | None:
+    """The contiguous tensor whose rows, in order, the tensors are; None if they are not."""
     base = tensors[0]._base
     if base is not None and base.shape == (len(tensors), *shape) and base.is_contiguous():
         offset, stride = base.storage_offset(), base.stride(0)
@@ -199,7 +205,23 @@ def _stacked(tensors: list[torch.Tensor], *, shape: tuple) -> torch.Tensor:
             for index, t in enumerate(tensors)
         ):
             return base
-    return torch.stack([t.reshape(shape) for t in tensors])
+    return None
+
+
+def record_amaxes(metas: list[ScalingMeta], amaxes: torch.Tensor) -> None:
+    """`meta.record(amax)` for each meta and the amax of the same index: one maximum over the
+    slot-0 column when the histories are rows of one tensor (after a `reduce_and_update` of
+    the same metas), else one record per meta."""
+    if not metas:
+        return
+    histories = [meta.amax_history for meta in metas]
+    base = _rows_base(histories, shape=histories[0].shape)
+    if base is None:
+        for meta, amax in zip(metas, amaxes.unbind(0), strict=True):
+            meta.record(amax)
+        return
+    amaxes = amaxes.detach().to(base.device, torch.float32).reshape(len(metas))
+    base[:, 0] = torch.maximum(base[:, 0], amaxes)
 
 
 def _fused_delayed_update(histories, scales, settings):

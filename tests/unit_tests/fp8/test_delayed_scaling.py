@@ -369,3 +369,33 @@ def test_a_backward_that_raises_does_not_stop_later_grad_flushes():
     history = grad_meta.amax_history.tolist()
     assert history[0] == 0.0 and history[-1] == 1.0
     assert grad_meta.scale.item() == torch.finfo(grad_meta.fp8_dtype).max
+
+
+@pytest.mark.parametrize("mixed_formats", [False, True])
+def test_batched_weight_update_and_record_equal_one_meta_at_a_time(mixed_formats: bool):
+    # The FSDP FP8 storage advances its weights' metas together (reduce_and_update without a
+    # group, then record_amaxes): bitwise the per-meta update() and record() it replaced, over
+    # steps whose histories are first separate tensors, then rows of one stacked tensor (or,
+    # with two formats, never one tensor: each meta records alone).
+    config = Fp8Config(recipe="delayed", amax_history_len=4, margin=1)
+    dtypes = [E4M3, E5M2 if mixed_formats else E4M3, E4M3]
+    batched, single = (
+        [autocast.ScalingMeta(fp8_dtype=dtype, config=config) for dtype in dtypes] for _ in range(2)
+    )
+    generator = torch.Generator().manual_seed(7)
+    for step in range(5):
+        amaxes = torch.rand(3, generator=generator) * 10 ** (step - 2)
+        if step:  # the storage updates from the second write on (delayed_pending)
+            autocast.reduce_and_update(batched, None)
+            for meta in single:
+                meta.update()
+        autocast.record_amaxes(batched, amaxes)
+        for meta, amax in zip(single, amaxes, strict=True):
+            meta.record(amax)
+        for got, want in zip(batched, single, strict=True):
+            assert torch.equal(got.scale.view(torch.int32), want.scale.view(torch.int32))
+            assert torch.equal(got.amax_history, want.amax_history)
+    histories = [meta.amax_history for meta in batched]
+    stacked = autocast._rows_base(histories, shape=(4,)) is not None
+    assert stacked == (not mixed_formats)
+    assert float(batched[2].amax_history[0]) == float(amaxes[2])

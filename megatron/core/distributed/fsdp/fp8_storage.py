@@ -35,7 +35,7 @@ from megatron.core.distributed.fsdp.fp8_layout import MXFP8_BLOCK, grid_numel, g
 from megatron.core.distributed.fsdp.memory import MemoryTracker
 from megatron.core.distributed.fsdp.shard_layout import UnitLayout
 from megatron.core.distributed.fsdp.storage import ComputeStorage, GatherRole
-from megatron.core.fp8.autocast import ScalingMeta
+from megatron.core.fp8.autocast import ScalingMeta, record_amaxes, reduce_and_update
 from megatron.core.fp8.cuda.piece_quantize import (
     piece_cast_,
     piece_cell_amax_,
@@ -423,8 +423,9 @@ class Fp8ComputeStorage(ComputeStorage):
             return
         amaxes = reduced_amax if reduced_amax is not None else self.local_amaxes(main_shard)
         if update_scaling and self.delayed_pending:
-            for meta in self.delayed_metas:
-                meta.update()
+            # The weights' scale updates together: one stacked update (`reduce_and_update`
+            # without a group), not a chain of small kernels per weight.
+            reduce_and_update(self.delayed_metas, None)
         pieces_by_slot: dict[int, list] = {}
         for piece in self.layout.pieces():
             pieces_by_slot.setdefault(id(piece.slot), []).append(piece)
@@ -446,8 +447,7 @@ class Fp8ComputeStorage(ComputeStorage):
             self.slot_scales[index][d].copy_(scale_inv.reshape(self.slot_scales[index][d].shape))
         if update_scaling and self.spec.recipe_spec.delayed:
             # Per-tensor grids have one cell per weight, in slot order.
-            for index, meta in enumerate(self.delayed_metas):
-                meta.record(amaxes[index])
+            record_amaxes(self.delayed_metas, amaxes[: len(self.delayed_metas)])
         self.delayed_pending = self.spec.recipe_spec.delayed
 
     def _write_whole_bands(self, main_shard: torch.Tensor) -> None:
