@@ -514,6 +514,7 @@ def _validate_fp8(args: argparse.Namespace) -> None:
         for flag, on in (
             ("--fp8-param-gather", args.fp8_param_gather),
             ("--first-last-layers-bf16", args.first_last_layers_bf16),
+            ("--fp8-wgrad-input-from-activation", args.fp8_wgrad_input_from_activation),
         ):
             _require(not on, f"{flag} needs --fp8-recipe delayed|tensorwise|blockwise|mxfp8.")
         return

@@ -489,6 +489,15 @@ def _add_fp8_args(parser: argparse.ArgumentParser) -> None:
         help="Keep weights only in FP8 (plus fp32 main shards); gather FP8 bytes.",
     )
     group.add_argument(
+        "--fp8-wgrad-input-from-activation",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="megatron-fp8's own (not in Megatron-LM): fc2's wgrad re-quantizes its input "
+        "in backward from fc1's output, which SwiGLU/GeLU keep anyway, instead of keeping an "
+        "FP8 copy of it from forward: less memory at the peak (one byte per element of fc2's "
+        "input, two for mxfp8), one more elementwise pass and quantization per layer.",
+    )
+    group.add_argument(
         "--first-last-layers-bf16",
         action="store_true",
         help="Keep the first/last layers in high precision (see the two counts below).",

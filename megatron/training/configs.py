@@ -51,6 +51,7 @@ def build_fp8_config(args: argparse.Namespace) -> Fp8Config | None:
         amax_compute_algo=args.fp8_amax_compute_algo,
         power_2_scale=args.fp8_power_2_scale,
         fp8_param_gather=args.fp8_param_gather,
+        wgrad_input_from_activation=args.fp8_wgrad_input_from_activation,
         num_layers_at_start_in_bf16=start,
         num_layers_at_end_in_bf16=end,
     )

@@ -6,7 +6,8 @@ dgrad  dX = dY W  : dY rowwise x W columnwise  (split accumulation)
 wgrad  dW = dY^T X: dY columnwise x X columnwise (split accumulation)
 
 Gradients are E5M2 under "hybrid", so no GEMM is E5M2 x E5M2. Backward saves quantized bytes,
-never the high-precision input. The weight is either a high-precision nn.Parameter quantized
+never the high-precision input (except that, given `activation_input`, it keeps that tensor,
+which the caller's activation keeps anyway, and re-quantizes wgrad's input from it). The weight is either a high-precision nn.Parameter quantized
 every forward, or (built under `quantized_model_init`) a QuantizedTensor parameter whose bytes
 the optimizer / FSDP engine rewrites in place.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +62,9 @@ class _Plan:
     bookkept_outside: bool = False
     """Delayed scaling's amax bookkeeping (flush scheduling) is done by prepare_for_compile's
     hooks, eagerly around the compiled forward; this call only records amaxes in its ops."""
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """The input is activation(source) (`Fp8Linear.forward`'s `activation_input`): wgrad's
+    copy of it is quantized in backward from the recomputed input, not saved from forward."""
 
     @property
     def recipe(self) -> str:
@@ -78,8 +83,9 @@ class _Plan:
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, plan: _Plan):  # noqa: D102
+    def forward(ctx, x, weight, bias, plan: _Plan, source):  # noqa: D102
         ctx.plan = plan
+        ctx.saved_source = source if weight.requires_grad else None
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.weight_dtype = weight.dtype
@@ -98,8 +104,20 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dbias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             dbias = dy2d.to(torch.float32).sum(dim=0).to(ctx.bias_dtype)
-        ctx.saved_weight = ctx.saved_input = None
-        return dx, dw, dbias, None
+        ctx.saved_weight = ctx.saved_input = ctx.saved_source = None
+        return dx, dw, dbias, None, None
+
+
+@torch.library.custom_op("megatron_fp8::backward_one", mutates_args=())
+def _backward_one(grad: torch.Tensor) -> torch.Tensor:
+    """A 0-d fp32 1.0 made from `grad` (whose values it does not read): a data dependency on
+    the backward for `_recomputed_input_operand`."""
+    return torch.ones((), dtype=torch.float32, device=grad.device)
+
+
+@_backward_one.register_fake
+def _(grad):
+    return grad.new_empty((), dtype=torch.float32)
 
 
 # ---- the backend: chosen here, once per call -----------------------------------------------
@@ -160,7 +178,8 @@ def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
         plan,
         role="input",
         rowwise=True,
-        transposed=need_wgrad,
+        # Recomputed in backward from the activation's input when that is kept instead.
+        transposed=need_wgrad and ctx.saved_source is None,
         record=plan.record,
         compute_dtype=compute_dtype,
     )
@@ -222,10 +241,40 @@ def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
             w_t = ops.weight_operand(w_t, "columnwise", compute_dtype=ctx.compute_dtype)
         dx2d = ops.gemm(dy_row, w_t, recipe=plan.recipe, out_dtype=ctx.x_dtype, fast_accum=False)
     if need_wgrad:
-        dw = ops.gemm(
-            dy_t, ctx.saved_input, recipe=plan.recipe, out_dtype=ctx.weight_dtype, fast_accum=False
-        )
+        x_t = ctx.saved_input
+        if ctx.saved_source is not None:
+            x_t = _recomputed_input_operand(ops, ctx, plan, dy2d)
+        dw = ops.gemm(dy_t, x_t, recipe=plan.recipe, out_dtype=ctx.weight_dtype, fast_accum=False)
     return dx2d, dw
+
+
+def _recomputed_input_operand(ops, ctx, plan: _Plan, dy2d: torch.Tensor):
+    """wgrad's operand of the input, quantized now from activation(source): the same bytes
+    the forward would have saved, for the input recomputes bitwise (the same elementwise
+    code on the same values) and is quantized with the forward's scale (delayed: the scale
+    captured in `plan`, amax not recorded again; tensorwise: the same amax).
+
+    Compiled, the recomputation must stay in the backward graph: AOTAutograd's partitioner
+    computes in the forward every node that does not depend on a grad and keeps its output,
+    and it would keep these FP8 bytes after all. Multiplying the source by a 1.0 that the
+    custom op megatron_fp8::backward_one makes from the grad ties it to the backward; the
+    product is exact (x * 1.0 == x bitwise, signed zeros, infinities and NaN included) and
+    fuses into the activation's kernel."""
+    source = ctx.saved_source
+    if torch.compiler.is_compiling():
+        source = source * _backward_one(dy2d)
+    x = plan.activation(source)
+    _, x_t = _quantize_operands(
+        ops,
+        x.reshape(-1, x.shape[-1]),
+        plan,
+        role="input",
+        rowwise=False,
+        transposed=True,
+        record=False,
+        compute_dtype=ctx.compute_dtype,
+    )
+    return x_t
 
 
 class Fp8Linear(nn.Module):
@@ -405,18 +454,38 @@ class Fp8Linear(nn.Module):
         self._hooked_recompute = None
         return expects
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        activation_input: torch.Tensor | None = None,
+        activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """y = x W^T + b. With `activation_input` (a tensor the caller keeps for its own
+        backward, e.g. fc1's output kept by SwiGLU's) and x == activation(activation_input),
+        backward recomputes x from it for the wgrad GEMM instead of keeping an FP8 copy of x
+        from forward: one quantization moves from forward to backward, and x's saved bytes
+        are gone. `activation` must be elementwise code that recomputes x bitwise."""
+        if (activation_input is None) != (activation is None):
+            raise ValueError("Fp8Linear: pass activation_input and activation together")
+        source = (activation_input, activation) if activation is not None else None
         if isinstance(self.weight, QuantizedTensor) and torch.compiler.is_compiling():
             stand_in = self._weight_stand_in
             if stand_in is not None:
-                return self._forward(x, stand_in=stand_in)
+                return self._forward(x, stand_in=stand_in, source=source)
             if COMPILED_FP8_PARAMS_RUN_EAGERLY:
                 # No stand-in (not prepared for compile): the whole forward in one eager
                 # call, one graph break per Linear rather than one more for in_recompute.
                 return _fp8_param_forward_outside_the_graph(self, x)
-        return self._forward(x)
+        return self._forward(x, source=source)
 
-    def _forward(self, x: torch.Tensor, *, stand_in: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(
+        self,
+        x: torch.Tensor,
+        *,
+        stand_in: torch.Tensor | None = None,
+        source: tuple[torch.Tensor, Callable] | None = None,
+    ) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Fp8Linear expects input [..., {self.in_features}], got {tuple(x.shape)}"
@@ -464,10 +533,14 @@ class Fp8Linear(nn.Module):
         plan = self._plan(config, recompute, group, x.device)
         plan.bookkept_outside = hooked
         plan.setup = setup
+        activation_input = None
+        if source is not None:
+            activation_input, plan.activation = source
+        weight = self.weight
         if stand_in is not None:
             plan.stand_in = True
-            return _Fp8LinearFunction.apply(x, stand_in, self.bias, plan)
-        return _Fp8LinearFunction.apply(x, self.weight, self.bias, plan)
+            weight = stand_in
+        return _Fp8LinearFunction.apply(x, weight, self.bias, plan, activation_input)
 
 
 COMPILED_FP8_PARAMS_RUN_EAGERLY = True

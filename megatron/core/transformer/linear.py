@@ -5,6 +5,9 @@ Model code calls `build_linear` and never looks at FP8 settings itself (docs/STY
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import nn
 
 from megatron.core.fp8 import Fp8Linear
@@ -35,3 +38,17 @@ def build_linear(
     return Fp8Linear(
         in_features, out_features, bias=bias, fp8_config=fp8_config, dtype=config.params_dtype
     )
+
+
+def linear_of_activation(
+    linear: nn.Module,
+    hidden: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """linear(activation(hidden)), where the caller's activation keeps `hidden` for its own
+    backward. An FP8 Linear whose config sets `wgrad_input_from_activation` then keeps no FP8
+    copy of the activation's output for its wgrad: it recomputes it from `hidden`."""
+    x = activation(hidden)
+    if isinstance(linear, Fp8Linear) and linear.fp8_config.wgrad_input_from_activation:
+        return linear(x, activation_input=hidden, activation=activation)
+    return linear(x)

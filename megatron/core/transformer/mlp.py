@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.core.transformer.linear import build_linear
+from megatron.core.transformer.linear import build_linear, linear_of_activation
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -38,10 +38,16 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.linear_fc1(x)
-        if self.swiglu:
-            gate, up = hidden.chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
-        else:
-            hidden = F.gelu(hidden, approximate="none")
-        return self.linear_fc2(hidden)
+        activation = swiglu if self.swiglu else gelu
+        return linear_of_activation(self.linear_fc2, self.linear_fc1(x), activation)
+
+
+def swiglu(hidden: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of fc1's output [gate | up]."""
+    gate, up = hidden.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu(hidden: torch.Tensor) -> torch.Tensor:
+    """GeLU with the exact erf, as Megatron-LM's default."""
+    return F.gelu(hidden, approximate="none")

@@ -63,6 +63,7 @@ def parse_error(argv, capsys, world_size=1) -> str:
         (["--fp8-recipe", "fp4"], 1, "invalid choice: 'fp4'"),
         (["--fp8-param-gather", "--fp8-recipe", "mxfp8"], 1, "add --use-megatron-fsdp"),
         (["--fp8-param-gather"], 1, "needs --fp8-recipe"),
+        (["--fp8-wgrad-input-from-activation"], 1, "needs --fp8-recipe"),
         (["--overlap-param-gather"], 1, "is a Megatron-FSDP option"),
         (["--main-grads-dtype", "fp64"], 1, "--main-grads-dtype fp64 sets Megatron-FSDP's"),
         (
