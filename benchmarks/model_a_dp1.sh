@@ -3,6 +3,7 @@
 # FSDP2 bf16 peer (compiled, fused AdamW, clip 1.0) from benchmarks/bench_gpt.py, then pretrain_gpt.py
 # --torch-compile with Megatron-FSDP (ZeRO-3) in bf16 and with FP8 parameters for each recipe;
 # torchao_tensorwise / torchao_rowwise: the torchao float8 peer rows (FSDP2, compiled).
+# <recipe>_fromact: that recipe with --fp8-wgrad-input-from-activation (e.g. tensorwise_fromact).
 # One JSON line per row in $OUT/model_a_dp1.jsonl: step_ms is the median of the logged
 # iteration times after the first WARMUP iterations (compile and allocator warm-up).
 #   ROWS="fsdp2 bf16 tensorwise" ITERS=20 bash benchmarks/model_a_dp1.sh
@@ -70,6 +71,11 @@ for name in ${ROWS:-fsdp2 torchao_tensorwise torchao_rowwise bf16 tensorwise del
     bf16)
       row bf16 torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" $(snapshot_args bf16)
       summarize bf16; breakdown bf16 ;;
+    *_fromact)  # the recipe with --fp8-wgrad-input-from-activation
+      row "$name" torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" \
+        --fp8-recipe "${name%_fromact}" --fp8-format hybrid --fp8-param-gather \
+        --fp8-wgrad-input-from-activation $(snapshot_args "$name")
+      summarize "$name"; breakdown "$name" ;;
     *)
       row "$name" torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" \
         --fp8-recipe "$name" --fp8-format hybrid --fp8-param-gather $(snapshot_args "$name")
