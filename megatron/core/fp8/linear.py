@@ -7,9 +7,10 @@ wgrad  dW = dY^T X: dY columnwise x X columnwise (split accumulation)
 
 Gradients are E5M2 under "hybrid", so no GEMM is E5M2 x E5M2. Backward saves quantized bytes,
 never the high-precision input (except that, given `activation_input`, it keeps that tensor,
-which the caller's activation keeps anyway, and re-quantizes wgrad's input from it). The weight is either a high-precision nn.Parameter quantized
-every forward, or (built under `quantized_model_init`) a QuantizedTensor parameter whose bytes
-the optimizer / FSDP engine rewrites in place.
+which the caller's activation keeps anyway, and re-quantizes wgrad's input from it). The
+weight is either a high-precision nn.Parameter quantized every forward, or (built under
+`quantized_model_init`) a QuantizedTensor parameter whose bytes the optimizer / FSDP engine
+rewrites in place.
 
 One forward and one backward serve every device: the operands are quantized and multiplied by
 a backend chosen in one place (`_backend`), the fused CUDA kernels (`cuda/linear_ops.py`)

@@ -814,12 +814,33 @@ def test_under_torch_compile_no_pointer_is_read_and_no_plan_is_kept(kernels, mon
 
     monkeypatch.setattr(torch.Tensor, "data_ptr", no_pointer)
     for case in OPTIONS:
-        _quantize(x, case)
+        # delayed without a history to record into (a recompute): traced like the others.
+        _quantize(x, case, **({"scale": torch.tensor(2.0)} if case == "delayed" else {}))
         records = kernels.take()
         assert [(r["path"], r["kernel"]) for r in records] == [
             ("jit", name) for name, _ in GRIDS[case]
         ]
     assert len(linear_ops._plans) == 1  # only the eager call's plan
+
+
+def test_under_torch_compile_a_recording_quantization_is_the_custom_op(kernels, monkeypatch):
+    # Delayed scaling with a history: the opaque op megatron_fp8::quantize_operands_recording,
+    # which declares the history it writes; nothing is traced.
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    history = torch.zeros(8)
+    calls = []
+
+    def recording_op(x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2, scale, hist):
+        calls.append((tuple(x2d.shape), recipe, role, rowwise, transposed, hist is history))
+        empty = torch.empty(0, dtype=torch.uint8)
+        return torch.empty(M, K, dtype=torch.uint8), empty, torch.ones(())
+
+    monkeypatch.setattr(linear_ops, "_recording_op", recording_op)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    row, col = _quantize(x, "delayed", scale=torch.tensor(2.0), amax_history=history)
+    assert calls == [((M, K), "delayed", "input", True, True, True)]
+    assert row.data.dtype == E4M3 and row.data.shape == (M, K)
+    assert not kernels.take()
 
 
 def test_the_plan_cache_is_bounded(kernels, monkeypatch):

@@ -103,6 +103,11 @@ def quantize_operands(
         # Traced: no data pointers read and no global cache written; every launch goes
         # through Triton's own call, which torch.compile traces (launch.LaunchSite).
         return OperandPlan(*key)(x2d, scale, amax_history, aligned=_alignment_unread)
+    return _planned(key, x2d, scale, amax_history)
+
+
+def _planned(key: tuple, x2d, scale, amax_history):
+    """The kept plan of `key` (made on first use) run eagerly on x2d."""
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= MAX_PLANS:
@@ -145,18 +150,11 @@ def _recording_op(
     amax_history: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rowwise bytes, transposed bytes, scale_inv) as uint8, uint8 and 0-d fp32; a copy not
-    asked for is an empty tensor. Per-tensor recipes only (the ones that record)."""
-    row, col = quantize_operands(
-        x2d,
-        recipe=recipe,
-        fp8_dtype=fp8_dtype,
-        role=role,
-        rowwise=rowwise,
-        transposed=transposed,
-        power_2_scale=power_2_scale,
-        scale=scale,
-        amax_history=amax_history,
-    )
+    asked for is an empty tensor. Per-tensor recipes only (the ones that record). Runs the
+    kept plan eagerly (what the compiled graph calls at run time)."""
+    key = (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale)
+    key += (x2d.shape, x2d.dtype, x2d.device, True, None)
+    row, col = _planned(key, x2d.contiguous(), scale, amax_history)
     empty = x2d.new_empty(0, dtype=torch.uint8)
     data = row.data.view(torch.uint8) if row is not None else empty
     data_t = col.data.view(torch.uint8) if col is not None else empty
