@@ -128,8 +128,12 @@ def test_compiled_layer_has_no_graph_break_and_equals_the_compiled_default(recip
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compile_flags", [[], ["--torch-compile"]], ids=["eager", "compiled"])
-def test_pretrain_gpt_flag_trains_the_same_losses(compile_flags: list[str], monkeypatch):
+@pytest.mark.parametrize(
+    "compile_flags, recompute",
+    [([], False), (["--torch-compile"], False), ([], True)],
+    ids=["eager", "compiled", "eager-full-recompute"],
+)
+def test_pretrain_gpt_flag_trains_the_same_losses(compile_flags, recompute, monkeypatch):
     # `--fp8-wgrad-input-from-activation` through the user's entry point: FP8 parameters in
     # Megatron-FSDP, SwiGLU, 4 steps; every loss and grad norm equals the default's exactly,
     # and fc2's wgrad input was recomputed in each backward.
@@ -148,6 +152,8 @@ def test_pretrain_gpt_flag_trains_the_same_losses(compile_flags: list[str], monk
     flags = [*TINY_GPT, *NO_DROPOUT, "--swiglu", "--disable-bias-linear", "--train-iters", "4"]
     flags += ["--bf16", "--use-megatron-fsdp", "--fp8-recipe", "tensorwise", "--fp8-param-gather"]
     flags += compile_flags
+    if recompute:  # the recomputed forward keeps fc1's output for the backward that follows
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
     default = run_pretrain(flags)
     torch._dynamo.reset()
     assert not calls
