@@ -129,7 +129,10 @@ def delayed_scale_update(
 def roll_amax_history(amax_history: torch.Tensor) -> torch.Tensor:
     """Slot k takes slot k+1, the oldest slot takes the newest, then slot 0 is zeroed."""
     rolled = torch.roll(amax_history, shifts=-1, dims=-1)
-    rolled[..., 0] = 0.0
+    # zero_(), not `rolled[..., 0] = 0.0`: assigning a Python number makes a CPU tensor and
+    # copies it to the device, which synchronizes with a CUDA stream (once per weight and step
+    # when the FSDP engine updated each weight's meta on its own).
+    rolled.select(-1, 0).zero_()
     return rolled
 
 

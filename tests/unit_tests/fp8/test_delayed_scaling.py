@@ -399,3 +399,42 @@ def test_batched_weight_update_and_record_equal_one_meta_at_a_time(mixed_formats
     stacked = autocast._rows_base(histories, shape=(4,)) is not None
     assert stacked == (not mixed_formats)
     assert float(batched[2].amax_history[0]) == float(amaxes[2])
+
+
+def test_a_delayed_training_step_makes_no_tensor_from_a_python_number():
+    # On CUDA a Python number written into a device tensor is copied from the host, which
+    # synchronizes the stream: `history[..., 0] = 0.0` in roll_amax_history did so once per
+    # FP8 weight and step (32 syncs per step on Model A). Counted on CPU as aten.lift_fresh in
+    # the FP8 and FSDP code, the difference between a 2- and a 4-iteration run: none per step.
+    import collections
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
+
+    class Lifts(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sites: collections.Counter[str] = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            stack = traceback.extract_stack()
+            # A project module being imported runs its top level once, not per step.
+            importing = any(f.name == "<module>" and "/megatron/" in f.filename for f in stack)
+            if func is torch.ops.aten.lift_fresh.default and not importing:
+                for frame in reversed(stack):
+                    if "megatron/core/fp8" in frame.filename or "fsdp" in frame.filename:
+                        self.sites[f"{frame.filename}:{frame.lineno}"] += 1
+                        break
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for iters in (2, 4):
+        flags = [*TINY_GPT, *NO_DROPOUT, "--bf16", "--use-megatron-fsdp", "--fp8-param-gather"]
+        flags += ["--fp8-recipe", "delayed", "--train-iters", str(iters)]
+        lifts = Lifts()
+        with lifts:
+            run_pretrain(flags)
+        counts.append(lifts.sites)
+    assert counts[1] == counts[0], counts
