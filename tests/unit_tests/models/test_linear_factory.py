@@ -20,6 +20,7 @@ class RecordingFp8Linear(nn.Linear):
 
     def __init__(self, in_features, out_features, *, bias, fp8_config, dtype):
         super().__init__(in_features, out_features, bias=bias, dtype=dtype)
+        self.fp8_config = fp8_config  # read by linear_of_activation, as Fp8Linear's
         RecordingFp8Linear.built.append(
             dict(shape=(out_features, in_features), bias=bias, fp8_config=fp8_config, dtype=dtype)
         )
