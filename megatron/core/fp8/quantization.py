@@ -165,7 +165,7 @@ def compute_scale(
             "scales come from the amax history (reference.delayed_scale_update)"
         )
     if spec.e8m0_scales:
-        recip_max = reciprocal(torch.tensor(fp8_max(fp8_dtype), device=amax.device))
+        recip_max = reciprocal(torch.full((), fp8_max(fp8_dtype), device=amax.device))
         return e8m0_from_t(amax.to(torch.float32) * recip_max)
     return scale_from_amax(
         amax,

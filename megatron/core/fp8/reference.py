@@ -164,7 +164,7 @@ def _block_scales(
     """(quantize multiplier, stored scale_inv) per block for blockwise or mxfp8."""
     if spec.e8m0_scales:
         # Step 2: multiply by the fp32-rounded reciprocal of fp8_max, not a division.
-        recip_max = reciprocal(torch.tensor(fp8_max(fp8_dtype), device=block_amax.device))
+        recip_max = reciprocal(torch.full((), fp8_max(fp8_dtype), device=block_amax.device))
         e8m0 = e8m0_from_t(block_amax * recip_max)
         return e8m0_to_fp32(e8m0, negate_exponent=True), e8m0
     scale = scale_from_amax(
