@@ -82,28 +82,25 @@ def quantize_operands(
         raise ValueError("recipe='delayed' quantizes with the current 0-d fp32 scale: pass scale=")
     if not spec.delayed:
         scale = amax_history = None  # only the delayed recipe reads a scale or records
-    if spec.fused_linear_emulates:
-        dequant_dtype = dequant_dtype or emulation_dtype(x2d.dtype)
-    key = (
-        recipe,
-        fp8_dtype,
-        role,
-        rowwise,
-        transposed,
-        power_2_scale,
-        x2d.shape,
-        x2d.dtype,
-        x2d.device,
-        amax_history is not None,
-        dequant_dtype,
+    # Only emulated MXFP8 writes dequantized values; other recipes' plans ignore the dtype.
+    dequant_dtype = (
+        (dequant_dtype or emulation_dtype(x2d.dtype)) if spec.fused_linear_emulates else None
     )
+    settings = (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale)
+    key = _plan_key(x2d, settings, record=amax_history is not None, dequant_dtype=dequant_dtype)
     if torch.compiler.is_compiling():
         if amax_history is not None:
-            return _recording_operands(x2d, key, scale, amax_history)
+            return _recording_operands(x2d, settings, scale, amax_history)
         # Traced: no data pointers read and no global cache written; every launch goes
         # through Triton's own call, which torch.compile traces (launch.LaunchSite).
         return OperandPlan(*key)(x2d, scale, amax_history, aligned=_alignment_unread)
     return _planned(key, x2d, scale, amax_history)
+
+
+def _plan_key(x2d, settings: tuple, *, record: bool, dequant_dtype) -> tuple:
+    """The `_plans` key: settings (recipe, fp8_dtype, role, rowwise, transposed,
+    power_2_scale), then x2d's shape, dtype and device, whether it records, dequant_dtype."""
+    return (*settings, x2d.shape, x2d.dtype, x2d.device, record, dequant_dtype)
 
 
 def _planned(key: tuple, x2d, scale, amax_history):
@@ -116,7 +113,7 @@ def _planned(key: tuple, x2d, scale, amax_history):
     return plan(x2d, scale, amax_history)
 
 
-def _recording_operands(x2d, key, scale, amax_history):
+def _recording_operands(x2d, settings: tuple, scale, amax_history):
     """Delayed scaling's quantization under torch.compile: the custom op
     `megatron_fp8::quantize_operands_recording`, which declares the amax history it writes.
 
@@ -126,10 +123,8 @@ def _recording_operands(x2d, key, scale, amax_history):
     (`test_compiled_delayed_recording_equals_eager_with_stacked_histories`, run with this
     op bypassed). A custom op's declared mutation is functionalized with the row's base, and
     the records equal eager's."""
-    recipe, fp8_dtype, role, rowwise, transposed, power_2_scale = key[:6]
-    data, data_t, scale_inv = _recording_op(
-        x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history
-    )
+    fp8_dtype, rowwise, transposed = settings[1], settings[3], settings[4]
+    data, data_t, scale_inv = _recording_op(x2d, *settings, scale, amax_history)
     row = GemmOperand(data.view(fp8_dtype), scale_inv) if rowwise else None
     col = GemmOperand(data_t.view(fp8_dtype), scale_inv) if transposed else None
     return row, col
@@ -152,8 +147,8 @@ def _recording_op(
     """(rowwise bytes, transposed bytes, scale_inv) as uint8, uint8 and 0-d fp32; a copy not
     asked for is an empty tensor. Per-tensor recipes only (the ones that record). Runs the
     kept plan eagerly (what the compiled graph calls at run time)."""
-    key = (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale)
-    key += (x2d.shape, x2d.dtype, x2d.device, True, None)
+    settings = (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale)
+    key = _plan_key(x2d, settings, record=True, dequant_dtype=None)
     row, col = _planned(key, x2d.contiguous(), scale, amax_history)
     empty = x2d.new_empty(0, dtype=torch.uint8)
     data = row.data.view(torch.uint8) if row is not None else empty
