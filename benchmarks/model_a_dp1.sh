@@ -3,7 +3,8 @@
 # FSDP2 bf16 peer (compiled, fused AdamW, clip 1.0) from benchmarks/bench_gpt.py, then pretrain_gpt.py
 # --torch-compile with Megatron-FSDP (ZeRO-3) in bf16 and with FP8 parameters for each recipe;
 # torchao_tensorwise / torchao_rowwise: the torchao float8 peer rows (FSDP2, compiled).
-# <recipe>_fromact: that recipe with --fp8-wgrad-input-from-activation (e.g. tensorwise_fromact).
+# <recipe>_keepcopy: that recipe with --no-fp8-wgrad-input-from-activation (fc2 keeps an FP8 copy
+# of its input from forward, as before 2026-12-02e), e.g. tensorwise_keepcopy.
 # One JSON line per row in $OUT/model_a_dp1.jsonl: step_ms is the median of the logged
 # iteration times after the first WARMUP iterations (compile and allocator warm-up).
 #   ROWS="fsdp2 bf16 tensorwise" ITERS=20 bash benchmarks/model_a_dp1.sh
@@ -71,10 +72,10 @@ for name in ${ROWS:-fsdp2 torchao_tensorwise torchao_rowwise bf16 tensorwise del
     bf16)
       row bf16 torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" $(snapshot_args bf16)
       summarize bf16; breakdown bf16 ;;
-    *_fromact)  # the recipe with --fp8-wgrad-input-from-activation
+    *_keepcopy)  # the recipe with --no-fp8-wgrad-input-from-activation
       row "$name" torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" \
-        --fp8-recipe "${name%_fromact}" --fp8-format hybrid --fp8-param-gather \
-        --fp8-wgrad-input-from-activation $(snapshot_args "$name")
+        --fp8-recipe "${name%_keepcopy}" --fp8-format hybrid --fp8-param-gather \
+        --no-fp8-wgrad-input-from-activation $(snapshot_args "$name")
       summarize "$name"; breakdown "$name" ;;
     *)
       row "$name" torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" \

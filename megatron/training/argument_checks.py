@@ -517,7 +517,10 @@ def _validate_fp8(args: argparse.Namespace) -> None:
             ("--fp8-wgrad-input-from-activation", args.fp8_wgrad_input_from_activation),
         ):
             _require(not on, f"{flag} needs --fp8-recipe delayed|tensorwise|blockwise|mxfp8.")
+        args.fp8_wgrad_input_from_activation = False
         return
+    if args.fp8_wgrad_input_from_activation is None:
+        args.fp8_wgrad_input_from_activation = True
     if args.fp8_format is None:
         args.fp8_format = "hybrid"
     ffn = args.ffn_hidden_size or 4 * args.hidden_size

@@ -36,11 +36,12 @@ class Fp8Config:
     on for blockwise, off for tensorwise; mxfp8 scales are powers of two by construction and
     delayed scaling never rounds (`--fp8-power-2-scale` / `--no-fp8-power-2-scale`)."""
 
-    wgrad_input_from_activation: bool = False
+    wgrad_input_from_activation: bool = True
     """fc2's wgrad GEMM quantizes its input in backward from the activation's input (fc1's
     output, which SwiGLU/GeLU keep for their own backward) instead of keeping an FP8 copy of
     the activation's output from forward: one byte per element of fc2's input less at the
-    memory peak, for one more elementwise pass and quantization in backward."""
+    memory peak, for one more elementwise pass and quantization in backward. The same bytes
+    either way; on by default (`--no-fp8-wgrad-input-from-activation` turns it off)."""
 
     fp8_param_gather: bool = False
     """Weights exist only as FP8 (plus fp32 main params); FSDP gathers FP8 bytes."""
