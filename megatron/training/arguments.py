@@ -495,7 +495,7 @@ def _add_fp8_args(parser: argparse.ArgumentParser) -> None:
         help="megatron-fp8's own (not in Megatron-LM); on by default with --fp8-recipe: fc2's "
         "wgrad re-quantizes its input in backward from fc1's output, which SwiGLU/GeLU keep "
         "anyway, instead of keeping an FP8 copy of it from forward. Less memory at the peak "
-        "(one byte per element of fc2's input, two for mxfp8) for one more elementwise pass "
+        "(one byte per element of fc2's input, plus its scales) for one more elementwise pass "
         "and quantization per layer (Model A: 0.88 GiB less, 1-2%% slower; docs/PERFORMANCE.md); "
         "the same bytes either way. --no-fp8-wgrad-input-from-activation keeps the copy.",
     )

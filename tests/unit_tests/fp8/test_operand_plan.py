@@ -190,6 +190,7 @@ OPTIONS = {
     "blockwise input": dict(recipe="blockwise", fp8_dtype=E4M3, role="input", power_2_scale=False),
     "blockwise weight": dict(recipe="blockwise", fp8_dtype=E4M3, role="weight", power_2_scale=True),
     "mxfp8": dict(recipe="mxfp8", fp8_dtype=E4M3, role="input", power_2_scale=False),
+    "mxfp8 grad": dict(recipe="mxfp8", fp8_dtype=E5M2, role="grad", power_2_scale=False),
 }
 # Hand-computed for M=256, K=384 with quantize.TILE_CONFIG: (kernel, grid) per launch.
 GRIDS = {
@@ -202,7 +203,10 @@ GRIDS = {
         ("block_128x1_cols_kernel", (12, 1, 1)),
     ],
     "blockwise weight": [("block_128x128_kernel", (6, 1, 1))],  # 2 x 3 blocks
-    "mxfp8": [("mxfp8_quads_kernel", (96, 1, 1))],  # ceil(256/32) * ceil(384/32)
+    # rowwise values: ceil(256/32) * ceil(384/32); the kept columnwise bytes (4 chunks of 32
+    # columns per program): ceil(256/32) * ceil(384/128)
+    "mxfp8": [("mxfp8_quads_kernel", (96, 1, 1)), ("mxfp8_quads_kernel", (24, 1, 1))],
+    "mxfp8 grad": [("mxfp8_quads_kernel", (96, 1, 1))],  # both copies as values, one pass
 }
 
 
@@ -244,17 +248,12 @@ def _expected_specs(case: str) -> list[tuple]:
         ]
     if case == "blockwise weight":
         return [cq.block_128x128_spec(M, K, write_row=True, write_t=True, record=False, **common)]
+    mx = dict(write_t=False, record=False, fp8_dtype=fp8_dtype)
+    if case == "mxfp8 grad":
+        return [cq.mxfp8_spec(M, K, rowwise=True, columnwise=True, dequant=True, **mx)]
     return [
-        cq.mxfp8_spec(
-            M,
-            K,
-            rowwise=True,
-            columnwise=True,
-            write_t=False,
-            record=False,
-            fp8_dtype=fp8_dtype,
-            dequant=True,
-        )
+        cq.mxfp8_spec(M, K, rowwise=True, columnwise=False, dequant=True, **mx),
+        cq.mxfp8_spec(M, K, rowwise=False, columnwise=True, dequant=False, **mx),
     ]
 
 
@@ -488,10 +487,11 @@ def test_blockwise_weight_launch_and_layouts(kernels):
         assert_same_launch(generic, cast)
 
 
-def test_mxfp8_dequantized_launch_and_layouts(kernels):
+def test_mxfp8_grad_dequantized_launch_and_layouts(kernels):
+    # The grad's copies are read at once: both as values, from one pass.
     x = torch.randn(M, K, dtype=torch.bfloat16)
     for _ in range(2):
-        row, col = _quantize(x, "mxfp8")
+        row, col = _quantize(x, "mxfp8 grad")
         (cast,) = kernels.take()
         args = cast["args"]
         values, col_values = args[1], args[3]
@@ -513,15 +513,85 @@ def test_mxfp8_dequantized_launch_and_layouts(kernels):
             col_e=None,
             col_t=None,
             record_bits=None,
-            fp8_dtype=E4M3,
+            fp8_dtype=E5M2,
             dequant=True,
         )
         (generic,) = kernels.take()
         assert_same_launch(generic, cast)
 
 
+@pytest.mark.parametrize("role", ["input", "weight"])
+def test_mxfp8_kept_copy_is_bytes_and_scales(kernels, role):
+    # An input's or weight's transposed copy is kept for backward: 32x1 bytes and E8M0
+    # scales (one byte per element), written by a second pass; the rowwise copy, read at
+    # once by the forward GEMM, stays dequantized values.
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    options = dict(OPTIONS["mxfp8"], role=role)
+    for _ in range(2):
+        row, col = linear_ops.quantize_operands(x, rowwise=True, transposed=True, **options)
+        values_cast, bytes_cast = kernels.take()
+        args = values_cast["args"]
+        values = args[1]
+        assert same_args(args, (x, values, values, values, values, values, values, M, K))
+        assert values_cast["constexprs"]["DEQUANT"] is True
+        assert values_cast["constexprs"]["ROWWISE"] and not values_cast["constexprs"]["COLUMNWISE"]
+        assert row.data is values and values.dtype == torch.bfloat16 and row.scale_inv is None
+        args = bytes_cast["args"]
+        col_bytes, col_e = args[3], args[4]
+        assert same_args(args, (x, col_bytes, col_e, col_bytes, col_e, col_bytes, col_e, M, K))
+        flags = bytes_cast["constexprs"]
+        assert flags["DEQUANT"] is False and flags["COLUMNWISE"] and not flags["ROWWISE"]
+        assert col_bytes.dtype == torch.uint8 and col_bytes.shape == (M, K)
+        assert col_e.dtype == torch.uint8 and col_e.shape == (M // 32, K)
+        assert col.data.dtype == E4M3 and col.data.shape == (K, M) and col.data.stride() == (1, K)
+        assert col.data.data_ptr() == col_bytes.data_ptr() and col.scale_inv is col_e
+
+
+@pytest.mark.parametrize("rows", [256, 200])  # 200: a ragged last block of 8 rows
+def test_emulated_mxfp8_gemm_dequantizes_kept_bytes(rows):
+    # wgrad reading a kept input copy: the GEMM dequantizes the 32x1 bytes in the other
+    # operand's dtype and multiplies, equal to the product of the dequantized values.
+    from megatron.core.fp8 import quantize
+    from megatron.core.fp8.reference import dequantize_reference
+
+    torch.manual_seed(0)
+    x = torch.randn(rows, K, dtype=torch.bfloat16) * 3
+    x[:, :40] *= 50.0
+    ref = quantize(
+        x,
+        recipe="mxfp8",
+        fp8_dtype=E4M3,
+        role="input",
+        rowwise=False,
+        columnwise=True,
+        backend="reference",
+    )
+    kept = GemmOperand(ref.columnwise_data.view(E4M3).t(), ref.columnwise_scale_inv)
+    dy_t = GemmOperand(torch.randn(64, rows, dtype=torch.bfloat16), None)
+    got = linear_ops.gemm(dy_t, kept, recipe="mxfp8", out_dtype=torch.float32, fast_accum=False)
+    values = dequantize_reference(
+        ref.columnwise_data,
+        ref.columnwise_scale_inv,
+        recipe="mxfp8",
+        fp8_dtype=E4M3,
+        role="input",
+        columnwise=True,
+        out_dtype=torch.bfloat16,
+    )
+    assert torch.equal(got, torch.mm(dy_t.data, values).float())
+    both_bytes = GemmOperand(kept.data.t(), None)
+    with pytest.raises(ValueError, match="at most one"):
+        linear_ops.gemm(
+            GemmOperand(both_bytes.data, kept.scale_inv),
+            kept,
+            recipe="mxfp8",
+            out_dtype=torch.float32,
+            fast_accum=False,
+        )
+
+
 def _sites(plan) -> list:
-    names = ("amax", "cast", "rows_site", "cols_site", "fused_site")
+    names = ("amax", "cast", "col_cast", "rows_site", "cols_site", "fused_site")
     return [getattr(plan, name) for name in names if getattr(plan, name, None) is not None]
 
 

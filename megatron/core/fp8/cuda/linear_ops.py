@@ -9,13 +9,16 @@ takes, so no `.t().contiguous()` copy and no host sync happens inside a training
 | delayed, tensorwise | bytes, 0-d scale_inv | transposed bytes, same scale_inv |
 | blockwise 1x128 | bytes, (M, K/128) outer-dim-major | 128x1 bytes transposed, (K, M/128) |
 | blockwise 128x128 | bytes, (M/128, K/128) | transposed bytes and grid |
-| mxfp8 (emulated) | dequantize(1x32 quantize(x)) | dequantize(32x1 quantize(x)), [M, K] |
+| mxfp8 (emulated) | dequantize(1x32 quantize(x)) | grad: dequantize(32x1 quantize(x)), [M, K] |
+| | | input, weight: 32x1 bytes [M, K], (M/32, K) E8M0 |
 
 Delayed scaling records max|x| inside the cast kernel into slot 0 of the tensor's amax history
 (an atomic max on the fp32 bits), so the step needs no separate amax op. MXFP8 on sm_90 has no
 hardware GEMM: the fused kernel writes the dequantized values, which the caller multiplies in
 bf16 with fp32 accumulation (exact products, same as dequantize-then-multiply in fp32 up to the
-accumulation order).
+accumulation order). The transposed copies of inputs and weights are kept for backward, so
+they stay bytes and scales (one byte per element, not two) and the GEMM that reads them
+dequantizes them first.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ def quantize_operands(
     given, gets max|x| atomically maxed into its slot 0. tensorwise: the amax pass writes
     partial maxima that the cast kernel reduces (no zero fill, no atomics). The bytes equal
     `quantize(...)`'s exactly. mxfp8: the dequantized values come in
-    `dequant_dtype` (default: `emulation_dtype`).
+    `dequant_dtype` (default: `emulation_dtype`), except the transposed copy of an input or
+    a weight (kept for backward): its bytes, with the E8M0 scales as scale_inv.
 
     The launches of each (recipe, role, outputs, shape, dtype, device) are prepared once and
     kept (`OperandPlan`), so a training step's call costs its allocations and launches.
@@ -275,20 +279,31 @@ class OperandPlan:
                     )
                 )
             self.run = self._block_1x128
-        else:  # mxfp8: dequantized values for the emulated GEMM
-            self.cast = LaunchSite(
-                *cq.mxfp8_spec(
-                    rows,
-                    cols,
-                    rowwise=rowwise,
-                    columnwise=transposed,
-                    write_t=False,
-                    record=False,
-                    fp8_dtype=fp8_dtype,
-                    dequant=True,
+        else:  # mxfp8, emulated GEMM: dequantized values, or bytes where they are kept
+            # The transposed copy of an input or a weight is kept for backward: its bytes and
+            # E8M0 scales (half the bytes of bf16 values), dequantized by the GEMM that reads
+            # them. Everything else is read at once: dequantized values, one pass.
+            self.keeps_bytes = transposed and role != "grad"
+            values = dict(write_t=False, record=False, fp8_dtype=fp8_dtype)
+            self.cast = self.col_cast = None
+            if rowwise or (transposed and not self.keeps_bytes):
+                self.cast = LaunchSite(
+                    *cq.mxfp8_spec(
+                        rows,
+                        cols,
+                        rowwise=rowwise,
+                        columnwise=transposed and not self.keeps_bytes,
+                        dequant=True,
+                        **values,
+                    )
                 )
-            )
-            self.run = self._mxfp8_dequantized
+            if self.keeps_bytes:
+                self.col_cast = LaunchSite(
+                    *cq.mxfp8_spec(
+                        rows, cols, rowwise=False, columnwise=True, dequant=False, **values
+                    )
+                )
+            self.run = self._mxfp8
 
     def __call__(self, x2d, scale, amax_history, aligned=None):
         """`aligned(t)`: the alignment key part of a caller tensor (default: whether it is
@@ -358,18 +373,26 @@ class OperandPlan:
             col_op = GemmOperand(data_t.view(self.fp8_dtype), scale_inv_t)
         return row_op, col_op
 
-    def _mxfp8_dequantized(self, x2d, scale, amax_history, aligned):
+    def _mxfp8(self, x2d, scale, amax_history, aligned):
         # Ragged edges need no care: the kernel's masked loads zero-pad the blocks, as the
         # rules do.
         rows, cols = self.rows, self.cols
         row = self._empty(rows, cols, self.dequant_dtype) if self.rowwise else None
-        col = self._empty(rows, cols, self.dequant_dtype) if self.transposed else None
-        self.cast(cq.mxfp8_args(x2d, row, None, col, None, None, None), aligned(x2d))
-        # The columnwise values keep x's shape; the transposed operand is a view (bf16 GEMMs
-        # take either layout, so no copy).
+        col = col_e = None
+        if self.transposed:
+            col = self._empty(rows, cols, torch.uint8 if self.keeps_bytes else self.dequant_dtype)
+        if self.cast is not None:
+            values = None if self.keeps_bytes else col
+            self.cast(cq.mxfp8_args(x2d, row, None, values, None, None, None), aligned(x2d))
+        if self.keeps_bytes:
+            col_e = self._empty(ceil_div(rows, cq.MX_BLOCK), cols)
+            self.col_cast(cq.mxfp8_args(x2d, None, None, col, col_e, None, None), aligned(x2d))
+            col = col.view(self.fp8_dtype)
+        # The columnwise copy keeps x's shape; the transposed operand is a view (bf16 GEMMs
+        # take either layout, and the dequantizing GEMM reads the bytes in x's layout).
         return (
             GemmOperand(row, None) if row is not None else None,
-            GemmOperand(col.t(), None) if col is not None else None,
+            GemmOperand(col.t(), col_e) if col is not None else None,
         )
 
 
@@ -436,7 +459,8 @@ def _gemm_eager(
     a: GemmOperand, b: GemmOperand, *, recipe: str, out_dtype: torch.dtype, fast_accum: bool
 ) -> torch.Tensor:
     if recipe_spec(recipe).fused_linear_emulates:
-        product = torch.mm(a.data, b.data.t())
+        a_values, b_values = _mx_values(a, b.data.dtype), _mx_values(b, a.data.dtype)
+        product = torch.mm(a_values, b_values.t())
         return product if product.dtype == out_dtype else product.to(out_dtype)
     direct = _direct_scaled_mm(a, b, recipe=recipe, out_dtype=out_dtype, fast_accum=fast_accum)
     if direct is not None:
@@ -450,6 +474,25 @@ def _gemm_eager(
         out_dtype=out_dtype,
         use_fast_accum=fast_accum,
     )
+
+
+def _mx_values(operand: GemmOperand, compute_dtype: torch.dtype) -> torch.Tensor:
+    """An emulated MXFP8 operand's values: as they are, or, for kept bytes (the transposed
+    view of 32x1-block columnwise bytes, `OperandPlan._mxfp8`), dequantized now in the
+    dtype of the GEMM's other operand, which holds values."""
+    if operand.scale_inv is None:
+        return operand.data
+    if compute_dtype.itemsize == 1:
+        raise ValueError("an emulated MXFP8 GEMM dequantizes at most one of its operands")
+    columnwise = operand.data.t()
+    values = cq.mxfp8_dequantize(
+        columnwise.view(torch.uint8),
+        operand.scale_inv,
+        fp8_dtype=columnwise.dtype,
+        columnwise=True,
+        out_dtype=compute_dtype,
+    )
+    return values.t()
 
 
 def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum) -> torch.Tensor | None:
