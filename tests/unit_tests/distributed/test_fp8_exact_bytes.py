@@ -53,6 +53,10 @@ def _check_gathered(state, config) -> int:
     return checked
 
 
+def _replicated_scale_bytes(storage) -> int:
+    return sum(t.numel() * t.element_size() for s in storage.slot_scales for t in s.values())
+
+
 def _exact_bytes(rank: int, world_size: int) -> dict:
     result = {}
     strategies = ["optim_grads_params"]
@@ -72,6 +76,19 @@ def _exact_bytes(rank: int, world_size: int) -> dict:
                 checked=counts,
                 scales_sharded=[g.storage.scales_sharded for g in groups],
                 empty_weights=sum(len(g.layout.slots) - len(g.pieces()) for g in groups),
+                # Bytes each group keeps between steps (FP8 data and sharded E8M0 scales,
+                # beside the replicated scales), against one direction's shard.
+                stored=[g.storage.stored_bytes() for g in groups],
+                replicated_scales=[_replicated_scale_bytes(g.storage) for g in groups],
+                kept_numel=[
+                    g.layout.shard_numel if g.storage.sharded else g.layout.padded_numel
+                    for g in groups
+                ],
+                columnwise_buffer_bytes=[
+                    g.storage.full["columnwise"].untyped_storage().nbytes()
+                    for g in groups
+                    if "columnwise" in g.storage.full
+                ],
             )
     return result
 
@@ -88,6 +105,19 @@ def test_gathered_fp8_equals_one_rank_quantize(world_size: int) -> None:
             # would cut fc2's only band, so scales are replicated from reduced amaxes.
             aligned = name.startswith("mxfp8") and world_size < 4
             assert got["scales_sharded"] == [aligned, aligned], name
+            # What each group keeps: one direction's bytes (a shard under ZeRO-3, the whole
+            # unit when params are replicated) for every recipe but mxfp8 without ZeRO-3 or
+            # unaligned, which also keep the columnwise copy; aligned ZeRO-3 mxfp8 quantizes
+            # that copy at each backward gather and keeps neither it nor its buffer.
+            zero3 = name.endswith("optim_grads_params")
+            for stored, replicated, numel in zip(
+                got["stored"], got["replicated_scales"], got["kept_numel"], strict=True
+            ):
+                directions = 2 if name.startswith("mxfp8") and not (aligned and zero3) else 1
+                sharded_scales = numel // 32 if aligned else 0
+                assert stored - replicated == directions * (numel + sharded_scales), name
+            if aligned and zero3:
+                assert got["columnwise_buffer_bytes"] == [0, 0], name
     if world_size == 4:
         # Ranks 2 and 3 hold none of fc1 (its 2048 elements are ranks 0-1's shards).
         assert results[2]["tensorwise/optim_grads_params"]["empty_weights"] == 2

@@ -213,5 +213,14 @@ def test_triton_whole_bands_equal_torch_twin():
         )
         pq.quantize_mxfp8_rows_(values, fp8_dtype=E4M3, **views)
         outputs[device] = {key: value.cpu() for key, value in views.items()}
+        # One direction alone (the columnwise copy a ZeRO-3 backward gather quantizes, the
+        # rowwise one a write stores): the same bytes and scales as both at once.
+        for direction in ("row", "col"):
+            other = "col" if direction == "row" else "row"
+            alone = {key: torch.full_like(view, 7) for key, view in views.items()}
+            alone.update({f"{other}_data": None, f"{other}_scale": None})
+            pq.quantize_mxfp8_rows_(values, fp8_dtype=E4M3, **alone)
+            for key in (f"{direction}_data", f"{direction}_scale"):
+                assert torch.equal(alone[key].cpu(), outputs[device][key]), (device, key)
     for key in outputs["cpu"]:
         assert torch.equal(outputs["cuda"][key], outputs["cpu"][key]), key

@@ -8,6 +8,10 @@ One class serves all four recipes; what differs is data, not code paths in the h
 - scales: replicated (per-tensor recipes, blockwise, unaligned mxfp8: every rank computes every
   scale from globally reduced amaxes) or sharded with their blocks (aligned mxfp8: E8M0 bytes in
   a 1/32-size buffer gathered alongside the data). fp8_layout.py says which and why.
+- aligned mxfp8 under ZeRO-3 keeps no columnwise shard between steps: only backward reads that
+  copy, so each backward gather quantizes it from the fp32 main shard (the bytes and scales a
+  write would have stored, bit for bit) and all-gathers it. That is one weight copy less per
+  rank (half the FP8 weight bytes) for one quantization pass per backward instead of per step.
 
 Writing main params (after each optimizer step, at init, after a checkpoint load) is two-phase
 so that a whole model needs ONE collective: `amax_to_reduce` gives this rank's partial amax of
@@ -162,6 +166,15 @@ class Fp8ComputeStorage(ComputeStorage):
         self.group, self.tracker, self.device = group, tracker, device
         self.directions = spec.directions
         self.backward_direction = self.directions[-1]
+        # Aligned mxfp8, ZeRO-3: the columnwise copy is quantized from the main shard at each
+        # backward gather, not stored (module docstring).
+        self.columnwise_on_gather = sharded and scales_sharded and "columnwise" in self.directions
+        self.stored_directions = tuple(
+            d for d in self.directions if not (d == "columnwise" and self.columnwise_on_gather)
+        )
+        self._main_shard: torch.Tensor | None = None
+        self._gather_inputs: list[torch.Tensor] = []
+        """Quantized send buffers of a columnwise gather in flight (kept until finish_gather)."""
         # Per-tensor and 128x128 weights: backward reads a transpose of the rowwise bytes.
         self.transpose_for_backward = self.backward_direction == "rowwise"
         self.full = {
@@ -181,6 +194,10 @@ class Fp8ComputeStorage(ComputeStorage):
         self.scale_shard: dict[str, torch.Tensor] = {}
         lo, hi = layout.shard_range(layout.rank)
         for d in self.directions:
+            if d not in self.stored_directions:
+                tracker.resize_storage(self.full[d], 0)
+                tracker.resize_storage(self.scale_full[d], 0)
+                continue
             if sharded:
                 self.shard[d] = tracker.zeros(layout.shard_numel, dtype=torch.uint8, device=device)
                 tracker.resize_storage(self.full[d], 0)
@@ -276,23 +293,53 @@ class Fp8ComputeStorage(ComputeStorage):
             if self.gathered[d]:
                 continue
             self.tracker.resize_storage(self.full[d], self.layout.padded_numel)
-            works.append(
-                all_gather_flat(self.full[d], self.shard[d], group=self.group, async_op=async_op)
-            )
             if self.scales_sharded:
                 full_scales = self.scale_full[d]
                 self.tracker.resize_storage(full_scales, self.layout.padded_numel // MXFP8_BLOCK)
+            if d in self.stored_directions:
+                data, scales = self.shard[d], self.scale_shard.get(d)
+            else:
+                data, scales = self._quantized_columnwise_shard()
+            if data is not None:  # None: quantized in place, nothing to gather (DP=1)
                 works.append(
-                    all_gather_flat(
-                        full_scales, self.scale_shard[d], group=self.group, async_op=async_op
-                    )
+                    all_gather_flat(self.full[d], data, group=self.group, async_op=async_op)
                 )
+                if self.scales_sharded:
+                    works.append(
+                        all_gather_flat(full_scales, scales, group=self.group, async_op=async_op)
+                    )
             self.gathered[d] = True
             self._point(d)  # views only; nothing reads them before finish_gather
             nbytes += self._gather_nbytes()
         return _as_work(works), nbytes
 
+    def _quantized_columnwise_shard(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This rank's columnwise bytes and E8M0 scales, quantized now from the main shard
+        into send buffers that live until finish_gather. At DP=1 they are written straight
+        into the gathered buffers instead, and (None, None) says there is nothing to gather."""
+        if self._main_shard is None:
+            raise RuntimeError("Fp8ComputeStorage: bind_main_shard() was never called")
+        layout = self.layout
+        if layout.world_size == 1:
+            self._write_whole_bands(
+                self._main_shard,
+                col_data=self.full["columnwise"],
+                col_scales=self.scale_full["columnwise"],
+            )
+            return None, None
+        data = self.tracker.empty(layout.shard_numel, dtype=torch.uint8, device=self.device)
+        scales = self.tracker.empty(
+            layout.shard_numel // MXFP8_BLOCK, dtype=torch.uint8, device=self.device
+        )
+        self._gather_inputs += [data, scales]
+        self._write_whole_bands(self._main_shard, col_data=data, col_scales=scales)
+        return data, scales
+
+    def bind_main_shard(self, main_shard: torch.Tensor) -> None:
+        self._main_shard = main_shard
+
     def finish_gather(self, role: GatherRole) -> None:
+        self._gather_inputs = []  # the gathers that read them are done
         if role == "backward" and self.transpose_for_backward:
             for qt in self.params:
                 qt.create_transpose_cache()
@@ -419,7 +466,14 @@ class Fp8ComputeStorage(ComputeStorage):
         """
         self.release()  # gathered bytes are stale from here on
         if self.scales_sharded:
-            self._write_whole_bands(main_shard)
+            columnwise = "columnwise" in self.stored_directions
+            self._write_whole_bands(
+                main_shard,
+                row_data=self.shard["rowwise"],
+                row_scales=self.scale_shard["rowwise"],
+                col_data=self.shard["columnwise"] if columnwise else None,
+                col_scales=self.scale_shard["columnwise"] if columnwise else None,
+            )
             return
         amaxes = reduced_amax if reduced_amax is not None else self.local_amaxes(main_shard)
         if update_scaling and self.delayed_pending:
@@ -450,21 +504,32 @@ class Fp8ComputeStorage(ComputeStorage):
             record_amaxes(self.delayed_metas, amaxes[: len(self.delayed_metas)])
         self.delayed_pending = self.spec.recipe_spec.delayed
 
-    def _write_whole_bands(self, main_shard: torch.Tensor) -> None:
+    def _write_whole_bands(
+        self,
+        main_shard: torch.Tensor,
+        *,
+        row_data: torch.Tensor | None = None,
+        row_scales: torch.Tensor | None = None,
+        col_data: torch.Tensor | None = None,
+        col_scales: torch.Tensor | None = None,
+    ) -> None:
         """Aligned mxfp8: every piece is whole 32-row bands, so it owns all its blocks and is
-        quantized (bytes and E8M0 scales, both directions) in place, with no amax exchange."""
+        quantized (bytes and E8M0 scales of each direction given, as flat shard-sized
+        buffers) in place, with no amax exchange."""
         for piece in self.layout.pieces():
             cols = piece.slot.shape[-1]
             rows = piece.numel // cols
             lo, hi = piece.shard_start, piece.shard_start + piece.numel
             scale_lo, scale_hi = lo // MXFP8_BLOCK, hi // MXFP8_BLOCK
+            row = row_data is not None
+            col = col_data is not None
             quantize_mxfp8_rows_(
                 main_shard[lo:hi].view(rows, cols),
                 fp8_dtype=self.spec.fp8_dtype,
-                row_data=self.shard["rowwise"][lo:hi].view(rows, cols),
-                row_scale=self.scale_shard["rowwise"][scale_lo:scale_hi].view(rows, -1),
-                col_data=self.shard["columnwise"][lo:hi].view(rows, cols),
-                col_scale=self.scale_shard["columnwise"][scale_lo:scale_hi].view(-1, cols),
+                row_data=row_data[lo:hi].view(rows, cols) if row else None,
+                row_scale=row_scales[scale_lo:scale_hi].view(rows, -1) if row else None,
+                col_data=col_data[lo:hi].view(rows, cols) if col else None,
+                col_scale=col_scales[scale_lo:scale_hi].view(-1, cols) if col else None,
             )
 
     def reset_delayed_scaling(self) -> None:

@@ -458,6 +458,7 @@ class ParamAndGradBuffer:
             tracker=self.tracker,
         )
         group = self._new_group(entries, layout, storage, main_shard=None)
+        storage.bind_main_shard(group.main_shard)  # aligned mxfp8 quantizes from it at gathers
         for index, (names, param, _) in enumerate(entries):
             full_value = self._fp8_init_value(names[0], param, init_fn)
             self._copy_to_main(group, index, full_value)

@@ -237,14 +237,15 @@ def quantize_mxfp8_rows_(
     values2d: torch.Tensor,
     *,
     fp8_dtype: torch.dtype,
-    row_data: torch.Tensor,
-    row_scale: torch.Tensor,
-    col_data: torch.Tensor,
-    col_scale: torch.Tensor,
+    row_data: torch.Tensor | None,
+    row_scale: torch.Tensor | None,
+    col_data: torch.Tensor | None,
+    col_scale: torch.Tensor | None,
 ) -> None:
     """MXFP8 rowwise (1x32) and columnwise (32x1) bytes and E8M0 scales of whole 32-row bands
     of a weight ([rows, K], rows and K multiples of 32), written into the given views:
-    data [rows, K] uint8, row_scale [rows, K/32], col_scale [rows/32, K]."""
+    data [rows, K] uint8, row_scale [rows, K/32], col_scale [rows/32, K]. A direction whose
+    data is None is not written."""
     rows, cols = values2d.shape
     if rows % MX_BLOCK or cols % MX_BLOCK:
         raise ValueError(f"whole MX bands need rows and cols divisible by 32, got {rows}x{cols}")
@@ -264,6 +265,8 @@ def quantize_mxfp8_rows_(
         )
         return
     for along_rows, data, scale in ((True, row_data, row_scale), (False, col_data, col_scale)):
+        if data is None:
+            continue
         quantized, e8m0 = tq.quantize_mxfp8(values2d, fp8_dtype=fp8_dtype, along_rows=along_rows)
         data.copy_(quantized)
         scale.copy_(e8m0)
