@@ -364,6 +364,21 @@ def test_recipe_implies_hybrid_format():
     assert args.fp8_format == "e4m3"
 
 
+def test_wgrad_input_from_activation_is_on_with_a_recipe_unless_turned_off():
+    from megatron.training.configs import build_transformer_config
+
+    def resolved(extra):
+        args = parse_args(TINY_GPT + extra, world_size=1)
+        fp8 = build_transformer_config(args, vocab_size=512).fp8
+        return args.fp8_wgrad_input_from_activation, fp8 and fp8.wgrad_input_from_activation
+
+    assert resolved([]) == (False, None)  # no FP8: nothing to recompute, and no Fp8Config
+    assert resolved(["--no-fp8-wgrad-input-from-activation"]) == (False, None)
+    assert resolved(["--fp8-recipe", "tensorwise"]) == (True, True)
+    off = ["--fp8-recipe", "mxfp8", "--no-fp8-wgrad-input-from-activation"]
+    assert resolved(off) == (False, False)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs a machine without GPUs")
 def test_nccl_without_gpus_is_a_flag_error(capsys):
     message = parse_error(TINY_GPT + ["--distributed-backend", "nccl"], capsys)
