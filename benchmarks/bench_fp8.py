@@ -318,8 +318,10 @@ def _operand_fn(x: torch.Tensor, key: str):
         "block_128x1": ("blockwise", "input", False, True, read + elems + scales_1x128),
         "block_1x128_pair": ("blockwise", "input", True, True, read + 2 * elems + 2 * scales_1x128),
         "block_128x128": ("blockwise", "weight", True, True, read + 2 * elems),
-        "mxfp8_dequantized": ("mxfp8", "input", True, True, read + 4 * elems),
-        "mxfp8_quads_dequantized": ("mxfp8", "input", True, True, read + 4 * elems),
+        # Both copies as bf16 values in one pass: a grad's quantization (or an input's read at
+        # once); an input saved for backward keeps its columnwise copy as bytes instead.
+        "mxfp8_dequantized": ("mxfp8", "grad", True, True, read + 4 * elems),
+        "mxfp8_quads_dequantized": ("mxfp8", "grad", True, True, read + 4 * elems),
     }[key]
 
     def run():

@@ -146,8 +146,12 @@ def _backend(fused: bool):
     return _fused_cuda_ops() if fused else reference_ops
 
 
-def _quantize_operands(ops, t2d, plan: _Plan, *, role, rowwise, transposed, record, compute_dtype):
-    """One quantization of `t2d`: the operands `role`'s GEMMs read (module docstring table)."""
+def _quantize_operands(
+    ops, t2d, plan: _Plan, *, role, rowwise, transposed, record, compute_dtype, saved=None
+):
+    """One quantization of `t2d`: the operands `role`'s GEMMs read (module docstring table).
+    `saved`: whether the transposed operand is kept for backward (default: an input's or a
+    weight's is; the backend may then keep it in a smaller form)."""
     meta = plan.metas[role] if plan.metas is not None else None
     return ops.quantize_operands(
         t2d,
@@ -160,6 +164,7 @@ def _quantize_operands(ops, t2d, plan: _Plan, *, role, rowwise, transposed, reco
         scale=plan.scales.get(role),
         amax_history=meta.amax_history if (record and meta is not None) else None,
         dequant_dtype=compute_dtype,
+        saved=saved,
     )
 
 
@@ -274,6 +279,7 @@ def _recomputed_input_operand(ops, ctx, plan: _Plan, dy2d: torch.Tensor):
         transposed=True,
         record=False,
         compute_dtype=ctx.compute_dtype,
+        saved=False,  # read at once by wgrad's GEMM
     )
     return x_t
 

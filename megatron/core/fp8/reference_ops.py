@@ -44,10 +44,11 @@ def quantize_operands(
     scale: torch.Tensor | None = None,
     amax_history: torch.Tensor | None = None,
     dequant_dtype: torch.dtype | None = None,
+    saved: bool | None = None,
 ) -> tuple[Fp8Operand | None, Fp8Operand | None]:
     """(rowwise operand, transposed operand) of a 2-D tensor, each None when not asked for;
-    the arguments mean what they mean for `linear_ops.quantize_operands` (dequant_dtype is
-    not used: no operand here is dequantized). delayed: max|x| is maxed into
+    the arguments mean what they mean for `linear_ops.quantize_operands` (dequant_dtype and
+    saved are not used: every operand here is FP8 bytes). delayed: max|x| is maxed into
     `amax_history[0]` when the history is given."""
     spec = recipe_spec(recipe)
     if not spec.delayed:

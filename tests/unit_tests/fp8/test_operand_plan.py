@@ -191,6 +191,10 @@ OPTIONS = {
     "blockwise weight": dict(recipe="blockwise", fp8_dtype=E4M3, role="weight", power_2_scale=True),
     "mxfp8": dict(recipe="mxfp8", fp8_dtype=E4M3, role="input", power_2_scale=False),
     "mxfp8 grad": dict(recipe="mxfp8", fp8_dtype=E5M2, role="grad", power_2_scale=False),
+    # An input's transposed copy read at once (recomputed for wgrad in backward), not saved.
+    "mxfp8 input read at once": dict(
+        recipe="mxfp8", fp8_dtype=E4M3, role="input", power_2_scale=False, saved=False
+    ),
 }
 # Hand-computed for M=256, K=384 with quantize.TILE_CONFIG: (kernel, grid) per launch.
 GRIDS = {
@@ -207,6 +211,7 @@ GRIDS = {
     # columns per program): ceil(256/32) * ceil(384/128)
     "mxfp8": [("mxfp8_quads_kernel", (96, 1, 1)), ("mxfp8_quads_kernel", (24, 1, 1))],
     "mxfp8 grad": [("mxfp8_quads_kernel", (96, 1, 1))],  # both copies as values, one pass
+    "mxfp8 input read at once": [("mxfp8_quads_kernel", (96, 1, 1))],
 }
 
 
@@ -249,7 +254,7 @@ def _expected_specs(case: str) -> list[tuple]:
     if case == "blockwise weight":
         return [cq.block_128x128_spec(M, K, write_row=True, write_t=True, record=False, **common)]
     mx = dict(write_t=False, record=False, fp8_dtype=fp8_dtype)
-    if case == "mxfp8 grad":
+    if case in ("mxfp8 grad", "mxfp8 input read at once"):
         return [cq.mxfp8_spec(M, K, rowwise=True, columnwise=True, dequant=True, **mx)]
     return [
         cq.mxfp8_spec(M, K, rowwise=True, columnwise=False, dequant=True, **mx),
@@ -545,6 +550,26 @@ def test_mxfp8_kept_copy_is_bytes_and_scales(kernels, role):
         assert col_e.dtype == torch.uint8 and col_e.shape == (M // 32, K)
         assert col.data.dtype == E4M3 and col.data.shape == (K, M) and col.data.stride() == (1, K)
         assert col.data.data_ptr() == col_bytes.data_ptr() and col.scale_inv is col_e
+
+
+def test_mxfp8_copy_read_at_once_is_values_from_one_pass(kernels):
+    # The same input with saved=False (fc2's wgrad input, recomputed in backward and read at
+    # once): both copies are dequantized values from one launch, as for a grad; the plan is
+    # held apart from the saved one's.
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    saved_row, saved_col = linear_ops.quantize_operands(
+        x, rowwise=True, transposed=True, **OPTIONS["mxfp8"]
+    )
+    assert len(kernels.take()) == 2
+    row, col = linear_ops.quantize_operands(
+        x, rowwise=True, transposed=True, **OPTIONS["mxfp8 input read at once"]
+    )
+    (cast,) = kernels.take()
+    assert cast["constexprs"]["DEQUANT"] is True
+    assert cast["constexprs"]["ROWWISE"] and cast["constexprs"]["COLUMNWISE"]
+    assert col.scale_inv is None and col.data.dtype == torch.bfloat16
+    assert col.data.shape == (K, M) and saved_col.data.dtype == E4M3
+    assert sorted(key[-1] for key in linear_ops._plans) == [False, True]
 
 
 @pytest.mark.parametrize("rows", [256, 200])  # 200: a ragged last block of 8 rows

@@ -100,6 +100,29 @@ def test_fc2_keeps_fc1_output_not_an_fp8_copy(recipe: str):
             assert data.element_size() == 1 and data.numel() == 256 * 64
 
 
+@pytest.mark.parametrize("flag", [False, True])
+def test_only_the_recomputed_copy_is_marked_read_at_once(flag: bool, monkeypatch):
+    # The backend is told which transposed copies are kept for backward (emulated mxfp8 keeps
+    # those as bytes, the rest as values): fc2's recomputed input is read at once (saved=False),
+    # every other quantization leaves the role's default (None).
+    from megatron.core.fp8 import reference_ops
+
+    calls = []
+    quantize = reference_ops.quantize_operands
+
+    def spy(x2d, **kwargs):
+        calls.append((kwargs["role"], kwargs["transposed"], kwargs["saved"]))
+        return quantize(x2d, **kwargs)
+
+    monkeypatch.setattr(reference_ops, "quantize_operands", spy)
+    mlp = _build(MLP, _config("mxfp8", from_activation=flag), fp8_params=False)
+    mlp(torch.randn(2, 32, 128).to(torch.bfloat16)).float().sum().backward()
+    read_at_once = [call for call in calls if call[2] is not None]
+    assert read_at_once == ([("input", True, False)] if flag else [])
+    # fc1 and fc2: input and weight in forward, grad in backward; plus the recompute.
+    assert len(calls) == 6 + flag
+
+
 def test_fp8_linear_refuses_half_an_activation_source():
     linear = Fp8Linear(64, 32, bias=False, fp8_config=Fp8Config(recipe="tensorwise"))
     with pytest.raises(ValueError, match="activation_input and activation together"):

@@ -65,6 +65,7 @@ def quantize_operands(
     scale: torch.Tensor | None = None,
     amax_history: torch.Tensor | None = None,
     dequant_dtype: torch.dtype | None = None,
+    saved: bool | None = None,
 ) -> tuple[GemmOperand | None, GemmOperand | None]:
     """(rowwise operand, transposed operand) of a 2-D tensor, each None when not asked for.
 
@@ -72,8 +73,10 @@ def quantize_operands(
     given, gets max|x| atomically maxed into its slot 0. tensorwise: the amax pass writes
     partial maxima that the cast kernel reduces (no zero fill, no atomics). The bytes equal
     `quantize(...)`'s exactly. mxfp8: the dequantized values come in
-    `dequant_dtype` (default: `emulation_dtype`), except the transposed copy of an input or
-    a weight (kept for backward): its bytes, with the E8M0 scales as scale_inv.
+    `dequant_dtype` (default: `emulation_dtype`), except a transposed copy that is `saved`
+    for backward: its bytes, with the E8M0 scales as scale_inv. `saved` defaults to whether
+    the role is an input's or a weight's (the forward keeps those); a transposed copy that a
+    GEMM reads at once (a grad's, or an input recomputed in backward) passes False.
 
     The launches of each (recipe, role, outputs, shape, dtype, device) are prepared once and
     kept (`OperandPlan`), so a training step's call costs its allocations and launches.
@@ -91,7 +94,13 @@ def quantize_operands(
         (dequant_dtype or emulation_dtype(x2d.dtype)) if spec.fused_linear_emulates else None
     )
     settings = (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale)
-    key = _plan_key(x2d, settings, record=amax_history is not None, dequant_dtype=dequant_dtype)
+    if saved is None:
+        saved = role != "grad"
+    # Only emulated MXFP8 keeps bytes where values would do; other plans share one key.
+    saved = bool(saved and transposed and spec.fused_linear_emulates)
+    key = _plan_key(
+        x2d, settings, record=amax_history is not None, dequant_dtype=dequant_dtype, saved=saved
+    )
     if torch.compiler.is_compiling():
         if amax_history is not None:
             return _recording_operands(x2d, settings, scale, amax_history)
@@ -101,10 +110,11 @@ def quantize_operands(
     return _planned(key, x2d, scale, amax_history)
 
 
-def _plan_key(x2d, settings: tuple, *, record: bool, dequant_dtype) -> tuple:
+def _plan_key(x2d, settings: tuple, *, record: bool, dequant_dtype, saved: bool) -> tuple:
     """The `_plans` key: settings (recipe, fp8_dtype, role, rowwise, transposed,
-    power_2_scale), then x2d's shape, dtype and device, whether it records, dequant_dtype."""
-    return (*settings, x2d.shape, x2d.dtype, x2d.device, record, dequant_dtype)
+    power_2_scale), then x2d's shape, dtype and device, whether it records, dequant_dtype,
+    whether the transposed copy is kept as bytes."""
+    return (*settings, x2d.shape, x2d.dtype, x2d.device, record, dequant_dtype, saved)
 
 
 def _planned(key: tuple, x2d, scale, amax_history):
@@ -152,7 +162,7 @@ def _recording_op(
     asked for is an empty tensor. Per-tensor recipes only (the ones that record). Runs the
     kept plan eagerly (what the compiled graph calls at run time)."""
     settings = (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale)
-    key = _plan_key(x2d, settings, record=True, dequant_dtype=None)
+    key = _plan_key(x2d, settings, record=True, dequant_dtype=None, saved=False)
     row, col = _planned(key, x2d.contiguous(), scale, amax_history)
     empty = x2d.new_empty(0, dtype=torch.uint8)
     data = row.data.view(torch.uint8) if row is not None else empty
@@ -170,7 +180,7 @@ def _(x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, a
 
 
 # (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, shape, dtype, device, record,
-# dequant_dtype) -> OperandPlan
+# dequant_dtype, saved) -> OperandPlan
 _plans: dict[tuple, OperandPlan] = {}
 # A plan is small, but one is kept per token count: bound them for runs whose shapes vary.
 MAX_PLANS = 1024
@@ -209,6 +219,7 @@ class OperandPlan:
         device,
         record,
         dequant_dtype,
+        saved=False,
     ) -> None:
         self.recipe, self.fp8_dtype = recipe, fp8_dtype
         self.rowwise, self.transposed = rowwise, transposed
@@ -280,10 +291,11 @@ class OperandPlan:
                 )
             self.run = self._block_1x128
         else:  # mxfp8, emulated GEMM: dequantized values, or bytes where they are kept
-            # The transposed copy of an input or a weight is kept for backward: its bytes and
-            # E8M0 scales (half the bytes of bf16 values), dequantized by the GEMM that reads
-            # them. Everything else is read at once: dequantized values, one pass.
-            self.keeps_bytes = transposed and role != "grad"
+            # A transposed copy saved for backward (an input's or a weight's in the forward)
+            # is kept as bytes and E8M0 scales (half the bytes of bf16 values), dequantized by
+            # the GEMM that reads them. Everything else is read at once: dequantized values,
+            # one pass.
+            self.keeps_bytes = transposed and saved
             values = dict(write_t=False, record=False, fp8_dtype=fp8_dtype)
             self.cast = self.col_cast = None
             if rowwise or (transposed and not self.keeps_bytes):
