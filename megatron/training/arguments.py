@@ -519,22 +519,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's help shows its default, except an on/off switch left None: that one is
-    resolved from other flags after parsing, and its help says how."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if isinstance(action, argparse.BooleanOptionalAction) and action.default is None:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pretrain_gpt.py",
         description="Pretrain a GPT with megatron-fp8.",
         allow_abbrev=False,
-        formatter_class=_HelpFormatter,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every flag's help shows it
     )
     for add in (
         _add_model_args,
