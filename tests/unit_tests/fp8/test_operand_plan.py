@@ -557,7 +557,7 @@ def test_mxfp8_copy_read_at_once_is_values_from_one_pass(kernels):
     # once): both copies are dequantized values from one launch, as for a grad; the plan is
     # held apart from the saved one's.
     x = torch.randn(M, K, dtype=torch.bfloat16)
-    saved_row, saved_col = linear_ops.quantize_operands(
+    _, saved_col = linear_ops.quantize_operands(
         x, rowwise=True, transposed=True, **OPTIONS["mxfp8"]
     )
     assert len(kernels.take()) == 2

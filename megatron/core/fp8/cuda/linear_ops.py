@@ -219,7 +219,7 @@ class OperandPlan:
         device,
         record,
         dequant_dtype,
-        saved=False,
+        saved,
     ) -> None:
         self.recipe, self.fp8_dtype = recipe, fp8_dtype
         self.rowwise, self.transposed = rowwise, transposed
@@ -295,7 +295,7 @@ class OperandPlan:
             # is kept as bytes and E8M0 scales (half the bytes of bf16 values), dequantized by
             # the GEMM that reads them. Everything else is read at once: dequantized values,
             # one pass.
-            self.keeps_bytes = transposed and saved
+            self.keeps_bytes = saved  # the key's: only ever True for a transposed copy
             values = dict(write_t=False, record=False, fp8_dtype=fp8_dtype)
             self.cast = self.col_cast = None
             if rowwise or (transposed and not self.keeps_bytes):
