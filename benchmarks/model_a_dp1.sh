@@ -4,7 +4,8 @@
 # --torch-compile with Megatron-FSDP (ZeRO-3) in bf16 and with FP8 parameters for each recipe;
 # torchao_tensorwise / torchao_rowwise: the torchao float8 peer rows (FSDP2, compiled).
 # <recipe>_keepcopy: that recipe with --no-fp8-wgrad-input-from-activation (fc2 keeps an FP8 copy
-# of its input from forward, as before 2026-12-02e), e.g. tensorwise_keepcopy.
+# of its input from forward, as before 2026-12-02e), e.g. tensorwise_keepcopy. <recipe>_amaxpass:
+# compiled tensorwise with its own amax pass, not max|x| fused into the producer (before 2026-12-03b).
 # One JSON line per row in $OUT/model_a_dp1.jsonl: step_ms is the median of the logged
 # iteration times after the first WARMUP iterations (compile and allocator warm-up).
 #   ROWS="fsdp2 bf16 tensorwise" ITERS=20 bash benchmarks/model_a_dp1.sh
@@ -76,6 +77,11 @@ for name in ${ROWS:-fsdp2 torchao_tensorwise torchao_rowwise bf16 tensorwise del
       row "$name" torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" \
         --fp8-recipe "${name%_keepcopy}" --fp8-format hybrid --fp8-param-gather \
         --no-fp8-wgrad-input-from-activation $(snapshot_args "$name")
+      summarize "$name"; breakdown "$name" ;;
+    *_amaxpass)  # the recipe with linear_ops.AMAX_IN_GRAPH off (dev/amax_pass/sitecustomize.py)
+      PYTHONPATH=$PWD/dev/amax_pass:$PYTHONPATH row "$name" torchrun --nproc-per-node "$NPROC" \
+        pretrain_gpt.py "${MODEL_A[@]}" --fp8-recipe "${name%_amaxpass}" --fp8-format hybrid \
+        --fp8-param-gather $(snapshot_args "$name")
       summarize "$name"; breakdown "$name" ;;
     *)
       row "$name" torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" \

@@ -5,6 +5,8 @@ check the op's registration, its fake, and compiled-vs-eager equality of the op 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -274,6 +276,53 @@ def test_compiled_operands_equal_eager_bytes(recipe: str):
         assert want.shape == got.shape
         want_bytes, got_bytes = (t.contiguous().reshape(-1).view(torch.uint8) for t in (want, got))
         assert torch.equal(want_bytes, got_bytes)
+
+
+def _rmsnorm(x, weight):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5) * weight).to(x.dtype)
+
+
+def _swiglu(h):
+    gate, up = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("producer", ["rmsnorm", "swiglu"])
+def test_compiled_tensorwise_amax_is_fused_into_the_producer(producer: str):
+    # Compiled, tensorwise takes max|x| from linear_ops.producer_amax: Inductor computes the
+    # row maxima in the producer's kernel (no amax pass over x), and the bytes equal the
+    # eager quantization (with its amax pass) of the same produced tensor.
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(4)
+    if producer == "rmsnorm":
+        inputs = (torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16) * 3,)
+        inputs += (torch.rand(1024, device="cuda") * 2 + 0.1,)
+        produce, names = _rmsnorm, ("rsqrt", "amax")
+    else:
+        inputs = (torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16) * 2,)
+        produce, names = _swiglu, ("silu", "amax")
+    options = dict(recipe="tensorwise", fp8_dtype=E4M3, role="input", power_2_scale=False)
+
+    def produced_operands(*args):
+        x = produce(*args)
+        row, col = linear_ops.quantize_operands(x, rowwise=True, transposed=True, **options)
+        return x, row.data, col.data, row.scale_inv
+
+    torch._dynamo.reset()
+    (x, row, col, scale_inv), code = run_and_get_code(torch.compile(produced_operands), *inputs)
+    source = "\n".join(code)
+    assert "amax_partials_kernel" not in source
+    kernels = set(re.findall(r"def (triton_(?:per|red)_fused_\w+)\(", source))
+    print(f"{producer}: {sorted(kernels)}")
+    assert any(all(name in kernel for name in names) for kernel in kernels), kernels
+    want_row, want_col = linear_ops.quantize_operands(x, rowwise=True, transposed=True, **options)
+    assert torch.equal(scale_inv, want_row.scale_inv)
+    for got, want in ((row, want_row.data), (col, want_col.data)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @gpu

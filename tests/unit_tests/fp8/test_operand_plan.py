@@ -328,6 +328,62 @@ def test_tensorwise_partial_maxima_reach_the_cast(kernels):
         _check_per_tensor_operands(row, col, data, data_t, scale_inv)
 
 
+def test_tensorwise_given_amax_skips_the_amax_pass(kernels):
+    # The max|x| that the producer computed (producer_amax, in x's dtype): no amax pass, the
+    # cast reads the one value (AMAX_PARTIALS 0), and the plan is not the amax pass's.
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    _quantize(x, "tensorwise")
+    kernels.take()
+    given = linear_ops.producer_amax(x)
+    for _ in range(2):
+        row, col = _quantize(x, "tensorwise", amax=given)
+        (cast,) = kernels.take()
+        assert cast["kernel"] == "per_tensor_cast_kernel" and cast["grid"] == (6, 1, 1)
+        assert cast["constexprs"]["AMAX_PARTIALS"] == 0
+        assert cast["constexprs"]["SCALE_GIVEN"] is False
+        args = cast["args"]
+        assert args[3] is given and args[4] is given
+        expected = cq.per_tensor_cast_args(x, args[1], args[2], None, given, args[5], None)
+        assert same_args(args, expected)
+        _check_per_tensor_operands(row, col, args[1], args[2], args[5])
+    assert sorted(key[-3] for key in linear_ops._plans) == [False, True]
+    # Other recipes have no amax pass to skip: a given amax changes nothing.
+    history = torch.zeros(8)
+    _quantize(x, "delayed", scale=torch.tensor(2.0), amax_history=history, amax=given)
+    (cast,) = kernels.take()
+    assert cast["args"][4] is not given and cast["constexprs"]["SCALE_GIVEN"] is True
+
+
+def test_producer_amax_is_the_nan_ignoring_max_magnitude():
+    x = torch.tensor([[1.5, -7.25, float("nan")], [0.0, 3.0, -0.5]], dtype=torch.bfloat16)
+    amax = linear_ops.producer_amax(x)
+    assert amax.dim() == 0 and amax.dtype == torch.bfloat16 and float(amax) == 7.25
+    x[1, 0] = float("-inf")
+    assert float(linear_ops.producer_amax(x)) == float("inf")
+    assert float(linear_ops.producer_amax(torch.full((2, 2), float("nan")))) == 0.0
+
+
+def test_producer_amax_fused_into_a_norm_is_the_max_of_the_rounded_output():
+    # Compiled, Inductor computes the row maxima in the norm's kernel from values it may not
+    # have rounded to bf16 yet; rounding is monotonic, so the bf16 result still equals
+    # max|output| of the bf16 output it stores. (A max taken in fp32 and kept in fp32 would
+    # not: it is above the rounded max or below it for almost every input.)
+    def norm_and_amax(x, weight):
+        x32 = x.float()
+        out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5) * weight).to(x.dtype)
+        return out, linear_ops.producer_amax(out)
+
+    torch.manual_seed(5)
+    x = torch.randn(64, 512, dtype=torch.bfloat16) * 3
+    weight = torch.rand(512) * 2 + 0.1
+    torch._dynamo.reset()
+    compiled = torch.compile(norm_and_amax)
+    for trial in range(4):
+        out, amax = compiled(x * (1 + trial / 7), weight)
+        want = out.float().abs().max()
+        assert amax.dtype == torch.bfloat16 and float(amax) == float(want)
+
+
 def test_tensorwise_amax_programs_cover_every_block(kernels):
     # Blocks of 16384 elements -> the next power of two of programs, at most AMAX_PARTIALS:
     # 64 x 64: 1 block, 1 program; 272 x 1024: 17 blocks, 32 programs; 300 x 1000: 19 blocks
@@ -912,9 +968,18 @@ def test_under_torch_compile_no_pointer_is_read_and_no_plan_is_kept(kernels, mon
         # delayed without a history to record into (a recompute): traced like the others.
         _quantize(x, case, **({"scale": torch.tensor(2.0)} if case == "delayed" else {}))
         records = kernels.take()
-        assert [(r["path"], r["kernel"]) for r in records] == [
-            ("jit", name) for name, _ in GRIDS[case]
-        ]
+        # tensorwise: max|x| is computed in the graph (producer_amax), no amax pass.
+        expected = [name for name, _ in GRIDS[case] if name != "amax_partials_kernel"]
+        assert [(r["path"], r["kernel"]) for r in records] == [("jit", name) for name in expected]
+        if case == "tensorwise":
+            amax = records[0]["args"][4]
+            assert amax.dim() == 0 and amax.dtype == torch.bfloat16
+            assert float(amax) == float(x.abs().max())
+            assert records[0]["constexprs"]["AMAX_PARTIALS"] == 0
+    # AMAX_IN_GRAPH off: the amax pass again.
+    monkeypatch.setattr(linear_ops, "AMAX_IN_GRAPH", False)
+    _quantize(x, "tensorwise")
+    assert [r["kernel"] for r in kernels.take()] == [name for name, _ in GRIDS["tensorwise"]]
     assert len(linear_ops._plans) == 1  # only the eager call's plan
 
 

@@ -66,6 +66,7 @@ def quantize_operands(
     amax_history: torch.Tensor | None = None,
     dequant_dtype: torch.dtype | None = None,
     saved: bool | None = None,
+    amax: torch.Tensor | None = None,
 ) -> tuple[GemmOperand | None, GemmOperand | None]:
     """(rowwise operand, transposed operand) of a 2-D tensor, each None when not asked for.
 
@@ -78,6 +79,10 @@ def quantize_operands(
     the role is an input's or a weight's (the forward keeps those); a transposed copy that a
     GEMM reads at once (a grad's, or an input recomputed in backward) passes False.
 
+    tensorwise: `amax`, when given, is max|x| (NaN ignored) as a 0-d tensor of x's dtype or
+    fp32, and the amax pass is skipped. Under torch.compile it is computed in the graph when
+    not given (`producer_amax`), where Inductor fuses it into the kernel that produced x.
+
     The launches of each (recipe, role, outputs, shape, dtype, device) are prepared once and
     kept (`OperandPlan`), so a training step's call costs its allocations and launches.
     """
@@ -89,6 +94,10 @@ def quantize_operands(
         raise ValueError("recipe='delayed' quantizes with the current 0-d fp32 scale: pass scale=")
     if not spec.delayed:
         scale = amax_history = None  # only the delayed recipe reads a scale or records
+    if not spec.per_tensor or spec.delayed:
+        amax = None  # only tensorwise scales from this pass's amax
+    elif amax is None and AMAX_IN_GRAPH and torch.compiler.is_compiling():
+        amax = producer_amax(x2d)
     # Only emulated MXFP8 writes dequantized values; other recipes' plans ignore the dtype.
     dequant_dtype = (
         (dequant_dtype or emulation_dtype(x2d.dtype)) if spec.fused_linear_emulates else None
@@ -99,32 +108,60 @@ def quantize_operands(
     # Only emulated MXFP8 keeps bytes where values would do; other plans share one key.
     saved = bool(saved and transposed and spec.fused_linear_emulates)
     key = _plan_key(
-        x2d, settings, record=amax_history is not None, dequant_dtype=dequant_dtype, saved=saved
+        x2d,
+        settings,
+        record=amax_history is not None,
+        amax_given=amax is not None,
+        dequant_dtype=dequant_dtype,
+        saved=saved,
     )
     if torch.compiler.is_compiling():
         if amax_history is not None:
             return _recording_operands(x2d, settings, scale, amax_history)
         # Traced: no data pointers read and no global cache written; every launch goes
         # through Triton's own call, which torch.compile traces (launch.LaunchSite).
-        return OperandPlan(*key)(x2d, scale, amax_history, aligned=_alignment_unread)
-    return _planned(key, x2d, scale, amax_history)
+        return OperandPlan(*key)(x2d, scale, amax_history, aligned=_alignment_unread, amax=amax)
+    return _planned(key, x2d, scale, amax_history, amax)
 
 
-def _plan_key(x2d, settings: tuple, *, record: bool, dequant_dtype, saved: bool) -> tuple:
+AMAX_IN_GRAPH = True
+"""Under torch.compile, tensorwise quantization takes max|x| from `producer_amax`, computed
+in the graph, instead of running its own amax pass: Inductor fuses the row maxima into the
+kernel that produced x (RMSNorm, SwiGLU and their backwards, RoPE's backward), so x is not
+read an extra time. False restores the amax pass (for A/B measurements)."""
+
+
+def producer_amax(x2d: torch.Tensor) -> torch.Tensor:
+    """max|x| of a 2-D tensor, NaN ignored (as the amax pass), as a 0-d tensor of x's dtype,
+    in torch ops: the row maxima are a reduction over the same rows as a norm's, or over a
+    pointwise producer's output, so Inductor computes them in the producer's kernel.
+
+    Exact whatever Inductor does with the rounding: fused, it may take the maxima of the
+    producer's fp32 values before they are rounded to x's dtype, but rounding to nearest is
+    monotonic and odd, so rounding max|v| gives max|round(v)|, and the row maxima are stored
+    (so rounded) in x's dtype."""
+    magnitude = x2d.abs()
+    magnitude = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
+    return magnitude.amax(dim=-1).amax()
+
+
+def _plan_key(
+    x2d, settings: tuple, *, record: bool, amax_given: bool, dequant_dtype, saved: bool
+) -> tuple:
     """The `_plans` key: settings (recipe, fp8_dtype, role, rowwise, transposed,
-    power_2_scale), then x2d's shape, dtype and device, whether it records, dequant_dtype,
-    whether the transposed copy is kept as bytes."""
-    return (*settings, x2d.shape, x2d.dtype, x2d.device, record, dequant_dtype, saved)
+    power_2_scale), then x2d's shape, dtype and device, whether it records, whether the
+    caller gives the amax, dequant_dtype, whether the transposed copy is kept as bytes."""
+    return (*settings, x2d.shape, x2d.dtype, x2d.device, record, amax_given, dequant_dtype, saved)
 
 
-def _planned(key: tuple, x2d, scale, amax_history):
+def _planned(key: tuple, x2d, scale, amax_history, amax=None):
     """The kept plan of `key` (made on first use) run eagerly on x2d."""
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()  # many token counts (e.g. varying sequence lengths): start over
         plan = _plans[key] = OperandPlan(*key)
-    return plan(x2d, scale, amax_history)
+    return plan(x2d, scale, amax_history, amax=amax)
 
 
 def _recording_operands(x2d, settings: tuple, scale, amax_history):
@@ -162,7 +199,7 @@ def _recording_op(
     asked for is an empty tensor. Per-tensor recipes only (the ones that record). Runs the
     kept plan eagerly (what the compiled graph calls at run time)."""
     settings = (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale)
-    key = _plan_key(x2d, settings, record=True, dequant_dtype=None, saved=False)
+    key = _plan_key(x2d, settings, record=True, amax_given=False, dequant_dtype=None, saved=False)
     row, col = _planned(key, x2d.contiguous(), scale, amax_history)
     empty = x2d.new_empty(0, dtype=torch.uint8)
     data = row.data.view(torch.uint8) if row is not None else empty
@@ -180,7 +217,7 @@ def _(x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, a
 
 
 # (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, shape, dtype, device, record,
-# dequant_dtype, saved) -> OperandPlan
+# amax_given, dequant_dtype, saved) -> OperandPlan
 _plans: dict[tuple, OperandPlan] = {}
 # A plan is small, but one is kept per token count: bound them for runs whose shapes vary.
 MAX_PLANS = 1024
@@ -218,6 +255,7 @@ class OperandPlan:
         dtype,
         device,
         record,
+        amax_given,
         dequant_dtype,
         saved,
     ) -> None:
@@ -229,7 +267,7 @@ class OperandPlan:
         spec = recipe_spec(recipe)
         if spec.per_tensor:
             partials = 0
-            if not spec.delayed:  # tensorwise: the scale comes from this pass's amax
+            if not spec.delayed and not amax_given:  # tensorwise: scale from this pass's amax
                 kernel, grid, constexprs, self.blocks_per_program = cq.amax_partials_spec(
                     rows * cols
                 )
@@ -317,18 +355,18 @@ class OperandPlan:
                 )
             self.run = self._mxfp8
 
-    def __call__(self, x2d, scale, amax_history, aligned=None):
+    def __call__(self, x2d, scale, amax_history, aligned=None, amax=None):
         """`aligned(t)`: the alignment key part of a caller tensor (default: whether it is
-        16-byte aligned)."""
-        return self.run(x2d, scale, amax_history, aligned or _aligned)
+        16-byte aligned). `amax`: tensorwise max|x| from the caller (a plan made with
+        amax_given), else None."""
+        return self.run(x2d, scale, amax_history, aligned or _aligned, amax)
 
     def _empty(self, rows: int, cols: int, dtype=torch.uint8) -> torch.Tensor:
         return torch.empty((rows, cols), dtype=dtype, device=self.device)
 
-    def _per_tensor(self, x2d, scale, amax_history, aligned):
+    def _per_tensor(self, x2d, scale, amax_history, aligned, amax):
         rows, cols = self.rows, self.cols
         x_aligned = aligned(x2d)
-        amax = None
         if self.partials:
             amax = torch.empty(self.partials, dtype=torch.float32, device=self.device)
             self.amax((x2d, amax, rows * cols, self.blocks_per_program), x_aligned)
@@ -344,7 +382,7 @@ class OperandPlan:
         col = GemmOperand(data_t.view(self.fp8_dtype), scale_inv) if data_t is not None else None
         return row, col
 
-    def _block_1x128(self, x2d, scale, amax_history, aligned):
+    def _block_1x128(self, x2d, scale, amax_history, aligned, amax):
         rows, cols = self.rows, self.cols
         row_blocks, col_blocks = ceil_div(rows, BLOCK_128), ceil_div(cols, BLOCK_128)
         x_aligned = aligned(x2d)
@@ -368,7 +406,7 @@ class OperandPlan:
             col_op = GemmOperand(col_t.view(self.fp8_dtype), col_sinv.t())
         return row_op, col_op
 
-    def _block_128x128(self, x2d, scale, amax_history, aligned):
+    def _block_128x128(self, x2d, scale, amax_history, aligned, amax):
         rows, cols = self.rows, self.cols
         row_blocks, col_blocks = ceil_div(rows, BLOCK_128), ceil_div(cols, BLOCK_128)
         data = self._empty(rows, cols) if self.rowwise else None
@@ -385,7 +423,7 @@ class OperandPlan:
             col_op = GemmOperand(data_t.view(self.fp8_dtype), scale_inv_t)
         return row_op, col_op
 
-    def _mxfp8(self, x2d, scale, amax_history, aligned):
+    def _mxfp8(self, x2d, scale, amax_history, aligned, amax):
         # Ragged edges need no care: the kernel's masked loads zero-pad the blocks, as the
         # rules do.
         rows, cols = self.rows, self.cols

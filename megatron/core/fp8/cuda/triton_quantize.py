@@ -264,7 +264,8 @@ def per_tensor_cast_kernel(
     is reduced in registers across the strip, one atomic per program. TRANS_X transposes
     the high-precision tile and casts it again instead of transposing the FP8 bytes (same
     bytes, a different shared-memory exchange; the sweep picks). AMAX_PARTIALS > 0: amax_ptr
-    holds that many partial maxima (amax_partials_kernel), reduced here."""
+    holds that many partial maxima (amax_partials_kernel), reduced here; 0: the finished
+    max|x|."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, BK)
     pid_k = pid % k_tiles
@@ -274,7 +275,9 @@ def per_tensor_cast_kernel(
         partials = tl.load(amax_ptr + tl.arange(0, AMAX_PARTIALS))
         scale = _scale_from_amax(tl.max(partials, axis=0), FP8_MAX, INF_SCALE, POW2)
     else:
-        scale = _scale_from_amax(tl.load(amax_ptr), FP8_MAX, INF_SCALE, POW2)
+        # A given max|x| (fp32, or x's dtype from linear_ops.producer_amax): exact in fp32.
+        amax = tl.load(amax_ptr).to(tl.float32)
+        scale = _scale_from_amax(amax, FP8_MAX, INF_SCALE, POW2)
     cols = pid_k * BK + tl.arange(0, BK)
     rows = (pid // k_tiles) * (GROUP * BM) + tl.arange(0, BM)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
