@@ -315,7 +315,7 @@ def test_compiled_tensorwise_amax_is_fused_into_the_producer(producer: str):
     torch._dynamo.reset()
     (x, row, col, scale_inv), code = run_and_get_code(torch.compile(produced_operands), *inputs)
     source = "\n".join(code)
-    assert "amax_partials_kernel" not in source
+    assert "def amax_partials_kernel(" not in source  # the cast kernel's docstring names it
     kernels = set(re.findall(r"def (triton_(?:per|red)_fused_\w+)\(", source))
     print(f"{producer}: {sorted(kernels)}")
     assert any(all(name in kernel for name in names) for kernel in kernels), kernels
