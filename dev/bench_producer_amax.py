@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--kernels", action="store_true", help="GPU us of every kernel by name")
     args = parser.parse_args()
     fp8 = Fp8Config(recipe=args.recipe, fp8_format="hybrid")
     config = TransformerConfig(
@@ -106,6 +107,11 @@ def main() -> None:
             "inductor_amax_kernels": sorted({e.name for e in in_graph}),
             "inductor_amax_ms": round(sum(e.device_time for e in in_graph) / 1000, 3),
         }
+        if args.kernels:
+            by_name: dict[str, float] = {}
+            for event in kernels:
+                by_name[event.name] = by_name.get(event.name, 0.0) + event.device_time
+            result[name]["kernels_us"] = {k: round(v, 1) for k, v in sorted(by_name.items())}
     print(json.dumps(result))
 
 
