@@ -346,7 +346,13 @@ def test_tensorwise_given_amax_skips_the_amax_pass(kernels):
         expected = cq.per_tensor_cast_args(x, args[1], args[2], None, given, args[5], None)
         assert same_args(args, expected)
         _check_per_tensor_operands(row, col, args[1], args[2], args[5])
-    assert sorted(key[-3] for key in linear_ops._plans) == [False, True]
+    assert sorted(str(key[-3]) for key in linear_ops._plans) == ["None", "torch.bfloat16"]
+    # An fp32 amax is a plan of its own: the kernel held for the bf16 one reads 2 bytes.
+    _quantize(x, "tensorwise", amax=given.float())
+    (cast,) = kernels.take()
+    assert cast["path"] == "jit" and len(linear_ops._plans) == 3
+    with pytest.raises(ValueError, match="0-d float"):
+        _quantize(x, "tensorwise", amax=given.reshape(1))
     # Other recipes have no amax pass to skip: a given amax changes nothing.
     history = torch.zeros(8)
     _quantize(x, "delayed", scale=torch.tensor(2.0), amax_history=history, amax=given)

@@ -98,6 +98,8 @@ def quantize_operands(
         amax = None  # only tensorwise scales from this pass's amax
     elif amax is None and AMAX_IN_GRAPH and torch.compiler.is_compiling():
         amax = producer_amax(x2d)
+    elif amax is not None and (amax.dim() or not amax.dtype.is_floating_point):
+        raise ValueError(f"amax= is max|x| as a 0-d float tensor, got {amax.dtype} {amax.shape}")
     # Only emulated MXFP8 writes dequantized values; other recipes' plans ignore the dtype.
     dequant_dtype = (
         (dequant_dtype or emulation_dtype(x2d.dtype)) if spec.fused_linear_emulates else None
@@ -111,7 +113,7 @@ def quantize_operands(
         x2d,
         settings,
         record=amax_history is not None,
-        amax_given=amax is not None,
+        amax_dtype=amax.dtype if amax is not None else None,
         dequant_dtype=dequant_dtype,
         saved=saved,
     )
@@ -146,12 +148,13 @@ def producer_amax(x2d: torch.Tensor) -> torch.Tensor:
 
 
 def _plan_key(
-    x2d, settings: tuple, *, record: bool, amax_given: bool, dequant_dtype, saved: bool
+    x2d, settings: tuple, *, record: bool, amax_dtype, dequant_dtype, saved: bool
 ) -> tuple:
     """The `_plans` key: settings (recipe, fp8_dtype, role, rowwise, transposed,
-    power_2_scale), then x2d's shape, dtype and device, whether it records, whether the
-    caller gives the amax, dequant_dtype, whether the transposed copy is kept as bytes."""
-    return (*settings, x2d.shape, x2d.dtype, x2d.device, record, amax_given, dequant_dtype, saved)
+    power_2_scale), then x2d's shape, dtype and device, whether it records, the dtype of the
+    amax the caller gives (None: none; the cast kernel is specialized on it), dequant_dtype,
+    whether the transposed copy is kept as bytes."""
+    return (*settings, x2d.shape, x2d.dtype, x2d.device, record, amax_dtype, dequant_dtype, saved)
 
 
 def _planned(key: tuple, x2d, scale, amax_history, amax=None):
@@ -199,7 +202,7 @@ def _recording_op(
     asked for is an empty tensor. Per-tensor recipes only (the ones that record). Runs the
     kept plan eagerly (what the compiled graph calls at run time)."""
     settings = (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale)
-    key = _plan_key(x2d, settings, record=True, amax_given=False, dequant_dtype=None, saved=False)
+    key = _plan_key(x2d, settings, record=True, amax_dtype=None, dequant_dtype=None, saved=False)
     row, col = _planned(key, x2d.contiguous(), scale, amax_history)
     empty = x2d.new_empty(0, dtype=torch.uint8)
     data = row.data.view(torch.uint8) if row is not None else empty
@@ -217,7 +220,7 @@ def _(x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, a
 
 
 # (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, shape, dtype, device, record,
-# amax_given, dequant_dtype, saved) -> OperandPlan
+# amax_dtype, dequant_dtype, saved) -> OperandPlan
 _plans: dict[tuple, OperandPlan] = {}
 # A plan is small, but one is kept per token count: bound them for runs whose shapes vary.
 MAX_PLANS = 1024
@@ -255,7 +258,7 @@ class OperandPlan:
         dtype,
         device,
         record,
-        amax_given,
+        amax_dtype,
         dequant_dtype,
         saved,
     ) -> None:
@@ -267,7 +270,7 @@ class OperandPlan:
         spec = recipe_spec(recipe)
         if spec.per_tensor:
             partials = 0
-            if not spec.delayed and not amax_given:  # tensorwise: scale from this pass's amax
+            if not spec.delayed and amax_dtype is None:  # tensorwise: scale from this pass's amax
                 kernel, grid, constexprs, self.blocks_per_program = cq.amax_partials_spec(
                     rows * cols
                 )
@@ -358,7 +361,7 @@ class OperandPlan:
     def __call__(self, x2d, scale, amax_history, aligned=None, amax=None):
         """`aligned(t)`: the alignment key part of a caller tensor (default: whether it is
         16-byte aligned). `amax`: tensorwise max|x| from the caller (a plan made with
-        amax_given), else None."""
+        an amax_dtype), else None."""
         return self.run(x2d, scale, amax_history, aligned or _aligned, amax)
 
     def _empty(self, rows: int, cols: int, dtype=torch.uint8) -> torch.Tensor:
