@@ -5,7 +5,8 @@
 # torchao_tensorwise / torchao_rowwise: the torchao float8 peer rows (FSDP2, compiled).
 # <recipe>_keepcopy: that recipe with --no-fp8-wgrad-input-from-activation (fc2 keeps an FP8 copy
 # of its input from forward, as before 2026-12-02e), e.g. tensorwise_keepcopy. <recipe>_amaxpass:
-# compiled tensorwise with its own amax pass, not max|x| fused into the producer (before 2026-12-03b).
+# compiled tensorwise with its own amax pass, not max|x| fused into the producer (as before
+# docs/benchmarks/tensorwise_producer_amax_h200_2026-12-03.md).
 # One JSON line per row in $OUT/model_a_dp1.jsonl: step_ms is the median of the logged
 # iteration times after the first WARMUP iterations (compile and allocator warm-up).
 #   ROWS="fsdp2 bf16 tensorwise" ITERS=20 bash benchmarks/model_a_dp1.sh
@@ -54,6 +55,12 @@ breakdown() {  # name: the live set at the peak of rank 0's snapshot
   python3 dev/peak_memory_breakdown.py "$OUT/${1}_0.pickle" --top 40 > "$OUT/${1}_memory.txt" 2>&1
   head -15 "$OUT/${1}_memory.txt"
 }
+fp8_row() {  # name, recipe, then more pretrain_gpt.py flags: one of our FP8-parameter rows
+  local name=$1 recipe=$2; shift 2
+  row "$name" torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" \
+    --fp8-recipe "$recipe" --fp8-format hybrid --fp8-param-gather "$@" $(snapshot_args "$name")
+  summarize "$name"; breakdown "$name"
+}
 for name in ${ROWS:-fsdp2 torchao_tensorwise torchao_rowwise bf16 tensorwise delayed blockwise mxfp8 bench_bf16 bench_tensorwise}; do
   case $name in
     fsdp2)
@@ -74,18 +81,10 @@ for name in ${ROWS:-fsdp2 torchao_tensorwise torchao_rowwise bf16 tensorwise del
       row bf16 torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" $(snapshot_args bf16)
       summarize bf16; breakdown bf16 ;;
     *_keepcopy)  # the recipe with --no-fp8-wgrad-input-from-activation
-      row "$name" torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" \
-        --fp8-recipe "${name%_keepcopy}" --fp8-format hybrid --fp8-param-gather \
-        --no-fp8-wgrad-input-from-activation $(snapshot_args "$name")
-      summarize "$name"; breakdown "$name" ;;
+      fp8_row "$name" "${name%_keepcopy}" --no-fp8-wgrad-input-from-activation ;;
     *_amaxpass)  # the recipe with linear_ops.AMAX_IN_GRAPH off (dev/amax_pass/sitecustomize.py)
-      PYTHONPATH=$PWD/dev/amax_pass:$PYTHONPATH row "$name" torchrun --nproc-per-node "$NPROC" \
-        pretrain_gpt.py "${MODEL_A[@]}" --fp8-recipe "${name%_amaxpass}" --fp8-format hybrid \
-        --fp8-param-gather $(snapshot_args "$name")
-      summarize "$name"; breakdown "$name" ;;
+      PYTHONPATH=$PWD/dev/amax_pass:$PYTHONPATH fp8_row "$name" "${name%_amaxpass}" ;;
     *)
-      row "$name" torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" \
-        --fp8-recipe "$name" --fp8-format hybrid --fp8-param-gather $(snapshot_args "$name")
-      summarize "$name"; breakdown "$name" ;;
+      fp8_row "$name" "$name" ;;
   esac
 done
