@@ -24,15 +24,18 @@ CHUNK_DRAWS = 1 << 20
 MAX_CORRECTIONS = 16
 
 
-def build_blending_indices(weights: Sequence[float], *, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset_index int16, dataset_sample_index int64) of `size` draws; weights normalized."""
+def build_blending_indices(
+    weights: Sequence[float], *, size: int, chunk_draws: int = CHUNK_DRAWS
+) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset_index int16, dataset_sample_index int64) of `size` draws; weights normalized.
+    The result does not depend on `chunk_draws`, only the memory does."""
     weight_list = [float(weight) for weight in weights]
     if not np.isclose(sum(weight_list), 1.0):
         raise ValueError(f"blending weights must be normalized (sum 1), got {weight_list}")
     dataset_index = np.zeros(size, dtype=np.int16)
     served = np.zeros(len(weight_list), dtype=np.int64)
-    for start in range(0, size, CHUNK_DRAWS):
-        stop = min(size, start + CHUNK_DRAWS)
+    for start in range(0, size, chunk_draws):
+        stop = min(size, start + chunk_draws)
         choices = None
         if len(weight_list) == 2:
             choices = _checked_guess(np.asarray(weight_list), served, start=start, stop=stop)

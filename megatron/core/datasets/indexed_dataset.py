@@ -281,11 +281,12 @@ class IndexedDataset:
     def __getitem__(self, index: int) -> np.ndarray:
         return self.get(index)
 
-    def token_id_range(self) -> tuple[int, int]:
-        """The exact smallest and largest token id in the .bin: one read of every token."""
+    def token_id_range(self, *, chunk_tokens: int = _SCAN_CHUNK_TOKENS) -> tuple[int, int]:
+        """The exact smallest and largest token id in the .bin: one read of every token, in
+        chunks of `chunk_tokens`."""
         lows, highs = [], []
-        for start in range(0, self.num_tokens, _SCAN_CHUNK_TOKENS):
-            chunk = self._tokens[start : start + _SCAN_CHUNK_TOKENS]
+        for start in range(0, self.num_tokens, chunk_tokens):
+            chunk = self._tokens[start : start + chunk_tokens]
             lows.append(chunk.min())
             highs.append(chunk.max())
         # int() truncates float tokens toward zero, as build_item's cast to int64 does.

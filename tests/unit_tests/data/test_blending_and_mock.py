@@ -144,8 +144,10 @@ def test_two_way_checked_guess_equals_the_greedy_loop(weights, monkeypatch):
     import megatron.core.datasets.blending_indices as blending
 
     weights = normalize_weights(weights)
-    monkeypatch.setattr(blending, "CHUNK_DRAWS", 7_000)  # several chunks, one partial
-    dataset_index, sample_index = blending.build_blending_indices(weights, size=50_000)
+    # several chunks, one partial
+    dataset_index, sample_index = blending.build_blending_indices(
+        weights, size=50_000, chunk_draws=7_000
+    )
     loop = blending._greedy_loop(weights, [0, 0], start=0, stop=50_000)
     assert np.array_equal(dataset_index, loop)
     for dataset_id in (0, 1):

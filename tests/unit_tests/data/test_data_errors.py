@@ -16,7 +16,6 @@ from megatron.core.datasets import (
     IndexedDatasetBuilder,
     build_gpt_datasets,
 )
-from megatron.core.datasets import indexed_dataset as indexed_module
 from megatron.core.tokenizer import ByteTokenizer
 from tests.unit_tests.data.corpus_utils import EOD, VOCAB_SIZE, write_random_corpus
 from tests.unit_tests.training.common import TINY_GPT
@@ -212,14 +211,14 @@ def test_token_id_range_is_cached_and_a_rewritten_corpus_rescans(tmp_path, monke
     assert len(scans) == 1
 
 
-def test_token_id_range_is_exact_across_chunks(tmp_path, monkeypatch):
+def test_token_id_range_is_exact_across_chunks(tmp_path):
     rng = np.random.RandomState(0)
     documents = [rng.randint(10, 500, size=int(rng.randint(1, 20))).tolist() for _ in range(50)]
     documents[31][-1] = 7  # the smallest id, mid-corpus
     documents[-1][-1] = 999  # the largest id, the very last token
     prefix = _write_documents(tmp_path / "chunks", documents)
-    monkeypatch.setattr(indexed_module, "_SCAN_CHUNK_TOKENS", 13)  # many uneven chunks
-    assert IndexedDataset(prefix).token_id_range() == (7, 999)
+    # many uneven chunks
+    assert IndexedDataset(prefix).token_id_range(chunk_tokens=13) == (7, 999)
 
 
 def test_negative_token_ids_are_rejected(tmp_path):
