@@ -137,14 +137,19 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
     return runs
 
 
-def execute(runs: list[dict], *, parallel: int, timeout: float) -> None:
-    """Run up to `parallel` at once, each under `timeout` seconds; record exit codes."""
+def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> None:
+    """Run up to `parallel` at once, each under `timeout` seconds, the i-th started on GPU
+    i % gpus (CUDA_VISIBLE_DEVICES; gpus 0 leaves it alone); record exit codes."""
     pending, active = list(runs), []
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env["PYTHONUNBUFFERED"] = "1"
+    started_runs = 0
     while pending or active:
         while pending and len(active) < parallel:
             run = pending.pop(0)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = str(started_runs % gpus)
+            started_runs += 1
             with open(run["log"] + ".cmd", "w", encoding="utf-8") as handle:
                 handle.write(" ".join(run["command"][1:]) + "\n")
             log = open(run["log"], "w", encoding="utf-8")
@@ -268,6 +273,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", nargs="+", type=int, default=[1234, 1235, 1236])
     parser.add_argument("--iters", type=int, default=None, help="default: the size's own")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (one GPU)")
+    parser.add_argument("--gpus", type=int, default=0, help="spread runs over N GPUs")
+    parser.add_argument(
+        "--no-run",
+        dest="run",
+        action="store_false",
+        help="only summarize the logs already in --out (runs made by earlier "
+        "calls, e.g. one call per seed)",
+    )
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--tolerance", type=float, default=0.01)
     parser.add_argument(
@@ -299,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     runs = plan_runs(args)
     started = time.monotonic()
-    execute(runs, parallel=args.parallel, timeout=args.run_timeout)
+    if args.run:
+        execute(runs, parallel=args.parallel, timeout=args.run_timeout, gpus=args.gpus)
     rows = read_results(runs)
     summaries = summarize(rows, args.recipes, args.tolerance)
     with open(os.path.join(args.out, "runs.jsonl"), "w", encoding="utf-8") as handle:
@@ -315,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     plot_curves(rows, os.path.join(args.out, "loss_curves.png"))
     print(f"{len(runs)} runs in {time.monotonic() - started:.0f} s; results in {args.out}")
-    failed = [r for r in runs if r.get("returncode") != 0]
+    failed = [r for r in rows if r["valid_loss"] is None or r["returncode"] not in (0, None)]
+    for row in failed:
+        print(f"no validation loss or a failed run: {row['log']}")
     return 1 if failed else 0
 
 
