@@ -1,20 +1,23 @@
-"""Build the English corpus: the Python documentation's prose, BPE-tokenized (issue 41).
+"""Build the English corpus: documentation prose from Debian packages, BPE-tokenized (issue 41).
 
     PREFIX=$(python3 scripts/prepare_english_corpus.py --output-dir DIR | tail -n 1)
 
-Source: the Debian package `python3-doc` (it depends on `python3.X-doc`; Debian 12 ships
-python3.11-doc, about 11 MB of reStructuredText in /usr/share/doc/python3.X/html/_sources).
-Licence: the Python Software Foundation License Version 2 (the documentation's code examples
-also under the Zero-Clause BSD licence); the package's /usr/share/doc/python3.X-doc/copyright
-has the full text. When no such directory is installed, the package is fetched with
-`apt-get download` and unpacked with `dpkg-deb -x` into DIR/deb (no root needed; the only
-network is Debian's package archive). --source-dir takes any directory of .txt/.rst files.
+Sources (--packages; the reStructuredText that Sphinx keeps in html/_sources):
+- `python3-doc` (Debian 12: python3.11-doc), the Python documentation, about 11 MB; licence:
+  the Python Software Foundation License Version 2 (code examples also Zero-Clause BSD).
+- `linux-doc` (Debian 12: linux-doc-6.1), the Linux kernel's Documentation/, about 24 MB;
+  licence: GPL-2.0 (some files dual GPL-2.0 OR CC-BY-4.0).
+Each package's /usr/share/doc/<package>/copyright has the full terms. A package that is not
+installed is fetched with `apt-get download` and unpacked with `dpkg-deb -x` into DIR (no root
+needed; the only network is Debian's package archive). --source-dir takes directories of
+.txt/.rst files instead.
 
-Steps: each source file (sorted) becomes one document, with reST inline roles reduced to
-their text (":func:`len`" -> "len"); a byte-level BPE vocabulary of --vocab-size ids is trained
-on the corpus with the `tokenizers` library (an optional extra: pip install tokenizers), the
-last id being the end-of-document token <|endoftext|>; the documents are tokenized with the
-project's preprocessing (tools/preprocess_data.py) into DIR/pydocs_text_document.{bin,idx}.
+Steps: the files, in a fixed shuffled order (so the validation split, the last documents,
+samples every source), become one document each, reST inline roles reduced to their text
+(":func:`len`" -> "len"); a byte-level BPE vocabulary of --vocab-size ids is trained on them
+with the `tokenizers` library (an optional extra: pip install tokenizers), its last id the
+end-of-document token <|endoftext|>; the documents are tokenized with the project's
+preprocessing (tools/preprocess_data.py) into DIR/pydocs_text_document.{bin,idx}.
 DIR/tokenizer.json is the tokenizer. Train on it with either
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR   (needs `tokenizers`)
     --tokenizer-type NullTokenizer --vocab-size V                 (the same ids, no package)
@@ -29,9 +32,12 @@ import argparse
 import glob
 import json
 import os
+import random
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,57 +46,83 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
 from megatron.core.tokenizer import HuggingFaceTokenizer  # noqa: E402
 from tools.preprocess_data import preprocess  # noqa: E402
 
-MANIFEST_VERSION = 1
-PACKAGE = "python3-doc"
-LICENCE = "Python Software Foundation License Version 2 (code examples also 0BSD)"
+MANIFEST_VERSION = 2
+# Debian packages of Sphinx documentation (their html/_sources hold the reST text), and licences.
+LICENCES = {
+    "python3-doc": "Python Software Foundation License Version 2 (code examples also 0BSD)",
+    "linux-doc": "GPL-2.0 (the Linux kernel's Documentation/; some files GPL-2.0 OR CC-BY-4.0)",
+}
 EOD_TOKEN = "<|endoftext|>"
-SOURCES_GLOB = "usr/share/doc/python3*/html/_sources"
+SHUFFLE_SEED = 0
 # :role:`text` and :role:`title <target>` -> text / title; a leading ! or ~ is Sphinx markup.
 _ROLE = re.compile(r":[a-zA-Z:]+:`[!~]?([^`<]*?)\s*(?:<[^`>]*>)?`")
 
 
-def find_source_dir(root: str = "/") -> str | None:
-    """The newest installed Python documentation sources directory under root, or None."""
-    found = sorted(glob.glob(os.path.join(root, SOURCES_GLOB)))
-    return found[-1] if found else None
+def _apt(*command: str, cwd: str | None = None) -> str:
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=True).stdout
 
 
-def fetch_package(work_dir: str) -> str:
-    """apt-get download the python3.X-doc package python3-doc depends on; unpack; its sources."""
-    if find_source_dir(os.path.join(work_dir, "deb")):
-        return find_source_dir(os.path.join(work_dir, "deb"))
-    depends = subprocess.run(
-        ["apt-cache", "depends", PACKAGE], capture_output=True, text=True, check=True
-    ).stdout
-    match = re.search(r"Depends: (python3\.\d+-doc)", depends)
-    package = match.group(1) if match else PACKAGE
-    os.makedirs(work_dir, exist_ok=True)
-    print(f"fetching the Debian package {package} into {work_dir}", file=sys.stderr, flush=True)
-    subprocess.run(["apt-get", "download", package], cwd=work_dir, check=True)
-    debs = sorted(glob.glob(os.path.join(work_dir, f"{package}_*.deb")))
+def versioned_package(package: str) -> str:
+    """The package holding the files: python3-doc -> python3.11-doc, linux-doc -> linux-doc-6.1
+    (each depends on its versioned package); a package without such a dependency itself."""
+    stem = re.match(r"[a-z]+", package).group(0)
+    for name in re.findall(r"Depends: (\S+)", _apt("apt-cache", "depends", package)):
+        if name.startswith(stem) and any(c.isdigit() for c in name):
+            return name
+    return package
+
+
+def _sources_under(paths: list[str]) -> str | None:
+    found = sorted({p[: p.index("/_sources") + 9] for p in paths if "/html/_sources" in p})
+    return found[0] if found else None
+
+
+def find_package_sources(package: str, work_dir: str) -> str:
+    """The html/_sources directory of `package`: installed, unpacked before, or fetched now
+    with `apt-get download` and unpacked with `dpkg-deb -x` into work_dir/deb."""
+    real = versioned_package(package)
+    try:
+        installed = _sources_under(_apt("dpkg-query", "-L", real).splitlines())
+    except subprocess.CalledProcessError:
+        installed = None
+    if installed and os.path.isdir(installed):
+        return installed
+    unpack_dir = os.path.join(work_dir, "deb", real)
+    debs = sorted(glob.glob(os.path.join(work_dir, f"{real}_*.deb")))
     if not debs:
-        raise RuntimeError(f"apt-get download {package} wrote no .deb into {work_dir}")
-    subprocess.run(["dpkg-deb", "-x", debs[-1], os.path.join(work_dir, "deb")], check=True)
-    source_dir = find_source_dir(os.path.join(work_dir, "deb"))
-    if source_dir is None:
-        raise RuntimeError(f"{debs[-1]} holds no {SOURCES_GLOB}")
-    return source_dir
+        print(f"fetching the Debian package {real} into {work_dir}", file=sys.stderr, flush=True)
+        os.makedirs(work_dir, exist_ok=True)
+        _apt("apt-get", "download", real, cwd=work_dir)
+        debs = sorted(glob.glob(os.path.join(work_dir, f"{real}_*.deb")))
+        if not debs:
+            raise RuntimeError(f"apt-get download {real} wrote no .deb into {work_dir}")
+    if not os.path.isdir(unpack_dir):
+        shutil.rmtree(unpack_dir + ".tmp", ignore_errors=True)  # a run stopped mid-unpack
+        os.makedirs(unpack_dir + ".tmp")
+        _apt("dpkg-deb", "-x", debs[-1], unpack_dir + ".tmp")
+        os.replace(unpack_dir + ".tmp", unpack_dir)
+    found = glob.glob(os.path.join(unpack_dir, "usr/share/doc/*/html/_sources"))
+    if not found:
+        raise RuntimeError(f"{debs[-1]} holds no usr/share/doc/*/html/_sources")
+    return sorted(found)[0]
 
 
-def source_files(source_dir: str, *, max_bytes: int) -> list[str]:
-    """Sorted .txt/.rst files under source_dir, stopping once max_bytes of text is collected."""
-    files, total = [], 0
-    for root, dirs, names in os.walk(source_dir):
-        dirs.sort()
-        for name in sorted(names):
-            if not name.endswith((".txt", ".rst")):
-                continue
-            path = os.path.join(root, name)
-            files.append(path)
-            total += os.path.getsize(path)
-            if total >= max_bytes:
-                return files
-    return files
+def source_files(source_dirs: list[str], *, max_bytes: int) -> list[str]:
+    """The .txt/.rst files under source_dirs in a fixed shuffled order (so the last documents,
+    the validation split, sample every source), the first max_bytes of text."""
+    files = []
+    for source_dir in source_dirs:
+        for root, dirs, names in os.walk(source_dir):
+            dirs.sort()
+            files += [os.path.join(root, n) for n in sorted(names) if n.endswith((".txt", ".rst"))]
+    random.Random(SHUFFLE_SEED).shuffle(files)
+    chosen, total = [], 0
+    for path in files:
+        if total >= max_bytes:
+            break
+        chosen.append(path)
+        total += os.path.getsize(path)
+    return chosen
 
 
 def clean(text: str) -> str:
@@ -152,21 +184,34 @@ def _cached(manifest_path: str, manifest: dict, prefix: str) -> bool:
 
 
 def prepare(
-    *, output_dir: str, max_bytes: int, vocab_size: int, source_dir: str | None = None
+    *,
+    output_dir: str,
+    max_bytes: int,
+    vocab_size: int,
+    packages: Sequence[str] = tuple(LICENCES),
+    source_dirs: list[str] | None = None,
 ) -> tuple[str, dict, bool]:
-    """Return (prefix, manifest, reused); reused when a matching corpus was already there."""
+    """Return (prefix, manifest, reused); reused when a matching corpus was already there.
+
+    source_dirs, when given, replace the packages' documentation sources."""
     os.makedirs(output_dir, exist_ok=True)
-    source_dir = source_dir or find_source_dir() or fetch_package(output_dir)
-    files = source_files(source_dir, max_bytes=max_bytes)
+    if not source_dirs:
+        source_dirs = [find_package_sources(package, output_dir) for package in packages]
+        licences = {
+            package: LICENCES.get(package, "see its copyright file") for package in packages
+        }
+    else:
+        packages, licences = [], {}
+    files = source_files(source_dirs, max_bytes=max_bytes)
     if not files:
-        raise RuntimeError(f"no .txt/.rst files under {source_dir}")
+        raise RuntimeError(f"no .txt/.rst files under {source_dirs}")
     prefix = os.path.join(output_dir, "pydocs_text_document")
     manifest_path = os.path.join(output_dir, "english_manifest.json")
     manifest = {
         "version": MANIFEST_VERSION,
-        "package": PACKAGE,
-        "licence": LICENCE,
-        "source_dir": source_dir,
+        "packages": list(packages),
+        "licences": licences,
+        "source_dirs": source_dirs,
         "max_bytes": max_bytes,
         "vocab_size": vocab_size,
         "eod_token": EOD_TOKEN,
@@ -176,7 +221,7 @@ def prepare(
         with open(manifest_path, encoding="utf-8") as handle:
             return prefix, json.load(handle), True
     print(
-        f"preparing the English corpus: {len(files)} files of {source_dir} into {output_dir}",
+        f"preparing the English corpus: {len(files)} files of {source_dirs} into {output_dir}",
         file=sys.stderr,
         flush=True,
     )
@@ -206,23 +251,25 @@ def prepare(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="BPE-tokenize the Python docs' English prose")
+    parser = argparse.ArgumentParser(description="BPE-tokenize English documentation prose")
     parser.add_argument("--output-dir", default="./data_cache/english")
     parser.add_argument("--max-mb", type=float, default=64.0, help="MB of source text to use")
     parser.add_argument("--vocab-size", type=int, default=16384, help="BPE ids incl. eod")
-    parser.add_argument("--source-dir", default=None, help="default: the python3-doc package")
+    parser.add_argument("--packages", nargs="+", default=list(LICENCES), help="Debian packages")
+    parser.add_argument("--source-dir", nargs="+", default=None, help="instead of --packages")
     args = parser.parse_args()
     prefix, manifest, reused = prepare(
         output_dir=args.output_dir,
         max_bytes=int(args.max_mb * 1e6),
         vocab_size=args.vocab_size,
-        source_dir=args.source_dir,
+        packages=args.packages,
+        source_dirs=args.source_dir,
     )
     state = "reused cached" if reused else "wrote"
     print(
         f"{state} {len(manifest['files'])} documents, {manifest['tokens']} tokens, "
-        f"vocab {manifest['vocab_size']} (eod {manifest['vocab_size'] - 1}) from {PACKAGE} "
-        f"({LICENCE})",
+        f"vocab {manifest['vocab_size']} (eod {manifest['vocab_size'] - 1}) from "
+        + "; ".join(f"{name} ({licence})" for name, licence in manifest["licences"].items()),
         file=sys.stderr,
     )
     print(prefix)

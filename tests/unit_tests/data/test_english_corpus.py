@@ -46,7 +46,7 @@ def test_build_small_slice_and_train_two_iterations(tmp_path):
     pytest.importorskip("tokenizers")
     out = tmp_path / "english"
     kwargs = dict(output_dir=str(out), max_bytes=10**9, vocab_size=320)
-    prefix, manifest, reused = corpus.prepare(source_dir=str(_sources(tmp_path)), **kwargs)
+    prefix, manifest, reused = corpus.prepare(source_dirs=[str(_sources(tmp_path))], **kwargs)
     assert not reused and prefix == str(out / "pydocs_text_document")
     assert len(manifest["files"]) == 6 and manifest["vocab_size"] == 320
     dataset = IndexedDataset(prefix)
@@ -58,7 +58,7 @@ def test_build_small_slice_and_train_two_iterations(tmp_path):
     assert tokenizer["added_tokens"][-1]["content"] == "<|endoftext|>"
     assert tokenizer["added_tokens"][-1]["id"] == 319
     # A second run with the same inputs reuses the files.
-    _, _, reused = corpus.prepare(source_dir=str(tmp_path / "_sources"), **kwargs)
+    _, _, reused = corpus.prepare(source_dirs=[str(tmp_path / "_sources")], **kwargs)
     assert reused
     command = [sys.executable, "pretrain_gpt.py", "--data-path", prefix]
     command += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "320", "--split", "50,50,0"]
