@@ -95,7 +95,20 @@ def _multipliers(
     return computed, cell
 
 
-def fp8_tensor_stats(
+STATS_FIELDS = (
+    "amax",
+    "scale",
+    "scale_min",
+    "scale_max",
+    "num_scales",
+    "saturated",
+    "flushed",
+    "nonzero",
+)
+"""The entries of `fp8_stats_vector`'s result, in order (counts, not fractions)."""
+
+
+def fp8_stats_vector(
     x: torch.Tensor,
     *,
     recipe: str,
@@ -105,14 +118,15 @@ def fp8_tensor_stats(
     amax: torch.Tensor | None = None,
     power_2_scale: bool | None = None,
     quantized: QuantizedTensor | None = None,
-) -> Fp8TensorStats:
-    """Statistics of quantizing x ([..., K], fp32/bf16/fp16) rowwise under recipe and role.
+) -> torch.Tensor:
+    """The float64 [len(STATS_FIELDS)] statistics of quantizing x ([..., K], fp32/bf16/fp16)
+    rowwise under recipe and role, on x's device, without a host sync (a training loop stacks
+    the vectors of every Linear and role and reads them with one `.tolist()`).
 
     scale: delayed only, the current scale the tensor is (or was) quantized with. amax:
     tensorwise only, a global amax already reduced over a group. power_2_scale: as in
     `quantize` (None: the recipe default). quantized: the rowwise QuantizedTensor of x that
-    the caller already holds (e.g. Fp8Linear's saved operand); without it x is quantized here
-    on x's device. One host sync (the final `.tolist()`).
+    the caller already holds (e.g. Fp8Linear's saved operand); without it x is quantized here.
     """
     fp8_dtype = fp8_dtype_for_role(fp8_format, role)
     x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
@@ -140,33 +154,65 @@ def fp8_tensor_stats(
         )
     dequantized = quantized.dequantize(torch.float32).reshape(x2d.shape)
     nonzero_mask = x2d != 0
-    nonzero = nonzero_mask.sum()
-    flushed = (nonzero_mask & (dequantized == 0)).sum()
     flat = grid.reshape(-1)
     parts = [
         torch.nan_to_num(x2d.abs(), nan=0.0).amax(),
         flat.median(),
         flat.amin(),
         flat.amax(),
+        torch.tensor(flat.numel(), device=x.device),
         saturated,
-        flushed,
-        nonzero,
+        (nonzero_mask & (dequantized == 0)).sum(),
+        nonzero_mask.sum(),
     ]
     # float64: counts stay exact up to 2^53 elements, fp32 amax and scales exactly.
-    values = torch.stack([part.to(torch.float64) for part in parts]).tolist()
-    amax_value, median, smallest, largest, n_saturated, n_flushed, n_nonzero = values
-    numel = x2d.numel()
+    return torch.stack([part.to(torch.float64) for part in parts])
+
+
+def stats_from_vector(
+    values: list[float], *, recipe: str, role: str, fp8_format: str, numel: int
+) -> Fp8TensorStats:
+    """An Fp8TensorStats from `fp8_stats_vector(...).tolist()` of a tensor of numel elements."""
+    field = dict(zip(STATS_FIELDS, values))
+    nonzero = field["nonzero"]
     return Fp8TensorStats(
         recipe=recipe,
         role=role,
-        fp8_dtype=str(fp8_dtype).removeprefix("torch."),
-        amax=amax_value,
-        scale=median,
-        scale_min=smallest,
-        scale_max=largest,
-        num_scales=flat.numel(),
-        saturated_fraction=n_saturated / numel,
-        underflow_fraction=n_flushed / n_nonzero if n_nonzero else 0.0,
+        fp8_dtype=str(fp8_dtype_for_role(fp8_format, role)).removeprefix("torch."),
+        amax=field["amax"],
+        scale=field["scale"],
+        scale_min=field["scale_min"],
+        scale_max=field["scale_max"],
+        num_scales=int(field["num_scales"]),
+        saturated_fraction=field["saturated"] / numel,
+        underflow_fraction=field["flushed"] / nonzero if nonzero else 0.0,
         numel=numel,
-        nonzero=int(n_nonzero),
+        nonzero=int(nonzero),
+    )
+
+
+def fp8_tensor_stats(
+    x: torch.Tensor,
+    *,
+    recipe: str,
+    role: str,
+    fp8_format: str = "hybrid",
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    power_2_scale: bool | None = None,
+    quantized: QuantizedTensor | None = None,
+) -> Fp8TensorStats:
+    """`fp8_stats_vector` read back (one host sync) as an Fp8TensorStats; same arguments."""
+    vector = fp8_stats_vector(
+        x,
+        recipe=recipe,
+        role=role,
+        fp8_format=fp8_format,
+        scale=scale,
+        amax=amax,
+        power_2_scale=power_2_scale,
+        quantized=quantized,
+    )
+    return stats_from_vector(
+        vector.tolist(), recipe=recipe, role=role, fp8_format=fp8_format, numel=x.numel()
     )

@@ -12,7 +12,12 @@ import torch
 
 from megatron.core.fp8.formats import E4M3, E5M2
 from megatron.core.fp8.quantization import quantize
-from megatron.core.fp8.stats import fp8_tensor_stats
+from megatron.core.fp8.stats import (
+    STATS_FIELDS,
+    fp8_stats_vector,
+    fp8_tensor_stats,
+    stats_from_vector,
+)
 
 FORMAT = {E4M3: (448.0, 2.0**-9), E5M2: (57344.0, 2.0**-16)}
 
@@ -116,3 +121,17 @@ def test_block_scale_summary_and_given_quantized_tensor():
 def test_delayed_needs_scale():
     with pytest.raises(ValueError, match="pass scale="):
         fp8_tensor_stats(torch.ones(4, 4), recipe="delayed", role="input")
+
+
+def test_vector_without_sync_reads_back_to_the_same_stats():
+    x = _wide_range_tensor(seed=3)
+    vector = fp8_stats_vector(x, recipe="blockwise", role="weight")
+    assert vector.dtype == torch.float64 and vector.shape == (len(STATS_FIELDS),)
+    fields = dict(zip(STATS_FIELDS, vector.tolist()))
+    assert fields["num_scales"] == 4  # 256 x 256 in 128 x 128 cells
+    assert fields["nonzero"] == 65531 and fields["amax"] == 3000.0
+    stats = stats_from_vector(
+        vector.tolist(), recipe="blockwise", role="weight", fp8_format="hybrid", numel=x.numel()
+    )
+    assert stats == fp8_tensor_stats(x, recipe="blockwise", role="weight")
+    assert stats.underflow_fraction == fields["flushed"] / 65531
