@@ -6,7 +6,8 @@ Sources (--packages; the reStructuredText that Sphinx keeps in html/_sources):
 - `python3-doc` (Debian 12: python3.11-doc), the Python documentation, about 11 MB; licence:
   the Python Software Foundation License Version 2 (code examples also Zero-Clause BSD).
 - `linux-doc` (Debian 12: linux-doc-6.1), the Linux kernel's Documentation/, about 24 MB;
-  licence: GPL-2.0 (some files dual GPL-2.0 OR CC-BY-4.0).
+  licence: GPL-2.0, with some files under other free documentation licences that their SPDX
+  lines name (the media API pages GFDL-1.1-no-invariants-or-later, a few CC-BY-4.0).
 Each package's /usr/share/doc/<package>/copyright has the full terms. A package that is not
 installed is fetched with `apt-get download` and unpacked with `dpkg-deb -x` into DIR (no root
 needed; the only network is Debian's package archive). --source-dir takes directories of
@@ -50,7 +51,7 @@ MANIFEST_VERSION = 2
 # Debian packages of Sphinx documentation (their html/_sources hold the reST text), and licences.
 LICENCES = {
     "python3-doc": "Python Software Foundation License Version 2 (code examples also 0BSD)",
-    "linux-doc": "GPL-2.0 (the Linux kernel's Documentation/; some files GPL-2.0 OR CC-BY-4.0)",
+    "linux-doc": "GPL-2.0 (kernel Documentation/; some files GFDL-1.1+ or CC-BY-4.0, per SPDX)",
 }
 EOD_TOKEN = "<|endoftext|>"
 SHUFFLE_SEED = 0
