@@ -1,0 +1,339 @@
+"""The FP8 fidelity suite (issue 41): every FP8 recipe against bf16, paired by seed.
+
+For each corpus x size, trains bf16 and every recipe at each seed with `pretrain_gpt.py`
+(the same seed gives the same data order, initial weights and schedule), then reports per
+recipe the mean of the paired ratios valid_loss(recipe, seed) / valid_loss(bf16, seed) and its
+95% Student t interval (tools/fidelity_stats.py). A recipe is "within 1%" only when the
+interval's upper end is below 1.01. Writes OUT/runs.jsonl (one line per run), OUT/summary.jsonl
+(one line per corpus x size x recipe), OUT/summary.md (the table) and OUT/loss_curves.png (every
+run's training loss on one page; needs matplotlib, skipped with a message without it).
+
+    # the H200 job: both corpora, 128M (1,000 steps) and ~350M, 3 seeds, 6 runs at a time
+    python3 benchmarks/fidelity_suite.py --out /tmp/fidsuite --corpus stdlib english \
+        --size 128m 350m --seeds 1234 1235 1236 --parallel 6
+    # the CPU smoke run the tests use (tiny model, 3 iterations, no compile)
+    python3 benchmarks/fidelity_suite.py --out /tmp/fidsmoke --size smoke --recipes tensorwise
+
+Corpora: "stdlib" (scripts/prepare_quickstart_data.py, byte-level) and "english"
+(scripts/prepare_english_corpus.py, BPE; an --english-dir holding english_manifest.json and
+the .bin/.idx is used as is, so a machine without `tokenizers` or the package trains on a
+corpus built elsewhere: the runs read it with NullTokenizer and the manifest's vocab size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.fidelity_stats import paired_ratio_summary  # noqa: E402
+from tools.plot_losses import parse_log  # noqa: E402
+
+RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
+# (layers, hidden, ffn, heads, seq, micro-batch, default iterations, eval iterations, split)
+SIZES = {
+    # 12 x 768, SwiGLU 3584: 127M parameters in the layers (benchmarks/fidelity_125m.sh).
+    "128m": dict(layers=12, hidden=768, ffn=3584, heads=12, seq=1024, mbs=16, iters=1000),
+    # 24 x 1024, SwiGLU 3072: 327M in the layers, ~360M with the 16K-token BPE embeddings.
+    "350m": dict(layers=24, hidden=1024, ffn=3072, heads=16, seq=1024, mbs=16, iters=1000),
+    "smoke": dict(layers=2, hidden=64, ffn=128, heads=2, seq=64, mbs=2, iters=3),
+}
+EVAL_ITERS = {"128m": 32, "350m": 32, "smoke": 1}
+SPLIT = {"128m": "98,2,0", "350m": "98,2,0", "smoke": "80,20,0"}
+
+
+def _last_line(command: list[str]) -> str:
+    result = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)
+    return result.stdout.strip().splitlines()[-1]
+
+
+def corpus_flags(corpus: str, args: argparse.Namespace) -> list[str]:
+    """--data-path and tokenizer flags of `corpus`, building it when it is not there."""
+    if corpus == "stdlib":
+        data_dir = args.stdlib_dir or os.path.join(args.out, "data", "stdlib")
+        prefix = _last_line(
+            [sys.executable, "scripts/prepare_quickstart_data.py", "--output-dir", data_dir]
+            + ["--max-mb", str(args.stdlib_mb)]
+        )
+        return ["--data-path", prefix, "--tokenizer-type", "ByteTokenizer"]
+    if corpus == "english":
+        data_dir = args.english_dir or os.path.join(args.out, "data", "english")
+        manifest_path = os.path.join(data_dir, "english_manifest.json")
+        if not os.path.isfile(manifest_path):
+            _last_line(
+                [sys.executable, "scripts/prepare_english_corpus.py", "--output-dir", data_dir]
+                + ["--max-mb", str(args.english_mb)]
+            )
+        with open(manifest_path, encoding="utf-8") as handle:
+            vocab_size = json.load(handle)["vocab_size"]
+        prefix = os.path.join(data_dir, "pydocs_text_document")
+        return ["--data-path", prefix, "--tokenizer-type", "NullTokenizer"] + [
+            "--vocab-size",
+            str(vocab_size),
+        ]
+    raise ValueError(f"unknown corpus {corpus!r}: choose stdlib or english")
+
+
+def model_flags(size: str, iters: int, compile_: bool) -> list[str]:
+    """The model, schedule and engine of one size (every run of a job shares them)."""
+    s = SIZES[size]
+    flags = [
+        "--num-layers", str(s["layers"]), "--hidden-size", str(s["hidden"]),
+        "--ffn-hidden-size", str(s["ffn"]), "--num-attention-heads", str(s["heads"]),
+        "--seq-length", str(s["seq"]), "--max-position-embeddings", str(s["seq"]),
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+        "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0", "--bf16",
+        "--micro-batch-size", str(s["mbs"]), "--global-batch-size", str(s["mbs"]),
+        "--train-iters", str(iters), "--lr", "6e-4", "--min-lr", "6e-5",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", str(iters // 10),
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--split", SPLIT[size],
+        "--log-interval", str(max(1, min(10, iters // 100))), "--eval-interval", str(iters),
+        "--eval-iters", str(EVAL_ITERS[size]),
+        "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+    ]  # fmt: skip
+    return flags + (["--torch-compile"] if compile_ else [])
+
+
+def recipe_flags(recipe: str) -> list[str]:
+    if recipe == "bf16":
+        return []
+    return ["--fp8-recipe", recipe, "--fp8-format", "hybrid", "--fp8-param-gather"]
+
+
+def plan_runs(args: argparse.Namespace) -> list[dict]:
+    """Every run of the suite: corpus x size x (bf16 + recipes) x seeds."""
+    runs = []
+    for corpus in args.corpus:
+        data = corpus_flags(corpus, args)
+        for size in args.size:
+            iters = args.iters or SIZES[size]["iters"]
+            job = f"{corpus}_{size}_{iters}"
+            os.makedirs(os.path.join(args.out, job), exist_ok=True)
+            for seed in args.seeds:
+                for recipe in ["bf16", *args.recipes]:
+                    command = [sys.executable, "pretrain_gpt.py", *data]
+                    command += model_flags(size, iters, args.compile)
+                    command += ["--seed", str(seed), *recipe_flags(recipe), *args.extra]
+                    log = os.path.join(args.out, job, f"{recipe}@{seed}.log")
+                    runs.append(
+                        dict(
+                            job=job,
+                            corpus=corpus,
+                            size=size,
+                            iters=iters,
+                            recipe=recipe,
+                            seed=seed,
+                            log=log,
+                            command=command,
+                        )
+                    )
+    return runs
+
+
+def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> None:
+    """Run up to `parallel` at once, each under `timeout` seconds, the i-th started on GPU
+    i % gpus (CUDA_VISIBLE_DEVICES; gpus 0 leaves it alone); record exit codes."""
+    pending, active = list(runs), []
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env["PYTHONUNBUFFERED"] = "1"
+    started_runs = 0
+    while pending or active:
+        while pending and len(active) < parallel:
+            run = pending.pop(0)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = str(started_runs % gpus)
+            started_runs += 1
+            with open(run["log"] + ".cmd", "w", encoding="utf-8") as handle:
+                handle.write(" ".join(run["command"][1:]) + "\n")
+            log = open(run["log"], "w", encoding="utf-8")
+            process = subprocess.Popen(
+                run["command"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+            active.append((run, process, log, time.monotonic()))
+        time.sleep(0.2)
+        for entry in list(active):
+            run, process, log, started = entry
+            if process.poll() is None and time.monotonic() - started > timeout:
+                process.kill()
+            if process.poll() is not None:
+                log.close()
+                run["returncode"], run["seconds"] = process.returncode, time.monotonic() - started
+                active.remove(entry)
+                print(f"{run['job']} {run['recipe']}@{run['seed']}: exit {process.returncode}")
+
+
+def read_results(runs: list[dict]) -> list[dict]:
+    """Per run: validation loss, last training loss, the training-loss curve."""
+    rows = []
+    for run in runs:
+        row = {k: run.get(k) for k in ("job", "corpus", "size", "iters", "recipe", "seed")}
+        row.update(returncode=run.get("returncode"), log=run["log"], valid_loss=None)
+        try:
+            parsed = parse_log(run["log"])
+        except (OSError, ValueError):
+            parsed = None
+        if parsed is not None:
+            losses = parsed.series.get("lm loss", [])
+            valid = parsed.validation_series.get("lm loss validation", [])
+            row.update(iterations=parsed.iterations, train_losses=losses)
+            row.update(train_loss=losses[-1] if losses else None)
+            row.update(valid_loss=valid[-1] if valid else None)
+        rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict], recipes: list[str], tolerance: float) -> list[dict]:
+    """One line per job x recipe: paired ratios, mean, 95% interval, verdict."""
+    summaries = []
+    for job in dict.fromkeys(row["job"] for row in rows):
+        losses = {}
+        for row in rows:
+            if row["job"] == job and row["valid_loss"] is not None:
+                losses.setdefault(row["recipe"], {})[row["seed"]] = row["valid_loss"]
+        bf16 = losses.get("bf16", {})
+        for recipe in recipes:
+            summary = paired_ratio_summary(losses.get(recipe, {}), bf16, tolerance=tolerance)
+            bf16_mean = sum(bf16.values()) / len(bf16) if bf16 else None
+            summaries.append(dict(job=job, recipe=recipe, bf16_mean=bf16_mean, **summary))
+    return summaries
+
+
+def _fmt(value: float | None, digits: int = 4) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_table(summaries: list[dict]) -> str:
+    lines = [
+        "| job (corpus_size_steps) | recipe | seeds | bf16 mean valid | mean fp8/bf16 "
+        "| 95% interval | verdict | per-seed ratios |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        ratios = ", ".join(f"{r:.4f}" for r in s["ratios"])
+        lines.append(
+            f"| {s['job']} | {s['recipe']} | {len(s['seeds'])} | {_fmt(s['bf16_mean'], 5)} "
+            f"| {_fmt(s['mean'])} | [{_fmt(s['low'])}, {_fmt(s['high'])}] | {s['verdict']} "
+            f"| {ratios} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(rows: list[dict], output: str) -> str | None:
+    """Every run's training loss, one panel per job, on one page; None without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("loss curves skipped: matplotlib is not installed (pip install matplotlib)")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    jobs = list(dict.fromkeys(row["job"] for row in rows))
+    figure, axes = pyplot.subplots(len(jobs), 1, figsize=(11, 4 * len(jobs)), squeeze=False)
+    recipes = list(dict.fromkeys(row["recipe"] for row in rows))
+    colors = {recipe: f"C{i}" for i, recipe in enumerate(recipes)}
+    styles = ["-", "--", ":", "-."]
+    for axis, job in zip(axes[:, 0], jobs):
+        seeds = sorted({row["seed"] for row in rows if row["job"] == job})
+        for row in rows:
+            if row["job"] == job and row.get("train_losses"):
+                style = styles[seeds.index(row["seed"]) % len(styles)]
+                label = f"{row['recipe']} seed {row['seed']}"
+                axis.plot(
+                    row["iterations"],
+                    row["train_losses"],
+                    style,
+                    color=colors[row["recipe"]],
+                    label=label,
+                    linewidth=0.8,
+                )
+        axis.set_title(job)
+        axis.set_xlabel("iteration")
+        axis.set_ylabel("lm loss")
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=7, ncol=max(1, len(seeds)))
+    figure.tight_layout()
+    figure.savefig(output, dpi=100)
+    return output
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="/tmp/fidelity_suite")
+    parser.add_argument("--corpus", nargs="+", default=["stdlib"], choices=["stdlib", "english"])
+    parser.add_argument("--size", nargs="+", default=["128m"], choices=list(SIZES))
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1234, 1235, 1236])
+    parser.add_argument("--iters", type=int, default=None, help="default: the size's own")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once (one GPU)")
+    parser.add_argument("--gpus", type=int, default=0, help="spread runs over N GPUs")
+    parser.add_argument(
+        "--no-run",
+        dest="run",
+        action="store_false",
+        help="only summarize the logs already in --out (runs made by earlier "
+        "calls, e.g. one call per seed)",
+    )
+    parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per run")
+    parser.add_argument("--tolerance", type=float, default=0.01)
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--torch-compile (default: on, except for --size smoke)",
+    )
+    parser.add_argument("--stdlib-dir", default=None)
+    parser.add_argument("--stdlib-mb", type=float, default=40.0)
+    parser.add_argument("--english-dir", default=None)
+    parser.add_argument("--english-mb", type=float, default=64.0)
+    parser.add_argument(
+        "--extra",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="further pretrain_gpt.py flags for every run (last option)",
+    )
+    args = parser.parse_args(argv)
+    if args.compile is None:
+        args.compile = "smoke" not in args.size
+    if len(args.seeds) < 2:
+        parser.error("--seeds needs at least 2 seeds for an interval (the suite's claim uses 3)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    runs = plan_runs(args)
+    started = time.monotonic()
+    if args.run:
+        execute(runs, parallel=args.parallel, timeout=args.run_timeout, gpus=args.gpus)
+    rows = read_results(runs)
+    summaries = summarize(rows, args.recipes, args.tolerance)
+    with open(os.path.join(args.out, "runs.jsonl"), "w", encoding="utf-8") as handle:
+        for row in rows:
+            kept = {k: v for k, v in row.items() if k not in ("train_losses", "iterations")}
+            handle.write(json.dumps(kept) + "\n")
+    with open(os.path.join(args.out, "summary.jsonl"), "w", encoding="utf-8") as handle:
+        for summary in summaries:
+            handle.write(json.dumps(summary) + "\n")
+    table = markdown_table(summaries)
+    with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as handle:
+        handle.write(f"Command: python3 {' '.join(sys.argv)}\n\n{table}")
+    print(table)
+    plot_curves(rows, os.path.join(args.out, "loss_curves.png"))
+    print(f"{len(runs)} runs in {time.monotonic() - started:.0f} s; results in {args.out}")
+    failed = [r for r in rows if r["valid_loss"] is None or r["returncode"] not in (0, None)]
+    for row in failed:
+        print(f"no validation loss or a failed run: {row['log']}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""benchmarks/fidelity_suite.py end to end on CPU: the smoke size, bf16 and tensorwise at two
+seeds, 3 iterations each; the summary's ratios are recomputed from the runs' losses."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(240)
+def test_smoke_suite_end_to_end(tmp_path):
+    out = tmp_path / "suite"
+    command = [sys.executable, "benchmarks/fidelity_suite.py", "--out", str(out)]
+    command += ["--size", "smoke", "--recipes", "tensorwise", "--seeds", "11", "12"]
+    command += ["--parallel", "4", "--stdlib-mb", "0.3"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert sorted((r["recipe"], r["seed"]) for r in runs) == [
+        ("bf16", 11), ("bf16", 12), ("tensorwise", 11), ("tensorwise", 12)
+    ]  # fmt: skip
+    assert all(r["returncode"] == 0 and r["valid_loss"] > 0 for r in runs)
+    loss = {(r["recipe"], r["seed"]): r["valid_loss"] for r in runs}
+    (summary,) = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
+    expected = [loss[("tensorwise", s)] / loss[("bf16", s)] for s in (11, 12)]
+    assert summary["seeds"] == [11, 12]
+    assert summary["ratios"] == pytest.approx(expected, rel=1e-12)
+    assert summary["mean"] == pytest.approx(sum(expected) / 2, rel=1e-12)
+    assert summary["low"] <= summary["mean"] <= summary["high"]
+    assert "| stdlib_smoke_3 | tensorwise | 2 |" in (out / "summary.md").read_text()
+    # The same seed gives the same data and init: bf16 and tensorwise start within 1%.
+    assert 0.99 < summary["mean"] < 1.01
+    pytest.importorskip("matplotlib")
+    assert (out / "loss_curves.png").stat().st_size > 1000
