@@ -7,6 +7,7 @@ Tensors are batch-first: [B, S, D].
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -82,7 +83,13 @@ class GPTModel(nn.Module):
     `init_buffers(device)`, because the rope frequencies are non-persistent buffers.
     """
 
-    def __init__(self, config: TransformerConfig, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        seed: int = 0,
+        expert_parallel_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         check_model_config(config)
         self.config = config
@@ -90,7 +97,7 @@ class GPTModel(nn.Module):
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config)
-        self.decoder = TransformerBlock(config)
+        self.decoder = TransformerBlock(config, expert_parallel_group=expert_parallel_group)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
             # Never FP8: logits feed a softmax over the whole vocabulary.
