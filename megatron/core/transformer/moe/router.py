@@ -40,13 +40,15 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(config.num_moe_experts, config.hidden_size, dtype=config.params_dtype)
         )
-        self.expert_bias = None
-        self.local_tokens_per_expert = None
-        if config.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts))
-            self.register_buffer(
-                "local_tokens_per_expert", torch.zeros(config.num_moe_experts), persistent=False
-            )
+        enabled = config.moe_router_enable_expert_bias
+        self.register_buffer(
+            "expert_bias", torch.zeros(config.num_moe_experts) if enabled else None
+        )
+        self.register_buffer(
+            "local_tokens_per_expert",
+            torch.zeros(config.num_moe_experts) if enabled else None,
+            persistent=False,
+        )
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         dtype = ROUTER_DTYPES.get(self.config.moe_router_dtype, x.dtype)
