@@ -65,3 +65,18 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             output = output + self.shared_experts(x_BSD)
         return output
+
+
+def local_expert_rows(model: nn.Module) -> dict[str, slice]:
+    """For each routed-expert parameter of `model`, by qualified name: the rows of the full
+    [num_moe_experts, ...] tensor this rank holds. Initialization draws the full tensor and
+    keeps these rows, so a weight has the same value at every expert-parallel size."""
+    rows = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, MoELayer):
+            first = module.local_expert_offset
+            held = slice(first, first + module.num_local_experts)
+            prefix = f"{module_name}.experts." if module_name else "experts."
+            for param_name, _ in module.experts.named_parameters():
+                rows[prefix + param_name] = held
+    return rows

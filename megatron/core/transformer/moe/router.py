@@ -20,6 +20,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
+def _recomputing() -> bool:
+    """True inside backward, i.e. when activation recompute re-runs this forward: the losses
+    are attached again (the recomputed graph needs them) but not counted twice."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class TopKRouter(nn.Module):
     """logits = x W^T in the router dtype; returns (probs [T, E], routing_map [T, E]).
 
@@ -65,11 +71,12 @@ class TopKRouter(nn.Module):
         probs, routing_map = self._route(logits, training=training)
         if training and self.config.moe_aux_loss_coeff > 0:
             probs = self._attach_load_balancing_loss(probs, logits, batch=batch)
-        if training and self.local_tokens_per_expert is not None:
-            with torch.no_grad():
-                self.local_tokens_per_expert += routing_map.sum(dim=0)
-        if self.metrics is not None and training:
-            self.metrics.record_tokens(routing_map.sum(dim=0), layer_number=self.layer_number)
+        if training and not _recomputing():
+            if self.local_tokens_per_expert is not None:
+                with torch.no_grad():
+                    self.local_tokens_per_expert += routing_map.sum(dim=0)
+            if self.metrics is not None:
+                self.metrics.record_tokens(routing_map.sum(dim=0), layer_number=self.layer_number)
         return probs, routing_map
 
     def _route(self, logits: torch.Tensor, *, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +139,7 @@ class TopKRouter(nn.Module):
         return attach_aux_loss(probs, loss, self.metrics)
 
     def _record(self, name: str, value: torch.Tensor) -> None:
-        if self.metrics is not None:
+        if self.metrics is not None and not _recomputing():
             self.metrics.record(name, value, layer_number=self.layer_number)
 
     @torch.no_grad()

@@ -80,8 +80,8 @@ def reference_moe(x_TD: torch.Tensor, params: dict[str, torch.Tensor], config) -
                 params["shared_experts.linear_fc2.weight"],
                 swiglu=config.swiglu,
             )
-            if "shared_experts.gate.weight" in params:
-                shared = shared * torch.sigmoid(params["shared_experts.gate.weight"] @ token)
+            if "shared_experts.linear_gate.weight" in params:
+                shared = shared * torch.sigmoid(params["shared_experts.linear_gate.weight"] @ token)
             out = out + shared
         outputs.append(out)
     return torch.stack(outputs)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.models.moe.moe_helpers import EXPERTS, fill_parameters, moe_config
@@ -61,7 +62,10 @@ def _ep_worker(rank: int, world_size: int, ep_size: int, dispatcher: str) -> dic
         for name, param in layer.named_parameters():
             source = full_params[name]
             param.copy_(source[first : first + count] if name.startswith("experts.") else source)
-    return _forward_backward(layer, rank)
+    result = _forward_backward(layer, rank)
+    model = GPTModel(_config(ep_size, dispatcher), seed=5, expert_parallel_group=my_group)
+    result["init"] = {n: p.detach() for n, p in model.named_parameters() if ".experts." in n}
+    return result
 
 
 @pytest.mark.parametrize(
@@ -76,6 +80,7 @@ def test_expert_parallel_equals_ep1(world_size, ep_size, dispatcher):
         full.zero_grad()
         references.append(_forward_backward(full, rank))
     local = EXPERTS // ep_size
+    full_model = dict(GPTModel(_config(1, dispatcher), seed=5).named_parameters())
     for rank, result in enumerate(results):
         reference = references[rank]
         torch.testing.assert_close(result["out"], reference["out"], rtol=0, atol=1e-6)
@@ -91,3 +96,7 @@ def test_expert_parallel_equals_ep1(world_size, ep_size, dispatcher):
             else:
                 expected = reference["grads"][name]
             torch.testing.assert_close(grad, expected, rtol=0, atol=1e-6, msg=name)
+        # Initialization keeps each rank's rows of the EP-1 weights, bit for bit.
+        assert len(result["init"]) == 2
+        for name, value in result["init"].items():
+            assert torch.equal(value, full_model[name][first : first + local]), name

@@ -150,3 +150,24 @@ def test_aux_loss_gradient_in_gpt_equals_reference_aux_grad():
         (expected,) = torch.autograd.grad(aux, reference_weight)
         assert expected.abs().max() > 1e-4
         torch.testing.assert_close(difference, expected, rtol=1e-4, atol=1e-7)
+
+
+def test_full_recompute_counts_router_metrics_once():
+    tokens = token_batch(batch=2, seq=8, seed=4)
+    results = []
+    for granularity in (None, "full"):
+        model = _tiny_moe_gpt(aux_coeff=0.05)
+        model.config.recompute_granularity = granularity
+        model.decoder.full_recompute = granularity == "full"
+        model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+        metrics = model.decoder.moe_metrics
+        router_grad = model.decoder.layers[1].mlp.router.weight.grad
+        results.append(
+            (metrics.per_layer("load_balancing_loss"), metrics.tokens_per_expert, router_grad)
+        )
+    (plain_loss, plain_tokens, plain_grad), (re_loss, re_tokens, re_grad) = results
+    assert plain_loss == re_loss and len(plain_loss) == 2
+    for layer in (2, 3):
+        assert torch.equal(plain_tokens[layer], re_tokens[layer])
+        assert plain_tokens[layer].sum().item() == 2 * 7 * 2  # tokens x top-k, counted once
+    torch.testing.assert_close(plain_grad, re_grad, rtol=1e-6, atol=1e-8)
