@@ -275,3 +275,31 @@ def test_moe_layer_pattern():
     pattern = moe_layer_pattern(moe_config(num_layers=3, moe_layer_freq=[0, 1, 1]))
     assert pattern == [False, True, True]
     assert moe_config(moe_ffn_hidden_size=None).moe_ffn_hidden_size == 4 * 16
+
+
+def test_sinkhorn_router_chooses_by_balanced_scores_in_training_only():
+    config = moe_config(
+        num_moe_experts=E, moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0
+    )
+    router = TopKRouter(config, layer_number=1)
+    fill_parameters(router, seed=8)
+    x = torch.randn(1, T, config.hidden_size, generator=torch.Generator().manual_seed(9))
+    logits = x[0] @ router.weight.detach().t()
+    activated = torch.softmax(logits, dim=-1)
+    for training, choice in ((True, routing.sinkhorn(logits)), (False, activated)):
+        router.train(training)
+        with torch.set_grad_enabled(training):
+            probs, routing_map = router(x)
+        expected_map = torch.zeros(T, E, dtype=torch.bool)
+        for token, row in enumerate(choice):
+            expected_map[token, reference_topk(row, K)] = True
+        assert torch.equal(routing_map, expected_map)
+        torch.testing.assert_close(probs.detach(), activated * expected_map, rtol=1e-6, atol=0)
+
+
+def test_router_dtype_fp64():
+    config = moe_config(moe_router_dtype="fp64")
+    router = TopKRouter(config, layer_number=1)
+    fill_parameters(router, seed=1)
+    probs, _ = router(torch.randn(1, 3, config.hidden_size))
+    assert probs.dtype == torch.float64 and router.weight.dtype == torch.float32
