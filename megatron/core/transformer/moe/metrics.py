@@ -18,6 +18,8 @@ import torch
 LOAD_BALANCING_LOSS = "load_balancing_loss"
 SEQ_LOAD_BALANCING_LOSS = "seq_load_balancing_loss"
 Z_LOSS = "z_loss"
+# Not a Megatron-LM name: the fraction of (token, expert) choices dropped past capacity.
+DROPPED_TOKEN_FRACTION = "dropped_token_fraction"
 
 
 class MoEMetrics:

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.core.transformer.moe.config_checks import check_moe_config
 from megatron.core.transformer.moe.experts import GroupedExperts
 from megatron.core.transformer.moe.metrics import MoEMetrics
 from megatron.core.transformer.moe.router import TopKRouter
@@ -37,6 +38,7 @@ class MoELayer(nn.Module):
         metrics: MoEMetrics | None = None,
     ) -> None:
         super().__init__()
+        check_moe_config(config)
         ep_size = 1 if expert_parallel_group is None else dist.get_world_size(expert_parallel_group)
         if ep_size != config.expert_model_parallel_size:
             raise ValueError(

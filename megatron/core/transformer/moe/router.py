@@ -9,6 +9,7 @@ from torch import nn
 
 from megatron.core.transformer.moe import routing
 from megatron.core.transformer.moe.metrics import (
+    DROPPED_TOKEN_FRACTION,
     LOAD_BALANCING_LOSS,
     SEQ_LOAD_BALANCING_LOSS,
     Z_LOSS,
@@ -94,14 +95,18 @@ class TopKRouter(nn.Module):
             expert_bias=self.expert_bias,
         )
         if config.moe_expert_capacity_factor is not None:
+            chosen = routing_map
             probs, routing_map = routing.drop_over_capacity(
                 probs,
-                routing_map,
+                chosen,
                 topk=self.topk,
                 capacity_factor=config.moe_expert_capacity_factor,
                 drop_policy=config.moe_token_drop_policy,
                 pad_to_capacity=config.moe_pad_expert_input_to_capacity,
             )
+            if training:
+                kept = (chosen & routing_map).sum()
+                self._record(DROPPED_TOKEN_FRACTION, 1.0 - kept / chosen.sum())
         return probs, routing_map
 
     def _sinkhorn_route(

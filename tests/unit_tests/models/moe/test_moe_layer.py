@@ -10,6 +10,7 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.moe import routing
 from megatron.core.transformer.moe.experts import grouped_gemm
+from megatron.core.transformer.moe.metrics import MoEMetrics
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import permute, unpermute
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -68,10 +69,16 @@ def test_moe_layer_matches_token_loop_reference(swiglu, shared):
 
 def test_moe_layer_with_capacity_drops_and_pads():
     config = moe_config(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True)
-    layer = MoELayer(config, layer_number=1)
+    metrics = MoEMetrics()
+    layer = MoELayer(config, layer_number=1, metrics=metrics)
     fill_parameters(layer, seed=5)
     x = torch.randn(1, 8, config.hidden_size, generator=torch.Generator().manual_seed(6))
+    chosen = routing.topk_routing(x[0] @ layer.router.weight.detach().t(), topk=2)[1]
     probs, routing_map = layer.router(x)
+    # 16 choices, at most 2 kept per expert of 4: the dropped fraction is exact.
+    kept = int((chosen & routing_map).sum())
+    assert metrics.per_layer("dropped_token_fraction")[1] == pytest.approx(1 - kept / 16)
+    assert kept <= 8
     # capacity ceil(8 * 2 / 4 * 0.5) = 2: every expert runs exactly 2 tokens (padded).
     assert routing_map.sum(dim=0).tolist() == [2, 2, 2, 2]
     out = layer(x).flatten(0, 1)
