@@ -21,8 +21,18 @@ NORM_MODULE_NAMES = frozenset({"input_layernorm", "pre_mlp_layernorm", "final_no
 # each of the 2 * num_layers residual adds contributes variance (GPT-2, Megatron-LM).
 RESIDUAL_OUTPUT_MODULE_NAMES = frozenset({"linear_proj", "linear_fc2"})
 # Weights drawn from normal(0, init_method_std).
+# (`router` is the MoE gating weight, `linear_gate` the shared experts' gate; MoE experts' stacked
+# weights are named linear_fc1 / linear_fc2 like the dense MLP's.)
 PLAIN_NORMAL_MODULE_NAMES = frozenset(
-    {"word_embeddings", "position_embeddings", "linear_qkv", "linear_fc1", "output_layer"}
+    {
+        "word_embeddings",
+        "position_embeddings",
+        "linear_qkv",
+        "linear_fc1",
+        "output_layer",
+        "router",
+        "linear_gate",
+    }
 )
 # First component of every GPTModel parameter name; anything before it is a wrapper prefix.
 _ROOT_NAMES = ("embedding", "decoder", "output_layer")

@@ -3,25 +3,40 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron.core.transformer.attention import RotaryCosSin
+from megatron.core.transformer.moe.config_checks import check_moe_config
+from megatron.core.transformer.moe.metrics import MoEMetrics
 from megatron.core.transformer.norm import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
 class TransformerBlock(nn.Module):
-    """`layers` (nn.ModuleList of TransformerLayer) followed by `final_norm`."""
+    """`layers` (nn.ModuleList of TransformerLayer) followed by `final_norm`.
 
-    def __init__(self, config: TransformerConfig) -> None:
+    With --num-experts, `moe_metrics` collects the router losses and expert loads of all MoE
+    layers (None for a dense model) and `expert_parallel_group` splits their experts."""
+
+    def __init__(
+        self, config: TransformerConfig, *, expert_parallel_group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__()
+        check_moe_config(config)
+        self.moe_metrics = MoEMetrics() if config.num_moe_experts is not None else None
         self.full_recompute = config.recompute_granularity == "full"
         self.recompute_num_layers = config.recompute_num_layers
         self.recompute_method = config.recompute_method
         self.layers = nn.ModuleList(
-            TransformerLayer(config, layer_number=number)
+            TransformerLayer(
+                config,
+                layer_number=number,
+                expert_parallel_group=expert_parallel_group,
+                moe_metrics=self.moe_metrics,
+            )
             for number in range(1, config.num_layers + 1)
         )
         self.final_norm = build_norm(config)

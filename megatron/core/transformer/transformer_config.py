@@ -94,6 +94,92 @@ class TransformerConfig:
     fp8: Fp8Config | None = None
     """FP8 settings for transformer Linears; None keeps every Linear in params_dtype."""
 
+    # Mixture of Experts (Megatron-LM's names and defaults; checked by
+    # megatron.core.transformer.moe.config_checks.check_moe_config).
+
+    num_moe_experts: int | None = None
+    """Routed experts per MoE layer (`--num-experts`); None builds a dense model."""
+
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of each routed expert (`--moe-ffn-hidden-size`); default ffn_hidden_size."""
+
+    moe_layer_freq: int | list[int] = 1
+    """Which layers are MoE (`--moe-layer-freq`): an int N makes every N-th layer MoE
+    (layers 0, N, 2N, ... counted from 0), a list of num_layers 0/1 flags gives the pattern."""
+
+    moe_shared_expert_intermediate_size: int | None = None
+    """Total inner width of the shared experts run on every token
+    (`--moe-shared-expert-intermediate-size`); None means no shared experts."""
+
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x w) with a learned [1, hidden] w
+    (Megatron-LM's `moe_shared_expert_gate`, Qwen2-MoE style)."""
+
+    moe_grouped_gemm: bool = False
+    """`--moe-grouped-gemm`; the experts here always run through one grouped GEMM, so this is
+    accepted and changes nothing."""
+
+    moe_router_topk: int = 2
+    """Experts chosen per token (`--moe-router-topk`)."""
+
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Score of the router logits (`--moe-router-score-function`)."""
+
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k instead of over the k chosen logits
+    (`--moe-router-pre-softmax`); needed with top-1 softmax routing."""
+
+    moe_router_num_groups: int | None = None
+    """Expert groups for group-limited routing (`--moe-router-num-groups`)."""
+
+    moe_router_group_topk: int | None = None
+    """Groups each token may pick experts from (`--moe-router-group-topk`)."""
+
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiplier of the chosen experts' probabilities (`--moe-router-topk-scaling-factor`)."""
+
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    """Dtype of the router GEMM and scores (`--moe-router-dtype`); None: the input's dtype."""
+
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing (`--moe-router-enable-expert-bias`): a per-expert bias added to
+    the scores for the choice only, moved after each step toward balanced load."""
+
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of each expert-bias update (`--moe-router-bias-update-rate`)."""
+
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "sinkhorn", "none"] = (
+        "aux_loss"
+    )
+    """Load balancing (`--moe-router-load-balancing-type`)."""
+
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of the load-balancing loss (`--moe-aux-loss-coeff`); 0 turns it off."""
+
+    moe_z_loss_coeff: float | None = None
+    """Coefficient of the router z-loss (`--moe-z-loss-coeff`); None turns it off."""
+
+    moe_expert_capacity_factor: float | None = None
+    """Expert capacity = ceil(tokens * topk / experts * factor) (`--moe-expert-capacity-factor`);
+    None is dropless."""
+
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """Past capacity, keep the highest-probability tokens or the earliest ones
+    (`--moe-token-drop-policy`)."""
+
+    moe_pad_expert_input_to_capacity: bool = False
+    """Give every expert exactly `capacity` tokens, padding with zero-probability ones
+    (`--moe-pad-expert-input-to-capacity`); needs a capacity factor."""
+
+    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "allgather"
+    """How tokens reach their experts' expert-parallel ranks (`--moe-token-dispatcher-type`)."""
+
+    moe_permute_fusion: bool = False
+    """`--moe-permute-fusion`: accepted; the permutation is one index gather either way."""
+
+    expert_model_parallel_size: int = 1
+    """Ranks the routed experts are split over (`--expert-model-parallel-size`)."""
+
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
@@ -101,3 +187,5 @@ class TransformerConfig:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size

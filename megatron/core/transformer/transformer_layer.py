@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron.core.transformer.attention import RotaryCosSin, SelfAttention
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.config_checks import moe_layer_pattern
+from megatron.core.transformer.moe.metrics import MoEMetrics
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.norm import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -15,15 +19,32 @@ class TransformerLayer(nn.Module):
     """Holds every parameter of one layer, so it can be one FSDP unit.
 
     `layer_number` is 1-based (it decides FP8 for the first/last-layers-in-bf16 option).
+    `mlp` is an MoELayer where --moe-layer-freq makes this layer MoE; its experts are split
+    over `expert_parallel_group` and its router losses go to `moe_metrics`.
     """
 
-    def __init__(self, config: TransformerConfig, *, layer_number: int) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        layer_number: int,
+        expert_parallel_group: dist.ProcessGroup | None = None,
+        moe_metrics: MoEMetrics | None = None,
+    ) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config, layer_number=layer_number)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config, layer_number=layer_number)
+        if moe_layer_pattern(config)[layer_number - 1]:
+            self.mlp = MoELayer(
+                config,
+                layer_number=layer_number,
+                expert_parallel_group=expert_parallel_group,
+                metrics=moe_metrics,
+            )
+        else:
+            self.mlp = MLP(config, layer_number=layer_number)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, x_BSD: torch.Tensor, rotary_cos_sin: RotaryCosSin = None) -> torch.Tensor:

@@ -7,10 +7,12 @@ Tensors are batch-first: [B, S, D].
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.transformer.init import init_parameter_
+from megatron.core.transformer.moe.moe_layer import local_expert_rows
 from megatron.core.transformer.rope import RotaryEmbedding, rotary_dim
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -80,9 +82,18 @@ class GPTModel(nn.Module):
     `with torch.device("meta")` nothing is initialized; after materializing (e.g. `to_empty`)
     call `reset_parameters(seed)` (or init unit by unit with `init_parameter_`) and
     `init_buffers(device)`, because the rope frequencies are non-persistent buffers.
+
+    With --num-experts, the MoE layers split their routed experts over
+    `expert_parallel_group` (None: this rank holds all of them).
     """
 
-    def __init__(self, config: TransformerConfig, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        seed: int = 0,
+        expert_parallel_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         check_model_config(config)
         self.config = config
@@ -90,7 +101,7 @@ class GPTModel(nn.Module):
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config)
-        self.decoder = TransformerBlock(config)
+        self.decoder = TransformerBlock(config, expert_parallel_group=expert_parallel_group)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
             # Never FP8: logits feed a softmax over the whole vocabulary.
@@ -102,9 +113,17 @@ class GPTModel(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """Re-initialize every parameter from (seed, its name); see init.py."""
+        """Re-initialize every parameter from (seed, its name); see init.py. A routed-expert
+        weight is drawn for all num_moe_experts and this rank keeps its experts' rows."""
+        expert_rows = local_expert_rows(self)
         for name, param in self.named_parameters():
-            init_parameter_(param, name=name, config=self.config, seed=seed)
+            rows = expert_rows.get(name)
+            if rows is None:
+                init_parameter_(param, name=name, config=self.config, seed=seed)
+                continue
+            full = param.new_empty((self.config.num_moe_experts, *param.shape[1:]))
+            init_parameter_(full, name=name, config=self.config, seed=seed)
+            param.copy_(full[rows])
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recompute the non-persistent buffers (rope inverse frequencies) on `device`

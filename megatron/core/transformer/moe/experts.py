@@ -1,0 +1,84 @@
+"""The routed experts of one rank: all fc1 weights in ONE stacked parameter
+[num_local_experts, fc1_width, hidden] and all fc2 weights in another
+[num_local_experts, hidden, moe_ffn_hidden_size], run through one grouped GEMM function.
+
+`grouped_gemm` is the single seam where an FP8 grouped GEMM replaces the high-precision one:
+every expert matmul of forward and backward goes through it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.core.transformer.mlp import gelu, swiglu
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+# torch._grouped_mm (CUDA) needs row strides that are multiples of 16 bytes.
+_GROUPED_MM_ALIGN_BYTES = 16
+
+
+def _grouped_mm_runs(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch._grouped_mm covers this call: CUDA bf16 with 16-byte-aligned rows. Its CPU
+    kernel has no backward (torch 2.13), so CPU always takes the loop of mm."""
+    if not (tokens.is_cuda and tokens.dtype == torch.bfloat16 == weight.dtype):
+        return False
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    align = _GROUPED_MM_ALIGN_BYTES // tokens.element_size()
+    return tokens.shape[-1] % align == 0 and weight.shape[1] % align == 0
+
+
+def grouped_gemm(
+    tokens: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int]
+) -> torch.Tensor:
+    """y[rows of expert e] = tokens[rows of expert e] @ weight[e]^T.
+
+    tokens [N, in] sorted by expert, tokens_per_expert[e] rows each (summing to N);
+    weight [E, out, in]. Returns [N, out] in the tokens' dtype.
+    """
+    if _grouped_mm_runs(tokens, weight):
+        offsets = torch.tensor(tokens_per_expert, device=tokens.device).cumsum(0)
+        return torch._grouped_mm(tokens, weight.transpose(1, 2), offs=offsets.to(torch.int32))
+    pieces = tokens.split(tokens_per_expert, dim=0)
+    outputs = [piece @ weight[expert].t() for expert, piece in enumerate(pieces)]
+    if not outputs:
+        return tokens.new_zeros(0, weight.shape[1])
+    return torch.cat(outputs, dim=0)
+
+
+class StackedLinear(nn.Module):
+    """The stacked weight [num_local_experts, out, in] of one Linear per local expert.
+
+    A module of its own so that the parameter is named `<...>.linear_fc1.weight` /
+    `.linear_fc2.weight` like the dense MLP's (init rules, FP8 selection, checkpoints)."""
+
+    def __init__(
+        self, num_experts: int, in_features: int, out_features: int, *, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype))
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        return grouped_gemm(tokens, self.weight, tokens_per_expert)
+
+
+class GroupedExperts(nn.Module):
+    """fc2(act(fc1(x))) per local expert, act SwiGLU or GeLU as the dense MLP; no biases."""
+
+    def __init__(self, config: TransformerConfig, *, num_local_experts: int) -> None:
+        super().__init__()
+        self.num_local_experts = num_local_experts
+        self.swiglu = config.swiglu
+        ffn = config.moe_ffn_hidden_size
+        fc1_width = ffn * (2 if config.swiglu else 1)
+        dtype = config.params_dtype
+        self.linear_fc1 = StackedLinear(
+            num_local_experts, config.hidden_size, fc1_width, dtype=dtype
+        )
+        self.linear_fc2 = StackedLinear(num_local_experts, ffn, config.hidden_size, dtype=dtype)
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """tokens [N, hidden] sorted by local expert -> [N, hidden]."""
+        activation = swiglu if self.swiglu else gelu
+        hidden = activation(self.linear_fc1(tokens, tokens_per_expert))
+        return self.linear_fc2(hidden, tokens_per_expert)

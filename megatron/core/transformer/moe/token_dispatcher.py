@@ -1,0 +1,174 @@
+"""Token dispatch: sort tokens by expert, carry them to the expert-parallel rank that holds
+their expert, run the experts, bring the outputs back and combine them with the routing probs.
+
+Rank r of an expert-parallel group of size P holds global experts [r L, (r + 1) L), L = E / P.
+The group is passed in (no global process groups); P = 1 runs everything locally. The
+routing probabilities are applied when combining (sum over a token's experts of p * expert(x)),
+so only hidden states travel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+ExpertsFn = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
+def permute(
+    hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [N, H] sorted by expert then token, their probs [N], their token indices [N],
+    tokens per expert [E]) for routing_map [T, E]; N = routing_map.sum()."""
+    expert_major_map = routing_map.t()
+    token_indices = expert_major_map.nonzero()[:, 1]
+    permuted_probs = probs.t()[expert_major_map]
+    return hidden[token_indices], permuted_probs, token_indices, expert_major_map.sum(dim=1)
+
+
+def unpermute(
+    expert_output: torch.Tensor,
+    permuted_probs: torch.Tensor,
+    token_indices: torch.Tensor,
+    *,
+    num_tokens: int,
+) -> torch.Tensor:
+    """[T, H]: each token's sum over its experts of prob * expert output."""
+    weighted = expert_output * permuted_probs.to(expert_output.dtype).unsqueeze(-1)
+    combined = expert_output.new_zeros(num_tokens, expert_output.shape[-1])
+    return combined.index_add(0, token_indices, weighted)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; backward sends the grads back the other way."""
+
+    @staticmethod
+    def forward(ctx, tokens, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        output = tokens.new_empty(sum(output_splits), *tokens.shape[1:])
+        dist.all_to_all_single(
+            output, tokens.contiguous(), output_splits, input_splits, group=group
+        )
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        output_splits, input_splits = ctx.splits
+        grad = grad_output.new_empty(sum(input_splits), *grad_output.shape[1:])
+        dist.all_to_all_single(
+            grad, grad_output.contiguous(), input_splits, output_splits, group=ctx.group
+        )
+        return grad, None, None, None
+
+
+def _reorder_chunks(tokens: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
+    chunks = tokens.split(sizes, dim=0)
+    return torch.cat([chunks[index] for index in order], dim=0)
+
+
+def alltoall_dispatch_combine(
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    routing_map: torch.Tensor,
+    *,
+    experts: ExpertsFn,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """The alltoall dispatcher: [T, H] tokens of this rank -> [T, H] combined expert outputs."""
+    num_tokens = hidden.shape[0]
+    permuted, permuted_probs, token_indices, counts = permute(hidden, probs, routing_map)
+    ep_size = 1 if group is None else dist.get_world_size(group)
+    if ep_size == 1:
+        expert_output = experts(permuted, counts.tolist())
+        return unpermute(expert_output, permuted_probs, token_indices, num_tokens=num_tokens)
+    counts_by_rank = counts.view(ep_size, -1)
+    received_counts = torch.empty_like(counts_by_rank)
+    dist.all_to_all_single(received_counts, counts_by_rank, group=group)
+    input_splits = counts_by_rank.sum(dim=1).tolist()
+    output_splits = received_counts.sum(dim=1).tolist()
+    received = _AllToAll.apply(permuted, output_splits, input_splits, group)
+    # Received tokens come source rank by source rank, each sorted by local expert; the
+    # experts want them local expert by local expert.
+    num_local = received_counts.shape[1]
+    rank_major_sizes = received_counts.flatten().tolist()
+    to_expert_major = [
+        rank * num_local + local for local in range(num_local) for rank in range(ep_size)
+    ]
+    by_expert = _reorder_chunks(received, rank_major_sizes, to_expert_major)
+    expert_output = experts(by_expert, received_counts.sum(dim=0).tolist())
+    expert_major_sizes = received_counts.t().flatten().tolist()
+    to_rank_major = [
+        local * ep_size + rank for rank in range(ep_size) for local in range(num_local)
+    ]
+    by_rank = _reorder_chunks(expert_output, expert_major_sizes, to_rank_major)
+    returned = _AllToAll.apply(by_rank, input_splits, output_splits, group)
+    return unpermute(returned, permuted_probs, token_indices, num_tokens=num_tokens)
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """Concatenate every rank's equal-sized tensor along dim 0; backward sums the grads over
+    the ranks and keeps this rank's rows (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return _gather_rows(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _sum_and_keep_own_rows(grad_output, ctx.group), None
+
+
+class _ReduceScatterToGroup(torch.autograd.Function):
+    """Sum over the ranks, keep this rank's rows; backward all-gathers the grads."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return _sum_and_keep_own_rows(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_rows(grad_output, ctx.group), None
+
+
+def _gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return torch.cat(pieces, dim=0)
+
+
+def _sum_and_keep_own_rows(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    # all_reduce then slice: gloo has no reduce_scatter, and this path is for small groups.
+    total = tensor.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    return total.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)].contiguous()
+
+
+def allgather_dispatch_combine(
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    routing_map: torch.Tensor,
+    *,
+    experts: ExpertsFn,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """The allgather dispatcher: every rank gathers all ranks' tokens and routing, runs its
+    local experts on the tokens routed to them, and the partial outputs are summed back to
+    the tokens' ranks. Needs the same token count on every rank."""
+    ep_size = 1 if group is None else dist.get_world_size(group)
+    if ep_size == 1:
+        return alltoall_dispatch_combine(hidden, probs, routing_map, experts=experts, group=None)
+    all_hidden = _GatherFromGroup.apply(hidden, group)
+    all_probs = _GatherFromGroup.apply(probs, group)
+    # As bytes: gloo does not gather bool tensors.
+    all_map = _gather_rows(routing_map.to(torch.uint8), group).bool()
+    num_local = routing_map.shape[1] // ep_size
+    first = dist.get_rank(group) * num_local
+    local = slice(first, first + num_local)
+    partial = alltoall_dispatch_combine(
+        all_hidden, all_probs[:, local], all_map[:, local], experts=experts, group=None
+    )
+    return _ReduceScatterToGroup.apply(partial, group)

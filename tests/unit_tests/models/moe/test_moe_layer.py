@@ -1,0 +1,180 @@
+"""The MoE layer against a loop-over-tokens reference (forward and grads), the grouped GEMM
+against per-expert matmuls, and a tiny MoE GPT that trains on CPU with the aux loss in its
+grads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.moe import routing
+from megatron.core.transformer.moe.experts import grouped_gemm
+from megatron.core.transformer.moe.metrics import MoEMetrics
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.token_dispatcher import permute, unpermute
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from tests.unit_tests.models.model_configs import tiny_config, token_batch
+from tests.unit_tests.models.moe.moe_helpers import fill_parameters, moe_config, reference_moe
+
+
+def test_grouped_gemm_equals_per_expert_matmuls():
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randn(7, 5, generator=generator)
+    weight = torch.randn(3, 4, 5, generator=generator)
+    counts = [2, 0, 5]
+    out = grouped_gemm(tokens, weight, counts)
+    expected = torch.cat([tokens[:2] @ weight[0].t(), tokens[2:] @ weight[2].t()])
+    assert torch.equal(out, expected)
+
+
+def test_permute_unpermute_round_trip():
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, 3, generator=generator)
+    probs, routing_map = routing.topk_routing(torch.randn(5, 4, generator=generator), topk=2)
+    permuted, permuted_probs, token_indices, counts = permute(hidden, probs, routing_map)
+    assert counts.tolist() == routing_map.sum(dim=0).tolist()
+    expert_of_row = torch.repeat_interleave(torch.arange(4), counts)
+    assert torch.equal(permuted, hidden[token_indices])
+    assert torch.equal(permuted_probs, probs[token_indices, expert_of_row])
+    combined = unpermute(permuted, permuted_probs, token_indices, num_tokens=5)
+    torch.testing.assert_close(combined, hidden * probs.sum(dim=1, keepdim=True))
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("shared", [None, "plain", "gated"])
+def test_moe_layer_matches_token_loop_reference(swiglu, shared):
+    config = moe_config(
+        swiglu=swiglu,
+        moe_shared_expert_intermediate_size=None if shared is None else 12,
+        moe_shared_expert_gate=shared == "gated",
+    )
+    layer = MoELayer(config, layer_number=1)
+    fill_parameters(layer, seed=2)
+    x = torch.randn(2, 5, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    x.requires_grad_()
+    target = torch.randn(2, 5, config.hidden_size, generator=torch.Generator().manual_seed(4))
+    out = layer(x)
+    (out * target).sum().backward()
+    params = {name: p.detach().clone().requires_grad_() for name, p in layer.named_parameters()}
+    x_ref = x.detach().clone().requires_grad_()
+    expected = reference_moe(x_ref.flatten(0, 1), params, config).view_as(x)
+    (expected * target).sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    for name, param in layer.named_parameters():
+        # Token-order sums differ from the reference loop: fp32 rounding of ~10 terms.
+        torch.testing.assert_close(param.grad, params[name].grad, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_layer_with_capacity_drops_and_pads():
+    config = moe_config(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True)
+    metrics = MoEMetrics()
+    layer = MoELayer(config, layer_number=1, metrics=metrics)
+    fill_parameters(layer, seed=5)
+    x = torch.randn(1, 8, config.hidden_size, generator=torch.Generator().manual_seed(6))
+    chosen = routing.topk_routing(x[0] @ layer.router.weight.detach().t(), topk=2)[1]
+    probs, routing_map = layer.router(x)
+    # 16 choices, at most 2 kept per expert of 4: the dropped fraction is exact.
+    kept = int((chosen & routing_map).sum())
+    assert metrics.per_layer("dropped_token_fraction")[1] == pytest.approx(1 - kept / 16)
+    assert kept <= 8
+    # capacity ceil(8 * 2 / 4 * 0.5) = 2: every expert runs exactly 2 tokens (padded).
+    assert routing_map.sum(dim=0).tolist() == [2, 2, 2, 2]
+    out = layer(x).flatten(0, 1)
+    weights = layer.experts
+    expected = torch.zeros_like(out)
+    for token, expert in routing_map.nonzero().tolist():
+        fc1 = weights.linear_fc1.weight[expert]
+        fc2 = weights.linear_fc2.weight[expert]
+        value = torch.nn.functional.gelu(x[0, token] @ fc1.t()) @ fc2.t()
+        expected[token] += probs[token, expert] * value
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_layer_freq_builds_moe_layers():
+    config = moe_config(num_layers=3, moe_layer_freq=[0, 1, 1])
+    kinds = [type(TransformerLayer(config, layer_number=n).mlp).__name__ for n in (1, 2, 3)]
+    assert kinds == ["MLP", "MoELayer", "MoELayer"]
+
+
+def _tiny_moe_gpt(aux_coeff: float) -> GPTModel:
+    config = tiny_config(
+        num_layers=3,
+        add_bias_linear=False,
+        swiglu=True,
+        num_moe_experts=4,
+        moe_ffn_hidden_size=16,
+        moe_layer_freq=[0, 1, 1],
+        moe_shared_expert_intermediate_size=16,
+        moe_router_topk=2,
+        moe_aux_loss_coeff=aux_coeff,
+        moe_token_dispatcher_type="alltoall",
+    )
+    return GPTModel(config, seed=7)
+
+
+def test_tiny_moe_gpt_trains_and_aux_loss_reaches_grads():
+    model = _tiny_moe_gpt(aux_coeff=0.05)
+    tokens = token_batch(batch=4, seq=8, seed=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        optimizer.zero_grad()
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    metrics = model.decoder.moe_metrics.report()
+    assert set(metrics) == {"load_balancing_loss"}
+    assert 1.0 <= metrics["load_balancing_loss"] < 4.0  # 1 is perfect balance, E = 4 worst
+
+
+def test_aux_loss_gradient_in_gpt_equals_reference_aux_grad():
+    with_aux, without_aux = _tiny_moe_gpt(aux_coeff=0.05), _tiny_moe_gpt(aux_coeff=0.0)
+    without_aux.load_state_dict(with_aux.state_dict())
+    tokens = token_batch(batch=2, seq=8, seed=3)
+    router_inputs = {}
+    for number in (2, 3):
+        router = with_aux.decoder.layers[number - 1].mlp.router
+        router.register_forward_hook(
+            lambda module, args, out, n=number: router_inputs.__setitem__(n, args[0].detach())
+        )
+    for model in (with_aux, without_aux):
+        model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+    # The last MoE layer only: layer 2's router also gets layer 3's aux-loss grad through
+    # layer 3's input.
+    for number in (3,):
+        weight = with_aux.decoder.layers[number - 1].mlp.router.weight
+        difference = weight.grad - without_aux.decoder.layers[number - 1].mlp.router.weight.grad
+        reference_weight = weight.detach().clone().requires_grad_()
+        scores = torch.softmax(router_inputs[number].flatten(0, 1) @ reference_weight.t(), -1)
+        counts = torch.zeros(4)
+        for row in scores.detach():
+            counts[row.topk(2).indices] += 1
+        aux = 0.05 * 4 * torch.sum(counts / (scores.shape[0] * 2) * scores.mean(dim=0))
+        (expected,) = torch.autograd.grad(aux, reference_weight)
+        assert expected.abs().max() > 1e-4
+        torch.testing.assert_close(difference, expected, rtol=1e-4, atol=1e-7)
+
+
+def test_full_recompute_counts_router_metrics_once():
+    tokens = token_batch(batch=2, seq=8, seed=4)
+    results = []
+    for granularity in (None, "full"):
+        model = _tiny_moe_gpt(aux_coeff=0.05)
+        model.config.recompute_granularity = granularity
+        model.decoder.full_recompute = granularity == "full"
+        model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+        metrics = model.decoder.moe_metrics
+        router_grad = model.decoder.layers[1].mlp.router.weight.grad
+        results.append(
+            (metrics.per_layer("load_balancing_loss"), metrics.tokens_per_expert, router_grad)
+        )
+    (plain_loss, plain_tokens, plain_grad), (re_loss, re_tokens, re_grad) = results
+    assert plain_loss == re_loss and len(plain_loss) == 2
+    for layer in (2, 3):
+        assert torch.equal(plain_tokens[layer], re_tokens[layer])
+        assert plain_tokens[layer].sum().item() == 2 * 7 * 2  # tokens x top-k, counted once
+    torch.testing.assert_close(plain_grad, re_grad, rtol=1e-6, atol=1e-8)
