@@ -78,9 +78,11 @@ class FusedAdamW(torch.optim.AdamW):
         self._host_steps: dict[torch.Tensor, int] = {}
 
     def _torch_adamw_step(self) -> bool:
-        """torch.optim.AdamW's own step applies: fp32 moments over fp32 params."""
+        """torch.optim.AdamW's own step applies: fp32 moments over fp32 params and grads."""
         return self.precision.all_fp32 and all(
-            param.dtype == torch.float32 for group in self.param_groups for param in group["params"]
+            param.dtype == torch.float32 and (param.grad is None or param.grad.dtype == param.dtype)
+            for group in self.param_groups
+            for param in group["params"]
         )
 
     def _triton_usable(self) -> bool:

@@ -175,7 +175,9 @@ def adamw_step_(
         return
     m_scaling, m_range = _scaling(exp_avg, exp_avg_scale)
     v_scaling, v_range = _scaling(exp_avg_sq, exp_avg_sq_scale)
-    work = torch.zeros(4, dtype=torch.float32, device=param.device)
+    per_tensor = [i for i, s in enumerate((m_scaling, v_scaling)) if s == PER_TENSOR]
+    # Scratch of the per-tensor rule only; elsewhere the kernel never reads its pointer.
+    work = torch.zeros(4, dtype=torch.float32, device=param.device) if per_tensor else param
     launch = dict(
         numel=numel,
         decay_factor=scalars.decay_factor,
@@ -206,12 +208,11 @@ def adamw_step_(
         amax if amax is not None else work,
     )
     grid = (triton.cdiv(numel, BLOCK),)
-    per_tensor = [i for i, s in enumerate((m_scaling, v_scaling)) if s == PER_TENSOR]
     with torch.cuda.device(param.device):
         if per_tensor:
             _adamw_kernel[grid](*pointers, WRITE=False, **launch)
-            ranges = torch.tensor([m_range, v_range], dtype=torch.float32, device=param.device)
-            new_scales = work[:2] / ranges
+            # precision.quantize_'s rule: scale = amax / range in fp32.
+            new_scales = torch.stack([work[0] / m_range, work[1] / v_range])
             # The inverse the torch path uses: 1 / scale, and 0 where the scale is 0.
             work[2:] = torch.where(new_scales > 0, 1.0 / new_scales, torch.zeros_like(new_scales))
         _adamw_kernel[grid](*pointers, WRITE=True, **launch)
