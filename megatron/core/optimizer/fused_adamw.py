@@ -171,7 +171,12 @@ class FusedAdamW(torch.optim.AdamW):
             dtype = self.precision.dtype(name)
             scales = scale_numel(param.numel(), dtype=dtype, scaling=self.precision.scaling)
             data, scale = state.get(name), state.get(f"{name}_scale")
-            if data is not None and data.dtype == dtype and _numel(scale) == scales:
+            if (
+                data is not None
+                and data.dtype == dtype
+                and data.device == param.device
+                and _numel(scale) == scales
+            ):
                 continue
             values = None if data is None else dequantize(data, scale).to(param.device)
             self._set_moment(param, state, name, values)
