@@ -232,6 +232,14 @@ class FusedAdamW(torch.optim.AdamW):
                 param, state = params[key], self.state[params[key]]
                 for name, value in values.items():
                     self._set_moment(param, state, name, value.to(param.device))
+            for group in self.param_groups:
+                # A step saved on another device (an offloaded part's host, or the GPU): where
+                # this optimizer keeps it (the fused step on the param's device, else the CPU).
+                for param in group["params"]:
+                    step = self.state[param].get("step")
+                    device = param.device if group.get("fused") else torch.device("cpu")
+                    if step is not None and step.device != device:
+                        self.state[param]["step"] = step.to(device)
 
     def _host_step(self, param: torch.Tensor, state: dict) -> int:
         """The step count on the host (bias corrections need it), read from the device once."""
