@@ -82,6 +82,8 @@ def _adamw_kernel(
     decay_factor,
     beta1,
     beta2,
+    one_minus_beta1,
+    one_minus_beta2,
     eps,
     step_size,
     bias_correction2_sqrt,
@@ -105,8 +107,10 @@ def _adamw_kernel(
     if HAS_GRAD_SCALE:
         grad = grad / tl.load(grad_scale_ptr)
     # The order of torch's fused AdamW (decoupled decay first, then the moments).
-    exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
-    exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
+    # 1 - beta comes from the host (rounded from float64 as torch rounds the scalar), not
+    # computed in fp32 here: 1 - 0.9f is 2 ulps off 0.1f.
+    exp_avg = beta1 * exp_avg + one_minus_beta1 * grad
+    exp_avg_sq = beta2 * exp_avg_sq + one_minus_beta2 * grad * grad
     if WRITE:
         param = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * decay_factor
         denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
@@ -183,6 +187,8 @@ def adamw_step_(
         decay_factor=scalars.decay_factor,
         beta1=scalars.beta1,
         beta2=scalars.beta2,
+        one_minus_beta1=1.0 - scalars.beta1,
+        one_minus_beta2=1.0 - scalars.beta2,
         eps=scalars.eps,
         step_size=scalars.step_size,
         bias_correction2_sqrt=scalars.bias_correction2_sqrt,
