@@ -74,11 +74,21 @@ class OffloadedAdamW:
 
     @property
     def state(self) -> dict[torch.Tensor, dict]:
-        """Every param's state, keyed by the caller's params (host states for offloaded ones)."""
-        merged = dict(self.device.state) if self.device is not None else {}
+        """Every param's state, keyed by the caller's params (host states for offloaded ones);
+        a param without state gets an empty one in its part on first access, as torch's
+        optimizer state (a defaultdict) does, so writes into it reach the part."""
+        host_of = dict(zip(map(id, self.offloaded), self.host_params))
+        merged = _StateView(lambda p: self._part_state(p, host_of))
         for param, host in zip(self.offloaded, self.host_params):
-            merged[param] = self.host.state[host]
+            if host in self.host.state:
+                merged[param] = self.host.state[host]
+        if self.device is not None:
+            merged.update(self.device.state)
         return merged
+
+    def _part_state(self, param: torch.Tensor, host_of: dict[int, torch.Tensor]) -> dict:
+        host = host_of.get(id(param))
+        return self.host.state[host] if host is not None else self.device.state[param]
 
     def init_state(self) -> None:
         for part in (self.device, self.host):
@@ -211,6 +221,18 @@ class OffloadedAdamW:
             moved = [p for g in self.param_groups for p in g["params"] if id(p) in offloaded]
             parts.append((self.host, moved))
         return parts
+
+
+class _StateView(dict):
+    """A dict of the parts' states that fetches (creating) a missing param's from its part."""
+
+    def __init__(self, fetch) -> None:
+        super().__init__()
+        self._fetch = fetch
+
+    def __missing__(self, param: torch.Tensor) -> dict:
+        value = self[param] = self._fetch(param)
+        return value
 
 
 def _part(groups: list[dict], kwargs: dict) -> FusedAdamW | None:

@@ -146,3 +146,15 @@ def _train_cuda(optimizer, params):
         del optimizer.grad_scale
     torch.cuda.synchronize()
     return amaxes
+
+
+def test_state_view_creates_states_in_the_owning_part():
+    """The engine writes initial state through `optimizer.state[param]` (a defaultdict in
+    torch): for an offloaded param that must land in the host part's state."""
+    params = _params()
+    optimizer = _optimizer(params, 0.5, {})
+    optimizer.state[params[0]]["marker"] = torch.ones(1)
+    optimizer.state[params[4]]["marker"] = torch.zeros(1)
+    assert optimizer.host.state[optimizer.host_params[0]]["marker"].item() == 1.0
+    assert optimizer.device.state[params[4]]["marker"].item() == 0.0
+    assert optimizer.state[params[0]]["marker"].item() == 1.0

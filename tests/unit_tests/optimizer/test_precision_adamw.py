@@ -251,3 +251,27 @@ def test_triton_kernel_matches_the_torch_path_on_gpu(case, param_dtype):
             ulps = max(8 * UNIT_ROUNDOFF[dtype], 4e-6)
             atol = ref[name].abs().max().item() * ulps
             torch.testing.assert_close(got[name], ref[name], rtol=0, atol=atol, msg=name)
+
+
+def test_optimizer_config_checks_name_the_flags():
+    from megatron.core.optimizer import OffloadedAdamW, OptimizerConfig, build_torch_optimizer
+
+    named = [(f"layer.{i}.weight", p) for i, p in enumerate(_params(torch.float32))]
+    with pytest.raises(ValueError, match=r"need --use-precision-aware-optimizer"):
+        build_torch_optimizer(named, config=OptimizerConfig(exp_avg_dtype="bf16"))
+    with pytest.raises(ValueError, match=r"--optimizer-cpu-offload needs --use-precision-aware"):
+        build_torch_optimizer(named, config=OptimizerConfig(optimizer_cpu_offload=True))
+    fp8 = dict(use_precision_aware_optimizer=True, exp_avg_dtype="fp8", moment_scaling=None)
+    with pytest.raises(ValueError, match=r"--exp-avg-dtype fp8 needs a scale rule"):
+        build_torch_optimizer(named, config=OptimizerConfig(**fp8))
+    config = OptimizerConfig(
+        use_precision_aware_optimizer=True,
+        exp_avg_dtype="bf16",
+        exp_avg_sq_dtype="fp8",
+        optimizer_cpu_offload=True,
+        optimizer_offload_fraction=0.5,
+    )
+    optimizer = build_torch_optimizer(named, config=config)
+    assert isinstance(optimizer, OffloadedAdamW)
+    assert optimizer.host.precision.exp_avg_sq_dtype == torch.float8_e4m3fn
+    assert len(optimizer.offloaded) == 1  # 1320 of 1750 elements: the first param's midpoint
