@@ -1,4 +1,5 @@
-"""Optimizers over fp32 main params, grad-norm clipping and LR schedules."""
+"""Optimizers over main params (precision-aware AdamW, CPU offload), grad-norm clipping and LR
+schedules."""
 
 from megatron.core.optimizer.clip_grads import clip_and_step, clip_grads_, global_grad_norm
 from megatron.core.optimizer.config import OptimizerConfig
@@ -8,15 +9,22 @@ from megatron.core.optimizer.lr_scheduler import (
     OptimizerParamScheduler,
     learning_rate_at,
 )
+from megatron.core.optimizer.offload import OffloadedAdamW, offload_count
 from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
     MixedPrecisionOptimizer,
     StepResult,
     build_torch_optimizer,
+    check_optimizer_config,
     count_zeros,
     is_embedding_or_output_parameter,
     is_no_weight_decay,
     unscale_grads_,
+)
+from megatron.core.optimizer.precision import (
+    StatePrecision,
+    check_main_dtypes,
+    state_precision,
 )
 
 __all__ = [
@@ -25,9 +33,13 @@ __all__ = [
     "MixedPrecisionOptimizer",
     "OptimizerConfig",
     "FusedAdamW",
+    "OffloadedAdamW",
     "OptimizerParamScheduler",
+    "StatePrecision",
     "StepResult",
     "build_torch_optimizer",
+    "check_main_dtypes",
+    "check_optimizer_config",
     "clip_and_step",
     "clip_grads_",
     "count_zeros",
@@ -35,5 +47,7 @@ __all__ = [
     "is_embedding_or_output_parameter",
     "is_no_weight_decay",
     "learning_rate_at",
+    "offload_count",
+    "state_precision",
     "unscale_grads_",
 ]

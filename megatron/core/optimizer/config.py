@@ -38,3 +38,27 @@ class OptimizerConfig:
 
     clip_grad: float = 1.0
     """Clip the global L2 grad norm (over all shards and ranks) to this value; 0 disables."""
+
+    use_precision_aware_optimizer: bool = False
+    """Moments in `exp_avg_dtype`/`exp_avg_sq_dtype` (`--use-precision-aware-optimizer`); without
+    it both stay fp32, as in Megatron-LM."""
+
+    exp_avg_dtype: str = "fp32"
+    """AdamW first moment: fp32, bf16, fp16 or fp8 (`--exp-avg-dtype`)."""
+
+    exp_avg_sq_dtype: str = "fp32"
+    """AdamW second moment: fp32, bf16, fp16 or fp8 (`--exp-avg-sq-dtype`)."""
+
+    moment_scaling: str | None = "tensor"
+    """Scale rule of fp16/fp8 moments: "tensor" (TransformerEngine's, one fp32 scale per
+    tensor) or "block" (one per 128 elements); None refuses scaled moments."""
+
+    optimizer_cpu_offload: bool = False
+    """Keep `optimizer_offload_fraction` of the AdamW state and update on the CPU
+    (`--optimizer-cpu-offload`)."""
+
+    optimizer_offload_fraction: float = 1.0
+    """Fraction of the optimizer's elements offloaded (`--optimizer-offload-fraction`)."""
+
+    use_triton_adamw: bool = True
+    """False: FusedAdamW's torch step on CUDA too (A/B measurements)."""

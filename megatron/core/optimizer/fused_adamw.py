@@ -1,4 +1,5 @@
-"""AdamW whose CUDA step is one Triton pass per parameter, optionally reporting max |param|.
+"""AdamW whose CUDA step is one Triton pass per parameter, with moments in fp32, bf16, fp16 or
+fp8 (precision.py), optionally reporting max |param|.
 
 torch's fused AdamW (multi-tensor apply) moved about 3.3 TB/s on an H200: 18.7 ms of a Model A
 step for 2.2 B fp32 params (28 bytes per element read and written). One flat pass per
@@ -7,23 +8,34 @@ need next: the amax of each updated weight (`amax_targets`), so the re-quantizat
 step does not read every fp32 weight a second time to find it.
 
 The update is torch's fused AdamW's, term for term (decoupled decay, moments, bias corrections,
-`grad_scale` dividing each grad as AMP's unscaling does); the state (`step`, `exp_avg`,
-`exp_avg_sq`, on the param's device) and the state dict are torch.optim.AdamW's, so
-checkpoints do not change. Elsewhere (CPU, no Triton, amsgrad/maximize, or
-`MEGATRON_FP8_TORCH_ADAMW=1`) `step` is torch.optim.AdamW's own, and the amaxes are taken from
-the updated params with torch.
+`grad_scale` dividing each grad as AMP's unscaling does). With fp32 moments the state (`step`,
+`exp_avg`, `exp_avg_sq`, on the param's device) and the state dict are torch.optim.AdamW's, so
+checkpoints do not change, and where the kernel is not used (CPU, no Triton, amsgrad/maximize,
+or `use_triton=False`) `step` is torch.optim.AdamW's own. Other moment dtypes keep the stored
+moments in their dtype (plus `exp_avg_scale` / `exp_avg_sq_scale` for fp16 and fp8) and, off
+the kernel, run precision.adamw_update_, the kernel's math in torch. The main params (the
+optimizer's params) may be fp32, fp16 or bf16: the update is computed in fp32 and rounded into
+them. The state dict holds every state in its stored dtype; a load converts each state into
+this optimizer's dtypes, so a run resumes with other moment dtypes.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-import os
 
 import torch
 
-TORCH_ADAMW_ENV = "MEGATRON_FP8_TORCH_ADAMW"
-"""Set to 1: torch's own AdamW step everywhere (A/B measurements)."""
+from megatron.core.optimizer.precision import (
+    StatePrecision,
+    adamw_update_,
+    dequantize,
+    quantize_,
+    scale_numel,
+    state_precision,
+    step_scalars,
+)
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @functools.cache
@@ -37,23 +49,44 @@ def _triton_kernel():
 
 
 class FusedAdamW(torch.optim.AdamW):
-    """torch.optim.AdamW with a Triton CUDA step and optional per-parameter amax output.
+    """torch.optim.AdamW with precision-aware moments, a Triton CUDA step and optional
+    per-parameter amax output.
 
+    exp_avg_dtype / exp_avg_sq_dtype: "fp32", "bf16", "fp16", "fp8" (or the torch dtype);
+    moment_scaling: "tensor" or "block", the scale rule of fp16/fp8 moments (None refuses
+    them); use_triton: False runs the torch step on CUDA too (A/B measurements).
     amax_targets: {param: 0-d fp32 tensor}; each step raises the tensor to max |param| after
     the update (callers zero it first). Params without a grad this step are still measured.
     """
 
-    def __init__(self, params, **kwargs) -> None:
+    def __init__(
+        self,
+        params,
+        *,
+        exp_avg_dtype: str | torch.dtype = "fp32",
+        exp_avg_sq_dtype: str | torch.dtype = "fp32",
+        moment_scaling: str | None = "tensor",
+        use_triton: bool = True,
+        **kwargs,
+    ) -> None:
+        self.precision: StatePrecision = state_precision(
+            exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype, scaling=moment_scaling
+        )
         super().__init__(params, **kwargs)
+        self.use_triton = use_triton
         self.amax_targets: dict[torch.Tensor, torch.Tensor] = {}
         self._host_steps: dict[torch.Tensor, int] = {}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._host_steps.clear()  # re-read from the loaded step tensors
+    def _torch_adamw_step(self) -> bool:
+        """torch.optim.AdamW's own step applies: fp32 moments over fp32 params and grads."""
+        return self.precision.all_fp32 and all(
+            param.dtype == torch.float32 and (param.grad is None or param.grad.dtype == param.dtype)
+            for group in self.param_groups
+            for param in group["params"]
+        )
 
     def _triton_usable(self) -> bool:
-        if os.environ.get(TORCH_ADAMW_ENV) == "1" or _triton_kernel() is None:
+        if not self.use_triton or _triton_kernel() is None:
             return False
         for group in self.param_groups:
             if not group.get("fused") or group["amsgrad"] or group["maximize"]:
@@ -62,7 +95,7 @@ class FusedAdamW(torch.optim.AdamW):
                 usable = (
                     type(param) in (torch.Tensor, torch.nn.Parameter)  # not a DTensor (FSDP2)
                     and param.is_cuda
-                    and param.dtype == torch.float32
+                    and param.dtype in (torch.float32, torch.float16, torch.bfloat16)
                     and param.is_contiguous()
                 )
                 if not usable:
@@ -73,51 +106,140 @@ class FusedAdamW(torch.optim.AdamW):
     def step(self, closure=None):  # noqa: D102
         if closure is not None:
             raise ValueError("FusedAdamW.step takes no closure")
-        if not self._triton_usable():
+        triton = self._triton_usable()
+        if not triton and self._torch_adamw_step():
             super().step()
             self._measure_amaxes(self.amax_targets)
             return None
-        kernel = _triton_kernel()
+        if not triton and any(g["amsgrad"] or g["maximize"] for g in self.param_groups):
+            raise ValueError("FusedAdamW with non-fp32 moments or params: no amsgrad/maximize")
         grad_scale = getattr(self, "grad_scale", None)
         step_tensors, unmeasured = [], {}
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, weight_decay, eps = float(group["lr"]), group["weight_decay"], group["eps"]
             for param in group["params"]:
                 amax = self.amax_targets.get(param)
                 if param.grad is None:
                     if amax is not None:
                         unmeasured[param] = amax
                     continue
-                state = self._state(param)
+                state = self.state_of(param)
                 step = self._host_steps[param] = self._host_step(param, state) + 1
-                kernel.adamw_step_(
-                    param,
-                    param.grad if param.grad.is_contiguous() else param.grad.contiguous(),
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    decay_factor=1.0 - lr * weight_decay,
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=eps,
-                    step_size=lr / (1.0 - beta1**step),
-                    bias_correction2_sqrt=math.sqrt(1.0 - beta2**step),
-                    grad_scale=grad_scale,
-                    amax=amax,
-                )
+                scalars = step_scalars(group, step)
+                if triton:
+                    self._kernel_step(param, state, scalars, grad_scale, amax)
+                else:
+                    adamw_update_(param, param.grad, state, scalars=scalars, grad_scale=grad_scale)
+                    if amax is not None:
+                        unmeasured[param] = amax
                 step_tensors.append(state["step"])
         if step_tensors:
             torch._foreach_add_(step_tensors, 1.0)
         self._measure_amaxes(unmeasured)
         return None
 
-    def _state(self, param: torch.Tensor) -> dict:
+    def _kernel_step(self, param, state, scalars, grad_scale, amax) -> None:
+        grad = param.grad if param.grad.is_contiguous() else param.grad.contiguous()
+        _triton_kernel().adamw_step_(
+            param,
+            grad,
+            exp_avg=state["exp_avg"],
+            exp_avg_sq=state["exp_avg_sq"],
+            exp_avg_scale=state.get("exp_avg_scale"),
+            exp_avg_sq_scale=state.get("exp_avg_sq_scale"),
+            scalars=scalars,
+            grad_scale=grad_scale,
+            amax=amax,
+        )
+
+    def init_state(self) -> None:
+        """Create every param's state now (zero moments, step 0), e.g. for a checkpoint
+        template; it updates exactly as the state created lazily at the first step."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                self.state_of(param)
+
+    @torch.no_grad()
+    def state_of(self, param: torch.Tensor) -> dict:
+        """The param's state in this optimizer's dtypes: created when missing (zeros), and
+        converted when it holds other dtypes (a load, or state made by another owner)."""
         state = self.state[param]
-        if not state:  # torch's lazy init for the fused path
-            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if "step" not in state:
+            fused = self._group_of(param).get("fused")
+            device = param.device if fused else torch.device("cpu")
+            state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+        for name in MOMENTS:
+            dtype = self.precision.dtype(name)
+            scales = scale_numel(param.numel(), dtype=dtype, scaling=self.precision.scaling)
+            data, scale = state.get(name), state.get(f"{name}_scale")
+            if (
+                data is not None
+                and data.dtype == dtype
+                and data.device == param.device
+                and _numel(scale) == scales
+            ):
+                continue
+            values = None if data is None else dequantize(data, scale).to(param.device)
+            self._set_moment(param, state, name, values)
         return state
+
+    def _set_moment(self, param, state: dict, name: str, values: torch.Tensor | None) -> None:
+        dtype = self.precision.dtype(name)
+        scales = scale_numel(param.numel(), dtype=dtype, scaling=self.precision.scaling)
+        state[name] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+        state.pop(f"{name}_scale", None)
+        scale = None
+        if scales:
+            scale = state[f"{name}_scale"] = torch.zeros(
+                scales, dtype=torch.float32, device=param.device
+            )
+        if values is not None:
+            quantize_(values.view(param.shape), state[name], scale)
+
+    def _group_of(self, param: torch.Tensor) -> dict:
+        return next(g for g in self.param_groups if any(p is param for p in g["params"]))
+
+    def logical_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The fp32 values of the param's moments (new tensors), whatever their dtype."""
+        state = self.state_of(param)
+        return {name: dequantize(state[name], state.get(f"{name}_scale")) for name in MOMENTS}
+
+    def set_logical_state(self, param: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        """Set the param's moments from fp32 values, rounded into this optimizer's dtypes."""
+        state = self.state_of(param)
+        for name, value in values.items():
+            self._set_moment(param, state, name, value.to(param.device, torch.float32))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict saved with any moment dtypes, converting into this one's."""
+        saved = state_dict["state"]
+        moments = {
+            key: {n: dequantize(entry[n], entry.get(f"{n}_scale")) for n in MOMENTS if n in entry}
+            for key, entry in saved.items()
+        }
+        others = {
+            key: {k: v for k, v in entry.items() if k not in MOMENTS and not k.endswith("_scale")}
+            for key, entry in saved.items()
+        }
+        super().load_state_dict({**state_dict, "state": others})
+        self._host_steps.clear()  # re-read from the loaded step tensors
+        params = {
+            key: param
+            for saved_group, group in zip(state_dict["param_groups"], self.param_groups)
+            for key, param in zip(saved_group["params"], group["params"])
+        }
+        with torch.no_grad():
+            for key, values in moments.items():
+                param, state = params[key], self.state[params[key]]
+                for name, value in values.items():
+                    self._set_moment(param, state, name, value.to(param.device))
+            for group in self.param_groups:
+                # A step saved on another device (an offloaded part's host, or the GPU): where
+                # this optimizer keeps it (the fused step on the param's device, else the CPU).
+                for param in group["params"]:
+                    step = self.state[param].get("step")
+                    device = param.device if group.get("fused") else torch.device("cpu")
+                    if step is not None and step.device != device:
+                        self.state[param]["step"] = step.to(device)
 
     def _host_step(self, param: torch.Tensor, state: dict) -> int:
         """The step count on the host (bias corrections need it), read from the device once."""
@@ -133,3 +255,7 @@ class FusedAdamW(torch.optim.AdamW):
             if param.numel() == 0:
                 continue
             torch.maximum(amax, param.detach().abs().amax().to(amax.dtype), out=amax)
+
+
+def _numel(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel()

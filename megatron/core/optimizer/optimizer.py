@@ -16,6 +16,8 @@ import torch
 from megatron.core.optimizer.clip_grads import clip_and_step, global_grad_norm
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.fused_adamw import FusedAdamW
+from megatron.core.optimizer.offload import OffloadedAdamW, offload_count
+from megatron.core.optimizer.precision import state_precision
 
 
 @dataclass(frozen=True)
@@ -94,15 +96,55 @@ def build_torch_optimizer(
                     config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr
                 )
             groups.append(group)
+    check_optimizer_config(config)
     if config.optimizer == "adam":
-        return FusedAdamW(
-            groups,
+        kwargs = dict(
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
+            use_triton=config.use_triton_adamw,
             **adam_implementation([p for group in groups for p in group["params"]]),
         )
+        if config.use_precision_aware_optimizer:
+            kwargs.update(
+                exp_avg_dtype=config.exp_avg_dtype,
+                exp_avg_sq_dtype=config.exp_avg_sq_dtype,
+                moment_scaling=config.moment_scaling,
+            )
+        if config.optimizer_cpu_offload:
+            return OffloadedAdamW(
+                groups, offload_fraction=config.optimizer_offload_fraction, **kwargs
+            )
+        return FusedAdamW(groups, **kwargs)
     return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, foreach=False)
+
+
+def check_optimizer_config(config: OptimizerConfig) -> None:
+    """Refuse optimizer-state settings that cannot work; the ValueError names the flags and the
+    fix (argument checks turn it into the parse-time exit 2)."""
+    low_precision = (config.exp_avg_dtype, config.exp_avg_sq_dtype) != ("fp32", "fp32")
+    if low_precision and not config.use_precision_aware_optimizer:
+        raise ValueError(
+            "--exp-avg-dtype/--exp-avg-sq-dtype other than fp32 need "
+            "--use-precision-aware-optimizer (as in Megatron-LM)"
+        )
+    if config.optimizer_cpu_offload and not config.use_precision_aware_optimizer:
+        raise ValueError(
+            "--optimizer-cpu-offload needs --use-precision-aware-optimizer (as in Megatron-LM)"
+        )
+    if (low_precision or config.optimizer_cpu_offload) and config.optimizer != "adam":
+        raise ValueError(
+            "--use-precision-aware-optimizer moment dtypes and --optimizer-cpu-offload apply to "
+            "--optimizer adam only"
+        )
+    if config.use_precision_aware_optimizer:
+        state_precision(
+            exp_avg_dtype=config.exp_avg_dtype,
+            exp_avg_sq_dtype=config.exp_avg_sq_dtype,
+            scaling=config.moment_scaling,
+        )
+    if config.optimizer_cpu_offload:
+        offload_count([], config.optimizer_offload_fraction)
 
 
 def adam_implementation(params: list[torch.Tensor]) -> dict[str, bool]:

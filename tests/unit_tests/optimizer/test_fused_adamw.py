@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from megatron.core.optimizer import FusedAdamW
-from megatron.core.optimizer.fused_adamw import TORCH_ADAMW_ENV
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU; its CPU twin runs instead"
@@ -119,7 +118,7 @@ def test_kernel_math_matches_torch_fused_adamw_on_cpu():
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("grad_scale", [None, 2.5])
-def test_triton_step_matches_torch_fused_adamw_on_gpu(grad_scale, monkeypatch):
+def test_triton_step_matches_torch_fused_adamw_on_gpu(grad_scale):
     from megatron.core.optimizer import fused_adamw
 
     assert fused_adamw._triton_kernel() is not None, "Triton is needed on the GPU machine"
@@ -147,9 +146,9 @@ def test_triton_step_matches_torch_fused_adamw_on_gpu(grad_scale, monkeypatch):
     steps = [ours.state[p]["step"].item() for p in ours_params if p in ours.state]
     want = [reference.state[p]["step"].item() for p in torch_params if p in reference.state]
     assert steps == want
-    # The same class with torch's step (A/B switch) matches torch exactly.
-    monkeypatch.setenv(TORCH_ADAMW_ENV, "1")
-    assert not ours._triton_usable()
+    # The same class with torch's step (A/B switch, use_triton=False) is torch's AdamW.
+    ours.use_triton = False
+    assert not ours._triton_usable() and ours._torch_adamw_step()
 
 
 @needs_cuda
