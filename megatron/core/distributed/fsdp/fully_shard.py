@@ -55,9 +55,8 @@ from megatron.core.distributed.fsdp.distributed_optimizer import (
 )
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.distributed.fsdp.param_and_grad_buffer import InitFn
-from megatron.core.fp8.config import Fp8Config
-from megatron.core.fp8.linear import Fp8Linear
-from megatron.core.fp8.param_init import quantized_model_init as _fp8_quantized_model_init
+from megatron.core.fp8.engine_interface import Fp8Config, Fp8Linear
+from megatron.core.fp8.engine_interface import quantized_model_init as _fp8_quantized_model_init
 from megatron.core.optimizer import OptimizerConfig
 
 # ZeRO stage number -> Megatron-FSDP strategy name.
