@@ -197,24 +197,8 @@ class Fp8ComputeStorage(ComputeStorage):
         )
         self.shard: dict[str, torch.Tensor] = {}
         self.scale_shard: dict[str, torch.Tensor] = {}
-        lo, hi = layout.shard_range(layout.rank)
         for d in self.directions:
-            if d not in self.stored_directions:
-                tracker.resize_storage(self.full[d], 0)
-                tracker.resize_storage(self.scale_full[d], 0)
-                continue
-            if sharded:
-                self.shard[d] = tracker.zeros(layout.shard_numel, dtype=torch.uint8, device=device)
-                tracker.resize_storage(self.full[d], 0)
-            else:
-                self.shard[d] = self.full[d][lo:hi]
-            if scales_sharded:
-                n = layout.shard_numel // MXFP8_BLOCK
-                if sharded:
-                    self.scale_shard[d] = tracker.zeros(n, dtype=torch.uint8, device=device)
-                    tracker.resize_storage(self.scale_full[d], 0)
-                else:
-                    self.scale_shard[d] = self.scale_full[d][lo // MXFP8_BLOCK : hi // MXFP8_BLOCK]
+            self._allocate_shard(d)
         self.gathered = dict.fromkeys(self.directions, not sharded)
         self.transposed = False
         """Transpose caches built for the backward role (per-tensor and 128x128 recipes)."""
@@ -223,6 +207,28 @@ class Fp8ComputeStorage(ComputeStorage):
         """A write recorded an amax that the next write applies (delayed recipe)."""
         self.optimizer_amaxes: torch.Tensor | None = None
         """The step's partial amaxes (use_optimizer_amaxes), taken by the next amax_to_reduce."""
+
+    def _allocate_shard(self, d: str) -> None:
+        """This rank's bytes (and sharded scales) of direction `d`: own buffers under ZeRO-3
+        (the full ones then hold no memory until gathered), else views of the full ones."""
+        layout, tracker, device = self.layout, self.tracker, self.device
+        if d not in self.stored_directions:
+            tracker.resize_storage(self.full[d], 0)
+            tracker.resize_storage(self.scale_full[d], 0)
+            return
+        lo, hi = layout.shard_range(layout.rank)
+        if self.sharded:
+            self.shard[d] = tracker.zeros(layout.shard_numel, dtype=torch.uint8, device=device)
+            tracker.resize_storage(self.full[d], 0)
+        else:
+            self.shard[d] = self.full[d][lo:hi]
+        if self.scales_sharded:
+            n = layout.shard_numel // MXFP8_BLOCK
+            if self.sharded:
+                self.scale_shard[d] = tracker.zeros(n, dtype=torch.uint8, device=device)
+                tracker.resize_storage(self.scale_full[d], 0)
+            else:
+                self.scale_shard[d] = self.scale_full[d][lo // MXFP8_BLOCK : hi // MXFP8_BLOCK]
 
     def _new_slot_scales(self, shape: torch.Size) -> dict[str, torch.Tensor]:
         scales = {}
