@@ -1,8 +1,10 @@
 """Flat per-unit buffers: compute params, fp32 main params and grads, and their shard views.
 
 Every FSDP unit (a TransformerLayer, or the root: everything outside the layers) owns one
-`BufferGroup` per storage kind (today: one per parameter dtype; with FP8, quantized weights and
-the bf16 rest). A group holds, per role, one flat buffer laid out by `shard_layout`:
+`buffer_group.BufferGroup` per storage kind (today: one per parameter dtype; with FP8, quantized
+weights and the bf16 rest). One builder makes every group; only its compute storage differs,
+made by a factory (`DenseComputeStorage`, or `Fp8ComputeStorage` over an FP8 layout). A group
+holds, per role, one flat buffer laid out by `shard_layout`:
 
 | role           | no_shard | optim      | optim_grads | optim_grads_params |
 |----------------|----------|------------|-------------|--------------------|
