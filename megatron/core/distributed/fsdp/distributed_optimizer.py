@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.flat_dtensor import data_parallel_mesh, local_piece
+from megatron.core.distributed.fsdp.buffer_group import BufferGroup
 from megatron.core.distributed.fsdp.megatron_fsdp import MegatronFSDP
-from megatron.core.distributed.fsdp.param_and_grad_buffer import BufferGroup
 from megatron.core.distributed.fsdp.shard_layout import LocalPiece
 from megatron.core.distributed.fsdp.state_dict import (
     engine_mesh,

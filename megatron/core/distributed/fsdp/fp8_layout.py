@@ -3,8 +3,9 @@
 A weight of shape [..., K] is viewed as [M, K]. Each direction it stores (rowwise; mxfp8 also
 columnwise) has a grid of scale cells (docs/FP8_NUMERICS.md): one cell for per-tensor recipes,
 128x128 blocks for blockwise weights, 1x32 (rowwise) and 32x1 (columnwise) blocks for mxfp8.
-Every element belongs to exactly one cell per direction; `megatron.core.fp8.cuda.piece_quantize`
-finds the partial amax of every cell a rank's flat piece of the weight touches.
+Every element belongs to exactly one cell per direction; the FP8 face
+(`megatron.core.fp8.engine_interface`) finds the partial amax of every cell a rank's flat piece
+of the weight touches.
 
 Choice of layout, per recipe (docs/ARCHITECTURE.md, "Shard layout"):
 - delayed / tensorwise: one scale per weight, so nothing can be aligned; the per-weight amaxes
@@ -29,28 +30,26 @@ from collections.abc import Sequence
 import torch
 
 from megatron.core.distributed.fsdp.shard_layout import ParamSlot, UnitLayout, build_unit_layout
-from megatron.core.fp8.cuda.piece_quantize import rows_cols
-from megatron.core.fp8.recipe import recipe_spec
-from megatron.core.fp8.reference import scale_grid_shape
+from megatron.core.fp8.engine_interface import (
+    MXFP8_BLOCK,
+    RecipeSpec,
+    weight_rows_cols,
+    weight_scale_grid,
+)
 
-MXFP8_BLOCK = recipe_spec("mxfp8").block
 MAX_ALIGNMENT_PADDING = 0.01
 """Largest padding (fraction of the unit) accepted to put shard edges on block edges."""
 
 
-def grid_shape(shape: torch.Size, *, recipe: str, columnwise: bool) -> tuple[int, ...]:
-    rows, cols = rows_cols(shape)
-    return scale_grid_shape(rows, cols, recipe=recipe, role="weight", columnwise=columnwise)
-
-
-def grid_numel(shape: torch.Size, *, recipe: str, columnwise: bool) -> int:
-    return torch.Size(grid_shape(shape, recipe=recipe, columnwise=columnwise)).numel()
+def grid_numel(shape: torch.Size, spec: RecipeSpec, *, columnwise: bool) -> int:
+    """Scale cells of a weight of `shape` in one direction."""
+    return torch.Size(weight_scale_grid(shape, spec, columnwise=columnwise)).numel()
 
 
 def _mxfp8_alignable(shapes: Sequence[torch.Size]) -> bool:
     return all(
         rows % MXFP8_BLOCK == 0 and cols % MXFP8_BLOCK == 0
-        for rows, cols in (rows_cols(shape) for shape in shapes)
+        for rows, cols in (weight_rows_cols(shape) for shape in shapes)
     )
 
 
@@ -62,7 +61,7 @@ def _edge_on_band(edge: int, slots: Sequence[ParamSlot], starts: list[int]) -> b
     slot = slots[index]
     if edge >= slot.end:
         return True  # in a gap or in the final padding
-    band = MXFP8_BLOCK * rows_cols(slot.shape)[1]
+    band = MXFP8_BLOCK * weight_rows_cols(slot.shape)[1]
     return (edge - slot.offset) % band == 0
 
 
@@ -72,7 +71,7 @@ def _band_edges_between(slots: Sequence[ParamSlot], low: int, high: int) -> list
     for slot in slots:
         if slot.end < low or slot.offset > high:
             continue
-        band = MXFP8_BLOCK * rows_cols(slot.shape)[1]
+        band = MXFP8_BLOCK * weight_rows_cols(slot.shape)[1]
         first = max(0, -(-(low - slot.offset) // band))
         edge = slot.offset + first * band
         while edge <= min(high, slot.end):
@@ -107,11 +106,15 @@ def mxfp8_aligned_layout(
 
 
 def plan_fp8_layout(
-    named_shapes: Sequence[tuple[str, torch.Size]], *, recipe: str, world_size: int, rank: int
+    named_shapes: Sequence[tuple[str, torch.Size]],
+    spec: RecipeSpec,
+    *,
+    world_size: int,
+    rank: int,
 ) -> tuple[UnitLayout, bool]:
     """(layout, scales_sharded). scales_sharded: shard edges on block edges (mxfp8 only)."""
     # 1-D weight blocks (mxfp8) have grids too big to all-reduce: try band-aligned edges.
-    if recipe_spec(recipe).columnwise_copy("weight"):
+    if spec.columnwise_copy("weight"):
         aligned = mxfp8_aligned_layout(named_shapes, world_size=world_size, rank=rank)
         if aligned is not None:
             return aligned, True

@@ -35,22 +35,27 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core.distributed.fsdp.collectives import all_gather_flat
-from megatron.core.distributed.fsdp.fp8_layout import MXFP8_BLOCK, grid_numel, grid_shape
+from megatron.core.distributed.fsdp.fp8_layout import grid_numel
 from megatron.core.distributed.fsdp.memory import MemoryTracker
 from megatron.core.distributed.fsdp.shard_layout import UnitLayout
 from megatron.core.distributed.fsdp.storage import ComputeStorage, GatherRole
-from megatron.core.fp8.autocast import ScalingMeta, record_amaxes, reduce_and_update
-from megatron.core.fp8.cuda.piece_quantize import (
-    piece_cast_,
-    piece_cell_amax_,
-    quantize_mxfp8_rows_,
+from megatron.core.fp8.engine_interface import (
+    MXFP8_BLOCK,
+    QuantizedTensor,
+    RecipeSpec,
+    ScalingMeta,
+    add_piece_cell_amaxes_,
+    advance_delayed_scales,
+    cast_piece_,
+    is_fp8_linear,
+    new_fp8_weight,
+    quantize_mxfp8_bands_,
+    recipe_spec,
+    record_weight_amaxes,
+    weight_cell_scales,
+    weight_fp8_dtype,
+    weight_scale_grid,
 )
-from megatron.core.fp8.formats import e8m0_to_fp32, fp8_dtype_for_role
-from megatron.core.fp8.linear import Fp8Linear
-from megatron.core.fp8.quantization import compute_scale
-from megatron.core.fp8.quantized_tensor import QuantizedTensor
-from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
-from megatron.core.fp8.reference import reciprocal
 
 
 @dataclass(frozen=True)
@@ -88,10 +93,10 @@ def fp8_param_spec(
     owner_path, _, attr = name.rpartition(".")
     owner = root.get_submodule(owner_path) if owner_path else root
     is_fp8 = isinstance(param, QuantizedTensor)
-    converts = convert_fp8_linears and isinstance(owner, Fp8Linear) and attr == "weight"
+    converts = convert_fp8_linears and is_fp8_linear(owner) and attr == "weight"
     if not is_fp8 and not converts:
         return None
-    if not isinstance(owner, Fp8Linear) or attr != "weight":
+    if not is_fp8_linear(owner) or attr != "weight":
         raise ValueError(
             f"Megatron-FSDP: FP8 parameter {name!r} is not the weight of an Fp8Linear; only "
             "Fp8Linear weights can be kept in FP8 (build other layers in high precision)"
@@ -105,7 +110,7 @@ def fp8_param_spec(
         )
     return Fp8ParamSpec(
         recipe=config.recipe,
-        fp8_dtype=fp8_dtype_for_role(config.fp8_format, "weight"),
+        fp8_dtype=weight_fp8_dtype(config),
         power_2_scale=config.quantize_power_2_scale,
         dtype=param.dtype,
         delayed_meta=owner.delayed_scaling.metas["weight"] if config.spec.delayed else None,
@@ -192,24 +197,8 @@ class Fp8ComputeStorage(ComputeStorage):
         )
         self.shard: dict[str, torch.Tensor] = {}
         self.scale_shard: dict[str, torch.Tensor] = {}
-        lo, hi = layout.shard_range(layout.rank)
         for d in self.directions:
-            if d not in self.stored_directions:
-                tracker.resize_storage(self.full[d], 0)
-                tracker.resize_storage(self.scale_full[d], 0)
-                continue
-            if sharded:
-                self.shard[d] = tracker.zeros(layout.shard_numel, dtype=torch.uint8, device=device)
-                tracker.resize_storage(self.full[d], 0)
-            else:
-                self.shard[d] = self.full[d][lo:hi]
-            if scales_sharded:
-                n = layout.shard_numel // MXFP8_BLOCK
-                if sharded:
-                    self.scale_shard[d] = tracker.zeros(n, dtype=torch.uint8, device=device)
-                    tracker.resize_storage(self.scale_full[d], 0)
-                else:
-                    self.scale_shard[d] = self.scale_full[d][lo // MXFP8_BLOCK : hi // MXFP8_BLOCK]
+            self._allocate_shard(d)
         self.gathered = dict.fromkeys(self.directions, not sharded)
         self.transposed = False
         """Transpose caches built for the backward role (per-tensor and 128x128 recipes)."""
@@ -219,10 +208,32 @@ class Fp8ComputeStorage(ComputeStorage):
         self.optimizer_amaxes: torch.Tensor | None = None
         """The step's partial amaxes (use_optimizer_amaxes), taken by the next amax_to_reduce."""
 
+    def _allocate_shard(self, d: str) -> None:
+        """This rank's bytes (and sharded scales) of direction `d`: own buffers under ZeRO-3
+        (the full ones then hold no memory until gathered), else views of the full ones."""
+        layout, tracker, device = self.layout, self.tracker, self.device
+        if d not in self.stored_directions:
+            tracker.resize_storage(self.full[d], 0)
+            tracker.resize_storage(self.scale_full[d], 0)
+            return
+        lo, hi = layout.shard_range(layout.rank)
+        if self.sharded:
+            self.shard[d] = tracker.zeros(layout.shard_numel, dtype=torch.uint8, device=device)
+            tracker.resize_storage(self.full[d], 0)
+        else:
+            self.shard[d] = self.full[d][lo:hi]
+        if self.scales_sharded:
+            n = layout.shard_numel // MXFP8_BLOCK
+            if self.sharded:
+                self.scale_shard[d] = tracker.zeros(n, dtype=torch.uint8, device=device)
+                tracker.resize_storage(self.scale_full[d], 0)
+            else:
+                self.scale_shard[d] = self.scale_full[d][lo // MXFP8_BLOCK : hi // MXFP8_BLOCK]
+
     def _new_slot_scales(self, shape: torch.Size) -> dict[str, torch.Tensor]:
         scales = {}
         for d in self.directions:
-            grid = grid_shape(shape, recipe=self.spec.recipe, columnwise=d == "columnwise")
+            grid = weight_scale_grid(shape, self.spec.recipe_spec, columnwise=d == "columnwise")
             dtype = self.spec.recipe_spec.scale_dtype
             scales[d] = torch.ones(grid, dtype=dtype, device=self.device)
         return scales
@@ -236,13 +247,12 @@ class Fp8ComputeStorage(ComputeStorage):
     def new_param(self, slot_index: int, *, requires_grad: bool) -> nn.Parameter:
         """An FP8 parameter with no bytes yet (bind_params points it at the buffers)."""
         slot = self.layout.slots[slot_index]
-        qt = QuantizedTensor(
+        qt = new_fp8_weight(
             shape=slot.shape,
             dtype=self.spec.dtype,
-            recipe=self.spec.recipe,
+            spec=self.spec.recipe_spec,
             fp8_dtype=self.spec.fp8_dtype,
-            role="weight",
-            tensor_name=slot.name,
+            name=slot.name,
             device=self.device,
         )
         return nn.Parameter(qt, requires_grad=requires_grad)
@@ -256,7 +266,8 @@ class Fp8ComputeStorage(ComputeStorage):
         if not self.scales_sharded:
             return self.slot_scales[slot_index][direction]
         slot = self.layout.slots[slot_index]
-        grid = grid_shape(slot.shape, recipe=self.spec.recipe, columnwise=direction == "columnwise")
+        columnwise = direction == "columnwise"
+        grid = weight_scale_grid(slot.shape, self.spec.recipe_spec, columnwise=columnwise)
         lo, hi = slot.offset // MXFP8_BLOCK, slot.end // MXFP8_BLOCK
         return self.scale_full[direction][lo:hi].view(grid)
 
@@ -383,7 +394,7 @@ class Fp8ComputeStorage(ComputeStorage):
         entries, offset = [], 0
         for index, slot in enumerate(self.layout.slots):
             for d in self.directions:
-                n = grid_numel(slot.shape, recipe=self.spec.recipe, columnwise=d == "columnwise")
+                n = grid_numel(slot.shape, self.spec.recipe_spec, columnwise=d == "columnwise")
                 entries.append((index, d, offset, n))
                 offset += n
         return entries
@@ -398,11 +409,11 @@ class Fp8ComputeStorage(ComputeStorage):
         for piece in self.layout.pieces():
             values = main_shard[piece.shard_start : piece.shard_start + piece.numel]
             for d in self.directions:
-                piece_cell_amax_(
+                add_piece_cell_amaxes_(
                     values,
                     cells[(slot_index[id(piece.slot)], d)],
                     shape=piece.slot.shape,
-                    recipe=self.spec.recipe,
+                    spec=self.spec.recipe_spec,
                     columnwise=d == "columnwise",
                     param_start=piece.param_start,
                 )
@@ -434,21 +445,13 @@ class Fp8ComputeStorage(ComputeStorage):
 
     def _scales(self, slot_index: int, amax_cells: torch.Tensor):
         """(quantize multiplier, stored scale_inv) per cell, as quantize() derives them."""
-        recipe, fp8_dtype = self.spec.recipe, self.spec.fp8_dtype
-        if self.spec.recipe_spec.delayed:
-            scale = self.delayed_metas[slot_index].scale.to(torch.float32).reshape(())
-            return scale, reciprocal(scale)
-        if self.spec.recipe_spec.e8m0_scales:
-            e8m0 = compute_scale(amax_cells, recipe=recipe, fp8_dtype=fp8_dtype)
-            return e8m0_to_fp32(e8m0, negate_exponent=True), e8m0
-        scale = compute_scale(
+        return weight_cell_scales(
             amax_cells,
-            recipe=recipe,
-            fp8_dtype=fp8_dtype,
+            spec=self.spec.recipe_spec,
+            fp8_dtype=self.spec.fp8_dtype,
             power_2_scale=self.spec.power_2_scale,
-            input_dtype=torch.float32,
+            delayed_meta=self.delayed_metas[slot_index],
         )
-        return scale, reciprocal(scale)
 
     @torch.no_grad()
     def write_main_shard(
@@ -477,9 +480,9 @@ class Fp8ComputeStorage(ComputeStorage):
             return
         amaxes = reduced_amax if reduced_amax is not None else self.local_amaxes(main_shard)
         if update_scaling and self.delayed_pending:
-            # The weights' scale updates together: one stacked update (`reduce_and_update`
-            # without a group), not a chain of small kernels per weight.
-            reduce_and_update(self.delayed_metas, None)
+            # The weights' scales update together: one stacked update, not a chain of small
+            # kernels per weight.
+            advance_delayed_scales(self.delayed_metas)
         pieces_by_slot: dict[int, list] = {}
         for piece in self.layout.pieces():
             pieces_by_slot.setdefault(id(piece.slot), []).append(piece)
@@ -488,12 +491,12 @@ class Fp8ComputeStorage(ComputeStorage):
             multiplier, scale_inv = self._scales(index, amaxes[offset : offset + n])
             for piece in pieces_by_slot.get(id(slot), []):
                 lo, hi = piece.shard_start, piece.shard_start + piece.numel
-                piece_cast_(
+                cast_piece_(
                     main_shard[lo:hi],
                     multiplier,
                     self.shard[d][lo:hi],
                     shape=slot.shape,
-                    recipe=self.spec.recipe,
+                    spec=self.spec.recipe_spec,
                     columnwise=d == "columnwise",
                     param_start=piece.param_start,
                     fp8_dtype=self.spec.fp8_dtype,
@@ -501,7 +504,7 @@ class Fp8ComputeStorage(ComputeStorage):
             self.slot_scales[index][d].copy_(scale_inv.reshape(self.slot_scales[index][d].shape))
         if update_scaling and self.spec.recipe_spec.delayed:
             # Per-tensor grids have one cell per weight, in slot order.
-            record_amaxes(self.delayed_metas, amaxes[: len(self.delayed_metas)])
+            record_weight_amaxes(self.delayed_metas, amaxes[: len(self.delayed_metas)])
         self.delayed_pending = self.spec.recipe_spec.delayed
 
     def _write_whole_bands(
@@ -523,7 +526,7 @@ class Fp8ComputeStorage(ComputeStorage):
             scale_lo, scale_hi = lo // MXFP8_BLOCK, hi // MXFP8_BLOCK
             row = row_data is not None
             col = col_data is not None
-            quantize_mxfp8_rows_(
+            quantize_mxfp8_bands_(
                 main_shard[lo:hi].view(rows, cols),
                 fp8_dtype=self.spec.fp8_dtype,
                 row_data=row_data[lo:hi].view(rows, cols) if row else None,

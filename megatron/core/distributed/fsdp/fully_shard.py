@@ -55,9 +55,8 @@ from megatron.core.distributed.fsdp.distributed_optimizer import (
 )
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.distributed.fsdp.param_and_grad_buffer import InitFn
-from megatron.core.fp8.config import Fp8Config
-from megatron.core.fp8.linear import Fp8Linear
-from megatron.core.fp8.param_init import quantized_model_init as _fp8_quantized_model_init
+from megatron.core.fp8.engine_interface import Fp8Config, Fp8Linear
+from megatron.core.fp8.engine_interface import quantized_model_init as _fp8_quantized_model_init
 from megatron.core.optimizer import OptimizerConfig
 
 # ZeRO stage number -> Megatron-FSDP strategy name.
@@ -178,6 +177,34 @@ def reset_parameters_init_fn(root: nn.Module, device: torch.device) -> InitFn:
     return init
 
 
+def _fsdp_config_overrides(options: dict[str, Any]) -> dict[str, Any]:
+    """The FsdpConfig fields among `options`; every other option must be a Megatron-FSDP
+    option left at its default."""
+    fsdp_fields = {f.name for f in fields(FsdpConfig)}
+    for key, value in options.items():
+        if key in fsdp_fields:
+            continue
+        if key not in _MEGATRON_ONLY_DEFAULTS:
+            raise TypeError(f"fully_shard_model: unknown option {key!r}")
+        if value != _MEGATRON_ONLY_DEFAULTS[key]:
+            raise ValueError(
+                f"fully_shard_model: {key}={value!r} is not supported here; leave it at "
+                f"{_MEGATRON_ONLY_DEFAULTS[key]!r}"
+            )
+    return {k: v for k, v in options.items() if k in fsdp_fields}
+
+
+def _grad_dtypes(policy: MixedPrecisionPolicy) -> tuple[torch.dtype, torch.dtype]:
+    """(main grads dtype, grad communication dtype) of a policy, checked."""
+    if policy.main_params_dtype not in (None, torch.float32):
+        raise ValueError("MixedPrecisionPolicy.main_params_dtype: only torch.float32 (or None)")
+    main_grads = policy.main_grads_dtype or torch.float32
+    comm = policy.grad_comm_dtype or main_grads
+    if comm not in (main_grads, torch.bfloat16):
+        raise ValueError("MixedPrecisionPolicy.grad_comm_dtype: None, main_grads_dtype or bf16")
+    return main_grads, comm
+
+
 def fully_shard_model(
     module: nn.Module,
     device_mesh: DeviceMesh | None = None,
@@ -203,27 +230,10 @@ def fully_shard_model(
     """Wrap `module`; each `fsdp_unit_modules` instance is one gather/reduce unit (default:
     the module's `fsdp_unit_modules` attribute, else none: everything is one unit). Other
     keyword options are FsdpConfig fields, or Megatron-FSDP options at their defaults."""
-    fsdp_fields = {f.name for f in fields(FsdpConfig)}
-    overrides = {k: v for k, v in options.items() if k in fsdp_fields}
-    for key, value in options.items():
-        if key in fsdp_fields:
-            continue
-        if key not in _MEGATRON_ONLY_DEFAULTS:
-            raise TypeError(f"fully_shard_model: unknown option {key!r}")
-        if value != _MEGATRON_ONLY_DEFAULTS[key]:
-            raise ValueError(
-                f"fully_shard_model: {key}={value!r} is not supported here; leave it at "
-                f"{_MEGATRON_ONLY_DEFAULTS[key]!r}"
-            )
+    overrides = _fsdp_config_overrides(options)
     if tp_dim is not None and device_mesh is not None and device_mesh[tp_dim].size() > 1:
         raise ValueError("fully_shard_model: tensor parallelism is not supported; tp_dim size 1")
-    policy = mixed_precision_policy
-    if policy.main_params_dtype not in (None, torch.float32):
-        raise ValueError("MixedPrecisionPolicy.main_params_dtype: only torch.float32 (or None)")
-    main_grads = policy.main_grads_dtype or torch.float32
-    comm = policy.grad_comm_dtype or main_grads
-    if comm not in (main_grads, torch.bfloat16):
-        raise ValueError("MixedPrecisionPolicy.grad_comm_dtype: None, main_grads_dtype or bf16")
+    main_grads, comm = _grad_dtypes(mixed_precision_policy)
     config = FsdpConfig(
         data_parallel_sharding_strategy=_strategy(
             zero_dp_strategy, allowed=_ZERO_STAGES, what="zero_dp_strategy"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from megatron.core.distributed.fsdp.buffer_group import FsdpUnit
 from megatron.core.distributed.fsdp.collectives import CommStats
-from megatron.core.distributed.fsdp.param_and_grad_buffer import FsdpUnit
 from megatron.core.distributed.fsdp.storage import GatherRole
 
 

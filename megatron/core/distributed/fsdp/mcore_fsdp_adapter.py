@@ -50,8 +50,7 @@ from megatron.core.distributed.fsdp.state_dict import (
     load_model_sharded_state_dict,
     model_sharded_state_dict,
 )
-from megatron.core.fp8.config import Fp8Config
-from megatron.core.fp8.param_init import quantized_model_init
+from megatron.core.fp8.engine_interface import Fp8Config, quantized_model_init
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 

@@ -1,8 +1,10 @@
 """Flat per-unit buffers: compute params, fp32 main params and grads, and their shard views.
 
 Every FSDP unit (a TransformerLayer, or the root: everything outside the layers) owns one
-`BufferGroup` per storage kind (today: one per parameter dtype; with FP8, quantized weights and
-the bf16 rest). A group holds, per role, one flat buffer laid out by `shard_layout`:
+`buffer_group.BufferGroup` per storage kind (today: one per parameter dtype; with FP8, quantized
+weights and the bf16 rest). One builder makes every group; only its compute storage differs,
+made by a factory (`DenseComputeStorage`, or `Fp8ComputeStorage` over an FP8 layout). A group
+holds, per role, one flat buffer laid out by `shard_layout`:
 
 | role           | no_shard | optim      | optim_grads | optim_grads_params |
 |----------------|----------|------------|-------------|--------------------|
@@ -34,12 +36,12 @@ an outer all-gather of the updated parts after each step.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.core.distributed.fsdp.buffer_group import BufferGroup, FsdpUnit
 from megatron.core.distributed.fsdp.collectives import CommStats, all_gather_flat
 from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.distributed.fsdp.fp8_layout import plan_fp8_layout
@@ -49,206 +51,21 @@ from megatron.core.distributed.fsdp.fp8_storage import (
     fp8_param_spec,
     materialize_delayed_scaling,
 )
-from megatron.core.distributed.fsdp.grad_copy import write_grad_
 from megatron.core.distributed.fsdp.memory import MemoryTracker
 from megatron.core.distributed.fsdp.shard_layout import (
-    LocalPiece,
     UnitLayout,
     build_unit_layout,
-    clip_pieces,
     outer_chunk_numel,
     outer_shard_range,
 )
 from megatron.core.distributed.fsdp.storage import ComputeStorage, DenseComputeStorage
-from megatron.core.fp8.param_init import (
-    clear_high_precision_init_val,
-    get_high_precision_init_val,
+from megatron.core.fp8.engine_interface import (
+    QuantizedTensor,
+    forget_high_precision_init_value,
+    high_precision_init_value,
 )
-from megatron.core.fp8.quantized_tensor import QuantizedTensor
 
 InitFn = Callable[[str, torch.Tensor], None]
-
-
-@dataclass(eq=False)
-class BufferGroup:
-    """One storage kind of one unit: layout, compute storage, main shard and grads."""
-
-    names: list[str]
-    params: list[nn.Parameter]
-    layout: UnitLayout
-    storage: ComputeStorage
-    main_shard: torch.Tensor
-    main_is_alias: bool
-    grad_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    shards_grads: bool
-    device: torch.device
-    tracker: MemoryTracker
-    grad_buffer: torch.Tensor | None = None
-    """Sharded-grad strategies: this rank's reduced grad shard. Otherwise: the full local grads."""
-    staging: torch.Tensor | None = None
-    """Sharded-grad strategies: the full grads of the current micro-batch, until reduced."""
-    grads_accumulated: bool = False
-    """Whether any grad reached grad_buffer since the last zero_grads()."""
-    written_slots: set[int] = field(default_factory=set)
-    """Slots of the grad target (staging, or grad_buffer where grads are written directly)
-    that a grad has written since the target was allocated."""
-    target_needs_zeroing: bool = False
-    """The grad target was allocated without zeros, and what no grad wrote (padding, params
-    without a grad) has not been zeroed yet: finalize_grad_target() does it."""
-    optimizer_range: tuple[int, int] | None = None
-    """[lo, hi) of the shard whose optimizer state this rank holds (outer optim); None: all."""
-    outer_replicas: int = 1
-    """Replicas of this shard across the outer (HSDP) group; grads then need the outer
-    reduction, so they always go through the reduce pipeline."""
-
-    @property
-    def writes_grads_directly(self) -> bool:
-        """Grads go straight into grad_buffer: every strategy but the sharded-grad ones, and
-        those too on a one-rank layout in the grad dtype, where the reduce-scatter would only
-        copy the staging buffer into the grad shard (DP=1: saves a zero fill, a scaling pass
-        by 1.0 and that copy, 16 bytes per fp32 grad element per micro-batch)."""
-        if not self.shards_grads:
-            return True
-        return (
-            self.layout.world_size == 1
-            and self.outer_replicas == 1
-            and self.reduce_dtype == self.grad_dtype
-        )
-
-    def pieces(self) -> list[LocalPiece]:
-        return self.layout.pieces()
-
-    def optimizer_pieces(self) -> list[LocalPiece]:
-        """The pieces this rank's optimizer updates: all of its shard, or its outer part."""
-        if self.optimizer_range is None:
-            return self.pieces()
-        return clip_pieces(self.pieces(), *self.optimizer_range)
-
-    def ensure_grad_buffer(self, *, zero: bool = True) -> torch.Tensor:
-        """The grad buffer, allocated on first use in a step: zeros, or (zero=False, for a
-        caller that overwrites all of it) whatever the allocator hands back."""
-        numel = self.layout.shard_numel if self.shards_grads else self.layout.padded_numel
-        if self.grad_buffer is None:
-            allocate = self.tracker.zeros if zero else self._empty_flat
-            self.grad_buffer = allocate(numel, dtype=self.grad_dtype, device=self.device)
-        elif self.grad_buffer.untyped_storage().nbytes() == 0:
-            self.tracker.resize_storage(self.grad_buffer, numel * self.grad_buffer.element_size())
-            if zero:
-                self.grad_buffer.zero_()
-        return self.grad_buffer
-
-    def _empty_flat(self, numel: int, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.tracker.empty(torch.Size([numel]), dtype=dtype, device=device)
-
-    def takes_reduce_output_in_place(self) -> bool:
-        """Whether the next reduce-scatter can write straight into the grad shard: nothing
-        accumulated there yet this step and no dtype change (FSDP2 likewise makes the first
-        reduce-scatter output the sharded grad). Saves a shard-size buffer and an add."""
-        return (
-            self.shards_grads
-            and not self.grads_accumulated
-            and self.reduce_dtype == self.grad_dtype
-        )
-
-    def grad_shard(self) -> torch.Tensor:
-        """Grads of this rank's main shard (after the reduction of the step is complete)."""
-        if self.writes_grads_directly:
-            self.finalize_grad_target()
-        grads = self.ensure_grad_buffer()
-        if self.shards_grads:
-            return grads
-        lo, hi = self.layout.shard_range(self.layout.rank)
-        return grads[lo:hi]
-
-    @torch.no_grad()
-    def add_param_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Put one parameter's micro-batch grad where the strategy accumulates it.
-
-        The first grad of a slot in its target is copied, later ones added, so the target needs
-        no zero fill up front: finalize_grad_target() zeroes only what no grad wrote (padding,
-        params without a grad)."""
-        slot = self.layout.slots[index]
-        if self.writes_grads_directly:
-            target = self._grad_buffer_for_writing()
-            self.grads_accumulated = True
-        else:
-            if self.staging is None:
-                self.staging = self.tracker.empty(
-                    torch.Size([self.layout.padded_numel]),
-                    dtype=self.reduce_dtype,
-                    device=self.device,
-                )
-                self.written_slots = set()
-                self.target_needs_zeroing = True
-            target = self.staging
-        accumulate = index in self.written_slots
-        write_grad_(target[slot.offset : slot.end], grad, accumulate=accumulate)
-        self.written_slots.add(index)
-
-    def _grad_buffer_for_writing(self) -> torch.Tensor:
-        """grad_buffer for direct grad writes, allocated without zeros by the step's first
-        grad."""
-        if self.grad_buffer is None or self.grad_buffer.untyped_storage().nbytes() == 0:
-            self.ensure_grad_buffer(zero=False)
-            self.written_slots = set()
-            self.target_needs_zeroing = True
-        return self.grad_buffer
-
-    @torch.no_grad()
-    def finalize_grad_target(self) -> None:
-        """Zero what no grad wrote in the grad target (the gaps between written slots, and the
-        padding), so that a reduction or the optimizer reads zeros there. Idempotent."""
-        if not self.target_needs_zeroing:
-            return
-        target = self.grad_buffer if self.writes_grads_directly else self.staging
-        start = 0
-        for index, slot in sorted(enumerate(self.layout.slots), key=lambda item: item[1].offset):
-            if index in self.written_slots:
-                if slot.offset > start:
-                    target[start : slot.offset].zero_()
-                start = max(start, slot.end)
-        if target.numel() > start:
-            target[start:].zero_()
-        self.written_slots = set(range(len(self.layout.slots)))
-        self.target_needs_zeroing = False
-
-    def zero_grads(self) -> None:
-        """A new step: the grad memory is given back until the step's first grad arrives (as
-        FSDP2 frees its grads), so the forward pass, where activations peak, never holds it."""
-        if self.grad_buffer is not None:
-            self.tracker.resize_storage(self.grad_buffer, 0)
-        self.staging = None
-        self.written_slots = set()
-        self.target_needs_zeroing = False
-        self.grads_accumulated = False
-
-    def persistent_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds per role (padding included); a gathered buffer is transient."""
-        main = 0 if self.main_is_alias else self.main_shard.numel() * self.main_shard.element_size()
-        grads = (
-            0
-            if self.grad_buffer is None
-            else self.grad_buffer.numel() * self.grad_buffer.element_size()
-        )
-        return {"params": self.storage.stored_bytes(), "main_params": main, "grads": grads}
-
-
-@dataclass(eq=False)
-class FsdpUnit:
-    """A module whose params are gathered together, or the root (module is the wrapped model)."""
-
-    name: str
-    module: nn.Module
-    groups: list[BufferGroup] = field(default_factory=list)
-    is_root: bool = False
-
-    def params(self) -> Iterator[nn.Parameter]:
-        for group in self.groups:
-            yield from group.params
-
-    def numel(self) -> int:
-        return sum(group.layout.padded_numel for group in self.groups)
 
 
 def find_unit_modules(
@@ -336,57 +153,101 @@ class ParamAndGradBuffer:
         named: list[tuple[list[str], nn.Parameter]],
         init_fn: InitFn | None,
     ) -> None:
-        buckets: dict[object, list[tuple[list[str], nn.Parameter, Fp8ParamSpec | None]]] = {}
+        buckets: dict[object, list[tuple[list[str], nn.Parameter]]] = {}
+        specs: dict[object, Fp8ParamSpec | None] = {}
+        delayed_metas: dict[object, list] = {}
         for names, param in named:
             spec = fp8_param_spec(
                 module, names[0], param, convert_fp8_linears=self.convert_fp8_linears
             )
             key = param.dtype if spec is None else spec.group_key
-            buckets.setdefault(key, []).append((names, param, spec))
-        for key, entries in buckets.items():
-            members = [(names, param) for names, param, _ in entries]
-            if entries[0][2] is None:
-                group = self._build_group(key, members, init_fn)
+            buckets.setdefault(key, []).append((names, param))
+            specs.setdefault(key, spec)
+            delayed_metas.setdefault(key, []).append(None if spec is None else spec.delayed_meta)
+        for key, members in buckets.items():
+            shapes = [(names[0], param.shape) for names, param in members]
+            if specs[key] is None:
+                storage = self._dense_storage(key, shapes)
             else:
-                group = self._build_fp8_group(entries, init_fn)
+                storage = self._fp8_storage(specs[key], shapes, delayed_metas[key])
+            group = self._build_group(members, storage, init_fn)
             unit.groups.append(group)
             for (names, _), new_param in zip(members, group.params):
                 _replace_parameter(module, names, new_param)
                 self.param_names[new_param] = names
 
-    def _build_group(
-        self,
-        dtype: torch.dtype,
-        members: list[tuple[list[str], nn.Parameter]],
-        init_fn: InitFn | None,
-    ) -> BufferGroup:
-        config = self.config
-        shards = config.shards_optimizer_state
+    def _shard_world(self) -> tuple[int, int]:
+        """(world size, rank) of the layouts: the DP group, or one rank for no_shard."""
+        shards = self.config.shards_optimizer_state
+        return (self.world_size, self.rank) if shards else (1, 0)
+
+    def _dense_storage(
+        self, dtype: torch.dtype, shapes: list[tuple[str, torch.Size]]
+    ) -> DenseComputeStorage:
+        world_size, rank = self._shard_world()
         layout = build_unit_layout(
-            [(names[0], param.shape) for names, param in members],
-            world_size=self.world_size if shards else 1,
-            rank=self.rank if shards else 0,
+            shapes,
+            world_size=world_size,
+            rank=rank,
             param_alignment=DenseComputeStorage.param_alignment,
         )
-        storage = DenseComputeStorage(
+        return DenseComputeStorage(
             layout=layout,
             dtype=dtype,
-            main_dtype=config.main_params_dtype,
+            main_dtype=self.config.main_params_dtype,
             device=self.device,
-            sharded=config.shards_params,
+            sharded=self.config.shards_params,
             group=self.group,
             tracker=self.tracker,
         )
-        alias = storage.main_shard_alias(config.main_params_dtype)
-        group = self._new_group(members, layout, storage, main_shard=alias)
-        storage.bind_main_shard(group.main_shard)
-        for index, (names, param) in enumerate(members):
-            self._materialize_param(group, index, names[0], param, init_fn)
-        group.params = [
-            nn.Parameter(
-                torch.empty(0, dtype=dtype, device=self.device), requires_grad=p.requires_grad
+
+    def _fp8_storage(
+        self,
+        spec: Fp8ParamSpec,
+        shapes: list[tuple[str, torch.Size]],
+        delayed_metas: list,
+    ) -> Fp8ComputeStorage:
+        if self.config.main_params_dtype != torch.float32:
+            raise ValueError(
+                "Megatron-FSDP with FP8 parameters needs fp32 main params (the exact values FP8 "
+                f"is re-quantized from); got --main-params-dtype {self.config.main_params_dtype}"
             )
-            for _, p in members
+        world_size, rank = self._shard_world()
+        layout, scales_sharded = plan_fp8_layout(
+            shapes, spec.recipe_spec, world_size=world_size, rank=rank
+        )
+        return Fp8ComputeStorage(
+            layout=layout,
+            scales_sharded=scales_sharded,
+            spec=spec,
+            delayed_metas=delayed_metas,
+            device=self.device,
+            sharded=self.config.shards_params,
+            group=self.group,
+            tracker=self.tracker,
+        )
+
+    def _build_group(
+        self,
+        members: list[tuple[list[str], nn.Parameter]],
+        storage: ComputeStorage,
+        init_fn: InitFn | None,
+    ) -> BufferGroup:
+        """A group over `storage` (dense or FP8): its main shard (the compute shard itself where
+        the storage allows, else a fresh one) seeded with every member's exact value, holding
+        at most one full parameter at a time, and the new buffer-backed parameters."""
+        alias = storage.main_shard_alias(self.config.main_params_dtype)
+        group = self._new_group(members, storage.layout, storage, main_shard=alias)
+        storage.bind_main_shard(group.main_shard)  # aligned mxfp8 quantizes from it at gathers
+        for index, (names, param) in enumerate(members):
+            full_value = self._full_value(names[0], param, init_fn)
+            storage.load_param_(index, full_value)
+            if not group.main_is_alias:
+                self._copy_to_main(group, index, full_value)
+            forget_high_precision_init_value(param)
+        group.params = [
+            storage.new_param(index, requires_grad=param.requires_grad)
+            for index, (_, param) in enumerate(members)
         ]
         storage.bind_params(group.params)
         return group
@@ -428,70 +289,28 @@ class ParamAndGradBuffer:
             outer_replicas=self.outer_size,
         )
 
-    def _build_fp8_group(
-        self,
-        entries: list[tuple[list[str], nn.Parameter, Fp8ParamSpec]],
-        init_fn: InitFn | None,
-    ) -> BufferGroup:
-        config = self.config
-        if config.main_params_dtype != torch.float32:
-            raise ValueError(
-                "Megatron-FSDP with FP8 parameters needs fp32 main params (the exact values FP8 "
-                f"is re-quantized from); got --main-params-dtype {config.main_params_dtype}"
-            )
-        shards = config.shards_optimizer_state
-        spec = entries[0][2]
-        layout, scales_sharded = plan_fp8_layout(
-            [(names[0], param.shape) for names, param, _ in entries],
-            recipe=spec.recipe,
-            world_size=self.world_size if shards else 1,
-            rank=self.rank if shards else 0,
-        )
-        storage = Fp8ComputeStorage(
-            layout=layout,
-            scales_sharded=scales_sharded,
-            spec=spec,
-            delayed_metas=[entry_spec.delayed_meta for _, _, entry_spec in entries],
-            device=self.device,
-            sharded=config.shards_params,
-            group=self.group,
-            tracker=self.tracker,
-        )
-        group = self._new_group(entries, layout, storage, main_shard=None)
-        storage.bind_main_shard(group.main_shard)  # aligned mxfp8 quantizes from it at gathers
-        for index, (names, param, _) in enumerate(entries):
-            full_value = self._fp8_init_value(names[0], param, init_fn)
-            self._copy_to_main(group, index, full_value)
-            clear_high_precision_init_val(param)
-        group.params = [
-            storage.new_param(index, requires_grad=param.requires_grad)
-            for index, (_, param, _) in enumerate(entries)
-        ]
-        storage.bind_params(group.params)
-        return group
-
     @torch.no_grad()
-    def _fp8_init_value(self, name: str, param: torch.Tensor, init_fn: InitFn | None):
-        """The exact high-precision value of an FP8 weight: init_fn on meta, else the value
-        quantized_model_init kept, else the high-precision weight itself. Only a QuantizedTensor
-        built without a kept value falls back to its (lossy) dequantized bytes."""
+    def _full_value(self, name: str, param: torch.Tensor, init_fn: InitFn | None):
+        """The exact full value of a parameter, on this device: init_fn on meta (drawn in the
+        parameter's own dtype, as a non-meta build holds it: init rounds its fp32 draw into
+        the tensor, so meta init starts from the same bf16 values), else the value
+        quantized_model_init kept, else the parameter itself. Only an FP8 parameter built
+        without a kept value falls back to its (lossy) dequantized bytes."""
         if param.is_meta:
             if init_fn is None:
                 raise ValueError(
-                    f"FSDP: FP8 parameter {name!r} is on the meta device but no init_fn was "
-                    "given; pass init_fn=lambda name, t: init_parameter_(t, name=name, ...)"
+                    f"FSDP: parameter {name!r} is on the meta device but no init_fn was given; "
+                    "pass init_fn=lambda name, t: init_parameter_(t, name=name, ...)"
                 )
-            # Drawn in the weight's own dtype, as a non-meta build holds it (init rounds its
-            # fp32 draw into the tensor), so meta init starts from the same bf16 values.
             full_value = self.tracker.empty(param.shape, dtype=param.dtype, device=self.device)
             init_fn(name, full_value)
-            return full_value.to(torch.float32)
-        kept = get_high_precision_init_val(param)
+            return full_value
+        kept = high_precision_init_value(param)
         if kept is not None:
             return kept.to(self.device, torch.float32)
         if isinstance(param, QuantizedTensor):
             return param.dequantize(torch.float32).to(self.device)
-        return param.detach().to(self.device, torch.float32)
+        return param.detach().to(self.device)
 
     @torch.no_grad()
     def _copy_to_main(self, group: BufferGroup, index: int, full_value: torch.Tensor) -> None:
@@ -500,32 +319,6 @@ class ParamAndGradBuffer:
             if piece.slot is group.layout.slots[index]:
                 src = flat[piece.param_start : piece.param_start + piece.numel]
                 group.main_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(src)
-
-    @torch.no_grad()
-    def _materialize_param(
-        self,
-        group: BufferGroup,
-        index: int,
-        name: str,
-        param: nn.Parameter,
-        init_fn: InitFn | None,
-    ) -> None:
-        """Fill this rank's part of one parameter, holding at most that one full tensor."""
-        if param.is_meta:
-            if init_fn is None:
-                raise ValueError(
-                    f"FSDP: parameter {name!r} is on the meta device but no init_fn was given; "
-                    "pass init_fn=lambda name, t: init_parameter_(t, name=name, ...)"
-                )
-            # The parameter's dtype, not the main params': a non-meta build rounds the init into
-            # a bf16 weight before the fp32 main copy is made, and meta init must match it.
-            full_value = self.tracker.empty(param.shape, dtype=param.dtype, device=self.device)
-            init_fn(name, full_value)
-        else:
-            full_value = param.detach().to(self.device)
-        group.storage.load_param_(index, full_value)
-        if not group.main_is_alias:
-            self._copy_to_main(group, index, full_value)
 
     def all_groups(self) -> Iterator[BufferGroup]:
         for unit in self.units:

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.fsdp.buffer_group import BufferGroup, FsdpUnit
 from megatron.core.distributed.fsdp.collectives import (
     CommStats,
     all_reduce_sum,
     reduce_scatter_flat,
 )
-from megatron.core.distributed.fsdp.param_and_grad_buffer import BufferGroup, FsdpUnit
 from megatron.core.distributed.fsdp.shard_layout import outer_chunk_numel
 
 MAX_IN_FLIGHT = 1

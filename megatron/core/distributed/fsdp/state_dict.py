@@ -24,9 +24,9 @@ from megatron.core.dist_checkpointing.flat_dtensor import (
     flat_dtensor,
     local_piece,
 )
+from megatron.core.distributed.fsdp.buffer_group import BufferGroup
 from megatron.core.distributed.fsdp.collectives import all_gather_flat
 from megatron.core.distributed.fsdp.megatron_fsdp import MegatronFSDP
-from megatron.core.distributed.fsdp.param_and_grad_buffer import BufferGroup
 from megatron.core.distributed.fsdp.shard_layout import LocalPiece, ParamSlot
 
 

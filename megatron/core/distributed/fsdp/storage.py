@@ -38,6 +38,10 @@ class ComputeStorage(ABC):
     """A comm_stats key that counts this storage's all-gather bytes on top of all_gather_bytes."""
 
     @abstractmethod
+    def new_param(self, slot_index: int, *, requires_grad: bool) -> nn.Parameter:
+        """The parameter of one slot, not yet pointing at the buffers (bind_params does)."""
+
+    @abstractmethod
     def bind_params(self, params: list[nn.Parameter]) -> None:
         """Point each parameter's `.data` at its view of the gathered buffer (no copies)."""
 
@@ -177,6 +181,10 @@ class DenseComputeStorage(ComputeStorage):
     def param_alignment(name: str, shape: torch.Size) -> int:
         # Dense values have no blocks, so parameters are packed without gaps.
         return 1
+
+    def new_param(self, slot_index: int, *, requires_grad: bool) -> nn.Parameter:
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        return nn.Parameter(empty, requires_grad=requires_grad)
 
     def _full_nbytes(self) -> int:
         return self.layout.padded_numel * self.full_buffer.element_size()

@@ -1,0 +1,246 @@
+"""What the Megatron-FSDP engine (`megatron.core.distributed`) sees of FP8: the one module it
+imports from `megatron.core.fp8` (the role `mixed_precision.py` plays in Megatron-FSDP).
+
+The engine stores FP8 weights as bytes and scales in flat buffers, writes them from fp32 main
+shards and gathers them; it never quantizes a whole tensor. What it needs, by topic:
+
+- Types: `QuantizedTensor` (the FP8 parameter), `Fp8Linear` (the only layer whose weight is
+  kept in FP8; `is_fp8_linear`), `Fp8Config` (a layer's settings), `RecipeSpec` (what a recipe
+  means; `recipe_spec` resolves a name once), `ScalingMeta` (delayed-scaling state).
+- Building: `quantized_model_init` (Fp8Linears built inside keep their weight in FP8),
+  `high_precision_init_value` / `forget_high_precision_init_value` (the exact initial value it
+  kept), `weight_fp8_dtype`, `new_fp8_weight` (an FP8 parameter with no bytes yet).
+- Geometry: a weight is quantized as its [rows, cols] view (`weight_rows_cols`) in a grid of
+  scale cells per direction (`weight_scale_grid`); `MXFP8_BLOCK` is the band height and scale
+  ratio of the only recipe whose blocks can be aligned with shard edges.
+- Writing a flat piece of a weight (docs/FP8_NUMERICS.md): `add_piece_cell_amaxes_` (max of
+  each cell the piece touches), `weight_cell_scales` (quantize multiplier and stored scale_inv
+  from the agreed amaxes, exactly as `quantize` derives them), `cast_piece_` (the piece's bytes
+  with those multipliers), `quantize_mxfp8_bands_` (bytes and E8M0 scales of whole 32-row
+  bands, no amax exchange).
+- Delayed scaling of weights: `advance_delayed_scales` (apply the recorded amaxes: scale update
+  and roll, all metas stacked) and `record_weight_amaxes`.
+
+Every function here delegates to the FP8 package's own rules; none changes a number. Nothing in
+`megatron.core.fp8` imports `megatron.core.distributed`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.core.fp8.autocast import ScalingMeta, record_amaxes, reduce_and_update
+from megatron.core.fp8.config import Fp8Config
+from megatron.core.fp8.cuda.piece_quantize import (
+    piece_cast_,
+    piece_cell_amax_,
+    quantize_mxfp8_rows_,
+    rows_cols,
+)
+from megatron.core.fp8.formats import e8m0_to_fp32, fp8_dtype_for_role
+from megatron.core.fp8.linear import Fp8Linear
+from megatron.core.fp8.param_init import (
+    clear_high_precision_init_val,
+    get_high_precision_init_val,
+    quantized_model_init,
+)
+from megatron.core.fp8.quantization import compute_scale
+from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
+from megatron.core.fp8.reference import reciprocal, scale_grid_shape
+
+__all__ = [
+    "MXFP8_BLOCK",
+    "Fp8Config",
+    "Fp8Linear",
+    "QuantizedTensor",
+    "RecipeSpec",
+    "ScalingMeta",
+    "add_piece_cell_amaxes_",
+    "advance_delayed_scales",
+    "cast_piece_",
+    "forget_high_precision_init_value",
+    "high_precision_init_value",
+    "is_fp8_linear",
+    "new_fp8_weight",
+    "quantize_mxfp8_bands_",
+    "quantized_model_init",
+    "recipe_spec",
+    "record_weight_amaxes",
+    "weight_cell_scales",
+    "weight_fp8_dtype",
+    "weight_rows_cols",
+    "weight_scale_grid",
+]
+
+MXFP8_BLOCK = recipe_spec("mxfp8").block
+"""Block length of mxfp8 (1x32 and 32x1 cells): the height of a band that owns all its blocks,
+and the ratio of elements to E8M0 scale bytes in each direction."""
+
+
+# ----- types and building ---------------------------------------------------------------------
+
+
+def is_fp8_linear(module: nn.Module) -> bool:
+    return isinstance(module, Fp8Linear)
+
+
+def weight_fp8_dtype(config: Fp8Config) -> torch.dtype:
+    """The FP8 dtype a layer with these settings stores its weight in."""
+    return fp8_dtype_for_role(config.fp8_format, "weight")
+
+
+def new_fp8_weight(
+    *,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    spec: RecipeSpec,
+    fp8_dtype: torch.dtype,
+    name: str,
+    device: torch.device,
+) -> QuantizedTensor:
+    """An FP8 weight (logical dtype `dtype`) with no bytes or scales yet."""
+    return QuantizedTensor(
+        shape=shape,
+        dtype=dtype,
+        recipe=spec.name,
+        fp8_dtype=fp8_dtype,
+        role="weight",
+        tensor_name=name,
+        device=device,
+    )
+
+
+def high_precision_init_value(param: torch.Tensor) -> torch.Tensor | None:
+    """The exact high-precision initial value quantized_model_init kept for `param`, or None."""
+    return get_high_precision_init_val(param)
+
+
+def forget_high_precision_init_value(param: torch.Tensor) -> None:
+    clear_high_precision_init_val(param)
+
+
+# ----- geometry -------------------------------------------------------------------------------
+
+
+def weight_rows_cols(shape: torch.Size) -> tuple[int, int]:
+    """(rows, cols) of the 2-D view a weight is quantized in (leading dims fold into rows)."""
+    return rows_cols(shape)
+
+
+def weight_scale_grid(shape: torch.Size, spec: RecipeSpec, *, columnwise: bool) -> tuple[int, ...]:
+    """Shape of a weight's scale_inv in one direction: () per tensor, else its cell grid."""
+    rows, cols = rows_cols(shape)
+    return scale_grid_shape(rows, cols, recipe=spec.name, role="weight", columnwise=columnwise)
+
+
+# ----- writing pieces -------------------------------------------------------------------------
+
+
+def add_piece_cell_amaxes_(
+    values: torch.Tensor,
+    cell_amaxes: torch.Tensor,
+    *,
+    shape: torch.Size,
+    spec: RecipeSpec,
+    columnwise: bool,
+    param_start: int,
+) -> None:
+    """Max into `cell_amaxes` (the weight's flat cell grid) the amax of every cell that the
+    piece `values` (flat elements param_start.. of a weight of `shape`) touches."""
+    piece_cell_amax_(
+        values,
+        cell_amaxes,
+        shape=shape,
+        recipe=spec.name,
+        columnwise=columnwise,
+        param_start=param_start,
+    )
+
+
+def weight_cell_scales(
+    cell_amaxes: torch.Tensor,
+    *,
+    spec: RecipeSpec,
+    fp8_dtype: torch.dtype,
+    power_2_scale: bool | None,
+    delayed_meta: ScalingMeta | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quantize multiplier, stored scale_inv) of each cell, as `quantize` derives them from
+    the global amaxes; delayed: from the weight's scaling state instead."""
+    if spec.delayed:
+        scale = delayed_meta.scale.to(torch.float32).reshape(())
+        return scale, reciprocal(scale)
+    if spec.e8m0_scales:
+        e8m0 = compute_scale(cell_amaxes, recipe=spec.name, fp8_dtype=fp8_dtype)
+        return e8m0_to_fp32(e8m0, negate_exponent=True), e8m0
+    scale = compute_scale(
+        cell_amaxes,
+        recipe=spec.name,
+        fp8_dtype=fp8_dtype,
+        power_2_scale=power_2_scale,
+        input_dtype=torch.float32,
+    )
+    return scale, reciprocal(scale)
+
+
+def cast_piece_(
+    values: torch.Tensor,
+    multipliers: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    shape: torch.Size,
+    spec: RecipeSpec,
+    columnwise: bool,
+    param_start: int,
+    fp8_dtype: torch.dtype,
+) -> None:
+    """out (uint8, one byte per element) = the FP8 bytes of the piece `values` times the
+    multiplier of each element's cell (`multipliers`: the flat fp32 cell grid)."""
+    piece_cast_(
+        values,
+        multipliers,
+        out,
+        shape=shape,
+        recipe=spec.name,
+        columnwise=columnwise,
+        param_start=param_start,
+        fp8_dtype=fp8_dtype,
+    )
+
+
+def quantize_mxfp8_bands_(
+    values2d: torch.Tensor,
+    *,
+    fp8_dtype: torch.dtype,
+    row_data: torch.Tensor | None,
+    row_scale: torch.Tensor | None,
+    col_data: torch.Tensor | None,
+    col_scale: torch.Tensor | None,
+) -> None:
+    """MXFP8 bytes and E8M0 scales of whole 32-row bands ([rows, K]) into the given views
+    (rowwise data [rows, K], scales [rows, K/32]; columnwise data [rows, K], scales
+    [rows/32, K]); a direction whose data is None is not written."""
+    quantize_mxfp8_rows_(
+        values2d,
+        fp8_dtype=fp8_dtype,
+        row_data=row_data,
+        row_scale=row_scale,
+        col_data=col_data,
+        col_scale=col_scale,
+    )
+
+
+# ----- delayed scaling ------------------------------------------------------------------------
+
+
+def advance_delayed_scales(metas: list[ScalingMeta]) -> None:
+    """Apply each weight's recorded amax (scale update and history roll), all metas stacked in
+    one update; no collective (the amaxes recorded were already global)."""
+    reduce_and_update(metas, None)
+
+
+def record_weight_amaxes(metas: list[ScalingMeta], amaxes: torch.Tensor) -> None:
+    """Record amaxes[i] as the newest amax of metas[i]."""
+    record_amaxes(metas, amaxes)
