@@ -23,8 +23,13 @@ ROLES = ("input", "weight", "grad")
 # E8M0 byte 255 is NaN; 254 is the largest finite exponent (2^127).
 E8M0_NAN = 255
 E8M0_MAX_FINITE = 254
+# IEEE fp32 bit patterns (the Triton kernels build scales from the same ones).
+FP32_EXPONENT_MASK = 0x7F800000
+FP32_INF_BITS = 0x7F800000
+FP32_QUIET_NAN_BITS = 0x7FC00000
 # Mantissa of fp32 2^-127 (a subnormal): t <= 2^-127 is covered by E8M0 byte 0, which means 2^-127.
-_HALF_SUBNORMAL_MANTISSA = 0x400000
+FP32_TWO_POW_MINUS_127_BITS = 0x400000
+_HALF_SUBNORMAL_MANTISSA = FP32_TWO_POW_MINUS_127_BITS
 _MANTISSA_MASK = 0x7FFFFF
 
 
@@ -32,6 +37,22 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
     """Largest finite value of `fp8_dtype`; raises for a dtype that is not an FP8 format."""
     check_fp8_dtype(fp8_dtype)
     return FP8_MAX[fp8_dtype]
+
+
+def _fp32_reciprocal(value: float) -> float:
+    one = torch.tensor(1.0, dtype=torch.float32)
+    return float(one / torch.tensor(value, dtype=torch.float32))
+
+
+# fp32(1 / fp8_max), correctly rounded (an fp32 division), computed once at import: a lookup
+# is all torch.compile then traces (a tensor op turned into a Python float is a graph break).
+_FP8_MAX_RECIPROCAL = {dtype: _fp32_reciprocal(limit) for dtype, limit in FP8_MAX.items()}
+
+
+def fp8_max_reciprocal(fp8_dtype: torch.dtype) -> float:
+    """fp32(1 / fp8_max), correctly rounded: the MXFP8 rule multiplies by this constant."""
+    check_fp8_dtype(fp8_dtype)
+    return _FP8_MAX_RECIPROCAL[fp8_dtype]
 
 
 def check_fp8_dtype(fp8_dtype: torch.dtype) -> None:

@@ -27,6 +27,7 @@ from megatron.core.fp8.formats import (
     e8m0_from_t,
     e8m0_to_fp32,
     fp8_max,
+    fp8_max_reciprocal,
 )
 from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
 
@@ -88,13 +89,20 @@ def scale_from_amax(
     down to a power of two.
     """
     amax = amax.to(torch.float32)
-    scale = torch.full_like(amax, fp8_max(fp8_dtype)) / amax
+    usable = (amax > 0) & torch.isfinite(amax)
+    numerator = torch.full_like(amax, fp8_max(fp8_dtype))
+    scale = numerator / torch.where(usable, amax, torch.ones_like(amax))
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, infinite_scale_value), scale)
-    unusable = (amax == 0) | ~torch.isfinite(amax)
-    scale = torch.where(unusable, torch.ones_like(scale), scale)
+    scale = torch.where(usable, scale, torch.ones_like(scale))
     if power_2_scale:
         scale = clear_mantissa(scale)
     return scale
+
+
+def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The MXFP8 scale byte of a block amax: t = amax * fp32(1/fp8_max) (a multiplication by the
+    rounded reciprocal, not a division) rounded up to a power of two (`e8m0_from_t`)."""
+    return e8m0_from_t(amax.to(torch.float32) * fp8_max_reciprocal(fp8_dtype))
 
 
 def delayed_scale_update(
@@ -145,7 +153,7 @@ def _ceil_to(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-def _per_tensor(
+def quantize_per_tensor(
     x2d: torch.Tensor, *, scale: torch.Tensor, fp8_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bytes [M, K] and 0-d scale_inv of a per-tensor quantization with a given scale."""
@@ -163,9 +171,7 @@ def _block_scales(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantize multiplier, stored scale_inv) per block for blockwise or mxfp8."""
     if spec.e8m0_scales:
-        # Step 2: multiply by the fp32-rounded reciprocal of fp8_max, not a division.
-        recip_max = reciprocal(torch.full((), fp8_max(fp8_dtype), device=block_amax.device))
-        e8m0 = e8m0_from_t(block_amax * recip_max)
+        e8m0 = e8m0_from_amax(block_amax, fp8_dtype)
         return e8m0_to_fp32(e8m0, negate_exponent=True), e8m0
     scale = scale_from_amax(
         block_amax,
@@ -176,7 +182,7 @@ def _block_scales(
     return scale, reciprocal(scale)
 
 
-def _quantize_1d_blocks(
+def quantize_1d_blocks(
     x2d: torch.Tensor,
     *,
     spec: RecipeSpec,
@@ -207,7 +213,7 @@ def _quantize_1d_blocks(
     return data.contiguous(), scale_inv.contiguous()
 
 
-def _quantize_2d_blocks(
+def quantize_2d_blocks(
     x2d: torch.Tensor,
     *,
     spec: RecipeSpec,
@@ -262,7 +268,7 @@ def quantize_reference(
             used_amax = local_amax if amax is None else amax.to(torch.float32).reshape(())
             scale = scale_from_amax(used_amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
             out["amax"] = used_amax
-        data, scale_inv = _per_tensor(x2d, scale=scale, fp8_dtype=fp8_dtype)
+        data, scale_inv = quantize_per_tensor(x2d, scale=scale, fp8_dtype=fp8_dtype)
         data = data.reshape(x.shape)
         if rowwise:
             out["rowwise_data"], out["rowwise_scale_inv"] = data, scale_inv
@@ -272,7 +278,7 @@ def quantize_reference(
         return out
     out["amax"] = local_amax
     if spec.uses_2d_blocks(role):
-        data, scale_inv = _quantize_2d_blocks(
+        data, scale_inv = quantize_2d_blocks(
             x2d, spec=spec, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x.dtype
         )
         data = data.reshape(x.shape)
@@ -283,7 +289,7 @@ def quantize_reference(
         return out
     for direction, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
         if wanted:
-            data, scale_inv = _quantize_1d_blocks(
+            data, scale_inv = quantize_1d_blocks(
                 x2d,
                 spec=spec,
                 fp8_dtype=fp8_dtype,

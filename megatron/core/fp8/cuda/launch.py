@@ -170,3 +170,18 @@ class LaunchSite:
         runtime = _knobs()
         if entry is not None and runtime is not None:
             self._held[alignment] = (entry[0], entry[1], device, runtime)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def as_2d_shape(shape: torch.Size) -> tuple[int, int]:
+    """(rows, cols) of the 2-D view quantization works on: leading dims fold into rows."""
+    if len(shape) == 0:
+        return 1, 1
+    cols = int(shape[-1])
+    rows = 1
+    for dim in shape[:-1]:
+        rows *= int(dim)
+    return rows, cols

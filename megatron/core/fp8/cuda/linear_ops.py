@@ -27,11 +27,13 @@ from typing import NamedTuple
 
 import torch
 
-from megatron.core.fp8.cuda import quantize as cq
-from megatron.core.fp8.cuda.formats import BLOCK_128, ceil_div
+from megatron.core.fp8.cuda import quantize_blockwise as qbw
+from megatron.core.fp8.cuda import quantize_common as qc
+from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
+from megatron.core.fp8.cuda import quantize_per_tensor as qpt
 from megatron.core.fp8.cuda.gemm import blockwise_gemm_path, scaled_mm
-from megatron.core.fp8.cuda.launch import LaunchSite
-from megatron.core.fp8.recipe import recipe_spec
+from megatron.core.fp8.cuda.launch import LaunchSite, ceil_div
+from megatron.core.fp8.recipe import BLOCK_128, MX_BLOCK, recipe_spec
 
 
 class GemmOperand(NamedTuple):
@@ -44,7 +46,7 @@ class GemmOperand(NamedTuple):
 
 def available(x: torch.Tensor) -> bool:
     """Whether the fused path runs for x (a CUDA tensor and importable Triton kernels)."""
-    return x.is_cuda and cq.triton_available()
+    return x.is_cuda and qc.triton_available()
 
 
 def emulation_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -271,14 +273,14 @@ class OperandPlan:
         if spec.per_tensor:
             partials = 0
             if not spec.delayed and amax_dtype is None:  # tensorwise: scale from this pass's amax
-                kernel, grid, constexprs, self.blocks_per_program = cq.amax_partials_spec(
+                kernel, grid, constexprs, self.blocks_per_program = qpt.amax_partials_spec(
                     rows * cols
                 )
                 self.amax = LaunchSite(kernel, grid, constexprs)
                 partials = grid[0]
             self.partials = partials
             self.cast = LaunchSite(
-                *cq.per_tensor_cast_spec(
+                *qpt.per_tensor_cast_spec(
                     rows,
                     cols,
                     write_row=rowwise,
@@ -294,7 +296,7 @@ class OperandPlan:
             self.run = self._per_tensor
         elif spec.uses_2d_blocks(role):
             self.cast = LaunchSite(
-                *cq.block_128x128_spec(
+                *qbw.block_128x128_spec(
                     rows,
                     cols,
                     write_row=rowwise,
@@ -310,7 +312,7 @@ class OperandPlan:
             options = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=dtype)
             fused = None
             if rowwise and transposed:
-                fused = cq.block_1x128_fused_spec(
+                fused = qbw.block_1x128_fused_spec(
                     rows,
                     cols,
                     columnwise=False,
@@ -322,11 +324,13 @@ class OperandPlan:
             self.fused_site = LaunchSite(*fused) if fused is not None else None
             if rowwise and fused is None:
                 self.rows_site = LaunchSite(
-                    *cq.block_1x128_rows_spec(rows, cols, record=False, row_scale_t=True, **options)
+                    *qbw.block_1x128_rows_spec(
+                        rows, cols, record=False, row_scale_t=True, **options
+                    )
                 )
             if transposed and fused is None:
                 self.cols_site = LaunchSite(
-                    *cq.block_128x1_cols_spec(
+                    *qbw.block_128x1_cols_spec(
                         rows, cols, columnwise=False, write_t=True, record=False, **options
                     )
                 )
@@ -341,7 +345,7 @@ class OperandPlan:
             self.cast = self.col_cast = None
             if rowwise or (transposed and not self.keeps_bytes):
                 self.cast = LaunchSite(
-                    *cq.mxfp8_spec(
+                    *qmx.mxfp8_spec(
                         rows,
                         cols,
                         rowwise=rowwise,
@@ -352,7 +356,7 @@ class OperandPlan:
                 )
             if self.keeps_bytes:
                 self.col_cast = LaunchSite(
-                    *cq.mxfp8_spec(
+                    *qmx.mxfp8_spec(
                         rows, cols, rowwise=False, columnwise=True, dequant=False, **values
                     )
                 )
@@ -377,7 +381,7 @@ class OperandPlan:
         data_t = self._empty(cols, rows) if self.transposed else None
         scale_inv = torch.empty((), dtype=torch.float32, device=self.device)
         record = amax_history.view(torch.int32) if amax_history is not None else None
-        args = cq.per_tensor_cast_args(x2d, data, data_t, scale, amax, scale_inv, record)
+        args = qpt.per_tensor_cast_args(x2d, data, data_t, scale, amax, scale_inv, record)
         # Which caller tensors are aligned: x, the scale or amax, the amax history.
         alignment = (x_aligned, aligned(args[3]), record is None or aligned(record))
         self.cast(args, alignment)
@@ -418,7 +422,7 @@ class OperandPlan:
         scale_inv_t = (
             self._empty(col_blocks, row_blocks, torch.float32) if self.transposed else None
         )
-        args = cq.block_128x128_args(x2d, data, scale_inv, data_t, scale_inv_t, None)
+        args = qbw.block_128x128_args(x2d, data, scale_inv, data_t, scale_inv_t, None)
         self.cast(args, aligned(x2d))
         row_op = GemmOperand(data.view(self.fp8_dtype), scale_inv) if data is not None else None
         col_op = None
@@ -436,10 +440,10 @@ class OperandPlan:
             col = self._empty(rows, cols, torch.uint8 if self.keeps_bytes else self.dequant_dtype)
         if self.cast is not None:
             values = None if self.keeps_bytes else col
-            self.cast(cq.mxfp8_args(x2d, row, None, values, None, None, None), aligned(x2d))
+            self.cast(qmx.mxfp8_args(x2d, row, None, values, None, None, None), aligned(x2d))
         if self.keeps_bytes:
-            col_e = self._empty(ceil_div(rows, cq.MX_BLOCK), cols)
-            self.col_cast(cq.mxfp8_args(x2d, None, None, col, col_e, None, None), aligned(x2d))
+            col_e = self._empty(ceil_div(rows, MX_BLOCK), cols)
+            self.col_cast(qmx.mxfp8_args(x2d, None, None, col, col_e, None, None), aligned(x2d))
             col = col.view(self.fp8_dtype)
         # The columnwise copy keeps x's shape; the transposed operand is a view (bf16 GEMMs
         # take either layout, and the dequantizing GEMM reads the bytes in x's layout).
@@ -460,7 +464,7 @@ def weight_operand(weight, usage: str, *, compute_dtype: torch.dtype) -> GemmOpe
     scale_inv = weight.columnwise_scale_inv if columnwise else weight.rowwise_scale_inv
     if data is None:
         raise ValueError(f"the FP8 mxfp8 weight has no {usage} copy; quantize it with both")
-    values = cq.mxfp8_dequantize(
+    values = qmx.mxfp8_dequantize(
         data.reshape(-1, weight.shape[-1]),
         scale_inv,
         fp8_dtype=weight.fp8_dtype,
@@ -538,7 +542,7 @@ def _mx_values(operand: GemmOperand, compute_dtype: torch.dtype) -> torch.Tensor
     if compute_dtype.itemsize == 1:
         raise ValueError("an emulated MXFP8 GEMM dequantizes at most one of its operands")
     columnwise = operand.data.t()
-    values = cq.mxfp8_dequantize(
+    values = qmx.mxfp8_dequantize(
         columnwise.view(torch.uint8),
         operand.scale_inv,
         fp8_dtype=columnwise.dtype,
