@@ -294,11 +294,11 @@ def test_cached_direct_launch_equals_triton_launch(recipe):
         second = run(x)  # every kernel of this key was launched before: direct launches
         assert launch._direct["enabled"], launch.direct_launch_status()
         assert launch._direct["launches"] > direct_before, name
-        launch._direct["enabled"] = False
+        launch.set_direct_launch(False)
         try:
             through_triton = run(x)
         finally:
-            launch._direct["enabled"] = True
+            launch.set_direct_launch(True)
         for a, b, c in zip(first, second, through_triton, strict=True):
             assert torch.equal(a, b) and torch.equal(a, c), name
 

@@ -23,6 +23,7 @@ from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
 from megatron.core.fp8.cuda import quantize_per_tensor as qpt
 from megatron.core.fp8.cuda.launch import ceil_div
 from megatron.core.fp8.cuda.linear_ops import GemmOperand
+from megatron.core.fp8.debug import set_debug_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 M, K = 256, 384
@@ -147,8 +148,7 @@ class FakeRuntime:
 def kernels(monkeypatch):
     fakes = FakeKernels()
     monkeypatch.setattr(qc, "triton_kernels", lambda: fakes)
-    monkeypatch.setattr(launch, "_compiled", {})
-    monkeypatch.setattr(launch, "_direct", {"enabled": True, "why_not": "", "launches": 0})
+    launch.reset_launch_cache()
     monkeypatch.setattr(launch, "_knobs", lambda: FakeRuntime)
     monkeypatch.setattr(launch, "_raw_stream", lambda device: STREAM)
     # The tests below check the two single-copy 1x128 kernels; test_fused_1x128_* the fused
@@ -158,6 +158,7 @@ def kernels(monkeypatch):
     linear_ops.clear_plans()
     yield fakes
     linear_ops.clear_plans()
+    launch.reset_launch_cache()  # no fake kernel stays cached
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -989,9 +990,12 @@ def test_under_torch_compile_no_pointer_is_read_and_no_plan_is_kept(kernels, mon
             assert amax.dim() == 0 and amax.dtype == torch.bfloat16
             assert float(amax) == float(x.abs().max())
             assert records[0]["constexprs"]["AMAX_PARTIALS"] == 0
-    # AMAX_IN_GRAPH off: the amax pass again.
-    monkeypatch.setattr(linear_ops, "AMAX_IN_GRAPH", False)
-    _quantize(x, "tensorwise")
+    # amax_in_graph off: the amax pass again.
+    previous = set_debug_config(amax_in_graph=False)
+    try:
+        _quantize(x, "tensorwise")
+    finally:
+        set_debug_config(**previous)
     assert [r["kernel"] for r in kernels.take()] == [name for name, _ in GRIDS["tensorwise"]]
     assert len(linear_ops._plans) == 1  # only the eager call's plan
 
@@ -1016,12 +1020,15 @@ def test_under_torch_compile_a_recording_quantization_is_the_custom_op(kernels, 
     assert not kernels.take()
 
 
-def test_the_plan_cache_is_bounded(kernels, monkeypatch):
-    monkeypatch.setattr(linear_ops, "MAX_PLANS", 3)
-    for rows in (16, 32, 48):
-        _quantize(torch.randn(rows, K, dtype=torch.bfloat16), "mxfp8")
-    assert len(linear_ops._plans) == 3
-    _quantize(torch.randn(64, K, dtype=torch.bfloat16), "mxfp8")
+def test_the_plan_cache_is_bounded(kernels):
+    previous = set_debug_config(max_plans=3)
+    try:
+        for rows in (16, 32, 48):
+            _quantize(torch.randn(rows, K, dtype=torch.bfloat16), "mxfp8")
+        assert len(linear_ops._plans) == 3
+        _quantize(torch.randn(64, K, dtype=torch.bfloat16), "mxfp8")
+    finally:
+        set_debug_config(**previous)
     assert [key[6] for key in linear_ops._plans] == [torch.Size([64, K])]
 
 

@@ -33,6 +33,7 @@ from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
 from megatron.core.fp8.cuda import quantize_per_tensor as qpt
 from megatron.core.fp8.cuda.gemm import blockwise_gemm_path, scaled_mm
 from megatron.core.fp8.cuda.launch import LaunchSite, ceil_div
+from megatron.core.fp8.debug import DEBUG
 from megatron.core.fp8.recipe import BLOCK_128, MX_BLOCK, recipe_spec
 
 
@@ -98,7 +99,7 @@ def quantize_operands(
         scale = amax_history = None  # only the delayed recipe reads a scale or records
     if not spec.per_tensor or spec.delayed:
         amax = None  # only tensorwise scales from this pass's amax
-    elif amax is None and AMAX_IN_GRAPH and torch.compiler.is_compiling():
+    elif amax is None and DEBUG.amax_in_graph and torch.compiler.is_compiling():
         amax = producer_amax(x2d)
     elif amax is not None and (amax.dim() or not amax.dtype.is_floating_point):
         raise ValueError(f"amax= is max|x| as a 0-d float tensor, got {amax.dtype} {amax.shape}")
@@ -126,13 +127,6 @@ def quantize_operands(
         # through Triton's own call, which torch.compile traces (launch.LaunchSite).
         return OperandPlan(*key)(x2d, scale, amax_history, aligned=_alignment_unread, amax=amax)
     return _planned(key, x2d, scale, amax_history, amax)
-
-
-AMAX_IN_GRAPH = True
-"""Under torch.compile, tensorwise quantization takes max|x| from `producer_amax`, computed
-in the graph, instead of running its own amax pass: Inductor fuses the row maxima into the
-kernel that produced x (RMSNorm, SwiGLU and their backwards, RoPE's backward), so x is not
-read an extra time. False restores the amax pass (for A/B measurements)."""
 
 
 def producer_amax(x2d: torch.Tensor) -> torch.Tensor:
@@ -163,7 +157,7 @@ def _planned(key: tuple, x2d, scale, amax_history, amax=None):
     """The kept plan of `key` (made on first use) run eagerly on x2d."""
     plan = _plans.get(key)
     if plan is None:
-        if len(_plans) >= MAX_PLANS:
+        if len(_plans) >= DEBUG.max_plans:
             _plans.clear()  # many token counts (e.g. varying sequence lengths): start over
         plan = _plans[key] = OperandPlan(*key)
     return plan(x2d, scale, amax_history, amax=amax)
@@ -224,8 +218,8 @@ def _(x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, a
 # (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, shape, dtype, device, record,
 # amax_dtype, dequant_dtype, saved) -> OperandPlan
 _plans: dict[tuple, OperandPlan] = {}
-# A plan is small, but one is kept per token count: bound them for runs whose shapes vary.
-MAX_PLANS = 1024
+# A plan is small, but one is kept per token count: bounded (`DEBUG.max_plans`) for runs whose
+# shapes vary.
 
 
 def clear_plans() -> None:
