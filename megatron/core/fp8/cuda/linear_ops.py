@@ -262,99 +262,96 @@ class OperandPlan:
         self.rowwise, self.transposed = rowwise, transposed
         self.rows, self.cols = shape
         self.device, self.dequant_dtype = device, dequant_dtype
-        rows, cols = shape
         spec = recipe_spec(recipe)
+        options = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=dtype)
         if spec.per_tensor:
-            partials = 0
-            if not spec.delayed and amax_dtype is None:  # tensorwise: scale from this pass's amax
-                kernel, grid, constexprs, self.blocks_per_program = qpt.amax_partials_spec(
-                    rows * cols
-                )
-                self.amax = LaunchSite(kernel, grid, constexprs)
-                partials = grid[0]
-            self.partials = partials
-            self.cast = LaunchSite(
-                *qpt.per_tensor_cast_spec(
-                    rows,
-                    cols,
-                    write_row=rowwise,
-                    write_t=transposed,
-                    record=record,
-                    fp8_dtype=fp8_dtype,
-                    recipe=recipe,
-                    power_2_scale=power_2_scale,
-                    input_dtype=dtype,
-                    amax_partials=partials,
-                )
-            )
-            self.run = self._per_tensor
+            self._plan_per_tensor(spec, record=record, amax_dtype=amax_dtype, **options)
         elif spec.uses_2d_blocks(role):
             self.cast = LaunchSite(
                 *qbw.block_128x128_spec(
-                    rows,
-                    cols,
+                    self.rows,
+                    self.cols,
                     write_row=rowwise,
                     write_t=transposed,
                     record=False,
-                    fp8_dtype=fp8_dtype,
-                    power_2_scale=power_2_scale,
-                    input_dtype=dtype,
+                    **options,
                 )
             )
             self.run = self._block_128x128
         elif not spec.fused_linear_emulates:  # blockwise 1x128 activations and grads
-            options = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=dtype)
-            fused = None
-            if rowwise and transposed:
-                fused = qbw.block_1x128_fused_spec(
-                    rows,
-                    cols,
-                    columnwise=False,
-                    write_t=True,
-                    record=False,
-                    row_scale_t=True,
-                    **options,
+            self._plan_block_1x128(**options)
+        else:
+            self._plan_mxfp8(saved)
+
+    def _plan_per_tensor(self, spec, *, record, amax_dtype, **options) -> None:
+        rows, cols = self.rows, self.cols
+        partials = 0
+        if not spec.delayed and amax_dtype is None:  # tensorwise: scale from this pass's amax
+            kernel, grid, constexprs, self.blocks_per_program = qpt.amax_partials_spec(rows * cols)
+            self.amax = LaunchSite(kernel, grid, constexprs)
+            partials = grid[0]
+        self.partials = partials
+        self.cast = LaunchSite(
+            *qpt.per_tensor_cast_spec(
+                rows,
+                cols,
+                write_row=self.rowwise,
+                write_t=self.transposed,
+                record=record,
+                recipe=self.recipe,
+                amax_partials=partials,
+                **options,
+            )
+        )
+        self.run = self._per_tensor
+
+    def _plan_block_1x128(self, **options) -> None:
+        rows, cols, rowwise, transposed = self.rows, self.cols, self.rowwise, self.transposed
+        fused = None
+        if rowwise and transposed:
+            fused = qbw.block_1x128_fused_spec(
+                rows,
+                cols,
+                columnwise=False,
+                write_t=True,
+                record=False,
+                row_scale_t=True,
+                **options,
+            )
+        self.fused_site = LaunchSite(*fused) if fused is not None else None
+        if rowwise and fused is None:
+            self.rows_site = LaunchSite(
+                *qbw.block_1x128_rows_spec(rows, cols, record=False, row_scale_t=True, **options)
+            )
+        if transposed and fused is None:
+            self.cols_site = LaunchSite(
+                *qbw.block_128x1_cols_spec(
+                    rows, cols, columnwise=False, write_t=True, record=False, **options
                 )
-            self.fused_site = LaunchSite(*fused) if fused is not None else None
-            if rowwise and fused is None:
-                self.rows_site = LaunchSite(
-                    *qbw.block_1x128_rows_spec(
-                        rows, cols, record=False, row_scale_t=True, **options
-                    )
+            )
+        self.run = self._block_1x128
+
+    def _plan_mxfp8(self, saved: bool) -> None:
+        """mxfp8, emulated GEMM: dequantized values, or bytes where they are kept. A transposed
+        copy saved for backward (an input's or a weight's in the forward) is kept as bytes and
+        E8M0 scales (half the bytes of bf16 values), dequantized by the GEMM that reads them.
+        Everything else is read at once: dequantized values, one pass."""
+        rows, cols = self.rows, self.cols
+        self.keeps_bytes = saved  # the key's: only ever True for a transposed copy
+        values = dict(write_t=False, record=False, fp8_dtype=self.fp8_dtype)
+        self.cast = self.col_cast = None
+        col_values = self.transposed and not self.keeps_bytes
+        if self.rowwise or col_values:
+            self.cast = LaunchSite(
+                *qmx.mxfp8_spec(
+                    rows, cols, rowwise=self.rowwise, columnwise=col_values, dequant=True, **values
                 )
-            if transposed and fused is None:
-                self.cols_site = LaunchSite(
-                    *qbw.block_128x1_cols_spec(
-                        rows, cols, columnwise=False, write_t=True, record=False, **options
-                    )
-                )
-            self.run = self._block_1x128
-        else:  # mxfp8, emulated GEMM: dequantized values, or bytes where they are kept
-            # A transposed copy saved for backward (an input's or a weight's in the forward)
-            # is kept as bytes and E8M0 scales (half the bytes of bf16 values), dequantized by
-            # the GEMM that reads them. Everything else is read at once: dequantized values,
-            # one pass.
-            self.keeps_bytes = saved  # the key's: only ever True for a transposed copy
-            values = dict(write_t=False, record=False, fp8_dtype=fp8_dtype)
-            self.cast = self.col_cast = None
-            if rowwise or (transposed and not self.keeps_bytes):
-                self.cast = LaunchSite(
-                    *qmx.mxfp8_spec(
-                        rows,
-                        cols,
-                        rowwise=rowwise,
-                        columnwise=transposed and not self.keeps_bytes,
-                        dequant=True,
-                        **values,
-                    )
-                )
-            if self.keeps_bytes:
-                self.col_cast = LaunchSite(
-                    *qmx.mxfp8_spec(
-                        rows, cols, rowwise=False, columnwise=True, dequant=False, **values
-                    )
-                )
-            self.run = self._mxfp8
+            )
+        if self.keeps_bytes:
+            self.col_cast = LaunchSite(
+                *qmx.mxfp8_spec(rows, cols, rowwise=False, columnwise=True, dequant=False, **values)
+            )
+        self.run = self._mxfp8
 
     def __call__(self, x2d, scale, amax_history, aligned=None, amax=None):
         """`aligned(t)`: the alignment key part of a caller tensor (default: whether it is

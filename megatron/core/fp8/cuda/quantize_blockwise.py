@@ -221,32 +221,17 @@ def launch_block_1x128(
         )
     if fused is not None:
         col_out = col if col is not None else col_t
-        args = (
-            x2d,
-            row,
-            row_sinv,
-            col_out,
-            col_sinv,
-            col_t if col_t is not None else col_out,
-            record_bits if record_bits is not None else row_sinv,
-            rows,
-            cols,
-        )
+        col_t_out = col_t if col_t is not None else col_out
+        record_out = record_bits if record_bits is not None else row_sinv
+        args = (x2d, row, row_sinv, col_out, col_sinv, col_t_out, record_out, rows, cols)
         launch(*fused[:2], args, fused[2])
         return
     if row is not None:
         kernel, grid, constants = block_1x128_rows_spec(
             rows, cols, record=record_bits is not None, row_scale_t=row_scale_t, **options
         )
-        args = (
-            x2d,
-            row,
-            row_sinv,
-            record_bits if record_bits is not None else row_sinv,
-            rows,
-            cols,
-        )
-        launch(kernel, grid, args, constants)
+        record_out = record_bits if record_bits is not None else row_sinv
+        launch(kernel, grid, (x2d, row, row_sinv, record_out, rows, cols), constants)
         record_bits = None  # recorded once
     if col is None and col_t is None:
         return
