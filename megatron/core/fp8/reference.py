@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from megatron.core.fp8.formats import (
     FLT_MAX,
+    ROLES,
     check_fp8_dtype,
     clear_mantissa,
     e8m0_from_t,
@@ -41,6 +42,38 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 0 or x.numel() == 0:
         raise ValueError(f"cannot quantize a tensor of shape {tuple(x.shape)}: need >= 1 element")
     return x.reshape(-1, x.shape[-1]).to(torch.float32)
+
+
+def check_quantize_args(
+    spec: RecipeSpec,
+    *,
+    role: str,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+    scale: torch.Tensor | None,
+    amax: torch.Tensor | None,
+    power_2_scale: bool | None = None,
+) -> None:
+    """The argument rules of every quantize backend (FP8_NUMERICS.md API); raises ValueError."""
+    recipe = spec.name
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    check_fp8_dtype(fp8_dtype)
+    if not (rowwise or columnwise):
+        raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
+    if spec.delayed and scale is None:
+        raise ValueError("recipe 'delayed' quantizes with its current scale: pass scale=")
+    if not spec.delayed and scale is not None:
+        raise ValueError(f"scale= is only for recipe 'delayed'; {recipe} computes its own scale")
+    if amax is not None and not spec.accepts_global_amax:
+        raise ValueError(
+            f"amax= (a pre-reduced global amax) is only for 'tensorwise', not {recipe}"
+        )
+    if spec.delayed and power_2_scale:
+        raise ValueError("delayed scaling never rounds scales: leave power_2_scale unset")
+    if spec.e8m0_scales and power_2_scale is False:
+        raise ValueError("mxfp8 E8M0 scales are always powers of two: leave power_2_scale unset")
 
 
 def scale_grid_shape(

@@ -16,8 +16,8 @@ from megatron.core.fp8.cuda.quantize_blockwise import blockwise_torch, blockwise
 from megatron.core.fp8.cuda.quantize_common import use_triton
 from megatron.core.fp8.cuda.quantize_mxfp8 import mxfp8_torch, mxfp8_triton
 from megatron.core.fp8.cuda.quantize_per_tensor import per_tensor_torch, per_tensor_triton
-from megatron.core.fp8.formats import ROLES, check_fp8_dtype
 from megatron.core.fp8.recipe import BLOCK_128, recipe_spec
+from megatron.core.fp8.reference import check_quantize_args
 
 
 def quantize_cuda(
@@ -100,31 +100,10 @@ def quantize_cuda(
     return out
 
 
-def _check_args(
-    *,
-    recipe: str,
-    fp8_dtype: torch.dtype,
-    role: str,
-    rowwise: bool,
-    columnwise: bool,
-    scale: torch.Tensor | None,
-    amax: torch.Tensor | None,
-    with_transpose: bool,
-) -> None:
-    spec = recipe_spec(recipe)  # an unknown name raises, naming the recipes
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    check_fp8_dtype(fp8_dtype)
-    if not (rowwise or columnwise):
-        raise ValueError("ask for at least one of rowwise=True, columnwise=True")
+def _check_args(*, recipe: str, with_transpose: bool, columnwise: bool, **kwargs) -> None:
+    check_quantize_args(recipe_spec(recipe), columnwise=columnwise, **kwargs)
     if with_transpose and not columnwise:
         raise ValueError("with_transpose=True transposes the columnwise copy: set columnwise=True")
-    if spec.delayed and scale is None:
-        raise ValueError("recipe='delayed' quantizes with the current scale: pass scale=")
-    if not spec.delayed and scale is not None:
-        raise ValueError(f"scale= is only for recipe='delayed', got recipe={recipe!r}")
-    if not spec.accepts_global_amax and amax is not None:
-        raise ValueError(f"amax= is only for recipe='tensorwise', got recipe={recipe!r}")
 
 
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
