@@ -23,13 +23,8 @@ ROLES = ("input", "weight", "grad")
 # E8M0 byte 255 is NaN; 254 is the largest finite exponent (2^127).
 E8M0_NAN = 255
 E8M0_MAX_FINITE = 254
-# IEEE fp32 bit patterns (the Triton kernels build scales from the same ones).
-FP32_EXPONENT_MASK = 0x7F800000
-FP32_INF_BITS = 0x7F800000
-FP32_QUIET_NAN_BITS = 0x7FC00000
 # Mantissa of fp32 2^-127 (a subnormal): t <= 2^-127 is covered by E8M0 byte 0, which means 2^-127.
-FP32_TWO_POW_MINUS_127_BITS = 0x400000
-_HALF_SUBNORMAL_MANTISSA = FP32_TWO_POW_MINUS_127_BITS
+_HALF_SUBNORMAL_MANTISSA = 0x400000
 _MANTISSA_MASK = 0x7FFFFF
 
 

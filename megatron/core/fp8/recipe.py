@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.fp8.formats import FLT_MAX
+
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 
@@ -99,7 +101,7 @@ class RecipeSpec:
         """What an infinite current scale (fp8_max / tiny amax) is replaced with."""
         if self.infinite_scale_from_input_dtype:
             return float(torch.finfo(input_dtype).max)
-        return float(torch.finfo(torch.float32).max)
+        return FLT_MAX
 
     def resolve_power_2_scale(self, power_2_scale: bool | None) -> bool:
         """The rounding that applies: None means the recipe default."""
