@@ -1,7 +1,7 @@
 """CPU twin of Fp8Linear's prepared quantize launches (megatron/core/fp8/cuda/linear_ops.py,
 `OperandPlan` / `quantize_operands`) and of its direct GEMM (`_direct_scaled_mm`).
 
-Fake kernels with the real kernels' parameter names (read from triton_quantize.py) stand in
+Fake kernels with the real kernels' parameter names (read from the triton_*.py kernel files) stand in
 for Triton: every launch is recorded, whether it went through `kernel[grid](...)` (Triton's
 jit path) or through the held compiled kernel's launcher (the direct path), so the kernels,
 grids, argument order and constexprs of each recipe are checked without a GPU. The real
@@ -122,7 +122,7 @@ class FakeKernel:
 
 
 class FakeKernels:
-    """What quantize._triton_kernels() returns: the kernels and grid_size."""
+    """What quantize_common.triton_kernels() returns: the kernels and grid_size."""
 
     def __init__(self):
         self.log: list[dict] = []
