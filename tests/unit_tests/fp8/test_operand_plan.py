@@ -1,7 +1,7 @@
 """CPU twin of Fp8Linear's prepared quantize launches (megatron/core/fp8/cuda/linear_ops.py,
 `OperandPlan` / `quantize_operands`) and of its direct GEMM (`_direct_scaled_mm`).
 
-Fake kernels with the real kernels' parameter names (read from the triton_*.py kernel files) stand in
+Fake kernels with the real kernels' parameter names (read from triton_*.py) stand in
 for Triton: every launch is recorded, whether it went through `kernel[grid](...)` (Triton's
 jit path) or through the held compiled kernel's launcher (the direct path), so the kernels,
 grids, argument order and constexprs of each recipe are checked without a GPU. The real
