@@ -44,7 +44,9 @@ from megatron.core.fp8.cuda import (  # noqa: E402
     scaled_mm,
     triton_available,
 )
-from megatron.core.fp8.cuda import quantize as cq  # noqa: E402
+from megatron.core.fp8.cuda import quantize_common as qc
+from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
+from megatron.core.fp8.cuda import quantize_per_tensor as qpt
 from megatron.core.fp8.cuda.launch import direct_launch_status  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -263,7 +265,7 @@ def _operand_fn(x: torch.Tensor, key: str):
     history = torch.zeros(16, device=x.device)
     if key == "amax":
         bits = torch.zeros((), dtype=torch.int32, device=x.device)
-        return (lambda: (cq.launch_amax(x, bits), bits)[1]), read
+        return (lambda: (qpt.launch_amax(x, bits), bits)[1]), read
     if key == "mxfp8_dequant":
         q = quantize_cuda(
             x,
@@ -276,7 +278,7 @@ def _operand_fn(x: torch.Tensor, key: str):
         )
         data, e8m0 = q["rowwise_data"], q["rowwise_scale_inv"]
         return (
-            lambda: cq.mxfp8_dequantize(
+            lambda: qmx.mxfp8_dequantize(
                 data, e8m0, fp8_dtype=E4M3, columnwise=False, out_dtype=torch.bfloat16
             )
         ), elems + elems // 32 + 2 * elems
@@ -414,14 +416,14 @@ def sweep_configs(reporter: Reporter, x: torch.Tensor, copy_gbps: float) -> None
     for key, candidates in SWEEP.items():
         other = SWEEP_WITHOUT.get(key)
         if other is not None:
-            other_config, cq.TILE_CONFIG[other] = cq.TILE_CONFIG[other], {}
+            other_config, qc.TILE_CONFIG[other] = qc.TILE_CONFIG[other], {}
         try:
             _sweep_one(reporter, x, copy_gbps, key, candidates)
         finally:
             if other is not None:
-                cq.TILE_CONFIG[other] = other_config
+                qc.TILE_CONFIG[other] = other_config
     linear_ops.clear_plans()  # Fp8Linear's prepared launches read the chosen configs
-    reporter.emit({"bench": "tile_config", "chosen": cq.TILE_CONFIG})
+    reporter.emit({"bench": "tile_config", "chosen": qc.TILE_CONFIG})
 
 
 def _sweep_one(
@@ -433,7 +435,7 @@ def _sweep_one(
     reference = None
     try:
         for config in candidates:
-            cq.TILE_CONFIG[key] = config
+            qc.TILE_CONFIG[key] = config
             linear_ops.clear_plans()
             fn, moved = _operand_fn(x, key)
             outputs = [t.clone() for t in _outputs(fn())]
@@ -457,7 +459,7 @@ def _sweep_one(
             if same and (best is None or gbps > best[0]):
                 best = (gbps, config)
     finally:
-        cq.TILE_CONFIG[key] = best[1] if best is not None else candidates[0]
+        qc.TILE_CONFIG[key] = best[1] if best is not None else candidates[0]
 
 
 def bench_quantize(reporter: Reporter, *, sweep: bool) -> None:

@@ -82,7 +82,7 @@ for name in ${ROWS:-fsdp2 torchao_tensorwise torchao_rowwise bf16 tensorwise del
       summarize bf16; breakdown bf16 ;;
     *_keepcopy)  # the recipe with --no-fp8-wgrad-input-from-activation
       fp8_row "$name" "${name%_keepcopy}" --no-fp8-wgrad-input-from-activation ;;
-    *_amaxpass)  # the recipe with linear_ops.AMAX_IN_GRAPH off (dev/amax_pass/sitecustomize.py)
+    *_amaxpass)  # the recipe with fp8.debug amax_in_graph off (dev/amax_pass/sitecustomize.py)
       PYTHONPATH=$PWD/dev/amax_pass:$PYTHONPATH fp8_row "$name" "${name%_amaxpass}" ;;
     *)
       fp8_row "$name" "$name" ;;

@@ -40,7 +40,10 @@ except ImportError:
 
 import torch
 
-from megatron.core.fp8.cuda import quantize as cq
+from megatron.core.fp8.cuda import quantize_blockwise as qbw
+from megatron.core.fp8.cuda import quantize_common as qc
+from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
+from megatron.core.fp8.cuda import quantize_per_tensor as qpt
 
 _TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.int32: "i32"}
 _OPTIONS = ("num_warps", "num_stages", "maxnreg")
@@ -102,11 +105,11 @@ def cases(rows: int, cols: int) -> dict[str, tuple]:
     e4m3 = torch.float8_e4m3fn
     block = dict(fp8_dtype=e4m3, power_2_scale=True, input_dtype=torch.bfloat16)
     out = {}
-    kernel, grid, constexprs, per_program = cq.amax_partials_spec(rows * cols)
+    kernel, grid, constexprs, per_program = qpt.amax_partials_spec(rows * cols)
     out["amax"] = (kernel, (bf16, f32, rows * cols, per_program), constexprs, grid)
     for write_t in (False, True):
         for recipe in ("tensorwise", "delayed"):
-            kernel, grid, constexprs = cq.per_tensor_cast_spec(
+            kernel, grid, constexprs = qpt.per_tensor_cast_spec(
                 rows,
                 cols,
                 write_row=True,
@@ -120,37 +123,37 @@ def cases(rows: int, cols: int) -> dict[str, tuple]:
             )
             name = f"{recipe} cast{' + T' if write_t else ''}"
             out[name] = (kernel, (bf16, u8, u8, f32, f32, f32, f32, rows, cols), constexprs, grid)
-    kernel, grid, constexprs = cq.block_1x128_rows_spec(
+    kernel, grid, constexprs = qbw.block_1x128_rows_spec(
         rows, cols, record=False, row_scale_t=True, **block
     )
     out["1x128 rows"] = (kernel, (bf16, u8, f32, f32, rows, cols), constexprs, grid)
-    kernel, grid, constexprs = cq.block_128x1_cols_spec(
+    kernel, grid, constexprs = qbw.block_128x1_cols_spec(
         rows, cols, columnwise=False, write_t=True, record=False, **block
     )
     out["128x1 cols T"] = (kernel, (bf16, u8, f32, u8, f32, rows, cols), constexprs, grid)
-    fused_spec = getattr(cq, "block_1x128_fused_spec", None)  # absent before cc97b24
-    pair = cq.TILE_CONFIG.get("block_1x128_pair")  # absent before 02aec6e
+    fused_spec = getattr(qbw, "block_1x128_fused_spec", None)  # absent before cc97b24
+    pair = qc.TILE_CONFIG.get("block_1x128_pair")  # absent before 02aec6e
     # The one-launch 1x128 pair: the paired kernel where configured, and the fused kernel.
     for name, pair_config in (("1x128 pair row + T", pair), ("1x128 fused row + T", {})):
         if fused_spec is None or (name.startswith("1x128 pair") and not pair_config):
             continue
         if pair is not None:
-            cq.TILE_CONFIG["block_1x128_pair"] = pair_config
+            qc.TILE_CONFIG["block_1x128_pair"] = pair_config
         try:
             spec = fused_spec(
                 rows, cols, columnwise=False, write_t=True, record=False, row_scale_t=True, **block
             )
         finally:
             if pair is not None:
-                cq.TILE_CONFIG["block_1x128_pair"] = pair
+                qc.TILE_CONFIG["block_1x128_pair"] = pair
         if spec is not None:
             out[name] = (spec[0], (bf16, u8, f32, u8, f32, u8, f32, rows, cols), spec[2], spec[1])
-    kernel, grid, constexprs = cq.block_128x128_spec(
+    kernel, grid, constexprs = qbw.block_128x128_spec(
         rows, cols, write_row=True, write_t=True, record=False, **block
     )
     out["128x128 row + T"] = (kernel, (bf16, u8, f32, u8, f32, f32, rows, cols), constexprs, grid)
     for dequant in (False, True):
-        kernel, grid, constexprs = cq.mxfp8_spec(
+        kernel, grid, constexprs = qmx.mxfp8_spec(
             rows,
             cols,
             rowwise=True,

@@ -1,9 +1,9 @@
-"""A/B of `linear_ops.AMAX_IN_GRAPH` on one compiled Model A transformer layer (FP8 parameters,
-tensorwise by default): forward + backward with max|x| taken from the graph (fused by Inductor
-into the producer's kernel) against the cast's own amax pass, interleaved in one process so
-that clock drift hits both alike. Prints one JSON line: ms per layer step for each variant
-(median over rounds), and from one profiled step each the GPU time of every kernel, of the
-amax passes, and the number of launches.
+"""A/B of the FP8 debug setting `amax_in_graph` (`megatron.core.fp8.debug`) on one compiled
+Model A transformer layer (FP8 parameters, tensorwise by default): forward + backward with
+max|x| taken from the graph (fused by Inductor into the producer's kernel) against the cast's
+own amax pass, interleaved in one process so that clock drift hits both alike. Prints one
+JSON line: ms per layer step for each variant (median over rounds), and from one profiled step
+each the GPU time of every kernel, of the amax passes, and the number of launches.
 
     python3 dev/bench_producer_amax.py --recipe tensorwise --rounds 8 --iters 10
 """
@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megatron.core.fp8 import Fp8Config, fp8_autocast, quantized_model_init
-from megatron.core.fp8.cuda import linear_ops
+from megatron.core.fp8.debug import set_debug_config
 from megatron.core.fp8.linear import prepare_for_compile
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -73,14 +73,14 @@ def main() -> None:
 
     variants = {"amax_in_graph": True, "amax_pass": False}
     for fused in variants.values():  # compile both graphs (the flag is guarded), warm up
-        linear_ops.AMAX_IN_GRAPH = fused
+        set_debug_config(amax_in_graph=fused)
         for _ in range(3):
             step()
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, fused in variants.items():
-            linear_ops.AMAX_IN_GRAPH = fused
+            set_debug_config(amax_in_graph=fused)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(args.iters):
@@ -90,7 +90,7 @@ def main() -> None:
             times[name].append(start.elapsed_time(end) / args.iters)
     result = {"recipe": args.recipe, "tokens": args.seq * args.micro_batch}
     for name, fused in variants.items():
-        linear_ops.AMAX_IN_GRAPH = fused
+        set_debug_config(amax_in_graph=fused)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()

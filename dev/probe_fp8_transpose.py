@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
 import triton
 import triton.language as tl
 
-from megatron.core.fp8.cuda.triton_quantize import _saturating_cast, _saturating_cast_t
+from megatron.core.fp8.cuda.triton_common import _saturating_cast, _saturating_cast_t
 
 
 @triton.jit

@@ -23,12 +23,12 @@ ALLOWED_IN_FUNCTION = {
         "megatron/core/distributed/fsdp/grad_copy.py",
         "megatron.core.distributed.fsdp.triton_grad_copy",
     ),
-    ("megatron/core/fp8/cuda/quantize.py", "megatron.core.fp8.cuda.triton_quantize"),
+    ("megatron/core/fp8/cuda/quantize_common.py", "megatron.core.fp8.cuda.triton_quantize"),
     # FusedAdamW's CUDA step; without Triton it runs torch's AdamW step.
     ("megatron/core/optimizer/fused_adamw.py", "megatron.core.optimizer.triton_adamw"),
     # megatron.core.fp8.cuda, the CUDA-only FP8 kernel paths: loaded on the first CUDA tensor,
     # and where it does not import the reference (pure torch) path runs instead.
-    ("megatron/core/fp8/autocast.py", "megatron.core.fp8.cuda.quantize"),
+    ("megatron/core/fp8/autocast.py", "megatron.core.fp8.cuda.quantize_per_tensor"),
     ("megatron/core/fp8/gemm.py", "megatron.core.fp8.cuda"),
     ("megatron/core/fp8/linear.py", "megatron.core.fp8.cuda.linear_ops"),
     ("megatron/core/fp8/quantization.py", "megatron.core.fp8.cuda"),

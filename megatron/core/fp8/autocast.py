@@ -229,7 +229,7 @@ def _fused_delayed_update(histories, scales, settings):
     if not histories.is_cuda:
         return None
     try:
-        from megatron.core.fp8.cuda.quantize import delayed_update
+        from megatron.core.fp8.cuda.quantize_per_tensor import delayed_update
     except ImportError:
         return None
     return delayed_update(histories, scales, **settings)

@@ -34,6 +34,22 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
     return FP8_MAX[fp8_dtype]
 
 
+def _fp32_reciprocal(value: float) -> float:
+    one = torch.tensor(1.0, dtype=torch.float32)
+    return float(one / torch.tensor(value, dtype=torch.float32))
+
+
+# fp32(1 / fp8_max), correctly rounded (an fp32 division), computed once at import: a lookup
+# is all torch.compile then traces (a tensor op turned into a Python float is a graph break).
+_FP8_MAX_RECIPROCAL = {dtype: _fp32_reciprocal(limit) for dtype, limit in FP8_MAX.items()}
+
+
+def fp8_max_reciprocal(fp8_dtype: torch.dtype) -> float:
+    """fp32(1 / fp8_max), correctly rounded: the MXFP8 rule multiplies by this constant."""
+    check_fp8_dtype(fp8_dtype)
+    return _FP8_MAX_RECIPROCAL[fp8_dtype]
+
+
 def check_fp8_dtype(fp8_dtype: torch.dtype) -> None:
     if fp8_dtype not in FP8_MAX:
         raise ValueError(

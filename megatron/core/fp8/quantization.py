@@ -12,14 +12,15 @@ import functools
 import torch
 import torch.distributed as dist
 
-from megatron.core.fp8.formats import ROLES, check_fp8_dtype, e8m0_from_t, fp8_max
+from megatron.core.fp8.formats import check_fp8_dtype
 from megatron.core.fp8.quantized_tensor import QuantizedTensor, register_quantize
-from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
+from megatron.core.fp8.recipe import recipe_spec
 from megatron.core.fp8.reference import (
     INPUT_DTYPES,
     amax_ignoring_nan,
+    check_quantize_args,
+    e8m0_from_amax,
     quantize_reference,
-    reciprocal,
     scale_from_amax,
 )
 
@@ -34,38 +35,6 @@ def _cuda_quantize_fn():
     except ImportError:
         return None
     return quantize_cuda
-
-
-def _check_args(
-    x: torch.Tensor,
-    *,
-    spec: RecipeSpec,
-    role: str,
-    rowwise: bool,
-    columnwise: bool,
-    scale: torch.Tensor | None,
-    power_2_scale: bool | None,
-    amax: torch.Tensor | None,
-) -> None:
-    recipe = spec.name
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    if x.dtype not in INPUT_DTYPES:
-        raise ValueError(f"quantize takes fp32, bf16 or fp16 tensors, got {x.dtype}; cast first")
-    if not (rowwise or columnwise):
-        raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
-    if spec.delayed and scale is None:
-        raise ValueError("recipe 'delayed' quantizes with its current scale: pass scale=")
-    if not spec.delayed and scale is not None:
-        raise ValueError(f"scale= is only for recipe 'delayed'; {recipe} computes its own scale")
-    if amax is not None and not spec.accepts_global_amax:
-        raise ValueError(
-            f"amax= (a pre-reduced global amax) is only for 'tensorwise', not {recipe}"
-        )
-    if spec.delayed and power_2_scale:
-        raise ValueError("delayed scaling never rounds scales: leave power_2_scale unset")
-    if spec.e8m0_scales and power_2_scale is False:
-        raise ValueError("mxfp8 E8M0 scales are always powers of two: leave power_2_scale unset")
 
 
 def quantize(
@@ -91,20 +60,21 @@ def quantize(
     power_2_scale: None means the recipe default. The result's `amax` holds the amax used or
     recorded (delayed: the local, unreduced amax, which fp8_autocast reduces per step).
     """
-    check_fp8_dtype(fp8_dtype)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     spec = recipe_spec(recipe)
-    _check_args(
-        x,
-        spec=spec,
+    check_quantize_args(
+        spec,
         role=role,
+        fp8_dtype=fp8_dtype,
         rowwise=rowwise,
         columnwise=columnwise,
         scale=scale,
-        power_2_scale=power_2_scale,
         amax=amax,
+        power_2_scale=power_2_scale,
     )
+    if x.dtype not in INPUT_DTYPES:
+        raise ValueError(f"quantize takes fp32, bf16 or fp16 tensors, got {x.dtype}; cast first")
     if amax_reduction_group is not None and spec.accepts_global_amax and amax is None:
         amax = amax_ignoring_nan(x).reshape(1)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_reduction_group)
@@ -165,8 +135,7 @@ def compute_scale(
             "scales come from the amax history (reference.delayed_scale_update)"
         )
     if spec.e8m0_scales:
-        recip_max = reciprocal(torch.full((), fp8_max(fp8_dtype), device=amax.device))
-        return e8m0_from_t(amax.to(torch.float32) * recip_max)
+        return e8m0_from_amax(amax, fp8_dtype)
     return scale_from_amax(
         amax,
         fp8_dtype=fp8_dtype,

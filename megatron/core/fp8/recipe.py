@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.fp8.formats import FLT_MAX
+
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 
@@ -99,7 +101,7 @@ class RecipeSpec:
         """What an infinite current scale (fp8_max / tiny amax) is replaced with."""
         if self.infinite_scale_from_input_dtype:
             return float(torch.finfo(input_dtype).max)
-        return float(torch.finfo(torch.float32).max)
+        return FLT_MAX
 
     def resolve_power_2_scale(self, power_2_scale: bool | None) -> bool:
         """The rounding that applies: None means the recipe default."""
@@ -111,6 +113,11 @@ class RecipeSpec:
             return False
         return self.gemm_max_major is None or capability[0] <= self.gemm_max_major
 
+
+BLOCK_128 = 128
+"""Blockwise (DeepSeek-V3) block edge: 1x128 / 128x1 activation blocks, 128x128 weight blocks."""
+MX_BLOCK = 32
+"""MXFP8 block length: 1x32 / 32x1 blocks with one E8M0 scale each."""
 
 _PER_TENSOR = dict(
     per_tensor=True,
@@ -146,7 +153,7 @@ RECIPE_SPECS: dict[str, RecipeSpec] = {
         per_tensor=False,
         delayed=False,
         accepts_global_amax=False,
-        block=128,
+        block=BLOCK_128,
         square_weight_blocks=True,
         e8m0_scales=False,
         infinite_scale_from_input_dtype=True,
@@ -163,7 +170,7 @@ RECIPE_SPECS: dict[str, RecipeSpec] = {
         per_tensor=False,
         delayed=False,
         accepts_global_amax=False,
-        block=32,
+        block=MX_BLOCK,
         square_weight_blocks=False,
         e8m0_scales=True,
         infinite_scale_from_input_dtype=False,

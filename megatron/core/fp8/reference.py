@@ -22,11 +22,13 @@ import torch.nn.functional as F
 
 from megatron.core.fp8.formats import (
     FLT_MAX,
+    ROLES,
     check_fp8_dtype,
     clear_mantissa,
     e8m0_from_t,
     e8m0_to_fp32,
     fp8_max,
+    fp8_max_reciprocal,
 )
 from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
 
@@ -40,6 +42,38 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 0 or x.numel() == 0:
         raise ValueError(f"cannot quantize a tensor of shape {tuple(x.shape)}: need >= 1 element")
     return x.reshape(-1, x.shape[-1]).to(torch.float32)
+
+
+def check_quantize_args(
+    spec: RecipeSpec,
+    *,
+    role: str,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+    scale: torch.Tensor | None,
+    amax: torch.Tensor | None,
+    power_2_scale: bool | None = None,
+) -> None:
+    """The argument rules of every quantize backend (FP8_NUMERICS.md API); raises ValueError."""
+    recipe = spec.name
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    check_fp8_dtype(fp8_dtype)
+    if not (rowwise or columnwise):
+        raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
+    if spec.delayed and scale is None:
+        raise ValueError("recipe 'delayed' quantizes with its current scale: pass scale=")
+    if not spec.delayed and scale is not None:
+        raise ValueError(f"scale= is only for recipe 'delayed'; {recipe} computes its own scale")
+    if amax is not None and not spec.accepts_global_amax:
+        raise ValueError(
+            f"amax= (a pre-reduced global amax) is only for 'tensorwise', not {recipe}"
+        )
+    if spec.delayed and power_2_scale:
+        raise ValueError("delayed scaling never rounds scales: leave power_2_scale unset")
+    if spec.e8m0_scales and power_2_scale is False:
+        raise ValueError("mxfp8 E8M0 scales are always powers of two: leave power_2_scale unset")
 
 
 def scale_grid_shape(
@@ -88,13 +122,20 @@ def scale_from_amax(
     down to a power of two.
     """
     amax = amax.to(torch.float32)
-    scale = torch.full_like(amax, fp8_max(fp8_dtype)) / amax
+    usable = (amax > 0) & torch.isfinite(amax)
+    numerator = torch.full_like(amax, fp8_max(fp8_dtype))
+    scale = numerator / torch.where(usable, amax, torch.ones_like(amax))
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, infinite_scale_value), scale)
-    unusable = (amax == 0) | ~torch.isfinite(amax)
-    scale = torch.where(unusable, torch.ones_like(scale), scale)
+    scale = torch.where(usable, scale, torch.ones_like(scale))
     if power_2_scale:
         scale = clear_mantissa(scale)
     return scale
+
+
+def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The MXFP8 scale byte of a block amax: t = amax * fp32(1/fp8_max) (a multiplication by the
+    rounded reciprocal, not a division) rounded up to a power of two (`e8m0_from_t`)."""
+    return e8m0_from_t(amax.to(torch.float32) * fp8_max_reciprocal(fp8_dtype))
 
 
 def delayed_scale_update(
@@ -145,7 +186,7 @@ def _ceil_to(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-def _per_tensor(
+def quantize_per_tensor(
     x2d: torch.Tensor, *, scale: torch.Tensor, fp8_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bytes [M, K] and 0-d scale_inv of a per-tensor quantization with a given scale."""
@@ -163,9 +204,7 @@ def _block_scales(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantize multiplier, stored scale_inv) per block for blockwise or mxfp8."""
     if spec.e8m0_scales:
-        # Step 2: multiply by the fp32-rounded reciprocal of fp8_max, not a division.
-        recip_max = reciprocal(torch.full((), fp8_max(fp8_dtype), device=block_amax.device))
-        e8m0 = e8m0_from_t(block_amax * recip_max)
+        e8m0 = e8m0_from_amax(block_amax, fp8_dtype)
         return e8m0_to_fp32(e8m0, negate_exponent=True), e8m0
     scale = scale_from_amax(
         block_amax,
@@ -176,7 +215,7 @@ def _block_scales(
     return scale, reciprocal(scale)
 
 
-def _quantize_1d_blocks(
+def quantize_1d_blocks(
     x2d: torch.Tensor,
     *,
     spec: RecipeSpec,
@@ -207,7 +246,7 @@ def _quantize_1d_blocks(
     return data.contiguous(), scale_inv.contiguous()
 
 
-def _quantize_2d_blocks(
+def quantize_2d_blocks(
     x2d: torch.Tensor,
     *,
     spec: RecipeSpec,
@@ -262,7 +301,7 @@ def quantize_reference(
             used_amax = local_amax if amax is None else amax.to(torch.float32).reshape(())
             scale = scale_from_amax(used_amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
             out["amax"] = used_amax
-        data, scale_inv = _per_tensor(x2d, scale=scale, fp8_dtype=fp8_dtype)
+        data, scale_inv = quantize_per_tensor(x2d, scale=scale, fp8_dtype=fp8_dtype)
         data = data.reshape(x.shape)
         if rowwise:
             out["rowwise_data"], out["rowwise_scale_inv"] = data, scale_inv
@@ -272,7 +311,7 @@ def quantize_reference(
         return out
     out["amax"] = local_amax
     if spec.uses_2d_blocks(role):
-        data, scale_inv = _quantize_2d_blocks(
+        data, scale_inv = quantize_2d_blocks(
             x2d, spec=spec, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x.dtype
         )
         data = data.reshape(x.shape)
@@ -283,7 +322,7 @@ def quantize_reference(
         return out
     for direction, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
         if wanted:
-            data, scale_inv = _quantize_1d_blocks(
+            data, scale_inv = quantize_1d_blocks(
                 x2d,
                 spec=spec,
                 fp8_dtype=fp8_dtype,

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.fp8.cuda.formats import fp8_max
 from megatron.core.fp8.cuda.quantize import quantize_cuda
+from megatron.core.fp8.formats import fp8_max
 
 # Shapes: block-aligned, ragged in one or both dims (rows a multiple of 4 or not: the word
 # kernels need one), ragged rows with whole 128-column blocks (the MX kernel's packed E8M0

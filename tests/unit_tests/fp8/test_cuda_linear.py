@@ -6,8 +6,8 @@ import torch
 
 from megatron.core.fp8 import Fp8Config, Fp8Linear, fp8_autocast, quantize, quantized_model_init
 from megatron.core.fp8.cuda import linear_ops
-from megatron.core.fp8.cuda import quantize as cq
-from megatron.core.fp8.cuda.quantize import mxfp8_dequantize
+from megatron.core.fp8.cuda import quantize_per_tensor as qpt
+from megatron.core.fp8.cuda.quantize_mxfp8 import mxfp8_dequantize
 from megatron.core.fp8.reference import dequantize_reference
 
 pytestmark = pytest.mark.gpu
@@ -105,7 +105,7 @@ AMAX_SHAPES = {(256, 2048): True, (2048, 4096): True, (300, 1000): False}
 )
 @pytest.mark.parametrize("shape", list(AMAX_SHAPES), ids=lambda s: f"{s[0]}x{s[1]}")
 def test_tensorwise_amax_pass_equals_reference(shape, dtype, content):
-    assert cq.amax_partials_spec(shape[0] * shape[1])[2]["EVEN"] is AMAX_SHAPES[shape]
+    assert qpt.amax_partials_spec(shape[0] * shape[1])[2]["EVEN"] is AMAX_SHAPES[shape]
     torch.manual_seed(1)
     x = torch.randn(*shape, device="cuda", dtype=dtype) * 5
     flat = x.view(-1)
@@ -240,7 +240,7 @@ def test_mxfp8_forward_keeps_one_byte_per_input_element():
 def test_fused_delayed_update_equals_reference(algo, margin):
     """The one-kernel flush: new scales and rolled histories bitwise equal to the reference,
     including zero histories (scale kept), Inf amaxes and tiny amaxes (scale -> FLT_MAX)."""
-    from megatron.core.fp8.cuda.quantize import delayed_update
+    from megatron.core.fp8.cuda.quantize_per_tensor import delayed_update
     from megatron.core.fp8.reference import delayed_scale_update, roll_amax_history
 
     histories = torch.rand(6, 1024, device="cuda") * 100
@@ -294,11 +294,11 @@ def test_cached_direct_launch_equals_triton_launch(recipe):
         second = run(x)  # every kernel of this key was launched before: direct launches
         assert launch._direct["enabled"], launch.direct_launch_status()
         assert launch._direct["launches"] > direct_before, name
-        launch._direct["enabled"] = False
+        launch.set_direct_launch(False)
         try:
             through_triton = run(x)
         finally:
-            launch._direct["enabled"] = True
+            launch.set_direct_launch(True)
         for a, b, c in zip(first, second, through_triton, strict=True):
             assert torch.equal(a, b) and torch.equal(a, c), name
 

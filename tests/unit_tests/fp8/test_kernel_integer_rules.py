@@ -1,4 +1,4 @@
-"""The integer shortcuts in triton_quantize.py, written out in torch here, against the reference
+"""The integer shortcuts in triton_common.py, written out in torch here, against the reference
 rules (docs/FP8_NUMERICS.md) on CPU:
 
 - `_pow2_scale`: the power-of-two scale from exponent arithmetic instead of clear_mantissa(
@@ -53,7 +53,7 @@ def _as_float(bits: torch.Tensor) -> torch.Tensor:
 
 
 def pow2_scale_shortcut(amax: torch.Tensor, fp8_dtype, inf_scale: float) -> torch.Tensor:
-    """_pow2_scale and _scale_from_amax's usable test, as triton_quantize.py computes them."""
+    """_pow2_scale and _scale_from_amax's usable test, as triton_common.py computes them."""
     f = {448.0: 8, 57344.0: 15}[fp8_max(fp8_dtype)]
     bits = amax.view(torch.int32)
     exponent = bits >> 23
@@ -66,7 +66,7 @@ def pow2_scale_shortcut(amax: torch.Tensor, fp8_dtype, inf_scale: float) -> torc
 
 
 def e8m0_shortcut(amax: torch.Tensor, fp8_dtype) -> torch.Tensor:
-    """_e8m0_from_amax as triton_quantize.py computes it (amax >= 0, not NaN)."""
+    """_e8m0_from_amax as triton_common.py computes it (amax >= 0, not NaN)."""
     t = amax * torch.tensor(1.0 / fp8_max(fp8_dtype), dtype=torch.float32)
     bits = t.view(torch.int32)
     carry = torch.where(bits < 0x00800000, 0x003FFFFF, 0x007FFFFF).to(torch.int32)

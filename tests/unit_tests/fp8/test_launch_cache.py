@@ -52,10 +52,11 @@ class FakeRuntime:
 
 @pytest.fixture
 def fresh(monkeypatch):
-    monkeypatch.setattr(launch, "_compiled", {})
-    monkeypatch.setattr(launch, "_direct", {"enabled": True, "why_not": "", "launches": 0})
+    launch.reset_launch_cache()
     monkeypatch.setattr(launch, "_knobs", lambda: FakeRuntime)
     monkeypatch.setattr(launch, "_raw_stream", lambda device: 1234)
+    yield
+    launch.reset_launch_cache()  # no fake kernel stays cached
 
 
 def test_second_launch_calls_the_compiled_kernel_with_constexprs_in_signature_order(fresh):
@@ -166,7 +167,7 @@ def test_site_first_call_goes_through_triton_then_calls_the_held_kernel(fresh):
     compiled, tail, device, runtime = site._held[True]
     assert tail == (128, True) and device == -1 and runtime is FakeRuntime
     # The held kernel is used without the process-wide cache: emptying it changes nothing.
-    launch._compiled.clear()
+    launch.reset_launch_cache()
     site((second, 64), True)
     assert kernel.compiles == 1 and len(kernel.log) == 2
     kind, call = kernel.log[1]
@@ -221,16 +222,16 @@ def test_a_new_site_of_a_compiled_specialization_holds_it_without_compiling(fres
 def test_site_goes_through_triton_every_time_while_the_direct_path_is_off(fresh):
     kernel = FakeKernel()
     site = launch.LaunchSite(kernel, (1,), dict(BLOCK=128, FLAG=True))
-    launch._direct["enabled"] = False
+    launch.set_direct_launch(False)
     for _ in range(3):
         site((torch.zeros(64), 64), True)
     assert [entry[0] for entry in kernel.log] == ["jit"] * 3 and kernel.compiles == 3
     assert site._held == {} and launch._compiled == {}
     # Turned off after the site has held its kernel: the held kernel is no longer called.
-    launch._direct["enabled"] = True
+    launch.set_direct_launch(True)
     site((torch.zeros(64), 64), True)
     assert list(site._held) == [True]
-    launch._direct["enabled"] = False
+    launch.set_direct_launch(False)
     site((torch.zeros(64), 64), True)
     assert [entry[0] for entry in kernel.log] == ["jit"] * 5 and launch._direct["launches"] == 0
 

@@ -1,7 +1,7 @@
 """CPU twin of Fp8Linear's prepared quantize launches (megatron/core/fp8/cuda/linear_ops.py,
 `OperandPlan` / `quantize_operands`) and of its direct GEMM (`_direct_scaled_mm`).
 
-Fake kernels with the real kernels' parameter names (read from triton_quantize.py) stand in
+Fake kernels with the real kernels' parameter names (read from triton_*.py) stand in
 for Triton: every launch is recorded, whether it went through `kernel[grid](...)` (Triton's
 jit path) or through the held compiled kernel's launcher (the direct path), so the kernels,
 grids, argument order and constexprs of each recipe are checked without a GPU. The real
@@ -17,9 +17,13 @@ import torch
 
 from megatron.core.fp8.cuda import gemm as cuda_gemm
 from megatron.core.fp8.cuda import launch, linear_ops
-from megatron.core.fp8.cuda import quantize as cq
-from megatron.core.fp8.cuda.formats import ceil_div
+from megatron.core.fp8.cuda import quantize_blockwise as qbw
+from megatron.core.fp8.cuda import quantize_common as qc
+from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
+from megatron.core.fp8.cuda import quantize_per_tensor as qpt
+from megatron.core.fp8.cuda.launch import ceil_div
 from megatron.core.fp8.cuda.linear_ops import GemmOperand
+from megatron.core.fp8.debug import set_debug_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 M, K = 256, 384
@@ -39,9 +43,13 @@ STREAM = 1234
 
 def _signatures() -> dict[str, tuple[list[str], list[str]]]:
     """kernel name -> (parameter names, constexpr parameter names), in signature order."""
-    path = pathlib.Path(cq.__file__).with_name("triton_quantize.py")
+    nodes = [
+        node
+        for path in pathlib.Path(qc.__file__).parent.glob("triton_*.py")
+        for node in ast.parse(path.read_text()).body
+    ]
     found = {}
-    for node in ast.parse(path.read_text()).body:
+    for node in nodes:
         if isinstance(node, ast.FunctionDef) and node.name in KERNELS:
             params = node.args.args
             constexpr = [
@@ -114,7 +122,7 @@ class FakeKernel:
 
 
 class FakeKernels:
-    """What quantize._triton_kernels() returns: the kernels and grid_size."""
+    """What quantize_common.triton_kernels() returns: the kernels and grid_size."""
 
     def __init__(self):
         self.log: list[dict] = []
@@ -139,18 +147,18 @@ class FakeRuntime:
 @pytest.fixture
 def kernels(monkeypatch):
     fakes = FakeKernels()
-    monkeypatch.setattr(cq, "_triton_kernels", lambda: fakes)
-    monkeypatch.setattr(launch, "_compiled", {})
-    monkeypatch.setattr(launch, "_direct", {"enabled": True, "why_not": "", "launches": 0})
+    monkeypatch.setattr(qc, "triton_kernels", lambda: fakes)
+    launch.reset_launch_cache()
     monkeypatch.setattr(launch, "_knobs", lambda: FakeRuntime)
     monkeypatch.setattr(launch, "_raw_stream", lambda device: STREAM)
     # The tests below check the two single-copy 1x128 kernels; test_fused_1x128_* the fused
     # one, test_pair_1x128_* the paired one.
-    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_pair", {})
-    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_fused", {})
+    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_pair", {})
+    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_fused", {})
     linear_ops.clear_plans()
     yield fakes
     linear_ops.clear_plans()
+    launch.reset_launch_cache()  # no fake kernel stays cached
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -230,11 +238,11 @@ def _expected_specs(case: str) -> list[tuple]:
         specs = []
         partials = 0
         if case == "tensorwise":
-            kernel, grid, constexprs, _ = cq.amax_partials_spec(M * K)
+            kernel, grid, constexprs, _ = qpt.amax_partials_spec(M * K)
             specs.append((kernel, grid, constexprs))
             partials = grid[0]
         specs.append(
-            cq.per_tensor_cast_spec(
+            qpt.per_tensor_cast_spec(
                 M,
                 K,
                 write_row=True,
@@ -248,17 +256,17 @@ def _expected_specs(case: str) -> list[tuple]:
         return specs
     if case == "blockwise input":
         return [
-            cq.block_1x128_rows_spec(M, K, record=False, row_scale_t=True, **common),
-            cq.block_128x1_cols_spec(M, K, columnwise=False, write_t=True, record=False, **common),
+            qbw.block_1x128_rows_spec(M, K, record=False, row_scale_t=True, **common),
+            qbw.block_128x1_cols_spec(M, K, columnwise=False, write_t=True, record=False, **common),
         ]
     if case == "blockwise weight":
-        return [cq.block_128x128_spec(M, K, write_row=True, write_t=True, record=False, **common)]
+        return [qbw.block_128x128_spec(M, K, write_row=True, write_t=True, record=False, **common)]
     mx = dict(write_t=False, record=False, fp8_dtype=fp8_dtype)
     if case in ("mxfp8 grad", "mxfp8 input read at once"):
-        return [cq.mxfp8_spec(M, K, rowwise=True, columnwise=True, dequant=True, **mx)]
+        return [qmx.mxfp8_spec(M, K, rowwise=True, columnwise=True, dequant=True, **mx)]
     return [
-        cq.mxfp8_spec(M, K, rowwise=True, columnwise=False, dequant=True, **mx),
-        cq.mxfp8_spec(M, K, rowwise=False, columnwise=True, dequant=False, **mx),
+        qmx.mxfp8_spec(M, K, rowwise=True, columnwise=False, dequant=True, **mx),
+        qmx.mxfp8_spec(M, K, rowwise=False, columnwise=True, dequant=False, **mx),
     ]
 
 
@@ -311,7 +319,7 @@ def test_tensorwise_partial_maxima_reach_the_cast(kernels):
         partials = amax["args"][1]
         programs = amax["grid"][0]
         assert programs == 8 and programs & (programs - 1) == 0
-        assert programs <= cq.AMAX_PARTIALS
+        assert programs <= qpt.AMAX_PARTIALS
         assert partials.dtype == torch.float32 and partials.shape == (programs,)
         assert same_args(amax["args"], (x, partials, M * K, 1))  # 6 blocks over 8 programs
         # 6 blocks over 8 programs: two programs have none, so the loads are masked.
@@ -322,7 +330,7 @@ def test_tensorwise_partial_maxima_reach_the_cast(kernels):
         args = cast["args"]
         assert args[3] is partials and args[4] is partials
         data, data_t, scale_inv = args[1], args[2], args[5]
-        expected = cq.per_tensor_cast_args(x, data, data_t, None, partials, scale_inv, None)
+        expected = qpt.per_tensor_cast_args(x, data, data_t, None, partials, scale_inv, None)
         assert same_args(args, expected)
         assert args[6] is scale_inv and args[7:] == (M, K)  # no history: a placeholder
         _check_per_tensor_operands(row, col, data, data_t, scale_inv)
@@ -343,7 +351,7 @@ def test_tensorwise_given_amax_skips_the_amax_pass(kernels):
         assert cast["constexprs"]["SCALE_GIVEN"] is False
         args = cast["args"]
         assert args[3] is given and args[4] is given
-        expected = cq.per_tensor_cast_args(x, args[1], args[2], None, given, args[5], None)
+        expected = qpt.per_tensor_cast_args(x, args[1], args[2], None, given, args[5], None)
         assert same_args(args, expected)
         _check_per_tensor_operands(row, col, args[1], args[2], args[5])
     assert sorted(str(key[-3]) for key in linear_ops._plans) == ["None", "torch.bfloat16"]
@@ -401,7 +409,7 @@ def test_tensorwise_amax_programs_cover_every_block(kernels):
         ((272, 1024), 32, 1, False),
         ((300, 1000), 32, 1, False),
         ((256, 2048), 32, 1, True),
-        ((2048, 4096), cq.AMAX_PARTIALS, 2, True),
+        ((2048, 4096), qpt.AMAX_PARTIALS, 2, True),
     ):
         x = torch.zeros(rows, cols, dtype=torch.bfloat16)
         _quantize(x, "tensorwise")
@@ -438,7 +446,7 @@ def test_delayed_cast_reads_the_scale_and_records_into_the_history(kernels):
         assert cast["constexprs"]["AMAX_PARTIALS"] == 0 and cast["constexprs"]["POW2"] is False
         _check_per_tensor_operands(row, col, args[1], args[2], args[5])
         # The generic launch helper passes the same arguments and constexprs on the same grid.
-        cq.launch_per_tensor_cast(
+        qpt.launch_per_tensor_cast(
             x,
             data=args[1],
             data_t=args[2],
@@ -507,7 +515,7 @@ def test_blockwise_input_launches_and_layouts(kernels):
         assert cols_launch["constexprs"]["COLUMNWISE"] is False
         assert cols_launch["constexprs"]["WRITE_T"] is True
         _assert_1x128_operands(row, col, row_bytes, row_sinv_t, col_t, col_sinv)
-        cq.launch_block_1x128(
+        qbw.launch_block_1x128(
             x,
             row=row_bytes,
             row_sinv=row_sinv_t,
@@ -540,7 +548,7 @@ def test_blockwise_weight_launch_and_layouts(kernels):
         assert col.data.dtype == E4M3 and col.data.data_ptr() == data_t.data_ptr()
         assert col.scale_inv is scale_inv_t
         assert scale_inv_t.shape == (3, 2) and scale_inv_t.stride() == (2, 1)
-        cq.launch_block_128x128(
+        qbw.launch_block_128x128(
             x,
             data=data,
             scale_inv=scale_inv,
@@ -572,7 +580,7 @@ def test_mxfp8_grad_dequantized_launch_and_layouts(kernels):
         assert values.shape == (M, K) and values.stride() == (K, 1)
         assert col.data.shape == (K, M) and col.data.stride() == (1, K)
         assert col.data.data_ptr() == col_values.data_ptr() and col_values.shape == (M, K)
-        cq.launch_mxfp8(
+        qmx.launch_mxfp8(
             x,
             row=values,
             row_e=None,
@@ -982,9 +990,12 @@ def test_under_torch_compile_no_pointer_is_read_and_no_plan_is_kept(kernels, mon
             assert amax.dim() == 0 and amax.dtype == torch.bfloat16
             assert float(amax) == float(x.abs().max())
             assert records[0]["constexprs"]["AMAX_PARTIALS"] == 0
-    # AMAX_IN_GRAPH off: the amax pass again.
-    monkeypatch.setattr(linear_ops, "AMAX_IN_GRAPH", False)
-    _quantize(x, "tensorwise")
+    # amax_in_graph off: the amax pass again.
+    previous = set_debug_config(amax_in_graph=False)
+    try:
+        _quantize(x, "tensorwise")
+    finally:
+        set_debug_config(**previous)
     assert [r["kernel"] for r in kernels.take()] == [name for name, _ in GRIDS["tensorwise"]]
     assert len(linear_ops._plans) == 1  # only the eager call's plan
 
@@ -1009,12 +1020,15 @@ def test_under_torch_compile_a_recording_quantization_is_the_custom_op(kernels, 
     assert not kernels.take()
 
 
-def test_the_plan_cache_is_bounded(kernels, monkeypatch):
-    monkeypatch.setattr(linear_ops, "MAX_PLANS", 3)
-    for rows in (16, 32, 48):
-        _quantize(torch.randn(rows, K, dtype=torch.bfloat16), "mxfp8")
-    assert len(linear_ops._plans) == 3
-    _quantize(torch.randn(64, K, dtype=torch.bfloat16), "mxfp8")
+def test_the_plan_cache_is_bounded(kernels):
+    previous = set_debug_config(max_plans=3)
+    try:
+        for rows in (16, 32, 48):
+            _quantize(torch.randn(rows, K, dtype=torch.bfloat16), "mxfp8")
+        assert len(linear_ops._plans) == 3
+        _quantize(torch.randn(64, K, dtype=torch.bfloat16), "mxfp8")
+    finally:
+        set_debug_config(**previous)
     assert [key[6] for key in linear_ops._plans] == [torch.Size([64, K])]
 
 
@@ -1024,7 +1038,7 @@ def test_the_plan_cache_is_bounded(kernels, monkeypatch):
 
 @pytest.fixture
 def fused_kernels(kernels, monkeypatch):
-    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_fused", dict(num_warps=4))
+    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_fused", dict(num_warps=4))
     return kernels
 
 
@@ -1044,7 +1058,7 @@ def test_fused_1x128_launch_layouts_and_generic_twin(fused_kernels):
         assert row_sinv_t.shape == (3, M) and col_sinv.shape == (2, K)
         # The operands read the same buffers as with the two kernels.
         _assert_1x128_operands(row, col, row_bytes, row_sinv_t, col_t, col_sinv)
-    cq.launch_block_1x128(
+    qbw.launch_block_1x128(
         x,
         row=row_bytes,
         row_sinv=row_sinv_t,
@@ -1072,7 +1086,7 @@ def test_fused_1x128_only_when_both_copies_are_wanted(fused_kernels):
     row, row_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(M, 3)
     col, col_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(2, K)
     bits = torch.zeros((), dtype=torch.int32)
-    cq.launch_block_1x128(
+    qbw.launch_block_1x128(
         x,
         row=row,
         row_sinv=row_sinv,
@@ -1109,13 +1123,13 @@ PAIR = dict(BM=64, BK=64, TRANS_X=False, num_warps=4)
 
 @pytest.fixture
 def pair_kernels(kernels, monkeypatch):
-    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_pair", dict(PAIR))
-    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_fused", dict(num_warps=4))
+    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_pair", dict(PAIR))
+    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_fused", dict(num_warps=4))
     return kernels
 
 
 def test_pair_is_tile_configs_default():
-    assert cq.TILE_CONFIG["block_1x128_pair"] == PAIR
+    assert qc.TILE_CONFIG["block_1x128_pair"] == PAIR
 
 
 @pytest.mark.parametrize("rows", [M, M - 2])
@@ -1147,7 +1161,7 @@ def test_pair_1x128_launch_layouts_any_row_count(pair_kernels, rows):
 def test_pair_1x128_grid_follows_its_tile_sizes_and_only_transposes(pair_kernels, monkeypatch):
     """The API: with the transposed copy (and an amax record) the paired launch, its grid from
     BM and BK; with the columnwise bytes in x's shape the fused kernel (faster there)."""
-    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_pair", dict(PAIR, BM=128, BK=32))
+    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_pair", dict(PAIR, BM=128, BK=32))
     x = torch.randn(M, K, dtype=torch.bfloat16)
     bits = torch.zeros((), dtype=torch.int32)
     row, row_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(M, 3)
@@ -1162,8 +1176,8 @@ def test_pair_1x128_grid_follows_its_tile_sizes_and_only_transposes(pair_kernels
         fp8_dtype=E4M3,
         power_2_scale=True,
     )
-    cq.launch_block_1x128(x, col=None, col_t=col_t, **common)
-    cq.launch_block_1x128(x, col=col, col_t=None, **common)
+    qbw.launch_block_1x128(x, col=None, col_t=col_t, **common)
+    qbw.launch_block_1x128(x, col=col, col_t=None, **common)
     transposed, in_shape = pair_kernels.take()
     assert transposed["kernel"] == "block_1x128_pair_kernel"
     assert transposed["grid"] == (2 * 3 * (1 + 4),)  # 128/128 rows + 128/32 cols programs
@@ -1182,10 +1196,10 @@ def test_pair_1x128_grid_follows_its_tile_sizes_and_only_transposes(pair_kernels
 
 def test_pair_off_falls_back_to_fused_then_two_kernels(pair_kernels, monkeypatch):
     x = torch.randn(M, K, dtype=torch.bfloat16)
-    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_pair", {})
+    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_pair", {})
     _quantize(x, "blockwise input")
     linear_ops.clear_plans()
-    monkeypatch.setitem(cq.TILE_CONFIG, "block_1x128_fused", {})
+    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_fused", {})
     _quantize(x, "blockwise input")
     assert [r["kernel"] for r in pair_kernels.take()] == [
         "block_1x128_fused_kernel",
@@ -1202,11 +1216,11 @@ def test_mxfp8_quads_kernel_unless_transposed_or_configured_off(kernels, monkeyp
     outputs = dict(
         row=row, row_e=row_e, col=col, col_e=col_e, record_bits=bits, fp8_dtype=E4M3, dequant=False
     )
-    chunks = cq.TILE_CONFIG["mxfp8_quads"]["CHUNKS"]
-    cq.launch_mxfp8(x, col_t=None, **outputs)
-    cq.launch_mxfp8(x, col_t=col_t, **outputs)
-    monkeypatch.setitem(cq.TILE_CONFIG, "mxfp8_quads", {})
-    cq.launch_mxfp8(x, col_t=None, **outputs)
+    chunks = qc.TILE_CONFIG["mxfp8_quads"]["CHUNKS"]
+    qmx.launch_mxfp8(x, col_t=None, **outputs)
+    qmx.launch_mxfp8(x, col_t=col_t, **outputs)
+    monkeypatch.setitem(qc.TILE_CONFIG, "mxfp8_quads", {})
+    qmx.launch_mxfp8(x, col_t=None, **outputs)
     quads, transposed, off = kernels.take()
     assert quads["kernel"] == "mxfp8_quads_kernel"
     assert quads["grid"] == (8 * ceil_div(K, 32 * chunks),)
@@ -1239,8 +1253,8 @@ def test_mxfp8_packed_e8m0_words_only_where_whole(
 ):
     config = dict(CHUNKS=chunks, num_warps=1)
     for key in ("mxfp8", "mxfp8_quads", "mxfp8_dequantized", "mxfp8_quads_dequantized"):
-        monkeypatch.setitem(cq.TILE_CONFIG, key, dict(config))
-    kernel, grid, constexprs = cq.mxfp8_spec(
+        monkeypatch.setitem(qc.TILE_CONFIG, key, dict(config))
+    kernel, grid, constexprs = qmx.mxfp8_spec(
         M,
         cols,
         rowwise=rowwise,
@@ -1267,7 +1281,7 @@ def test_mxfp8_words_only_into_a_contiguous_aligned_row_e(kernels):
     odd = buffer[1:-1].view(M, K // 32)
     strided = torch.empty(M, K // 16, dtype=torch.uint8)[:, ::2]
     for row_e in (aligned, odd, strided):
-        cq.launch_mxfp8(
+        qmx.launch_mxfp8(
             x,
             row=row,
             row_e=row_e,

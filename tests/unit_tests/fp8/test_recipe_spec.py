@@ -11,8 +11,14 @@ import pytest
 import torch
 
 from megatron.core.fp8 import E4M3, Fp8Config, quantize
-from megatron.core.fp8.cuda.formats import BLOCK_128, MX_BLOCK
-from megatron.core.fp8.recipe import FP8_RECIPES, RECIPE_SPECS, is_recipe, recipe_spec
+from megatron.core.fp8.recipe import (
+    BLOCK_128,
+    FP8_RECIPES,
+    MX_BLOCK,
+    RECIPE_SPECS,
+    is_recipe,
+    recipe_spec,
+)
 from megatron.core.fp8.reference import scale_grid_shape
 
 FLT_MAX = 3.4028234663852886e38

@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fp8.cuda.formats import BLOCK_128, FP8_DTYPES, MX_BLOCK, ceil_div
-from megatron.core.fp8.cuda.torch_quantize import e8m0_dequant_multiplier
-from megatron.core.fp8.recipe import recipe_spec
+from megatron.core.fp8.cuda.launch import ceil_div
+from megatron.core.fp8.formats import FP8_DTYPES, e8m0_to_fp32
+from megatron.core.fp8.recipe import BLOCK_128, MX_BLOCK, recipe_spec
 
 # torch._scaled_mm wants K and N in multiples of 16 (and so do we for M: 16-byte scale rows).
 _MM_ALIGN = 16
@@ -259,7 +259,7 @@ def dequantize_operand(
     if spec.per_tensor:
         return (values * scale_inv.float().reshape(())).to(dtype)
     if spec.e8m0_scales:
-        multiplier = e8m0_dequant_multiplier(scale_inv.view(torch.uint8))
+        multiplier = e8m0_to_fp32(scale_inv.view(torch.uint8))
         block_rows, block_cols = 1, MX_BLOCK
     else:
         kind = _block_kind(scale_inv, rows=rows, k=cols, name="operand")

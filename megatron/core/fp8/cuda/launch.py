@@ -32,6 +32,20 @@ _compiled: dict[tuple, tuple] = {}
 _direct = {"enabled": True, "why_not": "", "launches": 0}
 
 
+def reset_launch_cache() -> None:
+    """Forget every kept compiled kernel and turn direct launches back on, with the launch
+    count at 0 (tests and benchmarks that swap kernels or measure from a clean state)."""
+    _compiled.clear()
+    _direct.update(enabled=True, why_not="", launches=0)
+
+
+def set_direct_launch(enabled: bool) -> None:
+    """Turn the direct path on or off (off: every launch goes through Triton's own call)."""
+    _direct["enabled"] = enabled
+    if not enabled:
+        _direct["why_not"] = "turned off by set_direct_launch"
+
+
 def direct_launch_status() -> str:
     """'direct (N launches)' while cached launches run, else why they were turned off."""
     if _direct["enabled"]:
@@ -170,3 +184,18 @@ class LaunchSite:
         runtime = _knobs()
         if entry is not None and runtime is not None:
             self._held[alignment] = (entry[0], entry[1], device, runtime)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def as_2d_shape(shape: torch.Size) -> tuple[int, int]:
+    """(rows, cols) of the 2-D view quantization works on: leading dims fold into rows."""
+    if len(shape) == 0:
+        return 1, 1
+    cols = int(shape[-1])
+    rows = 1
+    for dim in shape[:-1]:
+        rows *= int(dim)
+    return rows, cols

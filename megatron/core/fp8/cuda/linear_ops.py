@@ -27,11 +27,14 @@ from typing import NamedTuple
 
 import torch
 
-from megatron.core.fp8.cuda import quantize as cq
-from megatron.core.fp8.cuda.formats import BLOCK_128, ceil_div
+from megatron.core.fp8.cuda import quantize_blockwise as qbw
+from megatron.core.fp8.cuda import quantize_common as qc
+from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
+from megatron.core.fp8.cuda import quantize_per_tensor as qpt
 from megatron.core.fp8.cuda.gemm import blockwise_gemm_path, scaled_mm
-from megatron.core.fp8.cuda.launch import LaunchSite
-from megatron.core.fp8.recipe import recipe_spec
+from megatron.core.fp8.cuda.launch import LaunchSite, ceil_div
+from megatron.core.fp8.debug import DEBUG
+from megatron.core.fp8.recipe import BLOCK_128, MX_BLOCK, recipe_spec
 
 
 class GemmOperand(NamedTuple):
@@ -44,7 +47,7 @@ class GemmOperand(NamedTuple):
 
 def available(x: torch.Tensor) -> bool:
     """Whether the fused path runs for x (a CUDA tensor and importable Triton kernels)."""
-    return x.is_cuda and cq.triton_available()
+    return x.is_cuda and qc.triton_available()
 
 
 def emulation_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -96,7 +99,7 @@ def quantize_operands(
         scale = amax_history = None  # only the delayed recipe reads a scale or records
     if not spec.per_tensor or spec.delayed:
         amax = None  # only tensorwise scales from this pass's amax
-    elif amax is None and AMAX_IN_GRAPH and torch.compiler.is_compiling():
+    elif amax is None and DEBUG.amax_in_graph and torch.compiler.is_compiling():
         amax = producer_amax(x2d)
     elif amax is not None and (amax.dim() or not amax.dtype.is_floating_point):
         raise ValueError(f"amax= is max|x| as a 0-d float tensor, got {amax.dtype} {amax.shape}")
@@ -124,13 +127,6 @@ def quantize_operands(
         # through Triton's own call, which torch.compile traces (launch.LaunchSite).
         return OperandPlan(*key)(x2d, scale, amax_history, aligned=_alignment_unread, amax=amax)
     return _planned(key, x2d, scale, amax_history, amax)
-
-
-AMAX_IN_GRAPH = True
-"""Under torch.compile, tensorwise quantization takes max|x| from `producer_amax`, computed
-in the graph, instead of running its own amax pass: Inductor fuses the row maxima into the
-kernel that produced x (RMSNorm, SwiGLU and their backwards, RoPE's backward), so x is not
-read an extra time. False restores the amax pass (for A/B measurements)."""
 
 
 def producer_amax(x2d: torch.Tensor) -> torch.Tensor:
@@ -161,7 +157,7 @@ def _planned(key: tuple, x2d, scale, amax_history, amax=None):
     """The kept plan of `key` (made on first use) run eagerly on x2d."""
     plan = _plans.get(key)
     if plan is None:
-        if len(_plans) >= MAX_PLANS:
+        if len(_plans) >= DEBUG.max_plans:
             _plans.clear()  # many token counts (e.g. varying sequence lengths): start over
         plan = _plans[key] = OperandPlan(*key)
     return plan(x2d, scale, amax_history, amax=amax)
@@ -222,8 +218,8 @@ def _(x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, a
 # (recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, shape, dtype, device, record,
 # amax_dtype, dequant_dtype, saved) -> OperandPlan
 _plans: dict[tuple, OperandPlan] = {}
-# A plan is small, but one is kept per token count: bound them for runs whose shapes vary.
-MAX_PLANS = 1024
+# A plan is small, but one is kept per token count: bounded (`DEBUG.max_plans`) for runs whose
+# shapes vary.
 
 
 def clear_plans() -> None:
@@ -266,97 +262,96 @@ class OperandPlan:
         self.rowwise, self.transposed = rowwise, transposed
         self.rows, self.cols = shape
         self.device, self.dequant_dtype = device, dequant_dtype
-        rows, cols = shape
         spec = recipe_spec(recipe)
+        options = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=dtype)
         if spec.per_tensor:
-            partials = 0
-            if not spec.delayed and amax_dtype is None:  # tensorwise: scale from this pass's amax
-                kernel, grid, constexprs, self.blocks_per_program = cq.amax_partials_spec(
-                    rows * cols
-                )
-                self.amax = LaunchSite(kernel, grid, constexprs)
-                partials = grid[0]
-            self.partials = partials
-            self.cast = LaunchSite(
-                *cq.per_tensor_cast_spec(
-                    rows,
-                    cols,
-                    write_row=rowwise,
-                    write_t=transposed,
-                    record=record,
-                    fp8_dtype=fp8_dtype,
-                    recipe=recipe,
-                    power_2_scale=power_2_scale,
-                    input_dtype=dtype,
-                    amax_partials=partials,
-                )
-            )
-            self.run = self._per_tensor
+            self._plan_per_tensor(spec, record=record, amax_dtype=amax_dtype, **options)
         elif spec.uses_2d_blocks(role):
             self.cast = LaunchSite(
-                *cq.block_128x128_spec(
-                    rows,
-                    cols,
+                *qbw.block_128x128_spec(
+                    self.rows,
+                    self.cols,
                     write_row=rowwise,
                     write_t=transposed,
                     record=False,
-                    fp8_dtype=fp8_dtype,
-                    power_2_scale=power_2_scale,
-                    input_dtype=dtype,
+                    **options,
                 )
             )
             self.run = self._block_128x128
         elif not spec.fused_linear_emulates:  # blockwise 1x128 activations and grads
-            options = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=dtype)
-            fused = None
-            if rowwise and transposed:
-                fused = cq.block_1x128_fused_spec(
-                    rows,
-                    cols,
-                    columnwise=False,
-                    write_t=True,
-                    record=False,
-                    row_scale_t=True,
-                    **options,
+            self._plan_block_1x128(**options)
+        else:
+            self._plan_mxfp8(saved)
+
+    def _plan_per_tensor(self, spec, *, record, amax_dtype, **options) -> None:
+        rows, cols = self.rows, self.cols
+        partials = 0
+        if not spec.delayed and amax_dtype is None:  # tensorwise: scale from this pass's amax
+            kernel, grid, constexprs, self.blocks_per_program = qpt.amax_partials_spec(rows * cols)
+            self.amax = LaunchSite(kernel, grid, constexprs)
+            partials = grid[0]
+        self.partials = partials
+        self.cast = LaunchSite(
+            *qpt.per_tensor_cast_spec(
+                rows,
+                cols,
+                write_row=self.rowwise,
+                write_t=self.transposed,
+                record=record,
+                recipe=self.recipe,
+                amax_partials=partials,
+                **options,
+            )
+        )
+        self.run = self._per_tensor
+
+    def _plan_block_1x128(self, **options) -> None:
+        rows, cols, rowwise, transposed = self.rows, self.cols, self.rowwise, self.transposed
+        fused = None
+        if rowwise and transposed:
+            fused = qbw.block_1x128_fused_spec(
+                rows,
+                cols,
+                columnwise=False,
+                write_t=True,
+                record=False,
+                row_scale_t=True,
+                **options,
+            )
+        self.fused_site = LaunchSite(*fused) if fused is not None else None
+        if rowwise and fused is None:
+            self.rows_site = LaunchSite(
+                *qbw.block_1x128_rows_spec(rows, cols, record=False, row_scale_t=True, **options)
+            )
+        if transposed and fused is None:
+            self.cols_site = LaunchSite(
+                *qbw.block_128x1_cols_spec(
+                    rows, cols, columnwise=False, write_t=True, record=False, **options
                 )
-            self.fused_site = LaunchSite(*fused) if fused is not None else None
-            if rowwise and fused is None:
-                self.rows_site = LaunchSite(
-                    *cq.block_1x128_rows_spec(rows, cols, record=False, row_scale_t=True, **options)
+            )
+        self.run = self._block_1x128
+
+    def _plan_mxfp8(self, saved: bool) -> None:
+        """mxfp8, emulated GEMM: dequantized values, or bytes where they are kept. A transposed
+        copy saved for backward (an input's or a weight's in the forward) is kept as bytes and
+        E8M0 scales (half the bytes of bf16 values), dequantized by the GEMM that reads them.
+        Everything else is read at once: dequantized values, one pass."""
+        rows, cols = self.rows, self.cols
+        self.keeps_bytes = saved  # the key's: only ever True for a transposed copy
+        values = dict(write_t=False, record=False, fp8_dtype=self.fp8_dtype)
+        self.cast = self.col_cast = None
+        col_values = self.transposed and not self.keeps_bytes
+        if self.rowwise or col_values:
+            self.cast = LaunchSite(
+                *qmx.mxfp8_spec(
+                    rows, cols, rowwise=self.rowwise, columnwise=col_values, dequant=True, **values
                 )
-            if transposed and fused is None:
-                self.cols_site = LaunchSite(
-                    *cq.block_128x1_cols_spec(
-                        rows, cols, columnwise=False, write_t=True, record=False, **options
-                    )
-                )
-            self.run = self._block_1x128
-        else:  # mxfp8, emulated GEMM: dequantized values, or bytes where they are kept
-            # A transposed copy saved for backward (an input's or a weight's in the forward)
-            # is kept as bytes and E8M0 scales (half the bytes of bf16 values), dequantized by
-            # the GEMM that reads them. Everything else is read at once: dequantized values,
-            # one pass.
-            self.keeps_bytes = saved  # the key's: only ever True for a transposed copy
-            values = dict(write_t=False, record=False, fp8_dtype=fp8_dtype)
-            self.cast = self.col_cast = None
-            if rowwise or (transposed and not self.keeps_bytes):
-                self.cast = LaunchSite(
-                    *cq.mxfp8_spec(
-                        rows,
-                        cols,
-                        rowwise=rowwise,
-                        columnwise=transposed and not self.keeps_bytes,
-                        dequant=True,
-                        **values,
-                    )
-                )
-            if self.keeps_bytes:
-                self.col_cast = LaunchSite(
-                    *cq.mxfp8_spec(
-                        rows, cols, rowwise=False, columnwise=True, dequant=False, **values
-                    )
-                )
-            self.run = self._mxfp8
+            )
+        if self.keeps_bytes:
+            self.col_cast = LaunchSite(
+                *qmx.mxfp8_spec(rows, cols, rowwise=False, columnwise=True, dequant=False, **values)
+            )
+        self.run = self._mxfp8
 
     def __call__(self, x2d, scale, amax_history, aligned=None, amax=None):
         """`aligned(t)`: the alignment key part of a caller tensor (default: whether it is
@@ -377,7 +372,7 @@ class OperandPlan:
         data_t = self._empty(cols, rows) if self.transposed else None
         scale_inv = torch.empty((), dtype=torch.float32, device=self.device)
         record = amax_history.view(torch.int32) if amax_history is not None else None
-        args = cq.per_tensor_cast_args(x2d, data, data_t, scale, amax, scale_inv, record)
+        args = qpt.per_tensor_cast_args(x2d, data, data_t, scale, amax, scale_inv, record)
         # Which caller tensors are aligned: x, the scale or amax, the amax history.
         alignment = (x_aligned, aligned(args[3]), record is None or aligned(record))
         self.cast(args, alignment)
@@ -418,7 +413,7 @@ class OperandPlan:
         scale_inv_t = (
             self._empty(col_blocks, row_blocks, torch.float32) if self.transposed else None
         )
-        args = cq.block_128x128_args(x2d, data, scale_inv, data_t, scale_inv_t, None)
+        args = qbw.block_128x128_args(x2d, data, scale_inv, data_t, scale_inv_t, None)
         self.cast(args, aligned(x2d))
         row_op = GemmOperand(data.view(self.fp8_dtype), scale_inv) if data is not None else None
         col_op = None
@@ -436,10 +431,10 @@ class OperandPlan:
             col = self._empty(rows, cols, torch.uint8 if self.keeps_bytes else self.dequant_dtype)
         if self.cast is not None:
             values = None if self.keeps_bytes else col
-            self.cast(cq.mxfp8_args(x2d, row, None, values, None, None, None), aligned(x2d))
+            self.cast(qmx.mxfp8_args(x2d, row, None, values, None, None, None), aligned(x2d))
         if self.keeps_bytes:
-            col_e = self._empty(ceil_div(rows, cq.MX_BLOCK), cols)
-            self.col_cast(cq.mxfp8_args(x2d, None, None, col, col_e, None, None), aligned(x2d))
+            col_e = self._empty(ceil_div(rows, MX_BLOCK), cols)
+            self.col_cast(qmx.mxfp8_args(x2d, None, None, col, col_e, None, None), aligned(x2d))
             col = col.view(self.fp8_dtype)
         # The columnwise copy keeps x's shape; the transposed operand is a view (bf16 GEMMs
         # take either layout, and the dequantizing GEMM reads the bytes in x's layout).
@@ -460,7 +455,7 @@ def weight_operand(weight, usage: str, *, compute_dtype: torch.dtype) -> GemmOpe
     scale_inv = weight.columnwise_scale_inv if columnwise else weight.rowwise_scale_inv
     if data is None:
         raise ValueError(f"the FP8 mxfp8 weight has no {usage} copy; quantize it with both")
-    values = cq.mxfp8_dequantize(
+    values = qmx.mxfp8_dequantize(
         data.reshape(-1, weight.shape[-1]),
         scale_inv,
         fp8_dtype=weight.fp8_dtype,
@@ -538,7 +533,7 @@ def _mx_values(operand: GemmOperand, compute_dtype: torch.dtype) -> torch.Tensor
     if compute_dtype.itemsize == 1:
         raise ValueError("an emulated MXFP8 GEMM dequantizes at most one of its operands")
     columnwise = operand.data.t()
-    values = cq.mxfp8_dequantize(
+    values = qmx.mxfp8_dequantize(
         columnwise.view(torch.uint8),
         operand.scale_inv,
         fp8_dtype=columnwise.dtype,

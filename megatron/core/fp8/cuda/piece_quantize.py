@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core.fp8.cuda import quantize as cq
-from megatron.core.fp8.cuda import torch_quantize as tq
-from megatron.core.fp8.cuda.formats import MX_BLOCK, ceil_div, fp8_max
-from megatron.core.fp8.recipe import recipe_spec
+from megatron.core.fp8.cuda import quantize_common as qc
+from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
+from megatron.core.fp8.cuda.launch import ceil_div
+from megatron.core.fp8.formats import fp8_max
+from megatron.core.fp8.recipe import MX_BLOCK, recipe_spec
 from megatron.core.fp8.reference import amax_ignoring_nan, saturating_cast
 
 WHOLE = 1 << 30
@@ -77,7 +78,7 @@ def cell_index(
 
 
 def _fused(values: torch.Tensor) -> bool:
-    return values.is_cuda and cq.triton_available()
+    return values.is_cuda and qc.triton_available()
 
 
 def _launch_geometry(
@@ -137,7 +138,7 @@ def piece_cell_amax_(
         row_base, grid, (cell_rows, cell_cols) = _launch_geometry(
             shape, recipe=recipe, columnwise=columnwise, param_start=param_start, numel=numel
         )
-        cq._triton_kernels().piece_amax_kernel[grid](
+        qc.triton_kernels().piece_amax_kernel[grid](
             values,
             cell_amax.view(torch.int32),
             param_start,
@@ -199,7 +200,7 @@ def piece_cast_(
         row_base, grid, (cell_rows, cell_cols) = _launch_geometry(
             shape, recipe=recipe, columnwise=columnwise, param_start=param_start, numel=numel
         )
-        cq._triton_kernels().piece_cast_kernel[grid](
+        qc.triton_kernels().piece_cast_kernel[grid](
             values,
             out,
             multiplier.contiguous(),
@@ -252,7 +253,7 @@ def quantize_mxfp8_rows_(
     if rows == 0:
         return
     if _fused(values2d):
-        cq.launch_mxfp8(
+        qmx.launch_mxfp8(
             values2d,
             row=row_data,
             row_e=row_scale,
@@ -267,6 +268,6 @@ def quantize_mxfp8_rows_(
     for along_rows, data, scale in ((True, row_data, row_scale), (False, col_data, col_scale)):
         if data is None:
             continue
-        quantized, e8m0 = tq.quantize_mxfp8(values2d, fp8_dtype=fp8_dtype, along_rows=along_rows)
+        quantized, e8m0 = qmx.mxfp8_copy_torch(values2d, fp8_dtype, not along_rows)
         data.copy_(quantized)
         scale.copy_(e8m0)

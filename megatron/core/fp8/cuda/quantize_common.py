@@ -1,0 +1,81 @@
+"""What every quantize kernel family shares: launch configurations, the lazily loaded Triton
+kernels, small buffers and the NaN-ignoring whole-tensor amax of the torch fallbacks."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron.core.fp8.reference import amax_ignoring_nan
+
+# Launch configurations per kernel: tile rows BM, tile cols BK, tiles per program GROUP (a
+# program walks GROUP tiles down one column strip), warps; BLOCK elements per step of the amax
+# pass; TRANS_X: transpose the high-precision tile rather than the FP8 bytes. Block recipes
+# need the whole 128x128 (1x128 / 128x128) or 32-aligned (MX) block inside one program so that
+# each block's amax finishes there. `benchmarks/bench_fp8.py --sweep` times alternatives; the
+# values here are the fastest measured on an H200
+# (docs/benchmarks/fp8_quantize_pair_kernel_h200_2026-12-01.md).
+TILE_CONFIG: dict[str, dict[str, int]] = {
+    "amax": dict(BLOCK=16384, GROUP=1, num_warps=16),
+    "cast": dict(BM=64, BK=64, GROUP=4, TRANS_X=False, num_warps=4),
+    "cast_t": dict(BM=64, BK=64, GROUP=4, TRANS_X=False, num_warps=4),
+    "block_1x128": dict(BM=64, GROUP=1, num_warps=4),
+    "block_128x1": dict(BK=64, TRANS_X=False, num_warps=4),
+    # Both 1x128 copies in one launch when one is transposed: the rows and cols kernels'
+    # tiles of each 128x128 tile as consecutive programs (block_1x128_pair_kernel); empty:
+    # "block_1x128_fused".
+    "block_1x128_pair": dict(BM=64, BK=64, TRANS_X=False, num_warps=4),
+    # Both 1x128 copies from one 128x128 tile read (rows % 4 == 0): the API's columnwise copy
+    # in x's shape, and the transposed one when "block_1x128_pair" is empty; empty: the two
+    # single-copy kernels.
+    "block_1x128_fused": dict(num_warps=4),
+    "block_128x128": dict(TRANS_X=True, num_warps=4),
+    "mxfp8": dict(CHUNKS=2, num_warps=1),
+    "mxfp8_dequantized": dict(CHUNKS=1, num_warps=1),
+    # mxfp8_quads_kernel for the two above when there is no transposed copy; empty: not used.
+    "mxfp8_quads": dict(CHUNKS=4, num_warps=1),
+    "mxfp8_quads_dequantized": dict(CHUNKS=1, num_warps=1),
+    "mxfp8_dequant": dict(CHUNKS=2, num_warps=1),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def triton_kernels():
+    """The Triton kernel module, or None when Triton cannot be imported here."""
+    try:
+        from megatron.core.fp8.cuda import triton_quantize
+    except ImportError:
+        return None
+    return triton_quantize
+
+
+def triton_available() -> bool:
+    """Whether the fused Triton kernels can run (Triton importable and a CUDA device present)."""
+    return torch.cuda.is_available() and triton_kernels() is not None
+
+
+def use_triton(x: torch.Tensor, force_torch: bool) -> bool:
+    return not force_torch and x.is_cuda and triton_kernels() is not None
+
+
+def scalar_f32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device=device, dtype=torch.float32).reshape(())
+
+
+def whole_amax_torch(x2d: torch.Tensor) -> torch.Tensor:
+    if x2d.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x2d.device)
+    return amax_ignoring_nan(x2d)
+
+
+COPY_KEYS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
+def empty_u8(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    return torch.empty((rows, cols), dtype=torch.uint8, device=device)
+
+
+def amax_buffer(device: torch.device) -> torch.Tensor:
+    """int32 cell for the atomic max of fp32 amax bits; 0 is the bit pattern of +0.0."""
+    return torch.zeros((), dtype=torch.int32, device=device)
