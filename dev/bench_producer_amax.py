@@ -52,7 +52,7 @@ def main() -> None:
         fp8=fp8,
     )
     torch.manual_seed(0)
-    with torch.device("cuda"), quantized_model_init(args.recipe):
+    with torch.device("cuda"), quantized_model_init(recipe=args.recipe):
         layer = TransformerLayer(config, layer_number=1)
     prepare_for_compile(layer)
     layer.forward = torch.compile(layer.forward)

@@ -157,7 +157,7 @@ def _fp8_layer(recipe: str, *, fp8_params: bool, device: str = "cuda") -> Transf
     torch.manual_seed(0)
     with torch.device(device):
         if fp8_params:
-            with quantized_model_init(recipe, preserve_high_precision_init_val=True):
+            with quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
                 return TransformerLayer(config, layer_number=1)
         return TransformerLayer(config, layer_number=1)
 

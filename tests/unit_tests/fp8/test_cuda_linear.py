@@ -176,7 +176,7 @@ def _step(recipe, *, fused, fp8_weight, monkeypatch, steps=2):
     torch.manual_seed(0)
     config = Fp8Config(recipe=recipe, amax_history_len=4)
     if fp8_weight:
-        with quantized_model_init(recipe):
+        with quantized_model_init(recipe=recipe):
             layer = Fp8Linear(256, 384, fp8_config=config, dtype=torch.bfloat16, device="cuda")
     else:
         layer = Fp8Linear(256, 384, fp8_config=config, dtype=torch.bfloat16, device="cuda")
@@ -218,7 +218,7 @@ def test_mxfp8_forward_keeps_one_byte_per_input_element():
     # Emulated MXFP8 with FP8 weights: what a forward leaves alive for backward, besides its
     # output, is wgrad's copy of the input as 32x1 bytes and E8M0 scales (1 + 1/32 bytes per
     # element), not dequantized bf16 values (2 bytes).
-    with quantized_model_init("mxfp8"):
+    with quantized_model_init(recipe="mxfp8"):
         layer = Fp8Linear(
             1024, 1024, fp8_config=Fp8Config(recipe="mxfp8"), dtype=torch.bfloat16, device="cuda"
         )

@@ -19,7 +19,7 @@ from megatron.core.fp8.param_init import quantized_model_init
 def _model(recipe: str) -> torch.nn.Sequential:
     config = Fp8Config(recipe=recipe, fp8_format="hybrid")
     torch.manual_seed(0)
-    with quantized_model_init(recipe):
+    with quantized_model_init(recipe=recipe):
         return torch.nn.Sequential(
             Fp8Linear(256, 128, bias=False, fp8_config=config, dtype=torch.bfloat16),
             torch.nn.ReLU(),
