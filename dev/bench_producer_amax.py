@@ -18,8 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megatron.core.fp8 import Fp8Config, fp8_autocast, quantized_model_init
+from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.fp8.cuda import linear_ops
-from megatron.core.fp8.linear import prepare_for_compile
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer

@@ -30,9 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core.fp8.config import Fp8Config
+from megatron.core.fp8.formats import ROLES
 from megatron.core.fp8.reference import delayed_scale_update, roll_amax_history
-
-TENSOR_ROLES = ("input", "weight", "grad")
 
 
 class ScalingMeta:
@@ -68,7 +67,7 @@ class DelayedScaling:
     def __init__(self, *, config: Fp8Config, dtypes: dict[str, torch.dtype], device=None) -> None:
         self.metas = {
             role: ScalingMeta(fp8_dtype=dtypes[role], config=config, device=device)
-            for role in TENSOR_ROLES
+            for role in ROLES
         }
 
     def move_to(self, device: torch.device) -> None:

@@ -12,10 +12,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from megatron.core.fp8 import Fp8Config, fp8_autocast, quantized_model_init, reference_ops
+from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.fp8.cuda import linear_ops
 from megatron.core.fp8.cuda.linear_ops import GemmOperand
 from megatron.core.fp8.gemm import fp8_gemm
-from megatron.core.fp8.linear import prepare_for_compile
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 

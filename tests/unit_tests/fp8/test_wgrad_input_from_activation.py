@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from megatron.core.fp8 import Fp8Config, Fp8Linear, quantized_model_init
-from megatron.core.fp8.linear import prepare_for_compile
+from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
