@@ -64,7 +64,7 @@ def main() -> None:
     dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 1e-3
 
     def step() -> None:
-        with fp8_autocast(enabled=True, fp8_config=fp8):
+        with fp8_autocast(layer, enabled=True, fp8_config=fp8):
             y = layer(x, cos_sin)
         y.backward(dy)
         x.grad = None

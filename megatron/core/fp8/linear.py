@@ -283,10 +283,8 @@ class Fp8Linear(nn.Module):
         self._hooked_recompute: bool | None = None
         self._flush_after_forward: list = []
         self._weight_stand_in_spec: RecipeSpec | None = None
-        self._first_forward: tuple = (True, fp8_config, None)
-        self._first_forward_in_autocast = False
         self.fp8_setup: fp8_state.Fp8Setup | None = None
-        """The recipe settings and amax group outside an fp8_autocast (`apply_fp8_setup`)."""
+        """This module's settings (`apply_fp8_setup`, `fp8_autocast`); None: its own config."""
         if fp8_config.spec.delayed:
             dtypes = {r: fp8_dtype_for_role(fp8_config.fp8_format, r) for r in ("input", "weight")}
             dtypes["grad"] = fp8_dtype_for_role(fp8_config.fp8_format, "grad")
@@ -376,14 +374,12 @@ class Fp8Linear(nn.Module):
         register_stand_in(stand_in, self)
         self._weight_stand_in, self._weight_stand_in_spec = stand_in, weight.spec
 
-    def _current_settings(self, frame) -> tuple[bool, Fp8Config, object, object]:
-        """(enabled, config, amax group, setup) of a forward now: an active fp8_autocast's,
-        else the model setup's (`apply_fp8_setup`), else this module's config, ungrouped."""
-        if frame is not None:
-            return frame.enabled, frame.fp8_config or self.fp8_config, frame.group, None
+    def _current_settings(self) -> tuple[bool, Fp8Config, object, object]:
+        """(enabled, config, amax group, setup) of a forward now: the model setup's
+        (`apply_fp8_setup`, or an `fp8_autocast` block's), else this module's config, ungrouped."""
         setup = self.fp8_setup
         if setup is not None:
-            return True, setup.fp8_config or self.fp8_config, setup.group, setup
+            return setup.enabled, setup.fp8_config or self.fp8_config, setup.group, setup
         return True, self.fp8_config, None, None
 
     def before_compiled_forward(self, device: torch.device | None = None) -> None:
@@ -403,14 +399,13 @@ class Fp8Linear(nn.Module):
             self.delayed_scaling.move_to(device)
         recompute = fp8_state.in_recompute()
         self._hooked_recompute = recompute
-        frame = fp8_state.current_autocast()
-        enabled, config, group, setup = self._current_settings(frame)
+        enabled, config, group, setup = self._current_settings()
         if recompute or not enabled or not config.spec.delayed or self.delayed_scaling is None:
             return
         metas = self.delayed_scaling.metas
         roles = ("input",) if isinstance(self.weight, QuantizedTensor) else ("input", "weight")
-        if frame is not None or setup is not None:
-            for role in roles:  # flushed when the autocast exits or the model's forward ends
+        if setup is not None:
+            for role in roles:  # flushed when the model's forward (or fp8_autocast block) ends
                 fp8_state.forward_recorded(metas[role], setup)
         else:
             self._flush_after_forward = [metas[role] for role in roles]
@@ -466,28 +461,19 @@ class Fp8Linear(nn.Module):
             raise ValueError(
                 f"Fp8Linear expects input [..., {self.in_features}], got {tuple(x.shape)}"
             )
-        frame = fp8_state.current_autocast()
         hooked = self._hooked_recompute is not None
         if hooked:
             # prepare_for_compile's hook asked the engine (a graph break if asked here) and
             # scheduled the delayed-scaling flushes.
             recompute = self._hooked_recompute
         elif torch.compiler.is_compiling() and not self.fp8_config.spec.delayed:
-            # Reading the autograd engine's task id is a graph break. Compiled, a call outside
-            # any fp8_autocast replays the first forward's settings, which in training is the
-            # backward's recompute (training runs under fp8_autocast); these recipes keep no
-            # scale state, so nothing else differs. Delayed scaling still asks the engine.
-            recompute = frame is None and self._first_forward_in_autocast
+            # Reading the autograd engine's task id is a graph break; these recipes keep no
+            # scale state, so a recompute runs as the first forward did.
+            recompute = False
         else:
             recompute = fp8_state.in_recompute()
-        setup = None
-        if recompute:
-            # fp8_autocast is not active during backward: replay the first forward's settings.
-            enabled, config, group = self._first_forward
-        else:
-            enabled, config, group, setup = self._current_settings(frame)
-            self._first_forward = (enabled, config, group)
-            self._first_forward_in_autocast = frame is not None
+        # The settings come from one place (the module's setup) for forward and recompute.
+        enabled, config, group, setup = self._current_settings()
         if not enabled:
             if stand_in is not None:  # the dequantized weight is computed outside the graph
                 return forward_outside_the_graph(self, x)
@@ -526,15 +512,14 @@ def apply_fp8_setup(
     (None: each its own) and shares delayed-scaling amaxes over `amax_reduction_group`, with
     no fp8_autocast around the model call. Delayed scaling's forward amaxes are flushed when
     the model's forward ends (one packed all-reduce); its backward flush is unchanged. An
-    fp8_autocast, where one is active, still takes precedence."""
+    `fp8_autocast` block replaces these settings while it runs."""
     setup = fp8_state.Fp8Setup(fp8_config=fp8_config, group=amax_reduction_group)
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             module.fp8_setup = setup
 
     def flush(module: nn.Module, args, output) -> None:
-        if fp8_state.current_autocast() is None:
-            setup.flush()
+        setup.flush()
 
     model.register_forward_hook(flush)
     return setup

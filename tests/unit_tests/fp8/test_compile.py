@@ -193,12 +193,12 @@ def _check_layer_compiles(recipe: str, fp8_params: bool, *, device: str, tokens:
     # backward(), not autograd.grad: a compiled FP8 weight gets its grad through its stand-in's
     # post-accumulate-grad hook, which autograd.grad does not run.
     x_eager, x_compiled = (x.detach().clone().requires_grad_() for _ in range(2))
-    with fp8_autocast(enabled=True, fp8_config=config):
+    with fp8_autocast(eager_layer, enabled=True, fp8_config=config):
         eager = eager_layer(x_eager)
     eager.float().sum().backward()
     torch._dynamo.reset()
     counters.clear()
-    with fp8_autocast(enabled=True, fp8_config=config):
+    with fp8_autocast(compiled_layer, enabled=True, fp8_config=config):
         compiled = compiled_layer(x_compiled)
     compiled.float().sum().backward()
     # One graph for the whole layer: no graph break, FP8-parameter Linears and delayed

@@ -55,7 +55,7 @@ def test_outputs_and_grads_within_recorded_bounds(recipe, fp8_format, input_dtyp
     for _ in range(2):  # the second step runs delayed scaling with a real (non-1.0) scale
         layer.zero_grad()
         x.grad = None
-        with fp8_autocast(fp8_config=layer.fp8_config):
+        with fp8_autocast(layer, fp8_config=layer.fp8_config):
             y = layer(x)
         y.backward(grad_y.to(input_dtype))
     y_ref = reference(x_ref)
@@ -116,7 +116,7 @@ def test_gemms_read_the_copies_of_the_table(recipe):
 def test_autocast_disabled_runs_high_precision_exactly():
     layer, _ = make_pair("tensorwise", "hybrid")
     x = torch.randn(4, 64)
-    with fp8_autocast(enabled=False):
+    with fp8_autocast(layer, enabled=False):
         y = layer(x)
     assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
 

@@ -34,7 +34,8 @@ def _step(model: torch.nn.Module, x: torch.Tensor, recipe: str):
     for name, param in model.named_parameters():
         param.register_post_accumulate_grad_hook(lambda p, name=name: hook_calls.append(name))
     x = x.detach().requires_grad_()
-    with fp8_autocast(enabled=True, fp8_config=Fp8Config(recipe=recipe, fp8_format="hybrid")):
+    config = Fp8Config(recipe=recipe, fp8_format="hybrid")
+    with fp8_autocast(model, enabled=True, fp8_config=config):
         y = model(x)
     y.float().square().sum().backward()
     grads = {name: p.grad.float() for name, p in model.named_parameters()}
