@@ -1,17 +1,8 @@
-"""Fp8Linear under torch.compile: the machinery that lets a layer compile with no graph break.
-
-- The backend choice (`backend`): fused CUDA kernels (`cuda/linear_ops.py`) where they run,
-  the pure-PyTorch `reference_ops` elsewhere; one interface.
-- FP8 parameters (QuantizedTensor) cannot enter a graph, so a graph takes a stand-in in their
-  place (`Fp8Linear.refresh_weight_stand_in`): a registry maps each stand-in to its layer, the
-  custom op megatron_fp8::fp8_weight_gemm multiplies by the weight the stand-in stands for,
-  and the stand-in's grad is delivered to the weight.
-- megatron_fp8::backward_one keeps a recomputation in the backward graph.
-- `prepare_for_compile`: eager hooks around each compiled forward that run what a graph
-  cannot (stand-in refresh, the recompute question, delayed scaling's flush scheduling).
-
-This module does not import linear.py: it finds Fp8Linears by their `before_compiled_forward`.
-"""
+"""Fp8Linear under torch.compile, with no graph break: the backend choice (fused CUDA kernels
+or `reference_ops`), FP8 weight stand-ins (a registry from stand-in to layer, the custom op
+megatron_fp8::fp8_weight_gemm, grad delivery), megatron_fp8::backward_one, and
+`prepare_for_compile`'s eager hooks. Finds Fp8Linears by `before_compiled_forward` (no import
+of linear.py)."""
 
 from __future__ import annotations
 

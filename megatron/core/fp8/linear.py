@@ -12,12 +12,10 @@ weight is either a high-precision nn.Parameter quantized every forward, or (buil
 `quantized_model_init`) a QuantizedTensor parameter whose bytes the optimizer / FSDP engine
 rewrites in place.
 
-One forward and one backward serve every device: the operands are quantized and multiplied by
-a backend chosen in one place (`_backend`), the fused CUDA kernels (`cuda/linear_ops.py`)
-where they run and the pure-PyTorch reference (`reference_ops.py`) elsewhere, both with one
-interface (quantize_operands, weight_operand, gemm). Under torch.compile, a layer prepared with
-`prepare_for_compile` compiles with no graph break for every recipe: FP8 weights enter the
-graph as stand-ins, and delayed scaling's Python bookkeeping runs in the layer's eager hooks.
+One forward and one backward serve every device, through the backend `compile.backend`
+chooses (fused CUDA kernels or `reference_ops.py`, one interface). Settings come from one
+place, the module's `fp8_setup` (`apply_fp8_setup`, `fp8_autocast`). Under torch.compile see
+`compile.py` (`prepare_for_compile`: no graph break for any recipe).
 
 Gradient hook point for FP8 weights: the weight gradient is returned to autograd in the
 weight's high-precision dtype, so it lands in `weight.grad` through AccumulateGrad. The FSDP
@@ -47,7 +45,7 @@ from megatron.core.fp8.compile import (
     stand_in_owner,
 )
 from megatron.core.fp8.config import Fp8Config
-from megatron.core.fp8.formats import fp8_dtype_for_role
+from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
 from megatron.core.fp8.param_init import current_quantized_init, quantize_weight_for_init
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec
@@ -286,16 +284,15 @@ class Fp8Linear(nn.Module):
         self.fp8_setup: fp8_state.Fp8Setup | None = None
         """This module's settings (`apply_fp8_setup`, `fp8_autocast`); None: its own config."""
         if fp8_config.spec.delayed:
-            dtypes = {r: fp8_dtype_for_role(fp8_config.fp8_format, r) for r in ("input", "weight")}
-            dtypes["grad"] = fp8_dtype_for_role(fp8_config.fp8_format, "grad")
+            dtypes = {r: fp8_dtype_for_role(fp8_config.fp8_format, r) for r in ROLES}
             self.delayed_scaling = fp8_state.DelayedScaling(
                 config=fp8_config, dtypes=dtypes, device=weight.device
             )
         init = current_quantized_init()
         if init is not None:
-            weight_scale = self._weight_meta_scale()
+            scale = self.delayed_scaling.metas["weight"].scale if self.delayed_scaling else None
             self.weight = quantize_weight_for_init(
-                weight, config=fp8_config, init=init, scale=weight_scale
+                weight, config=fp8_config, init=init, scale=scale
             )
         else:
             self.weight = nn.Parameter(weight)
@@ -306,11 +303,6 @@ class Fp8Linear(nn.Module):
         if self.bias is not None:
             bound = 1.0 / math.sqrt(self.in_features)
             nn.init.uniform_(self.bias, -bound, bound)
-
-    def _weight_meta_scale(self) -> torch.Tensor | None:
-        if self.delayed_scaling is None:
-            return None
-        return self.delayed_scaling.metas["weight"].scale
 
     def extra_repr(self) -> str:
         return (
