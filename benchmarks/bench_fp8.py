@@ -594,7 +594,7 @@ def make_module_step(module, x, dy, *, autocast):
         if autocast is None:
             y = module(x)
         else:
-            with autocast():
+            with autocast(module):
                 y = module(x)
         with torch.autograd.set_multithreading_enabled(BACKWARD_THREADS["worker"]):
             y.backward(dy)

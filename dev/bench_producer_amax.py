@@ -18,8 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megatron.core.fp8 import Fp8Config, fp8_autocast, quantized_model_init
+from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.fp8.debug import set_debug_config
-from megatron.core.fp8.linear import prepare_for_compile
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -52,7 +52,7 @@ def main() -> None:
         fp8=fp8,
     )
     torch.manual_seed(0)
-    with torch.device("cuda"), quantized_model_init(args.recipe):
+    with torch.device("cuda"), quantized_model_init(recipe=args.recipe):
         layer = TransformerLayer(config, layer_number=1)
     prepare_for_compile(layer)
     layer.forward = torch.compile(layer.forward)
@@ -64,7 +64,7 @@ def main() -> None:
     dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 1e-3
 
     def step() -> None:
-        with fp8_autocast(enabled=True, fp8_config=fp8):
+        with fp8_autocast(layer, enabled=True, fp8_config=fp8):
             y = layer(x, cos_sin)
         y.backward(dy)
         x.grad = None

@@ -15,7 +15,8 @@ from torch import nn
 
 from megatron.core.distributed.data_parallel_mesh import DP_OUTER_DIM, DP_SHARD_DIM
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-from megatron.core.fp8.linear import apply_fp8_setup, prepare_for_compile
+from megatron.core.fp8.compile import prepare_for_compile
+from megatron.core.fp8.linear import apply_fp8_setup
 from megatron.core.models.gpt import GPTModel, count_parameters, num_floating_point_operations
 from megatron.core.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
 from megatron.core.optimizer.grad_scaler import GradScaler

@@ -30,7 +30,7 @@ ALLOWED_IN_FUNCTION = {
     # and where it does not import the reference (pure torch) path runs instead.
     ("megatron/core/fp8/autocast.py", "megatron.core.fp8.cuda.quantize_per_tensor"),
     ("megatron/core/fp8/gemm.py", "megatron.core.fp8.cuda"),
-    ("megatron/core/fp8/linear.py", "megatron.core.fp8.cuda.linear_ops"),
+    ("megatron/core/fp8/compile.py", "megatron.core.fp8.cuda.linear_ops"),
     ("megatron/core/fp8/quantization.py", "megatron.core.fp8.cuda"),
     ("megatron/core/fp8/quantized_tensor.py", "megatron.core.fp8.cuda"),
     # Not an optional dependency: the package resolves its names on first use

@@ -3,10 +3,10 @@
 Each Fp8Linear owns a `DelayedScaling` with one `ScalingMeta` per quantized tensor (input,
 weight, grad): a scale and an amax history. Quantizing records max|x| into history slot 0 and
 marks the meta pending. Once per direction all pending metas are flushed together: their new
-amaxes are packed into ONE fp32 buffer, all-reduced with MAX over the autocast's
-`amax_reduction_group` (one collective), then every scale is updated and every history rolled.
-- Forward: flushed when the outermost enabled fp8_autocast exits (or right after the module's
-  forward when no autocast is active).
+amaxes are packed into ONE fp32 buffer, all-reduced with MAX over the model setup's amax
+group (`Fp8Setup`, one collective), then every scale is updated and every history rolled.
+- Forward: flushed when the model's forward (apply_fp8_setup) or the fp8_autocast block ends,
+  or right after the module's forward when it has no setup.
 - Backward: flushed by a callback queued on the autograd engine, which runs once when the
   backward pass finishes. With reentrant activation checkpointing each checkpointed segment is
   its own backward pass; use torch.utils.checkpoint(..., use_reentrant=False) to keep one
@@ -30,9 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core.fp8.config import Fp8Config
+from megatron.core.fp8.formats import ROLES
 from megatron.core.fp8.reference import delayed_scale_update, roll_amax_history
-
-TENSOR_ROLES = ("input", "weight", "grad")
 
 
 class ScalingMeta:
@@ -68,7 +67,7 @@ class DelayedScaling:
     def __init__(self, *, config: Fp8Config, dtypes: dict[str, torch.dtype], device=None) -> None:
         self.metas = {
             role: ScalingMeta(fp8_dtype=dtypes[role], config=config, device=device)
-            for role in TENSOR_ROLES
+            for role in ROLES
         }
 
     def move_to(self, device: torch.device) -> None:
@@ -108,26 +107,12 @@ class DelayedScaling:
             meta.amax_history = history.to(meta.amax_history.device, torch.float32).clone()
 
 
-@dataclass
-class _AutocastFrame:
-    enabled: bool
-    fp8_config: Fp8Config | None
-    group: dist.ProcessGroup | None
-    pending: dict[int, ScalingMeta] = field(default_factory=dict)
-
-
-_frames: list[_AutocastFrame] = []
 # Backward-pending metas per reduction group (keyed by id(group) so that None works too).
 _backward_pending: dict[int, tuple[dist.ProcessGroup | None, dict[int, ScalingMeta]]] = {}
 # Graph task (torch._C._current_graph_task_id) whose end runs the queued backward flush; None
 # when none is queued. A backward that raises never runs its final callbacks: keying on the
 # task lets the next backward queue its own flush instead of waiting on a dead one.
 _backward_callback_task: list[int | None] = [None]
-
-
-def current_autocast() -> _AutocastFrame | None:
-    """The innermost active fp8_autocast frame, or None outside any."""
-    return _frames[-1] if _frames else None
 
 
 def in_recompute() -> bool:
@@ -237,14 +222,16 @@ def _fused_delayed_update(histories, scales, settings):
 
 @dataclass
 class Fp8Setup:
-    """What a model's Fp8Linears run with outside any fp8_autocast, given once at model setup
-    (`linear.apply_fp8_setup`, the seam in `training/model_setup.py`): the recipe settings and
-    the group whose ranks share delayed-scaling amaxes. Delayed scaling's forward amaxes wait
-    in `pending` until the model's forward ends, then `flush` reduces them in one packed
-    all-reduce, as an autocast's exit does."""
+    """What a model's Fp8Linears run with, the one source of their settings: given once at
+    model setup (`linear.apply_fp8_setup`, the seam in `training/model_setup.py`) or for a
+    block by `fp8_autocast`: whether FP8 runs, the recipe settings (None: each module's own)
+    and the group whose ranks share delayed-scaling amaxes. Delayed scaling's forward amaxes
+    wait in `pending` until the model's forward (or the block) ends, then `flush` reduces them
+    in one packed all-reduce."""
 
     fp8_config: Fp8Config | None
     group: dist.ProcessGroup | None
+    enabled: bool = True
     pending: dict[int, ScalingMeta] = field(default_factory=dict)
 
     def flush(self) -> None:
@@ -254,12 +241,9 @@ class Fp8Setup:
 
 
 def forward_recorded(meta: ScalingMeta, setup: Fp8Setup | None = None) -> None:
-    """The quantization already maxed this forward's amax into slot 0: schedule the flush, at
-    the outermost autocast exit, else at the end of the model's forward (`setup`), else now."""
-    frame = current_autocast()
-    if frame is not None:
-        _frames[0].pending[id(meta)] = meta
-    elif setup is not None:
+    """The quantization already maxed this forward's amax into slot 0: schedule the flush at
+    the end of the model's forward or fp8_autocast block (`setup`), else flush now."""
+    if setup is not None:
         setup.pending[id(meta)] = meta
     else:
         reduce_and_update([meta], None)
@@ -297,28 +281,31 @@ def queue_backward_flush() -> None:
 
 @contextlib.contextmanager
 def fp8_autocast(
+    model: nn.Module,
     enabled: bool = True,
     *,
     fp8_config: Fp8Config | None = None,
     amax_reduction_group: dist.ProcessGroup | None = None,
-) -> Iterator[None]:
-    """Run Fp8Linears inside in FP8 (enabled) or high precision (enabled=False).
+) -> Iterator[Fp8Setup]:
+    """Run `model`'s Fp8Linears inside in FP8 (enabled) or high precision (enabled=False).
 
-    fp8_config, when given, replaces each module's own config for the forward (its recipe must
-    match FP8 weights). amax_reduction_group: the group whose ranks share delayed-scaling scales
-    (the DP group, plus TP where present); delayed amaxes are MAX-reduced over it, once per
-    direction. Outside any fp8_autocast, Fp8Linear runs FP8 with its own config, ungrouped.
+    Sets the same settings `apply_fp8_setup` sets (each Fp8Linear's `fp8_setup`) for the
+    block and restores the previous ones at exit, then flushes delayed scaling's forward
+    amaxes (one packed MAX all-reduce over `amax_reduction_group`). fp8_config, when given,
+    replaces each module's own config (its recipe must match FP8 weights). A recompute
+    (activation checkpointing) runs with the settings in force when it runs.
     """
-    frame = _AutocastFrame(enabled=enabled, fp8_config=fp8_config, group=amax_reduction_group)
-    if _frames and amax_reduction_group is None:
-        frame.group = _frames[-1].group
-    _frames.append(frame)
+    setup = Fp8Setup(fp8_config=fp8_config, group=amax_reduction_group, enabled=enabled)
+    owners = [module for module in model.modules() if hasattr(module, "fp8_setup")]
+    previous = [module.fp8_setup for module in owners]
+    for module in owners:
+        module.fp8_setup = setup
     try:
-        yield
+        yield setup
     finally:
-        _frames.pop()
-        if not _frames:
-            reduce_and_update(list(frame.pending.values()), frame.group)
+        for module, before in zip(owners, previous, strict=True):
+            module.fp8_setup = before
+        setup.flush()
 
 
 def delayed_scaling_state_dict(model: nn.Module) -> dict:

@@ -12,12 +12,10 @@ weight is either a high-precision nn.Parameter quantized every forward, or (buil
 `quantized_model_init`) a QuantizedTensor parameter whose bytes the optimizer / FSDP engine
 rewrites in place.
 
-One forward and one backward serve every device: the operands are quantized and multiplied by
-a backend chosen in one place (`_backend`), the fused CUDA kernels (`cuda/linear_ops.py`)
-where they run and the pure-PyTorch reference (`reference_ops.py`) elsewhere, both with one
-interface (quantize_operands, weight_operand, gemm). Under torch.compile, a layer prepared with
-`prepare_for_compile` compiles with no graph break for every recipe: FP8 weights enter the
-graph as stand-ins, and delayed scaling's Python bookkeeping runs in the layer's eager hooks.
+One forward and one backward serve every device, through the backend `compile.backend`
+chooses (fused CUDA kernels or `reference_ops.py`, one interface). Settings come from one
+place, the module's `fp8_setup` (`apply_fp8_setup`, `fp8_autocast`). Under torch.compile see
+`compile.py` (`prepare_for_compile`: no graph break for any recipe).
 
 Gradient hook point for FP8 weights: the weight gradient is returned to autograd in the
 weight's high-precision dtype, so it lands in `weight.grad` through AccumulateGrad. The FSDP
@@ -27,9 +25,7 @@ engine routes it into its grad buffer with `weight.register_post_accumulate_grad
 
 from __future__ import annotations
 
-import functools
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,11 +34,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.fp8 import autocast as fp8_state
-from megatron.core.fp8 import reference_ops
+from megatron.core.fp8.compile import (
+    backend,
+    backward_one,
+    deliver_stand_in_grad,
+    forward_outside_the_graph,
+    fused_ops_run,
+    register_stand_in,
+    stand_in_gemm,
+    stand_in_owner,
+)
 from megatron.core.fp8.config import Fp8Config
-from megatron.core.fp8.formats import fp8_dtype_for_role
+from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
 from megatron.core.fp8.param_init import current_quantized_init, quantize_weight_for_init
-from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor
+from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec
 
 
@@ -90,7 +95,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.weight_dtype = weight.dtype
-        ctx.fused = _fused_ops_run(x)
+        ctx.fused = fused_ops_run(x)
         y2d = _forward(ctx, x, weight, plan)
         if bias is not None:
             y2d = y2d + bias.to(y2d.dtype)
@@ -107,43 +112,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
             dbias = dy2d.to(torch.float32).sum(dim=0).to(ctx.bias_dtype)
         ctx.saved_weight = ctx.saved_input = ctx.saved_source = None
         return dx, dw, dbias, None, None
-
-
-@torch.library.custom_op("megatron_fp8::backward_one", mutates_args=())
-def _backward_one(grad: torch.Tensor) -> torch.Tensor:
-    """A 0-d fp32 1.0 made from `grad` (whose values it does not read): a data dependency on
-    the backward for `_recomputed_input_operand`."""
-    return torch.ones((), dtype=torch.float32, device=grad.device)
-
-
-@_backward_one.register_fake
-def _(grad):
-    return grad.new_empty((), dtype=torch.float32)
-
-
-# ---- the backend: chosen here, once per call -----------------------------------------------
-
-
-@functools.cache
-def _fused_cuda_ops():
-    """megatron.core.fp8.cuda.linear_ops, or None where it does not import."""
-    try:
-        from megatron.core.fp8.cuda import linear_ops
-    except ImportError:
-        return None
-    return linear_ops
-
-
-def _fused_ops_run(t: torch.Tensor) -> bool:
-    """Whether the fused CUDA kernels serve a tensor on t's device (else the reference)."""
-    ops = _fused_cuda_ops()
-    return ops is not None and ops.available(t)
-
-
-def _backend(fused: bool):
-    """The module that quantizes operands and multiplies them: `cuda.linear_ops` (fused
-    Triton kernels, cuBLAS) or `reference_ops` (pure PyTorch); the same interface."""
-    return _fused_cuda_ops() if fused else reference_ops
 
 
 def _quantize_operands(
@@ -175,7 +143,7 @@ def _pow2(plan: _Plan) -> bool:
 
 def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
     """One quantization per operand, no host sync; delayed amaxes recorded as they quantize."""
-    ops = _backend(ctx.fused)
+    ops = backend(ctx.fused)
     compute_dtype = ops.emulation_dtype(x.dtype)
     need_wgrad, need_dgrad = weight.requires_grad, x.requires_grad
     x_row, x_t = _quantize_operands(
@@ -217,12 +185,12 @@ def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
     ctx.compute_dtype = compute_dtype
     fast = plan.spec.fast_accumulation
     if w_row is None:
-        return _stand_in_gemm(x_row, weight, "rowwise", x.dtype, fast)
+        return stand_in_gemm(x_row, weight, "rowwise", x.dtype, fast)
     return ops.gemm(x_row, w_row, recipe=plan.recipe, out_dtype=x.dtype, fast_accum=fast)
 
 
 def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
-    ops = _backend(ctx.fused)
+    ops = backend(ctx.fused)
     plan: _Plan = ctx.plan
     record = plan.metas is not None
     dy_row, dy_t = _quantize_operands(
@@ -240,7 +208,7 @@ def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
         fp8_state.record_backward(plan.metas["grad"], plan.group)
     dx2d = dw = None
     if need_dgrad and plan.stand_in:
-        dx2d = _stand_in_gemm(dy_row, ctx.saved_weight, "columnwise", ctx.x_dtype, False)
+        dx2d = stand_in_gemm(dy_row, ctx.saved_weight, "columnwise", ctx.x_dtype, False)
     elif need_dgrad:
         w_t = ctx.saved_weight
         if isinstance(w_t, QuantizedTensor):
@@ -268,7 +236,7 @@ def _recomputed_input_operand(ops, ctx, plan: _Plan, dy2d: torch.Tensor):
     fuses into the activation's kernel."""
     source = ctx.saved_source
     if torch.compiler.is_compiling():
-        source = source * _backward_one(dy2d)
+        source = source * backward_one(dy2d)
     x = plan.activation(source)
     _, x_t = _quantize_operands(
         ops,
@@ -313,21 +281,18 @@ class Fp8Linear(nn.Module):
         self._hooked_recompute: bool | None = None
         self._flush_after_forward: list = []
         self._weight_stand_in_spec: RecipeSpec | None = None
-        self._first_forward: tuple = (True, fp8_config, None)
-        self._first_forward_in_autocast = False
         self.fp8_setup: fp8_state.Fp8Setup | None = None
-        """The recipe settings and amax group outside an fp8_autocast (`apply_fp8_setup`)."""
+        """This module's settings (`apply_fp8_setup`, `fp8_autocast`); None: its own config."""
         if fp8_config.spec.delayed:
-            dtypes = {r: fp8_dtype_for_role(fp8_config.fp8_format, r) for r in ("input", "weight")}
-            dtypes["grad"] = fp8_dtype_for_role(fp8_config.fp8_format, "grad")
+            dtypes = {r: fp8_dtype_for_role(fp8_config.fp8_format, r) for r in ROLES}
             self.delayed_scaling = fp8_state.DelayedScaling(
                 config=fp8_config, dtypes=dtypes, device=weight.device
             )
         init = current_quantized_init()
         if init is not None:
-            weight_scale = self._weight_meta_scale()
+            scale = self.delayed_scaling.metas["weight"].scale if self.delayed_scaling else None
             self.weight = quantize_weight_for_init(
-                weight, config=fp8_config, init=init, scale=weight_scale
+                weight, config=fp8_config, init=init, scale=scale
             )
         else:
             self.weight = nn.Parameter(weight)
@@ -338,11 +303,6 @@ class Fp8Linear(nn.Module):
         if self.bias is not None:
             bound = 1.0 / math.sqrt(self.in_features)
             nn.init.uniform_(self.bias, -bound, bound)
-
-    def _weight_meta_scale(self) -> torch.Tensor | None:
-        if self.delayed_scaling is None:
-            return None
-        return self.delayed_scaling.metas["weight"].scale
 
     def extra_repr(self) -> str:
         return (
@@ -377,7 +337,7 @@ class Fp8Linear(nn.Module):
         """Give an FP8 parameter its stand-in for compiled graphs, or a new one when the
         weight's shape, dtype, device or requires_grad changed; none for other weights.
 
-        A QuantizedTensor cannot enter a compiled graph (COMPILED_FP8_PARAMS_RUN_EAGERLY), so
+        A QuantizedTensor cannot enter a compiled graph (`compile.forward_outside_the_graph`), so
         the graph takes the stand-in in its place: a plain leaf tensor of the weight's shape
         and dtype with zero strides (one element of storage). The GEMMs that read the weight
         are the custom op megatron_fp8::fp8_weight_gemm, which finds the weight through the
@@ -392,7 +352,7 @@ class Fp8Linear(nn.Module):
         current = self._weight_stand_in
         if (
             current is not None
-            and _stand_in_owner(current) is self
+            and stand_in_owner(current) is self
             and (current.shape, current.dtype, current.device, current.requires_grad)
             == (weight.shape, weight.dtype, weight.device, weight.requires_grad)
         ):
@@ -402,18 +362,16 @@ class Fp8Linear(nn.Module):
         )
         if weight.requires_grad:
             stand_in.requires_grad_()
-            stand_in.register_post_accumulate_grad_hook(_deliver_stand_in_grad)
-        _register_stand_in(stand_in, self)
+            stand_in.register_post_accumulate_grad_hook(deliver_stand_in_grad)
+        register_stand_in(stand_in, self)
         self._weight_stand_in, self._weight_stand_in_spec = stand_in, weight.spec
 
-    def _current_settings(self, frame) -> tuple[bool, Fp8Config, object, object]:
-        """(enabled, config, amax group, setup) of a forward now: an active fp8_autocast's,
-        else the model setup's (`apply_fp8_setup`), else this module's config, ungrouped."""
-        if frame is not None:
-            return frame.enabled, frame.fp8_config or self.fp8_config, frame.group, None
+    def _current_settings(self) -> tuple[bool, Fp8Config, object, object]:
+        """(enabled, config, amax group, setup) of a forward now: the model setup's
+        (`apply_fp8_setup`, or an `fp8_autocast` block's), else this module's config, ungrouped."""
         setup = self.fp8_setup
         if setup is not None:
-            return True, setup.fp8_config or self.fp8_config, setup.group, setup
+            return setup.enabled, setup.fp8_config or self.fp8_config, setup.group, setup
         return True, self.fp8_config, None, None
 
     def before_compiled_forward(self, device: torch.device | None = None) -> None:
@@ -433,14 +391,13 @@ class Fp8Linear(nn.Module):
             self.delayed_scaling.move_to(device)
         recompute = fp8_state.in_recompute()
         self._hooked_recompute = recompute
-        frame = fp8_state.current_autocast()
-        enabled, config, group, setup = self._current_settings(frame)
+        enabled, config, group, setup = self._current_settings()
         if recompute or not enabled or not config.spec.delayed or self.delayed_scaling is None:
             return
         metas = self.delayed_scaling.metas
         roles = ("input",) if isinstance(self.weight, QuantizedTensor) else ("input", "weight")
-        if frame is not None or setup is not None:
-            for role in roles:  # flushed when the autocast exits or the model's forward ends
+        if setup is not None:
+            for role in roles:  # flushed when the model's forward (or fp8_autocast block) ends
                 fp8_state.forward_recorded(metas[role], setup)
         else:
             self._flush_after_forward = [metas[role] for role in roles]
@@ -480,10 +437,9 @@ class Fp8Linear(nn.Module):
             stand_in = self._weight_stand_in
             if stand_in is not None:
                 return self._forward(x, stand_in=stand_in, source=source)
-            if COMPILED_FP8_PARAMS_RUN_EAGERLY:
-                # No stand-in (not prepared for compile): the whole forward in one eager
-                # call, one graph break per Linear rather than one more for in_recompute.
-                return _fp8_param_forward_outside_the_graph(self, x)
+            # No stand-in (not prepared for compile): the whole forward in one eager call,
+            # one graph break per Linear rather than one more for in_recompute.
+            return forward_outside_the_graph(self, x)
         return self._forward(x, source=source)
 
     def _forward(
@@ -497,31 +453,22 @@ class Fp8Linear(nn.Module):
             raise ValueError(
                 f"Fp8Linear expects input [..., {self.in_features}], got {tuple(x.shape)}"
             )
-        frame = fp8_state.current_autocast()
         hooked = self._hooked_recompute is not None
         if hooked:
             # prepare_for_compile's hook asked the engine (a graph break if asked here) and
             # scheduled the delayed-scaling flushes.
             recompute = self._hooked_recompute
         elif torch.compiler.is_compiling() and not self.fp8_config.spec.delayed:
-            # Reading the autograd engine's task id is a graph break. Compiled, a call outside
-            # any fp8_autocast replays the first forward's settings, which in training is the
-            # backward's recompute (training runs under fp8_autocast); these recipes keep no
-            # scale state, so nothing else differs. Delayed scaling still asks the engine.
-            recompute = frame is None and self._first_forward_in_autocast
+            # Reading the autograd engine's task id is a graph break; these recipes keep no
+            # scale state, so a recompute runs as the first forward did.
+            recompute = False
         else:
             recompute = fp8_state.in_recompute()
-        setup = None
-        if recompute:
-            # fp8_autocast is not active during backward: replay the first forward's settings.
-            enabled, config, group = self._first_forward
-        else:
-            enabled, config, group, setup = self._current_settings(frame)
-            self._first_forward = (enabled, config, group)
-            self._first_forward_in_autocast = frame is not None
+        # The settings come from one place (the module's setup) for forward and recompute.
+        enabled, config, group, setup = self._current_settings()
         if not enabled:
             if stand_in is not None:  # the dequantized weight is computed outside the graph
-                return _fp8_param_forward_outside_the_graph(self, x)
+                return forward_outside_the_graph(self, x)
             # A QuantizedTensor weight dequantizes through __torch_dispatch__; grads still flow.
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight.to(x.dtype), bias)
@@ -550,68 +497,6 @@ class Fp8Linear(nn.Module):
         return _Fp8LinearFunction.apply(x, weight, self.bias, plan, activation_input)
 
 
-COMPILED_FP8_PARAMS_RUN_EAGERLY = True
-"""Under torch.compile, an Fp8Linear whose weight is an FP8 parameter (a QuantizedTensor) and
-that has no weight stand-in (`prepare_for_compile` was not called) runs its forward outside
-the compiled graph (a graph break on each side). The
-QuantizedTensor itself must not be traced: the compiled backward dropped those weights' grads on
-CUDA, because QuantizedTensor is not a traceable tensor subclass, so the compiled graph does not
-see the parameter as needing a grad, skips the wgrad GEMM and never delivers the grad
-(dev/probe_compile_grads.py shows it per parameter; tests/unit_tests/training/
-test_torch_compile.py guards it). False restores the traced call, for that probe only."""
-
-
-@torch._dynamo.disable
-def _fp8_param_forward_outside_the_graph(module: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
-    return module._forward(x)
-
-
-# ---- FP8 parameters in compiled graphs: stand-ins (Fp8Linear.refresh_weight_stand_in) -------
-
-# (device, data pointer of the stand-in's one-element storage) -> its Fp8Linear
-_stand_in_owners: dict[tuple[str, int], weakref.ref] = {}
-
-
-def _stand_in_key(stand_in: torch.Tensor) -> tuple[str, int]:
-    return str(stand_in.device), stand_in.untyped_storage().data_ptr()
-
-
-def _register_stand_in(stand_in: torch.Tensor, module: Fp8Linear) -> None:
-    key = _stand_in_key(stand_in)
-    owner = _stand_in_owners[key] = weakref.ref(module)
-
-    def forget() -> None:  # the storage (so the key) may be reused once the stand-in dies
-        if _stand_in_owners.get(key) is owner:
-            del _stand_in_owners[key]
-
-    weakref.finalize(stand_in, forget)
-
-
-def _stand_in_owner(stand_in: torch.Tensor) -> Fp8Linear | None:
-    owner = _stand_in_owners.get(_stand_in_key(stand_in))
-    return owner() if owner is not None else None
-
-
-def _stand_in_weight(stand_in: torch.Tensor) -> QuantizedTensor:
-    module = _stand_in_owner(stand_in)
-    if module is None or not isinstance(module.weight, QuantizedTensor):
-        raise RuntimeError(
-            "an FP8 weight stand-in reached megatron_fp8::fp8_weight_gemm without its "
-            "Fp8Linear; call prepare_for_compile(module) on the compiled module"
-        )
-    return module.weight
-
-
-def _deliver_stand_in_grad(stand_in: torch.Tensor) -> None:
-    """The stand-in's post-accumulate-grad hook: its grad becomes the FP8 weight's, and the
-    weight's own post-accumulate-grad hooks (the FSDP engine's) run, as after AccumulateGrad."""
-    grad, stand_in.grad = stand_in.grad, None
-    weight = _stand_in_weight(stand_in)
-    weight.grad = grad if weight.grad is None else weight.grad + grad
-    for hook in list((weight._post_accumulate_grad_hooks or {}).values()):
-        hook(weight)
-
-
 def apply_fp8_setup(
     model: nn.Module, *, fp8_config: Fp8Config | None, amax_reduction_group=None
 ) -> fp8_state.Fp8Setup:
@@ -619,100 +504,14 @@ def apply_fp8_setup(
     (None: each its own) and shares delayed-scaling amaxes over `amax_reduction_group`, with
     no fp8_autocast around the model call. Delayed scaling's forward amaxes are flushed when
     the model's forward ends (one packed all-reduce); its backward flush is unchanged. An
-    fp8_autocast, where one is active, still takes precedence."""
+    `fp8_autocast` block replaces these settings while it runs."""
     setup = fp8_state.Fp8Setup(fp8_config=fp8_config, group=amax_reduction_group)
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             module.fp8_setup = setup
 
     def flush(module: nn.Module, args, output) -> None:
-        if fp8_state.current_autocast() is None:
-            setup.flush()
+        setup.flush()
 
     model.register_forward_hook(flush)
     return setup
-
-
-def prepare_for_compile(module: nn.Module) -> None:
-    """Hooks that run eagerly around each forward of `module` (whose forward is compiled)
-    what a compiled graph cannot: before it, each Fp8Linear's `before_compiled_forward`
-    (weight stand-ins, the recompute question, delayed scaling's flush scheduling); after it,
-    the forward flush outside an autocast and, when a backward will follow, a hook on the
-    outputs that queues delayed scaling's backward flush once the backward reaches the unit.
-    With the hooks the unit's Fp8Linears compile without graph breaks. Register them before
-    the FSDP engine's hooks; they read no weight bytes."""
-
-    def linears(unit: nn.Module) -> list[Fp8Linear]:
-        return [child for child in unit.modules() if isinstance(child, Fp8Linear)]
-
-    def before(unit: nn.Module, args) -> None:
-        inputs = _tensors(args)
-        device = inputs[0].device if inputs else None
-        for linear in linears(unit):
-            linear.before_compiled_forward(device)
-
-    def after(unit: nn.Module, args, output) -> None:
-        expects_backward = [linear.after_compiled_forward() for linear in linears(unit)]
-        outputs = [t for t in _tensors(output) if t.requires_grad]
-        if any(expects_backward) and outputs:
-            torch.autograd.graph.register_multi_grad_hook(
-                outputs, lambda grads: fp8_state.queue_backward_flush(), mode="any"
-            )
-
-    module.register_forward_pre_hook(before)
-    module.register_forward_hook(after)
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
-def _stand_in_gemm(a, stand_in, usage: str, out_dtype, fast_accum: bool):
-    """megatron_fp8::fp8_weight_gemm of either backend's operand: the fused path's (FP8 data,
-    scales in cuBLAS's layout, or MXFP8's dequantized values) or the reference's
-    (`Fp8Operand`: uint8 bytes and the block cell)."""
-    if isinstance(a, Fp8Operand):
-        data, rows, cols = a.data.view(a.fp8_dtype), a.block_rows, a.block_cols
-    else:
-        data, rows, cols = a.data, 0, 0
-    return _fp8_weight_gemm(data, a.scale_inv, stand_in, usage, rows, cols, out_dtype, fast_accum)
-
-
-@torch.library.custom_op("megatron_fp8::fp8_weight_gemm", mutates_args=())
-def _fp8_weight_gemm(
-    a_data: torch.Tensor,
-    a_scale_inv: torch.Tensor | None,
-    stand_in: torch.Tensor,
-    usage: str,
-    a_block_rows: int,
-    a_block_cols: int,
-    out_dtype: torch.dtype,
-    fast_accum: bool,
-) -> torch.Tensor:
-    """A [M, K] times the FP8 weight that `stand_in` stands for: W^T ("rowwise", fprop) or W
-    ("columnwise", dgrad). `a` is the fused CUDA path's operand (FP8 data, scales in cuBLAS's
-    layout, or MXFP8's dequantized values) or on the reference path FP8 data with its block
-    shape (a_block_rows, a_block_cols)."""
-    weight = _stand_in_weight(stand_in)
-    fused = _fused_ops_run(a_data)
-    ops = _backend(fused)
-    if fused:
-        compute_dtype = a_data.dtype if weight.spec.fused_linear_emulates else torch.float32
-        a = ops.GemmOperand(a_data, a_scale_inv)
-    else:
-        compute_dtype = torch.float32
-        cell = (a_block_rows, a_block_cols)
-        a = Fp8Operand(a_data.view(torch.uint8), a_scale_inv, weight.recipe, a_data.dtype, *cell)
-    b = ops.weight_operand(weight, usage, compute_dtype=compute_dtype)
-    out = ops.gemm(a, b, recipe=weight.recipe, out_dtype=out_dtype, fast_accum=fast_accum)
-    return out.contiguous()
-
-
-@_fp8_weight_gemm.register_fake
-def _(a_data, a_scale_inv, stand_in, usage, a_block_rows, a_block_cols, out_dtype, fast_accum):
-    columns = stand_in.shape[0] if usage == "rowwise" else stand_in.shape[1]
-    return a_data.new_empty((a_data.shape[0], columns), dtype=out_dtype)

@@ -39,12 +39,21 @@ _active: list[_QuantizedInit] = []
 
 @contextlib.contextmanager
 def quantized_model_init(
-    recipe: str | None = None, *, preserve_high_precision_init_val: bool = True
+    enabled: bool = True,
+    recipe: str | Fp8Config | None = None,
+    preserve_high_precision_init_val: bool = True,
 ) -> Iterator[None]:
     """Fp8Linears built inside store their weight as FP8 (a QuantizedTensor parameter).
 
-    recipe: None means each layer's own Fp8Config recipe; a name must match it (checked).
+    TransformerEngine's signature, also exported by megatron.core.distributed.fsdp.
+    enabled=False: a no-op. recipe: a recipe name or an Fp8Config (its recipe); None means each
+    layer's own Fp8Config recipe; a name must match it (checked).
     """
+    if not enabled:
+        yield
+        return
+    if isinstance(recipe, Fp8Config):
+        recipe = recipe.recipe
     if recipe is not None and not is_recipe(recipe):
         raise ValueError(f"recipe must be one of {FP8_RECIPES} or None, got {recipe!r}")
     _active.append(_QuantizedInit(recipe, preserve_high_precision_init_val))

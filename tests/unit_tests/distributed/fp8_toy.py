@@ -121,7 +121,7 @@ def train(
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer = state.model, state.optimizer
     autocast = lambda: fp8_autocast(
-        enabled=True, fp8_config=config, amax_reduction_group=dist.group.WORLD
+        model, enabled=True, fp8_config=config, amax_reduction_group=dist.group.WORLD
     )
     losses = []
     for step in steps:

@@ -12,10 +12,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from megatron.core.fp8 import Fp8Config, fp8_autocast, quantized_model_init, reference_ops
+from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.fp8.cuda import linear_ops
 from megatron.core.fp8.cuda.linear_ops import GemmOperand
 from megatron.core.fp8.gemm import fp8_gemm
-from megatron.core.fp8.linear import prepare_for_compile
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -157,7 +157,7 @@ def _fp8_layer(recipe: str, *, fp8_params: bool, device: str = "cuda") -> Transf
     torch.manual_seed(0)
     with torch.device(device):
         if fp8_params:
-            with quantized_model_init(recipe, preserve_high_precision_init_val=True):
+            with quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
                 return TransformerLayer(config, layer_number=1)
         return TransformerLayer(config, layer_number=1)
 
@@ -193,12 +193,12 @@ def _check_layer_compiles(recipe: str, fp8_params: bool, *, device: str, tokens:
     # backward(), not autograd.grad: a compiled FP8 weight gets its grad through its stand-in's
     # post-accumulate-grad hook, which autograd.grad does not run.
     x_eager, x_compiled = (x.detach().clone().requires_grad_() for _ in range(2))
-    with fp8_autocast(enabled=True, fp8_config=config):
+    with fp8_autocast(eager_layer, enabled=True, fp8_config=config):
         eager = eager_layer(x_eager)
     eager.float().sum().backward()
     torch._dynamo.reset()
     counters.clear()
-    with fp8_autocast(enabled=True, fp8_config=config):
+    with fp8_autocast(compiled_layer, enabled=True, fp8_config=config):
         compiled = compiled_layer(x_compiled)
     compiled.float().sum().backward()
     # One graph for the whole layer: no graph break, FP8-parameter Linears and delayed

@@ -176,7 +176,7 @@ def _step(recipe, *, fused, fp8_weight, monkeypatch, steps=2):
     torch.manual_seed(0)
     config = Fp8Config(recipe=recipe, amax_history_len=4)
     if fp8_weight:
-        with quantized_model_init(recipe):
+        with quantized_model_init(recipe=recipe):
             layer = Fp8Linear(256, 384, fp8_config=config, dtype=torch.bfloat16, device="cuda")
     else:
         layer = Fp8Linear(256, 384, fp8_config=config, dtype=torch.bfloat16, device="cuda")
@@ -184,7 +184,7 @@ def _step(recipe, *, fused, fp8_weight, monkeypatch, steps=2):
     dy = torch.randn(4, 64, 384, device="cuda", dtype=torch.bfloat16)
     for _ in range(steps):
         x.grad, layer.weight.grad = None, None
-        with fp8_autocast():
+        with fp8_autocast(layer):
             y = layer(x)
         y.backward(dy)
     state = None
@@ -218,12 +218,12 @@ def test_mxfp8_forward_keeps_one_byte_per_input_element():
     # Emulated MXFP8 with FP8 weights: what a forward leaves alive for backward, besides its
     # output, is wgrad's copy of the input as 32x1 bytes and E8M0 scales (1 + 1/32 bytes per
     # element), not dequantized bf16 values (2 bytes).
-    with quantized_model_init("mxfp8"):
+    with quantized_model_init(recipe="mxfp8"):
         layer = Fp8Linear(
             1024, 1024, fp8_config=Fp8Config(recipe="mxfp8"), dtype=torch.bfloat16, device="cuda"
         )
     x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with fp8_autocast():
+    with fp8_autocast(layer):
         layer(x).sum().backward()  # plans and kernels made; the caching allocator warm
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -323,7 +323,7 @@ def test_step_replays_from_a_cuda_graph_bitwise(recipe):
 
     def step():
         x.grad = layer.weight.grad = layer.bias.grad = None
-        with fp8_autocast():
+        with fp8_autocast(layer):
             y = layer(x)
         y.backward(dy)
         return y

@@ -62,7 +62,7 @@ def test_scale_and_history_follow_hand_simulation():
     }
     for step, (a, b) in enumerate([(2.0, 0.5), (8.0, 3.0), (1.0, 1e-3), (0.5, 0.0), (3.0, 7.0)]):
         x = (a * unit_pattern(4, 32, step)).requires_grad_()
-        with fp8_autocast(fp8_config=config):
+        with fp8_autocast(layer, fp8_config=config):
             y = layer(x)
         sims["input"].step(a)
         sims["weight"].step(w_amax)
@@ -84,7 +84,7 @@ def test_most_recent_and_zero_amax_keeps_scale():
     layer = Fp8Linear(32, 8, bias=False, fp8_config=config)
     scales = []
     for a in (4.0, 1.0, 0.0):
-        with fp8_autocast():
+        with fp8_autocast(layer):
             layer(a * unit_pattern(2, 32, 0))
         scales.append(layer.delayed_scaling.metas["input"].scale.item())
     assert scales == [112.0, 448.0, 448.0]  # amax 0 keeps the old scale
@@ -115,7 +115,7 @@ def test_recompute_reuses_first_forward_scales_and_records_once(use_reentrant):
     for step in range(3):
         x = ((step + 1) * unit_pattern(8, 32, step)).requires_grad_()
         grad_y = unit_pattern(8, 16, 50 + step)
-        with fp8_autocast():
+        with fp8_autocast(torch.nn.ModuleList([plain, recomputed])):
             y_plain = plain(x)
             y_ckpt = checkpoint(recomputed, x, use_reentrant=use_reentrant)
         assert torch.equal(y_plain, y_ckpt)
@@ -140,7 +140,7 @@ def test_state_dict_round_trip_keyed_by_module_names():
         Fp8Linear(32, 16, fp8_config=config), Fp8Linear(16, 8, fp8_config=config)
     )
     for step in range(2):
-        with fp8_autocast():
+        with fp8_autocast(model):
             y = model((step + 1) * unit_pattern(4, 32, step))
         y.sum().backward()
     state = delayed_scaling_state_dict(model)
@@ -182,7 +182,7 @@ def _count_collectives(rank: int, world_size: int) -> dict:
         Fp8Linear(32, 16, fp8_config=config), Fp8Linear(16, 8, fp8_config=config)
     )
     x = (rank + 1) * unit_pattern(4, 32, 0)
-    with fp8_autocast(amax_reduction_group=dist.group.WORLD):
+    with fp8_autocast(model, amax_reduction_group=dist.group.WORLD):
         y = model(x)
         forward_calls = list(calls)  # nothing until the autocast exits
     after_forward = list(calls)
@@ -328,7 +328,7 @@ def test_flushes_reuse_the_previous_flush_outputs_and_follow_the_reference(monke
         ]
         used_scales = [meta.scale for meta in forward_metas]
         used_values = [scale.clone() for scale in used_scales]
-        with fp8_autocast():
+        with fp8_autocast(torch.nn.ModuleList(layers)):
             ys = [layer(x) for layer, x in zip(layers, xs)]
         assert len(updates) == 2 * step + 1
         amaxes = [a, weight_amaxes[0], a / 2, weight_amaxes[1]]
@@ -357,12 +357,12 @@ def test_a_backward_that_raises_does_not_stop_later_grad_flushes():
     layer = Fp8Linear(32, 32, bias=False, fp8_config=Fp8Config(recipe="delayed"))
     grad_meta = layer.delayed_scaling.metas["grad"]
     x = torch.randn(16, 32, requires_grad=True)
-    with fp8_autocast():
+    with fp8_autocast(layer):
         y = layer(_RaisingBackward.apply(x))
     with pytest.raises(RuntimeError, match="on purpose"):
         y.sum().backward()  # the layer's backward ran (and recorded) before the failure
     assert grad_meta.amax_history[0].item() == 1.0 and grad_meta.scale.item() == 1.0
-    with fp8_autocast():
+    with fp8_autocast(layer):
         y = layer(x)
     y.sum().backward()
     # Flushed: slot 0 (max of both passes' |dy| = 1) rolled to the end, scale from amax 1.

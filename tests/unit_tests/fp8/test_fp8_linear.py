@@ -55,7 +55,7 @@ def test_outputs_and_grads_within_recorded_bounds(recipe, fp8_format, input_dtyp
     for _ in range(2):  # the second step runs delayed scaling with a real (non-1.0) scale
         layer.zero_grad()
         x.grad = None
-        with fp8_autocast(fp8_config=layer.fp8_config):
+        with fp8_autocast(layer, fp8_config=layer.fp8_config):
             y = layer(x)
         y.backward(grad_y.to(input_dtype))
     y_ref = reference(x_ref)
@@ -116,7 +116,7 @@ def test_gemms_read_the_copies_of_the_table(recipe):
 def test_autocast_disabled_runs_high_precision_exactly():
     layer, _ = make_pair("tensorwise", "hybrid")
     x = torch.randn(4, 64)
-    with fp8_autocast(enabled=False):
+    with fp8_autocast(layer, enabled=False):
         y = layer(x)
     assert torch.equal(y, F.linear(x, layer.weight, layer.bias))
 
@@ -139,7 +139,7 @@ def test_fp8_weight_from_quantized_model_init(recipe):
     torch.manual_seed(11)
     plain = Fp8Linear(64, 32, fp8_config=config)
     torch.manual_seed(11)
-    with quantized_model_init(recipe, preserve_high_precision_init_val=True):
+    with quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
         fp8_layer = Fp8Linear(64, 32, fp8_config=config)
     weight = fp8_layer.weight
     assert isinstance(weight, QuantizedTensor) and isinstance(weight, torch.nn.Parameter)
@@ -165,13 +165,16 @@ def test_fp8_weight_from_quantized_model_init(recipe):
 
 
 def test_quantized_init_recipe_mismatch_is_an_error():
-    with quantized_model_init("mxfp8"), pytest.raises(ValueError, match="pass the same recipe"):
+    with (
+        quantized_model_init(recipe="mxfp8"),
+        pytest.raises(ValueError, match="pass the same recipe"),
+    ):
         Fp8Linear(32, 32, fp8_config=Fp8Config(recipe="tensorwise"))
 
 
 def test_optimizer_write_back_into_fp8_weight_in_place():
     config = Fp8Config(recipe="tensorwise", fp8_format="hybrid")
-    with quantized_model_init("tensorwise"):
+    with quantized_model_init(recipe="tensorwise"):
         layer = Fp8Linear(32, 16, fp8_config=config)
     weight = layer.weight
     storage = weight.rowwise_data.data_ptr()
@@ -185,9 +188,30 @@ def test_optimizer_write_back_into_fp8_weight_in_place():
 
 
 def test_meta_device_construction_for_deferred_init():
-    with torch.device("meta"), quantized_model_init("blockwise"):
+    with torch.device("meta"), quantized_model_init(recipe="blockwise"):
         layer = Fp8Linear(300, 130, fp8_config=Fp8Config(recipe="blockwise"))
     weight = layer.weight
     assert weight.device.type == "meta" and weight.rowwise_data.shape == (130, 300)
     assert tuple(weight.rowwise_scale_inv.shape) == (2, 3)  # 128x128 blocks
     assert get_high_precision_init_val(weight) is None  # nothing to keep on meta
+
+
+def test_quantized_model_init_is_one_function_with_te_signature():
+    from megatron.core.distributed import fsdp
+    from megatron.core.fp8 import param_init
+
+    assert fsdp.quantized_model_init is quantized_model_init
+    assert param_init.quantized_model_init is quantized_model_init
+    config = Fp8Config(recipe="blockwise")
+    # TransformerEngine's keywords, a recipe given as name or as Fp8Config, and enabled=False.
+    with quantized_model_init(enabled=True, recipe=config, preserve_high_precision_init_val=False):
+        layer = Fp8Linear(256, 128, fp8_config=config)
+    assert isinstance(layer.weight, QuantizedTensor)
+    assert tuple(layer.weight.rowwise_scale_inv.shape) == (1, 2)
+    assert get_high_precision_init_val(layer.weight) is None
+    with fsdp.quantized_model_init(enabled=False, recipe="mxfp8"):
+        plain = Fp8Linear(32, 16, fp8_config=Fp8Config(recipe="tensorwise"))
+    assert not isinstance(plain.weight, QuantizedTensor) and plain.weight.shape == (16, 32)
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        with quantized_model_init(True, "fp4"):
+            pass

@@ -27,7 +27,7 @@ def _train(model: torch.nn.Module, *, autocast: bool) -> list[torch.Tensor]:
         torch.manual_seed(100 + step)
         x = torch.randn(16, 64) * (step + 1)
         if autocast:
-            with fp8_autocast(enabled=True, fp8_config=CONFIG):
+            with fp8_autocast(model, enabled=True, fp8_config=CONFIG):
                 y = model(x)
         else:
             y = model(x)
@@ -66,7 +66,7 @@ def test_an_active_autocast_takes_precedence_over_the_setup():
     model = _model()
     setup = apply_fp8_setup(model, fp8_config=CONFIG, amax_reduction_group=None)
     x = torch.randn(4, 64)
-    with fp8_autocast(enabled=False):
+    with fp8_autocast(model, enabled=False):
         y = model(x)
     # enabled=False runs the Linears in high precision: nothing quantized, nothing recorded.
     hidden = torch.relu(torch.nn.functional.linear(x, model[0].weight))

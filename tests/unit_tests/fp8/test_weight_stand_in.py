@@ -11,15 +11,16 @@ import pytest
 import torch
 
 from megatron.core.fp8 import Fp8Config, fp8_autocast
-from megatron.core.fp8 import linear as fp8_linear
-from megatron.core.fp8.linear import Fp8Linear, prepare_for_compile
+from megatron.core.fp8 import compile as fp8_compile
+from megatron.core.fp8.compile import prepare_for_compile
+from megatron.core.fp8.linear import Fp8Linear
 from megatron.core.fp8.param_init import quantized_model_init
 
 
 def _model(recipe: str) -> torch.nn.Sequential:
     config = Fp8Config(recipe=recipe, fp8_format="hybrid")
     torch.manual_seed(0)
-    with quantized_model_init(recipe):
+    with quantized_model_init(recipe=recipe):
         return torch.nn.Sequential(
             Fp8Linear(256, 128, bias=False, fp8_config=config, dtype=torch.bfloat16),
             torch.nn.ReLU(),
@@ -33,7 +34,8 @@ def _step(model: torch.nn.Module, x: torch.Tensor, recipe: str):
     for name, param in model.named_parameters():
         param.register_post_accumulate_grad_hook(lambda p, name=name: hook_calls.append(name))
     x = x.detach().requires_grad_()
-    with fp8_autocast(enabled=True, fp8_config=Fp8Config(recipe=recipe, fp8_format="hybrid")):
+    config = Fp8Config(recipe=recipe, fp8_format="hybrid")
+    with fp8_autocast(model, enabled=True, fp8_config=config):
         y = model(x)
     y.float().square().sum().backward()
     grads = {name: p.grad.float() for name, p in model.named_parameters()}
@@ -47,9 +49,9 @@ def test_compiled_fp8_parameters_equal_eager_through_their_stand_ins(recipe: str
     eager = _step(_model(recipe), x, recipe)
 
     lookups = []
-    find_weight = fp8_linear._stand_in_weight
+    find_weight = fp8_compile._stand_in_weight
     monkeypatch.setattr(
-        fp8_linear, "_stand_in_weight", lambda stand_in: lookups.append(1) or find_weight(stand_in)
+        fp8_compile, "_stand_in_weight", lambda stand_in: lookups.append(1) or find_weight(stand_in)
     )
     model = _model(recipe)
     prepare_for_compile(model)
@@ -82,7 +84,7 @@ def test_stand_in_has_the_weight_shape_and_one_element_of_storage():
     assert stand_in.dtype == torch.bfloat16 and stand_in.stride() == (0, 0)
     assert stand_in.untyped_storage().nbytes() == 2
     assert stand_in.requires_grad and stand_in.is_leaf
-    assert fp8_linear._stand_in_weight(stand_in) is linear.weight
+    assert fp8_compile._stand_in_weight(stand_in) is linear.weight
 
     linear.refresh_weight_stand_in()  # nothing changed: the same stand-in
     assert linear._weight_stand_in is stand_in
@@ -94,8 +96,8 @@ def test_stand_in_has_the_weight_shape_and_one_element_of_storage():
     # A copy of the module owns its own stand-in once refreshed.
     twin = copy.deepcopy(linear)
     twin.refresh_weight_stand_in()
-    assert fp8_linear._stand_in_weight(twin._weight_stand_in) is twin.weight
-    assert fp8_linear._stand_in_weight(linear._weight_stand_in) is linear.weight
+    assert fp8_compile._stand_in_weight(twin._weight_stand_in) is twin.weight
+    assert fp8_compile._stand_in_weight(linear._weight_stand_in) is linear.weight
 
 
 def test_high_precision_weights_have_no_stand_in():
@@ -115,7 +117,7 @@ def test_stand_in_grad_accumulates_into_the_weight_and_runs_its_hooks():
     second = torch.full((128, 256), 3.0, dtype=torch.bfloat16)
     for grad in (first, second):
         stand_in.grad = grad
-        fp8_linear._deliver_stand_in_grad(stand_in)
+        fp8_compile.deliver_stand_in_grad(stand_in)
         assert stand_in.grad is None
     assert [float(g[0, 0]) for g in seen] == [2.0, 5.0]
     assert torch.equal(linear.weight.grad, torch.full_like(first, 5.0))
@@ -124,4 +126,4 @@ def test_stand_in_grad_accumulates_into_the_weight_and_runs_its_hooks():
 def test_a_stand_in_without_its_linear_says_how_to_fix_it():
     orphan = torch.empty_strided((4, 4), (0, 0))
     with pytest.raises(RuntimeError, match="prepare_for_compile"):
-        fp8_linear._stand_in_weight(orphan)
+        fp8_compile._stand_in_weight(orphan)

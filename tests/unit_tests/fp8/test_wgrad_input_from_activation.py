@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from megatron.core.fp8 import Fp8Config, Fp8Linear, quantized_model_init
-from megatron.core.fp8.linear import prepare_for_compile
+from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -41,7 +41,7 @@ def _config(recipe: str, *, from_activation: bool, swiglu: bool = True) -> Trans
 def _build(cls, config: TransformerConfig, *, fp8_params: bool):
     torch.manual_seed(0)
     if fp8_params:
-        with quantized_model_init(config.fp8.recipe, preserve_high_precision_init_val=True):
+        with quantized_model_init(recipe=config.fp8.recipe, preserve_high_precision_init_val=True):
             return cls(config, layer_number=1)
     return cls(config, layer_number=1)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from megatron.core.fp8 import linear as fp8_linear
+from megatron.core.fp8 import compile as fp8_compile
 from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
 
 STEPS = 8
@@ -50,9 +50,9 @@ def test_compiled_training_matches_eager(flags: list[str], tolerance: float, mon
     torch._dynamo.reset()
     counters.clear()
     lookups = []
-    find_weight = fp8_linear._stand_in_weight
+    find_weight = fp8_compile._stand_in_weight
     monkeypatch.setattr(
-        fp8_linear, "_stand_in_weight", lambda stand_in: lookups.append(1) or find_weight(stand_in)
+        fp8_compile, "_stand_in_weight", lambda stand_in: lookups.append(1) or find_weight(stand_in)
     )
     try:
         compiled = _losses([*flags, "--torch-compile"])

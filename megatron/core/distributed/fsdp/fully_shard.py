@@ -33,13 +33,12 @@ optimizer (clipping, skip on NaN, checkpoints) from an OptimizerConfig or its fi
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
 import math
 import types
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -56,7 +55,9 @@ from megatron.core.distributed.fsdp.distributed_optimizer import (
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.distributed.fsdp.param_and_grad_buffer import InitFn
 from megatron.core.fp8.engine_interface import Fp8Config, Fp8Linear
-from megatron.core.fp8.engine_interface import quantized_model_init as _fp8_quantized_model_init
+from megatron.core.fp8.engine_interface import (
+    quantized_model_init as quantized_model_init,  # re-export
+)
 from megatron.core.optimizer import OptimizerConfig
 
 # ZeRO stage number -> Megatron-FSDP strategy name.
@@ -94,24 +95,6 @@ class MixedPrecisionPolicy:
     """Grad accumulation dtype; None: fp32 here."""
     grad_comm_dtype: torch.dtype | None = None
     """Reduce-scatter dtype; None: main_grads_dtype. bf16 = our grad_reduce_in_bf16."""
-
-
-@contextlib.contextmanager
-def quantized_model_init(
-    enabled: bool = True,
-    recipe: str | Fp8Config | None = None,
-    preserve_high_precision_init_val: bool = True,
-) -> Iterator[None]:
-    """Fp8Linears built inside keep their weight only in FP8 (TransformerEngine's signature;
-    `recipe` is a recipe name or an Fp8Config, None: each layer's own)."""
-    if not enabled:
-        yield
-        return
-    name = recipe.recipe if isinstance(recipe, Fp8Config) else recipe
-    with _fp8_quantized_model_init(
-        name, preserve_high_precision_init_val=preserve_high_precision_init_val
-    ):
-        yield
 
 
 def _strategy(value: int | str, *, allowed: dict[int, str], what: str) -> str:

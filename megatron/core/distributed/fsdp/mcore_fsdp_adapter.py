@@ -152,7 +152,9 @@ class FullyShardedDataParallel(nn.Module):
             stack.enter_context(torch.device("meta"))
         if fp8_config is not None and fp8_config.fp8_param_gather:
             stack.enter_context(
-                quantized_model_init(fp8_config.recipe, preserve_high_precision_init_val=True)
+                quantized_model_init(
+                    recipe=fp8_config.recipe, preserve_high_precision_init_val=True
+                )
             )
         return stack
 
