@@ -22,7 +22,7 @@ about 29K programs. With the amax, one block per program measured best on Model 
 (dev/bench_adamw.py, H200): 16.6 ms, against 20.2 ms for 4 blocks per program with one
 reduction (no amax: 15.3 ms; torch's fused AdamW: 21.1 ms)."""
 
-UNSCALED, PER_TENSOR, PER_BLOCK = 0, 1, 2
+UNSCALED, ONE_SCALE, SCALE_PER_BLOCK = 0, 1, 2
 
 
 @triton.jit
@@ -157,7 +157,7 @@ def _adamw_kernel(
 def _scaling(data: torch.Tensor, scale: torch.Tensor | None) -> tuple[int, float]:
     if scale is None:
         return UNSCALED, 1.0
-    return (PER_TENSOR if scale.numel() == 1 else PER_BLOCK), SCALED_RANGE[data.dtype]
+    return (ONE_SCALE if scale.numel() == 1 else SCALE_PER_BLOCK), SCALED_RANGE[data.dtype]
 
 
 def adamw_step_(
@@ -179,7 +179,7 @@ def adamw_step_(
         return
     m_scaling, m_range = _scaling(exp_avg, exp_avg_scale)
     v_scaling, v_range = _scaling(exp_avg_sq, exp_avg_sq_scale)
-    per_tensor = [i for i, s in enumerate((m_scaling, v_scaling)) if s == PER_TENSOR]
+    per_tensor = [i for i, s in enumerate((m_scaling, v_scaling)) if s == ONE_SCALE]
     # Scratch of the per-tensor rule only; elsewhere the kernel never reads its pointer.
     work = torch.zeros(4, dtype=torch.float32, device=param.device) if per_tensor else param
     launch = dict(
