@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.flat_dtensor import data_parallel_mesh
-from megatron.training.checkpoint_save import finish_save
+from megatron.training.checkpoint.save import finish_save
 from megatron.training.checkpoint_staging import HostStaging
 from megatron.training.initialize import DistributedEnv
 from megatron.training.run_config import CheckpointConfig

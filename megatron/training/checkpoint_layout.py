@@ -1,7 +1,7 @@
 """The files of a checkpoint and how they are read: directory and tracker names, metadata.json
 and its checks, tensor files read with `weights_only`, the JSON forms of the model config and the
-RNG state, and the agreement of all ranks on a failure. Saving is in checkpoint_save.py, loading
-into a run in checkpoint_load.py, the checks against this run's flags in checkpoint_checks.py;
+RNG state, and the agreement of all ranks on a failure. Saving is in checkpoint/save.py, loading
+into a run in checkpoint_load.py, the checks against this run's flags in checkpoint/checks.py;
 checkpointing.py describes the layout.
 """
 

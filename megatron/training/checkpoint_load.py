@@ -1,4 +1,4 @@
-"""Loading a checkpoint into a run (--load): the checks of checkpoint_checks.py first, then
+"""Loading a checkpoint into a run (--load): the checks of checkpoint/checks.py first, then
 model and optimizer state (torch files or the sharded state), FP8 delayed-scaling state, RNG
 states, the learning-rate schedule and the loss scale; returns the TrainState to continue from.
 """
@@ -14,7 +14,7 @@ from megatron.core.checkpoint_files import CheckpointError
 from megatron.core.fp8 import load_delayed_scaling_state_dict
 from megatron.core.fp8.recipe import names_delayed_scaling
 from megatron.core.optimizer import OptimizerParamScheduler
-from megatron.training.checkpoint_checks import (
+from megatron.training.checkpoint.checks import (
     check_saved_flags,
     check_saved_param_shapes,
     check_shapes,

@@ -24,14 +24,15 @@ malformed file, or one that does not fit this run's flags, raises CheckpointErro
 file and the fix before training.
 
 The code is split by responsibility: checkpoint_layout.py (names, tracker, metadata.json and
-file reading, export), checkpoint_save.py, checkpoint_load.py, and checkpoint_checks.py (does a
+file reading, export), checkpoint/save.py, checkpoint_load.py, and checkpoint/checks.py (does a
 checkpoint fit this run). This module gathers their public names.
 """
 
 from __future__ import annotations
 
 from megatron.core.checkpoint_files import CheckpointError
-from megatron.training.checkpoint_checks import check_saved_flags, check_saved_param_shapes
+from megatron.training.checkpoint.checks import check_saved_flags, check_saved_param_shapes
+from megatron.training.checkpoint.save import CheckpointSaveError, finish_save, save_checkpoint
 from megatron.training.checkpoint_layout import (
     FORMAT_TAG,
     FORMAT_VERSION,
@@ -49,7 +50,6 @@ from megatron.training.checkpoint_layout import (
     resolve_iteration_dir,
 )
 from megatron.training.checkpoint_load import load_checkpoint
-from megatron.training.checkpoint_save import CheckpointSaveError, finish_save, save_checkpoint
 from megatron.training.run_config import ARCHITECTURE_FLAGS
 
 __all__ = [
