@@ -4,7 +4,7 @@ import os
 import sys
 
 from megatron.core.checkpoint_files import CheckpointError
-from megatron.training.checkpointing import CheckpointSaveError
+from megatron.training.checkpoint import CheckpointSaveError
 from megatron.training.training import DataError, NonFiniteTrainingError, pretrain
 
 # One `error:` line per rank instead of a traceback: status 2 for what a --load path or the

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron.core.distributed.data_parallel_mesh import build_data_parallel_mesh
-from megatron.training.run_config import DistributedConfig
+from megatron.training.flags.run_config import DistributedConfig
 
 
 @dataclass(frozen=True)

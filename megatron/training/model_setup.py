@@ -21,8 +21,8 @@ from megatron.core.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
 from megatron.core.optimizer.grad_scaler import GradScaler
 from megatron.core.transformer.init import init_parameter_
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.flags.run_config import ModelSetupConfig
 from megatron.training.initialize import DistributedEnv
-from megatron.training.run_config import ModelSetupConfig
 from megatron.training.run_hooks import build_grad_scaler
 
 

@@ -18,16 +18,17 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer import OptimizerParamScheduler
-from megatron.training.arguments import parse_args
-from megatron.training.async_checkpoint import AsyncCheckpointSaver
-from megatron.training.checkpointing import check_load_path, load_checkpoint, save_checkpoint
-from megatron.training.configs import build_run_config
+from megatron.training.checkpoint import check_load_path, load_checkpoint, save_checkpoint
+from megatron.training.checkpoint.async_save import AsyncCheckpointSaver
 from megatron.training.data import (
     Datasets,
     build_datasets,
     build_tokenizer_from_config,
     get_micro_batch,
 )
+from megatron.training.flags.arguments import parse_args
+from megatron.training.flags.configs import build_run_config
+from megatron.training.flags.run_config import LoggingConfig, TrainingConfig, TrainingRunConfig
 from megatron.training.initialize import (
     DistributedEnv,
     initialize_distributed,
@@ -37,7 +38,6 @@ from megatron.training.initialize import (
 from megatron.training.log_line import IntervalStats, format_train_line, format_valid_line
 from megatron.training.loggers import MetricsLogger
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
-from megatron.training.run_config import LoggingConfig, TrainingConfig, TrainingRunConfig
 from megatron.training.run_hooks import (
     ExitSignal,
     ManualGC,

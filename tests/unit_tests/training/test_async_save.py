@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from megatron.training.async_checkpoint import TEST_HOLD_ENV
+from megatron.training.checkpoint.async_save import TEST_HOLD_ENV
 from tests.launch import end_session_with_stacks, free_port, start_session
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.common import (
@@ -203,7 +203,7 @@ def test_no_sharded_tensor_and_no_silenced_deprecation_in_the_package():
 def test_delayed_scaling_checkpoint_of_the_other_engine_is_refused(tmp_path):
     """DDP keeps the delayed-scaling state in a file, Megatron-FSDP in its shards: a resume
     under the other engine is refused by name; --finetune (weights only) loads."""
-    from megatron.training.checkpointing import CheckpointError
+    from megatron.training.checkpoint import CheckpointError
 
     base = TINY_GPT + NO_DROPOUT + ["--fp8-recipe", "delayed", "--ckpt-format", "torch_dist"]
     run_pretrain(base + ["--train-iters", "2", "--save", str(tmp_path)])

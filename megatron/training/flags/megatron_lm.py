@@ -8,7 +8,7 @@ Three kinds (docs/MEGATRON_LM_FLAGS.md lists every flag and what it does here):
 - features we have not built (model parallelism above 1, MoE, MTP, ...): refused at parse time
   with one message that names every such flag of the command line.
 
-Parse-time code, like arguments.py and argument_checks.py: it adds flags to the parser and maps
+Parse-time code, like arguments.py and checks.py: it adds flags to the parser and maps
 and checks their values in the argparse Namespace before configs.build_run_config reads it, so
 it works on the Namespace; nothing here runs below `pretrain()`.
 """

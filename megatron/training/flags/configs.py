@@ -19,7 +19,7 @@ from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.run_config import (
+from megatron.training.flags.run_config import (
     ARCHITECTURE_FLAGS,
     CheckpointConfig,
     DataConfig,

@@ -2,7 +2,7 @@
 
 A save copies this rank's share (sharded model and optimizer state, RNG state) to host memory
 at the save's iteration (into buffers reused by every save; on CUDA pinned, copied on a side
-stream while training goes on: checkpoint_staging.py), then a thread waits for the copy and
+stream while training goes on: staging.py), then a thread waits for the copy and
 writes it into `iter_XXXXXXX.tmp/` through torch.distributed.checkpoint on a gloo group of its
 own (a collective of the writer must not interleave with the training loop's on the same
 group). After each later iteration every rank asks whether all writers are done (one small
@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.flat_dtensor import data_parallel_mesh
 from megatron.training.checkpoint.save import finish_save
-from megatron.training.checkpoint_staging import HostStaging
+from megatron.training.checkpoint.staging import HostStaging
+from megatron.training.flags.run_config import CheckpointConfig
 from megatron.training.initialize import DistributedEnv
-from megatron.training.run_config import CheckpointConfig
 
 TEST_HOLD_ENV = "MEGATRON_FP8_TEST_HOLD_ASYNC_SAVE"
 """Tests only: `<iteration>` makes the writer of that iteration stop for good after its shards

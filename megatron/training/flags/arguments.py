@@ -16,15 +16,15 @@ from megatron.core.checkpoint_files import CheckpointError
 from megatron.core.distributed.fsdp.config import OUTER_SHARDING_STRATEGIES, SHARDING_STRATEGIES
 from megatron.core.fp8.config import FP8_RECIPES
 from megatron.core.tokenizer.build import TOKENIZER_TYPES
-from megatron.training.argument_checks import ArgumentError, validate_args
-from megatron.training.checkpoint_layout import (
+from megatron.training.checkpoint.layout import (
     TRACKER_FILENAME,
     read_metadata,
     read_tracker,
     resolve_iteration_dir,
 )
-from megatron.training.megatron_lm_flags import add_megatron_lm_args
-from megatron.training.run_config import ARCHITECTURE_FLAGS
+from megatron.training.flags.checks import ArgumentError, validate_args
+from megatron.training.flags.megatron_lm import add_megatron_lm_args
+from megatron.training.flags.run_config import ARCHITECTURE_FLAGS
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ from megatron.training.checkpoint.checks import (
     check_shapes,
     schedule_mismatch,
 )
-from megatron.training.checkpoint_layout import (
+from megatron.training.checkpoint.layout import (
     delayed_scaling_state,
     first_failing_rank,
     load_tensor_file,
@@ -30,10 +30,10 @@ from megatron.training.checkpoint_layout import (
     resolve_iteration_dir,
     rng_state_from_plain,
 )
+from megatron.training.checkpoint.sharded import SHARDED_FORMATS, load_sharded_state, sharded_state
+from megatron.training.flags.run_config import CheckpointConfig
 from megatron.training.initialize import DistributedEnv, set_rng_state
 from megatron.training.model_setup import ModelAndOptimizer
-from megatron.training.run_config import CheckpointConfig
-from megatron.training.sharded_checkpoint import SHARDED_FORMATS, load_sharded_state, sharded_state
 from megatron.training.train_state import TrainState
 
 
