@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron.core.optimizer import OptimizerParamScheduler
 from megatron.training.checkpoint import check_load_path, load_checkpoint, save_checkpoint
-from megatron.training.checkpoint.async_save import AsyncCheckpointSaver
+from megatron.training.checkpoint.async_save import AsyncCheckpointSaver, SaveFault
 from megatron.training.data import (
     Datasets,
     build_datasets,
@@ -80,7 +80,10 @@ def print_rank_0(env: DistributedEnv, message: str) -> None:
 
 
 def pretrain(
-    argv: Sequence[str] | None = None, *, destroy_process_group: bool = True
+    argv: Sequence[str] | None = None,
+    *,
+    destroy_process_group: bool = True,
+    save_fault: SaveFault | None = None,
 ) -> TrainingResult:
     """Entry point of pretrain_gpt.py: parse flags, build data, model, optimizer; train.
 
@@ -89,6 +92,7 @@ def pretrain(
 
     destroy_process_group=False leaves the process group this call created alive after the
     final barrier: for a caller that exits the process next without teardown (pretrain_gpt.py).
+    `save_fault` is fault injection for tests (async_save.SaveFault).
     """
     config = build_run_config(parse_args(argv))
     if config.checkpoint.load is not None:
@@ -96,7 +100,7 @@ def pretrain(
         check_load_path(config.checkpoint.load, config.checkpoint.ckpt_step)
     env = initialize_distributed(config.distributed)
     try:
-        result = _build_and_train(config, env)
+        result = _build_and_train(config, env, save_fault=save_fault)
     except BaseException:
         # A one-rank group (Megatron-FSDP in one process) has no peer to wait for: free it so
         # that a library caller can run again. With several ranks the others may still be in a
@@ -108,7 +112,9 @@ def pretrain(
     return result
 
 
-def _build_and_train(config: TrainingRunConfig, env: DistributedEnv) -> TrainingResult:
+def _build_and_train(
+    config: TrainingRunConfig, env: DistributedEnv, *, save_fault: SaveFault | None = None
+) -> TrainingResult:
     _configure_logging(env, level=config.logging.logging_level)
     for note in config.logging.notes:
         print_rank_0(env, f" > note: {note}")
@@ -120,13 +126,15 @@ def _build_and_train(config: TrainingRunConfig, env: DistributedEnv) -> Training
         )
         torch.use_deterministic_algorithms(True, warn_only=True)
         try:
-            return _build_and_train_seeded(config, env)
+            return _build_and_train_seeded(config, env, save_fault=save_fault)
         finally:
             torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
-    return _build_and_train_seeded(config, env)
+    return _build_and_train_seeded(config, env, save_fault=save_fault)
 
 
-def _build_and_train_seeded(config: TrainingRunConfig, env: DistributedEnv) -> TrainingResult:
+def _build_and_train_seeded(
+    config: TrainingRunConfig, env: DistributedEnv, *, save_fault: SaveFault | None = None
+) -> TrainingResult:
     set_random_seeds(config.training.seed)
     try:
         tokenizer = build_tokenizer_from_config(config.data.tokenizer)
@@ -167,6 +175,7 @@ def _build_and_train_seeded(config: TrainingRunConfig, env: DistributedEnv) -> T
             datasets=datasets,
             state=state,
             logger=logger,
+            save_fault=save_fault,
         )
     finally:
         if logger is not None:
@@ -368,10 +377,11 @@ def train(
     datasets: Datasets,
     state: TrainState,
     logger: MetricsLogger | None = None,
+    save_fault: SaveFault | None = None,
 ) -> TrainingResult:
     saver = None
     if config.checkpoint.async_save and config.checkpoint.save:
-        saver = AsyncCheckpointSaver(config.checkpoint, env)
+        saver = AsyncCheckpointSaver(config.checkpoint, env, fault=save_fault)
     hooks = RunHooks(
         profiler=Profiler(config.hooks, rank=env.rank, device=env.device),
         memory=MemoryHistory(config.hooks, rank=env.rank, device=env.device),

@@ -8,7 +8,6 @@ is built.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -22,6 +21,7 @@ from megatron.training.checkpoint.layout import (
     read_tracker,
     resolve_iteration_dir,
 )
+from megatron.training.environment import env_int
 from megatron.training.flags.checks import ArgumentError, validate_args
 from megatron.training.flags.megatron_lm import add_megatron_lm_args
 from megatron.training.flags.run_config import ARCHITECTURE_FLAGS
@@ -150,7 +150,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Run backward on the autograd engine's per-device worker thread (PyTorch's "
         "default). Without it backward runs on the training loop's own thread, which saves a "
-        "thread hand-off per backward pass (0.3-0.5 ms per FP8 layer step on an H200 host, "
+        "thread hand-off per backward pass (measured in "
         "docs/benchmarks/fp8_linear_host_path_h200_2026-12-01.md).",
     )
     group.add_argument(
@@ -584,7 +584,7 @@ def load_args_from_checkpoint(args: argparse.Namespace) -> list[str]:
 
 def world_size_from_env() -> int:
     """Data-parallel size as torchrun/Slurm announce it (1 for a plain `python` launch)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return env_int("WORLD_SIZE", 1)
 
 
 def parse_args(
@@ -600,7 +600,7 @@ def parse_args(
             changed = load_args_from_checkpoint(args)
         except CheckpointError as error:
             parser.error(str(error))
-        if int(os.environ.get("RANK", "0")) == 0:
+        if env_int("RANK", 0) == 0:
             for line in changed:
                 print(f" > --use-checkpoint-args: {line}", flush=True)
     try:
