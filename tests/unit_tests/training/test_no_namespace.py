@@ -5,8 +5,8 @@ The check is the issue's grep, `args.` anywhere in the text of megatron/core and
 modules below `pretrain()` (so `kwargs.` or `saved_args.` count too: name such things otherwise),
 and with `ast`: no `argparse` import and no `Namespace` in those modules. Parse-time modules
 keep the Namespace: flags/arguments.py and flags/checks.py (parsing and validation),
-flags/configs.py (builds the configs from it) and flags/megatron_lm.py (adds, maps and checks
-Megatron-LM's flags at parse time)."""
+flags/configs.py (builds the configs from it), flags/megatron_lm.py and megatron_lm_checks.py
+(add, map and check Megatron-LM's flags at parse time)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-PARSE_TIME = {f"flags/{name}.py" for name in ("arguments", "checks", "configs", "megatron_lm")}
+PARSE_TIME = {
+    f"flags/{name}.py"
+    for name in ("arguments", "checks", "configs", "megatron_lm", "megatron_lm_checks")
+}
 ARGS_ATTRIBUTE = re.compile(r"args\.")  # as `grep -rn "args\."`
 
 
