@@ -4,7 +4,7 @@
 The check is the issue's grep, `args.` anywhere in the text of megatron/core and of the training
 modules below `pretrain()` (so `kwargs.` or `saved_args.` count too: name such things otherwise),
 and with `ast`: no `argparse` import and no `Namespace` in those modules. Parse-time modules
-keep the Namespace: flags/arguments.py and flags/checks.py (parsing and validation),
+keep the Namespace: flags/arguments.py, checkpoint_args.py and checks.py (parsing and validation),
 flags/configs.py (builds the configs from it), flags/megatron_lm.py and megatron_lm_checks.py
 (add, map and check Megatron-LM's flags at parse time)."""
 
@@ -17,7 +17,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 PARSE_TIME = {
     f"flags/{name}.py"
-    for name in ("arguments", "checks", "configs", "megatron_lm", "megatron_lm_checks")
+    for name in (
+        "arguments",
+        "checkpoint_args",
+        "checks",
+        "configs",
+        "megatron_lm",
+        "megatron_lm_checks",
+    )
 }
 ARGS_ATTRIBUTE = re.compile(r"args\.")  # as `grep -rn "args\."`
 
