@@ -4,6 +4,7 @@ table names with a reason (issue 35)."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -60,10 +61,10 @@ def test_unlisted_name_is_refused_and_listed_names_read(monkeypatch):
 
 
 def test_slurm_launch_is_mapped_onto_torchrun_names(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("SLURM_PROCID", "3")
-    monkeypatch.setenv("SLURM_NTASKS", "4")
-    monkeypatch.setenv("SLURM_LOCALID", "1")
+    # A private copy of the environment: adopt_slurm_launch writes RANK, WORLD_SIZE and
+    # LOCAL_RANK, which must not reach the tests that run after this one.
+    monkeypatch.setattr(
+        os, "environ", {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1"}
+    )
     adopt_slurm_launch()
     assert (env_int("RANK", 0), env_int("WORLD_SIZE", 1), env_int("LOCAL_RANK", 0)) == (3, 4, 1)
