@@ -4,7 +4,8 @@ import os
 import sys
 
 from megatron.core.checkpoint_files import CheckpointError
-from megatron.training.checkpointing import CheckpointSaveError
+from megatron.training.checkpoint import CheckpointSaveError
+from megatron.training.environment import get_env
 from megatron.training.training import DataError, NonFiniteTrainingError, pretrain
 
 # One `error:` line per rank instead of a traceback: status 2 for what a --load path or the
@@ -21,9 +22,9 @@ if __name__ == "__main__":
     try:
         pretrain(destroy_process_group=False)
     except tuple(USER_ERRORS) as error:
-        if os.environ.get("MEGATRON_TRACEBACK") == "1":
+        if get_env("MEGATRON_TRACEBACK") == "1":
             raise
-        rank = os.environ.get("RANK", "0")
+        rank = get_env("RANK", "0")
         sys.stdout.flush()
         sys.stderr.flush()
         # One write per line: ranks share the launcher's stderr pipe, and print's separate

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from megatron.core.datasets import GPTDatasetConfig, build_gpt_datasets
 from megatron.core.tokenizer import Tokenizer, build_tokenizer
-from megatron.training.run_config import DataConfig, TokenizerConfig
+from megatron.training.flags.run_config import DataConfig, TokenizerConfig
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import secrets
 import time
@@ -15,7 +14,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron.core.distributed.data_parallel_mesh import build_data_parallel_mesh
-from megatron.training.run_config import DistributedConfig
+from megatron.training.environment import adopt_slurm_launch, env_int, get_env
+from megatron.training.flags.run_config import DistributedConfig
 
 
 @dataclass(frozen=True)
@@ -33,21 +33,12 @@ class DistributedEnv:
     the engine cuts its groups from it. None for torch DDP."""
 
 
-def _slurm_to_torchrun_env() -> None:
-    """Under `srun` without torchrun, map Slurm's task variables onto torchrun's names."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
-        return
-    os.environ["RANK"] = os.environ["SLURM_PROCID"]
-    os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
-    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-
-
 def initialize_distributed(config: DistributedConfig) -> DistributedEnv:
     """Init the default process group when launched with several ranks; pick the device."""
-    _slurm_to_torchrun_env()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    adopt_slurm_launch()
+    world_size = env_int("WORLD_SIZE", 1)
+    rank = env_int("RANK", 0)
+    local_rank = env_int("LOCAL_RANK", 0)
     backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         if not torch.cuda.is_available():
@@ -110,11 +101,11 @@ def _attempt_store(rank: int, world_size: int) -> dist.Store | None:
     answers each token it finds with its own fresh nonce, and waits until all have answered
     under that nonce. A stale answer cannot match a fresh token, so every rank ends up with the
     nonce of this group's rank 0."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if get_env("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     shared = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
+        get_env("MASTER_ADDR"),
+        int(get_env("MASTER_PORT")),
         world_size,
         is_master=False,
         timeout=timedelta(minutes=30),

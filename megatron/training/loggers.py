@@ -11,6 +11,8 @@ import importlib.util
 import os
 from typing import Any
 
+from megatron.training.environment import get_env
+
 METRIC_NAMES: tuple[str, ...] = (
     "lm loss",
     "learning-rate",
@@ -73,7 +75,7 @@ def _import_wandb() -> Any:
 
 def wandb_mode() -> str:
     """W&B mode: online when WANDB_API_KEY is set, else offline (sync later with `wandb sync`)."""
-    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    return "online" if get_env("WANDB_API_KEY") else "offline"
 
 
 def check_logger_settings(

@@ -7,6 +7,7 @@ or Megatron-FSDP through its adapter. The training loop only sees ModelAndOptimi
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,8 +23,8 @@ from megatron.core.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
 from megatron.core.optimizer.grad_scaler import GradScaler
 from megatron.core.transformer.init import init_parameter_
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.flags.run_config import ModelSetupConfig
 from megatron.training.initialize import DistributedEnv
-from megatron.training.run_config import ModelSetupConfig
 from megatron.training.run_hooks import build_grad_scaler
 
 
@@ -53,12 +54,28 @@ class ModelAndOptimizer:
             finish()
 
 
-def setup_fp8(module: GPTModel, config: TransformerConfig, env: DistributedEnv) -> None:
-    """The first step of the model-setup seam: the model's Fp8Linears (built by the Linear
-    factory) run with the recipe settings and share delayed-scaling amaxes over the
-    data-parallel group, given here once rather than by an fp8_autocast around every call."""
+def apply_model_setup(
+    module: GPTModel,
+    config: TransformerConfig,
+    *,
+    setup: ModelSetupConfig,
+    env: DistributedEnv,
+    shard: Callable[[GPTModel], tuple[nn.Module, MegatronOptimizer]],
+) -> tuple[nn.Module, MegatronOptimizer]:
+    """The model-setup seam, the same for every engine and in this order:
+    1. FP8: the model's Fp8Linears (built by the Linear factory) run with the recipe settings
+       and share delayed-scaling amaxes over the data-parallel group, given here once rather
+       than by an fp8_autocast around every call;
+    2. activation recompute: TransformerConfig's recompute settings, read by the block at
+       forward time, so nothing is applied here;
+    3. compile (--torch-compile): `compile_layers`;
+    4. sharding: `shard` wraps the module for its engine and builds the optimizer, returning
+       (what forward is called on, the optimizer)."""
     if config.fp8 is not None:
         apply_fp8_setup(module, fp8_config=config.fp8, amax_reduction_group=env.dp_group)
+    if setup.torch_compile:
+        compile_layers(module)
+    return shard(module)
 
 
 def compile_layers(module: GPTModel) -> None:
@@ -68,8 +85,7 @@ def compile_layers(module: GPTModel) -> None:
     gathers and releases) run eagerly around the compiled region. Every layer runs the same
     code object and its parameters are graph inputs (dynamo inlines nn.Modules), so identical
     layers share one compiled graph instead of compiling once each. This is the third step of
-    the model-setup seam: FP8 (the Linear factory at construction, then `setup_fp8`),
-    activation recompute (TransformerConfig, read by the block), compile, then sharding.
+    the model-setup seam (`apply_model_setup`).
     """
     for layer in module.decoder.layers:
         layer.forward = torch.compile(layer.forward)
@@ -97,9 +113,14 @@ def _build_ddp(
     module = GPTModel(config, seed=setup.seed).to(env.device)
     if initial_params is not None:
         module.load_state_dict(initial_params, strict=True)
-    setup_fp8(module, config, env)
-    if setup.torch_compile:
-        compile_layers(module)
+
+    def shard(module: GPTModel) -> tuple[nn.Module, MegatronOptimizer]:
+        return _wrap_ddp(module, setup=setup, env=env)
+
+    return module, shard
+
+
+def _wrap_ddp(module: GPTModel, *, setup: ModelSetupConfig, env: DistributedEnv):
     model: nn.Module = module
     if env.world_size > 1:
         model = nn.parallel.DistributedDataParallel(
@@ -111,8 +132,7 @@ def _build_ddp(
         if setup.grad_reduce_in_bf16:
             # Megatron-LM's --grad-reduce-in-bf16 under DDP: the all-reduce runs in bf16.
             model.register_comm_hook(env.dp_group, bf16_all_reduce_hook)
-    optimizer = MixedPrecisionOptimizer(module, config=setup.optimizer)
-    return model, module, optimizer
+    return model, MixedPrecisionOptimizer(module, config=setup.optimizer)
 
 
 def _build_megatron_fsdp(
@@ -126,9 +146,6 @@ def _build_megatron_fsdp(
         module = GPTModel(config, seed=setup.seed).to(env.device)
         if initial_params is not None:
             module.load_state_dict(initial_params, strict=True)
-    setup_fp8(module, config, env)
-    if setup.torch_compile:
-        compile_layers(module)
 
     def init_fn(name: str, tensor: torch.Tensor) -> None:
         if initial_params is not None:
@@ -136,21 +153,23 @@ def _build_megatron_fsdp(
         else:
             init_parameter_(tensor, name=name, config=config, seed=setup.seed)
 
-    model = FullyShardedDataParallel(
-        module,
-        fsdp_config=fsdp_config,
-        # Inner (shard) and, with --num-distributed-optimizer-instances > 1, outer groups.
-        device_mesh=env.dp_mesh,
-        dp_shard_dim=DP_SHARD_DIM,
-        dp_outer_dim=DP_OUTER_DIM,
-        device=env.device,
-        init_fn=init_fn,
-        # With fp8_param_gather the engine keeps Fp8Linear weights only as FP8 bytes plus fp32
-        # main shards, seeded from the exact high-precision values.
-        fp8_config=config.fp8,
-    )
-    optimizer = model.build_optimizer(setup.optimizer)
-    return model, module, optimizer
+    def shard(module: GPTModel) -> tuple[nn.Module, MegatronOptimizer]:
+        model = FullyShardedDataParallel(
+            module,
+            fsdp_config=fsdp_config,
+            # Inner (shard) and, with --num-distributed-optimizer-instances > 1, outer groups.
+            device_mesh=env.dp_mesh,
+            dp_shard_dim=DP_SHARD_DIM,
+            dp_outer_dim=DP_OUTER_DIM,
+            device=env.device,
+            init_fn=init_fn,
+            # With fp8_param_gather the engine keeps Fp8Linear weights only as FP8 bytes plus
+            # fp32 main shards, seeded from the exact high-precision values.
+            fp8_config=config.fp8,
+        )
+        return model, model.build_optimizer(setup.optimizer)
+
+    return module, shard
 
 
 def _build_torch_fsdp2(
@@ -162,10 +181,6 @@ def _build_torch_fsdp2(
     The optimizer steps the shards in place (their grads are shards too)."""
     import dataclasses
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import distribute_tensor
-
     if initial_params is not None:
         raise ValueError(
             "--use-torch-fsdp2 builds from its own init; imported weights go "
@@ -175,9 +190,29 @@ def _build_torch_fsdp2(
     config = dataclasses.replace(config, params_dtype=torch.float32)
     with torch.device("meta"):
         module = GPTModel(config, seed=setup.seed)
-    setup_fp8(module, config, env)
-    if setup.torch_compile:
-        compile_layers(module)
+
+    def shard(module: GPTModel) -> tuple[nn.Module, MegatronOptimizer]:
+        _fully_shard(module, config, compute_dtype=compute_dtype, setup=setup, env=env)
+        return module, MixedPrecisionOptimizer(
+            module, config=setup.optimizer, grad_group=env.dp_group
+        )
+
+    return module, shard
+
+
+def _fully_shard(
+    module: GPTModel,
+    config: TransformerConfig,
+    *,
+    compute_dtype: torch.dtype,
+    setup: ModelSetupConfig,
+    env: DistributedEnv,
+) -> None:
+    """fully_shard on every layer and the model, then the init values, sharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     policy = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
@@ -193,8 +228,6 @@ def _build_torch_fsdp2(
             init_parameter_(full, name=name, config=config, seed=setup.seed)
             param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
     module.init_buffers(env.device)
-    optimizer = MixedPrecisionOptimizer(module, config=setup.optimizer, grad_group=env.dp_group)
-    return module, module, optimizer
 
 
 def setup_model_and_optimizer(
@@ -209,7 +242,8 @@ def setup_model_and_optimizer(
     build = _build_megatron_fsdp if setup.use_megatron_fsdp else _build_ddp
     if setup.use_torch_fsdp2:
         build = _build_torch_fsdp2
-    model, module, optimizer = build(config, setup=setup, env=env, initial_params=initial_params)
+    module, shard = build(config, setup=setup, env=env, initial_params=initial_params)
+    model, optimizer = apply_model_setup(module, config, setup=setup, env=env, shard=shard)
     optimizer.count_zeros_in_grad = setup.log_num_zeros_in_grad
 
     return ModelAndOptimizer(

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer.grad_scaler import GradScaler
+from megatron.training.flags.run_config import LossScaleConfig, RunHooksConfig, TrainingConfig
 from megatron.training.initialize import DistributedEnv
-from megatron.training.run_config import LossScaleConfig, RunHooksConfig, TrainingConfig
 
 
 def _profiles_rank(config: RunHooksConfig, rank: int) -> bool:

@@ -18,26 +18,26 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer import OptimizerParamScheduler
-from megatron.training.arguments import parse_args
-from megatron.training.async_checkpoint import AsyncCheckpointSaver
-from megatron.training.checkpointing import check_load_path, load_checkpoint, save_checkpoint
-from megatron.training.configs import build_run_config
+from megatron.training.checkpoint import check_load_path, load_checkpoint, save_checkpoint
+from megatron.training.checkpoint.async_save import AsyncCheckpointSaver, SaveFault
 from megatron.training.data import (
     Datasets,
     build_datasets,
     build_tokenizer_from_config,
     get_micro_batch,
 )
+from megatron.training.flags.arguments import parse_args
+from megatron.training.flags.configs import build_run_config
+from megatron.training.flags.run_config import LoggingConfig, TrainingConfig, TrainingRunConfig
 from megatron.training.initialize import (
     DistributedEnv,
     initialize_distributed,
     set_random_seeds,
     shutdown_distributed,
 )
-from megatron.training.log_line import IntervalStats, format_train_line, format_valid_line
+from megatron.training.log_line import IntervalStats
 from megatron.training.loggers import MetricsLogger
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
-from megatron.training.run_config import LoggingConfig, TrainingConfig, TrainingRunConfig
 from megatron.training.run_hooks import (
     ExitSignal,
     ManualGC,
@@ -47,6 +47,13 @@ from megatron.training.run_hooks import (
     empty_cuda_cache,
     exit_reason,
     memory_bytes,
+)
+from megatron.training.train_logging import (
+    log_interval,
+    log_iteration,
+    log_step_extras,
+    log_validation,
+    print_rank_0,
 )
 from megatron.training.train_state import TrainState
 
@@ -74,13 +81,11 @@ class TrainingResult:
     state: TrainState = field(default_factory=TrainState)
 
 
-def print_rank_0(env: DistributedEnv, message: str) -> None:
-    if env.rank == 0:
-        print(message, flush=True)
-
-
 def pretrain(
-    argv: Sequence[str] | None = None, *, destroy_process_group: bool = True
+    argv: Sequence[str] | None = None,
+    *,
+    destroy_process_group: bool = True,
+    save_fault: SaveFault | None = None,
 ) -> TrainingResult:
     """Entry point of pretrain_gpt.py: parse flags, build data, model, optimizer; train.
 
@@ -89,6 +94,7 @@ def pretrain(
 
     destroy_process_group=False leaves the process group this call created alive after the
     final barrier: for a caller that exits the process next without teardown (pretrain_gpt.py).
+    `save_fault` is fault injection for tests (async_save.SaveFault).
     """
     config = build_run_config(parse_args(argv))
     if config.checkpoint.load is not None:
@@ -96,7 +102,7 @@ def pretrain(
         check_load_path(config.checkpoint.load, config.checkpoint.ckpt_step)
     env = initialize_distributed(config.distributed)
     try:
-        result = _build_and_train(config, env)
+        result = _build_and_train(config, env, save_fault=save_fault)
     except BaseException:
         # A one-rank group (Megatron-FSDP in one process) has no peer to wait for: free it so
         # that a library caller can run again. With several ranks the others may still be in a
@@ -108,7 +114,9 @@ def pretrain(
     return result
 
 
-def _build_and_train(config: TrainingRunConfig, env: DistributedEnv) -> TrainingResult:
+def _build_and_train(
+    config: TrainingRunConfig, env: DistributedEnv, *, save_fault: SaveFault | None = None
+) -> TrainingResult:
     _configure_logging(env, level=config.logging.logging_level)
     for note in config.logging.notes:
         print_rank_0(env, f" > note: {note}")
@@ -120,13 +128,15 @@ def _build_and_train(config: TrainingRunConfig, env: DistributedEnv) -> Training
         )
         torch.use_deterministic_algorithms(True, warn_only=True)
         try:
-            return _build_and_train_seeded(config, env)
+            return _build_and_train_seeded(config, env, save_fault=save_fault)
         finally:
             torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
-    return _build_and_train_seeded(config, env)
+    return _build_and_train_seeded(config, env, save_fault=save_fault)
 
 
-def _build_and_train_seeded(config: TrainingRunConfig, env: DistributedEnv) -> TrainingResult:
+def _build_and_train_seeded(
+    config: TrainingRunConfig, env: DistributedEnv, *, save_fault: SaveFault | None = None
+) -> TrainingResult:
     set_random_seeds(config.training.seed)
     try:
         tokenizer = build_tokenizer_from_config(config.data.tokenizer)
@@ -167,6 +177,7 @@ def _build_and_train_seeded(config: TrainingRunConfig, env: DistributedEnv) -> T
             datasets=datasets,
             state=state,
             logger=logger,
+            save_fault=save_fault,
         )
     finally:
         if logger is not None:
@@ -368,10 +379,11 @@ def train(
     datasets: Datasets,
     state: TrainState,
     logger: MetricsLogger | None = None,
+    save_fault: SaveFault | None = None,
 ) -> TrainingResult:
     saver = None
     if config.checkpoint.async_save and config.checkpoint.save:
-        saver = AsyncCheckpointSaver(config.checkpoint, env)
+        saver = AsyncCheckpointSaver(config.checkpoint, env, fault=save_fault)
     hooks = RunHooks(
         profiler=Profiler(config.hooks, rank=env.rank, device=env.device),
         memory=MemoryHistory(config.hooks, rank=env.rank, device=env.device),
@@ -436,14 +448,14 @@ def _train_loop(
         result.losses[state.iteration] = loss
         result.grad_norms[state.iteration] = grad_norm
         stats.add(loss=loss, grad_norm=grad_norm, seconds=time.time() - step_start, skipped=not ok)
-        _log_iteration(
+        log_iteration(
             config, state=state, logger=logger, loss=loss, grad_norm=grad_norm, lr=lr, updated=ok
         )
-        _log_step_extras(logging_config, run=run, state=state, logger=logger)
+        log_step_extras(logging_config, run=run, state=state, logger=logger)
         hooks.profiler.after_iteration(state.iteration)
         hooks.gc.after_iteration(state.iteration)
         if state.iteration % logging_config.log_interval == 0:
-            _log_interval(config, env=env, run=run, state=state, stats=stats, lr=lr, logger=logger)
+            log_interval(config, env=env, run=run, state=state, stats=stats, lr=lr, logger=logger)
             hooks.memory.dump()
             stats = IntervalStats()
         if _evaluation_due(training, valid=datasets.valid, iteration=state.iteration):
@@ -451,7 +463,7 @@ def _train_loop(
             valid_loss = evaluate(training, env=env, run=run, dataset=datasets.valid)
             hooks.gc.around_evaluation()
             result.valid_losses[state.iteration] = valid_loss
-            _log_validation(env, state=state, logger=logger, valid_loss=valid_loss)
+            log_validation(env, state=state, logger=logger, valid_loss=valid_loss)
         if saver is not None:
             saver.finalize(blocking=False)  # publishes a save in flight once all ranks wrote it
         exiting = exit_reason(
@@ -496,118 +508,3 @@ def _evaluation_due(
     if valid is None or training.eval_iters <= 0:
         return False
     return iteration % training.eval_interval == 0 or iteration == training.train_iters
-
-
-def _log_validation(
-    env: DistributedEnv, *, state: TrainState, logger: MetricsLogger | None, valid_loss: float
-) -> None:
-    print_rank_0(env, format_valid_line(state.iteration, valid_loss))
-    if logger is not None:
-        logger.log_scalars(
-            state.iteration,
-            {
-                "lm loss validation": valid_loss,
-                "lm loss validation ppl": math.exp(min(20.0, valid_loss)),
-            },
-            samples=state.consumed_train_samples,
-        )
-
-
-def _log_interval(
-    config: TrainingRunConfig,
-    *,
-    env: DistributedEnv,
-    run: ModelAndOptimizer,
-    state: TrainState,
-    stats: IntervalStats,
-    lr: float,
-    logger,
-) -> None:
-    seconds = stats.mean_seconds()
-    tokens_per_gpu = (
-        config.training.global_batch_size * config.training.seq_length / seconds / env.world_size
-    )
-    tflops = run.flops_per_iteration / seconds / env.world_size / 1e12
-    mem, max_mem = memory_bytes(env.device)
-    # A collective under Megatron-FSDP: every rank computes it.
-    params_norm = run.optimizer.params_norm() if config.logging.log_params_norm else None
-    print_rank_0(
-        env,
-        format_train_line(
-            iteration=state.iteration,
-            train_iters=config.training.train_iters,
-            consumed_samples=state.consumed_train_samples,
-            iteration_ms=seconds * 1000.0,
-            tflops_per_gpu=tflops,
-            tokens_per_gpu=tokens_per_gpu,
-            learning_rate=lr,
-            global_batch_size=config.training.global_batch_size,
-            loss=stats.mean_loss(),
-            grad_norm=stats.last_grad_norm,
-            skipped=stats.skipped,
-            nans=stats.nans,
-            mem_gib=mem / 2**30,
-            loss_scale=run.grad_scaler.scale if run.grad_scaler is not None else None,
-            num_zeros=run.last_step.get("num-zeros")
-            if config.logging.log_num_zeros_in_grad
-            else None,
-            params_norm=params_norm,
-        ),
-    )
-    if logger is not None:
-        # Interval statistics; the per-iteration series go out in _log_iteration.
-        logger.log_scalars(
-            state.iteration,
-            {
-                "iteration-time": seconds,
-                "throughput/tflops-per-gpu": tflops,
-                "throughput/tokens-per-sec-per-gpu": tokens_per_gpu,
-                "mem-allocated-bytes": float(mem),
-                "mem-max-allocated-bytes": float(max_mem),
-                "skipped-iterations": float(stats.skipped),
-                "nan-iterations": float(stats.nans),
-            },
-        )
-
-
-def _log_step_extras(
-    config: LoggingConfig, *, run: ModelAndOptimizer, state: TrainState, logger
-) -> None:
-    """The Megatron-LM logging switches: step timers, params norm, zero-grad count, loss
-    scale (TensorBoard/W&B, every --tensorboard-log-interval)."""
-    if logger is None or state.iteration % config.tensorboard_log_interval != 0:
-        return
-    scalars = {}
-    if config.log_timers_to_tensorboard:
-        for name in ("forward-backward-time", "optimizer-time"):
-            if name in run.last_step:
-                scalars[name] = run.last_step[name]
-    if config.log_params_norm:
-        scalars["params-norm"] = run.optimizer.params_norm()
-    if config.log_num_zeros_in_grad and run.last_step.get("num-zeros") is not None:
-        scalars["num-zeros"] = float(run.last_step["num-zeros"])
-    if run.grad_scaler is not None:
-        scalars["loss-scale"] = run.grad_scaler.scale
-    if scalars:
-        logger.log_scalars(state.iteration, scalars, samples=state.consumed_train_samples)
-
-
-def _log_iteration(
-    config: TrainingRunConfig,
-    *,
-    state: TrainState,
-    logger,
-    loss: float,
-    grad_norm: float,
-    lr: float,
-    updated: bool,
-) -> None:
-    """Megatron-LM's per-iteration TensorBoard/W&B points, every --tensorboard-log-interval:
-    this iteration's loss and grad norm (none for a skipped iteration, as Megatron-LM logs no
-    loss for it), learning rate and batch size, each also against consumed samples."""
-    if logger is None or state.iteration % config.logging.tensorboard_log_interval != 0:
-        return
-    scalars = {"learning-rate": lr, "batch-size": float(config.training.global_batch_size)}
-    if updated:
-        scalars["lm loss"], scalars["grad-norm"] = loss, grad_norm
-    logger.log_scalars(state.iteration, scalars, samples=state.consumed_train_samples)

@@ -43,7 +43,8 @@ def _die(kill: dict) -> None:
 
 
 def _install(kills: list[dict]) -> None:
-    from megatron.training import checkpoint_save, training
+    from megatron.training import training
+    from megatron.training.checkpoint import save as checkpoint_save
 
     current = {"step": 0, "save": 0}  # the iteration being trained, the one being saved
     planned = {(kill["moment"], kill["iteration"]): kill for kill in kills}

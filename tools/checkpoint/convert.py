@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from megatron.core.checkpoint_files import CheckpointError  # noqa: E402
-from megatron.training.arguments import build_parser as build_pretrain_parser  # noqa: E402
+from megatron.training.flags.arguments import build_parser as build_pretrain_parser  # noqa: E402
 from tools.checkpoint.hf_export import (  # noqa: E402
     UnsupportedArchitectureError,
     check_output_dir,

@@ -12,7 +12,7 @@ Anything else fails with a message naming the feature HuggingFace's architecture
 
 then `AutoModelForCausalLM.from_pretrained(HF_DIR)`. HF_DIR is written as `HF_DIR.tmp` and renamed
 when complete (a previous export there is replaced only then), so it never holds a half-written
-model. Our checkpoints are read through megatron.training.checkpointing.load_state_for_export
+model. Our checkpoints are read through megatron.training.checkpoint.load_state_for_export
 (full fp32 parameters, from any checkpoint format and data-parallel size), so FP8 training
 checkpoints export their fp32 main weights. hf_import.py is the inverse.
 """

@@ -1,4 +1,4 @@
-"""Our own checkpoints, read and written by megatron/training/checkpointing.py itself.
+"""Our own checkpoints, read and written by megatron/training/checkpoint.py itself.
 
 Loading goes through `load_state_for_export` (any --ckpt-format, any data-parallel size; FP8
 runs give their fp32 main weights). Saving builds the run pretrain_gpt.py would build for the
@@ -18,9 +18,9 @@ import torch
 
 from megatron.core.checkpoint_files import CheckpointError
 from megatron.core.optimizer import OptimizerParamScheduler
-from megatron.training import checkpointing
-from megatron.training.arguments import parse_args
-from megatron.training.configs import build_run_config, build_transformer_config
+from megatron.training import checkpoint as checkpointing
+from megatron.training.flags.arguments import parse_args
+from megatron.training.flags.configs import build_run_config, build_transformer_config
 from megatron.training.initialize import initialize_distributed, shutdown_distributed
 from megatron.training.model_setup import setup_model_and_optimizer
 from megatron.training.train_state import TrainState

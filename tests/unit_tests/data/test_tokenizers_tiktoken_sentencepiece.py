@@ -204,7 +204,7 @@ def _tiny_gpt_with(tokenizer_flags):
 
 
 def test_tiktokenizer_flags_checked_at_parse_time(tiktoken_vocab, capsys):
-    from megatron.training.arguments import parse_args
+    from megatron.training.flags.arguments import parse_args
 
     flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", tiktoken_vocab]
     with pytest.raises(SystemExit) as info:

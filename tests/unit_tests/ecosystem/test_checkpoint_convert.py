@@ -93,7 +93,7 @@ def _convert(*argv: str) -> str:
 
 
 def _our_model(checkpoint: Path) -> GPTModel:
-    from megatron.training.checkpointing import load_state_for_export
+    from megatron.training.checkpoint import load_state_for_export
 
     state_dict, config = load_state_for_export(str(checkpoint))
     model = GPTModel(config).eval()
@@ -376,7 +376,7 @@ def test_wrong_loader_and_contradicting_flags_fail(tmp_path: Path, capsys) -> No
 
 
 def test_interrupted_conversion_leaves_no_output(tmp_path: Path, monkeypatch) -> None:
-    import megatron.training.checkpointing as checkpointing
+    import megatron.training.checkpoint as checkpointing
 
     _save_hf_model("gpt2", tmp_path / "hf")
 

@@ -177,7 +177,7 @@ def test_cli_exports_a_trained_checkpoint(tmp_path: Path) -> None:
     """Train a tiny Llama-layout model for 2 steps, export with the CLI, compare logits with our
     model loaded from the same checkpoint."""
     pytest.importorskip("transformers", reason="needs `pip install transformers`")
-    from megatron.training.checkpointing import load_state_for_export
+    from megatron.training.checkpoint import load_state_for_export
 
     train_args = (
         "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --num-layers 2 "

@@ -59,7 +59,7 @@ def _convert(*argv: str) -> str:
 
 
 def _our_logits(checkpoint: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    from megatron.training.checkpointing import load_state_for_export
+    from megatron.training.checkpoint import load_state_for_export
 
     state_dict, config = load_state_for_export(str(checkpoint))
     model = GPTModel(config).eval()

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from megatron.training.arguments import build_parser, parse_args
+from megatron.training.flags.arguments import build_parser, parse_args
 from tests.unit_tests.training.common import TINY_GPT, run_pretrain
 
 FROZEN = os.path.join(os.path.dirname(__file__), "frozen_flags.txt")
@@ -365,7 +365,7 @@ def test_recipe_implies_hybrid_format():
 
 
 def test_wgrad_input_from_activation_is_on_with_a_recipe_unless_turned_off():
-    from megatron.training.configs import build_transformer_config
+    from megatron.training.flags.configs import build_transformer_config
 
     def resolved(extra):
         args = parse_args(TINY_GPT + extra, world_size=1)
@@ -391,7 +391,7 @@ def test_nccl_without_gpus_is_a_flag_error(capsys):
 def test_fp8_format_alone_trains_megatron_lm_delayed_defaults():
     """Megatron-LM's FP8 defaults: --fp8-format alone means delayed scaling with a 1-long amax
     history and most_recent, and the run's Fp8Linears are built with exactly that."""
-    from megatron.training.configs import build_transformer_config
+    from megatron.training.flags.configs import build_transformer_config
 
     args = parse_args(TINY_GPT + ["--fp8-format", "hybrid", "--train-iters", "3"], world_size=1)
     assert (args.fp8_recipe, args.fp8_format) == ("delayed", "hybrid")
@@ -436,7 +436,7 @@ def test_wandb_save_dir_defaults_under_save():
 
 
 def test_derived_defaults():
-    from megatron.training.configs import build_run_config, build_transformer_config
+    from megatron.training.flags.configs import build_run_config, build_transformer_config
 
     args = parse_args(TINY_GPT + ["--train-iters", "30"], world_size=2)
     run_config = build_run_config(args)

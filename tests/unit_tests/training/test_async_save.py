@@ -17,7 +17,6 @@ import time
 
 import pytest
 
-from megatron.training.async_checkpoint import TEST_HOLD_ENV
 from tests.launch import end_session_with_stacks, free_port, start_session
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.common import (
@@ -29,6 +28,7 @@ from tests.unit_tests.training.common import (
 from tests.unit_tests.training.common import ZERO3_DTENSOR as ZERO3
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
+HELD_SAVE_DRIVER = pathlib.Path(__file__).with_name("held_save_driver.py")
 SAVE_AT, TOTAL = 3, 13
 FP8_PARAMS = ["--fp8-recipe", "tensorwise", "--fp8-param-gather"]
 FP64_GRADS = ["--main-grads-dtype", "fp64"]
@@ -112,7 +112,8 @@ def _wait_for(paths: list[pathlib.Path], process: subprocess.Popen, timeout_s: f
 
 
 def test_rank_killed_during_async_save_resumes_from_previous_checkpoint(tmp_path, capsys):
-    """The writers of iteration 4 stop for good after writing their shards (TEST_HOLD_ENV);
+    """The writers of iteration 4 stop for good after writing their shards (a fault injected
+    by held_save_driver.py);
     rank 1 is then killed. The tracker still names iteration 2, the half-written .tmp is
     never read, and a plain resume (same --save) trains on and replaces it."""
     save = tmp_path / "ckpt"
@@ -132,10 +133,11 @@ def test_rank_killed_during_async_save_resumes_from_previous_checkpoint(tmp_path
         "127.0.0.1",
         "--master-port",
         str(free_port()),
-        "pretrain_gpt.py",
+        str(HELD_SAVE_DRIVER),
+        "4",
         *argv,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", TEST_HOLD_ENV: "4"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = start_session(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -203,7 +205,7 @@ def test_no_sharded_tensor_and_no_silenced_deprecation_in_the_package():
 def test_delayed_scaling_checkpoint_of_the_other_engine_is_refused(tmp_path):
     """DDP keeps the delayed-scaling state in a file, Megatron-FSDP in its shards: a resume
     under the other engine is refused by name; --finetune (weights only) loads."""
-    from megatron.training.checkpointing import CheckpointError
+    from megatron.training.checkpoint import CheckpointError
 
     base = TINY_GPT + NO_DROPOUT + ["--fp8-recipe", "delayed", "--ckpt-format", "torch_dist"]
     run_pretrain(base + ["--train-iters", "2", "--save", str(tmp_path)])

@@ -1,6 +1,6 @@
 """--async-save's host copy (issue 21, acceptance 3): buffers reused across saves, holding the
 values of the save's iteration; on CUDA pinned, copied on a side stream that the next optimizer
-step and the writer wait for (megatron/training/checkpoint_staging.py)."""
+step and the writer wait for (megatron/training/checkpoint/staging.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from megatron.core.dist_checkpointing.flat_dtensor import local_piece
 from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
 from megatron.core.distributed.fsdp.distributed_optimizer import FsdpDistributedOptimizer
-from megatron.training.async_checkpoint import AsyncCheckpointSaver
-from megatron.training.checkpoint_staging import HostStaging
+from megatron.training.checkpoint.async_save import AsyncCheckpointSaver
+from megatron.training.checkpoint.staging import HostStaging
 from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
 from tests.unit_tests.training.common import ZERO3_DTENSOR as ZERO3
 

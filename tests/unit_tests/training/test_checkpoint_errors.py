@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import megatron.training.training as training
-from megatron.training.checkpointing import CheckpointError, load_state_for_export
+from megatron.training.checkpoint import CheckpointError, load_state_for_export
 from tests.unit_tests.training.common import TINY_GPT, run_pretrain
 
 FSDP = ["--use-megatron-fsdp", "--ckpt-format", "torch_dist"]

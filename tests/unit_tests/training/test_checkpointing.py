@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from megatron.training.checkpointing import CheckpointError, load_state_for_export
+from megatron.training.checkpoint import CheckpointError, load_state_for_export
 from tests.unit_tests.training.common import TINY_GPT, run_pretrain
 
 ITERS = ["--train-iters", "40"]

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from megatron.training.arguments import build_parser
+from megatron.training.flags.arguments import build_parser
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 

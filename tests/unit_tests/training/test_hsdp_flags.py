@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.training.arguments import parse_args
-from megatron.training.configs import build_fsdp_config
+from megatron.training.flags.arguments import parse_args
+from megatron.training.flags.configs import build_fsdp_config
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.common import (
     NO_DROPOUT,

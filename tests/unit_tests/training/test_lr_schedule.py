@@ -64,8 +64,8 @@ def test_warmup_starts_from_warmup_init(iteration, expected):
 def test_warmup_fraction_is_a_share_of_the_decay_length():
     """--lr-warmup-fraction 0.05 of --lr-decay-iters 50: warmup 2.5 iterations, as
     Megatron-LM's fraction x decay steps (not rounded)."""
-    from megatron.training.arguments import parse_args
-    from megatron.training.configs import build_lr_schedule_config
+    from megatron.training.flags.arguments import parse_args
+    from megatron.training.flags.configs import build_lr_schedule_config
     from tests.unit_tests.training.common import TINY_GPT
 
     args = parse_args(
@@ -101,8 +101,8 @@ def test_a_schedule_saved_before_warmup_init_existed_matches_the_default():
 
 
 def test_train_samples_give_whole_batches_and_a_schedule_in_samples():
-    from megatron.training.arguments import parse_args
-    from megatron.training.configs import build_lr_schedule_config
+    from megatron.training.flags.arguments import parse_args
+    from megatron.training.flags.configs import build_lr_schedule_config
     from tests.unit_tests.training.common import TINY_GPT  # global batch size 8
 
     flags = [

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from megatron.training.arguments import build_parser
+from megatron.training.flags.arguments import build_parser
 from megatron.training.training import pretrain
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))

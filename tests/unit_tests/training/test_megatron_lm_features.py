@@ -23,7 +23,7 @@ from megatron.core.optimizer import (
 )
 from megatron.core.optimizer.grad_scaler import GradScaler
 from megatron.core.transformer.norm import LayerNorm, RMSNorm
-from megatron.training.arguments import parse_args
+from megatron.training.flags.arguments import parse_args
 from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
 
 
@@ -147,7 +147,7 @@ def test_decoupled_lr_schedules_embedding_and_output_separately():
 def test_per_token_loss_weights_every_token_of_the_global_batch():
     """Two micro-batches with 5 and 64 loss tokens: --calculate-per-token-loss's grads are those
     of the mean over all 69 tokens, not the mean of the two micro-batch means."""
-    from megatron.training.configs import build_run_config, build_transformer_config
+    from megatron.training.flags.configs import build_run_config, build_transformer_config
     from megatron.training.initialize import DistributedEnv
     from megatron.training.model_setup import setup_model_and_optimizer
     from megatron.training.training import forward_backward

@@ -1,12 +1,12 @@
 """Below `pretrain()` nothing takes the argparse Namespace: the flags become typed configs once
-(megatron/training/configs.py) and every function the run calls takes those.
+(megatron/training/flags/configs.py) and every function the run calls takes those.
 
 The check is the issue's grep, `args.` anywhere in the text of megatron/core and of the training
 modules below `pretrain()` (so `kwargs.` or `saved_args.` count too: name such things otherwise),
 and with `ast`: no `argparse` import and no `Namespace` in those modules. Parse-time modules
-keep the Namespace: arguments.py and argument_checks.py (parsing and validation), configs.py
-(builds the configs from it) and megatron_lm_flags.py (adds, maps and checks Megatron-LM's
-flags at parse time)."""
+keep the Namespace: flags/arguments.py, checkpoint_args.py and checks.py (parsing and validation),
+flags/configs.py (builds the configs from it), flags/megatron_lm.py and megatron_lm_checks.py
+(add, map and check Megatron-LM's flags at parse time)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,17 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-PARSE_TIME = {"arguments.py", "argument_checks.py", "configs.py", "megatron_lm_flags.py"}
+PARSE_TIME = {
+    f"flags/{name}.py"
+    for name in (
+        "arguments",
+        "checkpoint_args",
+        "checks",
+        "configs",
+        "megatron_lm",
+        "megatron_lm_checks",
+    )
+}
 ARGS_ATTRIBUTE = re.compile(r"args\.")  # as `grep -rn "args\."`
 
 
@@ -23,8 +33,8 @@ def _run_time_modules() -> list[Path]:
     core = sorted((REPO / "megatron" / "core").rglob("*.py"))
     training = sorted(
         path
-        for path in (REPO / "megatron" / "training").glob("*.py")
-        if path.name not in PARSE_TIME
+        for path in (REPO / "megatron" / "training").rglob("*.py")
+        if path.relative_to(REPO / "megatron" / "training").as_posix() not in PARSE_TIME
     )
     return core + training
 
@@ -54,8 +64,8 @@ def test_no_namespace_below_pretrain():
     modules = _run_time_modules()
     # The scan covers what it says: the run's modules and the core library.
     names = {path.name for path in modules}
-    assert {"training.py", "checkpoint_save.py", "checkpoint_load.py", "data.py"} <= names
-    assert {"model_setup.py", "run_hooks.py", "initialize.py", "async_checkpoint.py"} <= names
+    assert {"training.py", "save.py", "load.py", "data.py"} <= names
+    assert {"model_setup.py", "run_hooks.py", "initialize.py", "async_save.py"} <= names
     assert len(modules) > 100  # megatron/core is scanned too
     uses = [use for path in modules for use in _namespace_uses(path)]
     assert uses == [], "Namespace used below pretrain():\n" + "\n".join(uses)

@@ -185,7 +185,7 @@ def test_sigterm_with_exit_signal_handler_saves_and_resumes(tmp_path):
     import sys
     from pathlib import Path
 
-    from megatron.training.checkpointing import read_tracker
+    from megatron.training.checkpoint import read_tracker
     from tests.unit_tests.training.common import TINY_GPT, run_pretrain
 
     schedule = ["--lr-decay-iters", "1000"]

@@ -2,7 +2,7 @@
 
 A save copies this rank's share (sharded model and optimizer state, RNG state) to host memory
 at the save's iteration (into buffers reused by every save; on CUDA pinned, copied on a side
-stream while training goes on: checkpoint_staging.py), then a thread waits for the copy and
+stream while training goes on: staging.py), then a thread waits for the copy and
 writes it into `iter_XXXXXXX.tmp/` through torch.distributed.checkpoint on a gloo group of its
 own (a collective of the writer must not interleave with the training loop's on the same
 group). After each later iteration every rank asks whether all writers are done (one small
@@ -16,7 +16,6 @@ and before it exits.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,16 +25,15 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.flat_dtensor import data_parallel_mesh
-from megatron.training.checkpoint_save import finish_save
-from megatron.training.checkpoint_staging import HostStaging
+from megatron.training.checkpoint.save import finish_save
+from megatron.training.checkpoint.staging import HostStaging
+from megatron.training.flags.run_config import CheckpointConfig
 from megatron.training.initialize import DistributedEnv
-from megatron.training.run_config import CheckpointConfig
 
-TEST_HOLD_ENV = "MEGATRON_FP8_TEST_HOLD_ASYNC_SAVE"
-"""Tests only: `<iteration>` makes the writer of that iteration stop for good after its shards
-are written (the .tmp then holds shards but no RNG files or metadata.json), after writing
-`<tmp>/held_by_rank_<r>` with its pid, so that a test can kill a rank mid-save
-deterministically. Unset: no effect."""
+SaveFault = Callable[[str, int], None]
+"""Fault injection for tests, passed in by the caller of `pretrain`: called by each rank's
+writer thread as `fault(tmp_dir, iteration)` once its shards are written and before the RNG
+files and metadata.json (a test can stop or kill a rank mid-save there)."""
 
 
 @dataclass
@@ -50,9 +48,12 @@ class AsyncCheckpointSaver:
     """One asynchronous save in flight at a time, finished collectively (every rank calls
     `finalize` at the same points of the loop)."""
 
-    def __init__(self, config: CheckpointConfig, env: DistributedEnv) -> None:
+    def __init__(
+        self, config: CheckpointConfig, env: DistributedEnv, *, fault: SaveFault | None = None
+    ) -> None:
         self.config = config
         self.env = env
+        self.fault = fault
         ranks = dist.get_process_group_ranks(env.dp_group)
         # Collective over the default group: every rank builds its saver at the same point.
         self.group = dist.new_group(ranks=ranks, backend="gloo")
@@ -119,13 +120,3 @@ class AsyncCheckpointSaver:
             metadata=pending.metadata,
             failure=pending.failure,
         )
-
-    def test_hold(self, tmp: str, iteration: int) -> None:
-        """The test hook (TEST_HOLD_ENV); inert unless the variable names this iteration."""
-        if os.environ.get(TEST_HOLD_ENV) != str(iteration):
-            return
-        marker = os.path.join(tmp, f"held_by_rank_{self.env.rank}")
-        with open(marker + ".part", "w") as handle:
-            handle.write(str(os.getpid()))
-        os.replace(marker + ".part", marker)
-        threading.Event().wait()

@@ -1,8 +1,8 @@
 """The files of a checkpoint and how they are read: directory and tracker names, metadata.json
 and its checks, tensor files read with `weights_only`, the JSON forms of the model config and the
-RNG state, and the agreement of all ranks on a failure. Saving is in checkpoint_save.py, loading
-into a run in checkpoint_load.py, the checks against this run's flags in checkpoint_checks.py;
-checkpointing.py describes the layout.
+RNG state, and the agreement of all ranks on a failure. Saving is in save.py, loading
+into a run in load.py, the checks against this run's flags in checks.py;
+__init__.py describes the layout.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from megatron.core.dist_checkpointing import load_full_model_params
 from megatron.core.fp8 import delayed_scaling_state_dict
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.checkpoint.sharded import SHARDED_FORMATS
 from megatron.training.initialize import DistributedEnv
 from megatron.training.model_setup import ModelAndOptimizer
-from megatron.training.sharded_checkpoint import SHARDED_FORMATS
 
 FORMAT_TAG = "megatron-fp8"
 FORMAT_VERSION = 1

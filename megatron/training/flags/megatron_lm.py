@@ -8,7 +8,7 @@ Three kinds (docs/MEGATRON_LM_FLAGS.md lists every flag and what it does here):
 - features we have not built (model parallelism above 1, MoE, MTP, ...): refused at parse time
   with one message that names every such flag of the command line.
 
-Parse-time code, like arguments.py and argument_checks.py: it adds flags to the parser and maps
+Parse-time code, like arguments.py and checks.py: it adds flags to the parser and maps
 and checks their values in the argparse Namespace before configs.build_run_config reads it, so
 it works on the Namespace; nothing here runs below `pretrain()`.
 """
@@ -16,8 +16,6 @@ it works on the Namespace; nothing here runs below `pretrain()`.
 from __future__ import annotations
 
 import argparse
-
-import torch
 
 # Megatron-LM's --dist-ckpt-strictness choices.
 _STRICTNESS = (
@@ -40,6 +38,11 @@ def add_megatron_lm_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_features(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Megatron-LM training features")
+    for add in (_add_sharding_and_model, _add_runtime, _add_fsdp_dtypes):
+        add(group)
+
+
+def _add_sharding_and_model(group) -> None:
     group.add_argument(
         "--use-distributed-optimizer",
         action="store_true",
@@ -87,6 +90,9 @@ def _add_features(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Learning-rate floor of the input embedding and output layer (default --min-lr).",
     )
+
+
+def _add_runtime(group) -> None:
     group.add_argument(
         "--manual-gc",
         action="store_true",
@@ -127,6 +133,9 @@ def _add_features(parser: argparse.ArgumentParser) -> None:
         help="Read .bin files without mmap in Megatron-LM. Here they are memory-mapped "
         "(same tokens); the log says so.",
     )
+
+
+def _add_fsdp_dtypes(group) -> None:
     group.add_argument(
         "--megatron-fsdp-main-params-dtype",
         choices=_FSDP_DTYPES,
@@ -484,256 +493,3 @@ def unbuilt_features(args: argparse.Namespace) -> str | None:
         "parallelism, Megatron-FSDP, --use-distributed-optimizer or --use-torch-fsdp2; dense "
         "GPT models."
     )
-
-
-def resolve_megatron_lm_args(args: argparse.Namespace) -> list[str]:
-    """Map the Megatron-LM flags onto ours; return the log notes for given flags that do not
-    apply here. Raises ValueError (shown as one `error:` line) for a value we cannot honour."""
-    _resolve_parallel(args)
-    _resolve_fsdp_dtypes(args)
-    return _notes(args)
-
-
-def _resolve_parallel(args: argparse.Namespace) -> None:
-    if args.sequence_parallel:
-        args.sequence_parallel = False  # Megatron-LM turns it off at tensor-parallel size 1
-        args.sequence_parallel_given = True
-    else:
-        args.sequence_parallel_given = False
-
-
-def _resolve_fsdp_dtypes(args: argparse.Namespace) -> None:
-    """Megatron-LM's --megatron-fsdp-*-dtype names onto --main-params-dtype,
-    --main-grads-dtype and --grad-reduce-in-bf16 ('auto': the params' dtype)."""
-    params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
-    main_params = args.megatron_fsdp_main_params_dtype
-    if main_params is not None:
-        resolved = params_dtype if main_params == "auto" else main_params
-        if resolved != "fp32":
-            raise ValueError(
-                f"--megatron-fsdp-main-params-dtype {main_params} means {resolved} main params; "
-                "only fp32 main params are built: pass fp32 (or leave it out)."
-            )
-        args.main_params_dtype = "fp32"
-    main_grads = args.megatron_fsdp_main_grads_dtype
-    if main_grads is not None:
-        resolved = params_dtype if main_grads == "auto" else main_grads
-        if resolved not in ("fp32", "bf16", "fp64"):
-            raise ValueError(
-                f"--megatron-fsdp-main-grads-dtype {main_grads} means {resolved} grads; use fp32, "
-                "bf16 or fp64."
-            )
-        args.main_grads_dtype = resolved
-    comm = args.megatron_fsdp_grad_comm_dtype
-    if comm is not None:
-        resolved = args.main_grads_dtype if comm == "auto" else comm
-        if resolved not in ("fp32", "bf16") and resolved != args.main_grads_dtype:
-            raise ValueError(
-                f"--megatron-fsdp-grad-comm-dtype {comm} means {resolved}; use fp32 or bf16 (or "
-                "auto: the grad-buffer dtype)."
-            )
-        if resolved == "fp32" and args.main_grads_dtype == "fp64":
-            raise ValueError(
-                "--megatron-fsdp-grad-comm-dtype fp32 with fp64 grad buffers is not built; use "
-                "auto (fp64) or bf16."
-            )
-        if resolved == "bf16":
-            args.grad_reduce_in_bf16 = True
-        elif args.main_grads_dtype == "bf16":
-            raise ValueError(
-                "--megatron-fsdp-grad-comm-dtype fp32 with bf16 grad buffers is not built; use "
-                "--megatron-fsdp-main-grads-dtype fp32."
-            )
-
-
-def _notes(args: argparse.Namespace) -> list[str]:
-    """Why each given knob changes nothing here (printed once, on rank 0)."""
-    cuda = torch.cuda.is_available()
-    checks = (
-        (
-            args.use_mcore_models,
-            "--use-mcore-models: the mcore-style GPTModel is the only model "
-            "here, so this is the default.",
-        ),
-        (
-            args.transformer_impl is not None,
-            f"--transformer-impl {args.transformer_impl}: the layers here are our own PyTorch "
-            "modules with our FP8 Linear, not TransformerEngine or Megatron's local ones; the "
-            "model math is the same.",
-        ),
-        (
-            args.attention_backend != "auto",
-            f"--attention-backend {args.attention_backend}: "
-            "attention runs torch's scaled_dot_product_attention, which picks its kernel "
-            "(flash / memory-efficient / math) itself.",
-        ),
-        (
-            not args.gradient_accumulation_fusion,
-            "--no-gradient-accumulation-fusion: weight "
-            "grads accumulate through autograd here; there is no fused kernel to turn off.",
-        ),
-        (
-            args.cross_entropy_loss_fusion,
-            "--cross-entropy-loss-fusion: the loss is torch's "
-            "cross_entropy (fp32); no fused kernel here.",
-        ),
-        (
-            args.attention_softmax_in_fp32,
-            "--attention-softmax-in-fp32: "
-            "scaled_dot_product_attention already accumulates its softmax in fp32.",
-        ),
-        (
-            args.apply_query_key_layer_scaling,
-            "--apply-query-key-layer-scaling: the 1/layer "
-            "scaling cancels in exact math; the fp32-accumulating softmax here needs no guard "
-            "against fp16 overflow.",
-        ),
-        (
-            not args.create_attention_mask_in_dataloader,
-            "--no-create-attention-mask-in-"
-            "dataloader: no mask is ever built here (causal attention kernel).",
-        ),
-        (
-            args.use_nccl_ub or args.fsdp_double_buffer or args.fsdp_manual_registration,
-            "--use-nccl-ub / --fsdp-double-buffer / --fsdp-manual-registration: NCCL user-buffer "
-            "registration is not built; it changes only NCCL speed, never results."
-            + ("" if cuda else " (No NCCL on this CPU run anyway.)"),
-        ),
-        (
-            args.use_persistent_ckpt_worker,
-            "--use-persistent-ckpt-worker: --async-save writes "
-            "from a thread of each rank; there is no separate worker process to keep.",
-        ),
-        (
-            not args.ckpt_fully_parallel_save,
-            "--no-ckpt-fully-parallel-save: each rank writes "
-            "its own shard here; there is no replica-group writer choice.",
-        ),
-        (
-            args.dist_ckpt_strictness != "assume_ok_unexpected",
-            f"--dist-ckpt-strictness "
-            f"{args.dist_ckpt_strictness}: loads here are strict (a missing or unexpected key "
-            "stops the load with an error).",
-        ),
-        (
-            args.dist_ckpt_optim_fully_reshardable,
-            "--dist-ckpt-optim-fully-reshardable: "
-            "torch_dist optimizer state here always reshards to any data-parallel size.",
-        ),
-        (
-            args.sequence_parallel_given,
-            "--sequence-parallel: off at tensor-parallel size 1, as in Megatron-LM.",
-        ),
-        (
-            args.num_workers != 2,
-            f"--num-workers {args.num_workers}: batches are read in the "
-            "training process (index lookups into memory-mapped files), no worker processes.",
-        ),
-        (
-            not args.mmap_bin_files,
-            "--no-mmap-bin-files: .bin files are memory-mapped here "
-            "(same tokens; only the page-cache use differs).",
-        ),
-        (
-            args.timing_log_level != 0,
-            f"--timing-log-level {args.timing_log_level}: only level-0 timers exist here.",
-        ),
-        (
-            args.empty_unused_memory_level > 0 and not cuda,
-            f"--empty-unused-memory-level "
-            f"{args.empty_unused_memory_level}: no CUDA caching allocator on this CPU run.",
-        ),
-        (
-            args.profile and not args.use_pytorch_profiler and not cuda,
-            "--profile without "
-            "--use-pytorch-profiler marks an Nsight capture range (cudaProfilerStart/Stop); no "
-            "CUDA on this run, so nothing is captured (add --use-pytorch-profiler for a trace).",
-        ),
-        (
-            args.record_memory_history and not cuda,
-            "--record-memory-history: the CUDA "
-            "allocator history (torch.cuda.memory._record_memory_history) does not exist on "
-            f"this CPU run; no snapshot is written to {args.memory_snapshot_path}.",
-        ),
-    )
-    return [note for given, note in checks if given]
-
-
-def validate_megatron_lm_args(args: argparse.Namespace) -> None:
-    """Value checks of the flags above (raise ValueError with the fix)."""
-    if args.manual_gc_interval < 0:
-        raise ValueError("--manual-gc-interval must be >= 0 (0: collect only around evaluation).")
-    if args.distributed_timeout_minutes <= 0:
-        raise ValueError("--distributed-timeout-minutes must be positive (default 10).")
-    if args.num_workers < 0:
-        raise ValueError("--num-workers must be >= 0.")
-    if args.recompute_method is not None and args.recompute_granularity != "full":
-        raise ValueError(
-            f"--recompute-method {args.recompute_method} goes with --recompute-granularity "
-            "full; add it or drop --recompute-method."
-        )
-    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
-        raise ValueError("--decoupled-min-lr needs --decoupled-lr (the peak it decays from).")
-    if args.decoupled_lr is not None:
-        floor = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
-        if not 0 <= floor <= args.decoupled_lr:
-            raise ValueError(
-                f"--decoupled-min-lr {floor} must be in [0, --decoupled-lr {args.decoupled_lr}]."
-            )
-    _validate_fp16(args)
-    _validate_profiling(args)
-    _validate_torch_fsdp2(args)
-
-
-def _validate_torch_fsdp2(args: argparse.Namespace) -> None:
-    if not args.use_torch_fsdp2:
-        return
-    conflicts = [
-        flag
-        for flag, given in (
-            ("--use-megatron-fsdp", args.use_megatron_fsdp),
-            ("--use-distributed-optimizer", args.use_distributed_optimizer),
-            ("--fp16", args.fp16),
-            ("--fp8-format/--fp8-recipe", args.fp8_format or args.fp8_recipe),
-            ("--save", args.save),
-            ("--load", args.load),
-        )
-        if given
-    ]
-    if conflicts:
-        raise ValueError(
-            f"--use-torch-fsdp2 does not go with {', '.join(conflicts)} here (Megatron-LM also "
-            "refuses it with the distributed optimizer and fp16; FP8 weights and checkpoints "
-            "under FSDP2 are not built): use --use-megatron-fsdp, the same sharding with FP8 "
-            "and torch_dist checkpoints."
-        )
-
-
-def _validate_fp16(args: argparse.Namespace) -> None:
-    if not args.fp16:
-        return
-    if args.bf16:
-        raise ValueError("--fp16 and --bf16 exclude each other; pick one.")
-    if args.fp8_recipe is not None or args.fp8_format is not None:
-        raise ValueError("FP8 here trains with bf16 or fp32 params; use --bf16 instead of --fp16.")
-    if args.loss_scale is not None and not args.loss_scale > 0:
-        raise ValueError(f"--loss-scale {args.loss_scale} must be > 0.")
-    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
-        raise ValueError("--min-loss-scale must be in (0, --initial-loss-scale].")
-    if args.loss_scale_window < 1 or args.hysteresis < 1:
-        raise ValueError("--loss-scale-window and --hysteresis must be >= 1.")
-
-
-def _validate_profiling(args: argparse.Namespace) -> None:
-    if not args.profile:
-        return
-    if not 0 <= args.profile_step_start < args.profile_step_end:
-        raise ValueError(
-            f"--profile-step-start {args.profile_step_start} must be >= 0 and below "
-            f"--profile-step-end {args.profile_step_end}."
-        )
-    if args.use_pytorch_profiler and not args.tensorboard_dir:
-        raise ValueError(
-            "--use-pytorch-profiler writes its trace to <--tensorboard-dir>/../torch_profile/ "
-            "(as Megatron-LM); pass --tensorboard-dir DIR."
-        )

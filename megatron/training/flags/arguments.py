@@ -1,14 +1,13 @@
 """Every command-line flag of pretrain_gpt.py, and `parse_args`.
 
 Flag names follow Megatron-LM. `parse_args` exits with status 2 and a message that names the flags
-and the fix for any invalid combination (the checks are in argument_checks.py), before any model
+and the fix for any invalid combination (the checks are in checks.py), before any model
 is built.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -16,15 +15,10 @@ from megatron.core.checkpoint_files import CheckpointError
 from megatron.core.distributed.fsdp.config import OUTER_SHARDING_STRATEGIES, SHARDING_STRATEGIES
 from megatron.core.fp8.config import FP8_RECIPES
 from megatron.core.tokenizer.build import TOKENIZER_TYPES
-from megatron.training.argument_checks import ArgumentError, validate_args
-from megatron.training.checkpoint_layout import (
-    TRACKER_FILENAME,
-    read_metadata,
-    read_tracker,
-    resolve_iteration_dir,
-)
-from megatron.training.megatron_lm_flags import add_megatron_lm_args
-from megatron.training.run_config import ARCHITECTURE_FLAGS
+from megatron.training.environment import env_int
+from megatron.training.flags.checkpoint_args import load_args_from_checkpoint
+from megatron.training.flags.checks import ArgumentError, validate_args
+from megatron.training.flags.megatron_lm import add_megatron_lm_args
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -150,7 +144,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Run backward on the autograd engine's per-device worker thread (PyTorch's "
         "default). Without it backward runs on the training loop's own thread, which saves a "
-        "thread hand-off per backward pass (0.3-0.5 ms per FP8 layer step on an H200 host, "
+        "thread hand-off per backward pass (measured in "
         "docs/benchmarks/fp8_linear_host_path_h200_2026-12-01.md).",
     )
     group.add_argument(
@@ -541,50 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# What --use-checkpoint-args takes from the checkpoint (Megatron-LM's load_args_from_checkpoint
-# takes the same model flags), besides the vocabulary rows.
-CHECKPOINT_MODEL_ARGS = ARCHITECTURE_FLAGS + (
-    "group_query_attention",
-    "max_position_embeddings",
-    "rotary_base",
-    "rotary_percent",
-    "norm_epsilon",
-    "make_vocab_size_divisible_by",
-)
-
-
-def load_args_from_checkpoint(args: argparse.Namespace) -> list[str]:
-    """--use-checkpoint-args: set the model flags and the vocabulary rows (padded_vocab_size)
-    from the checkpoint --load names, before validation; returns one line per flag changed.
-    CheckpointError names the file when there is no checkpoint to read them from."""
-    if args.load is None:
-        raise CheckpointError("--use-checkpoint-args reads the flags of --load DIR; pass --load.")
-    iteration = args.ckpt_step if args.ckpt_step is not None else read_tracker(args.load)
-    if iteration is None:
-        raise CheckpointError(
-            f"--use-checkpoint-args: --load {args.load} holds no {TRACKER_FILENAME}, so there "
-            "are no saved flags to use; pass a --save directory (or drop the flag)."
-        )
-    metadata = read_metadata(resolve_iteration_dir(args.load, iteration))
-    saved = metadata["args"]
-    changed = []
-    for name in CHECKPOINT_MODEL_ARGS:
-        if name in saved and saved[name] != getattr(args, name):
-            changed.append(
-                f"--{name.replace('_', '-')} {saved[name]} (command line: {getattr(args, name)})"
-            )
-            setattr(args, name, saved[name])
-    vocab_rows = metadata["model_config"].get("vocab_size")
-    if isinstance(vocab_rows, int):
-        args.padded_vocab_size = vocab_rows
-    if args.ckpt_format is None:
-        args.ckpt_format = metadata["ckpt_format"]
-    return changed
-
-
 def world_size_from_env() -> int:
     """Data-parallel size as torchrun/Slurm announce it (1 for a plain `python` launch)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return env_int("WORLD_SIZE", 1)
 
 
 def parse_args(
@@ -600,7 +553,7 @@ def parse_args(
             changed = load_args_from_checkpoint(args)
         except CheckpointError as error:
             parser.error(str(error))
-        if int(os.environ.get("RANK", "0")) == 0:
+        if env_int("RANK", 0) == 0:
             for line in changed:
                 print(f" > --use-checkpoint-args: {line}", flush=True)
     try:

@@ -9,8 +9,8 @@ Layout of one `iter_XXXXXXX/` directory (`--ckpt-format torch`):
   fp8_delayed_scaling.pt  with --fp8-recipe delayed: every FP8 tensor's scale and amax history
 `--ckpt-format torch_dist` (DDP or Megatron-FSDP; `fsdp_dtensor` is Megatron-FSDP's name for the
 same layout) keeps metadata.json and stores model and optimizer under `sharded/` through
-megatron.core.dist_checkpointing (megatron/training/sharded_checkpoint.py says which state);
-with --async-save those files are written by a background thread (async_checkpoint.py) and
+megatron.core.dist_checkpointing (sharded.py says which state);
+with --async-save those files are written by a background thread (async_save.py) and
 published, tracker last, once every rank's write completed.
 
 Everything is written under `<dir>.tmp`, fsynced, and published when complete: a previous
@@ -23,16 +23,16 @@ torch.distributed.checkpoint, is read through a restricted unpickler); a missing
 malformed file, or one that does not fit this run's flags, raises CheckpointError naming the
 file and the fix before training.
 
-The code is split by responsibility: checkpoint_layout.py (names, tracker, metadata.json and
-file reading, export), checkpoint_save.py, checkpoint_load.py, and checkpoint_checks.py (does a
+The code is split by responsibility: layout.py (names, tracker, metadata.json and
+file reading, export), save.py, load.py, and checks.py (does a
 checkpoint fit this run). This module gathers their public names.
 """
 
 from __future__ import annotations
 
 from megatron.core.checkpoint_files import CheckpointError
-from megatron.training.checkpoint_checks import check_saved_flags, check_saved_param_shapes
-from megatron.training.checkpoint_layout import (
+from megatron.training.checkpoint.checks import check_saved_flags, check_saved_param_shapes
+from megatron.training.checkpoint.layout import (
     FORMAT_TAG,
     FORMAT_VERSION,
     REQUIRED_METADATA,
@@ -48,9 +48,9 @@ from megatron.training.checkpoint_layout import (
     read_tracker,
     resolve_iteration_dir,
 )
-from megatron.training.checkpoint_load import load_checkpoint
-from megatron.training.checkpoint_save import CheckpointSaveError, finish_save, save_checkpoint
-from megatron.training.run_config import ARCHITECTURE_FLAGS
+from megatron.training.checkpoint.load import load_checkpoint
+from megatron.training.checkpoint.save import CheckpointSaveError, finish_save, save_checkpoint
+from megatron.training.flags.run_config import ARCHITECTURE_FLAGS
 
 __all__ = [
     "ARCHITECTURE_FLAGS",

@@ -1,7 +1,7 @@
 """Saving a checkpoint: every rank writes its share under `iter_XXXXXXX.tmp/`, the ranks agree
 that all succeeded, rank 0 writes metadata.json last, publishes the directory and moves the
-tracker (checkpointing.py describes the layout). With --async-save the share is copied to CPU
-and written by async_checkpoint.py's thread; `finish_save` publishes it later.
+tracker (checkpoint/__init__.py describes the layout). With --async-save the share is copied to CPU
+and written by async_save.py's thread; `finish_save` publishes it later.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.checkpoint_files import TMP_SUFFIX, fsync_path, publish_dir
 from megatron.core.dist_checkpointing.serialization import describe_failure, root_failure
 from megatron.core.optimizer import OptimizerParamScheduler
-from megatron.training.checkpoint_layout import (
+from megatron.training.checkpoint.layout import (
     FORMAT_TAG,
     FORMAT_VERSION,
     TRACKER_FILENAME,
@@ -32,14 +32,14 @@ from megatron.training.checkpoint_layout import (
     read_tracker,
     rng_state_to_plain,
 )
+from megatron.training.checkpoint.sharded import SHARDED_FORMATS, sharded_state
+from megatron.training.flags.run_config import CheckpointConfig
 from megatron.training.initialize import DistributedEnv, get_rng_state
 from megatron.training.model_setup import ModelAndOptimizer
-from megatron.training.run_config import CheckpointConfig
-from megatron.training.sharded_checkpoint import SHARDED_FORMATS, sharded_state
 from megatron.training.train_state import TrainState
 
-if TYPE_CHECKING:  # async_checkpoint.py calls finish_save, so it imports this module
-    from megatron.training.async_checkpoint import AsyncCheckpointSaver
+if TYPE_CHECKING:  # async_save.py calls finish_save, so it imports this module
+    from megatron.training.checkpoint.async_save import AsyncCheckpointSaver
 
 
 def _barrier(env: DistributedEnv) -> None:
@@ -167,7 +167,8 @@ def _start_async_write(
 
     def write(group) -> None:
         dist_checkpointing.save(staged, os.path.join(tmp, "sharded"), process_group=group)
-        saver.test_hold(tmp, iteration)
+        if saver.fault is not None:
+            saver.fault(tmp, iteration)
         _write_small_files(config, env=env, tmp=tmp, fp8_state=fp8_state, rng_state=rng_state)
 
     saver.start(iteration=iteration, metadata=metadata, write=write)
@@ -206,7 +207,7 @@ def save_checkpoint(
     collective error wrapping one) is agreed on by every rank before anything is published;
     all of them then raise CheckpointSaveError naming the path and the iteration.
 
-    With `async_saver` (megatron/training/async_checkpoint.py, --async-save) the files are
+    With `async_saver` (megatron/training/checkpoint/async_save.py, --async-save) the files are
     written by its thread from a CPU copy and this returns None at once; the saver publishes
     the directory and moves the tracker later, when every rank's write completed."""
     started = time.perf_counter()

@@ -12,6 +12,7 @@ checks it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -19,7 +20,7 @@ from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.run_config import (
+from megatron.training.flags.run_config import (
     ARCHITECTURE_FLAGS,
     CheckpointConfig,
     DataConfig,
@@ -36,6 +37,13 @@ from megatron.training.run_config import (
 )
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+def _from_flags(cls: type, args: argparse.Namespace, **derived: object):
+    """A `cls` whose fields are the flags of the same name, except those given in `derived`
+    (computed from several flags, or converted)."""
+    fields = (field.name for field in dataclasses.fields(cls) if field.name not in derived)
+    return cls(**{name: getattr(args, name) for name in fields}, **derived)
 
 
 def build_fp8_config(args: argparse.Namespace) -> Fp8Config | None:
@@ -105,33 +113,16 @@ def _transformer_config(args: argparse.Namespace, *, vocab_rows: int) -> Transfo
 def build_fsdp_config(args: argparse.Namespace) -> FsdpConfig | None:
     if not args.use_megatron_fsdp:
         return None
-    return FsdpConfig(
-        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
-        overlap_param_gather=args.overlap_param_gather,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        suggested_communication_unit_size=args.suggested_communication_unit_size,
+    return _from_flags(
+        FsdpConfig,
+        args,
         main_params_dtype=_DTYPES[args.main_params_dtype],
         main_grads_dtype=_DTYPES[args.main_grads_dtype],
-        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-        init_model_with_meta_device=args.init_model_with_meta_device,
-        outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
     )
 
 
 def build_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
-    return OptimizerConfig(
-        optimizer=args.optimizer,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum,
-        clip_grad=args.clip_grad,
-        decoupled_lr=args.decoupled_lr,
-        decoupled_min_lr=args.decoupled_min_lr,
-    )
+    return _from_flags(OptimizerConfig, args)
 
 
 def num_microbatches(args: argparse.Namespace) -> int:
@@ -211,89 +202,32 @@ def saved_args(args: argparse.Namespace) -> dict[str, object]:
 
 
 def build_training_config(args: argparse.Namespace) -> TrainingConfig:
-    return TrainingConfig(
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size,
-        num_microbatches=num_microbatches(args),
-        train_iters=args.train_iters,
-        seq_length=args.seq_length,
-        seed=args.seed,
-        eval_iters=args.eval_iters,
-        eval_interval=args.eval_interval,
-        exit_interval=args.exit_interval,
-        exit_duration_in_mins=args.exit_duration_in_mins,
-        exit_signal_handler=args.exit_signal_handler,
-        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
-        calculate_per_token_loss=args.calculate_per_token_loss,
-        backward_worker_threads=args.backward_worker_threads,
-        deterministic_mode=args.deterministic_mode,
-        empty_unused_memory_level=args.empty_unused_memory_level,
-    )
+    return _from_flags(TrainingConfig, args, num_microbatches=num_microbatches(args))
 
 
 def build_data_config(args: argparse.Namespace) -> DataConfig:
-    tokenizer = TokenizerConfig(
-        tokenizer_type=args.tokenizer_type,
-        vocab_size=args.vocab_size,
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tiktoken_pattern=args.tiktoken_pattern,
-        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-        tiktoken_special_tokens=args.tiktoken_special_tokens,
-    )
-    return DataConfig(
-        tokenizer=tokenizer,
-        seq_length=args.seq_length,
-        seed=args.seed,
+    return _from_flags(
+        DataConfig,
+        args,
+        tokenizer=_from_flags(TokenizerConfig, args),
         data_path=None if args.mock_data else list(args.data_path),
-        split=args.split,
-        mock_data=args.mock_data,
-        data_cache_path=args.data_cache_path,
-        reset_position_ids=args.reset_position_ids,
-        eod_mask_loss=args.eod_mask_loss,
         num_samples=requested_num_samples(args),
     )
 
 
 def build_checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
-    return CheckpointConfig(
-        save=args.save,
-        load=args.load,
-        save_interval=args.save_interval,
-        ckpt_step=args.ckpt_step,
-        ckpt_format=args.ckpt_format,
-        async_save=args.async_save,
-        no_save_optim=args.no_save_optim,
-        no_save_rng=args.no_save_rng,
-        no_load_optim=args.no_load_optim,
-        no_load_rng=args.no_load_rng,
-        finetune=args.finetune,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        use_megatron_fsdp=args.use_megatron_fsdp,
-        optimizer=args.optimizer,
-        fp8_recipe=args.fp8_recipe,
-        fp8_amax_history_len=args.fp8_amax_history_len,
-        train_samples=args.train_samples,
-        global_batch_size=args.global_batch_size,
+    return _from_flags(
+        CheckpointConfig,
+        args,
         architecture={flag: getattr(args, flag) for flag in ARCHITECTURE_FLAGS},
         saved_args=saved_args(args),
     )
 
 
 def build_logging_config(args: argparse.Namespace) -> LoggingConfig:
-    return LoggingConfig(
-        logging_level=args.logging_level,
-        log_interval=args.log_interval,
-        tensorboard_log_interval=args.tensorboard_log_interval,
-        tensorboard_dir=args.tensorboard_dir,
-        wandb_project=args.wandb_project,
-        wandb_exp_name=args.wandb_exp_name,
-        wandb_save_dir=args.wandb_save_dir,
-        log_timers_to_tensorboard=args.log_timers_to_tensorboard,
-        log_params_norm=args.log_params_norm,
-        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+    return _from_flags(
+        LoggingConfig,
+        args,
         notes=tuple(getattr(args, "megatron_lm_notes", ())),
         run_config={
             key: value
@@ -304,42 +238,19 @@ def build_logging_config(args: argparse.Namespace) -> LoggingConfig:
 
 
 def build_run_hooks_config(args: argparse.Namespace) -> RunHooksConfig:
-    return RunHooksConfig(
-        profile=args.profile,
-        profile_ranks=list(args.profile_ranks),
-        profile_step_start=args.profile_step_start,
-        profile_step_end=args.profile_step_end,
-        use_pytorch_profiler=args.use_pytorch_profiler,
-        tensorboard_dir=args.tensorboard_dir,
-        record_memory_history=args.record_memory_history,
-        memory_snapshot_path=args.memory_snapshot_path,
-        manual_gc=args.manual_gc,
-        manual_gc_interval=args.manual_gc_interval,
-    )
+    return _from_flags(RunHooksConfig, args, profile_ranks=list(args.profile_ranks))
 
 
 def build_loss_scale_config(args: argparse.Namespace) -> LossScaleConfig | None:
     if not args.fp16:
         return None
-    return LossScaleConfig(
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
-    )
+    return _from_flags(LossScaleConfig, args)
 
 
 def build_model_setup_config(args: argparse.Namespace) -> ModelSetupConfig:
-    return ModelSetupConfig(
-        seed=args.seed,
-        use_megatron_fsdp=args.use_megatron_fsdp,
-        use_torch_fsdp2=args.use_torch_fsdp2,
-        torch_compile=args.torch_compile,
-        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
-        global_batch_size=args.global_batch_size,
-        seq_length=args.seq_length,
+    return _from_flags(
+        ModelSetupConfig,
+        args,
         optimizer=build_optimizer_config(args),
         fsdp=build_fsdp_config(args),
         loss_scale=build_loss_scale_config(args),

@@ -10,9 +10,9 @@ import os
 
 from megatron.core.checkpoint_files import CheckpointError
 from megatron.core.fp8.recipe import names_delayed_scaling
+from megatron.training.checkpoint.sharded import SHARDED_FORMATS
+from megatron.training.flags.run_config import ARCHITECTURE_FLAGS, CheckpointConfig
 from megatron.training.model_setup import ModelAndOptimizer
-from megatron.training.run_config import ARCHITECTURE_FLAGS, CheckpointConfig
-from megatron.training.sharded_checkpoint import SHARDED_FORMATS
 
 
 def check_saved_flags(metadata: dict, config: CheckpointConfig, *, directory: str) -> None:

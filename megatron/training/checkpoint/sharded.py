@@ -1,6 +1,6 @@
 """The sharded part of a `--ckpt-format torch_dist` / `fsdp_dtensor` checkpoint: which state
 dict each data-parallel engine gives (an asynchronous save writes from a host copy of it,
-checkpoint_staging.py).
+staging.py).
 
 Both engines give the same keys (model.params.<name>, model.param_shapes.<name>,
 optimizer.<state key>.<name>, optimizer.step) holding each parameter flattened to 1-D:

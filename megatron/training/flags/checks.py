@@ -12,14 +12,14 @@ import os
 
 import torch
 
-from megatron.training.configs import lr_lengths_before_fraction
-from megatron.training.loggers import check_logger_settings
-from megatron.training.megatron_lm_flags import (
+from megatron.training.checkpoint.path_checks import check_input_file, check_output_dir
+from megatron.training.flags.configs import lr_lengths_before_fraction
+from megatron.training.flags.megatron_lm import unbuilt_features
+from megatron.training.flags.megatron_lm_checks import (
     resolve_megatron_lm_args,
-    unbuilt_features,
     validate_megatron_lm_args,
 )
-from megatron.training.path_checks import check_input_file, check_output_dir
+from megatron.training.loggers import check_logger_settings
 
 
 class ArgumentError(ValueError):

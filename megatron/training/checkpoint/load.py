@@ -1,4 +1,4 @@
-"""Loading a checkpoint into a run (--load): the checks of checkpoint_checks.py first, then
+"""Loading a checkpoint into a run (--load): the checks of checkpoint/checks.py first, then
 model and optimizer state (torch files or the sharded state), FP8 delayed-scaling state, RNG
 states, the learning-rate schedule and the loss scale; returns the TrainState to continue from.
 """
@@ -14,13 +14,13 @@ from megatron.core.checkpoint_files import CheckpointError
 from megatron.core.fp8 import load_delayed_scaling_state_dict
 from megatron.core.fp8.recipe import names_delayed_scaling
 from megatron.core.optimizer import OptimizerParamScheduler
-from megatron.training.checkpoint_checks import (
+from megatron.training.checkpoint.checks import (
     check_saved_flags,
     check_saved_param_shapes,
     check_shapes,
     schedule_mismatch,
 )
-from megatron.training.checkpoint_layout import (
+from megatron.training.checkpoint.layout import (
     delayed_scaling_state,
     first_failing_rank,
     load_tensor_file,
@@ -30,10 +30,10 @@ from megatron.training.checkpoint_layout import (
     resolve_iteration_dir,
     rng_state_from_plain,
 )
+from megatron.training.checkpoint.sharded import SHARDED_FORMATS, load_sharded_state, sharded_state
+from megatron.training.flags.run_config import CheckpointConfig
 from megatron.training.initialize import DistributedEnv, set_rng_state
 from megatron.training.model_setup import ModelAndOptimizer
-from megatron.training.run_config import CheckpointConfig
-from megatron.training.sharded_checkpoint import SHARDED_FORMATS, load_sharded_state, sharded_state
 from megatron.training.train_state import TrainState
 
 

@@ -1,0 +1,134 @@
+"""What the training loop logs: the console lines on rank 0 (log_line.py formats them) and the
+TensorBoard/W&B points (loggers.py), at Megatron-LM's intervals."""
+
+from __future__ import annotations
+
+import math
+
+from megatron.training.flags.run_config import LoggingConfig, TrainingRunConfig
+from megatron.training.initialize import DistributedEnv
+from megatron.training.log_line import IntervalStats, format_train_line, format_valid_line
+from megatron.training.loggers import MetricsLogger
+from megatron.training.model_setup import ModelAndOptimizer
+from megatron.training.run_hooks import memory_bytes
+from megatron.training.train_state import TrainState
+
+
+def print_rank_0(env: DistributedEnv, message: str) -> None:
+    if env.rank == 0:
+        print(message, flush=True)
+
+
+def log_validation(
+    env: DistributedEnv, *, state: TrainState, logger: MetricsLogger | None, valid_loss: float
+) -> None:
+    print_rank_0(env, format_valid_line(state.iteration, valid_loss))
+    if logger is not None:
+        logger.log_scalars(
+            state.iteration,
+            {
+                "lm loss validation": valid_loss,
+                "lm loss validation ppl": math.exp(min(20.0, valid_loss)),
+            },
+            samples=state.consumed_train_samples,
+        )
+
+
+def log_interval(
+    config: TrainingRunConfig,
+    *,
+    env: DistributedEnv,
+    run: ModelAndOptimizer,
+    state: TrainState,
+    stats: IntervalStats,
+    lr: float,
+    logger,
+) -> None:
+    seconds = stats.mean_seconds()
+    tokens_per_gpu = (
+        config.training.global_batch_size * config.training.seq_length / seconds / env.world_size
+    )
+    tflops = run.flops_per_iteration / seconds / env.world_size / 1e12
+    mem, max_mem = memory_bytes(env.device)
+    # A collective under Megatron-FSDP: every rank computes it.
+    params_norm = run.optimizer.params_norm() if config.logging.log_params_norm else None
+    print_rank_0(
+        env,
+        format_train_line(
+            iteration=state.iteration,
+            train_iters=config.training.train_iters,
+            consumed_samples=state.consumed_train_samples,
+            iteration_ms=seconds * 1000.0,
+            tflops_per_gpu=tflops,
+            tokens_per_gpu=tokens_per_gpu,
+            learning_rate=lr,
+            global_batch_size=config.training.global_batch_size,
+            loss=stats.mean_loss(),
+            grad_norm=stats.last_grad_norm,
+            skipped=stats.skipped,
+            nans=stats.nans,
+            mem_gib=mem / 2**30,
+            loss_scale=run.grad_scaler.scale if run.grad_scaler is not None else None,
+            num_zeros=run.last_step.get("num-zeros")
+            if config.logging.log_num_zeros_in_grad
+            else None,
+            params_norm=params_norm,
+        ),
+    )
+    if logger is not None:
+        # Interval statistics; the per-iteration series go out in log_iteration.
+        logger.log_scalars(
+            state.iteration,
+            {
+                "iteration-time": seconds,
+                "throughput/tflops-per-gpu": tflops,
+                "throughput/tokens-per-sec-per-gpu": tokens_per_gpu,
+                "mem-allocated-bytes": float(mem),
+                "mem-max-allocated-bytes": float(max_mem),
+                "skipped-iterations": float(stats.skipped),
+                "nan-iterations": float(stats.nans),
+            },
+        )
+
+
+def log_step_extras(
+    config: LoggingConfig, *, run: ModelAndOptimizer, state: TrainState, logger
+) -> None:
+    """The Megatron-LM logging switches: step timers, params norm, zero-grad count, loss
+    scale (TensorBoard/W&B, every --tensorboard-log-interval)."""
+    if logger is None or state.iteration % config.tensorboard_log_interval != 0:
+        return
+    scalars = {}
+    if config.log_timers_to_tensorboard:
+        for name in ("forward-backward-time", "optimizer-time"):
+            if name in run.last_step:
+                scalars[name] = run.last_step[name]
+    if config.log_params_norm:
+        scalars["params-norm"] = run.optimizer.params_norm()
+    if config.log_num_zeros_in_grad and run.last_step.get("num-zeros") is not None:
+        scalars["num-zeros"] = float(run.last_step["num-zeros"])
+    if run.grad_scaler is not None:
+        scalars["loss-scale"] = run.grad_scaler.scale
+    if scalars:
+        logger.log_scalars(state.iteration, scalars, samples=state.consumed_train_samples)
+
+
+def log_iteration(
+    config: TrainingRunConfig,
+    *,
+    state: TrainState,
+    logger,
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    updated: bool,
+) -> None:
+    """Megatron-LM's per-iteration TensorBoard/W&B points, every --tensorboard-log-interval:
+    this iteration's loss and grad norm (none for a skipped iteration, as Megatron-LM logs no
+    loss for it), learning rate and batch size, each also against consumed samples."""
+    if logger is None or state.iteration % config.logging.tensorboard_log_interval != 0:
+        return
+    scalars = {"learning-rate": lr, "batch-size": float(config.training.global_batch_size)}
+    if updated:
+        scalars["lm loss"], scalars["grad-norm"] = loss, grad_norm
+    logger.log_scalars(state.iteration, scalars, samples=state.consumed_train_samples)
