@@ -45,7 +45,7 @@ class OffloadedAdamW:
     on the CPU. Takes FusedAdamW's keyword arguments; `param_groups` are the caller's groups
     (the LR scheduler sets them), `amax_targets` and `grad_scale` work as FusedAdamW's."""
 
-    def __init__(self, groups: list[dict], *, offload_fraction: float, **adamw_kwargs) -> None:
+    def __init__(self, groups: list[dict], *, offload_fraction: float, **adamw_options) -> None:
         self.param_groups = [dict(group, params=list(group["params"])) for group in groups]
         params = [p for group in self.param_groups for p in group["params"]]
         count = offload_count([p.numel() for p in params], offload_fraction)
@@ -64,11 +64,11 @@ class OffloadedAdamW:
             moved = [host_of[id(p)] for p in group["params"] if id(p) in on_host]
             device_groups.append(dict(common, params=kept))
             host_groups.append(dict(common, params=moved))
-        host_kwargs = {k: v for k, v in adamw_kwargs.items() if k not in ("fused", "foreach")}
-        self.device = _part(device_groups, adamw_kwargs)
+        host_kwargs = {k: v for k, v in adamw_options.items() if k not in ("fused", "foreach")}
+        self.device = _part(device_groups, adamw_options)
         self.host = _part(host_groups, dict(host_kwargs, foreach=False))
         for group in self.param_groups:
-            group["fused"] = self.device is not None and bool(adamw_kwargs.get("fused"))
+            group["fused"] = self.device is not None and bool(adamw_options.get("fused"))
         self.amax_targets: dict[torch.Tensor, torch.Tensor] = {}
         self._copy_stream = torch.cuda.Stream() if pin else None
 

@@ -98,7 +98,7 @@ def build_torch_optimizer(
             groups.append(group)
     check_optimizer_config(config)
     if config.optimizer == "adam":
-        kwargs = dict(
+        options = dict(
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
@@ -106,16 +106,16 @@ def build_torch_optimizer(
             **adam_implementation([p for group in groups for p in group["params"]]),
         )
         if config.use_precision_aware_optimizer:
-            kwargs.update(
+            options.update(
                 exp_avg_dtype=config.exp_avg_dtype,
                 exp_avg_sq_dtype=config.exp_avg_sq_dtype,
                 moment_scaling=config.moment_scaling,
             )
         if config.optimizer_cpu_offload:
             return OffloadedAdamW(
-                groups, offload_fraction=config.optimizer_offload_fraction, **kwargs
+                groups, offload_fraction=config.optimizer_offload_fraction, **options
             )
-        return FusedAdamW(groups, **kwargs)
+        return FusedAdamW(groups, **options)
     return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, foreach=False)
 
 

@@ -121,8 +121,22 @@ def build_fsdp_config(args: argparse.Namespace) -> FsdpConfig | None:
     )
 
 
+# OptimizerConfig fields that no flag sets yet: the precision-aware optimizer and its CPU
+# offload are built in megatron/core/optimizer but not wired to the engines (issue 37).
+_OPTIMIZER_NOT_FLAGS = (
+    "use_precision_aware_optimizer",
+    "exp_avg_dtype",
+    "exp_avg_sq_dtype",
+    "moment_scaling",
+    "optimizer_cpu_offload",
+    "optimizer_offload_fraction",
+    "use_triton_adamw",
+)
+
+
 def build_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
-    return _from_flags(OptimizerConfig, args)
+    defaults = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
+    return _from_flags(OptimizerConfig, args, **{n: defaults[n] for n in _OPTIMIZER_NOT_FLAGS})
 
 
 def num_microbatches(args: argparse.Namespace) -> int:
