@@ -97,6 +97,16 @@ def test_architecture_mismatch(saved):
     assert "saved with --num-layers 2, but this run has 3" in message
 
 
+def test_every_architecture_mismatch_in_one_message(saved):
+    wrong = ["--num-layers", "3", "--hidden-size", "32", "--ffn-hidden-size", "64"]
+    message = _load_error(saved, wrong)
+    assert (
+        "saved with --num-layers 2, but this run has 3; --hidden-size 64, but this run has 32; "
+        "--ffn-hidden-size 256, but this run has 64; --kv-channels 16, but this run has 8; "
+        "use the checkpoint's values (or --use-checkpoint-args to take them all)."
+    ) in message
+
+
 class _Payload:
     def __reduce__(self):
         return (os.makedirs, ("/tmp/megatron_fp8_pwned_by_checkpoint",))
