@@ -117,9 +117,19 @@ def _parse_iteration_fields(rest: str, source: str, line_number: int) -> dict[st
     return row
 
 
+def _run_label(settings: dict[str, str]) -> str | None:
+    """The FP8 recipe, or for a run without FP8 the dtype it trained in (logs from before the
+    run line named the dtype said fp8-recipe=bf16 for any run without FP8)."""
+    recipe = settings.get("fp8-recipe")
+    if recipe == "none":
+        return settings.get("params-dtype")
+    return recipe
+
+
 def parse_log_lines(lines: Iterable[str], *, source: str, label: str | None = None) -> Run:
     """Parse training-log lines (see module docstring). A repeated iteration (a resumed run)
-    keeps the later line. The label defaults to the run line's fp8-recipe, else `source`."""
+    keeps the later line. The label defaults to the run line's fp8-recipe (its params-dtype
+    without FP8), else `source`."""
     settings: dict[str, str] = {}
     train_rows: dict[int, dict[str, float]] = {}
     validation_rows: dict[int, dict[str, float]] = {}
@@ -142,7 +152,7 @@ def parse_log_lines(lines: Iterable[str], *, source: str, label: str | None = No
     iterations, series = _rows_to_series(train_rows)
     validation_iterations, validation_series = _rows_to_series(validation_rows)
     return Run(
-        label=label or settings.get("fp8-recipe") or source,
+        label=label or _run_label(settings) or source,
         iterations=iterations,
         series=series,
         validation_iterations=validation_iterations,

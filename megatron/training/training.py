@@ -143,7 +143,8 @@ def _build_and_train_seeded(config: TrainingRunConfig, env: DistributedEnv) -> T
     fp8 = model_config.fp8
     print_rank_0(
         env,
-        f" > megatron-fp8 run: fp8-recipe={fp8.recipe if fp8 is not None else 'bf16'} "
+        f" > megatron-fp8 run: fp8-recipe={fp8.recipe if fp8 is not None else 'none'} "
+        f"params-dtype={str(model_config.params_dtype).removeprefix('torch.')} "
         f"fp8-param-gather={fp8 is not None and fp8.fp8_param_gather} "
         f"use-megatron-fsdp={config.model_setup.use_megatron_fsdp} "
         f"data-parallel-size={env.world_size}",
