@@ -3,8 +3,8 @@
 # suites. GPU-only tests skip on CPU with a reason. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/python_env.sh
 bash scripts/setup_env.sh
-PYTHON=${PYTHON:-python3}
 set +e
 # No path given: pytest runs pyproject.toml's testpaths (tests/); a path narrows it.
 "$PYTHON" -m pytest -q -p no:cacheprovider --timeout 900 "$@"

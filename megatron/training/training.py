@@ -140,6 +140,12 @@ def _build_and_train_seeded(config: TrainingRunConfig, env: DistributedEnv) -> T
     state = TrainState()
     if config.checkpoint.load is not None:
         state = load_checkpoint(config.checkpoint, run=run, scheduler=scheduler, env=env) or state
+    if state.iteration >= config.training.train_iters:
+        print_rank_0(
+            env,
+            f" > nothing to train: the checkpoint is at iteration {state.iteration} of "
+            f"--train-iters {config.training.train_iters}; pass a larger --train-iters to go on",
+        )
     fp8 = model_config.fp8
     print_rank_0(
         env,
