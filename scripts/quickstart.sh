@@ -6,8 +6,9 @@
 # Each set of extra arguments gets its own run directory, runs/quickstart/<name>/ (name: the
 # arguments, or "default"; RUN_NAME=... overrides), holding checkpoints/ and train.log, so a
 # rerun with other flags never resumes from or overwrites another run's checkpoints.
-# Resume: add `--load runs/quickstart/<name>/checkpoints --train-iters N` (N beyond the saved
-# iteration) to the same flags; the run continues in that run directory.
+# Resume: the same flags plus `--load runs/quickstart/<name>/checkpoints` continue an
+# interrupted run in that run directory; train on past the end with `--train-iters N
+# --use-checkpoint-opt_param-scheduler` added (the learning rate stays at the schedule's end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # One torch thread unless the user chose: with torch's default of one thread per core, a
@@ -72,7 +73,7 @@ echo "quickstart: training (300 iterations unless --train-iters says otherwise; 
   "$@" 2>&1 | tee ${LOAD_DIR:+-a} "$RUN_DIR/train.log"
 if [[ -d $RUN_DIR/checkpoints ]]; then
   echo "quickstart: log $RUN_DIR/train.log, checkpoints $RUN_DIR/checkpoints" \
-    "(resume: bash scripts/quickstart.sh ${NAME_ARGS[*]+${NAME_ARGS[*]} }--load $RUN_DIR/checkpoints --train-iters N)"
+    "(resume: bash scripts/quickstart.sh ${NAME_ARGS[*]+${NAME_ARGS[*]} }--load $RUN_DIR/checkpoints)"
 else
   echo "quickstart: log $RUN_DIR/train.log (no checkpoint was saved)"
 fi

@@ -144,7 +144,8 @@ def _build_and_train_seeded(config: TrainingRunConfig, env: DistributedEnv) -> T
         print_rank_0(
             env,
             f" > nothing to train: the checkpoint is at iteration {state.iteration} of "
-            f"--train-iters {config.training.train_iters}; pass a larger --train-iters to go on",
+            f"--train-iters {config.training.train_iters}; pass a larger --train-iters (and "
+            "--use-checkpoint-opt_param-scheduler to keep the saved schedule) to go on",
         )
     fp8 = model_config.fp8
     print_rank_0(
