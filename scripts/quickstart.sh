@@ -15,18 +15,6 @@ cd "$(dirname "$0")/.."
 # 2-core machine slowed 10-25x per iteration whenever another process took a core (threads
 # wait for each other at every op), while one thread stayed within 0.36-0.53 s.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-source scripts/python_env.sh
-MEGATRON_EXTRAS=${MEGATRON_EXTRAS:-progress} bash scripts/setup_env.sh
-PREFIX=$("$PYTHON" scripts/prepare_quickstart_data.py | tail -n 1)
-
-run_name() {
-  local name="" arg
-  for arg in "$@"; do
-    arg=${arg#--}
-    name+="${name:+_}${arg//[^A-Za-z0-9.=-]/-}"
-  done
-  echo "${name:-default}"
-}
 # --load DIR resumes: a run directory's checkpoints/ continue in that run directory (same
 # checkpoints/, train.log appended); the run is named by the other flags.
 LOAD_DIR="" NAME_ARGS=() prev=""
@@ -43,6 +31,18 @@ if [[ -n $LOAD_DIR && ! -d $LOAD_DIR ]]; then
   echo "quickstart: error: --load $LOAD_DIR: no such directory" >&2
   exit 2
 fi
+source scripts/python_env.sh
+MEGATRON_EXTRAS=${MEGATRON_EXTRAS:-progress} bash scripts/setup_env.sh
+PREFIX=$("$PYTHON" scripts/prepare_quickstart_data.py | tail -n 1)
+
+run_name() {
+  local name="" arg
+  for arg in "$@"; do
+    arg=${arg#--}
+    name+="${name:+_}${arg//[^A-Za-z0-9.=-]/-}"
+  done
+  echo "${name:-default}"
+}
 RUN_NAME=${RUN_NAME:-$(run_name "${NAME_ARGS[@]+"${NAME_ARGS[@]}"}")}
 RUN_NAME=${RUN_NAME:0:100}
 RUN_DIR=${OUTPUT_DIR:-runs/quickstart}/$RUN_NAME
@@ -50,6 +50,9 @@ if [[ -n $LOAD_DIR && $(basename "$LOAD_DIR") == checkpoints ]]; then
   RUN_DIR=$(dirname "$LOAD_DIR")
 fi
 mkdir -p "$RUN_DIR"
+# QUICKSTART_ITERS shortens the run (warmup a tenth of it) without changing the run directory's
+# name: tests/unit_tests/ecosystem/test_readme_blocks.py runs the README's commands so.
+ITERS=${QUICKSTART_ITERS:-300}
 expect="3-4 minutes on 2 CPU cores, longer while other processes compete for them"
 case " $* " in
   *" --fp8-recipe"*) expect="FP8 on CPU emulates its GEMMs (dequantize, then multiply): slower than without FP8" ;;
@@ -59,15 +62,16 @@ case " $* " in
     "(30-45 s on 2 cores) before any log line" ;;
 esac
 echo "quickstart: run directory $RUN_DIR (checkpoints/, train.log); OMP_NUM_THREADS=$OMP_NUM_THREADS"
-echo "quickstart: training (300 iterations unless --train-iters says otherwise; a log line every 20): $expect"
+echo "quickstart: training ($ITERS iterations unless --train-iters says otherwise; a log line every 20): $expect"
 # -u: unbuffered, so each log line reaches the terminal and train.log as it is printed.
 "$PYTHON" -u pretrain_gpt.py \
   --data-path "$PREFIX" --tokenizer-type ByteTokenizer --split 98,2,0 \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
   --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
   --ffn-hidden-size 352 --hidden-dropout 0 --attention-dropout 0 \
-  --micro-batch-size 16 --global-batch-size 32 --train-iters 300 \
-  --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 30 --weight-decay 0.1 \
+  --micro-batch-size 16 --global-batch-size 32 --train-iters "$ITERS" \
+  --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters $((ITERS / 10)) \
+  --weight-decay 0.1 \
   --clip-grad 1.0 --log-interval 20 --eval-interval 100 --eval-iters 4 --seed 1234 \
   --save "$RUN_DIR/checkpoints" \
   "$@" 2>&1 | tee ${LOAD_DIR:+-a} "$RUN_DIR/train.log"

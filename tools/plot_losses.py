@@ -16,6 +16,7 @@ import argparse
 import math
 import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -284,7 +285,11 @@ def main(argv: Sequence[str] | None = None) -> Any:
     except ImportError as error:
         raise SystemExit(f"error: {error}") from None
     labels = args.labels or [None] * len(args.runs)
-    runs = [load_run(path, label) for path, label in zip(args.runs, labels)]
+    try:
+        runs = [load_run(path, label) for path, label in zip(args.runs, labels)]
+    except (OSError, ValueError) as error:  # a missing or unreadable log: one line, status 2
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.labels is None:
         # Two runs of one recipe would share a legend entry: add the file name.
         duplicated = {run.label for run in runs if [r.label for r in runs].count(run.label) > 1}
