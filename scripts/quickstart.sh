@@ -72,7 +72,7 @@ echo "quickstart: training ($ITERS iterations unless --train-iters says otherwis
   --micro-batch-size 16 --global-batch-size 32 --train-iters "$ITERS" \
   --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters $((ITERS / 10)) \
   --weight-decay 0.1 \
-  --clip-grad 1.0 --log-interval 20 --eval-interval 100 --eval-iters 4 --seed 1234 \
+  --clip-grad 1.0 --log-interval $((ITERS < 20 ? 1 : 20)) --eval-interval 100 --eval-iters 4 --seed 1234 \
   --save "$RUN_DIR/checkpoints" \
   "$@" 2>&1 | tee ${LOAD_DIR:+-a} "$RUN_DIR/train.log"
 if [[ -d $RUN_DIR/checkpoints ]]; then
