@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,34 @@ def test_readme_blocks_run_in_order_on_a_fresh_clone(tmp_path: Path) -> None:
     assert (clone / ".venv" / "bin" / "python").is_file()
     assert (clone / "losses.png").stat().st_size > 0
     assert (clone / "hf_model" / "config.json").is_file()
+
+
+# Every tool that reads a file, pointed at one that does not exist (scaling_table.py reads none).
+MISSING = "/nonexistent/megatron-fp8-test"
+TOOL_CALLS = {
+    "plot_losses": ["tools/plot_losses.py", f"{MISSING}.log", "--output", f"{MISSING}.png"],
+    "preprocess_data": [
+        *("tools/preprocess_data.py", "--input", f"{MISSING}.jsonl"),
+        *("--output-prefix", MISSING, "--tokenizer-type", "ByteTokenizer"),
+    ],
+    "convert": [
+        *("tools/checkpoint/convert.py", "--loader", "megatron_fp8", "--saver", "hf"),
+        *("--load-dir", MISSING, "--save-dir", f"{MISSING}-out"),
+    ],
+    "convert_to_hf": ["tools/checkpoint/convert_to_hf.py", "--load", MISSING, "--output", MISSING],
+}
+
+
+@pytest.mark.parametrize("argv", TOOL_CALLS.values(), ids=TOOL_CALLS.keys())
+def test_a_tool_given_a_missing_file_exits_2_with_one_error_line(argv) -> None:
+    done = subprocess.run(
+        [sys.executable, *argv],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "error: " in lines[0] and MISSING in lines[0], done.stderr
