@@ -78,8 +78,9 @@ def _save_hf(state: ModelState, args: argparse.Namespace) -> str:
         )
     except (UnsupportedArchitectureError, FileExistsError, FileNotFoundError) as error:
         raise ConversionError(str(error)) from None
-    described = f"{hf_config['architectures'][0]} ({str(dtype).removeprefix('torch.')})"
-    return f"{described}; {tokenizer}" if tokenizer else described
+    if tokenizer:
+        print(f"{args.save_dir}: {tokenizer}")
+    return f"{hf_config['architectures'][0]} ({str(dtype).removeprefix('torch.')})"
 
 
 def _save_mcore(state: ModelState, args: argparse.Namespace) -> str:

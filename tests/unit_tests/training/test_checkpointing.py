@@ -33,10 +33,10 @@ def test_layout_and_atomicity(tmp_path):
         "iter_0000004",
         "latest_checkpointed_iteration.txt",
     ]  # no *.tmp directory or tracker left behind
-    assert open(tmp_path / "latest_checkpointed_iteration.txt").read() == "4\n"
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "4\n"
     directory = tmp_path / "iter_0000004"
     assert sorted(os.listdir(directory)) == ["metadata.json", "model.pt", "optimizer.pt", "rng"]
-    metadata = json.load(open(directory / "metadata.json"))
+    metadata = json.loads((directory / "metadata.json").read_text())
     assert metadata["iteration"] == 4 and metadata["consumed_train_samples"] == 32
     state, config = load_state_for_export(str(tmp_path))
     assert config.hidden_size == 64 and config.vocab_size == 512
