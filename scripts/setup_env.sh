@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Installs what megatron-fp8 needs on a fresh machine, then the package itself (editable).
+# Installs what megatron-fp8 needs on a fresh machine, then the package itself (editable), into
+# the checkout's .venv/ unless a virtual environment is active (scripts/python_env.sh says how
+# to opt out).
 # torch is installed explicitly first: on the CPU machines torch==2.13.0 is a local CPU build,
 # while an unpinned "torch" would pull a multi-GB CUDA build. An existing torch is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+source scripts/python_env.sh
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
   echo "setup_env: installing torch==${TORCH_VERSION:-2.13.0} (pip shows its progress)"
   "$PYTHON" -m pip install "torch==${TORCH_VERSION:-2.13.0}"

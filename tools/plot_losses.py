@@ -16,6 +16,7 @@ import argparse
 import math
 import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,9 +118,19 @@ def _parse_iteration_fields(rest: str, source: str, line_number: int) -> dict[st
     return row
 
 
+def _run_label(settings: dict[str, str]) -> str | None:
+    """The FP8 recipe, or for a run without FP8 the dtype it trained in (logs from before the
+    run line named the dtype said fp8-recipe=bf16 for any run without FP8)."""
+    recipe = settings.get("fp8-recipe")
+    if recipe == "none":
+        return settings.get("params-dtype")
+    return recipe
+
+
 def parse_log_lines(lines: Iterable[str], *, source: str, label: str | None = None) -> Run:
     """Parse training-log lines (see module docstring). A repeated iteration (a resumed run)
-    keeps the later line. The label defaults to the run line's fp8-recipe, else `source`."""
+    keeps the later line. The label defaults to the run line's fp8-recipe (its params-dtype
+    without FP8), else `source`."""
     settings: dict[str, str] = {}
     train_rows: dict[int, dict[str, float]] = {}
     validation_rows: dict[int, dict[str, float]] = {}
@@ -142,7 +153,7 @@ def parse_log_lines(lines: Iterable[str], *, source: str, label: str | None = No
     iterations, series = _rows_to_series(train_rows)
     validation_iterations, validation_series = _rows_to_series(validation_rows)
     return Run(
-        label=label or settings.get("fp8-recipe") or source,
+        label=label or _run_label(settings) or source,
         iterations=iterations,
         series=series,
         validation_iterations=validation_iterations,
@@ -274,7 +285,11 @@ def main(argv: Sequence[str] | None = None) -> Any:
     except ImportError as error:
         raise SystemExit(f"error: {error}") from None
     labels = args.labels or [None] * len(args.runs)
-    runs = [load_run(path, label) for path, label in zip(args.runs, labels)]
+    try:
+        runs = [load_run(path, label) for path, label in zip(args.runs, labels)]
+    except (OSError, ValueError) as error:  # a missing or unreadable log: one line, status 2
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.labels is None:
         # Two runs of one recipe would share a legend entry: add the file name.
         duplicated = {run.label for run in runs if [r.label for r in runs].count(run.label) > 1}

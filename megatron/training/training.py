@@ -150,10 +150,18 @@ def _build_and_train_seeded(
     state = TrainState()
     if config.checkpoint.load is not None:
         state = load_checkpoint(config.checkpoint, run=run, scheduler=scheduler, env=env) or state
+    if state.iteration >= config.training.train_iters:
+        print_rank_0(
+            env,
+            f" > nothing to train: the checkpoint is at iteration {state.iteration} of "
+            f"--train-iters {config.training.train_iters}; pass a larger --train-iters (and "
+            "--use-checkpoint-opt_param-scheduler to keep the saved schedule) to go on",
+        )
     fp8 = model_config.fp8
     print_rank_0(
         env,
-        f" > megatron-fp8 run: fp8-recipe={fp8.recipe if fp8 is not None else 'bf16'} "
+        f" > megatron-fp8 run: fp8-recipe={fp8.recipe if fp8 is not None else 'none'} "
+        f"params-dtype={str(model_config.params_dtype).removeprefix('torch.')} "
         f"fp8-param-gather={fp8 is not None and fp8.fp8_param_gather} "
         f"use-megatron-fsdp={config.model_setup.use_megatron_fsdp} "
         f"data-parallel-size={env.world_size}",

@@ -37,6 +37,7 @@ from tools.checkpoint.hf_export import (  # noqa: E402
     convert_state_dict_to_hf,
 )
 from tools.checkpoint.hf_import import load_hf  # noqa: E402
+from tools.checkpoint.hf_tokenizer import saved_args, tokenizer_writer  # noqa: E402
 from tools.checkpoint.mcore import load_mcore, save_mcore  # noqa: E402
 from tools.checkpoint.megatron_fp8 import load_megatron_fp8, save_megatron_fp8  # noqa: E402
 from tools.checkpoint.model_flags import add_model_flags, check_given_flags  # noqa: E402
@@ -64,12 +65,21 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def _save_hf(state: ModelState, args: argparse.Namespace) -> str:
     dtype = getattr(torch, args.dtype) if args.dtype else state.config.params_dtype
+    writer, tokenizer = None, ""
     try:
+        if args.loader == "megatron_fp8":  # the tokenizer the checkpoint was trained with
+            writer, tokenizer = tokenizer_writer(saved_args(args.load_dir, args.iteration))
         hf_config = convert_state_dict_to_hf(
-            state.state_dict, state.config, output_dir=args.save_dir, dtype=dtype
+            state.state_dict,
+            state.config,
+            output_dir=args.save_dir,
+            dtype=dtype,
+            write_extra=writer,
         )
-    except (UnsupportedArchitectureError, FileExistsError) as error:
+    except (UnsupportedArchitectureError, FileExistsError, FileNotFoundError) as error:
         raise ConversionError(str(error)) from None
+    if tokenizer:
+        print(f"{args.save_dir}: {tokenizer}")
     return f"{hf_config['architectures'][0]} ({str(dtype).removeprefix('torch.')})"
 
 

@@ -28,6 +28,7 @@ import torch
 
 from megatron.core.checkpoint_files import TMP_SUFFIX, fsync_tree, publish_dir
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tools.checkpoint.hf_tokenizer import TOKENIZER_FILES
 
 Tensor = torch.Tensor
 StateDict = dict[str, Tensor]
@@ -293,7 +294,7 @@ def gpt2_config(config: TransformerConfig, dtype: torch.dtype) -> dict:
     }
 
 
-EXPORTED_FILES = ("config.json", "model.safetensors")
+EXPORTED_FILES = ("config.json", "model.safetensors", *TOKENIZER_FILES)
 CONVERTERS: dict[str, tuple[Callable, Callable]] = {
     "llama": (llama_state_dict, llama_config),
     "gpt2": (gpt2_state_dict, gpt2_config),
@@ -306,11 +307,14 @@ def convert_state_dict_to_hf(
     *,
     output_dir: str,
     dtype: torch.dtype = torch.float32,
+    write_extra: Callable[[str], None] | None = None,
 ) -> dict:
     """Write `output_dir`/config.json and model.safetensors (under `output_dir.tmp`, renamed
     when complete); returns the config dict.
 
-    `state_dict` holds full (unsharded) parameters by our GPTModel's parameter names.
+    `state_dict` holds full (unsharded) parameters by our GPTModel's parameter names;
+    `write_extra` adds files (the tokenizer, hf_tokenizer.py) to the directory before it is
+    published.
     """
     try:
         from safetensors.torch import save_file
@@ -334,6 +338,8 @@ def convert_state_dict_to_hf(
     with open(os.path.join(tmp, "config.json"), "w") as config_file:
         json.dump(hf_config, config_file, indent=2, sort_keys=True)
         config_file.write("\n")
+    if write_extra is not None:
+        write_extra(tmp)
     fsync_tree(tmp)
     publish_dir(tmp, os.path.normpath(output_dir))
     return hf_config

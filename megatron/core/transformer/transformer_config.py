@@ -10,6 +10,24 @@ import torch
 from megatron.core.fp8.config import Fp8Config
 
 
+def resolved_shape(
+    *,
+    hidden_size: int,
+    num_attention_heads: int,
+    ffn_hidden_size: int | None,
+    num_query_groups: int | None,
+    kv_channels: int | None,
+) -> dict[str, int]:
+    """The sizes that an omitted flag stands for (Megatron-LM's defaults): FFN 4 x hidden, one
+    query group per head, kv channels hidden / heads. A checkpoint check compares these, so that
+    --kv-channels 16 matches a checkpoint saved without it when hidden / heads is 16."""
+    return {
+        "ffn_hidden_size": 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size,
+        "num_query_groups": num_attention_heads if num_query_groups is None else num_query_groups,
+        "kv_channels": hidden_size // num_attention_heads if kv_channels is None else kv_channels,
+    }
+
+
 @dataclass(kw_only=True)
 class TransformerConfig:
     """Architecture and numerics of a GPT. Field names follow Megatron-LM's flags."""
@@ -181,11 +199,15 @@ class TransformerConfig:
     """Ranks the routed experts are split over (`--expert-model-parallel-size`)."""
 
     def __post_init__(self) -> None:
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
-        if self.kv_channels is None:
-            self.kv_channels = self.hidden_size // self.num_attention_heads
+        shape = resolved_shape(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            ffn_hidden_size=self.ffn_hidden_size,
+            num_query_groups=self.num_query_groups,
+            kv_channels=self.kv_channels,
+        )
+        self.ffn_hidden_size = shape["ffn_hidden_size"]
+        self.num_query_groups = shape["num_query_groups"]
+        self.kv_channels = shape["kv_channels"]
         if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size

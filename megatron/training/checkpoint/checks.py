@@ -10,6 +10,7 @@ import os
 
 from megatron.core.checkpoint_files import CheckpointError
 from megatron.core.fp8.recipe import names_delayed_scaling
+from megatron.core.transformer.transformer_config import resolved_shape
 from megatron.training.checkpoint.sharded import SHARDED_FORMATS
 from megatron.training.flags.run_config import ARCHITECTURE_FLAGS, CheckpointConfig
 from megatron.training.model_setup import ModelAndOptimizer
@@ -20,12 +21,7 @@ def check_saved_flags(metadata: dict, config: CheckpointConfig, *, directory: st
     optimizer state is loaded) the optimizer, whose state keys differ (Adam moments vs SGD
     momentum). --no-load-optim and --finetune start a fresh optimizer, so any one is fine."""
     saved = metadata["args"]
-    for flag in ARCHITECTURE_FLAGS:
-        if flag in saved and saved[flag] != config.architecture[flag]:
-            raise CheckpointError(
-                f"{directory}: saved with --{flag.replace('_', '-')} {saved[flag]}, but this run "
-                f"has {config.architecture[flag]}; use the checkpoint's value."
-            )
+    check_architecture(saved, config.architecture, directory=directory)
     same_layout = {metadata["ckpt_format"], config.ckpt_format} <= set(SHARDED_FORMATS)
     if metadata["ckpt_format"] != config.ckpt_format and not same_layout:
         raise CheckpointError(
@@ -87,6 +83,40 @@ def check_saved_flags(metadata: dict, config: CheckpointConfig, *, directory: st
         )
 
 
+def _resolved(flags: dict) -> dict:
+    """The architecture flags with an omitted size replaced by the size it stands for."""
+    values = {flag: flags.get(flag) for flag in ARCHITECTURE_FLAGS}
+    if isinstance(values["hidden_size"], int) and isinstance(values["num_attention_heads"], int):
+        values.update(resolved_shape(**{flag: values[flag] for flag in _SHAPE_FLAGS}))
+    return values
+
+
+_SHAPE_FLAGS = (
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "num_query_groups",
+    "kv_channels",
+)
+
+
+def check_architecture(saved: dict, architecture: dict, *, directory: str) -> None:
+    """The shape flags, compared by the values they resolve to (--kv-channels 16 is the
+    omitted --kv-channels of a hidden 64, 4-head checkpoint); every mismatch in one message,
+    as --use-checkpoint-args would list them."""
+    saved_values, run_values = _resolved(saved), _resolved(architecture)
+    differ = [
+        f"--{flag.replace('_', '-')} {saved_values[flag]}, but this run has {run_values[flag]}"
+        for flag in ARCHITECTURE_FLAGS
+        if flag in saved and saved_values[flag] != run_values[flag]
+    ]
+    if differ:
+        raise CheckpointError(
+            f"{directory}: saved with {'; '.join(differ)}; use the checkpoint's values "
+            "(or --use-checkpoint-args to take them all)."
+        )
+
+
 def _shape_fix(name: str, saved: tuple, expected: tuple, saved_flags: dict) -> str:
     """The flag behind a parameter's shape (what a user changed), named for the message."""
     if name.endswith("word_embeddings.weight") or name.startswith("output_layer."):
@@ -119,12 +149,14 @@ def check_shapes(
             f"{source}: parameters do not match the model (missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}); the checkpoint is of another architecture."
         )
-    for name, shape in expected.items():
-        if saved[name] != shape:
-            raise CheckpointError(
-                f"{source}: {name} has shape {saved[name]} in the checkpoint, the model "
-                f"expects {shape}; {_shape_fix(name, saved[name], shape, saved_flags)}."
-            )
+    differ = [name for name, shape in expected.items() if saved[name] != shape]
+    if differ:
+        name, shape = differ[0], expected[differ[0]]
+        more = f" ({len(differ) - 1} more parameters differ)" if len(differ) > 1 else ""
+        raise CheckpointError(
+            f"{source}: {name} has shape {saved[name]} in the checkpoint, the model "
+            f"expects {shape}{more}; {_shape_fix(name, saved[name], shape, saved_flags)}."
+        )
 
 
 def check_saved_param_shapes(metadata: dict, run: ModelAndOptimizer, *, directory: str) -> None:

@@ -33,6 +33,7 @@ from megatron.training.checkpoint.layout import (
     rng_state_to_plain,
 )
 from megatron.training.checkpoint.sharded import SHARDED_FORMATS, sharded_state
+from megatron.training.checkpoint.space import needed_bytes, space_shortage
 from megatron.training.flags.run_config import CheckpointConfig
 from megatron.training.initialize import DistributedEnv, get_rng_state
 from megatron.training.model_setup import ModelAndOptimizer
@@ -100,18 +101,40 @@ def _describe_failure(failure: BaseException | None) -> str:
     return cause if rank is None else f"rank {rank}: {cause}"
 
 
+def _kept(config: CheckpointConfig) -> str:
+    previous = read_tracker(config.save) if os.path.isdir(config.save) else None
+    if previous is None:
+        return "no earlier checkpoint exists"
+    return f"iteration {previous} stays the checkpoint --load uses"
+
+
+def _check_space(config: CheckpointConfig, *, run, env, iteration: int, sharded: bool) -> None:
+    """Every rank stops before writing when the checkpoint does not fit on the disk."""
+    optimizer = not config.no_save_optim
+    if sharded:
+        state = sharded_state(run, optimizer=optimizer)
+    else:
+        state = [run.optimizer.named_main_params(), run.optimizer.state_dict() if optimizer else {}]
+    needed = needed_bytes(state, rank=env.rank, group=env.dp_group, device=env.device)
+    shortage = space_shortage(config.save, needed)
+    failure = CheckpointSaveError(shortage) if shortage else None
+    if first_failing_rank(env, failure) < 0:
+        return
+    # A rank with room names the disk it saw all the same: the ranks stop together.
+    shortage = shortage or f"no space left on device on another rank: {config.save}"
+    raise CheckpointSaveError(
+        f"{shortage}; nothing of iteration {iteration} was written and {_kept(config)}. "
+        f"Free space, then resume with --load {config.save}."
+    )
+
+
 def _save_failed(
     config: CheckpointConfig, *, env, iteration: int, tmp: str, failure, failed_rank: int
 ) -> None:
     if env.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier(env)
-    previous = read_tracker(config.save) if os.path.isdir(config.save) else None
-    kept = (
-        f"iteration {previous} stays the checkpoint --load uses"
-        if previous is not None
-        else "no earlier checkpoint exists"
-    )
+    kept = _kept(config)
     cause = _describe_failure(failure)
     if failure is not None:
         # torch.save reports a full disk as a zip-writer position error, not ENOSPC: say
@@ -213,6 +236,8 @@ def save_checkpoint(
     started = time.perf_counter()
     if async_saver is not None:
         async_saver.finalize(blocking=True)  # one save in flight at a time
+    sharded = config.ckpt_format in SHARDED_FORMATS or async_saver is not None
+    _check_space(config, run=run, env=env, iteration=state.iteration, sharded=sharded)
     tmp = _fresh_tmp_dir(config, env=env, iteration=state.iteration)
     metadata = _metadata(config, run, scheduler, state, env)
     if async_saver is not None:

@@ -3,9 +3,10 @@
 Run with megatron-core 0.16.1's interpreter from a directory that does not hold our
 `megatron/` package (it would shadow megatron-core's):
 
-    cd /tmp && /work/venv-mcore/bin/python REPO/tests/unit_tests/data/make_mcore_fixture.py
+    cd /tmp && REPO/.venv-mcore/bin/python REPO/tests/unit_tests/data/make_mcore_fixture.py
 
-(REPO: the repository root; an optional argument names another output directory.)
+(REPO: the repository root, whose .venv-mcore scripts/setup_mcore_venv.sh creates; an optional
+argument names another output directory.)
 
 It writes two small deterministic corpora with megatron-core's IndexedDatasetBuilder, builds
 megatron-core's GPTDataset for train/valid/test (one corpus) and a weighted 2-way blend

@@ -283,9 +283,9 @@ def test_export_replaces_a_previous_export_only_when_complete(tmp_path: Path, mo
 def test_export_refuses_an_output_dir_with_other_files(tmp_path: Path) -> None:
     config = TransformerConfig(**GPT2)
     state_dict = dict(GPTModel(config).named_parameters())
-    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("{}")
     with pytest.raises(
-        FileExistsError, match=r"holds files an export does not write \(\[.tokenizer.json.\]\)"
+        FileExistsError, match=r"holds files an export does not write \(\[.notes.txt.\]\)"
     ):
         convert_state_dict_to_hf(state_dict, config, output_dir=str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

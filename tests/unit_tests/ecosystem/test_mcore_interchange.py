@@ -4,8 +4,8 @@ mcore_reference.py (run by the venv's python, from a directory without our `mega
 a torch_dist checkpoint the way Megatron-LM's training does, and its logits on fixed tokens. We
 import it (`--loader mcore --saver megatron_fp8`) and compare our logits; then export ours
 (`--saver mcore`), have megatron-core load that into its GPTModel, and compare its logits with
-the original ones bitwise. The venv: $MCORE_VENV, else /work/venv-mcore, else .venv-mcore here
-(scripts/setup_mcore_venv.sh creates it; .ci/run calls it).
+the original ones bitwise. The venv: $MCORE_VENV, else .venv-mcore here (scripts/setup_mcore_venv.sh
+creates it; scripts/run_tests.sh and .ci/run call it).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ MAX_RELATIVE_ERROR = 1e-5
 
 
 def _venv_python() -> Path:
-    candidates = [os.environ.get("MCORE_VENV"), "/work/venv-mcore", str(REPO_ROOT / ".venv-mcore")]
+    candidates = [os.environ.get("MCORE_VENV"), str(REPO_ROOT / ".venv-mcore")]
     for venv in filter(None, candidates):
         python = Path(venv) / "bin" / "python"
         if python.is_file():
             return python
     pytest.skip(
-        "no megatron-core 0.16.1 venv (MCORE_VENV, /work/venv-mcore or .venv-mcore): "
+        "no megatron-core 0.16.1 venv (MCORE_VENV or .venv-mcore): "
         "`bash scripts/setup_mcore_venv.sh` creates it (needs network access to PyPI)"
     )
 

@@ -208,3 +208,17 @@ def test_cli_without_matplotlib_prints_one_line(tmp_path: Path) -> None:
     assert lines[0].startswith("error: plotting needs matplotlib")
     assert "pip install matplotlib" in lines[0]
     assert not (tmp_path / "out.png").exists()
+
+
+def test_a_run_without_fp8_is_labelled_by_its_dtype(capsys) -> None:
+    """The default run trains in fp32: its run line and the plot legend say so (not bf16)."""
+    from tests.unit_tests.training.common import TINY_GPT, run_pretrain
+
+    capsys.readouterr()
+    run_pretrain(TINY_GPT + ["--train-iters", "1"])
+    out = capsys.readouterr().out
+    assert " > megatron-fp8 run: fp8-recipe=none params-dtype=float32 " in out
+    assert parse_log_lines(out.splitlines(), source="log").label == "float32"
+    run_line = RUN_LINE.replace("fp8-recipe=bf16", "fp8-recipe=none params-dtype=bfloat16")
+    assert parse_log_lines([run_line, SAMPLE_ITERATION_LINE], source="log").label == "bfloat16"
+    assert parse_log_lines([RUN_LINE, SAMPLE_ITERATION_LINE], source="log").label == "bf16"

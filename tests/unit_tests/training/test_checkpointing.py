@@ -33,10 +33,10 @@ def test_layout_and_atomicity(tmp_path):
         "iter_0000004",
         "latest_checkpointed_iteration.txt",
     ]  # no *.tmp directory or tracker left behind
-    assert open(tmp_path / "latest_checkpointed_iteration.txt").read() == "4\n"
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "4\n"
     directory = tmp_path / "iter_0000004"
     assert sorted(os.listdir(directory)) == ["metadata.json", "model.pt", "optimizer.pt", "rng"]
-    metadata = json.load(open(directory / "metadata.json"))
+    metadata = json.loads((directory / "metadata.json").read_text())
     assert metadata["iteration"] == 4 and metadata["consumed_train_samples"] == 32
     state, config = load_state_for_export(str(tmp_path))
     assert config.hidden_size == 64 and config.vocab_size == 512
@@ -97,6 +97,16 @@ def test_architecture_mismatch(saved):
     assert "saved with --num-layers 2, but this run has 3" in message
 
 
+def test_every_architecture_mismatch_in_one_message(saved):
+    wrong = ["--num-layers", "3", "--hidden-size", "32", "--ffn-hidden-size", "64"]
+    message = _load_error(saved, wrong)
+    assert (
+        "saved with --num-layers 2, but this run has 3; --hidden-size 64, but this run has 32; "
+        "--ffn-hidden-size 256, but this run has 64; --kv-channels 16, but this run has 8; "
+        "use the checkpoint's values (or --use-checkpoint-args to take them all)."
+    ) in message
+
+
 class _Payload:
     def __reduce__(self):
         return (os.makedirs, ("/tmp/megatron_fp8_pwned_by_checkpoint",))
@@ -105,7 +115,7 @@ class _Payload:
 def test_untrusted_pickle_is_not_executed(saved, tmp_path):
     root = _copy(saved, tmp_path)
     with open(root / "iter_0000002" / "model.pt", "wb") as handle:
-        pickle.dump({"x": _Payload()}, handle)
+        pickle.dump({"x": _Payload()}, handle, protocol=2)  # torch.save's protocol: no warning
     marker = "/tmp/megatron_fp8_pwned_by_checkpoint"
     if os.path.isdir(marker):
         os.rmdir(marker)
