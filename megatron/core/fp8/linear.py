@@ -12,7 +12,7 @@ weight is either a high-precision nn.Parameter quantized every forward, or (buil
 `quantized_model_init`) a QuantizedTensor parameter whose bytes the optimizer / FSDP engine
 rewrites in place.
 
-One forward and one backward serve every device, through the backend `compile.backend`
+One forward and one backward serve every device, through the backend `quantization.backend_for`
 chooses (fused CUDA kernels or `reference_ops.py`, one interface). Settings come from one
 place, the module's `fp8_setup` (`apply_fp8_setup`, `fp8_autocast`). Under torch.compile see
 `compile.py` (`prepare_for_compile`: no graph break for any recipe).
@@ -35,11 +35,9 @@ from torch import nn
 
 from megatron.core.fp8 import autocast as fp8_state
 from megatron.core.fp8.compile import (
-    backend,
     backward_one,
     deliver_stand_in_grad,
     forward_outside_the_graph,
-    fused_ops_run,
     register_stand_in,
     stand_in_gemm,
     stand_in_owner,
@@ -47,6 +45,7 @@ from megatron.core.fp8.compile import (
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
 from megatron.core.fp8.param_init import current_quantized_init, quantize_weight_for_init
+from megatron.core.fp8.quantization import backend_for
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec
 
@@ -95,7 +94,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.weight_dtype = weight.dtype
-        ctx.fused = fused_ops_run(x)
+        ctx.ops = backend_for(x)
         y2d = _forward(ctx, x, weight, plan)
         if bias is not None:
             y2d = y2d + bias.to(y2d.dtype)
@@ -143,7 +142,7 @@ def _pow2(plan: _Plan) -> bool:
 
 def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
     """One quantization per operand, no host sync; delayed amaxes recorded as they quantize."""
-    ops = backend(ctx.fused)
+    ops = ctx.ops
     compute_dtype = ops.emulation_dtype(x.dtype)
     need_wgrad, need_dgrad = weight.requires_grad, x.requires_grad
     x_row, x_t = _quantize_operands(
@@ -190,7 +189,7 @@ def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
 
 
 def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
-    ops = backend(ctx.fused)
+    ops = ctx.ops
     plan: _Plan = ctx.plan
     record = plan.metas is not None
     dy_row, dy_t = _quantize_operands(
