@@ -10,7 +10,6 @@ import weakref
 import torch
 from torch import nn
 
-from megatron.core.fp8 import autocast as fp8_state
 from megatron.core.fp8.quantization import backend_for
 from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor
 
@@ -102,11 +101,12 @@ def prepare_for_compile(module: nn.Module) -> None:
             linear.before_compiled_forward(device)
 
     def after(unit: nn.Module, args, output) -> None:
-        expects_backward = [linear.after_compiled_forward() for linear in linears(unit)]
+        flushes = [linear.after_compiled_forward() for linear in linears(unit)]
+        flushes = list({id(flush): flush for flush in flushes if flush is not None}.values())
         outputs = [t for t in _tensors(output) if t.requires_grad]
-        if any(expects_backward) and outputs:
+        if flushes and outputs:
             torch.autograd.graph.register_multi_grad_hook(
-                outputs, lambda grads: fp8_state.queue_backward_flush(), mode="any"
+                outputs, lambda grads: [flush.queue() for flush in flushes], mode="any"
             )
 
     module.register_forward_pre_hook(before)

@@ -61,6 +61,9 @@ class _Plan:
     group: object
     setup: fp8_state.Fp8Setup | None = None
     """Where delayed forward amaxes wait for their flush outside an autocast (apply_fp8_setup)."""
+    backward_flush: fp8_state.BackwardFlush | None = None
+    """Delayed only: where the grad meta waits for the backward's flush (the setup's, or the
+    module's own outside any setup)."""
     stand_in: bool = False
     """The weight argument is an FP8 parameter's stand-in (compiled graphs, see
     `Fp8Linear.refresh_weight_stand_in`): its GEMMs go through megatron_fp8::fp8_weight_gemm."""
@@ -204,7 +207,7 @@ def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
     )
     if record and not plan.bookkept_outside:
         # Recorded even for a recomputed graph (reentrant checkpoint): its backward is real.
-        fp8_state.record_backward(plan.metas["grad"], plan.group)
+        plan.backward_flush.record(plan.metas["grad"], plan.group)
     dx2d = dw = None
     if need_dgrad and plan.stand_in:
         dx2d = stand_in_gemm(dy_row, ctx.saved_weight, "columnwise", ctx.x_dtype, False)
@@ -401,11 +404,15 @@ class Fp8Linear(nn.Module):
         else:
             self._flush_after_forward = [metas[role] for role in roles]
         if torch.is_grad_enabled():
-            fp8_state.expect_backward(metas["grad"], group)
+            self._backward_flush(setup).expect(metas["grad"], group)
 
-    def after_compiled_forward(self) -> bool:
+    def _backward_flush(self, setup) -> fp8_state.BackwardFlush:
+        return setup.backward if setup is not None else self.delayed_scaling.backward
+
+    def after_compiled_forward(self) -> fp8_state.BackwardFlush | None:
         """The post-forward half: flush outside an autocast (as an eager forward would) and
-        forget the hooked state; whether a backward flush is expected."""
+        forget the hooked state; the backward flush to queue when the backward reaches the
+        unit, None when no backward flush is expected."""
         if self._flush_after_forward:
             fp8_state.reduce_and_update(self._flush_after_forward, None)
             self._flush_after_forward = []
@@ -415,7 +422,7 @@ class Fp8Linear(nn.Module):
             and torch.is_grad_enabled()
         )
         self._hooked_recompute = None
-        return expects
+        return self._backward_flush(self.fp8_setup) if expects else None
 
     def forward(
         self,
@@ -486,6 +493,8 @@ class Fp8Linear(nn.Module):
         plan = self._plan(config, recompute, group, x.device)
         plan.bookkept_outside = hooked
         plan.setup = setup
+        if plan.metas is not None:
+            plan.backward_flush = self._backward_flush(setup)
         activation_input = None
         if source is not None:
             activation_input, plan.activation = source
