@@ -22,10 +22,11 @@ from __future__ import annotations
 import torch
 
 from megatron.core.fp8.cuda.gemm import scaled_mm
-from megatron.core.fp8.formats import E5M2, e8m0_to_fp32
+from megatron.core.fp8.formats import E5M2
 from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor
 from megatron.core.fp8.recipe import recipe_spec
 from megatron.core.fp8.reference import quantize_reference as quantize_parts
+from megatron.core.fp8.reference import scale_grid_shape
 
 __all__ = ["emulation_dtype", "gemm", "quantize_operands", "quantize_parts", "weight_operand"]
 
@@ -134,14 +135,12 @@ def _quantize_operands_op(
 
 @_quantize_operands_op.register_fake
 def _(x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history):
-    spec = recipe_spec(recipe)
     rows, cols = x2d.shape
-    cell = spec.block_shape(role, columnwise=False)
 
     def operand(r: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        data = x2d.new_empty((r, c), dtype=torch.uint8)
-        grid = () if cell is None else (-(-r // cell[0]), -(-c // cell[1]))
-        return data, x2d.new_empty(grid, dtype=spec.scale_dtype)
+        grid = scale_grid_shape(r, c, recipe=recipe, role=role, columnwise=False)
+        scale_dtype = recipe_spec(recipe).scale_dtype
+        return x2d.new_empty((r, c), dtype=torch.uint8), x2d.new_empty(grid, dtype=scale_dtype)
 
     empty = x2d.new_empty(0, dtype=torch.uint8)
     row = operand(rows, cols) if rowwise else (empty, empty)
@@ -201,22 +200,7 @@ def _gemm_eager(a: Fp8Operand, b: Fp8Operand, *, fast_accum: bool, out_dtype) ->
             out_dtype=out_dtype,
             use_fast_accum=fast_accum,
         )
-    return (dequantize_operand(a) @ dequantize_operand(b).t()).to(out_dtype)
-
-
-def dequantize_operand(operand: Fp8Operand) -> torch.Tensor:
-    """Exact fp32 values of an operand: q * scale_inv per element (padding cropped)."""
-    q = operand.data.to(torch.float32)
-    if operand.block_cols == 0:  # per-tensor
-        return q * operand.scale_inv.to(torch.float32).reshape(())
-    if operand.spec.e8m0_scales:
-        multiplier = e8m0_to_fp32(operand.scale_inv)
-    else:
-        multiplier = operand.scale_inv.to(torch.float32)
-    rows, cols = q.shape
-    full = multiplier.repeat_interleave(operand.block_rows, dim=0)
-    full = full.repeat_interleave(operand.block_cols, dim=1)[:rows, :cols]
-    return q * full
+    return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
 
 
 def _check(a: Fp8Operand, b: Fp8Operand, fast_accum: bool) -> None:
