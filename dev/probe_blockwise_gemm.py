@@ -45,6 +45,7 @@ from bench_fp8 import kernel_ms
 from probe_cublaslt_blockwise import linear_gemm_operands
 
 from megatron.core.fp8.cuda import linear_ops
+from megatron.core.fp8.quantized_tensor import Fp8Operand
 
 BLOCK_K = 128  # the recipe's scaling block along K
 
@@ -224,7 +225,7 @@ def specialized_kernel(
 KERNELS = {"loop": loop_kernel, "pipelined": pipelined_kernel, "specialized": specialized_kernel}
 
 
-def _check_scale_layout(operand: linear_ops.GemmOperand, *, two_d: bool) -> None:
+def _check_scale_layout(operand: Fp8Operand, *, two_d: bool) -> None:
     """The kernels index scales as described in _block_scales; refuse any other layout."""
     rows, k = operand.data.shape
     scales = operand.scale_inv

@@ -29,9 +29,6 @@ ALLOWED_IN_FUNCTION = {
     # megatron.core.fp8.cuda, the CUDA-only FP8 kernel paths: loaded on the first CUDA tensor,
     # and where it does not import the reference (pure torch) path runs instead.
     ("megatron/core/fp8/autocast.py", "megatron.core.fp8.cuda.quantize_per_tensor"),
-    ("megatron/core/fp8/gemm.py", "megatron.core.fp8.cuda"),
-    ("megatron/core/fp8/compile.py", "megatron.core.fp8.cuda.linear_ops"),
-    ("megatron/core/fp8/quantization.py", "megatron.core.fp8.cuda"),
     ("megatron/core/fp8/quantized_tensor.py", "megatron.core.fp8.cuda"),
     # Not an optional dependency: the package resolves its names on first use
     # (importlib.import_module in __getattr__) so that preprocessing workers, which import

@@ -7,14 +7,13 @@ from megatron.core.fp8.autocast import (
 )
 from megatron.core.fp8.config import FP8_FORMATS, FP8_RECIPES, Fp8Config
 from megatron.core.fp8.formats import E4M3, E5M2, fp8_dtype_for_role, fp8_max
-from megatron.core.fp8.gemm import fp8_gemm
 from megatron.core.fp8.linear import Fp8Linear
 from megatron.core.fp8.param_init import (
     clear_high_precision_init_val,
     get_high_precision_init_val,
     quantized_model_init,
 )
-from megatron.core.fp8.quantization import compute_scale, quantize
+from megatron.core.fp8.quantization import compute_scale, fp8_gemm, quantize
 from megatron.core.fp8.quantized_tensor import Fp8DataReleasedError, Fp8Operand, QuantizedTensor
 
 __all__ = [

@@ -61,6 +61,47 @@ class ScalingMeta:
         self.amax_history = roll_amax_history(self.amax_history)
 
 
+class BackwardFlush:
+    """Delayed scaling's backward flush: the grad metas whose amaxes the running backward
+    records (as it quantizes the grads), per reduction group, flushed once when that backward
+    ends. An Fp8Setup's modules share its one; a module outside any setup uses its
+    DelayedScaling's."""
+
+    def __init__(self) -> None:
+        # Keyed by id(group) so that None works too.
+        self.pending: dict[int, tuple[dist.ProcessGroup | None, dict[int, ScalingMeta]]] = {}
+        # Graph task (torch._C._current_graph_task_id) whose end runs the queued flush; None
+        # when none is queued. A backward that raises never runs its final callbacks: keying
+        # on the task lets the next backward queue its own flush instead of waiting on a
+        # dead one.
+        self.task: int | None = None
+
+    def expect(self, meta: ScalingMeta, group) -> None:
+        """Mark a grad meta for the next flush. Called by `record`, or before a compiled
+        forward whose backward cannot run Python (`Fp8Linear.before_compiled_forward`)."""
+        self.pending.setdefault(id(group), (group, {}))[1][id(meta)] = meta
+
+    def record(self, meta: ScalingMeta, group) -> None:
+        """The quantization already maxed the grad's amax into slot 0: flush once when the
+        running backward pass ends."""
+        self.expect(meta, group)
+        self.queue()
+
+    def queue(self) -> None:
+        """From inside a backward pass: flush the pending grad metas once, when it ends."""
+        task = torch._C._current_graph_task_id()
+        if self.task != task:
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+            self.task = task
+
+    def _flush(self) -> None:
+        self.task = None
+        pending = list(self.pending.values())
+        self.pending.clear()
+        for group, metas in pending:
+            reduce_and_update(list(metas.values()), group)
+
+
 class DelayedScaling:
     """The delayed-scaling metas of one Fp8Linear, keyed by tensor role."""
 
@@ -69,6 +110,7 @@ class DelayedScaling:
             role: ScalingMeta(fp8_dtype=dtypes[role], config=config, device=device)
             for role in ROLES
         }
+        self.backward = BackwardFlush()  # used outside any Fp8Setup
 
     def move_to(self, device: torch.device) -> None:
         """Keep the state on the device of the tensors it scales (a module's .to() does not
@@ -105,14 +147,6 @@ class DelayedScaling:
                 )
             meta.scale = state[f"{role}.scale"].to(meta.scale.device, torch.float32).clone()
             meta.amax_history = history.to(meta.amax_history.device, torch.float32).clone()
-
-
-# Backward-pending metas per reduction group (keyed by id(group) so that None works too).
-_backward_pending: dict[int, tuple[dist.ProcessGroup | None, dict[int, ScalingMeta]]] = {}
-# Graph task (torch._C._current_graph_task_id) whose end runs the queued backward flush; None
-# when none is queued. A backward that raises never runs its final callbacks: keying on the
-# task lets the next backward queue its own flush instead of waiting on a dead one.
-_backward_callback_task: list[int | None] = [None]
 
 
 def in_recompute() -> bool:
@@ -227,12 +261,13 @@ class Fp8Setup:
     block by `fp8_autocast`: whether FP8 runs, the recipe settings (None: each module's own)
     and the group whose ranks share delayed-scaling amaxes. Delayed scaling's forward amaxes
     wait in `pending` until the model's forward (or the block) ends, then `flush` reduces them
-    in one packed all-reduce."""
+    in one packed all-reduce; its grad amaxes wait in `backward`."""
 
     fp8_config: Fp8Config | None
     group: dist.ProcessGroup | None
     enabled: bool = True
     pending: dict[int, ScalingMeta] = field(default_factory=dict)
+    backward: BackwardFlush = field(default_factory=BackwardFlush)
 
     def flush(self) -> None:
         metas = list(self.pending.values())
@@ -247,36 +282,6 @@ def forward_recorded(meta: ScalingMeta, setup: Fp8Setup | None = None) -> None:
         setup.pending[id(meta)] = meta
     else:
         reduce_and_update([meta], None)
-
-
-def _flush_backward() -> None:
-    _backward_callback_task[0] = None
-    pending = list(_backward_pending.values())
-    _backward_pending.clear()
-    for group, metas in pending:
-        reduce_and_update(list(metas.values()), group)
-
-
-def record_backward(meta: ScalingMeta, group) -> None:
-    """The quantization already maxed the grad's amax into slot 0: flush once when the running
-    backward pass ends."""
-    expect_backward(meta, group)
-    queue_backward_flush()
-
-
-def expect_backward(meta: ScalingMeta, group) -> None:
-    """Mark a grad meta for the next backward flush (its amax is recorded as the grad is
-    quantized). Called by `record_backward`, or before a compiled forward whose backward
-    cannot run Python (`Fp8Linear.before_compiled_forward`)."""
-    _backward_pending.setdefault(id(group), (group, {}))[1][id(meta)] = meta
-
-
-def queue_backward_flush() -> None:
-    """From inside a backward pass: flush the pending grad metas once, when it ends."""
-    task = torch._C._current_graph_task_id()
-    if _backward_callback_task[0] != task:
-        torch.autograd.Variable._execution_engine.queue_callback(_flush_backward)
-        _backward_callback_task[0] = task
 
 
 @contextlib.contextmanager

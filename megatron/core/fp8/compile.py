@@ -1,44 +1,17 @@
-"""Fp8Linear under torch.compile, with no graph break: the backend choice (fused CUDA kernels
-or `reference_ops`), FP8 weight stand-ins (a registry from stand-in to layer, the custom op
-megatron_fp8::fp8_weight_gemm, grad delivery), megatron_fp8::backward_one, and
-`prepare_for_compile`'s eager hooks. Finds Fp8Linears by `before_compiled_forward` (no import
-of linear.py)."""
+"""Fp8Linear under torch.compile, with no graph break: FP8 weight stand-ins (a registry from
+stand-in to layer, the custom op megatron_fp8::fp8_weight_gemm, grad delivery),
+megatron_fp8::backward_one, and `prepare_for_compile`'s eager hooks. Finds Fp8Linears by
+`before_compiled_forward` (no import of linear.py)."""
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
 from torch import nn
 
-from megatron.core.fp8 import autocast as fp8_state
-from megatron.core.fp8 import reference_ops
+from megatron.core.fp8.quantization import backend_for
 from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor
-
-# ---- the backend: chosen here, once per call ----------------------------------------------
-
-
-@functools.cache
-def _fused_cuda_ops():
-    """megatron.core.fp8.cuda.linear_ops, or None where it does not import."""
-    try:
-        from megatron.core.fp8.cuda import linear_ops
-    except ImportError:
-        return None
-    return linear_ops
-
-
-def fused_ops_run(t: torch.Tensor) -> bool:
-    """Whether the fused CUDA kernels serve a tensor on t's device (else the reference)."""
-    ops = _fused_cuda_ops()
-    return ops is not None and ops.available(t)
-
-
-def backend(fused: bool):
-    """The module that quantizes operands and multiplies them: `cuda.linear_ops` (fused
-    Triton kernels, cuBLAS) or `reference_ops` (pure PyTorch); the same interface."""
-    return _fused_cuda_ops() if fused else reference_ops
 
 
 @torch.library.custom_op("megatron_fp8::backward_one", mutates_args=())
@@ -128,11 +101,12 @@ def prepare_for_compile(module: nn.Module) -> None:
             linear.before_compiled_forward(device)
 
     def after(unit: nn.Module, args, output) -> None:
-        expects_backward = [linear.after_compiled_forward() for linear in linears(unit)]
+        flushes = [linear.after_compiled_forward() for linear in linears(unit)]
+        flushes = list({id(flush): flush for flush in flushes if flush is not None}.values())
         outputs = [t for t in _tensors(output) if t.requires_grad]
-        if any(expects_backward) and outputs:
+        if flushes and outputs:
             torch.autograd.graph.register_multi_grad_hook(
-                outputs, lambda grads: fp8_state.queue_backward_flush(), mode="any"
+                outputs, lambda grads: [flush.queue() for flush in flushes], mode="any"
             )
 
     module.register_forward_pre_hook(before)
@@ -147,15 +121,10 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def stand_in_gemm(a, stand_in, usage: str, out_dtype, fast_accum: bool):
-    """megatron_fp8::fp8_weight_gemm of either backend's operand: the fused path's (FP8 data,
-    scales in cuBLAS's layout, or MXFP8's dequantized values) or the reference's
-    (`Fp8Operand`: uint8 bytes and the block cell)."""
-    if isinstance(a, Fp8Operand):
-        data, rows, cols = a.data.view(a.fp8_dtype), a.block_rows, a.block_cols
-    else:
-        data, rows, cols = a.data, 0, 0
-    return _fp8_weight_gemm(data, a.scale_inv, stand_in, usage, rows, cols, out_dtype, fast_accum)
+def stand_in_gemm(a: Fp8Operand, stand_in, usage: str, out_dtype, fast_accum: bool):
+    """megatron_fp8::fp8_weight_gemm of either backend's operand."""
+    args = (a.data, a.scale_inv, stand_in, usage, a.block_rows, a.block_cols)
+    return _fp8_weight_gemm(*args, out_dtype, fast_accum)
 
 
 @torch.library.custom_op("megatron_fp8::fp8_weight_gemm", mutates_args=())
@@ -170,19 +139,12 @@ def _fp8_weight_gemm(
     fast_accum: bool,
 ) -> torch.Tensor:
     """A [M, K] times the FP8 weight that `stand_in` stands for: W^T ("rowwise", fprop) or W
-    ("columnwise", dgrad). `a` is the fused CUDA path's operand (FP8 data, scales in cuBLAS's
-    layout, or MXFP8's dequantized values) or on the reference path FP8 data with its block
-    shape (a_block_rows, a_block_cols)."""
+    ("columnwise", dgrad); `a` an `Fp8Operand` given as its fields."""
     weight = _stand_in_weight(stand_in)
-    fused = fused_ops_run(a_data)
-    ops = backend(fused)
-    if fused:
-        compute_dtype = a_data.dtype if weight.spec.fused_linear_emulates else torch.float32
-        a = ops.GemmOperand(a_data, a_scale_inv)
-    else:
-        compute_dtype = torch.float32
-        cell = (a_block_rows, a_block_cols)
-        a = Fp8Operand(a_data.view(torch.uint8), a_scale_inv, weight.recipe, a_data.dtype, *cell)
+    ops = backend_for(a_data)
+    # Emulated MXFP8 on the fused path multiplies values in a's dtype; else fp32 (unused).
+    compute_dtype = a_data.dtype if weight.spec.fused_linear_emulates else torch.float32
+    a = Fp8Operand(a_data, a_scale_inv, weight.recipe, a_block_rows, a_block_cols)
     b = ops.weight_operand(weight, usage, compute_dtype=compute_dtype)
     out = ops.gemm(a, b, recipe=weight.recipe, out_dtype=out_dtype, fast_accum=fast_accum)
     return out.contiguous()

@@ -12,7 +12,7 @@ weight is either a high-precision nn.Parameter quantized every forward, or (buil
 `quantized_model_init`) a QuantizedTensor parameter whose bytes the optimizer / FSDP engine
 rewrites in place.
 
-One forward and one backward serve every device, through the backend `compile.backend`
+One forward and one backward serve every device, through the backend `quantization.backend_for`
 chooses (fused CUDA kernels or `reference_ops.py`, one interface). Settings come from one
 place, the module's `fp8_setup` (`apply_fp8_setup`, `fp8_autocast`). Under torch.compile see
 `compile.py` (`prepare_for_compile`: no graph break for any recipe).
@@ -35,11 +35,9 @@ from torch import nn
 
 from megatron.core.fp8 import autocast as fp8_state
 from megatron.core.fp8.compile import (
-    backend,
     backward_one,
     deliver_stand_in_grad,
     forward_outside_the_graph,
-    fused_ops_run,
     register_stand_in,
     stand_in_gemm,
     stand_in_owner,
@@ -47,6 +45,7 @@ from megatron.core.fp8.compile import (
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
 from megatron.core.fp8.param_init import current_quantized_init, quantize_weight_for_init
+from megatron.core.fp8.quantization import backend_for
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec
 
@@ -62,6 +61,9 @@ class _Plan:
     group: object
     setup: fp8_state.Fp8Setup | None = None
     """Where delayed forward amaxes wait for their flush outside an autocast (apply_fp8_setup)."""
+    backward_flush: fp8_state.BackwardFlush | None = None
+    """Delayed only: where the grad meta waits for the backward's flush (the setup's, or the
+    module's own outside any setup)."""
     stand_in: bool = False
     """The weight argument is an FP8 parameter's stand-in (compiled graphs, see
     `Fp8Linear.refresh_weight_stand_in`): its GEMMs go through megatron_fp8::fp8_weight_gemm."""
@@ -95,7 +97,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.weight_dtype = weight.dtype
-        ctx.fused = fused_ops_run(x)
+        ctx.ops = backend_for(x)
         y2d = _forward(ctx, x, weight, plan)
         if bias is not None:
             y2d = y2d + bias.to(y2d.dtype)
@@ -143,7 +145,7 @@ def _pow2(plan: _Plan) -> bool:
 
 def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
     """One quantization per operand, no host sync; delayed amaxes recorded as they quantize."""
-    ops = backend(ctx.fused)
+    ops = ctx.ops
     compute_dtype = ops.emulation_dtype(x.dtype)
     need_wgrad, need_dgrad = weight.requires_grad, x.requires_grad
     x_row, x_t = _quantize_operands(
@@ -190,7 +192,7 @@ def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
 
 
 def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
-    ops = backend(ctx.fused)
+    ops = ctx.ops
     plan: _Plan = ctx.plan
     record = plan.metas is not None
     dy_row, dy_t = _quantize_operands(
@@ -205,7 +207,7 @@ def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
     )
     if record and not plan.bookkept_outside:
         # Recorded even for a recomputed graph (reentrant checkpoint): its backward is real.
-        fp8_state.record_backward(plan.metas["grad"], plan.group)
+        plan.backward_flush.record(plan.metas["grad"], plan.group)
     dx2d = dw = None
     if need_dgrad and plan.stand_in:
         dx2d = stand_in_gemm(dy_row, ctx.saved_weight, "columnwise", ctx.x_dtype, False)
@@ -402,11 +404,15 @@ class Fp8Linear(nn.Module):
         else:
             self._flush_after_forward = [metas[role] for role in roles]
         if torch.is_grad_enabled():
-            fp8_state.expect_backward(metas["grad"], group)
+            self._backward_flush(setup).expect(metas["grad"], group)
 
-    def after_compiled_forward(self) -> bool:
+    def _backward_flush(self, setup) -> fp8_state.BackwardFlush:
+        return setup.backward if setup is not None else self.delayed_scaling.backward
+
+    def after_compiled_forward(self) -> fp8_state.BackwardFlush | None:
         """The post-forward half: flush outside an autocast (as an eager forward would) and
-        forget the hooked state; whether a backward flush is expected."""
+        forget the hooked state; the backward flush to queue when the backward reaches the
+        unit, None when no backward flush is expected."""
         if self._flush_after_forward:
             fp8_state.reduce_and_update(self._flush_after_forward, None)
             self._flush_after_forward = []
@@ -416,7 +422,7 @@ class Fp8Linear(nn.Module):
             and torch.is_grad_enabled()
         )
         self._hooked_recompute = None
-        return expects
+        return self._backward_flush(self.fp8_setup) if expects else None
 
     def forward(
         self,
@@ -487,6 +493,8 @@ class Fp8Linear(nn.Module):
         plan = self._plan(config, recompute, group, x.device)
         plan.bookkept_outside = hooked
         plan.setup = setup
+        if plan.metas is not None:
+            plan.backward_flush = self._backward_flush(setup)
         activation_input = None
         if source is not None:
             activation_input, plan.activation = source

@@ -1,40 +1,43 @@
-"""The public quantization entry point: `megatron.core.fp8.quantize` (FP8_NUMERICS.md API).
-
-backend="reference" runs the pure-PyTorch rules (megatron/core/fp8/reference.py);
-backend="cuda" runs the fused kernel `megatron.core.fp8.cuda.quantize_cuda`, which must return
-the same bytes and scales; backend="auto" picks cuda for CUDA tensors when that module imports.
+"""The public FP8 API: `quantize` (a tensor -> QuantizedTensor) and `fp8_gemm` (FP8_NUMERICS.md
+API), over two backends with one interface, chosen in one place, `backend_for`: the reference
+rules in pure PyTorch (`reference_ops`) and the fused CUDA/Triton kernels
+(`cuda.linear_ops`), which must give the same bytes and scales. Fp8Linear quantizes and
+multiplies through `backend_for(x).quantize_operands` / `.gemm` (GEMM-ready operands).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
+from megatron.core.fp8 import reference_ops
+from megatron.core.fp8.cuda import linear_ops
 from megatron.core.fp8.formats import check_fp8_dtype
-from megatron.core.fp8.quantized_tensor import QuantizedTensor, register_quantize
+from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor, register_quantize
 from megatron.core.fp8.recipe import recipe_spec
 from megatron.core.fp8.reference import (
     INPUT_DTYPES,
     amax_ignoring_nan,
     check_quantize_args,
     e8m0_from_amax,
-    quantize_reference,
     scale_from_amax,
 )
 
 BACKENDS = ("auto", "reference", "cuda")
 
 
-@functools.cache
-def _cuda_quantize_fn():
-    """The fused CUDA quantizer, or None when megatron.core.fp8.cuda does not import here."""
-    try:
-        from megatron.core.fp8.cuda import quantize_cuda
-    except ImportError:
-        return None
-    return quantize_cuda
+def backend_for(x: torch.Tensor, backend: str = "auto"):
+    """The one backend choice: the module that quantizes and multiplies tensors on x's device.
+    "auto": `cuda.linear_ops` where its fused kernels run (a CUDA tensor, Triton importable),
+    else `reference_ops`; "cuda" forces linear_ops on a CUDA tensor (its quantizer falls back
+    to plain torch without Triton, same bytes); "reference" is always reference_ops."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "cuda" and not x.is_cuda:
+        raise RuntimeError("backend='cuda' needs a CUDA tensor; use backend='auto' or 'reference'")
+    if backend == "cuda" or (backend == "auto" and linear_ops.available(x)):
+        return linear_ops
+    return reference_ops
 
 
 def quantize(
@@ -60,8 +63,7 @@ def quantize(
     power_2_scale: None means the recipe default. The result's `amax` holds the amax used or
     recorded (delayed: the local, unreduced amax, which fp8_autocast reduces per step).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    ops = backend_for(x, backend)
     spec = recipe_spec(recipe)
     check_quantize_args(
         spec,
@@ -90,13 +92,7 @@ def quantize(
         power_2_scale=use_pow2,
         amax=amax,
     )
-    cuda_fn = _cuda_quantize_fn() if backend != "reference" and x.is_cuda else None
-    if backend == "cuda" and cuda_fn is None:
-        raise RuntimeError(
-            "backend='cuda' needs a CUDA tensor and an importable megatron.core.fp8.cuda; "
-            "use backend='auto' or 'reference'"
-        )
-    parts = cuda_fn(x, **kwargs) if cuda_fn is not None else quantize_reference(x, **kwargs)
+    parts = ops.quantize_parts(x, **kwargs)
     return QuantizedTensor(
         shape=x.shape,
         dtype=x.dtype,
@@ -109,6 +105,28 @@ def quantize(
         columnwise_scale_inv=parts["columnwise_scale_inv"],
         amax=parts["amax"],
     )
+
+
+def fp8_gemm(
+    a: QuantizedTensor | Fp8Operand,
+    b: QuantizedTensor | Fp8Operand,
+    *,
+    out_dtype: torch.dtype,
+    accumulate: str = "split",
+) -> torch.Tensor:
+    """Y [M, N] = A B^T for A [M, K], B [N, K] quantized along K (the one public FP8 GEMM).
+
+    A QuantizedTensor argument contributes its rowwise copy; pass
+    `qt.gemm_operand("columnwise")` to contract over its first dim instead.
+    accumulate: "fast" (per-tensor fprop only) or "split" (promoted accumulation). Operands in
+    the stored layout (`gemm_operand`'s) are the reference backend's, whose GEMM takes the
+    hardware path where the GPU has one for the recipe.
+    """
+    if accumulate not in ("split", "fast"):
+        raise ValueError(f"accumulate must be 'split' or 'fast', got {accumulate!r}")
+    a, b = (v.gemm_operand("rowwise") if isinstance(v, QuantizedTensor) else v for v in (a, b))
+    fast = accumulate == "fast"
+    return reference_ops.gemm(a, b, recipe=a.recipe, out_dtype=out_dtype, fast_accum=fast)
 
 
 def compute_scale(

@@ -27,8 +27,9 @@ from typing import NamedTuple
 import torch
 from torch.utils._pytree import tree_map
 
+from megatron.core.fp8.formats import e8m0_to_fp32
 from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
-from megatron.core.fp8.reference import dequantize_reference
+from megatron.core.fp8.reference import dequantize_reference, expand_grid
 
 aten = torch.ops.aten
 
@@ -49,22 +50,39 @@ class Fp8DataReleasedError(RuntimeError):
 
 
 class Fp8Operand(NamedTuple):
-    """One FP8 GEMM operand, quantized along its last dim K: data [rows, K] uint8.
+    """The one operand type FP8 GEMMs take (`fp8_gemm`, both backends' `gemm`), contracted
+    over its last dim K: data [rows, K] viewed as its FP8 dtype (the fused path's emulated
+    MXFP8 passes high-precision values instead, scale_inv None).
 
     scale_inv has the operand's block-grid shape: 0-d (per tensor), (rows, ceil(K/B)) for 1xB
-    blocks, (ceil(rows/B), ceil(K/B)) for BxB blocks.
+    blocks, (ceil(rows/B), ceil(K/B)) for BxB blocks; the fused path's grids are in the layout
+    torch._scaled_mm reads. recipe and the block cell (0, 0: per tensor) are what the
+    reference GEMM dequantizes with; the fused GEMM takes the recipe as an argument.
     """
 
     data: torch.Tensor
-    scale_inv: torch.Tensor
-    recipe: str
-    fp8_dtype: torch.dtype
-    block_rows: int
-    block_cols: int
+    scale_inv: torch.Tensor | None
+    recipe: str = ""
+    block_rows: int = 0
+    block_cols: int = 0
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.data.dtype
 
     @property
     def spec(self) -> RecipeSpec:
         return recipe_spec(self.recipe)
+
+    def dequantize(self) -> torch.Tensor:
+        """Exact fp32 values: q * scale_inv per element (padding cropped)."""
+        q = self.data.to(torch.float32)
+        if self.block_cols == 0:  # per tensor
+            return q * self.scale_inv.to(torch.float32).reshape(())
+        scale = self.scale_inv
+        e8m0 = self.spec.e8m0_scales
+        multiplier = e8m0_to_fp32(scale.view(torch.uint8)) if e8m0 else scale.to(torch.float32)
+        return q * expand_grid(multiplier, (self.block_rows, self.block_cols), q.shape)
 
 
 class QuantizedTensor(torch.Tensor):
@@ -270,7 +288,7 @@ class QuantizedTensor(torch.Tensor):
         # The operand is contracted along its last dim: its cells have the rowwise shape.
         cell = self.spec.block_shape(self.role, columnwise=False)
         block_rows, block_cols = (0, 0) if cell is None else cell
-        return Fp8Operand(data, scale_inv, self.recipe, self.fp8_dtype, block_rows, block_cols)
+        return Fp8Operand(data.view(self.fp8_dtype), scale_inv, self.recipe, block_rows, block_cols)
 
     def quantize_(
         self,

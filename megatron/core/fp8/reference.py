@@ -335,10 +335,10 @@ def quantize_reference(
     return out
 
 
-def _expand_grid(scale: torch.Tensor, *, rows: int, cols: int, block_rows: int, block_cols: int):
-    """Repeat a block-grid scale to one value per element of an [rows, cols] tensor."""
-    full = scale.repeat_interleave(block_rows, dim=0).repeat_interleave(block_cols, dim=1)
-    return full[:rows, :cols]
+def expand_grid(scale: torch.Tensor, cell: tuple[int, int], shape) -> torch.Tensor:
+    """Repeat a block-grid scale to one value per element of a 2-D tensor of `shape`."""
+    full = scale.repeat_interleave(cell[0], dim=0).repeat_interleave(cell[1], dim=1)
+    return full[: shape[0], : shape[1]]
 
 
 def dequantize_reference(
@@ -355,14 +355,10 @@ def dequantize_reference(
     check_fp8_dtype(fp8_dtype)
     shape = data.shape
     q = data.reshape(-1, shape[-1]).view(fp8_dtype).to(torch.float32)
-    rows, cols = q.shape
     spec = recipe_spec(recipe)
     cell = spec.block_shape(role, columnwise=columnwise)
     if cell is None:
         return (q * scale_inv.to(torch.float32).reshape(())).to(out_dtype).reshape(shape)
     multiplier = e8m0_to_fp32(scale_inv) if spec.e8m0_scales else scale_inv.to(torch.float32)
-    block_rows, block_cols = cell
-    full = _expand_grid(
-        multiplier, rows=rows, cols=cols, block_rows=block_rows, block_cols=block_cols
-    )
+    full = expand_grid(multiplier, cell, q.shape)
     return (q * full).to(out_dtype).reshape(shape)

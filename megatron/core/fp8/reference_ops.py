@@ -1,15 +1,15 @@
-"""GEMM-ready FP8 operands for Fp8Linear on any device: the pure-PyTorch reference behind the
-interface of the fused CUDA path (`megatron.core.fp8.cuda.linear_ops`).
+"""The reference backend (pure PyTorch, any device) behind the one interface that
+`quantization.backend_for` chooses between it and `megatron.core.fp8.cuda.linear_ops` (fused
+CUDA kernels): `quantize_parts`, `quantize_operands`, `weight_operand`, `gemm`.
 
-Fp8Linear runs one forward and one backward; which backend serves it is decided in one place
-(`linear._backend`): the fused CUDA kernels where they run, this module elsewhere (CPU, CUDA
-without Triton). Both give the operands the GEMMs of FP8_NUMERICS.md read ("Which copy each
-GEMM reads"), as (rowwise operand [M, K], transposed operand [K, M]), and multiply them with
-`gemm`. Here an operand is an `Fp8Operand` (uint8 bytes, scale grid, block cell): the rowwise
-operand is `quantize(...)`'s rowwise copy, the transposed one what
+`quantize_operands` gives the operands the GEMMs of FP8_NUMERICS.md read ("Which copy each
+GEMM reads") as (rowwise operand [M, K], transposed operand [K, M]), each an `Fp8Operand`: the
+rowwise operand is the reference quantizer's rowwise copy, the transposed one what
 `QuantizedTensor.gemm_operand("columnwise")` returns (a transpose of the rowwise bytes for
-per-tensor and 128x128 cells, the separately quantized columnwise copy for 1-D blocks), and
-`gemm` is `fp8_gemm`. So the bytes and products equal `quantize` and `fp8_gemm` exactly.
+per-tensor and 128x128 cells, the separately quantized columnwise copy for 1-D blocks).
+`gemm` is the public `fp8_gemm`'s: exact fp32 emulation (dequantize each operand, multiply in
+fp32, cast), or on CUDA where the hardware takes the recipe (sm_89+ per tensor, sm_90 only for
+blockwise, sm_100+ for mxfp8, whose 1x32 GEMM crashes on sm_90) `cuda.scaled_mm`.
 
 Under torch.compile both steps are custom ops (`megatron_fp8::quantize_operands_reference`,
 `megatron_fp8::gemm_reference`), opaque to the compiler: it traces no QuantizedTensor (not a
@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core.fp8.gemm import fp8_gemm
-from megatron.core.fp8.quantization import quantize
-from megatron.core.fp8.quantized_tensor import Fp8Operand
+from megatron.core.fp8.cuda.gemm import scaled_mm
+from megatron.core.fp8.formats import E5M2
+from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor
 from megatron.core.fp8.recipe import recipe_spec
+from megatron.core.fp8.reference import quantize_reference as quantize_parts
+from megatron.core.fp8.reference import scale_grid_shape
+
+__all__ = ["emulation_dtype", "gemm", "quantize_operands", "quantize_parts", "weight_operand"]
 
 
 def emulation_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -61,8 +65,8 @@ def quantize_operands(
     cell = spec.block_shape(role, columnwise=False) or (0, 0)
     # Both operands contract over their last dim in cells of the rowwise shape (a columnwise
     # Bx1 copy, transposed, has 1xB cells).
-    row = Fp8Operand(row_data, row_scale, recipe, fp8_dtype, *cell) if rowwise else None
-    col = Fp8Operand(t_data, t_scale, recipe, fp8_dtype, *cell) if transposed else None
+    row = Fp8Operand(row_data.view(fp8_dtype), row_scale, recipe, *cell) if rowwise else None
+    col = Fp8Operand(t_data.view(fp8_dtype), t_scale, recipe, *cell) if transposed else None
     return row, col
 
 
@@ -70,7 +74,7 @@ def _quantize_operands(
     x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history
 ):
     spec = recipe_spec(recipe)
-    qt = quantize(
+    parts = quantize_parts(
         x2d,
         recipe=recipe,
         fp8_dtype=fp8_dtype,
@@ -80,15 +84,16 @@ def _quantize_operands(
         columnwise=transposed and spec.columnwise_copy(role),
         scale=scale,
         power_2_scale=power_2_scale,
-        backend="reference",
     )
+    meta = dict(shape=x2d.shape, dtype=x2d.dtype, recipe=recipe, fp8_dtype=fp8_dtype, role=role)
+    qt = QuantizedTensor(**meta, **parts)
     if amax_history is not None:
         amax_history[0] = torch.maximum(amax_history[0], qt.amax.to(amax_history.dtype))
     row = qt.gemm_operand("rowwise") if rowwise else None
     col = qt.gemm_operand("columnwise") if transposed else None
     outputs = []
     for operand in (row, col):
-        pair = (operand.data, operand.scale_inv) if operand is not None else (None, None)
+        pair = (operand.data.view(torch.uint8), operand.scale_inv) if operand else (None, None)
         outputs += [x2d.new_empty(0, dtype=torch.uint8) if t is None else t for t in pair]
     return _distinct(outputs)
 
@@ -130,14 +135,12 @@ def _quantize_operands_op(
 
 @_quantize_operands_op.register_fake
 def _(x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history):
-    spec = recipe_spec(recipe)
     rows, cols = x2d.shape
-    cell = spec.block_shape(role, columnwise=False)
 
     def operand(r: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        data = x2d.new_empty((r, c), dtype=torch.uint8)
-        grid = () if cell is None else (-(-r // cell[0]), -(-c // cell[1]))
-        return data, x2d.new_empty(grid, dtype=spec.scale_dtype)
+        grid = scale_grid_shape(r, c, recipe=recipe, role=role, columnwise=False)
+        scale_dtype = recipe_spec(recipe).scale_dtype
+        return x2d.new_empty((r, c), dtype=torch.uint8), x2d.new_empty(grid, dtype=scale_dtype)
 
     empty = x2d.new_empty(0, dtype=torch.uint8)
     row = operand(rows, cols) if rowwise else (empty, empty)
@@ -154,23 +157,12 @@ def weight_operand(weight, usage: str, *, compute_dtype: torch.dtype) -> Fp8Oper
 def gemm(
     a: Fp8Operand, b: Fp8Operand, *, recipe: str, out_dtype: torch.dtype, fast_accum: bool
 ) -> torch.Tensor:
-    """[rows_a, rows_b] = A B^T (`fp8_gemm`), both contracted over their last dim; under
-    torch.compile the custom op megatron_fp8::gemm_reference."""
-    accumulate = "fast" if fast_accum else "split"
+    """[rows_a, rows_b] = A B^T, both contracted over their last dim (module docstring);
+    under torch.compile the custom op megatron_fp8::gemm_reference."""
     if not torch.compiler.is_compiling():
-        return fp8_gemm(a, b, out_dtype=out_dtype, accumulate=accumulate)
-    return _gemm_op(
-        a.data,
-        a.scale_inv,
-        b.data,
-        b.scale_inv,
-        recipe,
-        a.fp8_dtype,
-        b.fp8_dtype,
-        [a.block_rows, a.block_cols, b.block_rows, b.block_cols],
-        out_dtype,
-        accumulate,
-    )
+        return _gemm_eager(a, b, fast_accum=fast_accum, out_dtype=out_dtype)
+    cells = [a.block_rows, a.block_cols, b.block_rows, b.block_cols]
+    return _gemm_op(a.data, a.scale_inv, b.data, b.scale_inv, recipe, cells, out_dtype, fast_accum)
 
 
 @torch.library.custom_op("megatron_fp8::gemm_reference", mutates_args=())
@@ -180,20 +172,48 @@ def _gemm_op(
     b_data: torch.Tensor,
     b_scale_inv: torch.Tensor,
     recipe: str,
-    a_fp8_dtype: torch.dtype,
-    b_fp8_dtype: torch.dtype,
     cells: list[int],
     out_dtype: torch.dtype,
-    accumulate: str,
+    fast_accum: bool,
 ) -> torch.Tensor:
-    """fp8_gemm of two operands given as tensors; cells: (rows, cols) of a's then b's block."""
-    a = Fp8Operand(a_data, a_scale_inv, recipe, a_fp8_dtype, cells[0], cells[1])
-    b = Fp8Operand(b_data, b_scale_inv, recipe, b_fp8_dtype, cells[2], cells[3])
-    return fp8_gemm(a, b, out_dtype=out_dtype, accumulate=accumulate).contiguous()
+    """`gemm` of two operands given as tensors; cells: (rows, cols) of a's then b's block."""
+    a = Fp8Operand(a_data, a_scale_inv, recipe, cells[0], cells[1])
+    b = Fp8Operand(b_data, b_scale_inv, recipe, cells[2], cells[3])
+    return _gemm_eager(a, b, fast_accum=fast_accum, out_dtype=out_dtype).contiguous()
 
 
 @_gemm_op.register_fake
-def _(
-    a_data, a_scale_inv, b_data, b_scale_inv, recipe, a_dtype, b_dtype, cells, out_dtype, accumulate
-):
+def _(a_data, a_scale_inv, b_data, b_scale_inv, recipe, cells, out_dtype, fast_accum):
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+def _gemm_eager(a: Fp8Operand, b: Fp8Operand, *, fast_accum: bool, out_dtype) -> torch.Tensor:
+    _check(a, b, fast_accum)
+    device = a.data.device
+    if device.type == "cuda" and a.spec.hardware_gemm(torch.cuda.get_device_capability(device)):
+        return scaled_mm(
+            a.data,
+            b.data,
+            a_scale_inv=a.scale_inv,
+            b_scale_inv=b.scale_inv,
+            recipe=a.recipe,
+            out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
+        )
+    return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+
+
+def _check(a: Fp8Operand, b: Fp8Operand, fast_accum: bool) -> None:
+    if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(
+            f"fp8_gemm computes A B^T with A [M, K] and B [N, K]; got A {tuple(a.data.shape)} "
+            f"and B {tuple(b.data.shape)}"
+        )
+    if a.spec != b.spec:
+        raise ValueError(f"both operands need one recipe, got {a.recipe} and {b.recipe}")
+    if a.fp8_dtype == E5M2 and b.fp8_dtype == E5M2:
+        raise ValueError("E5M2 x E5M2 GEMMs are not allowed: quantize one operand as E4M3")
+    if a.block_rows > 1 and b.block_rows > 1:
+        raise ValueError("at most one operand of a GEMM may be 128x128-scaled")
+    if fast_accum and not a.spec.fast_accumulation:
+        raise ValueError(f"{a.recipe} GEMMs use split accumulation; pass accumulate='split'")

@@ -20,6 +20,7 @@ from megatron.core.fp8.formats import e8m0_to_fp32, fp8_dtype_for_role, fp8_max
 from megatron.core.fp8.quantization import compute_scale, quantize
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import recipe_spec
+from megatron.core.fp8.reference import expand_grid
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,6 @@ def _cell_amax(x2d: torch.Tensor, cell: tuple[int, int]) -> torch.Tensor:
     padded = F.pad(magnitude, (0, grid_cols * cell_cols - cols, 0, grid_rows * cell_rows - rows))
     blocks = padded.reshape(grid_rows, cell_rows, grid_cols, cell_cols)
     return blocks.amax(dim=(1, 3))
-
-
-def _expand(grid: torch.Tensor, cell: tuple[int, int], shape: torch.Size) -> torch.Tensor:
-    """Each cell's value repeated over its elements, cropped to `shape`."""
-    full = grid.repeat_interleave(cell[0], dim=0).repeat_interleave(cell[1], dim=1)
-    return full[: shape[0], : shape[1]]
 
 
 def _multipliers(
@@ -140,7 +135,7 @@ def fp8_stats_vector(
         amax=amax,
         power_2_scale=power_2_scale,
     )
-    scaled = x2d * _expand(grid, cell, x2d.shape)
+    scaled = x2d * expand_grid(grid, cell, x2d.shape)
     saturated = (scaled.abs() > fp8_max(fp8_dtype)).sum()
     if quantized is None:
         quantized = quantize(

@@ -14,8 +14,8 @@ from torch._dynamo.utils import counters
 from megatron.core.fp8 import Fp8Config, fp8_autocast, quantized_model_init, reference_ops
 from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.fp8.cuda import linear_ops
-from megatron.core.fp8.cuda.linear_ops import GemmOperand
-from megatron.core.fp8.gemm import fp8_gemm
+from megatron.core.fp8.quantization import fp8_gemm
+from megatron.core.fp8.quantized_tensor import Fp8Operand
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -80,11 +80,9 @@ def test_reference_ops_pass_opcheck(recipe: str, role: str):
             b.data,
             b.scale_inv,
             recipe,
-            E4M3,
-            E4M3,
             cells,
             torch.float32,
-            "split",
+            False,
         ),
         test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
     )
@@ -111,8 +109,8 @@ def test_compiled_gemm_equals_eager_on_cpu():
 
     def product(a, sa, b, sb):
         y = linear_ops.gemm(
-            GemmOperand(a, sa),
-            GemmOperand(b, sb),
+            Fp8Operand(a, sa),
+            Fp8Operand(b, sb),
             recipe="tensorwise",
             out_dtype=torch.float32,
             fast_accum=False,

@@ -22,8 +22,8 @@ from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
 from megatron.core.fp8.cuda import quantize_per_tensor as qpt
 from megatron.core.fp8.cuda.launch import ceil_div
-from megatron.core.fp8.cuda.linear_ops import GemmOperand
 from megatron.core.fp8.debug import set_debug_config
+from megatron.core.fp8.quantized_tensor import Fp8Operand
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 M, K = 256, 384
@@ -661,8 +661,8 @@ def test_emulated_mxfp8_gemm_dequantizes_kept_bytes(rows):
         columnwise=True,
         backend="reference",
     )
-    kept = GemmOperand(ref.columnwise_data.view(E4M3).t(), ref.columnwise_scale_inv)
-    dy_t = GemmOperand(torch.randn(64, rows, dtype=torch.bfloat16), None)
+    kept = Fp8Operand(ref.columnwise_data.view(E4M3).t(), ref.columnwise_scale_inv)
+    dy_t = Fp8Operand(torch.randn(64, rows, dtype=torch.bfloat16), None)
     got = linear_ops.gemm(dy_t, kept, recipe="mxfp8", out_dtype=torch.float32, fast_accum=False)
     values = dequantize_reference(
         ref.columnwise_data,
@@ -674,10 +674,10 @@ def test_emulated_mxfp8_gemm_dequantizes_kept_bytes(rows):
         out_dtype=torch.bfloat16,
     )
     assert torch.equal(got, torch.mm(dy_t.data, values).float())
-    both_bytes = GemmOperand(kept.data.t(), None)
+    both_bytes = Fp8Operand(kept.data.t(), None)
     with pytest.raises(ValueError, match="at most one"):
         linear_ops.gemm(
-            GemmOperand(both_bytes.data, kept.scale_inv),
+            Fp8Operand(both_bytes.data, kept.scale_inv),
             kept,
             recipe="mxfp8",
             out_dtype=torch.float32,
@@ -814,16 +814,16 @@ def _same_call(direct: tuple, general: tuple) -> None:
 
 def _operands(kind: str, rows: int, k: int, n: int):
     if kind == "per-tensor":
-        a = GemmOperand(_fp8(rows, k), torch.tensor(0.5))
-        b = GemmOperand(_fp8(n, k, E5M2, seed=2), torch.tensor(0.25))
+        a = Fp8Operand(_fp8(rows, k), torch.tensor(0.5))
+        b = Fp8Operand(_fp8(n, k, E5M2, seed=2), torch.tensor(0.25))
     elif kind == "1x128 x 128x128":
         # Fprop / dgrad: a 1x128 input or grad, b a 128x128 weight (contiguous grid).
-        a = GemmOperand(_fp8(rows, k), _rand(k // 128, rows).t())
-        b = GemmOperand(_fp8(n, k, seed=2), _rand(ceil_div(n, 128), k // 128, seed=3))
+        a = Fp8Operand(_fp8(rows, k), _rand(k // 128, rows).t())
+        b = Fp8Operand(_fp8(n, k, seed=2), _rand(ceil_div(n, 128), k // 128, seed=3))
     else:
         # Wgrad: both transposed 1x128 operands, scales (R, K/128) with strides (1, R).
-        a = GemmOperand(_fp8(rows, k, E5M2), _rand(k // 128, rows).t())
-        b = GemmOperand(_fp8(n, k, seed=2), _rand(k // 128, n, seed=3).t())
+        a = Fp8Operand(_fp8(rows, k, E5M2), _rand(k // 128, rows).t())
+        b = Fp8Operand(_fp8(n, k, seed=2), _rand(k // 128, n, seed=3).t())
     return a, b
 
 
@@ -896,7 +896,7 @@ def test_direct_gemm_declines_what_needs_padding(scaled_mm, recipe, kind, rows, 
 
 def test_direct_gemm_declines_a_non_contiguous_operand(scaled_mm):
     a, b = _operands("per-tensor", 64, 256, 128)
-    strided = GemmOperand(_fp8(256, 64).t(), a.scale_inv)
+    strided = Fp8Operand(_fp8(256, 64).t(), a.scale_inv)
     assert (
         linear_ops._direct_scaled_mm(
             strided, b, recipe="tensorwise", out_dtype=torch.float32, fast_accum=True

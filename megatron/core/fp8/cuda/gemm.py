@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fp8.cuda.launch import ceil_div
-from megatron.core.fp8.formats import FP8_DTYPES, e8m0_to_fp32
+from megatron.core.fp8.formats import FP8_DTYPES
+from megatron.core.fp8.quantized_tensor import Fp8Operand
 from megatron.core.fp8.recipe import BLOCK_128, MX_BLOCK, recipe_spec
 
 # torch._scaled_mm wants K and N in multiples of 16 (and so do we for M: 16-byte scale rows).
@@ -253,21 +254,15 @@ def dequantize_operand(
     data: torch.Tensor, scale_inv: torch.Tensor, *, recipe: str, dtype: torch.dtype
 ) -> torch.Tensor:
     """Exact dequantization of one 2-D GEMM operand whose blocks run along its last dim."""
-    values = data.float()
-    rows, cols = values.shape
     spec = recipe_spec(recipe)
     if spec.per_tensor:
-        return (values * scale_inv.float().reshape(())).to(dtype)
-    if spec.e8m0_scales:
-        multiplier = e8m0_to_fp32(scale_inv.view(torch.uint8))
-        block_rows, block_cols = 1, MX_BLOCK
+        cell = (0, 0)
+    elif spec.e8m0_scales:
+        cell = (1, MX_BLOCK)
     else:
-        kind = _block_kind(scale_inv, rows=rows, k=cols, name="operand")
-        multiplier = scale_inv.float()
-        block_rows, block_cols = (1 if kind == "1x128" else BLOCK_128), BLOCK_128
-    expanded = multiplier.repeat_interleave(block_rows, dim=0)[:rows]
-    expanded = expanded.repeat_interleave(block_cols, dim=1)[:, :cols]
-    return (values * expanded).to(dtype)
+        kind = _block_kind(scale_inv, rows=data.shape[0], k=data.shape[1], name="operand")
+        cell = (1 if kind == "1x128" else BLOCK_128, BLOCK_128)
+    return Fp8Operand(data, scale_inv, recipe, *cell).dequantize().to(dtype)
 
 
 def emulated_mm(

@@ -1,4 +1,5 @@
-"""GEMM-ready FP8 operands for Fp8Linear on CUDA: one fused quantize pass per tensor.
+"""The fused CUDA backend (`quantization.backend_for`, same interface as `reference_ops`):
+GEMM-ready FP8 operands for Fp8Linear, one fused quantize pass per tensor.
 
 Each call reads the high-precision tensor once and writes exactly the copies the GEMMs of
 FP8_NUMERICS.md ("Which copy each GEMM reads") need, already in the layout torch._scaled_mm
@@ -23,8 +24,6 @@ dequantizes them first.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from megatron.core.fp8.cuda import quantize_blockwise as qbw
@@ -33,16 +32,10 @@ from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
 from megatron.core.fp8.cuda import quantize_per_tensor as qpt
 from megatron.core.fp8.cuda.gemm import blockwise_gemm_path, scaled_mm
 from megatron.core.fp8.cuda.launch import LaunchSite, ceil_div
+from megatron.core.fp8.cuda.quantize import quantize_cuda as quantize_parts  # noqa: F401
 from megatron.core.fp8.debug import DEBUG
+from megatron.core.fp8.quantized_tensor import Fp8Operand
 from megatron.core.fp8.recipe import BLOCK_128, MX_BLOCK, recipe_spec
-
-
-class GemmOperand(NamedTuple):
-    """A GEMM operand contracted over its last dim: FP8 data (viewed as its FP8 dtype) with
-    scale_inv in the layout scaled_mm takes, or for emulated MXFP8 high-precision values."""
-
-    data: torch.Tensor
-    scale_inv: torch.Tensor | None
 
 
 def available(x: torch.Tensor) -> bool:
@@ -70,7 +63,7 @@ def quantize_operands(
     dequant_dtype: torch.dtype | None = None,
     saved: bool | None = None,
     amax: torch.Tensor | None = None,
-) -> tuple[GemmOperand | None, GemmOperand | None]:
+) -> tuple[Fp8Operand | None, Fp8Operand | None]:
     """(rowwise operand, transposed operand) of a 2-D tensor, each None when not asked for.
 
     delayed: `scale` is the current 0-d fp32 scale; `amax_history` (fp32, contiguous), when
@@ -175,8 +168,8 @@ def _recording_operands(x2d, settings: tuple, scale, amax_history):
     the records equal eager's."""
     fp8_dtype, rowwise, transposed = settings[1], settings[3], settings[4]
     data, data_t, scale_inv = _recording_op(x2d, *settings, scale, amax_history)
-    row = GemmOperand(data.view(fp8_dtype), scale_inv) if rowwise else None
-    col = GemmOperand(data_t.view(fp8_dtype), scale_inv) if transposed else None
+    row = Fp8Operand(data.view(fp8_dtype), scale_inv) if rowwise else None
+    col = Fp8Operand(data_t.view(fp8_dtype), scale_inv) if transposed else None
     return row, col
 
 
@@ -376,8 +369,8 @@ class OperandPlan:
         # Which caller tensors are aligned: x, the scale or amax, the amax history.
         alignment = (x_aligned, aligned(args[3]), record is None or aligned(record))
         self.cast(args, alignment)
-        row = GemmOperand(data.view(self.fp8_dtype), scale_inv) if data is not None else None
-        col = GemmOperand(data_t.view(self.fp8_dtype), scale_inv) if data_t is not None else None
+        row = Fp8Operand(data.view(self.fp8_dtype), scale_inv) if data is not None else None
+        col = Fp8Operand(data_t.view(self.fp8_dtype), scale_inv) if data_t is not None else None
         return row, col
 
     def _block_1x128(self, x2d, scale, amax_history, aligned, amax):
@@ -391,7 +384,7 @@ class OperandPlan:
             row_sinv_t = self._empty(col_blocks, rows, torch.float32)
             if self.fused_site is None:
                 self.rows_site((x2d, row, row_sinv_t, row_sinv_t, rows, cols), x_aligned)
-            row_op = GemmOperand(row.view(self.fp8_dtype), row_sinv_t.t())
+            row_op = Fp8Operand(row.view(self.fp8_dtype), row_sinv_t.t())
         if self.transposed:
             col_t = self._empty(cols, rows)
             col_sinv = self._empty(row_blocks, cols, torch.float32)
@@ -401,7 +394,7 @@ class OperandPlan:
                 args = (x2d, row, row_sinv_t, col_t, col_sinv, col_t, row_sinv_t, rows, cols)
                 self.fused_site(args, x_aligned)
             # The transposed operand [K, M] has 1x128 blocks along M: grid (K, M/128).
-            col_op = GemmOperand(col_t.view(self.fp8_dtype), col_sinv.t())
+            col_op = Fp8Operand(col_t.view(self.fp8_dtype), col_sinv.t())
         return row_op, col_op
 
     def _block_128x128(self, x2d, scale, amax_history, aligned, amax):
@@ -415,10 +408,10 @@ class OperandPlan:
         )
         args = qbw.block_128x128_args(x2d, data, scale_inv, data_t, scale_inv_t, None)
         self.cast(args, aligned(x2d))
-        row_op = GemmOperand(data.view(self.fp8_dtype), scale_inv) if data is not None else None
+        row_op = Fp8Operand(data.view(self.fp8_dtype), scale_inv) if data is not None else None
         col_op = None
         if data_t is not None:
-            col_op = GemmOperand(data_t.view(self.fp8_dtype), scale_inv_t)
+            col_op = Fp8Operand(data_t.view(self.fp8_dtype), scale_inv_t)
         return row_op, col_op
 
     def _mxfp8(self, x2d, scale, amax_history, aligned, amax):
@@ -439,17 +432,16 @@ class OperandPlan:
         # The columnwise copy keeps x's shape; the transposed operand is a view (bf16 GEMMs
         # take either layout, and the dequantizing GEMM reads the bytes in x's layout).
         return (
-            GemmOperand(row, None) if row is not None else None,
-            GemmOperand(col.t(), col_e) if col is not None else None,
+            Fp8Operand(row, None) if row is not None else None,
+            Fp8Operand(col.t(), col_e) if col is not None else None,
         )
 
 
-def weight_operand(weight, usage: str, *, compute_dtype: torch.dtype) -> GemmOperand:
+def weight_operand(weight, usage: str, *, compute_dtype: torch.dtype) -> Fp8Operand:
     """The operand of an FP8 parameter (a QuantizedTensor): "rowwise" for fprop, "columnwise"
     (the [K, N] transpose) for dgrad. MXFP8 bytes go through the fused dequantize kernel."""
     if not weight.spec.fused_linear_emulates:
-        operand = weight.gemm_operand(usage)
-        return GemmOperand(operand.data.view(operand.fp8_dtype), operand.scale_inv)
+        return weight.gemm_operand(usage)
     columnwise = usage == "columnwise"
     data = weight.columnwise_data if columnwise else weight.rowwise_data
     scale_inv = weight.columnwise_scale_inv if columnwise else weight.rowwise_scale_inv
@@ -462,11 +454,11 @@ def weight_operand(weight, usage: str, *, compute_dtype: torch.dtype) -> GemmOpe
         columnwise=columnwise,
         out_dtype=compute_dtype,
     )
-    return GemmOperand(values.t() if columnwise else values, None)
+    return Fp8Operand(values.t() if columnwise else values, None)
 
 
 def gemm(
-    a: GemmOperand, b: GemmOperand, *, recipe: str, out_dtype: torch.dtype, fast_accum: bool
+    a: Fp8Operand, b: Fp8Operand, *, recipe: str, out_dtype: torch.dtype, fast_accum: bool
 ) -> torch.Tensor:
     """[rows_a, rows_b] = A B^T, both contracted over their last dim.
 
@@ -490,8 +482,8 @@ def _gemm_op(
     fast_accum: bool,
 ) -> torch.Tensor:
     return _gemm_eager(
-        GemmOperand(a_data, a_scale_inv),
-        GemmOperand(b_data, b_scale_inv),
+        Fp8Operand(a_data, a_scale_inv),
+        Fp8Operand(b_data, b_scale_inv),
         recipe=recipe,
         out_dtype=out_dtype,
         fast_accum=fast_accum,
@@ -504,7 +496,7 @@ def _(a_data, a_scale_inv, b_data, b_scale_inv, recipe, out_dtype, fast_accum):
 
 
 def _gemm_eager(
-    a: GemmOperand, b: GemmOperand, *, recipe: str, out_dtype: torch.dtype, fast_accum: bool
+    a: Fp8Operand, b: Fp8Operand, *, recipe: str, out_dtype: torch.dtype, fast_accum: bool
 ) -> torch.Tensor:
     if recipe_spec(recipe).fused_linear_emulates:
         a_values, b_values = _mx_values(a, b.data.dtype), _mx_values(b, a.data.dtype)
@@ -524,7 +516,7 @@ def _gemm_eager(
     )
 
 
-def _mx_values(operand: GemmOperand, compute_dtype: torch.dtype) -> torch.Tensor:
+def _mx_values(operand: Fp8Operand, compute_dtype: torch.dtype) -> torch.Tensor:
     """An emulated MXFP8 operand's values: as they are, or, for kept bytes (the transposed
     view of 32x1-block columnwise bytes, `OperandPlan._mxfp8`), dequantized now in the
     dtype of the GEMM's other operand, which holds values."""

@@ -3,8 +3,6 @@ kernels, small buffers and the NaN-ignoring whole-tensor amax of the torch fallb
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from megatron.core.fp8.reference import amax_ignoring_nan
@@ -40,14 +38,20 @@ TILE_CONFIG: dict[str, dict[str, int]] = {
 }
 
 
-@functools.lru_cache(maxsize=1)
+_triton_module: list = []  # [the kernel module or None], once resolved
+
+
 def triton_kernels():
-    """The Triton kernel module, or None when Triton cannot be imported here."""
-    try:
-        from megatron.core.fp8.cuda import triton_quantize
-    except ImportError:
-        return None
-    return triton_quantize
+    """The Triton kernel module, or None when Triton cannot be imported here. A plain memo, no
+    lru_cache: Fp8Linear's backend choice calls this inside compiled regions, where Dynamo
+    ignores an lru_cache and warns."""
+    if not _triton_module:
+        try:
+            from megatron.core.fp8.cuda import triton_quantize
+        except ImportError:
+            triton_quantize = None
+        _triton_module.append(triton_quantize)
+    return _triton_module[0]
 
 
 def triton_available() -> bool:
