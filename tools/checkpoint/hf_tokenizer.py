@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 
 from megatron.core.tokenizer.gpt2_bpe import bytes_to_unicode
-from megatron.training import checkpointing
+from megatron.training import checkpoint as checkpointing
 
 EOD = "<|endoftext|>"
 # What a tokenizer write may add to an export directory (a re-export may replace them).
