@@ -6,8 +6,7 @@ read from the source with `ast`:
 - each FP8 constant and quantization rule is defined in exactly one module;
 - no test, benchmark or dev script assigns a module-level data attribute of a megatron module
   (a lab switch): spying on a function with monkeypatch is allowed, flipping a value is not;
-- environment variables are read only in megatron/core/environment.py, by names its table
-  documents;
+- (environment variables: tests/unit_tests/training/test_environment.py);
 - the packages import one another only as docs/ARCHITECTURE.md's "may import" table says.
 """
 
@@ -211,67 +210,6 @@ def test_no_module_attribute_of_megatron_is_assigned_from_outside():
         for line, module, attribute in _assigned_module_attributes(path)
     ]
     assert found == [], "lab switches flipped from outside the product:\n" + "\n".join(found)
-
-
-# ----- environment variables ------------------------------------------------------------------
-
-ENVIRONMENT_MODULE = "megatron/core/environment.py"
-
-
-def environment_reads(path: Path) -> set[str]:
-    """What the file reads from the environment: os.environ[...], os.environ.get(...),
-    os.getenv(...), `... in os.environ` ('?' where the name is not a literal)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        key = None
-        if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ":
-            key = node.slice
-        elif isinstance(node, ast.Call) and ast.unparse(node.func) in (
-            "os.environ.get",
-            "os.getenv",
-            "os.environ.setdefault",
-        ):
-            key = node.args[0] if node.args else None
-        elif isinstance(node, ast.Compare) and any(
-            ast.unparse(c) == "os.environ" for c in node.comparators
-        ):
-            key = node.left
-        if key is not None:
-            names.add(key.value if isinstance(key, ast.Constant) else "?")
-    return names
-
-
-def test_environment_is_read_only_through_the_documented_list():
-    """Only megatron/core/environment.py touches os.environ, and every name the product asks it
-    for is a key of its documented VARIABLES table."""
-    readers = {
-        str(path.relative_to(REPO))
-        for path in [*_product_files(), REPO / "pretrain_gpt.py"]
-        if environment_reads(path)
-    }
-    assert readers == {ENVIRONMENT_MODULE}
-    environment = importlib.import_module("megatron.core.environment")
-    asked = set()
-    for path in [*_product_files(), REPO / "pretrain_gpt.py"]:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in (
-                "get_env",
-                "env_int",
-            ):
-                first = node.args[0] if node.args else None
-                if isinstance(first, ast.Constant):
-                    asked.add(first.value)
-    assert asked, "no get_env/env_int call found"
-    assert asked - set(environment.VARIABLES) == set()
-
-
-def test_environment_reads_are_found(tmp_path):
-    path = tmp_path / "m.py"
-    path.write_text(
-        "import os\na = os.environ['A']\nb = os.environ.get('B')\nc = os.getenv('C')\n"
-        "d = 'D' in os.environ\ne = os.environ.get(name)\n"
-    )
-    assert environment_reads(path) == {"A", "B", "C", "D", "?"}
 
 
 # ----- the layer table ------------------------------------------------------------------------
