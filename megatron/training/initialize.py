@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron.core.distributed.data_parallel_mesh import build_data_parallel_mesh
-from megatron.training.environment import adopt_slurm_launch, env_int, get_env
+from megatron.core.environment import adopt_slurm_launch, env_int, get_env
 from megatron.training.flags.run_config import DistributedConfig
 
 

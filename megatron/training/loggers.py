@@ -11,7 +11,7 @@ import importlib.util
 import os
 from typing import Any
 
-from megatron.training.environment import get_env
+from megatron.core.environment import get_env
 
 METRIC_NAMES: tuple[str, ...] = (
     "lm loss",

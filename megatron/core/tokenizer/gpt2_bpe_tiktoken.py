@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron.core.environment import get_env
+
 logger = logging.getLogger(__name__)
 
 # GPT-2's pattern, 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+,
@@ -159,10 +161,10 @@ def files_digest(vocab_data: bytes, merges_data: bytes) -> str:
 
 def cache_dir() -> str | None:
     """The directory of cached tables, or None when MEGATRON_GPT2_BPE_CACHE turns it off."""
-    configured = os.environ.get(CACHE_ENV)
+    configured = get_env(CACHE_ENV)
     if configured is not None:
         return None if configured.strip().lower() in ("", "off", "0") else configured
-    root = os.environ.get("XDG_CACHE_HOME")
+    root = get_env("XDG_CACHE_HOME")
     if not root:
         home = os.path.expanduser("~")
         if home == "~":  # no home directory to be found: no cache rather than a "~" folder here

@@ -13,9 +13,9 @@ from typing import NoReturn
 
 from megatron.core.checkpoint_files import CheckpointError
 from megatron.core.distributed.fsdp.config import OUTER_SHARDING_STRATEGIES, SHARDING_STRATEGIES
+from megatron.core.environment import env_int
 from megatron.core.fp8.config import FP8_RECIPES
 from megatron.core.tokenizer.build import TOKENIZER_TYPES
-from megatron.training.environment import env_int
 from megatron.training.flags.checkpoint_args import load_args_from_checkpoint
 from megatron.training.flags.checks import ArgumentError, validate_args
 from megatron.training.flags.megatron_lm import add_megatron_lm_args

@@ -1,5 +1,5 @@
-"""megatron/training reads environment variables only in environment.py, and only those its
-table names with a reason (issue 35)."""
+"""megatron/ reads environment variables only in megatron/core/environment.py, and only those
+its table names with a reason (issue 35)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.environment import VARIABLES, adopt_slurm_launch, env_int, get_env
+from megatron.core.environment import VARIABLES, adopt_slurm_launch, env_int, get_env
 
 REPO = Path(__file__).resolve().parents[3]
 READERS = {"environ", "getenv", "environb", "getenvb"}
@@ -29,13 +29,13 @@ def _environment_reads(path: Path) -> list[int]:
 
 
 def test_environment_is_read_only_in_environment_py():
-    files = sorted((REPO / "megatron" / "training").rglob("*.py")) + [REPO / "pretrain_gpt.py"]
+    files = sorted((REPO / "megatron").rglob("*.py")) + [REPO / "pretrain_gpt.py"]
     reads = {path.relative_to(REPO).as_posix(): _environment_reads(path) for path in files}
-    assert len(reads["megatron/training/environment.py"]) == 4  # get_env, three Slurm mappings
+    assert len(reads["megatron/core/environment.py"]) == 4  # get_env, three Slurm mappings
     outside = [
         f"{path}:{line}"
         for path, lines in reads.items()
-        if path != "megatron/training/environment.py"
+        if path != "megatron/core/environment.py"
         for line in lines
     ]
     assert outside == []
@@ -51,7 +51,7 @@ def test_the_scan_finds_each_kind_of_read(tmp_path):
 
 
 def test_unlisted_name_is_refused_and_listed_names_read(monkeypatch):
-    with pytest.raises(KeyError, match="not in megatron.training.environment.VARIABLES"):
+    with pytest.raises(KeyError, match="not in megatron.core.environment.VARIABLES"):
         get_env("MEGATRON_SOMETHING_NEW")
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert env_int("WORLD_SIZE", 1) == 8

@@ -1,5 +1,5 @@
-"""Every environment variable that megatron/training (and pretrain_gpt.py) reads, and the one
-place that reads them: VARIABLES names each with who sets it and why the run reads it. A name
+"""Every environment variable that megatron/ (and pretrain_gpt.py) reads, and the one place
+that reads them: VARIABLES names each with who sets it and why the run reads it. A name
 not in the table is refused, so that a new one is added here with its reason."""
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ VARIABLES: dict[str, str] = {
     "MASTER_ADDR": "torchrun: the host of the agent's TCPStore",
     "MASTER_PORT": "torchrun: the port of the agent's TCPStore",
     "WANDB_API_KEY": "the user: with it W&B logs online, without it offline",
+    "MEGATRON_GPT2_BPE_CACHE": "the user: where GPT2BPETokenizer caches its checked vocabulary "
+    "tables (off, 0 or empty: no cache)",
+    "XDG_CACHE_HOME": "the desktop convention: the cache root when MEGATRON_GPT2_BPE_CACHE is "
+    "unset (else ~/.cache)",
     "MEGATRON_TRACEBACK": "the user: '1' makes pretrain_gpt.py raise a user error with its "
     "traceback instead of one `error:` line",
 }
@@ -26,7 +30,7 @@ VARIABLES: dict[str, str] = {
 def get_env(name: str, default: str | None = None) -> str | None:
     """The variable's value, or `default` when it is unset."""
     if name not in VARIABLES:
-        raise KeyError(f"{name} is not in megatron.training.environment.VARIABLES; add it there")
+        raise KeyError(f"{name} is not in megatron.core.environment.VARIABLES; add it there")
     return os.environ.get(name, default)
 
 
