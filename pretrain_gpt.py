@@ -4,8 +4,8 @@ import os
 import sys
 
 from megatron.core.checkpoint_files import CheckpointError
-from megatron.training.checkpoint import CheckpointSaveError
 from megatron.core.environment import get_env
+from megatron.training.checkpoint import CheckpointSaveError
 from megatron.training.training import DataError, NonFiniteTrainingError, pretrain
 
 # One `error:` line per rank instead of a traceback: status 2 for what a --load path or the
