@@ -288,6 +288,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
                 main.copy_(named[name])
                 if main is not param:
                     param.copy_(main)
+        if isinstance(self.optimizer, OffloadedAdamW):  # the host update's copies follow
+            self.optimizer.refresh_host_params()
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

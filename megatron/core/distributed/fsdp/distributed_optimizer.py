@@ -206,7 +206,7 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
 
     def load_state_dict(self, state: dict) -> None:
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(state["optimizer"])  # refreshes offloaded params
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Optimizer state as flat per-parameter pieces that DCP can reshard to any DP size
@@ -276,3 +276,10 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
                     converted[key] = loaded.reshape(piece.main.shape)
             if converted:
                 self.optimizer.set_logical_state(piece.main, converted)
+        self.refresh_offloaded_params()
+
+    def refresh_offloaded_params(self) -> None:
+        """With CPU offload, copy the main params into the host update's copies: after a load
+        changed them (the checkpoint loads the model before the optimizer)."""
+        if isinstance(self.optimizer, OffloadedAdamW):
+            self.optimizer.refresh_host_params()
