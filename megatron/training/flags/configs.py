@@ -36,7 +36,12 @@ from megatron.training.flags.run_config import (
     padded_vocab_size,
 )
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp64": torch.float64,
+}
 
 
 def _from_flags(cls: type, args: argparse.Namespace, **derived: object):
