@@ -96,8 +96,9 @@ def resolve_torch_compile(args: argparse.Namespace, *, cuda_available: bool | No
     """Fill args.torch_compile (None: not given) and return the reason, for the startup log.
 
     On CUDA the transformer layers compile by default (the fast configuration); on CPU the
-    default stays eager (the compile time dominates a CPU run). A configuration that cannot
-    compile is refused when compile was on by default, naming --no-torch-compile."""
+    default stays eager (the compile time dominates a CPU run). Every configuration these
+    flags accept compiles (tests/unit_tests/training/test_torch_compile.py: fp32, FSDP2 bf16,
+    FP8 recipes under Megatron-FSDP and DDP, activation recompute), so none is refused."""
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     if args.torch_compile is not None:
@@ -106,17 +107,4 @@ def resolve_torch_compile(args: argparse.Namespace, *, cuda_available: bool | No
     args.torch_compile = cuda_available
     if not cuda_available:
         return "eager (the default without CUDA: compile time dominates a CPU run)"
-    blocker = compile_blocker(args)
-    if blocker is not None:
-        raise ValueError(
-            f"{blocker} cannot run under torch.compile, which is the default on CUDA; add "
-            "--no-torch-compile"
-        )
     return "compiled (the default on CUDA; --no-torch-compile for eager)"
-
-
-def compile_blocker(args: argparse.Namespace) -> str | None:
-    """The flag of a configuration whose transformer layers cannot be compiled, else None."""
-    if getattr(args, "use_torch_fsdp2", False):
-        return "--use-torch-fsdp2"
-    return None

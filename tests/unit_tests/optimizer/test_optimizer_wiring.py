@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from megatron.training.flags import optimizer as flags_optimizer
 from megatron.training.flags.arguments import parse_args
 from megatron.training.flags.optimizer import resolve_torch_compile
 from tests.unit_tests.dist_utils import run_distributed
@@ -125,6 +126,19 @@ def test_compile_default_resolution():
     assert parse_args([*TINY_GPT, "--train-iters", "2"], world_size=1).torch_compile is False
     args = parse_args([*TINY_GPT, "--train-iters", "2", "--torch-compile"], world_size=1)
     assert args.torch_compile is True
+
+
+def test_compile_is_the_default_with_cuda(monkeypatch, capsys):
+    """A (faked) CUDA device: pretrain_gpt.py's flags resolve to compiled layers, and the
+    startup notes say why; --no-torch-compile keeps them eager."""
+    monkeypatch.setattr(flags_optimizer.torch.cuda, "is_available", lambda: True)
+    argv = [*TINY_GPT, "--train-iters", "2", "--distributed-backend", "gloo"]
+    args = parse_args(argv, world_size=1)
+    assert args.torch_compile is True
+    assert "transformer layers run compiled (the default on CUDA" in " ".join(
+        args.megatron_lm_notes
+    )
+    assert parse_args([*argv, "--no-torch-compile"], world_size=1).torch_compile is False
 
 
 def _held(output: str) -> dict[str, float]:
