@@ -46,12 +46,15 @@ def test_every_engine_runs_the_same_precision_aware_adamw(moments):
 
 
 @pytest.mark.parametrize(
-    "saved, resumed", [("fp32", "bf16"), ("bf16", "fp32")], ids=["fp32-to-bf16", "bf16-to-fp32"]
+    "saved, resumed, engine",
+    [("fp32", "bf16", "zero3"), ("bf16", "fp32", "zero3"), ("fp32", "bf16", "ddp")],
+    ids=["fp32-to-bf16", "bf16-to-fp32", "ddp-fp32-to-bf16"],
 )
-def test_resume_with_other_moment_dtypes(tmp_path, saved, resumed):
-    """A ZeRO-3 checkpoint holds the moments' fp32 values: resumed with other moment dtypes,
-    the next losses equal an uninterrupted run of the resumed configuration within 1e-6."""
-    run4 = ["--train-iters", "4", *ZERO3_DTENSOR]
+def test_resume_with_other_moment_dtypes(tmp_path, saved, resumed, engine):
+    """A checkpoint holds the moments' values (ZeRO-3: fp32 values; DDP: the stored dtype,
+    converted on load): resumed with other moment dtypes, the next losses equal an
+    uninterrupted run of the resumed configuration within 1e-6."""
+    run4 = ["--train-iters", "4", *ENGINES[engine]]
     _losses([*run4, "--exit-interval", "2", "--save", str(tmp_path), *_moments(saved, saved)])
     resumed_losses = _losses([*run4, "--load", str(tmp_path), *_moments(resumed, resumed)])
     uninterrupted = _losses([*run4, *_moments(resumed, resumed)])
