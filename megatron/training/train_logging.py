@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import math
 
+import torch
+
+from megatron.core.optimizer import state_bytes_by_dtype
 from megatron.training.flags.run_config import LoggingConfig, TrainingRunConfig
 from megatron.training.initialize import DistributedEnv
 from megatron.training.log_line import IntervalStats, format_train_line, format_valid_line
@@ -132,3 +135,49 @@ def log_iteration(
     if updated:
         scalars["lm loss"], scalars["grad-norm"] = loss, grad_norm
     logger.log_scalars(state.iteration, scalars, samples=state.consumed_train_samples)
+
+
+def held_bytes(run: ModelAndOptimizer) -> dict[str, int]:
+    """Bytes this rank holds per part, from the engine's own buffers: params (compute
+    storage), main_params (where they are not the params), grads, and the optimizer states by
+    dtype ("optimizer states <dtype>")."""
+    memory_bytes = getattr(run.model, "memory_bytes", None)
+    if memory_bytes is not None:  # Megatron-FSDP: its buffers, padding included
+        held = dict(memory_bytes())
+    else:
+        params = [p for p in run.module.parameters() if p.requires_grad]
+        mains = getattr(run.optimizer, "main_params", [])
+        model_ids = {id(p) for p in params}
+        held = {
+            "params": sum(_local_bytes(p) for p in params),
+            "main_params": sum(_local_bytes(m) for m in mains if id(m) not in model_ids),
+            "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        }
+    inner = getattr(run.optimizer, "optimizer", None)
+    for dtype, nbytes in sorted(state_bytes_by_dtype(inner).items()):
+        held[f"optimizer states {dtype}"] = nbytes
+    return held
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def log_first_step(
+    env: DistributedEnv, *, run: ModelAndOptimizer, seconds: float, compiled: bool
+) -> None:
+    """After the run's first step (rank 0): its time (the compile's, when the layers are
+    compiled), the device memory, and what each part holds."""
+    what = "including torch.compile of the layers" if compiled else "eager"
+    print_rank_0(env, f" > first iteration: {seconds:.2f} s ({what})")
+    if env.device.type == "cuda":
+        allocated = torch.cuda.memory_allocated(env.device) / 2**30
+        reserved = torch.cuda.memory_reserved(env.device) / 2**30
+        print_rank_0(
+            env,
+            f" > memory after the first step (GiB) | allocated: {allocated:.2f} | "
+            f"reserved: {reserved:.2f}",
+        )
+    parts = " | ".join(f"{part}: {n / 2**20:.2f}" for part, n in held_bytes(run).items())
+    print_rank_0(env, f" > memory held by rank 0 (MiB) | {parts}")

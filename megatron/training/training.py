@@ -49,6 +49,7 @@ from megatron.training.run_hooks import (
     memory_bytes,
 )
 from megatron.training.train_logging import (
+    log_first_step,
     log_interval,
     log_iteration,
     log_step_extras,
@@ -438,6 +439,7 @@ def _train_loop(
     stats = IntervalStats()
     start = time.time()
     run.model.train()
+    first_iteration = state.iteration + 1
     while state.iteration < training.train_iters:
         hooks.profiler.before_iteration(state.iteration)
         step_start = time.time()
@@ -456,6 +458,9 @@ def _train_loop(
         result.losses[state.iteration] = loss
         result.grad_norms[state.iteration] = grad_norm
         stats.add(loss=loss, grad_norm=grad_norm, seconds=time.time() - step_start, skipped=not ok)
+        if state.iteration == first_iteration:
+            compiled = config.model_setup.torch_compile
+            log_first_step(env, run=run, seconds=time.time() - step_start, compiled=compiled)
         log_iteration(
             config, state=state, logger=logger, loss=loss, grad_norm=grad_norm, lr=lr, updated=ok
         )

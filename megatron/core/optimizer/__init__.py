@@ -19,6 +19,7 @@ from megatron.core.optimizer.optimizer import (
     count_zeros,
     is_embedding_or_output_parameter,
     is_no_weight_decay,
+    state_bytes_by_dtype,
     unscale_grads_,
 )
 from megatron.core.optimizer.precision import (
@@ -48,6 +49,7 @@ __all__ = [
     "is_no_weight_decay",
     "learning_rate_at",
     "offload_count",
+    "state_bytes_by_dtype",
     "state_precision",
     "unscale_grads_",
 ]

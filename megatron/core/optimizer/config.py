@@ -59,6 +59,3 @@ class OptimizerConfig:
 
     optimizer_offload_fraction: float = 1.0
     """Fraction of the optimizer's elements offloaded (`--optimizer-offload-fraction`)."""
-
-    use_triton_adamw: bool = True
-    """False: FusedAdamW's torch step on CUDA too (A/B measurements)."""

@@ -95,6 +95,22 @@ class OffloadedAdamW:
             if part is not None:
                 part.init_state()
 
+    def _owner(self, param: torch.Tensor) -> tuple[FusedAdamW, torch.Tensor]:
+        """The part that updates `param`, and the param as that part knows it."""
+        for offloaded, host in zip(self.offloaded, self.host_params):
+            if offloaded is param:
+                return self.host, host
+        return self.device, param
+
+    def logical_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """FusedAdamW.logical_state of the param, from its part (host values when offloaded)."""
+        part, own = self._owner(param)
+        return part.logical_state(own)
+
+    def set_logical_state(self, param: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        part, own = self._owner(param)
+        part.set_logical_state(own, values)
+
     def _sync_hyperparameters(self) -> None:
         for part in (self.device, self.host):
             if part is None:

@@ -102,7 +102,6 @@ def build_torch_optimizer(
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
-            use_triton=config.use_triton_adamw,
             **adam_implementation([p for group in groups for p in group["params"]]),
         )
         if config.use_precision_aware_optimizer:
@@ -145,6 +144,32 @@ def check_optimizer_config(config: OptimizerConfig) -> None:
         )
     if config.optimizer_cpu_offload:
         offload_count([], config.optimizer_offload_fraction)
+
+
+DTYPE_NAMES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float8_e4m3fn: "fp8",
+    torch.float64: "fp64",
+}
+
+
+def state_bytes_by_dtype(optimizer) -> dict[str, int]:
+    """Bytes of an optimizer's state tensors (moments, their scales, momentum; not the step
+    count) by dtype, e.g. {"bf16": n}; state held on the CPU (offload) as e.g. "fp32 cpu"."""
+    totals: dict[str, int] = {}
+    if optimizer is None:
+        return totals
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key == "step" or not isinstance(value, torch.Tensor):
+                continue
+            name = DTYPE_NAMES.get(value.dtype, str(value.dtype).removeprefix("torch."))
+            if value.device.type == "cpu" and torch.cuda.is_available():
+                name += " cpu"
+            totals[name] = totals.get(name, 0) + value.numel() * value.element_size()
+    return totals
 
 
 def adam_implementation(params: list[torch.Tensor]) -> dict[str, bool]:
@@ -263,6 +288,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
                 main.copy_(named[name])
                 if main is not param:
                     param.copy_(main)
+        if isinstance(self.optimizer, OffloadedAdamW):  # the host update's copies follow
+            self.optimizer.refresh_host_params()
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

@@ -45,6 +45,8 @@ def load_sharded_state(run, state: dict[str, Any]) -> None:
         run.model.load_sharded_state_dict(state["model"])
         if "optimizer" in state:
             run.optimizer.load_sharded_state_dict(state["optimizer"])
+        else:  # --no-load-optim: CPU offload's host copies follow the loaded main params
+            run.optimizer.refresh_offloaded_params()
         return
     load_model_state_dict(run.optimizer, state["model"])
     if "optimizer" in state:

@@ -19,6 +19,7 @@ from megatron.core.tokenizer.build import TOKENIZER_TYPES
 from megatron.training.flags.checkpoint_args import load_args_from_checkpoint
 from megatron.training.flags.checks import ArgumentError, validate_args
 from megatron.training.flags.megatron_lm import add_megatron_lm_args
+from megatron.training.flags.optimizer import add_optimizer_state_args
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -158,12 +159,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--torch-compile",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="torch.compile each transformer layer's forward (regional compile: identical "
         "layers share one compiled graph; the FSDP hooks and the FP8 kernels stay outside it, "
         "so the model's elementwise code fuses around them). The first iteration pays the "
-        "compile (seconds on a GPU, tens of seconds on a CPU). Off by default; on CUDA it is "
-        "the fast configuration (docs/PERFORMANCE.md).",
+        "compile (seconds on a GPU, tens of seconds on a CPU). Default None: compiled on CUDA "
+        "(the fast configuration, docs/PERFORMANCE.md), eager on CPU.",
     )
     group.add_argument("--log-interval", type=int, default=10, help="Iterations per log line.")
     group.add_argument("--eval-interval", type=int, default=1000, help="Iterations per eval.")
@@ -401,7 +403,11 @@ def _add_fsdp_args(parser: argparse.ArgumentParser) -> None:
         help="Cap, in elements, on parameters gathered ahead at once.",
     )
     group.add_argument(
-        "--main-params-dtype", choices=("fp32",), default="fp32", help="Main-param dtype."
+        "--main-params-dtype",
+        choices=("fp32", "fp16"),
+        default="fp32",
+        help="Main-param dtype; fp16 (Megatron-LM's) needs --use-precision-aware-optimizer "
+        "and Megatron-FSDP without FP8 parameters.",
     )
     group.add_argument(
         "--main-grads-dtype",
@@ -524,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_model_args,
         _add_training_args,
         _add_optimizer_args,
+        add_optimizer_state_args,
         _add_logging_args,
         _add_checkpoint_args,
         _add_data_args,

@@ -19,6 +19,7 @@ from megatron.training.flags.megatron_lm_checks import (
     resolve_megatron_lm_args,
     validate_megatron_lm_args,
 )
+from megatron.training.flags.optimizer import resolve_compile_default, validate_optimizer_args
 from megatron.training.loggers import check_logger_settings
 
 
@@ -56,8 +57,18 @@ def validate_args(args: argparse.Namespace) -> None:
     _validate_backend(args)
     _validate_fsdp(args)
     _validate_fp8(args)
+    _run(validate_optimizer_args, args)
+    _run(resolve_compile_default, args)
     _validate_output_dirs(args)
     _validate_logging(args)
+
+
+def _run(check, args: argparse.Namespace) -> None:
+    """A check of another module that raises ValueError, as an ArgumentError."""
+    try:
+        check(args)
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
 
 
 def _require(condition: bool, message: str) -> None:

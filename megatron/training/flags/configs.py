@@ -36,7 +36,12 @@ from megatron.training.flags.run_config import (
     padded_vocab_size,
 )
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp64": torch.float64,
+}
 
 
 def _from_flags(cls: type, args: argparse.Namespace, **derived: object):
@@ -123,15 +128,7 @@ def build_fsdp_config(args: argparse.Namespace) -> FsdpConfig | None:
 
 # OptimizerConfig fields that no flag sets yet: the precision-aware optimizer and its CPU
 # offload are built in megatron/core/optimizer but not wired to the engines (issue 37).
-_OPTIMIZER_NOT_FLAGS = (
-    "use_precision_aware_optimizer",
-    "exp_avg_dtype",
-    "exp_avg_sq_dtype",
-    "moment_scaling",
-    "optimizer_cpu_offload",
-    "optimizer_offload_fraction",
-    "use_triton_adamw",
-)
+_OPTIMIZER_NOT_FLAGS = ("moment_scaling",)
 
 
 def build_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:

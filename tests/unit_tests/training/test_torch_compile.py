@@ -35,6 +35,9 @@ def _losses(argv: list[str]) -> list[float]:
         # Activation recompute: the recomputed forward is a second graph (the hooks tell it
         # that it is a recompute), still without a break.
         ([*FSDP_FP8, "--fp8-recipe", "delayed", *RECOMPUTE], 1e-3),
+        # Compiled by default on CUDA, so every engine compiles: FSDP2, FP8 under DDP.
+        (["--bf16", "--use-torch-fsdp2"], 1e-3),
+        (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], 1e-3),
     ],
     ids=[
         "fp32",
@@ -43,6 +46,8 @@ def _losses(argv: list[str]) -> list[float]:
         "fp8-delayed-fsdp",
         "fp8-delayed",
         "fp8-delayed-fsdp-recompute",
+        "fsdp2-bf16",
+        "fp8-tensorwise-ddp",
     ],
 )
 def test_compiled_training_matches_eager(flags: list[str], tolerance: float, monkeypatch):

@@ -38,6 +38,7 @@ from megatron.core.distributed.fsdp.state_dict import (
 from megatron.core.optimizer import (
     FusedAdamW,
     MegatronOptimizer,
+    OffloadedAdamW,
     OptimizerConfig,
     StepResult,
     build_torch_optimizer,
@@ -105,20 +106,16 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
     def _init_state(self) -> None:
         """Create optimizer state up front so that a checkpoint template has every key.
 
-        Zero Adam moments with step 0 (and a zero SGD momentum buffer) update exactly as the
-        lazily created state would.
+        Adam's state comes from the optimizer's init_state (its moments in their dtypes, so
+        bf16 moments really hold half the bytes); zero moments with step 0 (and a zero SGD
+        momentum buffer) update exactly as the lazily created state would.
         """
+        if self.config.optimizer == "adam":
+            self.optimizer.init_state()
+            return
         for group in self.optimizer.param_groups:
             for param in group["params"]:
-                state = self.optimizer.state[param]
-                if self.config.optimizer == "adam":
-                    # The fused (CUDA) AdamW keeps its step count on the param's device.
-                    device = param.device if group["fused"] else torch.device("cpu")
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
-                else:
-                    state["momentum_buffer"] = torch.zeros_like(param)
+                self.optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (moments) this rank holds: its pieces only, no padding."""
@@ -177,7 +174,7 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         """Ask the step for the amaxes that re-quantizing FP8 weights needs (per-tensor
         recipes), so write_back_main_params does not read every updated weight again to find
         them. Only where this rank's optimizer updates its whole shard (not outer optim)."""
-        if not isinstance(self.optimizer, FusedAdamW):
+        if not isinstance(self.optimizer, (FusedAdamW, OffloadedAdamW)):
             return []
         reports, targets = [], {}
         for group, pieces in self.pieces_by_group:
@@ -209,7 +206,7 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
 
     def load_state_dict(self, state: dict) -> None:
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(state["optimizer"])  # refreshes offloaded params
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Optimizer state as flat per-parameter pieces that DCP can reshard to any DP size
@@ -230,8 +227,9 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
             shard_piece = by_name.get(name)
             torch_state = self.optimizer.state[shard_piece.main] if shard_piece else {}
             piece = shard_piece.piece if shard_piece else None
+            values = self._flat_states(shard_piece, keys) if shard_piece else {}
             for key in keys:
-                view = torch_state[key].view(-1) if shard_piece else None
+                view = values.get(key)
                 set_present(
                     state[key], name, flat_value(mesh, group.layout.slots[index], piece, view)
                 )
@@ -244,15 +242,44 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
             state["step"] = step
         return state
 
+    def _flat_states(self, shard_piece: ShardPiece, keys: tuple[str, ...]) -> dict:
+        """The piece's states flattened, in fp32: views of fp32 states (DCP loads in place),
+        the logical fp32 values of bf16/fp16/fp8 moments (new tensors), so a checkpoint holds
+        the same values whatever moment dtypes saved it and loads into any."""
+        main = shard_piece.main
+        torch_state = self.optimizer.state[main]
+        if all(torch_state[key].dtype == torch.float32 for key in keys):
+            # An offloaded piece's state is on the host: a device copy for the collectives.
+            return {key: torch_state[key].view(-1).to(main.device) for key in keys}
+        logical = self.optimizer.logical_state(main)
+        return {key: logical[key].view(-1).to(main.device) for key in keys}
+
     @torch.no_grad()
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a state that DCP filled (pieces already in place where they are views)."""
+        """Take a state that DCP filled (pieces already in place where they are views);
+        moments held in other dtypes are rounded into them from the loaded fp32 values."""
+        adam = self.config.optimizer == "adam"
         for piece in self.pieces:
             torch_state = self.optimizer.state[piece.main]
-            for key, value in torch_state.items():
-                if key == "step":
-                    value.copy_(state["step"])
-                    continue
+            if "step" in torch_state:
+                torch_state["step"].copy_(state["step"])
+            keys = ("exp_avg", "exp_avg_sq") if adam else ("momentum_buffer",)
+            converted = {}
+            for key in keys:
                 loaded = local_piece(state[key].get(piece.name))
-                if loaded is not None and loaded.data_ptr() != value.data_ptr():
+                value = torch_state[key]
+                if loaded is None or loaded.data_ptr() == value.data_ptr():
+                    continue
+                if value.dtype == torch.float32:
                     value.view(-1).copy_(loaded.reshape(-1))
+                else:
+                    converted[key] = loaded.reshape(piece.main.shape)
+            if converted:
+                self.optimizer.set_logical_state(piece.main, converted)
+        self.refresh_offloaded_params()
+
+    def refresh_offloaded_params(self) -> None:
+        """With CPU offload, copy the main params into the host update's copies: after a load
+        changed them (the checkpoint loads the model before the optimizer)."""
+        if isinstance(self.optimizer, OffloadedAdamW):
+            self.optimizer.refresh_host_params()

@@ -7,9 +7,12 @@ bytes are re-quantized from the fp32 main params on load, so a checkpoint resume
 size and any recipe (or none).
 Optimizer (FsdpDistributedOptimizer.sharded_state_dict, built from the helpers here):
 {"step": scalar, "<state key>": {name: flat state}} (exp_avg/exp_avg_sq for Adam,
-momentum_buffer for SGD). Every flat value is the parameter flattened to 1-D: a DTensor over the
-data-parallel mesh whose local piece is a *view* of this rank's buffer (so DCP writes loads
-straight into it) when main params are sharded (absent on a rank that holds none of the
+momentum_buffer for SGD), always as fp32 values: bf16/fp16/fp8 moments (the precision-aware
+optimizer) are saved as their logical fp32 values and rounded into the loading run's moment
+dtypes, so a run resumes with other moment dtypes, at any DP size. Every flat value is the
+parameter flattened to 1-D: a DTensor over the data-parallel mesh whose local piece is a *view*
+of this rank's buffer (so DCP writes loads straight into it; a copy for non-fp32 or offloaded
+moments) when main params are sharded (absent on a rank that holds none of the
 parameter), or a plain replicated tensor under no_shard.
 """
 

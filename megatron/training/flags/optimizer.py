@@ -1,0 +1,110 @@
+"""Optimizer-state flags with Megatron-LM's spelling and meaning (the precision-aware optimizer
+and its CPU offload), their checks, and the resolution of the compile default.
+
+`add_optimizer_state_args` is registered in arguments.build_parser; `validate_optimizer_args`
+runs from checks.validate_args and raises ValueError naming the flags and the fix (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron.core.optimizer import check_optimizer_config
+from megatron.core.optimizer.config import OptimizerConfig
+from megatron.core.optimizer.precision import STATE_DTYPES
+
+MOMENT_DTYPES = tuple(STATE_DTYPES)
+"""fp32, bf16, fp16, fp8: Megatron-LM's choices of --exp-avg-dtype / --exp-avg-sq-dtype."""
+
+
+def add_optimizer_state_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("optimizer state (precision-aware optimizer, CPU offload)")
+    group.add_argument(
+        "--use-precision-aware-optimizer",
+        action="store_true",
+        help="Keep the AdamW moments in --exp-avg-dtype / --exp-avg-sq-dtype (Megatron-LM's "
+        "flag); fp16 and fp8 moments carry one fp32 scale per tensor, as TransformerEngine's.",
+    )
+    for flag, moment in (("--exp-avg-dtype", "first"), ("--exp-avg-sq-dtype", "second")):
+        group.add_argument(
+            flag,
+            choices=MOMENT_DTYPES,
+            default="fp32",
+            help=f"dtype of AdamW's {moment} moment; other than fp32 needs "
+            "--use-precision-aware-optimizer.",
+        )
+    group.add_argument(
+        "--optimizer-cpu-offload",
+        action="store_true",
+        help="Keep --optimizer-offload-fraction of the optimizer state, and its update, on the "
+        "CPU (needs --use-precision-aware-optimizer, as in Megatron-LM).",
+    )
+    group.add_argument(
+        "--optimizer-offload-fraction",
+        type=float,
+        default=1.0,
+        help="Fraction of the optimizer's elements offloaded with --optimizer-cpu-offload.",
+    )
+
+
+def validate_optimizer_args(args: argparse.Namespace) -> None:
+    """Refuse optimizer-state settings the optimizer or the engine cannot hold (ValueError)."""
+    config = OptimizerConfig(
+        optimizer=args.optimizer,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        exp_avg_dtype=args.exp_avg_dtype,
+        exp_avg_sq_dtype=args.exp_avg_sq_dtype,
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
+        optimizer_offload_fraction=args.optimizer_offload_fraction,
+    )
+    check_optimizer_config(config)
+    if args.optimizer_cpu_offload and getattr(args, "use_torch_fsdp2", False):
+        raise ValueError(
+            "--optimizer-cpu-offload works with Megatron-FSDP and torch DDP; drop "
+            "--use-torch-fsdp2 (use --use-megatron-fsdp) or drop --optimizer-cpu-offload"
+        )
+    _validate_main_params_dtype(args)
+
+
+def _validate_main_params_dtype(args: argparse.Namespace) -> None:
+    if args.main_params_dtype == "fp32":
+        return
+    flag = f"--main-params-dtype {args.main_params_dtype}"
+    if not args.use_precision_aware_optimizer:
+        raise ValueError(f"{flag} needs --use-precision-aware-optimizer (as in Megatron-LM)")
+    if not args.use_megatron_fsdp:
+        raise ValueError(
+            f"{flag}: only Megatron-FSDP holds non-fp32 main params; add --use-megatron-fsdp "
+            "or use --main-params-dtype fp32"
+        )
+    if args.fp8_param_gather:
+        raise ValueError(
+            f"{flag}: FP8 parameters are re-quantized from fp32 main params; use "
+            "--main-params-dtype fp32 or drop --fp8-param-gather"
+        )
+
+
+def resolve_compile_default(args: argparse.Namespace) -> None:
+    """resolve_torch_compile, its reason added to the startup notes."""
+    reason = resolve_torch_compile(args)
+    args.megatron_lm_notes.append(f"transformer layers run {reason}.")
+
+
+def resolve_torch_compile(args: argparse.Namespace, *, cuda_available: bool | None = None) -> str:
+    """Fill args.torch_compile (None: not given) and return the reason, for the startup log.
+
+    On CUDA the transformer layers compile by default (the fast configuration); on CPU the
+    default stays eager (the compile time dominates a CPU run). Every configuration these
+    flags accept compiles (tests/unit_tests/training/test_torch_compile.py: fp32, FSDP2 bf16,
+    FP8 recipes under Megatron-FSDP and DDP, activation recompute), so none is refused."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if args.torch_compile is not None:
+        given = "--torch-compile" if args.torch_compile else "--no-torch-compile"
+        return f"{'compiled' if args.torch_compile else 'eager'} ({given})"
+    args.torch_compile = cuda_available
+    if not cuda_available:
+        return "eager (the default without CUDA: compile time dominates a CPU run)"
+    return "compiled (the default on CUDA; --no-torch-compile for eager)"
