@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.training.flags.megatron_lm_table import unbuilt_table_flags
+
 # Megatron-LM's --dist-ckpt-strictness choices.
 _STRICTNESS = (
     "assume_ok_unexpected",
@@ -480,13 +482,14 @@ _UNBUILT = (
 def unbuilt_features(args: argparse.Namespace) -> str | None:
     """One message naming every not-built feature the command line asks for, or None."""
     found = [
-        (written.format(v=getattr(args, attr)), instead)
+        f"{written.format(v=getattr(args, attr))} (use {instead})"
         for attr, wanted, written, instead in _UNBUILT
         if wanted(getattr(args, attr))
     ]
+    found += unbuilt_table_flags(args)
     if not found:
         return None
-    lines = "; ".join(f"{flag} (use {instead})" for flag, instead in found)
+    lines = "; ".join(found)
     return (
         f"megatron-fp8 has not built these Megatron-LM features: {lines}. Supported: one model "
         "replica per rank (tensor, pipeline, context and expert parallel sizes 1) with data "

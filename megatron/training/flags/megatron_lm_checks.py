@@ -10,13 +10,15 @@ import argparse
 
 import torch
 
+from megatron.training.flags.megatron_lm_table import table_notes
+
 
 def resolve_megatron_lm_args(args: argparse.Namespace) -> list[str]:
     """Map the Megatron-LM flags onto ours; return the log notes for given flags that do not
     apply here. Raises ValueError (shown as one `error:` line) for a value we cannot honour."""
     _resolve_parallel(args)
     _resolve_fsdp_dtypes(args)
-    return _notes(args)
+    return _notes(args) + table_notes(args)
 
 
 def _resolve_parallel(args: argparse.Namespace) -> None:
