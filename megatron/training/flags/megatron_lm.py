@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.training.flags.megatron_lm_table import unbuilt_table_flags
+from megatron.training.flags.mup import add_mup_args
 
 # Megatron-LM's --dist-ckpt-strictness choices.
 _STRICTNESS = (
@@ -34,7 +35,15 @@ _FSDP_DTYPES = ("fp32", "bf16", "fp16", "fp64", "auto")
 
 
 def add_megatron_lm_args(parser: argparse.ArgumentParser) -> None:
-    for add in (_add_features, _add_logging, _add_fp16, _add_profiling, _add_knobs, _add_unbuilt):
+    for add in (
+        _add_features,
+        _add_logging,
+        _add_fp16,
+        _add_profiling,
+        add_mup_args,
+        _add_knobs,
+        _add_unbuilt,
+    ):
         add(parser)
 
 
@@ -370,7 +379,6 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         "--num-layers-per-virtual-pipeline-stage",
         "--num-experts",
         "--mtp-num-layers",
-        "--mup-base-hidden-size",
     ):
         group.add_argument(flag, type=int, default=None, help="Not built here (refused).")
     group.add_argument(
@@ -378,7 +386,7 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Sequence parallelism; at tensor-parallel size 1 it is off, as in Megatron-LM.",
     )
-    for flag in ("--tp-comm-overlap", "--use-mup", "--fim-data", "--verify-integrity"):
+    for flag in ("--tp-comm-overlap", "--fim-data", "--verify-integrity"):
         group.add_argument(flag, action="store_true", help="Not built here (refused).")
     for flag in ("--fim-rate", "--fim-spm-rate"):
         group.add_argument(flag, type=float, default=None, help="Not built here (refused).")
@@ -447,13 +455,6 @@ _UNBUILT = (
         "next-token prediction only",
     ),
     ("tp_comm_overlap", bool, "--tp-comm-overlap", "no tensor parallelism, so nothing to overlap"),
-    ("use_mup", bool, "--use-mup", "standard parametrization (--init-method-std)"),
-    (
-        "mup_base_hidden_size",
-        lambda v: v is not None,
-        "--mup-base-hidden-size {v}",
-        "standard parametrization",
-    ),
     ("fim_data", bool, "--fim-data", "plain GPT data"),
     ("fim_rate", lambda v: v is not None, "--fim-rate {v}", "plain GPT data"),
     ("fim_spm_rate", lambda v: v is not None, "--fim-spm-rate {v}", "plain GPT data"),

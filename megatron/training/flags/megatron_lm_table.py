@@ -126,6 +126,10 @@ NO_EFFECT_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
         "when --manual-gc collects around evaluation (timing only)",
     ),
     (("--local-rank",), "the launcher's rank; torchrun's environment gives it here"),
+    (
+        ("--mup-width-mult",),
+        "Megatron-LM overwrites it with --hidden-size / --mup-base-hidden-size, as here",
+    ),
 )
 
 _NARGS = {"0": 0, "1": None, "?": "?", "*": "*", "+": "+"}
