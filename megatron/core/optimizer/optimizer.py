@@ -96,8 +96,9 @@ def mup_group_overrides(config: OptimizerConfig) -> dict[str, float]:
 def build_torch_optimizer(
     named_main_params: Iterable[tuple[str, torch.Tensor]], *, config: OptimizerConfig
 ) -> torch.optim.Optimizer:
-    """AdamW or SGD over main params, split into a decayed and a non-decayed group, and with
-    --decoupled-lr each of those again into the embedding/output weights and the rest."""
+    """AdamW or SGD over main params, split into a decayed and a non-decayed group, with
+    --decoupled-lr each of those again into the embedding/output weights and the rest, and
+    under muP into the width-scaled params (own max_lr/min_lr/eps) and the rest."""
     decoupled = config.decoupled_lr is not None
     split: dict[tuple[bool, bool, bool], list[torch.Tensor]] = {}
     for name, param in named_main_params:
