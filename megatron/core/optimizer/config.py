@@ -36,6 +36,10 @@ class OptimizerConfig:
     decoupled_min_lr: float | None = None
     """Floor of the decoupled learning rate (`--decoupled-min-lr`; None: `min_lr`)."""
 
+    mup_width_mult: float = 1.0
+    """muP width mult (hidden / base hidden, `--use-mup`): hidden matrices train at lr / m and
+    eps / m (optimizer.is_mup_scaled_parameter); 1.0 is the standard parametrization."""
+
     clip_grad: float = 1.0
     """Clip the global L2 grad norm (over all shards and ranks) to this value; 0 disables."""
 

@@ -6,6 +6,7 @@ when that norm is NaN/Inf. Megatron-FSDP's sharded optimizer implements the same
 
 from __future__ import annotations
 
+import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -67,35 +68,63 @@ def is_embedding_or_output_parameter(name: str) -> bool:
     return name.endswith("embedding.word_embeddings.weight") or name.endswith("output_layer.weight")
 
 
+def is_mup_scaled_parameter(name: str, param: torch.Tensor, config: OptimizerConfig) -> bool:
+    """Under muP (width mult != 1): the hidden matrix-like params, whose lr (Adam also eps) is
+    scaled; vector-like params (ndim <= 1), embeddings and the output layer keep the base
+    values (Megatron-LM's get_mup_config_overrides). SGD scales the vector-like ones instead,
+    except decoupled-lr embedding/output weights, which keep --decoupled-lr."""
+    if config.mup_width_mult == 1.0:
+        return False
+    embedding_class = ".embedding." in f".{name}" or name.endswith("output_layer.weight")
+    vector_like = embedding_class or param.ndim <= 1
+    if config.optimizer == "sgd":
+        decoupled = config.decoupled_lr is not None and is_embedding_or_output_parameter(name)
+        return vector_like and not decoupled
+    return not vector_like
+
+
+def mup_group_overrides(config: OptimizerConfig) -> dict[str, float]:
+    """max_lr, min_lr (and for Adam eps) of a muP-scaled group: Adam's hidden matrices at
+    1 / width mult, SGD's vector-like params at width mult times the base."""
+    mult = config.mup_width_mult if config.optimizer == "sgd" else 1.0 / config.mup_width_mult
+    overrides = {"max_lr": config.lr * mult, "min_lr": config.min_lr * mult}
+    if config.optimizer == "adam":
+        overrides["eps"] = config.adam_eps * mult
+    return overrides
+
+
 def build_torch_optimizer(
     named_main_params: Iterable[tuple[str, torch.Tensor]], *, config: OptimizerConfig
 ) -> torch.optim.Optimizer:
-    """AdamW or SGD over main params, split into a decayed and a non-decayed group, and with
-    --decoupled-lr each of those again into the embedding/output weights and the rest."""
+    """AdamW or SGD over main params, split into a decayed and a non-decayed group, with
+    --decoupled-lr each of those again into the embedding/output weights and the rest, and
+    under muP into the width-scaled params (own max_lr/min_lr/eps) and the rest."""
     decoupled = config.decoupled_lr is not None
-    split: dict[tuple[bool, bool], list[torch.Tensor]] = {}
+    split: dict[tuple[bool, bool, bool], list[torch.Tensor]] = {}
     for name, param in named_main_params:
         own_lr = decoupled and is_embedding_or_output_parameter(name)
-        key = (own_lr, is_no_weight_decay(name, param))
+        scaled = is_mup_scaled_parameter(name, param, config)
+        key = (own_lr, scaled, is_no_weight_decay(name, param))
         split.setdefault(key, []).append(param)
     groups = []
     # Plain groups first: the scheduler reports group 0's lr as the run's learning rate.
-    for own_lr in (False, True):
-        for no_decay in (False, True):
-            params = split.get((own_lr, no_decay), [])
-            if not params:
-                continue
-            group = {
-                "params": params,
-                "weight_decay": 0.0 if no_decay else config.weight_decay,
-                "wd_mult": 0.0 if no_decay else 1.0,
-            }
-            if own_lr:
-                group["max_lr"] = config.decoupled_lr
-                group["min_lr"] = (
-                    config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr
-                )
-            groups.append(group)
+    for own_lr, scaled, no_decay in itertools.product((False, True), repeat=3):
+        params = split.get((own_lr, scaled, no_decay), [])
+        if not params:
+            continue
+        group = {
+            "params": params,
+            "weight_decay": 0.0 if no_decay else config.weight_decay,
+            "wd_mult": 0.0 if no_decay else 1.0,
+        }
+        if own_lr:
+            group["max_lr"] = config.decoupled_lr
+            group["min_lr"] = (
+                config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr
+            )
+        if scaled:
+            group.update(mup_group_overrides(config))
+        groups.append(group)
     check_optimizer_config(config)
     if config.optimizer == "adam":
         options = dict(

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatron.core.transformer import mup
 from megatron.core.transformer.linear import build_linear
 from megatron.core.transformer.rope import apply_rotary
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -15,9 +16,14 @@ RotaryCosSin = tuple[torch.Tensor, torch.Tensor] | None
 
 
 def core_attention(
-    q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, dropout_p: float
+    q_BHSD: torch.Tensor,
+    k_BGSD: torch.Tensor,
+    v_BGSD: torch.Tensor,
+    dropout_p: float,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + causal mask) v with dropout on the probabilities.
+    """softmax(q k^T * scale + causal mask) v with dropout on the probabilities; scale None is
+    1 / sqrt(d) (muP sets its own: megatron.core.transformer.mup.softmax_scale).
 
     Query head h reads key/value group h // (heads / groups), the same grouping as
     HuggingFace's repeat_kv and SDPA's enable_gqa.
@@ -33,7 +39,13 @@ def core_attention(
             k_BGSD = k_BGSD.repeat_interleave(heads // groups, dim=1)
             v_BGSD = v_BGSD.repeat_interleave(heads // groups, dim=1)
     return F.scaled_dot_product_attention(
-        q_BHSD, k_BGSD, v_BGSD, dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa
+        q_BHSD,
+        k_BGSD,
+        v_BGSD,
+        dropout_p=dropout_p,
+        is_causal=True,
+        scale=scale,
+        enable_gqa=enable_gqa,
     )
 
 
@@ -52,6 +64,7 @@ class SelfAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_groups = config.num_query_groups
         self.head_dim = config.kv_channels
+        self.softmax_scale = mup.softmax_scale(config)
         self.attention_dropout = config.attention_dropout
         self.selective_recompute = config.recompute_granularity == "selective"
         qkv_width = (self.num_heads + 2 * self.num_groups) * self.head_dim
@@ -89,9 +102,15 @@ class SelfAttention(nn.Module):
             # (probabilities) and is cheap next to the Linears. Checkpoint restores the RNG
             # state, so attention dropout draws the same mask on recompute.
             context = checkpoint(
-                core_attention, q_BHSD, k_BGSD, v_BGSD, dropout_p, use_reentrant=False
+                core_attention,
+                q_BHSD,
+                k_BGSD,
+                v_BGSD,
+                dropout_p,
+                self.softmax_scale,
+                use_reentrant=False,
             )
         else:
-            context = core_attention(q_BHSD, k_BGSD, v_BGSD, dropout_p)
+            context = core_attention(q_BHSD, k_BGSD, v_BGSD, dropout_p, self.softmax_scale)
         context_BSD = context.transpose(1, 2).reshape(batch, seq, q_width)
         return self.linear_proj(context_BSD)

@@ -9,10 +9,10 @@ on meta and materialized unit by unit, on any device, or with other parameters a
 from __future__ import annotations
 
 import hashlib
-import math
 
 import torch
 
+from megatron.core.transformer import mup
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 # Modules whose `.weight` is a norm scale (initialized to one).
@@ -34,6 +34,8 @@ PLAIN_NORMAL_MODULE_NAMES = frozenset(
         "linear_gate",
     }
 )
+# Weights that keep the base std under muP (Megatron-LM: embeddings and the untied output layer).
+EMBEDDING_CLASS_MODULE_NAMES = frozenset({"word_embeddings", "position_embeddings", "output_layer"})
 # First component of every GPTModel parameter name; anything before it is a wrapper prefix.
 _ROOT_NAMES = ("embedding", "decoder", "output_layer")
 
@@ -70,9 +72,10 @@ def _init_rule(name: str, config: TransformerConfig) -> tuple[str, float]:
         # --apply-layernorm-1p stores scale - 1, which starts at 0.
         return ("zeros" if config.apply_layernorm_1p else "ones"), 0.0
     if module_name in RESIDUAL_OUTPUT_MODULE_NAMES:
-        return "normal", config.init_method_std / math.sqrt(2.0 * config.num_layers)
+        return "normal", mup.init_std(config, residual_output=True, embedding=False)
     if module_name in PLAIN_NORMAL_MODULE_NAMES:
-        return "normal", config.init_method_std
+        embedding = module_name in EMBEDDING_CLASS_MODULE_NAMES
+        return "normal", mup.init_std(config, residual_output=False, embedding=embedding)
     raise ValueError(
         f"init_parameter_: no init rule for {name!r}; add its module name to one of the rule "
         "sets in megatron/core/transformer/init.py"
@@ -88,7 +91,8 @@ def init_parameter_(
     `tensor` must have the parameter's full shape (a shard owner draws the full tensor and
     slices it). Rules: norm weights 1 (0 with apply_layernorm_1p), biases 0, embeddings and
     Linear weights normal(0, init_method_std), attention/MLP output projections
-    normal(0, init_method_std / sqrt(2 * num_layers)). Meta tensors are left alone.
+    normal(0, init_method_std / sqrt(2 * num_layers)); under muP the non-embedding weights'
+    std is further divided by sqrt(width mult) (mup.init_std). Meta tensors are left alone.
     """
     kind, std = _init_rule(name, config)
     if tensor.is_meta:

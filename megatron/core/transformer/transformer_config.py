@@ -109,6 +109,25 @@ class TransformerConfig:
     """Zero-centred norm scales (Megatron-LM's `--apply-layernorm-1p`): the stored weight w
     starts at 0 and the norm multiplies by 1 + w, so weight decay pulls the scale toward 1."""
 
+    use_mup: bool = False
+    """muP (Megatron-LM's `--use-mup`): width-scaled init, attention and logits scales and
+    per-group Adam lr/eps (megatron/core/transformer/mup.py has the formulas)."""
+
+    mup_base_hidden_size: int | None = None
+    """Hidden size of the muP base model (`--mup-base-hidden-size`); None: hidden_size."""
+
+    mup_base_head_dim: int | None = None
+    """Head dim of the muP base model (`--mup-base-head-dim`); None: softmax scale 1 / d^p."""
+
+    mup_attn_scale_power: float = 1.0
+    """Power p of the muP softmax scale sqrt(base head dim) / kv_channels^p."""
+
+    mup_embedding_mult: float = 1.0
+    """Multiplier of the embedding output under muP (`--mup-embedding-mult`)."""
+
+    mup_output_mult: float = 1.0
+    """Multiplier of the logits under muP (`--mup-output-mult`; 1.0: 1 / width mult)."""
+
     fp8: Fp8Config | None = None
     """FP8 settings for transformer Linears; None keeps every Linear in params_dtype."""
 
@@ -209,5 +228,7 @@ class TransformerConfig:
         self.ffn_hidden_size = shape["ffn_hidden_size"]
         self.num_query_groups = shape["num_query_groups"]
         self.kv_channels = shape["kv_channels"]
+        if self.use_mup and self.mup_base_hidden_size is None:
+            self.mup_base_hidden_size = self.hidden_size  # width mult 1, as Megatron-LM
         if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size

@@ -20,6 +20,7 @@ from megatron.training.flags.checkpoint_args import load_args_from_checkpoint
 from megatron.training.flags.checks import ArgumentError, validate_args
 from megatron.training.flags.megatron_lm import add_megatron_lm_args
 from megatron.training.flags.optimizer import add_optimizer_state_args
+from megatron.training.flags.megatron_lm_table import add_megatron_lm_table_args
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -539,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_megatron_lm_args,
     ):
         add(parser)
+    add_megatron_lm_table_args(parser)  # last: the Megatron-LM flags no group above defines
     return parser
 
 

@@ -20,6 +20,7 @@ from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.flags.mup import MUP_CONFIG_FIELDS, mup_width_mult
 from megatron.training.flags.run_config import (
     ARCHITECTURE_FLAGS,
     CheckpointConfig,
@@ -112,6 +113,7 @@ def _transformer_config(args: argparse.Namespace, *, vocab_rows: int) -> Transfo
         recompute_num_layers=args.recompute_num_layers,
         apply_layernorm_1p=args.apply_layernorm_1p,
         fp8=build_fp8_config(args),
+        **{name: getattr(args, name) for name in MUP_CONFIG_FIELDS},
     )
 
 
@@ -133,7 +135,12 @@ _OPTIMIZER_NOT_FLAGS = ("moment_scaling",)
 
 def build_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     defaults = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
-    return _from_flags(OptimizerConfig, args, **{n: defaults[n] for n in _OPTIMIZER_NOT_FLAGS})
+    return _from_flags(
+        OptimizerConfig,
+        args,
+        mup_width_mult=mup_width_mult(args),
+        **{n: defaults[n] for n in _OPTIMIZER_NOT_FLAGS},
+    )
 
 
 def num_microbatches(args: argparse.Namespace) -> int:

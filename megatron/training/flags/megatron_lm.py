@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.training.flags.megatron_lm_table import unbuilt_table_flags
+from megatron.training.flags.mup import add_mup_args
+
 # Megatron-LM's --dist-ckpt-strictness choices.
 _STRICTNESS = (
     "assume_ok_unexpected",
@@ -32,7 +35,15 @@ _FSDP_DTYPES = ("fp32", "bf16", "fp16", "fp64", "auto")
 
 
 def add_megatron_lm_args(parser: argparse.ArgumentParser) -> None:
-    for add in (_add_features, _add_logging, _add_fp16, _add_profiling, _add_knobs, _add_unbuilt):
+    for add in (
+        _add_features,
+        _add_logging,
+        _add_fp16,
+        _add_profiling,
+        add_mup_args,
+        _add_knobs,
+        _add_unbuilt,
+    ):
         add(parser)
 
 
@@ -368,7 +379,6 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         "--num-layers-per-virtual-pipeline-stage",
         "--num-experts",
         "--mtp-num-layers",
-        "--mup-base-hidden-size",
     ):
         group.add_argument(flag, type=int, default=None, help="Not built here (refused).")
     group.add_argument(
@@ -376,7 +386,7 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Sequence parallelism; at tensor-parallel size 1 it is off, as in Megatron-LM.",
     )
-    for flag in ("--tp-comm-overlap", "--use-mup", "--fim-data", "--verify-integrity"):
+    for flag in ("--tp-comm-overlap", "--fim-data", "--verify-integrity"):
         group.add_argument(flag, action="store_true", help="Not built here (refused).")
     for flag in ("--fim-rate", "--fim-spm-rate"):
         group.add_argument(flag, type=float, default=None, help="Not built here (refused).")
@@ -445,13 +455,6 @@ _UNBUILT = (
         "next-token prediction only",
     ),
     ("tp_comm_overlap", bool, "--tp-comm-overlap", "no tensor parallelism, so nothing to overlap"),
-    ("use_mup", bool, "--use-mup", "standard parametrization (--init-method-std)"),
-    (
-        "mup_base_hidden_size",
-        lambda v: v is not None,
-        "--mup-base-hidden-size {v}",
-        "standard parametrization",
-    ),
     ("fim_data", bool, "--fim-data", "plain GPT data"),
     ("fim_rate", lambda v: v is not None, "--fim-rate {v}", "plain GPT data"),
     ("fim_spm_rate", lambda v: v is not None, "--fim-spm-rate {v}", "plain GPT data"),
@@ -480,13 +483,14 @@ _UNBUILT = (
 def unbuilt_features(args: argparse.Namespace) -> str | None:
     """One message naming every not-built feature the command line asks for, or None."""
     found = [
-        (written.format(v=getattr(args, attr)), instead)
+        f"{written.format(v=getattr(args, attr))} (use {instead})"
         for attr, wanted, written, instead in _UNBUILT
         if wanted(getattr(args, attr))
     ]
+    found += unbuilt_table_flags(args)
     if not found:
         return None
-    lines = "; ".join(f"{flag} (use {instead})" for flag, instead in found)
+    lines = "; ".join(found)
     return (
         f"megatron-fp8 has not built these Megatron-LM features: {lines}. Supported: one model "
         "replica per rank (tensor, pipeline, context and expert parallel sizes 1) with data "

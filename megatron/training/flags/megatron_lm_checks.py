@@ -10,13 +10,16 @@ import argparse
 
 import torch
 
+from megatron.training.flags.megatron_lm_table import table_notes
+from megatron.training.flags.mup import mup_notes, validate_mup_args
+
 
 def resolve_megatron_lm_args(args: argparse.Namespace) -> list[str]:
     """Map the Megatron-LM flags onto ours; return the log notes for given flags that do not
     apply here. Raises ValueError (shown as one `error:` line) for a value we cannot honour."""
     _resolve_parallel(args)
     _resolve_fsdp_dtypes(args)
-    return _notes(args)
+    return _notes(args) + table_notes(args) + mup_notes(args)
 
 
 def _resolve_parallel(args: argparse.Namespace) -> None:
@@ -216,6 +219,7 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
                 f"--decoupled-min-lr {floor} must be in [0, --decoupled-lr {args.decoupled_lr}]."
             )
     _validate_fp16(args)
+    validate_mup_args(args)
     _validate_profiling(args)
     _validate_torch_fsdp2(args)
 

@@ -1,4 +1,4 @@
-"""Megatron-LM's own command lines run here (issue 20, acceptance 1 and 2).
+"""Megatron-LM's own command lines run here (issue 20, acceptance 1 and 2; issue 36: muP).
 
 Each line below is copied from NVIDIA/Megatron-LM (main, d98e8a64dd): flags in their order and
 spelling, bash's word splitting kept (so `--split '99,1,0'` keeps its quotes, as the llama
@@ -173,6 +173,20 @@ FUNCTIONAL_RESUME_DIST_OPTIMIZER = (
     --log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker
 """
 )
+# gpt3_mcore_te_tp1_pp1_mup (from release core_v0.19.0; hidden 512 over base 256 there, 64 over
+# 32 here: width mult 2)
+FUNCTIONAL_MUP = (
+    _FUNCTIONAL_HEAD
+    + """
+    --transformer-impl transformer_engine --tensor-model-parallel-size 1
+    --pipeline-model-parallel-size 1 --use-distributed-optimizer --no-mmap-bin-files
+    --deterministic-mode --no-gradient-accumulation-fusion --attention-softmax-in-fp32
+    --use-mcore-models --ckpt-format torch_dist --dist-ckpt-strictness log_all
+    --data-cache-path {tmp}/cache --bf16 --attention-backend unfused
+    --log-memory-to-tensorboard --use-mup --mup-base-hidden-size 32 --async-save
+    --use-persistent-ckpt-worker
+"""
+)
 
 COMMAND_LINES = {
     "llama3_8b_h100_fp8": LLAMA3_8B_FP8,
@@ -185,6 +199,7 @@ COMMAND_LINES = {
         FUNCTIONAL_OVERLAP_GRAD_REDUCE_PARAM_GATHER
     ),
     "gpt3_mcore_te_tp1_pp1_resume_torch_dist_dist_optimizer": FUNCTIONAL_RESUME_DIST_OPTIMIZER,
+    "gpt3_mcore_te_tp1_pp1_mup": FUNCTIONAL_MUP,
 }
 
 
@@ -232,7 +247,7 @@ def test_lines_that_mean_the_same_model_log_the_same_losses(runs):
     """The four GPT-3 functional cases build the same model on the same data and seed; the
     distributed optimizer, full recompute, the overlaps and the implementation knobs must not
     change a bit of the losses."""
-    names = [name for name in COMMAND_LINES if name.startswith("gpt3_mcore")]
+    names = [name for name in COMMAND_LINES if name.startswith("gpt3_mcore") and "mup" not in name]
     losses = [runs[name][0].losses for name in names]
     assert all(other == losses[0] for other in losses[1:]), dict(zip(names, losses))
     # The two llama FSDP-script lines: Megatron-FSDP ZeRO-3 with per-token loss vs the
@@ -241,6 +256,26 @@ def test_lines_that_mean_the_same_model_log_the_same_losses(runs):
     fsdp = runs["llama3_8b_fsdp_h100_fp8 (USE_MEGATRON_FSDP=1)"][0].losses
     ddp = runs["llama3_8b_fsdp_h100_fp8 (USE_MEGATRON_FSDP=0)"][0].losses
     assert fsdp == ddp
+
+
+def test_mup_line_trains_another_model_than_its_standard_twin(runs):
+    """Same line as the no-mmap functional case plus --use-mup --mup-base-hidden-size: the
+    width-scaled init and output multiplier (1/2) change the very first loss."""
+    mup = runs["gpt3_mcore_te_tp1_pp1_mup"][0].losses
+    standard = runs["gpt3_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files"][0].losses
+    assert all(mup[i] != standard[i] for i in (1, 2, 3))
+
+
+def test_mup_line_exits_0_through_pretrain_gpt(tmp_path):
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *argv_of(FUNCTIONAL_MUP, tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = logged_losses(done.stdout)
+    assert sorted(logged) == [1, 2, 3] and all(math.isfinite(v) for v in logged.values())
 
 
 def test_fp16_line_skips_overflowing_updates(runs):

@@ -5,8 +5,8 @@ The check is the issue's grep, `args.` anywhere in the text of megatron/core and
 modules below `pretrain()` (so `kwargs.` or `saved_args.` count too: name such things otherwise),
 and with `ast`: no `argparse` import and no `Namespace` in those modules. Parse-time modules
 keep the Namespace: flags/arguments.py, checkpoint_args.py and checks.py (parsing and validation),
-flags/configs.py (builds the configs from it), flags/megatron_lm.py and megatron_lm_checks.py
-(add, map and check Megatron-LM's flags at parse time)."""
+flags/configs.py (builds the configs from it), flags/megatron_lm.py, megatron_lm_checks.py,
+megatron_lm_table.py and mup.py (add, map and check Megatron-LM's flags at parse time)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ PARSE_TIME = {
         "configs",
         "megatron_lm",
         "megatron_lm_checks",
+        "megatron_lm_table",
+        "mup",
     )
 }
 ARGS_ATTRIBUTE = re.compile(r"args\.")  # as `grep -rn "args\."`

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.core.transformer import mup
 from megatron.core.transformer.init import init_parameter_
 from megatron.core.transformer.moe.moe_layer import local_expert_rows
 from megatron.core.transformer.rope import RotaryEmbedding, rotary_dim
@@ -63,11 +64,14 @@ class LanguageModelEmbedding(nn.Module):
                 config.max_sequence_length, config.hidden_size, dtype=config.params_dtype
             )
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+        self.mup_embedding_mult = mup.embedding_mult(config)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x_BSD = self.word_embeddings(input_ids)
         if self.position_embeddings is not None:
             x_BSD = x_BSD + self.position_embeddings(position_ids)
+        if self.mup_embedding_mult != 1.0:
+            x_BSD = x_BSD * self.mup_embedding_mult
         return self.embedding_dropout(x_BSD)
 
 
@@ -97,6 +101,7 @@ class GPTModel(nn.Module):
         super().__init__()
         check_model_config(config)
         self.config = config
+        self.mup_output_mult = mup.output_mult(config)
         self.embedding = LanguageModelEmbedding(config)
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
@@ -164,6 +169,8 @@ class GPTModel(nn.Module):
             rotary_cos_sin = self.rotary_pos_emb(position_ids)
         x_BSD = self.decoder(x_BSD, rotary_cos_sin)
         logits_BSV = F.linear(x_BSD, self.output_weight())
+        if self.mup_output_mult != 1.0:
+            logits_BSV = logits_BSV * self.mup_output_mult
         if labels is None:
             return logits_BSV
         if labels.shape != input_ids.shape:

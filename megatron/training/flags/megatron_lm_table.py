@@ -1,0 +1,249 @@
+"""Every other flag of Megatron-LM's parser (release core_v0.19.0), so none is "unrecognized".
+
+megatron_lm_core_v0.19.0.tsv (package data, written by dev/dump_megatron_lm_flags.py) lists each
+option string of Megatron-LM's `arguments.py` with its number of values and its default. The
+ones no other module defines are added here, hidden from --help (one help line names the table).
+Given on a command line, such a flag is
+- accepted with one log note when it belongs to a family of pure performance, logging or
+  launcher knobs of Megatron-LM's implementation (NO_EFFECT_FAMILIES: results do not change), or
+  when its value is exactly Megatron-LM's default;
+- otherwise named in the one exit-2 "not built" message (megatron_lm.unbuilt_features).
+Parse-time code: it reads the argparse Namespace before configs.build_run_config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import os
+
+RELEASE = "core_v0.19.0"
+TABLE = os.path.join(os.path.dirname(__file__), f"megatron_lm_{RELEASE}.tsv")
+GIVEN = "megatron_lm_table_given"  # Namespace attribute: ((flag, values, default repr), ...)
+
+# (flag prefixes, why such a flag changes no result here). A prefix ends where a flag name's
+# word ends ("--log-" matches "--log-energy"); a full flag name matches only itself.
+NO_EFFECT_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (
+        (
+            "--log-",
+            "--wandb-",
+            "--tensorboard-queue-size",
+            "--one-logger-",
+            "--no-one-logger",
+            "--app-tag-",
+            "--config-logger-dir",
+            "--timing-log-option",
+            "--no-barrier-with-level-1-timing",
+            "--disable-log-loss-scale-to-tensorboard",
+            "--no-log-loss-scale-to-tensorboard",
+        ),
+        "a logging switch of Megatron-LM's loggers; this run logs its own lines and series",
+    ),
+    (
+        ("--pytorch-profiler-", "--record-shapes", "--nvtx-ranges"),
+        "a profiler detail; --profile --use-pytorch-profiler here records its own trace",
+    ),
+    (
+        (
+            "--no-bias-dropout-fusion",
+            "--no-bias-gelu-fusion",
+            "--no-bias-swiglu-fusion",
+            "--no-masked-softmax-fusion",
+            "--no-persist-layer-norm",
+            "--no-rope-fusion",
+            "--no-gradient-reduce-div-fusion",
+            "--disable-jit-fuser",
+            "--use-flash-attn",
+            "--flash-attention-version",
+        ),
+        "a kernel choice of Megatron-LM's (fused or unfused, same math); the layers here are "
+        "our own PyTorch modules",
+    ),
+    (
+        (
+            "--ddp-bucket-size",
+            "--ddp-num-buckets",
+            "--ddp-pad-buckets-for-high-nccl-busbw",
+            "--no-align-grad-reduce",
+            "--disable-align-grad-reduce",
+            "--no-align-param-gather",
+            "--nccl-communicator-config-path",
+            "--disable-symmetric-registration",
+            "--use-sharp",
+            "--sharp-enabled-group",
+            "--create-all-gather-group",
+            "--high-priority-stream-groups",
+            "--disable-gloo-process-groups",
+            "--distributed-timeout-seconds-after-init",
+        ),
+        "a communication scheduling knob (buckets, streams, NCCL set-up); it changes speed, "
+        "never the reduced values",
+    ),
+    (
+        (
+            "--ckpt-assume-constant-structure",
+            "--ckpt-fully-parallel-",
+            "--async-ckpt-",
+            "--async-strategy",
+            "--dist-ckpt-workers",
+            "--disable-ckpt-load-validate-sharding-integrity",
+            "--no-ckpt-load-validate-sharding-integrity",
+        ),
+        "a checkpoint I/O knob of Megatron-LM's dist-checkpointing; checkpoints here are "
+        "written and read by our own code, same contents",
+    ),
+    (
+        (
+            "--flight-recorder-",
+            "--disable-flight-recorder-",
+            "--no-flight-recorder-",
+            "--straggler-",
+            "--disable-straggler-on-startup",
+        ),
+        "a debugging/monitoring aid of Megatron-LM (NCCL flight recorder, straggler detector)",
+    ),
+    (
+        (
+            "--num-dataset-builder-threads",
+            "--dataloader-defer-npy-index-mmap",
+            "--dataloader-fast-cache-load",
+        ),
+        "a data-loading speed knob; the tokens read are the same",
+    ),
+    (
+        (
+            "--enable-cuda-graph",
+            "--cuda-graph-",
+            "--external-cuda-graph",
+            "--keep-fp8-transpose-cache",
+        ),
+        "a CUDA-graph or cache knob of TransformerEngine (speed and memory only)",
+    ),
+    (
+        ("--disable-manual-gc-eval", "--no-manual-gc-eval"),
+        "when --manual-gc collects around evaluation (timing only)",
+    ),
+    (("--local-rank",), "the launcher's rank; torchrun's environment gives it here"),
+    (
+        ("--mup-width-mult",),
+        "Megatron-LM overwrites it with --hidden-size / --mup-base-hidden-size, as here",
+    ),
+)
+
+_NARGS = {"0": 0, "1": None, "?": "?", "*": "*", "+": "+"}
+
+
+@functools.lru_cache(maxsize=1)
+def read_table() -> tuple[tuple[str, str, str], ...]:
+    """(flag, number of values, default repr) of every row of the table."""
+    with open(TABLE, encoding="utf-8") as handle:
+        lines = [line.rstrip("\n") for line in handle if line.strip()]
+    return tuple(tuple(line.split("\t")) for line in lines if not line.startswith("#"))
+
+
+class _Given(argparse.Action):
+    """Records (flag, values, default repr) of a table flag that is given."""
+
+    def __init__(self, *args, table_default: str, **kwargs):
+        self.table_default = table_default
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = tuple(getattr(namespace, self.dest) or ())
+        setattr(namespace, self.dest, (*given, (option_string, values, self.table_default)))
+
+
+def add_megatron_lm_table_args(parser: argparse.ArgumentParser) -> None:
+    """Add every table flag no other module defined (call it after all other flags)."""
+    missing = [row for row in read_table() if row[0] not in parser._option_string_actions]
+    group = parser.add_argument_group(
+        f"other Megatron-LM {RELEASE} flags",
+        f"The {len(missing)} other flags of Megatron-LM {RELEASE}'s arguments.py (table: "
+        f"megatron/training/flags/megatron_lm_{RELEASE}.tsv, docs/MEGATRON_LM_FLAGS.md) are "
+        "accepted but not listed: a performance or logging knob, or a value equal to "
+        "Megatron-LM's default, is logged as having no effect here; any other is refused as not "
+        "built.",
+    )
+    for flag, arity, default in missing:
+        nargs = _NARGS[arity] if arity in _NARGS else int(arity)
+        group.add_argument(
+            flag,
+            action=_Given,
+            dest=GIVEN,
+            nargs=nargs,
+            default=None,
+            table_default=default,
+            metavar="V",
+            help=argparse.SUPPRESS,
+        )
+
+
+def no_effect_reason(flag: str) -> str | None:
+    for prefixes, reason in NO_EFFECT_FAMILIES:
+        if any(flag == p or (p.endswith("-") and flag.startswith(p)) for p in prefixes):
+            return reason
+    return None
+
+
+def is_megatron_lm_default(values, default_repr: str) -> bool:
+    """Whether the given value(s) equal Megatron-LM's default (a flag without values never
+    does: giving it flips the default)."""
+    if values is None or (isinstance(values, list) and not values):
+        return False
+    try:
+        default = ast.literal_eval(default_repr)
+    except (ValueError, SyntaxError):
+        return False
+    if isinstance(values, list):
+        if not isinstance(default, (list, tuple)) or len(default) != len(values):
+            return False
+        return all(_same(value, item) for value, item in zip(values, default))
+    return _same(values, default)
+
+
+def _same(value: str, default) -> bool:
+    if default is None:
+        return False
+    if isinstance(default, bool):
+        return value.lower() == str(default).lower()
+    if isinstance(default, (int, float)):
+        try:
+            return float(value) == float(default)
+        except ValueError:
+            return False
+    return value == str(default)
+
+
+def table_flags_given(args: argparse.Namespace) -> tuple[tuple[str, object, str], ...]:
+    return tuple(getattr(args, GIVEN, None) or ())
+
+
+def unbuilt_table_flags(args: argparse.Namespace) -> list[str]:
+    """The given table flags that change something we have not built, as written."""
+    return [
+        _written(flag, values)
+        for flag, values, default in table_flags_given(args)
+        if no_effect_reason(flag) is None and not is_megatron_lm_default(values, default)
+    ]
+
+
+def table_notes(args: argparse.Namespace) -> list[str]:
+    """One log note per given table flag that is accepted, saying why it has no effect."""
+    notes = []
+    for flag, values, default in table_flags_given(args):
+        reason = no_effect_reason(flag)
+        if reason is None and is_megatron_lm_default(values, default):
+            reason = f"Megatron-LM's default ({default}), which is what runs here"
+        if reason is not None:
+            notes.append(f"{_written(flag, values)}: no effect here: {reason}.")
+    return notes
+
+
+def _written(flag: str, values) -> str:
+    if values is None:
+        return flag
+    if isinstance(values, list):
+        return " ".join((flag, *values)) if values else flag
+    return f"{flag} {values}"

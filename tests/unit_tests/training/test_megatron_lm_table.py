@@ -1,0 +1,118 @@
+"""Every flag of Megatron-LM core_v0.19.0's arguments.py is known (issue 36, acceptance 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.training.flags import megatron_lm_table as table
+from megatron.training.flags.arguments import build_parser, parse_args
+from tests.unit_tests.training.common import TINY_GPT
+
+NOT_BUILT = "megatron-fp8 has not built these Megatron-LM features"
+
+
+def _values(arity: str, default: str) -> list[str]:
+    """A value of the flag's arity that differs from Megatron-LM's default where it can."""
+    if arity in ("0", "?"):
+        return []
+    count = 1 if arity in ("1", "+", "*") else int(arity)
+    return ["7"] * count
+
+
+def _outcome(argv, capsys) -> tuple[int, str, list[str]]:
+    try:
+        args = parse_args(TINY_GPT + argv, world_size=1)
+    except SystemExit as error:
+        return error.code, capsys.readouterr().err, []
+    return 0, "", list(args.megatron_lm_notes)
+
+
+def test_table_names_the_release_and_holds_every_flag_once():
+    with open(table.TABLE, encoding="utf-8") as handle:
+        assert handle.readline().startswith("# Megatron-LM core_v0.19.0 (2026-08-19)")
+    rows = table.read_table()
+    flags = [row[0] for row in rows]
+    assert len(flags) == len(set(flags)) == 846
+    assert ("--tp-comm-overlap-cfg", "1", "None") in rows
+
+
+def test_every_table_flag_is_known_to_the_parser():
+    known = build_parser()._option_string_actions
+    assert [row[0] for row in table.read_table() if row[0] not in known] == []
+
+
+def test_every_added_flag_is_refused_by_name_or_accepted_with_a_note(capsys):
+    """Each flag the table adds, given with a value of its arity: exit 2 with the one not-built
+    message naming it, or a run whose notes say why it has no effect here."""
+    own = {
+        flag
+        for action in build_parser()._actions
+        if not isinstance(action, table._Given)
+        for flag in action.option_strings
+    }
+    counts = {"refused": 0, "noted": 0}
+    for flag, arity, default in table.read_table():
+        if flag in own:
+            continue
+        argv = [flag, *_values(arity, default)]
+        code, err, notes = _outcome(argv, capsys)
+        written = " ".join(argv)
+        if code == 2:
+            assert err.count("error:") == 1 and NOT_BUILT in err and written in err, (argv, err)
+            counts["refused"] += 1
+        else:
+            assert code == 0 and any(note.startswith(f"{written}: no effect") for note in notes)
+            counts["noted"] += 1
+    assert counts["refused"] > 400 and counts["noted"] > 60, counts
+
+
+def test_own_flags_of_the_table_are_never_unrecognized(capsys):
+    for flag, arity, default in table.read_table():
+        code, err, _ = _outcome([flag, *_values(arity, default)], capsys)
+        assert "unrecognized arguments" not in err, flag
+
+
+def test_tp_comm_overlap_cfg_is_named_with_the_other_unbuilt_features(capsys):
+    code, err, _ = _outcome(
+        ["--tp-comm-overlap-cfg", "x.yaml", "--tensor-model-parallel-size", "2"], capsys
+    )
+    assert code == 2 and err.count("error:") == 1
+    assert "--tp-comm-overlap-cfg x.yaml" in err and "--tensor-model-parallel-size 2" in err
+    assert "unrecognized" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, note",
+    [
+        (["--ddp-bucket-size", "40000000"], "communication scheduling knob"),
+        (["--log-energy"], "logging switch"),
+        (["--no-bias-gelu-fusion"], "kernel choice"),
+        (["--ckpt-fully-parallel-load"], "checkpoint I/O knob"),
+        (["--attention-dropout", "0.1", "--rope-type", "rope"], None),
+        (["--weight-decay-incr-style", "constant"], "Megatron-LM's default ('constant')"),
+        (["--start-weight-decay", "7"], None),
+    ],
+)
+def test_one_note_or_one_refusal(argv, note, capsys):
+    code, err, notes = _outcome(argv, capsys)
+    if note is None:
+        assert code == 2 and f"{argv[-2]} {argv[-1]}" in err
+    else:
+        assert code == 0 and [n for n in notes if note in n] != []
+        assert sum(n.startswith(argv[0]) for n in notes) == 1
+
+
+def test_value_equal_to_the_default_is_recognised():
+    assert table.is_megatron_lm_default("1.0", "1.0")
+    assert table.is_megatron_lm_default("1", "1.0")
+    assert table.is_megatron_lm_default("single", "'single'")
+    assert table.is_megatron_lm_default(["1", "2"], "[1, 2]")
+    assert not table.is_megatron_lm_default("2", "1.0")
+    assert not table.is_megatron_lm_default("x", "None")
+    assert not table.is_megatron_lm_default([], "False")
+
+
+def test_help_names_the_table_and_hides_its_flags():
+    text = build_parser().format_help()
+    assert "megatron_lm_core_v0.19.0.tsv" in text
+    assert "--tp-comm-overlap-cfg" not in text and "--use-distributed-optimizer" in text
