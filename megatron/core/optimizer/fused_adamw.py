@@ -211,6 +211,7 @@ class FusedAdamW(torch.optim.AdamW):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict saved with any moment dtypes, converting into this one's."""
+        saved_groups = state_dict["param_groups"]  # read first, as torch's own load does
         saved = state_dict["state"]
         moments = {
             key: {n: dequantize(entry[n], entry.get(f"{n}_scale")) for n in MOMENTS if n in entry}
@@ -224,7 +225,7 @@ class FusedAdamW(torch.optim.AdamW):
         self._host_steps.clear()  # re-read from the loaded step tensors
         params = {
             key: param
-            for saved_group, group in zip(state_dict["param_groups"], self.param_groups)
+            for saved_group, group in zip(saved_groups, self.param_groups)
             for key, param in zip(saved_group["params"], group["params"])
         }
         with torch.no_grad():
