@@ -43,4 +43,4 @@ def test_quickstart_learns(tmp_path):
     assert run.iterations == [20, 40, 60, 80, 100]
     assert run.series["lm loss"] == train
     assert run.validation_series["lm loss validation"] == valid
-    assert run.recipe == "bf16"
+    assert run.recipe == "none" and run.settings["params-dtype"] == "float32"  # fp32, no FP8
