@@ -1,22 +1,13 @@
 """fp8_autocast and the delayed-scaling state (FP8_NUMERICS.md, recipe "delayed").
 
-Each Fp8Linear owns a `DelayedScaling` with one `ScalingMeta` per quantized tensor (input,
-weight, grad): a scale and an amax history. Quantizing records max|x| into history slot 0 and
-marks the meta pending. Once per direction all pending metas are flushed together: their new
-amaxes are packed into ONE fp32 buffer, all-reduced with MAX over the model setup's amax
-group (`Fp8Setup`, one collective), then every scale is updated and every history rolled.
-- Forward: flushed when the model's forward (apply_fp8_setup) or the fp8_autocast block ends,
-  or right after the module's forward when it has no setup.
-- Backward: flushed by a callback queued on the autograd engine, which runs once when the
-  backward pass finishes. With reentrant activation checkpointing each checkpointed segment is
-  its own backward pass; use torch.utils.checkpoint(..., use_reentrant=False) to keep one
-  collective per backward.
-
-Activation recompute (torch.utils.checkpoint re-running a forward during backward) is detected
-with torch._C._current_graph_task_id(), which is -1 except while the autograd engine runs: a
-forward that runs inside the engine is a recompute. It quantizes with the scales the first
-forward used (saved per meta as `forward_scale`) and records no amax. This assumes a step's
-backward runs before the next forward of the same module, as in non-pipelined training.
+Each Fp8Linear owns a `DelayedScaling` with one `ScalingMeta` (scale, amax history) per
+quantized tensor. Quantizing records max|x| into slot 0 and marks the meta pending; once per
+direction all pending metas are flushed together (one packed MAX all-reduce over the
+`Fp8Setup`'s amax group, then every scale updated and history rolled). Forward: when the
+model's forward or the fp8_autocast block ends (or after the module's forward without a
+setup). Backward: a callback queued on the autograd engine; reentrant checkpointing makes each
+segment its own backward, so use `use_reentrant=False` to keep one collective. Recompute:
+FP8_NUMERICS.md (assumes a step's backward runs before the module's next forward).
 """
 
 from __future__ import annotations

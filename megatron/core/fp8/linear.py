@@ -1,26 +1,13 @@
 """Fp8Linear: y = x W^T + b with all three GEMMs in FP8 (FP8_NUMERICS.md, "Which copy each
-GEMM reads").
+GEMM reads"; E5M2 gradients under "hybrid", so no GEMM is E5M2 x E5M2).
 
-fprop  Y  = X W^T : X rowwise  x W rowwise     (per-tensor recipes: fast accumulation)
-dgrad  dX = dY W  : dY rowwise x W columnwise  (split accumulation)
-wgrad  dW = dY^T X: dY columnwise x X columnwise (split accumulation)
-
-Gradients are E5M2 under "hybrid", so no GEMM is E5M2 x E5M2. Backward saves quantized bytes,
-never the high-precision input (except that, given `activation_input`, it keeps that tensor,
-which the caller's activation keeps anyway, and re-quantizes wgrad's input from it). The
-weight is either a high-precision nn.Parameter quantized every forward, or (built under
-`quantized_model_init`) a QuantizedTensor parameter whose bytes the optimizer / FSDP engine
-rewrites in place.
-
-One forward and one backward serve every device, through the backend `quantization.backend_for`
-chooses (fused CUDA kernels or `reference_ops.py`, one interface). Settings come from one
-place, the module's `fp8_setup` (`apply_fp8_setup`, `fp8_autocast`). Under torch.compile see
-`compile.py` (`prepare_for_compile`: no graph break for any recipe).
-
-Gradient hook point for FP8 weights: the weight gradient is returned to autograd in the
-weight's high-precision dtype, so it lands in `weight.grad` through AccumulateGrad. The FSDP
-engine routes it into its grad buffer with `weight.register_post_accumulate_grad_hook(hook)`
-(the hook copies/accumulates `weight.grad` into the buffer and sets `weight.grad = None`).
+Backward saves quantized bytes, never the high-precision input (except `activation_input`,
+which the caller keeps anyway). The weight is a high-precision nn.Parameter quantized every
+forward, or (under `quantized_model_init`) a QuantizedTensor whose bytes the optimizer / FSDP
+engine rewrites in place. The backend is `quantization.backend_for`'s; settings come only from
+the module's `fp8_setup`; torch.compile: `compile.py`. The weight gradient reaches autograd in
+the weight's high-precision dtype (AccumulateGrad into `weight.grad`, where the engine's
+post-accumulate-grad hook takes it).
 """
 
 from __future__ import annotations

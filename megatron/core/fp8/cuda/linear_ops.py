@@ -1,25 +1,13 @@
 """The fused CUDA backend (`quantization.backend_for`, same interface as `reference_ops`):
 GEMM-ready FP8 operands for Fp8Linear, one fused quantize pass per tensor.
 
-Each call reads the high-precision tensor once and writes exactly the copies the GEMMs of
-FP8_NUMERICS.md ("Which copy each GEMM reads") need, already in the layout torch._scaled_mm
-takes, so no `.t().contiguous()` copy and no host sync happens inside a training step:
-
-| recipe | `rowwise` operand [M, K] | `transposed` operand [K, M] (contracts over M) |
-|---|---|---|
-| delayed, tensorwise | bytes, 0-d scale_inv | transposed bytes, same scale_inv |
-| blockwise 1x128 | bytes, (M, K/128) outer-dim-major | 128x1 bytes transposed, (K, M/128) |
-| blockwise 128x128 | bytes, (M/128, K/128) | transposed bytes and grid |
-| mxfp8 (emulated) | dequantize(1x32 quantize(x)) | grad: dequantize(32x1 quantize(x)), [M, K] |
-| | | input, weight: 32x1 bytes [M, K], (M/32, K) E8M0 |
-
-Delayed scaling records max|x| inside the cast kernel into slot 0 of the tensor's amax history
-(an atomic max on the fp32 bits), so the step needs no separate amax op. MXFP8 on sm_90 has no
-hardware GEMM: the fused kernel writes the dequantized values, which the caller multiplies in
-bf16 with fp32 accumulation (exact products, same as dequantize-then-multiply in fp32 up to the
-accumulation order). The transposed copies of inputs and weights are kept for backward, so
-they stay bytes and scales (one byte per element, not two) and the GEMM that reads them
-dequantizes them first.
+Each call reads x once and writes exactly the copies the GEMMs need (FP8_NUMERICS.md, "Which
+copy each GEMM reads") in torch._scaled_mm's layout (1x128 scales outer-dim-major, transposed
+copies [K, M]), so no `.t().contiguous()` and no host sync happens in a step. Delayed scaling
+records max|x| inside the cast kernel (atomic max on fp32 bits into history slot 0). MXFP8 has
+no GEMM on sm_90: the kernel writes dequantized values for a bf16 GEMM with fp32 accumulation
+(exact products); transposed copies kept for backward stay bytes and scales, dequantized by
+the GEMM that reads them.
 """
 
 from __future__ import annotations
