@@ -2,27 +2,14 @@
 imports from `megatron.core.fp8` (the role `mixed_precision.py` plays in Megatron-FSDP).
 
 The engine stores FP8 weights as bytes and scales in flat buffers, writes them from fp32 main
-shards and gathers them; it never quantizes a whole tensor. What it needs, by topic:
-
-- Types: `QuantizedTensor` (the FP8 parameter), `Fp8Linear` (the only layer whose weight is
-  kept in FP8; `is_fp8_linear`), `Fp8Config` (a layer's settings), `RecipeSpec` (what a recipe
-  means; `recipe_spec` resolves a name once), `ScalingMeta` (delayed-scaling state).
-- Building: `quantized_model_init` (Fp8Linears built inside keep their weight in FP8),
-  `high_precision_init_value` / `forget_high_precision_init_value` (the exact initial value it
-  kept), `weight_fp8_dtype`, `new_fp8_weight` (an FP8 parameter with no bytes yet).
-- Geometry: a weight is quantized as its [rows, cols] view (`weight_rows_cols`) in a grid of
-  scale cells per direction (`weight_scale_grid`); `MXFP8_BLOCK` is the band height and scale
-  ratio of the only recipe whose blocks can be aligned with shard edges.
-- Writing a flat piece of a weight (docs/FP8_NUMERICS.md): `add_piece_cell_amaxes_` (max of
-  each cell the piece touches), `weight_cell_scales` (quantize multiplier and stored scale_inv
-  from the agreed amaxes, exactly as `quantize` derives them), `cast_piece_` (the piece's bytes
-  with those multipliers), `quantize_mxfp8_bands_` (bytes and E8M0 scales of whole 32-row
-  bands, no amax exchange).
-- Delayed scaling of weights: `advance_delayed_scales` (apply the recorded amaxes: scale update
-  and roll, all metas stacked) and `record_weight_amaxes`.
-
-Every function here delegates to the FP8 package's own rules; none changes a number. Nothing in
-`megatron.core.fp8` imports `megatron.core.distributed`.
+shards and gathers them; it never quantizes a whole tensor. It needs the types (`Fp8Linear`,
+`QuantizedTensor`, `Fp8Config`, `RecipeSpec`, `ScalingMeta`), building
+(`quantized_model_init`, the kept high-precision init value, `new_fp8_weight`), geometry (a
+weight's [rows, cols] view and scale-cell grid; `MXFP8_BLOCK`, the band height of the only
+recipe whose blocks can align with shard edges), piece writing (docs/FP8_NUMERICS.md: cell
+amaxes, cell scales exactly as `quantize` derives them, the cast, whole mxfp8 bands) and
+delayed scaling of weights. Every name delegates to the FP8 package's own rules; none changes
+a number. Nothing in `megatron.core.fp8` imports `megatron.core.distributed`.
 """
 
 from __future__ import annotations

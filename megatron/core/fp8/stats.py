@@ -1,12 +1,9 @@
 """FP8 statistics of one tensor under one recipe and role: what a user watches (issue 41).
 
-`fp8_tensor_stats(x, recipe=, role=)` returns the amax, the scale (per-tensor) or a summary of
-the block scales, the fraction of values that saturate (|x * scale| above the format's largest
-finite value before the saturating cast) and the fraction of non-zero values that flush to
-zero after quantization. It is a pure function built on the public quantization API
-(`quantize`, `compute_scale`, `recipe_spec`, `formats`): the scales are derived exactly as
-`quantize` derives them, and the flushed values are read from the bytes `quantize` wrote (or
-from a `QuantizedTensor` the caller already has, so a training loop pays no second cast).
+`fp8_tensor_stats(x, recipe=, role=)`: the amax, the scale (or a summary of block scales), the
+fraction that saturates and the fraction of non-zeros that flush to zero. A pure function of
+the public API: scales derived exactly as `quantize` derives them, flushes read from the bytes
+`quantize` wrote (or from a QuantizedTensor the caller has: no second cast).
 """
 
 from __future__ import annotations

@@ -139,15 +139,12 @@ def _remember(key, kernel, compiled, n_args: int, constexprs: dict) -> None:
 
 
 class LaunchSite:
-    """One call site that launches `kernel` again and again with the same grid, constexprs,
-    argument dtypes and int values (a fixed tensor shape), only the tensors changing: after
-    the first launch the compiled kernel is held here, so a launch skips even the key above.
-
-    `site(args, alignment)`: `alignment` is any hashable value the caller derives from its
-    arguments that determines which tensor arguments are 16-byte aligned (say, one bit per
-    tensor the caller did not allocate itself); the site holds one compiled kernel per value.
-    Everything else Triton specializes on (dtypes, int values, constexprs, device) must stay
-    fixed for the site's lifetime: the caller keeps one site per shape, dtypes and flags."""
+    """One call site launching `kernel` again and again with the same grid, constexprs, dtypes
+    and int values, only the tensors changing: after the first launch it holds the compiled
+    kernel, so a launch skips even the key above. `site(args, alignment)`: `alignment` is any
+    hashable the caller derives for which tensor arguments are 16-byte aligned (one compiled
+    kernel per value); everything else must stay fixed (one site per shape, dtypes and flags).
+    """
 
     __slots__ = ("kernel", "grid", "constexprs", "_held")
 
