@@ -283,13 +283,11 @@ def fp8_autocast(
     fp8_config: Fp8Config | None = None,
     amax_reduction_group: dist.ProcessGroup | None = None,
 ) -> Iterator[Fp8Setup]:
-    """Run `model`'s Fp8Linears inside in FP8 (enabled) or high precision (enabled=False).
-
-    Sets the same settings `apply_fp8_setup` sets (each Fp8Linear's `fp8_setup`) for the
-    block and restores the previous ones at exit, then flushes delayed scaling's forward
-    amaxes (one packed MAX all-reduce over `amax_reduction_group`). fp8_config, when given,
-    replaces each module's own config (its recipe must match FP8 weights). A recompute
-    (activation checkpointing) runs with the settings in force when it runs.
+    """Run `model`'s Fp8Linears inside in FP8 (enabled) or high precision: sets what
+    `apply_fp8_setup` sets for the block, restores it at exit, then flushes delayed scaling's
+    forward amaxes (one packed MAX all-reduce over `amax_reduction_group`). fp8_config replaces
+    each module's config (its recipe must match FP8 weights). A recompute runs with the settings
+    in force when it runs.
     """
     setup = Fp8Setup(fp8_config=fp8_config, group=amax_reduction_group, enabled=enabled)
     owners = [module for module in model.modules() if hasattr(module, "fp8_setup")]

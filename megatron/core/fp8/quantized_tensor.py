@@ -40,14 +40,10 @@ class Fp8DataReleasedError(RuntimeError):
 
 
 class Fp8Operand(NamedTuple):
-    """The one operand type FP8 GEMMs take (`fp8_gemm`, both backends' `gemm`), contracted
-    over its last dim K: data [rows, K] viewed as its FP8 dtype (the fused path's emulated
-    MXFP8 passes high-precision values instead, scale_inv None).
-
-    scale_inv has the operand's block-grid shape: 0-d (per tensor), (rows, ceil(K/B)) for 1xB
-    blocks, (ceil(rows/B), ceil(K/B)) for BxB blocks; the fused path's grids are in the layout
-    torch._scaled_mm reads. recipe and the block cell (0, 0: per tensor) are what the
-    reference GEMM dequantizes with; the fused GEMM takes the recipe as an argument.
+    """The one operand type FP8 GEMMs take (`fp8_gemm`, both backends' `gemm`), contracted over
+    its last dim K: data [rows, K] as its FP8 dtype (emulated MXFP8: high-precision values,
+    scale_inv None); scale_inv in the operand's block grid (the fused path's in torch._scaled_mm's
+    layout); recipe and block cell ((0, 0): per tensor) for the reference GEMM's dequantize.
     """
 
     data: torch.Tensor

@@ -1,13 +1,10 @@
 """The fused CUDA backend (`quantization.backend_for`, same interface as `reference_ops`):
-GEMM-ready FP8 operands for Fp8Linear, one fused quantize pass per tensor.
-
-Each call reads x once and writes exactly the copies the GEMMs need (FP8_NUMERICS.md, "Which
-copy each GEMM reads") in torch._scaled_mm's layout (1x128 scales outer-dim-major, transposed
-copies [K, M]), so no `.t().contiguous()` and no host sync happens in a step. Delayed scaling
-records max|x| inside the cast kernel (atomic max on fp32 bits into history slot 0). MXFP8 has
-no GEMM on sm_90: the kernel writes dequantized values for a bf16 GEMM with fp32 accumulation
-(exact products); transposed copies kept for backward stay bytes and scales, dequantized by
-the GEMM that reads them.
+GEMM-ready FP8 operands for Fp8Linear, one fused quantize pass per tensor, in
+torch._scaled_mm's layout (docs/FP8_NUMERICS.md, "The operands `cuda/linear_ops.py` writes"),
+so no `.t().contiguous()` and no host sync happens in a step. Delayed scaling records max|x|
+inside the cast kernel (atomic max on fp32 bits into history slot 0). MXFP8 has no GEMM on
+sm_90: the kernel writes dequantized values for a bf16 GEMM with fp32 accumulation; copies
+kept for backward stay bytes and scales, dequantized by the GEMM that reads them.
 """
 
 from __future__ import annotations
@@ -52,23 +49,17 @@ def quantize_operands(
     saved: bool | None = None,
     amax: torch.Tensor | None = None,
 ) -> tuple[Fp8Operand | None, Fp8Operand | None]:
-    """(rowwise operand, transposed operand) of a 2-D tensor, each None when not asked for.
+    """(rowwise operand, transposed operand) of a 2-D tensor, each None when not asked for; the
+    bytes equal `quantize(...)`'s exactly.
 
-    delayed: `scale` is the current 0-d fp32 scale; `amax_history` (fp32, contiguous), when
-    given, gets max|x| atomically maxed into its slot 0. tensorwise: the amax pass writes
-    partial maxima that the cast kernel reduces (no zero fill, no atomics). The bytes equal
-    `quantize(...)`'s exactly. mxfp8: the dequantized values come in
-    `dequant_dtype` (default: `emulation_dtype`), except a transposed copy that is `saved`
-    for backward: its bytes, with the E8M0 scales as scale_inv. `saved` defaults to whether
-    the role is an input's or a weight's (the forward keeps those); a transposed copy that a
-    GEMM reads at once (a grad's, or an input recomputed in backward) passes False.
-
-    tensorwise: `amax`, when given, is max|x| (NaN ignored) as a 0-d tensor of x's dtype or
-    fp32, and the amax pass is skipped. Under torch.compile it is computed in the graph when
-    not given (`producer_amax`), where Inductor fuses it into the kernel that produced x.
-
-    The launches of each (recipe, role, outputs, shape, dtype, device) are prepared once and
-    kept (`OperandPlan`), so a training step's call costs its allocations and launches.
+    delayed: `scale` is the current 0-d scale; `amax_history` (fp32, contiguous), when given, gets
+    max|x| atomically maxed into slot 0. tensorwise: the amax pass writes partial maxima that the
+    cast kernel reduces; `amax`, when given (max|x|, NaN ignored, 0-d of x's dtype or fp32),
+    skips it, and under torch.compile it comes from the graph (`producer_amax`, fused by Inductor
+    into x's producer). mxfp8: dequantized values in `dequant_dtype` (default `emulation_dtype`),
+    except a transposed copy `saved` for backward (default: for inputs and weights), which stays
+    bytes with E8M0 scale_inv. Launches are prepared once per (recipe, role, outputs, shape,
+    dtype, device) (`OperandPlan`): a step's call costs its allocations and launches.
     """
     x2d = x2d.contiguous()
     if x2d.numel() == 0:
