@@ -146,14 +146,11 @@ def in_recompute() -> bool:
 
 
 def reduce_and_update(metas: list[ScalingMeta], group: dist.ProcessGroup | None) -> None:
-    """One packed MAX all-reduce of every meta's slot-0 amax, then scale update + roll.
-
-    Metas that share format and settings are updated together as one [N, L] history, so a
-    flush costs a fixed number of small kernels whatever the number of layers. Afterwards
-    each meta's scale and history are views into the new stacked tensors: scales are
-    replaced, never written in place, so a scale captured by a forward stays what that
-    forward used. (The reduced amaxes are written into slot 0 of the histories being
-    replaced, which may be the previous flush's stacked tensor itself, see `_stacked`.)"""
+    """One packed MAX all-reduce of every meta's slot-0 amax, then scale update + roll. Metas
+    of the same format and settings update together as one [N, L] history (a fixed number of
+    small kernels whatever the layer count); each meta's scale and history then view the new
+    stacked tensors. Scales are replaced, never written in place, so a forward's captured scale
+    stays what it used (the reduced amaxes go into slot 0 of the replaced histories: `_stacked`)."""
     if not metas:
         return
     groups: dict[tuple, list[ScalingMeta]] = {}

@@ -102,14 +102,10 @@ def quantize_operands(
 
 
 def producer_amax(x2d: torch.Tensor) -> torch.Tensor:
-    """max|x| of a 2-D tensor, NaN ignored (as the amax pass), as a 0-d tensor of x's dtype,
-    in torch ops: the row maxima are a reduction over the same rows as a norm's, or over a
-    pointwise producer's output, so Inductor computes them in the producer's kernel.
-
-    Exact whatever Inductor does with the rounding: fused, it may take the maxima of the
-    producer's fp32 values before they are rounded to x's dtype, but rounding to nearest is
-    monotonic and odd, so rounding max|v| gives max|round(v)|, and the row maxima are stored
-    (so rounded) in x's dtype."""
+    """max|x| of a 2-D tensor, NaN ignored, as a 0-d tensor of x's dtype, in torch ops that
+    Inductor computes in x's producer's kernel (row maxima over a norm's rows or a pointwise
+    output). Exact even where Inductor takes the maxima of the fp32 values before rounding to x's
+    dtype: round-to-nearest is monotonic and odd, and the row maxima are stored in x's dtype."""
     magnitude = x2d.abs()
     magnitude = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
     return magnitude.amax(dim=-1).amax()
@@ -138,13 +134,10 @@ def _planned(key: tuple, x2d, scale, amax_history, amax=None):
 def _recording_operands(x2d, settings: tuple, scale, amax_history):
     """Delayed scaling's quantization under torch.compile: the custom op
     `megatron_fp8::quantize_operands_recording`, which declares the amax history it writes.
-
-    After a flush each history is a row of one stacked tensor (`autocast.reduce_and_update`).
-    Traced, the Triton launch's write into such a row did not reach the stacked tensor: on
-    the H200 the compiled records differed from eager
-    (`test_compiled_delayed_recording_equals_eager_with_stacked_histories`, run with this
-    op bypassed). A custom op's declared mutation is functionalized with the row's base, and
-    the records equal eager's."""
+    After a flush each history is a row of one stacked tensor; traced, the Triton launch's write
+    into such a row did not reach the stacked tensor (H200:
+    `test_compiled_delayed_recording_equals_eager_with_stacked_histories` with this op bypassed).
+    A declared mutation is functionalized with the row's base, and the records equal eager's."""
     fp8_dtype, rowwise, transposed = settings[1], settings[3], settings[4]
     data, data_t, scale_inv = _recording_op(x2d, *settings, scale, amax_history)
     row = Fp8Operand(data.view(fp8_dtype), scale_inv) if rowwise else None
