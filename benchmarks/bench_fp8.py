@@ -48,6 +48,7 @@ from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
 from megatron.core.fp8.cuda import quantize_per_tensor as qpt
 from megatron.core.fp8.cuda.launch import direct_launch_status  # noqa: E402
+from megatron.core.fp8.debug import DEBUG, set_debug_config  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
@@ -416,14 +417,21 @@ def sweep_configs(reporter: Reporter, x: torch.Tensor, copy_gbps: float) -> None
     for key, candidates in SWEEP.items():
         other = SWEEP_WITHOUT.get(key)
         if other is not None:
-            other_config, qc.TILE_CONFIG[other] = qc.TILE_CONFIG[other], {}
+            other_config = qc.tile_config(other)
+            _set_tile(other, {})
         try:
             _sweep_one(reporter, x, copy_gbps, key, candidates)
         finally:
             if other is not None:
-                qc.TILE_CONFIG[other] = other_config
+                _set_tile(other, other_config)
     linear_ops.clear_plans()  # Fp8Linear's prepared launches read the chosen configs
-    reporter.emit({"bench": "tile_config", "chosen": qc.TILE_CONFIG})
+    chosen = {key: qc.tile_config(key) for key in qc.TILE_CONFIG}
+    reporter.emit({"bench": "tile_config", "chosen": chosen})
+
+
+def _set_tile(key: str, config: dict) -> None:
+    """Override kernel `key`'s launch configuration through the FP8 debug config."""
+    set_debug_config(tiles={**DEBUG.tiles, key: config})
 
 
 def _sweep_one(
@@ -435,7 +443,7 @@ def _sweep_one(
     reference = None
     try:
         for config in candidates:
-            qc.TILE_CONFIG[key] = config
+            _set_tile(key, config)
             linear_ops.clear_plans()
             fn, moved = _operand_fn(x, key)
             outputs = [t.clone() for t in _outputs(fn())]
@@ -459,7 +467,7 @@ def _sweep_one(
             if same and (best is None or gbps > best[0]):
                 best = (gbps, config)
     finally:
-        qc.TILE_CONFIG[key] = best[1] if best is not None else candidates[0]
+        _set_tile(key, best[1] if best is not None else candidates[0])
 
 
 def bench_quantize(reporter: Reporter, *, sweep: bool) -> None:

@@ -1,22 +1,13 @@
 """fp8_autocast and the delayed-scaling state (FP8_NUMERICS.md, recipe "delayed").
 
-Each Fp8Linear owns a `DelayedScaling` with one `ScalingMeta` per quantized tensor (input,
-weight, grad): a scale and an amax history. Quantizing records max|x| into history slot 0 and
-marks the meta pending. Once per direction all pending metas are flushed together: their new
-amaxes are packed into ONE fp32 buffer, all-reduced with MAX over the model setup's amax
-group (`Fp8Setup`, one collective), then every scale is updated and every history rolled.
-- Forward: flushed when the model's forward (apply_fp8_setup) or the fp8_autocast block ends,
-  or right after the module's forward when it has no setup.
-- Backward: flushed by a callback queued on the autograd engine, which runs once when the
-  backward pass finishes. With reentrant activation checkpointing each checkpointed segment is
-  its own backward pass; use torch.utils.checkpoint(..., use_reentrant=False) to keep one
-  collective per backward.
-
-Activation recompute (torch.utils.checkpoint re-running a forward during backward) is detected
-with torch._C._current_graph_task_id(), which is -1 except while the autograd engine runs: a
-forward that runs inside the engine is a recompute. It quantizes with the scales the first
-forward used (saved per meta as `forward_scale`) and records no amax. This assumes a step's
-backward runs before the next forward of the same module, as in non-pipelined training.
+Each Fp8Linear owns a `DelayedScaling` with one `ScalingMeta` (scale, amax history) per
+quantized tensor. Quantizing records max|x| into slot 0 and marks the meta pending; once per
+direction all pending metas are flushed together (one packed MAX all-reduce over the
+`Fp8Setup`'s amax group, then every scale updated and history rolled). Forward: when the
+model's forward or the fp8_autocast block ends (or after the module's forward without a
+setup). Backward: a callback queued on the autograd engine; reentrant checkpointing makes each
+segment its own backward, so use `use_reentrant=False` to keep one collective. Recompute:
+FP8_NUMERICS.md (assumes a step's backward runs before the module's next forward).
 """
 
 from __future__ import annotations
@@ -155,14 +146,11 @@ def in_recompute() -> bool:
 
 
 def reduce_and_update(metas: list[ScalingMeta], group: dist.ProcessGroup | None) -> None:
-    """One packed MAX all-reduce of every meta's slot-0 amax, then scale update + roll.
-
-    Metas that share format and settings are updated together as one [N, L] history, so a
-    flush costs a fixed number of small kernels whatever the number of layers. Afterwards
-    each meta's scale and history are views into the new stacked tensors: scales are
-    replaced, never written in place, so a scale captured by a forward stays what that
-    forward used. (The reduced amaxes are written into slot 0 of the histories being
-    replaced, which may be the previous flush's stacked tensor itself, see `_stacked`.)"""
+    """One packed MAX all-reduce of every meta's slot-0 amax, then scale update + roll. Metas
+    of the same format and settings update together as one [N, L] history (a fixed number of
+    small kernels whatever the layer count); each meta's scale and history then view the new
+    stacked tensors. Scales are replaced, never written in place, so a forward's captured scale
+    stays what it used (the reduced amaxes go into slot 0 of the replaced histories: `_stacked`)."""
     if not metas:
         return
     groups: dict[tuple, list[ScalingMeta]] = {}
@@ -292,13 +280,11 @@ def fp8_autocast(
     fp8_config: Fp8Config | None = None,
     amax_reduction_group: dist.ProcessGroup | None = None,
 ) -> Iterator[Fp8Setup]:
-    """Run `model`'s Fp8Linears inside in FP8 (enabled) or high precision (enabled=False).
-
-    Sets the same settings `apply_fp8_setup` sets (each Fp8Linear's `fp8_setup`) for the
-    block and restores the previous ones at exit, then flushes delayed scaling's forward
-    amaxes (one packed MAX all-reduce over `amax_reduction_group`). fp8_config, when given,
-    replaces each module's own config (its recipe must match FP8 weights). A recompute
-    (activation checkpointing) runs with the settings in force when it runs.
+    """Run `model`'s Fp8Linears inside in FP8 (enabled) or high precision: sets what
+    `apply_fp8_setup` sets for the block, restores it at exit, then flushes delayed scaling's
+    forward amaxes (one packed MAX all-reduce over `amax_reduction_group`). fp8_config replaces
+    each module's config (its recipe must match FP8 weights). A recompute runs with the settings
+    in force when it runs.
     """
     setup = Fp8Setup(fp8_config=fp8_config, group=amax_reduction_group, enabled=enabled)
     owners = [module for module in model.modules() if hasattr(module, "fp8_setup")]

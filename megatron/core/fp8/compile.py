@@ -83,13 +83,11 @@ def deliver_stand_in_grad(stand_in: torch.Tensor) -> None:
 
 
 def prepare_for_compile(module: nn.Module) -> None:
-    """Hooks that run eagerly around each forward of `module` (whose forward is compiled)
-    what a compiled graph cannot: before it, each Fp8Linear's `before_compiled_forward`
-    (weight stand-ins, the recompute question, delayed scaling's flush scheduling); after it,
-    the forward flush outside an autocast and, when a backward will follow, a hook on the
-    outputs that queues delayed scaling's backward flush once the backward reaches the unit.
-    With the hooks the unit's Fp8Linears compile without graph breaks. Register them before
-    the FSDP engine's hooks; they read no weight bytes."""
+    """Hooks running eagerly around each compiled forward of `module` what a graph cannot:
+    before it each Fp8Linear's `before_compiled_forward`; after it the forward flush outside an
+    autocast and, when a backward follows, an output hook queueing delayed scaling's backward
+    flush. The unit's Fp8Linears then compile without graph breaks. Register them before the
+    FSDP engine's hooks; they read no weight bytes."""
 
     def linears(unit: nn.Module) -> list[nn.Module]:
         return [child for child in unit.modules() if hasattr(child, "before_compiled_forward")]

@@ -11,6 +11,10 @@ while tracing is guarded, so flipping one recompiles rather than reusing a stale
   pass (`benchmarks/model_a_dp1.sh` `<recipe>_amaxpass` rows, `dev/bench_producer_amax.py`).
 - `max_plans` (default 1024): how many prepared quantization plans `cuda.linear_ops` keeps
   (one per token count) before it starts over.
+- `tiles` (default empty): launch configurations by kernel key, each replacing that key's entry
+  of `cuda.quantize_common.TILE_CONFIG` at lookup (an empty dict turns that kernel off where
+  TILE_CONFIG allows it); `benchmarks/bench_fp8.py --sweep` and tests set it. Call
+  `cuda.linear_ops.clear_plans()` after changing it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import dataclasses
 class DebugConfig:
     amax_in_graph: bool = True
     max_plans: int = 1024
+    tiles: dict = dataclasses.field(default_factory=dict)
 
 
 DEBUG = DebugConfig()

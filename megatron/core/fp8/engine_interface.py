@@ -2,27 +2,14 @@
 imports from `megatron.core.fp8` (the role `mixed_precision.py` plays in Megatron-FSDP).
 
 The engine stores FP8 weights as bytes and scales in flat buffers, writes them from fp32 main
-shards and gathers them; it never quantizes a whole tensor. What it needs, by topic:
-
-- Types: `QuantizedTensor` (the FP8 parameter), `Fp8Linear` (the only layer whose weight is
-  kept in FP8; `is_fp8_linear`), `Fp8Config` (a layer's settings), `RecipeSpec` (what a recipe
-  means; `recipe_spec` resolves a name once), `ScalingMeta` (delayed-scaling state).
-- Building: `quantized_model_init` (Fp8Linears built inside keep their weight in FP8),
-  `high_precision_init_value` / `forget_high_precision_init_value` (the exact initial value it
-  kept), `weight_fp8_dtype`, `new_fp8_weight` (an FP8 parameter with no bytes yet).
-- Geometry: a weight is quantized as its [rows, cols] view (`weight_rows_cols`) in a grid of
-  scale cells per direction (`weight_scale_grid`); `MXFP8_BLOCK` is the band height and scale
-  ratio of the only recipe whose blocks can be aligned with shard edges.
-- Writing a flat piece of a weight (docs/FP8_NUMERICS.md): `add_piece_cell_amaxes_` (max of
-  each cell the piece touches), `weight_cell_scales` (quantize multiplier and stored scale_inv
-  from the agreed amaxes, exactly as `quantize` derives them), `cast_piece_` (the piece's bytes
-  with those multipliers), `quantize_mxfp8_bands_` (bytes and E8M0 scales of whole 32-row
-  bands, no amax exchange).
-- Delayed scaling of weights: `advance_delayed_scales` (apply the recorded amaxes: scale update
-  and roll, all metas stacked) and `record_weight_amaxes`.
-
-Every function here delegates to the FP8 package's own rules; none changes a number. Nothing in
-`megatron.core.fp8` imports `megatron.core.distributed`.
+shards and gathers them; it never quantizes a whole tensor. It needs the types (`Fp8Linear`,
+`QuantizedTensor`, `Fp8Config`, `RecipeSpec`, `ScalingMeta`), building
+(`quantized_model_init`, the kept high-precision init value, `new_fp8_weight`), geometry (a
+weight's [rows, cols] view and scale-cell grid; `MXFP8_BLOCK`, the band height of the only
+recipe whose blocks can align with shard edges), piece writing (docs/FP8_NUMERICS.md: cell
+amaxes, cell scales exactly as `quantize` derives them, the cast, whole mxfp8 bands) and
+delayed scaling of weights. Every name delegates to the FP8 package's own rules; none changes
+a number. Nothing in `megatron.core.fp8` imports `megatron.core.distributed`.
 """
 
 from __future__ import annotations
@@ -30,21 +17,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron.core.fp8.autocast import ScalingMeta, record_amaxes, reduce_and_update
+from megatron.core.fp8.autocast import ScalingMeta, reduce_and_update
+from megatron.core.fp8.autocast import record_amaxes as record_weight_amaxes
 from megatron.core.fp8.config import Fp8Config
-from megatron.core.fp8.cuda.piece_quantize import (
-    piece_cast_,
-    piece_cell_amax_,
-    quantize_mxfp8_rows_,
-    rows_cols,
-)
+from megatron.core.fp8.cuda.piece_quantize import piece_cast_, piece_cell_amax_, rows_cols
+from megatron.core.fp8.cuda.piece_quantize import quantize_mxfp8_rows_ as quantize_mxfp8_bands_
+from megatron.core.fp8.cuda.piece_quantize import rows_cols as weight_rows_cols
 from megatron.core.fp8.formats import e8m0_to_fp32, fp8_dtype_for_role
 from megatron.core.fp8.linear import Fp8Linear
 from megatron.core.fp8.param_init import (
-    clear_high_precision_init_val,
-    get_high_precision_init_val,
-    quantized_model_init,
+    clear_high_precision_init_val as forget_high_precision_init_value,
 )
+from megatron.core.fp8.param_init import get_high_precision_init_val as high_precision_init_value
+from megatron.core.fp8.param_init import quantized_model_init
 from megatron.core.fp8.quantization import compute_scale
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
@@ -112,21 +97,7 @@ def new_fp8_weight(
     )
 
 
-def high_precision_init_value(param: torch.Tensor) -> torch.Tensor | None:
-    """The exact high-precision initial value quantized_model_init kept for `param`, or None."""
-    return get_high_precision_init_val(param)
-
-
-def forget_high_precision_init_value(param: torch.Tensor) -> None:
-    clear_high_precision_init_val(param)
-
-
 # ----- geometry -------------------------------------------------------------------------------
-
-
-def weight_rows_cols(shape: torch.Size) -> tuple[int, int]:
-    """(rows, cols) of the 2-D view a weight is quantized in (leading dims fold into rows)."""
-    return rows_cols(shape)
 
 
 def weight_scale_grid(shape: torch.Size, spec: RecipeSpec, *, columnwise: bool) -> tuple[int, ...]:
@@ -210,28 +181,6 @@ def cast_piece_(
     )
 
 
-def quantize_mxfp8_bands_(
-    values2d: torch.Tensor,
-    *,
-    fp8_dtype: torch.dtype,
-    row_data: torch.Tensor | None,
-    row_scale: torch.Tensor | None,
-    col_data: torch.Tensor | None,
-    col_scale: torch.Tensor | None,
-) -> None:
-    """MXFP8 bytes and E8M0 scales of whole 32-row bands ([rows, K]) into the given views
-    (rowwise data [rows, K], scales [rows, K/32]; columnwise data [rows, K], scales
-    [rows/32, K]); a direction whose data is None is not written."""
-    quantize_mxfp8_rows_(
-        values2d,
-        fp8_dtype=fp8_dtype,
-        row_data=row_data,
-        row_scale=row_scale,
-        col_data=col_data,
-        col_scale=col_scale,
-    )
-
-
 # ----- delayed scaling ------------------------------------------------------------------------
 
 
@@ -239,8 +188,3 @@ def advance_delayed_scales(metas: list[ScalingMeta]) -> None:
     """Apply each weight's recorded amax (scale update and history roll), all metas stacked in
     one update; no collective (the amaxes recorded were already global)."""
     reduce_and_update(metas, None)
-
-
-def record_weight_amaxes(metas: list[ScalingMeta], amaxes: torch.Tensor) -> None:
-    """Record amaxes[i] as the newest amax of metas[i]."""
-    record_amaxes(metas, amaxes)

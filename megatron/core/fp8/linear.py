@@ -1,26 +1,13 @@
 """Fp8Linear: y = x W^T + b with all three GEMMs in FP8 (FP8_NUMERICS.md, "Which copy each
-GEMM reads").
+GEMM reads"; E5M2 gradients under "hybrid", so no GEMM is E5M2 x E5M2).
 
-fprop  Y  = X W^T : X rowwise  x W rowwise     (per-tensor recipes: fast accumulation)
-dgrad  dX = dY W  : dY rowwise x W columnwise  (split accumulation)
-wgrad  dW = dY^T X: dY columnwise x X columnwise (split accumulation)
-
-Gradients are E5M2 under "hybrid", so no GEMM is E5M2 x E5M2. Backward saves quantized bytes,
-never the high-precision input (except that, given `activation_input`, it keeps that tensor,
-which the caller's activation keeps anyway, and re-quantizes wgrad's input from it). The
-weight is either a high-precision nn.Parameter quantized every forward, or (built under
-`quantized_model_init`) a QuantizedTensor parameter whose bytes the optimizer / FSDP engine
-rewrites in place.
-
-One forward and one backward serve every device, through the backend `quantization.backend_for`
-chooses (fused CUDA kernels or `reference_ops.py`, one interface). Settings come from one
-place, the module's `fp8_setup` (`apply_fp8_setup`, `fp8_autocast`). Under torch.compile see
-`compile.py` (`prepare_for_compile`: no graph break for any recipe).
-
-Gradient hook point for FP8 weights: the weight gradient is returned to autograd in the
-weight's high-precision dtype, so it lands in `weight.grad` through AccumulateGrad. The FSDP
-engine routes it into its grad buffer with `weight.register_post_accumulate_grad_hook(hook)`
-(the hook copies/accumulates `weight.grad` into the buffer and sets `weight.grad = None`).
+Backward saves quantized bytes, never the high-precision input (except `activation_input`,
+which the caller keeps anyway). The weight is a high-precision nn.Parameter quantized every
+forward, or (under `quantized_model_init`) a QuantizedTensor whose bytes the optimizer / FSDP
+engine rewrites in place. The backend is `quantization.backend_for`'s; settings come only from
+the module's `fp8_setup`; torch.compile: `compile.py`. The weight gradient reaches autograd in
+the weight's high-precision dtype (AccumulateGrad into `weight.grad`, where the engine's
+post-accumulate-grad hook takes it).
 """
 
 from __future__ import annotations
@@ -225,17 +212,14 @@ def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
 
 
 def _recomputed_input_operand(ops, ctx, plan: _Plan, dy2d: torch.Tensor):
-    """wgrad's operand of the input, quantized now from activation(source): the same bytes
-    the forward would have saved, for the input recomputes bitwise (the same elementwise
-    code on the same values) and is quantized with the forward's scale (delayed: the scale
-    captured in `plan`, amax not recorded again; tensorwise: the same amax).
+    """wgrad's operand of the input, quantized now from activation(source): the bytes the
+    forward would have saved (the same elementwise code on the same values, the forward's scale:
+    delayed's captured in `plan` with no second record, tensorwise's same amax).
 
-    Compiled, the recomputation must stay in the backward graph: AOTAutograd's partitioner
-    computes in the forward every node that does not depend on a grad and keeps its output,
-    and it would keep these FP8 bytes after all. Multiplying the source by a 1.0 that the
-    custom op megatron_fp8::backward_one makes from the grad ties it to the backward; the
-    product is exact (x * 1.0 == x bitwise, signed zeros, infinities and NaN included) and
-    fuses into the activation's kernel."""
+    Compiled, AOTAutograd's partitioner would compute this in the forward (nothing in it depends
+    on a grad) and keep the FP8 bytes after all: multiplying the source by the 1.0 that
+    megatron_fp8::backward_one makes from the grad ties it to the backward (x * 1.0 == x
+    bitwise, NaN and signed zeros included; it fuses into the activation's kernel)."""
     source = ctx.saved_source
     if torch.compiler.is_compiling():
         source = source * backward_one(dy2d)
@@ -336,17 +320,12 @@ class Fp8Linear(nn.Module):
         return _Plan(config=config, scales=scales, metas=metas, record=not recompute, group=group)
 
     def refresh_weight_stand_in(self) -> None:
-        """Give an FP8 parameter its stand-in for compiled graphs, or a new one when the
-        weight's shape, dtype, device or requires_grad changed; none for other weights.
-
-        A QuantizedTensor cannot enter a compiled graph (`compile.forward_outside_the_graph`), so
-        the graph takes the stand-in in its place: a plain leaf tensor of the weight's shape
-        and dtype with zero strides (one element of storage). The GEMMs that read the weight
-        are the custom op megatron_fp8::fp8_weight_gemm, which finds the weight through the
-        stand-in when it runs (after the FSDP engine gathered its bytes); the wgrad that the
-        compiled backward returns for the stand-in goes to the weight in the stand-in's
-        post-accumulate-grad hook (`weight.grad`, then the weight's own hooks). Runs eagerly:
-        `prepare_for_compile` calls it before each compiled forward."""
+        """Give an FP8 parameter its stand-in for compiled graphs (a new one when the weight's
+        shape, dtype, device or requires_grad changed); none for other weights. A QuantizedTensor
+        cannot enter a compiled graph, so the graph takes a zero-stride leaf tensor of its shape and
+        dtype; megatron_fp8::fp8_weight_gemm finds the weight through it when it runs (after the
+        FSDP engine gathered its bytes), and the stand-in's post-accumulate-grad hook passes its
+        wgrad on to the weight. Runs eagerly, from `prepare_for_compile`, before each forward."""
         weight = self.weight
         if not isinstance(weight, QuantizedTensor) or weight.device.type == "meta":
             self._weight_stand_in = self._weight_stand_in_spec = None
@@ -377,17 +356,13 @@ class Fp8Linear(nn.Module):
         return True, self.fp8_config, None, None
 
     def before_compiled_forward(self, device: torch.device | None = None) -> None:
-        """Eager bookkeeping for the forward that follows (`prepare_for_compile`'s pre-forward
-        hook, `device` the unit's input's): refresh the weight stand-in, ask the autograd
-        engine whether this forward is a recompute, and for delayed scaling move its state to
-        `device` and schedule what the compiled forward and backward cannot (Python side
-        effects): the forward flush of the input (and weight) metas and the grad meta's place
-        in the next backward flush, which the unit's output hook queues. The compiled call
-        only records amaxes, inside its quantization ops.
-
-        The move must happen here: traced, it would create the histories inside the graph,
-        and a grad history made by the forward and written by the backward does not compile
-        (AOTAutograd's partitioner: a forward output that depends on the backward)."""
+        """Eager bookkeeping for the next forward (`prepare_for_compile`'s pre-forward hook,
+        `device` the unit's input's): refresh the weight stand-in, ask whether this forward is a
+        recompute and, for delayed scaling, move its state to `device` and schedule the Python side
+        effects a compiled graph cannot run (the forward flush of the input (and weight) metas, the
+        grad meta's place in the next backward flush). The move must happen here: traced, a grad
+        history made by the forward and written by the backward does not compile (AOTAutograd's
+        partitioner: a forward output that depends on the backward)."""
         self.refresh_weight_stand_in()
         if self.delayed_scaling is not None and device is not None:
             self.delayed_scaling.move_to(device)

@@ -1,13 +1,10 @@
 """quantized_model_init: build Fp8Linear weights that exist only in FP8 (FP8_NUMERICS.md,
 "FP8 parameters").
 
-Inside the context each Fp8Linear initializes its weight in high precision exactly as
-nn.Linear does, quantizes it into a QuantizedTensor parameter and (with
-preserve_high_precision_init_val) keeps the high-precision value on CPU, so that the FSDP
-engine can seed fp32 main params with the init values themselves, not dequantized FP8. The
-engine reads it with get_high_precision_init_val(param) and frees it with
-clear_high_precision_init_val(param). After every optimizer step the engine writes the updated
-main params back with `param.quantize_(new_value)` (or into its own shard buffers).
+Inside the context each Fp8Linear initializes its weight as nn.Linear does, quantizes it into
+a QuantizedTensor parameter and (preserve_high_precision_init_val) keeps the high-precision
+value on CPU, so the FSDP engine seeds fp32 main params with the init values, not dequantized
+FP8 (get_high_precision_init_val / clear_high_precision_init_val).
 """
 
 from __future__ import annotations

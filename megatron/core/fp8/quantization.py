@@ -56,12 +56,10 @@ def quantize(
 ) -> QuantizedTensor:
     """Quantize x ([..., K], fp32/bf16/fp16) to FP8 under `recipe` (FP8_NUMERICS.md).
 
-    role: "input" | "weight" | "grad" (picks 128x128 blocks for blockwise weights).
-    scale: delayed only, the current scale. amax: tensorwise only, a global amax that the
-    caller already reduced. amax_reduction_group: tensorwise only, all-reduce MAX the local
-    amax over this group first, so a sharded tensor quantizes exactly as the whole would.
-    power_2_scale: None means the recipe default. The result's `amax` holds the amax used or
-    recorded (delayed: the local, unreduced amax, which fp8_autocast reduces per step).
+    role: "input" | "weight" | "grad". scale: delayed only. amax: tensorwise only, a global amax
+    already reduced; amax_reduction_group: tensorwise only, all-reduce MAX the local amax first
+    (a sharded tensor then quantizes as the whole would). power_2_scale: None = recipe default.
+    The result's `amax` is the amax used or recorded (delayed: local, reduced per step).
     """
     ops = backend_for(x, backend)
     spec = recipe_spec(recipe)
@@ -116,11 +114,9 @@ def fp8_gemm(
 ) -> torch.Tensor:
     """Y [M, N] = A B^T for A [M, K], B [N, K] quantized along K (the one public FP8 GEMM).
 
-    A QuantizedTensor argument contributes its rowwise copy; pass
-    `qt.gemm_operand("columnwise")` to contract over its first dim instead.
-    accumulate: "fast" (per-tensor fprop only) or "split" (promoted accumulation). Operands in
-    the stored layout (`gemm_operand`'s) are the reference backend's, whose GEMM takes the
-    hardware path where the GPU has one for the recipe.
+    A QuantizedTensor contributes its rowwise copy (`qt.gemm_operand("columnwise")` contracts over
+    its first dim). accumulate: "fast" (per-tensor fprop only) or "split". Stored-layout operands
+    go to the reference backend, whose GEMM takes the hardware path where the GPU has one.
     """
     if accumulate not in ("split", "fast"):
         raise ValueError(f"accumulate must be 'split' or 'fast', got {accumulate!r}")
@@ -137,13 +133,10 @@ def compute_scale(
     power_2_scale: bool | None = None,
     input_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Scale(s) from (global) amax(es) exactly as `quantize` derives them, elementwise.
-
-    For the FSDP engine: reduce all weights' amaxes in one packed MAX all-reduce, then either
-    pass each global amax to quantize(shard, recipe="tensorwise", amax=...) or compute scales
-    here. tensorwise/blockwise: fp8_max / amax with the guards of FP8_NUMERICS.md (blockwise:
-    infinite -> largest finite of input_dtype). mxfp8: the E8M0 bytes. delayed: use
-    `megatron.core.fp8.reference.delayed_scale_update` instead (the scale comes from history).
+    """Scale(s) from (global) amax(es) exactly as `quantize` derives them, elementwise: for the
+    FSDP engine, after one packed MAX all-reduce of all weights' amaxes. tensorwise/blockwise:
+    fp8_max / amax with FP8_NUMERICS.md's guards; mxfp8: the E8M0 bytes; delayed: use
+    `reference.delayed_scale_update` (the scale comes from the history).
     """
     check_fp8_dtype(fp8_dtype)
     spec = recipe_spec(recipe)

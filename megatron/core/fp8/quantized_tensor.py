@@ -1,22 +1,12 @@
 """QuantizedTensor: one torch.Tensor wrapper over every recipe's FP8 storage.
 
-To autograd, modules, state_dict and printing it looks like a normal tensor of its logical
-(high-precision) shape and dtype; underneath it holds uint8 bytes and scale_inv tensors:
-
-- rowwise_data / columnwise_data: uint8 in the logical shape. Either may be a view into an
-  EXTERNAL flat uint8 buffer (the FSDP engine's gathered buffer). The engine re-points them by
-  assignment (`qt.rowwise_data = flat[a:b].view(qt.shape)`) and releases them by assigning None;
-  any later use of released data raises Fp8DataReleasedError naming the tensor. A direction
-  that was never quantized reads as None (not an error).
-- rowwise_scale_inv / columnwise_scale_inv: fp32 (or E8M0 uint8 for mxfp8) in the logical block
-  grid shape of FP8_NUMERICS.md.
-- The transpose cache: [K, M] bytes (and the transposed 128x128 scale grid) that the dgrad /
-  wgrad GEMMs read for per-tensor and 128x128 recipes; 1-D block recipes read columnwise_data.
-
-Ops that the class does not handle see the dequantized tensor (so `w + 1`, `w.sum()`, printing
-values work). In-place ops other than copy_ raise, because they would silently write into a
-temporary; copy_ from a high-precision tensor re-quantizes into the existing bytes.
-nn.Parameter(qt) returns a QuantizedTensor flagged as a parameter (torch's custom-tensor path).
+It looks like a tensor of its logical shape and dtype; underneath it holds uint8
+rowwise_data / columnwise_data (either may view an external flat buffer that the engine
+re-points by assignment and releases by assigning None; later use raises
+Fp8DataReleasedError, a never-quantized direction reads None), scale_inv tensors in the
+logical block grid (FP8_NUMERICS.md) and the transpose cache. Unhandled ops see the
+dequantized tensor; in-place ops other than copy_ raise (they would write into a temporary);
+copy_ re-quantizes into the existing bytes. nn.Parameter(qt) returns a QuantizedTensor.
 """
 
 from __future__ import annotations
@@ -50,14 +40,10 @@ class Fp8DataReleasedError(RuntimeError):
 
 
 class Fp8Operand(NamedTuple):
-    """The one operand type FP8 GEMMs take (`fp8_gemm`, both backends' `gemm`), contracted
-    over its last dim K: data [rows, K] viewed as its FP8 dtype (the fused path's emulated
-    MXFP8 passes high-precision values instead, scale_inv None).
-
-    scale_inv has the operand's block-grid shape: 0-d (per tensor), (rows, ceil(K/B)) for 1xB
-    blocks, (ceil(rows/B), ceil(K/B)) for BxB blocks; the fused path's grids are in the layout
-    torch._scaled_mm reads. recipe and the block cell (0, 0: per tensor) are what the
-    reference GEMM dequantizes with; the fused GEMM takes the recipe as an argument.
+    """The one operand type FP8 GEMMs take (`fp8_gemm`, both backends' `gemm`), contracted over
+    its last dim K: data [rows, K] as its FP8 dtype (emulated MXFP8: high-precision values,
+    scale_inv None); scale_inv in the operand's block grid (the fused path's in torch._scaled_mm's
+    layout); recipe and block cell ((0, 0): per tensor) for the reference GEMM's dequantize.
     """
 
     data: torch.Tensor

@@ -1,11 +1,8 @@
 """Each FP8 recipe resolved once into a frozen `RecipeSpec` (docs/FP8_NUMERICS.md).
 
-The spec carries every fact the quantizers, the GEMMs, Fp8Linear and the FSDP engine branch
-on: per-tensor or block scales, the scale cell of each role and direction, the scale format,
-the power-of-two rule, which copy backward reads, the GEMM accumulation and hardware path.
-Code below the config layer reads these attributes and never compares recipe names; a
-function that takes `recipe: str` resolves it once with `recipe_spec` at its entry. The
-table `RECIPE_SPECS` is the one place where a recipe name decides anything
+The spec carries every fact the quantizers, GEMMs, Fp8Linear and the FSDP engine branch on.
+Code below the config layer reads its attributes, never compares recipe names (a `recipe: str`
+is resolved once with `recipe_spec`); `RECIPE_SPECS` is the one place a name decides anything
 (`tests/unit_tests/fp8/test_recipe_spec.py` checks both).
 """
 

@@ -1,18 +1,11 @@
 """Pure-PyTorch reference quantizers for every recipe: the bit-exact definition of FP8_NUMERICS.md.
 
-Every fast path (the fused CUDA kernels in megatron/core/fp8/cuda/) is tested against these
-functions with zero tolerance on bytes and scales. They run on any device, in fp32 internally,
-and favour clarity over speed.
-
-Conventions shared with the CUDA backend:
-- A tensor of shape [..., K] is viewed as 2-D [M, K] with M = numel // K ("rows"). Rowwise
-  blocks run along K, columnwise blocks along M. Data is uint8 in x's shape, always.
-- Scales are stored as scale_inv in the logical block-grid shape (see `scale_grid_shape`).
-- amax ignores NaN elements in every recipe (one rule: a NaN must not poison a whole block's or
-  tensor's scale); the scale guards for amax 0, Inf, NaN still apply.
-- The result is a dict with keys rowwise_data, rowwise_scale_inv, columnwise_data,
-  columnwise_scale_inv (None when not requested) and amax (0-d fp32: the amax the scale came
-  from for tensorwise, the recorded amax for delayed, max|x| for block recipes).
+Every fast path (megatron/core/fp8/cuda/) is tested against these with zero tolerance; they run
+on any device, in fp32, and favour clarity over speed. Shared conventions: [..., K] is viewed
+as [M, K] (rowwise blocks along K, columnwise along M); data is uint8 in x's shape; scale_inv
+has the block-grid shape (`scale_grid_shape`); amax ignores NaN everywhere. Results are dicts
+of rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv (None when not
+requested) and amax (0-d fp32: the scale's amax, the recorded one for delayed, max|x| for blocks).
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
-"""The reference backend (pure PyTorch, any device) behind the one interface that
-`quantization.backend_for` chooses between it and `megatron.core.fp8.cuda.linear_ops` (fused
-CUDA kernels): `quantize_parts`, `quantize_operands`, `weight_operand`, `gemm`.
+"""The reference backend (pure PyTorch, any device) of the interface `quantization.backend_for`
+chooses between it and `cuda.linear_ops`: `quantize_parts`, `quantize_operands`,
+`weight_operand`, `gemm`.
 
-`quantize_operands` gives the operands the GEMMs of FP8_NUMERICS.md read ("Which copy each
-GEMM reads") as (rowwise operand [M, K], transposed operand [K, M]), each an `Fp8Operand`: the
-rowwise operand is the reference quantizer's rowwise copy, the transposed one what
-`QuantizedTensor.gemm_operand("columnwise")` returns (a transpose of the rowwise bytes for
-per-tensor and 128x128 cells, the separately quantized columnwise copy for 1-D blocks).
-`gemm` is the public `fp8_gemm`'s: exact fp32 emulation (dequantize each operand, multiply in
-fp32, cast), or on CUDA where the hardware takes the recipe (sm_89+ per tensor, sm_90 only for
-blockwise, sm_100+ for mxfp8, whose 1x32 GEMM crashes on sm_90) `cuda.scaled_mm`.
-
-Under torch.compile both steps are custom ops (`megatron_fp8::quantize_operands_reference`,
-`megatron_fp8::gemm_reference`), opaque to the compiler: it traces no QuantizedTensor (not a
-traceable tensor subclass: each construction was a graph break) and computes the same values
-as eager.
+`quantize_operands` returns (rowwise operand [M, K], transposed operand [K, M]) as
+`Fp8Operand`s (FP8_NUMERICS.md, "Which copy each GEMM reads"). `gemm` emulates exactly in fp32,
+or calls `cuda.scaled_mm` where the hardware takes the recipe (sm_89+ per tensor, sm_90
+blockwise, sm_100+ mxfp8). Under torch.compile both are opaque custom ops
+(`megatron_fp8::quantize_operands_reference`, `::gemm_reference`): QuantizedTensor is not
+traceable (each construction was a graph break), and the values equal eager's.
 """
 
 from __future__ import annotations

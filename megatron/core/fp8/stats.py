@@ -1,12 +1,9 @@
 """FP8 statistics of one tensor under one recipe and role: what a user watches (issue 41).
 
-`fp8_tensor_stats(x, recipe=, role=)` returns the amax, the scale (per-tensor) or a summary of
-the block scales, the fraction of values that saturate (|x * scale| above the format's largest
-finite value before the saturating cast) and the fraction of non-zero values that flush to
-zero after quantization. It is a pure function built on the public quantization API
-(`quantize`, `compute_scale`, `recipe_spec`, `formats`): the scales are derived exactly as
-`quantize` derives them, and the flushed values are read from the bytes `quantize` wrote (or
-from a `QuantizedTensor` the caller already has, so a training loop pays no second cast).
+`fp8_tensor_stats(x, recipe=, role=)`: the amax, the scale (or a summary of block scales), the
+fraction that saturates and the fraction of non-zeros that flush to zero. A pure function of
+the public API: scales derived exactly as `quantize` derives them, flushes read from the bytes
+`quantize` wrote (or from a QuantizedTensor the caller has: no second cast).
 """
 
 from __future__ import annotations
@@ -114,14 +111,10 @@ def fp8_stats_vector(
     power_2_scale: bool | None = None,
     quantized: QuantizedTensor | None = None,
 ) -> torch.Tensor:
-    """The float64 [len(STATS_FIELDS)] statistics of quantizing x ([..., K], fp32/bf16/fp16)
-    rowwise under recipe and role, on x's device, without a host sync (a training loop stacks
-    the vectors of every Linear and role and reads them with one `.tolist()`).
-
-    scale: delayed only, the current scale the tensor is (or was) quantized with. amax:
-    tensorwise only, a global amax already reduced over a group. power_2_scale: as in
-    `quantize` (None: the recipe default). quantized: the rowwise QuantizedTensor of x that
-    the caller already holds (e.g. Fp8Linear's saved operand); without it x is quantized here.
+    """The float64 [len(STATS_FIELDS)] statistics of quantizing x rowwise under recipe and role,
+    on x's device with no host sync (a loop stacks every Linear's vectors, one `.tolist()`).
+    scale, amax, power_2_scale: as in `quantize`. quantized: the rowwise QuantizedTensor of x the
+    caller already holds (e.g. Fp8Linear's saved operand); without it x is quantized here.
     """
     fp8_dtype = fp8_dtype_for_role(fp8_format, role)
     x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)

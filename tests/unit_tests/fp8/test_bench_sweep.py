@@ -1,5 +1,5 @@
 """CPU twin of benchmarks/bench_fp8.py's launch-config sweep: which config it keeps, that a kernel
-taking over another's launches is off while that one is swept, and that TILE_CONFIG is
+taking over another's launches is off while that one is swept, and that the overrides are
 restored when a candidate raises. Timings and outputs are faked; the GPU run is bench_fp8."""
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ _PATH = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "bench_fp8.
 
 
 @pytest.fixture
-def bench(monkeypatch):
+def bench(tiles):
     spec = importlib.util.spec_from_file_location("bench_fp8_under_test", _PATH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for key in ("mxfp8_dequantized", "mxfp8_quads_dequantized", "block_1x128"):
-        monkeypatch.setitem(qc.TILE_CONFIG, key, dict(qc.TILE_CONFIG[key]))
     return module
 
 
@@ -38,8 +36,8 @@ def _fake_operands(monkeypatch, bench, *, seen, fail_on=None, bytes_of=None):
     bytes_of(config) (default: the same for every config)."""
 
     def operand_fn(x, key):
-        config = dict(qc.TILE_CONFIG[key])
-        seen.append((key, config, dict(qc.TILE_CONFIG["mxfp8_quads_dequantized"])))
+        config = dict(qc.tile_config(key))
+        seen.append((key, config, dict(qc.tile_config("mxfp8_quads_dequantized"))))
         if fail_on is not None and config == fail_on:
             raise RuntimeError("candidate failed to compile")
         value = 7 if bytes_of is None else bytes_of(config)
@@ -60,42 +58,42 @@ def test_keeps_the_fastest_config_with_the_defaults_bytes(bench, monkeypatch):
     monkeypatch.setattr(bench, "SWEEP", {"block_1x128": [slow, fast_but_wrong, fast]})
     reporter = FakeReporter()
     bench.sweep_configs(reporter, torch.zeros(1), copy_gbps=1.0)
-    assert qc.TILE_CONFIG["block_1x128"] == fast
+    assert qc.tile_config("block_1x128") == fast
     rows = [r for r in reporter.rows if r["bench"] == "sweep"]
     assert [r["same_bytes"] for r in rows] == [True, False, True]
     assert [r["gbps"] for r in rows] == [0.2, 1.0, 0.5]  # 1000 bytes / (us * 1e3) GB/s
     assert reporter.rows[-1]["bench"] == "tile_config"
 
 
-def test_the_quads_kernel_is_off_while_the_kernel_it_replaces_is_swept(bench, monkeypatch):
+def test_the_quads_kernel_is_off_while_the_kernel_it_replaces_is_swept(bench, tiles, monkeypatch):
     seen = []
     quads = dict(CHUNKS=1, num_warps=1, us=3)
-    monkeypatch.setitem(qc.TILE_CONFIG, "mxfp8_quads_dequantized", quads)
+    tiles("mxfp8_quads_dequantized", quads)
     _fake_operands(monkeypatch, bench, seen=seen)
     monkeypatch.setattr(bench, "SWEEP", {"mxfp8_dequantized": [dict(us=4), dict(us=2)]})
     bench.sweep_configs(FakeReporter(), torch.zeros(1), copy_gbps=1.0)
     assert [entry[2] for entry in seen] == [{}, {}]  # off during the sweep
-    assert qc.TILE_CONFIG["mxfp8_quads_dequantized"] == quads  # and back afterwards
-    assert qc.TILE_CONFIG["mxfp8_dequantized"] == dict(us=2)
+    assert qc.tile_config("mxfp8_quads_dequantized") == quads  # and back afterwards
+    assert qc.tile_config("mxfp8_dequantized") == dict(us=2)
 
 
-def test_a_failing_candidate_restores_the_default_and_the_other_kernel(bench, monkeypatch):
+def test_a_failing_candidate_restores_the_default_and_the_other_kernel(bench, tiles, monkeypatch):
     seen = []
     quads = dict(CHUNKS=1, num_warps=1, us=3)
-    monkeypatch.setitem(qc.TILE_CONFIG, "mxfp8_quads_dequantized", quads)
+    tiles("mxfp8_quads_dequantized", quads)
     default, broken = dict(us=4), dict(us=1)
     _fake_operands(monkeypatch, bench, seen=seen, fail_on=broken)
     monkeypatch.setattr(bench, "SWEEP", {"mxfp8_dequantized": [default, broken]})
     with pytest.raises(RuntimeError, match="failed to compile"):
         bench.sweep_configs(FakeReporter(), torch.zeros(1), copy_gbps=1.0)
-    assert qc.TILE_CONFIG["mxfp8_dequantized"] == default
-    assert qc.TILE_CONFIG["mxfp8_quads_dequantized"] == quads
+    assert qc.tile_config("mxfp8_dequantized") == default
+    assert qc.tile_config("mxfp8_quads_dequantized") == quads
 
 
 def test_shipped_defaults_are_the_first_sweep_candidates(bench):
     """TILE_CONFIG holds what the sweep starts from (the measured default)."""
     for key, candidates in bench.SWEEP.items():
-        assert candidates[0] == qc.TILE_CONFIG[key], key
+        assert candidates[0] == qc.TILE_CONFIG[key] == qc.tile_config(key), key
 
 
 def test_linear_speedup_is_the_median_of_per_round_ratios(bench):

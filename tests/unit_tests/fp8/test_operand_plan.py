@@ -145,7 +145,7 @@ class FakeRuntime:
 
 
 @pytest.fixture
-def kernels(monkeypatch):
+def kernels(tiles, monkeypatch):
     fakes = FakeKernels()
     monkeypatch.setattr(qc, "triton_kernels", lambda: fakes)
     launch.reset_launch_cache()
@@ -153,8 +153,8 @@ def kernels(monkeypatch):
     monkeypatch.setattr(launch, "_raw_stream", lambda device: STREAM)
     # The tests below check the two single-copy 1x128 kernels; test_fused_1x128_* the fused
     # one, test_pair_1x128_* the paired one.
-    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_pair", {})
-    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_fused", {})
+    tiles("block_1x128_pair", {})
+    tiles("block_1x128_fused", {})
     linear_ops.clear_plans()
     yield fakes
     linear_ops.clear_plans()
@@ -787,12 +787,11 @@ class ScaledMmRecorder:
 
 
 @pytest.fixture
-def scaled_mm(monkeypatch):
+def scaled_mm(blockwise_probe, monkeypatch):
     recorder = ScaledMmRecorder()
     monkeypatch.setattr(torch, "_scaled_mm", recorder)
     monkeypatch.setattr(cuda_gemm, "_blockwise_unavailable", lambda device: None)
-    monkeypatch.setitem(cuda_gemm._blockwise_status, "path", "torch._scaled_mm")
-    monkeypatch.setitem(cuda_gemm._blockwise_status, "refused", "")
+    blockwise_probe("torch._scaled_mm")
     return recorder
 
 
@@ -906,9 +905,11 @@ def test_direct_gemm_declines_a_non_contiguous_operand(scaled_mm):
     assert scaled_mm.calls == []
 
 
-def test_direct_gemm_waits_until_cublas_has_taken_blockwise_scales(scaled_mm, monkeypatch):
+def test_direct_gemm_waits_until_cublas_has_taken_blockwise_scales(
+    blockwise_probe, scaled_mm, monkeypatch
+):
     a, b = _operands("1x128 x 128x128", 64, 512, 256)
-    monkeypatch.setitem(cuda_gemm._blockwise_status, "path", "untried")
+    blockwise_probe("untried")
     assert cuda_gemm.blockwise_gemm_path() == "untried"
     options = dict(recipe="blockwise", out_dtype=torch.bfloat16, fast_accum=False)
     assert linear_ops._direct_scaled_mm(a, b, **options) is None
@@ -919,12 +920,14 @@ def test_direct_gemm_waits_until_cublas_has_taken_blockwise_scales(scaled_mm, mo
     assert linear_ops._direct_scaled_mm(a, b, **options) is not None
     assert len(scaled_mm.calls) == 2
     _same_call(scaled_mm.calls[1], scaled_mm.calls[0])
-    monkeypatch.setitem(cuda_gemm._blockwise_status, "path", "emulated: not a CUDA tensor")
+    blockwise_probe("emulated: not a CUDA tensor")
     assert linear_ops._direct_scaled_mm(a, b, **options) is None
     assert len(scaled_mm.calls) == 2
 
 
-def test_a_blockwise_shape_cublas_refuses_falls_back_to_the_general_path(monkeypatch):
+def test_a_blockwise_shape_cublas_refuses_falls_back_to_the_general_path(
+    blockwise_probe, monkeypatch
+):
     """cuBLASLt may refuse one blockwise shape after taking others: the direct call returns
     None and the general path records the refusal and emulates, as before the shortcut."""
     calls = []
@@ -935,8 +938,7 @@ def test_a_blockwise_shape_cublas_refuses_falls_back_to_the_general_path(monkeyp
 
     monkeypatch.setattr(torch, "_scaled_mm", refusing)
     monkeypatch.setattr(cuda_gemm, "_blockwise_unavailable", lambda device: None)
-    monkeypatch.setitem(cuda_gemm._blockwise_status, "path", "torch._scaled_mm")
-    monkeypatch.setitem(cuda_gemm._blockwise_status, "refused", "")
+    blockwise_probe("torch._scaled_mm")
     a, b = _operands("1x128 x 128x128", 64, 512, 256)
     options = dict(recipe="blockwise", out_dtype=torch.float32, fast_accum=False)
     assert linear_ops._direct_scaled_mm(a, b, **options) is None
@@ -1037,8 +1039,8 @@ def test_the_plan_cache_is_bounded(kernels):
 
 
 @pytest.fixture
-def fused_kernels(kernels, monkeypatch):
-    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_fused", dict(num_warps=4))
+def fused_kernels(tiles, kernels, monkeypatch):
+    tiles("block_1x128_fused", dict(num_warps=4))
     return kernels
 
 
@@ -1122,14 +1124,14 @@ PAIR = dict(BM=64, BK=64, TRANS_X=False, num_warps=4)
 
 
 @pytest.fixture
-def pair_kernels(kernels, monkeypatch):
-    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_pair", dict(PAIR))
-    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_fused", dict(num_warps=4))
+def pair_kernels(tiles, kernels, monkeypatch):
+    tiles("block_1x128_pair", dict(PAIR))
+    tiles("block_1x128_fused", dict(num_warps=4))
     return kernels
 
 
 def test_pair_is_tile_configs_default():
-    assert qc.TILE_CONFIG["block_1x128_pair"] == PAIR
+    assert qc.tile_config("block_1x128_pair") == PAIR
 
 
 @pytest.mark.parametrize("rows", [M, M - 2])
@@ -1158,10 +1160,12 @@ def test_pair_1x128_launch_layouts_any_row_count(pair_kernels, rows):
         _assert_1x128_operands(row, col, row_bytes, row_sinv_t, col_t, col_sinv, rows)
 
 
-def test_pair_1x128_grid_follows_its_tile_sizes_and_only_transposes(pair_kernels, monkeypatch):
+def test_pair_1x128_grid_follows_its_tile_sizes_and_only_transposes(
+    tiles, pair_kernels, monkeypatch
+):
     """The API: with the transposed copy (and an amax record) the paired launch, its grid from
     BM and BK; with the columnwise bytes in x's shape the fused kernel (faster there)."""
-    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_pair", dict(PAIR, BM=128, BK=32))
+    tiles("block_1x128_pair", dict(PAIR, BM=128, BK=32))
     x = torch.randn(M, K, dtype=torch.bfloat16)
     bits = torch.zeros((), dtype=torch.int32)
     row, row_sinv = torch.empty(M, K, dtype=torch.uint8), torch.empty(M, 3)
@@ -1194,12 +1198,12 @@ def test_pair_1x128_grid_follows_its_tile_sizes_and_only_transposes(pair_kernels
     )
 
 
-def test_pair_off_falls_back_to_fused_then_two_kernels(pair_kernels, monkeypatch):
+def test_pair_off_falls_back_to_fused_then_two_kernels(tiles, pair_kernels, monkeypatch):
     x = torch.randn(M, K, dtype=torch.bfloat16)
-    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_pair", {})
+    tiles("block_1x128_pair", {})
     _quantize(x, "blockwise input")
     linear_ops.clear_plans()
-    monkeypatch.setitem(qc.TILE_CONFIG, "block_1x128_fused", {})
+    tiles("block_1x128_fused", {})
     _quantize(x, "blockwise input")
     assert [r["kernel"] for r in pair_kernels.take()] == [
         "block_1x128_fused_kernel",
@@ -1208,7 +1212,7 @@ def test_pair_off_falls_back_to_fused_then_two_kernels(pair_kernels, monkeypatch
     ]
 
 
-def test_mxfp8_quads_kernel_unless_transposed_or_configured_off(kernels, monkeypatch):
+def test_mxfp8_quads_kernel_unless_transposed_or_configured_off(tiles, kernels, monkeypatch):
     x = torch.randn(M, K, dtype=torch.bfloat16)
     row, col = torch.empty(M, K, dtype=torch.uint8), torch.empty(M, K, dtype=torch.uint8)
     row_e, col_e = torch.empty(M, K // 32, dtype=torch.uint8), torch.empty(8, K, dtype=torch.uint8)
@@ -1216,10 +1220,10 @@ def test_mxfp8_quads_kernel_unless_transposed_or_configured_off(kernels, monkeyp
     outputs = dict(
         row=row, row_e=row_e, col=col, col_e=col_e, record_bits=bits, fp8_dtype=E4M3, dequant=False
     )
-    chunks = qc.TILE_CONFIG["mxfp8_quads"]["CHUNKS"]
+    chunks = qc.tile_config("mxfp8_quads")["CHUNKS"]
     qmx.launch_mxfp8(x, col_t=None, **outputs)
     qmx.launch_mxfp8(x, col_t=col_t, **outputs)
-    monkeypatch.setitem(qc.TILE_CONFIG, "mxfp8_quads", {})
+    tiles("mxfp8_quads", {})
     qmx.launch_mxfp8(x, col_t=None, **outputs)
     quads, transposed, off = kernels.take()
     assert quads["kernel"] == "mxfp8_quads_kernel"
@@ -1249,11 +1253,11 @@ def test_mxfp8_quads_kernel_unless_transposed_or_configured_off(kernels, monkeyp
     ],
 )
 def test_mxfp8_packed_e8m0_words_only_where_whole(
-    kernels, monkeypatch, cols, chunks, transposed, rowwise, dequant, words
+    tiles, kernels, monkeypatch, cols, chunks, transposed, rowwise, dequant, words
 ):
     config = dict(CHUNKS=chunks, num_warps=1)
     for key in ("mxfp8", "mxfp8_quads", "mxfp8_dequantized", "mxfp8_quads_dequantized"):
-        monkeypatch.setitem(qc.TILE_CONFIG, key, dict(config))
+        tiles(key, dict(config))
     kernel, grid, constexprs = qmx.mxfp8_spec(
         M,
         cols,

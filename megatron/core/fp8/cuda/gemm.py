@@ -1,26 +1,6 @@
 """`scaled_mm`: Y = A @ B^T on FP8 operands through torch._scaled_mm, with exact emulation.
-
-What torch._scaled_mm (the v1 op, same schema in torch 2.11 and 2.13) accepts, read from
-PyTorch's aten/src/ATen/native/cuda/ScaledBlas.cpp (`get_joint_scaling`,
-`is_blockwise_1x128_scaling`, `is_blockwise_128x128_scaling`), torch/_meta_registrations.py
-(`_check_scaled_mm_sizes`, and `_v2` for F.scaled_mm) and test/test_scaled_matmul_cuda.py
-(`test_scaled_mm_vs_emulated_block_wise`):
-- mat1 [M, K] row-major, mat2 [K, N] column-major (pass `b.t()` of a row-major b [N, K]);
-  K and N multiples of 16. E5M2 x E5M2 is rejected.
-- Per-tensor: both scales fp32 with one element (a 0-d tensor is fine).
-- The recipe pair is inferred from scale shapes and strides, checked in this order:
-  (128x128, 1x128), (1x128, 128x128), (1x128, 1x128); mat2's scale is checked transposed,
-  against mat2.t() = b.
-  * 1x128 operand with R rows: scale shape (R, ceil(K/128)), "outer-dim-major" strides
-    (1, R): `s.t().contiguous().t()`. For b this means passing `s_b.t().contiguous()`.
-  * 128x128 operand: scale shape (ceil(R/128), ceil(K/128)) with strides (ceil(K/128), 1),
-    i.e. contiguous; for b pass `s_b.t()`. F.scaled_mm (v2) instead pads the K-block count
-    to a multiple of 4 (L4); padding K to a multiple of 512 makes the two rules coincide.
-  * cuBLASLt block scaling needs sm_90 exactly and cuBLAS >= 12.9; split accumulation.
-- MXFP8 (BlockWise1x32): float8_e8m0fnu scales swizzled into 128x4 tiles (SWIZZLE_32_4_4),
-  round_up(R, 128) * round_up(ceil(K/32), 4) elements, contiguous, sm_100+ only; on sm_90
-  the 1x32 path crashes, so it is never called there.
-"""
+What torch._scaled_mm accepts (layouts, strides, swizzles, GPUs): docs/FP8_NUMERICS.md,
+"What `torch._scaled_mm` accepts"."""
 
 from __future__ import annotations
 
@@ -45,6 +25,17 @@ def blockwise_gemm_path() -> str:
     """How blockwise GEMMs ran in this process: 'torch._scaled_mm', 'emulated: <why>' or
     'untried'. Benchmarks print it so that an emulated run is never mistaken for cuBLAS."""
     return _blockwise_status["path"]
+
+
+def set_blockwise_path(path: str = "untried", refused: str = "") -> dict[str, str]:
+    """Set the blockwise probe's state (`reset_blockwise_probe()`: untried); returns the previous
+    state, which `set_blockwise_path(**previous)` restores. For tests and benchmarks."""
+    previous = dict(_blockwise_status)
+    _blockwise_status.update(path=path, refused=refused)
+    return previous
+
+
+reset_blockwise_probe = set_blockwise_path
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -77,13 +68,9 @@ def scaled_mm(
     emulate: bool = False,
     emulate_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """a [M, K] @ b[N, K]^T -> [M, N] in out_dtype, both row-major FP8 (e4m3fn/e5m2 dtypes).
-
-    Scales are scale_inv in the logical grid of FP8_NUMERICS.md: 0-d fp32 for delayed and
-    tensorwise; for blockwise (R, ceil(K/128)) for a 1x128 operand or (ceil(R/128),
-    ceil(K/128)) for a 128x128 one (at most one of the two); for mxfp8 (R, ceil(K/32)) E8M0
-    bytes. Blockwise GEMMs always use split accumulation (use_fast_accum is ignored there).
-    `emulate` dequantizes exactly and multiplies in `emulate_dtype` (fp32 by default).
+    """a [M, K] @ b[N, K]^T -> [M, N] in out_dtype, both row-major FP8; scales are scale_inv in
+    FP8_NUMERICS.md's logical grid (blockwise: at most one 128x128 operand). Blockwise always
+    uses split accumulation. `emulate` dequantizes exactly and multiplies in `emulate_dtype`.
     """
     _check_operands(a_data, b_data)
     if emulate:

@@ -1,21 +1,11 @@
 """Triton launches with little host work: `launch(kernel, grid, args, constexprs)`.
 
-`kernel[grid](...)` re-binds every argument, recomputes Triton's specialization key and hashes
-it on each call; on an H200 host that is about a third of a launch's ~20 us, and an
-Fp8Linear step makes up to six launches. Here the compiled kernel is looked up in a dict keyed
-by what Triton specializes on, and its launcher is called directly:
-
-- a tensor: its dtype and whether its address is 16-byte aligned;
-- an int: whether it is 1, whether it is divisible by 16, and whether it fits in int32 (Triton
-  types larger values as int64);
-- a float: nothing (always fp32); constexprs and launch options by value;
-- the device the kernel runs on (compiled modules are loaded per device).
-
-The first launch of a key goes through Triton (compiling or reusing its own cache) and keeps
-the CompiledKernel it returns; later launches call its launcher exactly as Triton's own run
-does once it has found a kernel (launch metadata and enter/exit hooks included, so profilers
-such as Proton still see them). If a direct call fails, launches go back to Triton's path for
-the rest of the process.
+`kernel[grid](...)` re-binds and hashes its specialization key on every call (about a third of
+a ~20 us launch on an H200 host, up to six per Fp8Linear step). Here the compiled kernel is
+looked up by what Triton specializes on (tensor dtype and 16-byte alignment; int == 1, % 16,
+fits int32; constexprs and options by value; the device) and its launcher called directly, as
+Triton's run does (metadata and hooks included, so profilers still see it). The first launch
+of a key goes through Triton; after a failed direct call, Triton's path for the process.
 """
 
 from __future__ import annotations
@@ -149,15 +139,12 @@ def _remember(key, kernel, compiled, n_args: int, constexprs: dict) -> None:
 
 
 class LaunchSite:
-    """One call site that launches `kernel` again and again with the same grid, constexprs,
-    argument dtypes and int values (a fixed tensor shape), only the tensors changing: after
-    the first launch the compiled kernel is held here, so a launch skips even the key above.
-
-    `site(args, alignment)`: `alignment` is any hashable value the caller derives from its
-    arguments that determines which tensor arguments are 16-byte aligned (say, one bit per
-    tensor the caller did not allocate itself); the site holds one compiled kernel per value.
-    Everything else Triton specializes on (dtypes, int values, constexprs, device) must stay
-    fixed for the site's lifetime: the caller keeps one site per shape, dtypes and flags."""
+    """One call site launching `kernel` again and again with the same grid, constexprs, dtypes
+    and int values, only the tensors changing: after the first launch it holds the compiled
+    kernel, so a launch skips even the key above. `site(args, alignment)`: `alignment` is any
+    hashable the caller derives for which tensor arguments are 16-byte aligned (one compiled
+    kernel per value); everything else must stay fixed (one site per shape, dtypes and flags).
+    """
 
     __slots__ = ("kernel", "grid", "constexprs", "_held")
 

@@ -1,25 +1,10 @@
 """The fused CUDA backend (`quantization.backend_for`, same interface as `reference_ops`):
-GEMM-ready FP8 operands for Fp8Linear, one fused quantize pass per tensor.
-
-Each call reads the high-precision tensor once and writes exactly the copies the GEMMs of
-FP8_NUMERICS.md ("Which copy each GEMM reads") need, already in the layout torch._scaled_mm
-takes, so no `.t().contiguous()` copy and no host sync happens inside a training step:
-
-| recipe | `rowwise` operand [M, K] | `transposed` operand [K, M] (contracts over M) |
-|---|---|---|
-| delayed, tensorwise | bytes, 0-d scale_inv | transposed bytes, same scale_inv |
-| blockwise 1x128 | bytes, (M, K/128) outer-dim-major | 128x1 bytes transposed, (K, M/128) |
-| blockwise 128x128 | bytes, (M/128, K/128) | transposed bytes and grid |
-| mxfp8 (emulated) | dequantize(1x32 quantize(x)) | grad: dequantize(32x1 quantize(x)), [M, K] |
-| | | input, weight: 32x1 bytes [M, K], (M/32, K) E8M0 |
-
-Delayed scaling records max|x| inside the cast kernel into slot 0 of the tensor's amax history
-(an atomic max on the fp32 bits), so the step needs no separate amax op. MXFP8 on sm_90 has no
-hardware GEMM: the fused kernel writes the dequantized values, which the caller multiplies in
-bf16 with fp32 accumulation (exact products, same as dequantize-then-multiply in fp32 up to the
-accumulation order). The transposed copies of inputs and weights are kept for backward, so
-they stay bytes and scales (one byte per element, not two) and the GEMM that reads them
-dequantizes them first.
+GEMM-ready FP8 operands for Fp8Linear, one fused quantize pass per tensor, in
+torch._scaled_mm's layout (docs/FP8_NUMERICS.md, "The operands `cuda/linear_ops.py` writes"),
+so no `.t().contiguous()` and no host sync happens in a step. Delayed scaling records max|x|
+inside the cast kernel (atomic max on fp32 bits into history slot 0). MXFP8 has no GEMM on
+sm_90: the kernel writes dequantized values for a bf16 GEMM with fp32 accumulation; copies
+kept for backward stay bytes and scales, dequantized by the GEMM that reads them.
 """
 
 from __future__ import annotations
@@ -64,23 +49,17 @@ def quantize_operands(
     saved: bool | None = None,
     amax: torch.Tensor | None = None,
 ) -> tuple[Fp8Operand | None, Fp8Operand | None]:
-    """(rowwise operand, transposed operand) of a 2-D tensor, each None when not asked for.
+    """(rowwise operand, transposed operand) of a 2-D tensor, each None when not asked for; the
+    bytes equal `quantize(...)`'s exactly.
 
-    delayed: `scale` is the current 0-d fp32 scale; `amax_history` (fp32, contiguous), when
-    given, gets max|x| atomically maxed into its slot 0. tensorwise: the amax pass writes
-    partial maxima that the cast kernel reduces (no zero fill, no atomics). The bytes equal
-    `quantize(...)`'s exactly. mxfp8: the dequantized values come in
-    `dequant_dtype` (default: `emulation_dtype`), except a transposed copy that is `saved`
-    for backward: its bytes, with the E8M0 scales as scale_inv. `saved` defaults to whether
-    the role is an input's or a weight's (the forward keeps those); a transposed copy that a
-    GEMM reads at once (a grad's, or an input recomputed in backward) passes False.
-
-    tensorwise: `amax`, when given, is max|x| (NaN ignored) as a 0-d tensor of x's dtype or
-    fp32, and the amax pass is skipped. Under torch.compile it is computed in the graph when
-    not given (`producer_amax`), where Inductor fuses it into the kernel that produced x.
-
-    The launches of each (recipe, role, outputs, shape, dtype, device) are prepared once and
-    kept (`OperandPlan`), so a training step's call costs its allocations and launches.
+    delayed: `scale` is the current 0-d scale; `amax_history` (fp32, contiguous), when given, gets
+    max|x| atomically maxed into slot 0. tensorwise: the amax pass writes partial maxima that the
+    cast kernel reduces; `amax`, when given (max|x|, NaN ignored, 0-d of x's dtype or fp32),
+    skips it, and under torch.compile it comes from the graph (`producer_amax`, fused by Inductor
+    into x's producer). mxfp8: dequantized values in `dequant_dtype` (default `emulation_dtype`),
+    except a transposed copy `saved` for backward (default: for inputs and weights), which stays
+    bytes with E8M0 scale_inv. Launches are prepared once per (recipe, role, outputs, shape,
+    dtype, device) (`OperandPlan`): a step's call costs its allocations and launches.
     """
     x2d = x2d.contiguous()
     if x2d.numel() == 0:
@@ -123,14 +102,10 @@ def quantize_operands(
 
 
 def producer_amax(x2d: torch.Tensor) -> torch.Tensor:
-    """max|x| of a 2-D tensor, NaN ignored (as the amax pass), as a 0-d tensor of x's dtype,
-    in torch ops: the row maxima are a reduction over the same rows as a norm's, or over a
-    pointwise producer's output, so Inductor computes them in the producer's kernel.
-
-    Exact whatever Inductor does with the rounding: fused, it may take the maxima of the
-    producer's fp32 values before they are rounded to x's dtype, but rounding to nearest is
-    monotonic and odd, so rounding max|v| gives max|round(v)|, and the row maxima are stored
-    (so rounded) in x's dtype."""
+    """max|x| of a 2-D tensor, NaN ignored, as a 0-d tensor of x's dtype, in torch ops that
+    Inductor computes in x's producer's kernel (row maxima over a norm's rows or a pointwise
+    output). Exact even where Inductor takes the maxima of the fp32 values before rounding to x's
+    dtype: round-to-nearest is monotonic and odd, and the row maxima are stored in x's dtype."""
     magnitude = x2d.abs()
     magnitude = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
     return magnitude.amax(dim=-1).amax()
@@ -159,13 +134,10 @@ def _planned(key: tuple, x2d, scale, amax_history, amax=None):
 def _recording_operands(x2d, settings: tuple, scale, amax_history):
     """Delayed scaling's quantization under torch.compile: the custom op
     `megatron_fp8::quantize_operands_recording`, which declares the amax history it writes.
-
-    After a flush each history is a row of one stacked tensor (`autocast.reduce_and_update`).
-    Traced, the Triton launch's write into such a row did not reach the stacked tensor: on
-    the H200 the compiled records differed from eager
-    (`test_compiled_delayed_recording_equals_eager_with_stacked_histories`, run with this
-    op bypassed). A custom op's declared mutation is functionalized with the row's base, and
-    the records equal eager's."""
+    After a flush each history is a row of one stacked tensor; traced, the Triton launch's write
+    into such a row did not reach the stacked tensor (H200:
+    `test_compiled_delayed_recording_equals_eager_with_stacked_histories` with this op bypassed).
+    A declared mutation is functionalized with the row's base, and the records equal eager's."""
     fp8_dtype, rowwise, transposed = settings[1], settings[3], settings[4]
     data, data_t, scale_inv = _recording_op(x2d, *settings, scale, amax_history)
     row = Fp8Operand(data.view(fp8_dtype), scale_inv) if rowwise else None

@@ -1,26 +1,12 @@
-"""FP8 quantization of weight pieces: the flat ranges of a weight that a data-parallel rank holds.
+"""FP8 quantization of weight pieces: the flat range [param_start, param_start + numel) of a
+row-major [M, K] weight that a data-parallel rank holds, possibly starting and ending mid-row.
 
-Megatron-FSDP keeps each unit's fp32 main params in one flat buffer cut into equal shards, so a
-rank holds, of a row-major [M, K] weight, one contiguous range [param_start, param_start +
-numel) that may start and end mid-row. Writing its FP8 bytes takes two passes
-(`megatron/core/distributed/fsdp/fp8_storage.py`): the partial amax of every scale cell the
-piece touches (the caller MAX-reduces them across ranks), then the cast with each cell's
-quantize multiplier. The cells (FP8_NUMERICS.md):
-
-| recipe | rowwise cells | columnwise cells |
-|---|---|---|
-| delayed, tensorwise | the whole weight | none (the transpose cache) |
-| blockwise (weights) | 128 x 128 | none (transposed data and grid) |
-| mxfp8 | 1 x 32 | 32 x 1 |
-
-On CUDA with Triton each pass is one kernel over cell-aligned tiles: the amax pass reduces a
-tile to its cells in registers and issues one atomic max per cell (a per-element scatter into
-one cell, as for a per-tensor weight, serializes on that cell). Elsewhere the torch twin maps
-every element to its cell index. Both are bitwise equal: the same NaN-ignoring max, the same
-single fp32 multiply and saturating round-to-nearest-even cast per element.
-
-Pieces made of whole 32-row bands (the aligned mxfp8 layout of fp8_layout.py) own all their
-cells, so `quantize_mxfp8_rows_` quantizes them in one fused pass with no amax exchange.
+Two passes (`megatron/core/distributed/fsdp/fp8_storage.py`): the partial amax of every scale
+cell the piece touches (the caller MAX-reduces them across ranks), then the cast with each
+cell's multiplier (cells: FP8_NUMERICS.md, "Scale tensors"). With Triton each pass is one kernel
+over cell-aligned tiles, one atomic max per cell (a per-element scatter into one cell would
+serialize on it); elsewhere the torch twin maps each element to its cell. Both are bitwise equal.
+Pieces of whole 32-row bands (aligned mxfp8) own their cells: `quantize_mxfp8_rows_`, one pass.
 """
 
 from __future__ import annotations

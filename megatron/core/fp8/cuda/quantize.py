@@ -1,10 +1,7 @@
-"""`quantize_cuda`: fused FP8 quantization on CUDA, with a plain-torch fallback.
-
-The public `megatron.core.fp8.quantize(..., backend="cuda")` calls this. Triton is imported
-lazily, so this module imports on machines without Triton (and without a GPU); there, and for
-CPU tensors, each family's torch fallback runs the reference rules (`fp8/reference.py`)
-unfused. The families: `quantize_per_tensor.py`, `quantize_blockwise.py`, `quantize_mxfp8.py`.
-"""
+"""`quantize_cuda` (`quantize(..., backend="cuda")`): fused FP8 quantization on CUDA. Triton is
+imported lazily; without it, and for CPU tensors, each family (`quantize_per_tensor.py`,
+`quantize_blockwise.py`, `quantize_mxfp8.py`) runs its unfused torch fallback of the reference
+rules."""
 
 from __future__ import annotations
 
@@ -34,15 +31,11 @@ def quantize_cuda(
     with_transpose: bool = False,
     force_torch: bool = False,
 ) -> dict[str, torch.Tensor | None]:
-    """Quantize `x` under `recipe`; returns rowwise_data, rowwise_scale_inv, columnwise_data,
-    columnwise_scale_inv (None when not asked for), amax (0-d fp32, NaN ignored) and, with
-    `with_transpose`, columnwise_data_t: the row-major transpose of the columnwise bytes (the
-    per-tensor transpose cache, or the operand a blockwise/MX wgrad GEMM reads).
-
-    `scale` (delayed only) is the current 0-d fp32 scale. `amax` (tensorwise only) is an
-    already reduced amax: pass one is skipped. Per-tensor columnwise bytes equal the rowwise
-    bytes (same shape, same scale) and are returned as the same tensor. `force_torch` runs the
-    plain-torch fallback even when Triton is available (tests, debugging).
+    """Quantize `x` under `recipe`: the reference's dict (`fp8/reference.py`, amax NaN-ignoring)
+    plus, with `with_transpose`, columnwise_data_t (row-major transpose of the columnwise bytes:
+    the transpose cache or a block recipe's wgrad operand). `scale`: delayed only. `amax`:
+    tensorwise only, already reduced (pass one skipped). Per-tensor columnwise bytes are the
+    rowwise tensor itself. `force_torch`: the torch fallback even with Triton (tests, debugging).
     """
     _check_args(
         recipe=recipe,

@@ -9,9 +9,9 @@ from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda.launch import ceil_div, launch
 from megatron.core.fp8.cuda.quantize_common import (
     COPY_KEYS,
-    TILE_CONFIG,
     amax_buffer,
     empty_u8,
+    tile_config,
     whole_amax_torch,
 )
 from megatron.core.fp8.formats import fp8_max
@@ -74,7 +74,7 @@ def block_128x128_spec(
         WRITE_ROW=write_row,
         WRITE_T=write_t,
         RECORD_AMAX=record,
-        **TILE_CONFIG["block_128x128"],
+        **tile_config("block_128x128"),
     )
     grid = kernels.grid_size(rows, cols, BLOCK_128, BLOCK_128)
     return kernels.block_128x128_kernel, grid, constants
@@ -121,7 +121,7 @@ def block_1x128_rows_spec(
 ) -> tuple:
     """(kernel, grid, constexprs) of the rowwise 1x128 kernel; args (x2d, row, row_sinv,
     record_bits or row_sinv, rows, cols)."""
-    config = TILE_CONFIG["block_1x128"]
+    config = tile_config("block_1x128")
     grid = (ceil_div(cols, BLOCK_128) * ceil_div(rows, config["BM"] * config["GROUP"]),)
     constants = dict(
         **_block_constants(input_dtype, fp8_dtype, power_2_scale),
@@ -137,7 +137,7 @@ def block_128x1_cols_spec(
 ) -> tuple:
     """(kernel, grid, constexprs) of the columnwise 128x1 kernel; args (x2d, col, col_sinv,
     col_t, record_bits or col_sinv, rows, cols), an absent output pointing at the other."""
-    config = TILE_CONFIG["block_128x1"]
+    config = tile_config("block_128x1")
     grid = (ceil_div(rows, BLOCK_128) * ceil_div(cols, config["BK"]),)
     constants = dict(
         **_block_constants(input_dtype, fp8_dtype, power_2_scale),
@@ -169,8 +169,8 @@ def block_1x128_fused_spec(
     bytes in x's shape) the fused kernel measured faster on the H200: 76.8% of copy
     against the pair's 66.5% (docs/benchmarks/fp8_quantize_pair_kernel_h200_2026-12-01.md)."""
     kernels = qc.triton_kernels()
-    pair = TILE_CONFIG["block_1x128_pair"] if write_t else {}
-    config = pair or TILE_CONFIG["block_1x128_fused"]
+    pair = tile_config("block_1x128_pair") if write_t else {}
+    config = pair or tile_config("block_1x128_fused")
     if not config or (not pair and rows % 4):
         return None
     constants = dict(

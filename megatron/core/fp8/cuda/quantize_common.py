@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.fp8.debug import DEBUG
 from megatron.core.fp8.reference import amax_ignoring_nan
 
 # Launch configurations per kernel: tile rows BM, tile cols BK, tiles per program GROUP (a
@@ -36,6 +37,11 @@ TILE_CONFIG: dict[str, dict[str, int]] = {
     "mxfp8_quads_dequantized": dict(CHUNKS=1, num_warps=1),
     "mxfp8_dequant": dict(CHUNKS=2, num_warps=1),
 }
+
+
+def tile_config(key: str) -> dict:
+    """Kernel `key`'s launch configuration: `DEBUG.tiles[key]` where set, else TILE_CONFIG's."""
+    return DEBUG.tiles.get(key, TILE_CONFIG[key])
 
 
 _triton_module: list = []  # [the kernel module or None], once resolved

@@ -9,9 +9,9 @@ from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda.launch import ceil_div, launch
 from megatron.core.fp8.cuda.quantize_common import (
     COPY_KEYS,
-    TILE_CONFIG,
     amax_buffer,
     empty_u8,
+    tile_config,
     whole_amax_torch,
 )
 from megatron.core.fp8.formats import e8m0_to_fp32, fp8_max, fp8_max_reciprocal
@@ -52,9 +52,9 @@ def mxfp8_spec(
     rowwise E8M0 tensor is a contiguous [rows, cols / 32] buffer at a 4-byte-aligned address,
     so the kernel may store its bytes as int16 / int32 words (E_WORDS)."""
     key = "mxfp8_dequantized" if dequant else "mxfp8"
-    quads = TILE_CONFIG[key.replace("mxfp8", "mxfp8_quads")]
+    quads = tile_config(key.replace("mxfp8", "mxfp8_quads"))
     use_quads = bool(quads) and not write_t
-    config = quads if use_quads else TILE_CONFIG[key]
+    config = quads if use_quads else tile_config(key)
     constants = dict(
         FP8_MAX=fp8_max(fp8_dtype),
         E4M3=fp8_dtype == torch.float8_e4m3fn,
@@ -176,7 +176,7 @@ def mxfp8_dequantize(
             multiplier = multiplier.repeat_interleave(MX_BLOCK, dim=1)[:, :cols]
         return (data.view(fp8_dtype).float() * multiplier).to(out_dtype)
     out = torch.empty((rows, cols), dtype=out_dtype, device=data.device)
-    config = TILE_CONFIG["mxfp8_dequant"]
+    config = tile_config("mxfp8_dequant")
     if data.numel() > 0:
         launch(
             kernels.mxfp8_dequantize_kernel,

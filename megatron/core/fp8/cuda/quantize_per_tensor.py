@@ -8,10 +8,10 @@ import torch
 from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda.launch import ceil_div, launch
 from megatron.core.fp8.cuda.quantize_common import (
-    TILE_CONFIG,
     amax_buffer,
     empty_u8,
     scalar_f32,
+    tile_config,
     whole_amax_torch,
 )
 from megatron.core.fp8.formats import fp8_max
@@ -45,21 +45,21 @@ AMAX_PARTIALS = 256
 def amax_partials_spec(numel: int) -> tuple:
     """(kernel, grid, constexprs, blocks per program) of the atomic-free amax pass into
     grid[0] partial maxima, grid[0] a power of two <= AMAX_PARTIALS."""
-    block = TILE_CONFIG["amax"]["BLOCK"]
+    block = tile_config("amax")["BLOCK"]
     blocks = ceil_div(numel, block)
     programs = min(AMAX_PARTIALS, 1 << max(blocks - 1, 0).bit_length())
     per_program = ceil_div(blocks, programs)
     constexprs = dict(
         BLOCK=block,
         EVEN=numel == programs * per_program * block,
-        num_warps=TILE_CONFIG["amax"]["num_warps"],
+        num_warps=tile_config("amax")["num_warps"],
     )
     return qc.triton_kernels().amax_partials_kernel, (programs,), constexprs, per_program
 
 
 def launch_amax(x2d: torch.Tensor, amax_bits: torch.Tensor) -> None:
     """Atomically max the NaN-ignoring max|x| of a contiguous tensor into int32 amax_bits."""
-    config = TILE_CONFIG["amax"]
+    config = tile_config("amax")
     grid = (ceil_div(x2d.numel(), config["BLOCK"] * config["GROUP"]),)
     launch(qc.triton_kernels().amax_kernel, grid, (x2d, amax_bits, x2d.numel()), config)
 
@@ -80,7 +80,7 @@ def per_tensor_cast_spec(
     """(kernel, grid, constexprs) of the per-tensor cast of a [rows, cols] tensor;
     amax_partials: the amax argument holds that many partial maxima (tensorwise)."""
     delayed = recipe_spec(recipe).delayed
-    config = TILE_CONFIG["cast_t" if write_t else "cast"]
+    config = tile_config("cast_t" if write_t else "cast")
     grid = (ceil_div(cols, config["BK"]) * ceil_div(rows, config["BM"] * config["GROUP"]),)
     constants = dict(
         FP8_MAX=fp8_max(fp8_dtype),

@@ -1,25 +1,17 @@
-"""Fused Triton quantization kernels (amax + scale + saturating cast + copies in one read).
+"""Shared device functions of the fused Triton kernels `triton_{per_tensor,blockwise,mxfp8}.py`
+(amax + scale + saturating cast + copies in one read), imported lazily
+(`quantize_common.triton_kernels`). Bitwise rules: docs/FP8_NUMERICS.md, `fp8/reference.py`.
 
-Shared device functions of the kernel files `triton_{per_tensor,blockwise,mxfp8}.py`,
-imported lazily (`quantize_common.triton_kernels`) only when Triton is present. Bitwise rules:
-docs/FP8_NUMERICS.md; the plain-torch definition is `fp8/reference.py`.
-
-Choices that keep the kernels bitwise equal to PyTorch at few instructions per element (the
-kernels are bound by instruction issue as much as by DRAM: every instruction per element
-costs bandwidth; `dev/aot_kernels.py` counts them on CPU):
+The kernels are bound by instruction issue as much as by DRAM (`dev/aot_kernels.py` counts
+instructions on CPU), so each rule takes the fewest instructions that stay bitwise equal:
 - divisions use `tl.math.div_rn` (IEEE round-to-nearest); Triton's `/` may be approximate;
-- the FP8 cast is the hardware's `cvt.rn.satfinite` alone (`.to(fp8)` on sm_89+): it rounds
-  to nearest even and saturates overflow and +-Inf to +-max, which is the reference's
-  clamp-then-cast; a NaN product becomes byte 0x7F, which is what torch writes for the
-  canonical NaN (sign clear) that every GPU multiply by a scale returns;
-- max|x| uses the hardware max, which returns the non-NaN operand (maxNum), in the input's
-  own dtype (exact; packed bf16x2 on sm_90); only a block that is all NaN reduces to NaN, and
-  that reduced value is replaced by 0;
-- partial amaxes are combined with an int32 atomic max on the fp32 bit pattern (valid
-  because every amax is >= 0, where int order equals float order).
-
-Triton's CPU interpreter differs from the GPU on both hardware behaviours above (and
-mis-rounds FP8 casts): check these kernels on a GPU against the reference.
+- the FP8 cast is `cvt.rn.satfinite` alone: RN-even with overflow and +-Inf saturated, the
+  reference's clamp-then-cast; a NaN product becomes 0x7F, torch's byte for the canonical NaN;
+- max|x| is the hardware max (maxNum: the non-NaN operand) in x's own dtype (exact); only an
+  all-NaN block reduces to NaN, replaced by 0;
+- partial amaxes meet in an int32 atomic max on the fp32 bits (amax >= 0: int order = float).
+Triton's CPU interpreter differs on both hardware behaviours (and mis-rounds FP8 casts):
+check these kernels on a GPU against the reference.
 """
 
 from __future__ import annotations
