@@ -44,6 +44,7 @@ from megatron.core.fp8.cuda import quantize_blockwise as qbw
 from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
 from megatron.core.fp8.cuda import quantize_per_tensor as qpt
+from megatron.core.fp8.debug import DEBUG, set_debug_config
 
 _TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.int32: "i32"}
 _OPTIONS = ("num_warps", "num_stages", "maxnreg")
@@ -132,20 +133,18 @@ def cases(rows: int, cols: int) -> dict[str, tuple]:
     )
     out["128x1 cols T"] = (kernel, (bf16, u8, f32, u8, f32, rows, cols), constexprs, grid)
     fused_spec = getattr(qbw, "block_1x128_fused_spec", None)  # absent before cc97b24
-    pair = qc.TILE_CONFIG.get("block_1x128_pair")  # absent before 02aec6e
+    pair = qc.tile_config("block_1x128_pair")
     # The one-launch 1x128 pair: the paired kernel where configured, and the fused kernel.
     for name, pair_config in (("1x128 pair row + T", pair), ("1x128 fused row + T", {})):
         if fused_spec is None or (name.startswith("1x128 pair") and not pair_config):
             continue
-        if pair is not None:
-            qc.TILE_CONFIG["block_1x128_pair"] = pair_config
+        previous = set_debug_config(tiles={**DEBUG.tiles, "block_1x128_pair": pair_config})
         try:
             spec = fused_spec(
                 rows, cols, columnwise=False, write_t=True, record=False, row_scale_t=True, **block
             )
         finally:
-            if pair is not None:
-                qc.TILE_CONFIG["block_1x128_pair"] = pair
+            set_debug_config(**previous)
         if spec is not None:
             out[name] = (spec[0], (bf16, u8, f32, u8, f32, u8, f32, rows, cols), spec[2], spec[1])
     kernel, grid, constexprs = qbw.block_128x128_spec(

@@ -158,8 +158,8 @@ def _is_module(name: str) -> bool:
 def _assigned_module_attributes(path: Path) -> list[tuple[int, str, str]]:
     """(line, module, attribute) for each data attribute of a megatron module that the file
     assigns: `module.NAME = ...`, `setattr(module, "NAME", ...)`,
-    `monkeypatch.setattr(module, "NAME", ...)` where NAME is not a function or class, and
-    `monkeypatch.setitem(module.NAME, ...)`."""
+    `monkeypatch.setattr(module, "NAME", ...)` where NAME is not a function or class,
+    `module.NAME[key] = ...` and `monkeypatch.setitem(module.NAME, ...)`."""
     tree = ast.parse(path.read_text(), filename=str(path))
     aliases = _megatron_module_aliases(tree)
     found = []
@@ -167,6 +167,8 @@ def _assigned_module_attributes(path: Path) -> list[tuple[int, str, str]]:
         if isinstance(node, (ast.Assign, ast.AugAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
+                while isinstance(target, ast.Subscript):  # module.NAME[key] = ... changes NAME
+                    target = target.value
                 if (
                     isinstance(target, ast.Attribute)
                     and isinstance(target.value, ast.Name)
@@ -280,10 +282,12 @@ def test_the_lab_switch_check_tells_a_value_from_a_spy(tmp_path):
         "    monkeypatch.setattr(debug, 'DEBUG', None)\n"
         "    monkeypatch.setattr(debug, 'set_debug_config', print)\n"
         "    monkeypatch.setitem(debug.DEBUG, 'x', 1)\n"
+        "    debug.DEBUG['tiles'] = {}\n"
     )
     found = _assigned_module_attributes(path)
     assert sorted(found) == [
         (2, "megatron.core.fp8.debug", "DEBUG"),
         (4, "megatron.core.fp8.debug", "DEBUG"),
         (6, "megatron.core.fp8.debug", "DEBUG"),
+        (7, "megatron.core.fp8.debug", "DEBUG"),
     ]
