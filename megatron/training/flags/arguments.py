@@ -535,19 +535,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def world_size_from_env() -> int:
-    """Data-parallel size as torchrun/Slurm announce it (1 for a plain `python` launch)."""
-    return env_int("WORLD_SIZE", 1)
-
-
 def parse_args(
     argv: Sequence[str] | None = None, *, world_size: int | None = None
 ) -> argparse.Namespace:
-    """Parse and validate; on any problem exit with status 2 and a message naming the fix."""
+    """Parse and validate for `world_size` ranks (default: the launcher's); on any problem exit
+    with status 2 and a message naming the fix. The Namespace holds the flags as given (and
+    their defaults); configs.build_run_config resolves the values derived from them."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.world_size = world_size if world_size is not None else world_size_from_env()
-    args.data_parallel_size = args.world_size
     if args.use_checkpoint_args:
         try:
             changed = load_args_from_checkpoint(args)
@@ -557,7 +552,7 @@ def parse_args(
             for line in changed:
                 print(f" > --use-checkpoint-args: {line}", flush=True)
     try:
-        validate_args(args)
+        validate_args(args, world_size=world_size)
     except ArgumentError as error:
         parser.error(str(error))
     return args
