@@ -29,8 +29,7 @@ CHECKPOINT_MODEL_ARGS = ARCHITECTURE_FLAGS + (
 
 
 def _checkpoint_metadata(args: argparse.Namespace) -> dict:
-    """metadata.json of the checkpoint --load (and --ckpt-step) name; CheckpointError names the
-    file when there is no checkpoint to read the flags from."""
+    """metadata.json of the checkpoint --load (--ckpt-step) names, or CheckpointError."""
     if args.load is None:
         raise CheckpointError("--use-checkpoint-args reads the flags of --load DIR; pass --load.")
     iteration = args.ckpt_step if args.ckpt_step is not None else read_tracker(args.load)

@@ -45,7 +45,9 @@ from megatron.training.flags.run_config import (
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
-def resolved_flags(args: argparse.Namespace, *, world_size: int | None = None):
+def resolved_flags(
+    args: argparse.Namespace, *, world_size: int | None = None
+) -> argparse.Namespace:
     """A copy of the flags with every default that depends on other flags filled in, as
     Megatron-LM resolves them (the global batch, the run length, --max-position-embeddings, the
     engine a Megatron-LM flag means, the checkpoint format, the FP8 defaults). The one definition
@@ -70,9 +72,8 @@ def resolved_flags(args: argparse.Namespace, *, world_size: int | None = None):
     if len(flags.split) >= 2 and flags.split[0] == flags.split[-1] and flags.split[0] in "'\"":
         flags.split = flags.split[1:-1]
     _resolve_data_parallel_engine(flags)
-    if flags.ckpt_format is None:
-        default = "torch_dist" if flags.use_megatron_fsdp else "torch"
-        flags.ckpt_format = saved_format or default  # --use-checkpoint-args: the checkpoint's
+    if flags.ckpt_format is None:  # --use-checkpoint-args: the checkpoint's format
+        flags.ckpt_format = saved_format or ("torch_dist" if flags.use_megatron_fsdp else "torch")
     if flags.wandb_project and flags.wandb_save_dir is None and flags.save is not None:
         flags.wandb_save_dir = os.path.join(flags.save, "wandb")  # Megatron-LM's default
     if flags.fp8_recipe is None and flags.fp8_format is not None:
@@ -85,10 +86,8 @@ def resolved_flags(args: argparse.Namespace, *, world_size: int | None = None):
 
 
 def _resolve_data_parallel_engine(flags: argparse.Namespace) -> None:
-    """Which engine a Megatron-LM command line means. --use-distributed-optimizer (optimizer
-    state sharded over data parallelism) is Megatron-FSDP's 'optim' strategy; a sharded
-    checkpoint (--ckpt-format torch_dist) without it stays under DDP, which writes that format
-    itself. --use-megatron-fsdp alone keeps optim_grads_params."""
+    """The engine a Megatron-LM line means: --use-distributed-optimizer is Megatron-FSDP's 'optim'
+    strategy (--ckpt-format torch_dist alone stays under DDP, which writes that format too)."""
     if flags.use_distributed_optimizer and not (flags.use_megatron_fsdp or flags.use_torch_fsdp2):
         flags.use_megatron_fsdp = True
         flags.data_parallel_sharding_strategy = "optim"
