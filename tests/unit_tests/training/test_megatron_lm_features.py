@@ -313,6 +313,7 @@ def test_flag_spellings_of_megatron_lm_scripts():
     # fp64 grad buffers (ours): the layout-independent mode; comm auto follows them.
     fp64 = ["--use-megatron-fsdp", "--megatron-fsdp-main-grads-dtype", "fp64"]
     args = parse_args(TINY_GPT + fp64 + ["--megatron-fsdp-grad-comm-dtype", "auto"], world_size=1)
+    args = resolved_flags(args, world_size=1)
     assert (args.main_grads_dtype, args.grad_reduce_in_bf16) == ("fp64", False)
 
 
