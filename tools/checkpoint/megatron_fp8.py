@@ -109,7 +109,9 @@ def save_megatron_fp8(state: ModelState, save_dir: str, *, ckpt_format: str = "t
         )
 
     def write(tmp: str) -> None:
-        run_config = build_run_config(_saver_args(state, save=tmp, ckpt_format=ckpt_format))
+        run_config = build_run_config(
+            _saver_args(state, save=tmp, ckpt_format=ckpt_format), world_size=1
+        )
         env = initialize_distributed(run_config.distributed)
         try:
             run = setup_model_and_optimizer(

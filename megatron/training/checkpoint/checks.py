@@ -11,6 +11,7 @@ import os
 from megatron.core.checkpoint_files import CheckpointError
 from megatron.core.fp8.recipe import names_delayed_scaling
 from megatron.core.transformer.transformer_config import resolved_shape
+from megatron.training.checkpoint.layout import saved_run_flags
 from megatron.training.checkpoint.sharded import SHARDED_FORMATS
 from megatron.training.flags.run_config import ARCHITECTURE_FLAGS, CheckpointConfig
 from megatron.training.model_setup import ModelAndOptimizer
@@ -20,7 +21,7 @@ def check_saved_flags(metadata: dict, config: CheckpointConfig, *, directory: st
     """Flags whose saved value this run must share: shapes, the format, and (when the
     optimizer state is loaded) the optimizer, whose state keys differ (Adam moments vs SGD
     momentum). --no-load-optim and --finetune start a fresh optimizer, so any one is fine."""
-    saved = metadata["args"]
+    saved = saved_run_flags(metadata)
     check_architecture(saved, config.architecture, directory=directory)
     same_layout = {metadata["ckpt_format"], config.ckpt_format} <= set(SHARDED_FORMATS)
     if metadata["ckpt_format"] != config.ckpt_format and not same_layout:
@@ -175,7 +176,7 @@ def check_saved_param_shapes(metadata: dict, run: ModelAndOptimizer, *, director
             "edited. Load another iteration."
         ) from None
     expected = {name: tuple(p.shape) for name, p in run.module.named_parameters()}
-    check_shapes(saved, expected, source=source, saved_flags=metadata["args"])
+    check_shapes(saved, expected, source=source, saved_flags=saved_run_flags(metadata))
 
 
 # LRScheduleConfig fields, by the flag that sets each (for the mismatch message).

@@ -41,6 +41,12 @@ REQUIRED_METADATA = {
 }
 
 
+def saved_run_flags(metadata: dict) -> dict:
+    """The run's flags as resolved: metadata "args" holds them as given and "resolved_args" the
+    values derived from them; a checkpoint saved before the split holds resolved "args" only."""
+    return {**metadata["args"], **metadata.get("resolved_args", {})}
+
+
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 

@@ -29,6 +29,7 @@ from megatron.training.checkpoint.layout import (
     read_tracker,
     resolve_iteration_dir,
     rng_state_from_plain,
+    saved_run_flags,
 )
 from megatron.training.checkpoint.sharded import SHARDED_FORMATS, load_sharded_state, sharded_state
 from megatron.training.flags.run_config import CheckpointConfig
@@ -132,7 +133,7 @@ def load_checkpoint(
     load_optim = not (config.no_load_optim or config.finetune)
     if config.ckpt_format in SHARDED_FORMATS:
         # --finetune loads weights only, in both formats: no delayed-scaling state either.
-        saved_recipe = metadata["args"].get("fp8_recipe")
+        saved_recipe = saved_run_flags(metadata).get("fp8_recipe")
         saved_delayed = names_delayed_scaling(saved_recipe) and not config.finetune
         _load_sharded(
             directory, run=run, env=env, load_optim=load_optim, fp8_scaling_state=saved_delayed
@@ -142,7 +143,7 @@ def load_checkpoint(
     failure: CheckpointError | None = None
     try:
         if config.ckpt_format not in SHARDED_FORMATS:
-            _load_model_tensors(directory, run, metadata["args"])
+            _load_model_tensors(directory, run, saved_run_flags(metadata))
             if load_optim:
                 _load_optimizer_file(directory, run)
         if not config.finetune:

@@ -63,6 +63,7 @@ def _metadata(config: CheckpointConfig, run, scheduler, state, env) -> dict:
         "world_size": env.world_size,
         "model_config": config_to_json(run.config),
         "args": config.saved_args,
+        "resolved_args": config.resolved_args,
         # Checked against the model before any tensor is read (a clear error, not torch's).
         "param_shapes": {name: list(p.shape) for name, p in run.module.named_parameters()},
     }

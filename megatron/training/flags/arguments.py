@@ -19,8 +19,8 @@ from megatron.core.tokenizer.build import TOKENIZER_TYPES
 from megatron.training.flags.checkpoint_args import load_args_from_checkpoint
 from megatron.training.flags.checks import ArgumentError, validate_args
 from megatron.training.flags.megatron_lm import add_megatron_lm_args
-from megatron.training.flags.optimizer import add_optimizer_state_args
 from megatron.training.flags.megatron_lm_table import add_megatron_lm_table_args
+from megatron.training.flags.optimizer import add_optimizer_state_args
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -544,19 +544,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def world_size_from_env() -> int:
-    """Data-parallel size as torchrun/Slurm announce it (1 for a plain `python` launch)."""
-    return env_int("WORLD_SIZE", 1)
-
-
 def parse_args(
     argv: Sequence[str] | None = None, *, world_size: int | None = None
 ) -> argparse.Namespace:
-    """Parse and validate; on any problem exit with status 2 and a message naming the fix."""
+    """Parse and validate for `world_size` ranks (default: the launcher's); on any problem exit
+    with status 2 and a message naming the fix. The Namespace holds the flags as given (and
+    their defaults); configs.build_run_config resolves the values derived from them."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.world_size = world_size if world_size is not None else world_size_from_env()
-    args.data_parallel_size = args.world_size
     if args.use_checkpoint_args:
         try:
             changed = load_args_from_checkpoint(args)
@@ -566,7 +561,7 @@ def parse_args(
             for line in changed:
                 print(f" > --use-checkpoint-args: {line}", flush=True)
     try:
-        validate_args(args)
+        validate_args(args, world_size=world_size)
     except ArgumentError as error:
         parser.error(str(error))
     return args

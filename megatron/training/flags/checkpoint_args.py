@@ -1,6 +1,6 @@
-"""--use-checkpoint-args: the model flags and the vocabulary rows taken from the checkpoint
-that --load names, at parse time (before validation), as Megatron-LM's
-load_args_from_checkpoint does."""
+"""--use-checkpoint-args: the model flags taken from the checkpoint that --load names, at parse
+time (before validation), as Megatron-LM's load_args_from_checkpoint does; its vocabulary rows
+and format are read for configs.resolved_flags."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from megatron.training.checkpoint.layout import (
     read_metadata,
     read_tracker,
     resolve_iteration_dir,
+    saved_run_flags,
 )
 from megatron.training.flags.run_config import ARCHITECTURE_FLAGS
 
@@ -27,10 +28,8 @@ CHECKPOINT_MODEL_ARGS = ARCHITECTURE_FLAGS + (
 )
 
 
-def load_args_from_checkpoint(args: argparse.Namespace) -> list[str]:
-    """--use-checkpoint-args: set the model flags and the vocabulary rows (padded_vocab_size)
-    from the checkpoint --load names, before validation; returns one line per flag changed.
-    CheckpointError names the file when there is no checkpoint to read them from."""
+def _checkpoint_metadata(args: argparse.Namespace) -> dict:
+    """metadata.json of the checkpoint --load (--ckpt-step) names, or CheckpointError."""
     if args.load is None:
         raise CheckpointError("--use-checkpoint-args reads the flags of --load DIR; pass --load.")
     iteration = args.ckpt_step if args.ckpt_step is not None else read_tracker(args.load)
@@ -39,8 +38,13 @@ def load_args_from_checkpoint(args: argparse.Namespace) -> list[str]:
             f"--use-checkpoint-args: --load {args.load} holds no {TRACKER_FILENAME}, so there "
             "are no saved flags to use; pass a --save directory (or drop the flag)."
         )
-    metadata = read_metadata(resolve_iteration_dir(args.load, iteration))
-    saved = metadata["args"]
+    return read_metadata(resolve_iteration_dir(args.load, iteration))
+
+
+def load_args_from_checkpoint(args: argparse.Namespace) -> list[str]:
+    """--use-checkpoint-args: set the model flags from the checkpoint --load names, before
+    validation; returns one line per flag changed."""
+    saved = saved_run_flags(_checkpoint_metadata(args))
     changed = []
     for name in CHECKPOINT_MODEL_ARGS:
         if name in saved and saved[name] != getattr(args, name):
@@ -48,9 +52,14 @@ def load_args_from_checkpoint(args: argparse.Namespace) -> list[str]:
                 f"--{name.replace('_', '-')} {saved[name]} (command line: {getattr(args, name)})"
             )
             setattr(args, name, saved[name])
-    vocab_rows = metadata["model_config"].get("vocab_size")
-    if isinstance(vocab_rows, int):
-        args.padded_vocab_size = vocab_rows
-    if args.ckpt_format is None:
-        args.ckpt_format = metadata["ckpt_format"]
     return changed
+
+
+def checkpoint_run_values(args: argparse.Namespace) -> tuple[int | None, str | None]:
+    """(vocabulary rows, --ckpt-format) of the checkpoint that --use-checkpoint-args reads, which
+    configs.resolved_flags takes; (None, None) without the flag."""
+    if not args.use_checkpoint_args:
+        return None, None
+    metadata = _checkpoint_metadata(args)
+    rows = metadata["model_config"].get("vocab_size")
+    return (rows if isinstance(rows, int) else None), metadata["ckpt_format"]

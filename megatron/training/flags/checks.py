@@ -1,25 +1,22 @@
 """Cross-flag validation of pretrain_gpt.py's arguments: every check in one function.
 
-`validate_args` fills derived defaults and raises ArgumentError, whose message names the flags
-and the fix; `arguments.parse_args` turns it into exit status 2 before any model is built.
+`validate_args` checks the flags as configs.resolved_flags resolves them (without storing that
+copy) and raises ArgumentError, whose message names the flags and the fix;
+`arguments.parse_args` turns it into exit status 2 before any model is built.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 
 import torch
 
 from megatron.training.checkpoint.path_checks import check_input_file, check_output_dir
-from megatron.training.flags.configs import lr_lengths_before_fraction
+from megatron.training.flags.configs import lr_lengths_before_fraction, resolved_flags
 from megatron.training.flags.megatron_lm import unbuilt_features
-from megatron.training.flags.megatron_lm_checks import (
-    resolve_megatron_lm_args,
-    validate_megatron_lm_args,
-)
-from megatron.training.flags.optimizer import resolve_compile_default, validate_optimizer_args
+from megatron.training.flags.megatron_lm_checks import validate_megatron_lm_args
+from megatron.training.flags.optimizer import validate_optimizer_args
 from megatron.training.loggers import check_logger_settings
 
 
@@ -27,40 +24,33 @@ class ArgumentError(ValueError):
     """An invalid flag or combination of flags."""
 
 
-def validate_args(args: argparse.Namespace) -> None:
-    """All cross-flag checks, in one place. Raises ArgumentError.
-
-    It resolves flag defaults that depend on other flags (the global batch, the run length,
-    --max-position-embeddings, the checkpoint format, the engine a Megatron-LM flag means) in
-    the Namespace, as Megatron-LM does and as checkpoints save them; values derived for the
-    run (micro-batches per step, the schedule's lengths in iterations) are computed by
-    configs.build_run_config instead."""
+def validate_args(args: argparse.Namespace, *, world_size: int | None = None) -> None:
+    """All cross-flag checks, in one place, of the flags as given (`args`, left unchanged) and
+    as configs.resolved_flags resolves them for `world_size` ranks. Raises ArgumentError."""
     # First: a command line that asks for features we have not built gets one message naming
     # all of them, before any other check.
     unbuilt = unbuilt_features(args)
     if unbuilt is not None:
         raise ArgumentError(unbuilt)
     try:
-        args.megatron_lm_notes = resolve_megatron_lm_args(args)
+        flags = resolved_flags(args, world_size=world_size)
     except ValueError as error:
         raise ArgumentError(str(error)) from None
-    _validate_batch(args)
-    _validate_model(args)
-    _validate_schedule(args)
+    _validate_batch(flags, given=args)
+    _validate_model(flags)
+    _validate_schedule(flags)
     try:
-        validate_megatron_lm_args(args)
+        validate_megatron_lm_args(flags)
     except ValueError as error:
         raise ArgumentError(str(error)) from None
-    _validate_data(args)
-    _resolve_data_parallel_engine(args)
-    _validate_checkpointing(args)
-    _validate_backend(args)
-    _validate_fsdp(args)
-    _validate_fp8(args)
-    _run(validate_optimizer_args, args)
-    _run(resolve_compile_default, args)
+    _validate_data(flags)
+    _validate_checkpointing(flags)
+    _validate_backend(flags)
+    _validate_fsdp(flags)
+    _validate_fp8(flags, given=args)
+    _run(validate_optimizer_args, flags)
     _validate_output_dirs(args)
-    _validate_logging(args)
+    _validate_logging(flags)
 
 
 def _run(check, args: argparse.Namespace) -> None:
@@ -104,11 +94,9 @@ _POSITIVE_MODEL_VALUES = (
 )
 
 
-def _validate_batch(args: argparse.Namespace) -> None:
+def _validate_batch(args: argparse.Namespace, *, given: argparse.Namespace) -> None:
     dp = args.data_parallel_size
     _require(args.micro_batch_size > 0, "--micro-batch-size must be positive.")
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
     per_step = args.micro_batch_size * dp
     _require(
         args.global_batch_size > 0 and args.global_batch_size % per_step == 0,
@@ -120,7 +108,7 @@ def _validate_batch(args: argparse.Namespace) -> None:
         # Megatron-LM: the run length is given one way or the other, and the iterations are
         # the whole global batches the samples make.
         _require(
-            args.train_iters is None,
+            given.train_iters is None,
             "--train-iters and --train-samples both set the run length; pass only one.",
         )
         _require(
@@ -128,9 +116,6 @@ def _validate_batch(args: argparse.Namespace) -> None:
             f"--train-samples {args.train_samples} is less than one global batch "
             f"({args.global_batch_size}); train on more samples or a smaller batch.",
         )
-        args.train_iters = args.train_samples // args.global_batch_size
-    elif args.train_iters is None:
-        args.train_iters = 100
     _require(args.train_iters > 0, "--train-iters must be positive.")
     _require(args.log_interval > 0, "--log-interval must be positive.")
     _require(args.tensorboard_log_interval > 0, "--tensorboard-log-interval must be positive.")
@@ -164,8 +149,6 @@ def _validate_model(args: argparse.Namespace) -> None:
             f"--num-attention-heads {args.num_attention_heads} is not a multiple of "
             f"--num-query-groups {args.num_query_groups}; pick a divisor.",
         )
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute":
         _require(
             args.seq_length <= args.max_position_embeddings,
@@ -276,10 +259,6 @@ def _validate_schedule(args: argparse.Namespace) -> None:
 
 
 def _validate_data(args: argparse.Namespace) -> None:
-    # Megatron-LM's llama scripts pass "--split '99,1,0'" through an unquoted array, so the
-    # quotes reach argv; Megatron-LM reads the shares inside them.
-    if len(args.split) >= 2 and args.split[0] == args.split[-1] and args.split[0] in "'\"":
-        args.split = args.split[1:-1]
     if args.mock_data:
         _require(not args.data_path, "--mock-data and --data-path exclude each other; pick one.")
     else:
@@ -351,23 +330,6 @@ def _validate_split(split: str) -> list[float]:
     return parts
 
 
-def _resolve_data_parallel_engine(args: argparse.Namespace) -> None:
-    """Which engine a Megatron-LM command line means. --use-distributed-optimizer (optimizer
-    state sharded over data parallelism) is Megatron-FSDP's 'optim' strategy; a sharded
-    checkpoint (--ckpt-format torch_dist) without it stays under DDP, which writes that format
-    itself. --use-megatron-fsdp alone keeps optim_grads_params."""
-    if not (args.use_megatron_fsdp or args.use_torch_fsdp2):
-        if args.use_distributed_optimizer:
-            args.use_megatron_fsdp = True
-            args.data_parallel_sharding_strategy = "optim"
-            args.megatron_lm_notes.append(
-                "--use-distributed-optimizer: main params and optimizer state are sharded "
-                "over the data-parallel ranks by Megatron-FSDP's 'optim' strategy."
-            )
-    if args.data_parallel_sharding_strategy is None:
-        args.data_parallel_sharding_strategy = "optim_grads_params"
-
-
 def _validate_checkpointing(args: argparse.Namespace) -> None:
     _require(
         not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
@@ -380,8 +342,6 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
     if args.ckpt_step is not None:
         _require(args.load is not None, "--ckpt-step needs --load DIR (the --save directory).")
         _require(args.ckpt_step > 0, f"--ckpt-step {args.ckpt_step} must be a saved iteration > 0.")
-    if args.ckpt_format is None:
-        args.ckpt_format = "torch_dist" if args.use_megatron_fsdp else "torch"
     if args.ckpt_format == "fsdp_dtensor":
         _require(
             args.use_megatron_fsdp,
@@ -489,8 +449,6 @@ def _validate_output_dirs(args: argparse.Namespace) -> None:
 
 
 def _validate_logging(args: argparse.Namespace) -> None:
-    if args.wandb_project and args.wandb_save_dir is None and args.save is not None:
-        args.wandb_save_dir = os.path.join(args.save, "wandb")  # Megatron-LM's default
     if not (args.tensorboard_dir or args.wandb_project):
         return
     try:
@@ -513,27 +471,20 @@ def _validate_backend(args: argparse.Namespace) -> None:
         )
 
 
-def _validate_fp8(args: argparse.Namespace) -> None:
+def _validate_fp8(args: argparse.Namespace, *, given: argparse.Namespace) -> None:
     if args.fp8_format == "e5m2":
         raise ArgumentError(
             "--fp8-format e5m2: E5M2 alone is not allowed (E5M2 x E5M2 GEMMs are not supported); "
             "use --fp8-format hybrid (E4M3 forward, E5M2 grads) or e4m3."
         )
-    if args.fp8_recipe is None and args.fp8_format is not None:
-        args.fp8_recipe = "delayed"  # Megatron-LM: --fp8-format alone trains delayed scaling
     if args.fp8_recipe is None:
         for flag, on in (
             ("--fp8-param-gather", args.fp8_param_gather),
             ("--first-last-layers-bf16", args.first_last_layers_bf16),
-            ("--fp8-wgrad-input-from-activation", args.fp8_wgrad_input_from_activation),
+            ("--fp8-wgrad-input-from-activation", given.fp8_wgrad_input_from_activation),
         ):
             _require(not on, f"{flag} needs --fp8-recipe delayed|tensorwise|blockwise|mxfp8.")
-        args.fp8_wgrad_input_from_activation = False
         return
-    if args.fp8_wgrad_input_from_activation is None:
-        args.fp8_wgrad_input_from_activation = True
-    if args.fp8_format is None:
-        args.fp8_format = "hybrid"
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
     for flag, size in (("--hidden-size", args.hidden_size), ("--ffn-hidden-size", ffn)):
         _require(

@@ -3,8 +3,10 @@
 `build_run_config` is the only place below `parse_args` that reads the argparse Namespace: it
 turns the validated flags into the frozen dataclasses of run_config.py (training loop, data,
 checkpointing, logging, run hooks, model setup, process group) bundled in `TrainingRunConfig`,
-and computes the values derived from several flags (micro-batches per step, the learning-rate
-schedule's lengths in iterations, the samples asked of each split). Everything `pretrain`
+and computes the values derived from several flags (`resolved_flags`: the defaults that depend on
+other flags; micro-batches per step, the learning-rate schedule's lengths in iterations, the
+samples asked of each split). checks.py validates the same resolved copy; the Namespace that
+parse_args returns keeps the flags as given. Everything `pretrain`
 calls takes these configs, never the Namespace (tests/unit_tests/training/test_no_namespace.py
 checks it).
 """
@@ -13,14 +15,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import torch
 
 from megatron.core.distributed.fsdp.config import FsdpConfig
+from megatron.core.environment import env_int
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.flags.checkpoint_args import checkpoint_run_values
+from megatron.training.flags.megatron_lm_checks import resolve_megatron_lm_args
 from megatron.training.flags.mup import MUP_CONFIG_FIELDS, mup_width_mult
+from megatron.training.flags.optimizer import resolve_compile_default
 from megatron.training.flags.run_config import (
     ARCHITECTURE_FLAGS,
     CheckpointConfig,
@@ -43,6 +50,61 @@ _DTYPES = {
     "fp16": torch.float16,
     "fp64": torch.float64,
 }
+
+
+def resolved_flags(
+    args: argparse.Namespace, *, world_size: int | None = None
+) -> argparse.Namespace:
+    """A copy of the flags with every default that depends on other flags filled in, as
+    Megatron-LM resolves them (the global batch, the run length, --max-position-embeddings, the
+    engine a Megatron-LM flag means, the checkpoint format, the FP8 defaults). The one definition
+    of these rules. Raises ValueError for a Megatron-LM value that cannot be honoured."""
+    flags = argparse.Namespace(**vars(args))
+    # Default: the data-parallel size torchrun/Slurm announce (1 for a plain `python` launch).
+    flags.world_size = world_size if world_size is not None else env_int("WORLD_SIZE", 1)
+    flags.data_parallel_size = flags.world_size
+    flags.padded_vocab_size, saved_format = checkpoint_run_values(args)
+    flags.megatron_lm_notes = resolve_megatron_lm_args(flags)
+    resolve_compile_default(flags)  # --torch-compile's default: on with CUDA, off without
+    if flags.global_batch_size is None:
+        flags.global_batch_size = flags.micro_batch_size * flags.data_parallel_size
+    if flags.train_samples is not None and flags.train_iters is None:
+        # Megatron-LM: the iterations are the whole global batches the samples make.
+        flags.train_iters = flags.train_samples // max(flags.global_batch_size, 1)
+    elif flags.train_iters is None:
+        flags.train_iters = 100
+    if flags.max_position_embeddings is None:
+        flags.max_position_embeddings = flags.seq_length
+    # Megatron-LM's llama scripts pass "--split '99,1,0'" through an unquoted array, so the
+    # quotes reach argv; Megatron-LM reads the shares inside them.
+    if len(flags.split) >= 2 and flags.split[0] == flags.split[-1] and flags.split[0] in "'\"":
+        flags.split = flags.split[1:-1]
+    _resolve_data_parallel_engine(flags)
+    if flags.ckpt_format is None:  # --use-checkpoint-args: the checkpoint's format
+        flags.ckpt_format = saved_format or ("torch_dist" if flags.use_megatron_fsdp else "torch")
+    if flags.wandb_project and flags.wandb_save_dir is None and flags.save is not None:
+        flags.wandb_save_dir = os.path.join(flags.save, "wandb")  # Megatron-LM's default
+    if flags.fp8_recipe is None and flags.fp8_format is not None:
+        flags.fp8_recipe = "delayed"  # Megatron-LM: --fp8-format alone trains delayed scaling
+    if flags.fp8_wgrad_input_from_activation is None or flags.fp8_recipe is None:
+        flags.fp8_wgrad_input_from_activation = flags.fp8_recipe is not None
+    if flags.fp8_recipe is not None and flags.fp8_format is None:
+        flags.fp8_format = "hybrid"
+    return flags
+
+
+def _resolve_data_parallel_engine(flags: argparse.Namespace) -> None:
+    """The engine a Megatron-LM line means: --use-distributed-optimizer is Megatron-FSDP's 'optim'
+    strategy (--ckpt-format torch_dist alone stays under DDP, which writes that format too)."""
+    if flags.use_distributed_optimizer and not (flags.use_megatron_fsdp or flags.use_torch_fsdp2):
+        flags.use_megatron_fsdp = True
+        flags.data_parallel_sharding_strategy = "optim"
+        flags.megatron_lm_notes.append(
+            "--use-distributed-optimizer: main params and optimizer state are sharded "
+            "over the data-parallel ranks by Megatron-FSDP's 'optim' strategy."
+        )
+    if flags.data_parallel_sharding_strategy is None:
+        flags.data_parallel_sharding_strategy = "optim_grads_params"
 
 
 def _from_flags(cls: type, args: argparse.Namespace, **derived: object):
@@ -79,11 +141,11 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
 
 
 def build_transformer_config(args: argparse.Namespace, *, vocab_size: int) -> TransformerConfig:
+    flags = resolved_flags(args, world_size=1)  # the model does not depend on the world size
     rows = padded_vocab_size(vocab_size, divisible_by=args.make_vocab_size_divisible_by)
-    saved_rows = getattr(args, "padded_vocab_size", None)  # set by --use-checkpoint-args
-    if saved_rows is not None:
-        rows = checkpoint_vocab_rows(saved_rows, vocab_size=vocab_size)
-    return _transformer_config(args, vocab_rows=rows)
+    if flags.padded_vocab_size is not None:  # --use-checkpoint-args
+        rows = checkpoint_vocab_rows(flags.padded_vocab_size, vocab_size=vocab_size)
+    return _transformer_config(flags, vocab_rows=rows)
 
 
 def _transformer_config(args: argparse.Namespace, *, vocab_rows: int) -> TransformerConfig:
@@ -205,18 +267,26 @@ def _json_value(value: object) -> bool:
     return value is None or isinstance(value, (bool, int, float, str, list))
 
 
-def saved_args(args: argparse.Namespace) -> dict[str, object]:
-    """metadata.json's "args": the JSON-valued flags, and the derived values that earlier
-    versions stored in the Namespace (the format stays the same)."""
-    warmup, decay, wsd = lr_lengths(args)
-    flags = {key: value for key, value in vars(args).items() if _json_value(value)}
-    flags.update(
-        num_microbatches=num_microbatches(args),
+def saved_args(
+    given: argparse.Namespace, flags: argparse.Namespace
+) -> tuple[dict[str, object], dict[str, object]]:
+    """metadata.json's "args" (the JSON-valued flags as given) and "resolved_args" (the values
+    resolved_flags and the schedule derive from them, under Megatron-LM's names; merged over
+    "args" they are what a checkpoint from before the split stored as "args")."""
+    warmup, decay, wsd = lr_lengths(flags)
+    args = {key: value for key, value in vars(given).items() if _json_value(value)}
+    resolved = {
+        key: value
+        for key, value in vars(flags).items()
+        if _json_value(value) and (key not in args or args[key] != value)
+    }
+    resolved.update(
+        num_microbatches=num_microbatches(flags),
         lr_decay_iters=decay,
         lr_warmup_iters=warmup,
         lr_wsd_decay_iters=wsd,
     )
-    return flags
+    return args, resolved
 
 
 def build_training_config(args: argparse.Namespace) -> TrainingConfig:
@@ -233,23 +303,28 @@ def build_data_config(args: argparse.Namespace) -> DataConfig:
     )
 
 
-def build_checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
+def build_checkpoint_config(
+    given: argparse.Namespace, args: argparse.Namespace
+) -> CheckpointConfig:
+    saved, resolved = saved_args(given, args)
     return _from_flags(
         CheckpointConfig,
         args,
         architecture={flag: getattr(args, flag) for flag in ARCHITECTURE_FLAGS},
-        saved_args=saved_args(args),
+        saved_args=saved,
+        resolved_args=resolved,
     )
 
 
-def build_logging_config(args: argparse.Namespace) -> LoggingConfig:
+def build_logging_config(given: argparse.Namespace, args: argparse.Namespace) -> LoggingConfig:
+    saved, resolved = saved_args(given, args)
     return _from_flags(
         LoggingConfig,
         args,
-        notes=tuple(getattr(args, "megatron_lm_notes", ())),
+        notes=tuple(args.megatron_lm_notes),
         run_config={
             key: value
-            for key, value in saved_args(args).items()
+            for key, value in {**saved, **resolved}.items()
             if isinstance(value, (int, float, str, bool))
         },
     )
@@ -276,7 +351,7 @@ def build_model_setup_config(args: argparse.Namespace) -> ModelSetupConfig:
 
 
 def build_distributed_config(args: argparse.Namespace) -> DistributedConfig:
-    sharded_format = getattr(args, "ckpt_format", None) in ("torch_dist", "fsdp_dtensor")
+    sharded_format = args.ckpt_format in ("torch_dist", "fsdp_dtensor")
     return DistributedConfig(
         backend=args.distributed_backend,
         timeout_minutes=args.distributed_timeout_minutes,
@@ -286,18 +361,22 @@ def build_distributed_config(args: argparse.Namespace) -> DistributedConfig:
     )
 
 
-def build_run_config(args: argparse.Namespace) -> TrainingRunConfig:
-    """Every config of the run from the validated flags (`parse_args`'s result)."""
+def build_run_config(
+    given: argparse.Namespace, *, world_size: int | None = None
+) -> TrainingRunConfig:
+    """Every config of the run from the validated flags (`parse_args`'s result) as
+    resolved_flags resolves them for `world_size` ranks (default: the launcher's)."""
+    args = resolved_flags(given, world_size=world_size)
     return TrainingRunConfig(
         training=build_training_config(args),
         data=build_data_config(args),
-        checkpoint=build_checkpoint_config(args),
-        logging=build_logging_config(args),
+        checkpoint=build_checkpoint_config(given, args),
+        logging=build_logging_config(given, args),
         hooks=build_run_hooks_config(args),
         model_setup=build_model_setup_config(args),
         distributed=build_distributed_config(args),
         lr_schedule=build_lr_schedule_config(args),
         model_template=_transformer_config(args, vocab_rows=args.make_vocab_size_divisible_by),
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        checkpoint_vocab_rows=getattr(args, "padded_vocab_size", None),
+        checkpoint_vocab_rows=args.padded_vocab_size,
     )

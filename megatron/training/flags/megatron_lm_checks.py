@@ -1,7 +1,7 @@
 """Megatron-LM's flags at parse time: mapped onto ours (resolve_megatron_lm_args, with the log
 notes for given knobs that do not apply here) and checked (validate_megatron_lm_args). The
-flags themselves are defined in megatron_lm.py. Parse-time code: it works on the argparse
-Namespace before configs.build_run_config reads it; nothing here runs below `pretrain()`.
+flags themselves are defined in megatron_lm.py. Parse-time code: it maps the copy of the flags
+that configs.resolved_flags resolves (never parse_args' Namespace); nothing runs below pretrain().
 """
 
 from __future__ import annotations

@@ -179,8 +179,10 @@ class CheckpointConfig:
     """This run's values of the flags that set parameter shapes (checkpointing's
     ARCHITECTURE_FLAGS), compared with a checkpoint's before loading."""
     saved_args: dict[str, object]
-    """What metadata.json stores under "args": every flag with a JSON value (derived values
-    included under their Megatron-LM names), as `--use-checkpoint-args` and tools read it."""
+    """What metadata.json stores under "args": every flag with a JSON value, as given."""
+    resolved_args: dict[str, object]
+    """metadata.json's "resolved_args": the values derived from the flags, under their
+    Megatron-LM names (layout.saved_run_flags merges them over "args" for the checks)."""
 
 
 @dataclass(frozen=True, kw_only=True)

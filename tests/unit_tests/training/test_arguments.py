@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron.training.flags.arguments import build_parser, parse_args
+from megatron.training.flags.configs import build_run_config, resolved_flags
 from tests.unit_tests.training.common import TINY_GPT, run_pretrain
 
 FROZEN = os.path.join(os.path.dirname(__file__), "frozen_flags.txt")
@@ -359,9 +360,9 @@ def test_missing_tokenizer_file(capsys, tmp_path):
 
 def test_recipe_implies_hybrid_format():
     args = parse_args(TINY_GPT + ["--fp8-recipe", "mxfp8"], world_size=1)
-    assert args.fp8_format == "hybrid"
+    assert args.fp8_format is None and resolved_flags(args).fp8_format == "hybrid"
     args = parse_args(TINY_GPT + ["--fp8-recipe", "mxfp8", "--fp8-format", "e4m3"], world_size=1)
-    assert args.fp8_format == "e4m3"
+    assert resolved_flags(args).fp8_format == "e4m3"
 
 
 def test_wgrad_input_from_activation_is_on_with_a_recipe_unless_turned_off():
@@ -370,7 +371,9 @@ def test_wgrad_input_from_activation_is_on_with_a_recipe_unless_turned_off():
     def resolved(extra):
         args = parse_args(TINY_GPT + extra, world_size=1)
         fp8 = build_transformer_config(args, vocab_size=512).fp8
-        return args.fp8_wgrad_input_from_activation, fp8 and fp8.wgrad_input_from_activation
+        return resolved_flags(args).fp8_wgrad_input_from_activation, fp8 and (
+            fp8.wgrad_input_from_activation
+        )
 
     assert resolved([]) == (False, None)  # no FP8: nothing to recompute, and no Fp8Config
     assert resolved(["--no-fp8-wgrad-input-from-activation"]) == (False, None)
@@ -394,7 +397,8 @@ def test_fp8_format_alone_trains_megatron_lm_delayed_defaults():
     from megatron.training.flags.configs import build_transformer_config
 
     args = parse_args(TINY_GPT + ["--fp8-format", "hybrid", "--train-iters", "3"], world_size=1)
-    assert (args.fp8_recipe, args.fp8_format) == ("delayed", "hybrid")
+    flags = resolved_flags(args)
+    assert (flags.fp8_recipe, flags.fp8_format) == ("delayed", "hybrid")
     assert (args.fp8_amax_history_len, args.fp8_amax_compute_algo) == (1, "most_recent")
     fp8 = build_transformer_config(args, vocab_size=512).fp8
     assert (fp8.recipe, fp8.amax_history_len) == ("delayed", 1)
@@ -432,30 +436,33 @@ def test_fp8_format_alone_trains_megatron_lm_delayed_defaults():
 
 def test_wandb_save_dir_defaults_under_save():
     argv = TINY_GPT + ["--wandb-project", "p", "--wandb-exp-name", "e", "--save", "/tmp/ck"]
-    assert parse_args(argv, world_size=1).wandb_save_dir == "/tmp/ck/wandb"
+    args = parse_args(argv, world_size=1)
+    assert args.wandb_save_dir is None
+    assert build_run_config(args, world_size=1).logging.wandb_save_dir == "/tmp/ck/wandb"
 
 
 def test_derived_defaults():
-    from megatron.training.flags.configs import build_run_config, build_transformer_config
+    from megatron.training.flags.configs import build_transformer_config
 
     args = parse_args(TINY_GPT + ["--train-iters", "30"], world_size=2)
-    run_config = build_run_config(args)
+    run_config = build_run_config(args, world_size=2)
     assert run_config.training.num_microbatches == 2  # 8 / (2 x 2)
     assert run_config.lr_schedule.decay_iters == 30
     # Derived in the config, not written back into the flags (the flag keeps its default) ...
     assert args.lr_decay_iters is None and not hasattr(args, "num_microbatches")
-    # ... but metadata.json's "args" still holds them, as before.
-    saved = run_config.checkpoint.saved_args
+    # ... but metadata.json's "resolved_args" holds them, which a load merges over "args".
+    saved = run_config.checkpoint.resolved_args
     derived = [saved[key] for key in ("num_microbatches", "lr_decay_iters", "lr_warmup_iters")]
     assert derived == [2, 30, 0]
     # The bundle's model config is build_transformer_config's, rows padded to 128.
     model = run_config.model_config(vocab_size=500)
     assert model.vocab_size == 512
     assert model == build_transformer_config(args, vocab_size=500)
-    assert args.ckpt_format == "torch"
+    assert args.ckpt_format is None and run_config.checkpoint.ckpt_format == "torch"
+    assert run_config.checkpoint.saved_args["ckpt_format"] is None
     fsdp = parse_args(TINY_GPT + ["--use-megatron-fsdp"], world_size=2)
-    assert fsdp.ckpt_format == "torch_dist"
-    ddp_sharded = parse_args(TINY_GPT + ["--ckpt-format", "torch_dist"], world_size=2)
+    assert resolved_flags(fsdp).ckpt_format == "torch_dist"
+    ddp_sharded = resolved_flags(parse_args(TINY_GPT + ["--ckpt-format", "torch_dist"]))
     assert ddp_sharded.ckpt_format == "torch_dist" and not ddp_sharded.use_megatron_fsdp
 
 

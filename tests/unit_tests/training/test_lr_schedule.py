@@ -102,7 +102,7 @@ def test_a_schedule_saved_before_warmup_init_existed_matches_the_default():
 
 def test_train_samples_give_whole_batches_and_a_schedule_in_samples():
     from megatron.training.flags.arguments import parse_args
-    from megatron.training.flags.configs import build_lr_schedule_config
+    from megatron.training.flags.configs import build_run_config
     from tests.unit_tests.training.common import TINY_GPT  # global batch size 8
 
     flags = [
@@ -115,9 +115,9 @@ def test_train_samples_give_whole_batches_and_a_schedule_in_samples():
         "--lr-decay-style",
         "WSD",
     ]
-    args = parse_args(TINY_GPT + flags)
-    assert args.train_iters == 12  # 100 // 8
-    config = build_lr_schedule_config(args)
+    run_config = build_run_config(parse_args(TINY_GPT + flags, world_size=1), world_size=1)
+    assert run_config.training.train_iters == 12  # 100 // 8
+    config = run_config.lr_schedule
     assert (config.decay_iters, config.warmup_iters, config.wsd_decay_iters) == (12.5, 2.5, 5.0)
 
 

@@ -24,6 +24,7 @@ from megatron.core.optimizer import (
 from megatron.core.optimizer.grad_scaler import GradScaler
 from megatron.core.transformer.norm import LayerNorm, RMSNorm
 from megatron.training.flags.arguments import parse_args
+from megatron.training.flags.configs import resolved_flags
 from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
 
 
@@ -280,7 +281,7 @@ def test_manual_gc_collects_on_schedule_and_restores_the_collector(monkeypatch):
     ],
 )
 def test_engine_a_megatron_lm_line_means(extra, expected):
-    args = parse_args(TINY_GPT + extra, world_size=1)
+    args = resolved_flags(parse_args(TINY_GPT + extra, world_size=1), world_size=1)
     found = (args.use_megatron_fsdp, args.data_parallel_sharding_strategy, args.ckpt_format)
     assert found == expected
 
@@ -291,6 +292,7 @@ def test_flag_spellings_of_megatron_lm_scripts():
         + ["--split", "'99,1,0'", "--sequence-parallel", "--tensor-model-parallel-size", "1"],
         world_size=1,
     )
+    args = resolved_flags(args, world_size=1)
     assert args.split == "99,1,0" and args.sequence_parallel is False
     fsdp_dtypes = [
         "--bf16",
@@ -302,7 +304,7 @@ def test_flag_spellings_of_megatron_lm_scripts():
         "--megatron-fsdp-grad-comm-dtype",
         "bf16",
     ]
-    args = parse_args(TINY_GPT + fsdp_dtypes, world_size=1)
+    args = resolved_flags(parse_args(TINY_GPT + fsdp_dtypes, world_size=1), world_size=1)
     assert (args.main_params_dtype, args.main_grads_dtype, args.grad_reduce_in_bf16) == (
         "fp32",
         "bf16",
@@ -311,6 +313,7 @@ def test_flag_spellings_of_megatron_lm_scripts():
     # fp64 grad buffers (ours): the layout-independent mode; comm auto follows them.
     fp64 = ["--use-megatron-fsdp", "--megatron-fsdp-main-grads-dtype", "fp64"]
     args = parse_args(TINY_GPT + fp64 + ["--megatron-fsdp-grad-comm-dtype", "auto"], world_size=1)
+    args = resolved_flags(args, world_size=1)
     assert (args.main_grads_dtype, args.grad_reduce_in_bf16) == ("fp64", False)
 
 
