@@ -48,17 +48,12 @@ def validate_args(args: argparse.Namespace, *, world_size: int | None = None) ->
     _validate_backend(flags)
     _validate_fsdp(flags)
     _validate_fp8(flags, given=args)
-    _run(validate_optimizer_args, flags)
-    _validate_output_dirs(args)
-    _validate_logging(flags)
-
-
-def _run(check, args: argparse.Namespace) -> None:
-    """A check of another module that raises ValueError, as an ArgumentError."""
     try:
-        check(args)
+        validate_optimizer_args(flags)
     except ValueError as error:
         raise ArgumentError(str(error)) from None
+    _validate_output_dirs(args)
+    _validate_logging(flags)
 
 
 def _require(condition: bool, message: str) -> None:

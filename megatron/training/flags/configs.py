@@ -44,12 +44,7 @@ from megatron.training.flags.run_config import (
     padded_vocab_size,
 )
 
-_DTYPES = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp64": torch.float64,
-}
+_DTYPES = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16, fp64=torch.float64)
 
 
 def resolved_flags(
@@ -190,18 +185,11 @@ def build_fsdp_config(args: argparse.Namespace) -> FsdpConfig | None:
     )
 
 
-# OptimizerConfig fields that no flag sets yet: the precision-aware optimizer and its CPU
-# offload are built in megatron/core/optimizer but not wired to the engines (issue 37).
-_OPTIMIZER_NOT_FLAGS = ("moment_scaling",)
-
-
 def build_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
-    defaults = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
+    # moment_scaling has no Megatron-LM flag: TransformerEngine's rule, the config's default.
+    scaling = OptimizerConfig.moment_scaling
     return _from_flags(
-        OptimizerConfig,
-        args,
-        mup_width_mult=mup_width_mult(args),
-        **{n: defaults[n] for n in _OPTIMIZER_NOT_FLAGS},
+        OptimizerConfig, args, mup_width_mult=mup_width_mult(args), moment_scaling=scaling
     )
 
 

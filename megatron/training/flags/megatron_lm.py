@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 
 from megatron.training.flags.megatron_lm_table import unbuilt_table_flags
-from megatron.training.flags.mup import add_mup_args
 
 # Megatron-LM's --dist-ckpt-strictness choices.
 _STRICTNESS = (
@@ -35,15 +34,7 @@ _FSDP_DTYPES = ("fp32", "bf16", "fp16", "fp64", "auto")
 
 
 def add_megatron_lm_args(parser: argparse.ArgumentParser) -> None:
-    for add in (
-        _add_features,
-        _add_logging,
-        _add_fp16,
-        _add_profiling,
-        add_mup_args,
-        _add_knobs,
-        _add_unbuilt,
-    ):
+    for add in (_add_features, _add_logging, _add_fp16, _add_profiling, _add_knobs, _add_unbuilt):
         add(parser)
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from megatron.training.flags import optimizer as flags_optimizer
 from megatron.training.flags.arguments import parse_args
+from megatron.training.flags.configs import resolved_flags
 from megatron.training.flags.optimizer import resolve_torch_compile
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, ZERO3_DTENSOR, run_pretrain
@@ -109,6 +110,10 @@ def test_bad_combinations_exit_2_naming_the_fix(flags, message, capsys):
     assert len(error.strip().splitlines()) == 2  # the message and the --help pointer
 
 
+def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    return resolved_flags(args, world_size=1)
+
+
 def _compile_args(torch_compile) -> argparse.Namespace:
     return argparse.Namespace(torch_compile=torch_compile, use_torch_fsdp2=False)
 
@@ -125,10 +130,11 @@ def test_compile_default_resolution():
     assert off.torch_compile is False
     on = _compile_args(True)
     assert resolve_torch_compile(on, cuda_available=False) == "compiled (--torch-compile)"
-    # Through the parser: CPU resolves eager here.
-    assert parse_args([*TINY_GPT, "--train-iters", "2"], world_size=1).torch_compile is False
+    # Through the parser: CPU resolves eager here (the flags as given keep None).
+    given = parse_args([*TINY_GPT, "--train-iters", "2"], world_size=1)
+    assert given.torch_compile is None and _resolved(given).torch_compile is False
     args = parse_args([*TINY_GPT, "--train-iters", "2", "--torch-compile"], world_size=1)
-    assert args.torch_compile is True
+    assert _resolved(args).torch_compile is True
 
 
 def test_compile_is_the_default_with_cuda(monkeypatch, capsys):
@@ -136,12 +142,13 @@ def test_compile_is_the_default_with_cuda(monkeypatch, capsys):
     startup notes say why; --no-torch-compile keeps them eager."""
     monkeypatch.setattr(flags_optimizer.torch.cuda, "is_available", lambda: True)
     argv = [*TINY_GPT, "--train-iters", "2", "--distributed-backend", "gloo"]
-    args = parse_args(argv, world_size=1)
-    assert args.torch_compile is True
+    flags = _resolved(parse_args(argv, world_size=1))
+    assert flags.torch_compile is True
     assert "transformer layers run compiled (the default on CUDA" in " ".join(
-        args.megatron_lm_notes
+        flags.megatron_lm_notes
     )
-    assert parse_args([*argv, "--no-torch-compile"], world_size=1).torch_compile is False
+    off = parse_args([*argv, "--no-torch-compile"], world_size=1)
+    assert _resolved(off).torch_compile is False
 
 
 def _held(output: str) -> dict[str, float]:

@@ -6,6 +6,7 @@ import pytest
 
 from megatron.training.flags import megatron_lm_table as table
 from megatron.training.flags.arguments import build_parser, parse_args
+from megatron.training.flags.configs import resolved_flags
 from tests.unit_tests.training.common import TINY_GPT
 
 NOT_BUILT = "megatron-fp8 has not built these Megatron-LM features"
@@ -24,7 +25,7 @@ def _outcome(argv, capsys) -> tuple[int, str, list[str]]:
         args = parse_args(TINY_GPT + argv, world_size=1)
     except SystemExit as error:
         return error.code, capsys.readouterr().err, []
-    return 0, "", list(args.megatron_lm_notes)
+    return 0, "", list(resolved_flags(args, world_size=1).megatron_lm_notes)
 
 
 def test_table_names_the_release_and_holds_every_flag_once():

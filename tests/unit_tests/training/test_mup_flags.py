@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 
 from megatron.training.flags.arguments import parse_args
-from megatron.training.flags.configs import build_optimizer_config, build_transformer_config
+from megatron.training.flags.configs import (
+    build_optimizer_config,
+    build_transformer_config,
+    resolved_flags,
+)
 from tests.unit_tests.training.common import TINY_GPT
 
 
@@ -55,6 +59,6 @@ def test_bad_values_exit_2_with_one_line(argv, message, capsys):
 def test_mup_companions_without_use_mup_are_noted_not_used():
     args = parse(["--mup-base-hidden-size", "32", "--mup-width-mult", "2"])
     assert build_optimizer_config(args).mup_width_mult == 1.0
-    notes = args.megatron_lm_notes
+    notes = resolved_flags(args, world_size=1).megatron_lm_notes
     assert "--mup-base-hidden-size: no effect without --use-mup (as in Megatron-LM)." in notes
     assert sum(note.startswith("--mup-width-mult 2: no effect here") for note in notes) == 1
