@@ -239,7 +239,7 @@ def _linear_weights(layer: TransformerLayer) -> list[torch.Tensor]:
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
+    got, want = got.detach().double(), want.detach().double()
     return float((got - want).norm() / want.norm())
 
 
