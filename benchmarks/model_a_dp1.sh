@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Model A (docs/PERFORMANCE.md) at DP=$NPROC (default 1) on one host, every row in one job: the
 # FSDP2 bf16 peer (compiled, fused AdamW, clip 1.0) from benchmarks/bench_gpt.py, then pretrain_gpt.py
-# --torch-compile with Megatron-FSDP (ZeRO-3) in bf16 and with FP8 parameters for each recipe;
+# with Megatron-FSDP (ZeRO-3) in bf16 and with FP8 parameters for each recipe, on the command line a
+# Megatron-LM user brings: no --torch-compile (compiled by default on CUDA since issue 37);
 # torchao_tensorwise / torchao_rowwise: the torchao float8 peer rows (FSDP2, compiled).
 # <recipe>_keepcopy: that recipe with --no-fp8-wgrad-input-from-activation (fc2 keeps an FP8 copy
 # of its input from forward, as before 2026-12-02e), e.g. tensorwise_keepcopy. <recipe>_amaxpass:
 # compiled tensorwise with its own amax pass, not max|x| fused into the producer (as before
-# docs/benchmarks/tensorwise_producer_amax_h200_2026-12-03.md).
+# docs/benchmarks/tensorwise_producer_amax_h200_2026-12-03.md). <recipe>_eager: --no-torch-compile.
+# <recipe>_bf16moments: --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16.
 # One JSON line per row in $OUT/model_a_dp1.jsonl: step_ms is the median of the logged
 # iteration times after the first WARMUP iterations (compile and allocator warm-up).
 #   ROWS="fsdp2 bf16 tensorwise" ITERS=20 bash benchmarks/model_a_dp1.sh
@@ -28,7 +30,7 @@ MODEL_A=(
   --hidden-dropout 0 --attention-dropout 0 --untie-embeddings-and-output-weights --bf16
   --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
   --init-model-with-meta-device --lr 1e-5 --clip-grad 1.0 --eval-iters 0 --log-interval 1
-  --train-iters "$ITERS" --torch-compile
+  --train-iters "$ITERS"
 )
 row() {  # name, then the command
   local name=$1; shift
@@ -80,6 +82,11 @@ for name in ${ROWS:-fsdp2 torchao_tensorwise torchao_rowwise bf16 tensorwise del
     bf16)
       row bf16 torchrun --nproc-per-node "$NPROC" pretrain_gpt.py "${MODEL_A[@]}" $(snapshot_args bf16)
       summarize bf16; breakdown bf16 ;;
+    *_eager)
+      fp8_row "$name" "${name%_eager}" --no-torch-compile ;;
+    *_bf16moments)
+      fp8_row "$name" "${name%_bf16moments}" --use-precision-aware-optimizer --exp-avg-dtype bf16 \
+        --exp-avg-sq-dtype bf16 ;;
     *_keepcopy)  # the recipe with --no-fp8-wgrad-input-from-activation
       fp8_row "$name" "${name%_keepcopy}" --no-fp8-wgrad-input-from-activation ;;
     *_amaxpass)  # the recipe with fp8.debug amax_in_graph off (dev/amax_pass/sitecustomize.py)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Model A rows of an older tree and of this one in one job, interleaved (old row, then new row, for
+# each name in ROWS), so drift of the machine falls on both alike: the "behaviour and speed
+# unchanged" check of a restructuring. OLD is the older tree, e.g. made with
+#   mkdir .old_tree && git archive 524c418 | tar -x -C .old_tree
+# Each tree runs its own benchmarks/model_a_dp1.sh (so each with its own flags: the old one passes
+# --torch-compile, this one uses the default). PRE_ROWS run once on this tree first (e.g. fsdp2).
+#   OLD=.old_tree ROWS="bf16 tensorwise" PRE_ROWS=fsdp2 ITERS=12 bash benchmarks/model_a_old_vs_new.sh
+# Writes $OUT/old/model_a_dp1.jsonl, $OUT/new/model_a_dp1.jsonl and $OUT/old_vs_new.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/model_a_old_vs_new}
+OLD=$(cd "${OLD:?set OLD to the older tree}" && pwd)
+mkdir -p "$OUT/old" "$OUT/new"
+[ -n "${PRE_ROWS:-}" ] && ROWS=$PRE_ROWS OUT=$OUT/new bash benchmarks/model_a_dp1.sh
+for row in ${ROWS:-bf16 tensorwise delayed blockwise mxfp8}; do
+  (cd "$OLD" && ROWS=$row OUT=$OUT/old bash benchmarks/model_a_dp1.sh)
+  ROWS=$row OUT=$OUT/new bash benchmarks/model_a_dp1.sh
+done
+python3 - "$OUT" <<'PY' | tee "$OUT/old_vs_new.txt"
+import json, sys
+def rows(tree):
+    with open(f"{sys.argv[1]}/{tree}/model_a_dp1.jsonl") as f:
+        return {r.get("row", r.get("engine")): r for r in map(json.loads, f) if r.get("step_ms")}
+old, new = rows("old"), rows("new")
+print("| row | old step ms | new step ms | new/old | old peak GiB | new peak GiB |")
+print("|---|---|---|---|---|---|")
+for name in old:
+    if name in new:
+        o, n = old[name], new[name]
+        print(f"| {name} | {o['step_ms']} | {n['step_ms']} | {n['step_ms'] / o['step_ms']:.4f} "
+              f"| {o.get('peak_mem_gib')} | {n.get('peak_mem_gib')} |")
+if "fsdp2" in new:  # this tree's rows against the compiled FSDP2 bf16 peer of the same job
+    base = new["fsdp2"]
+    print(f"\nnew rows vs fsdp2 ({base['step_ms']} ms, {base['peak_mem_gib']} GiB):")
+    for name, n in new.items():
+        print(f"  {name}: {base['step_ms'] / n['step_ms']:.3f}x speed, "
+              f"{n['peak_mem_gib'] / base['peak_mem_gib']:.3f}x peak")
+PY
