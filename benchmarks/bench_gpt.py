@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden-size", type=int, default=4096)
     parser.add_argument("--ffn-hidden-size", type=int, default=14336)
     parser.add_argument("--num-attention-heads", type=int, default=32)
+    parser.add_argument("--num-query-groups", type=int, default=None, help="GQA (default: MHA)")
     parser.add_argument("--vocab-size", type=int, default=32768)
     parser.add_argument("--seq-length", type=int, default=4096)
     parser.add_argument("--micro-batch-size", type=int, default=2)
@@ -126,6 +127,7 @@ def model_config(args: argparse.Namespace, params_dtype: torch.dtype) -> Transfo
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
         vocab_size=args.vocab_size,
         max_sequence_length=args.seq_length,
         position_embedding_type="rope",
