@@ -179,5 +179,19 @@ def log_first_step(
             f" > memory after the first step (GiB) | allocated: {allocated:.2f} | "
             f"reserved: {reserved:.2f}",
         )
-    parts = " | ".join(f"{part}: {n / 2**20:.2f}" for part, n in held_bytes(run).items())
+    held = held_bytes(run)
+    parts = " | ".join(f"{part}: {n / 2**20:.2f}" for part, n in held.items())
     print_rank_0(env, f" > memory held by rank 0 (MiB) | {parts}")
+    if env.device.type == "cuda":
+        print_rank_0(env, peak_split_line(torch.cuda.max_memory_allocated(env.device), held))
+
+
+def peak_split_line(peak_bytes: int, held: dict[str, int]) -> str:
+    """The first step's allocation peak split into what the parts above hold and the rest:
+    activations saved for backward, temporaries and workspaces at that moment."""
+    rest = max(peak_bytes - sum(held.values()), 0)
+    return (
+        f" > memory at the first step's peak (MiB) | peak: {peak_bytes / 2**20:.2f} | "
+        f"params, grads and optimizer states: {sum(held.values()) / 2**20:.2f} | "
+        f"activations and temporaries: {rest / 2**20:.2f}"
+    )

@@ -14,6 +14,7 @@ from megatron.training.flags import optimizer as flags_optimizer
 from megatron.training.flags.arguments import parse_args
 from megatron.training.flags.configs import resolved_flags
 from megatron.training.flags.optimizer import resolve_torch_compile
+from megatron.training.train_logging import peak_split_line
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, ZERO3_DTENSOR, run_pretrain
 
@@ -171,6 +172,18 @@ def test_memory_report_counts_the_engine_bytes(capsys):
     assert "optimizer states fp32" not in bf16
     assert fp32["params"] >= round(4 * params / 2**20, 2)  # padded buffers
     assert fp32["grads"] == fp32["params"] == bf16["params"]
+
+
+def test_peak_split_line_names_the_activations_share():
+    """The CUDA-only line: the peak minus what params, grads and states hold is the
+    activations' and temporaries' share (never negative)."""
+    held = {"params": 3 * 2**20, "grads": 2**20, "optimizer states bf16": 2**19}
+    line = peak_split_line(10 * 2**20, held)
+    assert line.endswith(
+        "| peak: 10.00 | params, grads and optimizer states: 4.50 | "
+        "activations and temporaries: 5.50"
+    )
+    assert peak_split_line(2**20, held).endswith("activations and temporaries: 0.00")
 
 
 def _strategy_run(rank: int, world_size: int, argv: list[str]) -> dict[int, float]:
