@@ -10,6 +10,8 @@
 #   OUT=/tmp/fid bash benchmarks/fidelity_125m.sh
 # Seeds (the spread of one recipe against the gap between recipes; the summary adds per-recipe
 # means): RECIPES="bf16 bf16@2 bf16@3 tensorwise tensorwise@2 tensorwise@3 ..."
+# Optimizer moments in other dtypes, paired with fp32 moments at the same seed (issue 37):
+#   RECIPES="bf16 bf16+mbf16-bf16 tensorwise tensorwise+mbf16-bf16 tensorwise+mfp8-fp8"
 # Smaller (a CPU check of the command lines): LAYERS=2 HIDDEN=128 FFN=384 HEADS=4 SEQ=128 \
 #   MBS=2 ITERS=4 EVAL_ITERS=1 COMPILE= RECIPES="bf16 tensorwise" bash benchmarks/fidelity_125m.sh
 set -uo pipefail
@@ -37,11 +39,16 @@ MODEL=(
   ${COMPILE---torch-compile}
 )
 pids=()
-for run in $RECIPES; do  # RECIPE or RECIPE@SEED (another seed: the run-to-run spread)
-  recipe=${run%@*}
+for run in $RECIPES; do  # RECIPE[+mM1-M2][@SEED]: +m sets the AdamW moments' dtypes
+  spec=${run%@*}  # e.g. tensorwise+mbf16-bf16@2: --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16
+  recipe=${spec%%+*}
   seed=1234
-  [ "$run" != "$recipe" ] && seed=${run#*@}
+  [ "$run" != "$spec" ] && seed=${run#*@}
   flags=(--seed "$seed")
+  if [ "$spec" != "$recipe" ]; then
+    moments=${spec#*+m}
+    flags+=(--use-precision-aware-optimizer --exp-avg-dtype "${moments%-*}" --exp-avg-sq-dtype "${moments#*-}")
+  fi
   [ "$recipe" != bf16 ] && flags+=(--fp8-recipe "$recipe" --fp8-format hybrid --fp8-param-gather)
   echo "== $run: pretrain_gpt.py ${MODEL[*]} ${flags[*]}" | tee -a "$OUT/fidelity.cmd"
   timeout "${RUN_TIMEOUT:-540}" python3 pretrain_gpt.py "${MODEL[@]}" "${flags[@]}" \
