@@ -177,3 +177,8 @@ class MultiTokenPrediction(nn.Module):
             self.metrics.record(losses)
         total = torch.stack(losses).sum() * self.loss_scale
         return attach_aux_loss(hidden_BSD, total, self.metrics), losses
+
+
+def find_mtp(model: nn.Module) -> MultiTokenPrediction | None:
+    """The MultiTokenPrediction inside `model` (any wrapper), or None."""
+    return next((m for m in model.modules() if isinstance(m, MultiTokenPrediction)), None)
