@@ -19,19 +19,34 @@ class IntervalStats:
     last_grad_norm: float = float("nan")
     skipped: int = 0
     nans: int = 0
+    extra_losses: dict[str, list[float]] = field(default_factory=dict)
+    """Losses logged after the lm loss under their Megatron-LM names ("mtp_1 loss", ...)."""
 
-    def add(self, *, loss: float, grad_norm: float, seconds: float, skipped: bool) -> None:
+    def add(
+        self,
+        *,
+        loss: float,
+        grad_norm: float,
+        seconds: float,
+        skipped: bool,
+        extra_losses: dict[str, float] | None = None,
+    ) -> None:
         if skipped:
             self.skipped += 1
             self.nans += int(not math.isfinite(loss))
         else:
             self.losses.append(loss)
+            for name, value in (extra_losses or {}).items():
+                self.extra_losses.setdefault(name, []).append(value)
         self.seconds.append(seconds)
         self.last_grad_norm = grad_norm
 
     def mean_loss(self) -> float:
         """NaN when every iteration of the interval was skipped."""
         return sum(self.losses) / len(self.losses) if self.losses else float("nan")
+
+    def mean_extra_losses(self) -> dict[str, float]:
+        return {name: sum(values) / len(values) for name, values in self.extra_losses.items()}
 
     def mean_seconds(self) -> float:
         return sum(self.seconds) / len(self.seconds)
@@ -55,9 +70,12 @@ def format_train_line(
     loss_scale: float | None = None,
     num_zeros: int | None = None,
     params_norm: float | None = None,
+    extra_losses: dict[str, float] | None = None,
 ) -> str:
-    """Megatron-LM's iteration line. loss scale (--fp16), num zeros (--log-num-zeros-in-grad)
-    and params norm (--log-params-norm) appear only when given, where Megatron-LM puts them."""
+    """Megatron-LM's iteration line. loss scale (--fp16), num zeros (--log-num-zeros-in-grad),
+    params norm (--log-params-norm) and extra losses ("mtp_1 loss" with --mtp-num-layers)
+    appear only when given, where Megatron-LM puts them."""
+    extras = "".join(f" {name}: {value:.6E} |" for name, value in (extra_losses or {}).items())
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return (
         f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} |"
@@ -68,6 +86,7 @@ def format_train_line(
         f" learning rate: {learning_rate:.6E} |"
         f" global batch size: {global_batch_size:5d} |"
         f" lm loss: {loss:.6E} |"
+        + extras
         + (f" loss scale: {loss_scale:.1f} |" if loss_scale is not None else "")
         + f" grad norm: {grad_norm:.3f} |"
         + (f" num zeros: {num_zeros} |" if num_zeros is not None else "")

@@ -76,6 +76,7 @@ def log_interval(
             if config.logging.log_num_zeros_in_grad
             else None,
             params_norm=params_norm,
+            extra_losses=stats.mean_extra_losses(),
         ),
     )
     if logger is not None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer import OptimizerParamScheduler
+from megatron.core.transformer.mtp import find_mtp
 from megatron.training.checkpoint import check_load_path, load_checkpoint, save_checkpoint
 from megatron.training.checkpoint.async_save import AsyncCheckpointSaver, SaveFault
 from megatron.training.data import (
@@ -250,10 +251,11 @@ def forward_backward(
     Backward runs on this thread unless `worker_threads` (--backward-worker-threads): with
     one GPU per process the autograd engine's device worker thread only adds a hand-off,
     which costs the Python backward of every FP8 layer a thread switch and its wake-up."""
-    token_losses = run.model(
-        batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"]
-    )
     mask = batch["loss_mask"]
+    mtp_inputs = _prepare_mtp(run, mask, num_microbatches, loss_scale, tokens_per_rank)
+    token_losses = run.model(
+        batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"], **mtp_inputs
+    )
     if tokens_per_rank is not None:
         loss = (token_losses.float() * mask).sum()
         objective = loss / tokens_per_rank
@@ -263,6 +265,41 @@ def forward_backward(
     with torch.autograd.set_multithreading_enabled(worker_threads):
         (objective * loss_scale if loss_scale != 1.0 else objective).backward()
     return loss.detach()
+
+
+def _prepare_mtp(
+    run: ModelAndOptimizer,
+    mask: torch.Tensor,
+    num_microbatches: int,
+    loss_scale: float,
+    tokens_per_rank: float | None,
+) -> dict[str, torch.Tensor]:
+    """With --mtp-num-layers: set the MTP losses' backward scale to the factor backward sees
+    the main loss's token mean times (before the forward, which saves it), and return the
+    loss mask the MTP losses use as a forward keyword; else {}."""
+    mtp = find_mtp(run.model)
+    if mtp is None:
+        return {}
+    if tokens_per_rank is not None:
+        scale = float(mask.sum()) / tokens_per_rank
+    else:
+        scale = 1.0 / num_microbatches
+    mtp.metrics.set_backward_scale(scale * loss_scale)
+    return {"loss_mask": mask}
+
+
+def _step_mtp_losses(run: ModelAndOptimizer, env: DistributedEnv) -> dict[str, float]:
+    """This step's MTP losses (mean over micro-batches and data-parallel ranks) by their
+    Megatron-LM names; the metrics restart for the next step."""
+    mtp = find_mtp(run.model)
+    if mtp is None:
+        return {}
+    report = mtp.metrics.report()
+    mtp.metrics.reset()
+    return {
+        name: _mean_over_ranks(torch.tensor(value, device=env.device), env)
+        for name, value in report.items()
+    }
 
 
 def seed_dropout(seed: int, *, first_sample: int) -> None:
@@ -343,6 +380,7 @@ def train_step(
     else:
         loss = _mean_over_ranks(torch.stack(losses).mean(), env)
     run.last_step = {
+        "mtp-losses": _step_mtp_losses(run, env),
         "forward-backward-time": optimizer_start - step_start,
         "optimizer-time": time.time() - optimizer_start,
         "num-zeros": result.num_zeros_in_grad,
@@ -457,7 +495,13 @@ def _train_loop(
         state.consumed_train_samples += training.global_batch_size
         result.losses[state.iteration] = loss
         result.grad_norms[state.iteration] = grad_norm
-        stats.add(loss=loss, grad_norm=grad_norm, seconds=time.time() - step_start, skipped=not ok)
+        stats.add(
+            loss=loss,
+            grad_norm=grad_norm,
+            seconds=time.time() - step_start,
+            skipped=not ok,
+            extra_losses=run.last_step.get("mtp-losses"),
+        )
         if state.iteration == first_iteration:
             compiled = config.model_setup.torch_compile
             log_first_step(env, run=run, seconds=time.time() - step_start, compiled=compiled)

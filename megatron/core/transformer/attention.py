@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron.core.transformer import mup
 from megatron.core.transformer.linear import build_linear
+from megatron.core.transformer.norm import build_norm
 from megatron.core.transformer.rope import apply_rotary
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -49,6 +50,27 @@ def core_attention(
     )
 
 
+def run_core_attention(
+    q_BHSD: torch.Tensor,
+    k_BGSD: torch.Tensor,
+    v_BGSD: torch.Tensor,
+    *,
+    dropout_p: float,
+    scale: float | None,
+    recompute: bool,
+) -> torch.Tensor:
+    """core_attention, under checkpoint when `recompute` (selective recompute) and grad is on.
+
+    Only the S x S attention core is recomputed: it holds the largest activations
+    (probabilities) and is cheap next to the Linears. Checkpoint restores the RNG state, so
+    attention dropout draws the same mask on recompute."""
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(
+            core_attention, q_BHSD, k_BGSD, v_BGSD, dropout_p, scale, use_reentrant=False
+        )
+    return core_attention(q_BHSD, k_BGSD, v_BGSD, dropout_p, scale)
+
+
 class SelfAttention(nn.Module):
     """Fused QKV projection, optional rotary, causal SDPA, output projection.
 
@@ -57,6 +79,9 @@ class SelfAttention(nn.Module):
         | k: num_query_groups * kv_channels
         | v: num_query_groups * kv_channels ]
     and inside each block head-major: channel c of head h sits at h * kv_channels + c.
+    With --qk-layernorm, `q_layernorm` and `k_layernorm` (config.normalization over
+    kv_channels, shared by all heads) normalize each query and key head before rotary, as in
+    Megatron-LM.
     """
 
     def __init__(self, config: TransformerConfig, *, layer_number: int) -> None:
@@ -67,6 +92,8 @@ class SelfAttention(nn.Module):
         self.softmax_scale = mup.softmax_scale(config)
         self.attention_dropout = config.attention_dropout
         self.selective_recompute = config.recompute_granularity == "selective"
+        self.q_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
+        self.k_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
         qkv_width = (self.num_heads + 2 * self.num_groups) * self.head_dim
         self.linear_qkv = build_linear(
             config.hidden_size,
@@ -92,25 +119,20 @@ class SelfAttention(nn.Module):
         q_BHSD = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k_BGSD = k.view(batch, seq, self.num_groups, self.head_dim).transpose(1, 2)
         v_BGSD = v.view(batch, seq, self.num_groups, self.head_dim).transpose(1, 2)
+        if self.q_layernorm is not None:
+            q_BHSD = self.q_layernorm(q_BHSD)
+            k_BGSD = self.k_layernorm(k_BGSD)
         if rotary_cos_sin is not None:
             cos, sin = rotary_cos_sin
             q_BHSD = apply_rotary(q_BHSD, cos, sin)
             k_BGSD = apply_rotary(k_BGSD, cos, sin)
-        dropout_p = self.attention_dropout if self.training else 0.0
-        if self.selective_recompute and torch.is_grad_enabled():
-            # Only the S x S attention core is recomputed: it holds the largest activations
-            # (probabilities) and is cheap next to the Linears. Checkpoint restores the RNG
-            # state, so attention dropout draws the same mask on recompute.
-            context = checkpoint(
-                core_attention,
-                q_BHSD,
-                k_BGSD,
-                v_BGSD,
-                dropout_p,
-                self.softmax_scale,
-                use_reentrant=False,
-            )
-        else:
-            context = core_attention(q_BHSD, k_BGSD, v_BGSD, dropout_p, self.softmax_scale)
+        context = run_core_attention(
+            q_BHSD,
+            k_BGSD,
+            v_BGSD,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            scale=self.softmax_scale,
+            recompute=self.selective_recompute,
+        )
         context_BSD = context.transpose(1, 2).reshape(batch, seq, q_width)
         return self.linear_proj(context_BSD)

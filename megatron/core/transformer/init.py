@@ -16,7 +16,21 @@ from megatron.core.transformer import mup
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 # Modules whose `.weight` is a norm scale (initialized to one).
-NORM_MODULE_NAMES = frozenset({"input_layernorm", "pre_mlp_layernorm", "final_norm"})
+# (q_layernorm, k_layernorm, kv_layernorm: --qk-layernorm and multi-latent attention;
+# enorm, hnorm, final_layernorm: the multi-token prediction layers.)
+NORM_MODULE_NAMES = frozenset(
+    {
+        "input_layernorm",
+        "pre_mlp_layernorm",
+        "final_norm",
+        "q_layernorm",
+        "k_layernorm",
+        "kv_layernorm",
+        "enorm",
+        "hnorm",
+        "final_layernorm",
+    }
+)
 # Linears that write into the residual stream: std scaled by 1/sqrt(2 * num_layers) because
 # each of the 2 * num_layers residual adds contributes variance (GPT-2, Megatron-LM).
 RESIDUAL_OUTPUT_MODULE_NAMES = frozenset({"linear_proj", "linear_fc2"})
@@ -32,12 +46,18 @@ PLAIN_NORMAL_MODULE_NAMES = frozenset(
         "output_layer",
         "router",
         "linear_gate",
+        "linear_q_proj",
+        "linear_q_down_proj",
+        "linear_q_up_proj",
+        "linear_kv_down_proj",
+        "linear_kv_up_proj",
+        "eh_proj",
     }
 )
 # Weights that keep the base std under muP (Megatron-LM: embeddings and the untied output layer).
 EMBEDDING_CLASS_MODULE_NAMES = frozenset({"word_embeddings", "position_embeddings", "output_layer"})
 # First component of every GPTModel parameter name; anything before it is a wrapper prefix.
-_ROOT_NAMES = ("embedding", "decoder", "output_layer")
+_ROOT_NAMES = ("embedding", "decoder", "output_layer", "mtp")
 
 
 def canonical_parameter_name(name: str) -> str:

@@ -55,12 +55,13 @@ class RMSNorm(nn.Module):
         return (x_fp32 * inv_rms * _scale(self.weight, self.zero_centered)).to(x.dtype)
 
 
-def build_norm(config: TransformerConfig) -> nn.Module:
-    """The pre-norm chosen by `config.normalization`."""
+def build_norm(config: TransformerConfig, size: int | None = None) -> nn.Module:
+    """The norm chosen by `config.normalization` over the last `size` channels (default
+    hidden_size: the pre-norms; --qk-layernorm passes a head or latent width)."""
     kind = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}.get(config.normalization)
     if kind is not None:
         return kind(
-            config.hidden_size,
+            config.hidden_size if size is None else size,
             eps=config.layernorm_epsilon,
             dtype=config.params_dtype,
             zero_centered=config.apply_layernorm_1p,

@@ -217,6 +217,60 @@ class TransformerConfig:
     expert_model_parallel_size: int = 1
     """Ranks the routed experts are split over (`--expert-model-parallel-size`)."""
 
+    # DeepSeek-V3-style attention and multi-token prediction (Megatron-LM's names and defaults;
+    # checked by megatron.core.transformer.mla.check_mla_config).
+
+    qk_layernorm: bool = False
+    """Norm (`normalization`) on queries and keys (`--qk-layernorm`): per head over kv_channels
+    in standard attention, on the q and kv latents in multi-latent attention."""
+
+    multi_latent_attention: bool = False
+    """Multi-latent attention (`--multi-latent-attention`, megatron/core/transformer/mla.py)."""
+
+    q_lora_rank: int | None = None
+    """Rank of the query compression (`--q-lora-rank`); None: one full query projection."""
+
+    kv_lora_rank: int = 32
+    """Rank of the joint key-value compression (`--kv-lora-rank`)."""
+
+    qk_head_dim: int = 128
+    """Per-head query/key channels without position embedding (`--qk-head-dim`)."""
+
+    qk_pos_emb_head_dim: int = 64
+    """Per-head query/key channels that rotate, the key part shared by all heads
+    (`--qk-pos-emb-head-dim`)."""
+
+    v_head_dim: int = 128
+    """Per-head value channels (`--v-head-dim`)."""
+
+    rope_type: Literal["rope", "yarn"] | None = None
+    """Rotary frequencies (`--rope-type`); None: yarn with multi-latent attention, else rope."""
+
+    rotary_scaling_factor: float = 1.0
+    """YaRN context-extension factor s (`--rotary-scaling-factor`)."""
+
+    mscale: float = 1.0
+    """YaRN mscale (`--mscale`): cos and sin times m(s, mscale) / m(s, mscale_all_dim)."""
+
+    mscale_all_dim: float = 0.0
+    """YaRN mscale_all_dim (`--mscale-all-dim`): MLA's softmax scale is
+    m(s, mscale_all_dim)^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim)."""
+
+    original_max_position_embeddings: int = 4096
+    """YaRN's pre-extension context (`--yarn-original-max-position-embeddings`)."""
+
+    beta_fast: float = 32.0
+    """YaRN's high-rotation bound (`--yarn-beta-fast`)."""
+
+    beta_slow: float = 1.0
+    """YaRN's low-rotation bound (`--yarn-beta-slow`)."""
+
+    mtp_num_layers: int | None = None
+    """Multi-token prediction depths (`--mtp-num-layers`, megatron/core/transformer/mtp.py)."""
+
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the mean MTP loss added to the training loss (`--mtp-loss-scaling-factor`)."""
+
     def __post_init__(self) -> None:
         shape = resolved_shape(
             hidden_size=self.hidden_size,
@@ -232,3 +286,5 @@ class TransformerConfig:
             self.mup_base_hidden_size = self.hidden_size  # width mult 1, as Megatron-LM
         if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.rope_type is None:
+            self.rope_type = "yarn" if self.multi_latent_attention else "rope"

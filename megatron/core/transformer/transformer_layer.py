@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.transformer.attention import RotaryCosSin, SelfAttention
+from megatron.core.transformer.attention import RotaryCosSin
+from megatron.core.transformer.mla import build_self_attention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.config_checks import moe_layer_pattern
 from megatron.core.transformer.moe.metrics import MoEMetrics
@@ -34,7 +35,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, layer_number=layer_number)
+        self.self_attention = build_self_attention(config, layer_number=layer_number)
         self.pre_mlp_layernorm = build_norm(config)
         if moe_layer_pattern(config)[layer_number - 1]:
             self.mlp = MoELayer(

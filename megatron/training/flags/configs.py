@@ -26,6 +26,7 @@ from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flags.checkpoint_args import checkpoint_run_values
 from megatron.training.flags.megatron_lm_checks import resolve_megatron_lm_args
+from megatron.training.flags.mla import mla_config_kwargs
 from megatron.training.flags.mup import MUP_CONFIG_FIELDS, mup_width_mult
 from megatron.training.flags.optimizer import resolve_compile_default
 from megatron.training.flags.run_config import (
@@ -171,6 +172,7 @@ def _transformer_config(args: argparse.Namespace, *, vocab_rows: int) -> Transfo
         apply_layernorm_1p=args.apply_layernorm_1p,
         fp8=build_fp8_config(args),
         **{name: getattr(args, name) for name in MUP_CONFIG_FIELDS},
+        **mla_config_kwargs(args),
     )
 
 

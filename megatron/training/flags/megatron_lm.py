@@ -369,7 +369,6 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         "--virtual-pipeline-model-parallel-size",
         "--num-layers-per-virtual-pipeline-stage",
         "--num-experts",
-        "--mtp-num-layers",
     ):
         group.add_argument(flag, type=int, default=None, help="Not built here (refused).")
     group.add_argument(
@@ -439,12 +438,6 @@ _UNBUILT = (
         "a dense model",
     ),
     ("num_experts", lambda v: v is not None, "--num-experts {v} (MoE)", "a dense model"),
-    (
-        "mtp_num_layers",
-        lambda v: v is not None,
-        "--mtp-num-layers {v} (multi-token prediction)",
-        "next-token prediction only",
-    ),
     ("tp_comm_overlap", bool, "--tp-comm-overlap", "no tensor parallelism, so nothing to overlap"),
     ("fim_data", bool, "--fim-data", "plain GPT data"),
     ("fim_rate", lambda v: v is not None, "--fim-rate {v}", "plain GPT data"),

@@ -11,6 +11,7 @@ import argparse
 import torch
 
 from megatron.training.flags.megatron_lm_table import table_notes
+from megatron.training.flags.mla import validate_mla_args
 from megatron.training.flags.mup import mup_notes, validate_mup_args
 
 
@@ -220,6 +221,7 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
             )
     _validate_fp16(args)
     validate_mup_args(args)
+    validate_mla_args(args)
     _validate_profiling(args)
     _validate_torch_fsdp2(args)
 

@@ -89,7 +89,7 @@ def test_tp_comm_overlap_cfg_is_named_with_the_other_unbuilt_features(capsys):
         (["--log-energy"], "logging switch"),
         (["--no-bias-gelu-fusion"], "kernel choice"),
         (["--ckpt-fully-parallel-load"], "checkpoint I/O knob"),
-        (["--attention-dropout", "0.1", "--rope-type", "rope"], None),
+        (["--attention-dropout", "0.1", "--rotary-seq-len-interpolation-factor", "2"], None),
         (["--weight-decay-incr-style", "constant"], "Megatron-LM's default ('constant')"),
         (["--start-weight-decay", "7"], None),
     ],

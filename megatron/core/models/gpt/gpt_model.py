@@ -14,6 +14,7 @@ from torch import nn
 from megatron.core.transformer import mup
 from megatron.core.transformer.init import init_parameter_
 from megatron.core.transformer.moe.moe_layer import local_expert_rows
+from megatron.core.transformer.mtp import MultiTokenPrediction, mtp_depths
 from megatron.core.transformer.rope import RotaryEmbedding, rotary_dim
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -34,7 +35,7 @@ def check_model_config(config: TransformerConfig) -> None:
             f"position_embedding_type={config.position_embedding_type!r}; use 'rope' or "
             "'learned_absolute'"
         )
-    if config.position_embedding_type == "rope":
+    if config.position_embedding_type == "rope" and not config.multi_latent_attention:
         rotary_dim(config)
     if config.recompute_granularity not in (None, "full", "selective"):
         raise ValueError(
@@ -80,7 +81,8 @@ class GPTModel(nn.Module):
 
     Structure (the FSDP engine relies on it): `embedding`, `decoder.layers` (one
     TransformerLayer per layer), `decoder.final_norm`, `output_layer` (None when the head is
-    tied to `embedding.word_embeddings.weight`), `rotary_pos_emb` (None without rope).
+    tied to `embedding.word_embeddings.weight`), `rotary_pos_emb` (None without rope),
+    `mtp` (multi-token prediction, None without --mtp-num-layers; its losses need labels).
 
     Built normally, parameters are initialized with `init_parameter_(seed=seed)`. Built under
     `with torch.device("meta")` nothing is initialized; after materializing (e.g. `to_empty`)
@@ -104,9 +106,16 @@ class GPTModel(nn.Module):
         self.mup_output_mult = mup.output_mult(config)
         self.embedding = LanguageModelEmbedding(config)
         self.rotary_pos_emb = None
-        if config.position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(config)
+        if config.position_embedding_type == "rope" or config.multi_latent_attention:
+            self.rotary_pos_emb = RotaryEmbedding(config)  # MLA always rotates its q_pe, k_pe
         self.decoder = TransformerBlock(config, expert_parallel_group=expert_parallel_group)
+        self.mtp = None
+        if mtp_depths(config):
+            self.mtp = MultiTokenPrediction(
+                config,
+                expert_parallel_group=expert_parallel_group,
+                moe_metrics=self.decoder.moe_metrics,
+            )
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
             # Never FP8: logits feed a softmax over the whole vocabulary.
@@ -144,14 +153,24 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
+    def logits(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        """The output head: x W^T with the (tied or untied) output weight, times muP's mult."""
+        logits_BSV = F.linear(x_BSD, self.output_weight())
+        if self.mup_output_mult != 1.0:
+            logits_BSV = logits_BSV * self.mup_output_mult
+        return logits_BSV
+
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [B, S] -> logits [B, S, V], or with labels [B, S] the per-token
-        cross-entropy loss [B, S] in fp32 (logits upcast to fp32 first)."""
+        cross-entropy loss [B, S] in fp32 (logits upcast to fp32 first). With `mtp` and
+        labels, the MTP losses (over `loss_mask`, default all ones) go into backward and
+        `mtp.metrics`, not into the returned loss."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
         seq = input_ids.shape[1]
@@ -168,9 +187,17 @@ class GPTModel(nn.Module):
         if self.rotary_pos_emb is not None:
             rotary_cos_sin = self.rotary_pos_emb(position_ids)
         x_BSD = self.decoder(x_BSD, rotary_cos_sin)
-        logits_BSV = F.linear(x_BSD, self.output_weight())
-        if self.mup_output_mult != 1.0:
-            logits_BSV = logits_BSV * self.mup_output_mult
+        if self.mtp is not None and labels is not None:
+            batch = dict(input_ids=input_ids, position_ids=position_ids, labels=labels)
+            batch["loss_mask"] = torch.ones_like(labels) if loss_mask is None else loss_mask
+            x_BSD, _ = self.mtp(
+                x_BSD,
+                embed=self.embedding,
+                logits=self.logits,
+                batch=batch,
+                rotary_cos_sin=rotary_cos_sin,
+            )
+        logits_BSV = self.logits(x_BSD)
         if labels is None:
             return logits_BSV
         if labels.shape != input_ids.shape:
