@@ -209,7 +209,9 @@ def fp8_stats_step(collector, *, env: DistributedEnv, iteration: int, logger):
         return
     collector.switch(True)
     try:
-        yield
+        # Compiled layers run eagerly for this step (their compiled graphs stay as they are).
+        with torch.compiler.set_stance("force_eager"):
+            yield
     finally:
         collector.switch(False)
     stats = collector.read()

@@ -291,8 +291,8 @@ class Fp8Linear(nn.Module):
         self.fp8_setup: fp8_state.Fp8Setup | None = None
         """This module's settings (`apply_fp8_setup`, `fp8_autocast`); None: its own config."""
         self.fp8_stats_on = False
-        """--log-fp8-stats: this forward (and its backward) hand each operand's statistics to
-        `fp8_stats_sink(module, role, vector, numel)`; compiled, the Linear then runs eagerly."""
+        """--log-fp8-stats: an eager forward (and its backward) hands each operand's statistics
+        to `fp8_stats_sink(module, role, vector, numel)` (compiled callers: set_stance)."""
         self.fp8_stats_sink: Callable | None = None
         if fp8_config.spec.delayed:
             dtypes = {r: fp8_dtype_for_role(fp8_config.fp8_format, r) for r in ROLES}
@@ -439,8 +439,6 @@ class Fp8Linear(nn.Module):
         if (activation_input is None) != (activation is None):
             raise ValueError("Fp8Linear: pass activation_input and activation together")
         source = (activation_input, activation) if activation is not None else None
-        if self.fp8_stats_on and torch.compiler.is_compiling():
-            return forward_outside_the_graph(self, x)  # the same bytes, hooks run in backward
         if isinstance(self.weight, QuantizedTensor) and torch.compiler.is_compiling():
             stand_in = self._weight_stand_in
             if stand_in is not None:
@@ -495,7 +493,7 @@ class Fp8Linear(nn.Module):
         plan = self._plan(config, recompute, group, x.device)
         plan.bookkept_outside = hooked
         plan.setup = setup
-        if self.fp8_stats_on and not recompute:
+        if self.fp8_stats_on and not recompute and not torch.compiler.is_compiling():
             plan.stats = functools.partial(self.fp8_stats_sink, self)
         if plan.metas is not None:
             plan.backward_flush = self._backward_flush(setup)
