@@ -7,12 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from megatron.core.fp8 import Fp8Config
+from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.fp8.linear import Fp8Linear
 from megatron.training.flags.arguments import parse_args
 from megatron.training.fp8_stats import Fp8StatsCollector, log_lines, scalars
 from megatron.training.loggers import MetricsLogger
+from tests.unit_tests.fp8.test_compile import _fp8_layer
 from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
 
 RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
@@ -167,3 +170,33 @@ def test_flag_needs_fp8_and_a_positive_interval(capsys):
         with pytest.raises(SystemExit) as info:
             parse_args(TINY_GPT + ["--train-iters", "1"] + extra, world_size=1)
         assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp8_params", [False, True])
+def test_compiled_layer_statistics_step_runs_eagerly_and_keeps_its_graph(fp8_params: bool):
+    # As compile_layers and fp8_stats_step: the statistics step under set_stance("force_eager")
+    # equals an eager layer bitwise; the compiled steps around it reuse the one graph.
+    layer, eager_layer = (_fp8_layer("mxfp8", fp8_params=fp8_params, device="cpu") for _ in "12")
+    prepare_for_compile(layer)
+    layer.forward = torch.compile(layer.forward)
+    collector = Fp8StatsCollector(layer, interval=1, recipe="mxfp8", fp8_format="hybrid")
+    x0 = torch.randn(2, 64, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+
+    def step(module: nn.Module, on: bool) -> tuple[torch.Tensor, dict]:
+        collector.switch(on)
+        with torch.compiler.set_stance("force_eager" if on else "default"):
+            y = module(x0.clone().requires_grad_())
+            y.float().sum().backward()
+        collector.switch(False)
+        return y.detach(), collector.read()
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, none = step(layer, False)
+    watched, stats = step(layer, True)
+    again, _ = step(layer, False)
+    plain, _ = step(eager_layer, False)
+    assert not none and len(stats) == (8 if fp8_params else 12)  # no weight role for FP8 params
+    assert torch.equal(watched, plain) and torch.equal(again, compiled)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
