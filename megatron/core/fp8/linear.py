@@ -130,16 +130,10 @@ def _quantize_operands(
 
 
 def _record_stats(plan: _Plan, role: str, t: torch.Tensor) -> None:
-    """--log-fp8-stats: `fp8_stats_vector` of the operand `role` quantizes (its scale, no sync)."""
+    """--log-fp8-stats: the operand's `fp8_stats_vector` under the scale it quantizes with."""
     if plan.stats is not None:
-        vector = fp8_stats_vector(
-            t,
-            recipe=plan.recipe,
-            role=role,
-            fp8_format=plan.config.fp8_format,
-            scale=plan.scales.get(role),
-            power_2_scale=_pow2(plan),
-        )
+        args = dict(recipe=plan.recipe, role=role, fp8_format=plan.config.fp8_format)
+        vector = fp8_stats_vector(t, **args, scale=plan.scales.get(role), power_2_scale=_pow2(plan))
         plan.stats(role, vector, t.numel())
 
 
