@@ -1,8 +1,9 @@
 """Scalar metrics to TensorBoard and Weights & Biases, from one rank.
 
 Both backends are optional packages, imported only when their flag is given. Metric names are
-a public interface (docs/STYLE.md rule 8): `METRIC_NAMES` lists them and `log_scalars` rejects any
-other name, so a renamed metric fails loudly instead of starting a new, empty curve.
+a public interface (docs/STYLE.md rule 8): `METRIC_NAMES` lists them (`METRIC_PREFIXES` the
+families named by the model) and `log_scalars` rejects any other name, so a renamed metric fails
+loudly instead of starting a new, empty curve.
 """
 
 from __future__ import annotations
