@@ -9,6 +9,9 @@
 # compiled tensorwise with its own amax pass, not max|x| fused into the producer (as before
 # docs/benchmarks/tensorwise_producer_amax_h200_2026-12-03.md). <recipe>_eager: --no-torch-compile.
 # <recipe>_bf16moments: --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16.
+# <recipe>_fp8stats: --log-fp8-stats every FP8STATS_INTERVAL (default 100) iterations; its cost
+# is in mean_ms (the median hides the one statistics step), so give ITERS >= 2 intervals, e.g.
+#   ITERS=300 ROWS="tensorwise tensorwise_fp8stats" bash benchmarks/model_a_dp1.sh
 # One JSON line per row in $OUT/model_a_dp1.jsonl: step_ms is the median of the logged
 # iteration times after the first WARMUP iterations (compile and allocator warm-up).
 #   ROWS="fsdp2 bf16 tensorwise" ITERS=20 bash benchmarks/model_a_dp1.sh
@@ -46,6 +49,7 @@ times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9
 mem = [float(m) for m in re.findall(r"max allocated: ([0-9.]+)", text)]
 steady = times[int(sys.argv[3]):]
 print(json.dumps({"row": sys.argv[2], "step_ms": round(statistics.median(steady), 1) if steady else None,
+                  "mean_ms": round(statistics.mean(steady), 1) if steady else None,
                   "steps": len(steady), "peak_mem_gib": max(mem) if mem else None}))
 PY
 }
@@ -87,6 +91,8 @@ for name in ${ROWS:-fsdp2 torchao_tensorwise torchao_rowwise bf16 tensorwise del
     *_bf16moments)
       fp8_row "$name" "${name%_bf16moments}" --use-precision-aware-optimizer --exp-avg-dtype bf16 \
         --exp-avg-sq-dtype bf16 ;;
+    *_fp8stats)  # the recipe with the FP8 statistics on (issue 41)
+      fp8_row "$name" "${name%_fp8stats}" --log-fp8-stats --log-fp8-stats-interval "${FP8STATS_INTERVAL:-100}" ;;
     *_keepcopy)  # the recipe with --no-fp8-wgrad-input-from-activation
       fp8_row "$name" "${name%_keepcopy}" --no-fp8-wgrad-input-from-activation ;;
     *_amaxpass)  # the recipe with fp8.debug amax_in_graph off (dev/amax_pass/sitecustomize.py)

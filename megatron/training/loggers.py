@@ -1,8 +1,9 @@
 """Scalar metrics to TensorBoard and Weights & Biases, from one rank.
 
 Both backends are optional packages, imported only when their flag is given. Metric names are
-a public interface (docs/STYLE.md rule 8): `METRIC_NAMES` lists them and `log_scalars` rejects any
-other name, so a renamed metric fails loudly instead of starting a new, empty curve.
+a public interface (docs/STYLE.md rule 8): `METRIC_NAMES` lists them (`METRIC_PREFIXES` the
+families named by the model) and `log_scalars` rejects any other name, so a renamed metric fails
+loudly instead of starting a new, empty curve.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ OPTIONAL_METRIC_NAMES: tuple[str, ...] = (
     "forward-backward-time",
     "optimizer-time",
 )
+# Families of series named by the model (--log-fp8-stats: fp8-stats/<linear>/<role>/<what>).
+METRIC_PREFIXES: tuple[str, ...] = ("fp8-stats/",)
 # Series that TensorBoard also gets against consumed samples, as "<name> vs samples" (the
 # names Megatron-LM gives them); W&B gets "samples vs steps" to plot them against instead.
 VS_SAMPLES_NAMES: tuple[str, ...] = (
@@ -167,7 +170,8 @@ class MetricsLogger:
         """
         if not self.enabled:
             return
-        unknown = sorted(set(scalars) - set(METRIC_NAMES) - set(OPTIONAL_METRIC_NAMES))
+        known = set(METRIC_NAMES) | set(OPTIONAL_METRIC_NAMES)
+        unknown = sorted(n for n in scalars if n not in known and not n.startswith(METRIC_PREFIXES))
         if unknown:
             raise ValueError(
                 f"unknown metric name(s) {unknown}; metric names are a public interface: use one "

@@ -3,11 +3,13 @@ TensorBoard/W&B points (loggers.py), at Megatron-LM's intervals."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from megatron.core.optimizer import state_bytes_by_dtype
+from megatron.training import fp8_stats
 from megatron.training.flags.run_config import LoggingConfig, TrainingRunConfig
 from megatron.training.initialize import DistributedEnv
 from megatron.training.log_line import IntervalStats, format_train_line, format_valid_line
@@ -196,3 +198,39 @@ def peak_split_line(peak_bytes: int, held: dict[str, int]) -> str:
         f"params, grads and optimizer states: {sum(held.values()) / 2**20:.2f} | "
         f"activations and temporaries: {rest / 2**20:.2f}"
     )
+
+
+def build_fp8_stats(
+    config: LoggingConfig, run: ModelAndOptimizer
+) -> fp8_stats.Fp8StatsCollector | None:
+    """--log-fp8-stats: the collector of the model's Fp8Linears (None when off or not FP8)."""
+    fp8 = run.config.fp8
+    if not config.log_fp8_stats or fp8 is None:
+        return None
+    return fp8_stats.Fp8StatsCollector(
+        run.module,
+        interval=config.log_fp8_stats_interval,
+        recipe=fp8.recipe,
+        fp8_format=fp8.fp8_format,
+    )
+
+
+@contextlib.contextmanager
+def fp8_stats_step(collector, *, env: DistributedEnv, iteration: int, logger):
+    """Around train_step of `iteration` (1-based): on a statistics iteration the Fp8Linears
+    collect their operands' statistics, logged after the step (one host copy)."""
+    if collector is None or not collector.due(iteration):
+        yield
+        return
+    collector.switch(True)
+    try:
+        # Compiled layers run eagerly for this step (their compiled graphs stay as they are).
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        collector.switch(False)
+    stats = collector.read()
+    for line in fp8_stats.log_lines(iteration, stats):
+        print_rank_0(env, line)
+    if logger is not None:
+        logger.log_scalars(iteration, fp8_stats.scalars(stats))

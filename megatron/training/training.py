@@ -50,6 +50,8 @@ from megatron.training.run_hooks import (
     memory_bytes,
 )
 from megatron.training.train_logging import (
+    build_fp8_stats,
+    fp8_stats_step,
     log_first_step,
     log_interval,
     log_iteration,
@@ -478,13 +480,15 @@ def _train_loop(
     start = time.time()
     run.model.train()
     first_iteration = state.iteration + 1
+    fp8_stats = build_fp8_stats(logging_config, run)
     while state.iteration < training.train_iters:
         hooks.profiler.before_iteration(state.iteration)
         step_start = time.time()
         lr = scheduler.get_lr()
-        loss, grad_norm, ok = train_step(
-            training, env=env, run=run, dataset=datasets.train, state=state, saver=saver
-        )
+        with fp8_stats_step(fp8_stats, env=env, iteration=state.iteration + 1, logger=logger):
+            loss, grad_norm, ok = train_step(
+                training, env=env, run=run, dataset=datasets.train, state=state, saver=saver
+            )
         _check_finite(training, run=run, iteration=state.iteration + 1, loss=loss, norm=grad_norm)
         if ok:
             scheduler.step()

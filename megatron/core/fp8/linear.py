@@ -12,6 +12,7 @@ post-accumulate-grad hook takes it).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from megatron.core.fp8.param_init import current_quantized_init, quantize_weight
 from megatron.core.fp8.quantization import backend_for
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec
+from megatron.core.fp8.stats import fp8_stats_vector
 
 
 @dataclass
@@ -60,6 +62,8 @@ class _Plan:
     activation: Callable[[torch.Tensor], torch.Tensor] | None = None
     """The input is activation(source) (`Fp8Linear.forward`'s `activation_input`): wgrad's
     copy of it is quantized in backward from the recomputed input, not saved from forward."""
+    stats: Callable[[str, torch.Tensor, int], None] | None = None
+    """`Fp8Linear.fp8_stats_sink` bound to the module, on a statistics step (not a recompute)."""
 
     @property
     def recipe(self) -> str:
@@ -125,6 +129,14 @@ def _quantize_operands(
     )
 
 
+def _record_stats(plan: _Plan, role: str, t: torch.Tensor) -> None:
+    """--log-fp8-stats: the operand's `fp8_stats_vector` under the scale it quantizes with."""
+    if plan.stats is not None:
+        args = dict(recipe=plan.recipe, role=role, fp8_format=plan.config.fp8_format)
+        vector = fp8_stats_vector(t, **args, scale=plan.scales.get(role), power_2_scale=_pow2(plan))
+        plan.stats(role, vector, t.numel())
+
+
 def _pow2(plan: _Plan) -> bool:
     # delayed: False, mxfp8: True (their fixed rules), else the configured rounding.
     return plan.spec.resolve_power_2_scale(plan.power_2_scale())
@@ -135,6 +147,7 @@ def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
     ops = ctx.ops
     compute_dtype = ops.emulation_dtype(x.dtype)
     need_wgrad, need_dgrad = weight.requires_grad, x.requires_grad
+    _record_stats(plan, "input", x)
     x_row, x_t = _quantize_operands(
         ops,
         x.reshape(-1, x.shape[-1]),
@@ -154,6 +167,7 @@ def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
         w_row = ops.weight_operand(weight, "rowwise", compute_dtype=compute_dtype)
         ctx.saved_weight = weight  # re-read in backward, after FSDP re-points its bytes
     else:
+        _record_stats(plan, "weight", weight.detach())
         # Quantized once per forward; the transposed copy is kept for dgrad.
         w_row, w_t = _quantize_operands(
             ops,
@@ -182,6 +196,7 @@ def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
     ops = ctx.ops
     plan: _Plan = ctx.plan
     record = plan.metas is not None
+    _record_stats(plan, "grad", dy2d)
     dy_row, dy_t = _quantize_operands(
         ops,
         dy2d,
@@ -269,6 +284,10 @@ class Fp8Linear(nn.Module):
         self._weight_stand_in_spec: RecipeSpec | None = None
         self.fp8_setup: fp8_state.Fp8Setup | None = None
         """This module's settings (`apply_fp8_setup`, `fp8_autocast`); None: its own config."""
+        self.fp8_stats_on = False
+        """--log-fp8-stats: an eager forward (and its backward) hands each operand's statistics
+        to `fp8_stats_sink(module, role, vector, numel)` (compiled callers: set_stance)."""
+        self.fp8_stats_sink: Callable | None = None
         if fp8_config.spec.delayed:
             dtypes = {r: fp8_dtype_for_role(fp8_config.fp8_format, r) for r in ROLES}
             self.delayed_scaling = fp8_state.DelayedScaling(
@@ -468,6 +487,8 @@ class Fp8Linear(nn.Module):
         plan = self._plan(config, recompute, group, x.device)
         plan.bookkept_outside = hooked
         plan.setup = setup
+        if self.fp8_stats_on and not recompute and not torch.compiler.is_compiling():
+            plan.stats = functools.partial(self.fp8_stats_sink, self)
         if plan.metas is not None:
             plan.backward_flush = self._backward_flush(setup)
         activation_input = None

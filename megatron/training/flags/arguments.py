@@ -248,6 +248,15 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
         "norm, batch size, and their 'vs samples' series); timing, throughput and memory are "
         "logged every --log-interval.",
     )
+    group.add_argument(
+        "--log-fp8-stats",
+        action="store_true",
+        help="Every --log-fp8-stats-interval iterations, per FP8 Linear and role (input, weight, "
+        "grad): amax, scale, fractions that saturate and flush to zero (docs/FP8_NUMERICS.md).",
+    )
+    group.add_argument(
+        "--log-fp8-stats-interval", type=int, default=100, help="Iterations per FP8 statistics."
+    )
     group.add_argument("--wandb-project", default=None, help="Log to this W&B project.")
     group.add_argument("--wandb-exp-name", default=None, help="W&B run name.")
     group.add_argument(

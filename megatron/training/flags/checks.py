@@ -114,6 +114,7 @@ def _validate_batch(args: argparse.Namespace, *, given: argparse.Namespace) -> N
     _require(args.train_iters > 0, "--train-iters must be positive.")
     _require(args.log_interval > 0, "--log-interval must be positive.")
     _require(args.tensorboard_log_interval > 0, "--tensorboard-log-interval must be positive.")
+    _require(args.log_fp8_stats_interval > 0, "--log-fp8-stats-interval must be positive.")
     _require(args.eval_interval > 0, "--eval-interval must be positive.")
     _require(args.eval_iters >= 0, "--eval-iters must be >= 0 (0 disables evaluation).")
     if args.exit_interval is not None:
@@ -477,6 +478,7 @@ def _validate_fp8(args: argparse.Namespace, *, given: argparse.Namespace) -> Non
             ("--fp8-param-gather", args.fp8_param_gather),
             ("--first-last-layers-bf16", args.first_last_layers_bf16),
             ("--fp8-wgrad-input-from-activation", given.fp8_wgrad_input_from_activation),
+            ("--log-fp8-stats", args.log_fp8_stats),
         ):
             _require(not on, f"{flag} needs --fp8-recipe delayed|tensorwise|blockwise|mxfp8.")
         return

@@ -209,6 +209,10 @@ class LoggingConfig:
     """The parameters' L2 norm in the log (`--log-params-norm`)."""
     log_num_zeros_in_grad: bool
     """The count of zero grads in the log (`--log-num-zeros-in-grad`)."""
+    log_fp8_stats: bool
+    """Each Fp8Linear's quantization statistics in the log, TensorBoard, W&B (`--log-fp8-stats`)."""
+    log_fp8_stats_interval: int
+    """Iterations between those statistics (`--log-fp8-stats-interval`)."""
     notes: tuple[str, ...]
     """One line per given Megatron-LM flag that changes nothing here (printed once)."""
     run_config: dict[str, object]
