@@ -492,13 +492,7 @@ def _train_loop(
         _check_finite(training, run=run, iteration=state.iteration + 1, loss=loss, norm=grad_norm)
         if ok:
             scheduler.step()
-        else:
-            state.skipped_iterations += 1
-            state.nan_iterations += int(not math.isfinite(loss))  # Megatron's rule
-        state.iteration += 1
-        state.consumed_train_samples += training.global_batch_size
-        result.losses[state.iteration] = loss
-        result.grad_norms[state.iteration] = grad_norm
+        _count_step(training, state=state, result=result, loss=loss, grad_norm=grad_norm, ok=ok)
         stats.add(
             loss=loss,
             grad_norm=grad_norm,
@@ -542,6 +536,26 @@ def _train_loop(
             print_rank_0(env, f" > exiting at iteration {state.iteration} ({exiting})")
             break
     return result
+
+
+def _count_step(
+    training: TrainingConfig,
+    *,
+    state: TrainState,
+    result: TrainingResult,
+    loss: float,
+    grad_norm: float,
+    ok: bool,
+) -> None:
+    """The step's counters (Megatron's: a skipped step counts as NaN when its loss is not
+    finite), consumed samples, and its loss and grad norm in the result."""
+    if not ok:
+        state.skipped_iterations += 1
+        state.nan_iterations += int(not math.isfinite(loss))
+    state.iteration += 1
+    state.consumed_train_samples += training.global_batch_size
+    result.losses[state.iteration] = loss
+    result.grad_norms[state.iteration] = grad_norm
 
 
 def _check_finite(
