@@ -20,6 +20,7 @@ from megatron.training.flags.checkpoint_args import load_args_from_checkpoint
 from megatron.training.flags.checks import ArgumentError, validate_args
 from megatron.training.flags.megatron_lm import add_megatron_lm_args
 from megatron.training.flags.megatron_lm_table import add_megatron_lm_table_args
+from megatron.training.flags.moe import add_moe_args
 from megatron.training.flags.mup import add_mup_args
 from megatron.training.flags.optimizer import add_optimizer_state_args
 
@@ -538,6 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_data_args,
         _add_fsdp_args,
         _add_fp8_args,
+        add_moe_args,
         add_megatron_lm_args,
         add_mup_args,
     ):
