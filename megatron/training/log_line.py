@@ -55,9 +55,11 @@ def format_train_line(
     loss_scale: float | None = None,
     num_zeros: int | None = None,
     params_norm: float | None = None,
+    extra_fields: dict[str, float] | None = None,
 ) -> str:
     """Megatron-LM's iteration line. loss scale (--fp16), num zeros (--log-num-zeros-in-grad)
-    and params norm (--log-params-norm) appear only when given, where Megatron-LM puts them."""
+    and params norm (--log-params-norm) appear only when given, where Megatron-LM puts them;
+    `extra_fields` (MoE: load_balancing_loss, z_loss, ...) are appended as ` name: value |`."""
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return (
         f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} |"
@@ -75,6 +77,7 @@ def format_train_line(
         + f" number of skipped iterations: {skipped:3d} |"
         f" number of nan iterations: {nans:3d} |"
         f" mem allocated (GiB): {mem_gib:.2f} |"
+        + "".join(f" {name}: {value:.6E} |" for name, value in (extra_fields or {}).items())
     )
 
 

@@ -354,6 +354,7 @@ def build_distributed_config(args: argparse.Namespace) -> DistributedConfig:
         always_use_process_group=args.use_megatron_fsdp or args.use_torch_fsdp2 or sharded_format,
         use_megatron_fsdp=args.use_megatron_fsdp,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        expert_model_parallel_size=args.expert_model_parallel_size,
     )
 
 
