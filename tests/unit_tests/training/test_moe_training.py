@@ -36,7 +36,7 @@ def _losses_on_rank(rank: int, world_size: int, argv: list[str]) -> list[float]:
 @pytest.fixture(scope="module")
 def single_process_losses() -> list[float]:
     losses = _losses_on_rank(0, 1, TINY_MOE)
-    assert losses[-1] < losses[0] - 0.5  # it learns
+    assert losses[-1] < losses[0] - 0.3  # it learns
     return losses
 
 
