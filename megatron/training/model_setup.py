@@ -171,19 +171,27 @@ def _build_megatron_fsdp(
     config: TransformerConfig, *, setup: ModelSetupConfig, env: DistributedEnv, initial_params
 ):
     fsdp_config = setup.fsdp
+    ep_group = env.expert_groups.ep
     if fsdp_config.init_model_with_meta_device:
         with torch.device("meta"):
-            module = GPTModel(config, seed=setup.seed)
+            module = GPTModel(config, seed=setup.seed, expert_parallel_group=ep_group)
     else:
-        module = GPTModel(config, seed=setup.seed).to(env.device)
+        module = GPTModel(config, seed=setup.seed, expert_parallel_group=ep_group).to(env.device)
         if initial_params is not None:
             module.load_state_dict(initial_params, strict=True)
+    expert_rows = local_expert_rows(module) if ep_group is not None else {}
 
     def init_fn(name: str, tensor: torch.Tensor) -> None:
+        rows = expert_rows.get(name)
         if initial_params is not None:
-            tensor.copy_(initial_params[name])
-        else:
+            value = initial_params[name]
+            tensor.copy_(value if rows is None or len(value) == len(tensor) else value[rows])
+        elif rows is None:
             init_parameter_(tensor, name=name, config=config, seed=setup.seed)
+        else:  # every expert drawn, this rank's kept: the same values at any EP size
+            full = tensor.new_empty((config.num_moe_experts, *tensor.shape[1:]))
+            init_parameter_(full, name=name, config=config, seed=setup.seed)
+            tensor.copy_(full[rows])
 
     def shard(module: GPTModel) -> tuple[nn.Module, MegatronOptimizer]:
         model = FullyShardedDataParallel(
@@ -198,6 +206,9 @@ def _build_megatron_fsdp(
             # With fp8_param_gather the engine keeps Fp8Linear weights only as FP8 bytes plus
             # fp32 main shards, seeded from the exact high-precision values.
             fp8_config=config.fp8,
+            # Expert parallelism: the routed experts' own buffer groups over the EDP group.
+            expert_data_parallel_group=env.expert_groups.expert_dp if ep_group else None,
+            expert_param_names=list(expert_rows),
         )
         return model, model.build_optimizer(setup.optimizer)
 

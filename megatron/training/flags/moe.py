@@ -212,13 +212,23 @@ def moe_notes(args: argparse.Namespace) -> list[str]:
 def unbuilt_moe_features(args: argparse.Namespace) -> list[str]:
     """The MoE combinations not built, as written with what to use instead (for the one
     exit-2 "not built" message, megatron_lm.unbuilt_features)."""
-    found = []
     ep_size = args.expert_model_parallel_size
-    sharded = args.use_megatron_fsdp or args.use_distributed_optimizer or args.use_torch_fsdp2
-    if ep_size != 1 and sharded:
+    if ep_size == 1:
+        return []
+    found = []
+    if args.use_torch_fsdp2:
         found.append(
-            f"--expert-model-parallel-size {ep_size} with sharded data parallelism "
-            "(--use-megatron-fsdp, --use-distributed-optimizer, --use-torch-fsdp2) (use "
-            "expert parallelism under DDP, or --expert-model-parallel-size 1 when sharding)"
+            f"--expert-model-parallel-size {ep_size} with --use-torch-fsdp2 (use "
+            "--use-megatron-fsdp or DDP)"
+        )
+    if args.num_distributed_optimizer_instances > 1:
+        found.append(
+            f"--expert-model-parallel-size {ep_size} with --num-distributed-optimizer-instances "
+            f"{args.num_distributed_optimizer_instances} (HSDP) (use plain Megatron-FSDP sharding)"
+        )
+    if args.save is not None or args.load is not None:
+        found.append(
+            f"--save/--load with --expert-model-parallel-size {ep_size} (checkpoints of "
+            "expert-parallel runs; use --expert-model-parallel-size 1 to save or resume)"
         )
     return found

@@ -164,14 +164,34 @@ UNBUILT = [
     (["--moe-enable-deepep"], "--moe-enable-deepep"),
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
     (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2"),
+    (
+        ["--expert-model-parallel-size", "2", "--use-torch-fsdp2"],
+        "--expert-model-parallel-size 2 with --use-torch-fsdp2",
+    ),
+    (
+        ["--expert-model-parallel-size", "2", "--num-distributed-optimizer-instances", "2"],
+        "--num-distributed-optimizer-instances 2 (HSDP)",
+    ),
+    (
+        ["--expert-model-parallel-size", "2", "--save", "/tmp/never-written"],
+        "--save/--load with --expert-model-parallel-size 2",
+    ),
 ]
 
 
 @pytest.mark.parametrize("extra, written", UNBUILT)
 def test_unbuilt_moe_features_in_the_one_message(extra, written, capsys):
-    line = _error_line(MOE + extra, capsys, world_size=2)
+    line = _error_line(MOE + extra, capsys, world_size=4)
     assert line.startswith("pretrain_gpt.py: error: megatron-fp8 has not built these")
     assert written in line
+
+
+@pytest.mark.parametrize("engine", [[], ["--use-megatron-fsdp"], ["--use-distributed-optimizer"]])
+def test_expert_parallelism_is_built_for_ddp_and_megatron_fsdp(engine):
+    argv = MOE + ["--expert-model-parallel-size", "2", *engine]
+    config = build_run_config(parse_args(argv, world_size=4), world_size=4)
+    assert config.distributed.expert_model_parallel_size == 2
+    assert config.model_template.expert_model_parallel_size == 2
 
 
 def test_unbuilt_features_are_named_together(capsys):

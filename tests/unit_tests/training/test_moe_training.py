@@ -1,7 +1,10 @@
 """Issue 38, acceptance 1 (fp32 part): a tiny MoE GPT (dense first layer, then an MoE layer
 with shared experts; dropless top-2, aux loss and z-loss) trained 20 steps by pretrain() on
 gloo ranks, expert parallelism inside the data-parallel ranks as in Megatron-LM, gives the
-single-process losses within 1e-5. Also the MoE log fields and the expert-bias step."""
+single-process losses within 1e-5: under DDP, and under Megatron-FSDP ZeRO-3
+(optim_grads_params) and optim (--use-distributed-optimizer), where the routed experts are
+sharded and reduced over the expert-data-parallel group and the rest over every DP rank.
+Also the MoE log fields."""
 
 from __future__ import annotations
 
@@ -48,15 +51,31 @@ def test_rank_order_is_megatron_lms():
     assert ep == [[0, 1, 2, 3]] and edp == [[0], [1], [2], [3]]
 
 
+ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+OPTIM = ["--use-distributed-optimizer"]
+
+
 @pytest.mark.parametrize(
-    "world_size, ep_size, dispatcher",
-    [(2, 2, "alltoall"), (4, 1, "alltoall"), (4, 2, "alltoall"), (4, 4, "allgather")],
+    "world_size, ep_size, dispatcher, engine",
+    [
+        (2, 2, "alltoall", []),
+        (4, 1, "alltoall", []),
+        (4, 2, "alltoall", []),
+        (4, 4, "allgather", []),
+        (2, 2, "alltoall", ZERO3),
+        (4, 1, "alltoall", ZERO3),
+        (4, 2, "alltoall", ZERO3),
+        (4, 4, "alltoall", ZERO3),
+        (4, 2, "allgather", OPTIM),
+    ],
+    ids=lambda value: "-".join(value) if isinstance(value, list) else str(value),
 )
 def test_expert_parallel_equals_single_process(
-    world_size, ep_size, dispatcher, single_process_losses
+    world_size, ep_size, dispatcher, engine, single_process_losses
 ):
     argv = [
         *TINY_MOE,
+        *engine,
         "--expert-model-parallel-size", str(ep_size),
         "--moe-token-dispatcher-type", dispatcher,
     ]  # fmt: skip
