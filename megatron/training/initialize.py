@@ -14,6 +14,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megatron.core.distributed.data_parallel_mesh import build_data_parallel_mesh
+from megatron.core.distributed.expert_parallel import (
+    ExpertParallelGroups,
+    build_expert_parallel_groups,
+)
 from megatron.core.environment import adopt_slurm_launch, env_int, get_env
 from megatron.training.flags.run_config import DistributedConfig
 
@@ -31,6 +35,9 @@ class DistributedEnv:
     dp_mesh: DeviceMesh | None = None
     """Megatron-FSDP: the (dp_outer, dp_shard) mesh, from --num-distributed-optimizer-instances;
     the engine cuts its groups from it. None for torch DDP."""
+    expert_groups: ExpertParallelGroups = ExpertParallelGroups(ep=None, expert_dp=None)
+    """--expert-model-parallel-size: the expert-parallel and expert-data-parallel groups,
+    built once here and passed to the MoE layers and the grad reduction."""
 
 
 def initialize_distributed(config: DistributedConfig) -> DistributedEnv:
@@ -70,6 +77,9 @@ def initialize_distributed(config: DistributedConfig) -> DistributedEnv:
             num_distributed_optimizer_instances=config.num_distributed_optimizer_instances,
             device_type=device.type,
         )
+    expert_groups = build_expert_parallel_groups(
+        ep_size=config.expert_model_parallel_size, dp_group=dp_group
+    )
     return DistributedEnv(
         rank=rank,
         world_size=world_size,
@@ -78,6 +88,7 @@ def initialize_distributed(config: DistributedConfig) -> DistributedEnv:
         dp_group=dp_group,
         owns_process_group=owns_process_group,
         dp_mesh=dp_mesh,
+        expert_groups=expert_groups,
     )
 
 

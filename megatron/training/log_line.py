@@ -71,10 +71,12 @@ def format_train_line(
     num_zeros: int | None = None,
     params_norm: float | None = None,
     extra_losses: dict[str, float] | None = None,
+    extra_fields: dict[str, float] | None = None,
 ) -> str:
     """Megatron-LM's iteration line. loss scale (--fp16), num zeros (--log-num-zeros-in-grad),
     params norm (--log-params-norm) and extra losses ("mtp_1 loss" with --mtp-num-layers)
-    appear only when given, where Megatron-LM puts them."""
+    appear only when given, where Megatron-LM puts them; `extra_fields` (MoE:
+    load_balancing_loss, z_loss, ...) are appended as ` name: value |`."""
     extras = "".join(f" {name}: {value:.6E} |" for name, value in (extra_losses or {}).items())
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return (
@@ -94,6 +96,7 @@ def format_train_line(
         + f" number of skipped iterations: {skipped:3d} |"
         f" number of nan iterations: {nans:3d} |"
         f" mem allocated (GiB): {mem_gib:.2f} |"
+        + "".join(f" {name}: {value:.6E} |" for name, value in (extra_fields or {}).items())
     )
 
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core.distributed.data_parallel_mesh import DP_OUTER_DIM, DP_SHARD_DIM
+from megatron.core.distributed.expert_parallel import reduce_expert_grads
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.fp8.linear import apply_fp8_setup
@@ -22,6 +23,7 @@ from megatron.core.models.gpt import GPTModel, count_parameters, num_floating_po
 from megatron.core.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
 from megatron.core.optimizer.grad_scaler import GradScaler
 from megatron.core.transformer.init import init_parameter_
+from megatron.core.transformer.moe.moe_layer import local_expert_rows
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flags.run_config import ModelSetupConfig
 from megatron.training.initialize import DistributedEnv
@@ -42,6 +44,9 @@ class ModelAndOptimizer:
     """--fp16: the loss scale backward runs at (None: no scaling)."""
     last_step: dict = field(default_factory=dict)
     """What the last train_step measured beyond its return value (timings, zero-grad count)."""
+    expert_grad_sync: Callable[[], None] | None = None
+    """DDP with --expert-model-parallel-size > 1: reduces the routed-expert grads over the
+    expert-data-parallel group (DDP itself reduces the dense ones over every rank)."""
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Skip cross-rank grad reduction for a non-final micro-batch, where the engine can."""
@@ -52,6 +57,8 @@ class ModelAndOptimizer:
         finish = getattr(self.model, "finish_grad_sync", None)
         if finish is not None:
             finish()
+        if self.expert_grad_sync is not None:
+            self.expert_grad_sync()
 
 
 def apply_model_setup(
@@ -110,7 +117,8 @@ def bf16_all_reduce_hook(group: torch.distributed.ProcessGroup, bucket):
 def _build_ddp(
     config: TransformerConfig, *, setup: ModelSetupConfig, env: DistributedEnv, initial_params
 ):
-    module = GPTModel(config, seed=setup.seed).to(env.device)
+    ep_group = env.expert_groups.ep
+    module = GPTModel(config, seed=setup.seed, expert_parallel_group=ep_group).to(env.device)
     if initial_params is not None:
         module.load_state_dict(initial_params, strict=True)
 
@@ -122,7 +130,12 @@ def _build_ddp(
 
 def _wrap_ddp(module: GPTModel, *, setup: ModelSetupConfig, env: DistributedEnv):
     model: nn.Module = module
+    expert_names = list(local_expert_rows(module)) if env.expert_groups.ep is not None else []
     if env.world_size > 1:
+        # Routed experts differ across the EP ranks: DDP leaves them to expert_grad_sync.
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            module, expert_names
+        )
         model = nn.parallel.DistributedDataParallel(
             module,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
@@ -132,26 +145,53 @@ def _wrap_ddp(module: GPTModel, *, setup: ModelSetupConfig, env: DistributedEnv)
         if setup.grad_reduce_in_bf16:
             # Megatron-LM's --grad-reduce-in-bf16 under DDP: the all-reduce runs in bf16.
             model.register_comm_hook(env.dp_group, bf16_all_reduce_hook)
-    return model, MixedPrecisionOptimizer(module, config=setup.optimizer)
+    optimizer = MixedPrecisionOptimizer(
+        module,
+        config=setup.optimizer,
+        expert_parallel_group=env.expert_groups.ep,
+        expert_param_names=expert_names,
+    )
+    return model, optimizer
+
+
+def expert_grad_sync(module: GPTModel, env: DistributedEnv) -> Callable[[], None] | None:
+    """The expert-grad reduction DDP leaves out with expert parallelism (None without it)."""
+    if env.expert_groups.ep is None:
+        return None
+    params = dict(module.named_parameters())
+    experts = [params[name] for name in local_expert_rows(module)]
+
+    def sync() -> None:
+        reduce_expert_grads(experts, env.expert_groups, dp_size=env.world_size)
+
+    return sync
 
 
 def _build_megatron_fsdp(
     config: TransformerConfig, *, setup: ModelSetupConfig, env: DistributedEnv, initial_params
 ):
     fsdp_config = setup.fsdp
+    ep_group = env.expert_groups.ep
     if fsdp_config.init_model_with_meta_device:
         with torch.device("meta"):
-            module = GPTModel(config, seed=setup.seed)
+            module = GPTModel(config, seed=setup.seed, expert_parallel_group=ep_group)
     else:
-        module = GPTModel(config, seed=setup.seed).to(env.device)
+        module = GPTModel(config, seed=setup.seed, expert_parallel_group=ep_group).to(env.device)
         if initial_params is not None:
             module.load_state_dict(initial_params, strict=True)
+    expert_rows = local_expert_rows(module) if ep_group is not None else {}
 
     def init_fn(name: str, tensor: torch.Tensor) -> None:
+        rows = expert_rows.get(name)
         if initial_params is not None:
-            tensor.copy_(initial_params[name])
-        else:
+            value = initial_params[name]
+            tensor.copy_(value if rows is None or len(value) == len(tensor) else value[rows])
+        elif rows is None:
             init_parameter_(tensor, name=name, config=config, seed=setup.seed)
+        else:  # every expert drawn, this rank's kept: the same values at any EP size
+            full = tensor.new_empty((config.num_moe_experts, *tensor.shape[1:]))
+            init_parameter_(full, name=name, config=config, seed=setup.seed)
+            tensor.copy_(full[rows])
 
     def shard(module: GPTModel) -> tuple[nn.Module, MegatronOptimizer]:
         model = FullyShardedDataParallel(
@@ -166,6 +206,9 @@ def _build_megatron_fsdp(
             # With fp8_param_gather the engine keeps Fp8Linear weights only as FP8 bytes plus
             # fp32 main shards, seeded from the exact high-precision values.
             fp8_config=config.fp8,
+            # Expert parallelism: the routed experts' own buffer groups over the EDP group.
+            expert_data_parallel_group=env.expert_groups.expert_dp if ep_group else None,
+            expert_param_names=list(expert_rows),
         )
         return model, model.build_optimizer(setup.optimizer)
 
@@ -256,4 +299,5 @@ def setup_model_and_optimizer(
         ),
         num_parameters=count_parameters(module),
         grad_scaler=build_grad_scaler(setup.loss_scale),
+        expert_grad_sync=expert_grad_sync(module, env) if build is _build_ddp else None,
     )

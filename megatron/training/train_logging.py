@@ -15,6 +15,7 @@ from megatron.training.initialize import DistributedEnv
 from megatron.training.log_line import IntervalStats, format_train_line, format_valid_line
 from megatron.training.loggers import MetricsLogger
 from megatron.training.model_setup import ModelAndOptimizer
+from megatron.training.moe_training import expert_load_scalars, interval_moe_fields
 from megatron.training.run_hooks import memory_bytes
 from megatron.training.train_state import TrainState
 
@@ -57,6 +58,8 @@ def log_interval(
     mem, max_mem = memory_bytes(env.device)
     # A collective under Megatron-FSDP: every rank computes it.
     params_norm = run.optimizer.params_norm() if config.logging.log_params_norm else None
+    moe_fields = interval_moe_fields(run, env)  # collectives too
+    expert_load = expert_load_scalars(run, env)
     print_rank_0(
         env,
         format_train_line(
@@ -79,6 +82,7 @@ def log_interval(
             else None,
             params_norm=params_norm,
             extra_losses=stats.mean_extra_losses(),
+            extra_fields=moe_fields,
         ),
     )
     if logger is not None:
@@ -93,6 +97,8 @@ def log_interval(
                 "mem-max-allocated-bytes": float(max_mem),
                 "skipped-iterations": float(stats.skipped),
                 "nan-iterations": float(stats.nans),
+                **moe_fields,
+                **expert_load,
             },
         )
 

@@ -39,6 +39,7 @@ from megatron.training.initialize import (
 from megatron.training.log_line import IntervalStats
 from megatron.training.loggers import MetricsLogger
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
+from megatron.training.moe_training import after_grad_sync, set_aux_loss_scale
 from megatron.training.run_hooks import (
     ExitSignal,
     ManualGC,
@@ -347,6 +348,12 @@ def train_step(
         global_tokens = _mean_over_ranks(tokens, env) * env.world_size
         tokens_per_rank = max(global_tokens, 1.0) / env.world_size
     scaler = run.grad_scaler
+    set_aux_loss_scale(
+        run,
+        loss_scale=scaler.scale if scaler is not None else 1.0,
+        num_microbatches=config.num_microbatches,
+        per_token_loss=config.calculate_per_token_loss,
+    )
     losses = []
     for microbatch, batch in enumerate(batches):
         is_last = microbatch == config.num_microbatches - 1
@@ -368,6 +375,7 @@ def train_step(
                 )
             )
     run.finish_grad_sync()
+    after_grad_sync(run, env)
     empty_cuda_cache(config.empty_unused_memory_level, level=1, device=env.device)
     optimizer_start = time.time()
     run.optimizer.loss_scale = scaler.scale if scaler is not None else 1.0

@@ -245,13 +245,32 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     With fp32 model params the main params are the model params themselves. Grads must already
     be averaged across data-parallel ranks (DDP does that), so the norm is computed locally.
+    With expert parallelism (`expert_parallel_group`, `expert_param_names`) the routed-expert
+    params differ across that group: the norm and zero count sum the expert pieces of every
+    EP rank and the replicated pieces of EP rank 0.
     """
 
-    def __init__(self, model: torch.nn.Module, *, config: OptimizerConfig, grad_group=None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        config: OptimizerConfig,
+        grad_group=None,
+        expert_parallel_group=None,
+        expert_param_names: Iterable[str] = (),
+    ) -> None:
         self.config = config
         # With DTensor (FSDP2) params each rank holds disjoint shards: norms and counts are
         # summed over this group.
         self.grad_group = grad_group
+        if expert_parallel_group is not None:
+            if grad_group is not None:
+                raise ValueError("expert parallelism with sharded (DTensor) params is not built")
+            self.grad_group = expert_parallel_group
+        self._expert_names = frozenset(expert_param_names)
+        self._ep_rank0 = expert_parallel_group is None or (
+            torch.distributed.get_rank(expert_parallel_group) == 0
+        )
         self.model_params: list[torch.Tensor] = []
         named_main = []
         for name, param in model.named_parameters():
@@ -263,6 +282,14 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         self.main_params = [main for _, main in named_main]
         self.main_param_names = [name for name, _ in named_main]
         self.optimizer = build_torch_optimizer(named_main, config=config)
+
+    def _norm_pieces(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The pieces of `tensors` (one per main param) this rank adds to a norm or count over
+        self.grad_group: everything but replicated params on EP ranks other than 0."""
+        if self._ep_rank0:
+            return tensors
+        names = self.main_param_names
+        return [tensor for name, tensor in zip(names, tensors) if name in self._expert_names]
 
     @property
     def param_groups(self) -> list[dict]:
@@ -288,8 +315,9 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     def step(self) -> StepResult:
         grads = [_local(grad) for grad in self._copy_model_grads_to_main()]
         unscale_grads_(grads, self.loss_scale)
-        grad_norm = global_grad_norm(grads, group=self.grad_group)
-        zeros = count_zeros(grads, group=self.grad_group) if self.count_zeros_in_grad else None
+        pieces = self._norm_pieces(grads)
+        grad_norm = global_grad_norm(pieces, group=self.grad_group)
+        zeros = count_zeros(pieces, group=self.grad_group) if self.count_zeros_in_grad else None
         if not math.isfinite(grad_norm):
             self.zero_grad()
             return StepResult(update_successful=False, grad_norm=grad_norm, num_zeros_in_grad=zeros)
@@ -302,7 +330,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     def params_norm(self) -> float:
         """L2 norm of all main params (--log-params-norm)."""
-        return global_grad_norm([_local(p) for p in self.main_params], group=self.grad_group)
+        pieces = self._norm_pieces([_local(p) for p in self.main_params])
+        return global_grad_norm(pieces, group=self.grad_group)
 
     def named_main_params(self) -> dict[str, torch.Tensor]:
         """The fp32 values of every trained param: what checkpoints store as the model."""

@@ -21,6 +21,7 @@ from megatron.training.flags.checks import ArgumentError, validate_args
 from megatron.training.flags.megatron_lm import add_megatron_lm_args
 from megatron.training.flags.megatron_lm_table import add_megatron_lm_table_args
 from megatron.training.flags.mla import add_mla_args
+from megatron.training.flags.moe import add_moe_args
 from megatron.training.flags.mup import add_mup_args
 from megatron.training.flags.optimizer import add_optimizer_state_args
 
@@ -548,6 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_data_args,
         _add_fsdp_args,
         _add_fp8_args,
+        add_moe_args,
         add_megatron_lm_args,
         add_mup_args,
         add_mla_args,

@@ -12,10 +12,16 @@ import math
 
 import torch
 
+from megatron.core.transformer.moe.config_checks import check_moe_config
 from megatron.training.checkpoint.path_checks import check_input_file, check_output_dir
-from megatron.training.flags.configs import lr_lengths_before_fraction, resolved_flags
+from megatron.training.flags.configs import (
+    build_moe_template,
+    lr_lengths_before_fraction,
+    resolved_flags,
+)
 from megatron.training.flags.megatron_lm import unbuilt_features
 from megatron.training.flags.megatron_lm_checks import validate_megatron_lm_args
+from megatron.training.flags.moe import validate_moe_world
 from megatron.training.flags.optimizer import validate_optimizer_args
 from megatron.training.loggers import check_logger_settings
 
@@ -38,6 +44,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int | None = None) ->
         raise ArgumentError(str(error)) from None
     _validate_batch(flags, given=args)
     _validate_model(flags)
+    _validate_moe(flags)
     _validate_schedule(flags)
     try:
         validate_megatron_lm_args(flags)
@@ -160,6 +167,17 @@ def _validate_model(args: argparse.Namespace) -> None:
     _require(
         args.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive."
     )
+
+
+def _validate_moe(args: argparse.Namespace) -> None:
+    """MoE: the rules of moe/config_checks.py on the config these flags build, and the
+    expert-parallel size against the world size."""
+    try:
+        validate_moe_world(args)
+        if args.num_experts is not None or args.expert_model_parallel_size != 1:
+            check_moe_config(build_moe_template(args))
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
 
 
 def _schedule_flags_given(args: argparse.Namespace, unit: str) -> list[str]:

@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flags.checkpoint_args import checkpoint_run_values
 from megatron.training.flags.megatron_lm_checks import resolve_megatron_lm_args
 from megatron.training.flags.mla import mla_config_kwargs
+from megatron.training.flags.moe import moe_config_values, moe_notes
 from megatron.training.flags.mup import MUP_CONFIG_FIELDS, mup_width_mult
 from megatron.training.flags.optimizer import resolve_compile_default
 from megatron.training.flags.run_config import (
@@ -60,7 +61,7 @@ def resolved_flags(
     flags.world_size = world_size if world_size is not None else env_int("WORLD_SIZE", 1)
     flags.data_parallel_size = flags.world_size
     flags.padded_vocab_size, saved_format = checkpoint_run_values(args)
-    flags.megatron_lm_notes = resolve_megatron_lm_args(flags)
+    flags.megatron_lm_notes = resolve_megatron_lm_args(flags) + moe_notes(flags)
     resolve_compile_default(flags)  # --torch-compile's default: on with CUDA, off without
     if flags.global_batch_size is None:
         flags.global_batch_size = flags.micro_batch_size * flags.data_parallel_size
@@ -144,6 +145,12 @@ def build_transformer_config(args: argparse.Namespace, *, vocab_size: int) -> Tr
     return _transformer_config(flags, vocab_rows=rows)
 
 
+def build_moe_template(args: argparse.Namespace) -> TransformerConfig:
+    """The model's TransformerConfig from resolved flags (vocabulary rows aside), for the
+    parse-time MoE checks."""
+    return _transformer_config(args, vocab_rows=args.make_vocab_size_divisible_by)
+
+
 def _transformer_config(args: argparse.Namespace, *, vocab_rows: int) -> TransformerConfig:
     return TransformerConfig(
         num_layers=args.num_layers,
@@ -173,6 +180,7 @@ def _transformer_config(args: argparse.Namespace, *, vocab_rows: int) -> Transfo
         fp8=build_fp8_config(args),
         **{name: getattr(args, name) for name in MUP_CONFIG_FIELDS},
         **mla_config_kwargs(args),
+        **moe_config_values(args),
     )
 
 
@@ -348,6 +356,7 @@ def build_distributed_config(args: argparse.Namespace) -> DistributedConfig:
         always_use_process_group=args.use_megatron_fsdp or args.use_torch_fsdp2 or sharded_format,
         use_megatron_fsdp=args.use_megatron_fsdp,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        expert_model_parallel_size=args.expert_model_parallel_size,
     )
 
 

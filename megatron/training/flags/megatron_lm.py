@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.training.flags.megatron_lm_table import unbuilt_table_flags
+from megatron.training.flags.moe import unbuilt_moe_features
 
 # Megatron-LM's --dist-ckpt-strictness choices.
 _STRICTNESS = (
@@ -361,14 +362,12 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         "--tensor-model-parallel-size",
         "--pipeline-model-parallel-size",
         "--context-parallel-size",
-        "--expert-model-parallel-size",
     ):
         group.add_argument(flag, type=int, default=1, help="Must be 1 here (not built above).")
     for flag in (
         "--expert-tensor-parallel-size",
         "--virtual-pipeline-model-parallel-size",
         "--num-layers-per-virtual-pipeline-stage",
-        "--num-experts",
     ):
         group.add_argument(flag, type=int, default=None, help="Not built here (refused).")
     group.add_argument(
@@ -426,18 +425,17 @@ _UNBUILT = (
         "activation recompute (--recompute-granularity) for long sequences",
     ),
     (
-        "expert_model_parallel_size",
-        lambda v: v != 1,
-        "--expert-model-parallel-size {v}",
-        "a dense model",
-    ),
-    (
         "expert_tensor_parallel_size",
         lambda v: v is not None and v != 1,
         "--expert-tensor-parallel-size {v}",
         "a dense model",
     ),
-    ("num_experts", lambda v: v is not None, "--num-experts {v} (MoE)", "a dense model"),
+    (
+        "moe_token_dispatcher_type",
+        lambda v: v == "flex",
+        "--moe-token-dispatcher-type flex (DeepEP/HybridEP)",
+        "--moe-token-dispatcher-type alltoall or allgather",
+    ),
     ("tp_comm_overlap", bool, "--tp-comm-overlap", "no tensor parallelism, so nothing to overlap"),
     ("fim_data", bool, "--fim-data", "plain GPT data"),
     ("fim_rate", lambda v: v is not None, "--fim-rate {v}", "plain GPT data"),
@@ -471,13 +469,14 @@ def unbuilt_features(args: argparse.Namespace) -> str | None:
         for attr, wanted, written, instead in _UNBUILT
         if wanted(getattr(args, attr))
     ]
+    found += unbuilt_moe_features(args)
     found += unbuilt_table_flags(args)
     if not found:
         return None
     lines = "; ".join(found)
     return (
         f"megatron-fp8 has not built these Megatron-LM features: {lines}. Supported: one model "
-        "replica per rank (tensor, pipeline, context and expert parallel sizes 1) with data "
+        "replica per rank (tensor, pipeline and context parallel sizes 1) with data "
         "parallelism, Megatron-FSDP, --use-distributed-optimizer or --use-torch-fsdp2; dense "
-        "GPT models."
+        "GPT models, and MoE GPT models with expert parallelism inside the data-parallel ranks."
     )

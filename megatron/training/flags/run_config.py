@@ -304,6 +304,9 @@ class DistributedConfig:
     """Megatron-FSDP cuts its groups from a data-parallel mesh."""
     num_distributed_optimizer_instances: int
     """HSDP replicas; 1: plain sharding."""
+    expert_model_parallel_size: int = 1
+    """Ranks the routed experts are split over, inside the data-parallel ranks
+    (`--expert-model-parallel-size`); initialize.py builds the EP and expert-DP groups."""
 
 
 @dataclass(frozen=True, kw_only=True)

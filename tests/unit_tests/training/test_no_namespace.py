@@ -6,8 +6,8 @@ modules below `pretrain()` (so `kwargs.` or `saved_args.` count too: name such t
 and with `ast`: no `argparse` import and no `Namespace` in those modules. Parse-time modules
 keep the Namespace: flags/arguments.py, checkpoint_args.py and checks.py (parsing and validation),
 flags/configs.py (builds the configs from it), flags/megatron_lm.py, megatron_lm_checks.py,
-megatron_lm_table.py, mup.py and mla.py (add, map and check Megatron-LM's flags at parse time), and
-flags/optimizer.py (the optimizer-state flags and their checks)."""
+megatron_lm_table.py, mup.py, mla.py and moe.py (add, map and check Megatron-LM's flags at parse
+time), and flags/optimizer.py (the optimizer-state flags and their checks)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ PARSE_TIME = {
         "megatron_lm",
         "megatron_lm_checks",
         "megatron_lm_table",
+        "moe",
         "mup",
         "mla",
         "optimizer",

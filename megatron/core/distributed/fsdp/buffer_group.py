@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron.core.distributed.fsdp.grad_copy import write_grad_
@@ -50,6 +51,9 @@ class BufferGroup:
     outer_replicas: int = 1
     """Replicas of this shard across the outer (HSDP) group; grads then need the outer
     reduction, so they always go through the reduce pipeline."""
+    process_group: dist.ProcessGroup | None = None
+    """Expert parameters (expert parallelism): the expert-data-parallel group this group is
+    sharded and reduced over; None: the engine's shard group (every DP rank)."""
 
     @property
     def writes_grads_directly(self) -> bool:
@@ -60,7 +64,8 @@ class BufferGroup:
         if not self.shards_grads:
             return True
         return (
-            self.layout.world_size == 1
+            self.process_group is None  # expert grads are averaged over every DP rank
+            and self.layout.world_size == 1
             and self.outer_replicas == 1
             and self.reduce_dtype == self.grad_dtype
         )

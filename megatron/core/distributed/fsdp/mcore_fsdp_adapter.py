@@ -29,7 +29,7 @@ of its shard dimension and, for HSDP, its outer (replicate) dimension
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -105,7 +105,12 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh: DeviceMesh | None = None,
         dp_shard_dim: str | None = None,
         dp_outer_dim: str | None = None,
+        expert_data_parallel_group: dist.ProcessGroup | None = None,
+        expert_param_names: Iterable[str] = (),
     ) -> None:
+        """expert_data_parallel_group / expert_param_names (expert parallelism): those
+        parameters, which differ across the expert-parallel ranks, are sharded and reduced
+        over that group (world / EP ranks) instead of every DP rank."""
         super().__init__()
         self.module = module
         self.fsdp_config = fsdp_config
@@ -115,6 +120,8 @@ class FullyShardedDataParallel(nn.Module):
             dp_shard_dim=dp_shard_dim,
             dp_outer_dim=dp_outer_dim,
         )
+        if expert_data_parallel_group is not None and self.dp_groups.outer is not None:
+            raise ValueError("expert parallelism under HSDP is not built")
         if self.dp_groups.outer is not None and not fsdp_config.shards_optimizer_state:
             raise ValueError(
                 "HSDP (dp_outer_dim) needs an inner strategy that shards: use "
@@ -137,6 +144,8 @@ class FullyShardedDataParallel(nn.Module):
             unit_types=tuple(unit_types),
             init_fn=init_fn,
             convert_fp8_linears=fp8_config is not None and fp8_config.fp8_param_gather,
+            expert_group=expert_data_parallel_group,
+            expert_param_names=frozenset(expert_param_names),
         )
         self._init_meta_buffers()
 

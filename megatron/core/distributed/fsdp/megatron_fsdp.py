@@ -70,6 +70,8 @@ class MegatronFSDP:
         unit_types: tuple[type, ...],
         init_fn: InitFn | None,
         convert_fp8_linears: bool = False,
+        expert_group: dist.ProcessGroup | None = None,
+        expert_param_names: frozenset[str] = frozenset(),
     ) -> None:
         self.config = config
         self.groups = groups
@@ -84,6 +86,8 @@ class MegatronFSDP:
             init_fn=init_fn,
             convert_fp8_linears=convert_fp8_linears,
             outer_group=groups.outer,
+            expert_group=expert_group,
+            expert_param_names=expert_param_names,
         )
         self.stats = CommStats(outer=groups.outer is not None)
         self.gather = AllGatherPipeline(

@@ -112,13 +112,20 @@ class ParamAndGradBuffer:
         init_fn: InitFn | None,
         convert_fp8_linears: bool = False,
         outer_group: dist.ProcessGroup | None = None,
+        expert_group: dist.ProcessGroup | None = None,
+        expert_param_names: frozenset[str] = frozenset(),
     ) -> None:
         """convert_fp8_linears: keep every Fp8Linear weight in FP8 (fp8_param_gather), even one
         built in high precision; QuantizedTensor parameters are kept in FP8 regardless.
-        group: the shard group; outer_group: the replica group under HSDP (None otherwise)."""
+        group: the shard group; outer_group: the replica group under HSDP (None otherwise).
+        expert_group: with expert parallelism, the expert-data-parallel group the parameters
+        named in expert_param_names are sharded and reduced over, in buffer groups of their
+        own (the second mesh); every other parameter uses `group`."""
         self.config = config
         self.convert_fp8_linears = convert_fp8_linears
         self.group = group
+        self.expert_group = expert_group
+        self.expert_param_names = expert_param_names if expert_group is not None else frozenset()
         self.outer_group = outer_group
         self.outer_size = 1 if outer_group is None else dist.get_world_size(outer_group)
         self.outer_rank = 0 if outer_group is None else dist.get_rank(outer_group)
@@ -160,31 +167,44 @@ class ParamAndGradBuffer:
             spec = fp8_param_spec(
                 module, names[0], param, convert_fp8_linears=self.convert_fp8_linears
             )
-            key = param.dtype if spec is None else spec.group_key
+            expert = names[0] in self.expert_param_names
+            if expert and spec is not None:
+                raise ValueError(f"{names[0]}: FP8 expert parameters are not built")
+            key = (param.dtype if spec is None else spec.group_key, expert)
             buckets.setdefault(key, []).append((names, param))
             specs.setdefault(key, spec)
             delayed_metas.setdefault(key, []).append(None if spec is None else spec.delayed_meta)
         for key, members in buckets.items():
             shapes = [(names[0], param.shape) for names, param in members]
+            process_group = self.expert_group if key[1] else None
             if specs[key] is None:
-                storage = self._dense_storage(key, shapes)
+                storage = self._dense_storage(key[0], shapes, process_group=process_group)
             else:
                 storage = self._fp8_storage(specs[key], shapes, delayed_metas[key])
             group = self._build_group(members, storage, init_fn)
+            group.process_group = process_group
             unit.groups.append(group)
             for (names, _), new_param in zip(members, group.params):
                 _replace_parameter(module, names, new_param)
                 self.param_names[new_param] = names
 
-    def _shard_world(self) -> tuple[int, int]:
-        """(world size, rank) of the layouts: the DP group, or one rank for no_shard."""
-        shards = self.config.shards_optimizer_state
-        return (self.world_size, self.rank) if shards else (1, 0)
+    def _shard_world(self, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+        """(world size, rank) of the layouts: the DP group (or `group`, the expert-data-parallel
+        one), or one rank for no_shard."""
+        if not self.config.shards_optimizer_state:
+            return 1, 0
+        if group is not None:
+            return dist.get_world_size(group), dist.get_rank(group)
+        return self.world_size, self.rank
 
     def _dense_storage(
-        self, dtype: torch.dtype, shapes: list[tuple[str, torch.Size]]
+        self,
+        dtype: torch.dtype,
+        shapes: list[tuple[str, torch.Size]],
+        *,
+        process_group: dist.ProcessGroup | None = None,
     ) -> DenseComputeStorage:
-        world_size, rank = self._shard_world()
+        world_size, rank = self._shard_world(process_group)
         layout = build_unit_layout(
             shapes,
             world_size=world_size,
@@ -197,7 +217,7 @@ class ParamAndGradBuffer:
             main_dtype=self.config.main_params_dtype,
             device=self.device,
             sharded=self.config.shards_params,
-            group=self.group,
+            group=process_group if process_group is not None else self.group,
             tracker=self.tracker,
         )
 

@@ -84,6 +84,12 @@ class GradReducePipeline:
         self._pending: list[_PendingReduce] = []
         self._pending_outer: list[_PendingOuter] = []
 
+    def _group_of(self, group: BufferGroup) -> dist.ProcessGroup:
+        """The group a buffer group's grads are reduced over: its own (expert parameters:
+        the expert-data-parallel group; they are still averaged over every DP rank, as each
+        expert's grads already hold its EP ranks' tokens), else the shard group."""
+        return group.process_group if group.process_group is not None else self.process_group
+
     @property
     def has_outer(self) -> bool:
         return self.outer_group is not None
@@ -139,7 +145,9 @@ class GradReducePipeline:
             result = torch.empty(
                 group.layout.shard_numel, dtype=staging.dtype, device=staging.device
             )
-        work = reduce_scatter_flat(result, staging, group=self.process_group, async_op=self.overlap)
+        work = reduce_scatter_flat(
+            result, staging, group=self._group_of(group), async_op=self.overlap
+        )
         self.stats.add("reduce_scatter_bytes", staging.numel() * staging.element_size())
         pending = _PendingReduce(
             group=group,
@@ -157,7 +165,7 @@ class GradReducePipeline:
         scaled = (grads * (1.0 / self.world_size)).to(group.reduce_dtype)
         nbytes = scaled.numel() * scaled.element_size()
         if group.layout.world_size == 1:  # no_shard: every rank keeps every grad
-            work = all_reduce_sum(scaled, group=self.process_group, async_op=self.overlap)
+            work = all_reduce_sum(scaled, group=self._group_of(group), async_op=self.overlap)
             self.stats.add("all_reduce_bytes", nbytes if self.world_size > 1 else 0)
             self._queue(
                 _PendingReduce(
@@ -166,7 +174,9 @@ class GradReducePipeline:
             )
             return
         result = torch.empty(group.layout.shard_numel, dtype=scaled.dtype, device=scaled.device)
-        work = reduce_scatter_flat(result, scaled, group=self.process_group, async_op=self.overlap)
+        work = reduce_scatter_flat(
+            result, scaled, group=self._group_of(group), async_op=self.overlap
+        )
         self.stats.add("reduce_scatter_bytes", nbytes)
         self._queue(
             _PendingReduce(

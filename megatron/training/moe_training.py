@@ -1,0 +1,81 @@
+"""What the training loop does for MoE models, as Megatron-LM does it.
+
+- the router's aux losses (load balancing, z-loss) back-propagate with the scale of the main
+  loss of one micro-batch: loss scale / micro-batches (loss scale alone with per-token loss);
+- after the grads of a step are reduced, the aux-loss-free expert bias of every router moves
+  by its update rate against the token counts summed over every data-parallel rank;
+- the log line gets Megatron-LM's names (load_balancing_loss, seq_load_balancing_loss,
+  z_loss) averaged over the interval's micro-batches, the MoE layers and the data-parallel
+  ranks, plus dropped_token_fraction when a capacity factor is set; TensorBoard/W&B also get
+  each layer's expert load (fraction of routed tokens per expert).
+A dense model (no MoEMetrics) makes every function here a no-op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.transformer.moe.metrics import MoEMetrics
+from megatron.core.transformer.moe.router import update_expert_biases
+from megatron.training.initialize import DistributedEnv
+from megatron.training.model_setup import ModelAndOptimizer
+
+
+def moe_metrics(run: ModelAndOptimizer) -> MoEMetrics | None:
+    return run.module.decoder.moe_metrics
+
+
+def set_aux_loss_scale(
+    run: ModelAndOptimizer, *, loss_scale: float, num_microbatches: int, per_token_loss: bool
+) -> None:
+    """The factor each micro-batch's main loss is multiplied by before backward."""
+    metrics = moe_metrics(run)
+    if metrics is not None:
+        scale = loss_scale if per_token_loss else loss_scale / num_microbatches
+        metrics.set_backward_scale(scale)
+
+
+def after_grad_sync(run: ModelAndOptimizer, env: DistributedEnv) -> None:
+    """The expert-bias step of every router (Megatron-LM: when finalizing the grads)."""
+    if moe_metrics(run) is not None and run.config.moe_router_enable_expert_bias:
+        update_expert_biases(run.module, group=env.dp_group)
+
+
+def _mean_over_dp(values: list[float], env: DistributedEnv) -> list[float]:
+    if env.dp_group is None or not values:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=env.device)
+    dist.all_reduce(tensor, group=env.dp_group)
+    return (tensor / env.world_size).tolist()
+
+
+def interval_moe_fields(run: ModelAndOptimizer, env: DistributedEnv) -> dict[str, float]:
+    """The interval's MoE log fields (a collective over the DP ranks: every rank calls it at
+    each log line); the metrics restart afterwards."""
+    metrics = moe_metrics(run)
+    if metrics is None:
+        return {}
+    report = metrics.report()
+    names = sorted(report)
+    means = _mean_over_dp([report[name] for name in names], env)
+    return dict(zip(names, means))
+
+
+def expert_load_scalars(run: ModelAndOptimizer, env: DistributedEnv) -> dict[str, float]:
+    """Per layer and expert: its share of the interval's routed tokens over all DP ranks,
+    as `moe/layer_{L}/expert_{E}_load` (a collective over the DP ranks); then restarts the
+    metrics."""
+    metrics = moe_metrics(run)
+    if metrics is None:
+        return {}
+    scalars = {}
+    for layer, counts in sorted(metrics.tokens_per_expert.items()):
+        counts = counts.to(env.device, torch.float64)
+        if env.dp_group is not None:
+            dist.all_reduce(counts, group=env.dp_group)
+        shares = (counts / counts.sum().clamp(min=1.0)).tolist()
+        for expert, share in enumerate(shares):
+            scalars[f"moe/layer_{layer}/expert_{expert}_load"] = share
+    metrics.reset()
+    return scalars

@@ -1,0 +1,98 @@
+"""Issue 38, acceptance 1 (fp32 part): a tiny MoE GPT (dense first layer, then an MoE layer
+with shared experts; dropless top-2, aux loss and z-loss) trained 20 steps by pretrain() on
+gloo ranks, expert parallelism inside the data-parallel ranks as in Megatron-LM, gives the
+single-process losses within 1e-5: under DDP, and under Megatron-FSDP ZeRO-3
+(optim_grads_params) and optim (--use-distributed-optimizer), where the routed experts are
+sharded and reduced over the expert-data-parallel group and the rest over every DP rank.
+Also the MoE log fields."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.core.distributed.expert_parallel import expert_parallel_rank_lists
+from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
+
+STEPS = 20
+TINY_MOE = [
+    *TINY_GPT,
+    *NO_DROPOUT,
+    "--train-iters", str(STEPS),
+    "--disable-bias-linear",
+    "--num-experts", "4",
+    "--moe-ffn-hidden-size", "32",
+    "--moe-layer-freq", "([0]*1+[1]*1)",
+    "--moe-shared-expert-intermediate-size", "48",
+    "--moe-router-topk", "2",
+    "--moe-aux-loss-coeff", "0.01",
+    "--moe-z-loss-coeff", "0.001",
+    "--moe-token-dispatcher-type", "alltoall",
+]  # fmt: skip
+
+
+def _losses_on_rank(rank: int, world_size: int, argv: list[str]) -> list[float]:
+    result = run_pretrain(argv)
+    return [result.losses[step] for step in range(1, STEPS + 1)]
+
+
+@pytest.fixture(scope="module")
+def single_process_losses() -> list[float]:
+    losses = _losses_on_rank(0, 1, TINY_MOE)
+    assert losses[-1] < losses[0] - 0.3  # it learns
+    return losses
+
+
+def test_rank_order_is_megatron_lms():
+    ep, edp = expert_parallel_rank_lists(8, 2)
+    assert ep == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert edp == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    ep, edp = expert_parallel_rank_lists(4, 4)
+    assert ep == [[0, 1, 2, 3]] and edp == [[0], [1], [2], [3]]
+
+
+ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+OPTIM = ["--use-distributed-optimizer"]
+
+
+@pytest.mark.parametrize(
+    "world_size, ep_size, dispatcher, engine",
+    [
+        (2, 2, "alltoall", []),
+        (4, 1, "alltoall", []),
+        (4, 2, "alltoall", []),
+        (4, 4, "allgather", []),
+        (2, 2, "alltoall", ZERO3),
+        (4, 1, "alltoall", ZERO3),
+        (4, 2, "alltoall", ZERO3),
+        (4, 4, "alltoall", ZERO3),
+        (4, 2, "allgather", OPTIM),
+    ],
+    ids=lambda value: "-".join(value) if isinstance(value, list) else str(value),
+)
+def test_expert_parallel_equals_single_process(
+    world_size, ep_size, dispatcher, engine, single_process_losses
+):
+    argv = [
+        *TINY_MOE,
+        *engine,
+        "--expert-model-parallel-size", str(ep_size),
+        "--moe-token-dispatcher-type", dispatcher,
+    ]  # fmt: skip
+    results = run_distributed(_losses_on_rank, world_size, argv)
+    for rank_losses in results:
+        assert rank_losses == pytest.approx(single_process_losses, rel=1e-5, abs=0)
+
+
+def test_log_line_has_megatron_lm_moe_fields(capsys):
+    argv = [*TINY_MOE, "--train-iters", "2", "--moe-expert-capacity-factor", "1.0"]
+    run_pretrain(argv)
+    lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
+    assert len(lines) == 2
+    for line in lines:
+        fields = dict(
+            part.strip().split(": ", 1) for part in line.split("|") if ": " in part.strip()
+        )
+        assert 0.5 < float(fields["load_balancing_loss"]) < 2.0  # E sum f_i P_i: 1 if balanced
+        assert 0.0 < float(fields["z_loss"]) < 100.0
+        assert 0.0 <= float(fields["dropped_token_fraction"]) < 1.0
