@@ -132,3 +132,11 @@ def test_fsdp2_training_warns_nothing_about_views():
     messages = [str(warning.message) for warning in caught]
     assert not [message for message in messages if "view" in message], messages
     assert losses.losses == {1: 6.249407768249512, 2: 6.234930992126465}
+
+
+def test_fsdp2_bf16_async_save_resumes_exactly(tmp_path):
+    """The functional case's other flags, without --fp16: --bf16 compute, --async-save."""
+    engine = FSDP2 + ["--bf16", "--async-save"]
+    uninterrupted = _save(tmp_path / "ckpt", 2, engine)
+    resumed = _resume(tmp_path / "ckpt", 2, FSDP2 + ["--bf16"])
+    assert resumed == {i: uninterrupted[i] for i in RESUMED}
