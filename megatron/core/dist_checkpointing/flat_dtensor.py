@@ -8,6 +8,10 @@ DCP asks the DTensor for its chunks, the DTensor asks the wrapper, so every rank
 recorded with its true offset and any other split of the same 1-D tensor reads it back (on gloo
 and NCCL alike). A rank that holds none of a parameter leaves the key out of its state dict:
 DCP merges keys across ranks, and an empty wrapper would describe a 2-D chunk.
+
+PyTorch FSDP2's parameters (and their optimizer state) are DTensors sharded by rows
+(`Shard(0)`): a rank's rows are one contiguous slice of the flattened parameter, so
+`flat_row_shard` writes them in the same layout, and the checkpoint loads under either engine.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def data_parallel_mesh(process_group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
@@ -38,6 +43,24 @@ def flat_dtensor(
     wrapper = LocalShardsWrapper([local_piece.view(-1)], [(offset,)])
     return DTensor.from_local(
         wrapper, mesh, [Shard(0)], run_check=False, shape=torch.Size([global_numel]), stride=(1,)
+    )
+
+
+def flat_row_shard(value: DTensor) -> DTensor | None:
+    """A DTensor sharded by rows over a 1-D mesh (an FSDP2 parameter or its Adam moment) as a
+    flat_dtensor of its flattened values, viewing the same local storage; None where this
+    rank holds no row."""
+    if tuple(value.placements) != (Shard(0),):
+        raise ValueError(f"expected rows sharded over a 1-D mesh, got {value.placements}")
+    _, global_offset = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements
+    )
+    row_numel = value.numel() // value.shape[0] if value.shape[0] else 0
+    return flat_dtensor(
+        value.to_local().detach(),
+        offset=int(global_offset[0]) * row_numel,
+        global_numel=value.numel(),
+        mesh=value.device_mesh,
     )
 
 

@@ -1,11 +1,16 @@
-"""The replicated (DDP) optimizer's model and optimizer state in the sharded-checkpoint layout.
+"""The MixedPrecisionOptimizer's model and optimizer state (DDP, or PyTorch FSDP2) in the
+sharded-checkpoint layout.
 
 Same keys and flat 1-D values as Megatron-FSDP's state dicts
 (megatron/core/distributed/fsdp/state_dict.py): model {"params": {name: flat fp32 main param},
 "param_shapes": {name: int64 shape}}, optimizer {"step": scalar, "exp_avg"/"exp_avg_sq" (Adam)
 or "momentum_buffer" (SGD): {name: flat state}}. Every value is a plain tensor, the same on
 every rank: DCP writes each once (its planner deduplicates replicated entries) and every rank
-reads all of them. Values are views of the optimizer's own tensors, so a load lands in place.
+reads all of them. Under FSDP2 the params and moments are row-sharded DTensors, each given as
+its rank's contiguous piece of the flat value (flat_row_shard), as Megatron-FSDP gives its
+pieces: the checkpoint loads under DDP, FSDP2 or Megatron-FSDP, at any data-parallel size.
+Values are views of the optimizer's own tensors, so a load lands in place (a piece DCP did not
+fill in place is copied).
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from megatron.core.dist_checkpointing.flat_dtensor import flat_row_shard, local_piece
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
 
@@ -23,10 +30,31 @@ def _state_keys(optimizer: MixedPrecisionOptimizer) -> tuple[str, ...]:
     )
 
 
+def _flat(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The flat checkpoint value of a param or moment: a view, or this rank's piece of a
+    row-sharded DTensor (None where the rank holds no row: the key is left out)."""
+    return flat_row_shard(tensor) if isinstance(tensor, DTensor) else tensor.view(-1)
+
+
+def _present(values: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    return {name: value for name, value in values.items() if value is not None}
+
+
+@torch.no_grad()
+def _take_loaded(dest: torch.Tensor, loaded: torch.Tensor | None) -> None:
+    """Copy a DTensor piece that DCP loaded elsewhere than into `dest`'s own storage."""
+    piece = local_piece(loaded)
+    if not isinstance(dest, DTensor) or piece is None:
+        return
+    local = dest.to_local()
+    if local.data_ptr() != piece.data_ptr():
+        local.view(-1).copy_(piece.reshape(-1))
+
+
 def model_state_dict(optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
     named = optimizer.named_main_params()
     return {
-        "params": {name: main.view(-1) for name, main in named.items()},
+        "params": _present({name: _flat(main) for name, main in named.items()}),
         "param_shapes": {
             name: torch.tensor(list(main.shape), dtype=torch.int64) for name, main in named.items()
         },
@@ -36,11 +64,14 @@ def model_state_dict(optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
 @torch.no_grad()
 def load_model_state_dict(optimizer: MixedPrecisionOptimizer, state: dict[str, Any]) -> None:
     """Main params were loaded in place: refresh the (bf16) model params from them."""
+    named = optimizer.named_main_params()
+    if any(isinstance(main, DTensor) for main in named.values()):
+        # FSDP2: the fp32 shards are the model params themselves.
+        for name, main in named.items():
+            _take_loaded(main, state["params"].get(name))
+        return
     optimizer.load_main_params(
-        {
-            name: state["params"][name].view(main.shape)
-            for name, main in optimizer.named_main_params().items()
-        }
+        {name: state["params"][name].view(main.shape) for name, main in named.items()}
     )
 
 
@@ -65,10 +96,12 @@ def optimizer_state_dict(optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
     _ensure_state(optimizer)
     torch_state = optimizer.optimizer.state
     result: dict[str, Any] = {
-        key: {
-            name: torch_state[main][key].view(-1)
-            for name, main in zip(optimizer.main_param_names, optimizer.main_params)
-        }
+        key: _present(
+            {
+                name: _flat(torch_state[main][key])
+                for name, main in zip(optimizer.main_param_names, optimizer.main_params)
+            }
+        )
         for key in _state_keys(optimizer)
     }
     if optimizer.config.optimizer == "adam":
@@ -80,6 +113,10 @@ def optimizer_state_dict(optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
 @torch.no_grad()
 def load_optimizer_state_dict(optimizer: MixedPrecisionOptimizer, state: dict[str, Any]) -> None:
     """Moments were loaded in place; the shared step count goes to every param's state."""
+    torch_state = optimizer.optimizer.state
+    for key in _state_keys(optimizer):
+        for name, main in zip(optimizer.main_param_names, optimizer.main_params):
+            _take_loaded(torch_state[main][key], state[key].get(name))
     if "step" not in state:
         return
     for main in optimizer.main_params:

@@ -7,8 +7,8 @@ Layout of one `iter_XXXXXXX/` directory (`--ckpt-format torch`):
   optimizer.pt        the optimizer state (tensors and numbers only; not with --no-save-optim)
   rng/rank_00000.pt   each rank's RNG states (tensors and numbers only; not with --no-save-rng)
   fp8_delayed_scaling.pt  with --fp8-recipe delayed: every FP8 tensor's scale and amax history
-`--ckpt-format torch_dist` (DDP or Megatron-FSDP; `fsdp_dtensor` is Megatron-FSDP's name for the
-same layout) keeps metadata.json and stores model and optimizer under `sharded/` through
+`--ckpt-format torch_dist` (DDP, Megatron-FSDP or FSDP2; `fsdp_dtensor` is Megatron-FSDP's name for
+the same layout) keeps metadata.json and stores model and optimizer under `sharded/` through
 megatron.core.dist_checkpointing (sharded.py says which state);
 with --async-save those files are written by a background thread (async_save.py) and
 published, tracker last, once every rank's write completed.

@@ -2,9 +2,10 @@
 dict each data-parallel engine gives (an asynchronous save writes from a host copy of it,
 staging.py).
 
-Both engines give the same keys (model.params.<name>, model.param_shapes.<name>,
+Every engine gives the same keys (model.params.<name>, model.param_shapes.<name>,
 optimizer.<state key>.<name>, optimizer.step) holding each parameter flattened to 1-D:
-Megatron-FSDP as DTensor pieces, DDP as replicated tensors. DCP records global shapes and
+Megatron-FSDP and FSDP2 (through the MixedPrecisionOptimizer, as DDP) as DTensor pieces, DDP
+as replicated tensors. DCP records global shapes and
 chunk offsets, so a checkpoint loads at any data-parallel size, strategy, or engine.
 """
 

@@ -315,10 +315,10 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         "--ckpt-format",
         choices=("torch", "torch_dist", "fsdp_dtensor"),
         default=None,
-        help="torch: one file set on rank 0 (default without Megatron-FSDP); torch_dist: "
-        "sharded with torch.distributed.checkpoint, loadable at any data-parallel size (DDP or "
-        "Megatron-FSDP; default with Megatron-FSDP); fsdp_dtensor: Megatron-FSDP's name for the "
-        "same DTensor layout (needs --use-megatron-fsdp).",
+        help="torch: one file set on rank 0 (default under DDP); torch_dist: sharded with "
+        "torch.distributed.checkpoint, loadable at any data-parallel size and under any engine "
+        "(DDP, Megatron-FSDP or FSDP2; default with Megatron-FSDP and FSDP2); fsdp_dtensor: "
+        "Megatron-FSDP's name for the same DTensor layout (needs --use-megatron-fsdp).",
     )
     group.add_argument(
         "--async-save",

@@ -363,17 +363,20 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
             "use --ckpt-format torch_dist (the same sharded layout, for DDP too).",
         )
     if args.ckpt_format == "torch":
-        # The torch format saves replicated main params; Megatron-FSDP holds only shards.
+        # The torch format saves replicated main params; Megatron-FSDP and FSDP2 hold only
+        # shards (Megatron-LM: '--use-torch-fsdp2 requires --ckpt-format torch_dist').
         engine_flag = (
             "--use-distributed-optimizer (Megatron-FSDP's optim strategy)"
             if args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "optim"
+            else "--use-torch-fsdp2"
+            if args.use_torch_fsdp2
             else "--use-megatron-fsdp"
         )
         _require(
-            not args.use_megatron_fsdp,
+            not (args.use_megatron_fsdp or args.use_torch_fsdp2),
             f"{engine_flag} saves sharded checkpoints: drop --ckpt-format torch (the "
-            "default with Megatron-FSDP is torch_dist, which also resumes at another "
-            "data-parallel size).",
+            "default with Megatron-FSDP and FSDP2 is torch_dist, which also resumes at another "
+            "data-parallel size and under the other engine).",
         )
     if args.async_save:
         # As Megatron-LM: only the sharded format has an asynchronous writer.

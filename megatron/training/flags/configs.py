@@ -78,7 +78,8 @@ def resolved_flags(
         flags.split = flags.split[1:-1]
     _resolve_data_parallel_engine(flags)
     if flags.ckpt_format is None:  # --use-checkpoint-args: the checkpoint's format
-        flags.ckpt_format = saved_format or ("torch_dist" if flags.use_megatron_fsdp else "torch")
+        sharded_engine = flags.use_megatron_fsdp or flags.use_torch_fsdp2
+        flags.ckpt_format = saved_format or ("torch_dist" if sharded_engine else "torch")
     if flags.wandb_project and flags.wandb_save_dir is None and flags.save is not None:
         flags.wandb_save_dir = os.path.join(flags.save, "wandb")  # Megatron-LM's default
     if flags.fp8_recipe is None and flags.fp8_format is not None:

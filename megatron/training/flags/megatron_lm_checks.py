@@ -236,17 +236,15 @@ def _validate_torch_fsdp2(args: argparse.Namespace) -> None:
             ("--use-distributed-optimizer", args.use_distributed_optimizer),
             ("--fp16", args.fp16),
             ("--fp8-format/--fp8-recipe", args.fp8_format or args.fp8_recipe),
-            ("--save", args.save),
-            ("--load", args.load),
         )
         if given
     ]
     if conflicts:
         raise ValueError(
-            f"--use-torch-fsdp2 does not go with {', '.join(conflicts)} here (Megatron-LM also "
-            "refuses it with the distributed optimizer and fp16; FP8 weights and checkpoints "
-            "under FSDP2 are not built): use --use-megatron-fsdp, the same sharding with FP8 "
-            "and torch_dist checkpoints."
+            f"--use-torch-fsdp2 does not go with {', '.join(conflicts)} here (Megatron-LM "
+            "refuses it with the distributed optimizer, and with fp16: '--use-torch-fsdp2 not "
+            "supported with fp16 yet'; FP8 weights under FSDP2 are not built): train FSDP2 "
+            "with --bf16, or use --use-megatron-fsdp, the same sharding with FP8."
         )
 
 

@@ -100,7 +100,7 @@ def parse_error(argv, capsys, world_size=1) -> str:
         (
             ["--use-torch-fsdp2", "--fp16", "--save", "/tmp/x"],
             1,
-            "--use-torch-fsdp2 does not go with --fp16, --save here",
+            "--use-torch-fsdp2 does not go with --fp16 here",
         ),
         (
             ["--use-torch-fsdp2", "--use-distributed-optimizer"],

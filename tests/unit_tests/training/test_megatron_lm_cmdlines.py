@@ -382,7 +382,7 @@ def test_175b_as_written_is_refused_naming_each_unbuilt_flag(capsys):
 def test_fsdp2_functional_case_is_refused_as_megatron_lm_refuses_it(tmp_path, capsys):
     """gpt3_mcore_tp1_pp1_fsdp2_resume_torch_dist_te asks for FSDP2 with --fp16, which
     Megatron-LM's own checks refuse ('--use-torch-fsdp2 not supported with fp16 yet'); here
-    too, and its checkpoints under FSDP2 are not built: one message names both."""
+    too, in one message (its torch_dist checkpoints, --save and --load, are built)."""
     argv = (
         argv_of(_FUNCTIONAL_HEAD, tmp_path)
         + (
@@ -398,7 +398,8 @@ def test_fsdp2_functional_case_is_refused_as_megatron_lm_refuses_it(tmp_path, ca
         pretrain(argv)
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.count("error:") == 1
-    assert "--use-torch-fsdp2 does not go with --fp16, --save, --load" in err
+    assert "--use-torch-fsdp2 does not go with --fp16 here" in err
+    assert "'--use-torch-fsdp2 not supported with fp16 yet'" in err
 
 
 def test_unknown_flag_keeps_argparse_error(capsys):

@@ -206,4 +206,7 @@ class GPTModel(nn.Module):
                 f"{tuple(input_ids.shape)}"
             )
         loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels.flatten(), reduction="none")
-        return loss.view_as(labels)
+        # A tensor of its own, not a view of the flat loss: FSDP2 hooks its backward onto the
+        # root module's outputs, and warns for a view (an in-place op on one drops the hook).
+        # The copy is [B, S] fp32, small beside the logits; Megatron-LM copies here as well.
+        return loss.view_as(labels).clone()
