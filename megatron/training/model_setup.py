@@ -21,6 +21,10 @@ from megatron.core.fp8.linear import apply_fp8_setup
 from megatron.core.models.gpt import GPTModel, count_parameters, num_floating_point_operations
 from megatron.core.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
 from megatron.core.optimizer.grad_scaler import GradScaler
+from megatron.core.tensor_parallel import (
+    all_reduce_sequence_parallel_grads,
+    tensor_parallel_shards,
+)
 from megatron.core.transformer.init import init_parameter_
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flags.run_config import ModelSetupConfig
@@ -52,6 +56,10 @@ class ModelAndOptimizer:
         finish = getattr(self.model, "finish_grad_sync", None)
         if finish is not None:
             finish()
+        tensor_parallel = self.module.tensor_parallel
+        if tensor_parallel is not None and tensor_parallel.sequence_parallel:
+            # Norms and row-parallel biases saw only this rank's sequence shard.
+            all_reduce_sequence_parallel_grads(self.module, tensor_parallel.group)
 
 
 def apply_model_setup(
@@ -110,8 +118,10 @@ def bf16_all_reduce_hook(group: torch.distributed.ProcessGroup, bucket):
 def _build_ddp(
     config: TransformerConfig, *, setup: ModelSetupConfig, env: DistributedEnv, initial_params
 ):
-    module = GPTModel(config, seed=setup.seed).to(env.device)
+    module = GPTModel(config, seed=setup.seed, tensor_parallel=env.tensor_parallel).to(env.device)
     if initial_params is not None:
+        if env.tensor_parallel is not None:
+            raise ValueError("initial_params (full tensors) with tensor parallelism is not built")
         module.load_state_dict(initial_params, strict=True)
 
     def shard(module: GPTModel) -> tuple[nn.Module, MegatronOptimizer]:
@@ -122,7 +132,7 @@ def _build_ddp(
 
 def _wrap_ddp(module: GPTModel, *, setup: ModelSetupConfig, env: DistributedEnv):
     model: nn.Module = module
-    if env.world_size > 1:
+    if env.data_parallel_size > 1:
         model = nn.parallel.DistributedDataParallel(
             module,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
@@ -132,7 +142,21 @@ def _wrap_ddp(module: GPTModel, *, setup: ModelSetupConfig, env: DistributedEnv)
         if setup.grad_reduce_in_bf16:
             # Megatron-LM's --grad-reduce-in-bf16 under DDP: the all-reduce runs in bf16.
             model.register_comm_hook(env.dp_group, bf16_all_reduce_hook)
-    return model, MixedPrecisionOptimizer(module, config=setup.optimizer)
+    return model, MixedPrecisionOptimizer(
+        module, config=setup.optimizer, **_tensor_parallel_norm(module, env)
+    )
+
+
+def _tensor_parallel_norm(module: GPTModel, env: DistributedEnv) -> dict:
+    """Under tensor parallelism the grad norm sums each TP shard once and each replicated
+    param once (on TP rank 0) over the TP group, as Megatron-LM's clip_grad_norm."""
+    tensor_parallel = env.tensor_parallel
+    if tensor_parallel is None:
+        return {}
+    names = set(tensor_parallel_shards(module))
+    if tensor_parallel.rank == 0:
+        names |= {name for name, _ in module.named_parameters()}
+    return {"grad_group": tensor_parallel.group, "norm_param_names": names}
 
 
 def _build_megatron_fsdp(

@@ -165,7 +165,13 @@ def _build_and_train_seeded(
         f"params-dtype={str(model_config.params_dtype).removeprefix('torch.')} "
         f"fp8-param-gather={fp8 is not None and fp8.fp8_param_gather} "
         f"use-megatron-fsdp={config.model_setup.use_megatron_fsdp} "
-        f"data-parallel-size={env.world_size}",
+        f"data-parallel-size={env.data_parallel_size}"
+        + (
+            f" tensor-parallel-size={env.tensor_parallel_size} "
+            f"sequence-parallel={env.tensor_parallel.sequence_parallel}"
+            if env.tensor_parallel is not None
+            else ""
+        ),
     )
     instances = config.distributed.num_distributed_optimizer_instances
     if instances > 1:
@@ -223,10 +229,11 @@ def _build_metrics_logger(config: LoggingConfig, env: DistributedEnv) -> Metrics
 
 
 def _mean_over_ranks(value: torch.Tensor, env: DistributedEnv) -> float:
+    """The mean over the data-parallel replicas (tensor-parallel ranks agree already)."""
     value = value.detach().float().reshape(1).clone()
     if env.dp_group is not None:
         dist.all_reduce(value, group=env.dp_group)
-        value /= env.world_size
+        value /= env.data_parallel_size
     return value.item()
 
 
@@ -289,13 +296,13 @@ def train_step(
     run.last_step gets the forward-backward and optimizer seconds and the zero-grad count."""
     step_start = time.time()
     run.optimizer.zero_grad()
-    step_samples = config.micro_batch_size * env.world_size
+    step_samples = config.micro_batch_size * env.data_parallel_size
     batches = [
         get_micro_batch(
             dataset,
             first_sample=state.consumed_train_samples + microbatch * step_samples,
             micro_batch_size=config.micro_batch_size,
-            rank=env.rank,
+            rank=env.data_parallel_rank,
             device=env.device,
         )
         for microbatch in range(config.num_microbatches)
@@ -305,8 +312,8 @@ def train_step(
         # The whole global batch's loss tokens, known before any forward (as Megatron-LM
         # normalizes by them after the reduction).
         tokens = torch.stack([batch["loss_mask"].sum() for batch in batches]).sum().float()
-        global_tokens = _mean_over_ranks(tokens, env) * env.world_size
-        tokens_per_rank = max(global_tokens, 1.0) / env.world_size
+        global_tokens = _mean_over_ranks(tokens, env) * env.data_parallel_size
+        tokens_per_rank = max(global_tokens, 1.0) / env.data_parallel_size
     scaler = run.grad_scaler
     losses = []
     for microbatch, batch in enumerate(batches):
@@ -315,7 +322,7 @@ def train_step(
             config.seed,
             first_sample=state.consumed_train_samples
             + microbatch * step_samples
-            + env.rank * config.micro_batch_size,
+            + env.data_parallel_rank * config.micro_batch_size,
         )
         with contextlib.nullcontext() if is_last else run.no_sync():
             losses.append(
@@ -360,14 +367,14 @@ def evaluate(
 ) -> float:
     """Mean loss over the first --eval-iters global batches of the split (the same every time)."""
     run.model.eval()
-    step_samples = config.micro_batch_size * env.world_size
+    step_samples = config.micro_batch_size * env.data_parallel_size
     losses = []
     for index in range(config.eval_iters * config.num_microbatches):
         batch = get_micro_batch(
             dataset,
             first_sample=index * step_samples,
             micro_batch_size=config.micro_batch_size,
-            rank=env.rank,
+            rank=env.data_parallel_rank,
             device=env.device,
         )
         token_losses = run.model(

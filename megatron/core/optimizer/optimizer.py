@@ -247,11 +247,20 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     be averaged across data-parallel ranks (DDP does that), so the norm is computed locally.
     """
 
-    def __init__(self, model: torch.nn.Module, *, config: OptimizerConfig, grad_group=None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        config: OptimizerConfig,
+        grad_group=None,
+        norm_param_names: set[str] | None = None,
+    ) -> None:
         self.config = config
         # With DTensor (FSDP2) params each rank holds disjoint shards: norms and counts are
-        # summed over this group.
+        # summed over this group. With `norm_param_names` (tensor parallelism: the TP shards,
+        # and the replicated params on TP rank 0 only) only those enter this rank's piece.
         self.grad_group = grad_group
+        self.norm_param_names = norm_param_names
         self.model_params: list[torch.Tensor] = []
         named_main = []
         for name, param in model.named_parameters():
@@ -288,8 +297,9 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     def step(self) -> StepResult:
         grads = [_local(grad) for grad in self._copy_model_grads_to_main()]
         unscale_grads_(grads, self.loss_scale)
-        grad_norm = global_grad_norm(grads, group=self.grad_group)
-        zeros = count_zeros(grads, group=self.grad_group) if self.count_zeros_in_grad else None
+        counted = self._norm_piece(grads)
+        grad_norm = global_grad_norm(counted, group=self.grad_group)
+        zeros = count_zeros(counted, group=self.grad_group) if self.count_zeros_in_grad else None
         if not math.isfinite(grad_norm):
             self.zero_grad()
             return StepResult(update_successful=False, grad_norm=grad_norm, num_zeros_in_grad=zeros)
@@ -302,7 +312,17 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     def params_norm(self) -> float:
         """L2 norm of all main params (--log-params-norm)."""
-        return global_grad_norm([_local(p) for p in self.main_params], group=self.grad_group)
+        return global_grad_norm(
+            self._norm_piece([_local(p) for p in self.main_params]), group=self.grad_group
+        )
+
+    def _norm_piece(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors (one per main param) that this rank adds to norms and counts."""
+        if self.norm_param_names is None:
+            return tensors
+        return [
+            t for name, t in zip(self.main_param_names, tensors) if name in self.norm_param_names
+        ]
 
     def named_main_params(self) -> dict[str, torch.Tensor]:
         """The fp32 values of every trained param: what checkpoints store as the model."""

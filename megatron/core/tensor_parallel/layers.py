@@ -152,9 +152,10 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None and self.tp.sequence_parallel:
             mark_sequence_parallel_(self.bias)
 
+    split_parameters = ("weight",)
+    """The bias is replicated (added after the sum), so only the weight is a TP shard."""
+
     def shard_of_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        if name == "bias":
-            return full.clone()
         return full.chunk(self.tp.size, dim=1)[self.tp.rank].contiguous()
 
     def full_shape(self, name: str) -> tuple[int, ...]:
@@ -207,13 +208,15 @@ TENSOR_PARALLEL_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParalle
 
 
 def tensor_parallel_shards(model: nn.Module) -> dict[str, nn.Module]:
-    """{parameter name: owning TP module} for every parameter that a TP layer owns, so that an
-    initializer draws the full tensor (`full_shape`) and keeps `shard_of_full`."""
+    """{parameter name: owning TP module} for every parameter split over TP (a row-parallel
+    bias is replicated: not listed), so that an initializer draws the full tensor
+    (`full_shape`) and keeps `shard_of_full`, and a grad norm counts each shard once."""
     found = {}
     for prefix, module in model.named_modules():
         if isinstance(module, TENSOR_PARALLEL_MODULES):
             for name, _ in module.named_parameters(recurse=False):
-                found[f"{prefix}.{name}" if prefix else name] = module
+                if name in getattr(module, "split_parameters", (name,)):
+                    found[f"{prefix}.{name}" if prefix else name] = module
     return found
 
 

@@ -17,6 +17,7 @@ from megatron.training.flags.configs import lr_lengths_before_fraction, resolved
 from megatron.training.flags.megatron_lm import unbuilt_features
 from megatron.training.flags.megatron_lm_checks import validate_megatron_lm_args
 from megatron.training.flags.optimizer import validate_optimizer_args
+from megatron.training.flags.tensor_parallel import validate_tensor_parallel_args
 from megatron.training.loggers import check_logger_settings
 
 
@@ -38,6 +39,10 @@ def validate_args(args: argparse.Namespace, *, world_size: int | None = None) ->
         raise ArgumentError(str(error)) from None
     _validate_batch(flags, given=args)
     _validate_model(flags)
+    try:
+        validate_tensor_parallel_args(flags)
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
     _validate_schedule(flags)
     try:
         validate_megatron_lm_args(flags)

@@ -300,6 +300,12 @@ class DistributedConfig:
     """Megatron-FSDP cuts its groups from a data-parallel mesh."""
     num_distributed_optimizer_instances: int
     """HSDP replicas; 1: plain sharding."""
+    tensor_model_parallel_size: int = 1
+    """Ranks that split each layer (`--tensor-model-parallel-size`); consecutive ranks, as
+    Megatron-LM's order (tensor-parallel inner, data-parallel outer)."""
+    sequence_parallel: bool = False
+    """Norms and residuals on sequence shards between the tensor-parallel regions
+    (`--sequence-parallel`, only with a tensor-parallel size above 1)."""
 
 
 @dataclass(frozen=True, kw_only=True)
