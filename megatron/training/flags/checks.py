@@ -37,12 +37,12 @@ def validate_args(args: argparse.Namespace, *, world_size: int | None = None) ->
         flags = resolved_flags(args, world_size=world_size)
     except ValueError as error:
         raise ArgumentError(str(error)) from None
-    _validate_batch(flags, given=args)
-    _validate_model(flags)
-    try:
+    try:  # first: the batch checks divide by the data-parallel size, world / TP
         validate_tensor_parallel_args(flags)
     except ValueError as error:
         raise ArgumentError(str(error)) from None
+    _validate_batch(flags, given=args)
+    _validate_model(flags)
     _validate_schedule(flags)
     try:
         validate_megatron_lm_args(flags)

@@ -28,6 +28,8 @@ def validate_tensor_parallel_args(args: argparse.Namespace) -> None:
             f"{tp}; launch a multiple of {tp} ranks (--nproc-per-node) or pick a size dividing "
             f"{args.world_size}."
         )
+    if args.num_attention_heads < 1 or args.hidden_size < 1:
+        return  # the model checks name these
     shape = resolved_shape(
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
