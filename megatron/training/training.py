@@ -272,15 +272,28 @@ def forward_backward(
     return loss.detach()
 
 
-def seed_dropout(seed: int, *, first_sample: int) -> None:
+def seed_dropout(seed: int, *, first_sample: int, stream: int = 0) -> None:
     """Seed the generators dropout draws from by the micro-batch's first global sample.
 
     The micro-batches of a step are the same sample ranges at any data-parallel size (rank r's
     m-th micro-batch at DP=N is the (m*N + r)-th at DP=1), so their dropout masks, and the
     losses, do not depend on the DP size, and a resume at another DP size is exact. Activation
-    recompute restores the state the forward started from (torch.utils.checkpoint)."""
-    mixed = np.random.SeedSequence([seed, first_sample]).generate_state(1, np.uint64)[0]
+    recompute restores the state the forward started from (torch.utils.checkpoint).
+
+    `stream` > 0 (the tensor-parallel rank under --sequence-parallel, where every dropout
+    acts on this rank's sequence shard or attention heads) draws other masks per TP rank."""
+    entropy = [seed, first_sample] + ([stream] if stream else [])
+    mixed = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
     torch.manual_seed(int(mixed) >> 1)  # manual_seed takes a non-negative 63-bit value
+
+
+def _dropout_stream(env: DistributedEnv) -> int:
+    """Without sequence parallelism the TP ranks share one stream: the hidden dropout acts on
+    replicated activations and must draw the same mask on each."""
+    tensor_parallel = env.tensor_parallel
+    if tensor_parallel is None or not tensor_parallel.sequence_parallel:
+        return 0
+    return tensor_parallel.rank + 1
 
 
 def train_step(
@@ -323,6 +336,7 @@ def train_step(
             first_sample=state.consumed_train_samples
             + microbatch * step_samples
             + env.data_parallel_rank * config.micro_batch_size,
+            stream=_dropout_stream(env),
         )
         with contextlib.nullcontext() if is_last else run.no_sync():
             losses.append(

@@ -4,8 +4,11 @@ the single-process losses within 1e-5 (the grad norm, and so the clip, is the TP
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
+from megatron.training.training import seed_dropout
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.common import (
     NO_DROPOUT,
@@ -46,3 +49,15 @@ def test_tensor_parallel_losses_equal_one_process(extra, world_size) -> None:
             assert loss == pytest.approx(reference[iteration], abs=1e-5), (rank, iteration)
     # Training moved the loss: the comparison is not between two untrained models.
     assert reference[STEPS] < reference[1] - 0.1
+
+
+def test_sequence_parallel_dropout_streams_differ_by_tp_rank_only_when_asked() -> None:
+    seed_dropout(1234, first_sample=16)
+    shared = torch.rand(4)
+    mixed = np.random.SeedSequence([1234, 16]).generate_state(1, np.uint64)[0]
+    torch.manual_seed(int(mixed) >> 1)
+    assert torch.equal(shared, torch.rand(4))  # stream 0: the draw of every run before TP
+    seed_dropout(1234, first_sample=16, stream=1)
+    rank0 = torch.rand(4)
+    seed_dropout(1234, first_sample=16, stream=2)
+    assert not torch.equal(rank0, torch.rand(4)) and not torch.equal(rank0, shared)
