@@ -1,5 +1,6 @@
 """Issue 40, acceptance 1 (first rows) on CPU/gloo: the tiny GPT trains 20 fp32 steps at
-TP 2 x DP 1, with and without --sequence-parallel, and at TP 2 x DP 2 under torch DDP, with
+TP 2 x DP 1, with and without --sequence-parallel, at TP 2 x DP 2 under torch DDP and at TP 4
+with --sequence-parallel, with
 the single-process losses within 1e-5 (the grad norm, and so the clip, is the TP = 1 one)."""
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def _reference() -> dict[int, float]:
         (TP2 + ["--sequence-parallel"], 2),
         (TP2, 4),
         (TP2 + ["--sequence-parallel"], 4),
+        (["--tensor-model-parallel-size", "4", "--sequence-parallel"], 4),
     ],
-    ids=["tp2", "tp2-sp", "tp2xdp2", "tp2xdp2-sp"],
+    ids=["tp2", "tp2-sp", "tp2xdp2", "tp2xdp2-sp", "tp4-sp"],
 )
 def test_tensor_parallel_losses_equal_one_process(extra, world_size) -> None:
     reference = _reference()
