@@ -11,7 +11,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megatron.core.distributed.data_parallel_mesh import build_data_parallel_mesh
 from megatron.core.distributed.expert_parallel import (
@@ -19,6 +19,7 @@ from megatron.core.distributed.expert_parallel import (
     build_expert_parallel_groups,
 )
 from megatron.core.environment import adopt_slurm_launch, env_int, get_env
+from megatron.core.tensor_parallel import TensorParallel
 from megatron.training.flags.run_config import DistributedConfig
 
 
@@ -38,6 +39,33 @@ class DistributedEnv:
     expert_groups: ExpertParallelGroups = ExpertParallelGroups(ep=None, expert_dp=None)
     """--expert-model-parallel-size: the expert-parallel and expert-data-parallel groups,
     built once here and passed to the MoE layers and the grad reduction."""
+
+    tensor_parallel: TensorParallel | None = None
+    """--tensor-model-parallel-size > 1: this rank's tensor-parallel group (then `dp_group` is
+    the data-parallel group of the ranks holding the same shards); None without TP."""
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.tensor_parallel is None else self.tensor_parallel.size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Model replicas: the world size over the tensor-parallel size."""
+        if self.tensor_parallel is None:
+            return self.world_size
+        return dist.get_world_size(self.dp_group)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which replica this rank is (the slice of each global batch it reads)."""
+        if self.tensor_parallel is None:
+            return self.rank
+        return dist.get_rank(self.dp_group)
+
+    @property
+    def all_ranks_group(self) -> dist.ProcessGroup | None:
+        """Every rank (for agreements such as when to stop); None for a single process."""
+        return self.dp_group if self.tensor_parallel is None else dist.group.WORLD
 
 
 def initialize_distributed(config: DistributedConfig) -> DistributedEnv:
@@ -70,6 +98,9 @@ def initialize_distributed(config: DistributedConfig) -> DistributedEnv:
             )
             owns_process_group = True
         dp_group = dist.group.WORLD
+    tensor_parallel = None
+    if config.tensor_model_parallel_size > 1:
+        dp_group, tensor_parallel = _tensor_and_data_parallel_groups(config, world_size, device)
     dp_mesh = None
     if config.use_megatron_fsdp:
         dp_mesh = build_data_parallel_mesh(
@@ -89,7 +120,35 @@ def initialize_distributed(config: DistributedConfig) -> DistributedEnv:
         owns_process_group=owns_process_group,
         dp_mesh=dp_mesh,
         expert_groups=expert_groups,
+        tensor_parallel=tensor_parallel,
     )
+
+
+TENSOR_PARALLEL_DIM = "tp"
+DATA_PARALLEL_DIM = "dp"
+
+
+def _tensor_and_data_parallel_groups(
+    config: DistributedConfig, world_size: int, device: torch.device
+) -> tuple[dist.ProcessGroup, TensorParallel]:
+    """The (dp, tp) mesh of all ranks in Megatron-LM's order, built once: rank = dp * tp_size +
+    tp_rank, so a tensor-parallel group is tp_size consecutive ranks (one node's fast links)
+    and a data-parallel group is the ranks of equal tp_rank."""
+    tp_size = config.tensor_model_parallel_size
+    if world_size % tp_size:
+        raise SystemExit(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+            f"{tp_size}; launch a multiple of {tp_size} ranks"
+        )
+    mesh = init_device_mesh(
+        device.type,
+        (world_size // tp_size, tp_size),
+        mesh_dim_names=(DATA_PARALLEL_DIM, TENSOR_PARALLEL_DIM),
+    )
+    tensor_parallel = TensorParallel(
+        mesh.get_group(TENSOR_PARALLEL_DIM), sequence_parallel=config.sequence_parallel
+    )
+    return mesh.get_group(DATA_PARALLEL_DIM), tensor_parallel
 
 
 ATTEMPT_HANDSHAKE_POLL_S = 0.01

@@ -22,6 +22,10 @@ from megatron.core.fp8.linear import apply_fp8_setup
 from megatron.core.models.gpt import GPTModel, count_parameters, num_floating_point_operations
 from megatron.core.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
 from megatron.core.optimizer.grad_scaler import GradScaler
+from megatron.core.tensor_parallel import (
+    all_reduce_sequence_parallel_grads,
+    tensor_parallel_shards,
+)
 from megatron.core.transformer.init import init_parameter_
 from megatron.core.transformer.moe.moe_layer import local_expert_rows
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -59,6 +63,10 @@ class ModelAndOptimizer:
             finish()
         if self.expert_grad_sync is not None:
             self.expert_grad_sync()
+        tensor_parallel = self.module.tensor_parallel
+        if tensor_parallel is not None and tensor_parallel.sequence_parallel:
+            # Norms and row-parallel biases saw only this rank's sequence shard.
+            all_reduce_sequence_parallel_grads(self.module, tensor_parallel.group)
 
 
 def apply_model_setup(
@@ -117,9 +125,15 @@ def bf16_all_reduce_hook(group: torch.distributed.ProcessGroup, bucket):
 def _build_ddp(
     config: TransformerConfig, *, setup: ModelSetupConfig, env: DistributedEnv, initial_params
 ):
-    ep_group = env.expert_groups.ep
-    module = GPTModel(config, seed=setup.seed, expert_parallel_group=ep_group).to(env.device)
+    module = GPTModel(
+        config,
+        seed=setup.seed,
+        expert_parallel_group=env.expert_groups.ep,
+        tensor_parallel=env.tensor_parallel,
+    ).to(env.device)
     if initial_params is not None:
+        if env.tensor_parallel is not None:
+            raise ValueError("initial_params (full tensors) with tensor parallelism is not built")
         module.load_state_dict(initial_params, strict=True)
 
     def shard(module: GPTModel) -> tuple[nn.Module, MegatronOptimizer]:
@@ -131,7 +145,7 @@ def _build_ddp(
 def _wrap_ddp(module: GPTModel, *, setup: ModelSetupConfig, env: DistributedEnv):
     model: nn.Module = module
     expert_names = list(local_expert_rows(module)) if env.expert_groups.ep is not None else []
-    if env.world_size > 1:
+    if env.data_parallel_size > 1:
         # Routed experts differ across the EP ranks: DDP leaves them to expert_grad_sync.
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             module, expert_names
@@ -150,6 +164,7 @@ def _wrap_ddp(module: GPTModel, *, setup: ModelSetupConfig, env: DistributedEnv)
         config=setup.optimizer,
         expert_parallel_group=env.expert_groups.ep,
         expert_param_names=expert_names,
+        **_tensor_parallel_norm(module, env),
     )
     return model, optimizer
 
@@ -162,9 +177,21 @@ def expert_grad_sync(module: GPTModel, env: DistributedEnv) -> Callable[[], None
     experts = [params[name] for name in local_expert_rows(module)]
 
     def sync() -> None:
-        reduce_expert_grads(experts, env.expert_groups, dp_size=env.world_size)
+        reduce_expert_grads(experts, env.expert_groups, dp_size=env.data_parallel_size)
 
     return sync
+
+
+def _tensor_parallel_norm(module: GPTModel, env: DistributedEnv) -> dict:
+    """Under tensor parallelism the grad norm sums each TP shard once and each replicated
+    param once (on TP rank 0) over the TP group, as Megatron-LM's clip_grad_norm."""
+    tensor_parallel = env.tensor_parallel
+    if tensor_parallel is None:
+        return {}
+    names = set(tensor_parallel_shards(module))
+    if tensor_parallel.rank == 0:
+        names |= {name for name, _ in module.named_parameters()}
+    return {"grad_group": tensor_parallel.group, "norm_param_names": names}
 
 
 def _build_megatron_fsdp(

@@ -216,8 +216,8 @@ def exit_reason(
     flags = torch.tensor(
         [(time.time() - start) / 60.0, float(exit_signal.received)], device=env.device
     )
-    if env.dp_group is not None:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=env.dp_group)
+    if env.all_ranks_group is not None:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=env.all_ranks_group)
     minutes, received = flags.tolist()
     if exit_signal.enabled and received > 0:
         return "SIGTERM received"

@@ -169,7 +169,13 @@ def _build_and_train_seeded(
         f"params-dtype={str(model_config.params_dtype).removeprefix('torch.')} "
         f"fp8-param-gather={fp8 is not None and fp8.fp8_param_gather} "
         f"use-megatron-fsdp={config.model_setup.use_megatron_fsdp} "
-        f"data-parallel-size={env.world_size}",
+        f"data-parallel-size={env.data_parallel_size}"
+        + (
+            f" tensor-parallel-size={env.tensor_parallel_size} "
+            f"sequence-parallel={env.tensor_parallel.sequence_parallel}"
+            if env.tensor_parallel is not None
+            else ""
+        ),
     )
     instances = config.distributed.num_distributed_optimizer_instances
     if instances > 1:
@@ -227,10 +233,11 @@ def _build_metrics_logger(config: LoggingConfig, env: DistributedEnv) -> Metrics
 
 
 def _mean_over_ranks(value: torch.Tensor, env: DistributedEnv) -> float:
+    """The mean over the data-parallel replicas (tensor-parallel ranks agree already)."""
     value = value.detach().float().reshape(1).clone()
     if env.dp_group is not None:
         dist.all_reduce(value, group=env.dp_group)
-        value /= env.world_size
+        value /= env.data_parallel_size
     return value.item()
 
 
@@ -305,15 +312,28 @@ def _step_mtp_losses(run: ModelAndOptimizer, env: DistributedEnv) -> dict[str, f
     }
 
 
-def seed_dropout(seed: int, *, first_sample: int) -> None:
+def seed_dropout(seed: int, *, first_sample: int, stream: int = 0) -> None:
     """Seed the generators dropout draws from by the micro-batch's first global sample.
 
     The micro-batches of a step are the same sample ranges at any data-parallel size (rank r's
     m-th micro-batch at DP=N is the (m*N + r)-th at DP=1), so their dropout masks, and the
     losses, do not depend on the DP size, and a resume at another DP size is exact. Activation
-    recompute restores the state the forward started from (torch.utils.checkpoint)."""
-    mixed = np.random.SeedSequence([seed, first_sample]).generate_state(1, np.uint64)[0]
+    recompute restores the state the forward started from (torch.utils.checkpoint).
+
+    `stream` > 0 (the tensor-parallel rank under --sequence-parallel, where every dropout
+    acts on this rank's sequence shard or attention heads) draws other masks per TP rank."""
+    entropy = [seed, first_sample] + ([stream] if stream else [])
+    mixed = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
     torch.manual_seed(int(mixed) >> 1)  # manual_seed takes a non-negative 63-bit value
+
+
+def _dropout_stream(env: DistributedEnv) -> int:
+    """Without sequence parallelism the TP ranks share one stream: the hidden dropout acts on
+    replicated activations and must draw the same mask on each."""
+    tensor_parallel = env.tensor_parallel
+    if tensor_parallel is None or not tensor_parallel.sequence_parallel:
+        return 0
+    return tensor_parallel.rank + 1
 
 
 def train_step(
@@ -329,13 +349,13 @@ def train_step(
     run.last_step gets the forward-backward and optimizer seconds and the zero-grad count."""
     step_start = time.time()
     run.optimizer.zero_grad()
-    step_samples = config.micro_batch_size * env.world_size
+    step_samples = config.micro_batch_size * env.data_parallel_size
     batches = [
         get_micro_batch(
             dataset,
             first_sample=state.consumed_train_samples + microbatch * step_samples,
             micro_batch_size=config.micro_batch_size,
-            rank=env.rank,
+            rank=env.data_parallel_rank,
             device=env.device,
         )
         for microbatch in range(config.num_microbatches)
@@ -345,8 +365,8 @@ def train_step(
         # The whole global batch's loss tokens, known before any forward (as Megatron-LM
         # normalizes by them after the reduction).
         tokens = torch.stack([batch["loss_mask"].sum() for batch in batches]).sum().float()
-        global_tokens = _mean_over_ranks(tokens, env) * env.world_size
-        tokens_per_rank = max(global_tokens, 1.0) / env.world_size
+        global_tokens = _mean_over_ranks(tokens, env) * env.data_parallel_size
+        tokens_per_rank = max(global_tokens, 1.0) / env.data_parallel_size
     scaler = run.grad_scaler
     set_aux_loss_scale(
         run,
@@ -361,7 +381,8 @@ def train_step(
             config.seed,
             first_sample=state.consumed_train_samples
             + microbatch * step_samples
-            + env.rank * config.micro_batch_size,
+            + env.data_parallel_rank * config.micro_batch_size,
+            stream=_dropout_stream(env),
         )
         with contextlib.nullcontext() if is_last else run.no_sync():
             losses.append(
@@ -408,14 +429,14 @@ def evaluate(
 ) -> float:
     """Mean loss over the first --eval-iters global batches of the split (the same every time)."""
     run.model.eval()
-    step_samples = config.micro_batch_size * env.world_size
+    step_samples = config.micro_batch_size * env.data_parallel_size
     losses = []
     for index in range(config.eval_iters * config.num_microbatches):
         batch = get_micro_batch(
             dataset,
             first_sample=index * step_samples,
             micro_batch_size=config.micro_batch_size,
-            rank=env.rank,
+            rank=env.data_parallel_rank,
             device=env.device,
         )
         token_losses = run.model(

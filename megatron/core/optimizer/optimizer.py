@@ -258,19 +258,21 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         grad_group=None,
         expert_parallel_group=None,
         expert_param_names: Iterable[str] = (),
+        norm_param_names: set[str] | None = None,
     ) -> None:
         self.config = config
         # With DTensor (FSDP2) params each rank holds disjoint shards: norms and counts are
-        # summed over this group.
+        # summed over this group. With `norm_param_names` (tensor parallelism: the TP shards,
+        # and the replicated params on TP rank 0 only; expert parallelism: the expert params,
+        # and the replicated ones on EP rank 0 only) only those enter this rank's piece.
         self.grad_group = grad_group
         if expert_parallel_group is not None:
-            if grad_group is not None:
-                raise ValueError("expert parallelism with sharded (DTensor) params is not built")
+            if grad_group is not None or norm_param_names is not None:
+                raise ValueError("expert parallelism with sharded or TP params is not built")
             self.grad_group = expert_parallel_group
-        self._expert_names = frozenset(expert_param_names)
-        self._ep_rank0 = expert_parallel_group is None or (
-            torch.distributed.get_rank(expert_parallel_group) == 0
-        )
+            if torch.distributed.get_rank(expert_parallel_group) != 0:
+                norm_param_names = set(expert_param_names)  # replicated params: EP rank 0's
+        self.norm_param_names = norm_param_names
         self.model_params: list[torch.Tensor] = []
         named_main = []
         for name, param in model.named_parameters():
@@ -282,14 +284,6 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         self.main_params = [main for _, main in named_main]
         self.main_param_names = [name for name, _ in named_main]
         self.optimizer = build_torch_optimizer(named_main, config=config)
-
-    def _norm_pieces(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The pieces of `tensors` (one per main param) this rank adds to a norm or count over
-        self.grad_group: everything but replicated params on EP ranks other than 0."""
-        if self._ep_rank0:
-            return tensors
-        names = self.main_param_names
-        return [tensor for name, tensor in zip(names, tensors) if name in self._expert_names]
 
     @property
     def param_groups(self) -> list[dict]:
@@ -315,9 +309,9 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     def step(self) -> StepResult:
         grads = [_local(grad) for grad in self._copy_model_grads_to_main()]
         unscale_grads_(grads, self.loss_scale)
-        pieces = self._norm_pieces(grads)
-        grad_norm = global_grad_norm(pieces, group=self.grad_group)
-        zeros = count_zeros(pieces, group=self.grad_group) if self.count_zeros_in_grad else None
+        counted = self._norm_piece(grads)
+        grad_norm = global_grad_norm(counted, group=self.grad_group)
+        zeros = count_zeros(counted, group=self.grad_group) if self.count_zeros_in_grad else None
         if not math.isfinite(grad_norm):
             self.zero_grad()
             return StepResult(update_successful=False, grad_norm=grad_norm, num_zeros_in_grad=zeros)
@@ -330,8 +324,17 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     def params_norm(self) -> float:
         """L2 norm of all main params (--log-params-norm)."""
-        pieces = self._norm_pieces([_local(p) for p in self.main_params])
-        return global_grad_norm(pieces, group=self.grad_group)
+        return global_grad_norm(
+            self._norm_piece([_local(p) for p in self.main_params]), group=self.grad_group
+        )
+
+    def _norm_piece(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors (one per main param) that this rank adds to norms and counts."""
+        if self.norm_param_names is None:
+            return tensors
+        return [
+            t for name, t in zip(self.main_param_names, tensors) if name in self.norm_param_names
+        ]
 
     def named_main_params(self) -> dict[str, torch.Tensor]:
         """The fp32 values of every trained param: what checkpoints store as the model."""

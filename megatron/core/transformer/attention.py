@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatron.core.tensor_parallel import TensorParallel
 from megatron.core.transformer import mup
 from megatron.core.transformer.linear import build_linear
 from megatron.core.transformer.norm import build_norm
@@ -82,37 +83,52 @@ class SelfAttention(nn.Module):
     With --qk-layernorm, `q_layernorm` and `k_layernorm` (config.normalization over
     kv_channels, shared by all heads) normalize each query and key head before rotary, as in
     Megatron-LM.
+    With `tensor_parallel`, rank r holds heads and query groups r of tp, [q_r | k_r | v_r],
+    and the projection is row-parallel.
     """
 
-    def __init__(self, config: TransformerConfig, *, layer_number: int) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        layer_number: int,
+        tensor_parallel: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_groups = config.num_query_groups
+        tp_size = 1 if tensor_parallel is None else tensor_parallel.size
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_groups = config.num_query_groups // tp_size
         self.head_dim = config.kv_channels
         self.softmax_scale = mup.softmax_scale(config)
         self.attention_dropout = config.attention_dropout
         self.selective_recompute = config.recompute_granularity == "selective"
         self.q_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
         self.k_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
-        qkv_width = (self.num_heads + 2 * self.num_groups) * self.head_dim
+        q_width = config.num_attention_heads * self.head_dim
+        kv_width = config.num_query_groups * self.head_dim
         self.linear_qkv = build_linear(
             config.hidden_size,
-            qkv_width,
+            q_width + 2 * kv_width,
             bias=config.add_bias_linear,
             config=config,
             layer_number=layer_number,
+            parallel="column",
+            tensor_parallel=tensor_parallel,
+            output_blocks=[q_width, kv_width, kv_width],
         )
         self.linear_proj = build_linear(
-            self.num_heads * self.head_dim,
+            q_width,
             config.hidden_size,
             bias=config.add_bias_linear,
             config=config,
             layer_number=layer_number,
+            parallel="row",
+            tensor_parallel=tensor_parallel,
         )
 
     def forward(self, x_BSD: torch.Tensor, rotary_cos_sin: RotaryCosSin = None) -> torch.Tensor:
-        batch, seq, _ = x_BSD.shape
         qkv = self.linear_qkv(x_BSD)
+        batch, seq, _ = qkv.shape  # the full sequence also under sequence parallelism
         q_width = self.num_heads * self.head_dim
         kv_width = self.num_groups * self.head_dim
         q, k, v = torch.split(qkv, [q_width, kv_width, kv_width], dim=-1)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron.core.tensor_parallel import TensorParallel
 from megatron.core.transformer.attention import RotaryCosSin, SelfAttention, run_core_attention
 from megatron.core.transformer.linear import build_linear
 from megatron.core.transformer.norm import build_norm
@@ -178,8 +179,13 @@ class MultiLatentAttention(nn.Module):
         return self.linear_proj(context_BSD)
 
 
-def build_self_attention(config: TransformerConfig, *, layer_number: int) -> nn.Module:
-    """MultiLatentAttention with --multi-latent-attention, else SelfAttention."""
+def build_self_attention(
+    config: TransformerConfig, *, layer_number: int, tensor_parallel: TensorParallel | None = None
+) -> nn.Module:
+    """MultiLatentAttention with --multi-latent-attention (not split over TP), else
+    SelfAttention."""
     if config.multi_latent_attention:
+        if tensor_parallel is not None:
+            raise ValueError("multi-latent attention with tensor parallelism is not built")
         return MultiLatentAttention(config, layer_number=layer_number)
-    return SelfAttention(config, layer_number=layer_number)
+    return SelfAttention(config, layer_number=layer_number, tensor_parallel=tensor_parallel)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.core.tensor_parallel import TensorParallel
 from megatron.core.transformer.linear import build_linear, linear_of_activation
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -15,19 +16,29 @@ class MLP(nn.Module):
 
     With SwiGLU, `linear_fc1` produces [gate | up] (each ffn_hidden_size wide, gate first) and
     act is silu(gate) * up; an exporter splits fc1's weight rows in half to get Llama's
-    gate_proj and up_proj.
+    gate_proj and up_proj. With `tensor_parallel`, fc1 is column-parallel (rank r holds
+    [gate_r | up_r]) and fc2 row-parallel.
     """
 
-    def __init__(self, config: TransformerConfig, *, layer_number: int) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        layer_number: int,
+        tensor_parallel: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.swiglu = config.swiglu
-        fc1_width = config.ffn_hidden_size * (2 if config.swiglu else 1)
+        fc1_blocks = [config.ffn_hidden_size] * (2 if config.swiglu else 1)
         self.linear_fc1 = build_linear(
             config.hidden_size,
-            fc1_width,
+            sum(fc1_blocks),
             bias=config.add_bias_linear,
             config=config,
             layer_number=layer_number,
+            parallel="column",
+            tensor_parallel=tensor_parallel,
+            output_blocks=fc1_blocks,
         )
         self.linear_fc2 = build_linear(
             config.ffn_hidden_size,
@@ -35,6 +46,8 @@ class MLP(nn.Module):
             bias=config.add_bias_linear,
             config=config,
             layer_number=layer_number,
+            parallel="row",
+            tensor_parallel=tensor_parallel,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

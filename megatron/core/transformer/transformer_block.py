@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatron.core.tensor_parallel import TensorParallel
 from megatron.core.transformer.attention import RotaryCosSin
 from megatron.core.transformer.moe.config_checks import check_moe_config
 from megatron.core.transformer.moe.metrics import MoEMetrics
@@ -22,7 +23,11 @@ class TransformerBlock(nn.Module):
     layers (None for a dense model) and `expert_parallel_group` splits their experts."""
 
     def __init__(
-        self, config: TransformerConfig, *, expert_parallel_group: dist.ProcessGroup | None = None
+        self,
+        config: TransformerConfig,
+        *,
+        expert_parallel_group: dist.ProcessGroup | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         check_moe_config(config)
@@ -36,6 +41,7 @@ class TransformerBlock(nn.Module):
                 layer_number=number,
                 expert_parallel_group=expert_parallel_group,
                 moe_metrics=self.moe_metrics,
+                tensor_parallel=tensor_parallel,
             )
             for number in range(1, config.num_layers + 1)
         )

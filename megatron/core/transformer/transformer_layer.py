@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.core.tensor_parallel import TensorParallel
 from megatron.core.transformer.attention import RotaryCosSin
 from megatron.core.transformer.mla import build_self_attention
 from megatron.core.transformer.mlp import MLP
@@ -21,7 +22,8 @@ class TransformerLayer(nn.Module):
 
     `layer_number` is 1-based (it decides FP8 for the first/last-layers-in-bf16 option).
     `mlp` is an MoELayer where --moe-layer-freq makes this layer MoE; its experts are split
-    over `expert_parallel_group` and its router losses go to `moe_metrics`.
+    over `expert_parallel_group` and its router losses go to `moe_metrics`. `tensor_parallel`
+    splits attention heads and the MLP's width over its group.
     """
 
     def __init__(
@@ -31,11 +33,14 @@ class TransformerLayer(nn.Module):
         layer_number: int,
         expert_parallel_group: dist.ProcessGroup | None = None,
         moe_metrics: MoEMetrics | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.input_layernorm = build_norm(config)
-        self.self_attention = build_self_attention(config, layer_number=layer_number)
+        self.self_attention = build_self_attention(
+            config, layer_number=layer_number, tensor_parallel=tensor_parallel
+        )
         self.pre_mlp_layernorm = build_norm(config)
         if moe_layer_pattern(config)[layer_number - 1]:
             self.mlp = MoELayer(
@@ -45,7 +50,7 @@ class TransformerLayer(nn.Module):
                 metrics=moe_metrics,
             )
         else:
-            self.mlp = MLP(config, layer_number=layer_number)
+            self.mlp = MLP(config, layer_number=layer_number, tensor_parallel=tensor_parallel)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, x_BSD: torch.Tensor, rotary_cos_sin: RotaryCosSin = None) -> torch.Tensor:

@@ -23,6 +23,7 @@ from megatron.training.flags.megatron_lm import unbuilt_features
 from megatron.training.flags.megatron_lm_checks import validate_megatron_lm_args
 from megatron.training.flags.moe import validate_moe_world
 from megatron.training.flags.optimizer import validate_optimizer_args
+from megatron.training.flags.tensor_parallel import validate_tensor_parallel_args
 from megatron.training.loggers import check_logger_settings
 
 
@@ -40,6 +41,10 @@ def validate_args(args: argparse.Namespace, *, world_size: int | None = None) ->
         raise ArgumentError(unbuilt)
     try:
         flags = resolved_flags(args, world_size=world_size)
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
+    try:  # first: the batch checks divide by the data-parallel size, world / TP
+        validate_tensor_parallel_args(flags)
     except ValueError as error:
         raise ArgumentError(str(error)) from None
     _validate_batch(flags, given=args)

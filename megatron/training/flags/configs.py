@@ -45,6 +45,7 @@ from megatron.training.flags.run_config import (
     checkpoint_vocab_rows,
     padded_vocab_size,
 )
+from megatron.training.flags.tensor_parallel import vocab_padding_multiple
 
 _DTYPES = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16, fp64=torch.float64)
 
@@ -59,7 +60,8 @@ def resolved_flags(
     flags = argparse.Namespace(**vars(args))
     # Default: the data-parallel size torchrun/Slurm announce (1 for a plain `python` launch).
     flags.world_size = world_size if world_size is not None else env_int("WORLD_SIZE", 1)
-    flags.data_parallel_size = flags.world_size
+    # Tensor-parallel ranks share one replica (validate_tensor_parallel_args checks the split).
+    flags.data_parallel_size = flags.world_size // max(flags.tensor_model_parallel_size, 1)
     flags.padded_vocab_size, saved_format = checkpoint_run_values(args)
     flags.megatron_lm_notes = resolve_megatron_lm_args(flags) + moe_notes(flags)
     resolve_compile_default(flags)  # --torch-compile's default: on with CUDA, off without
@@ -140,7 +142,7 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
 
 def build_transformer_config(args: argparse.Namespace, *, vocab_size: int) -> TransformerConfig:
     flags = resolved_flags(args, world_size=1)  # the model does not depend on the world size
-    rows = padded_vocab_size(vocab_size, divisible_by=args.make_vocab_size_divisible_by)
+    rows = padded_vocab_size(vocab_size, divisible_by=vocab_padding_multiple(args))
     if flags.padded_vocab_size is not None:  # --use-checkpoint-args
         rows = checkpoint_vocab_rows(flags.padded_vocab_size, vocab_size=vocab_size)
     return _transformer_config(flags, vocab_rows=rows)
@@ -358,6 +360,8 @@ def build_distributed_config(args: argparse.Namespace) -> DistributedConfig:
         use_megatron_fsdp=args.use_megatron_fsdp,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
     )
 
 
@@ -377,6 +381,6 @@ def build_run_config(
         distributed=build_distributed_config(args),
         lr_schedule=build_lr_schedule_config(args),
         model_template=_transformer_config(args, vocab_rows=args.make_vocab_size_divisible_by),
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        make_vocab_size_divisible_by=vocab_padding_multiple(args),
         checkpoint_vocab_rows=args.padded_vocab_size,
     )

@@ -358,8 +358,13 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         "Megatron-LM features not built here (sizes of 1 and 'off' are accepted; anything "
         "else is refused at parse time)"
     )
-    for flag in (
+    parser.add_argument(
         "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="Ranks that split each layer (consecutive ranks; data parallelism over the rest).",
+    )
+    for flag in (
         "--pipeline-model-parallel-size",
         "--context-parallel-size",
     ):
@@ -373,7 +378,8 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--sequence-parallel",
         action="store_true",
-        help="Sequence parallelism; at tensor-parallel size 1 it is off, as in Megatron-LM.",
+        help="Norms and residuals on sequence shards between the tensor-parallel regions; at "
+        "tensor-parallel size 1 it is off, as in Megatron-LM.",
     )
     for flag in ("--tp-comm-overlap", "--fim-data", "--verify-integrity"):
         group.add_argument(flag, action="store_true", help="Not built here (refused).")
@@ -394,12 +400,6 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
 
 # (attribute, test of the parsed value, flag as written, what to use instead)
 _UNBUILT = (
-    (
-        "tensor_model_parallel_size",
-        lambda v: v != 1,
-        "--tensor-model-parallel-size {v}",
-        "data parallelism (torchrun ranks), Megatron-FSDP for memory",
-    ),
     (
         "pipeline_model_parallel_size",
         lambda v: v != 1,
@@ -436,7 +436,12 @@ _UNBUILT = (
         "--moe-token-dispatcher-type flex (DeepEP/HybridEP)",
         "--moe-token-dispatcher-type alltoall or allgather",
     ),
-    ("tp_comm_overlap", bool, "--tp-comm-overlap", "no tensor parallelism, so nothing to overlap"),
+    (
+        "tp_comm_overlap",
+        bool,
+        "--tp-comm-overlap (userbuffers)",
+        "tensor-parallel collectives without the overlap",
+    ),
     ("fim_data", bool, "--fim-data", "plain GPT data"),
     ("fim_rate", lambda v: v is not None, "--fim-rate {v}", "plain GPT data"),
     ("fim_spm_rate", lambda v: v is not None, "--fim-spm-rate {v}", "plain GPT data"),
@@ -476,7 +481,7 @@ def unbuilt_features(args: argparse.Namespace) -> str | None:
     lines = "; ".join(found)
     return (
         f"megatron-fp8 has not built these Megatron-LM features: {lines}. Supported: one model "
-        "replica per rank (tensor, pipeline and context parallel sizes 1) with data "
+        "replica per tensor-parallel group (pipeline and context parallel sizes 1) with data "
         "parallelism, Megatron-FSDP, --use-distributed-optimizer or --use-torch-fsdp2; dense "
         "GPT models, and MoE GPT models with expert parallelism inside the data-parallel ranks."
     )

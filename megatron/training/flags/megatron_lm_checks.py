@@ -24,7 +24,7 @@ def resolve_megatron_lm_args(args: argparse.Namespace) -> list[str]:
 
 
 def _resolve_parallel(args: argparse.Namespace) -> None:
-    if args.sequence_parallel:
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron-LM turns it off at tensor-parallel size 1
         args.sequence_parallel_given = True
     else:

@@ -307,6 +307,12 @@ class DistributedConfig:
     expert_model_parallel_size: int = 1
     """Ranks the routed experts are split over, inside the data-parallel ranks
     (`--expert-model-parallel-size`); initialize.py builds the EP and expert-DP groups."""
+    tensor_model_parallel_size: int = 1
+    """Ranks that split each layer (`--tensor-model-parallel-size`); consecutive ranks, as
+    Megatron-LM's order (tensor-parallel inner, data-parallel outer)."""
+    sequence_parallel: bool = False
+    """Norms and residuals on sequence shards between the tensor-parallel regions
+    (`--sequence-parallel`, only with a tensor-parallel size above 1)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -252,6 +252,7 @@ def _exit_reasons_when_only_rank_1_got_sigterm(rank, world_size):
     class Env:
         device = torch.device("cpu")
         dp_group = torch.distributed.group.WORLD
+        all_ranks_group = torch.distributed.group.WORLD
 
     handler = ExitSignal(True)
     before = exit_reason(args, env=Env(), start=0.0, iteration=1, exit_signal=handler)

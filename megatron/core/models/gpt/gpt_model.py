@@ -11,6 +11,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    column_parallel_matmul,
+    mark_replicated_sequence_parallel_,
+    scatter_to_sequence_parallel_region,
+    tensor_parallel_shards,
+    vocab_parallel_cross_entropy,
+)
 from megatron.core.transformer import mup
 from megatron.core.transformer.init import init_parameter_
 from megatron.core.transformer.moe.moe_layer import local_expert_rows
@@ -51,14 +61,28 @@ def check_model_config(config: TransformerConfig) -> None:
 
 class LanguageModelEmbedding(nn.Module):
     """Token embedding, plus a learned position table when position_embedding_type is
-    learned_absolute, followed by dropout (hidden_dropout, as in Megatron-LM)."""
+    learned_absolute, followed by dropout (hidden_dropout, as in Megatron-LM).
 
-    def __init__(self, config: TransformerConfig) -> None:
+    With `tensor_parallel` the table's rows are split over its group; under sequence
+    parallelism the output is this rank's sequence shard [B, S/tp, D]."""
+
+    def __init__(
+        self, config: TransformerConfig, tensor_parallel: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.max_sequence_length = config.max_sequence_length
-        self.word_embeddings = nn.Embedding(
-            config.vocab_size, config.hidden_size, dtype=config.params_dtype
-        )
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel is None:
+            self.word_embeddings = nn.Embedding(
+                config.vocab_size, config.hidden_size, dtype=config.params_dtype
+            )
+        else:
+            self.word_embeddings = VocabParallelEmbedding(
+                config.vocab_size,
+                config.hidden_size,
+                tensor_parallel=tensor_parallel,
+                dtype=config.params_dtype,
+            )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(
@@ -73,6 +97,8 @@ class LanguageModelEmbedding(nn.Module):
             x_BSD = x_BSD + self.position_embeddings(position_ids)
         if self.mup_embedding_mult != 1.0:
             x_BSD = x_BSD * self.mup_embedding_mult
+        if self.tensor_parallel is not None and self.tensor_parallel.sequence_parallel:
+            x_BSD = scatter_to_sequence_parallel_region(x_BSD, self.tensor_parallel.group)
         return self.embedding_dropout(x_BSD)
 
 
@@ -91,6 +117,12 @@ class GPTModel(nn.Module):
 
     With --num-experts, the MoE layers split their routed experts over
     `expert_parallel_group` (None: this rank holds all of them).
+
+    With `tensor_parallel`, the layers built through `build_linear` and the embedding are
+    split over its group, the output head is vocab-parallel: logits are this rank's
+    vocabulary slice [B, S, V/tp] and the loss is the vocab-parallel cross-entropy. Under
+    sequence parallelism the caller sums the marked gradients over TP
+    (`tensor_parallel.all_reduce_sequence_parallel_grads`) after backward.
     """
 
     def __init__(
@@ -99,16 +131,20 @@ class GPTModel(nn.Module):
         *,
         seed: int = 0,
         expert_parallel_group: dist.ProcessGroup | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         check_model_config(config)
         self.config = config
+        self.tensor_parallel = tensor_parallel
         self.mup_output_mult = mup.output_mult(config)
-        self.embedding = LanguageModelEmbedding(config)
+        self.embedding = LanguageModelEmbedding(config, tensor_parallel)
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope" or config.multi_latent_attention:
             self.rotary_pos_emb = RotaryEmbedding(config)  # MLA always rotates its q_pe, k_pe
-        self.decoder = TransformerBlock(config, expert_parallel_group=expert_parallel_group)
+        self.decoder = TransformerBlock(
+            config, expert_parallel_group=expert_parallel_group, tensor_parallel=tensor_parallel
+        )
         self.mtp = None
         if mtp_depths(config):
             self.mtp = MultiTokenPrediction(
@@ -119,19 +155,44 @@ class GPTModel(nn.Module):
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
             # Never FP8: logits feed a softmax over the whole vocabulary.
-            self.output_layer = nn.Linear(
-                config.hidden_size, config.vocab_size, bias=False, dtype=config.params_dtype
-            )
+            self.output_layer = self._build_output_layer(config, tensor_parallel)
+        if tensor_parallel is not None and tensor_parallel.sequence_parallel:
+            mark_replicated_sequence_parallel_(self, skip_prefixes=("embedding.",))
         if not self.embedding.word_embeddings.weight.is_meta:
             self.reset_parameters(seed)
+
+    @staticmethod
+    def _build_output_layer(
+        config: TransformerConfig, tensor_parallel: TensorParallel | None
+    ) -> nn.Module:
+        if tensor_parallel is None:
+            return nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False, dtype=config.params_dtype
+            )
+        return ColumnParallelLinear(
+            config.hidden_size,
+            config.vocab_size,
+            bias=False,
+            tensor_parallel=tensor_parallel,
+            dtype=config.params_dtype,
+        )
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         """Re-initialize every parameter from (seed, its name); see init.py. A routed-expert
-        weight is drawn for all num_moe_experts and this rank keeps its experts' rows."""
+        weight is drawn for all num_moe_experts and this rank keeps its experts' rows; a
+        tensor-parallel weight is drawn at its full shape and this rank keeps its shard."""
         expert_rows = local_expert_rows(self)
+        tp_owners = tensor_parallel_shards(self)
         for name, param in self.named_parameters():
             rows = expert_rows.get(name)
+            owner = tp_owners.get(name)
+            if owner is not None:
+                leaf = name.rsplit(".", 1)[-1]
+                full = param.new_empty(owner.full_shape(leaf))
+                init_parameter_(full, name=name, config=self.config, seed=seed)
+                param.copy_(owner.shard_of_full(leaf, full))
+                continue
             if rows is None:
                 init_parameter_(param, name=name, config=self.config, seed=seed)
                 continue
@@ -155,7 +216,10 @@ class GPTModel(nn.Module):
 
     def logits(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """The output head: x W^T with the (tied or untied) output weight, times muP's mult."""
-        logits_BSV = F.linear(x_BSD, self.output_weight())
+        if self.tensor_parallel is None:
+            logits_BSV = F.linear(x_BSD, self.output_weight())
+        else:  # this rank's vocabulary slice
+            logits_BSV = column_parallel_matmul(x_BSD, self.output_weight(), self.tensor_parallel)
         if self.mup_output_mult != 1.0:
             logits_BSV = logits_BSV * self.mup_output_mult
         return logits_BSV
@@ -205,6 +269,8 @@ class GPTModel(nn.Module):
                 f"labels shape {tuple(labels.shape)} must equal input_ids shape "
                 f"{tuple(input_ids.shape)}"
             )
+        if self.tensor_parallel is not None:
+            return vocab_parallel_cross_entropy(logits_BSV, labels, self.tensor_parallel.group)
         loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels.flatten(), reduction="none")
         # A tensor of its own, not a view of the flat loss: FSDP2 hooks its backward onto the
         # root module's outputs, and warns for a view (an in-place op on one drops the hook).

@@ -1,0 +1,185 @@
+"""The autograd collectives of tensor and sequence parallelism (Megatron-LM's semantics).
+
+Each function is the forward of a pair whose backward is its conjugate:
+
+| function | forward | backward |
+|---|---|---|
+| copy_to_tensor_parallel_region | identity | all-reduce |
+| reduce_from_tensor_parallel_region | all-reduce | identity |
+| scatter_to_tensor_parallel_region | keep this rank's last-dim slice | all-gather last dim |
+| gather_from_tensor_parallel_region | all-gather last dim | keep this rank's slice |
+| scatter_to_sequence_parallel_region | keep this rank's sequence slice | all-gather sequence |
+| gather_from_sequence_parallel_region | all-gather sequence | reduce-scatter sequence |
+| reduce_scatter_to_sequence_parallel_region | reduce-scatter sequence | all-gather sequence |
+
+Tensors are batch-first [B, S, ...], so the sequence dimension is 1 (Megatron-LM's is 0,
+[S, B, H]); rank r of the group holds slice r of a split dimension (rank order of the group).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+SEQUENCE_DIM = 1
+"""The dimension that sequence parallelism splits: tensors are [B, S, D]."""
+
+
+def _world(group: dist.ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def _check_divisible(size: int, world: int, dim: int) -> None:
+    if size % world:
+        raise ValueError(
+            f"dimension {dim} of size {size} does not split over {world} tensor-parallel "
+            "ranks; pick sizes divisible by --tensor-model-parallel-size"
+        )
+
+
+def _split(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's contiguous slice of `x` along `dim`."""
+    world = _world(group)
+    if world == 1:
+        return x
+    _check_divisible(x.shape[dim], world, dim)
+    rank = dist.get_rank(group)
+    return x.chunk(world, dim=dim)[rank].contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The slices of all ranks concatenated along `dim` in rank order."""
+    world = _world(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    pieces = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(pieces, x, group=group)
+    return torch.cat(pieces, dim=dim)
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    if _world(group) == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum over ranks of `x`, of which this rank keeps its slice along `dim`."""
+    world = _world(group)
+    if world == 1:
+        return x
+    _check_divisible(x.shape[dim], world, dim)
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        # gloo has no reduce-scatter: the all-reduce's sum is the same, one slice is kept.
+        return _split(_all_reduce(x, group), dim, group)
+    inputs = [piece.contiguous() for piece in x.chunk(world, dim=dim)]
+    out = torch.empty_like(inputs[0])
+    dist.reduce_scatter(out, inputs, group=group)
+    return out
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherAlong(torch.autograd.Function):
+    """All-gather along `dim`; backward keeps this rank's slice of the gradient, or, when the
+    consumer's gradient is partial on each rank (a tensor-parallel GEMM follows), the slice of
+    the sum over ranks (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, grad_is_partial):
+        ctx.dim, ctx.group, ctx.grad_is_partial = dim, group, grad_is_partial
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_is_partial:
+            return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
+        return _split(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _ReduceScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Identity forward; the gradient is all-reduced over `group` (the input of a
+    column-parallel Linear, replicated on every rank)."""
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-reduce forward (the partial sums of a row-parallel Linear); identity backward."""
+    return _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Keep this rank's slice of the last dimension; the gradient is all-gathered."""
+    return _ScatterAlong.apply(x, -1, group)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather the last dimension in rank order; the gradient keeps this rank's slice."""
+    return _GatherAlong.apply(x, -1, group, False)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Keep this rank's sequence slice of a replicated [B, S, ...]; the gradient is
+    all-gathered along the sequence."""
+    return _ScatterAlong.apply(x, SEQUENCE_DIM, group)
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: dist.ProcessGroup, *, grad_is_partial: bool = True
+) -> torch.Tensor:
+    """All-gather the sequence shards [B, S/tp, ...] into [B, S, ...]. Backward reduce-scatters
+    (the consumer is a column-parallel GEMM whose input gradient is a partial sum), or with
+    `grad_is_partial=False` keeps this rank's slice."""
+    return _GatherAlong.apply(x, SEQUENCE_DIM, group, grad_is_partial)
+
+
+def reduce_scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Sum the partial [B, S, ...] of a row-parallel GEMM over ranks, keeping this rank's
+    sequence slice; the gradient is all-gathered along the sequence."""
+    return _ReduceScatterAlong.apply(x, SEQUENCE_DIM, group)

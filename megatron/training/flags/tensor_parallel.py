@@ -1,0 +1,79 @@
+"""--tensor-model-parallel-size and --sequence-parallel at parse time: the layout checks that
+name the fix (issue 40, acceptance 6). Raises ValueError, shown as one `error:` line (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron.core.transformer.transformer_config import resolved_shape
+
+
+def vocab_padding_multiple(args: argparse.Namespace) -> int:
+    """The embedding rows are padded to a multiple of --make-vocab-size-divisible-by x TP, as
+    Megatron-LM does, so every tensor-parallel rank holds as many vocabulary rows."""
+    return args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+
+
+def validate_tensor_parallel_args(args: argparse.Namespace) -> None:
+    """The layout checks of --tensor-model-parallel-size (resolved flags)."""
+    tp = args.tensor_model_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor-model-parallel-size {tp} must be at least 1.")
+    if tp == 1:
+        return
+    if args.world_size % tp:
+        raise ValueError(
+            f"world size {args.world_size} is not divisible by --tensor-model-parallel-size "
+            f"{tp}; launch a multiple of {tp} ranks (--nproc-per-node) or pick a size dividing "
+            f"{args.world_size}."
+        )
+    if args.num_attention_heads < 1 or args.hidden_size < 1:
+        return  # the model checks name these
+    shape = resolved_shape(
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels,
+    )
+    sizes = (
+        ("--num-attention-heads", args.num_attention_heads),
+        ("--num-query-groups", shape["num_query_groups"]),
+        ("--ffn-hidden-size", shape["ffn_hidden_size"]),
+    )
+    if args.padded_vocab_size is not None:  # --use-checkpoint-args: the checkpoint's rows
+        sizes += (("the checkpoint's vocabulary rows", args.padded_vocab_size),)
+    for flag, size in sizes:
+        if size % tp:
+            raise ValueError(
+                f"{flag} {size} is not divisible by --tensor-model-parallel-size {tp}; pick a "
+                f"tensor-parallel size dividing {size}."
+            )
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ValueError(
+            f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
+            f"{tp} with --sequence-parallel; pick a sequence length that is a multiple of {tp} "
+            "or leave out --sequence-parallel."
+        )
+    _refuse_not_built_with_tensor_parallel(args)
+
+
+def _refuse_not_built_with_tensor_parallel(args: argparse.Namespace) -> None:
+    not_built = [
+        (args.use_megatron_fsdp, "Megatron-FSDP / --use-distributed-optimizer", "torch DDP"),
+        (args.use_torch_fsdp2, "--use-torch-fsdp2", "torch DDP"),
+        (args.fp8_recipe is not None, "FP8 (--fp8-recipe/--fp8-format)", "--bf16 or fp32"),
+        (args.save is not None or args.load is not None, "--save/--load", "no checkpoints"),
+        (args.num_experts is not None, "--num-experts (MoE)", "a dense model"),
+        (args.multi_latent_attention, "--multi-latent-attention", "GQA"),
+        (args.qk_layernorm, "--qk-layernorm", "no QK norm"),
+        (args.mtp_num_layers, "--mtp-num-layers", "next-token loss only"),
+    ]
+    found = [f"{what} (use {instead})" for given, what, instead in not_built if given]
+    if found:
+        raise ValueError(
+            "--tensor-model-parallel-size > 1 is not built yet with: "
+            + "; ".join(found)
+            + ". Tensor parallelism runs with torch DDP over the data-parallel ranks."
+        )
