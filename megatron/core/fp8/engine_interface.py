@@ -20,8 +20,10 @@ from torch import nn
 from megatron.core.fp8.autocast import ScalingMeta, reduce_and_update
 from megatron.core.fp8.autocast import record_amaxes as record_weight_amaxes
 from megatron.core.fp8.config import Fp8Config
-from megatron.core.fp8.cuda.piece_quantize import piece_cast_, piece_cell_amax_, rows_cols
+from megatron.core.fp8.cuda.piece_quantize import piece_cast_ as cast_piece_
+from megatron.core.fp8.cuda.piece_quantize import piece_cell_amax_ as add_piece_cell_amaxes_
 from megatron.core.fp8.cuda.piece_quantize import quantize_mxfp8_rows_ as quantize_mxfp8_bands_
+from megatron.core.fp8.cuda.piece_quantize import rows_cols
 from megatron.core.fp8.cuda.piece_quantize import rows_cols as weight_rows_cols
 from megatron.core.fp8.formats import e8m0_to_fp32, fp8_dtype_for_role
 from megatron.core.fp8.linear import Fp8Linear
@@ -109,27 +111,6 @@ def weight_scale_grid(shape: torch.Size, spec: RecipeSpec, *, columnwise: bool) 
 # ----- writing pieces -------------------------------------------------------------------------
 
 
-def add_piece_cell_amaxes_(
-    values: torch.Tensor,
-    cell_amaxes: torch.Tensor,
-    *,
-    shape: torch.Size,
-    spec: RecipeSpec,
-    columnwise: bool,
-    param_start: int,
-) -> None:
-    """Max into `cell_amaxes` (the weight's flat cell grid) the amax of every cell that the
-    piece `values` (flat elements param_start.. of a weight of `shape`) touches."""
-    piece_cell_amax_(
-        values,
-        cell_amaxes,
-        shape=shape,
-        recipe=spec.name,
-        columnwise=columnwise,
-        param_start=param_start,
-    )
-
-
 def weight_cell_scales(
     cell_amaxes: torch.Tensor,
     *,
@@ -154,31 +135,6 @@ def weight_cell_scales(
         input_dtype=torch.float32,
     )
     return scale, reciprocal(scale)
-
-
-def cast_piece_(
-    values: torch.Tensor,
-    multipliers: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    shape: torch.Size,
-    spec: RecipeSpec,
-    columnwise: bool,
-    param_start: int,
-    fp8_dtype: torch.dtype,
-) -> None:
-    """out (uint8, one byte per element) = the FP8 bytes of the piece `values` times the
-    multiplier of each element's cell (`multipliers`: the flat fp32 cell grid)."""
-    piece_cast_(
-        values,
-        multipliers,
-        out,
-        shape=shape,
-        recipe=spec.name,
-        columnwise=columnwise,
-        param_start=param_start,
-        fp8_dtype=fp8_dtype,
-    )
 
 
 # ----- delayed scaling ------------------------------------------------------------------------

@@ -334,6 +334,17 @@ def expand_grid(scale: torch.Tensor, cell: tuple[int, int], shape) -> torch.Tens
     return full[: shape[0], : shape[1]]
 
 
+def dequantize_cells(
+    q: torch.Tensor, scale_inv: torch.Tensor, cell: tuple[int, int] | None, *, e8m0: bool
+) -> torch.Tensor:
+    """fp32 q [M, K] times each element's scale_inv (cell None: one per tensor; e8m0: E8M0
+    bytes), exact per fp32 arithmetic."""
+    if cell is None:
+        return q * scale_inv.to(torch.float32).reshape(())
+    multiplier = e8m0_to_fp32(scale_inv.view(torch.uint8)) if e8m0 else scale_inv.to(torch.float32)
+    return q * expand_grid(multiplier, cell, q.shape)
+
+
 def dequantize_reference(
     data: torch.Tensor,
     scale_inv: torch.Tensor,
@@ -350,8 +361,4 @@ def dequantize_reference(
     q = data.reshape(-1, shape[-1]).view(fp8_dtype).to(torch.float32)
     spec = recipe_spec(recipe)
     cell = spec.block_shape(role, columnwise=columnwise)
-    if cell is None:
-        return (q * scale_inv.to(torch.float32).reshape(())).to(out_dtype).reshape(shape)
-    multiplier = e8m0_to_fp32(scale_inv) if spec.e8m0_scales else scale_inv.to(torch.float32)
-    full = expand_grid(multiplier, cell, q.shape)
-    return (q * full).to(out_dtype).reshape(shape)
+    return dequantize_cells(q, scale_inv, cell, e8m0=spec.e8m0_scales).to(out_dtype).reshape(shape)

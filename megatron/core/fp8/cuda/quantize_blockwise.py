@@ -1,5 +1,5 @@
 """Blockwise (1x128 / 128x1 activations and grads, 128x128 weights) quantization on CUDA:
-kernel specs, arguments, launches and the torch fallback."""
+kernel specs, arguments and launches (the torch fallback: `quantize_common.blocks_torch`)."""
 
 from __future__ import annotations
 
@@ -12,37 +12,9 @@ from megatron.core.fp8.cuda.quantize_common import (
     amax_buffer,
     empty_u8,
     tile_config,
-    whole_amax_torch,
 )
 from megatron.core.fp8.formats import fp8_max
 from megatron.core.fp8.recipe import BLOCK_128, recipe_spec
-from megatron.core.fp8.reference import quantize_1d_blocks, quantize_2d_blocks
-
-
-def blockwise_torch(x2d, *, fp8_dtype, weight, rowwise, columnwise, power_2_scale, with_transpose):
-    options = dict(
-        spec=recipe_spec("blockwise"),
-        fp8_dtype=fp8_dtype,
-        power_2_scale=power_2_scale,
-        input_dtype=x2d.dtype,
-    )
-    out = dict.fromkeys(COPY_KEYS)
-    out["amax"] = whole_amax_torch(x2d)
-    if weight:
-        data, scale_inv = quantize_2d_blocks(x2d.float(), **options)
-        _fill_weight_copies(out, data, scale_inv, rowwise=rowwise, columnwise=columnwise)
-    else:
-        if rowwise:
-            out["rowwise_data"], out["rowwise_scale_inv"] = quantize_1d_blocks(
-                x2d.float(), columnwise=False, **options
-            )
-        if columnwise:
-            out["columnwise_data"], out["columnwise_scale_inv"] = quantize_1d_blocks(
-                x2d.float(), columnwise=True, **options
-            )
-    if with_transpose:
-        out["columnwise_data_t"] = out["columnwise_data"].t().contiguous()
-    return out
 
 
 def _fill_weight_copies(out, data, scale_inv, *, rowwise, columnwise):

@@ -1,12 +1,13 @@
 """What every quantize kernel family shares: launch configurations, the lazily loaded Triton
-kernels, small buffers and the NaN-ignoring whole-tensor amax of the torch fallbacks."""
+kernels, small buffers and the block recipes' torch fallback (the reference rules, unfused)."""
 
 from __future__ import annotations
 
 import torch
 
 from megatron.core.fp8.debug import DEBUG
-from megatron.core.fp8.reference import amax_ignoring_nan
+from megatron.core.fp8.recipe import RecipeSpec
+from megatron.core.fp8.reference import amax_ignoring_nan, quantize_1d_blocks, quantize_2d_blocks
 
 # Launch configurations per kernel: tile rows BM, tile cols BK, tiles per program GROUP (a
 # program walks GROUP tiles down one column strip), warps; BLOCK elements per step of the amax
@@ -80,6 +81,29 @@ def whole_amax_torch(x2d: torch.Tensor) -> torch.Tensor:
 
 
 COPY_KEYS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
+def blocks_torch(
+    x2d, *, spec: RecipeSpec, fp8_dtype, weight, rowwise, columnwise, power_2_scale, with_transpose
+):
+    """Blockwise or mxfp8 copies by the reference rules, unfused. 128x128 weight blocks: the
+    columnwise copy is the rowwise one (a GEMM reads its transpose through the transpose cache).
+    """
+    options = dict(
+        spec=spec, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x2d.dtype
+    )
+    out = dict.fromkeys(COPY_KEYS)
+    out["amax"] = whole_amax_torch(x2d)
+    shared = quantize_2d_blocks(x2d.float(), **options) if weight else None
+    for direction, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
+        if wanted:
+            copy = shared or quantize_1d_blocks(
+                x2d.float(), columnwise=direction == "columnwise", **options
+            )
+            out[f"{direction}_data"], out[f"{direction}_scale_inv"] = copy
+    if with_transpose:
+        out["columnwise_data_t"] = out["columnwise_data"].t().contiguous()
+    return out
 
 
 def empty_u8(rows: int, cols: int, device: torch.device) -> torch.Tensor:
