@@ -71,7 +71,7 @@ def quantize_cuda(
         copies = dict(rowwise=rowwise, columnwise=columnwise, with_transpose=with_transpose)
         blocks = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, **copies)
         if not triton_path:
-            out = blocks_torch(x2d, spec=spec, weight=spec.uses_2d_blocks(role), **blocks)
+            out = blocks_torch(x2d, spec=spec, role=role, **blocks)
         elif not spec.e8m0_scales:
             out = blockwise_triton(x2d, weight=role == "weight", **blocks)
         else:

@@ -7,7 +7,7 @@ import torch
 
 from megatron.core.fp8.debug import DEBUG
 from megatron.core.fp8.recipe import RecipeSpec
-from megatron.core.fp8.reference import amax_ignoring_nan, quantize_1d_blocks, quantize_2d_blocks
+from megatron.core.fp8.reference import amax_ignoring_nan, quantize_blocks
 
 # Launch configurations per kernel: tile rows BM, tile cols BK, tiles per program GROUP (a
 # program walks GROUP tiles down one column strip), warps; BLOCK elements per step of the amax
@@ -84,7 +84,7 @@ COPY_KEYS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise
 
 
 def blocks_torch(
-    x2d, *, spec: RecipeSpec, fp8_dtype, weight, rowwise, columnwise, power_2_scale, with_transpose
+    x2d, *, spec: RecipeSpec, role, fp8_dtype, rowwise, columnwise, power_2_scale, with_transpose
 ):
     """Blockwise or mxfp8 copies by the reference rules, unfused. 128x128 weight blocks: the
     columnwise copy is the rowwise one (a GEMM reads its transpose through the transpose cache).
@@ -94,13 +94,13 @@ def blocks_torch(
     )
     out = dict.fromkeys(COPY_KEYS)
     out["amax"] = whole_amax_torch(x2d)
-    shared = quantize_2d_blocks(x2d.float(), **options) if weight else None
+    copies: dict[tuple[int, int], tuple] = {}
     for direction, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
+        cell = spec.block_shape(role, columnwise=direction == "columnwise")
+        if wanted and cell not in copies:
+            copies[cell] = quantize_blocks(x2d.float(), cell=cell, **options)
         if wanted:
-            copy = shared or quantize_1d_blocks(
-                x2d.float(), columnwise=direction == "columnwise", **options
-            )
-            out[f"{direction}_data"], out[f"{direction}_scale_inv"] = copy
+            out[f"{direction}_data"], out[f"{direction}_scale_inv"] = copies[cell]
     if with_transpose:
         out["columnwise_data_t"] = out["columnwise_data"].t().contiguous()
     return out

@@ -15,19 +15,19 @@ from megatron.core.fp8.cuda.quantize_common import (
 )
 from megatron.core.fp8.formats import fp8_max, fp8_max_reciprocal
 from megatron.core.fp8.recipe import MX_BLOCK, recipe_spec
-from megatron.core.fp8.reference import dequantize_cells, quantize_1d_blocks
+from megatron.core.fp8.reference import dequantize_cells, quantize_blocks
 
 
 def mxfp8_copy_torch(
     x2d: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One MXFP8 copy (bytes in x2d's shape, E8M0 grid) by the reference rules, unfused."""
-    return quantize_1d_blocks(
+    return quantize_blocks(
         x2d.float(),
+        cell=(MX_BLOCK, 1) if columnwise else (1, MX_BLOCK),
         spec=recipe_spec("mxfp8"),
         fp8_dtype=fp8_dtype,
         power_2_scale=True,
-        columnwise=columnwise,
         input_dtype=x2d.dtype,
     )
 
