@@ -18,6 +18,7 @@ from megatron.core.fp8.config import FP8_RECIPES
 from megatron.core.tokenizer.build import TOKENIZER_TYPES
 from megatron.training.flags.checkpoint_args import load_args_from_checkpoint
 from megatron.training.flags.checks import ArgumentError, validate_args
+from megatron.training.flags.compile import add_compile_args
 from megatron.training.flags.megatron_lm import add_megatron_lm_args
 from megatron.training.flags.megatron_lm_table import add_megatron_lm_table_args
 from megatron.training.flags.mup import add_mup_args
@@ -159,16 +160,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "--no-check-for-nan-in-loss-and-grad such an iteration skips its update and is counted "
         "in the log's skipped (and, for a NaN loss, nan) iterations.",
     )
-    group.add_argument(
-        "--torch-compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="torch.compile each transformer layer's forward (regional compile: identical "
-        "layers share one compiled graph; the FSDP hooks and the FP8 kernels stay outside it, "
-        "so the model's elementwise code fuses around them). The first iteration pays the "
-        "compile (seconds on a GPU, tens of seconds on a CPU). Default None: compiled on CUDA "
-        "(the fast configuration, docs/PERFORMANCE.md), eager on CPU.",
-    )
+    add_compile_args(group)
     group.add_argument("--log-interval", type=int, default=10, help="Iterations per log line.")
     group.add_argument("--eval-interval", type=int, default=1000, help="Iterations per eval.")
     group.add_argument("--eval-iters", type=int, default=10, help="Batches per evaluation.")

@@ -288,68 +288,136 @@ def _add_knobs(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "Megatron-LM implementation knobs (accepted; the log says why a given one does not apply)"
     )
-    for flag, kwargs in _KNOB_ARGS.items():
-        group.add_argument(flag, **kwargs)
+    for flag, (options, _) in _KNOBS.items():
+        group.add_argument(flag, **options)
 
 
-_KNOB_ARGS: dict[str, dict] = {
-    "--use-mcore-models": dict(action="store_true", help="The only model here is mcore-style."),
-    "--transformer-impl": dict(
-        choices=("transformer_engine", "local", "inference_optimized"),
-        default=None,
-        help="TransformerEngine or Megatron's local layers; here always our own PyTorch layers.",
+_NCCL_UB = (
+    "--use-nccl-ub / --fsdp-double-buffer / --fsdp-manual-registration: NCCL user-buffer "
+    "registration is not built; it changes only NCCL speed, never results.{no_nccl}"
+)
+# flag -> (add_argument options, the log note when its value is not the default ({v}: the
+# value), None: no note). Flags sharing a note log it once.
+_KNOBS: dict[str, tuple[dict, str | None]] = {
+    "--use-mcore-models": (
+        dict(action="store_true", help="The only model here is mcore-style."),
+        "--use-mcore-models: the mcore-style GPTModel is the only model here, so this is the "
+        "default.",
     ),
-    "--attention-backend": dict(
-        choices=("auto", "flash", "fused", "unfused", "local"),
-        default="auto",
-        help="Attention kernel family; here torch's scaled_dot_product_attention picks it.",
+    "--transformer-impl": (
+        dict(
+            choices=("transformer_engine", "local", "inference_optimized"),
+            default=None,
+            help="TransformerEngine or Megatron's local layers; here always our own PyTorch "
+            "layers.",
+        ),
+        "--transformer-impl {v}: the layers here are our own PyTorch modules with our FP8 "
+        "Linear, not TransformerEngine or Megatron's local ones; the model math is the same.",
     ),
-    "--no-gradient-accumulation-fusion": dict(
-        action="store_false",
-        dest="gradient_accumulation_fusion",
-        help="Turn off the apex/TE fused weight-grad accumulation (never used here).",
+    "--attention-backend": (
+        dict(
+            choices=("auto", "flash", "fused", "unfused", "local"),
+            default="auto",
+            help="Attention kernel family; here torch's scaled_dot_product_attention picks it.",
+        ),
+        "--attention-backend {v}: attention runs torch's scaled_dot_product_attention, which "
+        "picks its kernel (flash / memory-efficient / math) itself.",
     ),
-    "--cross-entropy-loss-fusion": dict(
-        action="store_true", help="Fused cross-entropy kernel; here torch's cross_entropy."
+    "--no-gradient-accumulation-fusion": (
+        dict(
+            action="store_false",
+            dest="gradient_accumulation_fusion",
+            help="Turn off the apex/TE fused weight-grad accumulation (never used here).",
+        ),
+        "--no-gradient-accumulation-fusion: weight grads accumulate through autograd here; "
+        "there is no fused kernel to turn off.",
     ),
-    "--attention-softmax-in-fp32": dict(
-        action="store_true", help="Softmax in fp32 (scaled_dot_product_attention does)."
+    "--cross-entropy-loss-fusion": (
+        dict(action="store_true", help="Fused cross-entropy kernel; here torch's cross_entropy."),
+        "--cross-entropy-loss-fusion: the loss is torch's cross_entropy (fp32); no fused "
+        "kernel here.",
     ),
-    "--apply-query-key-layer-scaling": dict(
-        action="store_true",
-        help="Scale QK^T by 1/layer before an fp16 softmax; equal math, only fp16 range.",
+    "--attention-softmax-in-fp32": (
+        dict(action="store_true", help="Softmax in fp32 (scaled_dot_product_attention does)."),
+        "--attention-softmax-in-fp32: scaled_dot_product_attention already accumulates its "
+        "softmax in fp32.",
     ),
-    "--deterministic-mode": dict(
-        action="store_true", help="torch.use_deterministic_algorithms(True) for the run."
+    "--apply-query-key-layer-scaling": (
+        dict(
+            action="store_true",
+            help="Scale QK^T by 1/layer before an fp16 softmax; equal math, only fp16 range.",
+        ),
+        "--apply-query-key-layer-scaling: the 1/layer scaling cancels in exact math; the "
+        "fp32-accumulating softmax here needs no guard against fp16 overflow.",
     ),
-    "--no-create-attention-mask-in-dataloader": dict(
-        action="store_false",
-        dest="create_attention_mask_in_dataloader",
-        help="No attention mask from the data loader (none is ever made here: causal kernel).",
+    "--deterministic-mode": (
+        dict(action="store_true", help="torch.use_deterministic_algorithms(True) for the run."),
+        None,
     ),
-    "--use-nccl-ub": dict(action="store_true", help="NCCL user-buffer registration."),
-    "--fsdp-double-buffer": dict(action="store_true", help="Megatron-FSDP NCCL double buffer."),
-    "--fsdp-manual-registration": dict(
-        action="store_true", help="Megatron-FSDP manual NCCL buffer registration."
+    "--no-create-attention-mask-in-dataloader": (
+        dict(
+            action="store_false",
+            dest="create_attention_mask_in_dataloader",
+            help="No attention mask from the data loader (none is ever made here: causal kernel).",
+        ),
+        "--no-create-attention-mask-in-dataloader: no mask is ever built here (causal "
+        "attention kernel).",
     ),
-    "--use-persistent-ckpt-worker": dict(
-        action="store_true", help="Keep the async checkpoint worker alive between saves."
+    "--use-nccl-ub": (dict(action="store_true", help="NCCL user-buffer registration."), _NCCL_UB),
+    "--fsdp-double-buffer": (
+        dict(action="store_true", help="Megatron-FSDP NCCL double buffer."),
+        _NCCL_UB,
     ),
-    "--no-ckpt-fully-parallel-save": dict(
-        action="store_false",
-        dest="ckpt_fully_parallel_save",
-        help="Let one rank of each replica group write (here each rank writes its own shard).",
+    "--fsdp-manual-registration": (
+        dict(action="store_true", help="Megatron-FSDP manual NCCL buffer registration."),
+        _NCCL_UB,
     ),
-    "--dist-ckpt-strictness": dict(
-        choices=_STRICTNESS,
-        default="assume_ok_unexpected",
-        help="What loading does with missing/unexpected keys; here loads are always strict.",
+    "--use-persistent-ckpt-worker": (
+        dict(action="store_true", help="Keep the async checkpoint worker alive between saves."),
+        "--use-persistent-ckpt-worker: --async-save writes from a thread of each rank; there "
+        "is no separate worker process to keep.",
     ),
-    "--dist-ckpt-optim-fully-reshardable": dict(
-        action="store_true",
-        help="Reshardable optimizer checkpoints (torch_dist ones always are here).",
+    "--no-ckpt-fully-parallel-save": (
+        dict(
+            action="store_false",
+            dest="ckpt_fully_parallel_save",
+            help="Let one rank of each replica group write (here each rank writes its own shard).",
+        ),
+        "--no-ckpt-fully-parallel-save: each rank writes its own shard here; there is no "
+        "replica-group writer choice.",
+    ),
+    "--dist-ckpt-strictness": (
+        dict(
+            choices=_STRICTNESS,
+            default="assume_ok_unexpected",
+            help="What loading does with missing/unexpected keys; here loads are always strict.",
+        ),
+        "--dist-ckpt-strictness {v}: loads here are strict (a missing or unexpected key stops "
+        "the load with an error).",
+    ),
+    "--dist-ckpt-optim-fully-reshardable": (
+        dict(
+            action="store_true",
+            help="Reshardable optimizer checkpoints (torch_dist ones always are here).",
+        ),
+        "--dist-ckpt-optim-fully-reshardable: torch_dist optimizer state here always reshards "
+        "to any data-parallel size.",
     ),
 }
+
+
+def knob_notes(args: argparse.Namespace, *, cuda: bool) -> list[str]:
+    """Why each given implementation knob changes nothing here, in the table's order."""
+    notes: list[str] = []
+    no_nccl = "" if cuda else " (No NCCL on this CPU run anyway.)"
+    for flag, (options, note) in _KNOBS.items():
+        value = getattr(args, options.get("dest", flag[2:].replace("-", "_")))
+        default = options.get("default", options.get("action") == "store_false")
+        if note is not None and value != default:
+            text = note.format(v=value, no_nccl=no_nccl)
+            if text not in notes:
+                notes.append(text)
+    return notes
 
 
 def _add_unbuilt(parser: argparse.ArgumentParser) -> None:

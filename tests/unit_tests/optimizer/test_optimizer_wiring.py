@@ -12,8 +12,8 @@ import pytest
 
 from megatron.training.flags import optimizer as flags_optimizer
 from megatron.training.flags.arguments import parse_args
+from megatron.training.flags.compile import resolve_torch_compile
 from megatron.training.flags.configs import resolved_flags
-from megatron.training.flags.optimizer import resolve_torch_compile
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, ZERO3_DTENSOR, run_pretrain
 
