@@ -420,17 +420,21 @@ def knob_notes(args: argparse.Namespace, *, cuda: bool) -> list[str]:
     return notes
 
 
+_SIZE_ONE = (
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--context-parallel-size",
+    "--expert-model-parallel-size",
+)
+_SWITCHES = ("--tp-comm-overlap", "--fim-data", "--verify-integrity")
+
+
 def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "Megatron-LM features not built here (sizes of 1 and 'off' are accepted; anything "
         "else is refused at parse time)"
     )
-    for flag in (
-        "--tensor-model-parallel-size",
-        "--pipeline-model-parallel-size",
-        "--context-parallel-size",
-        "--expert-model-parallel-size",
-    ):
+    for flag in _SIZE_ONE:
         group.add_argument(flag, type=int, default=1, help="Must be 1 here (not built above).")
     for flag in (
         "--expert-tensor-parallel-size",
@@ -445,7 +449,7 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Sequence parallelism; at tensor-parallel size 1 it is off, as in Megatron-LM.",
     )
-    for flag in ("--tp-comm-overlap", "--fim-data", "--verify-integrity"):
+    for flag in _SWITCHES:
         group.add_argument(flag, action="store_true", help="Not built here (refused).")
     for flag in ("--fim-rate", "--fim-spm-rate"):
         group.add_argument(flag, type=float, default=None, help="Not built here (refused).")
@@ -462,90 +466,55 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# (attribute, test of the parsed value, flag as written, what to use instead)
-_UNBUILT = (
-    (
-        "tensor_model_parallel_size",
-        lambda v: v != 1,
-        "--tensor-model-parallel-size {v}",
-        "data parallelism (torchrun ranks), Megatron-FSDP for memory",
+_NO_PIPELINE = "no pipeline (size 1)"
+_PLAIN_DATA = "plain GPT data"
+_CONSTANT_BATCH = "a constant --global-batch-size"
+# What to use instead of each feature not built, in the order the refusal names them. A flag
+# is refused when its value is not its default (_ACCEPTED), written as "flag value" (switches:
+# the flag alone) unless _WRITTEN says otherwise.
+_UNBUILT = {
+    "--tensor-model-parallel-size": "data parallelism (torchrun ranks), Megatron-FSDP for memory",
+    "--pipeline-model-parallel-size": (
+        "data parallelism, Megatron-FSDP (--use-megatron-fsdp) for memory"
     ),
-    (
-        "pipeline_model_parallel_size",
-        lambda v: v != 1,
-        "--pipeline-model-parallel-size {v}",
-        "data parallelism, Megatron-FSDP (--use-megatron-fsdp) for memory",
-    ),
-    (
-        "virtual_pipeline_model_parallel_size",
-        lambda v: v is not None,
-        "--virtual-pipeline-model-parallel-size {v}",
-        "no pipeline (size 1)",
-    ),
-    (
-        "num_layers_per_virtual_pipeline_stage",
-        lambda v: v is not None,
-        "--num-layers-per-virtual-pipeline-stage {v}",
-        "no pipeline (size 1)",
-    ),
-    (
-        "context_parallel_size",
-        lambda v: v != 1,
-        "--context-parallel-size {v}",
-        "activation recompute (--recompute-granularity) for long sequences",
-    ),
-    (
-        "expert_model_parallel_size",
-        lambda v: v != 1,
-        "--expert-model-parallel-size {v}",
-        "a dense model",
-    ),
-    (
-        "expert_tensor_parallel_size",
-        lambda v: v is not None and v != 1,
-        "--expert-tensor-parallel-size {v}",
-        "a dense model",
-    ),
-    ("num_experts", lambda v: v is not None, "--num-experts {v} (MoE)", "a dense model"),
-    (
-        "mtp_num_layers",
-        lambda v: v is not None,
-        "--mtp-num-layers {v} (multi-token prediction)",
-        "next-token prediction only",
-    ),
-    ("tp_comm_overlap", bool, "--tp-comm-overlap", "no tensor parallelism, so nothing to overlap"),
-    ("fim_data", bool, "--fim-data", "plain GPT data"),
-    ("fim_rate", lambda v: v is not None, "--fim-rate {v}", "plain GPT data"),
-    ("fim_spm_rate", lambda v: v is not None, "--fim-spm-rate {v}", "plain GPT data"),
-    (
-        "step_batch_size_schedule",
-        lambda v: v is not None,
-        "--step-batch-size-schedule",
-        "a constant --global-batch-size",
-    ),
-    (
-        "rampup_batch_size",
-        lambda v: v is not None,
-        "--rampup-batch-size",
-        "a constant --global-batch-size",
-    ),
-    (
-        "rerun_mode",
-        lambda v: v != "disabled",
-        "--rerun-mode {v}",
-        "--rerun-mode disabled with --check-for-nan-in-loss-and-grad",
-    ),
-    ("verify_integrity", bool, "--verify-integrity", "torch_dist checkpoints without hashes"),
-)
+    "--virtual-pipeline-model-parallel-size": _NO_PIPELINE,
+    "--num-layers-per-virtual-pipeline-stage": _NO_PIPELINE,
+    "--context-parallel-size": "activation recompute (--recompute-granularity) for long sequences",
+    "--expert-model-parallel-size": "a dense model",
+    "--expert-tensor-parallel-size": "a dense model",
+    "--num-experts": "a dense model",
+    "--mtp-num-layers": "next-token prediction only",
+    "--tp-comm-overlap": "no tensor parallelism, so nothing to overlap",
+    "--fim-data": _PLAIN_DATA,
+    "--fim-rate": _PLAIN_DATA,
+    "--fim-spm-rate": _PLAIN_DATA,
+    "--step-batch-size-schedule": _CONSTANT_BATCH,
+    "--rampup-batch-size": _CONSTANT_BATCH,
+    "--rerun-mode": "--rerun-mode disabled with --check-for-nan-in-loss-and-grad",
+    "--verify-integrity": "torch_dist checkpoints without hashes",
+}
+_ACCEPTED = {
+    **dict.fromkeys(_SIZE_ONE, (1,)),
+    **dict.fromkeys(_SWITCHES, (False,)),
+    "--expert-tensor-parallel-size": (None, 1),
+    "--rerun-mode": ("disabled",),
+}
+_WRITTEN = {
+    "--num-experts": "--num-experts {v} (MoE)",
+    "--mtp-num-layers": "--mtp-num-layers {v} (multi-token prediction)",
+    "--step-batch-size-schedule": "--step-batch-size-schedule",
+    "--rampup-batch-size": "--rampup-batch-size",
+}
 
 
 def unbuilt_features(args: argparse.Namespace) -> str | None:
     """One message naming every not-built feature the command line asks for, or None."""
-    found = [
-        f"{written.format(v=getattr(args, attr))} (use {instead})"
-        for attr, wanted, written, instead in _UNBUILT
-        if wanted(getattr(args, attr))
-    ]
+    found = []
+    for flag, instead in _UNBUILT.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value not in _ACCEPTED.get(flag, (None,)):
+            written = _WRITTEN.get(flag, flag if flag in _SWITCHES else flag + " {v}")
+            found.append(f"{written.format(v=value)} (use {instead})")
     found += unbuilt_table_flags(args)
     if not found:
         return None
