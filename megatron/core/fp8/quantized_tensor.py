@@ -154,21 +154,13 @@ class QuantizedTensor(torch.Tensor):
         self._data[direction] = data.view(self.shape)
         self._released[direction] = False
 
-    @property
-    def rowwise_data(self) -> torch.Tensor | None:
-        return self._get("rowwise")
-
-    @rowwise_data.setter
-    def rowwise_data(self, data: torch.Tensor | None) -> None:
-        self._set("rowwise", data)
-
-    @property
-    def columnwise_data(self) -> torch.Tensor | None:
-        return self._get("columnwise")
-
-    @columnwise_data.setter
-    def columnwise_data(self, data: torch.Tensor | None) -> None:
-        self._set("columnwise", data)
+    # Each direction's uint8 bytes in the logical shape (None: absent); setting re-points them.
+    rowwise_data = property(
+        lambda self: self._get("rowwise"), lambda self, data: self._set("rowwise", data)
+    )
+    columnwise_data = property(
+        lambda self: self._get("columnwise"), lambda self, data: self._set("columnwise", data)
+    )
 
     def is_released(self, direction: str = "rowwise") -> bool:
         """Whether the FSDP engine released this direction's bytes (assigned None)."""
@@ -327,9 +319,7 @@ class QuantizedTensor(torch.Tensor):
         fields = {
             k: convert(v) if isinstance(v, torch.Tensor) else v for k, v in self._fields().items()
         }
-        fresh = QuantizedTensor(**fields)
-        fresh._released = dict(self._released)
-        return fresh
+        return _rebuild_quantized_tensor(fields, dict(self._released))
 
     def __repr__(self, *, tensor_contents=None) -> str:
         def state(direction: str) -> str:

@@ -177,28 +177,14 @@ def stats_from_vector(
     )
 
 
-def fp8_tensor_stats(
-    x: torch.Tensor,
-    *,
-    recipe: str,
-    role: str,
-    fp8_format: str = "hybrid",
-    scale: torch.Tensor | None = None,
-    amax: torch.Tensor | None = None,
-    power_2_scale: bool | None = None,
-    quantized: QuantizedTensor | None = None,
-) -> Fp8TensorStats:
-    """`fp8_stats_vector` read back (one host sync) as an Fp8TensorStats; same arguments."""
-    vector = fp8_stats_vector(
-        x,
-        recipe=recipe,
-        role=role,
-        fp8_format=fp8_format,
-        scale=scale,
-        amax=amax,
-        power_2_scale=power_2_scale,
-        quantized=quantized,
-    )
+def fp8_tensor_stats(x: torch.Tensor, **options) -> Fp8TensorStats:
+    """`fp8_stats_vector(x, **options)` read back (one host sync) as an Fp8TensorStats."""
+    vector = fp8_stats_vector(x, **options)
+    fp8_format = options.get("fp8_format", "hybrid")
     return stats_from_vector(
-        vector.tolist(), recipe=recipe, role=role, fp8_format=fp8_format, numel=x.numel()
+        vector.tolist(),
+        recipe=options["recipe"],
+        role=options["role"],
+        fp8_format=fp8_format,
+        numel=x.numel(),
     )

@@ -63,10 +63,6 @@ def cell_index(
     return (flat // cols // cell_rows) * grid_cols + (flat % cols) // cell_cols
 
 
-def _fused(values: torch.Tensor) -> bool:
-    return values.is_cuda and qc.triton_available()
-
-
 def _launch_geometry(
     shape: torch.Size, *, recipe: str, columnwise: bool, param_start: int, numel: int
 ) -> tuple[int, tuple, tuple[int, int]]:
@@ -121,7 +117,7 @@ def piece_cell_amax_(
     numel = values.numel()
     if numel == 0:
         return
-    if _fused(values):
+    if qc.use_triton(values):
         row_base, grid, (cell_rows, cell_cols) = _launch_geometry(
             shape, recipe=recipe, columnwise=columnwise, param_start=param_start, numel=numel
         )
@@ -184,7 +180,7 @@ def piece_cast_(
     numel = values.numel()
     if numel == 0:
         return
-    if _fused(values):
+    if qc.use_triton(values):
         row_base, grid, (cell_rows, cell_cols) = _launch_geometry(
             shape, recipe=recipe, columnwise=columnwise, param_start=param_start, numel=numel
         )
@@ -240,7 +236,7 @@ def quantize_mxfp8_rows_(
         raise ValueError(f"whole MX bands need rows and cols divisible by 32, got {rows}x{cols}")
     if rows == 0:
         return
-    if _fused(values2d):
+    if qc.use_triton(values2d):
         qmx.launch_mxfp8(
             values2d,
             row=row_data,

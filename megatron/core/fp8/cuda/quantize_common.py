@@ -66,7 +66,8 @@ def triton_available() -> bool:
     return torch.cuda.is_available() and triton_kernels() is not None
 
 
-def use_triton(x: torch.Tensor, force_torch: bool) -> bool:
+def use_triton(x: torch.Tensor, force_torch: bool = False) -> bool:
+    """Whether the fused kernels run for x: a CUDA tensor, Triton importable, not force_torch."""
     return not force_torch and x.is_cuda and triton_kernels() is not None
 
 
