@@ -6,8 +6,9 @@ modules below `pretrain()` (so `kwargs.` or `saved_args.` count too: name such t
 and with `ast`: no `argparse` import and no `Namespace` in those modules. Parse-time modules
 keep the Namespace: flags/arguments.py, checkpoint_args.py and checks.py (parsing and validation),
 flags/configs.py (builds the configs from it), flags/megatron_lm.py, megatron_lm_checks.py,
-megatron_lm_table.py and mup.py (add, map and check Megatron-LM's flags at parse time), and
-flags/optimizer.py (the optimizer-state flags and their checks)."""
+megatron_lm_table.py and mup.py (add, map and check Megatron-LM's flags at parse time),
+flags/optimizer.py (the optimizer-state flags and their checks) and flags/compile.py
+(--torch-compile and its default)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ PARSE_TIME = {
         "arguments",
         "checkpoint_args",
         "checks",
+        "compile",
         "configs",
         "megatron_lm",
         "megatron_lm_checks",
