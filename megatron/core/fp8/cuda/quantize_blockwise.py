@@ -8,22 +8,13 @@ import torch
 from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda.launch import ceil_div, launch
 from megatron.core.fp8.cuda.quantize_common import (
-    COPY_KEYS,
     amax_buffer,
+    copies,
     empty_u8,
     tile_config,
 )
 from megatron.core.fp8.formats import fp8_max
 from megatron.core.fp8.recipe import BLOCK_128, recipe_spec
-
-
-def _fill_weight_copies(out, data, scale_inv, *, rowwise, columnwise):
-    """128x128 blocks: the columnwise copy has the same bytes and scale grid as the rowwise one
-    (a GEMM reads its transpose through the transpose cache)."""
-    if rowwise:
-        out["rowwise_data"], out["rowwise_scale_inv"] = data, scale_inv
-    if columnwise:
-        out["columnwise_data"], out["columnwise_scale_inv"] = data, scale_inv
 
 
 def _block_constants(input_dtype: torch.dtype, fp8_dtype: torch.dtype, power_2_scale: bool) -> dict:
@@ -232,8 +223,6 @@ def blockwise_triton(x2d, *, fp8_dtype, weight, rowwise, columnwise, power_2_sca
     rows, cols = x2d.shape
     device = x2d.device
     amax_bits = amax_buffer(device)
-    out = dict.fromkeys(COPY_KEYS)
-    out["amax"] = amax_bits.view(torch.float32)
     row_blocks, col_blocks = ceil_div(rows, BLOCK_128), ceil_div(cols, BLOCK_128)
     data_t = empty_u8(cols, rows, device) if with_transpose else None
     if weight:
@@ -250,7 +239,7 @@ def blockwise_triton(x2d, *, fp8_dtype, weight, rowwise, columnwise, power_2_sca
                 fp8_dtype=fp8_dtype,
                 power_2_scale=power_2_scale,
             )
-        _fill_weight_copies(out, data, scale_inv, rowwise=rowwise, columnwise=columnwise)
+        row = col = (data, scale_inv)  # one copy (a GEMM's transpose: the transpose cache)
     else:
         row_data = empty_u8(rows, cols, device) if rowwise else None
         row_sinv = torch.empty((rows, col_blocks), dtype=torch.float32, device=device)
@@ -269,10 +258,6 @@ def blockwise_triton(x2d, *, fp8_dtype, weight, rowwise, columnwise, power_2_sca
                 fp8_dtype=fp8_dtype,
                 power_2_scale=power_2_scale,
             )
-        if rowwise:
-            out["rowwise_data"], out["rowwise_scale_inv"] = row_data, row_sinv
-        if columnwise:
-            out["columnwise_data"], out["columnwise_scale_inv"] = col_data, col_sinv
-    if with_transpose:
-        out["columnwise_data_t"] = data_t
-    return out
+        row, col = (row_data, row_sinv), (col_data, col_sinv)
+    amax = amax_bits.view(torch.float32)
+    return copies(amax, row if rowwise else None, col if columnwise else None, data_t)

@@ -84,6 +84,16 @@ def whole_amax_torch(x2d: torch.Tensor) -> torch.Tensor:
 COPY_KEYS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 
 
+def copies(amax, row: tuple | None, col: tuple | None, data_t=None) -> dict:
+    """The dict quantize_cuda returns: each direction's (data, scale_inv), None where it was not
+    asked for; the amax; columnwise_data_t where the transposed columnwise bytes were made."""
+    out = dict(zip(COPY_KEYS, (*(row or (None, None)), *(col or (None, None)))))
+    out["amax"] = amax
+    if data_t is not None:
+        out["columnwise_data_t"] = data_t
+    return out
+
+
 def blocks_torch(
     x2d, *, spec: RecipeSpec, role, fp8_dtype, rowwise, columnwise, power_2_scale, with_transpose
 ):
@@ -93,18 +103,15 @@ def blocks_torch(
     options = dict(
         spec=spec, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x2d.dtype
     )
-    out = dict.fromkeys(COPY_KEYS)
-    out["amax"] = whole_amax_torch(x2d)
-    copies: dict[tuple[int, int], tuple] = {}
-    for direction, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
-        cell = spec.block_shape(role, columnwise=direction == "columnwise")
-        if wanted and cell not in copies:
-            copies[cell] = quantize_blocks(x2d.float(), cell=cell, **options)
-        if wanted:
-            out[f"{direction}_data"], out[f"{direction}_scale_inv"] = copies[cell]
-    if with_transpose:
-        out["columnwise_data_t"] = out["columnwise_data"].t().contiguous()
-    return out
+    made: dict[tuple[int, int], tuple] = {}
+    for columnwise_copy, wanted in ((False, rowwise), (True, columnwise)):
+        cell = spec.block_shape(role, columnwise=columnwise_copy)
+        if wanted and cell not in made:
+            made[cell] = quantize_blocks(x2d.float(), cell=cell, **options)
+    row = made[spec.block_shape(role, columnwise=False)] if rowwise else None
+    col = made[spec.block_shape(role, columnwise=True)] if columnwise else None
+    data_t = col[0].t().contiguous() if with_transpose else None
+    return copies(whole_amax_torch(x2d), row, col, data_t)
 
 
 def empty_u8(rows: int, cols: int, device: torch.device) -> torch.Tensor:

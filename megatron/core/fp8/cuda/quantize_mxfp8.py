@@ -8,8 +8,8 @@ import torch
 from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda.launch import ceil_div, launch
 from megatron.core.fp8.cuda.quantize_common import (
-    COPY_KEYS,
     amax_buffer,
+    copies,
     empty_u8,
     tile_config,
 )
@@ -112,8 +112,6 @@ def mxfp8_triton(x2d, *, fp8_dtype, rowwise, columnwise, with_transpose):
     rows, cols = x2d.shape
     device = x2d.device
     amax_bits = amax_buffer(device)
-    out = dict.fromkeys(COPY_KEYS)
-    out["amax"] = amax_bits.view(torch.float32)
     row_data = empty_u8(rows, cols, device) if rowwise else None
     row_e = empty_u8(rows, ceil_div(cols, MX_BLOCK), device)
     col_data = empty_u8(rows, cols, device) if columnwise else None
@@ -131,13 +129,9 @@ def mxfp8_triton(x2d, *, fp8_dtype, rowwise, columnwise, with_transpose):
             fp8_dtype=fp8_dtype,
             dequant=False,
         )
-    if rowwise:
-        out["rowwise_data"], out["rowwise_scale_inv"] = row_data, row_e
-    if columnwise:
-        out["columnwise_data"], out["columnwise_scale_inv"] = col_data, col_e
-    if with_transpose:
-        out["columnwise_data_t"] = data_t
-    return out
+    row = (row_data, row_e) if rowwise else None
+    col = (col_data, col_e) if columnwise else None
+    return copies(amax_bits.view(torch.float32), row, col, data_t)
 
 
 def mxfp8_dequantize(
