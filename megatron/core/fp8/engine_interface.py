@@ -20,20 +20,21 @@ from torch import nn
 from megatron.core.fp8.autocast import ScalingMeta, reduce_and_update
 from megatron.core.fp8.autocast import record_amaxes as record_weight_amaxes
 from megatron.core.fp8.config import Fp8Config
-from megatron.core.fp8.cuda.piece_quantize import piece_cast_, piece_cell_amax_, rows_cols
+from megatron.core.fp8.cuda.piece_quantize import piece_cast_ as cast_piece_
+from megatron.core.fp8.cuda.piece_quantize import piece_cell_amax_ as add_piece_cell_amaxes_
 from megatron.core.fp8.cuda.piece_quantize import quantize_mxfp8_rows_ as quantize_mxfp8_bands_
+from megatron.core.fp8.cuda.piece_quantize import rows_cols
 from megatron.core.fp8.cuda.piece_quantize import rows_cols as weight_rows_cols
-from megatron.core.fp8.formats import e8m0_to_fp32, fp8_dtype_for_role
+from megatron.core.fp8.formats import fp8_dtype_for_role
 from megatron.core.fp8.linear import Fp8Linear
 from megatron.core.fp8.param_init import (
     clear_high_precision_init_val as forget_high_precision_init_value,
 )
 from megatron.core.fp8.param_init import get_high_precision_init_val as high_precision_init_value
 from megatron.core.fp8.param_init import quantized_model_init
-from megatron.core.fp8.quantization import compute_scale
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
-from megatron.core.fp8.reference import reciprocal, scale_grid_shape
+from megatron.core.fp8.reference import block_scales, reciprocal, scale_grid_shape
 
 __all__ = [
     "MXFP8_BLOCK",
@@ -109,27 +110,6 @@ def weight_scale_grid(shape: torch.Size, spec: RecipeSpec, *, columnwise: bool) 
 # ----- writing pieces -------------------------------------------------------------------------
 
 
-def add_piece_cell_amaxes_(
-    values: torch.Tensor,
-    cell_amaxes: torch.Tensor,
-    *,
-    shape: torch.Size,
-    spec: RecipeSpec,
-    columnwise: bool,
-    param_start: int,
-) -> None:
-    """Max into `cell_amaxes` (the weight's flat cell grid) the amax of every cell that the
-    piece `values` (flat elements param_start.. of a weight of `shape`) touches."""
-    piece_cell_amax_(
-        values,
-        cell_amaxes,
-        shape=shape,
-        recipe=spec.name,
-        columnwise=columnwise,
-        param_start=param_start,
-    )
-
-
 def weight_cell_scales(
     cell_amaxes: torch.Tensor,
     *,
@@ -143,41 +123,12 @@ def weight_cell_scales(
     if spec.delayed:
         scale = delayed_meta.scale.to(torch.float32).reshape(())
         return scale, reciprocal(scale)
-    if spec.e8m0_scales:
-        e8m0 = compute_scale(cell_amaxes, recipe=spec.name, fp8_dtype=fp8_dtype)
-        return e8m0_to_fp32(e8m0, negate_exponent=True), e8m0
-    scale = compute_scale(
+    return block_scales(
         cell_amaxes,
-        recipe=spec.name,
+        spec=spec,
         fp8_dtype=fp8_dtype,
-        power_2_scale=power_2_scale,
+        power_2_scale=spec.resolve_power_2_scale(power_2_scale),
         input_dtype=torch.float32,
-    )
-    return scale, reciprocal(scale)
-
-
-def cast_piece_(
-    values: torch.Tensor,
-    multipliers: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    shape: torch.Size,
-    spec: RecipeSpec,
-    columnwise: bool,
-    param_start: int,
-    fp8_dtype: torch.dtype,
-) -> None:
-    """out (uint8, one byte per element) = the FP8 bytes of the piece `values` times the
-    multiplier of each element's cell (`multipliers`: the flat fp32 cell grid)."""
-    piece_cast_(
-        values,
-        multipliers,
-        out,
-        shape=shape,
-        recipe=spec.name,
-        columnwise=columnwise,
-        param_start=param_start,
-        fp8_dtype=fp8_dtype,
     )
 
 

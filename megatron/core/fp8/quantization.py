@@ -79,30 +79,19 @@ def quantize(
         amax = amax_ignoring_nan(x).reshape(1)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_reduction_group)
         amax = amax.reshape(())
-    use_pow2 = spec.resolve_power_2_scale(power_2_scale)
-    kwargs = dict(
+    parts = ops.quantize_parts(
+        x,
         recipe=recipe,
         fp8_dtype=fp8_dtype,
         role=role,
         rowwise=rowwise,
         columnwise=columnwise,
         scale=scale,
-        power_2_scale=use_pow2,
+        power_2_scale=spec.resolve_power_2_scale(power_2_scale),
         amax=amax,
     )
-    parts = ops.quantize_parts(x, **kwargs)
-    return QuantizedTensor(
-        shape=x.shape,
-        dtype=x.dtype,
-        recipe=recipe,
-        fp8_dtype=fp8_dtype,
-        role=role,
-        rowwise_data=parts["rowwise_data"],
-        rowwise_scale_inv=parts["rowwise_scale_inv"],
-        columnwise_data=parts["columnwise_data"],
-        columnwise_scale_inv=parts["columnwise_scale_inv"],
-        amax=parts["amax"],
-    )
+    meta = dict(shape=x.shape, dtype=x.dtype, recipe=recipe, fp8_dtype=fp8_dtype, role=role)
+    return QuantizedTensor(**meta, **parts)
 
 
 def fp8_gemm(

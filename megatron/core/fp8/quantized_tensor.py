@@ -17,9 +17,8 @@ from typing import NamedTuple
 import torch
 from torch.utils._pytree import tree_map
 
-from megatron.core.fp8.formats import e8m0_to_fp32
 from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
-from megatron.core.fp8.reference import dequantize_reference, expand_grid
+from megatron.core.fp8.reference import dequantize_cells, dequantize_reference
 
 aten = torch.ops.aten
 
@@ -62,13 +61,9 @@ class Fp8Operand(NamedTuple):
 
     def dequantize(self) -> torch.Tensor:
         """Exact fp32 values: q * scale_inv per element (padding cropped)."""
-        q = self.data.to(torch.float32)
-        if self.block_cols == 0:  # per tensor
-            return q * self.scale_inv.to(torch.float32).reshape(())
-        scale = self.scale_inv
-        e8m0 = self.spec.e8m0_scales
-        multiplier = e8m0_to_fp32(scale.view(torch.uint8)) if e8m0 else scale.to(torch.float32)
-        return q * expand_grid(multiplier, (self.block_rows, self.block_cols), q.shape)
+        cell = (self.block_rows, self.block_cols) if self.block_cols else None
+        e8m0 = cell is not None and self.spec.e8m0_scales
+        return dequantize_cells(self.data.to(torch.float32), self.scale_inv, cell, e8m0=e8m0)
 
 
 class QuantizedTensor(torch.Tensor):
@@ -159,21 +154,13 @@ class QuantizedTensor(torch.Tensor):
         self._data[direction] = data.view(self.shape)
         self._released[direction] = False
 
-    @property
-    def rowwise_data(self) -> torch.Tensor | None:
-        return self._get("rowwise")
-
-    @rowwise_data.setter
-    def rowwise_data(self, data: torch.Tensor | None) -> None:
-        self._set("rowwise", data)
-
-    @property
-    def columnwise_data(self) -> torch.Tensor | None:
-        return self._get("columnwise")
-
-    @columnwise_data.setter
-    def columnwise_data(self, data: torch.Tensor | None) -> None:
-        self._set("columnwise", data)
+    # Each direction's uint8 bytes in the logical shape (None: absent); setting re-points them.
+    rowwise_data = property(
+        lambda self: self._get("rowwise"), lambda self, data: self._set("rowwise", data)
+    )
+    columnwise_data = property(
+        lambda self: self._get("columnwise"), lambda self, data: self._set("columnwise", data)
+    )
 
     def is_released(self, direction: str = "rowwise") -> bool:
         """Whether the FSDP engine released this direction's bytes (assigned None)."""
@@ -332,9 +319,7 @@ class QuantizedTensor(torch.Tensor):
         fields = {
             k: convert(v) if isinstance(v, torch.Tensor) else v for k, v in self._fields().items()
         }
-        fresh = QuantizedTensor(**fields)
-        fresh._released = dict(self._released)
-        return fresh
+        return _rebuild_quantized_tensor(fields, dict(self._released))
 
     def __repr__(self, *, tensor_contents=None) -> str:
         def state(direction: str) -> str:

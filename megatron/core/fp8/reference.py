@@ -187,7 +187,7 @@ def quantize_per_tensor(
     return saturating_cast(x2d * scale, fp8_dtype), reciprocal(scale)
 
 
-def _block_scales(
+def block_scales(
     block_amax: torch.Tensor,
     *,
     spec: RecipeSpec,
@@ -195,7 +195,8 @@ def _block_scales(
     power_2_scale: bool,
     input_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(quantize multiplier, stored scale_inv) per block for blockwise or mxfp8."""
+    """(quantize multiplier, stored scale_inv) per block (or cell) of a current-scaling recipe
+    from its amax: mxfp8's E8M0 bytes, else fp8_max / amax with its guards."""
     if spec.e8m0_scales:
         e8m0 = e8m0_from_amax(block_amax, fp8_dtype)
         return e8m0_to_fp32(e8m0, negate_exponent=True), e8m0
@@ -208,51 +209,23 @@ def _block_scales(
     return scale, reciprocal(scale)
 
 
-def quantize_1d_blocks(
+def quantize_blocks(
     x2d: torch.Tensor,
     *,
-    spec: RecipeSpec,
-    fp8_dtype: torch.dtype,
-    power_2_scale: bool,
-    columnwise: bool,
-    input_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """1xB blocks along K (rowwise) or Bx1 blocks along M (columnwise); data keeps x's shape."""
-    block = spec.block
-    rows, cols = x2d.shape
-    # Work on the transpose for columnwise so both directions share one code path.
-    work = x2d.t() if columnwise else x2d
-    work_rows, work_cols = work.shape
-    padded = _pad_to(work, work_rows, _ceil_to(work_cols, block))
-    blocks = padded.reshape(work_rows, -1, block)
-    multiplier, scale_inv = _block_scales(
-        amax_ignoring_nan(blocks, dim=-1),
-        spec=spec,
-        fp8_dtype=fp8_dtype,
-        power_2_scale=power_2_scale,
-        input_dtype=input_dtype,
-    )
-    data = saturating_cast(blocks * multiplier.unsqueeze(-1), fp8_dtype)
-    data = data.reshape(work_rows, -1)[:, :work_cols]
-    if columnwise:
-        return data.t().contiguous(), scale_inv.t().contiguous()
-    return data.contiguous(), scale_inv.contiguous()
-
-
-def quantize_2d_blocks(
-    x2d: torch.Tensor,
-    *,
+    cell: tuple[int, int],
     spec: RecipeSpec,
     fp8_dtype: torch.dtype,
     power_2_scale: bool,
     input_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """BxB blocks (blockwise weights, 128x128); scale grid (ceil(M/B), ceil(K/B))."""
-    block = spec.block
+    """Bytes in x's shape and the scale grid (ceil(M/r), ceil(K/c)) of [r, c] cells: 1xB
+    (rowwise), Bx1 (columnwise) or BxB (blockwise weights)."""
     rows, cols = x2d.shape
-    padded = _pad_to(x2d, _ceil_to(rows, block), _ceil_to(cols, block))
-    blocks = padded.reshape(padded.shape[0] // block, block, padded.shape[1] // block, block)
-    multiplier, scale_inv = _block_scales(
+    cell_rows, cell_cols = cell
+    padded = _pad_to(x2d, _ceil_to(rows, cell_rows), _ceil_to(cols, cell_cols))
+    grid_rows, grid_cols = padded.shape[0] // cell_rows, padded.shape[1] // cell_cols
+    blocks = padded.reshape(grid_rows, cell_rows, grid_cols, cell_cols)
+    multiplier, scale_inv = block_scales(
         amax_ignoring_nan(blocks, dim=(1, 3)),
         spec=spec,
         fp8_dtype=fp8_dtype,
@@ -260,7 +233,7 @@ def quantize_2d_blocks(
         input_dtype=input_dtype,
     )
     data = saturating_cast(blocks * multiplier[:, None, :, None], fp8_dtype)
-    return data.reshape(padded.shape)[:rows, :cols].contiguous(), scale_inv
+    return data.reshape(padded.shape)[:rows, :cols].contiguous(), scale_inv.contiguous()
 
 
 def quantize_reference(
@@ -283,48 +256,34 @@ def quantize_reference(
     check_fp8_dtype(fp8_dtype)
     spec = recipe_spec(recipe)
     x2d = as_rows(x)
-    local_amax = amax_ignoring_nan(x2d)
     out: dict[str, torch.Tensor | None] = dict(
         rowwise_data=None, rowwise_scale_inv=None, columnwise_data=None, columnwise_scale_inv=None
     )
+    out["amax"] = amax_ignoring_nan(x2d)
+    options = dict(spec=spec, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x.dtype)
     if spec.per_tensor:
-        if spec.delayed:
-            out["amax"] = local_amax
-        else:
-            used_amax = local_amax if amax is None else amax.to(torch.float32).reshape(())
-            scale = scale_from_amax(used_amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
-            out["amax"] = used_amax
+        if not spec.delayed:
+            if amax is not None:
+                out["amax"] = amax.to(torch.float32).reshape(())
+            scale = scale_from_amax(out["amax"], fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
         data, scale_inv = quantize_per_tensor(x2d, scale=scale, fp8_dtype=fp8_dtype)
-        data = data.reshape(x.shape)
-        if rowwise:
-            out["rowwise_data"], out["rowwise_scale_inv"] = data, scale_inv
-        if columnwise:
-            # Same bytes and scale: the transposed copy a GEMM wants is the transpose cache.
-            out["columnwise_data"], out["columnwise_scale_inv"] = data.clone(), scale_inv.clone()
+    elif spec.uses_2d_blocks(role):
+        data, scale_inv = quantize_blocks(x2d, cell=(spec.block, spec.block), **options)
+    else:
+        for direction, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
+            if wanted:
+                cell = spec.block_shape(role, columnwise=direction == "columnwise")
+                data, scale_inv = quantize_blocks(x2d, cell=cell, **options)
+                out[f"{direction}_data"] = data.reshape(x.shape)
+                out[f"{direction}_scale_inv"] = scale_inv
         return out
-    out["amax"] = local_amax
-    if spec.uses_2d_blocks(role):
-        data, scale_inv = quantize_2d_blocks(
-            x2d, spec=spec, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x.dtype
-        )
-        data = data.reshape(x.shape)
-        if rowwise:
-            out["rowwise_data"], out["rowwise_scale_inv"] = data, scale_inv
-        if columnwise:
-            out["columnwise_data"], out["columnwise_scale_inv"] = data.clone(), scale_inv.clone()
-        return out
-    for direction, wanted in (("rowwise", rowwise), ("columnwise", columnwise)):
-        if wanted:
-            data, scale_inv = quantize_1d_blocks(
-                x2d,
-                spec=spec,
-                fp8_dtype=fp8_dtype,
-                power_2_scale=power_2_scale,
-                columnwise=direction == "columnwise",
-                input_dtype=x.dtype,
-            )
-            out[f"{direction}_data"] = data.reshape(x.shape)
-            out[f"{direction}_scale_inv"] = scale_inv
+    # Per tensor and BxB cells: the same bytes and scale in both directions (the transposed
+    # copy a GEMM wants is the transpose cache).
+    data = data.reshape(x.shape)
+    if rowwise:
+        out["rowwise_data"], out["rowwise_scale_inv"] = data, scale_inv
+    if columnwise:
+        out["columnwise_data"], out["columnwise_scale_inv"] = data.clone(), scale_inv.clone()
     return out
 
 
@@ -332,6 +291,17 @@ def expand_grid(scale: torch.Tensor, cell: tuple[int, int], shape) -> torch.Tens
     """Repeat a block-grid scale to one value per element of a 2-D tensor of `shape`."""
     full = scale.repeat_interleave(cell[0], dim=0).repeat_interleave(cell[1], dim=1)
     return full[: shape[0], : shape[1]]
+
+
+def dequantize_cells(
+    q: torch.Tensor, scale_inv: torch.Tensor, cell: tuple[int, int] | None, *, e8m0: bool
+) -> torch.Tensor:
+    """fp32 q [M, K] times each element's scale_inv (cell None: one per tensor; e8m0: E8M0
+    bytes), exact per fp32 arithmetic."""
+    if cell is None:
+        return q * scale_inv.to(torch.float32).reshape(())
+    multiplier = e8m0_to_fp32(scale_inv.view(torch.uint8)) if e8m0 else scale_inv.to(torch.float32)
+    return q * expand_grid(multiplier, cell, q.shape)
 
 
 def dequantize_reference(
@@ -350,8 +320,4 @@ def dequantize_reference(
     q = data.reshape(-1, shape[-1]).view(fp8_dtype).to(torch.float32)
     spec = recipe_spec(recipe)
     cell = spec.block_shape(role, columnwise=columnwise)
-    if cell is None:
-        return (q * scale_inv.to(torch.float32).reshape(())).to(out_dtype).reshape(shape)
-    multiplier = e8m0_to_fp32(scale_inv) if spec.e8m0_scales else scale_inv.to(torch.float32)
-    full = expand_grid(multiplier, cell, q.shape)
-    return (q * full).to(out_dtype).reshape(shape)
+    return dequantize_cells(q, scale_inv, cell, e8m0=spec.e8m0_scales).to(out_dtype).reshape(shape)

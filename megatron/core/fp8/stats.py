@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fp8.formats import e8m0_to_fp32, fp8_dtype_for_role, fp8_max
-from megatron.core.fp8.quantization import compute_scale, quantize
+from megatron.core.fp8.formats import fp8_dtype_for_role, fp8_max
+from megatron.core.fp8.quantization import quantize
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import recipe_spec
-from megatron.core.fp8.reference import expand_grid
+from megatron.core.fp8.reference import block_scales, expand_grid
 
 
 @dataclass(frozen=True)
@@ -75,16 +75,14 @@ def _multipliers(
             raise ValueError("recipe 'delayed' quantizes with its current scale: pass scale=")
         return scale.to(torch.float32).reshape(1, 1), cell
     cell_amax = _cell_amax(x2d, cell) if amax is None else amax.to(torch.float32).reshape(1, 1)
-    computed = compute_scale(
+    multiplier, _ = block_scales(
         cell_amax,
-        recipe=recipe,
+        spec=spec,
         fp8_dtype=fp8_dtype,
-        power_2_scale=power_2_scale,
+        power_2_scale=spec.resolve_power_2_scale(power_2_scale),
         input_dtype=input_dtype,
     )
-    if spec.e8m0_scales:
-        computed = e8m0_to_fp32(computed, negate_exponent=True)
-    return computed, cell
+    return multiplier, cell
 
 
 STATS_FIELDS = (
@@ -179,28 +177,14 @@ def stats_from_vector(
     )
 
 
-def fp8_tensor_stats(
-    x: torch.Tensor,
-    *,
-    recipe: str,
-    role: str,
-    fp8_format: str = "hybrid",
-    scale: torch.Tensor | None = None,
-    amax: torch.Tensor | None = None,
-    power_2_scale: bool | None = None,
-    quantized: QuantizedTensor | None = None,
-) -> Fp8TensorStats:
-    """`fp8_stats_vector` read back (one host sync) as an Fp8TensorStats; same arguments."""
-    vector = fp8_stats_vector(
-        x,
-        recipe=recipe,
-        role=role,
-        fp8_format=fp8_format,
-        scale=scale,
-        amax=amax,
-        power_2_scale=power_2_scale,
-        quantized=quantized,
-    )
+def fp8_tensor_stats(x: torch.Tensor, **options) -> Fp8TensorStats:
+    """`fp8_stats_vector(x, **options)` read back (one host sync) as an Fp8TensorStats."""
+    vector = fp8_stats_vector(x, **options)
+    fp8_format = options.get("fp8_format", "hybrid")
     return stats_from_vector(
-        vector.tolist(), recipe=recipe, role=role, fp8_format=fp8_format, numel=x.numel()
+        vector.tolist(),
+        recipe=options["recipe"],
+        role=options["role"],
+        fp8_format=fp8_format,
+        numel=x.numel(),
     )

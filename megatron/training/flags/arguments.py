@@ -18,6 +18,7 @@ from megatron.core.fp8.config import FP8_RECIPES
 from megatron.core.tokenizer.build import TOKENIZER_TYPES
 from megatron.training.flags.checkpoint_args import load_args_from_checkpoint
 from megatron.training.flags.checks import ArgumentError, validate_args
+from megatron.training.flags.compile import add_compile_args
 from megatron.training.flags.megatron_lm import add_megatron_lm_args
 from megatron.training.flags.megatron_lm_table import add_megatron_lm_table_args
 from megatron.training.flags.mla import add_mla_args
@@ -161,16 +162,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "--no-check-for-nan-in-loss-and-grad such an iteration skips its update and is counted "
         "in the log's skipped (and, for a NaN loss, nan) iterations.",
     )
-    group.add_argument(
-        "--torch-compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="torch.compile each transformer layer's forward (regional compile: identical "
-        "layers share one compiled graph; the FSDP hooks and the FP8 kernels stay outside it, "
-        "so the model's elementwise code fuses around them). The first iteration pays the "
-        "compile (seconds on a GPU, tens of seconds on a CPU). Default None: compiled on CUDA "
-        "(the fast configuration, docs/PERFORMANCE.md), eager on CPU.",
-    )
+    add_compile_args(group)
     group.add_argument("--log-interval", type=int, default=10, help="Iterations per log line.")
     group.add_argument("--eval-interval", type=int, default=1000, help="Iterations per eval.")
     group.add_argument("--eval-iters", type=int, default=10, help="Batches per evaluation.")
@@ -270,40 +262,31 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--save", default=None, help="Directory to write checkpoints to.")
     group.add_argument("--load", default=None, help="Directory to resume from.")
     group.add_argument("--save-interval", type=int, default=None, help="Iterations per save.")
-    group.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer.")
-    group.add_argument("--no-load-rng", action="store_true", help="Do not load RNG states.")
-    group.add_argument(
-        "--no-save-optim",
-        action="store_true",
-        help="Save no optimizer state (smaller checkpoints; resume then needs --no-load-optim).",
-    )
-    group.add_argument(
-        "--no-save-rng",
-        action="store_true",
-        help="Save no RNG states (resume then needs --no-load-rng).",
-    )
-    group.add_argument(
-        "--finetune",
-        action="store_true",
-        help="Load model weights only; reset iteration, optimizer and RNG.",
-    )
-    group.add_argument(
-        "--use-checkpoint-args",
-        action="store_true",
-        help="Take the model flags (sizes, heads, norm, position embeddings, vocabulary rows) "
-        "from the --load checkpoint's saved args instead of the command line (Megatron-LM's "
-        "flag); each flag it changes is logged.",
-    )
-    group.add_argument(
-        "--override-opt_param-scheduler",
-        action="store_true",
-        help="On resume, use this run's learning-rate flags instead of the checkpoint's.",
-    )
-    group.add_argument(
-        "--use-checkpoint-opt_param-scheduler",
-        action="store_true",
-        help="On resume, use the checkpoint's learning-rate schedule instead of the flags.",
-    )
+    for flag, text in (
+        ("--no-load-optim", "Do not load optimizer."),
+        ("--no-load-rng", "Do not load RNG states."),
+        (
+            "--no-save-optim",
+            "Save no optimizer state (smaller checkpoints; resume then needs --no-load-optim).",
+        ),
+        ("--no-save-rng", "Save no RNG states (resume then needs --no-load-rng)."),
+        ("--finetune", "Load model weights only; reset iteration, optimizer and RNG."),
+        (
+            "--use-checkpoint-args",
+            "Take the model flags (sizes, heads, norm, position embeddings, vocabulary rows) "
+            "from the --load checkpoint's saved args instead of the command line (Megatron-LM's "
+            "flag); each flag it changes is logged.",
+        ),
+        (
+            "--override-opt_param-scheduler",
+            "On resume, use this run's learning-rate flags instead of the checkpoint's.",
+        ),
+        (
+            "--use-checkpoint-opt_param-scheduler",
+            "On resume, use the checkpoint's learning-rate schedule instead of the flags.",
+        ),
+    ):
+        group.add_argument(flag, action="store_true", help=text)
     group.add_argument(
         "--ckpt-step",
         type=int,

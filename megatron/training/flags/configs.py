@@ -25,11 +25,11 @@ from megatron.core.fp8.config import Fp8Config
 from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flags.checkpoint_args import checkpoint_run_values
+from megatron.training.flags.compile import resolve_compile_default
 from megatron.training.flags.megatron_lm_checks import resolve_megatron_lm_args
 from megatron.training.flags.mla import mla_config_kwargs
 from megatron.training.flags.moe import moe_config_values, moe_notes
 from megatron.training.flags.mup import MUP_CONFIG_FIELDS, mup_width_mult
-from megatron.training.flags.optimizer import resolve_compile_default
 from megatron.training.flags.run_config import (
     ARCHITECTURE_FLAGS,
     CheckpointConfig,

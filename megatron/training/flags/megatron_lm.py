@@ -289,68 +289,140 @@ def _add_knobs(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "Megatron-LM implementation knobs (accepted; the log says why a given one does not apply)"
     )
-    for flag, kwargs in _KNOB_ARGS.items():
-        group.add_argument(flag, **kwargs)
+    for flag, (options, _) in _KNOBS.items():
+        group.add_argument(flag, **options)
 
 
-_KNOB_ARGS: dict[str, dict] = {
-    "--use-mcore-models": dict(action="store_true", help="The only model here is mcore-style."),
-    "--transformer-impl": dict(
-        choices=("transformer_engine", "local", "inference_optimized"),
-        default=None,
-        help="TransformerEngine or Megatron's local layers; here always our own PyTorch layers.",
+_NCCL_UB = (
+    "--use-nccl-ub / --fsdp-double-buffer / --fsdp-manual-registration: NCCL user-buffer "
+    "registration is not built; it changes only NCCL speed, never results.{no_nccl}"
+)
+# flag -> (add_argument options, the log note when its value is not the default ({v}: the
+# value), None: no note). Flags sharing a note log it once.
+_KNOBS: dict[str, tuple[dict, str | None]] = {
+    "--use-mcore-models": (
+        dict(action="store_true", help="The only model here is mcore-style."),
+        "--use-mcore-models: the mcore-style GPTModel is the only model here, so this is the "
+        "default.",
     ),
-    "--attention-backend": dict(
-        choices=("auto", "flash", "fused", "unfused", "local"),
-        default="auto",
-        help="Attention kernel family; here torch's scaled_dot_product_attention picks it.",
+    "--transformer-impl": (
+        dict(
+            choices=("transformer_engine", "local", "inference_optimized"),
+            default=None,
+            help="TransformerEngine or Megatron's local layers; here always our own PyTorch "
+            "layers.",
+        ),
+        "--transformer-impl {v}: the layers here are our own PyTorch modules with our FP8 "
+        "Linear, not TransformerEngine or Megatron's local ones; the model math is the same.",
     ),
-    "--no-gradient-accumulation-fusion": dict(
-        action="store_false",
-        dest="gradient_accumulation_fusion",
-        help="Turn off the apex/TE fused weight-grad accumulation (never used here).",
+    "--attention-backend": (
+        dict(
+            choices=("auto", "flash", "fused", "unfused", "local"),
+            default="auto",
+            help="Attention kernel family; here torch's scaled_dot_product_attention picks it.",
+        ),
+        "--attention-backend {v}: attention runs torch's scaled_dot_product_attention, which "
+        "picks its kernel (flash / memory-efficient / math) itself.",
     ),
-    "--cross-entropy-loss-fusion": dict(
-        action="store_true", help="Fused cross-entropy kernel; here torch's cross_entropy."
+    "--no-gradient-accumulation-fusion": (
+        dict(
+            action="store_false",
+            dest="gradient_accumulation_fusion",
+            help="Turn off the apex/TE fused weight-grad accumulation (never used here).",
+        ),
+        "--no-gradient-accumulation-fusion: weight grads accumulate through autograd here; "
+        "there is no fused kernel to turn off.",
     ),
-    "--attention-softmax-in-fp32": dict(
-        action="store_true", help="Softmax in fp32 (scaled_dot_product_attention does)."
+    "--cross-entropy-loss-fusion": (
+        dict(action="store_true", help="Fused cross-entropy kernel; here torch's cross_entropy."),
+        "--cross-entropy-loss-fusion: the loss is torch's cross_entropy (fp32); no fused "
+        "kernel here.",
     ),
-    "--apply-query-key-layer-scaling": dict(
-        action="store_true",
-        help="Scale QK^T by 1/layer before an fp16 softmax; equal math, only fp16 range.",
+    "--attention-softmax-in-fp32": (
+        dict(action="store_true", help="Softmax in fp32 (scaled_dot_product_attention does)."),
+        "--attention-softmax-in-fp32: scaled_dot_product_attention already accumulates its "
+        "softmax in fp32.",
     ),
-    "--deterministic-mode": dict(
-        action="store_true", help="torch.use_deterministic_algorithms(True) for the run."
+    "--apply-query-key-layer-scaling": (
+        dict(
+            action="store_true",
+            help="Scale QK^T by 1/layer before an fp16 softmax; equal math, only fp16 range.",
+        ),
+        "--apply-query-key-layer-scaling: the 1/layer scaling cancels in exact math; the "
+        "fp32-accumulating softmax here needs no guard against fp16 overflow.",
     ),
-    "--no-create-attention-mask-in-dataloader": dict(
-        action="store_false",
-        dest="create_attention_mask_in_dataloader",
-        help="No attention mask from the data loader (none is ever made here: causal kernel).",
+    "--deterministic-mode": (
+        dict(action="store_true", help="torch.use_deterministic_algorithms(True) for the run."),
+        None,
     ),
-    "--use-nccl-ub": dict(action="store_true", help="NCCL user-buffer registration."),
-    "--fsdp-double-buffer": dict(action="store_true", help="Megatron-FSDP NCCL double buffer."),
-    "--fsdp-manual-registration": dict(
-        action="store_true", help="Megatron-FSDP manual NCCL buffer registration."
+    "--no-create-attention-mask-in-dataloader": (
+        dict(
+            action="store_false",
+            dest="create_attention_mask_in_dataloader",
+            help="No attention mask from the data loader (none is ever made here: causal kernel).",
+        ),
+        "--no-create-attention-mask-in-dataloader: no mask is ever built here (causal "
+        "attention kernel).",
     ),
-    "--use-persistent-ckpt-worker": dict(
-        action="store_true", help="Keep the async checkpoint worker alive between saves."
+    "--use-nccl-ub": (dict(action="store_true", help="NCCL user-buffer registration."), _NCCL_UB),
+    "--fsdp-double-buffer": (
+        dict(action="store_true", help="Megatron-FSDP NCCL double buffer."),
+        _NCCL_UB,
     ),
-    "--no-ckpt-fully-parallel-save": dict(
-        action="store_false",
-        dest="ckpt_fully_parallel_save",
-        help="Let one rank of each replica group write (here each rank writes its own shard).",
+    "--fsdp-manual-registration": (
+        dict(action="store_true", help="Megatron-FSDP manual NCCL buffer registration."),
+        _NCCL_UB,
     ),
-    "--dist-ckpt-strictness": dict(
-        choices=_STRICTNESS,
-        default="assume_ok_unexpected",
-        help="What loading does with missing/unexpected keys; here loads are always strict.",
+    "--use-persistent-ckpt-worker": (
+        dict(action="store_true", help="Keep the async checkpoint worker alive between saves."),
+        "--use-persistent-ckpt-worker: --async-save writes from a thread of each rank; there "
+        "is no separate worker process to keep.",
     ),
-    "--dist-ckpt-optim-fully-reshardable": dict(
-        action="store_true",
-        help="Reshardable optimizer checkpoints (torch_dist ones always are here).",
+    "--no-ckpt-fully-parallel-save": (
+        dict(
+            action="store_false",
+            dest="ckpt_fully_parallel_save",
+            help="Let one rank of each replica group write (here each rank writes its own shard).",
+        ),
+        "--no-ckpt-fully-parallel-save: each rank writes its own shard here; there is no "
+        "replica-group writer choice.",
+    ),
+    "--dist-ckpt-strictness": (
+        dict(
+            choices=_STRICTNESS,
+            default="assume_ok_unexpected",
+            help="What loading does with missing/unexpected keys; here loads are always strict.",
+        ),
+        "--dist-ckpt-strictness {v}: loads here are strict (a missing or unexpected key stops "
+        "the load with an error).",
+    ),
+    "--dist-ckpt-optim-fully-reshardable": (
+        dict(
+            action="store_true",
+            help="Reshardable optimizer checkpoints (torch_dist ones always are here).",
+        ),
+        "--dist-ckpt-optim-fully-reshardable: torch_dist optimizer state here always reshards "
+        "to any data-parallel size.",
     ),
 }
+
+
+def knob_notes(args: argparse.Namespace, *, cuda: bool) -> list[str]:
+    """Why each given implementation knob changes nothing here, in the table's order."""
+    notes: list[str] = []
+    no_nccl = "" if cuda else " (No NCCL on this CPU run anyway.)"
+    for flag, (options, note) in _KNOBS.items():
+        value = getattr(args, options.get("dest", flag[2:].replace("-", "_")))
+        default = options.get("default", options.get("action") == "store_false")
+        if note is not None and value != default:
+            text = note.format(v=value, no_nccl=no_nccl)
+            if text not in notes:
+                notes.append(text)
+    return notes
+
+
+_SIZE_ONE = ("--pipeline-model-parallel-size", "--context-parallel-size")
+_SWITCHES = ("--tp-comm-overlap", "--fim-data", "--verify-integrity")
 
 
 def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
@@ -364,10 +436,7 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="Ranks that split each layer (consecutive ranks; data parallelism over the rest).",
     )
-    for flag in (
-        "--pipeline-model-parallel-size",
-        "--context-parallel-size",
-    ):
+    for flag in _SIZE_ONE:
         group.add_argument(flag, type=int, default=1, help="Must be 1 here (not built above).")
     for flag in (
         "--expert-tensor-parallel-size",
@@ -381,7 +450,7 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         help="Norms and residuals on sequence shards between the tensor-parallel regions; at "
         "tensor-parallel size 1 it is off, as in Megatron-LM.",
     )
-    for flag in ("--tp-comm-overlap", "--fim-data", "--verify-integrity"):
+    for flag in _SWITCHES:
         group.add_argument(flag, action="store_true", help="Not built here (refused).")
     for flag in ("--fim-rate", "--fim-spm-rate"):
         group.add_argument(flag, type=float, default=None, help="Not built here (refused).")
@@ -398,82 +467,53 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# (attribute, test of the parsed value, flag as written, what to use instead)
-_UNBUILT = (
-    (
-        "pipeline_model_parallel_size",
-        lambda v: v != 1,
-        "--pipeline-model-parallel-size {v}",
-        "data parallelism, Megatron-FSDP (--use-megatron-fsdp) for memory",
+_NO_PIPELINE = "no pipeline (size 1)"
+_PLAIN_DATA = "plain GPT data"
+_CONSTANT_BATCH = "a constant --global-batch-size"
+# What to use instead of each feature not built, in the order the refusal names them. A flag
+# is refused when its value is not its default (_ACCEPTED), written as "flag value" (switches:
+# the flag alone) unless _WRITTEN says otherwise.
+_UNBUILT = {
+    "--pipeline-model-parallel-size": (
+        "data parallelism, Megatron-FSDP (--use-megatron-fsdp) for memory"
     ),
-    (
-        "virtual_pipeline_model_parallel_size",
-        lambda v: v is not None,
-        "--virtual-pipeline-model-parallel-size {v}",
-        "no pipeline (size 1)",
-    ),
-    (
-        "num_layers_per_virtual_pipeline_stage",
-        lambda v: v is not None,
-        "--num-layers-per-virtual-pipeline-stage {v}",
-        "no pipeline (size 1)",
-    ),
-    (
-        "context_parallel_size",
-        lambda v: v != 1,
-        "--context-parallel-size {v}",
-        "activation recompute (--recompute-granularity) for long sequences",
-    ),
-    (
-        "expert_tensor_parallel_size",
-        lambda v: v is not None and v != 1,
-        "--expert-tensor-parallel-size {v}",
-        "a dense model",
-    ),
-    (
-        "moe_token_dispatcher_type",
-        lambda v: v == "flex",
-        "--moe-token-dispatcher-type flex (DeepEP/HybridEP)",
-        "--moe-token-dispatcher-type alltoall or allgather",
-    ),
-    (
-        "tp_comm_overlap",
-        bool,
-        "--tp-comm-overlap (userbuffers)",
-        "tensor-parallel collectives without the overlap",
-    ),
-    ("fim_data", bool, "--fim-data", "plain GPT data"),
-    ("fim_rate", lambda v: v is not None, "--fim-rate {v}", "plain GPT data"),
-    ("fim_spm_rate", lambda v: v is not None, "--fim-spm-rate {v}", "plain GPT data"),
-    (
-        "step_batch_size_schedule",
-        lambda v: v is not None,
-        "--step-batch-size-schedule",
-        "a constant --global-batch-size",
-    ),
-    (
-        "rampup_batch_size",
-        lambda v: v is not None,
-        "--rampup-batch-size",
-        "a constant --global-batch-size",
-    ),
-    (
-        "rerun_mode",
-        lambda v: v != "disabled",
-        "--rerun-mode {v}",
-        "--rerun-mode disabled with --check-for-nan-in-loss-and-grad",
-    ),
-    ("verify_integrity", bool, "--verify-integrity", "torch_dist checkpoints without hashes"),
-)
+    "--virtual-pipeline-model-parallel-size": _NO_PIPELINE,
+    "--num-layers-per-virtual-pipeline-stage": _NO_PIPELINE,
+    "--context-parallel-size": "activation recompute (--recompute-granularity) for long sequences",
+    "--expert-tensor-parallel-size": "a dense model",
+    "--moe-token-dispatcher-type": "--moe-token-dispatcher-type alltoall or allgather",
+    "--tp-comm-overlap": "tensor-parallel collectives without the overlap",
+    "--fim-data": _PLAIN_DATA,
+    "--fim-rate": _PLAIN_DATA,
+    "--fim-spm-rate": _PLAIN_DATA,
+    "--step-batch-size-schedule": _CONSTANT_BATCH,
+    "--rampup-batch-size": _CONSTANT_BATCH,
+    "--rerun-mode": "--rerun-mode disabled with --check-for-nan-in-loss-and-grad",
+    "--verify-integrity": "torch_dist checkpoints without hashes",
+}
+_ACCEPTED = {
+    **dict.fromkeys(_SIZE_ONE, (1,)),
+    **dict.fromkeys(_SWITCHES, (False,)),
+    "--expert-tensor-parallel-size": (None, 1),
+    "--rerun-mode": ("disabled",),
+    "--moe-token-dispatcher-type": ("alltoall", "allgather"),
+}
+_WRITTEN = {
+    "--moe-token-dispatcher-type": "--moe-token-dispatcher-type {v} (DeepEP/HybridEP)",
+    "--tp-comm-overlap": "--tp-comm-overlap (userbuffers)",
+    "--step-batch-size-schedule": "--step-batch-size-schedule",
+    "--rampup-batch-size": "--rampup-batch-size",
+}
 
 
 def unbuilt_features(args: argparse.Namespace) -> str | None:
     """One message naming every not-built feature the command line asks for, or None."""
-    found = [
-        f"{written.format(v=getattr(args, attr))} (use {instead})"
-        for attr, wanted, written, instead in _UNBUILT
-        if wanted(getattr(args, attr))
-    ]
+    found = []
+    for flag, instead in _UNBUILT.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value not in _ACCEPTED.get(flag, (None,)):
+            written = _WRITTEN.get(flag, flag if flag in _SWITCHES else flag + " {v}")
+            found.append(f"{written.format(v=value)} (use {instead})")
     found += unbuilt_moe_features(args)
     found += unbuilt_table_flags(args)
     if not found:

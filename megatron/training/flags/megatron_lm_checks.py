@@ -10,6 +10,7 @@ import argparse
 
 import torch
 
+from megatron.training.flags.megatron_lm import knob_notes
 from megatron.training.flags.megatron_lm_table import table_notes
 from megatron.training.flags.mla import validate_mla_args
 from megatron.training.flags.mup import mup_notes, validate_mup_args
@@ -77,89 +78,13 @@ def _resolve_fsdp_dtypes(args: argparse.Namespace) -> None:
 
 def _notes(args: argparse.Namespace) -> list[str]:
     """Why each given knob changes nothing here (printed once, on rank 0)."""
-    checks = (*_model_notes(args), *_run_notes(args, cuda=torch.cuda.is_available()))
-    return [note for given, note in checks if given]
+    cuda = torch.cuda.is_available()
+    return knob_notes(args, cuda=cuda) + [note for given, note in _run_notes(args, cuda) if given]
 
 
-def _model_notes(args: argparse.Namespace) -> tuple[tuple[bool, str], ...]:
-    """(given, note) of the model and kernel knobs."""
+def _run_notes(args: argparse.Namespace, cuda: bool) -> tuple[tuple[bool, str], ...]:
+    """(given, note) of the parallelism, data, timing and profiling flags."""
     return (
-        (
-            args.use_mcore_models,
-            "--use-mcore-models: the mcore-style GPTModel is the only model "
-            "here, so this is the default.",
-        ),
-        (
-            args.transformer_impl is not None,
-            f"--transformer-impl {args.transformer_impl}: the layers here are our own PyTorch "
-            "modules with our FP8 Linear, not TransformerEngine or Megatron's local ones; the "
-            "model math is the same.",
-        ),
-        (
-            args.attention_backend != "auto",
-            f"--attention-backend {args.attention_backend}: "
-            "attention runs torch's scaled_dot_product_attention, which picks its kernel "
-            "(flash / memory-efficient / math) itself.",
-        ),
-        (
-            not args.gradient_accumulation_fusion,
-            "--no-gradient-accumulation-fusion: weight "
-            "grads accumulate through autograd here; there is no fused kernel to turn off.",
-        ),
-        (
-            args.cross_entropy_loss_fusion,
-            "--cross-entropy-loss-fusion: the loss is torch's "
-            "cross_entropy (fp32); no fused kernel here.",
-        ),
-        (
-            args.attention_softmax_in_fp32,
-            "--attention-softmax-in-fp32: "
-            "scaled_dot_product_attention already accumulates its softmax in fp32.",
-        ),
-        (
-            args.apply_query_key_layer_scaling,
-            "--apply-query-key-layer-scaling: the 1/layer "
-            "scaling cancels in exact math; the fp32-accumulating softmax here needs no guard "
-            "against fp16 overflow.",
-        ),
-        (
-            not args.create_attention_mask_in_dataloader,
-            "--no-create-attention-mask-in-"
-            "dataloader: no mask is ever built here (causal attention kernel).",
-        ),
-    )
-
-
-def _run_notes(args: argparse.Namespace, *, cuda: bool) -> tuple[tuple[bool, str], ...]:
-    """(given, note) of the communication, checkpoint, data, timing and profiling knobs."""
-    return (
-        (
-            args.use_nccl_ub or args.fsdp_double_buffer or args.fsdp_manual_registration,
-            "--use-nccl-ub / --fsdp-double-buffer / --fsdp-manual-registration: NCCL user-buffer "
-            "registration is not built; it changes only NCCL speed, never results."
-            + ("" if cuda else " (No NCCL on this CPU run anyway.)"),
-        ),
-        (
-            args.use_persistent_ckpt_worker,
-            "--use-persistent-ckpt-worker: --async-save writes "
-            "from a thread of each rank; there is no separate worker process to keep.",
-        ),
-        (
-            not args.ckpt_fully_parallel_save,
-            "--no-ckpt-fully-parallel-save: each rank writes "
-            "its own shard here; there is no replica-group writer choice.",
-        ),
-        (
-            args.dist_ckpt_strictness != "assume_ok_unexpected",
-            f"--dist-ckpt-strictness "
-            f"{args.dist_ckpt_strictness}: loads here are strict (a missing or unexpected key "
-            "stops the load with an error).",
-        ),
-        (
-            args.dist_ckpt_optim_fully_reshardable,
-            "--dist-ckpt-optim-fully-reshardable: "
-            "torch_dist optimizer state here always reshards to any data-parallel size.",
-        ),
         (
             args.sequence_parallel_given,
             "--sequence-parallel: off at tensor-parallel size 1, as in Megatron-LM.",

@@ -1,5 +1,5 @@
 """Optimizer-state flags with Megatron-LM's spelling and meaning (the precision-aware optimizer
-and its CPU offload), their checks, and the resolution of the compile default.
+and its CPU offload) and their checks.
 
 `add_optimizer_state_args` is registered in arguments.build_parser; `validate_optimizer_args`
 runs from checks.validate_args and raises ValueError naming the flags and the fix (exit 2).
@@ -8,8 +8,6 @@ runs from checks.validate_args and raises ValueError naming the flags and the fi
 from __future__ import annotations
 
 import argparse
-
-import torch
 
 from megatron.core.optimizer import check_optimizer_config
 from megatron.core.optimizer.config import OptimizerConfig
@@ -84,27 +82,3 @@ def _validate_main_params_dtype(args: argparse.Namespace) -> None:
             f"{flag}: FP8 parameters are re-quantized from fp32 main params; use "
             "--main-params-dtype fp32 or drop --fp8-param-gather"
         )
-
-
-def resolve_compile_default(args: argparse.Namespace) -> None:
-    """resolve_torch_compile, its reason added to the startup notes."""
-    reason = resolve_torch_compile(args)
-    args.megatron_lm_notes.append(f"transformer layers run {reason}.")
-
-
-def resolve_torch_compile(args: argparse.Namespace, *, cuda_available: bool | None = None) -> str:
-    """Fill args.torch_compile (None: not given) and return the reason, for the startup log.
-
-    On CUDA the transformer layers compile by default (the fast configuration); on CPU the
-    default stays eager (the compile time dominates a CPU run). Every configuration these
-    flags accept compiles (tests/unit_tests/training/test_torch_compile.py: fp32, FSDP2 bf16,
-    FP8 recipes under Megatron-FSDP and DDP, activation recompute), so none is refused."""
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
-    if args.torch_compile is not None:
-        given = "--torch-compile" if args.torch_compile else "--no-torch-compile"
-        return f"{'compiled' if args.torch_compile else 'eager'} ({given})"
-    args.torch_compile = cuda_available
-    if not cuda_available:
-        return "eager (the default without CUDA: compile time dominates a CPU run)"
-    return "compiled (the default on CUDA; --no-torch-compile for eager)"

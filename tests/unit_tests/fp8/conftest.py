@@ -23,6 +23,6 @@ def tiles():
 def blockwise_probe():
     """`blockwise_probe(path, refused="")` sets cuda.gemm's blockwise probe state for the test
     (it starts untried); the previous state comes back afterwards."""
-    previous = cuda_gemm.reset_blockwise_probe()
+    previous = cuda_gemm.set_blockwise_path()
     yield cuda_gemm.set_blockwise_path
     cuda_gemm.set_blockwise_path(**previous)

@@ -15,6 +15,7 @@ from megatron.core.fp8 import quantize
 from megatron.core.fp8.cuda import piece_quantize as pq
 from megatron.core.fp8.formats import e8m0_to_fp32
 from megatron.core.fp8.quantization import compute_scale
+from megatron.core.fp8.recipe import recipe_spec
 from megatron.core.fp8.reference import reciprocal
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -74,7 +75,12 @@ def _quantize_in_pieces(x, *, recipe, fp8_dtype, cuts, delayed_scale):
         amax = torch.zeros(grid_rows * grid_cols, dtype=torch.float32, device=x.device)
         for lo, hi in zip(cuts, cuts[1:]):
             pq.piece_cell_amax_(
-                flat[lo:hi], amax, shape=shape, recipe=recipe, columnwise=columnwise, param_start=lo
+                flat[lo:hi],
+                amax,
+                shape=shape,
+                spec=recipe_spec(recipe),
+                columnwise=columnwise,
+                param_start=lo,
             )
         multiplier, scale_inv = _multiplier(
             recipe, amax, fp8_dtype=fp8_dtype, delayed_scale=delayed_scale
@@ -86,7 +92,7 @@ def _quantize_in_pieces(x, *, recipe, fp8_dtype, cuts, delayed_scale):
                 multiplier,
                 data[lo:hi],
                 shape=shape,
-                recipe=recipe,
+                spec=recipe_spec(recipe),
                 columnwise=columnwise,
                 param_start=lo,
                 fp8_dtype=fp8_dtype,
@@ -133,10 +139,20 @@ def test_partial_amaxes_of_a_straddled_block():
     cut = 50 * 256 + 3  # mid-row 50, inside block (0, 0)
     first, second = (torch.zeros(2) for _ in range(2))
     pq.piece_cell_amax_(
-        flat[:cut], first, shape=x.shape, recipe="blockwise", columnwise=False, param_start=0
+        flat[:cut],
+        first,
+        shape=x.shape,
+        spec=recipe_spec("blockwise"),
+        columnwise=False,
+        param_start=0,
     )
     pq.piece_cell_amax_(
-        flat[cut:], second, shape=x.shape, recipe="blockwise", columnwise=False, param_start=cut
+        flat[cut:],
+        second,
+        shape=x.shape,
+        spec=recipe_spec("blockwise"),
+        columnwise=False,
+        param_start=cut,
     )
     assert first.tolist() == [9.0, 2.5]
     assert second.tolist() == [4.0, 0.0]
@@ -149,7 +165,7 @@ def test_bad_pieces_are_refused():
             x.reshape(-1)[:100],
             torch.zeros(1),
             shape=x.shape,
-            recipe="tensorwise",
+            spec=recipe_spec("tensorwise"),
             columnwise=False,
             param_start=4000,
         )
@@ -159,7 +175,7 @@ def test_bad_pieces_are_refused():
             torch.ones(5),
             torch.empty(4096, dtype=torch.uint8),
             shape=x.shape,
-            recipe="mxfp8",
+            spec=recipe_spec("mxfp8"),
             columnwise=True,
             param_start=0,
             fp8_dtype=E4M3,

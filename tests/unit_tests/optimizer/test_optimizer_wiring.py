@@ -10,10 +10,10 @@ import re
 
 import pytest
 
-from megatron.training.flags import optimizer as flags_optimizer
+from megatron.training.flags import compile as flags_compile
 from megatron.training.flags.arguments import parse_args
+from megatron.training.flags.compile import resolve_torch_compile
 from megatron.training.flags.configs import resolved_flags
-from megatron.training.flags.optimizer import resolve_torch_compile
 from megatron.training.train_logging import peak_split_line
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, ZERO3_DTENSOR, run_pretrain
@@ -141,7 +141,7 @@ def test_compile_default_resolution():
 def test_compile_is_the_default_with_cuda(monkeypatch, capsys):
     """A (faked) CUDA device: pretrain_gpt.py's flags resolve to compiled layers, and the
     startup notes say why; --no-torch-compile keeps them eager."""
-    monkeypatch.setattr(flags_optimizer.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(flags_compile.torch.cuda, "is_available", lambda: True)
     argv = [*TINY_GPT, "--train-iters", "2", "--distributed-backend", "gloo"]
     flags = _resolved(parse_args(argv, world_size=1))
     assert flags.torch_compile is True

@@ -7,7 +7,8 @@ and with `ast`: no `argparse` import and no `Namespace` in those modules. Parse-
 keep the Namespace: flags/arguments.py, checkpoint_args.py and checks.py (parsing and validation),
 flags/configs.py (builds the configs from it), flags/megatron_lm.py, megatron_lm_checks.py,
 megatron_lm_table.py, mup.py, mla.py and moe.py (add, map and check Megatron-LM's flags at parse
-time), and flags/optimizer.py (the optimizer-state flags and their checks)."""
+time), flags/optimizer.py (the optimizer-state flags and their checks) and flags/compile.py
+(--torch-compile and its default)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ PARSE_TIME = {
         "arguments",
         "checkpoint_args",
         "checks",
+        "compile",
         "configs",
         "megatron_lm",
         "megatron_lm_checks",

@@ -28,14 +28,11 @@ def blockwise_gemm_path() -> str:
 
 
 def set_blockwise_path(path: str = "untried", refused: str = "") -> dict[str, str]:
-    """Set the blockwise probe's state (`reset_blockwise_probe()`: untried); returns the previous
-    state, which `set_blockwise_path(**previous)` restores. For tests and benchmarks."""
+    """Set the blockwise probe's state (no arguments: untried); returns the previous state,
+    which `set_blockwise_path(**previous)` restores. For tests and benchmarks."""
     previous = dict(_blockwise_status)
     _blockwise_status.update(path=path, refused=refused)
     return previous
-
-
-reset_blockwise_probe = set_blockwise_path
 
 
 def round_up(value: int, multiple: int) -> int:

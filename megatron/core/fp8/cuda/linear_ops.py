@@ -25,7 +25,7 @@ from megatron.core.fp8.recipe import BLOCK_128, MX_BLOCK, recipe_spec
 
 def available(x: torch.Tensor) -> bool:
     """Whether the fused path runs for x (a CUDA tensor and importable Triton kernels)."""
-    return x.is_cuda and qc.triton_available()
+    return qc.use_triton(x)
 
 
 def emulation_dtype(input_dtype: torch.dtype) -> torch.dtype:

@@ -17,7 +17,7 @@ from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
 from megatron.core.fp8.cuda.launch import ceil_div
 from megatron.core.fp8.formats import fp8_max
-from megatron.core.fp8.recipe import MX_BLOCK, recipe_spec
+from megatron.core.fp8.recipe import MX_BLOCK, RecipeSpec, recipe_spec
 from megatron.core.fp8.reference import amax_ignoring_nan, saturating_cast
 
 WHOLE = 1 << 30
@@ -63,10 +63,6 @@ def cell_index(
     return (flat // cols // cell_rows) * grid_cols + (flat % cols) // cell_cols
 
 
-def _fused(values: torch.Tensor) -> bool:
-    return values.is_cuda and qc.triton_available()
-
-
 def _launch_geometry(
     shape: torch.Size, *, recipe: str, columnwise: bool, param_start: int, numel: int
 ) -> tuple[int, tuple, tuple[int, int]]:
@@ -107,12 +103,13 @@ def piece_cell_amax_(
     cell_amax: torch.Tensor,
     *,
     shape: torch.Size,
-    recipe: str,
+    spec: RecipeSpec,
     columnwise: bool,
     param_start: int,
 ) -> None:
     """Max into `cell_amax` (fp32, >= 0, the weight's flattened cell grid) the NaN-ignoring
     max|x| of each cell over the piece `values` (elements param_start.. of the weight)."""
+    recipe = spec.name
     _check_piece(values, shape, param_start)
     grid_rows, grid_cols = _checked_grid(
         cell_amax, "cell_amax", shape=shape, recipe=recipe, columnwise=columnwise
@@ -120,7 +117,7 @@ def piece_cell_amax_(
     numel = values.numel()
     if numel == 0:
         return
-    if _fused(values):
+    if qc.use_triton(values):
         row_base, grid, (cell_rows, cell_cols) = _launch_geometry(
             shape, recipe=recipe, columnwise=columnwise, param_start=param_start, numel=numel
         )
@@ -143,7 +140,7 @@ def piece_cell_amax_(
         )
         return
     magnitude = amax_ignoring_nan(values.reshape(1, -1), dim=0)
-    if recipe_spec(recipe).per_tensor:
+    if spec.per_tensor:
         cell_amax.copy_(torch.maximum(cell_amax.reshape(()), magnitude.amax()).reshape(1))
         return
     cells = cell_index(
@@ -164,13 +161,14 @@ def piece_cast_(
     out: torch.Tensor,
     *,
     shape: torch.Size,
-    recipe: str,
+    spec: RecipeSpec,
     columnwise: bool,
     param_start: int,
     fp8_dtype: torch.dtype,
 ) -> None:
     """out (uint8, one byte per element of `values`) = the FP8 bytes of values times the
     quantize multiplier of each element's cell (`multiplier`: fp32, the flattened grid)."""
+    recipe = spec.name
     _check_piece(values, shape, param_start)
     if out.dtype != torch.uint8 or out.shape != values.shape or not out.is_contiguous():
         raise ValueError("out must be a contiguous uint8 tensor shaped like the piece")
@@ -182,7 +180,7 @@ def piece_cast_(
     numel = values.numel()
     if numel == 0:
         return
-    if _fused(values):
+    if qc.use_triton(values):
         row_base, grid, (cell_rows, cell_cols) = _launch_geometry(
             shape, recipe=recipe, columnwise=columnwise, param_start=param_start, numel=numel
         )
@@ -204,7 +202,7 @@ def piece_cast_(
             num_warps=4,
         )
         return
-    if recipe_spec(recipe).per_tensor:
+    if spec.per_tensor:
         per_element = multiplier.reshape(())
     else:
         cells = cell_index(
@@ -238,7 +236,7 @@ def quantize_mxfp8_rows_(
         raise ValueError(f"whole MX bands need rows and cols divisible by 32, got {rows}x{cols}")
     if rows == 0:
         return
-    if _fused(values2d):
+    if qc.use_triton(values2d):
         qmx.launch_mxfp8(
             values2d,
             row=row_data,

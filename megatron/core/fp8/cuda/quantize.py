@@ -1,7 +1,7 @@
 """`quantize_cuda` (`quantize(..., backend="cuda")`): fused FP8 quantization on CUDA. Triton is
 imported lazily; without it, and for CPU tensors, each family (`quantize_per_tensor.py`,
 `quantize_blockwise.py`, `quantize_mxfp8.py`) runs its unfused torch fallback of the reference
-rules."""
+rules (block recipes: `quantize_common.blocks_torch`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 
 from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda.launch import as_2d_shape
-from megatron.core.fp8.cuda.quantize_blockwise import blockwise_torch, blockwise_triton
-from megatron.core.fp8.cuda.quantize_common import use_triton
-from megatron.core.fp8.cuda.quantize_mxfp8 import mxfp8_torch, mxfp8_triton
+from megatron.core.fp8.cuda.quantize_blockwise import blockwise_triton
+from megatron.core.fp8.cuda.quantize_common import blocks_torch, use_triton
+from megatron.core.fp8.cuda.quantize_mxfp8 import mxfp8_triton
 from megatron.core.fp8.cuda.quantize_per_tensor import per_tensor_torch, per_tensor_triton
 from megatron.core.fp8.recipe import BLOCK_128, recipe_spec
 from megatron.core.fp8.reference import check_quantize_args
@@ -67,26 +67,15 @@ def quantize_cuda(
         out["columnwise_scale_inv"] = out["rowwise_scale_inv"] if columnwise else None
         if not rowwise:
             out["rowwise_data"] = out["rowwise_scale_inv"] = None
-    elif not spec.e8m0_scales:
-        run = blockwise_triton if triton_path else blockwise_torch
-        out = run(
-            x2d,
-            fp8_dtype=fp8_dtype,
-            weight=role == "weight",
-            rowwise=rowwise,
-            columnwise=columnwise,
-            power_2_scale=power_2_scale,
-            with_transpose=with_transpose,
-        )
     else:
-        run = mxfp8_triton if triton_path else mxfp8_torch
-        out = run(
-            x2d,
-            fp8_dtype=fp8_dtype,
-            rowwise=rowwise,
-            columnwise=columnwise,
-            with_transpose=with_transpose,
-        )
+        copies = dict(rowwise=rowwise, columnwise=columnwise, with_transpose=with_transpose)
+        blocks = dict(fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, **copies)
+        if not triton_path:
+            out = blocks_torch(x2d, spec=spec, role=role, **blocks)
+        elif not spec.e8m0_scales:
+            out = blockwise_triton(x2d, weight=role == "weight", **blocks)
+        else:
+            out = mxfp8_triton(x2d, fp8_dtype=fp8_dtype, **copies)
     for key in ("rowwise_data", "columnwise_data"):
         if out[key] is not None:
             out[key] = out[key].view(x.shape)

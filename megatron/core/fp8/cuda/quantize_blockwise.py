@@ -1,5 +1,5 @@
 """Blockwise (1x128 / 128x1 activations and grads, 128x128 weights) quantization on CUDA:
-kernel specs, arguments, launches and the torch fallback."""
+kernel specs, arguments and launches (the torch fallback: `quantize_common.blocks_torch`)."""
 
 from __future__ import annotations
 
@@ -8,50 +8,13 @@ import torch
 from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda.launch import ceil_div, launch
 from megatron.core.fp8.cuda.quantize_common import (
-    COPY_KEYS,
     amax_buffer,
+    copies,
     empty_u8,
     tile_config,
-    whole_amax_torch,
 )
 from megatron.core.fp8.formats import fp8_max
 from megatron.core.fp8.recipe import BLOCK_128, recipe_spec
-from megatron.core.fp8.reference import quantize_1d_blocks, quantize_2d_blocks
-
-
-def blockwise_torch(x2d, *, fp8_dtype, weight, rowwise, columnwise, power_2_scale, with_transpose):
-    options = dict(
-        spec=recipe_spec("blockwise"),
-        fp8_dtype=fp8_dtype,
-        power_2_scale=power_2_scale,
-        input_dtype=x2d.dtype,
-    )
-    out = dict.fromkeys(COPY_KEYS)
-    out["amax"] = whole_amax_torch(x2d)
-    if weight:
-        data, scale_inv = quantize_2d_blocks(x2d.float(), **options)
-        _fill_weight_copies(out, data, scale_inv, rowwise=rowwise, columnwise=columnwise)
-    else:
-        if rowwise:
-            out["rowwise_data"], out["rowwise_scale_inv"] = quantize_1d_blocks(
-                x2d.float(), columnwise=False, **options
-            )
-        if columnwise:
-            out["columnwise_data"], out["columnwise_scale_inv"] = quantize_1d_blocks(
-                x2d.float(), columnwise=True, **options
-            )
-    if with_transpose:
-        out["columnwise_data_t"] = out["columnwise_data"].t().contiguous()
-    return out
-
-
-def _fill_weight_copies(out, data, scale_inv, *, rowwise, columnwise):
-    """128x128 blocks: the columnwise copy has the same bytes and scale grid as the rowwise one
-    (a GEMM reads its transpose through the transpose cache)."""
-    if rowwise:
-        out["rowwise_data"], out["rowwise_scale_inv"] = data, scale_inv
-    if columnwise:
-        out["columnwise_data"], out["columnwise_scale_inv"] = data, scale_inv
 
 
 def _block_constants(input_dtype: torch.dtype, fp8_dtype: torch.dtype, power_2_scale: bool) -> dict:
@@ -260,8 +223,6 @@ def blockwise_triton(x2d, *, fp8_dtype, weight, rowwise, columnwise, power_2_sca
     rows, cols = x2d.shape
     device = x2d.device
     amax_bits = amax_buffer(device)
-    out = dict.fromkeys(COPY_KEYS)
-    out["amax"] = amax_bits.view(torch.float32)
     row_blocks, col_blocks = ceil_div(rows, BLOCK_128), ceil_div(cols, BLOCK_128)
     data_t = empty_u8(cols, rows, device) if with_transpose else None
     if weight:
@@ -278,7 +239,7 @@ def blockwise_triton(x2d, *, fp8_dtype, weight, rowwise, columnwise, power_2_sca
                 fp8_dtype=fp8_dtype,
                 power_2_scale=power_2_scale,
             )
-        _fill_weight_copies(out, data, scale_inv, rowwise=rowwise, columnwise=columnwise)
+        row = col = (data, scale_inv)  # one copy (a GEMM's transpose: the transpose cache)
     else:
         row_data = empty_u8(rows, cols, device) if rowwise else None
         row_sinv = torch.empty((rows, col_blocks), dtype=torch.float32, device=device)
@@ -297,10 +258,6 @@ def blockwise_triton(x2d, *, fp8_dtype, weight, rowwise, columnwise, power_2_sca
                 fp8_dtype=fp8_dtype,
                 power_2_scale=power_2_scale,
             )
-        if rowwise:
-            out["rowwise_data"], out["rowwise_scale_inv"] = row_data, row_sinv
-        if columnwise:
-            out["columnwise_data"], out["columnwise_scale_inv"] = col_data, col_sinv
-    if with_transpose:
-        out["columnwise_data_t"] = data_t
-    return out
+        row, col = (row_data, row_sinv), (col_data, col_sinv)
+    amax = amax_bits.view(torch.float32)
+    return copies(amax, row if rowwise else None, col if columnwise else None, data_t)

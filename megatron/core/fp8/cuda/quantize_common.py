@@ -1,12 +1,13 @@
 """What every quantize kernel family shares: launch configurations, the lazily loaded Triton
-kernels, small buffers and the NaN-ignoring whole-tensor amax of the torch fallbacks."""
+kernels, small buffers and the block recipes' torch fallback (the reference rules, unfused)."""
 
 from __future__ import annotations
 
 import torch
 
 from megatron.core.fp8.debug import DEBUG
-from megatron.core.fp8.reference import amax_ignoring_nan
+from megatron.core.fp8.recipe import RecipeSpec
+from megatron.core.fp8.reference import amax_ignoring_nan, quantize_blocks
 
 # Launch configurations per kernel: tile rows BM, tile cols BK, tiles per program GROUP (a
 # program walks GROUP tiles down one column strip), warps; BLOCK elements per step of the amax
@@ -65,7 +66,8 @@ def triton_available() -> bool:
     return torch.cuda.is_available() and triton_kernels() is not None
 
 
-def use_triton(x: torch.Tensor, force_torch: bool) -> bool:
+def use_triton(x: torch.Tensor, force_torch: bool = False) -> bool:
+    """Whether the fused kernels run for x: a CUDA tensor, Triton importable, not force_torch."""
     return not force_torch and x.is_cuda and triton_kernels() is not None
 
 
@@ -80,6 +82,36 @@ def whole_amax_torch(x2d: torch.Tensor) -> torch.Tensor:
 
 
 COPY_KEYS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
+def copies(amax, row: tuple | None, col: tuple | None, data_t=None) -> dict:
+    """The dict quantize_cuda returns: each direction's (data, scale_inv), None where it was not
+    asked for; the amax; columnwise_data_t where the transposed columnwise bytes were made."""
+    out = dict(zip(COPY_KEYS, (*(row or (None, None)), *(col or (None, None)))))
+    out["amax"] = amax
+    if data_t is not None:
+        out["columnwise_data_t"] = data_t
+    return out
+
+
+def blocks_torch(
+    x2d, *, spec: RecipeSpec, role, fp8_dtype, rowwise, columnwise, power_2_scale, with_transpose
+):
+    """Blockwise or mxfp8 copies by the reference rules, unfused. 128x128 weight blocks: the
+    columnwise copy is the rowwise one (a GEMM reads its transpose through the transpose cache).
+    """
+    options = dict(
+        spec=spec, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale, input_dtype=x2d.dtype
+    )
+    made: dict[tuple[int, int], tuple] = {}
+    for columnwise_copy, wanted in ((False, rowwise), (True, columnwise)):
+        cell = spec.block_shape(role, columnwise=columnwise_copy)
+        if wanted and cell not in made:
+            made[cell] = quantize_blocks(x2d.float(), cell=cell, **options)
+    row = made[spec.block_shape(role, columnwise=False)] if rowwise else None
+    col = made[spec.block_shape(role, columnwise=True)] if columnwise else None
+    data_t = col[0].t().contiguous() if with_transpose else None
+    return copies(whole_amax_torch(x2d), row, col, data_t)
 
 
 def empty_u8(rows: int, cols: int, device: torch.device) -> torch.Tensor:

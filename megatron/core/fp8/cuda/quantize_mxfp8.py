@@ -1,5 +1,5 @@
 """MXFP8 (1x32 / 32x1 blocks, E8M0 scales) quantization and dequantization on CUDA: kernel
-specs, arguments, launches and the torch fallback."""
+specs, arguments and launches (the torch fallback: `quantize_common.blocks_torch`)."""
 
 from __future__ import annotations
 
@@ -8,41 +8,28 @@ import torch
 from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda.launch import ceil_div, launch
 from megatron.core.fp8.cuda.quantize_common import (
-    COPY_KEYS,
     amax_buffer,
+    copies,
     empty_u8,
     tile_config,
-    whole_amax_torch,
 )
-from megatron.core.fp8.formats import e8m0_to_fp32, fp8_max, fp8_max_reciprocal
+from megatron.core.fp8.formats import fp8_max, fp8_max_reciprocal
 from megatron.core.fp8.recipe import MX_BLOCK, recipe_spec
-from megatron.core.fp8.reference import quantize_1d_blocks
+from megatron.core.fp8.reference import dequantize_cells, quantize_blocks
 
 
 def mxfp8_copy_torch(
     x2d: torch.Tensor, fp8_dtype: torch.dtype, columnwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One MXFP8 copy (bytes in x2d's shape, E8M0 grid) by the reference rules, unfused."""
-    return quantize_1d_blocks(
+    return quantize_blocks(
         x2d.float(),
+        cell=(MX_BLOCK, 1) if columnwise else (1, MX_BLOCK),
         spec=recipe_spec("mxfp8"),
         fp8_dtype=fp8_dtype,
         power_2_scale=True,
-        columnwise=columnwise,
         input_dtype=x2d.dtype,
     )
-
-
-def mxfp8_torch(x2d, *, fp8_dtype, rowwise, columnwise, with_transpose):
-    out = dict.fromkeys(COPY_KEYS)
-    out["amax"] = whole_amax_torch(x2d)
-    if rowwise:
-        out["rowwise_data"], out["rowwise_scale_inv"] = mxfp8_copy_torch(x2d, fp8_dtype, False)
-    if columnwise:
-        out["columnwise_data"], out["columnwise_scale_inv"] = mxfp8_copy_torch(x2d, fp8_dtype, True)
-    if with_transpose:
-        out["columnwise_data_t"] = out["columnwise_data"].t().contiguous()
-    return out
 
 
 def mxfp8_spec(
@@ -125,8 +112,6 @@ def mxfp8_triton(x2d, *, fp8_dtype, rowwise, columnwise, with_transpose):
     rows, cols = x2d.shape
     device = x2d.device
     amax_bits = amax_buffer(device)
-    out = dict.fromkeys(COPY_KEYS)
-    out["amax"] = amax_bits.view(torch.float32)
     row_data = empty_u8(rows, cols, device) if rowwise else None
     row_e = empty_u8(rows, ceil_div(cols, MX_BLOCK), device)
     col_data = empty_u8(rows, cols, device) if columnwise else None
@@ -144,13 +129,9 @@ def mxfp8_triton(x2d, *, fp8_dtype, rowwise, columnwise, with_transpose):
             fp8_dtype=fp8_dtype,
             dequant=False,
         )
-    if rowwise:
-        out["rowwise_data"], out["rowwise_scale_inv"] = row_data, row_e
-    if columnwise:
-        out["columnwise_data"], out["columnwise_scale_inv"] = col_data, col_e
-    if with_transpose:
-        out["columnwise_data_t"] = data_t
-    return out
+    row = (row_data, row_e) if rowwise else None
+    col = (col_data, col_e) if columnwise else None
+    return copies(amax_bits.view(torch.float32), row, col, data_t)
 
 
 def mxfp8_dequantize(
@@ -169,12 +150,9 @@ def mxfp8_dequantize(
     e8m0 = e8m0.view(torch.uint8).contiguous()
     kernels = qc.triton_kernels()
     if not data.is_cuda or kernels is None:
-        multiplier = e8m0_to_fp32(e8m0)
-        if columnwise:
-            multiplier = multiplier.repeat_interleave(MX_BLOCK, dim=0)[:rows]
-        else:
-            multiplier = multiplier.repeat_interleave(MX_BLOCK, dim=1)[:, :cols]
-        return (data.view(fp8_dtype).float() * multiplier).to(out_dtype)
+        cell = (MX_BLOCK, 1) if columnwise else (1, MX_BLOCK)
+        q = data.view(fp8_dtype).float()
+        return dequantize_cells(q, e8m0, cell, e8m0=True).to(out_dtype)
     out = torch.empty((rows, cols), dtype=out_dtype, device=data.device)
     config = tile_config("mxfp8_dequant")
     if data.numel() > 0:
