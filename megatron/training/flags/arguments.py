@@ -19,12 +19,14 @@ from megatron.core.tokenizer.build import TOKENIZER_TYPES
 from megatron.training.flags.checkpoint_args import load_args_from_checkpoint
 from megatron.training.flags.checks import ArgumentError, validate_args
 from megatron.training.flags.compile import add_compile_args
+from megatron.training.flags.fp8_stats import add_fp8_stats_args
 from megatron.training.flags.megatron_lm import add_megatron_lm_args
 from megatron.training.flags.megatron_lm_table import add_megatron_lm_table_args
 from megatron.training.flags.mla import add_mla_args
 from megatron.training.flags.moe import add_moe_args
 from megatron.training.flags.mup import add_mup_args
 from megatron.training.flags.optimizer import add_optimizer_state_args
+from megatron.training.flags.tensor_parallel import add_tensor_parallel_args
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -240,15 +242,6 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
         help="Iterations between per-iteration TensorBoard/W&B points (loss, learning rate, grad "
         "norm, batch size, and their 'vs samples' series); timing, throughput and memory are "
         "logged every --log-interval.",
-    )
-    group.add_argument(
-        "--log-fp8-stats",
-        action="store_true",
-        help="Every --log-fp8-stats-interval iterations, per FP8 Linear and role (input, weight, "
-        "grad): amax, scale, fractions that saturate and flush to zero (docs/FP8_NUMERICS.md).",
-    )
-    group.add_argument(
-        "--log-fp8-stats-interval", type=int, default=100, help="Iterations per FP8 statistics."
     )
     group.add_argument("--wandb-project", default=None, help="Log to this W&B project.")
     group.add_argument("--wandb-exp-name", default=None, help="W&B run name.")
@@ -532,7 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_data_args,
         _add_fsdp_args,
         _add_fp8_args,
+        add_fp8_stats_args,
         add_moe_args,
+        add_tensor_parallel_args,
         add_megatron_lm_args,
         add_mup_args,
         add_mla_args,

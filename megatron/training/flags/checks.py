@@ -14,11 +14,7 @@ import torch
 
 from megatron.core.transformer.moe.config_checks import check_moe_config
 from megatron.training.checkpoint.path_checks import check_input_file, check_output_dir
-from megatron.training.flags.configs import (
-    build_moe_template,
-    lr_lengths_before_fraction,
-    resolved_flags,
-)
+from megatron.training.flags import configs
 from megatron.training.flags.megatron_lm import unbuilt_features
 from megatron.training.flags.megatron_lm_checks import validate_megatron_lm_args
 from megatron.training.flags.moe import validate_moe_world
@@ -40,37 +36,45 @@ def validate_args(args: argparse.Namespace, *, world_size: int | None = None) ->
     if unbuilt is not None:
         raise ArgumentError(unbuilt)
     try:
-        flags = resolved_flags(args, world_size=world_size)
+        flags = configs.resolved_flags(args, world_size=world_size)
     except ValueError as error:
         raise ArgumentError(str(error)) from None
-    try:  # first: the batch checks divide by the data-parallel size, world / TP
-        validate_tensor_parallel_args(flags)
-    except ValueError as error:
-        raise ArgumentError(str(error)) from None
+    # First the TP layout: the batch checks divide by the data-parallel size, world / TP.
+    _as_argument_error(validate_tensor_parallel_args, flags)
     _validate_batch(flags, given=args)
     _validate_model(flags)
-    _validate_moe(flags)
+    _as_argument_error(_validate_moe, flags)
     _validate_schedule(flags)
-    try:
-        validate_megatron_lm_args(flags)
-    except ValueError as error:
-        raise ArgumentError(str(error)) from None
+    _as_argument_error(validate_megatron_lm_args, flags)
     _validate_data(flags)
     _validate_checkpointing(flags)
     _validate_backend(flags)
     _validate_fsdp(flags)
     _validate_fp8(flags, given=args)
-    try:
-        validate_optimizer_args(flags)
-    except ValueError as error:
-        raise ArgumentError(str(error)) from None
+    _as_argument_error(validate_optimizer_args, flags)
     _validate_output_dirs(args)
     _validate_logging(flags)
+
+
+def _as_argument_error(check, flags: argparse.Namespace) -> None:
+    """A check module's ValueError as an ArgumentError (one `error:` line, exit 2)."""
+    try:
+        check(flags)
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
 
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ArgumentError(message)
+
+
+def _require_positive(args: argparse.Namespace, *names: str, optional: bool = False) -> None:
+    """Each flag (by attribute name) > 0; with `optional`, also unset (None)."""
+    for name in names:
+        value = getattr(args, name)
+        if not (optional and value is None):
+            _require(value > 0, f"--{name.replace('_', '-')} must be positive.")
 
 
 def _flag(attr: str) -> str:
@@ -123,21 +127,14 @@ def _validate_batch(args: argparse.Namespace, *, given: argparse.Namespace) -> N
             f"--train-samples {args.train_samples} is less than one global batch "
             f"({args.global_batch_size}); train on more samples or a smaller batch.",
         )
-    _require(args.train_iters > 0, "--train-iters must be positive.")
-    _require(args.log_interval > 0, "--log-interval must be positive.")
-    _require(args.tensorboard_log_interval > 0, "--tensorboard-log-interval must be positive.")
-    _require(args.log_fp8_stats_interval > 0, "--log-fp8-stats-interval must be positive.")
-    _require(args.eval_interval > 0, "--eval-interval must be positive.")
+    _require_positive(args, "train_iters", "log_interval", "tensorboard_log_interval")
+    _require_positive(args, "log_fp8_stats_interval", "eval_interval")
     _require(args.eval_iters >= 0, "--eval-iters must be >= 0 (0 disables evaluation).")
-    if args.exit_interval is not None:
-        _require(args.exit_interval > 0, "--exit-interval must be positive.")
-    if args.exit_duration_in_mins is not None:
-        _require(args.exit_duration_in_mins > 0, "--exit-duration-in-mins must be positive.")
+    _require_positive(args, "exit_interval", "exit_duration_in_mins", optional=True)
 
 
 def _validate_model(args: argparse.Namespace) -> None:
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        _require(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} must be positive.")
+    _require_positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     if args.kv_channels is None:
         _require(
             args.hidden_size % args.num_attention_heads == 0,
@@ -177,12 +174,9 @@ def _validate_model(args: argparse.Namespace) -> None:
 def _validate_moe(args: argparse.Namespace) -> None:
     """MoE: the rules of moe/config_checks.py on the config these flags build, and the
     expert-parallel size against the world size."""
-    try:
-        validate_moe_world(args)
-        if args.num_experts is not None or args.expert_model_parallel_size != 1:
-            check_moe_config(build_moe_template(args))
-    except ValueError as error:
-        raise ArgumentError(str(error)) from None
+    validate_moe_world(args)
+    if args.num_experts is not None or args.expert_model_parallel_size != 1:
+        check_moe_config(configs.model_template(args))
 
 
 def _schedule_flags_given(args: argparse.Namespace, unit: str) -> list[str]:
@@ -221,7 +215,7 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     """The schedule's lengths in iterations are derived in configs.py (lr_lengths), not
     written back into the flags; they are checked here as the scheduler will see them."""
     _check_schedule_units(args)
-    warmup, decay, wsd = lr_lengths_before_fraction(args)
+    warmup, decay, wsd = configs.lr_lengths_before_fraction(args)
     _require_positive(args, "lr", "the default is 3e-4")
     _require(0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must be in [0, --lr {args.lr}].")
     _require(warmup >= 0, "--lr-warmup-iters must be >= 0.")

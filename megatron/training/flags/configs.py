@@ -148,9 +148,9 @@ def build_transformer_config(args: argparse.Namespace, *, vocab_size: int) -> Tr
     return _transformer_config(flags, vocab_rows=rows)
 
 
-def build_moe_template(args: argparse.Namespace) -> TransformerConfig:
-    """The model's TransformerConfig from resolved flags (vocabulary rows aside), for the
-    parse-time MoE checks."""
+def model_template(args: argparse.Namespace) -> TransformerConfig:
+    """The model's TransformerConfig from resolved flags, vocabulary rows aside (the run
+    config's template, and the parse-time MoE checks)."""
     return _transformer_config(args, vocab_rows=args.make_vocab_size_divisible_by)
 
 
@@ -380,7 +380,7 @@ def build_run_config(
         model_setup=build_model_setup_config(args),
         distributed=build_distributed_config(args),
         lr_schedule=build_lr_schedule_config(args),
-        model_template=_transformer_config(args, vocab_rows=args.make_vocab_size_divisible_by),
+        model_template=model_template(args),
         make_vocab_size_divisible_by=vocab_padding_multiple(args),
         checkpoint_vocab_rows=args.padded_vocab_size,
     )

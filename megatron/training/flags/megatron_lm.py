@@ -430,12 +430,6 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         "Megatron-LM features not built here (sizes of 1 and 'off' are accepted; anything "
         "else is refused at parse time)"
     )
-    parser.add_argument(
-        "--tensor-model-parallel-size",
-        type=int,
-        default=1,
-        help="Ranks that split each layer (consecutive ranks; data parallelism over the rest).",
-    )
     for flag in _SIZE_ONE:
         group.add_argument(flag, type=int, default=1, help="Must be 1 here (not built above).")
     for flag in (
@@ -444,12 +438,6 @@ def _add_unbuilt(parser: argparse.ArgumentParser) -> None:
         "--num-layers-per-virtual-pipeline-stage",
     ):
         group.add_argument(flag, type=int, default=None, help="Not built here (refused).")
-    group.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="Norms and residuals on sequence shards between the tensor-parallel regions; at "
-        "tensor-parallel size 1 it is off, as in Megatron-LM.",
-    )
     for flag in _SWITCHES:
         group.add_argument(flag, action="store_true", help="Not built here (refused).")
     for flag in ("--fim-rate", "--fim-spm-rate"):

@@ -305,14 +305,11 @@ class DistributedConfig:
     num_distributed_optimizer_instances: int
     """HSDP replicas; 1: plain sharding."""
     expert_model_parallel_size: int = 1
-    """Ranks the routed experts are split over, inside the data-parallel ranks
-    (`--expert-model-parallel-size`); initialize.py builds the EP and expert-DP groups."""
+    """Ranks splitting the routed experts, inside the DP ranks (`--expert-model-parallel-size`)."""
     tensor_model_parallel_size: int = 1
-    """Ranks that split each layer (`--tensor-model-parallel-size`); consecutive ranks, as
-    Megatron-LM's order (tensor-parallel inner, data-parallel outer)."""
+    """Consecutive ranks splitting each layer, TP inner (`--tensor-model-parallel-size`)."""
     sequence_parallel: bool = False
-    """Norms and residuals on sequence shards between the tensor-parallel regions
-    (`--sequence-parallel`, only with a tensor-parallel size above 1)."""
+    """Norms and residuals on sequence shards between TP regions (`--sequence-parallel`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

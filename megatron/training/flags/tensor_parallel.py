@@ -1,12 +1,28 @@
-"""--tensor-model-parallel-size and --sequence-parallel at parse time: the layout checks that
-name the fix (issue 40, acceptance 6). Raises ValueError, shown as one `error:` line (exit 2).
-"""
+"""--tensor-model-parallel-size and --sequence-parallel at parse time: the flags, and the layout
+checks that name the fix (issue 40, acceptance 6). Raises ValueError, shown as one `error:`
+line (exit 2)."""
 
 from __future__ import annotations
 
 import argparse
 
 from megatron.core.transformer.transformer_config import resolved_shape
+
+
+def add_tensor_parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tensor parallelism (Megatron-LM's flags)")
+    group.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="Ranks that split each layer (consecutive ranks; data parallelism over the rest).",
+    )
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Norms and residuals on sequence shards between the tensor-parallel regions; at "
+        "tensor-parallel size 1 it is off, as in Megatron-LM.",
+    )
 
 
 def vocab_padding_multiple(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ PARSE_TIME = {
         "checks",
         "compile",
         "configs",
+        "fp8_stats",
         "megatron_lm",
         "megatron_lm_checks",
         "megatron_lm_table",
