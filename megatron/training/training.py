@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer import OptimizerParamScheduler
-from megatron.core.transformer.mtp import find_mtp
 from megatron.training.checkpoint import check_load_path, load_checkpoint, save_checkpoint
 from megatron.training.checkpoint.async_save import AsyncCheckpointSaver, SaveFault
 from megatron.training.data import (
@@ -40,6 +39,7 @@ from megatron.training.log_line import IntervalStats
 from megatron.training.loggers import MetricsLogger
 from megatron.training.model_setup import ModelAndOptimizer, setup_model_and_optimizer
 from megatron.training.moe_training import after_grad_sync, set_aux_loss_scale
+from megatron.training.mtp_training import prepare_mtp, step_mtp_losses
 from megatron.training.run_hooks import (
     ExitSignal,
     ManualGC,
@@ -262,7 +262,7 @@ def forward_backward(
     one GPU per process the autograd engine's device worker thread only adds a hand-off,
     which costs the Python backward of every FP8 layer a thread switch and its wake-up."""
     mask = batch["loss_mask"]
-    mtp_inputs = _prepare_mtp(run, mask, num_microbatches, loss_scale, tokens_per_rank)
+    mtp_inputs = prepare_mtp(run.model, mask, num_microbatches, loss_scale, tokens_per_rank)
     token_losses = run.model(
         batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"], **mtp_inputs
     )
@@ -275,41 +275,6 @@ def forward_backward(
     with torch.autograd.set_multithreading_enabled(worker_threads):
         (objective * loss_scale if loss_scale != 1.0 else objective).backward()
     return loss.detach()
-
-
-def _prepare_mtp(
-    run: ModelAndOptimizer,
-    mask: torch.Tensor,
-    num_microbatches: int,
-    loss_scale: float,
-    tokens_per_rank: float | None,
-) -> dict[str, torch.Tensor]:
-    """With --mtp-num-layers: set the MTP losses' backward scale to the factor backward sees
-    the main loss's token mean times (before the forward, which saves it), and return the
-    loss mask the MTP losses use as a forward keyword; else {}."""
-    mtp = find_mtp(run.model)
-    if mtp is None:
-        return {}
-    if tokens_per_rank is not None:
-        scale = float(mask.sum()) / tokens_per_rank
-    else:
-        scale = 1.0 / num_microbatches
-    mtp.metrics.set_backward_scale(scale * loss_scale)
-    return {"loss_mask": mask}
-
-
-def _step_mtp_losses(run: ModelAndOptimizer, env: DistributedEnv) -> dict[str, float]:
-    """This step's MTP losses (mean over micro-batches and data-parallel ranks) by their
-    Megatron-LM names; the metrics restart for the next step."""
-    mtp = find_mtp(run.model)
-    if mtp is None:
-        return {}
-    report = mtp.metrics.report()
-    mtp.metrics.reset()
-    return {
-        name: _mean_over_ranks(torch.tensor(value, device=env.device), env)
-        for name, value in report.items()
-    }
 
 
 def seed_dropout(seed: int, *, first_sample: int, stream: int = 0) -> None:
@@ -336,6 +301,35 @@ def _dropout_stream(env: DistributedEnv) -> int:
     return tensor_parallel.rank + 1
 
 
+def _step_batches(
+    config: TrainingConfig,
+    *,
+    env: DistributedEnv,
+    dataset: torch.utils.data.Dataset,
+    state: TrainState,
+) -> tuple[list[dict[str, torch.Tensor]], float | None]:
+    """This rank's micro-batches of the step, and with --calculate-per-token-loss the global
+    batch's loss tokens per data-parallel rank (else None)."""
+    step_samples = config.micro_batch_size * env.data_parallel_size
+    batches = [
+        get_micro_batch(
+            dataset,
+            first_sample=state.consumed_train_samples + microbatch * step_samples,
+            micro_batch_size=config.micro_batch_size,
+            rank=env.data_parallel_rank,
+            device=env.device,
+        )
+        for microbatch in range(config.num_microbatches)
+    ]
+    if not config.calculate_per_token_loss:
+        return batches, None
+    # The whole global batch's loss tokens, known before any forward (as Megatron-LM
+    # normalizes by them after the reduction).
+    tokens = torch.stack([batch["loss_mask"].sum() for batch in batches]).sum().float()
+    global_tokens = _mean_over_ranks(tokens, env) * env.data_parallel_size
+    return batches, max(global_tokens, 1.0) / env.data_parallel_size
+
+
 def train_step(
     config: TrainingConfig,
     *,
@@ -350,23 +344,7 @@ def train_step(
     step_start = time.time()
     run.optimizer.zero_grad()
     step_samples = config.micro_batch_size * env.data_parallel_size
-    batches = [
-        get_micro_batch(
-            dataset,
-            first_sample=state.consumed_train_samples + microbatch * step_samples,
-            micro_batch_size=config.micro_batch_size,
-            rank=env.data_parallel_rank,
-            device=env.device,
-        )
-        for microbatch in range(config.num_microbatches)
-    ]
-    tokens_per_rank = None
-    if config.calculate_per_token_loss:
-        # The whole global batch's loss tokens, known before any forward (as Megatron-LM
-        # normalizes by them after the reduction).
-        tokens = torch.stack([batch["loss_mask"].sum() for batch in batches]).sum().float()
-        global_tokens = _mean_over_ranks(tokens, env) * env.data_parallel_size
-        tokens_per_rank = max(global_tokens, 1.0) / env.data_parallel_size
+    batches, tokens_per_rank = _step_batches(config, env=env, dataset=dataset, state=state)
     scaler = run.grad_scaler
     set_aux_loss_scale(
         run,
@@ -411,7 +389,10 @@ def train_step(
     else:
         loss = _mean_over_ranks(torch.stack(losses).mean(), env)
     run.last_step = {
-        "mtp-losses": _step_mtp_losses(run, env),
+        "mtp-losses": {
+            name: _mean_over_ranks(torch.tensor(value, device=env.device), env)
+            for name, value in step_mtp_losses(run.model).items()
+        },
         "forward-backward-time": optimizer_start - step_start,
         "optimizer-time": time.time() - optimizer_start,
         "num-zeros": result.num_zeros_in_grad,

@@ -69,7 +69,7 @@ def _require(condition: bool, message: str) -> None:
         raise ArgumentError(message)
 
 
-def _require_positive(args: argparse.Namespace, *names: str, optional: bool = False) -> None:
+def _require_each_positive(args: argparse.Namespace, *names: str, optional: bool = False) -> None:
     """Each flag (by attribute name) > 0; with `optional`, also unset (None)."""
     for name in names:
         value = getattr(args, name)
@@ -127,14 +127,14 @@ def _validate_batch(args: argparse.Namespace, *, given: argparse.Namespace) -> N
             f"--train-samples {args.train_samples} is less than one global batch "
             f"({args.global_batch_size}); train on more samples or a smaller batch.",
         )
-    _require_positive(args, "train_iters", "log_interval", "tensorboard_log_interval")
-    _require_positive(args, "log_fp8_stats_interval", "eval_interval")
+    _require_each_positive(args, "train_iters", "log_interval", "tensorboard_log_interval")
+    _require_each_positive(args, "log_fp8_stats_interval", "eval_interval")
     _require(args.eval_iters >= 0, "--eval-iters must be >= 0 (0 disables evaluation).")
-    _require_positive(args, "exit_interval", "exit_duration_in_mins", optional=True)
+    _require_each_positive(args, "exit_interval", "exit_duration_in_mins", optional=True)
 
 
 def _validate_model(args: argparse.Namespace) -> None:
-    _require_positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    _require_each_positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     if args.kv_channels is None:
         _require(
             args.hidden_size % args.num_attention_heads == 0,

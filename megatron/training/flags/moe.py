@@ -212,10 +212,16 @@ def moe_notes(args: argparse.Namespace) -> list[str]:
 def unbuilt_moe_features(args: argparse.Namespace) -> list[str]:
     """The MoE combinations not built, as written with what to use instead (for the one
     exit-2 "not built" message, megatron_lm.unbuilt_features)."""
+    found = []
+    tp_size = args.tensor_model_parallel_size
+    if args.num_experts is not None and tp_size != 1:
+        found.append(
+            f"--tensor-model-parallel-size {tp_size} with --num-experts (MoE with tensor "
+            "parallelism; use --tensor-model-parallel-size 1)"
+        )
     ep_size = args.expert_model_parallel_size
     if ep_size == 1:
-        return []
-    found = []
+        return found
     if args.use_torch_fsdp2:
         found.append(
             f"--expert-model-parallel-size {ep_size} with --use-torch-fsdp2 (use "

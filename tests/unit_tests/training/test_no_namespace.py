@@ -7,8 +7,8 @@ and with `ast`: no `argparse` import and no `Namespace` in those modules. Parse-
 keep the Namespace: flags/arguments.py, checkpoint_args.py and checks.py (parsing and validation),
 flags/configs.py (builds the configs from it), flags/megatron_lm.py, megatron_lm_checks.py,
 megatron_lm_table.py, mup.py, mla.py and moe.py (add, map and check Megatron-LM's flags at parse
-time), flags/optimizer.py (the optimizer-state flags and their checks) and flags/compile.py
-(--torch-compile and its default)."""
+time), flags/optimizer.py (the optimizer-state flags and their checks), flags/compile.py
+(--torch-compile and its default), flags/tensor_parallel.py and flags/fp8_stats.py."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ PARSE_TIME = {
         "mup",
         "mla",
         "optimizer",
+        "tensor_parallel",
     )
 }
 ARGS_ATTRIBUTE = re.compile(r"args\.")  # as `grep -rn "args\."`

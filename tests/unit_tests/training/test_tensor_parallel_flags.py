@@ -47,7 +47,12 @@ def _tp(n: int) -> list[str]:
             "--tensor-model-parallel-size > 1 is not built yet with: Megatron-FSDP",
         ),
         (_tp(2) + ["--fp8-recipe", "tensorwise"], 2, "FP8 (--fp8-recipe/--fp8-format)"),
-        (_tp(2) + ["--disable-bias-linear", "--num-experts", "4"], 2, "--num-experts (MoE)"),
+        (
+            _tp(2) + ["--disable-bias-linear", "--num-experts", "4"],
+            2,
+            "not built these Megatron-LM features: --tensor-model-parallel-size 2 with "
+            "--num-experts",
+        ),
         (_tp(2) + ["--qk-layernorm"], 2, "not built yet with: --qk-layernorm (use no QK norm)"),
         (_tp(2) + ["--mtp-num-layers", "1"], 2, "not built yet with: --mtp-num-layers"),
     ],
