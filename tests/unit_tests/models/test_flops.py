@@ -46,3 +46,46 @@ def test_gemm_flops_equal_measured_mm_count():
     attention = 24 * 6 * 2 * 32 * 8
     predicted = num_floating_point_operations(config, batch_size=3, seq_length=8)
     assert measured_mm == predicted - attention - 24 * 6 * norm_params == 2_506_752
+
+
+# HAND_CONFIG with layer 2 an MoE layer: 4 experts of FFN 48, top-2, a shared expert of 40
+# with its gate.
+MOE_CONFIG = dict(
+    HAND_CONFIG,
+    num_moe_experts=4,
+    moe_ffn_hidden_size=48,
+    moe_layer_freq=[0, 1],
+    moe_router_topk=2,
+    moe_shared_expert_intermediate_size=40,
+    moe_shared_expert_gate=True,
+)
+
+
+def test_moe_parameters_and_flops_match_hand_count():
+    config = tiny_config(**MOE_CONFIG)
+    # MoE layer: norms 64, qkv 2048, proj 1024; router 4*32; each expert 32*96 + 48*32 = 4608;
+    # shared expert 32*80 + 40*32 = 3840; its gate 32.
+    assert layer_parameters(config, moe_experts=4) == 3136 + 128 + 4 * 4608 + 3840 + 32 == 25568
+    # Tied: embedding 2048 + dense layer 7744 + MoE layer 25568 + final norm 32.
+    assert count_parameters_from_config(config) == 35_392
+    assert sum(p.numel() for p in GPTModel(config).parameters()) == 35_392
+    # A token multiplies by the dense layer, the MoE layer with its top-2 experts, the final
+    # norm and the head: 7744 + (3136 + 128 + 2 * 4608 + 3840 + 32) + 32 + 2048.
+    matmul_params = 7744 + 16352 + 32 + 2048
+    expected = 24 * (6 * matmul_params + 6 * 2 * 32 * 8)
+    assert num_floating_point_operations(config, batch_size=3, seq_length=8) == expected
+
+
+def test_moe_gemm_flops_equal_measured_mm_count():
+    """Dropless top-2 routing: the experts' GEMMs see each token twice, as the formula says."""
+    config = tiny_config(**MOE_CONFIG)
+    model = GPTModel(config)
+    ids = token_batch(batch=3)
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=ids).sum().backward()
+    counts = counter.get_flop_counts()["Global"]
+    measured = sum(counts.get(op, 0) for op in (torch.ops.aten.mm, torch.ops.aten.addmm))
+    norm_params = 2 * 2 * 32 + 32
+    attention = 24 * 6 * 2 * 32 * 8
+    predicted = num_floating_point_operations(config, batch_size=3, seq_length=8)
+    assert measured == predicted - attention - 24 * 6 * norm_params
