@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron.core.models.gpt import GPTModel, count_parameters_from_config
+from megatron.core.models.gpt import GPTModel, count_parameters, count_parameters_from_config
 from megatron.core.models.gpt.flops import layer_parameters, num_floating_point_operations
 from tests.unit_tests.models.model_configs import tiny_config, token_batch
 
@@ -87,5 +88,52 @@ def test_moe_gemm_flops_equal_measured_mm_count():
     measured = sum(counts.get(op, 0) for op in (torch.ops.aten.mm, torch.ops.aten.addmm))
     norm_params = 2 * 2 * 32 + 32
     attention = 24 * 6 * 2 * 32 * 8
+    predicted = num_floating_point_operations(config, batch_size=3, seq_length=8)
+    assert measured == predicted - attention - 24 * 6 * norm_params
+
+
+MLA = dict(multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4)
+MLA.update(v_head_dim=8, num_query_groups=None)  # MLA has no key/value groups
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(HAND_CONFIG, qk_layernorm=True),
+        dict(HAND_CONFIG, qk_layernorm=True, normalization="LayerNorm", add_bias_linear=True),
+        dict(HAND_CONFIG, **MLA),
+        dict(HAND_CONFIG, **MLA, q_lora_rank=24, qk_layernorm=True),
+        dict(HAND_CONFIG, **MLA, q_lora_rank=24, qk_layernorm=True, normalization="LayerNorm"),
+        dict(HAND_CONFIG, mtp_num_layers=2),
+        dict(MOE_CONFIG, mtp_num_layers=1, untie_embeddings_and_output_weights=True),
+    ],
+    ids=[
+        "qk-norm",
+        "qk-norm-layernorm-bias",
+        "mla",
+        "mla-q-lora",
+        "mla-layernorm",
+        "mtp-2",
+        "moe-mtp",
+    ],
+)
+def test_parameter_count_from_config_equals_the_model(overrides):
+    config = tiny_config(**overrides)
+    assert count_parameters_from_config(config) == count_parameters(GPTModel(config))
+
+
+def test_mla_and_mtp_gemm_flops_equal_measured_mm_count():
+    """Latent projections, QK^T over (qk + pos) and PV over v dims, one MTP depth (its module
+    and the head again): the formula's GEMM part equals the measured mm count."""
+    config = tiny_config(**dict(HAND_CONFIG, **MLA), q_lora_rank=24, mtp_num_layers=1)
+    model = GPTModel(config)
+    ids = token_batch(batch=3)
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=ids).sum().backward()
+    counts = counter.get_flop_counts()["Global"]
+    measured = sum(counts.get(op, 0) for op in (torch.ops.aten.mm, torch.ops.aten.addmm))
+    # Elementwise norms the formula includes: 2 per layer, final, 3 per MTP depth + its layer's 2.
+    norm_params = 32 * (2 * 2 + 1 + 3 + 2)
+    attention = 24 * 3 * 3 * 4 * (8 + 4 + 8) * 8  # (2 layers + 1 depth) x 4 heads x 20 x S 8
     predicted = num_floating_point_operations(config, batch_size=3, seq_length=8)
     assert measured == predicted - attention - 24 * 6 * norm_params
