@@ -35,13 +35,19 @@ def test_flops_match_hand_count():
     assert count_parameters_from_config(config) == 17_568
 
 
-def test_gemm_flops_equal_measured_mm_count():
-    config = tiny_config(**HAND_CONFIG)
+def _measured_gemm_flops(config) -> int:
+    """The mm/addmm FLOPs of one forward + backward of the model on a 3 x 8 batch."""
     model = GPTModel(config)
     ids = token_batch(batch=3)
     with FlopCounterMode(display=False) as counter:
         model(ids, labels=ids).sum().backward()
-    measured_mm = counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+    counts = counter.get_flop_counts()["Global"]
+    return sum(counts.get(op, 0) for op in (torch.ops.aten.mm, torch.ops.aten.addmm))
+
+
+def test_gemm_flops_equal_measured_mm_count():
+    config = tiny_config(**HAND_CONFIG)
+    measured_mm = _measured_gemm_flops(config)
     # The formula minus its attention term and the (elementwise) norm parameters it includes.
     norm_params = 2 * 2 * 32 + 32
     attention = 24 * 6 * 2 * 32 * 8
@@ -80,12 +86,7 @@ def test_moe_parameters_and_flops_match_hand_count():
 def test_moe_gemm_flops_equal_measured_mm_count():
     """Dropless top-2 routing: the experts' GEMMs see each token twice, as the formula says."""
     config = tiny_config(**MOE_CONFIG)
-    model = GPTModel(config)
-    ids = token_batch(batch=3)
-    with FlopCounterMode(display=False) as counter:
-        model(ids, labels=ids).sum().backward()
-    counts = counter.get_flop_counts()["Global"]
-    measured = sum(counts.get(op, 0) for op in (torch.ops.aten.mm, torch.ops.aten.addmm))
+    measured = _measured_gemm_flops(config)
     norm_params = 2 * 2 * 32 + 32
     attention = 24 * 6 * 2 * 32 * 8
     predicted = num_floating_point_operations(config, batch_size=3, seq_length=8)
@@ -126,12 +127,7 @@ def test_mla_and_mtp_gemm_flops_equal_measured_mm_count():
     """Latent projections, QK^T over (qk + pos) and PV over v dims, one MTP depth (its module
     and the head again): the formula's GEMM part equals the measured mm count."""
     config = tiny_config(**dict(HAND_CONFIG, **MLA), q_lora_rank=24, mtp_num_layers=1)
-    model = GPTModel(config)
-    ids = token_batch(batch=3)
-    with FlopCounterMode(display=False) as counter:
-        model(ids, labels=ids).sum().backward()
-    counts = counter.get_flop_counts()["Global"]
-    measured = sum(counts.get(op, 0) for op in (torch.ops.aten.mm, torch.ops.aten.addmm))
+    measured = _measured_gemm_flops(config)
     # Elementwise norms the formula includes: 2 per layer, final, 3 per MTP depth + its layer's 2.
     norm_params = 32 * (2 * 2 + 1 + 3 + 2)
     attention = 24 * 3 * 3 * 4 * (8 + 4 + 8) * 8  # (2 layers + 1 depth) x 4 heads x 20 x S 8
