@@ -21,8 +21,10 @@ from megatron.core.distributed.fsdp.traffic import (
 from megatron.core.models.gpt.flops import (
     count_parameters_from_config,
     layer_parameters,
+    norm_parameters,
     num_floating_point_operations,
 )
+from megatron.core.tensor_parallel import traffic as tp_traffic
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 GPUS_PER_NODE = 8
@@ -59,6 +61,13 @@ LLAMA_70B = TransformerConfig(
     untie_embeddings_and_output_weights=True,
     position_embedding_type="rope",
 )
+
+
+def sequence_parallel_parameters(config: TransformerConfig) -> int:
+    """Parameters whose gradients sequence parallelism all-reduces over TP once per step: each
+    layer's two norms and, with biases, its two row-parallel biases; the final norm."""
+    biases = 2 * config.hidden_size if config.add_bias_linear else 0
+    return config.num_layers * (2 * norm_parameters(config) + biases) + norm_parameters(config)
 
 
 @dataclass(frozen=True)
@@ -145,11 +154,64 @@ def table(name: str, config: TransformerConfig) -> str:
     return "\n".join(lines)
 
 
+def tensor_parallel_gb(config: TransformerConfig, tp: int, *, sequence_parallel: bool) -> float:
+    """GB one GPU sends per step over its TP group (a ring): one micro-batch of
+    TOKENS_PER_GPU tokens per TP group, bf16 activations, bf16 grads of the
+    sequence-parallel parameters."""
+    logical = tp_traffic.step_bytes(
+        micro_batches=1,
+        sequence_parallel_grad_bytes=2 * sequence_parallel_parameters(config),
+        sequence_parallel=sequence_parallel,
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        micro_batch=TOKENS_PER_GPU // config.max_sequence_length,
+        seq_length=config.max_sequence_length,
+        activation_bytes=2,
+    )
+    return tp_traffic.wire_bytes(logical, tp) / 1e9
+
+
+def tp_row(config: TransformerConfig, gpus: int, tp: int) -> str:
+    """TP x ZeRO-3 over the rest (bf16): the TP bytes (exposed: Megatron-LM's TP collectives
+    wait for the GEMMs around them) and the data-parallel bytes of the TP shards."""
+    dp = gpus // tp
+    tp_gb = {sp: tensor_parallel_gb(config, tp, sequence_parallel=sp) for sp in (False, True)}
+    tp_ms = tp_gb[True] * 1e9 / NVLINK_BYTES_PER_S * 1e3
+    compute_ms = _compute_ms(config, "bf16") / tp
+    root, layers, _ = _units(config, "bf16")
+    root, layers = Unit(root.numel // tp, 2), [Unit(u.numel // tp, 2) for u in layers]
+    stats = counter_bytes(root, layers, shard_size=dp)
+    links = wire_bytes(stats, shard_size=dp, outer_size=1, gpus_per_node=GPUS_PER_NODE // tp)
+    dp_ms = max(links["nvlink"] / NVLINK_BYTES_PER_S, links["network"] / NETWORK_BYTES_PER_S) * 1e3
+    params = count_parameters_from_config(config) // tp
+    state = state_bytes_per_gpu(params, shard_size=dp, outer_size=1, outer_strategy="no_shard")
+    return (
+        f"| {gpus} | {tp} x {dp} | {tp_gb[False]:.2f} | {tp_gb[True]:.2f} | {tp_ms:.1f} "
+        f"| {dp_ms:.1f} | {compute_ms:.0f} | {tp_ms + max(0.0, dp_ms - compute_ms):.1f} "
+        f"| {state / 1e9:.1f} |"
+    )
+
+
+def tp_table(config: TransformerConfig) -> str:
+    lines = [
+        "| GPUs | TP x DP | TP GB/GPU | TP GB/GPU (SP) | TP ms (SP, exposed) | DP comm ms "
+        "| compute ms | exposed ms | state GB/GPU |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for gpus in (8, 64):
+        lines += [tp_row(config, gpus, tp) for tp in (1, 2, 4, 8)]
+    return "\n".join(lines)
+
+
 def main() -> None:
     for name, config in (("Model A", MODEL_A), ("Llama-style 70B", LLAMA_70B)):
         params = count_parameters_from_config(config) / 1e9
         print(f"### {name} ({params:.2f} B parameters)\n")
         print(table(name, config))
+        print()
+    for name, config in (("Model A", MODEL_A), ("Llama-style 70B", LLAMA_70B)):
+        print(f"### {name}: tensor parallelism x ZeRO-3, bf16\n")
+        print(tp_table(config))
         print()
 
 

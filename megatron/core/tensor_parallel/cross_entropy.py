@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.tensor_parallel.mappings import count_collective
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -20,15 +22,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = dist.get_rank(group) * local_vocab
         logits_max = logits.max(dim=-1).values
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        count_collective("all_reduce", logits_max)
         shifted = logits - logits_max.unsqueeze(-1)
         outside = (target < start) | (target >= start + local_vocab)
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(outside, 0.0)
         dist.all_reduce(target_logit, group=group)
+        count_collective("all_reduce", target_logit)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         dist.all_reduce(sum_exp, group=group)
+        count_collective("all_reduce", sum_exp)
         loss = sum_exp.log() - target_logit
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, outside)
         return loss

@@ -24,6 +24,7 @@ from torch import nn
 
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
+    count_collective,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
@@ -226,6 +227,7 @@ def all_reduce_sequence_parallel_grads(model: nn.Module, group: dist.ProcessGrou
     for param in model.parameters():
         if getattr(param, SEQUENCE_PARALLEL_ATTR, False) and param.grad is not None:
             dist.all_reduce(param.grad, group=group)
+            count_collective("all_reduce", param.grad)
 
 
 def column_parallel_matmul(

@@ -14,6 +14,11 @@ Each function is the forward of a pair whose backward is its conjugate:
 
 Tensors are batch-first [B, S, ...], so the sequence dimension is 1 (Megatron-LM's is 0,
 [S, B, H]); rank r of the group holds slice r of a split dimension (rank order of the group).
+
+Every tensor-parallel collective of a process is counted by kind in logical bytes, the size of
+the full tensor (an all-gather's output, a reduce-scatter's input, an all-reduce's tensor):
+`tensor_parallel_bytes()`; `megatron.core.tensor_parallel.traffic` has the formulas the tests
+check against these counters (docs/SCALING.md).
 """
 
 from __future__ import annotations
@@ -23,6 +28,24 @@ import torch.distributed as dist
 
 SEQUENCE_DIM = 1
 """The dimension that sequence parallelism splits: tensors are [B, S, D]."""
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+_BYTES = dict.fromkeys(COLLECTIVE_KINDS, 0)
+
+
+def count_collective(kind: str, full: torch.Tensor) -> None:
+    """Add one collective of `kind` over the full tensor `full` to this process's counters."""
+    _BYTES[kind] += full.numel() * full.element_size()
+
+
+def tensor_parallel_bytes() -> dict[str, int]:
+    """This process's tensor-parallel collectives since the last reset: logical bytes by kind."""
+    return dict(_BYTES)
+
+
+def reset_tensor_parallel_bytes() -> None:
+    for kind in COLLECTIVE_KINDS:
+        _BYTES[kind] = 0
 
 
 def _world(group: dist.ProcessGroup) -> int:
@@ -55,14 +78,18 @@ def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor
     x = x.contiguous()
     pieces = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(pieces, x, group=group)
-    return torch.cat(pieces, dim=dim)
+    full = torch.cat(pieces, dim=dim)
+    count_collective("all_gather", full)
+    return full
 
 
-def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "all_reduce"):
+    """The sum over ranks (a new tensor), counted as `kind`."""
     if _world(group) == 1:
         return x
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group)
+    count_collective(kind, x)
     return x
 
 
@@ -74,10 +101,11 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torc
     _check_divisible(x.shape[dim], world, dim)
     if dist.get_backend(group) == dist.Backend.GLOO:
         # gloo has no reduce-scatter: the all-reduce's sum is the same, one slice is kept.
-        return _split(_all_reduce(x, group), dim, group)
+        return _split(_all_reduce(x, group, kind="reduce_scatter"), dim, group)
     inputs = [piece.contiguous() for piece in x.chunk(world, dim=dim)]
     out = torch.empty_like(inputs[0])
     dist.reduce_scatter(out, inputs, group=group)
+    count_collective("reduce_scatter", x)
     return out
 
 

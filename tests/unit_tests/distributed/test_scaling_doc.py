@@ -8,7 +8,7 @@ import os
 import pytest
 
 from megatron.core.models.gpt.flops import count_parameters_from_config
-from tools.scaling_table import LLAMA_70B, MODEL_A, main, row
+from tools.scaling_table import LLAMA_70B, MODEL_A, main, row, tensor_parallel_gb
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "SCALING.md")
 
@@ -19,7 +19,8 @@ def test_doc_tables_are_the_tool_output(capsys) -> None:
     with open(DOC) as handle:
         doc = handle.read()
     table_lines = [line for line in printed.splitlines() if line.startswith("|")]
-    assert len(table_lines) == 2 * (2 + 2 + 3 * 3 * 2)  # header + rule + 20 rows, per model
+    # Per model: header + rule + 20 layout rows; then header + rule + 8 TP x DP rows.
+    assert len(table_lines) == 2 * (2 + 2 + 3 * 3 * 2) + 2 * (2 + 8)
     for line in table_lines:
         assert line in doc, line
 
@@ -39,3 +40,15 @@ def test_hsdp_network_bytes_are_one_grad_shard_all_reduced() -> None:
     # 70B: the node-sharded state does not fit an H200 unless the moments split across nodes.
     assert row("70B", LLAMA_70B, 64, "HSDP", "bf16").state_gb > 141
     assert row("70B", LLAMA_70B, 64, "HSDP optim", "bf16").state_gb < 80
+
+
+def test_tensor_parallel_bytes_by_hand() -> None:
+    """Model A at TP 2, no sequence parallelism: 4 all-reduces of one bf16 activation per
+    layer plus two (embedding, output-layer input gradient) and three fp32 [B, S] loss
+    all-reduces; a ring sends 2 (t-1)/t of each."""
+    activation = 2 * 4096 * 4096 * 2
+    logical = activation * (2 + 4 * 8) + 3 * 2 * 4096 * 4
+    assert tensor_parallel_gb(MODEL_A, 2, sequence_parallel=False) * 1e9 == pytest.approx(
+        logical, rel=1e-12
+    )
+    assert tensor_parallel_gb(MODEL_A, 1, sequence_parallel=True) == 0.0

@@ -13,7 +13,7 @@ def count_parameters(model: nn.Module) -> int:
     return sum(param.numel() for param in model.parameters())
 
 
-def _norm_parameters(config: TransformerConfig, width: int | None = None) -> int:
+def norm_parameters(config: TransformerConfig, width: int | None = None) -> int:
     # LayerNorm has a weight and a bias, RMSNorm only a weight.
     width = config.hidden_size if width is None else width
     return width * (2 if config.normalization == "LayerNorm" else 1)
@@ -30,11 +30,11 @@ def _attention_parameters(config: TransformerConfig) -> int:
     if not config.multi_latent_attention:
         heads_width = heads * config.kv_channels
         qkv_width = heads_width + 2 * config.num_query_groups * config.kv_channels
-        qk_norms = 2 * _norm_parameters(config, config.kv_channels) if config.qk_layernorm else 0
+        qk_norms = 2 * norm_parameters(config, config.kv_channels) if config.qk_layernorm else 0
         return _linear(hidden, qkv_width, bias) + _linear(heads_width, hidden, bias) + qk_norms
 
     def latent_norm(width: int) -> int:
-        return _norm_parameters(config, width) if config.qk_layernorm else 0
+        return norm_parameters(config, width) if config.qk_layernorm else 0
 
     q_rank, kv_rank, pos = config.q_lora_rank, config.kv_lora_rank, config.qk_pos_emb_head_dim
     q_width = heads * (config.qk_head_dim + pos)
@@ -84,7 +84,7 @@ def layer_parameters(config: TransformerConfig, *, moe_experts: int | None = Non
         mlp = _mlp_parameters(config, config.ffn_hidden_size)
     else:
         mlp = _moe_mlp_parameters(config, experts=moe_experts)
-    return 2 * _norm_parameters(config) + _attention_parameters(config) + mlp
+    return 2 * norm_parameters(config) + _attention_parameters(config) + mlp
 
 
 def _decoder_parameters(config: TransformerConfig, *, active: bool) -> int:
@@ -94,7 +94,7 @@ def _decoder_parameters(config: TransformerConfig, *, active: bool) -> int:
     experts = config.moe_router_topk if active else config.num_moe_experts
     pattern = moe_layer_pattern(config)
     layers = [layer_parameters(config, moe_experts=experts if moe else None) for moe in pattern]
-    mtp_module = 3 * _norm_parameters(config) + 2 * config.hidden_size**2 + layers[-1]
+    mtp_module = 3 * norm_parameters(config) + 2 * config.hidden_size**2 + layers[-1]
     return sum(layers) + (config.mtp_num_layers or 0) * mtp_module
 
 
@@ -106,7 +106,7 @@ def count_parameters_from_config(config: TransformerConfig) -> int:
     output_head = 0
     if config.untie_embeddings_and_output_weights:
         output_head = config.vocab_size * config.hidden_size
-    decoder = _decoder_parameters(config, active=False) + _norm_parameters(config)
+    decoder = _decoder_parameters(config, active=False) + norm_parameters(config)
     return embedding + decoder + output_head
 
 
@@ -132,7 +132,7 @@ def num_floating_point_operations(
     depth = config.mtp_num_layers or 0
     matmul_parameters = (
         _decoder_parameters(config, active=True)
-        + _norm_parameters(config)
+        + norm_parameters(config)
         + (1 + depth) * config.vocab_size * config.hidden_size
     )
     attention = 3 * (config.num_layers + depth) * _attention_core_width(config) * seq_length
