@@ -1,0 +1,139 @@
+"""Triton kernels of the FP8 grouped GEMMs of the MoE experts (`grouped_gemm.py` launches them).
+
+- `_ragged_m_kernel`: Y[rows of group g] = A[rows of g] @ B[g]^T, A [M, K] FP8 sorted by group,
+  B [G, N, K] FP8: the experts' forward (B = the weights) and data gradient (B = the weights'
+  transposed copies). One program per (tile of BLOCK_M rows inside one group, tile of N).
+- `_ragged_k_kernel`: C[g] = A[:, cols of g] @ B[:, cols of g]^T with A [N, M] and B [K, M]
+  FP8 (the transposed copies of the output gradient and of the input, tokens along M): the
+  experts' weight gradient, one [N, K] result per group, reducing over that group's tokens.
+
+Both read K-major FP8 operands (what Hopper's FP8 tensor-core instructions take) and scale the
+fp32 accumulator by the operands' scale_inv as the dense GEMM does (docs/FP8_NUMERICS.md):
+per-tensor (a scalar for A, one per group for B) or, in the ragged-M kernel, blockwise (A 1x128
+per row and K block, B 128x128 per group): each K block's partial product is scaled before it
+is added, as DeepSeek-V3's blockwise GEMM does. Results are bf16 or fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Tile shapes tried once per (N, K) (BLOCK_M and BLOCK_K stay 128: the host builds the row
+# tiles with BLOCK_M, and blockwise scales come per 128 of K).
+_CONFIGS = [
+    triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+    for block_n in (128, 256)
+    for warps in (4, 8)
+    for stages in (3, 4)
+]
+
+
+@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCKWISE"])
+@triton.jit
+def _ragged_m_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    tile_group_ptr,
+    tile_row_ptr,
+    group_end_ptr,
+    N,
+    K,
+    stride_am,
+    stride_bg,
+    stride_bn,
+    stride_cm,
+    BLOCKWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    group = tl.load(tile_group_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)
+    row_end = tl.load(group_end_ptr + group)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < row_end
+    col_ok = cols < N
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+    b_ptrs = b_ptr + group.to(tl.int64) * stride_bg + cols[:, None] * stride_bn + ks[None, :]
+    k_blocks = (K + BLOCK_K - 1) // BLOCK_K  # blockwise: BLOCK_K is the 128 of the scales
+    n_blocks = (N + 127) // 128
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kb = k0 // BLOCK_K
+        k_ok = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if BLOCKWISE:
+            # scale_inv of A: [M, k_blocks] (1x128); of B: [G, ceil(N/128), k_blocks] (128x128).
+            a_s = tl.load(a_scale_ptr + rows.to(tl.int64) * k_blocks + kb, mask=row_ok, other=0.0)
+            b_s = tl.load(
+                b_scale_ptr + (group * n_blocks + cols // 128) * k_blocks + kb,
+                mask=col_ok,
+                other=0.0,
+            )
+            partial = tl.dot(a, tl.trans(b))
+            acc += partial * a_s[:, None] * b_s[None, :]
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if not BLOCKWISE:
+        acc = acc * tl.load(a_scale_ptr) * tl.load(b_scale_ptr + group)
+    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.autotune(configs=_CONFIGS, key=["N", "K"])
+@triton.jit
+def _ragged_k_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    group_start_ptr,
+    N,
+    K,
+    stride_an,
+    stride_bk,
+    stride_cg,
+    stride_cn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    group = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    start = tl.load(group_start_ptr + group)
+    end = tl.load(group_start_ptr + group + 1)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    ms = tl.arange(0, BLOCK_M)
+    n_ok = ns < N
+    k_ok = kk < K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        m_ok = (m0 + ms) < end
+        a = tl.load(
+            a_ptr + ns[:, None].to(tl.int64) * stride_an + (m0 + ms)[None, :],
+            mask=n_ok[:, None] & m_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + kk[:, None].to(tl.int64) * stride_bk + (m0 + ms)[None, :],
+            mask=k_ok[:, None] & m_ok[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(a, tl.trans(b), acc)
+    acc = acc * tl.load(a_scale_ptr) * tl.load(b_scale_ptr)
+    c_ptrs = c_ptr + group.to(tl.int64) * stride_cg + ns[:, None] * stride_cn + kk[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
