@@ -24,6 +24,8 @@ ALLOWED_IN_FUNCTION = {
         "megatron.core.distributed.fsdp.triton_grad_copy",
     ),
     ("megatron/core/fp8/cuda/quantize_common.py", "megatron.core.fp8.cuda.triton_quantize"),
+    # The experts' FP8 grouped GEMM kernels; without Triton one emulated GEMM per expert.
+    ("megatron/core/fp8/cuda/grouped_gemm.py", "megatron.core.fp8.cuda.triton_grouped_gemm"),
     # FusedAdamW's CUDA step; without Triton it runs torch's AdamW step.
     ("megatron/core/optimizer/fused_adamw.py", "megatron.core.optimizer.triton_adamw"),
     # megatron.core.fp8.cuda, the CUDA-only FP8 kernel paths: loaded on the first CUDA tensor,
