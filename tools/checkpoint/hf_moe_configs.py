@@ -33,7 +33,8 @@ _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_s
 
 
 def _common(hf: dict, source: str, dtype: torch.dtype, *, experts_key: str) -> dict:
-    """TransformerConfig fields every one of the three shares."""
+    """TransformerConfig fields every one of the three shares (the routed experts under
+    `experts_key`, or transformers 5's `num_local_experts`)."""
     if hf.get("hidden_act", "silu") != "silu":
         refuse(source, f"hidden_act {hf['hidden_act']!r}", "SwiGLU uses silu")
     if hf.get("attention_bias", False):
@@ -56,7 +57,7 @@ def _common(hf: dict, source: str, dtype: torch.dtype, *, experts_key: str) -> d
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         init_method_std=hf.get("initializer_range", 0.02),
         params_dtype=dtype,
-        num_moe_experts=required(hf, experts_key, source),
+        num_moe_experts=hf.get(experts_key) or required(hf, "num_local_experts", source),
         moe_router_topk=required(hf, "num_experts_per_tok", source),
         moe_router_dtype="fp32",
     )
