@@ -265,3 +265,19 @@ def test_moe_export_refuses_what_no_architecture_has(tmp_path: Path) -> None:
     config.moe_shared_expert_intermediate_size = 16
     with pytest.raises(UnsupportedArchitectureError, match="mixtral: it has no shared experts"):
         hf_architecture(config)
+
+
+def test_expert_bias_matters_to_the_comparison(tmp_path: Path) -> None:
+    """Negative control: dropping DeepSeek's expert bias (it changes only which experts are
+    chosen) pushes the error far over the bar, so the bar checks the routing."""
+    hf_model = _hf_model("deepseek_v3", DEEPSEEK, tmp_path)
+    state = load_hf(str(tmp_path))
+    for name, tensor in state.state_dict.items():
+        if name.endswith("router.expert_bias"):
+            tensor.zero_()
+    ours = GPTModel(state.config).eval()
+    ours.load_state_dict(state.state_dict, strict=True)
+    tokens = torch.randint(0, DEEPSEEK["vocab_size"], (2, SEQ))
+    with torch.no_grad():
+        error = _relative_error(ours(tokens), hf_model(input_ids=tokens).logits)
+    assert error > 100 * MAX_RELATIVE_ERROR
