@@ -4,12 +4,15 @@ our GPTModel with the same logits (fp32, CPU), and exports back to the same file
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron.core.models.gpt.gpt_model import GPTModel
+from tools.checkpoint.convert import convert
 from tools.checkpoint.hf_export import (
     UnsupportedArchitectureError,
     convert_state_dict_to_hf,
@@ -21,6 +24,7 @@ from tools.checkpoint.model_state import ConversionError
 transformers = pytest.importorskip("transformers", reason="needs `pip install transformers`")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs safetensors")
 
+REPO_ROOT = Path(__file__).resolve().parents[3]
 MAX_RELATIVE_ERROR = 1e-5
 SEQ = 12
 
@@ -281,3 +285,56 @@ def test_expert_bias_matters_to_the_comparison(tmp_path: Path) -> None:
     with torch.no_grad():
         error = _relative_error(ours(tokens), hf_model(input_ids=tokens).logits)
     assert error > 100 * MAX_RELATIVE_ERROR
+
+
+def _convert(*argv: str) -> None:
+    command = [sys.executable, "tools/checkpoint/convert.py", *argv]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+
+def test_qwen3_moe_through_our_checkpoint_exports_bitwise(tmp_path: Path) -> None:
+    """hf -> megatron_fp8 (the MoE flags recorded from config.json) -> hf: the same files."""
+    _hf_model("qwen3_moe", QWEN3_MOE, tmp_path / "hf")
+    _convert(
+        "--loader",
+        "hf",
+        "--saver",
+        "megatron_fp8",
+        "--load-dir",
+        str(tmp_path / "hf"),
+        "--save-dir",
+        str(tmp_path / "ckpt"),
+    )
+    _convert(
+        "--loader",
+        "megatron_fp8",
+        "--saver",
+        "hf",
+        "--load-dir",
+        str(tmp_path / "ckpt"),
+        "--save-dir",
+        str(tmp_path / "out"),
+    )
+    files = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    _assert_bitwise(files, safetensors_torch.load_file(str(tmp_path / "out" / "model.safetensors")))
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["mlp_only_layers"], written["num_experts"]) == ([0], 4)
+
+
+@pytest.mark.parametrize(
+    ("saver", "message"),
+    [
+        ("megatron_fp8", "router.expert_bias is not zero, and megatron_fp8 checkpoints save"),
+        ("mcore", "has MoE layers, multi-latent attention, QK norm, multi-token prediction"),
+    ],
+)
+def test_savers_that_would_lose_deepseek_state_refuse(
+    tmp_path: Path, saver: str, message: str
+) -> None:
+    _hf_model("deepseek_v3", DEEPSEEK, tmp_path / "hf")
+    _add_published_mtp_layer(tmp_path / "hf", DEEPSEEK)
+    argv = ["--loader", "hf", "--saver", saver, "--load-dir", str(tmp_path / "hf")]
+    with pytest.raises(ConversionError, match=message):
+        convert([*argv, "--save-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
