@@ -202,6 +202,13 @@ def test_deepseek_v3_imports_with_its_logits_and_exports_bitwise(
         state.state_dict["mtp.layers.0.eh_proj.weight"], files["model.layers.3.eh_proj.weight"]
     )
     _assert_bitwise(files, exported)
+    # transformers loads the export (reporting the MTP layer's tensors as unexpected, as it
+    # does for DeepSeek's published model.layers.61.*) and computes the same logits.
+    tokens = torch.randint(0, fields["vocab_size"], (2, SEQ))
+    ours = GPTModel(state.config).eval()
+    ours.load_state_dict(state.state_dict, strict=True)
+    with torch.no_grad():
+        assert _reloaded_error(tmp_path, ours(tokens), tokens) < MAX_RELATIVE_ERROR
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["num_nextn_predict_layers"] == 1
     assert (written["first_k_dense_replace"], written["n_shared_experts"]) == (1, 1)
