@@ -5,11 +5,13 @@
     python pretrain_gpt.py --load CKPT_DIR --finetune --use-checkpoint-args <data flags> ...
 
 Loaders and savers (the registry below): `hf` (Llama incl. GQA, RoPE base, tied or untied head;
-GPT-2), `mcore` (Megatron-LM `torch_dist` checkpoints of GPT models), `megatron_fp8` (ours, any
---ckpt-format). Every conversion passes through one representation, our GPTModel's state dict
-plus its TransformerConfig (model_state.py), checked against the model before anything is
-written. Model flags come from the source where it records them (config.json, Megatron-LM's
-saved args, our metadata.json); a Megatron-LM checkpoint without args takes them from this
+GPT-2; DeepSeek-V3, Mixtral and Qwen3-MoE: hf_moe_configs.py, hf_moe_layout.py), `mcore`
+(Megatron-LM `torch_dist` checkpoints of dense GPT models), `megatron_fp8` (ours, any
+--ckpt-format; it saves parameters only, so a non-zero router expert bias is refused). Every
+conversion passes through one representation, our GPTModel's state dict plus its
+TransformerConfig (model_state.py), checked against the model before anything is written.
+Model flags come from the source where it records them (config.json, Megatron-LM's saved args,
+our metadata.json); a Megatron-LM checkpoint without args takes them from this
 command line, with Megatron's flag names. The output is written to SAVE_DIR.tmp and renamed
 when complete. Bad input (another architecture, a missing, extra or misshapen tensor, an unknown
 format) prints one `error:` line naming the tensor or file and exits with status 2.

@@ -5,6 +5,9 @@ Two HuggingFace architectures cover what our GPTModel builds without approximati
     head; linear biases map to Llama's attention_bias + mlp_bias, which cover the same Linears);
   - GPT2LMHeadModel for LayerNorm + GeLU + learned-position models with plain multi-head
     attention and a tied head (a model without biases is exported with zero biases).
+  - DeepseekV3ForCausalLM, MixtralForCausalLM and Qwen3MoeForCausalLM for MoE and
+    multi-latent-attention models (hf_moe_configs.py picks and checks, hf_moe_layout.py maps;
+    the files hold one tensor per expert, as save_pretrained writes them).
 Anything else fails with a message naming the feature HuggingFace's architecture lacks.
 
     python3 tools/checkpoint/convert.py --loader megatron_fp8 --saver hf --load-dir CKPT_DIR \
@@ -19,6 +22,7 @@ checkpoints export their fp32 main weights. hf_import.py is the inverse.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -28,7 +32,10 @@ import torch
 
 from megatron.core.checkpoint_files import TMP_SUFFIX, fsync_tree, publish_dir
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tools.checkpoint.hf_moe_configs import HF_CONFIGS, moe_architecture
+from tools.checkpoint.hf_moe_layout import ours_to_hf
 from tools.checkpoint.hf_tokenizer import TOKENIZER_FILES
+from tools.checkpoint.model_state import buffer_shapes, expected_shapes
 
 Tensor = torch.Tensor
 StateDict = dict[str, Tensor]
@@ -102,7 +109,15 @@ def check_gpt2_exportable(config: TransformerConfig) -> None:
 
 
 def hf_architecture(config: TransformerConfig) -> str:
-    """ "llama" or "gpt2": picked by the norm, then checked feature by feature."""
+    """ "deepseek_v3", "mixtral" or "qwen3_moe" for MoE and latent-attention models
+    (hf_moe_configs.moe_architecture), else "llama" or "gpt2": picked by the norm, then checked
+    feature by feature."""
+    try:
+        moe = moe_architecture(config)
+    except ValueError as error:
+        raise UnsupportedArchitectureError(str(error)) from None
+    if moe is not None:
+        return moe
     if config.normalization == "RMSNorm":
         check_llama_exportable(config)
         return "llama"
@@ -136,6 +151,8 @@ def _expected_names(config: TransformerConfig) -> set[str]:
 def check_state_dict(state_dict: StateDict, config: TransformerConfig) -> None:
     """The state dict must hold exactly our model's parameters for `config`."""
     expected = _expected_names(config)
+    if moe_architecture(config) is not None:
+        expected = set(expected_shapes(config)) | set(buffer_shapes(config))
     missing = sorted(expected - set(state_dict))
     unexpected = sorted(set(state_dict) - expected)
     if missing or unexpected:
@@ -298,6 +315,7 @@ EXPORTED_FILES = ("config.json", "model.safetensors", *TOKENIZER_FILES)
 CONVERTERS: dict[str, tuple[Callable, Callable]] = {
     "llama": (llama_state_dict, llama_config),
     "gpt2": (gpt2_state_dict, gpt2_config),
+    **{name: (functools.partial(ours_to_hf, name), HF_CONFIGS[name]) for name in HF_CONFIGS},
 }
 
 

@@ -1,6 +1,8 @@
 """A HuggingFace model directory (config.json + safetensors or pytorch_model.bin) -> ModelState.
 
-The inverse of hf_export.py, for the two architectures our GPTModel computes exactly:
+The inverse of hf_export.py, for the architectures our GPTModel computes exactly: DeepSeek-V3,
+Mixtral and Qwen3-MoE (`deepseek_v3`, `mixtral`, `qwen3_moe`: hf_moe_configs.py and
+hf_moe_layout.py say what maps where), and
   - Llama (`model_type: llama`): RMSNorm, SwiGLU, RoPE with any base, GQA, any head width,
     tied or untied head, attention and MLP biases together or not at all;
   - GPT-2 (`model_type: gpt2`): LayerNorm, exact-erf GeLU (`activation_function: gelu`),
@@ -13,12 +15,17 @@ the tensor. Nothing is downloaded: the directory is what `save_pretrained` wrote
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 
 import torch
 
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tools.checkpoint.hf_config_keys import refuse, required, rope_theta
+from tools.checkpoint.hf_moe_configs import IMPORT_CONFIGS, mtp_depths_in_files
+from tools.checkpoint.hf_moe_layout import MOE_ARCHITECTURES, hf_to_ours
 from tools.checkpoint.model_state import (
     ConversionError,
     ModelState,
@@ -48,51 +55,30 @@ def read_hf_config(directory: str) -> dict:
     return config
 
 
-def _required(hf_config: dict, key: str, source: str):
-    if hf_config.get(key) is None:
-        raise ConversionError(f"{source}: no '{key}'; the config is incomplete")
-    return hf_config[key]
-
-
-def _refuse(source: str, what: str, why: str) -> None:
-    raise ConversionError(f"{source}: {what}, which our GPTModel does not compute ({why})")
-
-
-def _rope_theta(hf_config: dict, source: str) -> int:
-    parameters = hf_config.get("rope_parameters") or {}
-    scaling = hf_config.get("rope_scaling") or parameters
-    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        _refuse(source, f"rope scaling {scaling}", "plain RoPE only")
-    theta = float(parameters.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
-    if not theta.is_integer():
-        _refuse(source, f"rope_theta {theta}", "--rotary-base is an integer")
-    return int(theta)
-
-
 def llama_config(hf_config: dict, *, source: str, dtype: torch.dtype) -> TransformerConfig:
     """TransformerConfig of a Llama config.json (absent optional keys: LlamaConfig defaults)."""
     if hf_config.get("hidden_act", "silu") != "silu":
-        _refuse(source, f"hidden_act {hf_config['hidden_act']!r}", "SwiGLU uses silu")
+        refuse(source, f"hidden_act {hf_config['hidden_act']!r}", "SwiGLU uses silu")
     attention_bias = bool(hf_config.get("attention_bias", False))
     if attention_bias != bool(hf_config.get("mlp_bias", False)):
-        _refuse(
+        refuse(
             source,
             f"attention_bias={attention_bias} with mlp_bias={hf_config.get('mlp_bias', False)}",
             "biases are on every Linear or none (--disable-bias-linear)",
         )
-    hidden = _required(hf_config, "hidden_size", source)
-    heads = _required(hf_config, "num_attention_heads", source)
+    hidden = required(hf_config, "hidden_size", source)
+    heads = required(hf_config, "num_attention_heads", source)
     return TransformerConfig(
-        num_layers=_required(hf_config, "num_hidden_layers", source),
+        num_layers=required(hf_config, "num_hidden_layers", source),
         hidden_size=hidden,
         num_attention_heads=heads,
-        vocab_size=_required(hf_config, "vocab_size", source),
+        vocab_size=required(hf_config, "vocab_size", source),
         max_sequence_length=hf_config.get("max_position_embeddings", 2048),
-        ffn_hidden_size=_required(hf_config, "intermediate_size", source),
+        ffn_hidden_size=required(hf_config, "intermediate_size", source),
         num_query_groups=hf_config.get("num_key_value_heads") or heads,
         kv_channels=hf_config.get("head_dim") or hidden // heads,
         position_embedding_type="rope",
-        rotary_base=_rope_theta(hf_config, source),
+        rotary_base=rope_theta(hf_config, source),
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.get("rms_norm_eps", 1e-6),
         swiglu=True,
@@ -109,22 +95,22 @@ def gpt2_config(hf_config: dict, *, source: str, dtype: torch.dtype) -> Transfor
     """TransformerConfig of a GPT-2 config.json (absent optional keys: GPT2Config defaults)."""
     activation = hf_config.get("activation_function", "gelu_new")
     if activation != "gelu":
-        _refuse(source, f"activation_function {activation!r}", "our GeLU is the exact erf form")
+        refuse(source, f"activation_function {activation!r}", "our GeLU is the exact erf form")
     if not hf_config.get("scale_attn_weights", True):
-        _refuse(source, "scale_attn_weights false", "attention scores are scaled by 1/sqrt(d)")
+        refuse(source, "scale_attn_weights false", "attention scores are scaled by 1/sqrt(d)")
     if hf_config.get("scale_attn_by_inverse_layer_idx", False):
-        _refuse(source, "scale_attn_by_inverse_layer_idx", "no per-layer score scaling")
+        refuse(source, "scale_attn_by_inverse_layer_idx", "no per-layer score scaling")
     if hf_config.get("add_cross_attention", False):
-        _refuse(source, "add_cross_attention", "a decoder-only GPT")
+        refuse(source, "add_cross_attention", "a decoder-only GPT")
     if not hf_config.get("tie_word_embeddings", True):
-        _refuse(source, "an untied GPT-2 head", "GPT-2 export and import use the tied head")
-    hidden = _required(hf_config, "n_embd", source)
+        refuse(source, "an untied GPT-2 head", "GPT-2 export and import use the tied head")
+    hidden = required(hf_config, "n_embd", source)
     return TransformerConfig(
-        num_layers=_required(hf_config, "n_layer", source),
+        num_layers=required(hf_config, "n_layer", source),
         hidden_size=hidden,
-        num_attention_heads=_required(hf_config, "n_head", source),
-        vocab_size=_required(hf_config, "vocab_size", source),
-        max_sequence_length=_required(hf_config, "n_positions", source),
+        num_attention_heads=required(hf_config, "n_head", source),
+        vocab_size=required(hf_config, "vocab_size", source),
+        max_sequence_length=required(hf_config, "n_positions", source),
         ffn_hidden_size=hf_config.get("n_inner") or 4 * hidden,
         position_embedding_type="learned_absolute",
         normalization="LayerNorm",
@@ -246,7 +232,14 @@ def gpt2_to_ours(files: SourceTensors, config: TransformerConfig) -> StateDict:
     return ours
 
 
-_ARCHITECTURES = {"llama": (llama_config, llama_to_ours), "gpt2": (gpt2_config, gpt2_to_ours)}
+_ARCHITECTURES = {
+    "llama": (llama_config, llama_to_ours),
+    "gpt2": (gpt2_config, gpt2_to_ours),
+    **{
+        name: (IMPORT_CONFIGS[name], functools.partial(hf_to_ours, name))
+        for name in MOE_ARCHITECTURES
+    },
+}
 
 
 def load_hf(load_dir: str) -> ModelState:
@@ -264,6 +257,9 @@ def load_hf(load_dir: str) -> ModelState:
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     to_config, to_ours = _ARCHITECTURES[model_type]
     config = to_config(hf_config, source=config_path, dtype=dtype)
+    if model_type == "deepseek_v3":
+        depths = mtp_depths_in_files(hf_config, set(tensors))
+        config = dataclasses.replace(config, mtp_num_layers=depths)
     weights = {name: t for name, t in tensors.items() if not name.endswith(_DERIVED_BUFFERS)}
     files = SourceTensors(weights, source=load_dir)
     state = ModelState(state_dict=to_ours(files, config), config=config)

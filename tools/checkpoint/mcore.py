@@ -256,9 +256,27 @@ def mcore_state_dict(state: ModelState) -> dict:
     }
 
 
+def check_mcore_savable(config: TransformerConfig) -> None:
+    """The saver writes dense GPT layers only: MoE, latent attention, QK norm and MTP models
+    are refused before anything is written (the hf saver writes them)."""
+    features = {
+        "MoE layers": config.num_moe_experts is not None,
+        "multi-latent attention": config.multi_latent_attention,
+        "QK norm": config.qk_layernorm,
+        "multi-token prediction": bool(config.mtp_num_layers),
+    }
+    present = [name for name, used in features.items() if used]
+    if present:
+        raise ConversionError(
+            f"the mcore saver writes dense GPT models; this one has {', '.join(present)}: "
+            "use --saver hf or megatron_fp8"
+        )
+
+
 def save_mcore(state: ModelState, save_dir: str) -> None:
     """A Megatron-LM --save directory: tracker + one torch_dist iteration directory."""
     check_model_state(state, source="the converted model")
+    check_mcore_savable(state.config)
     tensors = mcore_state_dict(state)
     name = f"iter_{state.iteration:07d}" if state.iteration > 0 else "release"
     tracker = str(state.iteration) if state.iteration > 0 else "release"

@@ -9,9 +9,26 @@ flags our saver records for `pretrain_gpt.py --use-checkpoint-args`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.flags.mla import MLA_CONFIG_FIELDS, YARN_CONFIG_FLAGS
+from megatron.training.flags.moe import MOE_CONFIG_FIELDS
 from tools.checkpoint.model_state import ConversionError
+
+# TransformerConfig field -> flag dest of the MoE, latent-attention, rotary-scaling and MTP
+# settings that shape the model (the training-only ones, losses and dispatch, are left out).
+ARCHITECTURE_FLAGS = {
+    **{
+        field: dest
+        for field, dest in MOE_CONFIG_FIELDS.items()
+        if field.startswith(("num_moe", "moe_ffn", "moe_layer", "moe_shared", "moe_router_"))
+        and field not in ("moe_router_load_balancing_type", "moe_router_bias_update_rate")
+    },
+    **{field: field for field in MLA_CONFIG_FIELDS if field != "mtp_loss_scaling_factor"},
+    **YARN_CONFIG_FLAGS,
+}
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(TransformerConfig)}
 
 # flag dest -> (type, help). Booleans are store_true flags, as in pretrain_gpt.py.
 MODEL_FLAGS: dict[str, tuple[type, str]] = {
@@ -116,6 +133,7 @@ def config_to_argv(config: TransformerConfig) -> list[str]:
     for dest in ("swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights"):
         if values[dest]:
             argv.append("--" + dest.replace("_", "-"))
+    argv += architecture_argv(config)
     argv += ["--hidden-dropout", str(config.hidden_dropout)]
     argv += ["--attention-dropout", str(config.attention_dropout)]
     argv += ["--init-method-std", str(config.init_method_std)]
@@ -161,3 +179,20 @@ def config_from_megatron_args(args: dict, *, source: str, **fixed) -> Transforme
         ),
         init_method_std=float(values.get("init_method_std", 0.02)),
     )
+
+
+def architecture_argv(config: TransformerConfig) -> list[str]:
+    """The ARCHITECTURE_FLAGS whose value differs from TransformerConfig's default, as
+    pretrain_gpt.py flags (a list such as --moe-layer-freq as its Python expression)."""
+    argv = []
+    for field, dest in ARCHITECTURE_FLAGS.items():
+        value = getattr(config, field)
+        if value == _DEFAULTS[field] or value is None:
+            continue
+        if field == "moe_ffn_hidden_size" and value == config.ffn_hidden_size:
+            continue  # the default, resolved in __post_init__
+        if field == "rope_type" and value == ("yarn" if config.multi_latent_attention else "rope"):
+            continue  # the default, resolved in __post_init__
+        flag = "--" + dest.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv

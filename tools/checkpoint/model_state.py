@@ -78,13 +78,24 @@ def expected_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(param.shape) for name, param in model.named_parameters()}
 
 
+def buffer_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of our GPTModel's persistent buffers for `config` (the routers' expert
+    bias): state a ModelState may carry beside the parameters."""
+    with torch.device("meta"):
+        model = GPTModel(model_config(config))
+    parameters = dict(model.named_parameters())
+    return {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in parameters}
+
+
 def check_model_state(state: ModelState, *, source: str) -> None:
-    """Exactly our GPTModel's parameters, with its shapes; else ConversionError naming the
-    first offending tensor and `source`."""
+    """Exactly our GPTModel's parameters, with its shapes, and optionally its persistent
+    buffers; else ConversionError naming the first offending tensor and `source`."""
     expected = expected_shapes(state.config)
     missing = sorted(set(expected) - set(state.state_dict))
     if missing:
         raise ConversionError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing)")
+    buffers = {n: s for n, s in buffer_shapes(state.config).items() if n in state.state_dict}
+    expected = {**expected, **buffers}
     unexpected = sorted(set(state.state_dict) - set(expected))
     if unexpected:
         raise ConversionError(

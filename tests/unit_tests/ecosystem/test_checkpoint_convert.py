@@ -423,7 +423,7 @@ def test_cli_exit_status_and_one_error_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr == (
         f"error: {source}/config.json: model_type 'mistral' is not one the hf loader reads "
-        "(gpt2, llama)\n"
+        "(deepseek_v3, gpt2, llama, mixtral, qwen3_moe)\n"
     )
     assert not (tmp_path / "out").exists()
 
