@@ -2,8 +2,9 @@
 
 `fp8_tensor_stats(x, recipe=, role=)`: the amax, the scale (or a summary of block scales), the
 fraction that saturates and the fraction of non-zeros that flush to zero. A pure function of
-the public API: scales derived exactly as `quantize` derives them, flushes read from the bytes
-`quantize` wrote (or from a QuantizedTensor the caller has: no second cast).
+the public API: amaxes and scales derived by `quantize`'s rules (reference.py), flushes read
+from the FP8 bytes of quantize's cast (`saturating_cast`), in bounded row chunks (cheap enough
+for --log-fp8-stats to stay on: no full-size fp32 temporary, two reads of the tensor).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fp8.formats import fp8_dtype_for_role, fp8_max
-from megatron.core.fp8.quantization import quantize
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
-from megatron.core.fp8.recipe import recipe_spec
-from megatron.core.fp8.reference import block_scales, expand_grid
+from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
+from megatron.core.fp8.reference import amax_ignoring_nan, block_scales, saturating_cast
 
 
 @dataclass(frozen=True)
@@ -45,44 +45,100 @@ class Fp8TensorStats:
         return asdict(self)
 
 
-def _cell_amax(x2d: torch.Tensor, cell: tuple[int, int]) -> torch.Tensor:
-    """max|x| (NaN as 0) of each [cell] block of x2d, zero-padded at the ends; grid-shaped."""
-    rows, cols = x2d.shape
+CHUNK_ELEMENTS = 1 << 24
+"""Elements of x one pass reads at a time: its fp32 temporaries stay <= 64 MiB each (a chunk
+is at least one row of cells, so more only when one row of cells is larger)."""
+
+
+def row_chunks(rows: int, cols: int, cell_rows: int) -> list[tuple[int, int]]:
+    """(start, stop) row ranges covering [0, rows): whole rows of cells, <= CHUNK_ELEMENTS
+    elements each when one row of cells fits."""
+    step = max(1, CHUNK_ELEMENTS // (cols * cell_rows)) * cell_rows
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _as_blocks(chunk: torch.Tensor, cell: tuple[int, int]) -> torch.Tensor:
+    """chunk [r, c] zero-padded to whole cells and viewed [grid_r, cell_r, grid_c, cell_c]
+    (a view when it needs no padding; zeros never count)."""
+    rows, cols = chunk.shape
     cell_rows, cell_cols = cell
     grid_rows, grid_cols = -(-rows // cell_rows), -(-cols // cell_cols)
-    magnitude = torch.nan_to_num(x2d.abs(), nan=0.0)
-    padded = F.pad(magnitude, (0, grid_cols * cell_cols - cols, 0, grid_rows * cell_rows - rows))
-    blocks = padded.reshape(grid_rows, cell_rows, grid_cols, cell_cols)
-    return blocks.amax(dim=(1, 3))
+    padded = F.pad(chunk, (0, grid_cols * cell_cols - cols, 0, grid_rows * cell_rows - rows))
+    return padded.reshape(grid_rows, cell_rows, grid_cols, cell_cols)
+
+
+def _stats_cell(spec: RecipeSpec, role: str, shape: tuple[int, int]) -> tuple[int, int]:
+    """The cell one scale covers; per-tensor recipes: one row (chunks then split anywhere)."""
+    return spec.block_shape(role, columnwise=False) or (1, shape[1])
+
+
+def _cell_amax(x2d: torch.Tensor, spec: RecipeSpec, role: str) -> torch.Tensor:
+    """Grid of max|x| per cell (NaN as 0, as `quantize`), chunk by chunk; per-tensor: [1, 1]."""
+    cell = _stats_cell(spec, role, x2d.shape)
+    parts = [
+        amax_ignoring_nan(_as_blocks(x2d[start:stop], cell), dim=(1, 3))
+        for start, stop in row_chunks(*x2d.shape, cell[0])
+    ]
+    grid = torch.cat(parts)
+    return grid.amax().reshape(1, 1) if spec.per_tensor else grid
 
 
 def _multipliers(
     x2d: torch.Tensor,
+    cell_amax: torch.Tensor,
     *,
-    recipe: str,
-    role: str,
+    spec: RecipeSpec,
     fp8_dtype: torch.dtype,
-    input_dtype: torch.dtype,
     scale: torch.Tensor | None,
     amax: torch.Tensor | None,
     power_2_scale: bool | None,
-) -> tuple[torch.Tensor, tuple[int, int]]:
-    """(grid of quantize multipliers, cell shape), as `quantize` computes them."""
-    spec = recipe_spec(recipe)
-    cell = spec.block_shape(role, columnwise=False) or tuple(x2d.shape)
+) -> torch.Tensor:
+    """The grid of quantize multipliers ([1, 1] per tensor), as `quantize` computes them."""
     if spec.delayed:
         if scale is None:
             raise ValueError("recipe 'delayed' quantizes with its current scale: pass scale=")
-        return scale.to(torch.float32).reshape(1, 1), cell
-    cell_amax = _cell_amax(x2d, cell) if amax is None else amax.to(torch.float32).reshape(1, 1)
+        return scale.to(torch.float32).reshape(1, 1)
     multiplier, _ = block_scales(
-        cell_amax,
+        cell_amax if amax is None else amax.to(torch.float32).reshape(1, 1),
         spec=spec,
         fp8_dtype=fp8_dtype,
         power_2_scale=spec.resolve_power_2_scale(power_2_scale),
-        input_dtype=input_dtype,
+        input_dtype=x2d.dtype,
     )
-    return multiplier, cell
+    return multiplier
+
+
+def _chunk_counts(
+    blocks: torch.Tensor, multiplier: torch.Tensor, fp8_dtype: torch.dtype
+) -> torch.Tensor:
+    """[saturated, flushed, nonzero] of one chunk's cells [gr, cr, gc, cc] times their
+    multipliers [gr, gc] (or [1, 1]): saturated |x * m| > fp8_max, flushed a non-zero x whose
+    FP8 byte (`saturating_cast`, quantize's cast) is +-0."""
+    scaled = blocks.to(torch.float32) * multiplier[:, None, :, None]
+    saturated = (scaled.abs() > fp8_max(fp8_dtype)).sum()
+    zero_byte = saturating_cast(scaled, fp8_dtype).bitwise_and(0x7F) == 0
+    nonzero = blocks != 0
+    return torch.stack([saturated, (nonzero & zero_byte).sum(), nonzero.sum()])
+
+
+def _counts(
+    x2d: torch.Tensor, grid: torch.Tensor, cell: tuple[int, int], fp8_dtype: torch.dtype
+) -> torch.Tensor:
+    """[saturated, flushed, nonzero] of x2d quantized with the multiplier grid, in one pass of
+    row chunks (a per-tensor grid is one value for every cell)."""
+    total = torch.zeros(3, dtype=torch.int64, device=x2d.device)
+    for start, stop in row_chunks(*x2d.shape, cell[0]):
+        rows = grid if grid.numel() == 1 else grid[start // cell[0] : -(-stop // cell[0])]
+        total += _chunk_counts(_as_blocks(x2d[start:stop], cell), rows, fp8_dtype)
+    return total
+
+
+def _counts_from_quantized(x2d: torch.Tensor, quantized: QuantizedTensor) -> torch.Tensor:
+    """[-, flushed, nonzero] read from a QuantizedTensor the caller holds (its dequantized
+    values: not the training path, which passes none)."""
+    dequantized = quantized.dequantize(torch.float32).reshape(x2d.shape)
+    nonzero = x2d != 0
+    return torch.stack([(nonzero & (dequantized == 0)).sum(), nonzero.sum()])
 
 
 STATS_FIELDS = (
@@ -112,47 +168,36 @@ def fp8_stats_vector(
     """The float64 [len(STATS_FIELDS)] statistics of quantizing x rowwise under recipe and role,
     on x's device with no host sync (a loop stacks every Linear's vectors, one `.tolist()`).
     scale, amax, power_2_scale: as in `quantize`. quantized: the rowwise QuantizedTensor of x the
-    caller already holds (e.g. Fp8Linear's saved operand); without it x is quantized here.
+    caller already holds; without it the FP8 bytes are cast here, chunk by chunk, by quantize's
+    rule (`saturating_cast` of x times the same multipliers). Two reads of x (amaxes, then the
+    counts), with temporaries bounded by CHUNK_ELEMENTS: no full-size fp32 copy.
     """
+    spec = recipe_spec(recipe)
     fp8_dtype = fp8_dtype_for_role(fp8_format, role)
-    x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    grid, cell = _multipliers(
+    x2d = x.reshape(-1, x.shape[-1])
+    cell_amax = _cell_amax(x2d, spec, role)
+    grid = _multipliers(
         x2d,
-        recipe=recipe,
-        role=role,
+        cell_amax,
+        spec=spec,
         fp8_dtype=fp8_dtype,
-        input_dtype=x.dtype,
         scale=scale,
         amax=amax,
         power_2_scale=power_2_scale,
     )
-    scaled = x2d * expand_grid(grid, cell, x2d.shape)
-    saturated = (scaled.abs() > fp8_max(fp8_dtype)).sum()
-    if quantized is None:
-        quantized = quantize(
-            x,
-            recipe=recipe,
-            fp8_dtype=fp8_dtype,
-            role=role,
-            scale=scale if recipe_spec(recipe).delayed else None,
-            amax=amax,
-            power_2_scale=power_2_scale,
-        )
-    dequantized = quantized.dequantize(torch.float32).reshape(x2d.shape)
-    nonzero_mask = x2d != 0
+    counts = _counts(x2d, grid, _stats_cell(spec, role, x2d.shape), fp8_dtype)
+    if quantized is not None:
+        counts = torch.cat([counts[:1], _counts_from_quantized(x2d, quantized)])
     flat = grid.reshape(-1)
     parts = [
-        torch.nan_to_num(x2d.abs(), nan=0.0).amax(),
+        cell_amax.amax(),
         flat.median(),
         flat.amin(),
         flat.amax(),
         torch.tensor(flat.numel(), device=x.device),
-        saturated,
-        (nonzero_mask & (dequantized == 0)).sum(),
-        nonzero_mask.sum(),
     ]
     # float64: counts stay exact up to 2^53 elements, fp32 amax and scales exactly.
-    return torch.stack([part.to(torch.float64) for part in parts])
+    return torch.cat([torch.stack([p.to(torch.float64) for p in parts]), counts.double()])
 
 
 def stats_from_vector(
