@@ -9,6 +9,8 @@ for --log-fp8-stats to stay on: no full-size fp32 temporary, two reads of the te
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -72,14 +74,37 @@ def _stats_cell(spec: RecipeSpec, role: str, shape: tuple[int, int]) -> tuple[in
     return spec.block_shape(role, columnwise=False) or (1, shape[1])
 
 
+FUSED_DEVICES = ("cuda",)
+"""Device types where each chunk's pass is one torch.compile'd kernel (tests add "cpu")."""
+
+
+def _fused(fn: Callable) -> Callable:
+    """fn compiled where FUSED_DEVICES say (a few variants, compiled at the first statistics
+    step; shapes go dynamic on the first new one), else eager. A statistics step runs the
+    model under set_stance("force_eager"), so the call sets its own stance."""
+    compiled = torch.compile(fn)
+
+    @functools.wraps(fn)
+    def run(chunk: torch.Tensor, *args):
+        if chunk.device.type not in FUSED_DEVICES or torch.compiler.is_compiling():
+            return fn(chunk, *args)
+        with torch.compiler.set_stance("default"):
+            return compiled(chunk, *args)
+
+    return run
+
+
+@_fused
+def _chunk_amax(chunk: torch.Tensor, cell: tuple[int, int]) -> torch.Tensor:
+    """max|x| (NaN as 0, as `quantize`) of each cell of one chunk."""
+    return amax_ignoring_nan(_as_blocks(chunk, cell), dim=(1, 3))
+
+
 def _cell_amax(x2d: torch.Tensor, spec: RecipeSpec, role: str) -> torch.Tensor:
-    """Grid of max|x| per cell (NaN as 0, as `quantize`), chunk by chunk; per-tensor: [1, 1]."""
+    """Grid of max|x| per cell, chunk by chunk; per-tensor recipes: [1, 1]."""
     cell = _stats_cell(spec, role, x2d.shape)
-    parts = [
-        amax_ignoring_nan(_as_blocks(x2d[start:stop], cell), dim=(1, 3))
-        for start, stop in row_chunks(*x2d.shape, cell[0])
-    ]
-    grid = torch.cat(parts)
+    chunks = row_chunks(*x2d.shape, cell[0])
+    grid = torch.cat([_chunk_amax(x2d[start:stop], cell) for start, stop in chunks])
     return grid.amax().reshape(1, 1) if spec.per_tensor else grid
 
 
@@ -108,12 +133,14 @@ def _multipliers(
     return multiplier
 
 
+@_fused
 def _chunk_counts(
-    blocks: torch.Tensor, multiplier: torch.Tensor, fp8_dtype: torch.dtype
+    chunk: torch.Tensor, multiplier: torch.Tensor, cell: tuple[int, int], fp8_dtype: torch.dtype
 ) -> torch.Tensor:
-    """[saturated, flushed, nonzero] of one chunk's cells [gr, cr, gc, cc] times their
-    multipliers [gr, gc] (or [1, 1]): saturated |x * m| > fp8_max, flushed a non-zero x whose
-    FP8 byte (`saturating_cast`, quantize's cast) is +-0."""
+    """[saturated, flushed, nonzero] of one chunk whose cells are multiplied by `multiplier`
+    ([grid rows, grid cols], or [1, 1]): saturated |x * m| > fp8_max, flushed a non-zero x
+    whose FP8 byte (`saturating_cast`, quantize's cast) is +-0."""
+    blocks = _as_blocks(chunk, cell)
     scaled = blocks.to(torch.float32) * multiplier[:, None, :, None]
     saturated = (scaled.abs() > fp8_max(fp8_dtype)).sum()
     zero_byte = saturating_cast(scaled, fp8_dtype).bitwise_and(0x7F) == 0
@@ -129,7 +156,7 @@ def _counts(
     total = torch.zeros(3, dtype=torch.int64, device=x2d.device)
     for start, stop in row_chunks(*x2d.shape, cell[0]):
         rows = grid if grid.numel() == 1 else grid[start // cell[0] : -(-stop // cell[0])]
-        total += _chunk_counts(_as_blocks(x2d[start:stop], cell), rows, fp8_dtype)
+        total += _chunk_counts(x2d[start:stop], rows, cell, fp8_dtype)
     return total
 
 

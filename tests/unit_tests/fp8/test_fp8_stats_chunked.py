@@ -7,6 +7,7 @@ chunks. Temporaries stay bounded by CHUNK_ELEMENTS (measured per op)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -170,3 +171,19 @@ def test_e5m2_grad_counts_with_small_chunks(small_chunks):
     assert stats.fp8_dtype == str(E5M2).removeprefix("torch.")
     old = _old_stats_vector(x, recipe="mxfp8", role="grad").tolist()
     assert stats.underflow_fraction == old[STATS_FIELDS.index("flushed")] / old[-1]
+
+
+def test_fused_passes_equal_eager(small_chunks, monkeypatch):
+    """The torch.compile'd chunk passes (CUDA in training; compiled on CPU here) give the
+    eager counts bit for bit, under force_eager as on a statistics step."""
+    x = _edge_tensor(300, 200, torch.bfloat16, seed=11)
+    cases = (("mxfp8", "grad", None), ("delayed", "input", torch.tensor(0.125)))
+    eager = [fp8_stats_vector(x, recipe=r, role=role, scale=s).tolist() for r, role, s in cases]
+    monkeypatch.setattr(stats_module, "FUSED_DEVICES", ("cpu",))
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.compiler.set_stance("force_eager"):
+        fused = [fp8_stats_vector(x, recipe=r, role=role, scale=s).tolist() for r, role, s in cases]
+    assert fused == eager
+    assert counters["stats"]["unique_graphs"] >= 4  # both passes compiled, for both cases
+    assert eager[1][STATS_FIELDS.index("saturated")] >= 1
