@@ -28,7 +28,7 @@ RECIPES = ("tensorwise", "blockwise", "mxfp8", "delayed")
 ROLES = ("input", "weight", "grad")
 
 
-def _old_stats_vector(x, *, recipe, role, scale=None, amax=None):
+def old_stats_vector(x, *, recipe, role, scale=None, amax=None):
     """The formulas fp8_stats_vector used before the chunked passes (NaN as 0 in amaxes)."""
     spec = recipe_spec(recipe)
     fp8_dtype = fp8_dtype_for_role("hybrid", role)
@@ -87,7 +87,7 @@ def test_chunked_equals_old_formulas(small_chunks, recipe, role, shape):
         x = _edge_tensor(*shape, dtype, seed=shape[1])
         scale = torch.tensor(scale) if recipe == "delayed" else None
         new = fp8_stats_vector(x, recipe=recipe, role=role, scale=scale)
-        old = _old_stats_vector(x, recipe=recipe, role=role, scale=scale)
+        old = old_stats_vector(x, recipe=recipe, role=role, scale=scale)
         assert new.tolist() == old.tolist()
         fields = dict(zip(STATS_FIELDS, new.tolist()))
         assert fields["nonzero"] > fields["flushed"] > 0
@@ -99,7 +99,7 @@ def test_chunked_given_global_amax_equals_old_formulas(small_chunks):
     x = _edge_tensor(300, 200, torch.bfloat16, seed=5)
     amax = torch.tensor(1.0e6)  # the other shards' amax is larger: underflows grow
     new = fp8_stats_vector(x, recipe="tensorwise", role="input", amax=amax)
-    old = _old_stats_vector(x, recipe="tensorwise", role="input", amax=amax)
+    old = old_stats_vector(x, recipe="tensorwise", role="input", amax=amax)
     assert new.tolist() == old.tolist()
     assert new[STATS_FIELDS.index("amax")] < 1.0e6
 
@@ -117,7 +117,7 @@ def test_infinity_scales_as_quantize_does(recipe):
     assert stats.amax == float("inf") and stats.scale_min == 1.0
     assert stats.saturated_fraction == 3 / 512
     assert stats.underflow_fraction == 0.0
-    old = _old_stats_vector(x, recipe=recipe, role="input").tolist()
+    old = old_stats_vector(x, recipe=recipe, role="input").tolist()
     assert old[STATS_FIELDS.index("saturated")] == 1  # the old formulas: only the inf
 
 
@@ -169,7 +169,7 @@ def test_e5m2_grad_counts_with_small_chunks(small_chunks):
     x = _edge_tensor(256, 96, torch.bfloat16, seed=9)
     stats = fp8_tensor_stats(x, recipe="mxfp8", role="grad")
     assert stats.fp8_dtype == str(E5M2).removeprefix("torch.")
-    old = _old_stats_vector(x, recipe="mxfp8", role="grad").tolist()
+    old = old_stats_vector(x, recipe="mxfp8", role="grad").tolist()
     assert stats.underflow_fraction == old[STATS_FIELDS.index("flushed")] / old[-1]
 
 
