@@ -65,7 +65,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shapes", nargs="+", default=["8192x4096", "8192x14336"])
-    parser.add_argument("--recipes", nargs="+", default=["tensorwise", "blockwise", "mxfp8", "delayed"])
+    recipes = ["tensorwise", "blockwise", "mxfp8", "delayed"]
+    parser.add_argument("--recipes", nargs="+", default=recipes)
     parser.add_argument("--roles", nargs="+", default=["input", "weight", "grad"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--iters", type=int, default=5)
