@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from unittest import mock
 
 import torch
 
@@ -22,11 +23,8 @@ from megatron.core.fp8 import stats as stats_module
 from megatron.core.fp8.stats import fp8_stats_vector
 from tests.unit_tests.fp8.test_fp8_stats_chunked import old_stats_vector
 
-VARIANTS = {
-    "old": (old_stats_vector, ()),
-    "eager": (fp8_stats_vector, ()),
-    "fused": (fp8_stats_vector, ("cuda", "cpu")),
-}
+VARIANTS = {"old": (old_stats_vector, False), "eager": (fp8_stats_vector, False)}
+VARIANTS["fused"] = (fp8_stats_vector, True)
 
 
 def _timed(fn, device: str) -> float:
@@ -41,8 +39,12 @@ def _timed(fn, device: str) -> float:
 
 
 def _case(x, *, recipe: str, role: str, variant: str, iters: int) -> tuple[dict, list[float]]:
-    function, fused_devices = VARIANTS[variant]
-    stats_module.FUSED_DEVICES = fused_devices
+    function, fused = VARIANTS[variant]
+    with mock.patch.object(stats_module, "fused_on", lambda device: fused):
+        return _measured(x, function, recipe=recipe, role=role, iters=iters)
+
+
+def _measured(x, function, *, recipe: str, role: str, iters: int) -> tuple[dict, list[float]]:
     scale = torch.tensor(0.5, device=x.device) if recipe == "delayed" else None
     out = {}
 

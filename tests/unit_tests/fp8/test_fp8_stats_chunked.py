@@ -4,6 +4,8 @@ saturated count, a real `quantize` + dequantize for the flushed count. Edge valu
 saturating (delayed) values, subnormals, and tensors whose shapes are not whole cells or
 chunks. Temporaries stay bounded by CHUNK_ELEMENTS (measured per op)."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,7 +78,7 @@ def _edge_tensor(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.T
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 4096 elements: the test tensors span many chunks and a partial last one."""
-    monkeypatch.setattr(stats_module, "CHUNK_ELEMENTS", 4096)
+    monkeypatch.setattr(stats_module, "row_chunks", functools.partial(row_chunks, limit=4096))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -154,7 +156,7 @@ class _LargestAllocation(TorchDispatchMode):
 @pytest.mark.parametrize("role", ROLES)
 def test_no_temporary_larger_than_a_chunk(monkeypatch, recipe, role):
     chunk = 1 << 15
-    monkeypatch.setattr(stats_module, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(stats_module, "row_chunks", functools.partial(row_chunks, limit=chunk))
     x = torch.randn(1024, 1024, dtype=torch.bfloat16)  # 2 MiB; in fp32 4 MiB
     scale = torch.tensor(1.0) if recipe == "delayed" else None
     with _LargestAllocation() as mode:
@@ -179,7 +181,7 @@ def test_fused_passes_equal_eager(small_chunks, monkeypatch):
     x = _edge_tensor(300, 200, torch.bfloat16, seed=11)
     cases = (("mxfp8", "grad", None), ("delayed", "input", torch.tensor(0.125)))
     eager = [fp8_stats_vector(x, recipe=r, role=role, scale=s).tolist() for r, role, s in cases]
-    monkeypatch.setattr(stats_module, "FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(stats_module, "fused_on", lambda device: True)
     torch._dynamo.reset()
     counters.clear()
     with torch.compiler.set_stance("force_eager"):
