@@ -10,6 +10,7 @@ for --log-fp8-stats to stay on: no full-size fp32 temporary, two reads of the te
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -72,15 +73,22 @@ def fused_on(device: torch.device) -> bool:
 
 def _fused(fn: Callable) -> Callable:
     """fn compiled where `fused_on` (at the first statistics step; shapes go dynamic on the first
-    new one). Statistics steps run under set_stance("force_eager"): the call sets its own."""
-    compiled = torch.compile(fn)
+    new one). Statistics steps run under set_stance("force_eager"): the call sets its own. A
+    compile that fails warns once and leaves fn eager (speed is lost, never the run)."""
+    compiled, failed = torch.compile(fn, fullgraph=True), []
 
     @functools.wraps(fn)
     def run(chunk: torch.Tensor, *args):
-        if not fused_on(chunk.device) or torch.compiler.is_compiling():
+        if failed or not fused_on(chunk.device) or torch.compiler.is_compiling():
             return fn(chunk, *args)
-        with torch.compiler.set_stance("default"):
-            return compiled(chunk, *args)
+        try:
+            with torch.compiler.set_stance("default"):
+                return compiled(chunk, *args)
+        except Exception as error:  # Dynamo and Inductor raise many types
+            failed.append(error)
+            message = f"fp8 stats: {fn.__name__} runs eagerly, its compile failed: {error}"
+            warnings.warn(message, stacklevel=2)
+            return fn(chunk, *args)
 
     return run
 

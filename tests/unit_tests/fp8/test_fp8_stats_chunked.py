@@ -5,6 +5,7 @@ saturating (delayed) values, subnormals, and tensors whose shapes are not whole 
 chunks. Temporaries stay bounded by CHUNK_ELEMENTS (measured per op)."""
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -189,3 +190,18 @@ def test_fused_passes_equal_eager(small_chunks, monkeypatch):
     assert fused == eager
     assert counters["stats"]["unique_graphs"] >= 4  # both passes compiled, for both cases
     assert eager[1][STATS_FIELDS.index("saturated")] >= 1
+
+
+def test_a_failed_fused_compile_warns_once_and_runs_eagerly(monkeypatch):
+    monkeypatch.setattr(stats_module, "fused_on", lambda device: True)
+
+    def breaks(chunk: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()  # fullgraph=True: the compile raises
+        return chunk.sum()
+
+    run = stats_module._fused(breaks)
+    with pytest.warns(UserWarning, match="breaks runs eagerly, its compile failed"):
+        assert run(torch.ones(3)).item() == 3.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run(torch.ones(4)).item() == 4.0  # eager from then on, no second warning
