@@ -6,8 +6,10 @@ On a statistics iteration every Fp8Linear's `fp8_stats_on` switch is set for the
 each operand's statistics stay on the device as one float64 vector (no sync) and the step's
 vectors reach the host in one `.tolist()` after it. Nothing the step computes changes: the
 statistics read the operands and write nothing back (tests/unit_tests/training/
-test_fp8_stats_logging.py compares the losses bitwise). Compiled layers run their Fp8Linears
-outside the layer's graph on these iterations only (one extra compiled variant, kept).
+test_fp8_stats_logging.py compares the losses bitwise). Compiled layers run eagerly on these
+iterations only (set_stance("force_eager"); their graphs are kept): the statistics hand Python
+a vector per operand in forward and backward, which a compiled backward cannot. Each operand
+costs two chunked reads, each one torch.compile'd kernel per chunk on CUDA (fp8/stats.py).
 The numbers are this rank's (its micro-batches): counts summed over the step's micro-batches,
 amax the largest, scale the last one used.
 """

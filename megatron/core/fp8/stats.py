@@ -2,22 +2,25 @@
 
 `fp8_tensor_stats(x, recipe=, role=)`: the amax, the scale (or a summary of block scales), the
 fraction that saturates and the fraction of non-zeros that flush to zero. A pure function of
-the public API: scales derived exactly as `quantize` derives them, flushes read from the bytes
-`quantize` wrote (or from a QuantizedTensor the caller has: no second cast).
+the public API: amaxes and scales derived by `quantize`'s rules (reference.py), flushes read
+from the FP8 bytes of quantize's cast (`saturating_cast`), in bounded row chunks (cheap enough
+for --log-fp8-stats to stay on: no full-size fp32 temporary, two reads of the tensor).
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.fp8.formats import fp8_dtype_for_role, fp8_max
-from megatron.core.fp8.quantization import quantize
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
-from megatron.core.fp8.recipe import recipe_spec
-from megatron.core.fp8.reference import block_scales, expand_grid
+from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
+from megatron.core.fp8.reference import amax_ignoring_nan, block_scales, saturating_cast
 
 
 @dataclass(frozen=True)
@@ -45,56 +48,89 @@ class Fp8TensorStats:
         return asdict(self)
 
 
-def _cell_amax(x2d: torch.Tensor, cell: tuple[int, int]) -> torch.Tensor:
-    """max|x| (NaN as 0) of each [cell] block of x2d, zero-padded at the ends; grid-shaped."""
-    rows, cols = x2d.shape
-    cell_rows, cell_cols = cell
+CHUNK_ELEMENTS = 1 << 24
+"""Elements one pass reads at a time: fp32 temporaries <= 64 MiB (a chunk >= one row of cells)."""
+
+
+def row_chunks(rows: int, cols: int, cell_rows: int, limit: int = CHUNK_ELEMENTS) -> list:
+    """(start, stop) ranges of whole rows of cells, <= limit elements where one row fits."""
+    step = max(1, limit // (cols * cell_rows)) * cell_rows
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _as_blocks(chunk: torch.Tensor, cell: tuple[int, int]) -> torch.Tensor:
+    """chunk [r, c] zero-padded to whole cells (zeros never count), as [gr, cell_r, gc, cell_c]."""
+    (rows, cols), (cell_rows, cell_cols) = chunk.shape, cell
     grid_rows, grid_cols = -(-rows // cell_rows), -(-cols // cell_cols)
-    magnitude = torch.nan_to_num(x2d.abs(), nan=0.0)
-    padded = F.pad(magnitude, (0, grid_cols * cell_cols - cols, 0, grid_rows * cell_rows - rows))
-    blocks = padded.reshape(grid_rows, cell_rows, grid_cols, cell_cols)
-    return blocks.amax(dim=(1, 3))
+    padded = F.pad(chunk, (0, grid_cols * cell_cols - cols, 0, grid_rows * cell_rows - rows))
+    return padded.reshape(grid_rows, cell_rows, grid_cols, cell_cols)
 
 
-def _multipliers(
-    x2d: torch.Tensor,
-    *,
-    recipe: str,
-    role: str,
-    fp8_dtype: torch.dtype,
-    input_dtype: torch.dtype,
-    scale: torch.Tensor | None,
-    amax: torch.Tensor | None,
-    power_2_scale: bool | None,
-) -> tuple[torch.Tensor, tuple[int, int]]:
-    """(grid of quantize multipliers, cell shape), as `quantize` computes them."""
-    spec = recipe_spec(recipe)
-    cell = spec.block_shape(role, columnwise=False) or tuple(x2d.shape)
+def fused_on(device: torch.device) -> bool:
+    """Whether a chunk pass on device is one torch.compile'd kernel (else eager torch)."""
+    return device.type == "cuda"
+
+
+def _fused(fn: Callable) -> Callable:
+    """fn compiled where `fused_on` (at the first statistics step; shapes go dynamic on the first
+    new one). Statistics steps run under set_stance("force_eager"): the call sets its own. A
+    compile that fails warns once and leaves fn eager (speed is lost, never the run)."""
+    compiled, failed = torch.compile(fn, fullgraph=True), []
+
+    @functools.wraps(fn)
+    def run(chunk: torch.Tensor, *args):
+        if failed or not fused_on(chunk.device) or torch.compiler.is_compiling():
+            return fn(chunk, *args)
+        try:
+            with torch.compiler.set_stance("default"):
+                return compiled(chunk, *args)
+        except Exception as error:  # Dynamo and Inductor raise many types
+            failed.append(error)
+            message = f"fp8 stats: {fn.__name__} runs eagerly, its compile failed: {error}"
+            warnings.warn(message, stacklevel=2)
+            return fn(chunk, *args)
+
+    return run
+
+
+@_fused
+def _chunk_amax(chunk: torch.Tensor, cell: tuple[int, int]) -> torch.Tensor:
+    return amax_ignoring_nan(_as_blocks(chunk, cell), dim=(1, 3))  # NaN as 0, as `quantize`
+
+
+@_fused
+def _chunk_counts(chunk, multiplier, cell: tuple[int, int], fp8_dtype) -> torch.Tensor:
+    """[saturated, flushed, nonzero] of a chunk whose cells quantize with `multiplier` (its grid
+    rows, or [1, 1]): |x * m| > fp8_max, and non-zeros whose byte (`saturating_cast`) is +-0."""
+    blocks = _as_blocks(chunk, cell)
+    scaled = blocks.to(torch.float32) * multiplier[:, None, :, None]
+    saturated = (scaled.abs() > fp8_max(fp8_dtype)).sum()
+    zero_byte = saturating_cast(scaled, fp8_dtype).bitwise_and(0x7F) == 0
+    nonzero = blocks != 0
+    return torch.stack([saturated, (nonzero & zero_byte).sum(), nonzero.sum()])
+
+
+def _amaxes_and_multipliers(x2d, spec: RecipeSpec, cell, fp8_dtype, scale, amax, power_2_scale):
+    """(max|x| per cell, the quantize multipliers per cell), [1, 1] each per tensor."""
+    chunks = row_chunks(*x2d.shape, cell[0])
+    cell_amax = torch.cat([_chunk_amax(x2d[start:stop], cell) for start, stop in chunks])
+    cell_amax = cell_amax.amax().reshape(1, 1) if spec.per_tensor else cell_amax
     if spec.delayed:
         if scale is None:
             raise ValueError("recipe 'delayed' quantizes with its current scale: pass scale=")
-        return scale.to(torch.float32).reshape(1, 1), cell
-    cell_amax = _cell_amax(x2d, cell) if amax is None else amax.to(torch.float32).reshape(1, 1)
+        return cell_amax, scale.to(torch.float32).reshape(1, 1)
     multiplier, _ = block_scales(
-        cell_amax,
+        cell_amax if amax is None else amax.to(torch.float32).reshape(1, 1),
         spec=spec,
         fp8_dtype=fp8_dtype,
         power_2_scale=spec.resolve_power_2_scale(power_2_scale),
-        input_dtype=input_dtype,
+        input_dtype=x2d.dtype,
     )
-    return multiplier, cell
+    return cell_amax, multiplier
 
 
-STATS_FIELDS = (
-    "amax",
-    "scale",
-    "scale_min",
-    "scale_max",
-    "num_scales",
-    "saturated",
-    "flushed",
-    "nonzero",
-)
+STATS_FIELDS = ("amax", "scale", "scale_min", "scale_max", "num_scales")
+STATS_FIELDS += ("saturated", "flushed", "nonzero")
 """The entries of `fp8_stats_vector`'s result, in order (counts, not fractions)."""
 
 
@@ -111,48 +147,28 @@ def fp8_stats_vector(
 ) -> torch.Tensor:
     """The float64 [len(STATS_FIELDS)] statistics of quantizing x rowwise under recipe and role,
     on x's device with no host sync (a loop stacks every Linear's vectors, one `.tolist()`).
-    scale, amax, power_2_scale: as in `quantize`. quantized: the rowwise QuantizedTensor of x the
-    caller already holds (e.g. Fp8Linear's saved operand); without it x is quantized here.
+    scale, amax, power_2_scale: as in `quantize`. Two reads of x in row chunks (amaxes, then
+    counts; no full-size temporary), the bytes cast by quantize's rule. quantized: a rowwise
+    QuantizedTensor of x the caller holds, whose dequantized zeros are the flushes instead.
     """
-    fp8_dtype = fp8_dtype_for_role(fp8_format, role)
-    x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    grid, cell = _multipliers(
-        x2d,
-        recipe=recipe,
-        role=role,
-        fp8_dtype=fp8_dtype,
-        input_dtype=x.dtype,
-        scale=scale,
-        amax=amax,
-        power_2_scale=power_2_scale,
-    )
-    scaled = x2d * expand_grid(grid, cell, x2d.shape)
-    saturated = (scaled.abs() > fp8_max(fp8_dtype)).sum()
-    if quantized is None:
-        quantized = quantize(
-            x,
-            recipe=recipe,
-            fp8_dtype=fp8_dtype,
-            role=role,
-            scale=scale if recipe_spec(recipe).delayed else None,
-            amax=amax,
-            power_2_scale=power_2_scale,
-        )
-    dequantized = quantized.dequantize(torch.float32).reshape(x2d.shape)
-    nonzero_mask = x2d != 0
+    spec, fp8_dtype = recipe_spec(recipe), fp8_dtype_for_role(fp8_format, role)
+    x2d = x.reshape(-1, x.shape[-1])
+    cell = spec.block_shape(role, columnwise=False) or (1, x2d.shape[1])  # per tensor: by rows
+    options = (scale, amax, power_2_scale)
+    cell_amax, grid = _amaxes_and_multipliers(x2d, spec, cell, fp8_dtype, *options)
+    counts = torch.zeros(3, dtype=torch.int64, device=x.device)
+    for start, stop in row_chunks(*x2d.shape, cell[0]):
+        rows = grid if grid.numel() == 1 else grid[start // cell[0] : -(-stop // cell[0])]
+        counts += _chunk_counts(x2d[start:stop], rows, cell, fp8_dtype)
+    if quantized is not None:
+        nonzero = x2d != 0
+        dequantized_zero = quantized.dequantize(torch.float32).reshape(x2d.shape) == 0
+        counts[1] = (nonzero & dequantized_zero).sum()
     flat = grid.reshape(-1)
-    parts = [
-        torch.nan_to_num(x2d.abs(), nan=0.0).amax(),
-        flat.median(),
-        flat.amin(),
-        flat.amax(),
-        torch.tensor(flat.numel(), device=x.device),
-        saturated,
-        (nonzero_mask & (dequantized == 0)).sum(),
-        nonzero_mask.sum(),
-    ]
+    parts = [cell_amax.amax(), flat.median(), flat.amin(), flat.amax()]
+    parts.append(torch.tensor(flat.numel(), device=x.device))
     # float64: counts stay exact up to 2^53 elements, fp32 amax and scales exactly.
-    return torch.stack([part.to(torch.float64) for part in parts])
+    return torch.cat([torch.stack([p.to(torch.float64) for p in parts]), counts.double()])
 
 
 def stats_from_vector(

@@ -10,6 +10,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from megatron.core.fp8 import Fp8Config
+from megatron.core.fp8 import stats as fp8_stats_module
 from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.fp8.linear import Fp8Linear
 from megatron.training.flags.arguments import parse_args
@@ -200,3 +201,34 @@ def test_compiled_layer_statistics_step_runs_eagerly_and_keeps_its_graph(fp8_par
     assert not none and len(stats) == (8 if fp8_params else 12)  # no weight role for FP8 params
     assert torch.equal(watched, plain) and torch.equal(again, compiled)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+@pytest.mark.slow
+def test_fused_statistics_passes_in_a_compiled_layer_statistics_step(monkeypatch):
+    # On CUDA each statistics pass is a torch.compile'd kernel, called from the layer that runs
+    # under set_stance("force_eager"): here compiled on CPU, the statistics and the outputs
+    # equal the eager passes' bitwise, and the layer's compiled graph stays free of breaks.
+    layer = _fp8_layer("mxfp8", fp8_params=False, device="cpu")
+    prepare_for_compile(layer)
+    layer.forward = torch.compile(layer.forward)
+    collector = Fp8StatsCollector(layer, interval=1, recipe="mxfp8", fp8_format="hybrid")
+    x0 = torch.randn(2, 64, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+
+    def step(on: bool) -> tuple[torch.Tensor, dict]:
+        collector.switch(on)
+        with torch.compiler.set_stance("force_eager" if on else "default"):
+            y = layer(x0.clone().requires_grad_())
+            y.float().sum().backward()
+        collector.switch(False)
+        return y.detach(), collector.read()
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = step(False)
+    eager_out, eager_stats = step(True)
+    monkeypatch.setattr(fp8_stats_module, "fused_on", lambda device: True)
+    fused_out, fused_stats = step(True)
+    again, _ = step(False)
+    assert torch.equal(fused_out, eager_out) and torch.equal(again, compiled)
+    assert fused_stats == eager_stats and len(fused_stats) == 12
+    assert counters["stats"]["unique_graphs"] > 1 and not counters["graph_break"]
