@@ -56,7 +56,7 @@ def _tp(n: int) -> list[str]:
         (
             _tp(2) + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2"],
             2,
-            "--num-distributed-optimizer-instances",
+            "--num-distributed-optimizer-instances 2 does not divide the data-parallel size 1",
         ),
         (_tp(2) + ["--fp8-recipe", "tensorwise"], 2, "FP8 (--fp8-recipe/--fp8-format)"),
         (
