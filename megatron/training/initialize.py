@@ -107,17 +107,8 @@ def initialize_distributed(config: DistributedConfig) -> DistributedEnv:
     tensor_parallel = None
     dp_mesh = None
     if config.use_megatron_fsdp:
-        dp_mesh = build_data_parallel_mesh(
-            world_size=world_size,
-            num_distributed_optimizer_instances=config.num_distributed_optimizer_instances,
-            device_type=device.type,
-            tensor_parallel_size=config.tensor_model_parallel_size,
-        )
-        if config.tensor_model_parallel_size > 1:
-            # One (dp_outer, dp_shard, tp) mesh: the engine cuts its DP groups from it.
-            tensor_parallel = TensorParallel(
-                dp_mesh.get_group(TP_DIM), sequence_parallel=config.sequence_parallel
-            )
+        dp_mesh, tensor_parallel = _megatron_fsdp_mesh(config, world_size, device)
+        if tensor_parallel is not None:  # the ranks of equal TP rank
             dp_group = DataParallelGroups.from_mesh(dp_mesh, outer_dim=DP_OUTER_DIM).full
     elif config.tensor_model_parallel_size > 1:
         dp_group, tensor_parallel = _tensor_and_data_parallel_groups(config, world_size, device)
@@ -135,6 +126,22 @@ def initialize_distributed(config: DistributedConfig) -> DistributedEnv:
         expert_groups=expert_groups,
         tensor_parallel=tensor_parallel,
     )
+
+
+def _megatron_fsdp_mesh(
+    config: DistributedConfig, world_size: int, device: torch.device
+) -> tuple[DeviceMesh, TensorParallel | None]:
+    """The one (dp_outer, dp_shard[, tp]) mesh of Megatron-FSDP, and its TP group: the engine
+    cuts its DP groups from the same mesh."""
+    mesh = build_data_parallel_mesh(
+        world_size=world_size,
+        num_distributed_optimizer_instances=config.num_distributed_optimizer_instances,
+        device_type=device.type,
+        tensor_parallel_size=config.tensor_model_parallel_size,
+    )
+    if config.tensor_model_parallel_size == 1:
+        return mesh, None
+    return mesh, TensorParallel(mesh.get_group(TP_DIM), sequence_parallel=config.sequence_parallel)
 
 
 TENSOR_PARALLEL_DIM = "tp"
