@@ -2,7 +2,7 @@
 under --sequence-parallel (a norm on sequence shards, column- then row-parallel Linear),
 ZeRO-3 over the DP dimension of a (dp_outer, dp_shard, tp) mesh, trained with a plain torch
 optimizer through fully_shard_optimizer, follows the one-process full model step for step;
-a tp_dim over modules without TP layers is refused."""
+a tp_dim over modules without TP layers is refused, and so are sharded checkpoints."""
 
 from __future__ import annotations
 
@@ -112,6 +112,8 @@ def _tp_fsdp_losses(rank: int, world_size: int) -> list[float]:
         total = loss.detach().clone()
         dist.all_reduce(total, group=dp_group)
         losses.append(total.item() / 2)
+    with pytest.raises(NotImplementedError, match="checkpoints with tensor parallelism"):
+        model.sharded_state_dict()
     return losses
 
 

@@ -234,6 +234,12 @@ class FullyShardedDataParallel(nn.Module):
         plus the delayed-scaling state of every Fp8Linear when any uses that recipe
         (`fp8_delayed_scaling`). fp8_scaling_state=False leaves it out: the template for
         loading a checkpoint saved without it (a bf16 or another recipe's run)."""
+        if self.tensor_parallel_grads is not None:
+            # Each TP rank's shards would be saved under the full parameter's name.
+            raise NotImplementedError(
+                "FullyShardedDataParallel: sharded checkpoints with tensor parallelism are not "
+                "built"
+            )
         return model_sharded_state_dict(self.engine, fp8_scaling_state=fp8_scaling_state)
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
