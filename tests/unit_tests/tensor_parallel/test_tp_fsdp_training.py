@@ -1,8 +1,8 @@
 """Issue 40, acceptance 1 (Megatron-FSDP rows) on CPU/gloo: the tiny GPT trains 20 fp32 steps
 with tensor parallelism under Megatron-FSDP, each TP rank's shards sharded over its DP groups:
-TP 2 x DP 2 (ZeRO-3), TP 4 x DP 2 and TP 2 x HSDP 2 x 2, with and without --sequence-parallel,
-and the other strategies at TP 2 x DP 2; the single-process losses within 1e-5 (the clip
-is active: the grad norm summed over TP must be the TP = 1 one)."""
+TP 2 x DP 1, TP 2 x DP 2 (ZeRO-3), TP 4 x DP 2 and TP 2 x HSDP 2 x 2, with and without
+--sequence-parallel, and the other strategies at TP 2 x DP 2; the single-process losses within
+1e-5 (the clip is active: the grad norm summed over TP must be the TP = 1 one)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def _fsdp(strategy: str, tp: int, *extra: str) -> list[str]:
 SP = "--sequence-parallel"
 HSDP = ("--num-distributed-optimizer-instances", "2")
 CASES = {
+    "tp2xdp1-zero3-sp": (_fsdp("optim_grads_params", 2, SP), 2),
     "tp2xdp2-zero3": (_fsdp("optim_grads_params", 2), 4),
     "tp2xdp2-zero3-sp": (_fsdp("optim_grads_params", 2, SP), 4),
     "tp4xdp2-zero3": (_fsdp("optim_grads_params", 4), 8),
