@@ -13,7 +13,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from megatron.core.distributed.data_parallel_mesh import build_data_parallel_mesh
+from megatron.core.distributed.data_parallel_mesh import (
+    DP_OUTER_DIM,
+    TP_DIM,
+    DataParallelGroups,
+    build_data_parallel_mesh,
+)
 from megatron.core.distributed.expert_parallel import (
     ExpertParallelGroups,
     build_expert_parallel_groups,
@@ -34,8 +39,9 @@ class DistributedEnv:
     owns_process_group: bool = False
     """Whether initialize_distributed created the default group (and so must destroy it)."""
     dp_mesh: DeviceMesh | None = None
-    """Megatron-FSDP: the (dp_outer, dp_shard) mesh, from --num-distributed-optimizer-instances;
-    the engine cuts its groups from it. None for torch DDP."""
+    """Megatron-FSDP: the (dp_outer, dp_shard) mesh, from --num-distributed-optimizer-instances,
+    with an innermost tp dimension under tensor parallelism; the engine cuts its groups from
+    it. None for torch DDP."""
     expert_groups: ExpertParallelGroups = ExpertParallelGroups(ep=None, expert_dp=None)
     """--expert-model-parallel-size: the expert-parallel and expert-data-parallel groups,
     built once here and passed to the MoE layers and the grad reduction."""
@@ -99,15 +105,13 @@ def initialize_distributed(config: DistributedConfig) -> DistributedEnv:
             owns_process_group = True
         dp_group = dist.group.WORLD
     tensor_parallel = None
-    if config.tensor_model_parallel_size > 1:
-        dp_group, tensor_parallel = _tensor_and_data_parallel_groups(config, world_size, device)
     dp_mesh = None
     if config.use_megatron_fsdp:
-        dp_mesh = build_data_parallel_mesh(
-            world_size=world_size,
-            num_distributed_optimizer_instances=config.num_distributed_optimizer_instances,
-            device_type=device.type,
-        )
+        dp_mesh, tensor_parallel = _megatron_fsdp_mesh(config, world_size, device)
+        if tensor_parallel is not None:  # the ranks of equal TP rank
+            dp_group = DataParallelGroups.from_mesh(dp_mesh, outer_dim=DP_OUTER_DIM).full
+    elif config.tensor_model_parallel_size > 1:
+        dp_group, tensor_parallel = _tensor_and_data_parallel_groups(config, world_size, device)
     expert_groups = build_expert_parallel_groups(
         ep_size=config.expert_model_parallel_size, dp_group=dp_group
     )
@@ -122,6 +126,22 @@ def initialize_distributed(config: DistributedConfig) -> DistributedEnv:
         expert_groups=expert_groups,
         tensor_parallel=tensor_parallel,
     )
+
+
+def _megatron_fsdp_mesh(
+    config: DistributedConfig, world_size: int, device: torch.device
+) -> tuple[DeviceMesh, TensorParallel | None]:
+    """The one (dp_outer, dp_shard[, tp]) mesh of Megatron-FSDP, and its TP group: the engine
+    cuts its DP groups from the same mesh."""
+    mesh = build_data_parallel_mesh(
+        world_size=world_size,
+        num_distributed_optimizer_instances=config.num_distributed_optimizer_instances,
+        device_type=device.type,
+        tensor_parallel_size=config.tensor_model_parallel_size,
+    )
+    if config.tensor_model_parallel_size == 1:
+        return mesh, None
+    return mesh, TensorParallel(mesh.get_group(TP_DIM), sequence_parallel=config.sequence_parallel)
 
 
 TENSOR_PARALLEL_DIM = "tp"

@@ -23,6 +23,7 @@ from megatron.core.models.gpt import GPTModel, count_parameters, num_floating_po
 from megatron.core.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
 from megatron.core.optimizer.grad_scaler import GradScaler
 from megatron.core.tensor_parallel import (
+    TensorParallelGrads,
     all_reduce_sequence_parallel_grads,
     tensor_parallel_shards,
 )
@@ -188,9 +189,7 @@ def _tensor_parallel_norm(module: GPTModel, env: DistributedEnv) -> dict:
     tensor_parallel = env.tensor_parallel
     if tensor_parallel is None:
         return {}
-    names = set(tensor_parallel_shards(module))
-    if tensor_parallel.rank == 0:
-        names |= {name for name, _ in module.named_parameters()}
+    names = set(TensorParallelGrads.of_model(module, tensor_parallel).counted_names)
     return {"grad_group": tensor_parallel.group, "norm_param_names": names}
 
 
@@ -199,18 +198,28 @@ def _build_megatron_fsdp(
 ):
     fsdp_config = setup.fsdp
     ep_group = env.expert_groups.ep
+    parallel = dict(expert_parallel_group=ep_group, tensor_parallel=env.tensor_parallel)
+    if initial_params is not None and env.tensor_parallel is not None:
+        raise ValueError("initial_params (full tensors) with tensor parallelism is not built")
     if fsdp_config.init_model_with_meta_device:
         with torch.device("meta"):
-            module = GPTModel(config, seed=setup.seed, expert_parallel_group=ep_group)
+            module = GPTModel(config, seed=setup.seed, **parallel)
     else:
-        module = GPTModel(config, seed=setup.seed, expert_parallel_group=ep_group).to(env.device)
+        module = GPTModel(config, seed=setup.seed, **parallel).to(env.device)
         if initial_params is not None:
             module.load_state_dict(initial_params, strict=True)
     expert_rows = local_expert_rows(module) if ep_group is not None else {}
+    tp_owners = tensor_parallel_shards(module)
 
     def init_fn(name: str, tensor: torch.Tensor) -> None:
         rows = expert_rows.get(name)
-        if initial_params is not None:
+        owner = tp_owners.get(name)
+        if owner is not None:  # the full tensor drawn, this rank's TP shard kept
+            leaf = name.rsplit(".", 1)[-1]
+            full = tensor.new_empty(owner.full_shape(leaf))
+            init_parameter_(full, name=name, config=config, seed=setup.seed)
+            tensor.copy_(owner.shard_of_full(leaf, full))
+        elif initial_params is not None:
             value = initial_params[name]
             tensor.copy_(value if rows is None or len(value) == len(tensor) else value[rows])
         elif rows is None:
@@ -236,6 +245,7 @@ def _build_megatron_fsdp(
             # Expert parallelism: the routed experts' own buffer groups over the EDP group.
             expert_data_parallel_group=env.expert_groups.expert_dp if ep_group else None,
             expert_param_names=list(expert_rows),
+            tensor_parallel=env.tensor_parallel,
         )
         return model, model.build_optimizer(setup.optimizer)
 

@@ -8,9 +8,14 @@ one gradient reduction per step crosses the network:
     mesh = [[0, 1, 2, 3],      dp_outer (replicate): {0, 4}, {1, 5}, ...  across nodes
             [4, 5, 6, 7]]      dp_shard (shard):     {0..3}, {4..7}       inside a node
 
-N = 1 is plain ZeRO (one row). A tensor-parallel dimension will be the innermost mesh
-dimension when it exists; the DP groups are always cut from the mesh by name, never from
-globals, so adding it does not change the engine.
+N = 1 is plain ZeRO (one row). With tensor parallelism (`--tensor-model-parallel-size` T > 1)
+the mesh gains a third, innermost dimension `tp` (Megatron-LM's rank order: T consecutive
+ranks split each layer), rank = (outer * S + shard) * T + tp_rank. The DP groups are cut
+from the mesh by name, so the engine shards each TP rank's local shards over the ranks of
+equal tp_rank and never sees TP:
+
+    TP 2 x HSDP 2 x 2: mesh[outer][shard][tp] = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    tp {0, 1}, ...;  dp_shard {0, 2}, {1, 3}, {4, 6}, ...;  dp_outer {0, 4}, {1, 5}, ...
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ DP_OUTER_DIM = "dp_outer"
 """Replicate dimension: ranks holding the same shard in different replicas."""
 DP_SHARD_DIM = "dp_shard"
 """Shard dimension: the consecutive ranks of one replica, over which ZeRO shards."""
+TP_DIM = "tp"
+"""Tensor-parallel dimension (innermost; only when the tensor-parallel size is above 1)."""
 
 
 @dataclass(frozen=True)
@@ -70,27 +77,42 @@ class DataParallelGroups:
         dp_mesh = mesh[(outer_dim, shard_dim)]
         if dp_mesh.size() == dist.get_world_size():
             full = dist.group.WORLD
-        else:  # other mesh dimensions (TP later): the DP ranks are a sub-mesh
+        else:  # other mesh dimensions (TP): the DP ranks are a sub-mesh
             full = dp_mesh._flatten().get_group()  # noqa: SLF001 - torch's own flatten helper
         return cls(shard=shard, outer=outer, full=full)
 
 
 def build_data_parallel_mesh(
-    *, world_size: int, num_distributed_optimizer_instances: int, device_type: str
+    *,
+    world_size: int,
+    num_distributed_optimizer_instances: int,
+    device_type: str,
+    tensor_parallel_size: int = 1,
 ) -> DeviceMesh:
     """The (dp_outer, dp_shard) mesh of `world_size` ranks; row r = ranks [r*S, (r+1)*S).
+    With `tensor_parallel_size` T > 1, the (dp_outer, dp_shard, tp) mesh: every entry above
+    becomes T consecutive ranks.
 
     Needs the default process group. Raises ValueError (argument checks catch it earlier with
-    the flag's name) when N does not divide the world size.
+    the flag's name) when T does not divide the world size or N the data-parallel size.
     """
-    instances = num_distributed_optimizer_instances
-    if instances < 1 or world_size % instances:
+    instances, tp = num_distributed_optimizer_instances, tensor_parallel_size
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the world size {world_size}")
+    dp_size = world_size // tp
+    if instances < 1 or dp_size % instances:
         raise ValueError(
             f"num_distributed_optimizer_instances={instances} must divide the data-parallel "
-            f"size {world_size}"
+            f"size {dp_size}"
+        )
+    if tp == 1:
+        return init_device_mesh(
+            device_type,
+            (instances, dp_size // instances),
+            mesh_dim_names=(DP_OUTER_DIM, DP_SHARD_DIM),
         )
     return init_device_mesh(
         device_type,
-        (instances, world_size // instances),
-        mesh_dim_names=(DP_OUTER_DIM, DP_SHARD_DIM),
+        (instances, dp_size // instances, tp),
+        mesh_dim_names=(DP_OUTER_DIM, DP_SHARD_DIM, TP_DIM),
     )

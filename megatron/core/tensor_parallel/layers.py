@@ -14,6 +14,7 @@ TP = 1 and refuses FP8 with TP > 1).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -228,6 +229,51 @@ def all_reduce_sequence_parallel_grads(model: nn.Module, group: dist.ProcessGrou
         if getattr(param, SEQUENCE_PARALLEL_ATTR, False) and param.grad is not None:
             dist.all_reduce(param.grad, group=group)
             count_collective("all_reduce", param.grad)
+
+
+@dataclass(frozen=True)
+class TensorParallelGrads:
+    """What a grad finalization owes tensor parallelism, by parameter name, for engines whose
+    grads live away from `param.grad` (Megatron-FSDP's sharded buffers): the grads that are
+    partial sums over TP (sequence-parallel replicated params), and the parameters this rank
+    counts in the grad norm (its TP shards, plus the replicated ones on TP rank 0, as
+    Megatron-LM's clip_grad_norm), whose squares then sum over TP."""
+
+    group: dist.ProcessGroup
+    partial_names: frozenset[str]
+    counted_names: frozenset[str]
+
+    @classmethod
+    def of_model(cls, model: nn.Module, tensor_parallel: TensorParallel) -> TensorParallelGrads:
+        names = [name for name, _ in model.named_parameters()]
+        params = dict(model.named_parameters())
+        partial = {n for n in names if getattr(params[n], SEQUENCE_PARALLEL_ATTR, False)}
+        counted = set(names) if tensor_parallel.rank == 0 else set(tensor_parallel_shards(model))
+        return cls(tensor_parallel.group, frozenset(partial), frozenset(counted))
+
+    def sum_over_group(self, value: float, device: torch.device) -> float:
+        """`value` summed over the TP ranks, in fp64 (a norm's square, a zero count)."""
+        total = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(total, group=self.group)
+        return total.item()
+
+    def norm_over_group(self, local_norm: float, device: torch.device) -> float:
+        """The L2 norm over TP of the ranks' norms of disjoint pieces (NaN stays NaN)."""
+        total = self.sum_over_group(local_norm * local_norm, device)
+        return math.sqrt(total) if math.isfinite(total) else float("nan")
+
+    def sum_partial_grads_(self, grads: Sequence[torch.Tensor]) -> None:
+        """All-reduce over TP, in one collective, the grads of `partial_names` params given
+        in the same order on every TP rank (each rank's buffer layout is the same)."""
+        if not grads:
+            return
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        dist.all_reduce(flat, group=self.group)
+        count_collective("all_reduce", flat)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
 
 def column_parallel_matmul(

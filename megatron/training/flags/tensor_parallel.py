@@ -77,8 +77,7 @@ def validate_tensor_parallel_args(args: argparse.Namespace) -> None:
 
 def _refuse_not_built_with_tensor_parallel(args: argparse.Namespace) -> None:
     not_built = [
-        (args.use_megatron_fsdp, "Megatron-FSDP / --use-distributed-optimizer", "torch DDP"),
-        (args.use_torch_fsdp2, "--use-torch-fsdp2", "torch DDP"),
+        (args.use_torch_fsdp2, "--use-torch-fsdp2", "Megatron-FSDP or torch DDP"),
         (args.fp8_recipe is not None, "FP8 (--fp8-recipe/--fp8-format)", "--bf16 or fp32"),
         (args.save is not None or args.load is not None, "--save/--load", "no checkpoints"),
         (args.multi_latent_attention, "--multi-latent-attention", "GQA"),
@@ -90,5 +89,6 @@ def _refuse_not_built_with_tensor_parallel(args: argparse.Namespace) -> None:
         raise ValueError(
             "--tensor-model-parallel-size > 1 is not built yet with: "
             + "; ".join(found)
-            + ". Tensor parallelism runs with torch DDP over the data-parallel ranks."
+            + ". Tensor parallelism runs with torch DDP or Megatron-FSDP (every strategy, "
+            "HSDP) over the data-parallel ranks."
         )

@@ -42,9 +42,21 @@ def _tp(n: int) -> list[str]:
         (_tp(0), 1, "--tensor-model-parallel-size 0 must be at least 1."),
         (_tp(2), 1, "world size 1 is not divisible by --tensor-model-parallel-size 2"),
         (
-            _tp(2) + ["--use-megatron-fsdp"],
+            _tp(2) + ["--use-torch-fsdp2"],
             2,
-            "--tensor-model-parallel-size > 1 is not built yet with: Megatron-FSDP",
+            "--tensor-model-parallel-size > 1 is not built yet with: --use-torch-fsdp2 (use "
+            "Megatron-FSDP or torch DDP)",
+        ),
+        (
+            _tp(2) + ["--use-megatron-fsdp", "--fp8-recipe", "tensorwise", "--save", "/x"],
+            2,
+            "not built yet with: FP8 (--fp8-recipe/--fp8-format) (use --bf16 or fp32); "
+            "--save/--load (use no checkpoints)",
+        ),
+        (
+            _tp(2) + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2"],
+            2,
+            "--num-distributed-optimizer-instances 2 does not divide the data-parallel size 1",
         ),
         (_tp(2) + ["--fp8-recipe", "tensorwise"], 2, "FP8 (--fp8-recipe/--fp8-format)"),
         (

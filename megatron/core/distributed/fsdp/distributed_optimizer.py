@@ -14,6 +14,11 @@ HSDP: with outer no_shard every replica runs the same update on the same shard (
 over the shard group only); with outer optim each replica updates only its part of the shard
 (`BufferGroup.optimizer_range`; the norm sums over every DP rank) and the updated parts are
 all-gathered across replicas before the compute params are written.
+
+Tensor parallelism (`tensor_parallel_grads`): the engine shards each TP rank's local shards
+over its DP groups and never sees TP; the step then sums the grads of sequence-parallel
+replicated params (norms) over TP, and the grad norm counts each TP shard once and each
+replicated param on TP rank 0 only, summed over TP (Megatron-LM's finalize and clip).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from megatron.core.optimizer import (
     global_grad_norm,
     unscale_grads_,
 )
+from megatron.core.tensor_parallel import TensorParallelGrads
 
 
 @dataclass(eq=False)
@@ -65,9 +71,16 @@ class ShardPiece:
 
 
 class FsdpDistributedOptimizer(MegatronOptimizer):
-    def __init__(self, engine: MegatronFSDP, *, config: OptimizerConfig) -> None:
+    def __init__(
+        self,
+        engine: MegatronFSDP,
+        *,
+        config: OptimizerConfig,
+        tensor_parallel_grads: TensorParallelGrads | None = None,
+    ) -> None:
         self.engine = engine
         self.config = config
+        self.tp_grads = tensor_parallel_grads
         self.pieces: list[ShardPiece] = []
         for group in engine.buffer.all_groups():
             group.ensure_grad_buffer()
@@ -144,13 +157,14 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
     def step(self) -> StepResult:
         self.engine.finish_grad_sync()
         grads = self._attach_grads()
+        if self.tp_grads is not None:
+            self.tp_grads.sum_partial_grads_(
+                [g for p, g in zip(self.pieces, grads) if p.name in self.tp_grads.partial_names]
+            )
         if not grads:
             grads = [torch.zeros(1, device=self.engine.buffer.device)]
         unscale_grads_(grads, self.loss_scale)
-        grad_norm = global_grad_norm(
-            grads, group=self.piece_group, accumulate_dtype=self.norm_dtype
-        )
-        zeros = count_zeros(grads, group=self.piece_group) if self.count_zeros_in_grad else None
+        grad_norm, zeros = self._norm_and_zeros(grads)
         if not math.isfinite(grad_norm):
             self._detach_grads()
             self.engine.zero_grad_buffer()
@@ -169,6 +183,26 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         self.engine.buffer.gather_outer_main_shards(stats=self.engine.stats)
         self.engine.buffer.write_back_main_params(stats=self.engine.stats)
         return StepResult(update_successful=True, grad_norm=grad_norm, num_zeros_in_grad=zeros)
+
+    def _counted(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Under TP, the tensors of the parameters this rank counts in a norm."""
+        if self.tp_grads is None or len(tensors) != len(self.pieces):
+            return tensors
+        names = self.tp_grads.counted_names
+        counted = [t for p, t in zip(self.pieces, tensors) if p.name in names]
+        return counted or [torch.zeros(1, device=self.engine.buffer.device)]
+
+    def _norm_and_zeros(self, grads: list[torch.Tensor]) -> tuple[float, int | None]:
+        """The global grad norm (and zero count): over the piece group, then over TP."""
+        counted = self._counted(grads)
+        norm = global_grad_norm(counted, group=self.piece_group, accumulate_dtype=self.norm_dtype)
+        zeros = count_zeros(counted, group=self.piece_group) if self.count_zeros_in_grad else None
+        if self.tp_grads is not None:
+            device = self.engine.buffer.device
+            norm = self.tp_grads.norm_over_group(norm, device)
+            if zeros is not None:
+                zeros = int(self.tp_grads.sum_over_group(zeros, device))
+        return norm, zeros
 
     def _request_amaxes(self) -> list[tuple]:
         """Ask the step for the amaxes that re-quantizing FP8 weights needs (per-tensor
@@ -191,10 +225,13 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
 
     def params_norm(self) -> float:
         """L2 norm of all main params over the shards (--log-params-norm)."""
-        mains = [piece.main for piece in self.pieces] or [
+        mains = self._counted([piece.main for piece in self.pieces]) or [
             torch.zeros(1, device=self.engine.buffer.device)
         ]
-        return global_grad_norm(mains, group=self.piece_group)
+        norm = global_grad_norm(mains, group=self.piece_group)
+        if self.tp_grads is not None:
+            norm = self.tp_grads.norm_over_group(norm, self.engine.buffer.device)
+        return norm
 
     def _detach_grads(self) -> None:
         for shard_piece in self.pieces:

@@ -16,8 +16,11 @@ A script written against Megatron-FSDP runs with only its imports changed:
 Same names, argument order and defaults as megatron_fsdp's `fully_shard_model`,
 `fully_shard_optimizer`, `fully_shard` and `MixedPrecisionPolicy`. Where ours differs:
 - `device_mesh` / `dp_shard_dim` / `dp_outer_dim`: HSDP needs no `hybrid_fsdp_group` (the full
-  DP group is cut from the mesh; a given one is ignored). `tp_dim` must name a size-1 dimension
-  (no tensor parallelism yet). Without a mesh, `process_group` (ours) or WORLD is sharded over.
+  DP group is cut from the mesh; a given one is ignored). A `tp_dim` of size > 1 needs the
+  module built from our tensor-parallel layers (`megatron.core.tensor_parallel`) on that
+  dimension's group: each rank's TP shards are sharded over its DP dimensions (build the mesh
+  with `build_data_parallel_mesh(tensor_parallel_size=...)`). Without a mesh, `process_group`
+  (ours) or WORLD is sharded over.
 - Meta-device init: each module's `reset_parameters()` re-runs on a real copy seeded by the
   module's name, so values do not depend on the rank or world size; Fp8Linear (no
   reset_parameters) is initialized as nn.Linear is. Ours also takes `init_fn(name, tensor)`.
@@ -59,6 +62,7 @@ from megatron.core.fp8.engine_interface import (
     quantized_model_init as quantized_model_init,  # re-export
 )
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.tensor_parallel.layers import TENSOR_PARALLEL_MODULES, TensorParallel
 
 # ZeRO stage number -> Megatron-FSDP strategy name.
 _ZERO_STAGES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
@@ -188,6 +192,24 @@ def _grad_dtypes(policy: MixedPrecisionPolicy) -> tuple[torch.dtype, torch.dtype
     return main_grads, comm
 
 
+def _mesh_tensor_parallel(
+    module: nn.Module, mesh: DeviceMesh | None, tp_dim: str | None
+) -> TensorParallel | None:
+    """The mesh's tensor-parallel group when `tp_dim` has size > 1; the module must be built
+    from our TP layers (megatron.core.tensor_parallel) on that very group."""
+    if tp_dim is None or mesh is None or mesh[tp_dim].size() == 1:
+        return None
+    group = mesh.get_group(tp_dim)
+    layers = [m for m in module.modules() if isinstance(m, TENSOR_PARALLEL_MODULES)]
+    ranks = dist.get_process_group_ranks(group)
+    if not layers or any(dist.get_process_group_ranks(m.tp.group) != ranks for m in layers):
+        raise ValueError(
+            f"fully_shard_model: tp_dim {tp_dim!r} has size {mesh[tp_dim].size()}; build the "
+            "module from megatron.core.tensor_parallel layers on mesh.get_group(tp_dim)"
+        )
+    return TensorParallel(group)
+
+
 def fully_shard_model(
     module: nn.Module,
     device_mesh: DeviceMesh | None = None,
@@ -214,8 +236,7 @@ def fully_shard_model(
     the module's `fsdp_unit_modules` attribute, else none: everything is one unit). Other
     keyword options are FsdpConfig fields, or Megatron-FSDP options at their defaults."""
     overrides = _fsdp_config_overrides(options)
-    if tp_dim is not None and device_mesh is not None and device_mesh[tp_dim].size() > 1:
-        raise ValueError("fully_shard_model: tensor parallelism is not supported; tp_dim size 1")
+    tensor_parallel = _mesh_tensor_parallel(module, device_mesh, tp_dim)
     main_grads, comm = _grad_dtypes(mixed_precision_policy)
     config = FsdpConfig(
         data_parallel_sharding_strategy=_strategy(
@@ -252,6 +273,7 @@ def fully_shard_model(
         device_mesh=device_mesh,
         dp_shard_dim=dp_shard_dim,
         dp_outer_dim=dp_outer_dim,
+        tensor_parallel=tensor_parallel,
     )
     model.engine.sync_enabled = sync_model_each_microbatch
     for param in model.parameters():
@@ -289,10 +311,16 @@ def _shard_torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Opti
     optimizer.state.clear()
     torch_step = optimizer.step
 
+    tp_grads = model.tensor_parallel_grads
+
     def step(self, closure=None):
         engine.finish_grad_sync()
         for shard_piece in all_pieces:
             shard_piece.main.grad = shard_piece.grad_view().to(shard_piece.main.dtype)
+        if tp_grads is not None:  # sequence-parallel norms: partial grads summed over TP
+            tp_grads.sum_partial_grads_(
+                [p.main.grad for p in all_pieces if p.name in tp_grads.partial_names]
+            )
         result = torch_step(closure)
         for shard_piece in all_pieces:
             shard_piece.main.grad = None

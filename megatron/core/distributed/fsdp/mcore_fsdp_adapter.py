@@ -24,6 +24,7 @@ values; this needs no fp8_config at all). `model_init_context` is the build cont
 Groups: `process_group` (plain ZeRO over it; default WORLD) or a `device_mesh` with the names
 of its shard dimension and, for HSDP, its outer (replicate) dimension
 (`megatron.core.distributed.data_parallel_mesh`). Nothing reads process groups from globals.
+With tensor parallelism the mesh has a `tp` dimension too; pass `tensor_parallel` (its group).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from megatron.core.distributed.fsdp.state_dict import (
 )
 from megatron.core.fp8.engine_interface import Fp8Config, quantized_model_init
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.tensor_parallel import TensorParallel, TensorParallelGrads
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
@@ -107,12 +109,21 @@ class FullyShardedDataParallel(nn.Module):
         dp_outer_dim: str | None = None,
         expert_data_parallel_group: dist.ProcessGroup | None = None,
         expert_param_names: Iterable[str] = (),
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         """expert_data_parallel_group / expert_param_names (expert parallelism): those
         parameters, which differ across the expert-parallel ranks, are sharded and reduced
-        over that group (world / EP ranks) instead of every DP rank."""
+        over that group (world / EP ranks) instead of every DP rank.
+
+        tensor_parallel: `module` is one tensor-parallel rank's, built from our TP layers on
+        that group; its local shards are sharded over the DP groups (the ranks of equal TP
+        rank) and the optimizer finishes the grads over TP (`TensorParallelGrads`)."""
         super().__init__()
         self.module = module
+        # Read before the engine replaces the parameters (their sequence-parallel marks).
+        self.tensor_parallel_grads = None
+        if tensor_parallel is not None:
+            self.tensor_parallel_grads = TensorParallelGrads.of_model(module, tensor_parallel)
         self.fsdp_config = fsdp_config
         self.dp_groups = resolve_groups(
             process_group=process_group,
@@ -202,7 +213,11 @@ class FullyShardedDataParallel(nn.Module):
         self.engine.zero_grad_buffer()
 
     def build_optimizer(self, optimizer_config: OptimizerConfig) -> FsdpDistributedOptimizer:
-        return FsdpDistributedOptimizer(self.engine, config=optimizer_config)
+        return FsdpDistributedOptimizer(
+            self.engine,
+            config=optimizer_config,
+            tensor_parallel_grads=self.tensor_parallel_grads,
+        )
 
     def comm_stats(self) -> dict[str, int]:
         """Bytes all-gathered / reduce-scattered / all-reduced by this rank since the last
@@ -219,6 +234,12 @@ class FullyShardedDataParallel(nn.Module):
         plus the delayed-scaling state of every Fp8Linear when any uses that recipe
         (`fp8_delayed_scaling`). fp8_scaling_state=False leaves it out: the template for
         loading a checkpoint saved without it (a bf16 or another recipe's run)."""
+        if self.tensor_parallel_grads is not None:
+            # Each TP rank's shards would be saved under the full parameter's name.
+            raise NotImplementedError(
+                "FullyShardedDataParallel: sharded checkpoints with tensor parallelism are not "
+                "built"
+            )
         return model_sharded_state_dict(self.engine, fp8_scaling_state=fp8_scaling_state)
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
