@@ -130,6 +130,12 @@ BAD_MOE_INPUT = [
     ),
     (["--moe-layer-freq", "[0,1,1]"], 1, ["--moe-layer-freq [0, 1, 1]", "2 in all"]),
     (
+        ["--expert-model-parallel-size", "4", "--use-megatron-fsdp"]
+        + ["--num-distributed-optimizer-instances", "2"],
+        4,
+        ["--expert-model-parallel-size 4 must divide the ranks of one HSDP replica (2 = 4 /"],
+    ),
+    (
         ["--moe-router-enable-expert-bias"],
         1,
         ["--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"],
@@ -167,10 +173,6 @@ UNBUILT = [
     (
         ["--expert-model-parallel-size", "2", "--use-torch-fsdp2"],
         "--expert-model-parallel-size 2 with --use-torch-fsdp2",
-    ),
-    (
-        ["--expert-model-parallel-size", "2", "--num-distributed-optimizer-instances", "2"],
-        "--num-distributed-optimizer-instances 2 (HSDP)",
     ),
     (
         ["--expert-model-parallel-size", "2", "--save", "/tmp/never-written"],

@@ -110,7 +110,9 @@ class FullyShardedDataParallel(nn.Module):
     ) -> None:
         """expert_data_parallel_group / expert_param_names (expert parallelism): those
         parameters, which differ across the expert-parallel ranks, are sharded and reduced
-        over that group (world / EP ranks) instead of every DP rank."""
+        over that group (world / EP ranks) instead of every DP rank. Under HSDP it is the EDP
+        ranks of this rank's replica, and expert shards are replicated and reduced across the
+        replicas over the outer group like every other shard (expert_parallel.py)."""
         super().__init__()
         self.module = module
         self.fsdp_config = fsdp_config
@@ -120,8 +122,6 @@ class FullyShardedDataParallel(nn.Module):
             dp_shard_dim=dp_shard_dim,
             dp_outer_dim=dp_outer_dim,
         )
-        if expert_data_parallel_group is not None and self.dp_groups.outer is not None:
-            raise ValueError("expert parallelism under HSDP is not built")
         if self.dp_groups.outer is not None and not fsdp_config.shards_optimizer_state:
             raise ValueError(
                 "HSDP (dp_outer_dim) needs an inner strategy that shards: use "
