@@ -237,6 +237,7 @@ def _build_megatron_fsdp(
             # this rank's replica (the whole EDP group without HSDP; expert_parallel.py).
             expert_data_parallel_group=env.expert_groups.expert_dp_shard if ep_group else None,
             expert_param_names=list(expert_rows),
+            expert_parallel_group=ep_group,
         )
         return model, model.build_optimizer(setup.optimizer)
 

@@ -235,9 +235,9 @@ def unbuilt_moe_features(args: argparse.Namespace) -> list[str]:
             f"--expert-model-parallel-size {ep_size} with --use-torch-fsdp2 (use "
             "--use-megatron-fsdp or DDP)"
         )
-    if args.save is not None or args.load is not None:
+    if args.ckpt_format == "torch" and (args.save is not None or args.load is not None):
         found.append(
-            f"--save/--load with --expert-model-parallel-size {ep_size} (checkpoints of "
-            "expert-parallel runs; use --expert-model-parallel-size 1 to save or resume)"
+            f"--ckpt-format torch with --expert-model-parallel-size {ep_size} (one file set of "
+            "full tensors on rank 0; use --ckpt-format torch_dist, the default with EP)"
         )
     return found

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from megatron.core.dist_checkpointing.flat_dtensor import ExpertPlacement
 from megatron.core.distributed.data_parallel_mesh import (
     DP_SHARD_DIM,
     DataParallelGroups,
@@ -107,12 +108,15 @@ class FullyShardedDataParallel(nn.Module):
         dp_outer_dim: str | None = None,
         expert_data_parallel_group: dist.ProcessGroup | None = None,
         expert_param_names: Iterable[str] = (),
+        expert_parallel_group: dist.ProcessGroup | None = None,
     ) -> None:
         """expert_data_parallel_group / expert_param_names (expert parallelism): those
         parameters, which differ across the expert-parallel ranks, are sharded and reduced
         over that group (world / EP ranks) instead of every DP rank. Under HSDP it is the EDP
         ranks of this rank's replica, and expert shards are replicated and reduced across the
-        replicas over the outer group like every other shard (expert_parallel.py)."""
+        replicas over the outer group like every other shard (expert_parallel.py).
+        expert_parallel_group: the EP group, which places this rank's experts in the full
+        [num_experts, ...] tensors of sharded checkpoints (needed to save or load with EP)."""
         super().__init__()
         self.module = module
         self.fsdp_config = fsdp_config
@@ -146,6 +150,7 @@ class FullyShardedDataParallel(nn.Module):
             convert_fp8_linears=fp8_config is not None and fp8_config.fp8_param_gather,
             expert_group=expert_data_parallel_group,
             expert_param_names=frozenset(expert_param_names),
+            expert_placement=ExpertPlacement.of_group(expert_param_names, expert_parallel_group),
         )
         self._init_meta_buffers()
 
