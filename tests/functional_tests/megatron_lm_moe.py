@@ -30,6 +30,7 @@ TINY_SIZES = {
     "--hidden-size": 64,
     "--ffn-hidden-size": 128,
     "--num-attention-heads": 4,
+    "--num-query-groups": 2,
     "--kv-channels": 16,
     "--moe-ffn-hidden-size": 32,
     "--moe-shared-expert-intermediate-size": 32,
