@@ -23,6 +23,21 @@ from tests.launch import free_port
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH_TIMEOUT_S = 600
 
+MUON = "--optimizer: invalid choice: 'muon'"
+# Without --optimizer muon, the rest of each muon line's unbuilt flags, in the one line.
+MUON_REST = {
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon": [
+        "--muon-extra-scale-factor 0.2",
+        "--no-use-layer-wise-param-layout",
+    ],
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_param_layout": [
+        "--muon-extra-scale-factor 0.2"
+    ],
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon": [
+        "--muon-extra-scale-factor 0.2",
+        "--check-weight-hash-across-dp-replicas-interval 1",
+    ],
+}
 # Config -> the flags of it that are not built (docs/MEGATRON_LM_FLAGS.md, "MoE command lines").
 UNBUILT = {
     "deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap": [
@@ -30,11 +45,9 @@ UNBUILT = {
         "--delay-wgrad-compute",
     ],
     "gpt3_mcore_te_tp1_pp1_te_4experts_groupedGEMM_op_fuser": ["--use-transformer-engine-op-fuser"],
-    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon": ["--optimizer: invalid choice: 'muon'"],
-    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_param_layout": [
-        "--optimizer: invalid choice: 'muon'"
-    ],
-    "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon": ["--optimizer: invalid choice: 'muon'"],
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon": [MUON],
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_param_layout": [MUON],
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon": [MUON],
     "mixtral": ["--no-position-embedding"],
 }
 # FP8 expert parameters (--fp8-param-gather with experts: the DeepSeek proxies) are built on
@@ -93,6 +106,16 @@ def test_unbuilt_flags_are_named_in_one_line(name, tmp_path):
     run = tiny_run(name, tmp_path)
     line = _error_line(run.argv, run.nproc)
     for flag in UNBUILT[name]:
+        assert flag in line, line
+
+
+@pytest.mark.parametrize("name", sorted(MUON_REST))
+def test_muon_lines_name_every_unbuilt_flag_once_muon_is_dropped(name, tmp_path):
+    argv = tiny_run(name, tmp_path).argv
+    at = argv.index("--optimizer")
+    line = _error_line(argv[:at] + argv[at + 2 :], 4)
+    assert "has not built these Megatron-LM features" in line
+    for flag in MUON_REST[name]:
         assert flag in line, line
 
 
