@@ -1,9 +1,9 @@
 """Issue 38: checkpoints of expert-parallel runs (--save/--load with
 --expert-model-parallel-size). A tiny MoE GPT saved at 4 gloo ranks with EP 2, under
 Megatron-FSDP ZeRO-3 and under DDP, resumes at EP 2 and, resharding its experts, at EP 4 and
-EP 1: the next losses equal the uninterrupted run's within 1e-6. The sharded checkpoint holds
-each routed expert as the full [num_experts, ...] tensor by global expert index, like the
-dense torch_dist layout, so a run of any EP size reads it."""
+EP 1 (and under HSDP 2 x 2): the next losses equal the uninterrupted run's within 1e-6. The
+sharded checkpoint holds each routed expert as the full [num_experts, ...] tensor by global
+expert index, like the dense torch_dist layout, so a run of any EP size reads it."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ SAVE_AT, TOTAL = 3, 6
 BASE = [*TINY_MOE, "--train-iters", str(TOTAL)]
 ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 DDP: list[str] = []
+HSDP = [*ZERO3, "--num-distributed-optimizer-instances", "2"]
 RESUMED = list(range(SAVE_AT + 1, TOTAL + 1))
 SLOW = pytest.mark.slow  # the cross-engine resumes (4 more 4-rank runs)
 EXPERT_WEIGHT = "decoder.layers.1.mlp.experts.linear_fc1.weight"
@@ -83,6 +84,7 @@ def test_checkpoint_holds_full_expert_tensors(saved_megatron_fsdp):
         pytest.param("saved_megatron_fsdp", 4, 4, ZERO3, id="fsdp-ep4"),
         pytest.param("saved_megatron_fsdp", 2, 1, ZERO3, id="fsdp-ep1-2ranks"),
         pytest.param("saved_megatron_fsdp", 4, 2, DDP, id="fsdp-to-ddp-ep2", marks=SLOW),
+        pytest.param("saved_megatron_fsdp", 4, 2, HSDP, id="fsdp-to-hsdp-ep2", marks=SLOW),
         pytest.param("saved_ddp", 4, 2, DDP, id="ddp-ep2"),
         pytest.param("saved_ddp", 1, 1, DDP, id="ddp-ep1-1rank"),
         pytest.param("saved_ddp", 4, 4, ZERO3, id="ddp-to-fsdp-ep4", marks=SLOW),

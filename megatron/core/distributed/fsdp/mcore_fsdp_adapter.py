@@ -120,6 +120,7 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.fsdp_config = fsdp_config
+        expert_names = frozenset(expert_param_names)
         self.dp_groups = resolve_groups(
             process_group=process_group,
             device_mesh=device_mesh,
@@ -149,8 +150,8 @@ class FullyShardedDataParallel(nn.Module):
             init_fn=init_fn,
             convert_fp8_linears=fp8_config is not None and fp8_config.fp8_param_gather,
             expert_group=expert_data_parallel_group,
-            expert_param_names=frozenset(expert_param_names),
-            expert_placement=ExpertPlacement.of_group(expert_param_names, expert_parallel_group),
+            expert_param_names=expert_names,
+            expert_placement=ExpertPlacement.of_group(expert_names, expert_parallel_group),
         )
         self._init_meta_buffers()
 
