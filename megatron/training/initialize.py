@@ -113,7 +113,9 @@ def initialize_distributed(config: DistributedConfig) -> DistributedEnv:
     elif config.tensor_model_parallel_size > 1:
         dp_group, tensor_parallel = _tensor_and_data_parallel_groups(config, world_size, device)
     expert_groups = build_expert_parallel_groups(
-        ep_size=config.expert_model_parallel_size, dp_group=dp_group
+        ep_size=config.expert_model_parallel_size,
+        dp_group=dp_group,
+        instances=config.num_distributed_optimizer_instances if config.use_megatron_fsdp else 1,
     )
     return DistributedEnv(
         rank=rank,

@@ -31,16 +31,22 @@ METRIC_NAMES: tuple[str, ...] = (
     "samples vs steps",
 )
 # Series written only when a flag asks for them (Megatron-LM's names): --fp16's loss scale,
-# --log-params-norm, --log-num-zeros-in-grad, --log-timers-to-tensorboard.
+# --log-params-norm, --log-num-zeros-in-grad, --log-timers-to-tensorboard; MoE models' router
+# losses and --moe-expert-capacity-factor's dropped tokens (moe_training.interval_moe_fields).
 OPTIONAL_METRIC_NAMES: tuple[str, ...] = (
     "loss-scale",
     "params-norm",
     "num-zeros",
     "forward-backward-time",
     "optimizer-time",
+    "load_balancing_loss",
+    "seq_load_balancing_loss",
+    "z_loss",
+    "dropped_token_fraction",
 )
-# Families of series named by the model (--log-fp8-stats: fp8-stats/<linear>/<role>/<what>).
-METRIC_PREFIXES: tuple[str, ...] = ("fp8-stats/",)
+# Families of series named by the model (--log-fp8-stats: fp8-stats/<linear>/<role>/<what>;
+# MoE: moe/layer_<L>/expert_<E>_load).
+METRIC_PREFIXES: tuple[str, ...] = ("fp8-stats/", "moe/")
 # Series that TensorBoard also gets against consumed samples, as "<name> vs samples" (the
 # names Megatron-LM gives them); W&B gets "samples vs steps" to plot them against instead.
 VS_SAMPLES_NAMES: tuple[str, ...] = (

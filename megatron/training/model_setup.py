@@ -242,10 +242,12 @@ def _build_megatron_fsdp(
             # With fp8_param_gather the engine keeps Fp8Linear weights only as FP8 bytes plus
             # fp32 main shards, seeded from the exact high-precision values.
             fp8_config=config.fp8,
-            # Expert parallelism: the routed experts' own buffer groups over the EDP group.
-            expert_data_parallel_group=env.expert_groups.expert_dp if ep_group else None,
+            # Expert parallelism: the routed experts' own buffer groups over the EDP ranks of
+            # this rank's replica (the whole EDP group without HSDP; expert_parallel.py).
+            expert_data_parallel_group=env.expert_groups.expert_dp_shard if ep_group else None,
             expert_param_names=list(expert_rows),
             tensor_parallel=env.tensor_parallel,
+            expert_parallel_group=ep_group,
         )
         return model, model.build_optimizer(setup.optimizer)
 

@@ -12,9 +12,15 @@ DCP merges keys across ranks, and an empty wrapper would describe a 2-D chunk.
 PyTorch FSDP2's parameters (and their optimizer state) are DTensors sharded by rows
 (`Shard(0)`): a rank's rows are one contiguous slice of the flattened parameter, so
 `flat_row_shard` writes them in the same layout, and the checkpoint loads under either engine.
+
+With expert parallelism a routed-expert parameter is a piece of the full [num_experts, ...]
+tensor (`ExpertPlacement`), recorded at its global offset, so the checkpoint holds every expert
+by its global index and loads at any expert-parallel size.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -78,3 +84,37 @@ def local_piece(value: torch.Tensor | None) -> torch.Tensor | None:
 def piece_offset(value: DTensor) -> int:
     """The global offset of a flat_dtensor's local piece."""
     return int(value.to_local().local_offsets()[0][0])
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where this rank's routed experts lie in a checkpoint's full [num_experts, ...] tensors.
+
+    Expert-parallel rank r of E holds the consecutive experts [r * n, (r + 1) * n) of every
+    routed-expert parameter (n = num_experts / E), so its flattened local tensor is the slice
+    [r * m, (r + 1) * m) of the flattened full tensor (m = its local numel): a checkpoint
+    records the full tensor by global expert index, and any other EP size reads its rows back.
+    """
+
+    names: frozenset[str]
+    ep_rank: int
+    ep_size: int
+
+    @classmethod
+    def of_group(cls, names, group: dist.ProcessGroup | None) -> ExpertPlacement | None:
+        """The placement of `names` over the expert-parallel `group` (None: no EP)."""
+        if group is None:
+            return None
+        return cls(frozenset(names), dist.get_rank(group), dist.get_world_size(group))
+
+    def place(self, name: str, offset: int, numel: int) -> tuple[int, int]:
+        """(offset in the full flat tensor, its numel) of a piece at `offset` of the local
+        flat parameter `name` of `numel` elements; unchanged for a parameter not an expert's."""
+        if name not in self.names:
+            return offset, numel
+        return self.ep_rank * numel + offset, self.ep_size * numel
+
+    def global_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if name not in self.names:
+            return tuple(shape)
+        return (shape[0] * self.ep_size, *shape[1:])

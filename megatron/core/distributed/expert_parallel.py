@@ -10,6 +10,15 @@ block, world / E ranks each:
 Each rank of an EP group holds num_experts / E of the routed experts and exchanges tokens with
 the others by all-to-all; the replicas of one expert are the EDP group, over which its grads
 are reduced (dense parameters: over every DP rank).
+
+Under HSDP (N replicas of S = world / N consecutive ranks, E dividing S) the EP blocks lie
+inside one replica, and the EDP group splits as Megatron-LM's intra/inter-partial expert-data-
+parallel groups: Megatron-FSDP shards an expert over the EDP ranks of its own replica (S / E
+ranks) and replicates that shard across the replicas over the dense outer group (rank r and
+r + S hold the same experts at the same shard position):
+
+    world 4, N 2, E 2:  replicas {0, 1}, {2, 3}   EP {0, 1}, {2, 3}
+                        EDP in a replica {0}, {1}, {2}, {3}   outer {0, 2}, {1, 3}
 """
 
 from __future__ import annotations
@@ -34,38 +43,65 @@ def expert_parallel_rank_lists(
     return ep_groups, edp_groups
 
 
+def replica_expert_dp_rank_lists(world_size: int, ep_size: int, instances: int) -> list[list[int]]:
+    """The EDP groups cut at the HSDP replica borders (Megatron-LM's intra-partial expert-data-
+    parallel groups): the ranks of one replica at the same place of every EP block."""
+    replica = world_size // instances if instances >= 1 and world_size % instances == 0 else 0
+    if not replica or replica % ep_size:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep_size} must divide the ranks of one HSDP replica "
+            f"({world_size} ranks / --num-distributed-optimizer-instances {instances})"
+        )
+    return [
+        list(range(start + offset, start + replica, ep_size))
+        for start in range(0, world_size, replica)
+        for offset in range(ep_size)
+    ]
+
+
 @dataclass(frozen=True)
 class ExpertParallelGroups:
     """This rank's EP and EDP groups. With E = 1 there is no EP group (None) and the EDP group
-    is the data-parallel group (None for a single process)."""
+    is the data-parallel group (None for a single process). expert_dp_shard: the EDP ranks of
+    this rank's HSDP replica, which Megatron-FSDP shards experts over (expert_dp without HSDP)."""
 
     ep: dist.ProcessGroup | None
     expert_dp: dist.ProcessGroup | None
     ep_size: int = 1
+    expert_dp_shard: dist.ProcessGroup | None = None
 
     @property
     def ep_rank(self) -> int:
         return 0 if self.ep is None else dist.get_rank(self.ep)
 
 
+def _own_group(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup:
+    """One new group per list (collective over the world); the one holding `rank`."""
+    own = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            own = group
+    return own
+
+
 def build_expert_parallel_groups(
-    *, ep_size: int, dp_group: dist.ProcessGroup | None
+    *, ep_size: int, dp_group: dist.ProcessGroup | None, instances: int = 1
 ) -> ExpertParallelGroups:
-    """Every rank calls this with the same ep_size (new_group is collective over the world)."""
+    """Every rank calls this with the same ep_size and HSDP `instances` (new_group is
+    collective over the world)."""
     if ep_size == 1:
-        return ExpertParallelGroups(ep=None, expert_dp=dp_group)
+        return ExpertParallelGroups(ep=None, expert_dp=dp_group, expert_dp_shard=dp_group)
     world_size, rank = dist.get_world_size(), dist.get_rank()
     ep_lists, edp_lists = expert_parallel_rank_lists(world_size, ep_size)
-    ep_group = edp_group = None
-    for ranks in ep_lists:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            ep_group = group
-    for ranks in edp_lists:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            edp_group = group
-    return ExpertParallelGroups(ep=ep_group, expert_dp=edp_group, ep_size=ep_size)
+    ep_group = _own_group(ep_lists, rank)
+    edp_group = _own_group(edp_lists, rank)
+    edp_shard = edp_group
+    if instances > 1:
+        edp_shard = _own_group(replica_expert_dp_rank_lists(world_size, ep_size, instances), rank)
+    return ExpertParallelGroups(
+        ep=ep_group, expert_dp=edp_group, ep_size=ep_size, expert_dp_shard=edp_shard
+    )
 
 
 @torch.no_grad()

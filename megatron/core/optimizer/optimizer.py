@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.dist_checkpointing.flat_dtensor import ExpertPlacement
 from megatron.core.optimizer.clip_grads import clip_and_step, global_grad_norm
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.fused_adamw import FusedAdamW
@@ -266,6 +267,10 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         # and the replicated params on TP rank 0 only; expert parallelism: the expert params,
         # and the replicated ones on EP rank 0 only) only those enter this rank's piece.
         self.grad_group = grad_group
+        self.expert_parallel_group = expert_parallel_group
+        expert_param_names = tuple(expert_param_names)
+        # Where this rank's experts lie in the full expert tensors (sharded checkpoints).
+        self.expert_placement = ExpertPlacement.of_group(expert_param_names, expert_parallel_group)
         if expert_parallel_group is not None:
             if grad_group is not None or norm_param_names is not None:
                 raise ValueError("expert parallelism with sharded or TP params is not built")

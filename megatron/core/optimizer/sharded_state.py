@@ -9,18 +9,27 @@ every rank: DCP writes each once (its planner deduplicates replicated entries) a
 reads all of them. Under FSDP2 the params and moments are row-sharded DTensors, each given as
 its rank's contiguous piece of the flat value (flat_row_shard), as Megatron-FSDP gives its
 pieces: the checkpoint loads under DDP, FSDP2 or Megatron-FSDP, at any data-parallel size.
+With expert parallelism each routed expert is its EP rank's piece of the full
+[num_experts, ...] tensor (ExpertPlacement; the EDP replicas write it once), so the
+checkpoint also loads at any expert-parallel size.
 Values are views of the optimizer's own tensors, so a load lands in place (a piece DCP did not
 fill in place is copied).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from megatron.core.dist_checkpointing.flat_dtensor import flat_row_shard, local_piece
+from megatron.core.dist_checkpointing.flat_dtensor import (
+    data_parallel_mesh,
+    flat_dtensor,
+    flat_row_shard,
+    local_piece,
+)
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
 
@@ -36,27 +45,51 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor | None:
     return flat_row_shard(tensor) if isinstance(tensor, DTensor) else tensor.view(-1)
 
 
+def _flattener(optimizer: MixedPrecisionOptimizer) -> Callable[[str, torch.Tensor], Any]:
+    """_flat, but a routed expert under expert parallelism (which differs across the EP
+    ranks) is its rank's piece of the full [num_experts, ...] tensor (ExpertPlacement)."""
+    placement = optimizer.expert_placement
+    if placement is None:
+        return lambda name, tensor: _flat(tensor)
+    device = optimizer.main_params[0].device
+    mesh = data_parallel_mesh(optimizer.expert_parallel_group, device)
+
+    def flat(name: str, tensor: torch.Tensor) -> Any:
+        if name not in placement.names:
+            return _flat(tensor)
+        offset, numel = placement.place(name, 0, tensor.numel())
+        return flat_dtensor(tensor, offset=offset, global_numel=numel, mesh=mesh)
+
+    return flat
+
+
 def _present(values: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
     return {name: value for name, value in values.items() if value is not None}
 
 
 @torch.no_grad()
 def _take_loaded(dest: torch.Tensor, loaded: torch.Tensor | None) -> None:
-    """Copy a DTensor piece that DCP loaded elsewhere than into `dest`'s own storage."""
+    """Copy a piece that DCP loaded elsewhere than into `dest`'s own storage (a DTensor
+    piece: an FSDP2 shard, or a routed expert's piece of the full expert tensor)."""
     piece = local_piece(loaded)
-    if not isinstance(dest, DTensor) or piece is None:
+    if not isinstance(loaded, DTensor) or piece is None:
         return
-    local = dest.to_local()
+    local = dest.to_local() if isinstance(dest, DTensor) else dest
     if local.data_ptr() != piece.data_ptr():
         local.view(-1).copy_(piece.reshape(-1))
 
 
 def model_state_dict(optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
     named = optimizer.named_main_params()
+    flat, placement = _flattener(optimizer), optimizer.expert_placement
+    shapes = {
+        name: main.shape if placement is None else placement.global_shape(name, main.shape)
+        for name, main in named.items()
+    }
     return {
-        "params": _present({name: _flat(main) for name, main in named.items()}),
+        "params": _present({name: flat(name, main) for name, main in named.items()}),
         "param_shapes": {
-            name: torch.tensor(list(main.shape), dtype=torch.int64) for name, main in named.items()
+            name: torch.tensor(list(shape), dtype=torch.int64) for name, shape in shapes.items()
         },
     }
 
@@ -71,7 +104,7 @@ def load_model_state_dict(optimizer: MixedPrecisionOptimizer, state: dict[str, A
             _take_loaded(main, state["params"].get(name))
         return
     optimizer.load_main_params(
-        {name: state["params"][name].view(main.shape) for name, main in named.items()}
+        {name: local_piece(state["params"][name]).view(main.shape) for name, main in named.items()}
     )
 
 
@@ -95,10 +128,11 @@ def _ensure_state(optimizer: MixedPrecisionOptimizer) -> None:
 def optimizer_state_dict(optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
     _ensure_state(optimizer)
     torch_state = optimizer.optimizer.state
+    flat = _flattener(optimizer)
     result: dict[str, Any] = {
         key: _present(
             {
-                name: _flat(torch_state[main][key])
+                name: flat(name, torch_state[main][key])
                 for name, main in zip(optimizer.main_param_names, optimizer.main_params)
             }
         )

@@ -9,7 +9,8 @@ Layout of one `iter_XXXXXXX/` directory (`--ckpt-format torch`):
   fp8_delayed_scaling.pt  with --fp8-recipe delayed: every FP8 tensor's scale and amax history
 `--ckpt-format torch_dist` (DDP, Megatron-FSDP or FSDP2; `fsdp_dtensor` is Megatron-FSDP's name for
 the same layout) keeps metadata.json and stores model and optimizer under `sharded/` through
-megatron.core.dist_checkpointing (sharded.py says which state);
+megatron.core.dist_checkpointing (sharded.py says which state; routed experts of an
+expert-parallel run as the full [num_experts, ...] tensors, so any EP size loads them);
 with --async-save those files are written by a background thread (async_save.py) and
 published, tracker last, once every rank's write completed.
 

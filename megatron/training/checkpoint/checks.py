@@ -11,7 +11,7 @@ import os
 from megatron.core.checkpoint_files import CheckpointError
 from megatron.core.fp8.recipe import names_delayed_scaling
 from megatron.core.transformer.transformer_config import resolved_shape
-from megatron.training.checkpoint.layout import saved_run_flags
+from megatron.training.checkpoint.layout import checkpoint_param_shapes, saved_run_flags
 from megatron.training.checkpoint.sharded import SHARDED_FORMATS
 from megatron.training.flags.run_config import ARCHITECTURE_FLAGS, CheckpointConfig
 from megatron.training.model_setup import ModelAndOptimizer
@@ -175,7 +175,7 @@ def check_saved_param_shapes(metadata: dict, run: ModelAndOptimizer, *, director
             f"{source}: 'param_shapes' is not {{name: [sizes]}}; the file is corrupt or was "
             "edited. Load another iteration."
         ) from None
-    expected = {name: tuple(p.shape) for name, p in run.module.named_parameters()}
+    expected = checkpoint_param_shapes(run.module)
     check_shapes(saved, expected, source=source, saved_flags=saved_run_flags(metadata))
 
 

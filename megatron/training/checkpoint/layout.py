@@ -20,6 +20,7 @@ from megatron.core.checkpoint_files import TMP_SUFFIX, CheckpointError, resolve_
 from megatron.core.dist_checkpointing import load_full_model_params
 from megatron.core.fp8 import delayed_scaling_state_dict
 from megatron.core.fp8.config import Fp8Config
+from megatron.core.transformer.moe.moe_layer import local_expert_rows
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint.sharded import SHARDED_FORMATS
 from megatron.training.initialize import DistributedEnv
@@ -45,6 +46,17 @@ def saved_run_flags(metadata: dict) -> dict:
     """The run's flags as resolved: metadata "args" holds them as given and "resolved_args" the
     values derived from them; a checkpoint saved before the split holds resolved "args" only."""
     return {**metadata["args"], **metadata.get("resolved_args", {})}
+
+
+def checkpoint_param_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape as checkpoints record it: a routed expert's full
+    [num_experts, ...] shape (global expert index), whatever this rank's expert-parallel share."""
+    rows = local_expert_rows(module)
+    experts = module.config.num_moe_experts if rows else None
+    return {
+        name: (experts, *param.shape[1:]) if name in rows else tuple(param.shape)
+        for name, param in module.named_parameters()
+    }
 
 
 def iteration_dir(root: str, iteration: int) -> str:

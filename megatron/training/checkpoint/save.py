@@ -25,6 +25,7 @@ from megatron.training.checkpoint.layout import (
     FORMAT_TAG,
     FORMAT_VERSION,
     TRACKER_FILENAME,
+    checkpoint_param_shapes,
     config_to_json,
     delayed_scaling_state,
     first_failing_rank,
@@ -65,7 +66,9 @@ def _metadata(config: CheckpointConfig, run, scheduler, state, env) -> dict:
         "args": config.saved_args,
         "resolved_args": config.resolved_args,
         # Checked against the model before any tensor is read (a clear error, not torch's).
-        "param_shapes": {name: list(p.shape) for name, p in run.module.named_parameters()},
+        "param_shapes": {
+            name: list(shape) for name, shape in checkpoint_param_shapes(run.module).items()
+        },
     }
 
 

@@ -190,12 +190,20 @@ def moe_config_values(args: argparse.Namespace) -> dict[str, object]:
 
 
 def validate_moe_world(args: argparse.Namespace) -> None:
-    """The checks that need the world size: EP splits the data-parallel ranks."""
+    """The checks that need the world size: EP splits the data-parallel ranks (under HSDP the
+    ranks of one replica)."""
     ep_size, world = args.expert_model_parallel_size, args.data_parallel_size
     if ep_size < 1 or world % ep_size:
         raise ValueError(
             f"--expert-model-parallel-size {ep_size} must divide the data-parallel size "
             f"({world} ranks); use a divisor of it"
+        )
+    instances = args.num_distributed_optimizer_instances
+    if instances > 1 and world % instances == 0 and (world // instances) % ep_size:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep_size} must divide the ranks of one HSDP replica "
+            f"({world // instances} = {world} / --num-distributed-optimizer-instances "
+            f"{instances}); use a divisor of it"
         )
 
 
@@ -227,14 +235,9 @@ def unbuilt_moe_features(args: argparse.Namespace) -> list[str]:
             f"--expert-model-parallel-size {ep_size} with --use-torch-fsdp2 (use "
             "--use-megatron-fsdp or DDP)"
         )
-    if args.num_distributed_optimizer_instances > 1:
+    if args.ckpt_format == "torch" and (args.save is not None or args.load is not None):
         found.append(
-            f"--expert-model-parallel-size {ep_size} with --num-distributed-optimizer-instances "
-            f"{args.num_distributed_optimizer_instances} (HSDP) (use plain Megatron-FSDP sharding)"
-        )
-    if args.save is not None or args.load is not None:
-        found.append(
-            f"--save/--load with --expert-model-parallel-size {ep_size} (checkpoints of "
-            "expert-parallel runs; use --expert-model-parallel-size 1 to save or resume)"
+            f"--ckpt-format torch with --expert-model-parallel-size {ep_size} (one file set of "
+            "full tensors on rank 0; use --ckpt-format torch_dist, the default with EP)"
         )
     return found

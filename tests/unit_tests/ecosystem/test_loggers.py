@@ -137,6 +137,23 @@ def test_unknown_metric_and_decreasing_step_are_rejected(tmp_path) -> None:
             logger.log_scalars(9, {"lm loss": 1.0})
 
 
+def test_moe_series_are_known_metrics(tmp_path) -> None:
+    """The MoE router losses and per-layer expert loads that pretrain logs for an MoE model
+    (with --tensorboard-dir, Megatron-LM's MoE command lines crashed on them)."""
+    pytest.importorskip("tensorboard", reason="needs tensorboard (pip install tensorboard)")
+    moe = {
+        "load_balancing_loss": 1.0,
+        "seq_load_balancing_loss": 1.0,
+        "z_loss": 2.0,
+        "dropped_token_fraction": 0.25,
+        "moe/layer_1/expert_0_load": 0.5,
+    }
+    with _tensorboard_only_logger(tmp_path) as logger:
+        logger.log_scalars(1, moe)
+    scalars = read_tensorboard_scalars(str(tmp_path / "tb"))
+    assert {name: points[0][1] for name, points in scalars.items()} == moe
+
+
 def test_missing_packages_name_the_pip_install(tmp_path, monkeypatch) -> None:
     # A None entry in sys.modules makes `import x` raise ImportError, as if x were absent.
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)

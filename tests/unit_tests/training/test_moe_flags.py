@@ -130,6 +130,12 @@ BAD_MOE_INPUT = [
     ),
     (["--moe-layer-freq", "[0,1,1]"], 1, ["--moe-layer-freq [0, 1, 1]", "2 in all"]),
     (
+        ["--expert-model-parallel-size", "4", "--use-megatron-fsdp"]
+        + ["--num-distributed-optimizer-instances", "2"],
+        4,
+        ["--expert-model-parallel-size 4 must divide the ranks of one HSDP replica (2 = 4 /"],
+    ),
+    (
         ["--moe-router-enable-expert-bias"],
         1,
         ["--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"],
@@ -169,12 +175,8 @@ UNBUILT = [
         "--expert-model-parallel-size 2 with --use-torch-fsdp2",
     ),
     (
-        ["--expert-model-parallel-size", "2", "--num-distributed-optimizer-instances", "2"],
-        "--num-distributed-optimizer-instances 2 (HSDP)",
-    ),
-    (
-        ["--expert-model-parallel-size", "2", "--save", "/tmp/never-written"],
-        "--save/--load with --expert-model-parallel-size 2",
+        ["--expert-model-parallel-size", "2", "--ckpt-format", "torch", "--save", "/tmp/never"],
+        "--ckpt-format torch with --expert-model-parallel-size 2",
     ),
 ]
 
@@ -192,6 +194,12 @@ def test_expert_parallelism_is_built_for_ddp_and_megatron_fsdp(engine):
     config = build_run_config(parse_args(argv, world_size=4), world_size=4)
     assert config.distributed.expert_model_parallel_size == 2
     assert config.model_template.expert_model_parallel_size == 2
+
+
+def test_expert_parallel_checkpoints_default_to_torch_dist():
+    argv = MOE + ["--expert-model-parallel-size", "2", "--save", "/tmp/never-written"]
+    config = build_run_config(parse_args(argv, world_size=4), world_size=4)
+    assert config.checkpoint.ckpt_format == "torch_dist"
 
 
 def test_unbuilt_features_are_named_together(capsys):

@@ -2,15 +2,20 @@
 with shared experts; dropless top-2, aux loss and z-loss) trained 20 steps by pretrain() on
 gloo ranks, expert parallelism inside the data-parallel ranks as in Megatron-LM, gives the
 single-process losses within 1e-5: under DDP, and under Megatron-FSDP ZeRO-3
-(optim_grads_params) and optim (--use-distributed-optimizer), where the routed experts are
-sharded and reduced over the expert-data-parallel group and the rest over every DP rank.
+(optim_grads_params), optim (--use-distributed-optimizer) and HSDP 2 x 2 (outer no_shard and
+optim), where the routed experts are sharded and reduced over the expert-data-parallel group
+(under HSDP: its ranks in one replica, then across the replicas) and the rest over every DP
+rank.
 Also the MoE log fields."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron.core.distributed.expert_parallel import expert_parallel_rank_lists
+from megatron.core.distributed.expert_parallel import (
+    expert_parallel_rank_lists,
+    replica_expert_dp_rank_lists,
+)
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, run_pretrain
 
@@ -43,6 +48,14 @@ def single_process_losses() -> list[float]:
     return losses
 
 
+def test_hsdp_expert_data_parallel_groups_stay_in_one_replica():
+    assert replica_expert_dp_rank_lists(4, 2, 2) == [[0], [1], [2], [3]]
+    assert replica_expert_dp_rank_lists(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert replica_expert_dp_rank_lists(8, 2, 1) == expert_parallel_rank_lists(8, 2)[1]
+    with pytest.raises(ValueError, match="must divide the ranks of one HSDP replica"):
+        replica_expert_dp_rank_lists(4, 4, 2)
+
+
 def test_rank_order_is_megatron_lms():
     ep, edp = expert_parallel_rank_lists(8, 2)
     assert ep == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -53,6 +66,8 @@ def test_rank_order_is_megatron_lms():
 
 ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 OPTIM = ["--use-distributed-optimizer"]
+HSDP = [*ZERO3, "--num-distributed-optimizer-instances", "2"]
+HSDP_OUTER_OPTIM = [*HSDP, "--outer-dp-sharding-strategy", "optim"]
 
 
 @pytest.mark.parametrize(
@@ -67,6 +82,9 @@ OPTIM = ["--use-distributed-optimizer"]
         (4, 2, "alltoall", ZERO3),
         (4, 4, "alltoall", ZERO3),
         (4, 2, "allgather", OPTIM),
+        (4, 2, "alltoall", HSDP),
+        (4, 2, "alltoall", HSDP_OUTER_OPTIM),
+        (4, 1, "alltoall", HSDP),
     ],
     ids=lambda value: "-".join(value) if isinstance(value, list) else str(value),
 )

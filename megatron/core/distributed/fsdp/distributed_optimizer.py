@@ -35,8 +35,8 @@ from megatron.core.distributed.fsdp.buffer_group import BufferGroup
 from megatron.core.distributed.fsdp.megatron_fsdp import MegatronFSDP
 from megatron.core.distributed.fsdp.shard_layout import LocalPiece
 from megatron.core.distributed.fsdp.state_dict import (
+    FlatValues,
     engine_mesh,
-    flat_value,
     named_slots,
     set_present,
 )
@@ -259,6 +259,7 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
         mesh = engine_mesh(engine)
         if mesh is not None and self.piece_group is not None:
             mesh = data_parallel_mesh(self.piece_group, device)
+        flat_value = FlatValues.of(engine, mesh)
         step = torch.zeros((), dtype=torch.float32, device=device)
         for name, group, index in named_slots(engine):
             shard_piece = by_name.get(name)
@@ -267,9 +268,7 @@ class FsdpDistributedOptimizer(MegatronOptimizer):
             values = self._flat_states(shard_piece, keys) if shard_piece else {}
             for key in keys:
                 view = values.get(key)
-                set_present(
-                    state[key], name, flat_value(mesh, group.layout.slots[index], piece, view)
-                )
+                set_present(state[key], name, flat_value(group.layout.slots[index], piece, view))
             if "step" in torch_state:
                 step = torch_state["step"].detach().float().to(device, copy=True)
         if adam:

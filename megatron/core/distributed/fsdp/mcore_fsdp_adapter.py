@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from megatron.core.dist_checkpointing.flat_dtensor import ExpertPlacement
 from megatron.core.distributed.data_parallel_mesh import (
     DP_SHARD_DIM,
     DataParallelGroups,
@@ -110,10 +111,15 @@ class FullyShardedDataParallel(nn.Module):
         expert_data_parallel_group: dist.ProcessGroup | None = None,
         expert_param_names: Iterable[str] = (),
         tensor_parallel: TensorParallel | None = None,
+        expert_parallel_group: dist.ProcessGroup | None = None,
     ) -> None:
         """expert_data_parallel_group / expert_param_names (expert parallelism): those
         parameters, which differ across the expert-parallel ranks, are sharded and reduced
-        over that group (world / EP ranks) instead of every DP rank.
+        over that group (world / EP ranks) instead of every DP rank. Under HSDP it is the EDP
+        ranks of this rank's replica, and expert shards are replicated and reduced across the
+        replicas over the outer group like every other shard (expert_parallel.py).
+        expert_parallel_group: the EP group, which places this rank's experts in the full
+        [num_experts, ...] tensors of sharded checkpoints (needed to save or load with EP).
 
         tensor_parallel: `module` is one tensor-parallel rank's, built from our TP layers on
         that group; its local shards are sharded over the DP groups (the ranks of equal TP
@@ -125,14 +131,13 @@ class FullyShardedDataParallel(nn.Module):
         if tensor_parallel is not None:
             self.tensor_parallel_grads = TensorParallelGrads.of_model(module, tensor_parallel)
         self.fsdp_config = fsdp_config
+        expert_names = frozenset(expert_param_names)
         self.dp_groups = resolve_groups(
             process_group=process_group,
             device_mesh=device_mesh,
             dp_shard_dim=dp_shard_dim,
             dp_outer_dim=dp_outer_dim,
         )
-        if expert_data_parallel_group is not None and self.dp_groups.outer is not None:
-            raise ValueError("expert parallelism under HSDP is not built")
         if self.dp_groups.outer is not None and not fsdp_config.shards_optimizer_state:
             raise ValueError(
                 "HSDP (dp_outer_dim) needs an inner strategy that shards: use "
@@ -156,7 +161,8 @@ class FullyShardedDataParallel(nn.Module):
             init_fn=init_fn,
             convert_fp8_linears=fp8_config is not None and fp8_config.fp8_param_gather,
             expert_group=expert_data_parallel_group,
-            expert_param_names=frozenset(expert_param_names),
+            expert_param_names=expert_names,
+            expert_placement=ExpertPlacement.of_group(expert_names, expert_parallel_group),
         )
         self._init_meta_buffers()
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.core.dist_checkpointing.flat_dtensor import ExpertPlacement
 from megatron.core.distributed.data_parallel_mesh import DataParallelGroups
 from megatron.core.distributed.fsdp.collectives import CommStats
 from megatron.core.distributed.fsdp.config import FsdpConfig
@@ -72,8 +73,11 @@ class MegatronFSDP:
         convert_fp8_linears: bool = False,
         expert_group: dist.ProcessGroup | None = None,
         expert_param_names: frozenset[str] = frozenset(),
+        expert_placement: ExpertPlacement | None = None,
     ) -> None:
         self.config = config
+        self.expert_placement = expert_placement
+        """Where the routed experts lie in the full expert tensors (checkpoints); None: no EP."""
         self.groups = groups
         self.process_group: dist.ProcessGroup = groups.shard
         """The shard group: gathers, reduce-scatters, sharded checkpoints' pieces."""

@@ -13,16 +13,20 @@ dtypes, so a run resumes with other moment dtypes, at any DP size. Every flat va
 parameter flattened to 1-D: a DTensor over the data-parallel mesh whose local piece is a *view*
 of this rank's buffer (so DCP writes loads straight into it; a copy for non-fp32 or offloaded
 moments) when main params are sharded (absent on a rank that holds none of the
-parameter), or a plain replicated tensor under no_shard.
+parameter), or a plain replicated tensor under no_shard. A routed expert under expert
+parallelism is recorded as its piece of the full [num_experts, ...] tensor (global expert
+index; FlatValues), so the checkpoint loads at any expert-parallel size.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megatron.core.dist_checkpointing.flat_dtensor import (
+    ExpertPlacement,
     data_parallel_mesh,
     flat_dtensor,
     local_piece,
@@ -40,19 +44,36 @@ def engine_mesh(engine: MegatronFSDP) -> Any:
     return data_parallel_mesh(engine.process_group, engine.buffer.device)
 
 
-def flat_value(
-    mesh: Any, slot: ParamSlot, piece: LocalPiece | None, view: torch.Tensor | None
-) -> torch.Tensor | None:
-    """One parameter's flat value: replicated tensor (no_shard, mesh None) or this rank's
-    DTensor piece (`view`); None where the rank holds none of the parameter."""
-    if mesh is None:
-        return view
-    return flat_dtensor(
-        view,
-        offset=0 if piece is None else piece.param_start,
-        global_numel=slot.numel,
-        mesh=mesh,
-    )
+@dataclass(frozen=True)
+class FlatValues:
+    """Makes one parameter's flat value: over `mesh` (None under no_shard: a replicated plain
+    tensor) at the piece's offset, or, for a routed expert under expert parallelism, at its
+    place in the full [num_experts, ...] tensor (ExpertPlacement; a DTensor even under
+    no_shard, since EP ranks hold different experts)."""
+
+    mesh: Any
+    placement: ExpertPlacement | None = None
+    expert_mesh: Any = None
+
+    @classmethod
+    def of(cls, engine: MegatronFSDP, mesh: Any) -> FlatValues:
+        placement = engine.expert_placement
+        if placement is None:
+            return cls(mesh)
+        expert_mesh = mesh or data_parallel_mesh(engine.process_group, engine.buffer.device)
+        return cls(mesh, placement, expert_mesh)
+
+    def __call__(
+        self, slot: ParamSlot, piece: LocalPiece | None, view: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """None where the rank holds none of the parameter."""
+        offset = 0 if piece is None else piece.param_start
+        if self.placement is not None and slot.name in self.placement.names:
+            offset, numel = self.placement.place(slot.name, offset, slot.numel)
+            return flat_dtensor(view, offset=offset, global_numel=numel, mesh=self.expert_mesh)
+        if self.mesh is None:
+            return view
+        return flat_dtensor(view, offset=offset, global_numel=slot.numel, mesh=self.mesh)
 
 
 def set_present(values: dict[str, Any], name: str, value: Any) -> None:
@@ -106,15 +127,17 @@ def model_sharded_state_dict(
     engine: MegatronFSDP, *, fp8_scaling_state: bool = True
 ) -> dict[str, Any]:
     params, shapes = {}, {}
-    mesh = engine_mesh(engine)
+    flat_value = FlatValues.of(engine, engine_mesh(engine))
+    placement = engine.expert_placement
     for name, group, index in named_slots(engine):
         slot = group.layout.slots[index]
         piece = _piece_of(group, slot)
         view = None
         if piece is not None:
             view = group.main_shard[piece.shard_start : piece.shard_start + piece.numel]
-        set_present(params, name, flat_value(mesh, slot, piece, view))
-        shapes[name] = torch.tensor(list(slot.shape), dtype=torch.int64)
+        set_present(params, name, flat_value(slot, piece, view))
+        shape = slot.shape if placement is None else placement.global_shape(name, slot.shape)
+        shapes[name] = torch.tensor(list(shape), dtype=torch.int64)
     state = {"params": params, "param_shapes": shapes}
     delayed = _delayed_state(engine) if fp8_scaling_state else {}
     if delayed:
@@ -163,7 +186,8 @@ def full_parameters(engine: MegatronFSDP) -> dict[str, torch.Tensor]:
         if layout.world_size == 1:
             full.copy_(group.main_shard)
         else:
-            all_gather_flat(full, group.main_shard, group=engine.process_group, async_op=False)
+            shard_group = group.process_group or engine.process_group  # experts: EDP group
+            all_gather_flat(full, group.main_shard, group=shard_group, async_op=False)
         for slot in layout.slots:
             result[slot.name] = full[slot.offset : slot.end].view(slot.shape).clone()
     return result
