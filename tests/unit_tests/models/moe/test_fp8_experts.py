@@ -10,6 +10,7 @@ import torch
 from megatron.core.fp8 import Fp8Config, Fp8Linear, fp8_autocast
 from megatron.core.fp8.stacked_linear import Fp8StackedLinear
 from megatron.core.transformer.moe.experts import GroupedExperts, StackedLinear
+from megatron.core.transformer.moe.token_dispatcher import alltoall_dispatch_combine
 from tests.unit_tests.fp8.test_fp8_linear import (
     FP8_FLOOR,
     FPROP_BOUND,
@@ -129,3 +130,21 @@ def test_grouped_experts_build_fp8_stacked_weights_under_a_recipe():
     )
     assert isinstance(plain.linear_fc1, StackedLinear)
     assert isinstance(GroupedExperts(moe_config(), num_local_experts=2).linear_fc1, StackedLinear)
+
+
+def test_dispatcher_hands_the_experts_their_source_rank_segments():
+    """The allgather dispatcher's local step: tokens are `sources` equal source-rank blocks,
+    and segments[e] counts expert e's rows from each block."""
+    routing_map = torch.tensor(
+        [[1, 0, 1], [0, 1, 1], [1, 1, 0], [0, 0, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.bool
+    )
+    hidden = torch.randn(6, 4)
+    probs = torch.rand(6, 3)
+    seen = []
+
+    def experts(tokens, counts, segments):
+        seen.append((counts, segments))
+        return tokens
+
+    alltoall_dispatch_combine(hidden, probs, routing_map, experts=experts, group=None, sources=2)
+    assert seen == [([4, 3, 3], [[2, 2], [2, 1], [2, 1]])]
