@@ -4,7 +4,7 @@
 
 `grouped_gemm` is the high-precision grouped GEMM: every expert matmul of forward and backward
 goes through it. Under an FP8 recipe (a layer that `Fp8Config.layer_uses_fp8`) the stacked
-weights are `megatron.core.fp8.stacked_linear.Fp8StackedLinear` instead, whose
+weights are `megatron.core.transformer.moe.fp8_experts.Fp8StackedLinear` instead, whose
 `grouped_fp8_gemm` runs every expert GEMM of forward and backward in FP8, each expert
 quantized as one Linear weight (FP8_NUMERICS.md, "Experts").
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron.core.fp8.stacked_linear import Fp8StackedLinear
 from megatron.core.transformer.mlp import gelu, swiglu
+from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 # torch._grouped_mm (CUDA) needs row strides that are multiples of 16 bytes.

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron.core.fp8 import Fp8Config, Fp8Linear, fp8_autocast
-from megatron.core.fp8.stacked_linear import Fp8StackedLinear
 from megatron.core.transformer.moe.experts import GroupedExperts, StackedLinear
+from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
 from megatron.core.transformer.moe.token_dispatcher import alltoall_dispatch_combine
 from tests.unit_tests.fp8.test_fp8_linear import (
     FP8_FLOOR,

@@ -3,9 +3,9 @@ expert) with every expert GEMM of forward and backward in FP8 (FP8_NUMERICS.md, 
 
 Each expert is quantized as the recipe quantizes one Linear weight: its own tensorwise scale,
 its own delayed-scaling state (input, weight and grad metas), its own 128x128 blocks or 1x32 /
-32x1 mxfp8 cells. Each call of an expert runs `linear.fp8_linear_apply`, the autograd function
-of Fp8Linear, on `weight[e]`: one rule set for dense and expert GEMMs, and the weight gradient
-lands in the stacked parameter's rows through autograd.
+32x1 mxfp8 cells. Each call of an expert runs `megatron.core.fp8.linear.fp8_linear_apply`, the
+autograd function of Fp8Linear, on `weight[e]`: one rule set for dense and expert GEMMs, and
+the weight gradient lands in the stacked parameter's rows through autograd.
 
 Segments: an expert's rows may come from several source ranks (expert parallelism). Each
 segment (the rows of one expert from one source rank) is quantized and multiplied on its own,
