@@ -88,7 +88,12 @@ def apply_model_setup(
     4. sharding: `shard` wraps the module for its engine and builds the optimizer, returning
        (what forward is called on, the optimizer)."""
     if config.fp8 is not None:
-        apply_fp8_setup(module, fp8_config=config.fp8, amax_reduction_group=env.dp_group)
+        apply_fp8_setup(
+            module,
+            fp8_config=config.fp8,
+            amax_reduction_group=env.dp_group,
+            expert_amax_reduction_group=env.expert_groups.expert_dp,
+        )
     if setup.torch_compile:
         compile_layers(module)
     return shard(module)

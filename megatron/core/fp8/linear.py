@@ -253,6 +253,45 @@ def _recomputed_input_operand(ops, ctx, plan: _Plan, dy2d: torch.Tensor):
     return x_t
 
 
+def build_plan(
+    config: Fp8Config,
+    delayed_scaling: fp8_state.DelayedScaling | None,
+    *,
+    recompute: bool,
+    group,
+    device: torch.device,
+) -> _Plan:
+    """The plan of one FP8 Linear call under `config`; delayed: its scales from
+    `delayed_scaling` (a recompute reuses the first forward's and records nothing)."""
+    if not config.spec.delayed:
+        return _Plan(config=config, scales={}, metas=None, record=False, group=group)
+    if delayed_scaling is None:
+        raise ValueError(
+            "fp8_autocast asks for recipe 'delayed' but this FP8 layer was built for another "
+            "recipe; build the model with the same Fp8Config"
+        )
+    delayed_scaling.move_to(device)
+    metas = delayed_scaling.metas
+    if recompute:
+        # Same scales as the first forward (saved below), and no second amax record.
+        scales = {role: metas[role].forward_scale for role in ("input", "weight")}
+    else:
+        # Flushes replace scale tensors instead of writing them: no copy is needed.
+        scales = {role: metas[role].scale for role in ("input", "weight")}
+        for role in ("input", "weight"):
+            metas[role].forward_scale = scales[role]
+    scales["grad"] = metas["grad"].scale
+    return _Plan(config=config, scales=scales, metas=metas, record=not recompute, group=group)
+
+
+def fp8_linear_apply(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: _Plan
+) -> torch.Tensor:
+    """y = x W^T + b with all three GEMMs in FP8 under `plan` (the one autograd function of
+    every FP8 Linear: Fp8Linear's, and each expert of a stacked expert weight)."""
+    return _Fp8LinearFunction.apply(x, weight, bias, plan, None)
+
+
 class Fp8Linear(nn.Module):
     """y = x W^T + b with FP8 GEMMs; `.weight` is [out, in], `.bias` is [out] or None."""
 
@@ -318,25 +357,9 @@ class Fp8Linear(nn.Module):
         )
 
     def _plan(self, config: Fp8Config, recompute: bool, group, device: torch.device) -> _Plan:
-        if not config.spec.delayed:
-            return _Plan(config=config, scales={}, metas=None, record=False, group=group)
-        if self.delayed_scaling is None:
-            raise ValueError(
-                "fp8_autocast asks for recipe 'delayed' but this Fp8Linear was built for "
-                f"'{self.fp8_config.recipe}'; build the model with the same Fp8Config"
-            )
-        self.delayed_scaling.move_to(device)
-        metas = self.delayed_scaling.metas
-        if recompute:
-            # Same scales as the first forward (saved below), and no second amax record.
-            scales = {role: metas[role].forward_scale for role in ("input", "weight")}
-        else:
-            # Flushes replace scale tensors instead of writing them: no copy is needed.
-            scales = {role: metas[role].scale for role in ("input", "weight")}
-            for role in ("input", "weight"):
-                metas[role].forward_scale = scales[role]
-        scales["grad"] = metas["grad"].scale
-        return _Plan(config=config, scales=scales, metas=metas, record=not recompute, group=group)
+        return build_plan(
+            config, self.delayed_scaling, recompute=recompute, group=group, device=device
+        )
 
     def refresh_weight_stand_in(self) -> None:
         """Give an FP8 parameter its stand-in for compiled graphs (a new one when the weight's
@@ -502,20 +525,33 @@ class Fp8Linear(nn.Module):
 
 
 def apply_fp8_setup(
-    model: nn.Module, *, fp8_config: Fp8Config | None, amax_reduction_group=None
+    model: nn.Module,
+    *,
+    fp8_config: Fp8Config | None,
+    amax_reduction_group=None,
+    expert_amax_reduction_group=None,
 ) -> fp8_state.Fp8Setup:
     """The FP8 step of the model-setup seam: every Fp8Linear of `model` runs with `fp8_config`
     (None: each its own) and shares delayed-scaling amaxes over `amax_reduction_group`, with
     no fp8_autocast around the model call. Delayed scaling's forward amaxes are flushed when
     the model's forward ends (one packed all-reduce); its backward flush is unchanged. An
-    `fp8_autocast` block replaces these settings while it runs."""
+    `fp8_autocast` block replaces these settings while it runs.
+
+    Routed experts (`Fp8StackedLinear`, marked `fp8_expert_weights`) share theirs over
+    `expert_amax_reduction_group`, the ranks holding the same experts (the expert-data-parallel
+    group; default: `amax_reduction_group`), in a setup of their own."""
     setup = fp8_state.Fp8Setup(fp8_config=fp8_config, group=amax_reduction_group)
+    expert_group = expert_amax_reduction_group or amax_reduction_group
+    expert_setup = fp8_state.Fp8Setup(fp8_config=fp8_config, group=expert_group)
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             module.fp8_setup = setup
+        elif getattr(module, "fp8_expert_weights", False):
+            module.fp8_setup = expert_setup
 
     def flush(module: nn.Module, args, output) -> None:
         setup.flush()
+        expert_setup.flush()
 
     model.register_forward_hook(flush)
     return setup

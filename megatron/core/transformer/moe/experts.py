@@ -2,8 +2,14 @@
 [num_local_experts, fc1_width, hidden] and all fc2 weights in another
 [num_local_experts, hidden, moe_ffn_hidden_size], run through one grouped GEMM function.
 
-`grouped_gemm` is the single seam where an FP8 grouped GEMM replaces the high-precision one:
-every expert matmul of forward and backward goes through it."""
+`grouped_gemm` is the high-precision grouped GEMM: every expert matmul of forward and backward
+goes through it. Under an FP8 recipe (a layer that `Fp8Config.layer_uses_fp8`) the stacked
+weights are `megatron.core.transformer.moe.fp8_experts.Fp8StackedLinear` instead, whose
+`grouped_fp8_gemm` runs every expert GEMM of forward and backward in FP8, each expert
+quantized as one Linear weight (FP8_NUMERICS.md, "Experts").
+
+`segments` (expert parallelism): the row counts of each local expert per source rank, from the
+dispatcher. FP8 quantizes each segment on its own, so results do not depend on the EP size."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import torch
 from torch import nn
 
 from megatron.core.transformer.mlp import gelu, swiglu
+from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 # torch._grouped_mm (CUDA) needs row strides that are multiples of 16 bytes.
@@ -58,27 +65,60 @@ class StackedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype))
 
-    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        tokens_per_expert: list[int],
+        segments: list[list[int]] | None = None,
+    ) -> torch.Tensor:
         return grouped_gemm(tokens, self.weight, tokens_per_expert)
+
+
+def _stacked_linear(
+    config: TransformerConfig,
+    num_experts: int,
+    in_features: int,
+    out_features: int,
+    *,
+    layer_number: int | None,
+) -> nn.Module:
+    """The FP8 stacked Linear where the recipe covers this layer, else the high-precision one."""
+    fp8 = config.fp8
+    dtype = config.params_dtype
+    if fp8 is not None and (
+        layer_number is None or fp8.layer_uses_fp8(layer_number, config.num_layers)
+    ):
+        return Fp8StackedLinear(num_experts, in_features, out_features, fp8_config=fp8, dtype=dtype)
+    return StackedLinear(num_experts, in_features, out_features, dtype=dtype)
 
 
 class GroupedExperts(nn.Module):
     """fc2(act(fc1(x))) per local expert, act SwiGLU or GeLU as the dense MLP; no biases."""
 
-    def __init__(self, config: TransformerConfig, *, num_local_experts: int) -> None:
+    def __init__(
+        self, config: TransformerConfig, *, num_local_experts: int, layer_number: int | None = None
+    ) -> None:
         super().__init__()
         self.num_local_experts = num_local_experts
         self.swiglu = config.swiglu
         ffn = config.moe_ffn_hidden_size
         fc1_width = ffn * (2 if config.swiglu else 1)
-        dtype = config.params_dtype
-        self.linear_fc1 = StackedLinear(
-            num_local_experts, config.hidden_size, fc1_width, dtype=dtype
+        stacked = dict(layer_number=layer_number)
+        self.linear_fc1 = _stacked_linear(
+            config, num_local_experts, config.hidden_size, fc1_width, **stacked
         )
-        self.linear_fc2 = StackedLinear(num_local_experts, ffn, config.hidden_size, dtype=dtype)
+        self.linear_fc2 = _stacked_linear(
+            config, num_local_experts, ffn, config.hidden_size, **stacked
+        )
 
-    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        """tokens [N, hidden] sorted by local expert -> [N, hidden]."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        tokens_per_expert: list[int],
+        segments: list[list[int]] | None = None,
+    ) -> torch.Tensor:
+        """tokens [N, hidden] sorted by local expert -> [N, hidden]; segments: each local
+        expert's row counts per source rank (None: one segment per expert)."""
         activation = swiglu if self.swiglu else gelu
-        hidden = activation(self.linear_fc1(tokens, tokens_per_expert))
-        return self.linear_fc2(hidden, tokens_per_expert)
+        hidden = activation(self.linear_fc1(tokens, tokens_per_expert, segments))
+        return self.linear_fc2(hidden, tokens_per_expert, segments)

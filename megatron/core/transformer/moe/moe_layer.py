@@ -52,7 +52,9 @@ class MoELayer(nn.Module):
         self.local_expert_offset = ep_rank * self.num_local_experts
         self.dispatch_combine = DISPATCHERS[config.moe_token_dispatcher_type]
         self.router = TopKRouter(config, layer_number=layer_number, metrics=metrics)
-        self.experts = GroupedExperts(config, num_local_experts=self.num_local_experts)
+        self.experts = GroupedExperts(
+            config, num_local_experts=self.num_local_experts, layer_number=layer_number
+        )
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExperts(config, layer_number=layer_number)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-ExpertsFn = Callable[[torch.Tensor, list[int]], torch.Tensor]
+ExpertsFn = Callable[[torch.Tensor, list[int], list[list[int]]], torch.Tensor]
 
 
 def permute(
@@ -75,13 +75,17 @@ def alltoall_dispatch_combine(
     *,
     experts: ExpertsFn,
     group: dist.ProcessGroup | None,
+    sources: int = 1,
 ) -> torch.Tensor:
-    """The alltoall dispatcher: [T, H] tokens of this rank -> [T, H] combined expert outputs."""
+    """The alltoall dispatcher: [T, H] tokens of this rank -> [T, H] combined expert outputs.
+    sources (no group only): the tokens are that many equal source-rank blocks (the
+    allgather dispatcher's), which are the experts' segments."""
     num_tokens = hidden.shape[0]
     permuted, permuted_probs, token_indices, counts = permute(hidden, probs, routing_map)
     ep_size = 1 if group is None else dist.get_world_size(group)
     if ep_size == 1:
-        expert_output = experts(permuted, counts.tolist())
+        by_source = routing_map.reshape(sources, -1, routing_map.shape[-1]).sum(dim=1)
+        expert_output = experts(permuted, counts.tolist(), by_source.t().tolist())
         return unpermute(expert_output, permuted_probs, token_indices, num_tokens=num_tokens)
     counts_by_rank = counts.view(ep_size, -1)
     received_counts = torch.empty_like(counts_by_rank)
@@ -97,7 +101,8 @@ def alltoall_dispatch_combine(
         rank * num_local + local for local in range(num_local) for rank in range(ep_size)
     ]
     by_expert = _reorder_chunks(received, rank_major_sizes, to_expert_major)
-    expert_output = experts(by_expert, received_counts.sum(dim=0).tolist())
+    segments = received_counts.t().tolist()
+    expert_output = experts(by_expert, received_counts.sum(dim=0).tolist(), segments)
     expert_major_sizes = received_counts.t().flatten().tolist()
     to_rank_major = [
         local * ep_size + rank for rank in range(ep_size) for local in range(num_local)
@@ -169,6 +174,11 @@ def allgather_dispatch_combine(
     first = dist.get_rank(group) * num_local
     local = slice(first, first + num_local)
     partial = alltoall_dispatch_combine(
-        all_hidden, all_probs[:, local], all_map[:, local], experts=experts, group=None
+        all_hidden,
+        all_probs[:, local],
+        all_map[:, local],
+        experts=experts,
+        group=None,
+        sources=ep_size,
     )
     return _ReduceScatterToGroup.apply(partial, group)

@@ -1,0 +1,180 @@
+"""Fp8StackedLinear: the routed experts' stacked weight [num_experts, out, in] (one Linear per
+expert) with every expert GEMM of forward and backward in FP8 (FP8_NUMERICS.md, "Experts").
+
+Each expert is quantized as the recipe quantizes one Linear weight: its own tensorwise scale,
+its own delayed-scaling state (input, weight and grad metas), its own 128x128 blocks or 1x32 /
+32x1 mxfp8 cells. Each call of an expert runs `megatron.core.fp8.linear.fp8_linear_apply`, the
+autograd function of Fp8Linear, on `weight[e]`: one rule set for dense and expert GEMMs, and
+the weight gradient lands in the stacked parameter's rows through autograd.
+
+Segments: an expert's rows may come from several source ranks (expert parallelism). Each
+segment (the rows of one expert from one source rank) is quantized and multiplied on its own,
+so the bytes every GEMM reads do not depend on how tokens are grouped across ranks: the
+expert-parallel layout changes only the order of fp32 sums (acceptance 1 of issue 38).
+
+On CPU (and until a fused kernel exists) this is a loop over segments through the reference
+backend; `grouped_fp8_gemm` is the one place a CUDA grouped FP8 kernel would replace it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.fp8 import autocast as fp8_state
+from megatron.core.fp8.config import Fp8Config
+from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
+from megatron.core.fp8.linear import build_plan, fp8_linear_apply
+
+
+class ExpertDelayedScaling:
+    """Delayed-scaling state of a stacked expert weight: one `DelayedScaling` per expert and
+    one backward flush for all of them. Checkpoints see flat keys `expert<e>.<role>.<what>`."""
+
+    def __init__(self, *, num_experts: int, config: Fp8Config, device=None) -> None:
+        dtypes = {role: fp8_dtype_for_role(config.fp8_format, role) for role in ROLES}
+        self.experts = [
+            fp8_state.DelayedScaling(config=config, dtypes=dtypes, device=device)
+            for _ in range(num_experts)
+        ]
+        self.backward = fp8_state.BackwardFlush()  # used outside any Fp8Setup
+        for scaling in self.experts:
+            scaling.backward = self.backward
+
+    @property
+    def metas(self) -> dict[str, fp8_state.ScalingMeta]:
+        """Every expert's metas, keyed `<role>.<e>` (materializing meta-device state)."""
+        return {
+            f"{role}.{e}": meta
+            for e, scaling in enumerate(self.experts)
+            for role, meta in scaling.metas.items()
+        }
+
+    def move_to(self, device: torch.device) -> None:
+        for scaling in self.experts:
+            scaling.move_to(device)
+
+    def state_dict(self) -> dict:
+        state: dict = {}
+        for e, scaling in enumerate(self.experts):
+            expert_state = scaling.state_dict()
+            metadata = expert_state.pop("metadata")
+            state.update({f"expert{e}.{key}": value for key, value in expert_state.items()})
+        state["metadata"] = dict(metadata, num_experts=len(self.experts))
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state["metadata"].get("num_experts")
+        if saved != len(self.experts):
+            raise ValueError(
+                f"checkpoint delayed-scaling state has {saved} experts here, this rank holds "
+                f"{len(self.experts)}; resume at the same expert-parallel size"
+            )
+        for e, scaling in enumerate(self.experts):
+            prefix = f"expert{e}."
+            scaling.load_state_dict(
+                {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            )
+
+
+def grouped_fp8_gemm(
+    tokens: torch.Tensor,
+    weight: torch.Tensor,
+    segments: list[list[int]],
+    plan_for_expert,
+) -> torch.Tensor:
+    """y[rows of expert e] = tokens[rows of expert e] @ weight[e]^T, every segment (its list
+    of row counts per expert) quantized and multiplied on its own under plan_for_expert(e).
+    The seam of a fused CUDA grouped FP8 GEMM (not built: the loop runs everywhere)."""
+    sizes = [count for counts in segments for count in counts]
+    pieces = iter(tokens.split(sizes, dim=0))
+    outputs = []
+    for expert, counts in enumerate(segments):
+        plan = None
+        for count in counts:
+            piece = next(pieces)
+            if count == 0:
+                continue  # nothing to quantize; the expert's weight gets no contribution
+            plan = plan or plan_for_expert(expert)
+            outputs.append(fp8_linear_apply(piece, weight[expert], None, plan))
+    if not outputs:
+        return tokens.new_zeros(0, weight.shape[1])
+    return torch.cat(outputs, dim=0)
+
+
+class Fp8StackedLinear(nn.Module):
+    """The stacked weight [num_experts, out, in] of one Linear per expert, run in FP8.
+
+    `forward(tokens, tokens_per_expert, segments=None)`: tokens [N, in] sorted by expert;
+    segments[e] the row counts of expert e per source rank (None: one segment per expert)."""
+
+    fp8_expert_weights = True
+    """`apply_fp8_setup` gives these modules the expert amax reduction group."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        *,
+        fp8_config: Fp8Config,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.fp8_config = fp8_config
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, out_features, in_features, dtype=dtype, device=device)
+        )
+        self.delayed_scaling = None
+        if fp8_config.spec.delayed:
+            self.delayed_scaling = ExpertDelayedScaling(
+                num_experts=num_experts, config=fp8_config, device=device
+            )
+        self.fp8_setup: fp8_state.Fp8Setup | None = None
+        """This module's settings (`apply_fp8_setup`, `fp8_autocast`); None: its own config."""
+
+    def extra_repr(self) -> str:
+        experts, out_features, in_features = self.weight.shape
+        return (
+            f"num_experts={experts}, in_features={in_features}, out_features={out_features}, "
+            f"recipe={self.fp8_config.recipe}, fp8_format={self.fp8_config.fp8_format}"
+        )
+
+    def _current_settings(self) -> tuple[bool, Fp8Config, object, object]:
+        setup = self.fp8_setup
+        if setup is not None:
+            return setup.enabled, setup.fp8_config or self.fp8_config, setup.group, setup
+        return True, self.fp8_config, None, None
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        tokens_per_expert: list[int],
+        segments: list[list[int]] | None = None,
+    ) -> torch.Tensor:
+        if segments is None:
+            segments = [[count] for count in tokens_per_expert]
+        if [sum(counts) for counts in segments] != list(tokens_per_expert):
+            raise ValueError("Fp8StackedLinear: segments must sum to tokens_per_expert")
+        enabled, config, group, setup = self._current_settings()
+        if not enabled:
+            pieces = tokens.split(list(tokens_per_expert), dim=0)
+            outputs = [F.linear(piece, self.weight[e]) for e, piece in enumerate(pieces)]
+            if not outputs:
+                return tokens.new_zeros(0, self.weight.shape[1])
+            return torch.cat(outputs, dim=0)
+        recompute = fp8_state.in_recompute()
+
+        def plan_for_expert(expert: int):
+            scaling = None if self.delayed_scaling is None else self.delayed_scaling.experts[expert]
+            plan = build_plan(
+                config, scaling, recompute=recompute, group=group, device=tokens.device
+            )
+            plan.setup = setup
+            if plan.metas is not None:
+                plan.backward_flush = setup.backward if setup is not None else scaling.backward
+            return plan
+
+        return grouped_fp8_gemm(tokens, self.weight, segments, plan_for_expert)
