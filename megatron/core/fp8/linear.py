@@ -356,11 +356,6 @@ class Fp8Linear(nn.Module):
             f"fp8_weight={isinstance(self.weight, QuantizedTensor)}"
         )
 
-    def _plan(self, config: Fp8Config, recompute: bool, group, device: torch.device) -> _Plan:
-        return build_plan(
-            config, self.delayed_scaling, recompute=recompute, group=group, device=device
-        )
-
     def refresh_weight_stand_in(self) -> None:
         """Give an FP8 parameter its stand-in for compiled graphs (a new one when the weight's
         shape, dtype, device or requires_grad changed); none for other weights. A QuantizedTensor
@@ -507,7 +502,9 @@ class Fp8Linear(nn.Module):
                 f"FP8 weight was quantized with recipe '{weight_spec.name}' but autocast asks "
                 f"for '{config.recipe}'; build the model under the same recipe"
             )
-        plan = self._plan(config, recompute, group, x.device)
+        plan = build_plan(
+            config, self.delayed_scaling, recompute=recompute, group=group, device=x.device
+        )
         plan.bookkept_outside = hooked
         plan.setup = setup
         if self.fp8_stats_on and not recompute and not torch.compiler.is_compiling():

@@ -181,10 +181,7 @@ def stats_from_vector(
         recipe=recipe,
         role=role,
         fp8_dtype=str(fp8_dtype_for_role(fp8_format, role)).removeprefix("torch."),
-        amax=field["amax"],
-        scale=field["scale"],
-        scale_min=field["scale_min"],
-        scale_max=field["scale_max"],
+        **{name: field[name] for name in ("amax", "scale", "scale_min", "scale_max")},
         num_scales=int(field["num_scales"]),
         saturated_fraction=field["saturated"] / numel,
         underflow_fraction=field["flushed"] / nonzero if nonzero else 0.0,
@@ -195,12 +192,8 @@ def stats_from_vector(
 
 def fp8_tensor_stats(x: torch.Tensor, **options) -> Fp8TensorStats:
     """`fp8_stats_vector(x, **options)` read back (one host sync) as an Fp8TensorStats."""
-    vector = fp8_stats_vector(x, **options)
-    fp8_format = options.get("fp8_format", "hybrid")
+    vector = fp8_stats_vector(x, **options).tolist()
+    role, fp8_format = options["role"], options.get("fp8_format", "hybrid")
     return stats_from_vector(
-        vector.tolist(),
-        recipe=options["recipe"],
-        role=options["role"],
-        fp8_format=fp8_format,
-        numel=x.numel(),
+        vector, recipe=options["recipe"], role=role, fp8_format=fp8_format, numel=x.numel()
     )
