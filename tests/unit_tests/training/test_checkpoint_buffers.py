@@ -24,10 +24,17 @@ BIASED = [
 BIAS = "decoder.layers.1.mlp.router.expert_bias"
 
 
-@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
-def test_resume_continues_with_the_saved_expert_bias(tmp_path, ckpt_format) -> None:
+ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+
+
+@pytest.mark.parametrize(
+    "ckpt_format, engine",
+    [("torch", []), ("torch_dist", []), ("torch_dist", ZERO3)],
+    ids=["ddp-torch", "ddp-torch_dist", "megatron_fsdp-torch_dist"],
+)
+def test_resume_continues_with_the_saved_expert_bias(tmp_path, ckpt_format, engine) -> None:
     directory = tmp_path / "ckpt"
-    fmt = ["--ckpt-format", ckpt_format]
+    fmt = ["--ckpt-format", ckpt_format, *engine]
     save = ["--save", str(directory), "--save-interval", str(SAVE_AT)]
     uninterrupted = run_pretrain(BIASED + fmt + save).losses
     iteration = directory / f"iter_{SAVE_AT:07d}"
