@@ -7,7 +7,7 @@
 Loaders and savers (the registry below): `hf` (Llama incl. GQA, RoPE base, tied or untied head;
 GPT-2; DeepSeek-V3, Mixtral and Qwen3-MoE: hf_moe_configs.py, hf_moe_layout.py), `mcore`
 (Megatron-LM `torch_dist` checkpoints of dense GPT models), `megatron_fp8` (ours, any
---ckpt-format; it saves parameters only, so a non-zero router expert bias is refused). Every
+--ckpt-format; the routers' expert biases travel as model_buffers.pt). Every
 conversion passes through one representation, our GPTModel's state dict plus its
 TransformerConfig (model_state.py), checked against the model before anything is written.
 Model flags come from the source where it records them (config.json, Megatron-LM's saved args,

@@ -28,7 +28,6 @@ from tools.checkpoint.model_flags import config_to_argv
 from tools.checkpoint.model_state import (
     ConversionError,
     ModelState,
-    buffer_shapes,
     check_model_state,
     model_config,
     write_dir_atomically,
@@ -95,20 +94,17 @@ def _saver_args(state: ModelState, *, save: str, ckpt_format: str):
         ) from None
 
 
-def check_no_lost_buffers(state: ModelState) -> None:
-    """Our checkpoints hold the main parameters only: a router's expert bias (a buffer) that
-    is not zero, the value a run starts from, would be lost; refuse it."""
-    for name in sorted(buffer_shapes(state.config)):
-        if name in state.state_dict and state.state_dict[name].count_nonzero():
-            raise ConversionError(
-                f"{name} is not zero, and megatron_fp8 checkpoints save parameters only (the "
-                "expert bias would restart at zero); use --saver hf"
-            )
+def _copy_buffers(state: ModelState, run) -> None:
+    """The model state beside the parameters (routers' expert biases) into the run, which
+    the checkpoint writes (model_buffers.pt); a buffer the source lacks keeps its init."""
+    with torch.no_grad():
+        for name, buf in checkpointing.model_buffers(run).items():
+            if name in state.state_dict:
+                buf.copy_(state.state_dict[name])
 
 
 def save_megatron_fp8(state: ModelState, save_dir: str, *, ckpt_format: str = "torch") -> None:
     check_model_state(state, source="the converted model")
-    check_no_lost_buffers(state)
     # Everything that can refuse the model runs before the first byte is written.
     probe = _saver_args(state, save=save_dir, ckpt_format=ckpt_format)
     config = build_transformer_config(probe, vocab_size=state.config.vocab_size)
@@ -130,6 +126,7 @@ def save_megatron_fp8(state: ModelState, save_dir: str, *, ckpt_format: str = "t
             run = setup_model_and_optimizer(
                 run_config.model_setup, config=config, env=env, initial_params=state.state_dict
             )
+            _copy_buffers(state, run)
             scheduler = OptimizerParamScheduler(run.optimizer, config=run_config.lr_schedule)
             train_state = TrainState(iteration=state.iteration)
             # Through the module, so a test can stand in for the save.

@@ -124,6 +124,28 @@ def delayed_scaling_state(run: ModelAndOptimizer) -> dict:
 _ITERATION_DIR = re.compile(r"iter_(\d{7})(\.old)?")
 
 
+BUFFERS_FILENAME = "model_buffers.pt"
+"""Persistent module buffers that are not parameters (the routers' aux-loss-free expert bias):
+identical on every rank, written by rank 0 in every --ckpt-format."""
+
+
+def model_buffers(run: ModelAndOptimizer) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers by name (those its state_dict holds)."""
+    persistent = run.module.state_dict(keep_vars=True).keys()
+    return {name: buf for name, buf in run.module.named_buffers() if name in persistent}
+
+
+def read_buffers_file(directory: str) -> dict[str, torch.Tensor]:
+    """The saved buffers, {} for a checkpoint written before they were saved."""
+    path = os.path.join(directory, BUFFERS_FILENAME)
+    if not os.path.isfile(path):
+        return {}
+    named = load_tensor_file(path)
+    if not isinstance(named, dict) or not all(isinstance(t, torch.Tensor) for t in named.values()):
+        raise CheckpointError(f"{path}: not a {{buffer name: tensor}} dict; the file is corrupt.")
+    return named
+
+
 def complete_iteration_dirs(root: str) -> list[str]:
     """The names of root's published iteration directories (iter_XXXXXXX, or the complete
     .old copy of an interrupted re-save), oldest first; unfinished .tmp saves are left out."""
@@ -268,7 +290,8 @@ def read_model_file(directory: str) -> dict[str, torch.Tensor]:
 def load_state_for_export(
     checkpoint_dir: str, iteration: int | None = None
 ) -> tuple[dict[str, torch.Tensor], TransformerConfig]:
-    """Full fp32 params by model parameter name, and the model config, from any checkpoint.
+    """Full fp32 params by model parameter name (and the persistent buffers, e.g. the routers'
+    expert bias), and the model config, from any checkpoint.
 
     `checkpoint_dir` is a --save root (the tracker picks the iteration unless given) or one
     iter_XXXXXXX directory.
@@ -296,5 +319,7 @@ def load_state_for_export(
             f"({type(error).__name__}: {error}); the file is corrupt or was edited."
         ) from None
     if metadata["ckpt_format"] in SHARDED_FORMATS:
-        return load_full_model_params(os.path.join(directory, "sharded")), config
-    return read_model_file(directory), config
+        params = load_full_model_params(os.path.join(directory, "sharded"))
+    else:
+        params = read_model_file(directory)
+    return {**params, **read_buffers_file(directory)}, config

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
@@ -24,6 +25,8 @@ from megatron.training.checkpoint.layout import (
     delayed_scaling_state,
     first_failing_rank,
     load_tensor_file,
+    model_buffers,
+    read_buffers_file,
     read_metadata,
     read_model_file,
     read_tracker,
@@ -47,6 +50,27 @@ def _load_delayed_scaling_state(directory: str, run) -> None:
         load_delayed_scaling_state_dict(run.module, load_tensor_file(path))
     except (KeyError, ValueError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{path}: {error}") from None
+
+
+def _load_buffers(directory: str, run) -> None:
+    """The saved persistent buffers (expert biases) into the model; a checkpoint without the
+    file (written before buffers were saved) leaves them as initialized."""
+    saved, expected = read_buffers_file(directory), model_buffers(run)
+    if not saved:
+        return
+    if set(saved) != set(expected):
+        raise CheckpointError(
+            f"{directory}: saved buffers {sorted(saved)} are not this model's "
+            f"{sorted(expected)}; load a checkpoint of the same architecture."
+        )
+    with torch.no_grad():
+        for name, buf in expected.items():
+            if saved[name].shape != buf.shape:
+                raise CheckpointError(
+                    f"{directory}: buffer {name} has shape {tuple(saved[name].shape)}, this "
+                    f"model's is {tuple(buf.shape)}; load a checkpoint of the same architecture."
+                )
+            buf.copy_(saved[name])
 
 
 def _load_model_tensors(directory: str, run, saved_flags: dict) -> None:
@@ -146,6 +170,7 @@ def load_checkpoint(
             _load_model_tensors(directory, run, saved_run_flags(metadata))
             if load_optim:
                 _load_optimizer_file(directory, run)
+        _load_buffers(directory, run)  # model state, as the weights (also with --finetune)
         if not config.finetune:
             _load_delayed_scaling_state(directory, run)
         if not (config.no_load_rng or config.finetune):

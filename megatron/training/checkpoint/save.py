@@ -22,6 +22,7 @@ from megatron.core.checkpoint_files import TMP_SUFFIX, fsync_path, publish_dir
 from megatron.core.dist_checkpointing.serialization import describe_failure, root_failure
 from megatron.core.optimizer import OptimizerParamScheduler
 from megatron.training.checkpoint.layout import (
+    BUFFERS_FILENAME,
     FORMAT_TAG,
     FORMAT_VERSION,
     TRACKER_FILENAME,
@@ -30,6 +31,7 @@ from megatron.training.checkpoint.layout import (
     delayed_scaling_state,
     first_failing_rank,
     iteration_dir,
+    model_buffers,
     read_tracker,
     rng_state_to_plain,
 )
@@ -164,7 +166,12 @@ def _write_checkpoint_files(config: CheckpointConfig, *, run, env, tmp: str) -> 
         if not config.no_save_optim:
             _save_tensor_file(run.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
     _write_small_files(
-        config, env=env, tmp=tmp, fp8_state=_fp8_file_state(config, run), rng_state=get_rng_state()
+        config,
+        env=env,
+        tmp=tmp,
+        fp8_state=_fp8_file_state(config, run),
+        rng_state=get_rng_state(),
+        buffers=model_buffers(run),
     )
 
 
@@ -174,10 +181,12 @@ def _fp8_file_state(config: CheckpointConfig, run) -> dict:
 
 
 def _write_small_files(
-    config: CheckpointConfig, *, env, tmp: str, fp8_state: dict, rng_state: dict
+    config: CheckpointConfig, *, env, tmp: str, fp8_state: dict, rng_state: dict, buffers: dict
 ) -> None:
     if fp8_state and env.rank == 0:  # identical on every rank: amaxes are all-reduced
         _save_tensor_file(fp8_state, os.path.join(tmp, "fp8_delayed_scaling.pt"))
+    if buffers and env.rank == 0:  # identical on every rank (expert bias: global counts)
+        _save_tensor_file(buffers, os.path.join(tmp, BUFFERS_FILENAME))
     if not config.no_save_rng:
         rng_path = os.path.join(tmp, "rng", f"rank_{env.rank:05d}.pt")
         _save_tensor_file(rng_state_to_plain(rng_state), rng_path)
@@ -190,13 +199,18 @@ def _start_async_write(
     the copy to `saver`'s writer thread; the metadata was taken at the same moment."""
     staged = saver.stage(sharded_state(run, optimizer=not config.no_save_optim), name="sharded")
     fp8_state = saver.stage(_fp8_file_state(config, run), name="fp8")
+    # A blocking host copy (a few values): the loop updates expert biases before the next
+    # optimizer step, which is all the staged copies are ordered before.
+    buffers = {name: buf.detach().to("cpu", copy=True) for name, buf in model_buffers(run).items()}
     rng_state = get_rng_state()
 
     def write(group) -> None:
         dist_checkpointing.save(staged, os.path.join(tmp, "sharded"), process_group=group)
         if saver.fault is not None:
             saver.fault(tmp, iteration)
-        _write_small_files(config, env=env, tmp=tmp, fp8_state=fp8_state, rng_state=rng_state)
+        _write_small_files(
+            config, env=env, tmp=tmp, fp8_state=fp8_state, rng_state=rng_state, buffers=buffers
+        )
 
     saver.start(iteration=iteration, metadata=metadata, write=write)
 

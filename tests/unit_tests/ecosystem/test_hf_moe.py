@@ -329,19 +329,30 @@ def test_qwen3_moe_through_our_checkpoint_exports_bitwise(tmp_path: Path) -> Non
     assert (written["mlp_only_layers"], written["num_experts"]) == ([0], 4)
 
 
-@pytest.mark.parametrize(
-    ("saver", "message"),
-    [
-        ("megatron_fp8", "router.expert_bias is not zero, and megatron_fp8 checkpoints save"),
-        ("mcore", "has MoE layers, multi-latent attention, QK norm, multi-token prediction"),
-    ],
-)
-def test_savers_that_would_lose_deepseek_state_refuse(
-    tmp_path: Path, saver: str, message: str
-) -> None:
+def test_deepseek_v3_through_our_checkpoint_exports_bitwise(tmp_path: Path) -> None:
+    """hf -> megatron_fp8 -> hf with a non-zero expert bias (saved as model_buffers.pt) and
+    the published-style MTP layer: the same files."""
     _hf_model("deepseek_v3", DEEPSEEK, tmp_path / "hf")
     _add_published_mtp_layer(tmp_path / "hf", DEEPSEEK)
-    argv = ["--loader", "hf", "--saver", saver, "--load-dir", str(tmp_path / "hf")]
+    for loader, saver, source, target in (
+        ("hf", "megatron_fp8", "hf", "ckpt"),
+        ("megatron_fp8", "hf", "ckpt", "out"),
+    ):
+        _convert(
+            "--loader", loader, "--saver", saver,
+            "--load-dir", str(tmp_path / source), "--save-dir", str(tmp_path / target),
+        )  # fmt: skip
+    files = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    exported = safetensors_torch.load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert files["model.layers.1.mlp.gate.e_score_correction_bias"].abs().max() > 0
+    _assert_bitwise(files, exported)
+
+
+def test_mcore_saver_refuses_what_it_would_lose(tmp_path: Path) -> None:
+    _hf_model("deepseek_v3", DEEPSEEK, tmp_path / "hf")
+    _add_published_mtp_layer(tmp_path / "hf", DEEPSEEK)
+    argv = ["--loader", "hf", "--saver", "mcore", "--load-dir", str(tmp_path / "hf")]
+    message = "has MoE layers, multi-latent attention, QK norm, multi-token prediction"
     with pytest.raises(ConversionError, match=message):
         convert([*argv, "--save-dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
