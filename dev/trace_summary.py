@@ -40,13 +40,15 @@ def main() -> None:
     total = sum(v[0] for v in by_name.values())
     span = max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)
     busy = busy_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
-    print(f"GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms ({100 * busy / span:.1f}%), "
-          f"kernel time summed {total / 1e3:.1f} ms")
+    print(
+        f"GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms ({100 * busy / span:.1f}%), "
+        f"kernel time summed {total / 1e3:.1f} ms"
+    )
     for cat in ("kernel", "gpu_memcpy", "gpu_memset"):
         t = sum(v[0] for k, v in by_name.items() if k[0] == cat)
         print(f"  {cat}: {t / 1e3:.1f} ms")
     print(f"{'ms':>9} {'%':>6} {'calls':>6}  name")
-    for (cat, name), (dur, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[: args.top]:
+    for (_cat, name), (dur, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"{dur / 1e3:9.2f} {100 * dur / total:6.2f} {calls:6d}  {name}")
 
 
