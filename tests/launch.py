@@ -75,9 +75,15 @@ def end_session_with_stacks(process: subprocess.Popen) -> None:
 
 
 def run_torchrun(
-    script_argv: list[str], *, nproc: int, cwd: str | os.PathLike, timeout_s: float
+    script_argv: list[str],
+    *,
+    nproc: int,
+    cwd: str | os.PathLike,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
 ) -> tuple[int | None, str, str]:
-    """`torchrun --nproc-per-node nproc <script_argv>` on 127.0.0.1 with one intra-op thread.
+    """`torchrun --nproc-per-node nproc <script_argv>` on 127.0.0.1 with one intra-op thread
+    (and `env` on top of this process's environment).
 
     Returns (exit status, stdout, stderr); the status is None when the run passed timeout_s,
     and its stderr then ends with the stuck ranks' stacks (end_session_with_stacks)."""
@@ -99,7 +105,7 @@ def run_torchrun(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)

@@ -11,14 +11,12 @@ import io
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from megatron.training.flags.arguments import parse_args
 from tests.functional_tests.megatron_lm_moe import config_names, tiny_run
-from tests.launch import free_port
+from tests.launch import run_torchrun
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH_TIMEOUT_S = 600
@@ -66,31 +64,6 @@ def _error_line(argv: list[str], world_size: int) -> str:
     return lines[0]
 
 
-def _torchrun(argv: list[str], nproc: int, env: dict[str, str], log) -> int:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "pretrain_gpt.py",
-        *argv,
-    ]
-    done = subprocess.run(
-        command,
-        cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        timeout=LAUNCH_TIMEOUT_S,
-    )
-    return done.returncode
-
-
 def _logged_losses(text: str) -> dict[int, float]:
     found = re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|", text)
     return {int(step): float(loss) for step, loss in found}
@@ -120,10 +93,10 @@ def test_muon_lines_name_every_unbuilt_flag_once_muon_is_dropped(name, tmp_path)
 
 
 def _train(argv: list[str], nproc: int, env: dict[str, str], tmp_path) -> dict[int, float]:
-    log_path = tmp_path / "train.log"
-    with log_path.open("w") as log:
-        status = _torchrun(argv, nproc, env, log)
-    text = log_path.read_text()
+    status, stdout, stderr = run_torchrun(
+        ["pretrain_gpt.py", *argv], nproc=nproc, cwd=REPO_ROOT, timeout_s=LAUNCH_TIMEOUT_S, env=env
+    )
+    text = stdout + stderr
     if status != 0 and FP8_EXPERTS_UNBUILT in text:
         pytest.skip(f"{FP8_EXPERTS_UNBUILT} on this branch")
     assert status == 0, text[-4000:]
