@@ -67,7 +67,7 @@ def _as_blocks(chunk: torch.Tensor, cell: tuple[int, int]) -> torch.Tensor:
 
 
 def fused_on(device: torch.device) -> bool:
-    """Whether a chunk pass on device is one torch.compile'd kernel (else eager torch)."""
+    """Whether a pass on device is one compiled kernel on the whole tensor (else eager, chunked)."""
     return device.type == "cuda"
 
 
@@ -75,7 +75,7 @@ def _fused(fn: Callable) -> Callable:
     """fn compiled where `fused_on` (at the first statistics step; shapes go dynamic on the first
     new one). Statistics steps run under set_stance("force_eager"): the call sets its own. A
     compile that fails warns once and leaves fn eager (speed is lost, never the run)."""
-    compiled, failed = torch.compile(fn, fullgraph=True), []
+    compiled, failed = torch.compile(fn, fullgraph=True, dynamic=True), []
 
     @functools.wraps(fn)
     def run(chunk: torch.Tensor, *args):
@@ -106,13 +106,12 @@ def _chunk_counts(chunk, multiplier, cell: tuple[int, int], fp8_dtype) -> torch.
     scaled = blocks.to(torch.float32) * multiplier[:, None, :, None]
     saturated = (scaled.abs() > fp8_max(fp8_dtype)).sum()
     zero_byte = saturating_cast(scaled, fp8_dtype).bitwise_and(0x7F) == 0
-    nonzero = blocks != 0
-    return torch.stack([saturated, (nonzero & zero_byte).sum(), nonzero.sum()])
+    return torch.stack([saturated, (blocks.ne(0) & zero_byte).sum(), blocks.ne(0).sum()])
 
 
-def _amaxes_and_multipliers(x2d, spec: RecipeSpec, cell, fp8_dtype, scale, amax, power_2_scale):
+def _amaxes_and_multipliers(x2d, spec: RecipeSpec, cell, chunks, fp8_dtype, *options):
     """(max|x| per cell, the quantize multipliers per cell), [1, 1] each per tensor."""
-    chunks = row_chunks(*x2d.shape, cell[0])
+    scale, amax, power_2_scale = options
     cell_amax = torch.cat([_chunk_amax(x2d[start:stop], cell) for start, stop in chunks])
     cell_amax = cell_amax.amax().reshape(1, 1) if spec.per_tensor else cell_amax
     if spec.delayed:
@@ -154,10 +153,11 @@ def fp8_stats_vector(
     spec, fp8_dtype = recipe_spec(recipe), fp8_dtype_for_role(fp8_format, role)
     x2d = x.reshape(-1, x.shape[-1])
     cell = spec.block_shape(role, columnwise=False) or (1, x2d.shape[1])  # per tensor: by rows
+    chunks = [(0, len(x2d))] if fused_on(x.device) else row_chunks(*x2d.shape, cell[0])
     options = (scale, amax, power_2_scale)
-    cell_amax, grid = _amaxes_and_multipliers(x2d, spec, cell, fp8_dtype, *options)
+    cell_amax, grid = _amaxes_and_multipliers(x2d, spec, cell, chunks, fp8_dtype, *options)
     counts = torch.zeros(3, dtype=torch.int64, device=x.device)
-    for start, stop in row_chunks(*x2d.shape, cell[0]):
+    for start, stop in chunks:
         rows = grid if grid.numel() == 1 else grid[start // cell[0] : -(-stop // cell[0])]
         counts += _chunk_counts(x2d[start:stop], rows, cell, fp8_dtype)
     if quantized is not None:
