@@ -102,16 +102,17 @@ def forward_rows(name: str, x: torch.Tensor, w: torch.Tensor, sizes: list[int]) 
             )
 
         rows.append(timed_row(name, "fp8 rowwise torch._scaled_grouped_mm", torch_fp8))
-    for recipe in ("tensorwise", "blockwise"):
+    for recipe, fast in (("tensorwise", True), ("tensorwise", False), ("blockwise", False)):
         a, a_scale = fp8(x, recipe, "input")
         b, b_scale = stacked_fp8(w, recipe)
         kwargs = dict(a_scale_inv=a_scale, b_scale_inv=b_scale, group_sizes=sizes, recipe=recipe)
-        ms = timed_ms(functools.partial(grouped_scaled_mm, a, b, **kwargs))
+        ms = timed_ms(functools.partial(grouped_scaled_mm, a, b, fast_accum=fast, **kwargs))
         error = _rel_error(
-            grouped_scaled_mm(a, b, out_dtype=torch.float32, **kwargs),
+            grouped_scaled_mm(a, b, out_dtype=torch.float32, fast_accum=fast, **kwargs),
             grouped_scaled_mm(a, b, out_dtype=torch.float32, emulate=True, **kwargs),
         )
-        rows.append(dict(gemm=name, impl=f"ours fp8 {recipe}", ms=ms, rel_error=error))
+        mode = "fast" if fast else "precise"
+        rows.append(dict(gemm=name, impl=f"ours fp8 {recipe} {mode}", ms=ms, rel_error=error))
     for row in rows:
         if "ms" in row:
             row["tflops"] = round(flops / row["ms"] / 1e9, 1)
@@ -130,12 +131,14 @@ def wgrad_rows(x: torch.Tensor, dy: torch.Tensor, sizes: list[int]) -> list[dict
     a, a_scale = fp8(dy.t().contiguous(), "tensorwise", "grad", E5M2)
     b, b_scale = fp8(x.t().contiguous(), "tensorwise", "input")
     kwargs = dict(a_scale_inv=a_scale, b_scale_inv=b_scale, group_sizes=sizes, recipe="tensorwise")
-    ms = timed_ms(lambda: grouped_scaled_mm_wgrad(a, b, **kwargs))
-    error = _rel_error(
-        grouped_scaled_mm_wgrad(a, b, **kwargs),
-        grouped_scaled_mm_wgrad(a, b, emulate=True, **kwargs),
-    )
-    rows.append(dict(gemm="wgrad", impl="ours fp8 tensorwise", ms=ms, rel_error=error))
+    for fast in (True, False):
+        ms = timed_ms(lambda fast=fast: grouped_scaled_mm_wgrad(a, b, fast_accum=fast, **kwargs))
+        error = _rel_error(
+            grouped_scaled_mm_wgrad(a, b, fast_accum=fast, **kwargs),
+            grouped_scaled_mm_wgrad(a, b, emulate=True, **kwargs),
+        )
+        impl = f"ours fp8 tensorwise {'fast' if fast else 'precise'}"
+        rows.append(dict(gemm="wgrad", impl=impl, ms=ms, rel_error=error))
     for row in rows:
         if "ms" in row:
             row["tflops"] = round(flops / row["ms"] / 1e9, 1)

@@ -95,10 +95,23 @@ def test_mismatched_shapes_and_recipes_are_refused() -> None:
         )  # fmt: skip
 
 
+def _assert_close_to_emulation(got, want, *, fast: bool, out_dtype) -> None:
+    """Hopper's FP8 tensor cores accumulate with fewer bits than fp32: at K = 256 the kernels
+    differ from the exact emulation by up to ~4e-4 of the output's largest value with fast
+    accumulation and ~3e-4 when each 128-long K block is added in fp32 (precise)
+    (docs/benchmarks/grouped_gemm_fp8stats_h200_2026-12-04b.md); bf16 outputs round each value
+    by up to 2^-8 more."""
+    scale = want.abs().max().item()
+    atol = (2e-3 if fast else 1e-3) * scale
+    rtol = 2**-8 if out_dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "dgrad_e5m2"])
-def test_triton_grouped_forward_equals_emulation_on_gpu(recipe, grad) -> None:
+@pytest.mark.parametrize("fast", [False, True], ids=["precise", "fast"])
+def test_triton_grouped_forward_equals_emulation_on_gpu(recipe, grad, fast) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(0)
@@ -108,21 +121,27 @@ def test_triton_grouped_forward_equals_emulation_on_gpu(recipe, grad) -> None:
     )
     b, b_scale, _ = _weights(recipe, "cuda")
     kwargs = dict(a_scale_inv=a_scale, b_scale_inv=b_scale, group_sizes=SIZES, recipe=recipe)
+    want = grouped_scaled_mm(a, b, out_dtype=torch.float32, emulate=True, **kwargs)
     for out_dtype in (torch.float32, torch.bfloat16):
-        got = grouped_scaled_mm(a, b, out_dtype=out_dtype, **kwargs)
-        want = grouped_scaled_mm(a, b, out_dtype=torch.float32, emulate=True, **kwargs)
-        tolerance = 1e-5 if out_dtype == torch.float32 else 2**-8
-        torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+        got = grouped_scaled_mm(a, b, out_dtype=out_dtype, fast_accum=fast, **kwargs)
+        # blockwise adds each K block's product to the fp32 accumulator in either mode
+        _assert_close_to_emulation(
+            got, want, fast=fast and recipe != "blockwise", out_dtype=out_dtype
+        )
 
 
 @pytest.mark.gpu
-def test_triton_grouped_weight_gradient_equals_emulation_on_gpu() -> None:
+@pytest.mark.parametrize("fast", [False, True], ids=["precise", "fast"])
+def test_triton_grouped_weight_gradient_equals_emulation_on_gpu(fast) -> None:
+    """Group starts at 0, 70, 70, 220 tokens (not multiples of 16), 223 tokens in all; an empty
+    group gives 0."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(0)
     dy_t, dy_scale, _ = _quantized(torch.randn(N, M, device="cuda"), "tensorwise", "grad", E5M2)
     x_t, x_scale, _ = _quantized(torch.randn(K, M, device="cuda"), "tensorwise", "input")
     kwargs = dict(a_scale_inv=dy_scale, b_scale_inv=x_scale, group_sizes=SIZES, recipe="tensorwise")
-    got = grouped_scaled_mm_wgrad(dy_t, x_t, **kwargs)
+    got = grouped_scaled_mm_wgrad(dy_t, x_t, fast_accum=fast, **kwargs)
     want = grouped_scaled_mm_wgrad(dy_t, x_t, emulate=True, **kwargs)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert torch.count_nonzero(got[1]) == 0
+    _assert_close_to_emulation(got, want, fast=fast, out_dtype=torch.float32)

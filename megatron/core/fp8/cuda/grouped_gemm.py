@@ -6,9 +6,10 @@
 
 On CUDA with Triton they run the kernels of `triton_grouped_gemm.py`; elsewhere (and with
 `emulate`), one `gemm.emulated_mm` per group: exact dequantization, fp32 products, the CPU twin
-the tests compare the kernels with. Why not torch: its FP8 rowwise `_scaled_grouped_mm` ran at
-half of bf16 `_grouped_mm`'s rate on an H200 (333 against 663 TFLOP/s on an MoE shape, torch
-2.11), and it has no tensorwise or blockwise scales.
+the tests compare the kernels with. Why not only torch's `_scaled_grouped_mm` (torch 2.11, H200,
+docs/benchmarks/grouped_gemm_fp8stats_h200_2026-12-04b.md): it refuses E5M2 operands (our
+gradients under `hybrid`) and fp32 output, has no blockwise scales, and its precise
+accumulation runs at 309 TFLOP/s on fc2 where ours runs at 667.
 
 Scales are scale_inv as in `gemm.scaled_mm`: per-tensor recipes (tensorwise, delayed) a scalar
 for A and one per group for B ([G]); blockwise 1x128 for A ([M, ceil(K/128)]) and 128x128 for
@@ -68,9 +69,11 @@ def grouped_scaled_mm(
     recipe: str,
     out_dtype: torch.dtype = torch.bfloat16,
     emulate: bool = False,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """A [M, K] FP8 (rows sorted by group, group_sizes[g] rows each) and B [G, N, K] FP8 ->
-    [M, N] in out_dtype: each group's rows times its own B[g]^T."""
+    [M, N] in out_dtype: each group's rows times its own B[g]^T. fast_accum: the kernel's
+    per-tensor accumulation mode (as the dense GEMM's; blockwise always adds per K block)."""
     offsets = _group_offsets(group_sizes)
     groups, n, k = b_data.shape
     if len(group_sizes) != groups or offsets[-1] != a_data.shape[0] or a_data.shape[1] != k:
@@ -91,8 +94,9 @@ def grouped_scaled_mm(
     grid = lambda meta: (len(tiles), triton_cdiv(n, meta["BLOCK_N"]))  # noqa: E731
     _kernels()._ragged_m_kernel[grid](
         a_data, b_data, out, a_scale_inv, b_scale_inv, schedule[0], schedule[1], group_end,
-        n, k, a_data.stride(0), b_data.stride(0), b_data.stride(1), out.stride(0),
-        BLOCKWISE=not recipe_spec(recipe).per_tensor, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+        a_data.shape[0], n, k, a_data.stride(0), b_data.stride(0), b_data.stride(1), out.stride(0),
+        BLOCKWISE=not recipe_spec(recipe).per_tensor, FAST=fast_accum, EVEN_K=k % BLOCK_K == 0,
+        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out
 
@@ -107,6 +111,7 @@ def grouped_scaled_mm_wgrad(
     recipe: str,
     out_dtype: torch.dtype = torch.float32,
     emulate: bool = False,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """A^T [N, M] and B^T [K, M] FP8 (tokens along M, sorted by group) -> [G, N, K]: for each
     group g, A^T[:, cols of g] @ B^T[:, cols of g]^T. Per-tensor recipes only: blockwise 1x128
@@ -143,7 +148,7 @@ def grouped_scaled_mm_wgrad(
     _kernels()._ragged_k_kernel[grid](
         a_t_data, b_t_data, out, a_scale_inv, b_scale_inv, starts, n, k,
         a_t_data.stride(0), b_t_data.stride(0), out.stride(0), out.stride(1),
-        BLOCK_K=BLOCK_K, BLOCK_M=BLOCK_K,
+        FAST=fast_accum, BLOCK_K=BLOCK_K, BLOCK_M=BLOCK_K,
     )  # fmt: skip
     return out
 

@@ -11,7 +11,16 @@ Both read K-major FP8 operands (what Hopper's FP8 tensor-core instructions take)
 fp32 accumulator by the operands' scale_inv as the dense GEMM does (docs/FP8_NUMERICS.md):
 per-tensor (a scalar for A, one per group for B) or, in the ragged-M kernel, blockwise (A 1x128
 per row and K block, B 128x128 per group): each K block's partial product is scaled before it
-is added, as DeepSeek-V3's blockwise GEMM does. Results are bf16 or fp32.
+is added, as DeepSeek-V3's blockwise GEMM does. FAST: one accumulator fed by the tensor cores
+(Hopper's FP8 accumulation, cuBLAS's fast accumulation); otherwise each K block's product goes
+to a separate fp32 accumulator first (the precise mode the dense gradients use). Results are
+bf16 or fp32.
+
+Speed (docs/benchmarks/grouped_gemm_fp8stats_h200_2026-12-04b.md): loads are unmasked. The
+ragged-M kernel reads whole row tiles (rows past a group are other groups' rows, clamped to the
+last row, and dropped at the store) and needs K % BLOCK_K == 0 (EVEN_K) for unmasked K steps.
+The ragged-K kernel still masks every load (~150-190 TFLOP/s); a TMA version ran at 430-665 in
+dev/tune_grouped_gemm.py but crashed with an illegal instruction once autotuned here (to do).
 """
 
 from __future__ import annotations
@@ -22,14 +31,13 @@ import triton.language as tl
 # Tile shapes tried once per (N, K) (BLOCK_M and BLOCK_K stay 128: the host builds the row
 # tiles with BLOCK_M, and blockwise scales come per 128 of K).
 _CONFIGS = [
-    triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+    triton.Config({"BLOCK_N": block_n}, num_warps=8, num_stages=stages)
     for block_n in (128, 256)
-    for warps in (4, 8)
     for stages in (3, 4)
 ]
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCKWISE"])
+@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCKWISE", "FAST"])
 @triton.jit
 def _ragged_m_kernel(
     a_ptr,
@@ -40,6 +48,7 @@ def _ragged_m_kernel(
     tile_group_ptr,
     tile_row_ptr,
     group_end_ptr,
+    M,
     N,
     K,
     stride_am,
@@ -47,6 +56,8 @@ def _ragged_m_kernel(
     stride_bn,
     stride_cm,
     BLOCKWISE: tl.constexpr,
+    FAST: tl.constexpr,
+    EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -59,39 +70,41 @@ def _ragged_m_kernel(
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < row_end
-    col_ok = cols < N
-    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
-    b_ptrs = b_ptr + group.to(tl.int64) * stride_bg + cols[:, None] * stride_bn + ks[None, :]
+    a_rows = tl.minimum(rows, M - 1)  # read, never stored: the store keeps rows < row_end
+    b_cols = tl.minimum(cols, N - 1)
+    a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+    b_ptrs = b_ptr + group.to(tl.int64) * stride_bg + b_cols[:, None] * stride_bn + ks[None, :]
     k_blocks = (K + BLOCK_K - 1) // BLOCK_K  # blockwise: BLOCK_K is the 128 of the scales
     n_blocks = (N + 127) // 128
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kb = k0 // BLOCK_K
-        k_ok = (k0 + ks) < K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = (k0 + ks) < K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
         if BLOCKWISE:
             # scale_inv of A: [M, k_blocks] (1x128); of B: [G, ceil(N/128), k_blocks] (128x128).
-            a_s = tl.load(a_scale_ptr + rows.to(tl.int64) * k_blocks + kb, mask=row_ok, other=0.0)
-            b_s = tl.load(
-                b_scale_ptr + (group * n_blocks + cols // 128) * k_blocks + kb,
-                mask=col_ok,
-                other=0.0,
-            )
-            partial = tl.dot(a, tl.trans(b))
-            acc += partial * a_s[:, None] * b_s[None, :]
-        else:
+            kb = k0 // BLOCK_K
+            a_s = tl.load(a_scale_ptr + a_rows.to(tl.int64) * k_blocks + kb)
+            b_s = tl.load(b_scale_ptr + (group * n_blocks + b_cols // 128) * k_blocks + kb)
+            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        elif FAST:
             acc = tl.dot(a, tl.trans(b), acc)
+        else:
+            acc += tl.dot(a, tl.trans(b))
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if not BLOCKWISE:
         acc = acc * tl.load(a_scale_ptr) * tl.load(b_scale_ptr + group)
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    keep = (rows < row_end)[:, None] & (cols < N)[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=keep)
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K"])
+@triton.autotune(configs=_CONFIGS, key=["N", "K", "FAST"])
 @triton.jit
 def _ragged_k_kernel(
     a_ptr,
@@ -106,6 +119,7 @@ def _ragged_k_kernel(
     stride_bk,
     stride_cg,
     stride_cn,
+    FAST: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -133,7 +147,10 @@ def _ragged_k_kernel(
             mask=k_ok[:, None] & m_ok[None, :],
             other=0.0,
         )
-        acc = tl.dot(a, tl.trans(b), acc)
+        if FAST:
+            acc = tl.dot(a, tl.trans(b), acc)
+        else:
+            acc += tl.dot(a, tl.trans(b))
     acc = acc * tl.load(a_scale_ptr) * tl.load(b_scale_ptr)
     c_ptrs = c_ptr + group.to(tl.int64) * stride_cg + ns[:, None] * stride_cn + kk[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
