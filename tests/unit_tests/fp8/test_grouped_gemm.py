@@ -3,8 +3,9 @@
 CPU: the emulated path (one exact emulated GEMM per group) equals a float64 product of the
 operands dequantized in the test, group by group, for each recipe; empty groups give empty
 rows (forward) or zero blocks (weight gradient); mismatched shapes are refused.
-GPU (H200): the Triton kernels equal the emulated path up to fp32 accumulation order, on ragged
-group sizes (0, < 128, not multiples of 128) and N, K not multiples of 128."""
+GPU (H200): the Triton kernels equal the emulated path within the fast-accumulation bound
+(FAST_ACCUM_BOUND), on ragged group sizes (0, < 128, not multiples of 128) and N, K not
+multiples of 128."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from megatron.core.fp8.quantization import quantize
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SIZES = [70, 0, 150, 3]
 M, N, K = sum(SIZES), 160, 256
+FAST_ACCUM_BOUND = 2e-3
+"""The kernels against their exact emulation: Hopper's FP8 tensor cores accumulate with fewer
+bits than fp32 inside each tl.dot (Triton's default on sm_90, as cuBLAS's fast accumulation),
+measured ~4e-4 of the output's max|.| uniformly over groups and columns on the H200; asserted
+at 2e-3 of it (plus one bf16 rounding for bf16 outputs)."""
 
 
 def _quantized(x, recipe, role, fp8_dtype=E4M3):
@@ -111,8 +117,9 @@ def test_triton_grouped_forward_equals_emulation_on_gpu(recipe, grad) -> None:
     for out_dtype in (torch.float32, torch.bfloat16):
         got = grouped_scaled_mm(a, b, out_dtype=out_dtype, **kwargs)
         want = grouped_scaled_mm(a, b, out_dtype=torch.float32, emulate=True, **kwargs)
-        tolerance = 1e-5 if out_dtype == torch.float32 else 2**-8
-        torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+        rounding = 0.0 if out_dtype == torch.float32 else 2**-8
+        bound = FAST_ACCUM_BOUND * want.abs().max().item()
+        torch.testing.assert_close(got.float(), want, rtol=rounding, atol=bound)
 
 
 @pytest.mark.gpu
@@ -125,4 +132,4 @@ def test_triton_grouped_weight_gradient_equals_emulation_on_gpu() -> None:
     kwargs = dict(a_scale_inv=dy_scale, b_scale_inv=x_scale, group_sizes=SIZES, recipe="tensorwise")
     got = grouped_scaled_mm_wgrad(dy_t, x_t, **kwargs)
     want = grouped_scaled_mm_wgrad(dy_t, x_t, emulate=True, **kwargs)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, want, rtol=0, atol=FAST_ACCUM_BOUND * want.abs().max().item())
