@@ -1,4 +1,4 @@
-"""What torch's FP8 grouped GEMM (`torch._scaled_grouped_mm`) accepts and how fast it is on this GPU,
+"""What torch's FP8 grouped GEMM (`torch._scaled_grouped_mm`) accepts and how fast it is on this GPU
 for the MoE experts' three GEMMs: forward/dgrad (2d x 3d, ragged M) with a per-row A scale and a
 per-(expert, column) B scale -- which carries our per-tensor recipes (one scale per expert weight,
 one per token segment) -- and wgrad (2d x 2d, ragged K); E4M3 and E5M2 operands. Each case: the
