@@ -147,3 +147,46 @@ def test_cuda_grouped_paths_equal_the_emulation_within_the_fast_accumulation_bou
         bound = FAST_ACCUM_BOUND * b.abs().max().item()
         rounding = 2**-7 if dtype == torch.bfloat16 else 0.0  # one bf16 rounding of the output
         torch.testing.assert_close(a, b, rtol=rounding, atol=bound)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype):
+    """The CUDA fallbacks' operand and scale layouts (per-segment scales as the ragged-M
+    kernel's block scales; the ragged-K kernel over segments with unit scales, then scaled and
+    summed per expert), run here through grouped_gemm.py's emulation of those kernels: equal
+    to the per-segment emulation up to fp32 rounding (the scales multiply in another order)."""
+    segments = [[40, 24], [0, 0], [0, 56], [30, 3]]
+    sizes = [c for counts in segments for c in counts]
+    owner = [e for e, counts in enumerate(segments) for _ in counts]
+    k, n = 256, 160  # two K blocks, N not a multiple of 128
+    generator = torch.Generator().manual_seed(2)
+    x = (
+        torch.randn(sum(sizes), k, generator=generator)
+        * torch.linspace(0.1, 9, sum(sizes))[:, None]
+    )
+    w = (
+        torch.randn(EXPERTS, n, k, generator=generator)
+        * torch.tensor([1, 2, 30, 0.1])[:, None, None]
+    )
+    ids = grouped_fp8._segment_ids(sizes, x.device)
+    x_q, x_s = grouped_fp8.quantize_segments(
+        x, ids, len(sizes), fp8_dtype=grad_dtype, power_2_scale=False
+    )
+    w_q, w_s = grouped_fp8.quantize_experts(w, fp8_dtype=torch.float8_e4m3fn, power_2_scale=False)
+    args = (x_q, x_s, w_q, w_s, sizes, owner, torch.float32)
+    want = grouped_fp8._emulated_mm(*args)
+    got = grouped_fp8._cuda_mm(*args, False)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    dy = torch.randn(sum(sizes), n, generator=generator)
+    dy_q, dy_s = grouped_fp8.quantize_segments(
+        dy, ids, len(sizes), fp8_dtype=grad_dtype, power_2_scale=False
+    )
+    x_q, x_s = grouped_fp8.quantize_segments(
+        x, ids, len(sizes), fp8_dtype=torch.float8_e4m3fn, power_2_scale=False
+    )
+    out = torch.zeros(EXPERTS, n, k)
+    wargs = (dy_q, dy_s, x_q, x_s, sizes, owner)
+    want = grouped_fp8._emulated_wgrad(*wargs, out.clone())
+    got = grouped_fp8._cuda_wgrad(*wargs, out.clone())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    assert want[1].abs().max() == 0 and want[2].abs().max() > 0
