@@ -4,7 +4,7 @@ one training step timed; prints one JSON line like bench_gpt.py.
 Each layer: RMSNorm, GQA attention with RoPE (SDPA, causal), RMSNorm, a top-k softmax router
 (top-k probabilities renormalized, as Megatron-LM's default softmax-after-top-k and Qwen3's
 norm_topk_prob), the routed SwiGLU experts as two torch._grouped_mm calls over the tokens
-sorted by expert (offsets from a bincount: no host sync), no load-balancing loss (the rows of
+sorted by expert (offsets from a scatter-add: no host sync), no load-balancing loss (the rows of
 ours run with --moe-router-load-balancing-type none). FSDP2 with fp32 shards and bf16 compute,
 each layer compiled (--compile), fused AdamW, gradient clipping at 1.0: bench_gpt.py's peer.
 --torchao-fp8-rowwise: torchao's float8 rowwise grouped GEMMs for the experts
@@ -128,7 +128,9 @@ class MoE(nn.Module):
         probs = top_logits.softmax(dim=-1)  # softmax over the top-k: renormalized
         flat_experts = top_experts.reshape(-1)
         order = flat_experts.argsort(stable=True)
-        counts = torch.bincount(flat_experts, minlength=self.experts_n)
+        # A scatter-add, not bincount (whose output shape is data-dependent to the compiler).
+        counts = torch.zeros(self.experts_n, dtype=torch.long, device=x.device)
+        counts = counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         offsets = counts.cumsum(0).to(torch.int32)
         tokens = x[order // self.topk]
         out = self.experts(tokens, offsets)

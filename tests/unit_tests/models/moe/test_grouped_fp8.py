@@ -5,7 +5,8 @@ CPU: bitwise equal (torch.equal) in forward, input gradient and weight gradient,
 bf16 tokens, each fp8 format and power-of-2 scales, on ragged segments with empty experts and
 empty segments, and with three segments of one expert (the weight gradient sums them last
 segment first, as autograd sums the reference's per-segment contributions). It compiles with
-fullgraph=True. Recipes other than tensorwise take the reference path (asserted).
+fullgraph=True. Recipes other than tensorwise take the reference path (asserted). The CUDA
+fallbacks' scale layouts are checked on CPU through grouped_gemm.py's kernel emulation.
 GPU (H200): torch._scaled_grouped_mm and the Triton kernels equal the CPU emulation within the
 fast-accumulation bound, 2e-3 of the output's max|.| (measured ~4e-4 on the H200)."""
 
