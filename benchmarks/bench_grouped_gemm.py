@@ -23,11 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron.core.fp8 import Fp8Config  # noqa: E402
 from megatron.core.fp8.cuda.grouped_gemm import (  # noqa: E402
     grouped_scaled_mm,
     grouped_scaled_mm_wgrad,
 )
 from megatron.core.fp8.quantization import quantize  # noqa: E402
+from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -145,6 +147,31 @@ def wgrad_rows(x: torch.Tensor, dy: torch.Tensor, sizes: list[int]) -> list[dict
     return rows
 
 
+def layer_rows(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list[dict]:
+    """Fp8StackedLinear (tensorwise, bf16) forward + backward: the one grouped function
+    (moe/grouped_fp8.py) against the per-segment reference path, each fp8 format; TFLOP/s
+    counts the three GEMMs."""
+    rows = []
+    for fp8_format in ("hybrid", "e4m3"):
+        config = Fp8Config(recipe="tensorwise", fp8_format=fp8_format)
+        layer = Fp8StackedLinear(*w.shape, fp8_config=config, dtype=w.dtype, device=w.device)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+        tokens = x.detach().requires_grad_()
+        for grouped in (True, False):
+            layer.grouped = grouped
+
+            def step(layer=layer, tokens=tokens):
+                layer(tokens, sizes).backward(torch.ones_like(tokens[:, :1]).expand(-1, w.shape[1]))
+
+            impl = f"stacked_linear_{'grouped' if grouped else 'per_segment'}_{fp8_format}"
+            row = timed_row("fc1_fwd_bwd", impl, step)
+            if "ms" in row:
+                row["tflops"] = round(6 * x.shape[0] * w.shape[1] * w.shape[2] / row["ms"] / 1e9, 1)
+            rows.append(row)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
@@ -168,6 +195,7 @@ def main() -> int:
     dy = torch.randn(rows_total, args.hidden, device=device, dtype=torch.bfloat16)
     results = forward_rows("fc1", x, w1 * 0.02, sizes) + forward_rows("fc2", h, w2 * 0.02, sizes)
     results += wgrad_rows(h, dy, sizes)
+    results += layer_rows(x, w1 * 0.02, sizes)
     shape = dict(vars(args), rows=rows_total, min_group=min(sizes), max_group=max(sizes))
     lines = [json.dumps(dict(row, **shape)) for row in results]
     print("\n".join(lines))

@@ -12,8 +12,10 @@ segment (the rows of one expert from one source rank) is quantized and multiplie
 so the bytes every GEMM reads do not depend on how tokens are grouped across ranks: the
 expert-parallel layout changes only the order of fp32 sums (acceptance 1 of issue 38).
 
-On CPU (and until a fused kernel exists) this is a loop over segments through the reference
-backend; `grouped_fp8_gemm` is the one place a CUDA grouped FP8 kernel would replace it.
+`grouped_fp8_gemm` is a loop over segments through Fp8Linear's autograd function (every recipe;
+the reference). Where `grouped_fp8.grouped_path_applies` (tensorwise), the forward takes
+`grouped_fp8.grouped_fp8_linear` instead: the same rule in one autograd function over all
+experts, one quantize pass per operand and grouped GEMMs on CUDA.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from megatron.core.fp8 import autocast as fp8_state
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
 from megatron.core.fp8.linear import build_plan, fp8_linear_apply
+from megatron.core.transformer.moe.grouped_fp8 import grouped_fp8_linear, grouped_path_applies
 
 
 class ExpertDelayedScaling:
@@ -86,7 +89,7 @@ def grouped_fp8_gemm(
 ) -> torch.Tensor:
     """y[rows of expert e] = tokens[rows of expert e] @ weight[e]^T, every segment (its list
     of row counts per expert) quantized and multiplied on its own under plan_for_expert(e).
-    The seam of a fused CUDA grouped FP8 GEMM (not built: the loop runs everywhere)."""
+    The reference of `grouped_fp8.grouped_fp8_linear`, and the path of the other recipes."""
     sizes = [count for counts in segments for count in counts]
     pieces = iter(tokens.split(sizes, dim=0))
     outputs = []
@@ -134,6 +137,9 @@ class Fp8StackedLinear(nn.Module):
             )
         self.fp8_setup: fp8_state.Fp8Setup | None = None
         """This module's settings (`apply_fp8_setup`, `fp8_autocast`); None: its own config."""
+        self.grouped = True
+        """Take `grouped_fp8.grouped_fp8_linear` where it applies (False: the per-segment
+        reference path, `grouped_fp8_gemm`, as the tests compare them)."""
 
     def extra_repr(self) -> str:
         experts, out_features, in_features = self.weight.shape
@@ -165,6 +171,8 @@ class Fp8StackedLinear(nn.Module):
             if not outputs:
                 return tokens.new_zeros(0, self.weight.shape[1])
             return torch.cat(outputs, dim=0)
+        if self.grouped and tokens.shape[0] > 0 and grouped_path_applies(config, self.weight):
+            return grouped_fp8_linear(tokens, self.weight, segments, config)
         recompute = fp8_state.in_recompute()
 
         def plan_for_expert(expert: int):

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Model M (docs/PERFORMANCE.md): a Qwen3-MoE-style GPT (8 layers, hidden 2048, 32 heads / 4 query
+# groups, 64 experts top-8, moe-ffn 768, seq 4096, micro-batch 2) at DP=1 / EP=1 on one H200,
+# every row in one job (issue 38, acceptance 5):
+#   fsdp2            the FSDP2 bf16 MoE peer (benchmarks/moe_peer.py: torch._grouped_mm experts,
+#                    compiled, fused AdamW, clip 1.0);
+#   torchao_rowwise  that peer with torchao's float8 rowwise grouped GEMMs for the experts;
+#   bf16             pretrain_gpt.py with Megatron-FSDP (ZeRO-3) and --moe-grouped-gemm (compiled
+#                    by default on CUDA);
+#   tensorwise, blockwise, <recipe>: the same with FP8 parameters of that recipe.
+# One JSON line per row in $OUT/model_m.jsonl (step_ms: median logged iteration after WARMUP).
+# The torchao row needs torchao importable, e.g. (the device's offline wheel):
+#   pip install --no-index --no-deps --target /tmp/site .whl/torchao-*.whl
+#   PYTHONPATH=/tmp/site ROWS="fsdp2 torchao_rowwise bf16 tensorwise blockwise" bash benchmarks/moe_model_m.sh
+# SMALL=1: model M-small (~125M active parameters: 8 layers, hidden 768, 12 heads / 4 groups,
+# 64 experts top-8, moe-ffn 256, seq 2048); TINY=1: CPU sizes for the smoke test (gloo).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/model_m}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+ITERS=${ITERS:-20}
+WARMUP=${WARMUP:-3}
+LAYERS=8 HIDDEN=2048 HEADS=32 QGROUPS=4 EXPERTS=64 TOPK=8 FFN=768 SEQ=4096 MBS=2 VOCAB=32768
+if [ "${SMALL:-0}" = 1 ]; then HIDDEN=768 HEADS=12 FFN=256 SEQ=2048 VOCAB=50257; fi
+if [ "${TINY:-0}" = 1 ]; then
+  LAYERS=2 HIDDEN=64 HEADS=4 QGROUPS=2 EXPERTS=8 TOPK=2 FFN=32 SEQ=64 MBS=2 VOCAB=256
+fi
+SHAPE=(--num-layers $LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS --num-query-groups $QGROUPS
+  --num-experts $EXPERTS --moe-router-topk $TOPK --moe-ffn-hidden-size $FFN --seq-length $SEQ
+  --micro-batch-size $MBS --vocab-size $VOCAB)
+MODEL_M=(
+  "${SHAPE[@]}" --ffn-hidden-size $((4 * HIDDEN)) --group-query-attention
+  --moe-grouped-gemm --moe-token-dispatcher-type alltoall --moe-router-load-balancing-type none
+  --max-position-embeddings $SEQ --global-batch-size $MBS
+  --mock-data --tokenizer-type NullTokenizer
+  --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+  --hidden-dropout 0 --attention-dropout 0 --untie-embeddings-and-output-weights --bf16
+  --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
+  --init-model-with-meta-device --lr 1e-5 --clip-grad 1.0 --eval-iters 0 --log-interval 1
+  --train-iters "$ITERS"
+)
+PEER=(--num-layers $LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS --num-query-groups $QGROUPS
+  --num-experts $EXPERTS --moe-router-topk $TOPK --moe-ffn-hidden-size $FFN --seq-length $SEQ
+  --micro-batch-size $MBS --vocab-size $VOCAB --steps "$((ITERS - WARMUP))" --warmup-steps "$WARMUP")
+[ "${TINY:-0}" = 1 ] || PEER+=(--compile)
+row() {  # name, then the command
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$OUT/model_m.log"
+  timeout "${RUN_TIMEOUT:-300}" "$@" > "$OUT/$name.log" 2>&1
+  echo "exit $? ($name)" | tee -a "$OUT/model_m.log"
+}
+summarize() {  # name: the median logged step after WARMUP, peak memory of the log
+  python3 - "$OUT/$1.log" "$1" "$WARMUP" <<'PY' | tee -a "$OUT/model_m.jsonl"
+import json, re, statistics, sys
+text = open(sys.argv[1]).read()
+times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
+mem = [float(m) for m in re.findall(r"max allocated: ([0-9.]+)", text)]
+steady = times[int(sys.argv[3]):]
+print(json.dumps({"row": sys.argv[2], "step_ms": round(statistics.median(steady), 1) if steady else None,
+                  "steps": len(steady), "peak_mem_gib": max(mem) if mem else None}))
+PY
+}
+for name in ${ROWS:-fsdp2 torchao_rowwise bf16 tensorwise blockwise}; do
+  case $name in
+    fsdp2)
+      row fsdp2 torchrun --nproc-per-node 1 benchmarks/moe_peer.py "${PEER[@]}"
+      grep '^{' "$OUT/fsdp2.log" | tee -a "$OUT/model_m.jsonl" ;;
+    torchao_rowwise)
+      row "$name" torchrun --nproc-per-node 1 benchmarks/moe_peer.py "${PEER[@]}" --torchao-fp8-rowwise
+      grep '^{' "$OUT/$name.log" | tee -a "$OUT/model_m.jsonl" ;;
+    bf16)
+      row bf16 torchrun --nproc-per-node 1 pretrain_gpt.py "${MODEL_M[@]}"
+      summarize bf16 ;;
+    *)
+      row "$name" torchrun --nproc-per-node 1 pretrain_gpt.py "${MODEL_M[@]}" \
+        --fp8-recipe "$name" --fp8-format hybrid --fp8-param-gather
+      summarize "$name" ;;
+  esac
+done

@@ -1,0 +1,193 @@
+"""The one-function FP8 grouped GEMM of the experts (moe/grouped_fp8.py) against the per-segment
+reference path of Fp8StackedLinear (fp8_experts.grouped_fp8_gemm).
+
+CPU: bitwise equal (torch.equal) in forward, input gradient and weight gradient, for fp32 and
+bf16 tokens, each fp8 format and power-of-2 scales, on ragged segments with empty experts and
+empty segments, and with three segments of one expert (the weight gradient sums them last
+segment first, as autograd sums the reference's per-segment contributions). It compiles with
+fullgraph=True. Recipes other than tensorwise take the reference path (asserted). The CUDA
+fallbacks' scale layouts are checked on CPU through grouped_gemm.py's kernel emulation.
+GPU (H200): torch._scaled_grouped_mm and the Triton kernels equal the CPU emulation within the
+fast-accumulation bound, 2e-3 of the output's max|.| (measured ~4e-4 on the H200)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.fp8 import Fp8Config
+from megatron.core.fp8.quantization import quantize
+from megatron.core.transformer.moe import grouped_fp8
+from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
+
+EXPERTS, IN, OUT = 4, 64, 48
+SEGMENTS = [[40, 24], [0, 0], [0, 56], [30, 3]]  # expert 1 empty, empty segments
+FAST_ACCUM_BOUND = 2e-3
+
+
+def _layer(recipe="tensorwise", fp8_format="hybrid", dtype=torch.float32, pow2=None, device="cpu"):
+    config = Fp8Config(recipe=recipe, fp8_format=fp8_format, power_2_scale=pow2)
+    layer = Fp8StackedLinear(EXPERTS, IN, OUT, fp8_config=config, dtype=dtype, device=device)
+    generator = torch.Generator().manual_seed(0)
+    magnitudes = torch.tensor([1.0, 3.0, 300.0, 0.004]).view(EXPERTS, 1, 1)
+    with torch.no_grad():
+        weight = torch.randn(EXPERTS, OUT, IN, generator=generator) * magnitudes / 8
+        layer.weight.copy_(weight.to(dtype))
+    return layer
+
+
+def _data(segments, dtype, device="cpu"):
+    rows = sum(sum(c) for c in segments)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, IN, generator=generator) * torch.linspace(0.01, 40, rows)[:, None]
+    dy = torch.randn(rows, OUT, generator=generator)
+    return x.to(dtype).to(device), dy.to(dtype).to(device)
+
+
+def _run(layer, x, dy, segments, grouped):
+    layer.grouped = grouped
+    layer.weight.grad = None
+    x = x.detach().clone().requires_grad_()
+    y = layer(x, [sum(c) for c in segments], segments)
+    y.backward(dy)
+    return y.detach(), x.grad, layer.weight.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8_format", ["hybrid", "e4m3"])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_grouped_function_equals_the_per_segment_path_bitwise(dtype, fp8_format, pow2):
+    layer = _layer(fp8_format=fp8_format, dtype=dtype, pow2=pow2)
+    x, dy = _data(SEGMENTS, dtype)
+    want = _run(layer, x, dy, SEGMENTS, grouped=False)
+    got = _run(layer, x, dy, SEGMENTS, grouped=True)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert want[0].abs().max() > 1.0 and want[2][1].abs().max() == 0  # expert 1 got no rows
+
+
+def test_three_segments_of_one_expert_are_summed_in_the_reference_order():
+    segments = [[20, 17, 9], [5], [0], [11, 0, 2]]
+    layer = _layer()
+    x, dy = _data(segments, torch.float32)
+    want = _run(layer, x, dy, segments, grouped=False)
+    got = _run(layer, x, dy, segments, grouped=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise", "mxfp8"])
+def test_other_recipes_take_the_per_segment_path(recipe, monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        "megatron.core.transformer.moe.fp8_experts.grouped_fp8_linear",
+        lambda *args: calls.append(args),
+    )
+    layer = _layer(recipe)
+    x, dy = _data(SEGMENTS, torch.float32)
+    y, _, _ = _run(layer, x, dy, SEGMENTS, grouped=True)
+    assert calls == [] and y.shape == (x.shape[0], OUT)
+
+
+def test_segment_quantization_equals_quantizing_each_segment_alone():
+    sizes = [7, 0, 33, 1]
+    x = torch.randn(sum(sizes), IN) * 5
+    ids = grouped_fp8._segment_ids(sizes, x.device)
+    data, scale_inv = grouped_fp8.quantize_segments(
+        x, ids, len(sizes), fp8_dtype=torch.float8_e4m3fn, power_2_scale=False
+    )
+    start = 0
+    for s, size in enumerate(sizes):
+        if size:
+            piece = x[start : start + size]
+            q = quantize(piece, recipe="tensorwise", fp8_dtype=torch.float8_e4m3fn, role="input")
+            got_bytes = data[start : start + size].view(torch.uint8)
+            assert torch.equal(got_bytes, q.rowwise_data.view(torch.uint8))
+            assert torch.equal(scale_inv[s], q.rowwise_scale_inv.reshape(()))
+        start += size
+    assert scale_inv[1] == 1.0
+
+
+def test_grouped_function_compiles_without_graph_breaks():
+    layer = _layer()
+    x, dy = _data(SEGMENTS, torch.float32)
+    counts = [sum(c) for c in SEGMENTS]
+    want = _run(layer, x, dy, SEGMENTS, grouped=True)
+
+    def step(tokens):
+        return layer(tokens, counts, SEGMENTS)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    layer.weight.grad = None
+    tokens = x.detach().clone().requires_grad_()
+    y = compiled(tokens)
+    y.backward(dy)
+    assert torch.equal(y, want[0]) and torch.equal(tokens.grad, want[1])
+    assert torch.equal(layer.weight.grad, want[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_format", ["hybrid", "e4m3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_grouped_paths_equal_the_emulation_within_the_fast_accumulation_bound(
+    fp8_format, dtype
+):
+    """bf16 + e4m3: torch._scaled_grouped_mm forward and dgrad; hybrid (E5M2 grads) and fp32:
+    the Triton kernels; wgrad: the Triton ragged-K kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (the CPU emulation is the reference)")
+    segments = [[200, 64], [0, 0], [0, 130], [96, 3]]
+    layer = _layer(fp8_format=fp8_format, dtype=dtype, device="cuda")
+    x, dy = _data(segments, dtype, device="cuda")
+    got = _run(layer, x, dy, segments, grouped=True)
+    cpu = _layer(fp8_format=fp8_format, dtype=dtype)
+    cpu.weight.data.copy_(layer.weight.data.cpu())
+    want = _run(cpu, x.cpu(), dy.cpu(), segments, grouped=True)
+    for a, b in zip(got, want):
+        a, b = a.float().cpu(), b.float()
+        bound = FAST_ACCUM_BOUND * b.abs().max().item()
+        rounding = 2**-7 if dtype == torch.bfloat16 else 0.0  # one bf16 rounding of the output
+        torch.testing.assert_close(a, b, rtol=rounding, atol=bound)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype):
+    """The CUDA fallbacks' operand and scale layouts (per-segment scales as the ragged-M
+    kernel's block scales; the ragged-K kernel over segments with unit scales, then scaled and
+    summed per expert), run here through grouped_gemm.py's emulation of those kernels: equal
+    to the per-segment emulation up to fp32 rounding (the scales multiply in another order)."""
+    segments = [[40, 24], [0, 0], [0, 56], [30, 3]]
+    sizes = [c for counts in segments for c in counts]
+    owner = [e for e, counts in enumerate(segments) for _ in counts]
+    k, n = 256, 160  # two K blocks, N not a multiple of 128
+    generator = torch.Generator().manual_seed(2)
+    x = (
+        torch.randn(sum(sizes), k, generator=generator)
+        * torch.linspace(0.1, 9, sum(sizes))[:, None]
+    )
+    w = (
+        torch.randn(EXPERTS, n, k, generator=generator)
+        * torch.tensor([1, 2, 30, 0.1])[:, None, None]
+    )
+    ids = grouped_fp8._segment_ids(sizes, x.device)
+    x_q, x_s = grouped_fp8.quantize_segments(
+        x, ids, len(sizes), fp8_dtype=grad_dtype, power_2_scale=False
+    )
+    w_q, w_s = grouped_fp8.quantize_experts(w, fp8_dtype=torch.float8_e4m3fn, power_2_scale=False)
+    args = (x_q, x_s, w_q, w_s, sizes, owner, torch.float32)
+    want = grouped_fp8._emulated_mm(*args)
+    got = grouped_fp8._cuda_mm(*args, False)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    dy = torch.randn(sum(sizes), n, generator=generator)
+    dy_q, dy_s = grouped_fp8.quantize_segments(
+        dy, ids, len(sizes), fp8_dtype=grad_dtype, power_2_scale=False
+    )
+    x_q, x_s = grouped_fp8.quantize_segments(
+        x, ids, len(sizes), fp8_dtype=torch.float8_e4m3fn, power_2_scale=False
+    )
+    out = torch.zeros(EXPERTS, n, k)
+    wargs = (dy_q, dy_s, x_q, x_s, sizes, owner)
+    want = grouped_fp8._emulated_wgrad(*wargs, out.clone())
+    got = grouped_fp8._cuda_wgrad(*wargs, out.clone())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    assert want[1].abs().max() == 0 and want[2].abs().max() > 0
