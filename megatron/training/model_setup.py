@@ -25,6 +25,7 @@ from megatron.core.optimizer.grad_scaler import GradScaler
 from megatron.core.tensor_parallel import (
     TensorParallelGrads,
     all_reduce_sequence_parallel_grads,
+    tensor_parallel_placement,
     tensor_parallel_shards,
 )
 from megatron.core.transformer.init import init_parameter_
@@ -195,7 +196,11 @@ def _tensor_parallel_norm(module: GPTModel, env: DistributedEnv) -> dict:
     if tensor_parallel is None:
         return {}
     names = set(TensorParallelGrads.of_model(module, tensor_parallel).counted_names)
-    return {"grad_group": tensor_parallel.group, "norm_param_names": names}
+    return {
+        "grad_group": tensor_parallel.group,
+        "norm_param_names": names,
+        "tensor_parallel_placement": tensor_parallel_placement(module, tensor_parallel),
+    }
 
 
 def _build_megatron_fsdp(

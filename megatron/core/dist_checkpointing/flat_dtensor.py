@@ -52,6 +52,27 @@ def flat_dtensor(
     )
 
 
+def flat_dtensor_runs(
+    local_piece: torch.Tensor | None,
+    runs: list[tuple[int, int, int]],
+    *,
+    global_numel: int,
+    mesh: DeviceMesh,
+) -> DTensor | None:
+    """flat_dtensor of a piece whose elements lie at several places of the global tensor:
+    `runs` lists (start in the piece, global offset, length), covering the piece in order
+    (a tensor-parallel shard's piece, `TensorParallelPlacement.runs`). Each run is a view,
+    so DCP saves from and loads into the piece in place. None when the piece is empty."""
+    if local_piece is None or local_piece.numel() == 0:
+        return None
+    flat = local_piece.view(-1)
+    shards = [flat[start : start + length] for start, _, length in runs]
+    wrapper = LocalShardsWrapper(shards, [(offset,) for _, offset, _ in runs])
+    return DTensor.from_local(
+        wrapper, mesh, [Shard(0)], run_check=False, shape=torch.Size([global_numel]), stride=(1,)
+    )
+
+
 def flat_row_shard(value: DTensor) -> DTensor | None:
     """A DTensor sharded by rows over a 1-D mesh (an FSDP2 parameter or its Adam moment) as a
     flat_dtensor of its flattened values, viewing the same local storage; None where this
@@ -71,19 +92,28 @@ def flat_row_shard(value: DTensor) -> DTensor | None:
 
 
 def local_piece(value: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's piece of a flat_dtensor (None if it holds none), or a plain tensor."""
+    """This rank's piece of a flat_dtensor (None if it holds none), or a plain tensor; the
+    runs of a flat_dtensor_runs concatenated (a copy: compare storage before copying back)."""
     if not isinstance(value, DTensor):
         return value
     wrapper = value.to_local()
     if isinstance(wrapper, LocalShardsWrapper):
         shards = wrapper.local_shards()
+        if len(shards) > 1:
+            return torch.cat([shard.view(-1) for shard in shards])
         return shards[0] if shards else None
     return wrapper
 
 
-def piece_offset(value: DTensor) -> int:
-    """The global offset of a flat_dtensor's local piece."""
-    return int(value.to_local().local_offsets()[0][0])
+def piece_runs(value: DTensor) -> list[tuple[int, int, int]]:
+    """(start in the local piece, global offset, length) of each run of a flat_dtensor or
+    flat_dtensor_runs, as flat_dtensor_runs takes them."""
+    wrapper = value.to_local()
+    runs, start = [], 0
+    for offset, size in zip(wrapper.local_offsets(), wrapper.local_sizes(), strict=True):
+        runs.append((start, int(offset[0]), int(size[0])))
+        start += int(size[0])
+    return runs
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.core.dist_checkpointing.flat_dtensor import ExpertPlacement
+from megatron.core.dist_checkpointing.tp_placement import TensorParallelPlacement
 from megatron.core.optimizer.clip_grads import clip_and_step, global_grad_norm
 from megatron.core.optimizer.config import OptimizerConfig
 from megatron.core.optimizer.fused_adamw import FusedAdamW
@@ -260,8 +261,12 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         expert_parallel_group=None,
         expert_param_names: Iterable[str] = (),
         norm_param_names: set[str] | None = None,
+        tensor_parallel_placement: TensorParallelPlacement | None = None,
     ) -> None:
         self.config = config
+        # Under TP (with `grad_group` the TP group): where this rank's TP shards lie in the
+        # full tensors (sharded checkpoints).
+        self.tensor_parallel_placement = tensor_parallel_placement
         # With DTensor (FSDP2) params each rank holds disjoint shards: norms and counts are
         # summed over this group. With `norm_param_names` (tensor parallelism: the TP shards,
         # and the replicated params on TP rank 0 only; expert parallelism: the expert params,

@@ -11,7 +11,8 @@ its rank's contiguous piece of the flat value (flat_row_shard), as Megatron-FSDP
 pieces: the checkpoint loads under DDP, FSDP2 or Megatron-FSDP, at any data-parallel size.
 With expert parallelism each routed expert is its EP rank's piece of the full
 [num_experts, ...] tensor (ExpertPlacement; the EDP replicas write it once), so the
-checkpoint also loads at any expert-parallel size.
+checkpoint also loads at any expert-parallel size; with tensor parallelism each TP shard is
+its runs in the full (TP = 1) tensor (TensorParallelPlacement), so it loads at any TP size.
 Values are views of the optimizer's own tensors, so a load lands in place (a piece DCP did not
 fill in place is copied).
 """
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from megatron.core.dist_checkpointing.flat_dtensor import (
     data_parallel_mesh,
     flat_dtensor,
+    flat_dtensor_runs,
     flat_row_shard,
     local_piece,
 )
@@ -47,20 +49,32 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor | None:
 
 def _flattener(optimizer: MixedPrecisionOptimizer) -> Callable[[str, torch.Tensor], Any]:
     """_flat, but a routed expert under expert parallelism (which differs across the EP
-    ranks) is its rank's piece of the full [num_experts, ...] tensor (ExpertPlacement)."""
-    placement = optimizer.expert_placement
-    if placement is None:
+    ranks) is its rank's piece of the full [num_experts, ...] tensor (ExpertPlacement), and
+    a tensor-parallel shard its runs in the full tensor (TensorParallelPlacement)."""
+    placement, tp = optimizer.expert_placement, optimizer.tensor_parallel_placement
+    if placement is None and tp is None:
         return lambda name, tensor: _flat(tensor)
     device = optimizer.main_params[0].device
-    mesh = data_parallel_mesh(optimizer.expert_parallel_group, device)
+    group = optimizer.expert_parallel_group if tp is None else optimizer.grad_group
+    mesh = data_parallel_mesh(group, device)
 
     def flat(name: str, tensor: torch.Tensor) -> Any:
-        if name not in placement.names:
-            return _flat(tensor)
-        offset, numel = placement.place(name, 0, tensor.numel())
-        return flat_dtensor(tensor, offset=offset, global_numel=numel, mesh=mesh)
+        if placement is not None and name in placement.names:
+            offset, numel = placement.place(name, 0, tensor.numel())
+            return flat_dtensor(tensor, offset=offset, global_numel=numel, mesh=mesh)
+        if tp is not None and name in tp.splits:
+            runs = [(r.local, r.full, r.length) for r in tp.runs(name, 0, tensor.numel())]
+            return flat_dtensor_runs(tensor, runs, global_numel=tp.global_numel(name), mesh=mesh)
+        return _flat(tensor)
 
     return flat
+
+
+def _global_shape(optimizer: MixedPrecisionOptimizer, name: str, shape) -> tuple[int, ...]:
+    for placement in (optimizer.expert_placement, optimizer.tensor_parallel_placement):
+        if placement is not None:
+            shape = placement.global_shape(name, shape)
+    return tuple(shape)
 
 
 def _present(values: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
@@ -81,11 +95,8 @@ def _take_loaded(dest: torch.Tensor, loaded: torch.Tensor | None) -> None:
 
 def model_state_dict(optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
     named = optimizer.named_main_params()
-    flat, placement = _flattener(optimizer), optimizer.expert_placement
-    shapes = {
-        name: main.shape if placement is None else placement.global_shape(name, main.shape)
-        for name, main in named.items()
-    }
+    flat = _flattener(optimizer)
+    shapes = {name: _global_shape(optimizer, name, main.shape) for name, main in named.items()}
     return {
         "params": _present({name: flat(name, main) for name, main in named.items()}),
         "param_shapes": {

@@ -13,6 +13,7 @@ from megatron.core.tensor_parallel.layers import (
     all_reduce_sequence_parallel_grads,
     column_parallel_matmul,
     mark_replicated_sequence_parallel_,
+    tensor_parallel_placement,
     tensor_parallel_shards,
 )
 from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
@@ -27,6 +28,7 @@ __all__ = [
     "column_parallel_matmul",
     "mark_replicated_sequence_parallel_",
     "scatter_to_sequence_parallel_region",
+    "tensor_parallel_placement",
     "tensor_parallel_shards",
     "vocab_parallel_cross_entropy",
 ]

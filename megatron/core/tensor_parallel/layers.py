@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.core.dist_checkpointing.tp_placement import TensorParallelPlacement, TensorSplit
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     count_collective,
@@ -123,6 +124,10 @@ class ColumnParallelLinear(nn.Module):
     def full_shape(self, name: str) -> tuple[int, ...]:
         return (self.out_features, self.in_features) if name == "weight" else (self.out_features,)
 
+    def checkpoint_split(self, name: str) -> TensorSplit:
+        """How parameter `name` is cut from the full tensor: by rows, block by block."""
+        return TensorSplit(0, self.output_blocks, self.full_shape(name))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_parallel_matmul(x, self.weight, self.tp)
         if self.bias is not None:
@@ -163,6 +168,9 @@ class RowParallelLinear(nn.Module):
     def full_shape(self, name: str) -> tuple[int, ...]:
         return (self.out_features, self.in_features) if name == "weight" else (self.out_features,)
 
+    def checkpoint_split(self, name: str) -> TensorSplit:
+        return TensorSplit(1, (self.in_features,), self.full_shape(name))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.tp.sequence_parallel:
@@ -199,6 +207,9 @@ class VocabParallelEmbedding(nn.Module):
     def full_shape(self, name: str) -> tuple[int, ...]:
         return (self.num_embeddings, self.embedding_dim)
 
+    def checkpoint_split(self, name: str) -> TensorSplit:
+        return TensorSplit(0, (self.num_embeddings,), self.full_shape(name))
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
@@ -220,6 +231,17 @@ def tensor_parallel_shards(model: nn.Module) -> dict[str, nn.Module]:
                 if name in getattr(module, "split_parameters", (name,)):
                     found[f"{prefix}.{name}" if prefix else name] = module
     return found
+
+
+def tensor_parallel_placement(
+    model: nn.Module, tensor_parallel: TensorParallel
+) -> TensorParallelPlacement:
+    """Where this rank's TP shards lie in a checkpoint's full tensors (by parameter name)."""
+    splits = {
+        name: owner.checkpoint_split(name.rsplit(".", 1)[-1])
+        for name, owner in tensor_parallel_shards(model).items()
+    }
+    return TensorParallelPlacement(splits, tensor_parallel.rank, tensor_parallel.size)
 
 
 def all_reduce_sequence_parallel_grads(model: nn.Module, group: dist.ProcessGroup) -> None:

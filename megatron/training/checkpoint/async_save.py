@@ -54,7 +54,7 @@ class AsyncCheckpointSaver:
         self.config = config
         self.env = env
         self.fault = fault
-        ranks = dist.get_process_group_ranks(env.dp_group)
+        ranks = dist.get_process_group_ranks(env.all_ranks_group)
         # Collective over the default group: every rank builds its saver at the same point.
         self.group = dist.new_group(ranks=ranks, backend="gloo")
         self.cpu_mesh = data_parallel_mesh(self.group, torch.device("cpu"))
@@ -102,7 +102,7 @@ class AsyncCheckpointSaver:
         done = torch.tensor(
             [0.0 if self.pending.thread.is_alive() else 1.0], device=self.env.device
         )
-        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.env.dp_group)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.env.all_ranks_group)
         return bool(done.item())
 
     def finalize(self, *, blocking: bool) -> str | None:

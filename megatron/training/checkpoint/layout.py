@@ -20,6 +20,7 @@ from megatron.core.checkpoint_files import TMP_SUFFIX, CheckpointError, resolve_
 from megatron.core.dist_checkpointing import load_full_model_params
 from megatron.core.fp8 import delayed_scaling_state_dict
 from megatron.core.fp8.config import Fp8Config
+from megatron.core.tensor_parallel import tensor_parallel_shards
 from megatron.core.transformer.moe.moe_layer import local_expert_rows
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint.sharded import SHARDED_FORMATS
@@ -50,13 +51,20 @@ def saved_run_flags(metadata: dict) -> dict:
 
 def checkpoint_param_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """Every parameter's shape as checkpoints record it: a routed expert's full
-    [num_experts, ...] shape (global expert index), whatever this rank's expert-parallel share."""
+    [num_experts, ...] shape (global expert index), whatever this rank's expert-parallel share,
+    and a tensor-parallel shard's full (TP = 1) shape."""
     rows = local_expert_rows(module)
     experts = module.config.num_moe_experts if rows else None
-    return {
-        name: (experts, *param.shape[1:]) if name in rows else tuple(param.shape)
-        for name, param in module.named_parameters()
-    }
+    tp_owners = tensor_parallel_shards(module)
+    shapes = {}
+    for name, param in module.named_parameters():
+        if name in rows:
+            shapes[name] = (experts, *param.shape[1:])
+        elif name in tp_owners:
+            shapes[name] = tuple(tp_owners[name].full_shape(name.rsplit(".", 1)[-1]))
+        else:
+            shapes[name] = tuple(param.shape)
+    return shapes
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -104,13 +112,13 @@ def rng_state_from_plain(plain: dict) -> dict:
 def first_failing_rank(env: DistributedEnv, failure: BaseException | None) -> int:
     """Every rank's verdict at once: the lowest failing rank, or -1 when all succeeded. It
     stands in for the barrier between the save's phases, so no rank waits on one that gave up."""
-    if env.dp_group is None:
+    if env.all_ranks_group is None:
         return env.rank if failure is not None else -1
     # gloo and NCCL both reduce a float MIN; ranks that succeeded send the world size.
     code = torch.tensor(
         [float(env.rank if failure is not None else env.world_size)], device=env.device
     )
-    dist.all_reduce(code, op=dist.ReduceOp.MIN, group=env.dp_group)
+    dist.all_reduce(code, op=dist.ReduceOp.MIN, group=env.all_ranks_group)
     failed = int(code.item())
     return failed if failed < env.world_size else -1
 

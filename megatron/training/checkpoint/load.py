@@ -197,14 +197,16 @@ def load_checkpoint(
 def _raise_if_any_rank_failed(env: DistributedEnv, failure: CheckpointError | None) -> None:
     """The same CheckpointError on every rank when any rank's load failed: the lowest failing
     rank's message, which names its file."""
-    if env.dp_group is None:
+    if env.all_ranks_group is None:
         if failure is not None:
             raise failure
         return
     if first_failing_rank(env, failure) < 0:
         return
     messages: list[str | None] = [None] * env.world_size
-    dist.all_gather_object(messages, None if failure is None else str(failure), group=env.dp_group)
+    dist.all_gather_object(
+        messages, None if failure is None else str(failure), group=env.all_ranks_group
+    )
     rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
     raise CheckpointError(message if rank == env.rank else f"(on rank {rank}) {message}")
 
@@ -214,7 +216,9 @@ def _load_sharded(directory: str, *, run, env, load_optim: bool, fp8_scaling_sta
     # checkpoint can resume under delayed scaling, which then starts fresh).
     state = sharded_state(run, optimizer=load_optim, fp8_scaling_state=fp8_scaling_state)
     # Raises CheckpointError for a missing, truncated or mismatched shard or .metadata.
-    dist_checkpointing.load(state, os.path.join(directory, "sharded"), process_group=env.dp_group)
+    dist_checkpointing.load(
+        state, os.path.join(directory, "sharded"), process_group=env.all_ranks_group
+    )
     try:
         load_sharded_state(run, state)
     except (KeyError, ValueError) as error:

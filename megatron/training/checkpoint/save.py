@@ -47,8 +47,8 @@ if TYPE_CHECKING:  # async_save.py calls finish_save, so it imports this module
 
 
 def _barrier(env: DistributedEnv) -> None:
-    if env.dp_group is not None:
-        dist.barrier(group=env.dp_group)
+    if env.all_ranks_group is not None:
+        dist.barrier(group=env.all_ranks_group)
 
 
 def _metadata(config: CheckpointConfig, run, scheduler, state, env) -> dict:
@@ -121,7 +121,7 @@ def _check_space(config: CheckpointConfig, *, run, env, iteration: int, sharded:
         state = sharded_state(run, optimizer=optimizer)
     else:
         state = [run.optimizer.named_main_params(), run.optimizer.state_dict() if optimizer else {}]
-    needed = needed_bytes(state, rank=env.rank, group=env.dp_group, device=env.device)
+    needed = needed_bytes(state, rank=env.rank, group=env.all_ranks_group, device=env.device)
     shortage = space_shortage(config.save, needed)
     failure = CheckpointSaveError(shortage) if shortage else None
     if first_failing_rank(env, failure) < 0:
@@ -160,7 +160,9 @@ def _write_checkpoint_files(config: CheckpointConfig, *, run, env, tmp: str) -> 
     """Every rank's share of iteration `tmp`: model and optimizer state, FP8 state, RNG."""
     if config.ckpt_format in SHARDED_FORMATS:
         sharded = sharded_state(run, optimizer=not config.no_save_optim)
-        dist_checkpointing.save(sharded, os.path.join(tmp, "sharded"), process_group=env.dp_group)
+        dist_checkpointing.save(
+            sharded, os.path.join(tmp, "sharded"), process_group=env.all_ranks_group
+        )
     elif env.rank == 0:
         _save_tensor_file(run.optimizer.named_main_params(), os.path.join(tmp, "model.pt"))
         if not config.no_save_optim:

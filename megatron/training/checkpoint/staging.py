@@ -28,7 +28,11 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from megatron.core.dist_checkpointing.flat_dtensor import flat_dtensor, local_piece, piece_offset
+from megatron.core.dist_checkpointing.flat_dtensor import (
+    flat_dtensor_runs,
+    local_piece,
+    piece_runs,
+)
 
 
 class HostStaging:
@@ -80,8 +84,8 @@ class HostStaging:
             }
         if isinstance(state, DTensor):
             piece = self._copy(local_piece(state), path=path)
-            return flat_dtensor(
-                piece, offset=piece_offset(state), global_numel=state.shape[0], mesh=cpu_mesh
+            return flat_dtensor_runs(
+                piece, piece_runs(state), global_numel=state.shape[0], mesh=cpu_mesh
             )
         if isinstance(state, torch.Tensor):
             return self._copy(state, path=path)

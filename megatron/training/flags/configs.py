@@ -80,9 +80,9 @@ def resolved_flags(
         flags.split = flags.split[1:-1]
     _resolve_data_parallel_engine(flags)
     if flags.ckpt_format is None:  # --use-checkpoint-args: the checkpoint's format
-        # Expert parallelism: ranks hold different experts, which only torch_dist gathers.
-        sharded = flags.use_megatron_fsdp or flags.use_torch_fsdp2
-        sharded = sharded or flags.expert_model_parallel_size > 1
+        # EP / TP: ranks hold different experts / shards, which torch_dist saves as full tensors.
+        parallel = max(flags.expert_model_parallel_size, flags.tensor_model_parallel_size)
+        sharded = flags.use_megatron_fsdp or flags.use_torch_fsdp2 or parallel > 1
         flags.ckpt_format = saved_format or ("torch_dist" if sharded else "torch")
     if flags.wandb_project and flags.wandb_save_dir is None and flags.save is not None:
         flags.wandb_save_dir = os.path.join(flags.save, "wandb")  # Megatron-LM's default

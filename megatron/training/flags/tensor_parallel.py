@@ -79,7 +79,11 @@ def _refuse_not_built_with_tensor_parallel(args: argparse.Namespace) -> None:
     not_built = [
         (args.use_torch_fsdp2, "--use-torch-fsdp2", "Megatron-FSDP or torch DDP"),
         (args.fp8_recipe is not None, "FP8 (--fp8-recipe/--fp8-format)", "--bf16 or fp32"),
-        (args.save is not None or args.load is not None, "--save/--load", "no checkpoints"),
+        (
+            args.ckpt_format == "torch" and (args.save is not None or args.load is not None),
+            "--ckpt-format torch (one file set of one rank's shards)",
+            "--ckpt-format torch_dist, which holds the full tensors",
+        ),
         (args.multi_latent_attention, "--multi-latent-attention", "GQA"),
         (args.qk_layernorm, "--qk-layernorm", "no QK norm"),
         (args.mtp_num_layers, "--mtp-num-layers", "next-token loss only"),

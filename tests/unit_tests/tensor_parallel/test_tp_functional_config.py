@@ -1,9 +1,8 @@
 """Megatron-LM's functional config gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor (issue 40,
 acceptance 4, the part reached): its MODEL_ARGS in file order (a `true` is the bare flag),
 only model size, batch, iteration counts, data (mock) and paths made tiny and nccl -> gloo.
-As written it is refused at parse time in one exit-2 line naming --save/--load (checkpoints
-with tensor parallelism are not built); without its checkpoint flags it trains at TP 2 with
-Megatron-FSDP ZeRO-3 (bf16, per-token loss) under torchrun on CPU."""
+Without its checkpoint flags it trains at TP 2 with Megatron-FSDP ZeRO-3 (bf16, per-token loss)
+under torchrun on CPU; as written (saving and resuming) in test_tp_checkpoint_functional.py."""
 
 from __future__ import annotations
 
@@ -11,9 +10,6 @@ import math
 import os
 import re
 
-import pytest
-
-from megatron.training.flags.arguments import parse_args
 from tests.launch import run_torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -54,15 +50,6 @@ def _without_checkpoint_flags(argv: list[str]) -> list[str]:
         elif word not in CHECKPOINT_BARE:
             kept.append(word)
     return kept
-
-
-def test_config_as_written_is_refused_naming_checkpoints(tmp_path, capsys) -> None:
-    with pytest.raises(SystemExit) as info:
-        parse_args(_argv(tmp_path), world_size=2)
-    assert info.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(errors) == 1
-    assert "--tensor-model-parallel-size > 1 is not built yet with: --save/--load" in errors[0]
 
 
 def test_config_without_checkpoint_flags_trains_at_tp2_under_torchrun(tmp_path) -> None:

@@ -48,10 +48,11 @@ def _tp(n: int) -> list[str]:
             "Megatron-FSDP or torch DDP)",
         ),
         (
-            _tp(2) + ["--use-megatron-fsdp", "--fp8-recipe", "tensorwise", "--save", "/x"],
+            _tp(2) + ["--fp8-recipe", "tensorwise", "--ckpt-format", "torch", "--save", "/x"],
             2,
             "not built yet with: FP8 (--fp8-recipe/--fp8-format) (use --bf16 or fp32); "
-            "--save/--load (use no checkpoints)",
+            "--ckpt-format torch (one file set of one rank's shards) (use --ckpt-format "
+            "torch_dist, which holds the full tensors)",
         ),
         (
             _tp(2) + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2"],

@@ -24,7 +24,8 @@ values; this needs no fp8_config at all). `model_init_context` is the build cont
 Groups: `process_group` (plain ZeRO over it; default WORLD) or a `device_mesh` with the names
 of its shard dimension and, for HSDP, its outer (replicate) dimension
 (`megatron.core.distributed.data_parallel_mesh`). Nothing reads process groups from globals.
-With tensor parallelism the mesh has a `tp` dimension too; pass `tensor_parallel` (its group).
+With tensor parallelism the mesh has a `tp` dimension too; pass `tensor_parallel` (its group):
+sharded checkpoints then hold every TP-split parameter as its full tensor.
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ from megatron.core.distributed.fsdp.state_dict import (
 )
 from megatron.core.fp8.engine_interface import Fp8Config, quantized_model_init
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.tensor_parallel import TensorParallel, TensorParallelGrads
+from megatron.core.tensor_parallel import (
+    TensorParallel,
+    TensorParallelGrads,
+    tensor_parallel_placement,
+)
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
@@ -127,9 +132,10 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         # Read before the engine replaces the parameters (their sequence-parallel marks).
-        self.tensor_parallel_grads = None
+        self.tensor_parallel_grads, tp_placement = None, None
         if tensor_parallel is not None:
             self.tensor_parallel_grads = TensorParallelGrads.of_model(module, tensor_parallel)
+            tp_placement = tensor_parallel_placement(module, tensor_parallel)
         self.fsdp_config = fsdp_config
         expert_names = frozenset(expert_param_names)
         self.dp_groups = resolve_groups(
@@ -163,6 +169,7 @@ class FullyShardedDataParallel(nn.Module):
             expert_group=expert_data_parallel_group,
             expert_param_names=expert_names,
             expert_placement=ExpertPlacement.of_group(expert_names, expert_parallel_group),
+            tensor_parallel_placement=tp_placement,
         )
         self._init_meta_buffers()
 
@@ -239,13 +246,9 @@ class FullyShardedDataParallel(nn.Module):
         """fp32 main params as flat DTensor pieces (+ their shapes), for dist_checkpointing,
         plus the delayed-scaling state of every Fp8Linear when any uses that recipe
         (`fp8_delayed_scaling`). fp8_scaling_state=False leaves it out: the template for
-        loading a checkpoint saved without it (a bf16 or another recipe's run)."""
-        if self.tensor_parallel_grads is not None:
-            # Each TP rank's shards would be saved under the full parameter's name.
-            raise NotImplementedError(
-                "FullyShardedDataParallel: sharded checkpoints with tensor parallelism are not "
-                "built"
-            )
+        loading a checkpoint saved without it (a bf16 or another recipe's run). Under tensor
+        parallelism each TP shard is its piece of the full tensor (TensorParallelPlacement),
+        so the checkpoint loads at any TP x DP layout."""
         return model_sharded_state_dict(self.engine, fp8_scaling_state=fp8_scaling_state)
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core.dist_checkpointing.flat_dtensor import ExpertPlacement
+from megatron.core.dist_checkpointing.tp_placement import TensorParallelPlacement
 from megatron.core.distributed.data_parallel_mesh import DataParallelGroups
 from megatron.core.distributed.fsdp.collectives import CommStats
 from megatron.core.distributed.fsdp.config import FsdpConfig
@@ -74,10 +75,13 @@ class MegatronFSDP:
         expert_group: dist.ProcessGroup | None = None,
         expert_param_names: frozenset[str] = frozenset(),
         expert_placement: ExpertPlacement | None = None,
+        tensor_parallel_placement: TensorParallelPlacement | None = None,
     ) -> None:
         self.config = config
         self.expert_placement = expert_placement
         """Where the routed experts lie in the full expert tensors (checkpoints); None: no EP."""
+        self.tensor_parallel_placement = tensor_parallel_placement
+        """Where the TP shards lie in the full tensors (checkpoints); None: no TP."""
         self.groups = groups
         self.process_group: dist.ProcessGroup = groups.shard
         """The shard group: gathers, reduce-scatters, sharded checkpoints' pieces."""

@@ -29,8 +29,10 @@ from megatron.core.dist_checkpointing.flat_dtensor import (
     ExpertPlacement,
     data_parallel_mesh,
     flat_dtensor,
+    flat_dtensor_runs,
     local_piece,
 )
+from megatron.core.dist_checkpointing.tp_placement import TensorParallelPlacement
 from megatron.core.distributed.fsdp.buffer_group import BufferGroup
 from megatron.core.distributed.fsdp.collectives import all_gather_flat
 from megatron.core.distributed.fsdp.megatron_fsdp import MegatronFSDP
@@ -48,20 +50,22 @@ def engine_mesh(engine: MegatronFSDP) -> Any:
 class FlatValues:
     """Makes one parameter's flat value: over `mesh` (None under no_shard: a replicated plain
     tensor) at the piece's offset, or, for a routed expert under expert parallelism, at its
-    place in the full [num_experts, ...] tensor (ExpertPlacement; a DTensor even under
-    no_shard, since EP ranks hold different experts)."""
+    place in the full [num_experts, ...] tensor (ExpertPlacement), or, for a parameter split
+    over TP, as its runs in the full tensor (TensorParallelPlacement); the last two are
+    DTensors even under no_shard (`placed_mesh`), since EP / TP ranks hold different values."""
 
     mesh: Any
     placement: ExpertPlacement | None = None
-    expert_mesh: Any = None
+    placed_mesh: Any = None
+    tp_placement: TensorParallelPlacement | None = None
 
     @classmethod
     def of(cls, engine: MegatronFSDP, mesh: Any) -> FlatValues:
-        placement = engine.expert_placement
-        if placement is None:
+        placement, tp_placement = engine.expert_placement, engine.tensor_parallel_placement
+        if placement is None and tp_placement is None:
             return cls(mesh)
-        expert_mesh = mesh or data_parallel_mesh(engine.process_group, engine.buffer.device)
-        return cls(mesh, placement, expert_mesh)
+        placed_mesh = mesh or data_parallel_mesh(engine.process_group, engine.buffer.device)
+        return cls(mesh, placement, placed_mesh, tp_placement)
 
     def __call__(
         self, slot: ParamSlot, piece: LocalPiece | None, view: torch.Tensor | None
@@ -70,10 +74,27 @@ class FlatValues:
         offset = 0 if piece is None else piece.param_start
         if self.placement is not None and slot.name in self.placement.names:
             offset, numel = self.placement.place(slot.name, offset, slot.numel)
-            return flat_dtensor(view, offset=offset, global_numel=numel, mesh=self.expert_mesh)
+            return flat_dtensor(view, offset=offset, global_numel=numel, mesh=self.placed_mesh)
+        tp = self.tp_placement
+        if tp is not None and slot.name in tp.splits:
+            runs = [] if view is None else tp.runs(slot.name, offset, view.numel())
+            return flat_dtensor_runs(
+                view,
+                [(run.local, run.full, run.length) for run in runs],
+                global_numel=tp.global_numel(slot.name),
+                mesh=self.placed_mesh,
+            )
         if self.mesh is None:
             return view
         return flat_dtensor(view, offset=offset, global_numel=slot.numel, mesh=self.mesh)
+
+
+def global_shape(engine: MegatronFSDP, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A parameter's shape in checkpoints: the full expert / TP tensor's."""
+    for placement in (engine.expert_placement, engine.tensor_parallel_placement):
+        if placement is not None:
+            shape = placement.global_shape(name, shape)
+    return tuple(shape)
 
 
 def set_present(values: dict[str, Any], name: str, value: Any) -> None:
@@ -128,7 +149,6 @@ def model_sharded_state_dict(
 ) -> dict[str, Any]:
     params, shapes = {}, {}
     flat_value = FlatValues.of(engine, engine_mesh(engine))
-    placement = engine.expert_placement
     for name, group, index in named_slots(engine):
         slot = group.layout.slots[index]
         piece = _piece_of(group, slot)
@@ -136,8 +156,7 @@ def model_sharded_state_dict(
         if piece is not None:
             view = group.main_shard[piece.shard_start : piece.shard_start + piece.numel]
         set_present(params, name, flat_value(slot, piece, view))
-        shape = slot.shape if placement is None else placement.global_shape(name, slot.shape)
-        shapes[name] = torch.tensor(list(shape), dtype=torch.int64)
+        shapes[name] = torch.tensor(list(global_shape(engine, name, slot.shape)), dtype=torch.int64)
     state = {"params": params, "param_shapes": shapes}
     delayed = _delayed_state(engine) if fp8_scaling_state else {}
     if delayed:
