@@ -52,7 +52,9 @@ def _our_logits(checkpoint: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["llama", "gpt"])
+# llama only in the suite: its SwiGLU gate/up split is the TP-sensitive layout, and each variant
+# costs two megatron-core torchrun launches ("gpt" passes too: add it to check by hand).
+@pytest.mark.parametrize("variant", ["llama"])
 def test_megatron_core_tp2_checkpoint_round_trip(tmp_path: Path, variant: str) -> None:
     reference = tmp_path / "reference"
     reference.mkdir()
