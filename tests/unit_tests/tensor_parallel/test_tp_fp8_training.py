@@ -67,7 +67,7 @@ def _run_recipes(rank: int, world_size: int, extra: list[str]) -> dict:
     for recipe in RECIPES:
         captured = []
 
-        def capture(a, b, **kwargs):
+        def capture(a, b, captured=captured, **kwargs):
             if len(captured) < 2 * len(LAYERS):
                 captured.append((_operand(a), _operand(b)))
             return gemm(a, b, **kwargs)
