@@ -7,7 +7,7 @@ parallelism", states the rules; this module applies them through the FP8 package
   parameters like any other. Scales that cover the whole logical weight (tensorwise, delayed)
   come from its amax MAX-reduced over the TP group (the engine's amax reduction, given the
   group), so each shard's bytes are the slice of TP = 1's; block (128x128) and MX (1x32) cells
-  must not straddle a TP cut (`check_fp8_tensor_parallel_split`, refused at parse time).
+  must not straddle a TP cut (refused at parse time: `training/flags/tensor_parallel.py`).
 - Under sequence parallelism a per-tensor recipe's column-parallel input is all-gathered as
   FP8 bytes: the local sequence shard is quantized with the scale of the whole gathered tensor
   (its amax MAX-reduced over TP first; delayed: the history's scale, agreed over TP), the bytes
@@ -42,17 +42,6 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-
-
-def check_fp8_tensor_parallel_split(block: int, pieces: dict[str, int]) -> str | None:
-    """The first per-rank piece (description -> width) that is not a whole number of
-    `block`-wide scale cells (128x128 weights and 1x128 activations of blockwise, 1x32 of
-    mxfp8), as 'description width'; None when every TP cut falls on a cell edge. Per-tensor
-    recipes (block 0) never straddle."""
-    for name, width in pieces.items():
-        if block and width % block:
-            return f"{name} = {width}"
-    return None
 
 
 class _Fp8SequenceGather(torch.autograd.Function):

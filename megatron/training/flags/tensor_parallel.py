@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 
 from megatron.core.fp8.recipe import recipe_spec
-from megatron.core.tensor_parallel.fp8 import check_fp8_tensor_parallel_split
 from megatron.core.transformer.transformer_config import resolved_shape
 
 
@@ -122,3 +121,14 @@ def _check_fp8_with_tensor_parallel(args: argparse.Namespace, shape: dict) -> No
             "whose scale is agreed over TP: add --use-megatron-fsdp --fp8-param-gather, or use "
             "--fp8-recipe delayed/blockwise/mxfp8."
         )
+
+
+def check_fp8_tensor_parallel_split(block: int, pieces: dict[str, int]) -> str | None:
+    """The first per-rank piece (description -> width) that is not a whole number of
+    `block`-wide scale cells (128x128 weights and 1x128 activations of blockwise, 1x32 of
+    mxfp8), as 'description width'; None when every TP cut falls on a cell edge. Per-tensor
+    recipes (block 0) never straddle."""
+    for name, width in pieces.items():
+        if block and width % block:
+            return f"{name} = {width}"
+    return None

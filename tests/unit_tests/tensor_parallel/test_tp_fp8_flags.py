@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.core.tensor_parallel.fp8 import check_fp8_tensor_parallel_split
 from megatron.training.flags.arguments import parse_args
+from megatron.training.flags.tensor_parallel import check_fp8_tensor_parallel_split
 from tests.unit_tests.training.common import TINY_GPT
 
 # TINY_GPT: 4 heads, hidden 64 (kv-channels 16, FFN 256): at TP 2 the pieces are 32 and 128.

@@ -72,13 +72,18 @@ def _run_recipes(rank: int, world_size: int, extra: list[str]) -> dict:
                 captured.append((_operand(a), _operand(b)))
             return gemm(a, b, **kwargs)
 
-        reference_ops.gemm = capture
+        monkeypatch_gemm(capture)
         try:
             losses = run_pretrain(GPT + ["--fp8-recipe", recipe] + extra).losses
         finally:
-            reference_ops.gemm = gemm
+            monkeypatch_gemm(gemm)
         results[recipe] = {"losses": losses, "operands": captured}
     return results
+
+
+def monkeypatch_gemm(fn) -> None:
+    """Replace the reference backend's GEMM (a function: a spy, not a switch)."""
+    setattr(reference_ops, "gemm", fn)  # noqa: B010
 
 
 _RESULTS: dict[str, list[dict]] = {}
