@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.fp8 import Fp8Config, Fp8Linear, fp8_dtype_for_role, quantize
+from megatron.core.fp8.autocast import in_recompute
 from megatron.core.tensor_parallel.layers import (
     TensorParallel,
     TensorParallelModule,
@@ -202,7 +203,10 @@ class Fp8ColumnParallelLinear(Fp8Linear, TensorParallelModule):
         args["fp8_dtype"] = fp8_dtype_for_role(config.fp8_format, "input")
         if config.spec.delayed:
             self.delayed_scaling.move_to(shard.device)
-            args["scale"] = self.delayed_scaling.metas["input"].scale
+            meta = self.delayed_scaling.metas["input"]
+            # A recompute quantizes with the first forward's scale, as the GEMM's plan does.
+            recompute = in_recompute() and meta.forward_scale is not None
+            args["scale"] = meta.forward_scale if recompute else meta.scale
         else:
             args.update(amax=amax, power_2_scale=config.quantize_power_2_scale)
         qt = quantize(shard, **args)
