@@ -199,17 +199,17 @@ class Fp8ColumnParallelLinear(Fp8Linear, TensorParallelModule):
         """This rank's input shard in FP8 with the whole input's scale: tensorwise from the
         agreed amax, delayed from the input history (its scale agrees over the amax group)."""
         _, config, _, _ = self._current_settings()
-        args = dict(recipe=config.recipe, role="input")
-        args["fp8_dtype"] = fp8_dtype_for_role(config.fp8_format, "input")
+        how = dict(recipe=config.recipe, role="input")
+        how["fp8_dtype"] = fp8_dtype_for_role(config.fp8_format, "input")
         if config.spec.delayed:
             self.delayed_scaling.move_to(shard.device)
             meta = self.delayed_scaling.metas["input"]
             # A recompute quantizes with the first forward's scale, as the GEMM's plan does.
             recompute = in_recompute() and meta.forward_scale is not None
-            args["scale"] = meta.forward_scale if recompute else meta.scale
+            how["scale"] = meta.forward_scale if recompute else meta.scale
         else:
-            args.update(amax=amax, power_2_scale=config.quantize_power_2_scale)
-        qt = quantize(shard, **args)
+            how.update(amax=amax, power_2_scale=config.quantize_power_2_scale)
+        qt = quantize(shard, **how)
         operand = qt.gemm_operand("rowwise")
         return operand.data.reshape(shard.shape), operand.scale_inv
 
