@@ -8,6 +8,9 @@ parallelism", states the rules; this module applies them through the FP8 package
   come from its amax MAX-reduced over the TP group (the engine's amax reduction, given the
   group), so each shard's bytes are the slice of TP = 1's; block (128x128) and MX (1x32) cells
   must not straddle a TP cut (refused at parse time: `training/flags/tensor_parallel.py`).
+- Tensorwise activations split over TP (a row-parallel input, a column-parallel output's
+  gradient) take the whole tensor's scale: AMAX_ROWS rows carrying the amax MAX-reduced over
+  TP are appended to the GEMM operand (zero rows on the other side; their outputs dropped).
 - Under sequence parallelism a per-tensor recipe's column-parallel input is all-gathered as
   FP8 bytes: the local sequence shard is quantized with the scale of the whole gathered tensor
   (its amax MAX-reduced over TP first; delayed: the history's scale, agreed over TP), the bytes
