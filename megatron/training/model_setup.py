@@ -92,7 +92,8 @@ def apply_model_setup(
         apply_fp8_setup(
             module,
             fp8_config=config.fp8,
-            amax_reduction_group=env.dp_group,
+            # Delayed histories agree over DP and TP (a TP shard's input is the whole input's).
+            amax_reduction_group=env.dp_group if env.tensor_parallel is None else dist.group.WORLD,
             expert_amax_reduction_group=env.expert_groups.expert_dp,
         )
     if setup.torch_compile:

@@ -295,6 +295,8 @@ def fp8_linear_apply(
 class Fp8Linear(nn.Module):
     """y = x W^T + b with FP8 GEMMs; `.weight` is [out, in], `.bias` is [out] or None."""
 
+    bias_in_gemm = True  # False: a subclass adds the bias itself (row-parallel: after the sum)
+
     def __init__(
         self,
         in_features: int,
@@ -488,7 +490,7 @@ class Fp8Linear(nn.Module):
             if stand_in is not None:  # the dequantized weight is computed outside the graph
                 return forward_outside_the_graph(self, x)
             # A QuantizedTensor weight dequantizes through __torch_dispatch__; grads still flow.
-            bias = None if self.bias is None else self.bias.to(x.dtype)
+            bias = None if self.bias is None or not self.bias_in_gemm else self.bias.to(x.dtype)
             return F.linear(x, self.weight.to(x.dtype), bias)
         weight_spec = (
             self._weight_stand_in_spec
@@ -511,14 +513,11 @@ class Fp8Linear(nn.Module):
             plan.stats = functools.partial(self.fp8_stats_sink, self)
         if plan.metas is not None:
             plan.backward_flush = self._backward_flush(setup)
-        activation_input = None
-        if source is not None:
-            activation_input, plan.activation = source
-        weight = self.weight
-        if stand_in is not None:
-            plan.stand_in = True
-            weight = stand_in
-        return _Fp8LinearFunction.apply(x, weight, self.bias, plan, activation_input)
+        activation_input, plan.activation = source if source is not None else (None, None)
+        plan.stand_in = stand_in is not None
+        weight = self.weight if stand_in is None else stand_in
+        bias = self.bias if self.bias_in_gemm else None
+        return _Fp8LinearFunction.apply(x, weight, bias, plan, activation_input)
 
 
 def apply_fp8_setup(

@@ -7,9 +7,9 @@
 - `VocabParallelEmbedding`: rank r holds vocabulary rows [r V/tp, (r+1) V/tp).
 
 Each layer can cut its shard out of the full (TP = 1) tensor with `shard_of_full`, so that a
-model initialized from full tensors equals the TP = 1 model exactly. FP8 across TP is not
-built yet: these layers compute in high precision (the seam: `build_linear` keeps FP8 for
-TP = 1 and refuses FP8 with TP > 1).
+model initialized from full tensors equals the TP = 1 model exactly. These layers compute in
+high precision; their FP8 twins (FP8 weights and GEMMs, the sequence-parallel gather in FP8)
+are in `tensor_parallel.fp8`.
 """
 
 from __future__ import annotations
@@ -83,7 +83,14 @@ def _new_param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Paramete
     return nn.Parameter(torch.empty(shape, dtype=dtype))
 
 
-class ColumnParallelLinear(nn.Module):
+class TensorParallelModule(nn.Module):
+    """A layer whose parameters are split over `self.tp` (`tensor_parallel_shards` finds them
+    by this base): it defines `shard_of_full(name, full)` and `full_shape(name)`."""
+
+    tp: TensorParallel
+
+
+class ColumnParallelLinear(TensorParallelModule):
     """y = x W^T + b with W's output rows split over TP; y holds this rank's rows.
 
     `output_blocks` (default: one block) lists the widths of the fused outputs, e.g.
@@ -137,7 +144,7 @@ class ColumnParallelLinear(nn.Module):
         return y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(TensorParallelModule):
     """y = sum over ranks of x_r W_r^T, plus b: W's input columns are split over TP and `x`
     is this rank's slice of the input's last dimension (a column-parallel output)."""
 
@@ -180,7 +187,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(TensorParallelModule):
     """Embedding whose rows (the vocabulary) are split over TP. Each rank looks up the ids in
     its range, zeroes the others, and the rows are summed over the group, so every rank gets
     the full [B, S, D] (replicated)."""
@@ -217,7 +224,7 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tensor_parallel_region(rows, self.tp.group)
 
 
-TENSOR_PARALLEL_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+TENSOR_PARALLEL_MODULES = (TensorParallelModule,)
 
 
 def tensor_parallel_shards(model: nn.Module) -> dict[str, nn.Module]:

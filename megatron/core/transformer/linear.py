@@ -13,6 +13,7 @@ from torch import nn
 
 from megatron.core.fp8 import Fp8Linear
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
+from megatron.core.tensor_parallel.fp8 import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -74,9 +75,18 @@ def _tensor_parallel_linear(
 ) -> nn.Module:
     fp8_config = config.fp8
     if fp8_config is not None and fp8_config.layer_uses_fp8(layer_number, config.num_layers):
-        # The seam for FP8 across TP (issue 40): an Fp8Linear shard whose per-tensor scale is
-        # agreed over the TP group. Not built yet; the flag checks refuse --fp8 with TP > 1.
-        raise NotImplementedError("FP8 with tensor parallelism is not built yet")
+        # FP8 across TP: Fp8Linear shards (megatron.core.tensor_parallel.fp8).
+        fp8 = dict(bias=bias, tensor_parallel=tensor_parallel, fp8_config=fp8_config)
+        if parallel == "column":
+            return Fp8ColumnParallelLinear(
+                in_features,
+                out_features,
+                output_blocks=output_blocks,
+                **fp8,
+                dtype=config.params_dtype,
+            )
+        if parallel == "row":
+            return Fp8RowParallelLinear(in_features, out_features, **fp8, dtype=config.params_dtype)
     if parallel == "column":
         return ColumnParallelLinear(
             in_features,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.core.fp8.recipe import recipe_spec
 from megatron.core.transformer.transformer_config import resolved_shape
 
 
@@ -73,12 +74,13 @@ def validate_tensor_parallel_args(args: argparse.Namespace) -> None:
             "or leave out --sequence-parallel."
         )
     _refuse_not_built_with_tensor_parallel(args)
+    if args.fp8_recipe is not None:
+        _check_fp8_with_tensor_parallel(args, shape)
 
 
 def _refuse_not_built_with_tensor_parallel(args: argparse.Namespace) -> None:
     not_built = [
         (args.use_torch_fsdp2, "--use-torch-fsdp2", "Megatron-FSDP or torch DDP"),
-        (args.fp8_recipe is not None, "FP8 (--fp8-recipe/--fp8-format)", "--bf16 or fp32"),
         (
             args.ckpt_format == "torch" and (args.save is not None or args.load is not None),
             "--ckpt-format torch (one file set of one rank's shards)",
@@ -96,3 +98,41 @@ def _refuse_not_built_with_tensor_parallel(args: argparse.Namespace) -> None:
             + ". Tensor parallelism runs with torch DDP or Megatron-FSDP (every strategy, "
             "HSDP) over the data-parallel ranks."
         )
+
+
+def _check_fp8_with_tensor_parallel(args: argparse.Namespace, shape: dict) -> None:
+    """FP8 across TP (docs/FP8_NUMERICS.md): block and MX cells must not straddle a TP cut,
+    and a tensorwise weight's scale is agreed over TP only by Megatron-FSDP's FP8 weights."""
+    tp = args.tensor_model_parallel_size
+    spec = recipe_spec(args.fp8_recipe)
+    kv_channels = shape["kv_channels"]
+    pieces = {
+        "--num-attention-heads x kv-channels / TP": args.num_attention_heads * kv_channels // tp,
+        "--num-query-groups x kv-channels / TP": shape["num_query_groups"] * kv_channels // tp,
+        "--ffn-hidden-size / TP": shape["ffn_hidden_size"] // tp,
+    }
+    cut = check_fp8_tensor_parallel_split(spec.block, pieces)
+    if cut is not None:
+        raise ValueError(
+            f"--fp8-recipe {spec.name} with --tensor-model-parallel-size {tp}: {cut} is not a "
+            f"multiple of the {spec.block}-wide scale blocks, so a block would straddle two "
+            "tensor-parallel ranks; pick sizes whose per-rank pieces are multiples of "
+            f"{spec.block}, a smaller TP size, or --fp8-recipe tensorwise/delayed."
+        )
+    if spec.name == "tensorwise" and not (args.use_megatron_fsdp and args.fp8_param_gather):
+        raise ValueError(
+            "--fp8-recipe tensorwise with --tensor-model-parallel-size > 1 needs FP8 weights "
+            "whose scale is agreed over TP: add --use-megatron-fsdp --fp8-param-gather, or use "
+            "--fp8-recipe delayed/blockwise/mxfp8."
+        )
+
+
+def check_fp8_tensor_parallel_split(block: int, pieces: dict[str, int]) -> str | None:
+    """The first per-rank piece (description -> width) that is not a whole number of
+    `block`-wide scale cells (128x128 weights and 1x128 activations of blockwise, 1x32 of
+    mxfp8), as 'description width'; None when every TP cut falls on a cell edge. Per-tensor
+    recipes (block 0) never straddle."""
+    for name, width in pieces.items():
+        if block and width % block:
+            return f"{name} = {width}"
+    return None

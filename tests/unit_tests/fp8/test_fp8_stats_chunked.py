@@ -58,7 +58,10 @@ def old_stats_vector(x, *, recipe, role, scale=None, amax=None):
     nonzero = x2d != 0
     flat = grid.reshape(-1)
     parts = [magnitude.amax(), flat.median(), flat.amin(), flat.amax()]
-    parts += [torch.tensor(flat.numel(), device=x.device), (scaled.abs() > fp8_max(fp8_dtype)).sum()]
+    parts += [
+        torch.tensor(flat.numel(), device=x.device),
+        (scaled.abs() > fp8_max(fp8_dtype)).sum(),
+    ]
     parts += [(nonzero & (dequantized == 0)).sum(), nonzero.sum()]
     return torch.stack([part.to(torch.float64) for part in parts])
 

@@ -48,18 +48,17 @@ def _tp(n: int) -> list[str]:
             "Megatron-FSDP or torch DDP)",
         ),
         (
-            _tp(2) + ["--fp8-recipe", "tensorwise", "--ckpt-format", "torch", "--save", "/x"],
+            _tp(2) + ["--ckpt-format", "torch", "--save", "/x"],
             2,
-            "not built yet with: FP8 (--fp8-recipe/--fp8-format) (use --bf16 or fp32); "
-            "--ckpt-format torch (one file set of one rank's shards) (use --ckpt-format "
-            "torch_dist, which holds the full tensors)",
+            "not built yet with: --ckpt-format torch (one file set of one rank's shards) (use "
+            "--ckpt-format torch_dist, which holds the full tensors)",
         ),
         (
             _tp(2) + ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2"],
             2,
             "--num-distributed-optimizer-instances 2 does not divide the data-parallel size 1",
         ),
-        (_tp(2) + ["--fp8-recipe", "tensorwise"], 2, "FP8 (--fp8-recipe/--fp8-format)"),
+        (_tp(2) + ["--fp8-recipe", "tensorwise"], 2, "add --use-megatron-fsdp --fp8-param-gather"),
         (
             _tp(2) + ["--disable-bias-linear", "--num-experts", "4"],
             2,

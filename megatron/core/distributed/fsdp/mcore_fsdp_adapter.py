@@ -170,6 +170,7 @@ class FullyShardedDataParallel(nn.Module):
             expert_param_names=expert_names,
             expert_placement=ExpertPlacement.of_group(expert_names, expert_parallel_group),
             tensor_parallel_placement=tp_placement,
+            tensor_parallel_group=None if tensor_parallel is None else tensor_parallel.group,
         )
         self._init_meta_buffers()
 

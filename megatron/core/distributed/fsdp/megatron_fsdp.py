@@ -76,6 +76,7 @@ class MegatronFSDP:
         expert_param_names: frozenset[str] = frozenset(),
         expert_placement: ExpertPlacement | None = None,
         tensor_parallel_placement: TensorParallelPlacement | None = None,
+        tensor_parallel_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
         self.expert_placement = expert_placement
@@ -96,6 +97,7 @@ class MegatronFSDP:
             outer_group=groups.outer,
             expert_group=expert_group,
             expert_param_names=expert_param_names,
+            tensor_parallel_group=tensor_parallel_group,
         )
         self.stats = CommStats(outer=groups.outer is not None)
         self.gather = AllGatherPipeline(

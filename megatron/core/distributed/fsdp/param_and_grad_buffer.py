@@ -114,14 +114,17 @@ class ParamAndGradBuffer:
         outer_group: dist.ProcessGroup | None = None,
         expert_group: dist.ProcessGroup | None = None,
         expert_param_names: frozenset[str] = frozenset(),
+        tensor_parallel_group: dist.ProcessGroup | None = None,
     ) -> None:
         """convert_fp8_linears: keep every Fp8Linear weight in FP8 (fp8_param_gather), even one
         built in high precision; QuantizedTensor parameters are kept in FP8 regardless.
         group: the shard group; outer_group: the replica group under HSDP (None otherwise).
         expert_group: with expert parallelism, the expert-data-parallel group the parameters
         named in expert_param_names are sharded and reduced over, in buffer groups of their
-        own (the second mesh); every other parameter uses `group`."""
+        own (the second mesh); every other parameter uses `group`. tensor_parallel_group: the
+        parameters are TP shards; per-tensor FP8 scales agree over it (whole-weight amax)."""
         self.config = config
+        self.tensor_parallel_group = tensor_parallel_group
         self.convert_fp8_linears = convert_fp8_linears
         self.group = group
         self.expert_group = expert_group
@@ -442,4 +445,24 @@ class ParamAndGradBuffer:
                 stats.add("amax_all_reduce_bytes", packed.numel() * packed.element_size())
             for key, part in zip(shared, packed.split([vectors[k].numel() for k in shared])):
                 vectors[key] = part
+        if self.tensor_parallel_group is not None:
+            per_tensor = [
+                g for g in groups if id(g) in vectors and g.storage.spec.recipe_spec.per_tensor
+            ]
+            max_over_tensor_parallel_(vectors, per_tensor, self.tensor_parallel_group, stats)
         return vectors
+
+
+def max_over_tensor_parallel_(
+    vectors: dict[int, torch.Tensor], groups: list[BufferGroup], tp_group, stats
+) -> None:
+    """Per-tensor FP8 scales of TP shards cover the whole logical weight: MAX their amax
+    vectors (same layout on every TP rank) over the TP group, in one all-reduce."""
+    if not groups:
+        return
+    packed = torch.cat([vectors[id(g)] for g in groups])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=tp_group)
+    if stats is not None:
+        stats.add("amax_all_reduce_bytes", packed.numel() * packed.element_size())
+    for group, part in zip(groups, packed.split([vectors[id(g)].numel() for g in groups])):
+        vectors[id(group)] = part
