@@ -49,7 +49,8 @@ def grid_numel(shape: torch.Size, spec: RecipeSpec, *, columnwise: bool) -> int:
 def _mxfp8_alignable(shapes: Sequence[torch.Size]) -> bool:
     return all(
         rows % MXFP8_BLOCK == 0 and cols % MXFP8_BLOCK == 0
-        for rows, cols in (weight_rows_cols(shape) for shape in shapes)
+        # A stacked expert weight's bands must not straddle experts: its matrices' rows.
+        for rows, cols in (weight_rows_cols(shape[-2:]) for shape in shapes)
     )
 
 

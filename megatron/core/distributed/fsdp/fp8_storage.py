@@ -28,108 +28,36 @@ high-precision weight sees when Fp8Linear quantizes it once per forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron.core.distributed.fsdp.collectives import all_gather_flat
 from megatron.core.distributed.fsdp.fp8_layout import grid_numel
+from megatron.core.distributed.fsdp.fp8_matrices import (
+    is_stacked,
+    matrix_pieces,
+    matrix_shape,
+    slot_matrices,
+    stacked_grid,
+)
+from megatron.core.distributed.fsdp.fp8_params import Fp8ParamSpec
 from megatron.core.distributed.fsdp.memory import MemoryTracker
 from megatron.core.distributed.fsdp.shard_layout import UnitLayout
 from megatron.core.distributed.fsdp.storage import ComputeStorage, GatherRole
 from megatron.core.fp8.engine_interface import (
     MXFP8_BLOCK,
     QuantizedTensor,
-    RecipeSpec,
     ScalingMeta,
     add_piece_cell_amaxes_,
     advance_delayed_scales,
     cast_piece_,
-    is_fp8_linear,
     new_fp8_weight,
     quantize_mxfp8_bands_,
-    recipe_spec,
     record_weight_amaxes,
     weight_cell_scales,
-    weight_fp8_dtype,
     weight_scale_grid,
 )
-
-
-@dataclass(frozen=True)
-class Fp8ParamSpec:
-    """How one weight is quantized; weights with equal `group_key` share one buffer group."""
-
-    recipe: str
-    fp8_dtype: torch.dtype
-    power_2_scale: bool | None
-    """As Fp8Linear passes it to quantize (None: the recipe default)."""
-    dtype: torch.dtype
-    """Logical (high-precision) dtype: what the weight's grads arrive in."""
-    delayed_meta: ScalingMeta | None
-
-    @property
-    def group_key(self) -> tuple:
-        return ("fp8", self.recipe, self.fp8_dtype, self.power_2_scale, self.dtype)
-
-    @property
-    def recipe_spec(self) -> RecipeSpec:
-        return recipe_spec(self.recipe)
-
-    @property
-    def directions(self) -> tuple[str, ...]:
-        # A separately quantized columnwise copy (mxfp8's 32x1 blocks) needs its own buffer.
-        two = self.recipe_spec.columnwise_copy("weight")
-        return ("rowwise", "columnwise") if two else ("rowwise",)
-
-
-def fp8_param_spec(
-    root: nn.Module, name: str, param: torch.Tensor, *, convert_fp8_linears: bool
-) -> Fp8ParamSpec | None:
-    """The spec of an FP8 weight: a QuantizedTensor parameter (quantized_model_init), or an
-    Fp8Linear's high-precision weight when `convert_fp8_linears` (fp8_param_gather)."""
-    owner_path, _, attr = name.rpartition(".")
-    owner = root.get_submodule(owner_path) if owner_path else root
-    is_fp8 = isinstance(param, QuantizedTensor)
-    converts = convert_fp8_linears and is_fp8_linear(owner) and attr == "weight"
-    if not is_fp8 and not converts:
-        return None
-    if not is_fp8_linear(owner) or attr != "weight":
-        raise ValueError(
-            f"Megatron-FSDP: FP8 parameter {name!r} is not the weight of an Fp8Linear; only "
-            "Fp8Linear weights can be kept in FP8 (build other layers in high precision)"
-        )
-    config = owner.fp8_config
-    if is_fp8 and param.spec != config.spec:
-        raise ValueError(
-            f"FP8 weight {name!r} was quantized with recipe {param.recipe!r} but its Fp8Linear "
-            f"uses {config.recipe!r}; build the model under quantized_model_init(recipe) with "
-            "the layer's recipe"
-        )
-    return Fp8ParamSpec(
-        recipe=config.recipe,
-        fp8_dtype=weight_fp8_dtype(config),
-        power_2_scale=config.quantize_power_2_scale,
-        dtype=param.dtype,
-        delayed_meta=owner.delayed_scaling.metas["weight"] if config.spec.delayed else None,
-    )
-
-
-def materialize_delayed_scaling(module: nn.Module, device: torch.device) -> None:
-    """Delayed-scaling state of Fp8Linears built on the meta device: the initial state (scale
-    1, zero history) on `device`. Everything else keeps its values."""
-    for submodule in module.modules():
-        scaling = getattr(submodule, "delayed_scaling", None)
-        if scaling is None:
-            continue
-        for meta in scaling.metas.values():
-            if meta.scale.is_meta:
-                meta.scale = torch.ones((), dtype=torch.float32, device=device)
-                meta.amax_history = torch.zeros(
-                    meta.amax_history.shape, dtype=torch.float32, device=device
-                )
 
 
 class _Works:
@@ -167,7 +95,16 @@ class Fp8ComputeStorage(ComputeStorage):
     ) -> None:
         self.layout, self.spec, self.sharded = layout, spec, sharded
         self.scales_sharded = scales_sharded
-        self.delayed_metas = delayed_metas
+        self.matrices = slot_matrices(layout.slots)
+        """The matrices quantized on their own scales (a stacked expert weight: one each)."""
+        self._matrix_index = {(m.slot_index, m.expert): i for i, m in enumerate(self.matrices)}
+        self.delayed_metas = [
+            delayed_metas[m.slot_index][m.expert]
+            if isinstance(delayed_metas[m.slot_index], tuple)
+            else delayed_metas[m.slot_index]
+            for m in self.matrices
+        ]
+        """Per matrix, as `matrices`."""
         self.group, self.tracker, self.device = group, tracker, device
         self.directions = spec.directions
         self.backward_direction = self.directions[-1]
@@ -230,10 +167,16 @@ class Fp8ComputeStorage(ComputeStorage):
             else:
                 self.scale_shard[d] = self.scale_full[d][lo // MXFP8_BLOCK : hi // MXFP8_BLOCK]
 
+    def _slot_grid(self, shape: torch.Size, direction: str) -> tuple[int, ...]:
+        """A weight's scale grid: its matrix's, one per expert when stacked."""
+        columnwise = direction == "columnwise"
+        grid = weight_scale_grid(matrix_shape(shape), self.spec.recipe_spec, columnwise=columnwise)
+        return stacked_grid(shape, grid)
+
     def _new_slot_scales(self, shape: torch.Size) -> dict[str, torch.Tensor]:
         scales = {}
         for d in self.directions:
-            grid = weight_scale_grid(shape, self.spec.recipe_spec, columnwise=d == "columnwise")
+            grid = self._slot_grid(shape, d)
             dtype = self.spec.recipe_spec.scale_dtype
             scales[d] = torch.ones(grid, dtype=dtype, device=self.device)
         return scales
@@ -266,8 +209,8 @@ class Fp8ComputeStorage(ComputeStorage):
         if not self.scales_sharded:
             return self.slot_scales[slot_index][direction]
         slot = self.layout.slots[slot_index]
-        columnwise = direction == "columnwise"
-        grid = weight_scale_grid(slot.shape, self.spec.recipe_spec, columnwise=columnwise)
+        # Whole 32-row bands: a stacked weight's flat grid is its experts' grids in order.
+        grid = self._slot_grid(slot.shape, direction)
         lo, hi = slot.offset // MXFP8_BLOCK, slot.end // MXFP8_BLOCK
         return self.scale_full[direction][lo:hi].view(grid)
 
@@ -353,7 +296,8 @@ class Fp8ComputeStorage(ComputeStorage):
         self._gather_inputs = []  # the gathers that read them are done
         if role == "backward" and self.transpose_for_backward:
             for qt in self.params:
-                qt.create_transpose_cache()
+                if not is_stacked(qt.shape):  # each expert's view transposes its own
+                    qt.create_transpose_cache()
             self.transposed = True
 
     def _discard_transposes(self) -> None:
@@ -390,14 +334,25 @@ class Fp8ComputeStorage(ComputeStorage):
     # ----- writing main params ---------------------------------------------------------
 
     def _cell_layout(self) -> list[tuple[int, str, int, int]]:
-        """(slot index, direction, offset, cells) of every cell group in the amax vector."""
+        """(matrix index, direction, offset, cells) of every cell group in the amax vector."""
         entries, offset = [], 0
-        for index, slot in enumerate(self.layout.slots):
+        for index, matrix in enumerate(self.matrices):
             for d in self.directions:
-                n = grid_numel(slot.shape, self.spec.recipe_spec, columnwise=d == "columnwise")
+                n = grid_numel(matrix.shape, self.spec.recipe_spec, columnwise=d == "columnwise")
                 entries.append((index, d, offset, n))
                 offset += n
         return entries
+
+    def _matrix_pieces(self) -> dict[int, list]:
+        """matrix index -> the `fp8_matrices.MatrixPiece`s of this rank's shard inside it."""
+        slot_index = {id(slot): i for i, slot in enumerate(self.layout.slots)}
+        parts: dict[int, list] = {}
+        for piece in self.layout.pieces():
+            index = slot_index[id(piece.slot)]
+            cut = matrix_pieces(piece.slot, piece.param_start, piece.shard_start, piece.numel)
+            for part in cut:
+                parts.setdefault(self._matrix_index[(index, part.expert)], []).append(part)
+        return parts
 
     @torch.no_grad()
     def local_amaxes(self, main_shard: torch.Tensor) -> torch.Tensor:
@@ -405,18 +360,18 @@ class Fp8ComputeStorage(ComputeStorage):
         entries = self._cell_layout()
         amaxes = torch.zeros(sum(n for *_, n in entries), dtype=torch.float32, device=self.device)
         cells = {(index, d): amaxes[offset : offset + n] for index, d, offset, n in entries}
-        slot_index = {id(slot): i for i, slot in enumerate(self.layout.slots)}
-        for piece in self.layout.pieces():
-            values = main_shard[piece.shard_start : piece.shard_start + piece.numel]
-            for d in self.directions:
-                add_piece_cell_amaxes_(
-                    values,
-                    cells[(slot_index[id(piece.slot)], d)],
-                    shape=piece.slot.shape,
-                    spec=self.spec.recipe_spec,
-                    columnwise=d == "columnwise",
-                    param_start=piece.param_start,
-                )
+        for index, parts in self._matrix_pieces().items():
+            for part in parts:
+                values = main_shard[part.shard_start : part.shard_start + part.numel]
+                for d in self.directions:
+                    add_piece_cell_amaxes_(
+                        values,
+                        cells[(index, d)],
+                        shape=self.matrices[index].shape,
+                        spec=self.spec.recipe_spec,
+                        columnwise=d == "columnwise",
+                        param_start=part.matrix_start,
+                    )
         return amaxes
 
     def amax_to_reduce(self, main_shard: torch.Tensor) -> torch.Tensor | None:
@@ -433,7 +388,8 @@ class Fp8ComputeStorage(ComputeStorage):
     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """Per-tensor recipes: one cell per weight, which a step's max |param| fills exactly.
         Block recipes measure their 2-D cells here (None)."""
-        if not self.spec.recipe_spec.per_tensor or self.scales_sharded:
+        stacked = len(self.matrices) != len(self.layout.slots)  # measured per expert instead
+        if not self.spec.recipe_spec.per_tensor or self.scales_sharded or stacked:
             return None
         entries = self._cell_layout()  # one rowwise cell per slot
         amaxes = torch.zeros(len(entries), dtype=torch.float32, device=self.device)
@@ -443,8 +399,15 @@ class Fp8ComputeStorage(ComputeStorage):
     def use_optimizer_amaxes(self, amaxes: torch.Tensor) -> None:
         self.optimizer_amaxes = amaxes
 
+    def _matrix_scales(self, index: int, direction: str) -> torch.Tensor:
+        """Where matrix `index` keeps its replicated scale_inv of `direction`."""
+        matrix = self.matrices[index]
+        scales = self.slot_scales[matrix.slot_index][direction]
+        return scales if matrix.expert is None else scales[matrix.expert]
+
     def _scales(self, slot_index: int, amax_cells: torch.Tensor):
-        """(quantize multiplier, stored scale_inv) per cell, as quantize() derives them."""
+        """(quantize multiplier, stored scale_inv) per cell of matrix `slot_index`, as
+        quantize() derives them."""
         return weight_cell_scales(
             amax_cells,
             spec=self.spec.recipe_spec,
@@ -483,27 +446,25 @@ class Fp8ComputeStorage(ComputeStorage):
             # The weights' scales update together: one stacked update, not a chain of small
             # kernels per weight.
             advance_delayed_scales(self.delayed_metas)
-        pieces_by_slot: dict[int, list] = {}
-        for piece in self.layout.pieces():
-            pieces_by_slot.setdefault(id(piece.slot), []).append(piece)
+        parts = self._matrix_pieces()
         for index, d, offset, n in self._cell_layout():
-            slot = self.layout.slots[index]
             multiplier, scale_inv = self._scales(index, amaxes[offset : offset + n])
-            for piece in pieces_by_slot.get(id(slot), []):
-                lo, hi = piece.shard_start, piece.shard_start + piece.numel
+            for part in parts.get(index, []):
+                lo, hi = part.shard_start, part.shard_start + part.numel
                 cast_piece_(
                     main_shard[lo:hi],
                     multiplier,
                     self.shard[d][lo:hi],
-                    shape=slot.shape,
+                    shape=self.matrices[index].shape,
                     spec=self.spec.recipe_spec,
                     columnwise=d == "columnwise",
-                    param_start=piece.param_start,
+                    param_start=part.matrix_start,
                     fp8_dtype=self.spec.fp8_dtype,
                 )
-            self.slot_scales[index][d].copy_(scale_inv.reshape(self.slot_scales[index][d].shape))
+            target = self._matrix_scales(index, d)
+            target.copy_(scale_inv.reshape(target.shape))
         if update_scaling and self.spec.recipe_spec.delayed:
-            # Per-tensor grids have one cell per weight, in slot order.
+            # Per-tensor grids have one cell per matrix, in matrix order.
             record_weight_amaxes(self.delayed_metas, amaxes[: len(self.delayed_metas)])
         self.delayed_pending = self.spec.recipe_spec.delayed
 

@@ -45,12 +45,12 @@ from megatron.core.distributed.fsdp.buffer_group import BufferGroup, FsdpUnit
 from megatron.core.distributed.fsdp.collectives import CommStats, all_gather_flat
 from megatron.core.distributed.fsdp.config import FsdpConfig
 from megatron.core.distributed.fsdp.fp8_layout import plan_fp8_layout
-from megatron.core.distributed.fsdp.fp8_storage import (
-    Fp8ComputeStorage,
+from megatron.core.distributed.fsdp.fp8_params import (
     Fp8ParamSpec,
     fp8_param_spec,
     materialize_delayed_scaling,
 )
+from megatron.core.distributed.fsdp.fp8_storage import Fp8ComputeStorage
 from megatron.core.distributed.fsdp.memory import MemoryTracker
 from megatron.core.distributed.fsdp.shard_layout import (
     UnitLayout,
@@ -171,8 +171,6 @@ class ParamAndGradBuffer:
                 module, names[0], param, convert_fp8_linears=self.convert_fp8_linears
             )
             expert = names[0] in self.expert_param_names
-            if expert and spec is not None:
-                raise ValueError(f"{names[0]}: FP8 expert parameters are not built")
             key = (param.dtype if spec is None else spec.group_key, expert)
             buckets.setdefault(key, []).append((names, param))
             specs.setdefault(key, spec)
@@ -183,7 +181,9 @@ class ParamAndGradBuffer:
             if specs[key] is None:
                 storage = self._dense_storage(key[0], shapes, process_group=process_group)
             else:
-                storage = self._fp8_storage(specs[key], shapes, delayed_metas[key])
+                storage = self._fp8_storage(
+                    specs[key], shapes, delayed_metas[key], process_group=process_group
+                )
             group = self._build_group(members, storage, init_fn)
             group.process_group = process_group
             unit.groups.append(group)
@@ -229,13 +229,15 @@ class ParamAndGradBuffer:
         spec: Fp8ParamSpec,
         shapes: list[tuple[str, torch.Size]],
         delayed_metas: list,
+        *,
+        process_group: dist.ProcessGroup | None = None,
     ) -> Fp8ComputeStorage:
         if self.config.main_params_dtype != torch.float32:
             raise ValueError(
                 "Megatron-FSDP with FP8 parameters needs fp32 main params (the exact values FP8 "
                 f"is re-quantized from); got --main-params-dtype {self.config.main_params_dtype}"
             )
-        world_size, rank = self._shard_world()
+        world_size, rank = self._shard_world(process_group)
         layout, scales_sharded = plan_fp8_layout(
             shapes, spec.recipe_spec, world_size=world_size, rank=rank
         )
@@ -246,7 +248,7 @@ class ParamAndGradBuffer:
             delayed_metas=delayed_metas,
             device=self.device,
             sharded=self.config.shards_params,
-            group=self.group,
+            group=process_group if process_group is not None else self.group,
             tracker=self.tracker,
         )
 
@@ -426,7 +428,8 @@ class ParamAndGradBuffer:
     def _reduce_amaxes(
         self, groups: list[BufferGroup], stats: CommStats | None
     ) -> dict[int, torch.Tensor]:
-        """id(group) -> its amax vector, MAX-reduced over the DP group where it is sharded."""
+        """id(group) -> its amax vector, MAX-reduced where it is sharded: over the DP group, and
+        routed experts' over their expert-data-parallel group (one all-reduce per group)."""
         vectors: dict[int, torch.Tensor] = {}
         for group in groups:
             amax = group.storage.amax_to_reduce(group.main_shard)
@@ -438,12 +441,16 @@ class ParamAndGradBuffer:
             for key, g in ((id(g), g) for g in groups)
             if key in vectors and g.layout.world_size > 1
         ]
-        if shared:
-            packed = torch.cat([vectors[key] for key in shared])
-            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.group)
+        by_group = {id(g): g.process_group for g in groups}
+        for process_group in dict.fromkeys((None, self.expert_group)):
+            keys = [key for key in shared if by_group[key] is process_group]
+            if not keys:
+                continue
+            packed = torch.cat([vectors[key] for key in keys])
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=process_group or self.group)
             if stats is not None:
                 stats.add("amax_all_reduce_bytes", packed.numel() * packed.element_size())
-            for key, part in zip(shared, packed.split([vectors[k].numel() for k in shared])):
+            for key, part in zip(keys, packed.split([vectors[k].numel() for k in keys])):
                 vectors[key] = part
         if self.tensor_parallel_group is not None:
             per_tensor = [

@@ -16,6 +16,13 @@ expert-parallel layout changes only the order of fp32 sums (acceptance 1 of issu
 the reference). Where `grouped_fp8.grouped_path_applies` (tensorwise), the forward takes
 `grouped_fp8.grouped_fp8_linear` instead: the same rule in one autograd function over all
 experts, one quantize pass per operand and grouped GEMMs on CUDA.
+
+FP8 parameters (--fp8-param-gather): Megatron-FSDP keeps the stacked weight as a
+QuantizedTensor [num_experts, out, in] whose scales have one leading dim per expert
+(`megatron.core.distributed.fsdp.fp8_matrices`). Each expert GEMM reads expert e's bytes and
+scales as they are, through `ExpertWeight` (no re-quantization); their wgrads are stacked into
+the parameter's grad by `_ExpertWeights` (the segment loop: the grouped function does not take
+FP8 parameters yet).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from megatron.core.fp8 import autocast as fp8_state
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
 from megatron.core.fp8.linear import build_plan, fp8_linear_apply
+from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.transformer.moe.grouped_fp8 import grouped_fp8_linear, grouped_path_applies
 
 
@@ -81,15 +89,70 @@ class ExpertDelayedScaling:
             )
 
 
+class ExpertWeight(QuantizedTensor):
+    """Expert e's [out, in] of a stacked FP8 parameter: bytes and scales read from the stacked
+    weight when used, so a backward sees what the engine gathered for it (the mxfp8
+    columnwise copy, the transpose of re-gathered bytes), never the forward's pointers."""
+
+    @staticmethod
+    def __new__(cls, stacked: QuantizedTensor, expert: int):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, stacked.shape[1:], dtype=stacked.dtype, device=stacked.device
+        )
+
+    def __init__(self, stacked: QuantizedTensor, expert: int) -> None:
+        self.stacked, self.expert = stacked, expert
+        self.recipe, self.fp8_dtype, self.role = stacked.recipe, stacked.fp8_dtype, stacked.role
+        self.tensor_name = f"{stacked.tensor_name}[{expert}]"
+        self.amax = None
+        self._released = {"rowwise": False, "columnwise": False}
+        self._transpose_cache = None
+
+    def _get(self, direction: str) -> torch.Tensor | None:
+        data = self.stacked._get(direction)  # raises if the engine released it
+        return None if data is None else data[self.expert]
+
+    def has_data(self, direction: str = "rowwise") -> bool:
+        return self.stacked.has_data(direction)
+
+    @property
+    def _data(self) -> dict[str, torch.Tensor | None]:
+        return {d: self._get(d) if self.has_data(d) else None for d in ("rowwise", "columnwise")}
+
+    def _scale(self, direction: str) -> torch.Tensor | None:
+        scale = getattr(self.stacked, f"{direction}_scale_inv")
+        return None if scale is None else scale[self.expert]
+
+    rowwise_scale_inv = property(lambda self: self._scale("rowwise"))
+    columnwise_scale_inv = property(lambda self: self._scale("columnwise"))
+
+
+class _ExpertWeights(torch.autograd.Function):
+    """A stacked FP8 parameter -> one `ExpertWeight` per expert; backward stacks their wgrads
+    (zeros for an expert without tokens) into the parameter's grad."""
+
+    @staticmethod
+    def forward(ctx, stacked):  # noqa: D102
+        ctx.set_materialize_grads(False)
+        ctx.shape, ctx.dtype, ctx.device = stacked.shape, stacked.dtype, stacked.device
+        return tuple(ExpertWeight(stacked, e) for e in range(stacked.shape[0]))
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: D102
+        zeros = torch.zeros(ctx.shape[1:], dtype=ctx.dtype, device=ctx.device)
+        return torch.stack([zeros if grad is None else grad for grad in grads])
+
+
 def grouped_fp8_gemm(
     tokens: torch.Tensor,
-    weight: torch.Tensor,
+    weight,
     segments: list[list[int]],
     plan_for_expert,
 ) -> torch.Tensor:
     """y[rows of expert e] = tokens[rows of expert e] @ weight[e]^T, every segment (its list
-    of row counts per expert) quantized and multiplied on its own under plan_for_expert(e).
-    The reference of `grouped_fp8.grouped_fp8_linear`, and the path of the other recipes."""
+    of row counts per expert) quantized and multiplied on its own under plan_for_expert(e);
+    weight: [E, out, in], or each expert's `ExpertWeight`. The reference of
+    `grouped_fp8.grouped_fp8_linear`, and the path of the other recipes (and of FP8 parameters)."""
     sizes = [count for counts in segments for count in counts]
     pieces = iter(tokens.split(sizes, dim=0))
     outputs = []
@@ -102,7 +165,7 @@ def grouped_fp8_gemm(
             plan = plan or plan_for_expert(expert)
             outputs.append(fp8_linear_apply(piece, weight[expert], None, plan))
     if not outputs:
-        return tokens.new_zeros(0, weight.shape[1])
+        return tokens.new_zeros(0, weight[0].shape[0])
     return torch.cat(outputs, dim=0)
 
 
@@ -165,9 +228,17 @@ class Fp8StackedLinear(nn.Module):
         if [sum(counts) for counts in segments] != list(tokens_per_expert):
             raise ValueError("Fp8StackedLinear: segments must sum to tokens_per_expert")
         enabled, config, group, setup = self._current_settings()
+        weight = self.weight
+        if isinstance(weight, QuantizedTensor):  # an FP8 parameter of Megatron-FSDP
+            if weight.spec != config.spec:
+                raise ValueError(
+                    f"FP8 expert weight was quantized with recipe '{weight.recipe}' but "
+                    f"autocast asks for '{config.recipe}'; build the model under the same recipe"
+                )
+            weight = _ExpertWeights.apply(weight)
         if not enabled:
             pieces = tokens.split(list(tokens_per_expert), dim=0)
-            outputs = [F.linear(piece, self.weight[e]) for e, piece in enumerate(pieces)]
+            outputs = [F.linear(piece, weight[e].to(piece.dtype)) for e, piece in enumerate(pieces)]
             if not outputs:
                 return tokens.new_zeros(0, self.weight.shape[1])
             return torch.cat(outputs, dim=0)
@@ -185,4 +256,4 @@ class Fp8StackedLinear(nn.Module):
                 plan.backward_flush = setup.backward if setup is not None else scaling.backward
             return plan
 
-        return grouped_fp8_gemm(tokens, self.weight, segments, plan_for_expert)
+        return grouped_fp8_gemm(tokens, weight, segments, plan_for_expert)
