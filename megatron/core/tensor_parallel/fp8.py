@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.tp_placement import TensorSplit
 from megatron.core.fp8 import Fp8Config, Fp8Linear, fp8_dtype_for_role, quantize
 from megatron.core.fp8.autocast import in_recompute
 from megatron.core.tensor_parallel.layers import (
@@ -178,6 +179,10 @@ class Fp8ColumnParallelLinear(Fp8Linear, TensorParallelModule):
         out = self.full_out_features
         return (out, self.in_features) if name == "weight" else (out,)
 
+    def checkpoint_split(self, name: str) -> TensorSplit:
+        """Cut from the full tensor by rows, block by block (as `ColumnParallelLinear`)."""
+        return TensorSplit(0, self.output_blocks, self.full_shape(name))
+
     def forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
         enabled, config, _, _ = self._current_settings()
         if not self.tp.sequence_parallel:
@@ -247,6 +252,9 @@ class Fp8RowParallelLinear(Fp8Linear, TensorParallelModule):
     def full_shape(self, name: str) -> tuple[int, ...]:
         full_in = self.full_in_features
         return (self.out_features, full_in) if name == "weight" else (self.out_features,)
+
+    def checkpoint_split(self, name: str) -> TensorSplit:
+        return TensorSplit(1, (self.full_in_features,), self.full_shape(name))
 
     def forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
         enabled, config, _, _ = self._current_settings()

@@ -119,7 +119,7 @@ def _check_fp8_with_tensor_parallel(args: argparse.Namespace, shape: dict) -> No
             "tensor-parallel ranks; pick sizes whose per-rank pieces are multiples of "
             f"{spec.block}, a smaller TP size, or --fp8-recipe tensorwise/delayed."
         )
-    if spec.name == "tensorwise" and not (args.use_megatron_fsdp and args.fp8_param_gather):
+    if spec.accepts_global_amax and not (args.use_megatron_fsdp and args.fp8_param_gather):
         raise ValueError(
             "--fp8-recipe tensorwise with --tensor-model-parallel-size > 1 needs FP8 weights "
             "whose scale is agreed over TP: add --use-megatron-fsdp --fp8-param-gather, or use "
