@@ -28,15 +28,15 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing.tp_placement import TensorSplit
 from megatron.core.fp8 import Fp8Config, Fp8Linear, fp8_dtype_for_role, quantize
 from megatron.core.fp8.autocast import in_recompute
 from megatron.core.tensor_parallel.layers import (
+    ColumnSplit,
+    RowSplit,
     TensorParallel,
-    TensorParallelModule,
+    column_blocks,
     divide,
     mark_sequence_parallel_,
-    shard_blocks,
 )
 from megatron.core.tensor_parallel.mappings import (
     SEQUENCE_DIM,
@@ -144,7 +144,7 @@ def gather_fp8_sequence(
     return _Fp8SequenceGather.apply(x, group, quantize_shard)
 
 
-class Fp8ColumnParallelLinear(Fp8Linear, TensorParallelModule):
+class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
     """`ColumnParallelLinear` in FP8: an Fp8Linear of this rank's output rows [out/tp, in]
     (each block of `output_blocks` split over TP). Its input is replicated (gradient
     all-reduced) or, under sequence parallelism, gathered from sequence shards (in FP8 for a
@@ -161,27 +161,12 @@ class Fp8ColumnParallelLinear(Fp8Linear, TensorParallelModule):
         output_blocks: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        blocks = tuple(output_blocks or (out_features,))
-        if sum(blocks) != out_features:
-            raise ValueError(f"output_blocks {blocks} must sum to {out_features}")
-        for index, width in enumerate(blocks):
-            divide(width, tensor_parallel.size, f"output block {index} width")
+        blocks = column_blocks(out_features, output_blocks, tensor_parallel.size)
         local_out = out_features // tensor_parallel.size
         super().__init__(in_features, local_out, bias=bias, fp8_config=fp8_config, dtype=dtype)
         self.tp, self.output_blocks = tensor_parallel, blocks
         self.bias_in_gemm = False  # added after the GEMM, whose rows may carry an amax
         self.full_out_features = out_features
-
-    def shard_of_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return shard_blocks(full, self.output_blocks, 0, self.tp.size, self.tp.rank)
-
-    def full_shape(self, name: str) -> tuple[int, ...]:
-        out = self.full_out_features
-        return (out, self.in_features) if name == "weight" else (out,)
-
-    def checkpoint_split(self, name: str) -> TensorSplit:
-        """Cut from the full tensor by rows, block by block (as `ColumnParallelLinear`)."""
-        return TensorSplit(0, self.output_blocks, self.full_shape(name))
 
     def forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
         enabled, config, _, _ = self._current_settings()
@@ -222,13 +207,12 @@ class Fp8ColumnParallelLinear(Fp8Linear, TensorParallelModule):
         return operand.data.reshape(shard.shape), operand.scale_inv
 
 
-class Fp8RowParallelLinear(Fp8Linear, TensorParallelModule):
+class Fp8RowParallelLinear(Fp8Linear, RowSplit):
     """`RowParallelLinear` in FP8: an Fp8Linear of this rank's input columns [out, in/tp]; the
     partial outputs are summed over TP (or reduce-scattered to sequence shards, in high
     precision) and the replicated bias is added after the sum."""
 
     bias_in_gemm = False  # added once, after the sum over TP
-    split_parameters = ("weight",)
 
     def __init__(
         self,
@@ -245,16 +229,6 @@ class Fp8RowParallelLinear(Fp8Linear, TensorParallelModule):
         self.tp, self.full_in_features = tensor_parallel, in_features
         if self.bias is not None and self.tp.sequence_parallel:
             mark_sequence_parallel_(self.bias)
-
-    def shard_of_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return full.chunk(self.tp.size, dim=1)[self.tp.rank].contiguous()
-
-    def full_shape(self, name: str) -> tuple[int, ...]:
-        full_in = self.full_in_features
-        return (self.out_features, full_in) if name == "weight" else (self.out_features,)
-
-    def checkpoint_split(self, name: str) -> TensorSplit:
-        return TensorSplit(1, (self.full_in_features,), self.full_shape(name))
 
     def forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
         enabled, config, _, _ = self._current_settings()

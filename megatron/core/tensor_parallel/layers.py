@@ -90,7 +90,56 @@ class TensorParallelModule(nn.Module):
     tp: TensorParallel
 
 
-class ColumnParallelLinear(TensorParallelModule):
+def column_blocks(out_features: int, output_blocks: Sequence[int] | None, tp_size: int) -> tuple:
+    """The fused output widths of a column-parallel Linear (default: one block), each split over
+    TP so that every rank holds matching pieces; refused where a width does not divide."""
+    blocks = tuple(output_blocks or (out_features,))
+    if sum(blocks) != out_features:
+        raise ValueError(f"output_blocks {blocks} must sum to {out_features}")
+    for index, width in enumerate(blocks):
+        divide(width, tp_size, f"output block {index} width")
+    return blocks
+
+
+class ColumnSplit(TensorParallelModule):
+    """How a column-parallel Linear's [full_out_features, in_features] weight (and bias) is cut
+    over TP: by rows, block by block of `output_blocks`."""
+
+    output_blocks: tuple[int, ...]
+    full_out_features: int
+
+    def shard_of_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the full tensor of parameter `name` ("weight" or "bias")."""
+        return shard_blocks(full, self.output_blocks, 0, self.tp.size, self.tp.rank)
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        out = self.full_out_features
+        return (out, self.in_features) if name == "weight" else (out,)
+
+    def checkpoint_split(self, name: str) -> TensorSplit:
+        """How parameter `name` is cut from the full tensor: by rows, block by block."""
+        return TensorSplit(0, self.output_blocks, self.full_shape(name))
+
+
+class RowSplit(TensorParallelModule):
+    """How a row-parallel Linear's [out_features, full_in_features] weight is cut over TP: by
+    input columns. The bias is replicated (added after the sum), so only the weight is split."""
+
+    full_in_features: int
+    split_parameters = ("weight",)
+
+    def shard_of_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return full.chunk(self.tp.size, dim=1)[self.tp.rank].contiguous()
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        full_in = self.full_in_features
+        return (self.out_features, full_in) if name == "weight" else (self.out_features,)
+
+    def checkpoint_split(self, name: str) -> TensorSplit:
+        return TensorSplit(1, (self.full_in_features,), self.full_shape(name))
+
+
+class ColumnParallelLinear(ColumnSplit):
     """y = x W^T + b with W's output rows split over TP; y holds this rank's rows.
 
     `output_blocks` (default: one block) lists the widths of the fused outputs, e.g.
@@ -111,29 +160,15 @@ class ColumnParallelLinear(TensorParallelModule):
     ) -> None:
         super().__init__()
         self.tp = tensor_parallel
-        self.output_blocks = tuple(output_blocks or (out_features,))
-        if sum(self.output_blocks) != out_features:
-            raise ValueError(f"output_blocks {self.output_blocks} must sum to {out_features}")
+        self.output_blocks = column_blocks(out_features, output_blocks, self.tp.size)
         if gather_output and len(self.output_blocks) > 1:
             raise ValueError("gather_output needs a single output block")
-        for index, width in enumerate(self.output_blocks):
-            divide(width, self.tp.size, f"output block {index} width")
         self.in_features, self.out_features = in_features, out_features
+        self.full_out_features = out_features
         self.gather_output = gather_output
         local_out = out_features // self.tp.size
         self.weight = _new_param((local_out, in_features), dtype)
         self.bias = _new_param((local_out,), dtype) if bias else None
-
-    def shard_of_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of the full tensor of parameter `name` ("weight" or "bias")."""
-        return shard_blocks(full, self.output_blocks, 0, self.tp.size, self.tp.rank)
-
-    def full_shape(self, name: str) -> tuple[int, ...]:
-        return (self.out_features, self.in_features) if name == "weight" else (self.out_features,)
-
-    def checkpoint_split(self, name: str) -> TensorSplit:
-        """How parameter `name` is cut from the full tensor: by rows, block by block."""
-        return TensorSplit(0, self.output_blocks, self.full_shape(name))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_parallel_matmul(x, self.weight, self.tp)
@@ -144,7 +179,7 @@ class ColumnParallelLinear(TensorParallelModule):
         return y
 
 
-class RowParallelLinear(TensorParallelModule):
+class RowParallelLinear(RowSplit):
     """y = sum over ranks of x_r W_r^T, plus b: W's input columns are split over TP and `x`
     is this rank's slice of the input's last dimension (a column-parallel output)."""
 
@@ -160,23 +195,12 @@ class RowParallelLinear(TensorParallelModule):
         super().__init__()
         self.tp = tensor_parallel
         self.in_features, self.out_features = in_features, out_features
+        self.full_in_features = in_features
         local_in = divide(in_features, self.tp.size, "row-parallel input width")
         self.weight = _new_param((out_features, local_in), dtype)
         self.bias = _new_param((out_features,), dtype) if bias else None
         if self.bias is not None and self.tp.sequence_parallel:
             mark_sequence_parallel_(self.bias)
-
-    split_parameters = ("weight",)
-    """The bias is replicated (added after the sum), so only the weight is a TP shard."""
-
-    def shard_of_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return full.chunk(self.tp.size, dim=1)[self.tp.rank].contiguous()
-
-    def full_shape(self, name: str) -> tuple[int, ...]:
-        return (self.out_features, self.in_features) if name == "weight" else (self.out_features,)
-
-    def checkpoint_split(self, name: str) -> TensorSplit:
-        return TensorSplit(1, (self.in_features,), self.full_shape(name))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
