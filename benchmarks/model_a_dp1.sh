@@ -35,24 +35,8 @@ MODEL_A=(
   --init-model-with-meta-device --lr 1e-5 --clip-grad 1.0 --eval-iters 0 --log-interval 1
   --train-iters "$ITERS"
 )
-row() {  # name, then the command
-  local name=$1; shift
-  echo "== $name: $*" | tee -a "$OUT/model_a_dp1.log"
-  timeout "${RUN_TIMEOUT:-240}" "$@" > "$OUT/$name.log" 2>&1
-  echo "exit $? ($name)" | tee -a "$OUT/model_a_dp1.log"
-}
-summarize() {  # name: the median logged step after WARMUP, peak memory of the log
-  python3 - "$OUT/$1.log" "$1" "$WARMUP" <<'PY' | tee -a "$OUT/model_a_dp1.jsonl"
-import json, re, statistics, sys
-text = open(sys.argv[1]).read()
-times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
-mem = [float(m) for m in re.findall(r"max allocated: ([0-9.]+)", text)]
-steady = times[int(sys.argv[3]):]
-print(json.dumps({"row": sys.argv[2], "step_ms": round(statistics.median(steady), 1) if steady else None,
-                  "mean_ms": round(statistics.mean(steady), 1) if steady else None,
-                  "steps": len(steady), "peak_mem_gib": max(mem) if mem else None}))
-PY
-}
+ROWS_NAME=model_a_dp1
+source benchmarks/rows.sh  # row, summarize
 snapshot_args() {  # name: the memory-history flags when MEMORY_SNAPSHOT=1
   [ "${MEMORY_SNAPSHOT:-0}" = 1 ] && echo --record-memory-history --memory-snapshot-path "$OUT/$1.pickle"
 }

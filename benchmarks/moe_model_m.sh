@@ -44,23 +44,9 @@ PEER=(--num-layers $LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS --
   --num-experts $EXPERTS --moe-router-topk $TOPK --moe-ffn-hidden-size $FFN --seq-length $SEQ
   --micro-batch-size $MBS --vocab-size $VOCAB --steps "$((ITERS - WARMUP))" --warmup-steps "$WARMUP")
 [ "${TINY:-0}" = 1 ] || PEER+=(--compile)
-row() {  # name, then the command
-  local name=$1; shift
-  echo "== $name: $*" | tee -a "$OUT/model_m.log"
-  timeout "${RUN_TIMEOUT:-300}" "$@" > "$OUT/$name.log" 2>&1
-  echo "exit $? ($name)" | tee -a "$OUT/model_m.log"
-}
-summarize() {  # name: the median logged step after WARMUP, peak memory of the log
-  python3 - "$OUT/$1.log" "$1" "$WARMUP" <<'PY' | tee -a "$OUT/model_m.jsonl"
-import json, re, statistics, sys
-text = open(sys.argv[1]).read()
-times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
-mem = [float(m) for m in re.findall(r"max allocated: ([0-9.]+)", text)]
-steady = times[int(sys.argv[3]):]
-print(json.dumps({"row": sys.argv[2], "step_ms": round(statistics.median(steady), 1) if steady else None,
-                  "steps": len(steady), "peak_mem_gib": max(mem) if mem else None}))
-PY
-}
+ROWS_NAME=model_m
+RUN_TIMEOUT=${RUN_TIMEOUT:-300}
+source benchmarks/rows.sh  # row, summarize
 for name in ${ROWS:-fsdp2 torchao_rowwise bf16 tensorwise blockwise}; do
   case $name in
     fsdp2)
