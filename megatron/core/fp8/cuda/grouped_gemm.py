@@ -9,7 +9,7 @@ On CUDA with Triton they run the kernels of `triton_grouped_gemm.py`; elsewhere 
 the tests compare the kernels with. Why not only torch's `_scaled_grouped_mm` (torch 2.11, H200,
 docs/benchmarks/grouped_gemm_fp8stats_h200_2026-12-04b.md): it refuses E5M2 operands (our
 gradients under `hybrid`) and fp32 output, has no blockwise scales, and its precise
-accumulation runs at 309 TFLOP/s on fc2 where ours runs at 667.
+accumulation runs at 309 TFLOP/s on fc2 where an unmasked Triton kernel like ours ran at 589.
 
 Scales are scale_inv as in `gemm.scaled_mm`: per-tensor recipes (tensorwise, delayed) a scalar
 for A and one per group for B ([G]); blockwise 1x128 for A ([M, ceil(K/128)]) and 128x128 for
