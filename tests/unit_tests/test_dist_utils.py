@@ -6,7 +6,6 @@ its own."""
 from __future__ import annotations
 
 import os
-import sys
 
 from tests.unit_tests.dist_utils import run_distributed
 
@@ -14,8 +13,10 @@ MARK = "H32_DIST_UTILS_MARK"
 
 
 def _what_the_rank_sees(rank: int, world_size: int) -> dict:
-    print(f"rank {rank} of {world_size} to stdout", flush=True)
-    print(f"rank {rank} of {world_size} to stderr", file=sys.stderr, flush=True)
+    # One write per line: under PYTHONUNBUFFERED (set on CI machines) print() makes two, the
+    # text and the newline, and the two ranks' writes to the shared capture file interleave.
+    os.write(1, f"rank {rank} of {world_size} to stdout\n".encode())
+    os.write(2, f"rank {rank} of {world_size} to stderr\n".encode())
     return {"mark": os.environ.get(MARK), "cwd": os.getcwd(), "pid": os.getpid()}
 
 
