@@ -32,7 +32,7 @@ import torch
 
 from megatron.core.checkpoint_files import TMP_SUFFIX, fsync_tree, publish_dir
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tools.checkpoint.hf_moe_configs import HF_CONFIGS, moe_architecture
+from tools.checkpoint.hf_moe_configs import HF_CONFIGS, KEPT_IN_FP32, moe_architecture
 from tools.checkpoint.hf_moe_layout import ours_to_hf
 from tools.checkpoint.hf_tokenizer import TOKENIZER_FILES
 from tools.checkpoint.model_state import buffer_shapes, expected_shapes
@@ -341,9 +341,13 @@ def convert_state_dict_to_hf(
     architecture = hf_architecture(config)
     check_state_dict(state_dict, config)
     to_state_dict, to_config = CONVERTERS[architecture]
+    fp32_names = KEPT_IN_FP32.get(architecture, ())
     # clone(): split/transposed views share storage, which safetensors refuses to save.
     tensors = {
-        name: tensor.detach().to(device="cpu", dtype=dtype).contiguous().clone()
+        name: tensor.detach()
+        .to(device="cpu", dtype=torch.float32 if name.endswith(fp32_names) else dtype)
+        .contiguous()
+        .clone()
         for name, tensor in to_state_dict(state_dict, config).items()
     }
     hf_config = to_config(config, dtype)

@@ -334,6 +334,11 @@ def deepseek_v3_hf_config(config: TransformerConfig, dtype: torch.dtype) -> dict
     }
 
 
+KEPT_IN_FP32 = {"deepseek_v3": ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")}
+"""HF tensor names (suffixes) an export writes in fp32 whatever its dtype: the router of
+transformers' DeepseekV3 runs in fp32 and keeps these in fp32 when it loads a bf16 model
+(`_keep_in_fp32_modules_strict`), as DeepSeek's published bf16 checkpoints store them."""
+
 HF_CONFIGS = {
     "deepseek_v3": deepseek_v3_hf_config,
     "mixtral": mixtral_hf_config,

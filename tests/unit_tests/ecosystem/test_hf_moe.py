@@ -214,6 +214,36 @@ def test_deepseek_v3_imports_with_its_logits_and_exports_bitwise(
     assert (written["first_k_dense_replace"], written["n_shared_experts"]) == (1, 1)
 
 
+def test_deepseek_v3_bf16_export_keeps_the_router_in_fp32(tmp_path: Path) -> None:
+    """A bf16 export writes every tensor in bf16 but the router's gate weight and expert bias,
+    which stay our fp32 values bitwise (transformers keeps them in fp32 when it loads a bf16
+    DeepseekV3, and DeepSeek's bf16 checkpoints store them so); transformers reloads them."""
+    _hf_model("deepseek_v3", DEEPSEEK, tmp_path / "hf")
+    state = load_hf(str(tmp_path / "hf"))
+    out = tmp_path / "bf16"
+    convert_state_dict_to_hf(
+        state.state_dict, state.config, output_dir=str(out), dtype=torch.bfloat16
+    )
+    exported = safetensors_torch.load_file(str(out / "model.safetensors"))
+    fp32 = sorted(name for name, t in exported.items() if t.dtype == torch.float32)
+    assert fp32 == [
+        f"model.layers.{layer}.mlp.gate.{what}"
+        for layer in (1, 2)
+        for what in ("e_score_correction_bias", "weight")
+    ]
+    assert {t.dtype for name, t in exported.items() if name not in fp32} == {torch.bfloat16}
+    bias = state.state_dict["decoder.layers.2.mlp.router.expert_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().max() > 0
+    assert torch.equal(exported["model.layers.2.mlp.gate.e_score_correction_bias"], bias)
+    gate = state.state_dict["decoder.layers.2.mlp.router.weight"]
+    assert torch.equal(exported["model.layers.2.mlp.gate.weight"], gate.float())
+    assert gate.to(torch.bfloat16).float().ne(gate).any()  # bf16 would have rounded it
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
+    layer = model.model.layers[2].mlp.gate
+    assert layer.weight.dtype == torch.float32 and torch.equal(layer.weight, gate.float())
+    assert torch.equal(layer.e_score_correction_bias, bias)
+
+
 def test_deepseek_v3_without_mtp_files_imports_no_mtp(tmp_path: Path) -> None:
     """transformers' save_pretrained writes no MTP layer: the import builds none."""
     error, state, files, exported = _import_export("deepseek_v3", DEEPSEEK, tmp_path)
