@@ -1,6 +1,8 @@
 """Multi-token prediction (DeepSeek-V3, Megatron-LM's MultiTokenPredictionBlock).
 
-Depth k = 1..mtp_num_layers, with h_0 the decoder's output (after its final norm):
+Depth k = 1..mtp_num_layers, with h_0 the decoder's output after its final norm (as in
+megatron-core 0.16: with MTP, TransformerBlock applies final_layernorm in the stage holding the
+last decoder layer, and the MTP layer's hnorm reads that output):
     e_k = embedding(input_ids rolled left by k)             (the model's own embedding)
     h_k = final_layernorm(transformer_layer(eh_proj([enorm(e_k) | hnorm(h_{k-1})])))
     loss_k = sum(mask_k * CE(output_layer(h_k), labels_k)) / max(sum(mask_k), 1)
