@@ -171,15 +171,27 @@ def _write_checkpoint_files(config: CheckpointConfig, *, run, env, tmp: str) -> 
         config,
         env=env,
         tmp=tmp,
-        fp8_state=_fp8_file_state(config, run),
+        fp8_state=_fp8_file_state(config, run, env),
         rng_state=get_rng_state(),
         buffers=model_buffers(run),
     )
 
 
-def _fp8_file_state(config: CheckpointConfig, run) -> dict:
-    # Megatron-FSDP's sharded state already holds the delayed-scaling state.
-    return {} if config.use_megatron_fsdp else delayed_scaling_state(run)
+def _fp8_file_state(config: CheckpointConfig, run, env) -> dict:
+    """What rank 0 writes to fp8_delayed_scaling.pt: every rank's state (experts: each
+    expert-parallel rank's own). Megatron-FSDP's sharded state already holds it."""
+    if config.use_megatron_fsdp:
+        return {}
+    state = delayed_scaling_state(run)
+    if not state or env.all_ranks_group is None or run.config.expert_model_parallel_size == 1:
+        return state
+    gathered: list = [None] * env.world_size
+    dist.all_gather_object(gathered, state, group=env.all_ranks_group)
+    merged: dict = {}
+    for rank_state in gathered:  # dense entries agree over ranks; expert keys are global
+        for name, module_state in rank_state.items():
+            merged.setdefault(name, {}).update(module_state)
+    return merged
 
 
 def _write_small_files(
@@ -200,7 +212,7 @@ def _start_async_write(
     """Copy this rank's share to CPU now (training then changes the live tensors) and hand
     the copy to `saver`'s writer thread; the metadata was taken at the same moment."""
     staged = saver.stage(sharded_state(run, optimizer=not config.no_save_optim), name="sharded")
-    fp8_state = saver.stage(_fp8_file_state(config, run), name="fp8")
+    fp8_state = saver.stage(_fp8_file_state(config, run, env), name="fp8")
     # A blocking host copy (a few values): the loop updates expert biases before the next
     # optimizer step, which is all the staged copies are ordered before.
     buffers = {name: buf.detach().to("cpu", copy=True) for name, buf in model_buffers(run).items()}

@@ -81,14 +81,23 @@ def _stacked_linear(
     out_features: int,
     *,
     layer_number: int | None,
+    first_expert: int,
 ) -> nn.Module:
-    """The FP8 stacked Linear where the recipe covers this layer, else the high-precision one."""
+    """The FP8 stacked Linear where the recipe covers this layer, else the high-precision one
+    (first_expert: the global index of local expert 0, naming delayed-scaling state)."""
     fp8 = config.fp8
     dtype = config.params_dtype
     if fp8 is not None and (
         layer_number is None or fp8.layer_uses_fp8(layer_number, config.num_layers)
     ):
-        return Fp8StackedLinear(num_experts, in_features, out_features, fp8_config=fp8, dtype=dtype)
+        return Fp8StackedLinear(
+            num_experts,
+            in_features,
+            out_features,
+            fp8_config=fp8,
+            dtype=dtype,
+            first_expert=first_expert,
+        )
     return StackedLinear(num_experts, in_features, out_features, dtype=dtype)
 
 
@@ -96,14 +105,19 @@ class GroupedExperts(nn.Module):
     """fc2(act(fc1(x))) per local expert, act SwiGLU or GeLU as the dense MLP; no biases."""
 
     def __init__(
-        self, config: TransformerConfig, *, num_local_experts: int, layer_number: int | None = None
+        self,
+        config: TransformerConfig,
+        *,
+        num_local_experts: int,
+        layer_number: int | None = None,
+        first_expert: int = 0,
     ) -> None:
         super().__init__()
         self.num_local_experts = num_local_experts
         self.swiglu = config.swiglu
         ffn = config.moe_ffn_hidden_size
         fc1_width = ffn * (2 if config.swiglu else 1)
-        stacked = dict(layer_number=layer_number)
+        stacked = dict(layer_number=layer_number, first_expert=first_expert)
         self.linear_fc1 = _stacked_linear(
             config, num_local_experts, config.hidden_size, fc1_width, **stacked
         )

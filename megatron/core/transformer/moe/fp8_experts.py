@@ -41,23 +41,29 @@ from megatron.core.transformer.moe.grouped_fp8 import grouped_fp8_linear, groupe
 
 class ExpertDelayedScaling:
     """Delayed-scaling state of a stacked expert weight: one `DelayedScaling` per expert and
-    one backward flush for all of them. Checkpoints see flat keys `expert<e>.<role>.<what>`."""
+    one backward flush for all of them. Checkpoints see flat keys `expert<g>.<role>.<what>` and
+    `metas` keys `<role>.<g>`, g the GLOBAL expert index (first_expert + the local one), so
+    the states of every expert-parallel rank are distinct entries and a run of another
+    expert-parallel size finds its experts' states."""
 
-    def __init__(self, *, num_experts: int, config: Fp8Config, device=None) -> None:
+    def __init__(
+        self, *, num_experts: int, config: Fp8Config, device=None, first_expert: int = 0
+    ) -> None:
         dtypes = {role: fp8_dtype_for_role(config.fp8_format, role) for role in ROLES}
         self.experts = [
             fp8_state.DelayedScaling(config=config, dtypes=dtypes, device=device)
             for _ in range(num_experts)
         ]
+        self.first_expert = first_expert
         self.backward = fp8_state.BackwardFlush()  # used outside any Fp8Setup
         for scaling in self.experts:
             scaling.backward = self.backward
 
     @property
     def metas(self) -> dict[str, fp8_state.ScalingMeta]:
-        """Every expert's metas, keyed `<role>.<e>` (materializing meta-device state)."""
+        """Every expert's metas, keyed `<role>.<g>` (materializing meta-device state)."""
         return {
-            f"{role}.{e}": meta
+            f"{role}.{self.first_expert + e}": meta
             for e, scaling in enumerate(self.experts)
             for role, meta in scaling.metas.items()
         }
@@ -71,22 +77,21 @@ class ExpertDelayedScaling:
         for e, scaling in enumerate(self.experts):
             expert_state = scaling.state_dict()
             metadata = expert_state.pop("metadata")
-            state.update({f"expert{e}.{key}": value for key, value in expert_state.items()})
-        state["metadata"] = dict(metadata, num_experts=len(self.experts))
+            prefix = f"expert{self.first_expert + e}."
+            state.update({prefix + key: value for key, value in expert_state.items()})
+        state["metadata"] = metadata
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        saved = state["metadata"].get("num_experts")
-        if saved != len(self.experts):
-            raise ValueError(
-                f"checkpoint delayed-scaling state has {saved} experts here, this rank holds "
-                f"{len(self.experts)}; resume at the same expert-parallel size"
-            )
         for e, scaling in enumerate(self.experts):
-            prefix = f"expert{e}."
-            scaling.load_state_dict(
-                {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-            )
+            prefix = f"expert{self.first_expert + e}."
+            expert_state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            if not expert_state:
+                raise ValueError(
+                    f"checkpoint has no delayed-scaling state for expert {self.first_expert + e}; "
+                    "it was saved with fewer experts, or by a run that lost them"
+                )
+            scaling.load_state_dict(expert_state)
 
 
 class ExpertWeight(QuantizedTensor):
@@ -187,6 +192,7 @@ class Fp8StackedLinear(nn.Module):
         fp8_config: Fp8Config,
         dtype: torch.dtype,
         device: torch.device | str | None = None,
+        first_expert: int = 0,
     ) -> None:
         super().__init__()
         self.fp8_config = fp8_config
@@ -196,7 +202,7 @@ class Fp8StackedLinear(nn.Module):
         self.delayed_scaling = None
         if fp8_config.spec.delayed:
             self.delayed_scaling = ExpertDelayedScaling(
-                num_experts=num_experts, config=fp8_config, device=device
+                num_experts=num_experts, config=fp8_config, device=device, first_expert=first_expert
             )
         self.fp8_setup: fp8_state.Fp8Setup | None = None
         """This module's settings (`apply_fp8_setup`, `fp8_autocast`); None: its own config."""

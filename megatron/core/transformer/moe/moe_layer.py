@@ -53,7 +53,10 @@ class MoELayer(nn.Module):
         self.dispatch_combine = DISPATCHERS[config.moe_token_dispatcher_type]
         self.router = TopKRouter(config, layer_number=layer_number, metrics=metrics)
         self.experts = GroupedExperts(
-            config, num_local_experts=self.num_local_experts, layer_number=layer_number
+            config,
+            num_local_experts=self.num_local_experts,
+            layer_number=layer_number,
+            first_expert=self.local_expert_offset,
         )
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:

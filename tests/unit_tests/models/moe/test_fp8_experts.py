@@ -110,13 +110,40 @@ def test_delayed_scaling_state_is_per_expert_and_round_trips():
     assert scales[1] < scales[0] < scales[2]  # larger weights, smaller scales
     assert scales[0] / scales[1] > 100
     state = layer.delayed_scaling.state_dict()
-    assert state["metadata"]["num_experts"] == EXPERTS
+    experts = sorted({key.split(".")[0] for key in state if key != "metadata"})
+    assert experts == [f"expert{e}" for e in range(EXPERTS)]
     fresh = _stacked("delayed")
     fresh.delayed_scaling.load_state_dict(state)
     for old, new in zip(layer.delayed_scaling.experts, fresh.delayed_scaling.experts):
         for role in ("input", "weight", "grad"):
             assert torch.equal(old.metas[role].scale, new.metas[role].scale)
             assert torch.equal(old.metas[role].amax_history, new.metas[role].amax_history)
+
+
+def test_delayed_scaling_state_is_keyed_by_global_expert():
+    """An expert-parallel rank holding experts 1 and 2 (first_expert 1) saves and loads them
+    under their global indices: from one rank's state of all three, it takes its own; a
+    state without one of them is refused."""
+    layer = _stacked("delayed")
+    x, grad_y = _data()
+    _run(layer, x.requires_grad_(), grad_y)
+    state = layer.delayed_scaling.state_dict()
+    config = layer.fp8_config
+    held = Fp8StackedLinear(2, IN, OUT, fp8_config=config, dtype=torch.float32, first_expert=1)
+    assert sorted(held.delayed_scaling.metas)[:2] == ["grad.1", "grad.2"]
+    held.delayed_scaling.load_state_dict(state)
+    for local, scaling in enumerate(held.delayed_scaling.experts):
+        source = layer.delayed_scaling.experts[1 + local]
+        assert torch.equal(scaling.metas["weight"].scale, source.metas["weight"].scale)
+        assert torch.equal(scaling.metas["grad"].amax_history, source.metas["grad"].amax_history)
+    assert {key.split(".")[0] for key in held.delayed_scaling.state_dict()} == {
+        "expert1",
+        "expert2",
+        "metadata",
+    }
+    without_2 = {k: v for k, v in state.items() if not k.startswith("expert2.")}
+    with pytest.raises(ValueError, match="no delayed-scaling state for expert 2"):
+        held.delayed_scaling.load_state_dict(without_2)
 
 
 def test_grouped_experts_build_fp8_stacked_weights_under_a_recipe():
