@@ -33,7 +33,6 @@ import pytest
 import torch
 
 from megatron.core.fp8 import reference_ops
-from megatron.core.tensor_parallel.fp8 import AMAX_ROWS
 from megatron.core.tensor_parallel.layers import shard_blocks
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.training.common import NO_DROPOUT, run_pretrain
@@ -150,14 +149,6 @@ def _expected_piece(t, *, layer: str, role: str, cell: tuple[int, int], rank: in
     return t  # a column-parallel input: the whole (gathered) input
 
 
-def _without_amax_rows(mine: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """A tensorwise activation operand carries AMAX_ROWS more rows (the amax agreed over TP,
-    megatron.core.tensor_parallel.fp8); the GEMM's rows are the first ones."""
-    if mine.dim() == 2 and mine.shape[0] == expected.shape[0] + AMAX_ROWS:
-        return mine[: expected.shape[0]]
-    return mine
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_operands_at_tp2_are_slices_of_tp1(results, recipe) -> None:
     reference = results["tp1"][0][recipe]["operands"]
@@ -178,7 +169,7 @@ def test_fp8_operands_at_tp2_are_slices_of_tp1(results, recipe) -> None:
                     if piece is None:
                         assert m[key] is None, where
                         continue
-                    assert torch.equal(_without_amax_rows(m[key], piece), piece), (where, key)
+                    assert torch.equal(m[key], piece), (where, key)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
