@@ -170,8 +170,7 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
             # A recompute quantizes with the first forward's scale and records nothing.
             if in_recompute() and meta.forward_scale is not None:
                 return quantize(shard, **how, scale=meta.forward_scale)
-            history = meta.amax_history
-            history[0] = torch.maximum(history[0], agreed_amax(shard, self.tp.group))
+            meta.record(agreed_amax(shard, self.tp.group))
             return quantize(shard, **how, scale=meta.scale)
         if spec.per_tensor:
             how["amax"] = agreed_amax(shard, self.tp.group)
