@@ -9,16 +9,21 @@ parallelism", states the rules; this module applies them through the FP8 package
   group), so each shard's bytes are the slice of TP = 1's; block (128x128) and MX (1x32) cells
   must not straddle a TP cut (refused at parse time: `training/flags/tensor_parallel.py`).
 - Tensorwise activations split over TP (a row-parallel input, a column-parallel output's
-  gradient) take the whole tensor's scale: AMAX_ROWS rows carrying the amax MAX-reduced over
-  TP are appended to the GEMM operand (zero rows on the other side; their outputs dropped).
-- Under sequence parallelism a per-tensor recipe's column-parallel input is all-gathered as
-  FP8 bytes: the local sequence shard is quantized with the scale of the whole gathered tensor
-  (its amax MAX-reduced over TP first; delayed: the history's scale, agreed over TP), the bytes
-  are gathered, and the GEMM re-derives its operand from them bitwise (dequantized, with one
-  element of largest magnitude set back to the agreed amax, so that quantizing again finds the
-  same amax, scale and bytes; the delayed history records that amax). Block recipes gather in
-  high precision: their wgrad operand has Bx1 cells along the tokens, which the FP8 bytes of
-  1xB row cells cannot reproduce bitwise.
+  gradient) take the whole tensor's scale: the layer gives its GEMMs the TP group as the
+  amax-reduction group of that role (`Fp8Linear.fp8_amax_groups`), so they quantize with the
+  amax MAX-reduced over TP (one 4-byte all-reduce, not in the TP byte counters).
+- Under sequence parallelism the column-parallel input is all-gathered as FP8 bytes and the
+  GEMM reads them as its quantized input (`Fp8Linear.forward(quantized_input=)`): each rank
+  quantizes its sequence shard as the whole input quantizes (tensorwise: with the amax
+  MAX-reduced over TP first; delayed: the history's scale, agreed over TP, and the agreed amax
+  recorded), and the bytes (and block scale grids) are gathered in rank order. Per-tensor
+  recipes gather the rowwise bytes once (wgrad reads their transpose). Block recipes' rowwise
+  1x128 / 1x32 cells are row-local, but wgrad reads Bx1 cells along the tokens, which are a
+  rank's own only when its token count per sequence is a multiple of B (128 blockwise, 32
+  mxfp8): then the columnwise copy is quantized locally and gathered too, in forward and kept
+  for backward (Megatron-LM would re-gather it in backward); otherwise the input is gathered
+  in high precision (logged once per recipe and shard length). Each FP8 gather moves half of a
+  bf16 gather's bytes (counted; scale grids, 1/32 of that, travel uncounted).
 """
 
 from __future__ import annotations
