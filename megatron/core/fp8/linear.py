@@ -33,7 +33,7 @@ from megatron.core.fp8.compile import (
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
 from megatron.core.fp8.param_init import current_quantized_init, quantize_weight_for_init
-from megatron.core.fp8.quantization import backend_for, quantize
+from megatron.core.fp8.quantization import backend_for
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec
 from megatron.core.fp8.stats import fp8_stats_vector
@@ -64,12 +64,8 @@ class _Plan:
     copy of it is quantized in backward from the recomputed input, not saved from forward."""
     stats: Callable[[str, torch.Tensor, int], None] | None = None
     """`Fp8Linear.fp8_stats_sink` bound to the module, on a statistics step (not a recompute)."""
-    amax_groups: dict[str, object] | None = None
-    """tensorwise: the roles ("input", "grad") whose tensor each rank of a group holds a piece
-    of (a tensor-parallel split), quantized with the amax MAX-reduced over that group."""
-    quantized_input: QuantizedTensor | None = None
-    """The input already in FP8 (a sequence-parallel all-gather's bytes and scales): its GEMMs
-    read these operands, and nothing quantizes (or, delayed, records) the input here."""
+    quantizer: Callable | None = None
+    """(ops, t2d, role, rowwise, transposed, compute_dtype) -> operands, None: the backend's."""
 
     @property
     def recipe(self) -> str:
@@ -82,9 +78,6 @@ class _Plan:
     def dtype(self, role: str) -> torch.dtype:
         return fp8_dtype_for_role(self.config.fp8_format, role)
 
-    def power_2_scale(self) -> bool | None:
-        return self.config.quantize_power_2_scale
-
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
@@ -92,8 +85,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.plan = plan
         ctx.saved_source = source if weight.requires_grad else None
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype, ctx.weight_dtype = (bias.dtype if bias is not None else None), weight.dtype
         ctx.ops = backend_for(x)
         y2d = _forward(ctx, x, weight, plan)
         if bias is not None:
@@ -119,11 +111,9 @@ def _quantize_operands(
     """One quantization of `t2d`: the operands `role`'s GEMMs read (module docstring table).
     `saved`: whether the transposed operand is kept for backward (default: an input's or a
     weight's is; the backend may then keep it in a smaller form)."""
-    group = plan.amax_groups.get(role) if plan.amax_groups else None
-    if group is not None and plan.spec.accepts_global_amax:
-        args = dict(recipe=plan.recipe, fp8_dtype=plan.dtype(role), role=role)
-        qt = quantize(t2d, **args, power_2_scale=_pow2(plan), amax_reduction_group=group)
-        return _operands_of(ops, qt, rowwise, transposed, compute_dtype)
+    found = plan.quantizer and plan.quantizer(ops, t2d, role, rowwise, transposed, compute_dtype)
+    if found:
+        return found
     meta = plan.metas[role] if plan.metas is not None else None
     return ops.quantize_operands(
         t2d,
@@ -140,13 +130,6 @@ def _quantize_operands(
     )
 
 
-def _operands_of(ops, qt: QuantizedTensor, rowwise: bool, transposed: bool, compute_dtype):
-    """The (rowwise, transposed) GEMM operands of quantized `qt`, each None when not asked."""
-    row = ops.weight_operand(qt, "rowwise", compute_dtype=compute_dtype) if rowwise else None
-    col = ops.weight_operand(qt, "columnwise", compute_dtype=compute_dtype) if transposed else None
-    return row, col
-
-
 def _record_stats(plan: _Plan, role: str, t: torch.Tensor) -> None:
     """--log-fp8-stats: the operand's `fp8_stats_vector` under the scale it quantizes with."""
     if plan.stats is not None:
@@ -157,7 +140,7 @@ def _record_stats(plan: _Plan, role: str, t: torch.Tensor) -> None:
 
 def _pow2(plan: _Plan) -> bool:
     # delayed: False, mxfp8: True (their fixed rules), else the configured rounding.
-    return plan.spec.resolve_power_2_scale(plan.power_2_scale())
+    return plan.spec.resolve_power_2_scale(plan.config.quantize_power_2_scale)
 
 
 def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
@@ -165,26 +148,18 @@ def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
     ops = ctx.ops
     compute_dtype = ops.emulation_dtype(x.dtype)
     need_wgrad, need_dgrad = weight.requires_grad, x.requires_grad
-    # Recomputed in backward from the activation's input when that is kept instead.
-    keep_input = need_wgrad and ctx.saved_source is None
-    given = plan.quantized_input
-    if given is not None:  # x only carries the shape and the gradient's path
-        _record_stats(plan, "input", given.dequantize(x.dtype))
-        x_row, _ = _operands_of(ops, given, True, False, compute_dtype)
-        x_t = given if keep_input else None  # its transposed operand is read in backward
-    else:
-        _record_stats(plan, "input", x)
-        x2d = x.reshape(-1, x.shape[-1])
-        x_row, x_t = _quantize_operands(
-            ops,
-            x2d,
-            plan,
-            role="input",
-            rowwise=True,
-            transposed=keep_input,
-            record=plan.record,
-            compute_dtype=compute_dtype,
-        )
+    _record_stats(plan, "input", x)
+    x_row, x_t = _quantize_operands(
+        ops,
+        x.reshape(-1, x.shape[-1]),
+        plan,
+        role="input",
+        rowwise=True,
+        # Recomputed in backward from the activation's input when that is kept instead.
+        transposed=need_wgrad and ctx.saved_source is None,
+        record=plan.record,
+        compute_dtype=compute_dtype,
+    )
     fp8_weight = plan.stand_in or isinstance(weight, QuantizedTensor)
     w_row = None
     if plan.stand_in:
@@ -248,8 +223,6 @@ def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
         x_t = ctx.saved_input
         if ctx.saved_source is not None:
             x_t = _recomputed_input_operand(ops, ctx, plan, dy2d)
-        elif isinstance(x_t, QuantizedTensor):  # a given quantized input (plan.quantized_input)
-            _, x_t = _operands_of(ops, x_t, False, True, ctx.compute_dtype)
         dw = ops.gemm(dy_t, x_t, recipe=plan.recipe, out_dtype=ctx.weight_dtype, fast_accum=False)
     return dx2d, dw
 
@@ -324,6 +297,7 @@ class Fp8Linear(nn.Module):
     """y = x W^T + b with FP8 GEMMs; `.weight` is [out, in], `.bias` is [out] or None."""
 
     bias_in_gemm = True  # False: a subclass adds the bias itself (row-parallel: after the sum)
+    fp8_quantizer: Callable | None = None  # a subclass's `_Plan.quantizer` (tensor-parallel)
 
     def __init__(
         self,
@@ -357,8 +331,6 @@ class Fp8Linear(nn.Module):
         """--log-fp8-stats: an eager forward (and its backward) hands each operand's statistics
         to `fp8_stats_sink(module, role, vector, numel)` (compiled callers: set_stance)."""
         self.fp8_stats_sink: Callable | None = None
-        self.fp8_amax_groups: dict[str, object] | None = None
-        """tensorwise: `_Plan.amax_groups` of this module's GEMMs (a tensor-parallel shard's)."""
         if fp8_config.spec.delayed:
             dtypes = {r: fp8_dtype_for_role(fp8_config.fp8_format, r) for r in ROLES}
             self.delayed_scaling = fp8_state.DelayedScaling(
@@ -474,26 +446,23 @@ class Fp8Linear(nn.Module):
         *,
         activation_input: torch.Tensor | None = None,
         activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        quantized_input: QuantizedTensor | None = None,
     ) -> torch.Tensor:
         """y = x W^T + b. With `activation_input` (a tensor the caller keeps for its own
         backward, e.g. fc1's output kept by SwiGLU's) and x == activation(activation_input),
         backward recomputes x from it for the wgrad GEMM instead of keeping an FP8 copy of x
         from forward: one quantization moves from forward to backward, and x's saved bytes
-        are gone. `activation` must be elementwise code that recomputes x bitwise.
-        `quantized_input`: x already in FP8 (`_Plan.quantized_input`); x then carries only its
-        shape and the gradient's path."""
+        are gone. `activation` must be elementwise code that recomputes x bitwise."""
         if (activation_input is None) != (activation is None):
             raise ValueError("Fp8Linear: pass activation_input and activation together")
         source = (activation_input, activation) if activation is not None else None
         if isinstance(self.weight, QuantizedTensor) and torch.compiler.is_compiling():
             stand_in = self._weight_stand_in
             if stand_in is not None:
-                return self._forward(x, stand_in=stand_in, source=source, given=quantized_input)
+                return self._forward(x, stand_in=stand_in, source=source)
             # No stand-in (not prepared for compile): the whole forward in one eager call,
             # one graph break per Linear rather than one more for in_recompute.
             return forward_outside_the_graph(self, x)
-        return self._forward(x, source=source, given=quantized_input)
+        return self._forward(x, source=source)
 
     def _forward(
         self,
@@ -501,7 +470,6 @@ class Fp8Linear(nn.Module):
         *,
         stand_in: torch.Tensor | None = None,
         source: tuple[torch.Tensor, Callable] | None = None,
-        given: QuantizedTensor | None = None,
     ) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(
@@ -541,9 +509,8 @@ class Fp8Linear(nn.Module):
         plan = build_plan(
             config, self.delayed_scaling, recompute=recompute, group=group, device=x.device
         )
-        plan.bookkept_outside = hooked
+        plan.bookkept_outside, plan.quantizer = hooked, self.fp8_quantizer
         plan.setup = setup
-        plan.amax_groups, plan.quantized_input = self.fp8_amax_groups, given
         if self.fp8_stats_on and not recompute and not torch.compiler.is_compiling():
             plan.stats = functools.partial(self.fp8_stats_sink, self)
         if plan.metas is not None:

@@ -9,11 +9,11 @@ parallelism", states the rules; this module applies them through the FP8 package
   group), so each shard's bytes are the slice of TP = 1's; block (128x128) and MX (1x32) cells
   must not straddle a TP cut (refused at parse time: `training/flags/tensor_parallel.py`).
 - Tensorwise activations split over TP (a row-parallel input, a column-parallel output's
-  gradient) take the whole tensor's scale: the layer gives its GEMMs the TP group as the
-  amax-reduction group of that role (`Fp8Linear.fp8_amax_groups`), so they quantize with the
-  amax MAX-reduced over TP (one 4-byte all-reduce, not in the TP byte counters).
+  gradient) take the whole tensor's scale: the layer's quantizer (`Fp8Linear.fp8_quantizer`,
+  which its GEMMs' plan calls for that role) quantizes with the amax MAX-reduced over the TP
+  group (one 4-byte all-reduce, counted). At TP = 1 there is none.
 - Under sequence parallelism the column-parallel input is all-gathered as FP8 bytes and the
-  GEMM reads them as its quantized input (`Fp8Linear.forward(quantized_input=)`): each rank
+  GEMM reads them as its quantized input (the same quantizer hands them over): each rank
   quantizes its sequence shard as the whole input quantizes (tensorwise: with the amax
   MAX-reduced over TP first; delayed: the history's scale, agreed over TP, and the agreed amax
   recorded), and the bytes (and block scale grids) are gathered in rank order. Per-tensor
@@ -28,6 +28,7 @@ parallelism", states the rules; this module applies them through the FP8 package
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -59,17 +60,19 @@ logger = logging.getLogger(__name__)
 
 class _SequenceGatherEdge(torch.autograd.Function):
     """The gradient's path of a sequence gather whose values travel as FP8 bytes: forward
-    returns a stride-0 stand-in of the gathered shape (the GEMM reads the gathered
+    returns `values`, or a stride-0 stand-in of the gathered shape (the GEMM reads the gathered
     QuantizedTensor instead); backward reduce-scatters the (partial) input gradient."""
 
     @staticmethod
-    def forward(ctx, x, group, shape):
+    def forward(ctx, x, group, shape, values):
         ctx.group = group
+        if values is not None:
+            return values.reshape(shape)
         return torch.empty_strided(shape, (0,) * len(shape), dtype=x.dtype, device=x.device)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, SEQUENCE_DIM, ctx.group), None, None
+        return _reduce_scatter(grad, SEQUENCE_DIM, ctx.group), None, None, None
 
 
 def _gather_tokens(t: torch.Tensor, batch: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -103,17 +106,48 @@ def _gathered(shard: QuantizedTensor, batch: int, group: dist.ProcessGroup) -> Q
 
 
 def gather_fp8_sequence(
-    x: torch.Tensor, group: dist.ProcessGroup, quantize_shard: Callable
+    x: torch.Tensor, group: dist.ProcessGroup, quantize_shard: Callable, *, values: bool = False
 ) -> tuple[torch.Tensor, QuantizedTensor | None]:
-    """(stand-in [B, S, D], gathered QuantizedTensor [B * S, D]) from this rank's [B, S/tp, D],
-    moved as FP8 bytes quantized by `quantize_shard(shard [B * S/tp, D]) -> QuantizedTensor`;
-    (x, None) on one rank."""
+    """(x's [B, S, D] stand-in, gathered QuantizedTensor [B * S, D]) from this rank's
+    [B, S/tp, D], moved as FP8 bytes quantized by `quantize_shard(shard [B * S/tp, D])`;
+    `values`: the stand-in holds the gathered values (dequantized: --log-fp8-stats reads
+    them). (x, None) on one rank."""
     world = dist.get_world_size(group)
     if world == 1:
         return x, None
     shard = quantize_shard(x.detach().reshape(-1, x.shape[-1]))
+    gathered = _gathered(shard, x.shape[0], group)
     shape = (x.shape[0], x.shape[1] * world, *x.shape[2:])
-    return _SequenceGatherEdge.apply(x, group, shape), _gathered(shard, x.shape[0], group)
+    full = gathered.dequantize(x.dtype) if values else None
+    return _SequenceGatherEdge.apply(x, group, shape, full), gathered
+
+
+def _split_operands(
+    ops, t2d, role, rowwise, transposed, compute_dtype, *, config, group, split, given
+):
+    """`Fp8Linear.fp8_quantizer` of a tensor-parallel Linear (its plan's `quantizer`): the
+    operands of the `given` (gathered) input; under tensorwise, of a `split` role's tensor
+    with the amax MAX-reduced over `group`; None (the backend's quantization) otherwise."""
+    if role == "input" and given is not None:
+        qt = given
+    elif role in split and config.spec.accepts_global_amax:
+        how = dict(recipe=config.recipe, role=role, amax=agreed_amax(t2d, group))
+        how.update(fp8_dtype=fp8_dtype_for_role(config.fp8_format, role))
+        qt = quantize(t2d, **how, power_2_scale=config.quantize_power_2_scale)
+    else:
+        return None
+    row = ops.weight_operand(qt, "rowwise", compute_dtype=compute_dtype) if rowwise else None
+    col = ops.weight_operand(qt, "columnwise", compute_dtype=compute_dtype) if transposed else None
+    return row, col
+
+
+def _set_quantizer(layer: Fp8Linear, config: Fp8Config, split: tuple[str, ...], given=None):
+    """Point `layer`'s next GEMMs (its plan keeps the function for backward) at
+    `_split_operands` with these settings; at TP = 1 nothing."""
+    if layer.tp.size > 1:
+        layer.fp8_quantizer = functools.partial(
+            _split_operands, config=config, group=layer.tp.group, split=split, given=given
+        )
 
 
 def agreed_amax(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -146,19 +180,19 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
         super().__init__(in_features, local_out, bias=bias, fp8_config=fp8_config, dtype=dtype)
         self.tp, self.output_blocks = tensor_parallel, blocks
         self.full_out_features = out_features
-        if tensor_parallel.size > 1:  # the output, so its gradient, is split over TP
-            self.fp8_amax_groups = {"grad": tensor_parallel.group}
 
     def forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
         enabled, config, _, _ = self._current_settings()
-        quantized = None
+        given = None
         if not self.tp.sequence_parallel:
             x = copy_to_tensor_parallel_region(x, self.tp.group)
         elif enabled and _gathers_fp8(config.spec, x.shape[SEQUENCE_DIM]):
-            x, quantized = gather_fp8_sequence(x, self.tp.group, self._quantize_input_shard)
+            how = dict(values=self.fp8_stats_on)
+            x, given = gather_fp8_sequence(x, self.tp.group, self._quantize_input_shard, **how)
         else:
             x = gather_from_sequence_parallel_region(x, self.tp.group)
-        return super().forward(x, quantized_input=quantized, **activation)
+        _set_quantizer(self, config, ("grad",), given)  # the output, so its gradient, is split
+        return super().forward(x, **activation)
 
     def _quantize_input_shard(self, shard: torch.Tensor) -> QuantizedTensor:
         """This rank's input shard [tokens, in] in FP8 as the whole input quantizes: rowwise,
@@ -227,10 +261,9 @@ class Fp8RowParallelLinear(Fp8Linear, RowSplit):
         self.tp, self.full_in_features = tensor_parallel, in_features
         if self.bias is not None and self.tp.sequence_parallel:
             mark_sequence_parallel_(self.bias)
-        if tensor_parallel.size > 1:  # the input is split over TP
-            self.fp8_amax_groups = {"input": tensor_parallel.group}
 
     def forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
+        _set_quantizer(self, self._current_settings()[1], ("input",))  # the input is split
         y = super().forward(x, **activation)
         if self.tp.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp.group)
