@@ -99,7 +99,26 @@ def _cases(rank: int, world_size: int) -> dict:
         found[name, "bf16"] = tensor_parallel_bytes()
         for recipe in RECIPES:
             found[name, recipe] = _layer_case(recipe, tp, **shape)
+    found["stats"] = _input_stats(tp)
     return found
+
+
+def _input_stats(tp: TensorParallel) -> dict:
+    """--log-fp8-stats on a tensorwise layer whose input is gathered in FP8: the input's
+    statistics are those of the gathered values (the whole input's amax)."""
+    shape = ALIGNED
+    torch.manual_seed(0)
+    x = torch.randn(shape["batch"], shape["seq"], shape["hidden"], dtype=torch.bfloat16)
+    layer = Fp8ColumnParallelLinear(
+        shape["hidden"], shape["out"], bias=False, tensor_parallel=tp,
+        fp8_config=_config("tensorwise"), dtype=torch.bfloat16,
+    )  # fmt: skip
+    seen = {}
+    layer.fp8_stats_on = True
+    layer.fp8_stats_sink = lambda module, role, vector, numel: seen.update({role: (vector, numel)})
+    layer(scatter_to_sequence_parallel_region(x, tp.group))
+    vector, numel = seen["input"]
+    return {"amax": vector[0].item(), "numel": numel, "expected": x.abs().max().item()}
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +172,10 @@ def test_gemm_operands_equal_tp1s(per_rank, case, recipe) -> None:
         if recipe == "delayed":  # the twin recorded the whole input's amax
             tp1_history, twin_history = found[case, recipe]["histories"]
             assert tp1_history.amax() > 0 and torch.equal(twin_history, tp1_history)
+
+
+def test_input_statistics_are_the_gathered_inputs(per_rank) -> None:
+    for found in per_rank:
+        stats = found["stats"]
+        assert stats["numel"] == ALIGNED["batch"] * ALIGNED["seq"] * ALIGNED["hidden"]
+        assert stats["amax"] == stats["expected"]
