@@ -192,7 +192,9 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
         else:
             x = gather_from_sequence_parallel_region(x, self.tp.group)
         _set_quantizer(self, config, ("grad",), given)  # the output, so its gradient, is split
-        return super().forward(x, **activation)
+        y = super().forward(x, **activation)
+        self.fp8_quantizer = None  # its plan keeps it for backward; the module keeps no input
+        return y
 
     def _quantize_input_shard(self, shard: torch.Tensor) -> QuantizedTensor:
         """This rank's input shard [tokens, in] in FP8 as the whole input quantizes: rowwise,
