@@ -64,6 +64,8 @@ class _Plan:
     copy of it is quantized in backward from the recomputed input, not saved from forward."""
     stats: Callable[[str, torch.Tensor, int], None] | None = None
     """`Fp8Linear.fp8_stats_sink` bound to the module, on a statistics step (not a recompute)."""
+    quantizer: Callable | None = None
+    """(ops, t2d, role, rowwise, transposed, compute_dtype) -> operands, None: the backend's."""
 
     @property
     def recipe(self) -> str:
@@ -76,9 +78,6 @@ class _Plan:
     def dtype(self, role: str) -> torch.dtype:
         return fp8_dtype_for_role(self.config.fp8_format, role)
 
-    def power_2_scale(self) -> bool | None:
-        return self.config.quantize_power_2_scale
-
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
@@ -86,8 +85,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.plan = plan
         ctx.saved_source = source if weight.requires_grad else None
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype, ctx.weight_dtype = (bias.dtype if bias is not None else None), weight.dtype
         ctx.ops = backend_for(x)
         y2d = _forward(ctx, x, weight, plan)
         if bias is not None:
@@ -113,6 +111,9 @@ def _quantize_operands(
     """One quantization of `t2d`: the operands `role`'s GEMMs read (module docstring table).
     `saved`: whether the transposed operand is kept for backward (default: an input's or a
     weight's is; the backend may then keep it in a smaller form)."""
+    found = plan.quantizer and plan.quantizer(ops, t2d, role, rowwise, transposed, compute_dtype)
+    if found:
+        return found
     meta = plan.metas[role] if plan.metas is not None else None
     return ops.quantize_operands(
         t2d,
@@ -139,7 +140,7 @@ def _record_stats(plan: _Plan, role: str, t: torch.Tensor) -> None:
 
 def _pow2(plan: _Plan) -> bool:
     # delayed: False, mxfp8: True (their fixed rules), else the configured rounding.
-    return plan.spec.resolve_power_2_scale(plan.power_2_scale())
+    return plan.spec.resolve_power_2_scale(plan.config.quantize_power_2_scale)
 
 
 def _forward(ctx, x, weight, plan: _Plan) -> torch.Tensor:
@@ -296,6 +297,7 @@ class Fp8Linear(nn.Module):
     """y = x W^T + b with FP8 GEMMs; `.weight` is [out, in], `.bias` is [out] or None."""
 
     bias_in_gemm = True  # False: a subclass adds the bias itself (row-parallel: after the sum)
+    fp8_quantizer: Callable | None = None  # a subclass's `_Plan.quantizer` (tensor-parallel)
 
     def __init__(
         self,
@@ -507,7 +509,7 @@ class Fp8Linear(nn.Module):
         plan = build_plan(
             config, self.delayed_scaling, recompute=recompute, group=group, device=x.device
         )
-        plan.bookkept_outside = hooked
+        plan.bookkept_outside, plan.quantizer = hooked, self.fp8_quantizer
         plan.setup = setup
         if self.fp8_stats_on and not recompute and not torch.compiler.is_compiling():
             plan.stats = functools.partial(self.fp8_stats_sink, self)

@@ -9,26 +9,33 @@ parallelism", states the rules; this module applies them through the FP8 package
   group), so each shard's bytes are the slice of TP = 1's; block (128x128) and MX (1x32) cells
   must not straddle a TP cut (refused at parse time: `training/flags/tensor_parallel.py`).
 - Tensorwise activations split over TP (a row-parallel input, a column-parallel output's
-  gradient) take the whole tensor's scale: AMAX_ROWS rows carrying the amax MAX-reduced over
-  TP are appended to the GEMM operand (zero rows on the other side; their outputs dropped).
-- Under sequence parallelism a per-tensor recipe's column-parallel input is all-gathered as
-  FP8 bytes: the local sequence shard is quantized with the scale of the whole gathered tensor
-  (its amax MAX-reduced over TP first; delayed: the history's scale, agreed over TP), the bytes
-  are gathered, and the GEMM re-derives its operand from them bitwise (dequantized, with one
-  element of largest magnitude set back to the agreed amax, so that quantizing again finds the
-  same amax, scale and bytes; the delayed history records that amax). Block recipes gather in
-  high precision: their wgrad operand has Bx1 cells along the tokens, which the FP8 bytes of
-  1xB row cells cannot reproduce bitwise.
+  gradient) take the whole tensor's scale: the layer's quantizer (`Fp8Linear.fp8_quantizer`,
+  which its GEMMs' plan calls for that role) quantizes with the amax MAX-reduced over the TP
+  group (one 4-byte all-reduce, counted). At TP = 1 there is none.
+- Under sequence parallelism the column-parallel input is all-gathered as FP8 bytes and the
+  GEMM reads them as its quantized input (the same quantizer hands them over): each rank
+  quantizes its sequence shard as the whole input quantizes (tensorwise: with the amax
+  MAX-reduced over TP first; delayed: the history's scale, agreed over TP, and the agreed amax
+  recorded), and the bytes (and block scale grids) are gathered in rank order. Per-tensor
+  recipes gather the rowwise bytes once (wgrad reads their transpose). Block recipes' rowwise
+  1x128 / 1x32 cells are row-local, but wgrad reads Bx1 cells along the tokens, which are a
+  rank's own only when its token count per sequence is a multiple of B (128 blockwise, 32
+  mxfp8): then the columnwise copy is quantized locally and gathered too, in forward and kept
+  for backward (Megatron-LM would re-gather it in backward); otherwise the input is gathered
+  in high precision (logged once per recipe and shard length). Each FP8 gather moves half of a
+  bf16 gather's bytes (counted; scale grids, 1/32 of that, travel uncounted).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.fp8 import Fp8Config, Fp8Linear, fp8_dtype_for_role, quantize
+from megatron.core.fp8 import Fp8Config, Fp8Linear, QuantizedTensor, fp8_dtype_for_role, quantize
 from megatron.core.fp8.autocast import in_recompute
 from megatron.core.tensor_parallel.layers import (
     ColumnSplit,
@@ -48,46 +55,99 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
+logger = logging.getLogger(__name__)
 
-class _Fp8SequenceGather(torch.autograd.Function):
-    """All-gather of sequence shards [B, S/tp, D] moved as FP8 bytes; the output is their
-    exact dequantized values with one largest element set back to the agreed amax (module
-    docstring). Backward: the reduce-scatter of the (partial) input gradient."""
+
+class _SequenceGatherEdge(torch.autograd.Function):
+    """The gradient's path of a sequence gather whose values travel as FP8 bytes: forward
+    returns `values`, or a stride-0 stand-in of the gathered shape (the GEMM reads the gathered
+    QuantizedTensor instead); backward reduce-scatters the (partial) input gradient."""
 
     @staticmethod
-    def forward(ctx, x, group, quantize_shard):
+    def forward(ctx, x, group, shape, values):
         ctx.group = group
-        amax = agreed_amax(x, group)
-        data, scale_inv = quantize_shard(x.detach(), amax)
-        raw = data.contiguous().view(torch.uint8)  # gloo moves no float8 dtype
-        pieces = [torch.empty_like(raw) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(pieces, raw, group=group)
-        full = torch.cat(pieces, dim=SEQUENCE_DIM)
-        count_collective("all_gather", full)
-        return _values_with_amax(full.view(data.dtype), scale_inv, amax, x.dtype)
+        if values is not None:
+            return values.reshape(shape)
+        return torch.empty_strided(shape, (0,) * len(shape), dtype=x.dtype, device=x.device)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, SEQUENCE_DIM, ctx.group), None, None
+        return _reduce_scatter(grad, SEQUENCE_DIM, ctx.group), None, None, None
 
 
-def _values_with_amax(
-    q: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """q * scale_inv in `dtype`, within +-amax, one element of largest |q| set to +-amax."""
-    values = (q.to(torch.float32) * scale_inv.to(torch.float32)).to(dtype)
-    if torch.isfinite(amax) and amax > 0:
-        bound = amax.to(dtype)
-        values = torch.minimum(torch.maximum(values, -bound), bound)
-        flat = values.view(-1)
-        index = q.to(torch.float32).abs().view(-1).argmax()
-        flat[index] = torch.copysign(bound, flat[index])
-    return values
+def _gather_tokens(t: torch.Tensor, batch: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """[batch * n, C] pieces of [batch, n, C] (token-major rows) gathered along n in rank order:
+    [batch * world * n, C]. One-byte dtypes travel as uint8 (gloo moves no float8)."""
+    raw = t.contiguous()
+    raw = raw.view(torch.uint8) if raw.element_size() == 1 else raw
+    raw = raw.reshape(batch, -1, raw.shape[-1])
+    pieces = [torch.empty_like(raw) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, raw, group=group)
+    return torch.cat(pieces, dim=1).reshape(-1, raw.shape[-1]).view(t.dtype)
 
 
-AMAX_ROWS = 16
-"""Rows appended to a GEMM operand to carry an agreed amax (16: FP8 GEMM dims stay multiples of
-16 for torch._scaled_mm)."""
+def _gathered(shard: QuantizedTensor, batch: int, group: dist.ProcessGroup) -> QuantizedTensor:
+    """The QuantizedTensor of the gathered [batch * S, D] input from this rank's shard's:
+    bytes (counted) and block scale grids gathered along the tokens; a per-tensor scale is
+    already the same on every rank."""
+    per_tensor = shard.spec.per_tensor
+    parts = {}
+    for direction in ("rowwise", "columnwise"):
+        data = getattr(shard, f"{direction}_data")
+        scale_inv = getattr(shard, f"{direction}_scale_inv")
+        if data is not None:
+            data = _gather_tokens(data, batch, group)
+            count_collective("all_gather", data)
+            scale_inv = scale_inv if per_tensor else _gather_tokens(scale_inv, batch, group)
+        parts[f"{direction}_data"], parts[f"{direction}_scale_inv"] = data, scale_inv
+    rows = shard.shape[0] * dist.get_world_size(group)
+    meta = dict(recipe=shard.recipe, fp8_dtype=shard.fp8_dtype, role=shard.role)
+    return QuantizedTensor(shape=(rows, shard.shape[1]), dtype=shard.dtype, **meta, **parts)
+
+
+def gather_fp8_sequence(
+    x: torch.Tensor, group: dist.ProcessGroup, quantize_shard: Callable, *, values: bool = False
+) -> tuple[torch.Tensor, QuantizedTensor | None]:
+    """(x's [B, S, D] stand-in, gathered QuantizedTensor [B * S, D]) from this rank's
+    [B, S/tp, D], moved as FP8 bytes quantized by `quantize_shard(shard [B * S/tp, D])`;
+    `values`: the stand-in holds the gathered values (dequantized: --log-fp8-stats reads
+    them). (x, None) on one rank."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x, None
+    shard = quantize_shard(x.detach().reshape(-1, x.shape[-1]))
+    gathered = _gathered(shard, x.shape[0], group)
+    shape = (x.shape[0], x.shape[1] * world, *x.shape[2:])
+    full = gathered.dequantize(x.dtype) if values else None
+    return _SequenceGatherEdge.apply(x, group, shape, full), gathered
+
+
+def _split_operands(
+    ops, t2d, role, rowwise, transposed, compute_dtype, *, config, group, split, given
+):
+    """`Fp8Linear.fp8_quantizer` of a tensor-parallel Linear (its plan's `quantizer`): the
+    operands of the `given` (gathered) input; under tensorwise, of a `split` role's tensor
+    with the amax MAX-reduced over `group`; None (the backend's quantization) otherwise."""
+    if role == "input" and given is not None:
+        qt = given
+    elif role in split and config.spec.accepts_global_amax:
+        how = dict(recipe=config.recipe, role=role, amax=agreed_amax(t2d, group))
+        how.update(fp8_dtype=fp8_dtype_for_role(config.fp8_format, role))
+        qt = quantize(t2d, **how, power_2_scale=config.quantize_power_2_scale)
+    else:
+        return None
+    row = ops.weight_operand(qt, "rowwise", compute_dtype=compute_dtype) if rowwise else None
+    col = ops.weight_operand(qt, "columnwise", compute_dtype=compute_dtype) if transposed else None
+    return row, col
+
+
+def _set_quantizer(layer: Fp8Linear, config: Fp8Config, split: tuple[str, ...], given=None):
+    """Point `layer`'s next GEMMs (its plan keeps the function for backward) at
+    `_split_operands` with these settings; at TP = 1 nothing."""
+    if layer.tp.size > 1:
+        layer.fp8_quantizer = functools.partial(
+            _split_operands, config=config, group=layer.tp.group, split=split, given=given
+        )
 
 
 def agreed_amax(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -98,57 +158,11 @@ def agreed_amax(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return amax.reshape(())
 
 
-def _amax_rows(like: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
-    """AMAX_ROWS zero rows shaped like `like`'s rows, the first element `amax` (None: zeros)."""
-    rows = like.new_zeros(AMAX_ROWS, like.shape[-1])
-    if amax is not None:
-        rows[0, 0] = amax.to(like.dtype)
-    return rows
-
-
-class _AppendAmaxRows(torch.autograd.Function):
-    """[x2d; rows carrying the amax of x over the TP group]: a per-tensor quantization of the
-    result uses the whole (unsplit) tensor's scale. Backward drops the rows' gradient."""
-
-    @staticmethod
-    def forward(ctx, x2d, group):
-        return torch.cat([x2d, _amax_rows(x2d, agreed_amax(x2d, group))])
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad[:-AMAX_ROWS], None
-
-
-class _DropAmaxRows(torch.autograd.Function):
-    """y2d without its last AMAX_ROWS rows; backward appends rows carrying the gradient's amax
-    over the TP group (a per-tensor quantization of the gradient then uses the whole output's
-    scale; the matching input rows are zero, so wgrad gains nothing from them)."""
-
-    @staticmethod
-    def forward(ctx, y2d, group):
-        ctx.group = group
-        return y2d[:-AMAX_ROWS]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.cat([grad, _amax_rows(grad, agreed_amax(grad, ctx.group))]), None
-
-
-def gather_fp8_sequence(
-    x: torch.Tensor, group: dist.ProcessGroup, quantize_shard: Callable
-) -> torch.Tensor:
-    """[B, S, D] from this rank's [B, S/tp, D], moved as FP8 bytes quantized by
-    `quantize_shard(shard, agreed_amax) -> (fp8 data, scale_inv)`."""
-    if dist.get_world_size(group) == 1:
-        return x
-    return _Fp8SequenceGather.apply(x, group, quantize_shard)
-
-
 class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
     """`ColumnParallelLinear` in FP8: an Fp8Linear of this rank's output rows [out/tp, in]
     (each block of `output_blocks` split over TP). Its input is replicated (gradient
-    all-reduced) or, under sequence parallelism, gathered from sequence shards (in FP8 for a
-    per-tensor recipe)."""
+    all-reduced) or, under sequence parallelism, gathered from sequence shards as FP8 bytes
+    (module docstring: block recipes need shards of whole columnwise cells, else bf16)."""
 
     def __init__(
         self,
@@ -165,46 +179,66 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
         local_out = out_features // tensor_parallel.size
         super().__init__(in_features, local_out, bias=bias, fp8_config=fp8_config, dtype=dtype)
         self.tp, self.output_blocks = tensor_parallel, blocks
-        self.bias_in_gemm = False  # added after the GEMM, whose rows may carry an amax
         self.full_out_features = out_features
 
     def forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
         enabled, config, _, _ = self._current_settings()
+        given = None
         if not self.tp.sequence_parallel:
             x = copy_to_tensor_parallel_region(x, self.tp.group)
-        elif enabled and config.spec.per_tensor:
-            x = gather_fp8_sequence(x, self.tp.group, self._quantize_input_shard)
+        elif enabled and _gathers_fp8(config.spec, x.shape[SEQUENCE_DIM]):
+            how = dict(values=self.fp8_stats_on)
+            x, given = gather_fp8_sequence(x, self.tp.group, self._quantize_input_shard, **how)
         else:
             x = gather_from_sequence_parallel_region(x, self.tp.group)
-        if enabled and config.spec.accepts_global_amax:
-            # The output (and so its gradient) is split over TP: the gradient's scale comes
-            # from its amax over TP, carried by rows appended to the input (zero) and output.
-            x2d = x.reshape(-1, x.shape[-1])
-            y2d = super().forward(torch.cat([x2d, _amax_rows(x2d, None)]))
-            y = _DropAmaxRows.apply(y2d, self.tp.group).reshape(*x.shape[:-1], -1)
-        else:
-            y = super().forward(x, **activation)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        _set_quantizer(self, config, ("grad",), given)  # the output, so its gradient, is split
+        y = super().forward(x, **activation)
+        self.fp8_quantizer = None  # its plan keeps it for backward; the module keeps no input
+        return y
 
-    def _quantize_input_shard(
-        self, shard: torch.Tensor, amax: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's input shard in FP8 with the whole input's scale: tensorwise from the
-        agreed amax, delayed from the input history (its scale agrees over the amax group)."""
+    def _quantize_input_shard(self, shard: torch.Tensor) -> QuantizedTensor:
+        """This rank's input shard [tokens, in] in FP8 as the whole input quantizes: rowwise,
+        and columnwise where wgrad needs a copy (block recipes). Tensorwise: the agreed amax's
+        scale; delayed: the input history's (agreed over the amax group), the agreed amax
+        recorded in it, as the GEMM's own quantization records."""
         _, config, _, _ = self._current_settings()
-        how = dict(recipe=config.recipe, role="input")
+        spec = config.spec
+        how = dict(recipe=config.recipe, role="input", columnwise=spec.columnwise_copy("input"))
         how["fp8_dtype"] = fp8_dtype_for_role(config.fp8_format, "input")
-        if config.spec.delayed:
+        if spec.delayed:
             self.delayed_scaling.move_to(shard.device)
             meta = self.delayed_scaling.metas["input"]
-            # A recompute quantizes with the first forward's scale, as the GEMM's plan does.
-            recompute = in_recompute() and meta.forward_scale is not None
-            how["scale"] = meta.forward_scale if recompute else meta.scale
-        else:
-            how.update(amax=amax, power_2_scale=config.quantize_power_2_scale)
-        qt = quantize(shard, **how)
-        operand = qt.gemm_operand("rowwise")
-        return operand.data.reshape(shard.shape), operand.scale_inv
+            # A recompute quantizes with the first forward's scale and records nothing.
+            if in_recompute() and meta.forward_scale is not None:
+                return quantize(shard, **how, scale=meta.forward_scale)
+            meta.record(agreed_amax(shard, self.tp.group))
+            return quantize(shard, **how, scale=meta.scale)
+        if spec.per_tensor:
+            how["amax"] = agreed_amax(shard, self.tp.group)
+        return quantize(shard, **how, power_2_scale=config.quantize_power_2_scale)
+
+
+_FALLBACKS_LOGGED: set[tuple[str, int]] = set()
+
+
+def _gathers_fp8(spec, shard_tokens: int) -> bool:
+    """Whether the sequence-parallel gather moves FP8 bytes: per tensor always; block recipes
+    when the shard's tokens are whole columnwise cells (wgrad's Bx1 cells along the tokens stay
+    each rank's own), else the gather is bf16, logged once per (recipe, shard length)."""
+    if spec.per_tensor or shard_tokens % spec.block == 0:
+        return True
+    if (spec.name, shard_tokens) not in _FALLBACKS_LOGGED:
+        _FALLBACKS_LOGGED.add((spec.name, shard_tokens))
+        logger.warning(
+            "sequence-parallel %s: %d tokens per rank is not a multiple of the %d-token "
+            "columnwise cell; the column-parallel input is all-gathered in high precision "
+            "(a sequence length of a multiple of %d x the TP size gathers FP8 bytes)",
+            spec.name,
+            shard_tokens,
+            spec.block,
+            spec.block,
+        )
+    return False
 
 
 class Fp8RowParallelLinear(Fp8Linear, RowSplit):
@@ -231,15 +265,8 @@ class Fp8RowParallelLinear(Fp8Linear, RowSplit):
             mark_sequence_parallel_(self.bias)
 
     def forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
-        enabled, config, _, _ = self._current_settings()
-        if enabled and config.spec.accepts_global_amax:
-            # The input is split over TP: its scale comes from its amax over TP (appended rows).
-            # The rows' outputs are dropped, so their gradient is zero. wgrad quantizes the
-            # input kept here rather than recomputing it from `activation`'s input.
-            x2d = _AppendAmaxRows.apply(x.reshape(-1, x.shape[-1]), self.tp.group)
-            y = super().forward(x2d)[:-AMAX_ROWS].reshape(*x.shape[:-1], -1)
-        else:
-            y = super().forward(x, **activation)
+        _set_quantizer(self, self._current_settings()[1], ("input",))  # the input is split
+        y = super().forward(x, **activation)
         if self.tp.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp.group)
         else:

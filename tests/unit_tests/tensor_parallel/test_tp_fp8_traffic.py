@@ -1,9 +1,14 @@
-"""Issue 40, acceptance 2 (bytes): under --sequence-parallel a per-tensor FP8 recipe's
-column-parallel input is all-gathered as FP8 bytes, so the tensor-parallel counters
-(`tensor_parallel_bytes`) show that gather at half of bf16's bytes; the amax agreed over TP
-first is counted apart, as one 4-byte all-reduce. The gathered input equals the dequantized
-FP8 bytes of the whole input quantized at once (the bytes TP = 1 quantizes). Block recipes
-gather in high precision (their wgrad operand needs the input's columns)."""
+"""Issue 40, acceptance 2 (bytes): under --sequence-parallel the column-parallel input is
+all-gathered as FP8 bytes and handed to the GEMM as its quantized input, so the
+tensor-parallel counters (`tensor_parallel_bytes`) show each FP8 gather at half of bf16's
+bytes. Per-tensor recipes gather the rowwise bytes once (wgrad reads their transpose); the
+amax agreed over TP first is counted apart, as one 4-byte all-reduce. Block recipes gather the
+rowwise bytes and the columnwise copy (wgrad's Bx1 cells along the tokens), two gathers of
+half a bf16 gather's bytes, when each rank's tokens are whole cells (128 blockwise, 32 mxfp8);
+otherwise they gather in bf16. Scale grids travel with the bytes, uncounted (4 bytes per 128
+elements blockwise, 1 per 32 mxfp8: 1/32 of the FP8 bytes). The GEMM operands of the gathered
+input (rowwise for fprop, transposed for wgrad), and of the split output gradient (its
+tensorwise scale from the amax MAX-reduced over TP), are bitwise TP = 1's."""
 
 from __future__ import annotations
 
@@ -11,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core.fp8 import Fp8Config, quantize
+from megatron.core.fp8 import Fp8Config, Fp8Linear, reference_ops
 from megatron.core.tensor_parallel import ColumnParallelLinear, TensorParallel
-from megatron.core.tensor_parallel.fp8 import Fp8ColumnParallelLinear, gather_fp8_sequence
+from megatron.core.tensor_parallel.fp8 import Fp8ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     reset_tensor_parallel_bytes,
     scatter_to_sequence_parallel_region,
@@ -21,68 +26,156 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from tests.unit_tests.dist_utils import run_distributed
 
-B, S, D, OUT = 2, 8, 64, 64
 RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+UNALIGNED = dict(batch=2, seq=8, hidden=64, out=64)
+"""4 tokens per rank: block recipes gather in bf16."""
+ALIGNED = dict(batch=1, seq=256, hidden=128, out=256)
+"""128 tokens per rank: whole blockwise (128) and mxfp8 (32) columnwise cells; 128 output
+columns per rank, whole 128x128 weight blocks."""
 
 
-def _gather_bytes(rank: int, world_size: int) -> dict:
-    tp = TensorParallel(dist.group.WORLD, sequence_parallel=True)
-    torch.manual_seed(0)
-    x = torch.randn(B, S, D, dtype=torch.bfloat16)
-    shard = scatter_to_sequence_parallel_region(x, tp.group)
-    found = {}
-    bf16 = ColumnParallelLinear(D, OUT, bias=False, tensor_parallel=tp, dtype=torch.bfloat16)
-    for name, layer in [("bf16", bf16)] + [(recipe, _fp8_layer(recipe, tp)) for recipe in RECIPES]:
-        reset_tensor_parallel_bytes()
-        layer(shard.detach().requires_grad_())
-        found[name] = tensor_parallel_bytes()
-    layer = _fp8_layer("tensorwise", tp)
-    found["gathered"] = gather_fp8_sequence(shard, tp.group, layer._quantize_input_shard)
-    found["whole"] = _bytes(x)
-    found["amax"] = x.abs().max()
+def _config(recipe: str) -> Fp8Config:
+    return Fp8Config(recipe=recipe, fp8_format="hybrid")
+
+
+def _operands(run) -> list[tuple]:
+    """The (a, b) operands of every FP8 GEMM that `run()` calls: bytes and scale_inv."""
+    gemm, found = reference_ops.gemm, []
+
+    def spy(a, b, **kwargs):
+        found.append(tuple((op.data.view(torch.uint8).clone(), op.scale_inv) for op in (a, b)))
+        return gemm(a, b, **kwargs)
+
+    setattr(reference_ops, "gemm", spy)  # noqa: B010
+    try:
+        run()
+    finally:
+        setattr(reference_ops, "gemm", gemm)  # noqa: B010
     return found
 
 
-def _bytes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rowwise bytes, scale_inv) of `t` quantized at once, tensorwise (an input, E4M3)."""
-    qt = quantize(t, recipe="tensorwise", fp8_dtype=torch.float8_e4m3fn, role="input")
-    operand = qt.gemm_operand("rowwise")
-    return operand.data.view(torch.uint8).clone(), operand.scale_inv.clone()
+def _layer_case(recipe: str, tp: TensorParallel, *, batch, seq, hidden, out) -> dict:
+    """TP = 1 Fp8Linear and its column-parallel twin on the same input and output gradient:
+    the twin's forward bytes by collective kind, the GEMM operands of both, and the delayed
+    input histories."""
+    torch.manual_seed(0)
+    x = torch.randn(batch, seq, hidden, dtype=torch.bfloat16)
+    grad = torch.randn(batch, seq, out, dtype=torch.bfloat16)
+    full = Fp8Linear(hidden, out, bias=False, fp8_config=_config(recipe), dtype=torch.bfloat16)
+    twin = Fp8ColumnParallelLinear(
+        hidden, out, bias=False, tensor_parallel=tp, fp8_config=_config(recipe),
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    with torch.no_grad():
+        twin.weight.copy_(full.weight.chunk(tp.size)[tp.rank])
+    shard = scatter_to_sequence_parallel_region(x, tp.group).detach().requires_grad_()
+    found = {"full": _operands(lambda: full(x.clone().requires_grad_()).backward(grad))}
+
+    def run_twin() -> None:
+        reset_tensor_parallel_bytes()
+        y = twin(shard)
+        found["bytes"] = tensor_parallel_bytes()
+        y.backward(grad.chunk(tp.size, dim=-1)[tp.rank])
+
+    found["twin"] = _operands(run_twin)
+    if full.delayed_scaling is not None:
+        histories = [m.delayed_scaling.metas["input"].amax_history for m in (full, twin)]
+        found["histories"] = [h.clone() for h in histories]
+    return found
 
 
-def _fp8_layer(recipe: str, tp: TensorParallel) -> Fp8ColumnParallelLinear:
-    config = Fp8Config(recipe=recipe, fp8_format="hybrid")
-    return Fp8ColumnParallelLinear(
-        D, OUT, bias=False, tensor_parallel=tp, fp8_config=config, dtype=torch.bfloat16
-    )
+def _cases(rank: int, world_size: int) -> dict:
+    tp = TensorParallel(dist.group.WORLD, sequence_parallel=True)
+    found = {}
+    for name, shape in (("unaligned", UNALIGNED), ("aligned", ALIGNED)):
+        torch.manual_seed(0)
+        x = torch.randn(shape["batch"], shape["seq"], shape["hidden"], dtype=torch.bfloat16)
+        shard = scatter_to_sequence_parallel_region(x, tp.group)
+        bf16 = ColumnParallelLinear(
+            shape["hidden"], shape["out"], bias=False, tensor_parallel=tp, dtype=torch.bfloat16
+        )
+        reset_tensor_parallel_bytes()
+        bf16(shard.detach().requires_grad_())
+        found[name, "bf16"] = tensor_parallel_bytes()
+        for recipe in RECIPES:
+            found[name, recipe] = _layer_case(recipe, tp, **shape)
+    found["stats"] = _input_stats(tp)
+    return found
+
+
+def _input_stats(tp: TensorParallel) -> dict:
+    """--log-fp8-stats on a tensorwise layer whose input is gathered in FP8: the input's
+    statistics are those of the gathered values (the whole input's amax)."""
+    shape = ALIGNED
+    torch.manual_seed(0)
+    x = torch.randn(shape["batch"], shape["seq"], shape["hidden"], dtype=torch.bfloat16)
+    layer = Fp8ColumnParallelLinear(
+        shape["hidden"], shape["out"], bias=False, tensor_parallel=tp,
+        fp8_config=_config("tensorwise"), dtype=torch.bfloat16,
+    )  # fmt: skip
+    seen = {}
+    layer.fp8_stats_on = True
+    layer.fp8_stats_sink = lambda module, role, vector, numel: seen.update({role: (vector, numel)})
+    layer(scatter_to_sequence_parallel_region(x, tp.group))
+    vector, numel = seen["input"]
+    return {"amax": vector[0].item(), "numel": numel, "expected": x.abs().max().item()}
 
 
 @pytest.fixture(scope="module")
 def per_rank() -> list[dict]:
-    return run_distributed(_gather_bytes, 2)
+    return run_distributed(_cases, 2)
+
+
+def _half_bf16(shape: dict) -> int:
+    return shape["batch"] * shape["seq"] * shape["hidden"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_sequence_parallel_gather_bytes(per_rank, recipe) -> None:
-    full_bf16 = B * S * D * 2
-    bf16 = {"all_reduce": 0, "all_gather": full_bf16, "reduce_scatter": 0}
+@pytest.mark.parametrize("case", ["unaligned", "aligned"])
+def test_sequence_parallel_gather_bytes(per_rank, case, recipe) -> None:
+    shape = UNALIGNED if case == "unaligned" else ALIGNED
+    half = _half_bf16(shape)
+    bf16 = {"all_reduce": 0, "all_gather": 2 * half, "reduce_scatter": 0}
+    if recipe in ("delayed", "tensorwise"):
+        expected = {"all_reduce": 4, "all_gather": half, "reduce_scatter": 0}
+    elif case == "aligned":  # rowwise bytes, then the columnwise copy: half a bf16 gather each
+        expected = {"all_reduce": 0, "all_gather": half + half, "reduce_scatter": 0}
+    else:
+        expected = bf16
     for found in per_rank:
-        assert found["bf16"] == bf16
-        if recipe in ("delayed", "tensorwise"):
-            fp8 = {"all_reduce": 4, "all_gather": full_bf16 // 2, "reduce_scatter": 0}
-            assert found[recipe] == fp8
-        else:
-            assert found[recipe] == bf16
+        assert found[case, "bf16"] == bf16
+        assert found[case, recipe]["bytes"] == expected
 
 
-def test_fp8_gathered_input_quantizes_to_the_whole_inputs_bytes(per_rank) -> None:
-    """The gathered FP8 bytes, dequantized with the agreed amax kept in one element, quantize
-    again to exactly the bytes and scale of the whole (TP = 1) input."""
+def _piece(t: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s half of a TP = 1 operand's bytes or scale grid along `dim` (a 0-d
+    per-tensor scale is the whole tensor's)."""
+    return t if t.dim() < 2 else t.chunk(2, dim=dim)[rank]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("case", ["unaligned", "aligned"])
+def test_gemm_operands_equal_tp1s(per_rank, case, recipe) -> None:
+    """GEMMs in order fprop (x, w), dgrad (dy, w^T), wgrad (dy^T, x^T): the input's operands
+    are TP = 1's; the output gradient's are its columns (aligned case: whole 128-wide cells)."""
+    for rank, found in enumerate(per_rank):
+        full, twin = found[case, recipe]["full"], found[case, recipe]["twin"]
+        assert len(full) == len(twin) == 3
+        pairs = [(twin[0][0], full[0][0]), (twin[2][1], full[2][1])]
+        if case == "aligned":
+            dy, dy_t = full[1][0], full[2][0]
+            pairs.append((twin[1][0], tuple(_piece(t, 1, rank) for t in dy)))
+            pairs.append((twin[2][0], tuple(_piece(t, 0, rank) for t in dy_t)))
+        for index, (mine, expected) in enumerate(pairs):
+            assert torch.equal(mine[0], expected[0]), (rank, index, "bytes")
+            assert torch.equal(mine[1], expected[1]), (rank, index, "scale_inv")
+        if recipe == "delayed":  # the twin recorded the whole input's amax
+            tp1_history, twin_history = found[case, recipe]["histories"]
+            assert tp1_history.amax() > 0 and torch.equal(twin_history, tp1_history)
+
+
+def test_input_statistics_are_the_gathered_inputs(per_rank) -> None:
     for found in per_rank:
-        gathered = found["gathered"]
-        assert gathered.dtype == torch.bfloat16 and gathered.shape == (B, S, D)
-        data, scale_inv = _bytes(gathered)
-        whole_data, whole_scale_inv = found["whole"]
-        assert torch.equal(scale_inv, whole_scale_inv)
-        assert torch.equal(data, whole_data)
-        assert gathered.abs().max() == found["amax"]
+        stats = found["stats"]
+        assert stats["numel"] == ALIGNED["batch"] * ALIGNED["seq"] * ALIGNED["hidden"]
+        assert stats["amax"] == stats["expected"]
