@@ -48,8 +48,6 @@ MOE = MOE_GPT + FP8_PARAMS
 DDP_MOE = MOE_GPT + ["--fp8-format", "hybrid", "--ckpt-format", "torch_dist"]
 """The same MoE GPT under DDP: FP8 compute on high-precision weights."""
 TP = [*TP_GPT, *TP2_SP, "--ckpt-format", "torch_dist", "--train-iters", str(TOTAL)]
-TP.append("--main-grads-dtype")
-TP.append("fp64")
 
 
 def _ep(size: int) -> list[str]:
