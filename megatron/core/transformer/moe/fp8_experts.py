@@ -13,16 +13,18 @@ so the bytes every GEMM reads do not depend on how tokens are grouped across ran
 expert-parallel layout changes only the order of fp32 sums (acceptance 1 of issue 38).
 
 `grouped_fp8_gemm` is a loop over segments through Fp8Linear's autograd function (every recipe;
-the reference). Where `grouped_fp8.grouped_path_applies` (tensorwise), the forward takes
-`grouped_fp8.grouped_fp8_linear` instead: the same rule in one autograd function over all
-experts, one quantize pass per operand and grouped GEMMs on CUDA.
+the reference). Where `grouped_fp8.grouped_path_applies` (tensorwise and blockwise), the forward
+takes `grouped_fp8.grouped_fp8_linear` instead: the same rule in one autograd function over all
+experts, one quantize pass per operand and grouped GEMMs on CUDA; delayed and mxfp8 keep the
+segment loop.
 
 FP8 parameters (--fp8-param-gather): Megatron-FSDP keeps the stacked weight as a
 QuantizedTensor [num_experts, out, in] whose scales have one leading dim per expert
 (`megatron.core.distributed.fsdp.fp8_matrices`). Each expert GEMM reads expert e's bytes and
-scales as they are, through `ExpertWeight` (no re-quantization); their wgrads are stacked into
-the parameter's grad by `_ExpertWeights` (the segment loop: the grouped function does not take
-FP8 parameters yet).
+scales as they are (no re-quantization): the grouped function reads the stacked bytes and
+scales directly; the segment loop reads them through `ExpertWeight`, and `_ExpertWeights`
+stacks their wgrads into the parameter's grad (zeros for experts without tokens), as the
+grouped function's weight gradient is.
 """
 
 from __future__ import annotations
@@ -229,12 +231,16 @@ class Fp8StackedLinear(nn.Module):
             raise ValueError("Fp8StackedLinear: segments must sum to tokens_per_expert")
         enabled, config, group, setup = self._current_settings()
         weight = self.weight
-        if isinstance(weight, QuantizedTensor):  # an FP8 parameter of Megatron-FSDP
-            if weight.spec != config.spec:
-                raise ValueError(
-                    f"FP8 expert weight was quantized with recipe '{weight.recipe}' but "
-                    f"autocast asks for '{config.recipe}'; build the model under the same recipe"
-                )
+        fp8_param = isinstance(weight, QuantizedTensor)  # an FP8 parameter of Megatron-FSDP
+        if fp8_param and weight.spec != config.spec:
+            raise ValueError(
+                f"FP8 expert weight was quantized with recipe '{weight.recipe}' but "
+                f"autocast asks for '{config.recipe}'; build the model under the same recipe"
+            )
+        grouped = enabled and self.grouped and tokens.shape[0] > 0
+        if grouped and grouped_path_applies(config, weight):
+            return grouped_fp8_linear(tokens, weight, segments, config)
+        if fp8_param:
             weight = _ExpertWeights.apply(weight)
         if not enabled:
             pieces = tokens.split(list(tokens_per_expert), dim=0)
@@ -242,8 +248,6 @@ class Fp8StackedLinear(nn.Module):
             if not outputs:
                 return tokens.new_zeros(0, self.weight.shape[1])
             return torch.cat(outputs, dim=0)
-        if self.grouped and tokens.shape[0] > 0 and grouped_path_applies(config, self.weight):
-            return grouped_fp8_linear(tokens, self.weight, segments, config)
         recompute = fp8_state.in_recompute()
 
         def plan_for_expert(expert: int):
