@@ -1,0 +1,159 @@
+"""The experts' one grouped FP8 function (moe/grouped_fp8.py) under blockwise and on FP8 expert
+parameters (the stacked QuantizedTensor Megatron-FSDP keeps under --fp8-param-gather), against
+the per-segment reference path of Fp8StackedLinear (fp8_experts.grouped_fp8_gemm).
+
+CPU: bitwise equal (torch.equal) in forward, input gradient and weight gradient: blockwise on
+a high-precision weight for fp32 and bf16 tokens, each fp8 format and scale rounding; FP8
+parameters under tensorwise and blockwise; ragged segments longer than 128 rows and not
+multiples of it, an expert without rows, empty segments, several segments of one expert (EP),
+K and N not multiples of 128. The operands equal quantizing each piece alone (the 128x1 cells
+of the weight gradient counted from each segment's start), an FP8 parameter's backward reads
+the bytes the engine re-gathered (as `ExpertWeight` does), and the function compiles with
+fullgraph=True on FP8 parameters. The CUDA dispatch's blockwise scale layouts run on CPU
+through grouped_gemm.py's kernel emulation. GPU (H200): the Triton kernels (and
+torch._scaled_grouped_mm) equal the CPU emulation within 1e-3 of the output's max|.| where
+they accumulate precisely (blockwise) and 2e-3 with fast accumulation (tensorwise)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.fp8 import Fp8Config
+from megatron.core.fp8.formats import fp8_dtype_for_role
+from megatron.core.fp8.quantization import quantize
+from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.transformer.moe import fp8_experts
+from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
+
+EXPERTS, IN, OUT = 4, 200, 144  # K and N not multiples of 128: short last cells
+SEGMENTS = [[130, 24], [0, 0], [0, 300], [40, 3]]  # > 128 rows, expert 1 empty, empty segments
+EP_SEGMENTS = [[20, 129, 9], [5], [0], [256, 0, 2]]  # several segments of one expert
+BOUND = {"tensorwise": 2e-3, "blockwise": 1e-3}  # fast / precise accumulation, of max|.|
+
+
+def _config(recipe, fp8_format="hybrid", pow2=None) -> Fp8Config:
+    return Fp8Config(recipe=recipe, fp8_format=fp8_format, power_2_scale=pow2)
+
+
+def _fp8_parameter(weight: torch.Tensor, config: Fp8Config) -> torch.nn.Parameter:
+    """The stacked FP8 parameter as the engine holds it: each expert quantized alone, its
+    bytes and scales stacked along a leading expert dim."""
+    fp8_dtype = fp8_dtype_for_role(config.fp8_format, "weight")
+    parts = [
+        quantize(
+            weight[e],
+            recipe=config.recipe,
+            fp8_dtype=fp8_dtype,
+            role="weight",
+            power_2_scale=config.quantize_power_2_scale,
+            backend="reference",
+        )
+        for e in range(weight.shape[0])
+    ]
+    stacked = QuantizedTensor(
+        shape=weight.shape,
+        dtype=weight.dtype,
+        recipe=config.recipe,
+        fp8_dtype=fp8_dtype,
+        role="weight",
+        rowwise_data=torch.stack([p.rowwise_data for p in parts]),
+        rowwise_scale_inv=torch.stack([p.rowwise_scale_inv for p in parts]),
+    )
+    return torch.nn.Parameter(stacked)
+
+
+def _layer(recipe, *, dtype=torch.float32, fp8_param=False, device="cpu", **options):
+    config = _config(recipe, **options)
+    layer = Fp8StackedLinear(EXPERTS, IN, OUT, fp8_config=config, dtype=dtype, device=device)
+    generator = torch.Generator().manual_seed(0)
+    magnitudes = torch.tensor([1.0, 3.0, 300.0, 0.004]).view(EXPERTS, 1, 1)
+    weight = torch.randn(EXPERTS, OUT, IN, generator=generator) * magnitudes / 8
+    weight[0, :, 130:] *= 50  # another magnitude in the second 128x128 cell column
+    with torch.no_grad():
+        layer.weight.copy_(weight.to(dtype))
+    if fp8_param:
+        layer.weight = _fp8_parameter(layer.weight.detach(), config)
+    return layer
+
+
+def _data(segments, dtype, device="cpu"):
+    rows = sum(sum(c) for c in segments)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, IN, generator=generator) * torch.linspace(0.01, 40, rows)[:, None]
+    dy = torch.randn(rows, OUT, generator=generator) * torch.linspace(3, 0.02, rows)[:, None]
+    return x.to(dtype).to(device), dy.to(dtype).to(device)
+
+
+def _run(layer, x, dy, segments, grouped):
+    layer.grouped = grouped
+    layer.weight.grad = None
+    x = x.detach().clone().requires_grad_()
+    y = layer(x, [sum(c) for c in segments], segments)
+    y.backward(dy)
+    return y.detach(), x.grad, layer.weight.grad
+
+
+def _assert_bitwise(got, want, segments):
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    wgrad_max = [want[2][e].abs().max() for e in range(EXPERTS)]
+    assert [m > 0 for m in wgrad_max] == [sum(counts) > 0 for counts in segments]
+    assert want[0].abs().max() > 1.0
+
+
+@pytest.mark.parametrize("segments", [SEGMENTS, EP_SEGMENTS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("fp8_format", "pow2"), [("hybrid", None), ("e4m3", False)])
+def test_blockwise_grouped_function_equals_the_per_segment_path_bitwise(
+    segments, dtype, fp8_format, pow2
+):
+    layer = _layer("blockwise", dtype=dtype, fp8_format=fp8_format, pow2=pow2)
+    x, dy = _data(segments, dtype)
+    want = _run(layer, x, dy, segments, grouped=False)
+    got = _run(layer, x, dy, segments, grouped=True)
+    _assert_bitwise(got, want, segments)
+
+
+@pytest.mark.parametrize("segments", [SEGMENTS, EP_SEGMENTS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_parameters_take_the_grouped_function_bitwise_the_per_segment_path(
+    recipe, dtype, segments, monkeypatch
+):
+    layer = _layer(recipe, dtype=dtype, fp8_param=True)
+    assert isinstance(layer.weight, QuantizedTensor)
+    x, dy = _data(segments, dtype)
+    want = _run(layer, x, dy, segments, grouped=False)
+    calls = []
+    real = fp8_experts.grouped_fp8_linear
+    monkeypatch.setattr(fp8_experts, "grouped_fp8_linear", lambda *a: calls.append(1) or real(*a))
+    got = _run(layer, x, dy, segments, grouped=True)
+    assert calls == [1]
+    _assert_bitwise(got, want, segments)
+    assert got[2].shape == layer.weight.shape and got[2].dtype == dtype
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_parameter_backward_reads_the_bytes_gathered_for_it(recipe):
+    """The engine releases the weight's bytes after the forward and gathers them again for the
+    backward: the data gradient reads the bytes then present, as the per-segment path's
+    `ExpertWeight` does (here -2 x the weight: the same bytes negated, half the scale)."""
+    x, dy = _data(SEGMENTS, torch.float32)
+    counts = [sum(c) for c in SEGMENTS]
+    grads = []
+    for grouped in (False, True):
+        layer = _layer(recipe, fp8_param=True)
+        layer.grouped = grouped
+        plain = _layer(recipe).weight.detach()
+        regathered = _fp8_parameter(plain * -2, layer.fp8_config)
+        tokens = x.clone().requires_grad_()
+        y = layer(tokens, counts, SEGMENTS)
+        layer.weight.rowwise_data = None  # released after the forward
+        layer.weight.rowwise_data = regathered.rowwise_data.clone()
+        layer.weight.rowwise_scale_inv.copy_(regathered.rowwise_scale_inv)
+        y.backward(dy)
+        grads.append(tokens.grad)
+    unchanged = _run(_layer(recipe, fp8_param=True), x, dy, SEGMENTS, grouped=True)[1]
+    assert torch.equal(grads[1], grads[0])
+    assert torch.equal(grads[1], -2 * unchanged) and unchanged.abs().max() > 0
