@@ -23,7 +23,8 @@ from megatron.core.fp8 import Fp8Config
 from megatron.core.fp8.formats import fp8_dtype_for_role
 from megatron.core.fp8.quantization import quantize
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
-from megatron.core.transformer.moe import fp8_experts
+from megatron.core.fp8.recipe import recipe_spec
+from megatron.core.transformer.moe import fp8_experts, grouped_fp8, grouped_operands
 from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
 
 EXPERTS, IN, OUT = 4, 200, 144  # K and N not multiples of 128: short last cells
@@ -157,3 +158,100 @@ def test_fp8_parameter_backward_reads_the_bytes_gathered_for_it(recipe):
     unchanged = _run(_layer(recipe, fp8_param=True), x, dy, SEGMENTS, grouped=True)[1]
     assert torch.equal(grads[1], grads[0])
     assert torch.equal(grads[1], -2 * unchanged) and unchanged.abs().max() > 0
+
+
+def test_blockwise_operands_equal_quantizing_each_piece_alone():
+    """Rows in 1x128 cells (all at once), each segment's 128x1 columnwise cells counted from its
+    own first row, each expert's 128x128 cells: the bytes and scales of `quantize` on the
+    piece (what the per-segment path's Fp8Linear quantizes)."""
+    spec, fp8 = recipe_spec("blockwise"), torch.float8_e4m3fn
+    sizes = [130, 0, 7, 256, 1]
+    x = torch.randn(sum(sizes), IN) * torch.linspace(0.1, 30, sum(sizes))[:, None]
+    ids = grouped_operands.segment_ids(sizes, x.device)
+    options = dict(spec=spec, fp8_dtype=fp8, power_2_scale=True)
+    rows, rows_scale = grouped_operands.quantize_rows(x, **options)
+    cols, cols_scale = grouped_operands.quantize_segment_columns(x, ids, sizes, **options)
+    starts = grouped_operands.bounds(sizes)
+    chunks = grouped_operands.chunk_bounds(sizes, spec.block)
+    assert chunks == [0, 2, 2, 3, 5, 6]
+    for s in (0, 2, 3, 4):
+        piece = x[starts[s] : starts[s + 1]]
+        q = quantize(piece, recipe="blockwise", fp8_dtype=fp8, role="input", columnwise=True)
+        assert torch.equal(rows[starts[s] : starts[s + 1]].view(torch.uint8), q.rowwise_data)
+        assert torch.equal(rows_scale[starts[s] : starts[s + 1]], q.rowwise_scale_inv)
+        assert torch.equal(cols[starts[s] : starts[s + 1]].view(torch.uint8), q.columnwise_data)
+        assert torch.equal(cols_scale[chunks[s] : chunks[s + 1]], q.columnwise_scale_inv)
+    weight = _layer("blockwise").weight.detach()
+    data, scale = grouped_operands.quantize_experts(weight, **options)
+    assert scale.shape == (EXPERTS, 2, 2)
+    for e in range(EXPERTS):
+        q = quantize(weight[e], recipe="blockwise", fp8_dtype=fp8, role="weight")
+        assert torch.equal(data[e].view(torch.uint8), q.rowwise_data)
+        assert torch.equal(scale[e], q.rowwise_scale_inv)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_blockwise_cuda_dispatch_layouts_on_the_emulated_kernels(grad_dtype):
+    """The CUDA dispatch's blockwise operands (the ragged-M kernel's 1x128 / 128x128 scales, the
+    ragged-K kernel over segments with the columnwise scales transposed to [N, C] / [K, C],
+    results summed per expert), run here through grouped_gemm.py's emulation of the kernels:
+    equal to the per-segment emulation up to fp32 rounding (other summation order)."""
+    spec = recipe_spec("blockwise")
+    sizes = [c for counts in EP_SEGMENTS for c in counts]
+    owner = [e for e, counts in enumerate(EP_SEGMENTS) for _ in counts]
+    layer = _layer("blockwise")
+    x, dy = _data(EP_SEGMENTS, torch.float32)
+    ids = grouped_operands.segment_ids(sizes, x.device)
+    options = dict(spec=spec, power_2_scale=True)
+    x_row = grouped_operands.quantize_rows(x, fp8_dtype=torch.float8_e4m3fn, **options)
+    w_row = grouped_operands.quantize_experts(
+        layer.weight.detach(), fp8_dtype=torch.float8_e4m3fn, **options
+    )
+    dy_row = grouped_operands.quantize_rows(dy, fp8_dtype=grad_dtype, **options)
+    w_t = grouped_operands.transposed_experts(*w_row)
+    for a, b in ((x_row, w_row), (dy_row, w_t)):
+        args = (*a, *b, sizes, owner, "blockwise", torch.float32)
+        want = grouped_fp8._emulated_mm(*args)
+        got = grouped_fp8._cuda_mm(*args, False)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    x_col = grouped_operands.quantize_segment_columns(
+        x, ids, sizes, fp8_dtype=torch.float8_e4m3fn, **options
+    )
+    dy_col = grouped_operands.quantize_segment_columns(
+        dy, ids, sizes, fp8_dtype=grad_dtype, **options
+    )
+    wargs = (*dy_col, *x_col, sizes, owner, "blockwise")
+    out = torch.zeros(EXPERTS, OUT, IN)
+    want = grouped_fp8._emulated_wgrad(*wargs, out.clone())
+    got = grouped_fp8._cuda_wgrad(*wargs, out.clone())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    assert want[2].abs().max() == 0 and want[3].abs().max() > 0
+
+
+def _assert_close_to_emulation(got, want, bound: float, dtype: torch.dtype) -> None:
+    for a, b in zip(got, want, strict=True):
+        a, b = a.float().cpu(), b.float()
+        rounding = 2**-7 if dtype == torch.bfloat16 else 0.0  # one bf16 rounding of the output
+        torch.testing.assert_close(a, b, rtol=rounding, atol=bound * b.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_param", [False, True])
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("fp8_format", ["hybrid", "e4m3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_blockwise_and_fp8_parameter_paths_equal_the_emulation(
+    recipe, fp8_param, fp8_format, dtype
+):
+    """Blockwise: the ragged-M kernel's blockwise mode (forward, dgrad) and the ragged-K
+    kernel's (wgrad, 128-token chunks from each segment's start), precise accumulation.
+    FP8 parameters: the grouped paths on the gathered bytes (tensorwise: fast accumulation in
+    the forward). Ragged segments of several lengths, K=200 and N=144 (short last cells)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (the CPU emulation is the reference)")
+    options = dict(dtype=dtype, fp8_param=fp8_param, fp8_format=fp8_format)
+    layer = _layer(recipe, device="cuda", **options)
+    x, dy = _data(EP_SEGMENTS, dtype, device="cuda")
+    got = _run(layer, x, dy, EP_SEGMENTS, grouped=True)
+    want = _run(_layer(recipe, **options), x.cpu(), dy.cpu(), EP_SEGMENTS, grouped=True)
+    _assert_close_to_emulation(got, want, BOUND[recipe], dtype)
