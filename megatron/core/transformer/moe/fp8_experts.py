@@ -36,7 +36,7 @@ from torch import nn
 from megatron.core.fp8 import autocast as fp8_state
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
-from megatron.core.fp8.linear import build_plan, fp8_linear_apply
+from megatron.core.fp8.linear import Fp8Linear, build_plan, fp8_linear_apply
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.transformer.moe.grouped_fp8 import grouped_fp8_linear, grouped_path_applies
 
@@ -171,6 +171,13 @@ def grouped_fp8_gemm(
     return torch.cat(outputs, dim=0)
 
 
+@torch._dynamo.disable
+def _forward_outside_the_graph(module, tokens, tokens_per_expert, segments) -> torch.Tensor:
+    """An Fp8StackedLinear forward run eagerly from a compiled caller (a graph break each
+    side): an FP8 parameter on a path that cannot take its stand-in."""
+    return module.forward(tokens, tokens_per_expert, segments)
+
+
 class Fp8StackedLinear(nn.Module):
     """The stacked weight [num_experts, out, in] of one Linear per expert, run in FP8.
 
@@ -205,6 +212,38 @@ class Fp8StackedLinear(nn.Module):
         self.grouped = True
         """Take `grouped_fp8.grouped_fp8_linear` where it applies (False: the per-segment
         reference path, `grouped_fp8_gemm`, as the tests compare them)."""
+        self._weight_stand_in: torch.Tensor | None = None
+        self._weight_stand_in_spec = None
+
+    refresh_weight_stand_in = Fp8Linear.refresh_weight_stand_in
+    """An FP8 parameter's stand-in for compiled graphs, made and registered as Fp8Linear's
+    (`fp8.compile`): the grouped function reads the weight through it
+    (megatron_fp8::grouped_fp8_weight_mm) and its grad reaches the parameter."""
+
+    def before_compiled_forward(self, device: torch.device | None = None) -> None:
+        """`prepare_for_compile`'s eager step before each compiled forward: the stand-in."""
+        self.refresh_weight_stand_in()
+
+    def after_compiled_forward(self) -> None:
+        """Nothing to flush after a compiled forward (`prepare_for_compile`): the grouped
+        function keeps no scaling state, and other paths run outside the graph."""
+        return None
+
+    def _compiled_fp8_param_forward(self, tokens, tokens_per_expert, segments) -> torch.Tensor:
+        """An FP8 parameter in a compiled graph: its stand-in through the grouped function
+        (no graph break), else the whole forward eagerly (a QuantizedTensor is not traceable)."""
+        enabled, config, _, _ = self._current_settings()
+        stand_in = self._weight_stand_in
+        if (
+            stand_in is not None
+            and enabled
+            and self.grouped
+            and tokens.shape[0] > 0
+            and self._weight_stand_in_spec == config.spec
+            and grouped_path_applies(config, stand_in)
+        ):
+            return grouped_fp8_linear(tokens, stand_in, segments, config, stand_in=True)
+        return _forward_outside_the_graph(self, tokens, tokens_per_expert, segments)
 
     def extra_repr(self) -> str:
         experts, out_features, in_features = self.weight.shape
@@ -229,6 +268,8 @@ class Fp8StackedLinear(nn.Module):
             segments = [[count] for count in tokens_per_expert]
         if [sum(counts) for counts in segments] != list(tokens_per_expert):
             raise ValueError("Fp8StackedLinear: segments must sum to tokens_per_expert")
+        if isinstance(self.weight, QuantizedTensor) and torch.compiler.is_compiling():
+            return self._compiled_fp8_param_forward(tokens, tokens_per_expert, segments)
         enabled, config, group, setup = self._current_settings()
         weight = self.weight
         fp8_param = isinstance(weight, QuantizedTensor)  # an FP8 parameter of Megatron-FSDP

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.fp8.compile import stand_in_owner
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.cuda.grouped_gemm import grouped_scaled_mm, grouped_scaled_mm_wgrad
 from megatron.core.fp8.formats import fp8_dtype_for_role
@@ -232,6 +233,58 @@ def _(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, num_experts, reci
     return dy.new_empty((num_experts, dy.shape[1], x.shape[1]), dtype=out_dtype)
 
 
+def _stacked_operand(stacked: QuantizedTensor, usage: str) -> operands.Operand:
+    """An FP8 parameter's operand: "rowwise" (forward) or "columnwise" (dgrad's transpose)."""
+    if usage == "rowwise":
+        return operands.stacked_operand(stacked)
+    return operands.stacked_transposed(stacked)
+
+
+@torch.library.custom_op("megatron_fp8::grouped_fp8_weight_mm", mutates_args=())
+def grouped_fp8_weight_mm(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    stand_in: torch.Tensor,
+    usage: str,
+    seg_sizes: list[int],
+    seg_expert: list[int],
+    recipe: str,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """`grouped_fp8_mm` with B the stacked FP8 parameter that `stand_in` stands for in a
+    compiled graph (`fp8.compile`'s stand-ins): its bytes and scales read when the op runs,
+    after the engine gathered them ("rowwise": W, "columnwise": each expert's transpose)."""
+    owner = stand_in_owner(stand_in)
+    if owner is None or not isinstance(owner.weight, QuantizedTensor):
+        raise RuntimeError(
+            "an FP8 expert weight stand-in reached megatron_fp8::grouped_fp8_weight_mm without "
+            "its Fp8StackedLinear; call prepare_for_compile(module) on the compiled module"
+        )
+    b = _stacked_operand(owner.weight, usage)
+    args = (seg_sizes, seg_expert, recipe, out_dtype, fast_accum)
+    return grouped_fp8_mm(a, a_scale_inv, *b, *args)
+
+
+@grouped_fp8_weight_mm.register_fake
+def _(a, a_scale_inv, stand_in, usage, seg_sizes, seg_expert, recipe, out_dtype, fast_accum):
+    columns = stand_in.shape[1] if usage == "rowwise" else stand_in.shape[2]
+    return a.new_empty((a.shape[0], columns), dtype=out_dtype)
+
+
+def _weight_mm(a_op, weight, kind: str, usage: str, args: tuple) -> torch.Tensor:
+    """a_op times the weight's operand for `usage` ("rowwise": forward, "columnwise": dgrad).
+    kind "plain": weight is the quantized rowwise (bytes, scale_inv); "fp8_param": the stacked
+    QuantizedTensor; "stand_in": its stand-in in a compiled graph."""
+    if kind == "stand_in":
+        return grouped_fp8_weight_mm(*a_op, weight, usage, *args)
+    if kind == "fp8_param":
+        b = _stacked_operand(weight, usage)
+    else:
+        b = weight if usage == "rowwise" else operands.transposed_experts(*weight)
+    return grouped_fp8_mm(*a_op, *b, *args)
+
+
 def _quantize_tokens(t, seg_ids, seg_sizes, spec, fp8_dtype, pow2, *, columnwise: bool):
     """(rowwise operand, the weight gradient's operand or None) of tokens [M, *]; per tensor
     both are the segments' rowwise bytes."""
@@ -249,7 +302,7 @@ def _quantize_tokens(t, seg_ids, seg_sizes, spec, fp8_dtype, pow2, *, columnwise
 
 class _GroupedFp8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, weight, seg_sizes, seg_expert, config):  # noqa: D102
+    def forward(ctx, tokens, weight, seg_sizes, seg_expert, config, kind):  # noqa: D102
         spec = config.spec
         pow2 = spec.resolve_power_2_scale(config.quantize_power_2_scale)
         seg_ids = operands.segment_ids(seg_sizes, tokens.device)
@@ -257,22 +310,22 @@ class _GroupedFp8Function(torch.autograd.Function):
         x_row, x_col = _quantize_tokens(
             tokens, seg_ids, seg_sizes, spec, x_dtype, pow2, columnwise=weight.requires_grad
         )
-        ctx.stacked = weight if isinstance(weight, QuantizedTensor) else None
-        if ctx.stacked is not None:  # an FP8 parameter: its bytes and scales as gathered
-            w_row = operands.stacked_operand(weight)
-            saved_weight = ()  # backward re-reads the parameter, as `ExpertWeight` does
-        else:
+        # An FP8 parameter is re-read in backward (after the engine gathered it again), as
+        # `ExpertWeight` reads it; its stand-in is saved, a plain weight's quantized bytes.
+        ctx.stacked = weight if kind == "fp8_param" else None
+        source = weight
+        if kind == "plain":
             w_dtype = fp8_dtype_for_role(config.fp8_format, "weight")
-            w_row = operands.quantize_experts(
+            source = operands.quantize_experts(
                 weight.detach(), spec=spec, fp8_dtype=w_dtype, power_2_scale=pow2
             )
-            saved_weight = w_row
+        saved_weight = {"plain": source, "stand_in": (weight,), "fp8_param": ()}[kind]
         ctx.save_for_backward(seg_ids, *(x_col or ()), *saved_weight)
-        ctx.x_saved = 0 if x_col is None else 2
+        ctx.x_saved, ctx.kind = 0 if x_col is None else 2, kind
         ctx.layout = (seg_sizes, seg_expert, weight.shape[0])
         ctx.config, ctx.pow2, ctx.dtypes = config, pow2, (tokens.dtype, weight.dtype)
-        fast = spec.fast_accumulation
-        return grouped_fp8_mm(*x_row, *w_row, seg_sizes, seg_expert, spec.name, tokens.dtype, fast)
+        args = (seg_sizes, seg_expert, spec.name, tokens.dtype, spec.fast_accumulation)
+        return _weight_mm(x_row, source, kind, "rowwise", args)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
@@ -284,28 +337,36 @@ class _GroupedFp8Function(torch.autograd.Function):
         dy_row, dy_col = _quantize_tokens(
             dy.contiguous(), seg_ids, seg_sizes, spec, grad_dtype, ctx.pow2, columnwise=need_wgrad
         )
-        x_col, w_row = saved[: ctx.x_saved], saved[ctx.x_saved :]
+        x_col, saved_weight = saved[: ctx.x_saved], saved[ctx.x_saved :]
         dx = dw = None
         if need_dgrad:
-            if ctx.stacked is not None:
-                w_t = operands.stacked_transposed(ctx.stacked)
-            else:
-                w_t = operands.transposed_experts(*w_row)
+            source = ctx.stacked  # fp8_param
+            if ctx.kind != "fp8_param":
+                source = saved_weight[0] if ctx.kind == "stand_in" else tuple(saved_weight)
             args = (seg_sizes, seg_expert, spec.name, ctx.dtypes[0], False)
-            dx = grouped_fp8_mm(*dy_row, *w_t, *args)
+            dx = _weight_mm(dy_row, source, ctx.kind, "columnwise", args)
         if need_wgrad:
             args = (seg_sizes, seg_expert, experts, spec.name, ctx.dtypes[1])
             dw = grouped_fp8_wgrad(*dy_col, *x_col, *args)
         ctx.stacked = None
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def grouped_fp8_linear(
-    tokens: torch.Tensor, weight: torch.Tensor, segments: list[list[int]], config: Fp8Config
+    tokens: torch.Tensor,
+    weight: torch.Tensor,
+    segments: list[list[int]],
+    config: Fp8Config,
+    *,
+    stand_in: bool = False,
 ) -> torch.Tensor:
     """y[rows of expert e] = tokens[rows of e] @ weight[e]^T in FP8, all experts in one
     autograd function; segments[e]: expert e's row counts per source rank (in token order);
-    weight: the stacked [E, out, in] parameter, high precision or a QuantizedTensor."""
+    weight: the stacked [E, out, in] parameter, high precision or a QuantizedTensor, or (with
+    `stand_in`) an FP8 parameter's stand-in in a compiled graph."""
     seg_sizes = [count for counts in segments for count in counts]
     seg_expert = [expert for expert, counts in enumerate(segments) for _ in counts]
-    return _GroupedFp8Function.apply(tokens, weight, seg_sizes, seg_expert, config)
+    kind = "stand_in" if stand_in else "plain"
+    if not stand_in and isinstance(weight, QuantizedTensor):
+        kind = "fp8_param"
+    return _GroupedFp8Function.apply(tokens, weight, seg_sizes, seg_expert, config, kind)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megatron.core.fp8 import Fp8Config
+from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.fp8.formats import fp8_dtype_for_role
 from megatron.core.fp8.quantization import quantize
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
@@ -255,3 +256,24 @@ def test_cuda_blockwise_and_fp8_parameter_paths_equal_the_emulation(
     got = _run(layer, x, dy, EP_SEGMENTS, grouped=True)
     want = _run(_layer(recipe, **options), x.cpu(), dy.cpu(), EP_SEGMENTS, grouped=True)
     _assert_close_to_emulation(got, want, BOUND[recipe], dtype)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_grouped_function_on_fp8_parameters_compiles_without_graph_breaks(recipe):
+    """As the training compiles a layer (its forward compiled, `prepare_for_compile`'s hooks
+    eager around it): the FP8 parameter enters the graph as its stand-in, the GEMMs that read
+    it are megatron_fp8::grouped_fp8_weight_mm, and its grad reaches the parameter; bitwise
+    the eager grouped function."""
+    layer = _layer(recipe, fp8_param=True)
+    x, dy = _data(EP_SEGMENTS, torch.float32)
+    counts = [sum(c) for c in EP_SEGMENTS]
+    want = _run(layer, x, dy, EP_SEGMENTS, grouped=True)
+    layer.forward = torch.compile(layer.forward, fullgraph=True, backend="aot_eager")
+    prepare_for_compile(layer)
+    for _ in range(2):  # the second call reuses the graph and the stand-in
+        layer.weight.grad = None
+        tokens = x.clone().requires_grad_()
+        y = layer(tokens, counts, EP_SEGMENTS)
+        y.backward(dy)
+        _assert_bitwise((y.detach(), tokens.grad, layer.weight.grad), want, EP_SEGMENTS)
+    assert isinstance(layer.weight, QuantizedTensor) and layer._weight_stand_in is not None
