@@ -285,19 +285,19 @@ def _weight_mm(a_op, weight, kind: str, usage: str, args: tuple) -> torch.Tensor
     return grouped_fp8_mm(*a_op, *b, *args)
 
 
-def _quantize_tokens(t, seg_ids, seg_sizes, spec, fp8_dtype, pow2, *, columnwise: bool):
-    """(rowwise operand, the weight gradient's operand or None) of tokens [M, *]; per tensor
-    both are the segments' rowwise bytes."""
+def _quantize_tokens(t, seg_ids, seg_sizes, config, role, pow2, *, columnwise: bool):
+    """(rowwise operand, the weight gradient's operand or None) of tokens [M, *] in `role`
+    ("input" or "grad"); per tensor both are the segments' rowwise bytes."""
+    spec, fp8_dtype = config.spec, fp8_dtype_for_role(config.fp8_format, role)
     if spec.per_tensor:
         row = operands.quantize_segments(
             t, seg_ids, len(seg_sizes), fp8_dtype=fp8_dtype, power_2_scale=pow2
         )
         return row, row
-    options = dict(spec=spec, fp8_dtype=fp8_dtype, power_2_scale=pow2)
-    row = operands.quantize_rows(t, **options)
+    options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=pow2)
     if not columnwise:
-        return row, None
-    return row, operands.quantize_segment_columns(t, seg_ids, seg_sizes, **options)
+        return operands.quantize_rows(t, **options), None
+    return operands.quantize_segment_operands(t, seg_ids, seg_sizes, **options)
 
 
 class _GroupedFp8Function(torch.autograd.Function):
@@ -306,9 +306,8 @@ class _GroupedFp8Function(torch.autograd.Function):
         spec = config.spec
         pow2 = spec.resolve_power_2_scale(config.quantize_power_2_scale)
         seg_ids = operands.segment_ids(seg_sizes, tokens.device)
-        x_dtype = fp8_dtype_for_role(config.fp8_format, "input")
         x_row, x_col = _quantize_tokens(
-            tokens, seg_ids, seg_sizes, spec, x_dtype, pow2, columnwise=weight.requires_grad
+            tokens, seg_ids, seg_sizes, config, "input", pow2, columnwise=weight.requires_grad
         )
         # An FP8 parameter is re-read in backward (after the engine gathered it again), as
         # `ExpertWeight` reads it; its stand-in is saved, a plain weight's quantized bytes.
@@ -333,9 +332,8 @@ class _GroupedFp8Function(torch.autograd.Function):
         seg_sizes, seg_expert, experts = ctx.layout
         spec = ctx.config.spec
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_dtype = fp8_dtype_for_role(ctx.config.fp8_format, "grad")
         dy_row, dy_col = _quantize_tokens(
-            dy.contiguous(), seg_ids, seg_sizes, spec, grad_dtype, ctx.pow2, columnwise=need_wgrad
+            dy.contiguous(), seg_ids, seg_sizes, ctx.config, "grad", ctx.pow2, columnwise=need_wgrad
         )
         x_col, saved_weight = saved[: ctx.x_saved], saved[ctx.x_saved :]
         dx = dw = None

@@ -7,10 +7,13 @@ Tokens [M, K] sorted by expert, in segments (the rows of one expert from one sou
   also the transposed operand of the weight gradient (scale_inv [S]);
 - blockwise: 1x128 cells along K, which never cross a row, so all rows at once
   (`quantize_rows`, scale_inv [M, ceil(K/128)]); the weight gradient's columnwise copy has
-  128x1 cells along the tokens counted from each SEGMENT's start (`quantize_segment_columns`:
+  128x1 cells along the tokens counted from each SEGMENT's start (`quantize_segment_operands`:
   each segment zero-padded to a multiple of 128 rows, as quantizing it alone pads it; scale_inv
   [C, K] with C = sum over segments of ceil(rows / 128), segment s's cells at
   `chunk_bounds[s]`).
+Blockwise operands come from the dense Fp8Linear's quantizers (`backend_for(x)`: the fused
+CUDA kernels on a GPU, the reference elsewhere; the same bytes), run once on the padded
+tokens or on the stacked weight's padded rows.
 Weights [E, N, K]: each expert on its own (per tensor: scale_inv [E]; blockwise: 128x128 cells,
 scale_inv [E, ceil(N/128), ceil(K/128)]), quantized here (`quantize_experts`) or read as they
 are from an FP8 parameter of Megatron-FSDP (`stacked_operand`: rowwise for the forward; for
@@ -22,11 +25,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fp8.quantization import backend_for
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec
 from megatron.core.fp8.reference import (
     amax_ignoring_nan,
-    quantize_blocks,
     reciprocal,
     saturating_cast,
     scale_from_amax,
@@ -70,46 +73,62 @@ def quantize_segments(
     return saturating_cast(scaled, fp8_dtype).view(fp8_dtype), reciprocal(scale)
 
 
-def _blocks(x2d, cell, *, spec: RecipeSpec, fp8_dtype, power_2_scale, input_dtype) -> Operand:
-    data, scale_inv = quantize_blocks(
-        x2d.to(torch.float32),
-        cell=cell,
-        spec=spec,
+def _quantize_operands(x2d, *, spec: RecipeSpec, role, fp8_dtype, power_2_scale, transposed):
+    """The (rowwise, transposed) operands the dense Fp8Linear's backend gives x2d: the fused
+    CUDA quantizers where they run, else the reference (the same bytes and scales)."""
+    return backend_for(x2d).quantize_operands(
+        x2d,
+        recipe=spec.name,
         fp8_dtype=fp8_dtype,
+        role=role,
+        rowwise=True,
+        transposed=transposed,
         power_2_scale=power_2_scale,
-        input_dtype=input_dtype,
     )
-    return data.view(fp8_dtype), scale_inv
 
 
-def quantize_rows(x: torch.Tensor, *, spec: RecipeSpec, fp8_dtype, power_2_scale) -> Operand:
+def _rows_of(data: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """data[index] of FP8 bytes (gathered as uint8)."""
+    return data.view(torch.uint8)[index].view(data.dtype)
+
+
+def quantize_rows(x: torch.Tensor, *, spec: RecipeSpec, role, fp8_dtype, power_2_scale) -> Operand:
     """Blockwise 1x128 cells of every row: (bytes [M, K], scale_inv [M, ceil(K/128)])."""
-    options = dict(spec=spec, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
-    return _blocks(x, (1, spec.block), input_dtype=x.dtype, **options)
+    options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
+    row, _ = _quantize_operands(x, transposed=False, **options)
+    return row.data, row.scale_inv.contiguous()
 
 
-def quantize_segment_columns(
+def _pad_segments(x: torch.Tensor, seg_ids: torch.Tensor, seg_sizes: list[int], block: int):
+    """x's rows with each segment zero-padded to whole `block`-row cells (as quantizing the
+    segment alone pads it), and each row's position in the padded tensor."""
+    starts = torch.tensor(bounds(seg_sizes)[:-1], dtype=torch.long, device=x.device)
+    padded_starts = [block * c for c in chunk_bounds(seg_sizes, block)]
+    padded_at = torch.tensor(padded_starts[:-1], dtype=torch.long, device=x.device)
+    position = torch.arange(x.shape[0], device=x.device) - starts[seg_ids] + padded_at[seg_ids]
+    padded = x.new_zeros(padded_starts[-1], x.shape[1])
+    return padded.index_copy_(0, position, x), position
+
+
+def quantize_segment_operands(
     x: torch.Tensor,
     seg_ids: torch.Tensor,
     seg_sizes: list[int],
     *,
     spec: RecipeSpec,
+    role,
     fp8_dtype,
     power_2_scale,
-) -> Operand:
-    """Blockwise 128x1 cells along the rows of each segment, counted from its first row:
-    (bytes [M, K] in x's row order, scale_inv [C, K], segment s's cells at chunk_bounds[s])."""
-    block = spec.block
-    starts = torch.tensor(bounds(seg_sizes)[:-1], dtype=torch.long, device=x.device)
-    padded_starts = [block * c for c in chunk_bounds(seg_sizes, block)]
-    padded_at = torch.tensor(padded_starts[:-1], dtype=torch.long, device=x.device)
-    rows = torch.arange(x.shape[0], device=x.device)
-    position = rows - starts[seg_ids] + padded_at[seg_ids]
-    padded = x.new_zeros(padded_starts[-1], x.shape[1], dtype=torch.float32)
-    padded.index_copy_(0, position, x.to(torch.float32))
-    options = dict(spec=spec, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
-    data, scale_inv = _blocks(padded, (block, 1), input_dtype=x.dtype, **options)
-    return data[position], scale_inv
+) -> tuple[Operand, Operand]:
+    """Blockwise rows (as `quantize_rows`) and the weight gradient's columnwise copy: 128x1
+    cells along the rows of each segment, counted from its first row (bytes [M, K] in x's row
+    order, scale_inv [C, K], segment s's cells at chunk_bounds[s]). One quantization of x with
+    its segments padded to whole cells."""
+    padded, position = _pad_segments(x, seg_ids, seg_sizes, spec.block)
+    options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
+    row, col = _quantize_operands(padded, transposed=True, **options)  # col: [K, padded rows]
+    rows = (_rows_of(row.data, position), row.scale_inv[position])
+    return rows, (_rows_of(col.data.t(), position), col.scale_inv.t().contiguous())
 
 
 def quantize_experts(
@@ -124,13 +143,13 @@ def quantize_experts(
         return saturating_cast(scaled, fp8_dtype).view(fp8_dtype), reciprocal(scale)
     # Each expert's rows padded to whole 128-row cells, so that no cell straddles two experts.
     experts, n, k = weight.shape
-    block = spec.block
-    n_pad = -(-n // block) * block
-    padded = F.pad(weight.to(torch.float32), (0, 0, 0, n_pad - n)).reshape(experts * n_pad, k)
-    options = dict(spec=spec, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
-    data, scale_inv = _blocks(padded, (block, block), input_dtype=weight.dtype, **options)
-    data = data.reshape(experts, n_pad, k)[:, :n].contiguous()
-    return data, scale_inv.reshape(experts, n_pad // block, -1)
+    n_pad = -(-n // spec.block) * spec.block
+    padded = F.pad(weight, (0, 0, 0, n_pad - n)).reshape(experts * n_pad, k)
+    options = dict(spec=spec, role="weight", fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
+    row, _ = _quantize_operands(padded, transposed=False, **options)
+    data = row.data.view(torch.uint8).reshape(experts, n_pad, k)[:, :n].contiguous()
+    scale_inv = row.scale_inv.contiguous().reshape(experts, n_pad // spec.block, -1)
+    return data.view(fp8_dtype), scale_inv
 
 
 def stacked_operand(stacked: QuantizedTensor) -> Operand:

@@ -170,8 +170,12 @@ def test_blockwise_operands_equal_quantizing_each_piece_alone():
     x = torch.randn(sum(sizes), IN) * torch.linspace(0.1, 30, sum(sizes))[:, None]
     ids = grouped_operands.segment_ids(sizes, x.device)
     options = dict(spec=spec, fp8_dtype=fp8, power_2_scale=True)
-    rows, rows_scale = grouped_operands.quantize_rows(x, **options)
-    cols, cols_scale = grouped_operands.quantize_segment_columns(x, ids, sizes, **options)
+    alone = grouped_operands.quantize_rows(x, role="input", **options)
+    (rows, rows_scale), (cols, cols_scale) = grouped_operands.quantize_segment_operands(
+        x, ids, sizes, role="input", **options
+    )
+    assert torch.equal(rows.view(torch.uint8), alone[0].view(torch.uint8))
+    assert torch.equal(rows_scale, alone[1]) and rows_scale.shape == (sum(sizes), 2)
     starts = grouped_operands.bounds(sizes)
     chunks = grouped_operands.chunk_bounds(sizes, spec.block)
     assert chunks == [0, 2, 2, 3, 5, 6]
@@ -183,7 +187,9 @@ def test_blockwise_operands_equal_quantizing_each_piece_alone():
         assert torch.equal(cols[starts[s] : starts[s + 1]].view(torch.uint8), q.columnwise_data)
         assert torch.equal(cols_scale[chunks[s] : chunks[s + 1]], q.columnwise_scale_inv)
     weight = _layer("blockwise").weight.detach()
-    data, scale = grouped_operands.quantize_experts(weight, **options)
+    data, scale = grouped_operands.quantize_experts(
+        weight, spec=spec, fp8_dtype=fp8, power_2_scale=True
+    )
     assert scale.shape == (EXPERTS, 2, 2)
     for e in range(EXPERTS):
         q = quantize(weight[e], recipe="blockwise", fp8_dtype=fp8, role="weight")
@@ -204,23 +210,21 @@ def test_blockwise_cuda_dispatch_layouts_on_the_emulated_kernels(grad_dtype):
     x, dy = _data(EP_SEGMENTS, torch.float32)
     ids = grouped_operands.segment_ids(sizes, x.device)
     options = dict(spec=spec, power_2_scale=True)
-    x_row = grouped_operands.quantize_rows(x, fp8_dtype=torch.float8_e4m3fn, **options)
+    x_row, x_col = grouped_operands.quantize_segment_operands(
+        x, ids, sizes, role="input", fp8_dtype=torch.float8_e4m3fn, **options
+    )
     w_row = grouped_operands.quantize_experts(
         layer.weight.detach(), fp8_dtype=torch.float8_e4m3fn, **options
     )
-    dy_row = grouped_operands.quantize_rows(dy, fp8_dtype=grad_dtype, **options)
+    dy_row, dy_col = grouped_operands.quantize_segment_operands(
+        dy, ids, sizes, role="grad", fp8_dtype=grad_dtype, **options
+    )
     w_t = grouped_operands.transposed_experts(*w_row)
     for a, b in ((x_row, w_row), (dy_row, w_t)):
         args = (*a, *b, sizes, owner, "blockwise", torch.float32)
         want = grouped_fp8._emulated_mm(*args)
         got = grouped_fp8._cuda_mm(*args, False)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
-    x_col = grouped_operands.quantize_segment_columns(
-        x, ids, sizes, fp8_dtype=torch.float8_e4m3fn, **options
-    )
-    dy_col = grouped_operands.quantize_segment_columns(
-        dy, ids, sizes, fp8_dtype=grad_dtype, **options
-    )
     wargs = (*dy_col, *x_col, sizes, owner, "blockwise")
     out = torch.zeros(EXPERTS, OUT, IN)
     want = grouped_fp8._emulated_wgrad(*wargs, out.clone())
