@@ -117,9 +117,10 @@ def grouped_scaled_mm_wgrad(
 ) -> torch.Tensor:
     """A^T [N, M] and B^T [K, M] FP8 (tokens along M, sorted by group) -> [G, N, K]: for each
     group g, A^T[:, cols of g] @ B^T[:, cols of g]^T. Scales: per-tensor recipes a scalar
-    each; blockwise 1x128 cells along M counted from each GROUP's start (a group of m tokens
-    has ceil(m/128) cells, the last one short): A [N, C], B [K, C], C the groups' cells in all,
-    group g's from the sum of the earlier groups' counts. fast_accum: per-tensor only."""
+    each or one per group ([G] each); blockwise 1x128 cells along M counted from each GROUP's
+    start (a group of m tokens has ceil(m/128) cells, the last one short): A [N, C], B [K, C],
+    C the groups' cells in all, group g's from the sum of the earlier groups' counts.
+    fast_accum: per-tensor only."""
     spec = recipe_spec(recipe)
     if spec.e8m0_scales:
         raise ValueError(f"grouped_scaled_mm_wgrad takes fp32 scales, not '{recipe}'")
@@ -133,6 +134,8 @@ def grouped_scaled_mm_wgrad(
             f"{group_sizes} do not match"
         )
     blockwise = not spec.per_tensor
+    if not blockwise and (a_scale_inv.dim(), b_scale_inv.dim()) not in ((0, 0), (1, 1)):
+        raise ValueError("per-tensor wgrad scales are scalars or one per group each")
     if blockwise and (a_scale_inv.shape, b_scale_inv.shape) != ((n, chunks[-1]), (k, chunks[-1])):
         raise ValueError(
             f"blockwise wgrad scales must be ({n}, {chunks[-1]}) and ({k}, {chunks[-1]}), got "
@@ -146,7 +149,8 @@ def grouped_scaled_mm_wgrad(
     out = torch.empty(groups, n, k, dtype=out_dtype, device=a_t_data.device)
     starts = torch.tensor(offsets, dtype=torch.int32, device=a_t_data.device)
     chunk_starts = torch.tensor(chunks, dtype=torch.int32, device=a_t_data.device)
-    scale_stride = chunks[-1] if blockwise else 0
+    # The scales' stride per chunk (blockwise: their rows hold C chunks) or per group.
+    scale_stride = chunks[-1] if blockwise else int(a_scale_inv.dim() == 1)
     grid = lambda meta: (groups, triton_cdiv(n, meta["BLOCK_N"]), triton_cdiv(k, BLOCK_K))  # noqa: E731
     _kernels()._ragged_k_kernel[grid](
         a_t_data, b_t_data, out, a_scale_inv.contiguous(), b_scale_inv.contiguous(), starts,
@@ -155,6 +159,12 @@ def grouped_scaled_mm_wgrad(
         BLOCK_M=BLOCK_K,
     )  # fmt: skip
     return out
+
+
+def _group_scale(scale_inv, group, cells, per_tensor):
+    if per_tensor:
+        return scale_inv[group] if scale_inv.dim() == 1 else scale_inv
+    return scale_inv[:, cells]
 
 
 def _emulated_ragged_k(a_t, b_t, a_scale_inv, b_scale_inv, offsets, chunks, recipe, out_dtype):
@@ -167,8 +177,8 @@ def _emulated_ragged_k(a_t, b_t, a_scale_inv, b_scale_inv, offsets, chunks, reci
             emulated_mm(
                 a_t[:, cols],
                 b_t[:, cols],
-                a_scale_inv=a_scale_inv if per_tensor else a_scale_inv[:, cells],
-                b_scale_inv=b_scale_inv if per_tensor else b_scale_inv[:, cells],
+                a_scale_inv=_group_scale(a_scale_inv, g, cells, per_tensor),
+                b_scale_inv=_group_scale(b_scale_inv, g, cells, per_tensor),
                 recipe=recipe,
                 out_dtype=out_dtype,
             )

@@ -168,7 +168,8 @@ def _ragged_k_kernel(
             acc = tl.dot(a, tl.trans(b), acc)
         else:
             acc += tl.dot(a, tl.trans(b))
-    if not BLOCKWISE:
-        acc = acc * tl.load(a_scale_ptr) * tl.load(b_scale_ptr)
+    if not BLOCKWISE:  # per tensor: a scalar each (stride_scale 0) or one per group (1)
+        acc = acc * tl.load(a_scale_ptr + group * stride_scale)
+        acc = acc * tl.load(b_scale_ptr + group * stride_scale)
     c_ptrs = c_ptr + group.to(tl.int64) * stride_cg + ns[:, None] * stride_cn + kk[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])

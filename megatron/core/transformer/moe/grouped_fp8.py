@@ -183,26 +183,33 @@ def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, rec
     return out
 
 
-def _cuda_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, out):
-    """The Triton ragged-K kernel with groups = segments, each segment's [N, K] fp32 result
-    summed into its expert. Blockwise: the columnwise scales [C, N] / [C, K] transposed to the
-    kernel's [N, C] / [K, C]; per tensor: unit scales, each result then scaled by its two."""
+def _cuda_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, shape, dtype):
+    """The Triton ragged-K kernel with groups = segments -> dW `shape` in `dtype`. Blockwise:
+    the columnwise scales [C, N] / [C, K] transposed to the kernel's [N, C] / [K, C]; per
+    tensor: the segments' scale_inv [S]. One segment per expert, in expert order (EP 1): the
+    kernel writes dW itself; else each segment's fp32 result is summed into its expert."""
     per_tensor = recipe_spec(recipe).per_tensor
+    direct = list(seg_expert) == list(range(shape[0]))
     one = torch.ones((), dtype=torch.float32, device=dy.device)
+    scales = (dy_scale_inv, x_scale_inv) if direct else (one, one)
+    if not per_tensor:
+        scales = (dy_scale_inv.t().contiguous(), x_scale_inv.t().contiguous())
     per_segment = grouped_scaled_mm_wgrad(
         dy.t().contiguous(),
         x.t().contiguous(),
-        a_scale_inv=one if per_tensor else dy_scale_inv.t().contiguous(),
-        b_scale_inv=one if per_tensor else x_scale_inv.t().contiguous(),
+        a_scale_inv=scales[0],
+        b_scale_inv=scales[1],
         group_sizes=list(seg_sizes),
         recipe=recipe,
-        out_dtype=torch.float32,
+        out_dtype=dtype if direct else torch.float32,
     )
+    if direct:
+        return per_segment
     if per_tensor:
         per_segment = per_segment * (dy_scale_inv * x_scale_inv)[:, None, None]
     index = torch.tensor(seg_expert, dtype=torch.long, device=dy.device)
-    summed = torch.zeros(out.shape, dtype=torch.float32, device=dy.device)
-    return out.copy_(summed.index_add_(0, index, per_segment))
+    summed = torch.zeros(shape, dtype=torch.float32, device=dy.device)
+    return summed.index_add_(0, index, per_segment).to(dtype)
 
 
 @torch.library.custom_op("megatron_fp8::grouped_fp8_wgrad", mutates_args=())
@@ -221,11 +228,11 @@ def grouped_fp8_wgrad(
     transposed operands' bytes in token order (FP8 dy [M, N], x [M, K]): per tensor the
     rowwise bytes with scale_inv [S]; blockwise the columnwise copies (128x1 cells from each
     segment's start) with scale_inv [C, N] / [C, K]. Experts with no rows get zeros."""
-    out = dy.new_zeros((num_experts, dy.shape[1], x.shape[1]), dtype=out_dtype)
-    args = (dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, out)
+    shape = (num_experts, dy.shape[1], x.shape[1])
+    args = (dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe)
     if dy.is_cuda and dy.shape[0] > 0:
-        return _cuda_wgrad(*args)
-    return _emulated_wgrad(*args)
+        return _cuda_wgrad(*args, shape, out_dtype)
+    return _emulated_wgrad(*args, dy.new_zeros(shape, dtype=out_dtype))
 
 
 @grouped_fp8_wgrad.register_fake

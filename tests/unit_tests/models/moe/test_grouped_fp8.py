@@ -152,13 +152,14 @@ def test_cuda_grouped_paths_equal_the_emulation_within_the_fast_accumulation_bou
         torch.testing.assert_close(a, b, rtol=rounding, atol=bound)
 
 
+@pytest.mark.parametrize("segments", [SEGMENTS, [[64], [0], [56], [33]]])
 @pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype):
+def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype, segments):
     """The CUDA fallbacks' operand and scale layouts (per-segment scales as the ragged-M
     kernel's block scales; the ragged-K kernel over segments with unit scales, then scaled and
-    summed per expert), run here through grouped_gemm.py's emulation of those kernels: equal
-    to the per-segment emulation up to fp32 rounding (the scales multiply in another order)."""
-    segments = [[40, 24], [0, 0], [0, 56], [30, 3]]
+    summed per expert, or with one segment per expert its per-group scales and dW written
+    directly), run here through grouped_gemm.py's emulation of those kernels: equal to the
+    per-segment emulation up to fp32 rounding (the scales multiply in another order)."""
     sizes = [c for counts in segments for c in counts]
     owner = [e for e, counts in enumerate(segments) for _ in counts]
     k, n = 256, 160  # two K blocks, N not a multiple of 128
@@ -192,6 +193,6 @@ def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype):
     out = torch.zeros(EXPERTS, n, k)
     wargs = (dy_q, dy_s, x_q, x_s, sizes, owner, "tensorwise")
     want = grouped_fp8._emulated_wgrad(*wargs, out.clone())
-    got = grouped_fp8._cuda_wgrad(*wargs, out.clone())
+    got = grouped_fp8._cuda_wgrad(*wargs, out.shape, out.dtype)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     assert want[1].abs().max() == 0 and want[2].abs().max() > 0

@@ -197,17 +197,19 @@ def test_blockwise_operands_equal_quantizing_each_piece_alone():
         assert torch.equal(scale[e], q.rowwise_scale_inv)
 
 
+@pytest.mark.parametrize("segments", [EP_SEGMENTS, [[158], [5], [0], [258]]])
 @pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_blockwise_cuda_dispatch_layouts_on_the_emulated_kernels(grad_dtype):
+def test_blockwise_cuda_dispatch_layouts_on_the_emulated_kernels(grad_dtype, segments):
     """The CUDA dispatch's blockwise operands (the ragged-M kernel's 1x128 / 128x128 scales, the
     ragged-K kernel over segments with the columnwise scales transposed to [N, C] / [K, C],
-    results summed per expert), run here through grouped_gemm.py's emulation of the kernels:
+    results summed per expert, or written directly with one segment per expert), run here
+    through grouped_gemm.py's emulation of the kernels:
     equal to the per-segment emulation up to fp32 rounding (other summation order)."""
     spec = recipe_spec("blockwise")
-    sizes = [c for counts in EP_SEGMENTS for c in counts]
-    owner = [e for e, counts in enumerate(EP_SEGMENTS) for _ in counts]
+    sizes = [c for counts in segments for c in counts]
+    owner = [e for e, counts in enumerate(segments) for _ in counts]
     layer = _layer("blockwise")
-    x, dy = _data(EP_SEGMENTS, torch.float32)
+    x, dy = _data(segments, torch.float32)
     ids = grouped_operands.segment_ids(sizes, x.device)
     options = dict(spec=spec, power_2_scale=True)
     x_row, x_col = grouped_operands.quantize_segment_operands(
@@ -228,7 +230,7 @@ def test_blockwise_cuda_dispatch_layouts_on_the_emulated_kernels(grad_dtype):
     wargs = (*dy_col, *x_col, sizes, owner, "blockwise")
     out = torch.zeros(EXPERTS, OUT, IN)
     want = grouped_fp8._emulated_wgrad(*wargs, out.clone())
-    got = grouped_fp8._cuda_wgrad(*wargs, out.clone())
+    got = grouped_fp8._cuda_wgrad(*wargs, out.shape, out.dtype)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     assert want[2].abs().max() == 0 and want[3].abs().max() > 0
 
