@@ -156,13 +156,18 @@ def _(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, 
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-def _segment_operand(data, scale_inv, s, rows, cells, spec, recipe) -> Fp8Operand:
+def _segment_operand(data, scale_inv, s, seg_sizes, chunks, spec, recipe) -> Fp8Operand:
     """Segment s's transposed operand [*, rows] of the weight gradient (the per-segment path's
-    `gemm_operand("columnwise")`: the segment's scale, or 1x128 cells along its tokens)."""
-    data_t = data[rows].t().contiguous()
+    `gemm_operand("columnwise")`): per tensor its rows of the rowwise bytes [M, *] and its
+    scale; blockwise its columns of the padded transposed copy [*, P] and its cells."""
     if spec.per_tensor:
-        return Fp8Operand(data_t, scale_inv[s], recipe)
-    return Fp8Operand(data_t, scale_inv[cells].t().contiguous(), recipe, 1, spec.block)
+        start = sum(seg_sizes[:s])
+        rows = data[start : start + seg_sizes[s]]
+        return Fp8Operand(rows.t().contiguous(), scale_inv[s], recipe)
+    start = chunks[s] * spec.block
+    data_t = data[:, start : start + seg_sizes[s]].contiguous()
+    cells = scale_inv[:, chunks[s] : chunks[s + 1]].contiguous()
+    return Fp8Operand(data_t, cells, recipe, 1, spec.block)
 
 
 def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, out):
@@ -170,13 +175,11 @@ def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, rec
     dtype, summed into its expert last segment first (the per-segment path's operand shapes and
     the order its backward sums them in)."""
     spec = recipe_spec(recipe)
-    starts = operands.bounds(seg_sizes)
     chunks = operands.chunk_bounds(seg_sizes, spec.block or 1)
     for s, expert in reversed(list(enumerate(seg_expert))):
         if seg_sizes[s] == 0:
             continue
-        rows, cells = slice(starts[s], starts[s + 1]), slice(chunks[s], chunks[s + 1])
-        where = (s, rows, cells, spec, recipe)
+        where = (s, seg_sizes, chunks, spec, recipe)
         dy_t = _segment_operand(dy, dy_scale_inv, *where).dequantize()
         x_t = _segment_operand(x, x_scale_inv, *where).dequantize()
         out[expert] += (dy_t @ x_t.t()).to(out.dtype)
@@ -184,28 +187,33 @@ def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, rec
 
 
 def _cuda_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, shape, dtype):
-    """The Triton ragged-K kernel with groups = segments -> dW `shape` in `dtype`. Blockwise:
-    the columnwise scales [C, N] / [C, K] transposed to the kernel's [N, C] / [K, C]; per
-    tensor: the segments' scale_inv [S]. One segment per expert, in expert order (EP 1): the
-    kernel writes dW itself; else each segment's fp32 result is summed into its expert."""
-    per_tensor = recipe_spec(recipe).per_tensor
+    """The Triton ragged-K kernel with groups = segments -> dW `shape` in `dtype`. Per tensor:
+    the rowwise bytes transposed, the segments' scale_inv [S]; blockwise: the padded
+    transposed copies as they are (groups = the padded segments: their zero columns add
+    nothing). One segment per expert, in expert order (EP 1): the kernel writes dW itself;
+    else each segment's fp32 result is summed into its expert."""
+    spec = recipe_spec(recipe)
     direct = list(seg_expert) == list(range(shape[0]))
     one = torch.ones((), dtype=torch.float32, device=dy.device)
-    scales = (dy_scale_inv, x_scale_inv) if direct else (one, one)
-    if not per_tensor:
-        scales = (dy_scale_inv.t().contiguous(), x_scale_inv.t().contiguous())
+    if spec.per_tensor:
+        dy, x = dy.t().contiguous(), x.t().contiguous()
+        scales = (dy_scale_inv, x_scale_inv) if direct else (one, one)
+        sizes = list(seg_sizes)
+    else:
+        scales = (dy_scale_inv, x_scale_inv)
+        sizes = [spec.block * -(-size // spec.block) for size in seg_sizes]
     per_segment = grouped_scaled_mm_wgrad(
-        dy.t().contiguous(),
-        x.t().contiguous(),
+        dy,
+        x,
         a_scale_inv=scales[0],
         b_scale_inv=scales[1],
-        group_sizes=list(seg_sizes),
+        group_sizes=sizes,
         recipe=recipe,
         out_dtype=dtype if direct else torch.float32,
     )
     if direct:
         return per_segment
-    if per_tensor:
+    if spec.per_tensor:
         per_segment = per_segment * (dy_scale_inv * x_scale_inv)[:, None, None]
     index = torch.tensor(seg_expert, dtype=torch.long, device=dy.device)
     summed = torch.zeros(shape, dtype=torch.float32, device=dy.device)
@@ -224,20 +232,29 @@ def grouped_fp8_wgrad(
     recipe: str,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """dW [E, N, K] in out_dtype: dW[e] = sum over e's segments s of dy_s^T x_s, from the
-    transposed operands' bytes in token order (FP8 dy [M, N], x [M, K]): per tensor the
-    rowwise bytes with scale_inv [S]; blockwise the columnwise copies (128x1 cells from each
-    segment's start) with scale_inv [C, N] / [C, K]. Experts with no rows get zeros."""
-    shape = (num_experts, dy.shape[1], x.shape[1])
+    """dW [E, N, K] in out_dtype: dW[e] = sum over e's segments s of dy_s^T x_s. Per tensor:
+    the rowwise bytes dy [M, N], x [M, K] with scale_inv [S]; blockwise: the transposed
+    columnwise copies dy [N, P], x [K, P] (`grouped_operands.quantize_segment_operands`:
+    segments padded to whole 128-token cells) with scale_inv [N, C] / [K, C]. Experts with no
+    rows get zeros."""
+    n, k = _wgrad_dims(dy, x, recipe)
+    shape = (num_experts, n, k)
     args = (dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe)
-    if dy.is_cuda and dy.shape[0] > 0:
+    if dy.is_cuda and sum(seg_sizes) > 0:
         return _cuda_wgrad(*args, shape, out_dtype)
     return _emulated_wgrad(*args, dy.new_zeros(shape, dtype=out_dtype))
 
 
+def _wgrad_dims(dy, x, recipe) -> tuple[int, int]:
+    """(N, K) of the weight gradient from its operands' layouts (module docstring)."""
+    if recipe_spec(recipe).per_tensor:
+        return dy.shape[1], x.shape[1]
+    return dy.shape[0], x.shape[0]
+
+
 @grouped_fp8_wgrad.register_fake
 def _(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, num_experts, recipe, out_dtype):
-    return dy.new_empty((num_experts, dy.shape[1], x.shape[1]), dtype=out_dtype)
+    return dy.new_empty((num_experts, *_wgrad_dims(dy, x, recipe)), dtype=out_dtype)
 
 
 def _stacked_operand(stacked: QuantizedTensor, usage: str) -> operands.Operand:

@@ -8,9 +8,9 @@ Tokens [M, K] sorted by expert, in segments (the rows of one expert from one sou
 - blockwise: 1x128 cells along K, which never cross a row, so all rows at once
   (`quantize_rows`, scale_inv [M, ceil(K/128)]); the weight gradient's columnwise copy has
   128x1 cells along the tokens counted from each SEGMENT's start (`quantize_segment_operands`:
-  each segment zero-padded to a multiple of 128 rows, as quantizing it alone pads it; scale_inv
-  [C, K] with C = sum over segments of ceil(rows / 128), segment s's cells at
-  `chunk_bounds[s]`).
+  each segment zero-padded to a multiple of 128 rows, as quantizing it alone pads it; kept
+  transposed and padded, [K, 128 C], with scale_inv [K, C], C = sum over segments of
+  ceil(rows / 128), segment s's cells at `chunk_bounds[s]`).
 Blockwise operands come from the dense Fp8Linear's quantizers (`backend_for(x)`: the fused
 CUDA kernels on a GPU, the reference elsewhere; the same bytes), run once on the padded
 tokens or on the stacked weight's padded rows.
@@ -120,15 +120,16 @@ def quantize_segment_operands(
     fp8_dtype,
     power_2_scale,
 ) -> tuple[Operand, Operand]:
-    """Blockwise rows (as `quantize_rows`) and the weight gradient's columnwise copy: 128x1
-    cells along the rows of each segment, counted from its first row (bytes [M, K] in x's row
-    order, scale_inv [C, K], segment s's cells at chunk_bounds[s]). One quantization of x with
-    its segments padded to whole cells."""
+    """Blockwise rows (as `quantize_rows`) and the weight gradient's transposed columnwise
+    operand: 128x1 cells along the rows of each segment, counted from its first row, as
+    bytes [K, P] with each segment padded to whole cells (segment s's tokens at columns
+    128 * chunk_bounds[s] onwards, zeros after them) and scale_inv [K, C] (its cells at
+    chunk_bounds[s]). One quantization of x with its segments padded."""
     padded, position = _pad_segments(x, seg_ids, seg_sizes, spec.block)
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
-    row, col = _quantize_operands(padded, transposed=True, **options)  # col: [K, padded rows]
+    row, col = _quantize_operands(padded, transposed=True, **options)  # col: [K, P]
     rows = (_rows_of(row.data, position), row.scale_inv[position])
-    return rows, (_rows_of(col.data.t(), position), col.scale_inv.t().contiguous())
+    return rows, (col.data.contiguous(), col.scale_inv.contiguous())
 
 
 def quantize_experts(

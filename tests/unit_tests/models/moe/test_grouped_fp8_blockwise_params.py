@@ -163,15 +163,16 @@ def test_fp8_parameter_backward_reads_the_bytes_gathered_for_it(recipe):
 
 def test_blockwise_operands_equal_quantizing_each_piece_alone():
     """Rows in 1x128 cells (all at once), each segment's 128x1 columnwise cells counted from its
-    own first row, each expert's 128x128 cells: the bytes and scales of `quantize` on the
-    piece (what the per-segment path's Fp8Linear quantizes)."""
+    own first row (kept transposed, each segment padded to whole cells), each expert's 128x128
+    cells: the bytes and scales of `quantize` on the piece (what the per-segment path's
+    Fp8Linear quantizes)."""
     spec, fp8 = recipe_spec("blockwise"), torch.float8_e4m3fn
     sizes = [130, 0, 7, 256, 1]
     x = torch.randn(sum(sizes), IN) * torch.linspace(0.1, 30, sum(sizes))[:, None]
     ids = grouped_operands.segment_ids(sizes, x.device)
     options = dict(spec=spec, fp8_dtype=fp8, power_2_scale=True)
     alone = grouped_operands.quantize_rows(x, role="input", **options)
-    (rows, rows_scale), (cols, cols_scale) = grouped_operands.quantize_segment_operands(
+    (rows, rows_scale), (cols_t, cols_scale_t) = grouped_operands.quantize_segment_operands(
         x, ids, sizes, role="input", **options
     )
     assert torch.equal(rows.view(torch.uint8), alone[0].view(torch.uint8))
@@ -179,13 +180,17 @@ def test_blockwise_operands_equal_quantizing_each_piece_alone():
     starts = grouped_operands.bounds(sizes)
     chunks = grouped_operands.chunk_bounds(sizes, spec.block)
     assert chunks == [0, 2, 2, 3, 5, 6]
+    assert cols_t.shape == (IN, 6 * 128) and cols_scale_t.shape == (IN, 6)
     for s in (0, 2, 3, 4):
         piece = x[starts[s] : starts[s + 1]]
         q = quantize(piece, recipe="blockwise", fp8_dtype=fp8, role="input", columnwise=True)
         assert torch.equal(rows[starts[s] : starts[s + 1]].view(torch.uint8), q.rowwise_data)
         assert torch.equal(rows_scale[starts[s] : starts[s + 1]], q.rowwise_scale_inv)
-        assert torch.equal(cols[starts[s] : starts[s + 1]].view(torch.uint8), q.columnwise_data)
-        assert torch.equal(cols_scale[chunks[s] : chunks[s + 1]], q.columnwise_scale_inv)
+        at = 128 * chunks[s]
+        got_t = cols_t[:, at : at + sizes[s]].view(torch.uint8)
+        assert torch.equal(got_t, q.columnwise_data.t())
+        assert cols_t[:, at + sizes[s] : 128 * chunks[s + 1]].float().abs().sum() == 0
+        assert torch.equal(cols_scale_t[:, chunks[s] : chunks[s + 1]], q.columnwise_scale_inv.t())
     weight = _layer("blockwise").weight.detach()
     data, scale = grouped_operands.quantize_experts(
         weight, spec=spec, fp8_dtype=fp8, power_2_scale=True
@@ -229,6 +234,7 @@ def test_blockwise_cuda_dispatch_layouts_on_the_emulated_kernels(grad_dtype, seg
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
     wargs = (*dy_col, *x_col, sizes, owner, "blockwise")
     out = torch.zeros(EXPERTS, OUT, IN)
+    assert dy_col[0].shape[0] == OUT and x_col[0].shape[0] == IN  # transposed, padded
     want = grouped_fp8._emulated_wgrad(*wargs, out.clone())
     got = grouped_fp8._cuda_wgrad(*wargs, out.shape, out.dtype)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
