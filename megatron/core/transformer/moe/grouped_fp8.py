@@ -20,13 +20,16 @@ tensorwise, everything else without). Here every operand is quantized in ONE pas
   the ragged-M kernel (blockwise: its 1x128 / 128x128 scales as they are; tensorwise: the
   per-segment scales given as block scales, constant along K). Weight gradient: the ragged-K
   kernel with groups = segments (blockwise: per (row, 128-token chunk) scales, chunks counted
-  from each segment's start; tensorwise: unit scales, each segment's result then scaled by its
-  two scale_invs), each segment's fp32 result summed into its expert.
+  from each segment's start, on the padded transposed copies; tensorwise: the segments'
+  scales), each segment's fp32 result summed into its expert, or with one segment per expert
+  (EP 1) dW written by the kernel in the weight's dtype.
 
-The GEMMs are custom ops (`megatron_fp8::grouped_fp8_mm`, `::grouped_fp8_wgrad`), so that
-torch.compile sees one opaque node per GEMM and no graph break. delayed (per-expert scaling
-state) and mxfp8 (no sm_90 grouped kernel) take the per-segment path: `grouped_path_applies` is
-the one rule of which path runs.
+The GEMMs are custom ops (`megatron_fp8::grouped_fp8_mm`, `::grouped_fp8_wgrad`, and
+`::grouped_fp8_weight_mm` for an FP8 parameter's stand-in), so that torch.compile sees one
+opaque node per GEMM and no graph break (an FP8 parameter enters a compiled graph as the
+stand-in `fp8.compile` makes for it; the op reads the parameter when it runs). delayed
+(per-expert scaling state) and mxfp8 (no sm_90 grouped kernel) take the per-segment path:
+`grouped_path_applies` is the one rule of which path runs.
 """
 
 from __future__ import annotations
