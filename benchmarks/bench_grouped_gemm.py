@@ -148,12 +148,16 @@ def wgrad_rows(x: torch.Tensor, dy: torch.Tensor, sizes: list[int]) -> list[dict
 
 
 def layer_rows(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list[dict]:
-    """Fp8StackedLinear (tensorwise, bf16) forward + backward: the one grouped function
-    (moe/grouped_fp8.py) against the per-segment reference path, each fp8 format; TFLOP/s
-    counts the three GEMMs."""
+    """Fp8StackedLinear (tensorwise and blockwise, bf16) forward + backward: the one grouped
+    function (moe/grouped_fp8.py) against the per-segment reference path, each fp8 format;
+    TFLOP/s counts the three GEMMs."""
     rows = []
-    for fp8_format in ("hybrid", "e4m3"):
-        config = Fp8Config(recipe="tensorwise", fp8_format=fp8_format)
+    for recipe, fp8_format in (
+        ("tensorwise", "hybrid"),
+        ("tensorwise", "e4m3"),
+        ("blockwise", "hybrid"),
+    ):
+        config = Fp8Config(recipe=recipe, fp8_format=fp8_format)
         layer = Fp8StackedLinear(*w.shape, fp8_config=config, dtype=w.dtype, device=w.device)
         with torch.no_grad():
             layer.weight.copy_(w)
@@ -164,7 +168,10 @@ def layer_rows(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list[dict]
             def step(layer=layer, tokens=tokens):
                 layer(tokens, sizes).backward(torch.ones_like(tokens[:, :1]).expand(-1, w.shape[1]))
 
-            impl = f"stacked_linear_{'grouped' if grouped else 'per_segment'}_{fp8_format}"
+            path = "grouped" if grouped else "per_segment"
+            impl = f"stacked_linear_{path}_{fp8_format}" + (
+                "_blockwise" if recipe == "blockwise" else ""
+            )
             row = timed_row("fc1_fwd_bwd", impl, step)
             if "ms" in row:
                 row["tflops"] = round(6 * x.shape[0] * w.shape[1] * w.shape[2] / row["ms"] / 1e9, 1)

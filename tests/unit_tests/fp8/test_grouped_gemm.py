@@ -3,6 +3,7 @@
 CPU: the emulated path (one exact emulated GEMM per group) equals a float64 product of the
 operands dequantized in the test, group by group, for each recipe; empty groups give empty
 rows (forward) or zero blocks (weight gradient); mismatched shapes are refused.
+The weight gradient also under blockwise (1x128 cells along each group's tokens).
 GPU (H200): the Triton kernels equal the emulated path up to fp32 accumulation order, on ragged
 group sizes (0, < 128, not multiples of 128) and N, K not multiples of 128."""
 
@@ -36,6 +37,25 @@ def _weights(recipe, device="cpu"):
     if scale.dim() == 1 or scale[0].numel() == 1:
         scale = scale.reshape(len(SIZES))
     return data, scale, torch.stack([p[2] for p in parts])
+
+
+def _columnwise_groups(t, role, fp8_dtype=E4M3):
+    """t [M, X] quantized blockwise one group at a time with 128x1 cells along M (the grouped
+    weight gradient's operand): data [X, M], scale_inv [X, C] (each group's cells in turn) and
+    the dequantized values [X, M]."""
+    data, scales, values = [], [], []
+    for piece in t.split(SIZES):
+        if piece.shape[0] == 0:
+            data.append(piece.new_zeros(0, t.shape[1], dtype=torch.uint8))
+            scales.append(piece.new_zeros(0, t.shape[1]))
+            values.append(piece.new_zeros(t.shape[1], 0, dtype=torch.float64))
+            continue
+        q = quantize(piece, recipe="blockwise", fp8_dtype=fp8_dtype, role=role, columnwise=True)
+        data.append(q.columnwise_data)
+        scales.append(q.columnwise_scale_inv)
+        values.append(q.gemm_operand("columnwise").dequantize().double())
+    data_t = torch.cat(data).t().contiguous().view(fp8_dtype)
+    return data_t, torch.cat(scales).t().contiguous(), torch.cat(values, dim=1)
 
 
 def _offsets():
@@ -80,6 +100,25 @@ def test_emulated_grouped_weight_gradient_equals_the_dequantized_product() -> No
     assert out[1].abs().max() == 0.0  # the empty group
 
 
+def test_emulated_blockwise_weight_gradient_equals_the_dequantized_product() -> None:
+    """Blockwise: 1x128 cells along the tokens of each group, counted from its start (groups of
+    70, 0, 150 and 3 tokens: 1, 0, 2 and 1 cells)."""
+    torch.manual_seed(0)
+    dy_t, dy_scale, dy_values = _columnwise_groups(torch.randn(M, N), "grad", E5M2)
+    x_t, x_scale, x_values = _columnwise_groups(torch.randn(M, K) * 3, "input")
+    assert dy_scale.shape == (N, 4) and x_scale.shape == (K, 4)
+    out = grouped_scaled_mm_wgrad(
+        dy_t, x_t, a_scale_inv=dy_scale, b_scale_inv=x_scale, group_sizes=SIZES,
+        recipe="blockwise",
+    )  # fmt: skip
+    offsets = _offsets()
+    for g in range(len(SIZES)):
+        cols = slice(offsets[g], offsets[g + 1])
+        expected = dy_values[:, cols] @ x_values[:, cols].t()
+        torch.testing.assert_close(out[g].double(), expected, rtol=1e-5, atol=1e-4)
+    assert out[1].abs().max() == 0.0 and out[2].abs().max() > 1.0
+
+
 def test_mismatched_shapes_and_recipes_are_refused() -> None:
     a, a_scale, _ = _quantized(torch.randn(M, K), "tensorwise", "input")
     b, b_scale, _ = _weights("tensorwise")
@@ -88,11 +127,15 @@ def test_mismatched_shapes_and_recipes_are_refused() -> None:
             a, b, a_scale_inv=a_scale, b_scale_inv=b_scale, group_sizes=[M, 0, 0, 1],
             recipe="tensorwise",
         )  # fmt: skip
-    with pytest.raises(ValueError, match="per-tensor recipes"):
+    with pytest.raises(ValueError, match="blockwise wgrad scales must be"):
         grouped_scaled_mm_wgrad(
             a, a, a_scale_inv=a_scale, b_scale_inv=a_scale, group_sizes=[K],
             recipe="blockwise",
         )  # fmt: skip
+    with pytest.raises(ValueError, match="fp32 scales"):
+        grouped_scaled_mm_wgrad(
+            a, a, a_scale_inv=a_scale, b_scale_inv=a_scale, group_sizes=[K], recipe="mxfp8"
+        )
 
 
 def _assert_close_to_emulation(got, want, *, fast: bool, out_dtype) -> None:
@@ -145,3 +188,19 @@ def test_triton_grouped_weight_gradient_equals_emulation_on_gpu(fast) -> None:
     want = grouped_scaled_mm_wgrad(dy_t, x_t, emulate=True, **kwargs)
     assert torch.count_nonzero(got[1]) == 0
     _assert_close_to_emulation(got, want, fast=fast, out_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+def test_triton_blockwise_weight_gradient_equals_emulation_on_gpu() -> None:
+    """The ragged-K kernel's blockwise mode: each 128-token chunk's product (chunks counted from
+    each group's start) scaled by its row and column scales before it is added (precise)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    dy_t, dy_scale, _ = _columnwise_groups(torch.randn(M, N, device="cuda"), "grad", E5M2)
+    x_t, x_scale, _ = _columnwise_groups(torch.randn(M, K, device="cuda"), "input")
+    kwargs = dict(a_scale_inv=dy_scale, b_scale_inv=x_scale, group_sizes=SIZES, recipe="blockwise")
+    got = grouped_scaled_mm_wgrad(dy_t, x_t, **kwargs)
+    want = grouped_scaled_mm_wgrad(dy_t, x_t, emulate=True, **kwargs)
+    assert torch.count_nonzero(got[1]) == 0
+    _assert_close_to_emulation(got, want, fast=False, out_dtype=torch.float32)

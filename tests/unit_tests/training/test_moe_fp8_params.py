@@ -13,7 +13,11 @@ every recipe, one spawn per expert-parallel size (all recipes in it):
   within 1e-5 of the same recipe's at EP 1. With fp32 grads the order of the sums (EP 2: two
   source segments locally, then 2 ranks; EP 1: 4 ranks) flips FP8 roundings, measured by step
   20: delayed 4.3e-5 (bitwise to step 12), tensorwise 7.7e-5 (bitwise to step 9), blockwise
-  and mxfp8 bitwise."""
+  and mxfp8 bitwise.
+- the experts' path: tensorwise and blockwise run every expert Linear through the one grouped
+  FP8 function (moe/grouped_fp8.py, reading the FP8 parameters' bytes as gathered), delayed
+  and mxfp8 through the per-segment loop. The grouped function gave these runs the same 20
+  losses as the per-segment loop, bitwise, at EP 1 and EP 2 (checked when it was built)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import pytest
 import torch
 
 import megatron.training.training as training
+from megatron.core.transformer.moe import fp8_experts
 from megatron.core.transformer.moe.fp8_experts import ExpertWeight, Fp8StackedLinear
 from megatron.core.transformer.moe.moe_layer import local_expert_rows
 from tests.unit_tests.dist_utils import run_distributed
@@ -127,9 +132,17 @@ def _run_recipes(rank: int, world_size: int, ep_size: int) -> dict:
             "--expert-model-parallel-size", str(ep_size),
         ]  # fmt: skip
         checks.clear()
-        with mock.patch.object(training, "setup_model_and_optimizer", setup_and_check):
+        grouped = mock.Mock(wraps=fp8_experts.grouped_fp8_linear)
+        with (
+            mock.patch.object(training, "setup_model_and_optimizer", setup_and_check),
+            mock.patch.object(fp8_experts, "grouped_fp8_linear", grouped),
+        ):
             losses = run_pretrain(argv).losses
-        results[recipe] = dict(losses=[losses[s] for s in sorted(losses)], checks=list(checks))
+        results[recipe] = dict(
+            losses=[losses[s] for s in sorted(losses)],
+            checks=list(checks),
+            grouped_calls=grouped.call_count,
+        )
     return results
 
 
@@ -165,3 +178,11 @@ def test_fp8_params_ep2_equal_ep1(recipe, ep2, ep1):
     assert reference[-1] < reference[0] - 0.3  # it learns with FP8 expert parameters
     for rank_result in ep2:
         assert rank_result[recipe]["losses"] == pytest.approx(reference, rel=1e-5, abs=0)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_expert_params_take_the_grouped_function_where_it_applies(recipe, ep2, ep1):
+    # 20 steps x fc1 and fc2 of the one MoE layer, on every rank at both EP sizes.
+    expected = 40 if recipe in ("tensorwise", "blockwise") else 0
+    for rank_result in [*ep2, *ep1]:
+        assert rank_result[recipe]["grouped_calls"] == expected

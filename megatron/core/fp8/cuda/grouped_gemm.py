@@ -13,7 +13,9 @@ accumulation runs at 309 TFLOP/s on fc2 where an unmasked Triton kernel like our
 
 Scales are scale_inv as in `gemm.scaled_mm`: per-tensor recipes (tensorwise, delayed) a scalar
 for A and one per group for B ([G]); blockwise 1x128 for A ([M, ceil(K/128)]) and 128x128 for
-B ([G, ceil(N/128), ceil(K/128)]). mxfp8 (no sm_90 instruction) is always emulated.
+B ([G, ceil(N/128), ceil(K/128)]); the weight gradient's blockwise scales are 1x128 cells along
+the tokens of each group (see `grouped_scaled_mm_wgrad`). mxfp8 (no sm_90 instruction) is
+always emulated.
 """
 
 from __future__ import annotations
@@ -114,12 +116,16 @@ def grouped_scaled_mm_wgrad(
     fast_accum: bool = False,
 ) -> torch.Tensor:
     """A^T [N, M] and B^T [K, M] FP8 (tokens along M, sorted by group) -> [G, N, K]: for each
-    group g, A^T[:, cols of g] @ B^T[:, cols of g]^T. Per-tensor recipes only: blockwise 1x128
-    scales along M would need every group's tokens padded to 128 (not built)."""
+    group g, A^T[:, cols of g] @ B^T[:, cols of g]^T. Scales: per-tensor recipes a scalar
+    each or one per group ([G] each); blockwise 1x128 cells along M counted from each GROUP's
+    start (a group of m tokens has ceil(m/128) cells, the last one short): A [N, C], B [K, C],
+    C the groups' cells in all, group g's from the sum of the earlier groups' counts.
+    fast_accum: per-tensor only."""
     spec = recipe_spec(recipe)
-    if not spec.per_tensor:
-        raise ValueError(f"grouped_scaled_mm_wgrad takes per-tensor recipes, not '{recipe}'")
+    if spec.e8m0_scales:
+        raise ValueError(f"grouped_scaled_mm_wgrad takes fp32 scales, not '{recipe}'")
     offsets = _group_offsets(group_sizes)
+    chunks = _group_offsets([triton_cdiv(size, BLOCK_K) for size in group_sizes])
     n, m = a_t_data.shape
     k = b_t_data.shape[0]
     if offsets[-1] != m or b_t_data.shape[1] != m:
@@ -127,30 +133,57 @@ def grouped_scaled_mm_wgrad(
             f"A^T {tuple(a_t_data.shape)}, B^T {tuple(b_t_data.shape)} and group sizes "
             f"{group_sizes} do not match"
         )
+    blockwise = not spec.per_tensor
+    if not blockwise and (a_scale_inv.dim(), b_scale_inv.dim()) not in ((0, 0), (1, 1)):
+        raise ValueError("per-tensor wgrad scales are scalars or one per group each")
+    if blockwise and (a_scale_inv.shape, b_scale_inv.shape) != ((n, chunks[-1]), (k, chunks[-1])):
+        raise ValueError(
+            f"blockwise wgrad scales must be ({n}, {chunks[-1]}) and ({k}, {chunks[-1]}), got "
+            f"{tuple(a_scale_inv.shape)} and {tuple(b_scale_inv.shape)}"
+        )
     groups = len(group_sizes)
     if emulate or not _kernel_runs(recipe, a_t_data, b_t_data):
-        return torch.stack(
-            [
-                emulated_mm(
-                    a_t_data[:, offsets[g] : offsets[g + 1]],
-                    b_t_data[:, offsets[g] : offsets[g + 1]],
-                    a_scale_inv=a_scale_inv,
-                    b_scale_inv=b_scale_inv,
-                    recipe=recipe,
-                    out_dtype=out_dtype,
-                )
-                for g in range(groups)
-            ]
+        return _emulated_ragged_k(
+            a_t_data, b_t_data, a_scale_inv, b_scale_inv, offsets, chunks, recipe, out_dtype
         ).reshape(groups, n, k)
     out = torch.empty(groups, n, k, dtype=out_dtype, device=a_t_data.device)
     starts = torch.tensor(offsets, dtype=torch.int32, device=a_t_data.device)
+    chunk_starts = torch.tensor(chunks, dtype=torch.int32, device=a_t_data.device)
+    # The scales' stride per chunk (blockwise: their rows hold C chunks) or per group.
+    scale_stride = chunks[-1] if blockwise else int(a_scale_inv.dim() == 1)
     grid = lambda meta: (groups, triton_cdiv(n, meta["BLOCK_N"]), triton_cdiv(k, BLOCK_K))  # noqa: E731
     _kernels()._ragged_k_kernel[grid](
-        a_t_data, b_t_data, out, a_scale_inv, b_scale_inv, starts, n, k,
-        a_t_data.stride(0), b_t_data.stride(0), out.stride(0), out.stride(1),
-        FAST=fast_accum, BLOCK_K=BLOCK_K, BLOCK_M=BLOCK_K,
+        a_t_data, b_t_data, out, a_scale_inv.contiguous(), b_scale_inv.contiguous(), starts,
+        chunk_starts, n, k, a_t_data.stride(0), b_t_data.stride(0), out.stride(0), out.stride(1),
+        scale_stride, BLOCKWISE=blockwise, FAST=fast_accum and not blockwise, BLOCK_K=BLOCK_K,
+        BLOCK_M=BLOCK_K,
     )  # fmt: skip
     return out
+
+
+def _group_scale(scale_inv, group, cells, per_tensor):
+    if per_tensor:
+        return scale_inv[group] if scale_inv.dim() == 1 else scale_inv
+    return scale_inv[:, cells]
+
+
+def _emulated_ragged_k(a_t, b_t, a_scale_inv, b_scale_inv, offsets, chunks, recipe, out_dtype):
+    """One exact emulated GEMM per group (the CPU twin of `_ragged_k_kernel`)."""
+    per_tensor = recipe_spec(recipe).per_tensor
+    pieces = []
+    for g in range(len(offsets) - 1):
+        cols, cells = slice(offsets[g], offsets[g + 1]), slice(chunks[g], chunks[g + 1])
+        pieces.append(
+            emulated_mm(
+                a_t[:, cols],
+                b_t[:, cols],
+                a_scale_inv=_group_scale(a_scale_inv, g, cells, per_tensor),
+                b_scale_inv=_group_scale(b_scale_inv, g, cells, per_tensor),
+                recipe=recipe,
+                out_dtype=out_dtype,
+            )
+        )
+    return torch.stack(pieces)
 
 
 def triton_cdiv(value: int, block: int) -> int:

@@ -5,13 +5,16 @@
   transposed copies). One program per (tile of BLOCK_M rows inside one group, tile of N).
 - `_ragged_k_kernel`: C[g] = A[:, cols of g] @ B[:, cols of g]^T with A [N, M] and B [K, M]
   FP8 (the transposed copies of the output gradient and of the input, tokens along M): the
-  experts' weight gradient, one [N, K] result per group, reducing over that group's tokens.
+  experts' weight gradient, one [N, K] result per group, reducing over that group's tokens;
+  per-tensor scales, or blockwise 128x1 cells along the tokens counted from each group's start
+  (scale_inv [N, C] and [K, C], group g's cells from chunk_start[g]).
 
 Both read K-major FP8 operands (what Hopper's FP8 tensor-core instructions take) and scale the
 fp32 accumulator by the operands' scale_inv as the dense GEMM does (docs/FP8_NUMERICS.md):
-per-tensor (a scalar for A, one per group for B) or, in the ragged-M kernel, blockwise (A 1x128
-per row and K block, B 128x128 per group): each K block's partial product is scaled before it
-is added, as DeepSeek-V3's blockwise GEMM does. FAST: one accumulator fed by the tensor cores
+per-tensor (a scalar for A, one per group for B) or blockwise (ragged-M: A 1x128 per row and K
+block, B 128x128 per group; ragged-K: 1x128 per row of A and of B and 128-token chunk): each
+K block's (chunk's) partial product is scaled before it is added, as DeepSeek-V3's blockwise
+GEMM does. FAST: one accumulator fed by the tensor cores
 (Hopper's FP8 accumulation, cuBLAS's fast accumulation); otherwise each K block's product goes
 to a separate fp32 accumulator first (the precise mode the dense gradients use). Results are
 bf16 or fp32.
@@ -104,7 +107,7 @@ def _ragged_m_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=keep)
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K", "FAST"])
+@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCKWISE", "FAST"])
 @triton.jit
 def _ragged_k_kernel(
     a_ptr,
@@ -113,12 +116,15 @@ def _ragged_k_kernel(
     a_scale_ptr,
     b_scale_ptr,
     group_start_ptr,
+    chunk_start_ptr,
     N,
     K,
     stride_an,
     stride_bk,
     stride_cg,
     stride_cn,
+    stride_scale,
+    BLOCKWISE: tl.constexpr,
     FAST: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -129,8 +135,12 @@ def _ragged_k_kernel(
     pid_k = tl.program_id(2)
     start = tl.load(group_start_ptr + group)
     end = tl.load(group_start_ptr + group + 1)
+    # Blockwise: the group's first 128-token chunk in the scale grids [N, C] / [K, C].
+    chunk = tl.load(chunk_start_ptr + group)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    a_scale_rows = a_scale_ptr + ns.to(tl.int64) * stride_scale
+    b_scale_rows = b_scale_ptr + kk.to(tl.int64) * stride_scale
     ms = tl.arange(0, BLOCK_M)
     n_ok = ns < N
     k_ok = kk < K
@@ -147,10 +157,19 @@ def _ragged_k_kernel(
             mask=k_ok[:, None] & m_ok[None, :],
             other=0.0,
         )
-        if FAST:
+        if BLOCKWISE:
+            # 128x1 cells along the tokens (BLOCK_M is their 128), counted from the group start:
+            # each chunk's product scaled before it is added, as the ragged-M kernel's K blocks.
+            a_s = tl.load(a_scale_rows + chunk, mask=n_ok, other=0.0)
+            b_s = tl.load(b_scale_rows + chunk, mask=k_ok, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+            chunk += 1
+        elif FAST:
             acc = tl.dot(a, tl.trans(b), acc)
         else:
             acc += tl.dot(a, tl.trans(b))
-    acc = acc * tl.load(a_scale_ptr) * tl.load(b_scale_ptr)
+    if not BLOCKWISE:  # per tensor: a scalar each (stride_scale 0) or one per group (1)
+        acc = acc * tl.load(a_scale_ptr + group * stride_scale)
+        acc = acc * tl.load(b_scale_ptr + group * stride_scale)
     c_ptrs = c_ptr + group.to(tl.int64) * stride_cg + ns[:, None] * stride_cn + kk[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])

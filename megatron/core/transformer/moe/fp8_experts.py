@@ -13,16 +13,18 @@ so the bytes every GEMM reads do not depend on how tokens are grouped across ran
 expert-parallel layout changes only the order of fp32 sums (acceptance 1 of issue 38).
 
 `grouped_fp8_gemm` is a loop over segments through Fp8Linear's autograd function (every recipe;
-the reference). Where `grouped_fp8.grouped_path_applies` (tensorwise), the forward takes
-`grouped_fp8.grouped_fp8_linear` instead: the same rule in one autograd function over all
-experts, one quantize pass per operand and grouped GEMMs on CUDA.
+the reference). Where `grouped_fp8.grouped_path_applies` (tensorwise and blockwise), the forward
+takes `grouped_fp8.grouped_fp8_linear` instead: the same rule in one autograd function over all
+experts, one quantize pass per operand and grouped GEMMs on CUDA; delayed and mxfp8 keep the
+segment loop.
 
 FP8 parameters (--fp8-param-gather): Megatron-FSDP keeps the stacked weight as a
 QuantizedTensor [num_experts, out, in] whose scales have one leading dim per expert
 (`megatron.core.distributed.fsdp.fp8_matrices`). Each expert GEMM reads expert e's bytes and
-scales as they are, through `ExpertWeight` (no re-quantization); their wgrads are stacked into
-the parameter's grad by `_ExpertWeights` (the segment loop: the grouped function does not take
-FP8 parameters yet).
+scales as they are (no re-quantization): the grouped function reads the stacked bytes and
+scales directly; the segment loop reads them through `ExpertWeight`, and `_ExpertWeights`
+stacks their wgrads into the parameter's grad (zeros for experts without tokens), as the
+grouped function's weight gradient is.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import nn
 from megatron.core.fp8 import autocast as fp8_state
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
-from megatron.core.fp8.linear import build_plan, fp8_linear_apply
+from megatron.core.fp8.linear import Fp8Linear, build_plan, fp8_linear_apply
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.transformer.moe.grouped_fp8 import grouped_fp8_linear, grouped_path_applies
 
@@ -174,6 +176,13 @@ def grouped_fp8_gemm(
     return torch.cat(outputs, dim=0)
 
 
+@torch._dynamo.disable
+def _forward_outside_the_graph(module, tokens, tokens_per_expert, segments) -> torch.Tensor:
+    """An Fp8StackedLinear forward run eagerly from a compiled caller (a graph break each
+    side): an FP8 parameter on a path that cannot take its stand-in."""
+    return module.forward(tokens, tokens_per_expert, segments)
+
+
 class Fp8StackedLinear(nn.Module):
     """The stacked weight [num_experts, out, in] of one Linear per expert, run in FP8.
 
@@ -209,6 +218,38 @@ class Fp8StackedLinear(nn.Module):
         self.grouped = True
         """Take `grouped_fp8.grouped_fp8_linear` where it applies (False: the per-segment
         reference path, `grouped_fp8_gemm`, as the tests compare them)."""
+        self._weight_stand_in: torch.Tensor | None = None
+        self._weight_stand_in_spec = None
+
+    refresh_weight_stand_in = Fp8Linear.refresh_weight_stand_in
+    """An FP8 parameter's stand-in for compiled graphs, made and registered as Fp8Linear's
+    (`fp8.compile`): the grouped function reads the weight through it
+    (megatron_fp8::grouped_fp8_weight_mm) and its grad reaches the parameter."""
+
+    def before_compiled_forward(self, device: torch.device | None = None) -> None:
+        """`prepare_for_compile`'s eager step before each compiled forward: the stand-in."""
+        self.refresh_weight_stand_in()
+
+    def after_compiled_forward(self) -> None:
+        """Nothing to flush after a compiled forward (`prepare_for_compile`): the grouped
+        function keeps no scaling state, and other paths run outside the graph."""
+        return None
+
+    def _compiled_fp8_param_forward(self, tokens, tokens_per_expert, segments) -> torch.Tensor:
+        """An FP8 parameter in a compiled graph: its stand-in through the grouped function
+        (no graph break), else the whole forward eagerly (a QuantizedTensor is not traceable)."""
+        enabled, config, _, _ = self._current_settings()
+        stand_in = self._weight_stand_in
+        if (
+            stand_in is not None
+            and enabled
+            and self.grouped
+            and tokens.shape[0] > 0
+            and self._weight_stand_in_spec == config.spec
+            and grouped_path_applies(config, stand_in)
+        ):
+            return grouped_fp8_linear(tokens, stand_in, segments, config, stand_in=True)
+        return _forward_outside_the_graph(self, tokens, tokens_per_expert, segments)
 
     def extra_repr(self) -> str:
         experts, out_features, in_features = self.weight.shape
@@ -233,14 +274,20 @@ class Fp8StackedLinear(nn.Module):
             segments = [[count] for count in tokens_per_expert]
         if [sum(counts) for counts in segments] != list(tokens_per_expert):
             raise ValueError("Fp8StackedLinear: segments must sum to tokens_per_expert")
+        if isinstance(self.weight, QuantizedTensor) and torch.compiler.is_compiling():
+            return self._compiled_fp8_param_forward(tokens, tokens_per_expert, segments)
         enabled, config, group, setup = self._current_settings()
         weight = self.weight
-        if isinstance(weight, QuantizedTensor):  # an FP8 parameter of Megatron-FSDP
-            if weight.spec != config.spec:
-                raise ValueError(
-                    f"FP8 expert weight was quantized with recipe '{weight.recipe}' but "
-                    f"autocast asks for '{config.recipe}'; build the model under the same recipe"
-                )
+        fp8_param = isinstance(weight, QuantizedTensor)  # an FP8 parameter of Megatron-FSDP
+        if fp8_param and weight.spec != config.spec:
+            raise ValueError(
+                f"FP8 expert weight was quantized with recipe '{weight.recipe}' but "
+                f"autocast asks for '{config.recipe}'; build the model under the same recipe"
+            )
+        grouped = enabled and self.grouped and tokens.shape[0] > 0
+        if grouped and grouped_path_applies(config, weight):
+            return grouped_fp8_linear(tokens, weight, segments, config)
+        if fp8_param:
             weight = _ExpertWeights.apply(weight)
         if not enabled:
             pieces = tokens.split(list(tokens_per_expert), dim=0)
@@ -248,8 +295,6 @@ class Fp8StackedLinear(nn.Module):
             if not outputs:
                 return tokens.new_zeros(0, self.weight.shape[1])
             return torch.cat(outputs, dim=0)
-        if self.grouped and tokens.shape[0] > 0 and grouped_path_applies(config, self.weight):
-            return grouped_fp8_linear(tokens, self.weight, segments, config)
         recompute = fp8_state.in_recompute()
 
         def plan_for_expert(expert: int):

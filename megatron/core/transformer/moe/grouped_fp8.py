@@ -1,42 +1,48 @@
 """One FP8 grouped GEMM autograd function for all experts of a stacked expert weight
 (FP8_NUMERICS.md, "Experts"): forward, data gradient and weight gradient of
-`Fp8StackedLinear` under the per-tensor current-scaling recipe (tensorwise).
+`Fp8StackedLinear` under the current-scaling recipes tensorwise and blockwise, on a
+high-precision stacked weight or on an FP8 parameter of Megatron-FSDP.
 
 The rule is the per-segment path's (`fp8_experts.grouped_fp8_gemm`, kept as the reference the
 tests compare with): one FP8 product per (expert, segment), each segment (the rows of one
-expert from one source rank) quantized with its own tensorwise scale, each expert's weight with
-its own; fp32 accumulation; outputs rounded as the dense Fp8Linear rounds them (forward with
-fast accumulation, dgrad and wgrad without). Here every operand is quantized in ONE pass (the
-segment amaxes by one scatter-reduce of row amaxes) and each GEMM kind is one call:
+expert from one source rank) quantized as a Linear's input alone, each expert's weight as a
+Linear weight (or its FP8 parameter's bytes and scales read as they are); fp32 accumulation;
+outputs rounded as the dense Fp8Linear rounds them (forward with fast accumulation under
+tensorwise, everything else without). Here every operand is quantized in ONE pass
+(`grouped_operands.py`) and each GEMM kind is one call:
 
 - CPU (and any device where the paths below do not apply): the exact emulation, one fp32 GEMM
-  per segment on the dequantized operands, bitwise the per-segment path's (same operand shapes);
-- CUDA, E4M3 x E4M3 with bf16 output: `torch._scaled_grouped_mm` (2d x 3d, ragged rows; the
-  row scale is the segment's scale_inv, the expert's scale_inv broadcast over its columns);
-- CUDA otherwise (E5M2 gradients under `hybrid`, fp32 outputs, the weight gradient): the
-  Triton kernels of `fp8/cuda/grouped_gemm.py`; per-segment scales enter the ragged-M kernel
-  as its 1x128 / 128x128 block scales (constant along K) and scale the ragged-K kernel's
-  per-segment results (groups = segments, summed per expert afterwards).
+  per segment on the dequantized operands, bitwise the per-segment path's (same operand
+  shapes, the same `Fp8Operand.dequantize`);
+- CUDA, tensorwise E4M3 x E4M3 with bf16 output: `torch._scaled_grouped_mm` (2d x 3d, ragged
+  rows; the row scale is the segment's scale_inv, the expert's broadcast over its columns);
+- CUDA otherwise: the Triton kernels of `fp8/cuda/grouped_gemm.py`. Forward and data gradient:
+  the ragged-M kernel (blockwise: its 1x128 / 128x128 scales as they are; tensorwise: the
+  per-segment scales given as block scales, constant along K). Weight gradient: the ragged-K
+  kernel with groups = segments (blockwise: per (row, 128-token chunk) scales, chunks counted
+  from each segment's start, on the padded transposed copies; tensorwise: the segments'
+  scales), each segment's fp32 result summed into its expert, or with one segment per expert
+  (EP 1) dW written by the kernel in the weight's dtype.
 
-The GEMMs are custom ops (`megatron_fp8::grouped_fp8_mm`, `::grouped_fp8_wgrad`), so that
-torch.compile sees one opaque node per GEMM and no graph break. Other recipes (delayed,
-blockwise, mxfp8), FP8 weight parameters and statistics steps take the per-segment path.
+The GEMMs are custom ops (`megatron_fp8::grouped_fp8_mm`, `::grouped_fp8_wgrad`, and
+`::grouped_fp8_weight_mm` for an FP8 parameter's stand-in), so that torch.compile sees one
+opaque node per GEMM and no graph break (an FP8 parameter enters a compiled graph as the
+stand-in `fp8.compile` makes for it; the op reads the parameter when it runs). delayed
+(per-expert scaling state) and mxfp8 (no sm_90 grouped kernel) take the per-segment path:
+`grouped_path_applies` is the one rule of which path runs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megatron.core.fp8.compile import stand_in_owner
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.cuda.grouped_gemm import grouped_scaled_mm, grouped_scaled_mm_wgrad
 from megatron.core.fp8.formats import fp8_dtype_for_role
-from megatron.core.fp8.quantized_tensor import QuantizedTensor
-from megatron.core.fp8.reference import (
-    amax_ignoring_nan,
-    reciprocal,
-    saturating_cast,
-    scale_from_amax,
-)
+from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor
+from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
+from megatron.core.transformer.moe import grouped_operands as operands
 
 E4M3 = torch.float8_e4m3fn
 _TORCH_ALIGN = 16
@@ -44,66 +50,41 @@ _TORCH_ALIGN = 16
 
 
 def grouped_path_applies(config: Fp8Config, weight: torch.Tensor) -> bool:
-    """Whether `grouped_fp8_linear` covers this call: tensorwise current scaling on a plain
-    high-precision stacked weight."""
+    """Whether `grouped_fp8_linear` covers this call: a current-scaling recipe with fp32 scales
+    (tensorwise, blockwise) on a stacked [E, out, in] weight, high precision or FP8 parameter
+    (its recipe checked by the caller). delayed and mxfp8 take the per-segment path."""
     spec = config.spec
-    return spec.per_tensor and not spec.delayed and not isinstance(weight, QuantizedTensor)
+    return not spec.delayed and not spec.e8m0_scales and weight.dim() == 3
 
 
-def _segment_ids(sizes: list[int], device: torch.device) -> torch.Tensor:
-    ids = torch.arange(len(sizes), device=device)
-    counts = torch.tensor(sizes, device=device)
-    return torch.repeat_interleave(ids, counts, output_size=sum(sizes))
+def _cells(spec: RecipeSpec) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Block cells of the token operand and of the weight ((0, 0): per tensor)."""
+    if spec.per_tensor:
+        return (0, 0), (0, 0)
+    return (1, spec.block), (spec.block, spec.block)
 
 
-def quantize_segments(
-    x: torch.Tensor, seg_ids: torch.Tensor, num_segments: int, *, fp8_dtype, power_2_scale: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (FP8 bytes [M, K] as fp8_dtype, scale_inv [num_segments] fp32): each
-    segment's rows quantized tensorwise with the scale of that segment's amax, exactly as
-    `quantize` quantizes the segment alone (an empty segment gets scale 1)."""
-    row_amax = amax_ignoring_nan(x, dim=-1)
-    amax = torch.zeros(num_segments, dtype=torch.float32, device=x.device)
-    amax = amax.scatter_reduce(0, seg_ids, row_amax, "amax", include_self=True)
-    scale = scale_from_amax(amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
-    scaled = x.to(torch.float32) * scale[seg_ids][:, None]  # quantize reads x in fp32
-    return saturating_cast(scaled, fp8_dtype).view(fp8_dtype), reciprocal(scale)
-
-
-def quantize_experts(
-    weight: torch.Tensor, *, fp8_dtype, power_2_scale: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [E, N, K] -> (FP8 bytes, scale_inv [E]): each expert quantized tensorwise."""
-    amax = amax_ignoring_nan(weight, dim=(1, 2))
-    scale = scale_from_amax(amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
-    scaled = weight.to(torch.float32) * scale[:, None, None]
-    return saturating_cast(scaled, fp8_dtype).view(fp8_dtype), reciprocal(scale)
-
-
-def _seg_bounds(seg_sizes: list[int]) -> list[int]:
-    bounds = [0]
-    for size in seg_sizes:
-        bounds.append(bounds[-1] + size)
-    return bounds
-
-
-def _emulated_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, out_dtype):
+def _emulated_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype):
     """The CPU twin: per segment, dequantized A rows @ dequantized B[e]^T in fp32."""
-    bounds = _seg_bounds(seg_sizes)
+    spec = recipe_spec(recipe)
+    a_cell, b_cell = _cells(spec)
+    starts = operands.bounds(seg_sizes)
     out = a.new_zeros(a.shape[0], b.shape[1], dtype=out_dtype)
     for s, expert in enumerate(seg_expert):
         if seg_sizes[s] == 0:
             continue
-        rows = slice(bounds[s], bounds[s + 1])
-        a_values = a[rows].to(torch.float32) * a_scale_inv[s]
-        b_values = b[expert].to(torch.float32) * b_scale_inv[expert]
+        rows = slice(starts[s], starts[s + 1])
+        row_scale = a_scale_inv[s] if spec.per_tensor else a_scale_inv[rows]
+        a_values = Fp8Operand(a[rows], row_scale, recipe, *a_cell).dequantize()
+        b_values = Fp8Operand(b[expert], b_scale_inv[expert], recipe, *b_cell).dequantize()
         out[rows] = (a_values @ b_values.t()).to(out_dtype)
     return out
 
 
-def _torch_mm_applies(a, b, out_dtype) -> bool:
+def _torch_mm_applies(a, b, recipe, out_dtype) -> bool:
     return (
         a.is_cuda
+        and recipe_spec(recipe).per_tensor
         and hasattr(torch, "_scaled_grouped_mm")
         and a.dtype == E4M3 == b.dtype
         and out_dtype == torch.bfloat16
@@ -119,13 +100,16 @@ def _expert_sizes(seg_sizes, seg_expert, num_experts) -> list[int]:
     return sizes
 
 
-def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, out_dtype, fast_accum):
+def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, fast):
     """Segments are sorted by expert (the dispatcher's order): experts are the groups."""
-    seg_ids = _segment_ids(seg_sizes, a.device)
-    row_scale = a_scale_inv[seg_ids]
     groups, n, k = b.shape
     sizes = _expert_sizes(seg_sizes, seg_expert, groups)
-    if _torch_mm_applies(a, b, out_dtype):
+    if not recipe_spec(recipe).per_tensor:  # blockwise: 1x128 rows, 128x128 experts
+        scales = dict(a_scale_inv=a_scale_inv.contiguous(), b_scale_inv=b_scale_inv.contiguous())
+        args = dict(group_sizes=sizes, recipe=recipe, out_dtype=out_dtype)
+        return grouped_scaled_mm(a, b, **scales, **args)
+    row_scale = a_scale_inv[operands.segment_ids(seg_sizes, a.device)]
+    if _torch_mm_applies(a, b, recipe, out_dtype):
         offsets = torch.tensor(sizes, device=a.device).cumsum(0).to(torch.int32)
         return torch._scaled_grouped_mm(
             a,
@@ -134,7 +118,7 @@ def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, out_dtype, f
             b_scale_inv[:, None].expand(groups, n).contiguous(),
             offs=offsets,
             out_dtype=out_dtype,
-            use_fast_accum=fast_accum,
+            use_fast_accum=fast,
         )
     # The Triton ragged-M kernel: scales constant along K, given as its block scales.
     k_blocks, n_blocks = -(-k // 128), -(-n // 128)
@@ -157,54 +141,86 @@ def grouped_fp8_mm(
     b_scale_inv: torch.Tensor,
     seg_sizes: list[int],
     seg_expert: list[int],
+    recipe: str,
     out_dtype: torch.dtype,
     fast_accum: bool,
 ) -> torch.Tensor:
-    """A [M, K] FP8 (rows in segments, scale_inv [S]) times B [E, N, K] FP8 (scale_inv [E]):
-    rows of segment s @ B[seg_expert[s]]^T -> [M, N] in out_dtype."""
-    args = (a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, out_dtype)
+    """A [M, K] FP8 (rows in segments) times B [E, N, K] FP8: rows of segment s @
+    B[seg_expert[s]]^T -> [M, N] in out_dtype. scale_inv of A: per tensor [S] (one per
+    segment), blockwise [M, ceil(K/128)]; of B: [E], or [E, ceil(N/128), ceil(K/128)]."""
+    args = (a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype)
     if a.is_cuda and a.shape[0] > 0:
         return _cuda_mm(*args, fast_accum).contiguous()
     return _emulated_mm(*args)
 
 
 @grouped_fp8_mm.register_fake
-def _(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, out_dtype, fast_accum):
+def _(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, fast_accum):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, out):
+def _segment_operand(data, scale_inv, s, seg_sizes, chunks, spec, recipe) -> Fp8Operand:
+    """Segment s's transposed operand [*, rows] of the weight gradient (the per-segment path's
+    `gemm_operand("columnwise")`): per tensor its rows of the rowwise bytes [M, *] and its
+    scale; blockwise its columns of the padded transposed copy [*, P] and its cells."""
+    if spec.per_tensor:
+        start = sum(seg_sizes[:s])
+        rows = data[start : start + seg_sizes[s]]
+        return Fp8Operand(rows.t().contiguous(), scale_inv[s], recipe)
+    start = chunks[s] * spec.block
+    data_t = data[:, start : start + seg_sizes[s]].contiguous()
+    cells = scale_inv[:, chunks[s] : chunks[s + 1]].contiguous()
+    return Fp8Operand(data_t, cells, recipe, 1, spec.block)
+
+
+def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, out):
     """Per segment: (dy_s^T dequantized) @ (x_s^T dequantized)^T in fp32, rounded to out's
     dtype, summed into its expert last segment first (the per-segment path's operand shapes and
     the order its backward sums them in)."""
-    bounds = _seg_bounds(seg_sizes)
+    spec = recipe_spec(recipe)
+    chunks = operands.chunk_bounds(seg_sizes, spec.block or 1)
     for s, expert in reversed(list(enumerate(seg_expert))):
         if seg_sizes[s] == 0:
             continue
-        rows = slice(bounds[s], bounds[s + 1])
-        dy_t = dy[rows].t().contiguous().to(torch.float32) * dy_scale_inv[s]
-        x_t = x[rows].t().contiguous().to(torch.float32) * x_scale_inv[s]
+        where = (s, seg_sizes, chunks, spec, recipe)
+        dy_t = _segment_operand(dy, dy_scale_inv, *where).dequantize()
+        x_t = _segment_operand(x, x_scale_inv, *where).dequantize()
         out[expert] += (dy_t @ x_t.t()).to(out.dtype)
     return out
 
 
-def _cuda_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, out):
-    """The Triton ragged-K kernel with groups = segments and unit scales, each segment's
-    [N, K] result then scaled by its two scale_invs and summed into its expert."""
+def _cuda_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, shape, dtype):
+    """The Triton ragged-K kernel with groups = segments -> dW `shape` in `dtype`. Per tensor:
+    the rowwise bytes transposed, the segments' scale_inv [S]; blockwise: the padded
+    transposed copies as they are (groups = the padded segments: their zero columns add
+    nothing). One segment per expert, in expert order (EP 1): the kernel writes dW itself;
+    else each segment's fp32 result is summed into its expert."""
+    spec = recipe_spec(recipe)
+    direct = list(seg_expert) == list(range(shape[0]))
     one = torch.ones((), dtype=torch.float32, device=dy.device)
+    if spec.per_tensor:
+        dy, x = dy.t().contiguous(), x.t().contiguous()
+        scales = (dy_scale_inv, x_scale_inv) if direct else (one, one)
+        sizes = list(seg_sizes)
+    else:
+        scales = (dy_scale_inv, x_scale_inv)
+        sizes = [spec.block * -(-size // spec.block) for size in seg_sizes]
     per_segment = grouped_scaled_mm_wgrad(
-        dy.t().contiguous(),
-        x.t().contiguous(),
-        a_scale_inv=one,
-        b_scale_inv=one,
-        group_sizes=list(seg_sizes),
-        recipe="tensorwise",
-        out_dtype=torch.float32,
+        dy,
+        x,
+        a_scale_inv=scales[0],
+        b_scale_inv=scales[1],
+        group_sizes=sizes,
+        recipe=recipe,
+        out_dtype=dtype if direct else torch.float32,
     )
-    per_segment = per_segment * (dy_scale_inv * x_scale_inv)[:, None, None]
+    if direct:
+        return per_segment
+    if spec.per_tensor:
+        per_segment = per_segment * (dy_scale_inv * x_scale_inv)[:, None, None]
     index = torch.tensor(seg_expert, dtype=torch.long, device=dy.device)
-    summed = torch.zeros(out.shape, dtype=torch.float32, device=dy.device)
-    return out.copy_(summed.index_add_(0, index, per_segment))
+    summed = torch.zeros(shape, dtype=torch.float32, device=dy.device)
+    return summed.index_add_(0, index, per_segment).to(dtype)
 
 
 @torch.library.custom_op("megatron_fp8::grouped_fp8_wgrad", mutates_args=())
@@ -216,70 +232,166 @@ def grouped_fp8_wgrad(
     seg_sizes: list[int],
     seg_expert: list[int],
     num_experts: int,
+    recipe: str,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """dW [E, N, K] in out_dtype: dW[e] = sum over e's segments s of dy_s^T x_s (FP8 dy [M, N]
-    and x [M, K], scale_inv [S] each); experts with no rows get zeros."""
-    out = dy.new_zeros((num_experts, dy.shape[1], x.shape[1]), dtype=out_dtype)
-    args = (dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, out)
-    if dy.is_cuda and dy.shape[0] > 0:
-        return _cuda_wgrad(*args)
-    return _emulated_wgrad(*args)
+    """dW [E, N, K] in out_dtype: dW[e] = sum over e's segments s of dy_s^T x_s. Per tensor:
+    the rowwise bytes dy [M, N], x [M, K] with scale_inv [S]; blockwise: the transposed
+    columnwise copies dy [N, P], x [K, P] (`grouped_operands.quantize_segment_operands`:
+    segments padded to whole 128-token cells) with scale_inv [N, C] / [K, C]. Experts with no
+    rows get zeros."""
+    n, k = _wgrad_dims(dy, x, recipe)
+    shape = (num_experts, n, k)
+    args = (dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe)
+    if dy.is_cuda and sum(seg_sizes) > 0:
+        return _cuda_wgrad(*args, shape, out_dtype)
+    return _emulated_wgrad(*args, dy.new_zeros(shape, dtype=out_dtype))
+
+
+def _wgrad_dims(dy, x, recipe) -> tuple[int, int]:
+    """(N, K) of the weight gradient from its operands' layouts (module docstring)."""
+    if recipe_spec(recipe).per_tensor:
+        return dy.shape[1], x.shape[1]
+    return dy.shape[0], x.shape[0]
 
 
 @grouped_fp8_wgrad.register_fake
-def _(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, num_experts, out_dtype):
-    return dy.new_empty((num_experts, dy.shape[1], x.shape[1]), dtype=out_dtype)
+def _(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, num_experts, recipe, out_dtype):
+    return dy.new_empty((num_experts, *_wgrad_dims(dy, x, recipe)), dtype=out_dtype)
+
+
+def _stacked_operand(stacked: QuantizedTensor, usage: str) -> operands.Operand:
+    """An FP8 parameter's operand: "rowwise" (forward) or "columnwise" (dgrad's transpose)."""
+    if usage == "rowwise":
+        return operands.stacked_operand(stacked)
+    return operands.stacked_transposed(stacked)
+
+
+@torch.library.custom_op("megatron_fp8::grouped_fp8_weight_mm", mutates_args=())
+def grouped_fp8_weight_mm(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    stand_in: torch.Tensor,
+    usage: str,
+    seg_sizes: list[int],
+    seg_expert: list[int],
+    recipe: str,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """`grouped_fp8_mm` with B the stacked FP8 parameter that `stand_in` stands for in a
+    compiled graph (`fp8.compile`'s stand-ins): its bytes and scales read when the op runs,
+    after the engine gathered them ("rowwise": W, "columnwise": each expert's transpose)."""
+    owner = stand_in_owner(stand_in)
+    if owner is None or not isinstance(owner.weight, QuantizedTensor):
+        raise RuntimeError(
+            "an FP8 expert weight stand-in reached megatron_fp8::grouped_fp8_weight_mm without "
+            "its Fp8StackedLinear; call prepare_for_compile(module) on the compiled module"
+        )
+    b = _stacked_operand(owner.weight, usage)
+    args = (seg_sizes, seg_expert, recipe, out_dtype, fast_accum)
+    return grouped_fp8_mm(a, a_scale_inv, *b, *args)
+
+
+@grouped_fp8_weight_mm.register_fake
+def _(a, a_scale_inv, stand_in, usage, seg_sizes, seg_expert, recipe, out_dtype, fast_accum):
+    columns = stand_in.shape[1] if usage == "rowwise" else stand_in.shape[2]
+    return a.new_empty((a.shape[0], columns), dtype=out_dtype)
+
+
+def _weight_mm(a_op, weight, kind: str, usage: str, args: tuple) -> torch.Tensor:
+    """a_op times the weight's operand for `usage` ("rowwise": forward, "columnwise": dgrad).
+    kind "plain": weight is the quantized rowwise (bytes, scale_inv); "fp8_param": the stacked
+    QuantizedTensor; "stand_in": its stand-in in a compiled graph."""
+    if kind == "stand_in":
+        return grouped_fp8_weight_mm(*a_op, weight, usage, *args)
+    if kind == "fp8_param":
+        b = _stacked_operand(weight, usage)
+    else:
+        b = weight if usage == "rowwise" else operands.transposed_experts(*weight)
+    return grouped_fp8_mm(*a_op, *b, *args)
+
+
+def _quantize_tokens(t, seg_ids, seg_sizes, config, role, pow2, *, columnwise: bool):
+    """(rowwise operand, the weight gradient's operand or None) of tokens [M, *] in `role`
+    ("input" or "grad"); per tensor both are the segments' rowwise bytes."""
+    spec, fp8_dtype = config.spec, fp8_dtype_for_role(config.fp8_format, role)
+    if spec.per_tensor:
+        row = operands.quantize_segments(
+            t, seg_ids, len(seg_sizes), fp8_dtype=fp8_dtype, power_2_scale=pow2
+        )
+        return row, row
+    options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=pow2)
+    if not columnwise:
+        return operands.quantize_rows(t, **options), None
+    return operands.quantize_segment_operands(t, seg_ids, seg_sizes, **options)
 
 
 class _GroupedFp8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, weight, seg_sizes, seg_expert, config):  # noqa: D102
-        pow2 = config.spec.resolve_power_2_scale(config.quantize_power_2_scale)
-        seg_ids = _segment_ids(seg_sizes, tokens.device)
-        x_q, x_s = quantize_segments(
-            tokens,
-            seg_ids,
-            len(seg_sizes),
-            fp8_dtype=fp8_dtype_for_role(config.fp8_format, "input"),
-            power_2_scale=pow2,
+    def forward(ctx, tokens, weight, seg_sizes, seg_expert, config, kind):  # noqa: D102
+        spec = config.spec
+        pow2 = spec.resolve_power_2_scale(config.quantize_power_2_scale)
+        seg_ids = operands.segment_ids(seg_sizes, tokens.device)
+        x_row, x_col = _quantize_tokens(
+            tokens, seg_ids, seg_sizes, config, "input", pow2, columnwise=weight.requires_grad
         )
-        w_q, w_s = quantize_experts(
-            weight.detach(),
-            fp8_dtype=fp8_dtype_for_role(config.fp8_format, "weight"),
-            power_2_scale=pow2,
-        )
-        ctx.save_for_backward(x_q, x_s, w_q, w_s, seg_ids)
-        ctx.layout = (seg_sizes, seg_expert)
+        # An FP8 parameter is re-read in backward (after the engine gathered it again), as
+        # `ExpertWeight` reads it; its stand-in is saved, a plain weight's quantized bytes.
+        ctx.stacked = weight if kind == "fp8_param" else None
+        source = weight
+        if kind == "plain":
+            w_dtype = fp8_dtype_for_role(config.fp8_format, "weight")
+            source = operands.quantize_experts(
+                weight.detach(), spec=spec, fp8_dtype=w_dtype, power_2_scale=pow2
+            )
+        saved_weight = {"plain": source, "stand_in": (weight,), "fp8_param": ()}[kind]
+        ctx.save_for_backward(seg_ids, *(x_col or ()), *saved_weight)
+        ctx.x_saved, ctx.kind = 0 if x_col is None else 2, kind
+        ctx.layout = (seg_sizes, seg_expert, weight.shape[0])
         ctx.config, ctx.pow2, ctx.dtypes = config, pow2, (tokens.dtype, weight.dtype)
-        fast = config.spec.fast_accumulation
-        return grouped_fp8_mm(x_q, x_s, w_q, w_s, seg_sizes, seg_expert, tokens.dtype, fast)
+        args = (seg_sizes, seg_expert, spec.name, tokens.dtype, spec.fast_accumulation)
+        return _weight_mm(x_row, source, kind, "rowwise", args)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
-        x_q, x_s, w_q, w_s, seg_ids = ctx.saved_tensors
-        seg_sizes, seg_expert = ctx.layout
-        grad_dtype = fp8_dtype_for_role(ctx.config.fp8_format, "grad")
-        dy_q, dy_s = quantize_segments(
-            dy.contiguous(), seg_ids, len(seg_sizes), fp8_dtype=grad_dtype, power_2_scale=ctx.pow2
+        seg_ids, *saved = ctx.saved_tensors
+        seg_sizes, seg_expert, experts = ctx.layout
+        spec = ctx.config.spec
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy_row, dy_col = _quantize_tokens(
+            dy.contiguous(), seg_ids, seg_sizes, ctx.config, "grad", ctx.pow2, columnwise=need_wgrad
         )
+        x_col, saved_weight = saved[: ctx.x_saved], saved[ctx.x_saved :]
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            w_t = w_q.transpose(1, 2).contiguous()  # [E, in, out]: dgrad's B
-            dx = grouped_fp8_mm(dy_q, dy_s, w_t, w_s, seg_sizes, seg_expert, ctx.dtypes[0], False)
-        if ctx.needs_input_grad[1]:
-            experts = w_q.shape[0]
-            dw = grouped_fp8_wgrad(
-                dy_q, dy_s, x_q, x_s, seg_sizes, seg_expert, experts, ctx.dtypes[1]
-            )
-        return dx, dw, None, None, None
+        if need_dgrad:
+            source = ctx.stacked  # fp8_param
+            if ctx.kind != "fp8_param":
+                source = saved_weight[0] if ctx.kind == "stand_in" else tuple(saved_weight)
+            args = (seg_sizes, seg_expert, spec.name, ctx.dtypes[0], False)
+            dx = _weight_mm(dy_row, source, ctx.kind, "columnwise", args)
+        if need_wgrad:
+            args = (seg_sizes, seg_expert, experts, spec.name, ctx.dtypes[1])
+            dw = grouped_fp8_wgrad(*dy_col, *x_col, *args)
+        ctx.stacked = None
+        return dx, dw, None, None, None, None
 
 
 def grouped_fp8_linear(
-    tokens: torch.Tensor, weight: torch.Tensor, segments: list[list[int]], config: Fp8Config
+    tokens: torch.Tensor,
+    weight: torch.Tensor,
+    segments: list[list[int]],
+    config: Fp8Config,
+    *,
+    stand_in: bool = False,
 ) -> torch.Tensor:
     """y[rows of expert e] = tokens[rows of e] @ weight[e]^T in FP8, all experts in one
-    autograd function; segments[e]: expert e's row counts per source rank (in token order)."""
+    autograd function; segments[e]: expert e's row counts per source rank (in token order);
+    weight: the stacked [E, out, in] parameter, high precision or a QuantizedTensor, or (with
+    `stand_in`) an FP8 parameter's stand-in in a compiled graph."""
     seg_sizes = [count for counts in segments for count in counts]
     seg_expert = [expert for expert, counts in enumerate(segments) for _ in counts]
-    return _GroupedFp8Function.apply(tokens, weight, seg_sizes, seg_expert, config)
+    kind = "stand_in" if stand_in else "plain"
+    if not stand_in and isinstance(weight, QuantizedTensor):
+        kind = "fp8_param"
+    return _GroupedFp8Function.apply(tokens, weight, seg_sizes, seg_expert, config, kind)

@@ -1,11 +1,12 @@
 """The one-function FP8 grouped GEMM of the experts (moe/grouped_fp8.py) against the per-segment
-reference path of Fp8StackedLinear (fp8_experts.grouped_fp8_gemm).
+reference path of Fp8StackedLinear (fp8_experts.grouped_fp8_gemm), tensorwise on a
+high-precision weight (blockwise and FP8 parameters: test_grouped_fp8_blockwise_params.py).
 
 CPU: bitwise equal (torch.equal) in forward, input gradient and weight gradient, for fp32 and
 bf16 tokens, each fp8 format and power-of-2 scales, on ragged segments with empty experts and
 empty segments, and with three segments of one expert (the weight gradient sums them last
 segment first, as autograd sums the reference's per-segment contributions). It compiles with
-fullgraph=True. Recipes other than tensorwise take the reference path (asserted). The CUDA
+fullgraph=True. delayed and mxfp8 take the reference path (asserted). The CUDA
 fallbacks' scale layouts are checked on CPU through grouped_gemm.py's kernel emulation.
 GPU (H200): torch._scaled_grouped_mm and the Triton kernels equal the CPU emulation within the
 fast-accumulation bound, 2e-3 of the output's max|.| (measured ~4e-4 on the H200)."""
@@ -17,7 +18,8 @@ import torch
 
 from megatron.core.fp8 import Fp8Config
 from megatron.core.fp8.quantization import quantize
-from megatron.core.transformer.moe import grouped_fp8
+from megatron.core.fp8.recipe import recipe_spec
+from megatron.core.transformer.moe import grouped_fp8, grouped_operands
 from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
 
 EXPERTS, IN, OUT = 4, 64, 48
@@ -76,7 +78,7 @@ def test_three_segments_of_one_expert_are_summed_in_the_reference_order():
     assert torch.equal(got[2], want[2])
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["delayed", "mxfp8"])
 def test_other_recipes_take_the_per_segment_path(recipe, monkeypatch):
     calls = []
     monkeypatch.setattr(
@@ -92,8 +94,8 @@ def test_other_recipes_take_the_per_segment_path(recipe, monkeypatch):
 def test_segment_quantization_equals_quantizing_each_segment_alone():
     sizes = [7, 0, 33, 1]
     x = torch.randn(sum(sizes), IN) * 5
-    ids = grouped_fp8._segment_ids(sizes, x.device)
-    data, scale_inv = grouped_fp8.quantize_segments(
+    ids = grouped_operands.segment_ids(sizes, x.device)
+    data, scale_inv = grouped_operands.quantize_segments(
         x, ids, len(sizes), fp8_dtype=torch.float8_e4m3fn, power_2_scale=False
     )
     start = 0
@@ -150,13 +152,14 @@ def test_cuda_grouped_paths_equal_the_emulation_within_the_fast_accumulation_bou
         torch.testing.assert_close(a, b, rtol=rounding, atol=bound)
 
 
+@pytest.mark.parametrize("segments", [SEGMENTS, [[64], [0], [56], [33]]])
 @pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype):
+def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype, segments):
     """The CUDA fallbacks' operand and scale layouts (per-segment scales as the ragged-M
     kernel's block scales; the ragged-K kernel over segments with unit scales, then scaled and
-    summed per expert), run here through grouped_gemm.py's emulation of those kernels: equal
-    to the per-segment emulation up to fp32 rounding (the scales multiply in another order)."""
-    segments = [[40, 24], [0, 0], [0, 56], [30, 3]]
+    summed per expert, or with one segment per expert its per-group scales and dW written
+    directly), run here through grouped_gemm.py's emulation of those kernels: equal to the
+    per-segment emulation up to fp32 rounding (the scales multiply in another order)."""
     sizes = [c for counts in segments for c in counts]
     owner = [e for e, counts in enumerate(segments) for _ in counts]
     k, n = 256, 160  # two K blocks, N not a multiple of 128
@@ -169,25 +172,27 @@ def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype):
         torch.randn(EXPERTS, n, k, generator=generator)
         * torch.tensor([1, 2, 30, 0.1])[:, None, None]
     )
-    ids = grouped_fp8._segment_ids(sizes, x.device)
-    x_q, x_s = grouped_fp8.quantize_segments(
+    ids = grouped_operands.segment_ids(sizes, x.device)
+    x_q, x_s = grouped_operands.quantize_segments(
         x, ids, len(sizes), fp8_dtype=grad_dtype, power_2_scale=False
     )
-    w_q, w_s = grouped_fp8.quantize_experts(w, fp8_dtype=torch.float8_e4m3fn, power_2_scale=False)
-    args = (x_q, x_s, w_q, w_s, sizes, owner, torch.float32)
+    w_q, w_s = grouped_operands.quantize_experts(
+        w, spec=recipe_spec("tensorwise"), fp8_dtype=torch.float8_e4m3fn, power_2_scale=False
+    )
+    args = (x_q, x_s, w_q, w_s, sizes, owner, "tensorwise", torch.float32)
     want = grouped_fp8._emulated_mm(*args)
     got = grouped_fp8._cuda_mm(*args, False)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
     dy = torch.randn(sum(sizes), n, generator=generator)
-    dy_q, dy_s = grouped_fp8.quantize_segments(
+    dy_q, dy_s = grouped_operands.quantize_segments(
         dy, ids, len(sizes), fp8_dtype=grad_dtype, power_2_scale=False
     )
-    x_q, x_s = grouped_fp8.quantize_segments(
+    x_q, x_s = grouped_operands.quantize_segments(
         x, ids, len(sizes), fp8_dtype=torch.float8_e4m3fn, power_2_scale=False
     )
     out = torch.zeros(EXPERTS, n, k)
-    wargs = (dy_q, dy_s, x_q, x_s, sizes, owner)
+    wargs = (dy_q, dy_s, x_q, x_s, sizes, owner, "tensorwise")
     want = grouped_fp8._emulated_wgrad(*wargs, out.clone())
-    got = grouped_fp8._cuda_wgrad(*wargs, out.clone())
+    got = grouped_fp8._cuda_wgrad(*wargs, out.shape, out.dtype)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     assert want[1].abs().max() == 0 and want[2].abs().max() > 0

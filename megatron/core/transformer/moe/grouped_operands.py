@@ -1,0 +1,181 @@
+"""The FP8 operands of the experts' grouped GEMMs (`grouped_fp8.py`), each quantized in one
+pass over all tokens (or all experts) with the bytes and scales the per-segment path
+(`fp8_experts.grouped_fp8_gemm`: one Fp8Linear call per segment) gives each piece.
+
+Tokens [M, K] sorted by expert, in segments (the rows of one expert from one source rank):
+- per tensor (tensorwise): one scale per segment (`quantize_segments`); the rowwise bytes are
+  also the transposed operand of the weight gradient (scale_inv [S]);
+- blockwise: 1x128 cells along K, which never cross a row, so all rows at once
+  (`quantize_rows`, scale_inv [M, ceil(K/128)]); the weight gradient's columnwise copy has
+  128x1 cells along the tokens counted from each SEGMENT's start (`quantize_segment_operands`:
+  each segment zero-padded to a multiple of 128 rows, as quantizing it alone pads it; kept
+  transposed and padded, [K, 128 C], with scale_inv [K, C], C = sum over segments of
+  ceil(rows / 128), segment s's cells at `chunk_bounds[s]`).
+Blockwise operands come from the dense Fp8Linear's quantizers (`backend_for(x)`: the fused
+CUDA kernels on a GPU, the reference elsewhere; the same bytes), run once on the padded
+tokens or on the stacked weight's padded rows.
+Weights [E, N, K]: each expert on its own (per tensor: scale_inv [E]; blockwise: 128x128 cells,
+scale_inv [E, ceil(N/128), ceil(K/128)]), quantized here (`quantize_experts`) or read as they
+are from an FP8 parameter of Megatron-FSDP (`stacked_operand`: rowwise for the forward; for
+the data gradient the transpose of the bytes `ExpertWeight` transposes, `transposed_experts`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.fp8.quantization import backend_for
+from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.fp8.recipe import RecipeSpec
+from megatron.core.fp8.reference import (
+    amax_ignoring_nan,
+    reciprocal,
+    saturating_cast,
+    scale_from_amax,
+)
+
+Operand = tuple[torch.Tensor, torch.Tensor]
+"""(FP8 bytes as their FP8 dtype, fp32 scale_inv) of one grouped operand."""
+
+
+def segment_ids(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """The segment index of each row."""
+    ids = torch.arange(len(sizes), device=device)
+    counts = torch.tensor(sizes, device=device)
+    return torch.repeat_interleave(ids, counts, output_size=sum(sizes))
+
+
+def bounds(sizes: list[int]) -> list[int]:
+    """Start offsets of consecutive pieces of `sizes` and the total at the end."""
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    return starts
+
+
+def chunk_bounds(seg_sizes: list[int], block: int) -> list[int]:
+    """Where each segment's 128-row cells start in a columnwise scale grid (and their total)."""
+    return bounds([-(-size // block) for size in seg_sizes])
+
+
+def quantize_segments(
+    x: torch.Tensor, seg_ids: torch.Tensor, num_segments: int, *, fp8_dtype, power_2_scale: bool
+) -> Operand:
+    """x [M, K] -> (FP8 bytes [M, K] as fp8_dtype, scale_inv [num_segments] fp32): each
+    segment's rows quantized tensorwise with the scale of that segment's amax, exactly as
+    `quantize` quantizes the segment alone (an empty segment gets scale 1)."""
+    row_amax = amax_ignoring_nan(x, dim=-1)
+    amax = torch.zeros(num_segments, dtype=torch.float32, device=x.device)
+    amax = amax.scatter_reduce(0, seg_ids, row_amax, "amax", include_self=True)
+    scale = scale_from_amax(amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
+    scaled = x.to(torch.float32) * scale[seg_ids][:, None]  # quantize reads x in fp32
+    return saturating_cast(scaled, fp8_dtype).view(fp8_dtype), reciprocal(scale)
+
+
+def _quantize_operands(x2d, *, spec: RecipeSpec, role, fp8_dtype, power_2_scale, transposed):
+    """The (rowwise, transposed) operands the dense Fp8Linear's backend gives x2d: the fused
+    CUDA quantizers where they run, else the reference (the same bytes and scales)."""
+    return backend_for(x2d).quantize_operands(
+        x2d,
+        recipe=spec.name,
+        fp8_dtype=fp8_dtype,
+        role=role,
+        rowwise=True,
+        transposed=transposed,
+        power_2_scale=power_2_scale,
+    )
+
+
+def _rows_of(data: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """data[index] of FP8 bytes (gathered as uint8)."""
+    return data.view(torch.uint8)[index].view(data.dtype)
+
+
+def quantize_rows(x: torch.Tensor, *, spec: RecipeSpec, role, fp8_dtype, power_2_scale) -> Operand:
+    """Blockwise 1x128 cells of every row: (bytes [M, K], scale_inv [M, ceil(K/128)])."""
+    options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
+    row, _ = _quantize_operands(x, transposed=False, **options)
+    return row.data, row.scale_inv.contiguous()
+
+
+def _pad_segments(x: torch.Tensor, seg_ids: torch.Tensor, seg_sizes: list[int], block: int):
+    """x's rows with each segment zero-padded to whole `block`-row cells (as quantizing the
+    segment alone pads it), and each row's position in the padded tensor."""
+    starts = torch.tensor(bounds(seg_sizes)[:-1], dtype=torch.long, device=x.device)
+    padded_starts = [block * c for c in chunk_bounds(seg_sizes, block)]
+    padded_at = torch.tensor(padded_starts[:-1], dtype=torch.long, device=x.device)
+    position = torch.arange(x.shape[0], device=x.device) - starts[seg_ids] + padded_at[seg_ids]
+    padded = x.new_zeros(padded_starts[-1], x.shape[1])
+    return padded.index_copy_(0, position, x), position
+
+
+def quantize_segment_operands(
+    x: torch.Tensor,
+    seg_ids: torch.Tensor,
+    seg_sizes: list[int],
+    *,
+    spec: RecipeSpec,
+    role,
+    fp8_dtype,
+    power_2_scale,
+) -> tuple[Operand, Operand]:
+    """Blockwise rows (as `quantize_rows`) and the weight gradient's transposed columnwise
+    operand: 128x1 cells along the rows of each segment, counted from its first row, as
+    bytes [K, P] with each segment padded to whole cells (segment s's tokens at columns
+    128 * chunk_bounds[s] onwards, zeros after them) and scale_inv [K, C] (its cells at
+    chunk_bounds[s]). One quantization of x with its segments padded."""
+    padded, position = _pad_segments(x, seg_ids, seg_sizes, spec.block)
+    options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
+    row, col = _quantize_operands(padded, transposed=True, **options)  # col: [K, P]
+    rows = (_rows_of(row.data, position), row.scale_inv[position])
+    return rows, (col.data.contiguous(), col.scale_inv.contiguous())
+
+
+def quantize_experts(
+    weight: torch.Tensor, *, spec: RecipeSpec, fp8_dtype, power_2_scale: bool
+) -> Operand:
+    """weight [E, N, K] -> (FP8 bytes, scale_inv): each expert quantized as one Linear weight
+    (per tensor: [E]; blockwise 128x128 cells: [E, ceil(N/128), ceil(K/128)])."""
+    if spec.per_tensor:
+        amax = amax_ignoring_nan(weight, dim=(1, 2))
+        scale = scale_from_amax(amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
+        scaled = weight.to(torch.float32) * scale[:, None, None]
+        return saturating_cast(scaled, fp8_dtype).view(fp8_dtype), reciprocal(scale)
+    # Each expert's rows padded to whole 128-row cells, so that no cell straddles two experts.
+    experts, n, k = weight.shape
+    n_pad = -(-n // spec.block) * spec.block
+    padded = F.pad(weight, (0, 0, 0, n_pad - n)).reshape(experts * n_pad, k)
+    options = dict(spec=spec, role="weight", fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
+    row, _ = _quantize_operands(padded, transposed=False, **options)
+    data = row.data.view(torch.uint8).reshape(experts, n_pad, k)[:, :n].contiguous()
+    scale_inv = row.scale_inv.contiguous().reshape(experts, n_pad // spec.block, -1)
+    return data.view(fp8_dtype), scale_inv
+
+
+def stacked_operand(stacked: QuantizedTensor) -> Operand:
+    """The forward's operand of a stacked FP8 parameter: its rowwise bytes [E, N, K] and
+    per-expert scale_inv as gathered (what `ExpertWeight` gives each expert's GEMM)."""
+    data = stacked.rowwise_data
+    if data is None:
+        raise ValueError(f"{stacked._label()} was not quantized rowwise")
+    return data.view(stacked.fp8_dtype), stacked.rowwise_scale_inv
+
+
+def transposed_experts(data: torch.Tensor, scale_inv: torch.Tensor) -> Operand:
+    """The data gradient's operand [E, K, N] of weight bytes [E, N, K]: each expert's transpose
+    (a per-expert scale as it is, a 128x128 grid transposed)."""
+    scale_t = scale_inv if scale_inv.dim() == 1 else scale_inv.transpose(1, 2).contiguous()
+    return data.transpose(1, 2).contiguous(), scale_t
+
+
+def stacked_transposed(stacked: QuantizedTensor) -> Operand:
+    """The data gradient's operand of a stacked FP8 parameter, read when the backward runs
+    (after the engine re-gathered it): the transpose of its rowwise bytes, or of its
+    columnwise bytes when only those are present, as `ExpertWeight.create_transpose_cache`."""
+    direction = "rowwise" if stacked.has_data("rowwise") else "columnwise"
+    data = getattr(stacked, f"{direction}_data")
+    if data is None:
+        raise ValueError(f"{stacked._label()} has no bytes to transpose")
+    scale_inv = getattr(stacked, f"{direction}_scale_inv")
+    return transposed_experts(data.view(stacked.fp8_dtype), scale_inv)
