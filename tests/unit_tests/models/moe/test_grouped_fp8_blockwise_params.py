@@ -27,6 +27,7 @@ from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import recipe_spec
 from megatron.core.transformer.moe import fp8_experts, grouped_fp8, grouped_operands
 from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
+from tests.unit_tests.models.moe.test_grouped_fp8 import _run
 
 EXPERTS, IN, OUT = 4, 200, 144  # K and N not multiples of 128: short last cells
 SEGMENTS = [[130, 24], [0, 0], [0, 300], [40, 3]]  # > 128 rows, expert 1 empty, empty segments
@@ -85,15 +86,6 @@ def _data(segments, dtype, device="cpu"):
     x = torch.randn(rows, IN, generator=generator) * torch.linspace(0.01, 40, rows)[:, None]
     dy = torch.randn(rows, OUT, generator=generator) * torch.linspace(3, 0.02, rows)[:, None]
     return x.to(dtype).to(device), dy.to(dtype).to(device)
-
-
-def _run(layer, x, dy, segments, grouped):
-    layer.grouped = grouped
-    layer.weight.grad = None
-    x = x.detach().clone().requires_grad_()
-    y = layer(x, [sum(c) for c in segments], segments)
-    y.backward(dy)
-    return y.detach(), x.grad, layer.weight.grad
 
 
 def _assert_bitwise(got, want, segments):
