@@ -1,0 +1,163 @@
+"""The CUDA branches of the grouped FP8 GEMMs run on the CPU in Triton's interpreter.
+
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 dev/check_grouped_gemm_interpret.py
+
+The interpreter mis-rounds FP8 casts and has no FP8 dot, so every FP8 tensor handed to a kernel
+is replaced by an fp32 carrier of the same values (exact: FP8 values are exact in fp32 and in
+tf32). The product code's CUDA gates are bypassed here only (`_kernel_runs`, and grouped_fp8's
+`_cuda_mm` / `_cuda_wgrad` called directly); the kernels run with BLOCK_N fixed (no autotuning).
+Each check compares with the emulated twin (the CPU path) up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("run with TRITON_INTERPRET=1")
+
+from megatron.core.fp8.config import Fp8Config  # noqa: E402
+from megatron.core.fp8.cuda import grouped_gemm as gg  # noqa: E402
+from megatron.core.fp8.cuda import triton_grouped_gemm as tgg  # noqa: E402
+from megatron.core.transformer.moe import grouped_fp8 as gf  # noqa: E402
+from megatron.core.transformer.moe import grouped_operands as ops  # noqa: E402
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SIZES = [0, 1, 127, 128, 129, 0, 5]
+
+
+def _carrier(arg):
+    if isinstance(arg, torch.Tensor) and arg.dtype in (E4M3, E5M2):
+        return arg.to(torch.float32)
+    return arg
+
+
+class _Fixed:
+    """kernel[grid](...) with fp32 carriers for FP8 tensors and BLOCK_N fixed."""
+
+    def __init__(self, kernel, block_n):
+        self.kernel, self.block_n = kernel, block_n
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            kwargs["BLOCK_N"] = self.block_n
+            fn_grid = grid(kwargs) if callable(grid) else grid
+            self.kernel.fn[fn_grid](*[_carrier(a) for a in args], **kwargs)
+
+        return launch
+
+
+def _patch(block_n):
+    gg._kernel_runs = lambda recipe, *tensors: not gg.recipe_spec(recipe).e8m0_scales
+    tgg_fixed = type(
+        "K",
+        (),
+        {
+            "_ragged_m_kernel": _Fixed(tgg._ragged_m_kernel, block_n),
+            "_ragged_k_kernel": _Fixed(tgg._ragged_k_kernel, block_n),
+        },
+    )
+    gg._kernels = lambda: tgg_fixed
+
+
+def _fp8(shape, dtype=E4M3, scale=1.0):
+    return (torch.randn(shape) * scale).clamp(-400, 400).to(dtype)
+
+
+def _close(got, want, what):
+    err = (got.double() - want.double()).abs().max().item()
+    ref = want.double().abs().max().item()
+    ok = err <= 1e-5 * max(ref, 1.0) + (1e-2 * ref if got.dtype == torch.bfloat16 else 0.0)
+    print(f"{'ok  ' if ok else 'FAIL'} {what}: max err {err:.3g} of {ref:.3g}")
+    return ok
+
+
+def check_ragged_m(n, k, recipe, out_dtype):
+    m, groups = sum(SIZES), len(SIZES)
+    a, b = _fp8((m, k)), _fp8((groups, n, k))
+    kb, nb = -(-k // 128), -(-n // 128)
+    if recipe == "blockwise":
+        a_s, b_s = torch.rand(m, kb) + 0.5, torch.rand(groups, nb, kb) + 0.5
+    else:
+        a_s, b_s = torch.tensor(0.75), torch.rand(groups) + 0.5
+    args = dict(a_scale_inv=a_s, b_scale_inv=b_s, group_sizes=SIZES, recipe=recipe)
+    want = gg.grouped_scaled_mm(a, b, **args, out_dtype=out_dtype, emulate=True)
+    got = gg.grouped_scaled_mm(a, b, **args, out_dtype=out_dtype)
+    return _close(got, want, f"ragged-M {recipe} N={n} K={k} {out_dtype}")
+
+
+def check_ragged_k(n, k, scales, out_dtype):
+    m, groups = sum(SIZES), len(SIZES)
+    a_t, b_t = _fp8((n, m), E5M2), _fp8((k, m))
+    chunks = sum(-(-s // 128) for s in SIZES)
+    recipe = "blockwise" if scales == "blockwise" else "tensorwise"
+    if scales == "blockwise":
+        a_s, b_s = torch.rand(n, chunks) + 0.5, torch.rand(k, chunks) + 0.5
+    elif scales == "per_group":
+        a_s, b_s = torch.rand(groups) + 0.5, torch.rand(groups) + 0.5
+    else:
+        a_s, b_s = torch.tensor(0.75), torch.tensor(1.25)
+    args = dict(a_scale_inv=a_s, b_scale_inv=b_s, group_sizes=SIZES, recipe=recipe)
+    want = gg.grouped_scaled_mm_wgrad(a_t, b_t, **args, out_dtype=out_dtype, emulate=True)
+    got = gg.grouped_scaled_mm_wgrad(a_t, b_t, **args, out_dtype=out_dtype)
+    return _close(got, want, f"ragged-K {scales} N={n} K={k} {out_dtype}")
+
+
+def check_grouped_fp8(recipe, segments, n, k, w_dtype):
+    """grouped_fp8's CUDA wrappers (`_cuda_mm`, `_cuda_wgrad`) against its CPU twins."""
+    torch.manual_seed(3)
+    config = Fp8Config(recipe=recipe)
+    spec = config.spec
+    seg_sizes = [c for counts in segments for c in counts]
+    seg_expert = [e for e, counts in enumerate(segments) for _ in counts]
+    experts = len(segments)
+    tokens = torch.randn(sum(seg_sizes), k, dtype=torch.bfloat16)
+    weight = torch.randn(experts, n, k, dtype=w_dtype) * 0.05
+    dy = torch.randn(sum(seg_sizes), n, dtype=torch.bfloat16)
+    seg_ids = ops.segment_ids(seg_sizes, tokens.device)
+    x_row, x_col = gf._quantize_tokens(tokens, seg_ids, seg_sizes, config, "input", False,
+                                       columnwise=True)  # fmt: skip
+    dy_row, dy_col = gf._quantize_tokens(dy, seg_ids, seg_sizes, config, "grad", False,
+                                         columnwise=True)  # fmt: skip
+    w = ops.quantize_experts(weight, spec=spec, fp8_dtype=E4M3, power_2_scale=False)
+    w_t = ops.transposed_experts(*w)
+    ok = True
+    layout = (seg_sizes, seg_expert, spec.name, torch.bfloat16)
+    for name, a_op, b_op in (("fprop", x_row, w), ("dgrad", dy_row, w_t)):
+        want = gf._emulated_mm(*a_op, *b_op, *layout)
+        got = gf._cuda_mm(*a_op, *b_op, *layout, name == "fprop")
+        ok &= _close(got, want, f"grouped_fp8 {recipe} {name} {segments} N={n} K={k}")
+    wl = (seg_sizes, seg_expert, spec.name)
+    want = gf._emulated_wgrad(*dy_col, *x_col, *wl, torch.zeros(experts, n, k, dtype=w_dtype))
+    got = gf._cuda_wgrad(*dy_col, *x_col, *wl, (experts, n, k), w_dtype)
+    ok &= _close(got, want, f"grouped_fp8 {recipe} wgrad {segments} {w_dtype}")
+    ok &= got.dtype == w_dtype and got.shape == (experts, n, k)
+    return ok
+
+
+def main():
+    torch.manual_seed(0)
+    ok = True
+    for block_n in (128, 256):
+        _patch(block_n)
+        for n, k in ((64, 128), (130, 200), (256, 384)):
+            for recipe in ("tensorwise", "blockwise"):
+                ok &= check_ragged_m(n, k, recipe, torch.float32)
+            for scales in ("scalar", "per_group", "blockwise"):
+                ok &= check_ragged_k(n, k, scales, torch.float32)
+        ok &= check_ragged_m(130, 256, "tensorwise", torch.bfloat16)
+        ok &= check_ragged_k(130, 200, "per_group", torch.bfloat16)
+    _patch(128)
+    for recipe in ("tensorwise", "blockwise"):
+        for segments in ([[3], [0], [130], [128]], [[2, 0], [1, 129], [0, 0], [5, 127]]):
+            for w_dtype in (torch.float32, torch.bfloat16):
+                ok &= check_grouped_fp8(recipe, segments, 144, 160, w_dtype)
+    print("ALL OK" if ok else "SOME FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
