@@ -106,6 +106,56 @@ def check_ragged_k(n, k, scales, out_dtype):
     return _close(got, want, f"ragged-K {scales} N={n} K={k} {out_dtype}")
 
 
+def check_strided_operands():
+    """Operands as the fused quantizers lay them out: a 1x128 scale grid [M, K/128] that is a
+    view of [K/128, M] (outer-dim-major), bytes that are views of transposed copies."""
+    m, n, k, groups = sum(SIZES), 144, 256, len(SIZES)
+    a = _fp8((k, m)).t()  # [M, K], M-contiguous
+    b = _fp8((groups, k, n)).transpose(1, 2)
+    a_s = (torch.rand(k // 128, m) + 0.5).t()
+    b_s = (torch.rand(groups, k // 128, 2) + 0.5).transpose(1, 2)
+    args = dict(a_scale_inv=a_s, b_scale_inv=b_s, group_sizes=SIZES, recipe="blockwise")
+    want = gg.grouped_scaled_mm(a, b, **args, out_dtype=torch.float32, emulate=True)
+    got = gg.grouped_scaled_mm(a, b, **args, out_dtype=torch.float32)
+    ok = _close(got, want, "ragged-M blockwise, strided operands and scale grids")
+    a_t, b_t = _fp8((m, n), E5M2).t(), _fp8((m, k)).t()
+    args = dict(a_scale_inv=torch.tensor(0.5), b_scale_inv=torch.tensor(2.0), group_sizes=SIZES)
+    want = gg.grouped_scaled_mm_wgrad(a_t, b_t, **args, recipe="tensorwise", emulate=True)
+    got = gg.grouped_scaled_mm_wgrad(a_t, b_t, **args, recipe="tensorwise")
+    return ok & _close(got, want, "ragged-K tensorwise, strided operands")
+
+
+def check_torch_grouped_mm_on_meta():
+    """grouped_fp8's torch._scaled_grouped_mm call (forward and dgrad layouts) through torch's
+    meta checks (strides, scale shapes, offsets), its CUDA gate bypassed."""
+    applies = gf._torch_mm_applies
+
+    class _OnCuda:
+        def __init__(self, t):
+            self.t = t
+
+        def __getattr__(self, name):
+            return True if name == "is_cuda" else getattr(self.t, name)
+
+    gf._torch_mm_applies = lambda a, b, recipe, out: applies(_OnCuda(a), b, recipe, out)
+    seg_sizes, seg_expert = [3, 0, 5, 130, 0, 7], [0, 0, 1, 1, 2, 3]
+    m, n, k, experts = sum(seg_sizes), 144, 160, 4
+    meta = dict(device="meta")
+    w, w_s = torch.empty(experts, n, k, dtype=E4M3, **meta), torch.empty(experts, **meta)
+    ok = True
+    for name, a, b_op in (
+        ("fprop", torch.empty(m, k, dtype=E4M3, **meta), (w, w_s)),
+        ("dgrad", torch.empty(m, n, dtype=E4M3, **meta), ops.transposed_experts(w, w_s)),
+    ):
+        a_s = torch.empty(len(seg_sizes), **meta)
+        y = gf._cuda_mm(a, a_s, *b_op, seg_sizes, seg_expert, "tensorwise", torch.bfloat16, True)
+        good = y.shape == (m, b_op[0].shape[1]) and y.dtype == torch.bfloat16
+        print(f"{'ok  ' if good else 'FAIL'} torch._scaled_grouped_mm {name} on meta: {y.shape}")
+        ok &= good
+    gf._torch_mm_applies = applies
+    return ok
+
+
 def check_grouped_fp8(recipe, segments, n, k, w_dtype):
     """grouped_fp8's CUDA wrappers (`_cuda_mm`, `_cuda_wgrad`) against its CPU twins."""
     torch.manual_seed(3)
@@ -151,6 +201,8 @@ def main():
         ok &= check_ragged_m(130, 256, "tensorwise", torch.bfloat16)
         ok &= check_ragged_k(130, 200, "per_group", torch.bfloat16)
     _patch(128)
+    ok &= check_strided_operands()
+    ok &= check_torch_grouped_mm_on_meta()
     for recipe in ("tensorwise", "blockwise"):
         for segments in ([[3], [0], [130], [128]], [[2, 0], [1, 129], [0, 0], [5, 127]]):
             for w_dtype in (torch.float32, torch.bfloat16):
