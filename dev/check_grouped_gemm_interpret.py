@@ -188,6 +188,42 @@ def check_grouped_fp8(recipe, segments, n, k, w_dtype):
     return ok
 
 
+def check_layer_flow():
+    """Fp8StackedLinear's grouped function (forward, input and weight gradients) with its GEMM
+    ops running their CUDA branches, against the same layer on the CPU emulation: the layers,
+    data and segments of tests/unit_tests/models/moe/test_grouped_fp8_blockwise_params.py."""
+    from tests.unit_tests.models.moe import test_grouped_fp8_blockwise_params as t
+
+    emulated = (gf.grouped_fp8_mm, gf.grouped_fp8_wgrad)
+
+    def cuda_mm(a, a_s, b, b_s, seg_sizes, seg_expert, recipe, out_dtype, fast):
+        return gf._cuda_mm(a, a_s, b, b_s, seg_sizes, seg_expert, recipe, out_dtype, fast)
+
+    def cuda_wgrad(dy, dy_s, x, x_s, seg_sizes, seg_expert, experts, recipe, out_dtype):
+        shape = (experts, *gf._wgrad_dims(dy, x, recipe))
+        return gf._cuda_wgrad(dy, dy_s, x, x_s, seg_sizes, seg_expert, recipe, shape, out_dtype)
+
+    ok = True
+    for recipe in ("tensorwise", "blockwise"):
+        for fp8_param in (False, True):
+            for fp8_format in ("hybrid", "e4m3"):
+                for dtype in (torch.float32, torch.bfloat16):
+                    for segments in (t.SEGMENTS, t.EP_SEGMENTS):
+                        options = dict(dtype=dtype, fp8_param=fp8_param, fp8_format=fp8_format)
+                        x, dy = t._data(segments, dtype)
+                        want = t._run(t._layer(recipe, **options), x, dy, segments, True)
+                        gf.grouped_fp8_mm, gf.grouped_fp8_wgrad = cuda_mm, cuda_wgrad
+                        try:
+                            got = t._run(t._layer(recipe, **options), x, dy, segments, True)
+                        finally:
+                            gf.grouped_fp8_mm, gf.grouped_fp8_wgrad = emulated
+                        what = f"{recipe} param={fp8_param} {fp8_format} {dtype} {segments}"
+                        for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
+                            ok &= a.dtype == b.dtype and a.shape == b.shape
+                            ok &= _close(a, b, f"layer {name} {what}")
+    return ok
+
+
 def main():
     torch.manual_seed(0)
     ok = True
@@ -203,6 +239,7 @@ def main():
     _patch(128)
     ok &= check_strided_operands()
     ok &= check_torch_grouped_mm_on_meta()
+    ok &= check_layer_flow()
     for recipe in ("tensorwise", "blockwise"):
         for segments in ([[3], [0], [130], [128]], [[2, 0], [1, 129], [0, 0], [5, 127]]):
             for w_dtype in (torch.float32, torch.bfloat16):
