@@ -152,8 +152,21 @@ def check_torch_grouped_mm_on_meta():
         good = y.shape == (m, b_op[0].shape[1]) and y.dtype == torch.bfloat16
         print(f"{'ok  ' if good else 'FAIL'} torch._scaled_grouped_mm {name} on meta: {y.shape}")
         ok &= good
+    # An operand at an address that is not 16-byte aligned (an FP8 parameter's bytes inside
+    # the engine's buffer) takes the Triton kernel: torch's grouped GEMM refuses it.
+    flat = torch.empty(experts * n * k + 1, dtype=torch.uint8)
+    unaligned = flat[1:].view(experts, n, k).view(E4M3)
+    x = torch.empty(m, k, dtype=E4M3)
+    took = (
+        gf._torch_mm_applies(
+            x, flat[:-1].view(experts, n, k).view(E4M3), "tensorwise", torch.bfloat16
+        ),
+        gf._torch_mm_applies(x, unaligned, "tensorwise", torch.bfloat16),
+    )
+    good = took == (True, False)
+    print(f"{'ok  ' if good else 'FAIL'} torch path only for 16-byte aligned operands: {took}")
     gf._torch_mm_applies = applies
-    return ok
+    return ok and good
 
 
 def check_grouped_fp8(recipe, segments, n, k, w_dtype):
