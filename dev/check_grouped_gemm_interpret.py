@@ -11,8 +11,10 @@ Each check compares with the emulated twin (the CPU path) up to fp32 summation o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -50,9 +52,9 @@ class _Fixed:
         return launch
 
 
-def _patch(block_n):
-    gg._kernel_runs = lambda recipe, *tensors: not gg.recipe_spec(recipe).e8m0_scales
-    tgg_fixed = type(
+def _patched(block_n) -> contextlib.ExitStack:
+    """The kernels run on CPU tensors (the CUDA gate bypassed), with BLOCK_N fixed."""
+    kernels = type(
         "K",
         (),
         {
@@ -60,7 +62,11 @@ def _patch(block_n):
             "_ragged_k_kernel": _Fixed(tgg._ragged_k_kernel, block_n),
         },
     )
-    gg._kernels = lambda: tgg_fixed
+    stack = contextlib.ExitStack()
+    runs = lambda recipe, *tensors: not gg.recipe_spec(recipe).e8m0_scales  # noqa: E731
+    stack.enter_context(mock.patch.object(gg, "_kernel_runs", runs))
+    stack.enter_context(mock.patch.object(gg, "_kernels", lambda: kernels))
+    return stack
 
 
 def _fp8(shape, dtype=E4M3, scale=1.0):
@@ -137,7 +143,12 @@ def check_torch_grouped_mm_on_meta():
         def __getattr__(self, name):
             return True if name == "is_cuda" else getattr(self.t, name)
 
-    gf._torch_mm_applies = lambda a, b, recipe, out: applies(_OnCuda(a), b, recipe, out)
+    on_cuda = lambda a, b, recipe, out: applies(_OnCuda(a), b, recipe, out)  # noqa: E731
+    with mock.patch.object(gf, "_torch_mm_applies", on_cuda):
+        return _torch_grouped_mm_checks()
+
+
+def _torch_grouped_mm_checks():
     seg_sizes, seg_expert = [3, 0, 5, 130, 0, 7], [0, 0, 1, 1, 2, 3]
     m, n, k, experts = sum(seg_sizes), 144, 160, 4
     meta = dict(device="meta")
@@ -165,7 +176,6 @@ def check_torch_grouped_mm_on_meta():
     )
     good = took == (True, False)
     print(f"{'ok  ' if good else 'FAIL'} torch path only for 16-byte aligned operands: {took}")
-    gf._torch_mm_applies = applies
     return ok and good
 
 
@@ -207,8 +217,6 @@ def check_layer_flow():
     data and segments of tests/unit_tests/models/moe/test_grouped_fp8_blockwise_params.py."""
     from tests.unit_tests.models.moe import test_grouped_fp8_blockwise_params as t
 
-    emulated = (gf.grouped_fp8_mm, gf.grouped_fp8_wgrad)
-
     def cuda_mm(a, a_s, b, b_s, seg_sizes, seg_expert, recipe, out_dtype, fast):
         return gf._cuda_mm(a, a_s, b, b_s, seg_sizes, seg_expert, recipe, out_dtype, fast)
 
@@ -225,11 +233,11 @@ def check_layer_flow():
                         options = dict(dtype=dtype, fp8_param=fp8_param, fp8_format=fp8_format)
                         x, dy = t._data(segments, dtype)
                         want = t._run(t._layer(recipe, **options), x, dy, segments, True)
-                        gf.grouped_fp8_mm, gf.grouped_fp8_wgrad = cuda_mm, cuda_wgrad
-                        try:
+                        with (
+                            mock.patch.object(gf, "grouped_fp8_mm", cuda_mm),
+                            mock.patch.object(gf, "grouped_fp8_wgrad", cuda_wgrad),
+                        ):
                             got = t._run(t._layer(recipe, **options), x, dy, segments, True)
-                        finally:
-                            gf.grouped_fp8_mm, gf.grouped_fp8_wgrad = emulated
                         what = f"{recipe} param={fp8_param} {fp8_format} {dtype} {segments}"
                         for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
                             ok &= a.dtype == b.dtype and a.shape == b.shape
@@ -241,22 +249,22 @@ def main():
     torch.manual_seed(0)
     ok = True
     for block_n in (128, 256):
-        _patch(block_n)
-        for n, k in ((64, 128), (130, 200), (256, 384)):
-            for recipe in ("tensorwise", "blockwise"):
-                ok &= check_ragged_m(n, k, recipe, torch.float32)
-            for scales in ("scalar", "per_group", "blockwise"):
-                ok &= check_ragged_k(n, k, scales, torch.float32)
-        ok &= check_ragged_m(130, 256, "tensorwise", torch.bfloat16)
-        ok &= check_ragged_k(130, 200, "per_group", torch.bfloat16)
-    _patch(128)
-    ok &= check_strided_operands()
-    ok &= check_torch_grouped_mm_on_meta()
-    ok &= check_layer_flow()
-    for recipe in ("tensorwise", "blockwise"):
-        for segments in ([[3], [0], [130], [128]], [[2, 0], [1, 129], [0, 0], [5, 127]]):
-            for w_dtype in (torch.float32, torch.bfloat16):
-                ok &= check_grouped_fp8(recipe, segments, 144, 160, w_dtype)
+        with _patched(block_n):
+            for n, k in ((64, 128), (130, 200), (256, 384)):
+                for recipe in ("tensorwise", "blockwise"):
+                    ok &= check_ragged_m(n, k, recipe, torch.float32)
+                for scales in ("scalar", "per_group", "blockwise"):
+                    ok &= check_ragged_k(n, k, scales, torch.float32)
+            ok &= check_ragged_m(130, 256, "tensorwise", torch.bfloat16)
+            ok &= check_ragged_k(130, 200, "per_group", torch.bfloat16)
+    with _patched(128):
+        ok &= check_strided_operands()
+        ok &= check_torch_grouped_mm_on_meta()
+        ok &= check_layer_flow()
+        for recipe in ("tensorwise", "blockwise"):
+            for segments in ([[3], [0], [130], [128]], [[2, 0], [1, 129], [0, 0], [5, 127]]):
+                for w_dtype in (torch.float32, torch.bfloat16):
+                    ok &= check_grouped_fp8(recipe, segments, 144, 160, w_dtype)
     print("ALL OK" if ok else "SOME FAILED")
     return 0 if ok else 1
 
