@@ -204,3 +204,29 @@ def test_triton_blockwise_weight_gradient_equals_emulation_on_gpu() -> None:
     want = grouped_scaled_mm_wgrad(dy_t, x_t, emulate=True, **kwargs)
     assert torch.count_nonzero(got[1]) == 0
     _assert_close_to_emulation(got, want, fast=False, out_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+def test_triton_grouped_gemms_read_strided_operands_and_outer_dim_major_scales_on_gpu() -> None:
+    """The layouts the fused quantizers give (a 1x128 grid [M, K/128] that is a view of
+    [K/128, M]) and transposed views of bytes: the kernels read the values, not the strides
+    they were written for."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    a, a_scale, _ = _quantized(torch.randn(M, K, device="cuda"), "blockwise", "input")
+    b, b_scale, _ = _weights("blockwise", "cuda")
+    kwargs = dict(group_sizes=SIZES, recipe="blockwise", out_dtype=torch.float32)
+    want = grouped_scaled_mm(a, b, a_scale_inv=a_scale, b_scale_inv=b_scale, **kwargs)
+    strided_a = a.view(torch.uint8).t().contiguous().t().view(E4M3)
+    got = grouped_scaled_mm(
+        strided_a, b, a_scale_inv=a_scale.t().contiguous().t(), b_scale_inv=b_scale, **kwargs
+    )
+    assert a_scale.t().contiguous().t().stride() == (1, M)
+    assert torch.equal(got, want)
+    dy_t, dy_scale, _ = _quantized(torch.randn(N, M, device="cuda"), "tensorwise", "grad", E5M2)
+    x_t, x_scale, _ = _quantized(torch.randn(K, M, device="cuda"), "tensorwise", "input")
+    kwargs = dict(a_scale_inv=dy_scale, b_scale_inv=x_scale, group_sizes=SIZES, recipe="tensorwise")
+    want = grouped_scaled_mm_wgrad(dy_t, x_t, **kwargs)
+    strided_x = x_t.view(torch.uint8).t().contiguous().t().view(E4M3)
+    assert torch.equal(grouped_scaled_mm_wgrad(dy_t, strided_x, **kwargs), want)

@@ -94,6 +94,10 @@ def grouped_scaled_mm(
     schedule = torch.tensor(tiles, dtype=torch.int32).t().contiguous().to(a_data.device)
     group_end = torch.tensor(offsets[1:], dtype=torch.int32, device=a_data.device)
     grid = lambda meta: (len(tiles), triton_cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+    # The kernel reads K-contiguous bytes and row-major scale grids (a 1x128 grid from the fused
+    # quantizers is an outer-dim-major view: its values are right, its strides are not these).
+    a_data, b_data = a_data.contiguous(), b_data.contiguous()
+    a_scale_inv, b_scale_inv = a_scale_inv.contiguous(), b_scale_inv.contiguous()
     _kernels()._ragged_m_kernel[grid](
         a_data, b_data, out, a_scale_inv, b_scale_inv, schedule[0], schedule[1], group_end,
         a_data.shape[0], n, k, a_data.stride(0), b_data.stride(0), b_data.stride(1), out.stride(0),
@@ -152,6 +156,7 @@ def grouped_scaled_mm_wgrad(
     # The scales' stride per chunk (blockwise: their rows hold C chunks) or per group.
     scale_stride = chunks[-1] if blockwise else int(a_scale_inv.dim() == 1)
     grid = lambda meta: (groups, triton_cdiv(n, meta["BLOCK_N"]), triton_cdiv(k, BLOCK_K))  # noqa: E731
+    a_t_data, b_t_data = a_t_data.contiguous(), b_t_data.contiguous()  # M-contiguous rows
     _kernels()._ragged_k_kernel[grid](
         a_t_data, b_t_data, out, a_scale_inv.contiguous(), b_scale_inv.contiguous(), starts,
         chunk_starts, n, k, a_t_data.stride(0), b_t_data.stride(0), out.stride(0), out.stride(1),

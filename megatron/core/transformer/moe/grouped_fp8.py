@@ -46,7 +46,9 @@ from megatron.core.transformer.moe import grouped_operands as operands
 
 E4M3 = torch.float8_e4m3fn
 _TORCH_ALIGN = 16
-"""torch._scaled_grouped_mm wants K and N multiples of 16 (16-byte FP8 rows)."""
+"""torch._scaled_grouped_mm wants K and N multiples of 16 (16-byte FP8 rows) and operands that
+start at 16-byte aligned addresses (an FP8 parameter's bytes are a view into the engine's
+buffer, packed without gaps: not always aligned; the Triton kernel takes any address)."""
 
 
 def grouped_path_applies(config: Fp8Config, weight: torch.Tensor) -> bool:
@@ -90,6 +92,8 @@ def _torch_mm_applies(a, b, recipe, out_dtype) -> bool:
         and out_dtype == torch.bfloat16
         and a.shape[1] % _TORCH_ALIGN == 0
         and b.shape[1] % _TORCH_ALIGN == 0
+        and a.data_ptr() % _TORCH_ALIGN == 0
+        and b.data_ptr() % _TORCH_ALIGN == 0
     )
 
 
