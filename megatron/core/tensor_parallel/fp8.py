@@ -47,6 +47,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.tensor_parallel.mappings import (
     SEQUENCE_DIM,
+    _gather,
     _reduce_scatter,
     copy_to_tensor_parallel_region,
     count_collective,
@@ -75,15 +76,15 @@ class _SequenceGatherEdge(torch.autograd.Function):
         return _reduce_scatter(grad, SEQUENCE_DIM, ctx.group), None, None, None
 
 
-def _gather_tokens(t: torch.Tensor, batch: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _gather_tokens(
+    t: torch.Tensor, batch: int, group: dist.ProcessGroup, *, count: bool
+) -> torch.Tensor:
     """[batch * n, C] pieces of [batch, n, C] (token-major rows) gathered along n in rank order:
     [batch * world * n, C]. One-byte dtypes travel as uint8 (gloo moves no float8)."""
     raw = t.contiguous()
     raw = raw.view(torch.uint8) if raw.element_size() == 1 else raw
-    raw = raw.reshape(batch, -1, raw.shape[-1])
-    pieces = [torch.empty_like(raw) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, raw, group=group)
-    return torch.cat(pieces, dim=1).reshape(-1, raw.shape[-1]).view(t.dtype)
+    full = _gather(raw.reshape(batch, -1, raw.shape[-1]), 1, group, count=count)
+    return full.reshape(-1, raw.shape[-1]).view(t.dtype)
 
 
 def _gathered(shard: QuantizedTensor, batch: int, group: dist.ProcessGroup) -> QuantizedTensor:
@@ -95,10 +96,10 @@ def _gathered(shard: QuantizedTensor, batch: int, group: dist.ProcessGroup) -> Q
     for direction in ("rowwise", "columnwise"):
         data = getattr(shard, f"{direction}_data")
         scale_inv = getattr(shard, f"{direction}_scale_inv")
-        if data is not None:
-            data = _gather_tokens(data, batch, group)
-            count_collective("all_gather", data)
-            scale_inv = scale_inv if per_tensor else _gather_tokens(scale_inv, batch, group)
+        if data is not None:  # the bytes counted, the scale grids not
+            data = _gather_tokens(data, batch, group, count=True)
+            if not per_tensor:
+                scale_inv = _gather_tokens(scale_inv, batch, group, count=False)
         parts[f"{direction}_data"], parts[f"{direction}_scale_inv"] = data, scale_inv
     rows = shard.shape[0] * dist.get_world_size(group)
     meta = dict(recipe=shard.recipe, fp8_dtype=shard.fp8_dtype, role=shard.role)

@@ -70,8 +70,11 @@ def _split(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     return x.chunk(world, dim=dim)[rank].contiguous()
 
 
-def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """The slices of all ranks concatenated along `dim` in rank order."""
+def _gather(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, count: bool = True
+) -> torch.Tensor:
+    """The slices of all ranks concatenated along `dim` in rank order (count: in the TP byte
+    counters)."""
     world = _world(group)
     if world == 1:
         return x
@@ -79,7 +82,8 @@ def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor
     pieces = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(pieces, x, group=group)
     full = torch.cat(pieces, dim=dim)
-    count_collective("all_gather", full)
+    if count:
+        count_collective("all_gather", full)
     return full
 
 
