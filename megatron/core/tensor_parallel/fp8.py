@@ -24,6 +24,9 @@ parallelism", states the rules; this module applies them through the FP8 package
   for backward (Megatron-LM would re-gather it in backward); otherwise the input is gathered
   in high precision (logged once per recipe and shard length). Each FP8 gather moves half of a
   bf16 gather's bytes (counted; scale grids, 1/32 of that, travel uncounted).
+- Under torch.compile, a TP Linear whose forward makes QuantizedTensors of its activations
+  (the FP8 gather, tensorwise's agreed amax) runs eagerly between the layer's compiled pieces
+  (`_forward_eagerly`); the others trace like any Fp8Linear.
 """
 
 from __future__ import annotations
@@ -151,6 +154,15 @@ def _set_quantizer(layer: Fp8Linear, config: Fp8Config, split: tuple[str, ...], 
         )
 
 
+@torch._dynamo.disable
+def _forward_eagerly(layer: Fp8Linear, x: torch.Tensor, activation: dict) -> torch.Tensor:
+    """A tensor-parallel FP8 Linear's forward run eagerly from a compiled layer (one graph
+    break each side), when it makes QuantizedTensors of its activations: they are not a
+    traceable tensor subclass (`fp8.compile.forward_outside_the_graph` says why). The
+    layer's norms, attention and elementwise code around it stay compiled."""
+    return layer._parallel_forward(x, **activation)
+
+
 def agreed_amax(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """max |t| over every rank of `group` (fp32, 0-d), counted as an all-reduce."""
     amax = t.detach().abs().amax().float().reshape(1)
@@ -183,6 +195,20 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
         self.full_out_features = out_features
 
     def forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
+        if torch.compiler.is_compiling() and self._builds_quantized_tensors(x):
+            return _forward_eagerly(self, x, activation)
+        return self._parallel_forward(x, **activation)
+
+    def _builds_quantized_tensors(self, x: torch.Tensor) -> bool:
+        """Whether this forward makes QuantizedTensors of its activations (the FP8 sequence
+        gather; tensorwise's TP-agreed amax of the output gradient), which dynamo cannot trace."""
+        enabled, config, _, _ = self._current_settings()
+        if not enabled or self.tp.size == 1:
+            return False
+        sequence = self.tp.sequence_parallel and _gathers_fp8(config.spec, x.shape[SEQUENCE_DIM])
+        return sequence or config.spec.accepts_global_amax
+
+    def _parallel_forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
         enabled, config, _, _ = self._current_settings()
         given = None
         if not self.tp.sequence_parallel:
@@ -266,6 +292,17 @@ class Fp8RowParallelLinear(Fp8Linear, RowSplit):
             mark_sequence_parallel_(self.bias)
 
     def forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
+        if torch.compiler.is_compiling() and self._builds_quantized_tensors():
+            return _forward_eagerly(self, x, activation)
+        return self._parallel_forward(x, **activation)
+
+    def _builds_quantized_tensors(self) -> bool:
+        """Whether this forward quantizes its split input with tensorwise's TP-agreed amax (a
+        QuantizedTensor, which dynamo cannot trace)."""
+        enabled, config, _, _ = self._current_settings()
+        return enabled and self.tp.size > 1 and config.spec.accepts_global_amax
+
+    def _parallel_forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
         _set_quantizer(self, self._current_settings()[1], ("input",))  # the input is split
         y = super().forward(x, **activation)
         if self.tp.sequence_parallel:

@@ -15,10 +15,11 @@ Each function is the forward of a pair whose backward is its conjugate:
 Tensors are batch-first [B, S, ...], so the sequence dimension is 1 (Megatron-LM's is 0,
 [S, B, H]); rank r of the group holds slice r of a split dimension (rank order of the group).
 
-Every tensor-parallel collective of a process is counted by kind in logical bytes, the size of
-the full tensor (an all-gather's output, a reduce-scatter's input, an all-reduce's tensor):
-`tensor_parallel_bytes()`; `megatron.core.tensor_parallel.traffic` has the formulas the tests
-check against these counters (docs/SCALING.md).
+Every tensor-parallel collective that a process runs eagerly is counted by kind in logical bytes,
+the size of the full tensor (an all-gather's output, a reduce-scatter's input, an all-reduce's
+tensor): `tensor_parallel_bytes()` (compiled regions run the same collectives uncounted);
+`megatron.core.tensor_parallel.traffic` has the formulas the tests check against these
+counters (docs/SCALING.md).
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ _BYTES = dict.fromkeys(COLLECTIVE_KINDS, 0)
 
 
 def count_collective(kind: str, full: torch.Tensor) -> None:
-    """Add one collective of `kind` over the full tensor `full` to this process's counters."""
+    """Add one collective of `kind` over the full tensor `full` to this process's counters.
+    Eager code only: inside a torch.compile trace the count would run once per compile, and a
+    global dict mutated there is a graph break (and a guard on its value, a recompile per
+    step), so compiled regions are not counted (the collectives they run are the same)."""
+    if torch.compiler.is_compiling():
+        return
     _BYTES[kind] += full.numel() * full.element_size()
 
 
