@@ -38,6 +38,10 @@ MODEL=(
   --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
   ${COMPILE---torch-compile}
 )
+# The runs compile together: each gets its share of the cores for Inductor's compile workers.
+runs=$(echo $RECIPES | wc -w)
+threads=$(( $(nproc) / runs )); [ "$threads" -ge 1 ] || threads=1
+export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$threads}
 pids=()
 for run in $RECIPES; do  # RECIPE[+mM1-M2][@SEED]: +m sets the AdamW moments' dtypes
   spec=${run%@*}  # e.g. tensorwise+mbf16-bf16@2: --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16

@@ -143,6 +143,10 @@ def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> No
     pending, active = list(runs), []
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env["PYTHONUNBUFFERED"] = "1"
+    # Runs that start together compile together: each gets its share of the cores for
+    # Inductor's compile workers (by default each run starts one per core).
+    threads = max(1, (os.cpu_count() or 1) // max(1, parallel))
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
     started_runs = 0
     while pending or active:
         while pending and len(active) < parallel:
