@@ -168,3 +168,51 @@ def test_compiled_moe_with_fp8_expert_params_matches_eager(recipe: str) -> None:
     assert sorted(compiled) == sorted(eager) == [1, 2, 3]
     for step, loss in eager.items():
         assert abs(compiled[step] - loss) <= 1e-3 * abs(loss), (step, loss, compiled[step], breaks)
+
+
+def _moe_log_fields(capsys, argv: list[str]) -> tuple[dict, list[dict]]:
+    """Losses and each iteration's log fields of one run."""
+    capsys.readouterr()
+    losses = run_pretrain(argv).losses
+    lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
+    fields = [
+        dict(part.strip().split(": ", 1) for part in line.split("|") if ": " in part.strip())
+        for line in lines
+    ]
+    return losses, fields
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "full-recompute"])
+def test_compiled_moe_layer_breaks_only_for_host_token_counts(capsys, recompute: bool) -> None:
+    """The tiny MoE GPT in fp32 with every router record (aux loss, z-loss, expert bias),
+    compiled: the losses and the logged router losses equal eager training's within 1e-5, and
+    the only graph breaks are the token counts the experts read on the host (.tolist()). The
+    router asks whether a forward is a recompute in the layer's eager pre-hook and counts its
+    records in the post-hook (a question in the graph was a break, and skipping the counting
+    in a recompute traced another graph than the checkpointed forward's); dropless top-k
+    finds the routed rows at a static count (nonzero and a boolean mask were breaks)."""
+    from tests.unit_tests.training.test_moe_training import TINY_MOE
+
+    argv = [*TINY_MOE, "--train-iters", "3", "--moe-grouped-gemm"]
+    argv += ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
+    argv += RECOMPUTE if recompute else []
+    eager, eager_fields = _moe_log_fields(capsys, argv)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled, compiled_fields = _moe_log_fields(capsys, [*argv, "--torch-compile"])
+        breaks = dict(counters["graph_break"])
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert sorted(compiled) == sorted(eager) == [1, 2, 3]
+    for step, loss in eager.items():
+        assert abs(compiled[step] - loss) <= 1e-5 * abs(loss), (step, loss, compiled[step])
+    assert len(eager_fields) == len(compiled_fields) == 3
+    for ours, theirs in zip(compiled_fields, eager_fields):
+        for name in ("load_balancing_loss", "z_loss"):
+            assert float(ours[name]) == pytest.approx(float(theirs[name]), rel=1e-5), name
+    assert breaks and all("Data dependent operator" in reason for reason in breaks), breaks
+    # Before: 29 graphs (router 8 breaks, nonzero 4, the boolean mask and .tolist() 4).
+    assert graphs <= 12, (graphs, breaks)

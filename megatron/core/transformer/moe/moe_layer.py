@@ -51,6 +51,10 @@ class MoELayer(nn.Module):
         ep_rank = 0 if expert_parallel_group is None else dist.get_rank(expert_parallel_group)
         self.local_expert_offset = ep_rank * self.num_local_experts
         self.dispatch_combine = DISPATCHERS[config.moe_token_dispatcher_type]
+        # Dropless top-k: every token goes to exactly top-k experts (a static count of routed
+        # rows, which a compiled graph holds without a break).
+        dropless = config.moe_expert_capacity_factor is None
+        self.routed_per_token = config.moe_router_topk if dropless else None
         self.router = TopKRouter(config, layer_number=layer_number, metrics=metrics)
         self.experts = GroupedExperts(
             config,
@@ -66,7 +70,12 @@ class MoELayer(nn.Module):
         probs, routing_map = self.router(x_BSD)
         hidden = x_BSD.reshape(-1, x_BSD.shape[-1])
         routed = self.dispatch_combine(
-            hidden, probs, routing_map, experts=self.experts, group=self.expert_parallel_group
+            hidden,
+            probs,
+            routing_map,
+            experts=self.experts,
+            group=self.expert_parallel_group,
+            per_token=self.routed_per_token,
         )
         output = routed.view_as(x_BSD)
         if self.shared_experts is not None:

@@ -27,6 +27,10 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+# One forward's records: (metric name or TOKENS, value); kept until `_publish` decides.
+TOKENS = "tokens"
+
+
 class TopKRouter(nn.Module):
     """logits = x W^T in the router dtype; returns (probs [T, E], routing_map [T, E]).
 
@@ -47,6 +51,10 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(config.num_moe_experts, config.hidden_size, dtype=config.params_dtype)
         )
+        # Asked of the autograd engine by the compiled layer's eager pre-hook
+        # (`before_compiled_forward`): inside a traced forward the question is a graph break.
+        self._hooked_recompute: bool | None = None
+        self._pending: list[tuple[str, torch.Tensor]] = []
         enabled = config.moe_router_enable_expert_bias
         self.register_buffer(
             "expert_bias", torch.zeros(config.num_moe_experts) if enabled else None
@@ -72,12 +80,10 @@ class TopKRouter(nn.Module):
         probs, routing_map = self._route(logits, training=training)
         if training and self.config.moe_aux_loss_coeff > 0:
             probs = self._attach_load_balancing_loss(probs, logits, batch=batch)
-        if training and not _recomputing():
-            if self.local_tokens_per_expert is not None:
-                with torch.no_grad():
-                    self.local_tokens_per_expert += routing_map.sum(dim=0)
-            if self.metrics is not None:
-                self.metrics.record_tokens(routing_map.sum(dim=0), layer_number=self.layer_number)
+        if training:
+            self._pending.append((TOKENS, routing_map.sum(dim=0)))
+            if self._hooked_recompute is None or not torch.compiler.is_compiling():
+                self._publish(_recomputing() if self._hooked_recompute is None else None)
         return probs, routing_map
 
     def _route(self, logits: torch.Tensor, *, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,8 +150,45 @@ class TopKRouter(nn.Module):
         return attach_aux_loss(probs, loss, self.metrics)
 
     def _record(self, name: str, value: torch.Tensor) -> None:
-        if self.metrics is not None and not _recomputing():
-            self.metrics.record(name, value, layer_number=self.layer_number)
+        self._pending.append((name, value))
+
+    def _publish(self, recompute: bool | None) -> None:
+        """Count this forward's records (routed tokens into the expert-bias counts and the
+        metrics; router losses into the metrics) unless it is a recompute, then forget them.
+        Eager: at the end of the router's forward. Compiled: from the layer's eager post-hook
+        (`after_compiled_forward`), so the traced forward is the same graph in the first
+        forward and in the recompute (a recompute that traced fewer ops would save other
+        tensors for backward than the checkpoint recorded). recompute None: the hook's."""
+        pending = list(self._pending)
+        self._pending.clear()  # the same list: a traced forward's guards see one object
+        if recompute is None:
+            recompute = bool(self._hooked_recompute)
+        if recompute:
+            return
+        for name, value in pending:
+            if name != TOKENS:
+                if self.metrics is not None:
+                    self.metrics.record(name, value, layer_number=self.layer_number)
+                continue
+            if self.local_tokens_per_expert is not None:
+                with torch.no_grad():
+                    self.local_tokens_per_expert += value
+            if self.metrics is not None:
+                self.metrics.record_tokens(value, layer_number=self.layer_number)
+
+    def before_compiled_forward(self, device: torch.device | None = None) -> None:
+        """`fp8.compile.prepare_for_compile`'s eager pre-hook of the compiled layer: whether
+        the next forward is a recompute, asked here rather than in the graph. Records left
+        over are a recompute's that checkpoint stopped early (once it had every saved tensor
+        back, before the post-hook): dropped."""
+        self._pending.clear()
+        self._hooked_recompute = _recomputing()
+
+    def after_compiled_forward(self) -> None:
+        """The eager post-hook: count the forward's records (`_publish`); no delayed-scaling
+        flush to queue."""
+        self._publish(None)
+        self._hooked_recompute = None
 
     @torch.no_grad()
     def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:

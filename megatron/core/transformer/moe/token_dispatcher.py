@@ -18,14 +18,32 @@ ExpertsFn = Callable[[torch.Tensor, list[int], list[list[int]]], torch.Tensor]
 
 
 def permute(
-    hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    routing_map: torch.Tensor,
+    *,
+    per_token: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [N, H] sorted by expert then token, their probs [N], their token indices [N],
     tokens per expert [E]) for routing_map [T, E]; N = routing_map.sum()."""
     expert_major_map = routing_map.t()
-    token_indices = expert_major_map.nonzero()[:, 1]
-    permuted_probs = probs.t()[expert_major_map]
+    positions = _expert_major_positions(routing_map, per_token)
+    token_indices = positions % routing_map.shape[0]
+    permuted_probs = probs.t().reshape(-1)[positions]
     return hidden[token_indices], permuted_probs, token_indices, expert_major_map.sum(dim=1)
+
+
+def _expert_major_positions(routing_map: torch.Tensor, per_token: int | None) -> torch.Tensor:
+    """The flat positions e * T + t of routing_map's (token t, expert e) choices, ascending.
+    `per_token`: every token chose exactly that many experts (dropless top-k), so there are
+    T * per_token of them, found without a data-dependent shape (a compiled graph holds them);
+    None: any count (capacity dropping, an EP rank's slice of the choices)."""
+    tokens = routing_map.shape[0]
+    if per_token is None:
+        return routing_map.t().reshape(-1).nonzero().squeeze(1)
+    experts = routing_map.to(torch.int8).topk(per_token, dim=1).indices  # in any order
+    token = torch.arange(tokens, device=routing_map.device).unsqueeze(1)
+    return (experts * tokens + token).flatten().sort().values
 
 
 def unpermute(
@@ -76,12 +94,15 @@ def alltoall_dispatch_combine(
     experts: ExpertsFn,
     group: dist.ProcessGroup | None,
     sources: int = 1,
+    per_token: int | None = None,
 ) -> torch.Tensor:
     """The alltoall dispatcher: [T, H] tokens of this rank -> [T, H] combined expert outputs.
     sources (no group only): the tokens are that many equal source-rank blocks (the
-    allgather dispatcher's), which are the experts' segments."""
+    allgather dispatcher's), which are the experts' segments. per_token: `permute`'s."""
     num_tokens = hidden.shape[0]
-    permuted, permuted_probs, token_indices, counts = permute(hidden, probs, routing_map)
+    permuted, permuted_probs, token_indices, counts = permute(
+        hidden, probs, routing_map, per_token=per_token
+    )
     ep_size = 1 if group is None else dist.get_world_size(group)
     if ep_size == 1:
         by_source = routing_map.reshape(sources, -1, routing_map.shape[-1]).sum(dim=1)
@@ -159,13 +180,17 @@ def allgather_dispatch_combine(
     *,
     experts: ExpertsFn,
     group: dist.ProcessGroup | None,
+    per_token: int | None = None,
 ) -> torch.Tensor:
     """The allgather dispatcher: every rank gathers all ranks' tokens and routing, runs its
     local experts on the tokens routed to them, and the partial outputs are summed back to
-    the tokens' ranks. Needs the same token count on every rank."""
+    the tokens' ranks. Needs the same token count on every rank. per_token: `permute`'s (a
+    rank's slice of the experts sees any count per token)."""
     ep_size = 1 if group is None else dist.get_world_size(group)
     if ep_size == 1:
-        return alltoall_dispatch_combine(hidden, probs, routing_map, experts=experts, group=None)
+        return alltoall_dispatch_combine(
+            hidden, probs, routing_map, experts=experts, group=None, per_token=per_token
+        )
     all_hidden = _GatherFromGroup.apply(hidden, group)
     all_probs = _GatherFromGroup.apply(probs, group)
     # As bytes: gloo does not gather bool tensors.
