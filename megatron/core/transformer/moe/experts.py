@@ -25,27 +25,32 @@ _GROUPED_MM_ALIGN_BYTES = 16
 
 
 def _grouped_mm_runs(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch._grouped_mm covers this call: CUDA bf16 with 16-byte-aligned rows. Its CPU
-    kernel has no backward (torch 2.13), so CPU always takes the loop of mm."""
+    """torch._grouped_mm covers tokens [N, in] @ weight [E, out, in]^T: CUDA bf16 with
+    16-byte-aligned rows. Its CPU kernel has no backward (torch 2.13), so CPU always takes
+    the loop of mm."""
     if not (tokens.is_cuda and tokens.dtype == torch.bfloat16 == weight.dtype):
         return False
     if not hasattr(torch, "_grouped_mm"):
         return False
     align = _GROUPED_MM_ALIGN_BYTES // tokens.element_size()
-    return tokens.shape[-1] % align == 0 and weight.shape[1] % align == 0
+    return weight.shape[2] % align == 0 and weight.shape[1] % align == 0
 
 
 def grouped_gemm(
-    tokens: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int]
+    tokens: torch.Tensor, weight: torch.Tensor, tokens_per_expert: list[int] | torch.Tensor
 ) -> torch.Tensor:
     """y[rows of expert e] = tokens[rows of expert e] @ weight[e]^T.
 
-    tokens [N, in] sorted by expert, tokens_per_expert[e] rows each (summing to N);
-    weight [E, out, in]. Returns [N, out] in the tokens' dtype.
+    tokens [N, in] sorted by expert, tokens_per_expert[e] rows each (summing to N; a list, or
+    an integer tensor on the tokens' device, which torch._grouped_mm reads without a host
+    sync); weight [E, out, in]. Returns [N, out] in the tokens' dtype.
     """
     if _grouped_mm_runs(tokens, weight):
-        offsets = torch.tensor(tokens_per_expert, device=tokens.device).cumsum(0)
-        return torch._grouped_mm(tokens, weight.transpose(1, 2), offs=offsets.to(torch.int32))
+        counts = torch.as_tensor(tokens_per_expert, device=tokens.device)
+        offsets = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(tokens, weight.transpose(1, 2), offs=offsets)
+    if isinstance(tokens_per_expert, torch.Tensor):
+        tokens_per_expert = tokens_per_expert.tolist()
     pieces = tokens.split(tokens_per_expert, dim=0)
     outputs = [piece @ weight[expert].t() for expert, piece in enumerate(pieces)]
     if not outputs:
@@ -68,7 +73,7 @@ class StackedLinear(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,
-        tokens_per_expert: list[int],
+        tokens_per_expert: list[int] | torch.Tensor,
         segments: list[list[int]] | None = None,
     ) -> torch.Tensor:
         return grouped_gemm(tokens, self.weight, tokens_per_expert)
@@ -128,11 +133,22 @@ class GroupedExperts(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,
-        tokens_per_expert: list[int],
+        tokens_per_expert: list[int] | torch.Tensor,
         segments: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """tokens [N, hidden] sorted by local expert -> [N, hidden]; segments: each local
-        expert's row counts per source rank (None: one segment per expert)."""
+        expert's row counts per source rank (None: one segment per expert).
+        tokens_per_expert may stay on the device (no host sync: a compiled layer keeps one
+        graph) where both GEMMs are torch._grouped_mm's; else it is read once here."""
+        if isinstance(tokens_per_expert, torch.Tensor) and not self._device_counts_suffice(tokens):
+            tokens_per_expert = tokens_per_expert.tolist()
         activation = swiglu if self.swiglu else gelu
         hidden = activation(self.linear_fc1(tokens, tokens_per_expert, segments))
         return self.linear_fc2(hidden, tokens_per_expert, segments)
+
+    def _device_counts_suffice(self, tokens: torch.Tensor) -> bool:
+        linears = (self.linear_fc1, self.linear_fc2)
+        return all(
+            type(linear) is StackedLinear and _grouped_mm_runs(tokens, linear.weight)
+            for linear in linears
+        )

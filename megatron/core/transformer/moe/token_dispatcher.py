@@ -14,7 +14,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-ExpertsFn = Callable[[torch.Tensor, list[int], list[list[int]]], torch.Tensor]
+ExpertsFn = Callable[[torch.Tensor, list[int] | torch.Tensor, list[list[int]] | None], torch.Tensor]
+"""experts(tokens sorted by expert, tokens per expert (a list, or the counts on the device when
+each expert is one segment), each expert's segments by source or None)."""
 
 
 def permute(
@@ -105,8 +107,11 @@ def alltoall_dispatch_combine(
     )
     ep_size = 1 if group is None else dist.get_world_size(group)
     if ep_size == 1:
-        by_source = routing_map.reshape(sources, -1, routing_map.shape[-1]).sum(dim=1)
-        expert_output = experts(permuted, counts.tolist(), by_source.t().tolist())
+        if sources == 1:  # one segment per expert: the counts may stay on the device
+            expert_output = experts(permuted, counts, None)
+        else:
+            by_source = routing_map.reshape(sources, -1, routing_map.shape[-1]).sum(dim=1)
+            expert_output = experts(permuted, counts.tolist(), by_source.t().tolist())
         return unpermute(expert_output, permuted_probs, token_indices, num_tokens=num_tokens)
     counts_by_rank = counts.view(ep_size, -1)
     received_counts = torch.empty_like(counts_by_rank)

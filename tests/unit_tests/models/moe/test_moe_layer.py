@@ -15,7 +15,12 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import permute, unpermute
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from tests.unit_tests.models.model_configs import tiny_config, token_batch
-from tests.unit_tests.models.moe.moe_helpers import fill_parameters, moe_config, reference_moe
+from tests.unit_tests.models.moe.moe_helpers import (
+    EXPERTS,
+    fill_parameters,
+    moe_config,
+    reference_moe,
+)
 
 
 def test_grouped_gemm_equals_per_expert_matmuls():
@@ -39,6 +44,46 @@ def test_permute_unpermute_round_trip():
     assert torch.equal(permuted_probs, probs[token_indices, expert_of_row])
     combined = unpermute(permuted, permuted_probs, token_indices, num_tokens=5)
     torch.testing.assert_close(combined, hidden * probs.sum(dim=1, keepdim=True))
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_dropless_permute_at_a_static_count_equals_the_nonzero_one(score: str):
+    """Dropless top-k (every token chose exactly k experts): the permutation found at the static
+    count T x k (what a compiled graph holds) is bitwise the one `nonzero` finds, ties of the
+    router's scores included (equal logits)."""
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(64, 8, generator=generator)
+    logits[::7] = 0.25  # whole rows of ties
+    hidden = torch.randn(64, 3, generator=generator)
+    probs, routing_map = routing.topk_routing(logits, topk=3, score_function=score)
+    static = permute(hidden, probs, routing_map, per_token=3)
+    found = permute(hidden, probs, routing_map)
+    assert static[0].shape[0] == 64 * 3
+    for ours, theirs in zip(static, found):
+        assert torch.equal(ours, theirs)
+
+
+def test_experts_take_device_counts_in_one_graph(monkeypatch):
+    """The routed experts read tokens-per-expert as a tensor where torch._grouped_mm runs both
+    GEMMs (CUDA bf16): no host sync, so torch.compile traces them in one graph (fullgraph).
+    Here torch._grouped_mm's CPU forward stands in for CUDA's (its CPU kernel has no
+    backward); the result equals the per-expert matmul loop that host counts take."""
+    from megatron.core.transformer.moe import experts as experts_module
+    from megatron.core.transformer.moe.experts import GroupedExperts
+
+    config = moe_config(swiglu=True, moe_ffn_hidden_size=16, params_dtype=torch.bfloat16)
+    experts = GroupedExperts(config, num_local_experts=EXPERTS).to(torch.bfloat16)
+    fill_parameters(experts, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    counts = torch.tensor([5, 0, 9, 2])
+    tokens = torch.randn(int(counts.sum()), config.hidden_size, generator=generator)
+    tokens = tokens.to(torch.bfloat16)
+    with torch.no_grad():
+        looped = experts(tokens, counts.tolist())
+        monkeypatch.setattr(experts_module, "_grouped_mm_runs", lambda tokens, weight: True)
+        assert experts._device_counts_suffice(tokens)
+        grouped = torch.compile(experts, fullgraph=True, backend="aot_eager")(tokens, counts)
+    torch.testing.assert_close(grouped.float(), looped.float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
