@@ -33,7 +33,7 @@ def resolve_torch_compile(args: argparse.Namespace, *, cuda_available: bool | No
     On CUDA the transformer layers compile by default (the fast configuration); on CPU the
     default stays eager (the compile time dominates a CPU run). Every configuration these
     flags accept compiles (tests/unit_tests/training/test_torch_compile.py: fp32, FSDP2 bf16,
-    FP8 recipes under Megatron-FSDP and DDP, activation recompute, MoE;
+    FP8 recipes under Megatron-FSDP and DDP, activation recompute, MoE at EP 1 and 2;
     tests/unit_tests/tensor_parallel/test_tp_compile.py: TP with and without sequence
     parallelism, FP8 included), so none is refused."""
     if cuda_available is None:

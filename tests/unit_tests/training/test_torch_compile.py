@@ -216,3 +216,34 @@ def test_compiled_moe_layer_breaks_only_for_host_token_counts(capsys, recompute:
     assert breaks and all("Data dependent operator" in reason for reason in breaks), breaks
     # Before: 29 graphs (router 8 breaks, nonzero 4, the boolean mask and .tolist() 4).
     assert graphs <= 12, (graphs, breaks)
+
+
+def _eager_and_compiled_losses(rank: int, world_size: int, argv: list[str]) -> dict:
+    eager = run_pretrain(argv).losses
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled = run_pretrain([*argv, "--torch-compile"]).losses
+        breaks = dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+    return dict(eager=eager, compiled=compiled, breaks=breaks)
+
+
+@pytest.mark.slow
+def test_compiled_moe_at_expert_parallel_2_matches_eager() -> None:
+    """Expert parallelism under --torch-compile (the CUDA default), 2 gloo ranks, EP 2, fp32:
+    the all-to-all dispatch compiles around the host split sizes (the only breaks), and the
+    losses equal eager training's within 1e-5 on each rank."""
+    from tests.unit_tests.dist_utils import run_distributed
+    from tests.unit_tests.training.test_moe_training import TINY_MOE
+
+    argv = [*TINY_MOE, "--train-iters", "3", "--moe-grouped-gemm"]
+    argv += ["--expert-model-parallel-size", "2"]
+    for rank, result in enumerate(run_distributed(_eager_and_compiled_losses, 2, argv)):
+        eager, compiled = result["eager"], result["compiled"]
+        assert sorted(eager) == sorted(compiled) == [1, 2, 3], rank
+        for step, loss in eager.items():
+            assert abs(compiled[step] - loss) <= 1e-5 * abs(loss), (rank, step, result)
+        breaks = result["breaks"]
+        assert breaks and all("Data dependent operator" in k for k in breaks), (rank, breaks)
