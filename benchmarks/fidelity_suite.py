@@ -13,6 +13,9 @@ run's training loss on one page; needs matplotlib, skipped with a message withou
         --size 128m 350m --seeds 1234 1235 1236 --parallel 6
     # the CPU smoke run the tests use (tiny model, 3 iterations, no compile)
     python3 benchmarks/fidelity_suite.py --out /tmp/fidsmoke --size smoke --recipes tensorwise
+    # model M-small, the MoE fidelity run of issue 38 (acceptance 6), on the quickstart corpus
+    python3 benchmarks/fidelity_suite.py --out /tmp/fidmoe --corpus stdlib --size m-small \
+        --seeds 1234 1235 1236 --parallel 5
 
 Corpora: "stdlib" (scripts/prepare_quickstart_data.py, byte-level) and "english"
 (scripts/prepare_english_corpus.py, BPE; an --english-dir holding english_manifest.json and
@@ -44,9 +47,30 @@ SIZES = {
     # 24 x 1024, SwiGLU 3072: 327M in the layers, ~360M with the 16K-token BPE embeddings.
     "350m": dict(layers=24, hidden=1024, ffn=3072, heads=16, seq=1024, mbs=16, iters=1000),
     "smoke": dict(layers=2, hidden=64, ffn=128, heads=2, seq=64, mbs=2, iters=3),
+    # Model M-small (docs/PERFORMANCE.md; issue 38, acceptance 6): 8 MoE layers of 64
+    # experts top-8, moe-ffn 256, hidden 768, GQA 12 heads / 4 groups, seq 2048 (8 x 2,048
+    # tokens a step, as many as the dense sizes); the vocabulary is the corpus's.
+    "m-small": dict(layers=8, hidden=768, ffn=3072, heads=12, seq=2048, mbs=8, iters=1000),
+    "moe-smoke": dict(layers=2, hidden=64, ffn=128, heads=2, seq=64, mbs=2, iters=3),
 }
-EVAL_ITERS = {"128m": 32, "350m": 32, "smoke": 1}
-SPLIT = {"128m": "98,2,0", "350m": "98,2,0", "smoke": "80,20,0"}
+EVAL_ITERS = {"128m": 32, "350m": 32, "smoke": 1, "m-small": 32, "moe-smoke": 1}
+SPLIT = {"128m": "98,2,0", "350m": "98,2,0", "smoke": "80,20,0", "m-small": "98,2,0"}
+SPLIT["moe-smoke"] = SPLIT["smoke"]
+
+
+def _moe(experts: int, topk: int, ffn: int, groups: int) -> list[str]:
+    """Routed experts in every layer (dropless, grouped GEMM, alltoall at EP 1), GQA, and
+    Megatron-LM's aux-loss load balancing at Qwen3-MoE's coefficient (1e-3)."""
+    return [
+        "--num-experts", str(experts), "--moe-router-topk", str(topk),
+        "--moe-ffn-hidden-size", str(ffn), "--moe-grouped-gemm",
+        "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+        "--moe-aux-loss-coeff", "1e-3",
+        "--group-query-attention", "--num-query-groups", str(groups),
+    ]  # fmt: skip
+
+
+MOE_FLAGS = {"m-small": _moe(64, 8, 256, 4), "moe-smoke": _moe(4, 2, 32, 1)}
 
 
 def _last_line(command: list[str]) -> str:
@@ -98,6 +122,7 @@ def model_flags(size: str, iters: int, compile_: bool) -> list[str]:
         "--eval-iters", str(EVAL_ITERS[size]),
         "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
     ]  # fmt: skip
+    flags += MOE_FLAGS.get(size, [])
     return flags + (["--torch-compile"] if compile_ else [])
 
 
@@ -305,7 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.compile is None:
-        args.compile = "smoke" not in args.size
+        args.compile = not any(size.endswith("smoke") for size in args.size)
     if len(args.seeds) < 2:
         parser.error("--seeds needs at least 2 seeds for an interval (the suite's claim uses 3)")
     return args

@@ -14,6 +14,12 @@
 #   PYTHONPATH=/tmp/site ROWS="fsdp2 torchao_rowwise bf16 tensorwise blockwise" bash benchmarks/moe_model_m.sh
 # SMALL=1: model M-small (~125M active parameters: 8 layers, hidden 768, 12 heads / 4 groups,
 # 64 experts top-8, moe-ffn 256, seq 2048); TINY=1: CPU sizes for the smoke test (gloo).
+# DEEPSEEK=1 (issue 39, acceptance 4): the DeepSeek-V3-style model M: multi-latent attention
+# (16 heads, q-lora 768, kv-lora 512, qk 128 + rope 64, v 128), a dense first layer, one shared
+# expert of moe-ffn width, sigmoid scores with the expert bias, group-limited top-8 (8 groups,
+# top 4), top-k scaling 2.5, sequence aux loss 1e-4, MTP 1; rows bf16 and <recipe> only (no
+# peer builds these blocks), in $OUT/model_m_deepseek.jsonl:
+#   DEEPSEEK=1 ROWS="bf16 blockwise tensorwise" bash benchmarks/moe_model_m.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/model_m}
@@ -26,12 +32,29 @@ if [ "${SMALL:-0}" = 1 ]; then HIDDEN=768 HEADS=12 FFN=256 SEQ=2048 VOCAB=50257;
 if [ "${TINY:-0}" = 1 ]; then
   LAYERS=2 HIDDEN=64 HEADS=4 QGROUPS=2 EXPERTS=8 TOPK=2 FFN=32 SEQ=64 MBS=2 VOCAB=256
 fi
-SHAPE=(--num-layers $LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS --num-query-groups $QGROUPS
+MLA=(768 512 128 64 128) GROUPS_=8 GROUP_TOPK=4  # DEEPSEEK=1: q-lora, kv-lora, qk, rope, v
+if [ "${DEEPSEEK:-0}" = 1 ]; then HEADS=16; fi
+if [ "${DEEPSEEK:-0}${TINY:-0}" = 11 ]; then HEADS=4 MLA=(32 32 16 16 16) GROUPS_=4 GROUP_TOPK=2; fi
+SHAPE=(--num-layers $LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS
   --num-experts $EXPERTS --moe-router-topk $TOPK --moe-ffn-hidden-size $FFN --seq-length $SEQ
   --micro-batch-size $MBS --vocab-size $VOCAB)
+BLOCKS=(--num-query-groups $QGROUPS --group-query-attention --moe-router-load-balancing-type none)
+ROWS_NAME=model_m
+if [ "${DEEPSEEK:-0}" = 1 ]; then
+  ROWS_NAME=model_m_deepseek
+  BLOCKS=(
+    --multi-latent-attention --q-lora-rank ${MLA[0]} --kv-lora-rank ${MLA[1]}
+    --qk-head-dim ${MLA[2]} --qk-pos-emb-head-dim ${MLA[3]} --v-head-dim ${MLA[4]}
+    --moe-layer-freq "([0]*1+[1]*$((LAYERS - 1)))" --moe-shared-expert-intermediate-size $FFN
+    --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+    --moe-router-num-groups $GROUPS_ --moe-router-group-topk $GROUP_TOPK
+    --moe-router-topk-scaling-factor 2.5 --moe-router-load-balancing-type seq_aux_loss
+    --moe-aux-loss-coeff 1e-4 --mtp-num-layers 1
+  )
+fi
 MODEL_M=(
-  "${SHAPE[@]}" --ffn-hidden-size $((4 * HIDDEN)) --group-query-attention
-  --moe-grouped-gemm --moe-token-dispatcher-type alltoall --moe-router-load-balancing-type none
+  "${SHAPE[@]}" "${BLOCKS[@]}" --ffn-hidden-size $((4 * HIDDEN))
+  --moe-grouped-gemm --moe-token-dispatcher-type alltoall
   --max-position-embeddings $SEQ --global-batch-size $MBS
   --mock-data --tokenizer-type NullTokenizer
   --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
@@ -44,17 +67,19 @@ PEER=(--num-layers $LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS --
   --num-experts $EXPERTS --moe-router-topk $TOPK --moe-ffn-hidden-size $FFN --seq-length $SEQ
   --micro-batch-size $MBS --vocab-size $VOCAB --steps "$((ITERS - WARMUP))" --warmup-steps "$WARMUP")
 [ "${TINY:-0}" = 1 ] || PEER+=(--compile)
-ROWS_NAME=model_m
 RUN_TIMEOUT=${RUN_TIMEOUT:-300}
 source benchmarks/rows.sh  # row, summarize
 for name in ${ROWS:-fsdp2 torchao_rowwise bf16 tensorwise blockwise}; do
   case $name in
-    fsdp2)
-      row fsdp2 torchrun --nproc-per-node 1 benchmarks/moe_peer.py "${PEER[@]}"
-      grep '^{' "$OUT/fsdp2.log" | tee -a "$OUT/model_m.jsonl" ;;
-    torchao_rowwise)
-      row "$name" torchrun --nproc-per-node 1 benchmarks/moe_peer.py "${PEER[@]}" --torchao-fp8-rowwise
-      grep '^{' "$OUT/$name.log" | tee -a "$OUT/model_m.jsonl" ;;
+    fsdp2 | torchao_rowwise)
+      if [ "${DEEPSEEK:-0}" = 1 ]; then
+        echo "skip $name: the peer has no multi-latent attention, shared expert or MTP" | tee -a "$OUT/$ROWS_NAME.log"
+        continue
+      fi
+      peer=("${PEER[@]}")
+      [ "$name" = torchao_rowwise ] && peer+=(--torchao-fp8-rowwise)
+      row "$name" torchrun --nproc-per-node 1 benchmarks/moe_peer.py "${peer[@]}"
+      grep '^{' "$OUT/$name.log" | tee -a "$OUT/$ROWS_NAME.jsonl" ;;
     bf16)
       row bf16 torchrun --nproc-per-node 1 pretrain_gpt.py "${MODEL_M[@]}"
       summarize bf16 ;;

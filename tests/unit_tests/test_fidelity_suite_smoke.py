@@ -38,3 +38,25 @@ def test_smoke_suite_end_to_end(tmp_path):
     assert 0.99 < summary["mean"] < 1.01
     pytest.importorskip("matplotlib")
     assert (out / "loss_curves.png").stat().st_size > 1000
+
+
+@pytest.mark.timeout(240)
+def test_moe_smoke_size_trains_routed_experts(tmp_path):
+    """The suite's MoE size (model M-small's flags at smoke scale, issue 38 acceptance 6):
+    bf16 and tensorwise at two seeds train routed experts with the aux loss (logged), and
+    the same seed starts bf16 and tensorwise within 1%."""
+    out = tmp_path / "suite"
+    command = [sys.executable, "benchmarks/fidelity_suite.py", "--out", str(out)]
+    command += ["--size", "moe-smoke", "--recipes", "tensorwise", "--seeds", "11", "12"]
+    command += ["--parallel", "4", "--stdlib-mb", "0.3"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert len(runs) == 4 and all(r["returncode"] == 0 and r["valid_loss"] > 0 for r in runs)
+    for run in runs:
+        log = Path(run["log"])
+        assert "--num-experts 4" in Path(f"{log}.cmd").read_text()
+        assert log.read_text().count("load_balancing_loss: ") == 3
+    (summary,) = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
+    assert 0.99 < summary["mean"] < 1.01

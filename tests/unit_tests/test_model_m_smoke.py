@@ -27,3 +27,25 @@ def test_model_m_script_rows_run_two_steps_on_cpu(tmp_path):
     assert rows["tensorwise"]["steps"] == 2 and rows["tensorwise"]["step_ms"] > 0, rows
     assert rows["moe_peer"]["step_ms"] > 0 and rows["moe_peer"]["world_size"] == 1
     assert "exit 0 (fsdp2)" in (tmp_path / "model_m.log").read_text()
+
+
+@pytest.mark.timeout(900)
+def test_deepseek_model_m_rows_run_two_steps_on_cpu(tmp_path):
+    """DEEPSEEK=1 (issue 39, acceptance 4): the DeepSeek-V3-style model M's command line (MLA,
+    dense first layer, shared expert, sigmoid group-limited routing with the expert bias,
+    sequence aux loss, MTP 1) parses and runs 2 iterations at CPU sizes under FP8 tensorwise
+    parameters; the peer row is skipped with its reason (it builds none of these blocks)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OUT=str(tmp_path), TINY="1", ITERS="2")
+    env.update(WARMUP="0", ROWS="fsdp2 tensorwise", DEEPSEEK="1", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(
+        ["bash", "benchmarks/moe_model_m.sh"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = (tmp_path / "model_m_deepseek.jsonl").read_text().splitlines()
+    rows = {r["row"]: r for r in map(json.loads, lines)}
+    assert sorted(rows) == ["tensorwise"]
+    assert rows["tensorwise"]["steps"] == 2 and rows["tensorwise"]["step_ms"] > 0, rows
+    log = (tmp_path / "tensorwise.log").read_text()
+    assert "--multi-latent-attention" in (tmp_path / "model_m_deepseek.log").read_text()
+    assert log.count("mtp_1 loss: ") == 2 and log.count("seq_load_balancing_loss: ") == 2, log
+    assert "skip fsdp2: the peer has no multi-latent attention" in result.stdout

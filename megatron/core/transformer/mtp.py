@@ -69,7 +69,9 @@ class MTPMetrics:
     backward, as MoEMetrics.backward_scale)."""
 
     def __init__(self, depths: int) -> None:
-        self.backward_scale = torch.ones(())
+        # On the host whatever the default device (a meta-device build's included): a
+        # Python-side setting, moved to the loss's device where backward reads it.
+        self.backward_scale = torch.ones((), device="cpu")
         self.depths = depths
         self.reset()
 

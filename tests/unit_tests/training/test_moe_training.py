@@ -114,3 +114,24 @@ def test_log_line_has_megatron_lm_moe_fields(capsys):
         assert 0.5 < float(fields["load_balancing_loss"]) < 2.0  # E sum f_i P_i: 1 if balanced
         assert 0.0 < float(fields["z_loss"]) < 100.0
         assert 0.0 <= float(fields["dropped_token_fraction"]) < 1.0
+
+
+def test_meta_device_build_with_expert_bias_aux_loss_and_mtp_equals_the_regular_build():
+    """--init-model-with-meta-device under Megatron-FSDP with the DeepSeek-style router state
+    (expert bias, sequence aux loss) and MTP: the routers' buffers are re-created on the
+    device and the aux losses' backward scales live on the host (both were left on the meta
+    device: 'Tensor on device meta is not on the expected device', then 'Cannot copy out of
+    meta tensor'); the losses equal the regular build's bitwise."""
+    argv = [
+        *TINY_MOE,
+        "--train-iters", "3",
+        "--use-megatron-fsdp",
+        "--data-parallel-sharding-strategy", "optim_grads_params",
+        "--moe-router-score-function", "sigmoid",
+        "--moe-router-enable-expert-bias",
+        "--moe-router-load-balancing-type", "seq_aux_loss",
+        "--mtp-num-layers", "1",
+    ]  # fmt: skip
+    regular = run_pretrain(argv).losses
+    meta = run_pretrain([*argv, "--init-model-with-meta-device"]).losses
+    assert sorted(meta) == [1, 2, 3] and meta == regular

@@ -201,12 +201,14 @@ class GPTModel(nn.Module):
             param.copy_(full[rows])
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """Recompute the non-persistent buffers (rope inverse frequencies) on `device`
-        (default: the device of the embedding weight). Needed after meta construction."""
+        """Recreate the buffers (rope inverse frequencies, MoE routers' expert-bias state)
+        on `device` (default: the device of the embedding weight). Needed after meta
+        construction."""
         if device is None:
             device = self.embedding.word_embeddings.weight.device
-        if self.rotary_pos_emb is not None:
-            self.rotary_pos_emb.init_buffers(device)
+        for module in self.modules():
+            if module is not self and hasattr(module, "init_buffers"):
+                module.init_buffers(device)
 
     def output_weight(self) -> torch.Tensor:
         """The [V, D] output-head weight: the embedding table when tied."""

@@ -29,7 +29,9 @@ class MoEMetrics:
     no global state."""
 
     def __init__(self) -> None:
-        self.backward_scale = torch.ones(())
+        # On the host whatever the default device (a meta-device build's included): a
+        # Python-side setting, moved to the loss's device where backward reads it.
+        self.backward_scale = torch.ones((), device="cpu")
         self._sums: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
         self._counts: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.tokens_per_expert: dict[int, torch.Tensor] = {}

@@ -55,15 +55,16 @@ class TopKRouter(nn.Module):
         # (`before_compiled_forward`): inside a traced forward the question is a graph break.
         self._hooked_recompute: bool | None = None
         self._pending: list[tuple[str, torch.Tensor]] = []
-        enabled = config.moe_router_enable_expert_bias
-        self.register_buffer(
-            "expert_bias", torch.zeros(config.num_moe_experts) if enabled else None
-        )
-        self.register_buffer(
-            "local_tokens_per_expert",
-            torch.zeros(config.num_moe_experts) if enabled else None,
-            persistent=False,
-        )
+        self.init_buffers(None)
+
+    def init_buffers(self, device: torch.device | str | None) -> None:
+        """(Re)create the expert-bias buffers at their initial zeros (after a meta-device
+        build, `GPTModel.init_buffers`; a checkpoint load then overwrites the bias)."""
+        enabled = self.config.moe_router_enable_expert_bias
+        zeros = torch.zeros(self.config.num_moe_experts, device=device) if enabled else None
+        self.register_buffer("expert_bias", zeros)
+        counts = None if zeros is None else zeros.clone()
+        self.register_buffer("local_tokens_per_expert", counts, persistent=False)
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         dtype = ROUTER_DTYPES.get(self.config.moe_router_dtype, x.dtype)
