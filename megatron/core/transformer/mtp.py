@@ -102,12 +102,15 @@ class MTPMetrics:
 class MultiTokenPredictionLayer(nn.Module):
     """enorm, hnorm, eh_proj (2 x hidden -> hidden, no bias), transformer_layer and
     final_layernorm of one depth. Its transformer layer is built as the decoder's last layer
-    (layer_number num_layers): dense or MoE and FP8 or not as that layer."""
+    (layer_number num_layers): dense or MoE and FP8 or not as that layer. An MoE router's
+    records go under layer num_layers + depth, as Megatron-LM's MTP routers' (not mixed into
+    the decoder's last layer)."""
 
     def __init__(
         self,
         config: TransformerConfig,
         *,
+        depth: int = 1,
         expert_parallel_group: dist.ProcessGroup | None = None,
         moe_metrics: MoEMetrics | None = None,
     ) -> None:
@@ -124,6 +127,9 @@ class MultiTokenPredictionLayer(nn.Module):
             expert_parallel_group=expert_parallel_group,
             moe_metrics=moe_metrics,
         )
+        router = getattr(self.transformer_layer.mlp, "router", None)
+        if router is not None:
+            router.layer_number = last + depth
         self.final_layernorm = build_norm(config)
 
     def forward(
@@ -148,9 +154,12 @@ class MultiTokenPrediction(nn.Module):
         self.metrics = MTPMetrics(mtp_depths(config))
         self.layers = nn.ModuleList(
             MultiTokenPredictionLayer(
-                config, expert_parallel_group=expert_parallel_group, moe_metrics=moe_metrics
+                config,
+                depth=depth,
+                expert_parallel_group=expert_parallel_group,
+                moe_metrics=moe_metrics,
             )
-            for _ in range(mtp_depths(config))
+            for depth in range(1, mtp_depths(config) + 1)
         )
 
     def forward(

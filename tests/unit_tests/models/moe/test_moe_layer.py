@@ -223,3 +223,26 @@ def test_full_recompute_counts_router_metrics_once():
         assert torch.equal(plain_tokens[layer], re_tokens[layer])
         assert plain_tokens[layer].sum().item() == 2 * 7 * 2  # tokens x top-k, counted once
     torch.testing.assert_close(plain_grad, re_grad, rtol=1e-6, atol=1e-8)
+
+
+def test_mtp_router_records_under_its_own_layer_number():
+    """With MTP, the MTP layer's MoE router records under num_layers + depth (Megatron-LM's
+    numbering), so the decoder's last layer keeps its own per-layer aux loss and token counts:
+    the last layer's values equal those of the same model without MTP."""
+    tokens = token_batch(batch=2, seq=8, seed=5)
+    metrics = []
+    for depths in (None, 1):
+        config = _tiny_moe_gpt(aux_coeff=0.05).config
+        config.mtp_num_layers = depths
+        model = GPTModel(config, seed=7)
+        model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+        metrics.append(model.decoder.moe_metrics)
+    plain, with_mtp = metrics
+    assert sorted(plain.per_layer("load_balancing_loss")) == [2, 3]
+    assert sorted(with_mtp.per_layer("load_balancing_loss")) == [2, 3, 4]
+    for layer in (2, 3):
+        assert with_mtp.per_layer("load_balancing_loss")[layer] == pytest.approx(
+            plain.per_layer("load_balancing_loss")[layer], rel=1e-6
+        )
+        assert torch.equal(with_mtp.tokens_per_expert[layer], plain.tokens_per_expert[layer])
+    assert with_mtp.tokens_per_expert[4].sum().item() == 2 * 7 * 2  # the MTP layer's own
