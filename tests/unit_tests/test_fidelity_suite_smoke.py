@@ -12,15 +12,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(240)
-def test_smoke_suite_end_to_end(tmp_path):
+def _run_suite(tmp_path: Path, size: str) -> Path:
+    """The suite at `size`, bf16 and tensorwise at seeds 11 and 12 on 0.3 MB of the stdlib
+    corpus, 4 runs at once; its --out directory (the suite must exit 0)."""
     out = tmp_path / "suite"
     command = [sys.executable, "benchmarks/fidelity_suite.py", "--out", str(out)]
-    command += ["--size", "smoke", "--recipes", "tensorwise", "--seeds", "11", "12"]
+    command += ["--size", size, "--recipes", "tensorwise", "--seeds", "11", "12"]
     command += ["--parallel", "4", "--stdlib-mb", "0.3"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_smoke_suite_end_to_end(tmp_path):
+    out = _run_suite(tmp_path, "smoke")
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert sorted((r["recipe"], r["seed"]) for r in runs) == [
         ("bf16", 11), ("bf16", 12), ("tensorwise", 11), ("tensorwise", 12)
@@ -45,13 +52,7 @@ def test_moe_smoke_size_trains_routed_experts(tmp_path):
     """The suite's MoE size (model M-small's flags at smoke scale, issue 38 acceptance 6):
     bf16 and tensorwise at two seeds train routed experts with the aux loss (logged), and
     the same seed starts bf16 and tensorwise within 1%."""
-    out = tmp_path / "suite"
-    command = [sys.executable, "benchmarks/fidelity_suite.py", "--out", str(out)]
-    command += ["--size", "moe-smoke", "--recipes", "tensorwise", "--seeds", "11", "12"]
-    command += ["--parallel", "4", "--stdlib-mb", "0.3"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = _run_suite(tmp_path, "moe-smoke")
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert len(runs) == 4 and all(r["returncode"] == 0 and r["valid_loss"] > 0 for r in runs)
     for run in runs:

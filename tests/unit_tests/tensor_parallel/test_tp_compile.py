@@ -15,12 +15,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from torch._dynamo.utils import counters
 
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.tensor_parallel.test_tp_fp8_training import GPT, RECIPE_ARGS
-from tests.unit_tests.training.common import NO_DROPOUT, run_pretrain
+from tests.unit_tests.training.common import NO_DROPOUT, eager_and_compiled
 
 STEPS = 3
 TP2 = ["--tensor-model-parallel-size", "2"]
@@ -41,20 +39,10 @@ EAGER_REGIONS = {"fp32": 0, "fp32-sp": 0, "blockwise-sp": 0}
 
 
 def _eager_and_compiled(rank: int, world_size: int) -> dict:
-    results = {}
-    for name, argv in CASES.items():
-        argv = [*argv, *NO_DROPOUT, "--train-iters", str(STEPS)]
-        eager = run_pretrain(argv).losses
-        torch._dynamo.reset()
-        counters.clear()
-        try:
-            compiled = run_pretrain([*argv, "--torch-compile"]).losses
-            breaks = dict(counters["graph_break"])
-            graphs = counters["stats"]["unique_graphs"]
-        finally:
-            torch._dynamo.reset()
-        results[name] = dict(eager=eager, compiled=compiled, breaks=breaks, graphs=graphs)
-    return results
+    return {
+        name: eager_and_compiled([*argv, *NO_DROPOUT, "--train-iters", str(STEPS)])
+        for name, argv in CASES.items()
+    }
 
 
 @pytest.fixture(scope="module")

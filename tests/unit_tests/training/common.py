@@ -51,3 +51,26 @@ def run_pretrain(argv: list[str]):
 def run_pretrain_on_rank(rank: int, world_size: int, argv: list[str]) -> dict[int, float]:
     """For tests/unit_tests/dist_utils.run_distributed: losses by iteration on every rank."""
     return run_pretrain(argv).losses
+
+
+def eager_and_compiled(argv: list[str]) -> dict:
+    """One eager and one `--torch-compile` run of argv: their losses, and dynamo's graph breaks
+    (reason -> count) and unique graphs during the compiled run (counters reset around it)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    eager = run_pretrain(argv).losses
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled = run_pretrain([*argv, "--torch-compile"]).losses
+        breaks = dict(counters["graph_break"])
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    return dict(eager=eager, compiled=compiled, breaks=breaks, graphs=graphs)
+
+
+def eager_and_compiled_on_rank(rank: int, world_size: int, argv: list[str]) -> dict:
+    """`eager_and_compiled` for tests/unit_tests/dist_utils.run_distributed."""
+    return eager_and_compiled(argv)
