@@ -92,7 +92,10 @@ def check_ragged_m(n, k, recipe, out_dtype):
     args = dict(a_scale_inv=a_s, b_scale_inv=b_s, group_sizes=SIZES, recipe=recipe)
     want = gg.grouped_scaled_mm(a, b, **args, out_dtype=out_dtype, emulate=True)
     got = gg.grouped_scaled_mm(a, b, **args, out_dtype=out_dtype)
-    return _close(got, want, f"ragged-M {recipe} N={n} K={k} {out_dtype}")
+    ok = _close(got, want, f"ragged-M {recipe} N={n} K={k} {out_dtype}")
+    args["group_sizes"] = torch.tensor(SIZES)  # on the device: the same schedule, built there
+    got = gg.grouped_scaled_mm(a, b, **args, out_dtype=out_dtype)
+    return ok & _close(got, want, f"ragged-M {recipe} N={n} K={k} {out_dtype}, device sizes")
 
 
 def check_ragged_k(n, k, scales, out_dtype):
@@ -109,7 +112,16 @@ def check_ragged_k(n, k, scales, out_dtype):
     args = dict(a_scale_inv=a_s, b_scale_inv=b_s, group_sizes=SIZES, recipe=recipe)
     want = gg.grouped_scaled_mm_wgrad(a_t, b_t, **args, out_dtype=out_dtype, emulate=True)
     got = gg.grouped_scaled_mm_wgrad(a_t, b_t, **args, out_dtype=out_dtype)
-    return _close(got, want, f"ragged-K {scales} N={n} K={k} {out_dtype}")
+    ok = _close(got, want, f"ragged-K {scales} N={n} K={k} {out_dtype}")
+    # Device sizes with tokens and scale cells left unused past the last group (a padded copy
+    # of the most rows any sizes need), random bytes there: the kernel must not read them.
+    extra = 3 * 128
+    a_t, b_t = torch.cat([a_t, _fp8((n, extra), E5M2)], 1), torch.cat([b_t, _fp8((k, extra))], 1)
+    if scales == "blockwise":
+        a_s, b_s = torch.cat([a_s, torch.rand(n, 3) * 9], 1), torch.cat([b_s, torch.rand(k, 3)], 1)
+    args.update(a_scale_inv=a_s, b_scale_inv=b_s, group_sizes=torch.tensor(SIZES))
+    got = gg.grouped_scaled_mm_wgrad(a_t, b_t, **args, out_dtype=out_dtype)
+    return ok & _close(got, want, f"ragged-K {scales} N={n} K={k} {out_dtype}, device sizes")
 
 
 def check_strided_operands():
@@ -149,8 +161,8 @@ def check_torch_grouped_mm_on_meta():
 
 
 def _torch_grouped_mm_checks():
-    seg_sizes, seg_expert = [3, 0, 5, 130, 0, 7], [0, 0, 1, 1, 2, 3]
-    m, n, k, experts = sum(seg_sizes), 144, 160, 4
+    seg_sizes, seg_expert = torch.tensor([3, 0, 5, 130, 0, 7]), [0, 0, 1, 1, 2, 3]
+    m, n, k, experts = int(seg_sizes.sum()), 144, 160, 4
     meta = dict(device="meta")
     w, w_s = torch.empty(experts, n, k, dtype=E4M3, **meta), torch.empty(experts, **meta)
     ok = True
@@ -184,13 +196,13 @@ def check_grouped_fp8(recipe, segments, n, k, w_dtype):
     torch.manual_seed(3)
     config = Fp8Config(recipe=recipe)
     spec = config.spec
-    seg_sizes = [c for counts in segments for c in counts]
+    seg_sizes = torch.tensor([c for counts in segments for c in counts])
     seg_expert = [e for e, counts in enumerate(segments) for _ in counts]
-    experts = len(segments)
-    tokens = torch.randn(sum(seg_sizes), k, dtype=torch.bfloat16)
+    experts, rows = len(segments), int(seg_sizes.sum())
+    tokens = torch.randn(rows, k, dtype=torch.bfloat16)
     weight = torch.randn(experts, n, k, dtype=w_dtype) * 0.05
-    dy = torch.randn(sum(seg_sizes), n, dtype=torch.bfloat16)
-    seg_ids = ops.segment_ids(seg_sizes, tokens.device)
+    dy = torch.randn(rows, n, dtype=torch.bfloat16)
+    seg_ids = ops.segment_ids(seg_sizes, rows)
     x_row, x_col = gf._quantize_tokens(tokens, seg_ids, seg_sizes, config, "input", False,
                                        columnwise=True)  # fmt: skip
     dy_row, dy_col = gf._quantize_tokens(dy, seg_ids, seg_sizes, config, "grad", False,
@@ -214,7 +226,8 @@ def check_grouped_fp8(recipe, segments, n, k, w_dtype):
 def check_layer_flow():
     """Fp8StackedLinear's grouped function (forward, input and weight gradients) with its GEMM
     ops running their CUDA branches, against the same layer on the CPU emulation: the layers,
-    data and segments of tests/unit_tests/models/moe/test_grouped_fp8_blockwise_params.py."""
+    data and segments of tests/unit_tests/models/moe/test_grouped_fp8_blockwise_params.py;
+    with one segment per expert also with the token counts on the device."""
     from tests.unit_tests.models.moe import test_grouped_fp8_blockwise_params as t
 
     def cuda_mm(a, a_s, b, b_s, seg_sizes, seg_expert, recipe, out_dtype, fast):
@@ -229,7 +242,9 @@ def check_layer_flow():
         for fp8_param in (False, True):
             for fp8_format in ("hybrid", "e4m3"):
                 for dtype in (torch.float32, torch.bfloat16):
-                    for segments in (t.SEGMENTS, t.EP_SEGMENTS):
+                    for segments in (t.SEGMENTS, t.EP_SEGMENTS, "device"):
+                        on_device = segments == "device"
+                        segments = [[sum(c)] for c in t.SEGMENTS] if on_device else segments
                         options = dict(dtype=dtype, fp8_param=fp8_param, fp8_format=fp8_format)
                         x, dy = t._data(segments, dtype)
                         want = t._run(t._layer(recipe, **options), x, dy, segments, True)
@@ -237,8 +252,10 @@ def check_layer_flow():
                             mock.patch.object(gf, "grouped_fp8_mm", cuda_mm),
                             mock.patch.object(gf, "grouped_fp8_wgrad", cuda_wgrad),
                         ):
-                            got = t._run(t._layer(recipe, **options), x, dy, segments, True)
+                            layer = t._layer(recipe, **options)
+                            got = t._run(layer, x, dy, segments, True, on_device=on_device)
                         what = f"{recipe} param={fp8_param} {fp8_format} {dtype} {segments}"
+                        what += " device counts" if on_device else ""
                         for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
                             ok &= a.dtype == b.dtype and a.shape == b.shape
                             ok &= _close(a, b, f"layer {name} {what}")

@@ -28,8 +28,8 @@ from megatron.core.fp8.cuda.gemm import emulated_mm
 from megatron.core.fp8.recipe import recipe_spec
 
 BLOCK_M, BLOCK_K = 128, 128
-"""Rows per tile of the ragged-M kernel (host-built schedule) and K per step (the blockwise
-scales' 128); BLOCK_N is autotuned."""
+"""Rows per tile of the ragged-M kernel (its schedule built on the device) and K per step
+(the blockwise scales' 128); BLOCK_N is autotuned."""
 
 
 @functools.cache
@@ -61,13 +61,49 @@ def _group_offsets(group_sizes: list[int]) -> list[int]:
     return offsets
 
 
+GroupSizes = list[int] | torch.Tensor
+"""Rows (tokens) per group: a list, checked on the host, or an integer tensor on the operands'
+device, taken as it is (no host sync: a compiled caller keeps one graph; the caller vouches
+that it is >= 0 and sums to the rows, or for the weight gradient to at most the tokens)."""
+
+
+def _host_sizes(group_sizes: GroupSizes) -> list[int]:
+    if isinstance(group_sizes, torch.Tensor):
+        return group_sizes.tolist()
+    _group_offsets(group_sizes)  # the check
+    return list(group_sizes)
+
+
+def _device_sizes(group_sizes: GroupSizes, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(group_sizes, device=device).to(torch.int64)
+
+
+def _tile_schedule(sizes: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+    """The ragged-M kernel's (group, first row) of each BLOCK_M-row tile inside one group, and
+    each group's end row, built on the device: as many tiles as any sizes summing to `rows`
+    can need (ceil of each group's rows / BLOCK_M), the ones past the last real tile given
+    row `rows` (the kernel returns at once)."""
+    groups = sizes.shape[0]
+    ends = sizes.cumsum(0)
+    tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tiles.cumsum(0)
+    bound = (rows + groups * (BLOCK_M - 1)) // BLOCK_M
+    tile = torch.arange(bound, device=sizes.device)
+    group = torch.searchsorted(tile_ends, tile, right=True)
+    real = group < groups
+    group = group.clamp(max=groups - 1)
+    row = ends[group] - sizes[group] + (tile - tile_ends[group] + tiles[group]) * BLOCK_M
+    row = torch.where(real, row, rows)
+    return group.to(torch.int32), row.to(torch.int32), ends.to(torch.int32)
+
+
 def grouped_scaled_mm(
     a_data: torch.Tensor,
     b_data: torch.Tensor,
     *,
     a_scale_inv: torch.Tensor,
     b_scale_inv: torch.Tensor,
-    group_sizes: list[int],
+    group_sizes: GroupSizes,
     recipe: str,
     out_dtype: torch.dtype = torch.bfloat16,
     emulate: bool = False,
@@ -76,35 +112,65 @@ def grouped_scaled_mm(
     """A [M, K] FP8 (rows sorted by group, group_sizes[g] rows each) and B [G, N, K] FP8 ->
     [M, N] in out_dtype: each group's rows times its own B[g]^T. fast_accum: the kernel's
     per-tensor accumulation mode (as the dense GEMM's; blockwise always adds per K block)."""
-    offsets = _group_offsets(group_sizes)
     groups, n, k = b_data.shape
-    if len(group_sizes) != groups or offsets[-1] != a_data.shape[0] or a_data.shape[1] != k:
+    rows = a_data.shape[0]
+    listed = not isinstance(group_sizes, torch.Tensor)
+    if (
+        len(group_sizes) != groups
+        or a_data.shape[1] != k
+        or (listed and _group_offsets(group_sizes)[-1] != rows)
+    ):
         raise ValueError(
             f"A {tuple(a_data.shape)} with group sizes {group_sizes} does not match "
             f"B {tuple(b_data.shape)}"
         )
     if emulate or not _kernel_runs(recipe, a_data, b_data):
+        offsets = _group_offsets(_host_sizes(group_sizes))
         return _emulated_ragged_m(
             a_data, b_data, a_scale_inv, b_scale_inv, offsets, recipe, out_dtype
         )
-    out = torch.empty(a_data.shape[0], n, dtype=out_dtype, device=a_data.device)
-    tiles = [(g, row) for g in range(groups) for row in range(offsets[g], offsets[g + 1], BLOCK_M)]
-    if not tiles or n == 0:
-        return out.zero_()
-    schedule = torch.tensor(tiles, dtype=torch.int32).t().contiguous().to(a_data.device)
-    group_end = torch.tensor(offsets[1:], dtype=torch.int32, device=a_data.device)
-    grid = lambda meta: (len(tiles), triton_cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+    out = torch.empty(rows, n, dtype=out_dtype, device=a_data.device)
+    if rows == 0 or n == 0:
+        return out
+    tile_group, tile_row, group_end = _tile_schedule(
+        _device_sizes(group_sizes, a_data.device), rows
+    )
+    grid = lambda meta: (tile_group.shape[0], triton_cdiv(n, meta["BLOCK_N"]))  # noqa: E731
     # The kernel reads K-contiguous bytes and row-major scale grids (a 1x128 grid from the fused
     # quantizers is an outer-dim-major view: its values are right, its strides are not these).
     a_data, b_data = a_data.contiguous(), b_data.contiguous()
     a_scale_inv, b_scale_inv = a_scale_inv.contiguous(), b_scale_inv.contiguous()
     _kernels()._ragged_m_kernel[grid](
-        a_data, b_data, out, a_scale_inv, b_scale_inv, schedule[0], schedule[1], group_end,
-        a_data.shape[0], n, k, a_data.stride(0), b_data.stride(0), b_data.stride(1), out.stride(0),
+        a_data, b_data, out, a_scale_inv, b_scale_inv, tile_group, tile_row, group_end,
+        rows, n, k, a_data.stride(0), b_data.stride(0), b_data.stride(1), out.stride(0),
         BLOCKWISE=not recipe_spec(recipe).per_tensor, FAST=fast_accum, EVEN_K=k % BLOCK_K == 0,
         BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out
+
+
+def _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec) -> None:
+    """Shapes of `grouped_scaled_mm_wgrad`'s operands; listed sizes also against the tokens."""
+    if spec.e8m0_scales:
+        raise ValueError(f"grouped_scaled_mm_wgrad takes fp32 scales, not '{spec.name}'")
+    (n, m), k = a_t_data.shape, b_t_data.shape[0]
+    listed = not isinstance(group_sizes, torch.Tensor)
+    if b_t_data.shape[1] != m or (listed and _group_offsets(group_sizes)[-1] != m):
+        raise ValueError(
+            f"A^T {tuple(a_t_data.shape)}, B^T {tuple(b_t_data.shape)} and group sizes "
+            f"{group_sizes} do not match"
+        )
+    if spec.per_tensor:
+        if (a_scale_inv.dim(), b_scale_inv.dim()) not in ((0, 0), (1, 1)):
+            raise ValueError("per-tensor wgrad scales are scalars or one per group each")
+        return
+    cells = _group_offsets([triton_cdiv(s, BLOCK_K) for s in group_sizes])[-1] if listed else None
+    c = a_scale_inv.shape[-1] if a_scale_inv.dim() == 2 else -1
+    if a_scale_inv.shape != (n, c) or b_scale_inv.shape != (k, c) or (listed and c != cells):
+        raise ValueError(
+            f"blockwise wgrad scales must be ({n}, C) and ({k}, C) with C = {cells or 'the cells'}"
+            f", got {tuple(a_scale_inv.shape)} and {tuple(b_scale_inv.shape)}"
+        )
 
 
 def grouped_scaled_mm_wgrad(
@@ -113,7 +179,7 @@ def grouped_scaled_mm_wgrad(
     *,
     a_scale_inv: torch.Tensor,
     b_scale_inv: torch.Tensor,
-    group_sizes: list[int],
+    group_sizes: GroupSizes,
     recipe: str,
     out_dtype: torch.dtype = torch.float32,
     emulate: bool = False,
@@ -123,38 +189,25 @@ def grouped_scaled_mm_wgrad(
     group g, A^T[:, cols of g] @ B^T[:, cols of g]^T. Scales: per-tensor recipes a scalar
     each or one per group ([G] each); blockwise 1x128 cells along M counted from each GROUP's
     start (a group of m tokens has ceil(m/128) cells, the last one short): A [N, C], B [K, C],
-    C the groups' cells in all, group g's from the sum of the earlier groups' counts.
-    fast_accum: per-tensor only."""
+    group g's cells from the sum of the earlier groups' counts (a device `group_sizes` may
+    leave tokens and cells unused past the last group). fast_accum: per-tensor only."""
     spec = recipe_spec(recipe)
-    if spec.e8m0_scales:
-        raise ValueError(f"grouped_scaled_mm_wgrad takes fp32 scales, not '{recipe}'")
-    offsets = _group_offsets(group_sizes)
-    chunks = _group_offsets([triton_cdiv(size, BLOCK_K) for size in group_sizes])
-    n, m = a_t_data.shape
-    k = b_t_data.shape[0]
-    if offsets[-1] != m or b_t_data.shape[1] != m:
-        raise ValueError(
-            f"A^T {tuple(a_t_data.shape)}, B^T {tuple(b_t_data.shape)} and group sizes "
-            f"{group_sizes} do not match"
-        )
-    blockwise = not spec.per_tensor
-    if not blockwise and (a_scale_inv.dim(), b_scale_inv.dim()) not in ((0, 0), (1, 1)):
-        raise ValueError("per-tensor wgrad scales are scalars or one per group each")
-    if blockwise and (a_scale_inv.shape, b_scale_inv.shape) != ((n, chunks[-1]), (k, chunks[-1])):
-        raise ValueError(
-            f"blockwise wgrad scales must be ({n}, {chunks[-1]}) and ({k}, {chunks[-1]}), got "
-            f"{tuple(a_scale_inv.shape)} and {tuple(b_scale_inv.shape)}"
-        )
-    groups = len(group_sizes)
+    _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec)
+    n, k, groups = a_t_data.shape[0], b_t_data.shape[0], len(group_sizes)
     if emulate or not _kernel_runs(recipe, a_t_data, b_t_data):
+        sizes = _host_sizes(group_sizes)
+        offsets, chunks = _group_offsets(sizes), _group_offsets([-(-s // BLOCK_K) for s in sizes])
         return _emulated_ragged_k(
             a_t_data, b_t_data, a_scale_inv, b_scale_inv, offsets, chunks, recipe, out_dtype
         ).reshape(groups, n, k)
     out = torch.empty(groups, n, k, dtype=out_dtype, device=a_t_data.device)
-    starts = torch.tensor(offsets, dtype=torch.int32, device=a_t_data.device)
-    chunk_starts = torch.tensor(chunks, dtype=torch.int32, device=a_t_data.device)
+    sizes = _device_sizes(group_sizes, a_t_data.device)
+    zero = sizes.new_zeros(1)
+    starts = torch.cat([zero, sizes.cumsum(0)]).to(torch.int32)
+    chunk_starts = torch.cat([zero, ((sizes + BLOCK_K - 1) // BLOCK_K).cumsum(0)]).to(torch.int32)
+    blockwise = not spec.per_tensor
     # The scales' stride per chunk (blockwise: their rows hold C chunks) or per group.
-    scale_stride = chunks[-1] if blockwise else int(a_scale_inv.dim() == 1)
+    scale_stride = a_scale_inv.shape[1] if blockwise else int(a_scale_inv.dim() == 1)
     grid = lambda meta: (groups, triton_cdiv(n, meta["BLOCK_N"]), triton_cdiv(k, BLOCK_K))  # noqa: E731
     a_t_data, b_t_data = a_t_data.contiguous(), b_t_data.contiguous()  # M-contiguous rows
     _kernels()._ragged_k_kernel[grid](

@@ -2,7 +2,9 @@
 
 - `_ragged_m_kernel`: Y[rows of group g] = A[rows of g] @ B[g]^T, A [M, K] FP8 sorted by group,
   B [G, N, K] FP8: the experts' forward (B = the weights) and data gradient (B = the weights'
-  transposed copies). One program per (tile of BLOCK_M rows inside one group, tile of N).
+  transposed copies). One program per (tile of BLOCK_M rows inside one group, tile of N); the
+  schedule of row tiles has a static length (the most any group sizes need), the programs
+  past the real tiles return at once.
 - `_ragged_k_kernel`: C[g] = A[:, cols of g] @ B[:, cols of g]^T with A [N, M] and B [K, M]
   FP8 (the transposed copies of the output gradient and of the input, tokens along M): the
   experts' weight gradient, one [N, K] result per group, reducing over that group's tokens;
@@ -70,6 +72,8 @@ def _ragged_m_kernel(
     group = tl.load(tile_group_ptr + tile)
     row0 = tl.load(tile_row_ptr + tile)
     row_end = tl.load(group_end_ptr + group)
+    if row0 >= row_end:  # a tile past the last real one (the schedule's bound)
+        return
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)

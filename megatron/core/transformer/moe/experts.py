@@ -9,7 +9,10 @@ weights are `megatron.core.transformer.moe.fp8_experts.Fp8StackedLinear` instead
 quantized as one Linear weight (FP8_NUMERICS.md, "Experts").
 
 `segments` (expert parallelism): the row counts of each local expert per source rank, from the
-dispatcher. FP8 quantizes each segment on its own, so results do not depend on the EP size."""
+dispatcher. FP8 quantizes each segment on its own, so results do not depend on the EP size.
+With one segment per expert the counts may stay on the device: bf16 on CUDA
+(torch._grouped_mm) and the FP8 grouped function (tensorwise, blockwise; any device) read them
+there, so a compiled MoE layer has no host sync and no graph break."""
 
 from __future__ import annotations
 
@@ -139,7 +142,8 @@ class GroupedExperts(nn.Module):
         """tokens [N, hidden] sorted by local expert -> [N, hidden]; segments: each local
         expert's row counts per source rank (None: one segment per expert).
         tokens_per_expert may stay on the device (no host sync: a compiled layer keeps one
-        graph) where both GEMMs are torch._grouped_mm's; else it is read once here."""
+        graph) where both GEMMs read it there (torch._grouped_mm's, or the FP8 grouped
+        function's); else it is read once here."""
         if isinstance(tokens_per_expert, torch.Tensor) and not self._device_counts_suffice(tokens):
             tokens_per_expert = tokens_per_expert.tolist()
         activation = swiglu if self.swiglu else gelu
@@ -147,8 +151,9 @@ class GroupedExperts(nn.Module):
         return self.linear_fc2(hidden, tokens_per_expert, segments)
 
     def _device_counts_suffice(self, tokens: torch.Tensor) -> bool:
-        linears = (self.linear_fc1, self.linear_fc2)
-        return all(
-            type(linear) is StackedLinear and _grouped_mm_runs(tokens, linear.weight)
-            for linear in linears
-        )
+        def takes(linear: nn.Module) -> bool:
+            if isinstance(linear, Fp8StackedLinear):
+                return linear.takes_device_counts(tokens)
+            return type(linear) is StackedLinear and _grouped_mm_runs(tokens, linear.weight)
+
+        return takes(self.linear_fc1) and takes(self.linear_fc2)

@@ -235,19 +235,27 @@ class Fp8StackedLinear(nn.Module):
         function keeps no scaling state, and other paths run outside the graph."""
         return None
 
+    def _grouped_applies(self, tokens: torch.Tensor) -> bool:
+        """Whether this call takes `grouped_fp8_linear` (an FP8 parameter in a compiled graph:
+        through its stand-in), which reads the token counts on the device."""
+        enabled, config, _, _ = self._current_settings()
+        weight = self.weight
+        if isinstance(weight, QuantizedTensor) and torch.compiler.is_compiling():
+            weight = self._weight_stand_in
+            if weight is None or self._weight_stand_in_spec != config.spec:
+                return False
+        grouped = enabled and self.grouped and tokens.shape[0] > 0
+        return grouped and grouped_path_applies(config, weight)
+
+    takes_device_counts = _grouped_applies
+    """`GroupedExperts` hands the token counts over on the device where both Linears take them."""
+
     def _compiled_fp8_param_forward(self, tokens, tokens_per_expert, segments) -> torch.Tensor:
         """An FP8 parameter in a compiled graph: its stand-in through the grouped function
         (no graph break), else the whole forward eagerly (a QuantizedTensor is not traceable)."""
-        enabled, config, _, _ = self._current_settings()
-        stand_in = self._weight_stand_in
-        if (
-            stand_in is not None
-            and enabled
-            and self.grouped
-            and tokens.shape[0] > 0
-            and self._weight_stand_in_spec == config.spec
-            and grouped_path_applies(config, stand_in)
-        ):
+        if self._grouped_applies(tokens):
+            config = self._current_settings()[1]
+            stand_in = self._weight_stand_in
             return grouped_fp8_linear(tokens, stand_in, segments, config, stand_in=True)
         return _forward_outside_the_graph(self, tokens, tokens_per_expert, segments)
 
@@ -267,12 +275,21 @@ class Fp8StackedLinear(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,
-        tokens_per_expert: list[int],
+        tokens_per_expert: list[int] | torch.Tensor,
         segments: list[list[int]] | None = None,
     ) -> torch.Tensor:
+        """tokens_per_expert: a list, or the counts on the tokens' device (one segment per
+        expert), which the grouped function reads there (no host sync); other paths read them
+        on the host."""
+        if isinstance(tokens_per_expert, torch.Tensor):
+            if segments is None and self._grouped_applies(tokens):
+                segments = tokens_per_expert
+            else:
+                tokens_per_expert = tokens_per_expert.tolist()
         if segments is None:
             segments = [[count] for count in tokens_per_expert]
-        if [sum(counts) for counts in segments] != list(tokens_per_expert):
+        on_device = isinstance(segments, torch.Tensor)
+        if not on_device and [sum(counts) for counts in segments] != list(tokens_per_expert):
             raise ValueError("Fp8StackedLinear: segments must sum to tokens_per_expert")
         if isinstance(self.weight, QuantizedTensor) and torch.compiler.is_compiling():
             return self._compiled_fp8_param_forward(tokens, tokens_per_expert, segments)

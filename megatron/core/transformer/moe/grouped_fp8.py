@@ -69,6 +69,7 @@ def _cells(spec: RecipeSpec) -> tuple[tuple[int, int], tuple[int, int]]:
 def _emulated_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype):
     """The CPU twin: per segment, dequantized A rows @ dequantized B[e]^T in fp32."""
     spec = recipe_spec(recipe)
+    seg_sizes = seg_sizes.tolist()
     a_cell, b_cell = _cells(spec)
     starts = operands.bounds(seg_sizes)
     out = a.new_zeros(a.shape[0], b.shape[1], dtype=out_dtype)
@@ -97,11 +98,17 @@ def _torch_mm_applies(a, b, recipe, out_dtype) -> bool:
     )
 
 
-def _expert_sizes(seg_sizes, seg_expert, num_experts) -> list[int]:
-    sizes = [0] * num_experts
-    for size, expert in zip(seg_sizes, seg_expert):
-        sizes[expert] += size
-    return sizes
+def _one_segment_each(seg_expert: list[int], num_experts: int) -> bool:
+    """One segment per expert, in expert order (expert parallelism 1)."""
+    return list(seg_expert) == list(range(num_experts))
+
+
+def _expert_sizes(seg_sizes, seg_expert, num_experts) -> torch.Tensor:
+    """Rows per expert (on the device) of rows per segment."""
+    if _one_segment_each(seg_expert, num_experts):
+        return seg_sizes
+    index = torch.tensor(seg_expert, dtype=torch.long, device=seg_sizes.device)
+    return seg_sizes.new_zeros(num_experts).index_add_(0, index, seg_sizes)
 
 
 def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, fast):
@@ -112,9 +119,9 @@ def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_
         scales = dict(a_scale_inv=a_scale_inv.contiguous(), b_scale_inv=b_scale_inv.contiguous())
         args = dict(group_sizes=sizes, recipe=recipe, out_dtype=out_dtype)
         return grouped_scaled_mm(a, b, **scales, **args)
-    row_scale = a_scale_inv[operands.segment_ids(seg_sizes, a.device)]
+    row_scale = a_scale_inv[operands.segment_ids(seg_sizes, a.shape[0])]
     if _torch_mm_applies(a, b, recipe, out_dtype):
-        offsets = torch.tensor(sizes, device=a.device).cumsum(0).to(torch.int32)
+        offsets = sizes.cumsum(0).to(torch.int32)
         return torch._scaled_grouped_mm(
             a,
             b.transpose(1, 2),
@@ -143,15 +150,16 @@ def grouped_fp8_mm(
     a_scale_inv: torch.Tensor,
     b: torch.Tensor,
     b_scale_inv: torch.Tensor,
-    seg_sizes: list[int],
+    seg_sizes: torch.Tensor,
     seg_expert: list[int],
     recipe: str,
     out_dtype: torch.dtype,
     fast_accum: bool,
 ) -> torch.Tensor:
-    """A [M, K] FP8 (rows in segments) times B [E, N, K] FP8: rows of segment s @
-    B[seg_expert[s]]^T -> [M, N] in out_dtype. scale_inv of A: per tensor [S] (one per
-    segment), blockwise [M, ceil(K/128)]; of B: [E], or [E, ceil(N/128), ceil(K/128)]."""
+    """A [M, K] FP8 (rows in segments of seg_sizes [S] rows, a device tensor) times B [E, N,
+    K] FP8: rows of segment s @ B[seg_expert[s]]^T -> [M, N] in out_dtype. scale_inv of A:
+    per tensor [S] (one per segment), blockwise [M, ceil(K/128)]; of B: [E], or [E,
+    ceil(N/128), ceil(K/128)]."""
     args = (a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype)
     if a.is_cuda and a.shape[0] > 0:
         return _cuda_mm(*args, fast_accum).contiguous()
@@ -166,7 +174,8 @@ def _(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, 
 def _segment_operand(data, scale_inv, s, seg_sizes, chunks, spec, recipe) -> Fp8Operand:
     """Segment s's transposed operand [*, rows] of the weight gradient (the per-segment path's
     `gemm_operand("columnwise")`): per tensor its rows of the rowwise bytes [M, *] and its
-    scale; blockwise its columns of the padded transposed copy [*, P] and its cells."""
+    scale; blockwise its columns of the padded transposed copy [*, P] and its cells
+    (seg_sizes and chunks: host lists)."""
     if spec.per_tensor:
         start = sum(seg_sizes[:s])
         rows = data[start : start + seg_sizes[s]]
@@ -182,6 +191,7 @@ def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, rec
     dtype, summed into its expert last segment first (the per-segment path's operand shapes and
     the order its backward sums them in)."""
     spec = recipe_spec(recipe)
+    seg_sizes = seg_sizes.tolist()
     chunks = operands.chunk_bounds(seg_sizes, spec.block or 1)
     for s, expert in reversed(list(enumerate(seg_expert))):
         if seg_sizes[s] == 0:
@@ -200,15 +210,15 @@ def _cuda_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe,
     nothing). One segment per expert, in expert order (EP 1): the kernel writes dW itself;
     else each segment's fp32 result is summed into its expert."""
     spec = recipe_spec(recipe)
-    direct = list(seg_expert) == list(range(shape[0]))
+    direct = _one_segment_each(seg_expert, shape[0])
     one = torch.ones((), dtype=torch.float32, device=dy.device)
     if spec.per_tensor:
         dy, x = dy.t().contiguous(), x.t().contiguous()
         scales = (dy_scale_inv, x_scale_inv) if direct else (one, one)
-        sizes = list(seg_sizes)
+        sizes = seg_sizes
     else:
         scales = (dy_scale_inv, x_scale_inv)
-        sizes = [spec.block * -(-size // spec.block) for size in seg_sizes]
+        sizes = spec.block * ((seg_sizes + spec.block - 1) // spec.block)
     per_segment = grouped_scaled_mm_wgrad(
         dy,
         x,
@@ -233,7 +243,7 @@ def grouped_fp8_wgrad(
     dy_scale_inv: torch.Tensor,
     x: torch.Tensor,
     x_scale_inv: torch.Tensor,
-    seg_sizes: list[int],
+    seg_sizes: torch.Tensor,
     seg_expert: list[int],
     num_experts: int,
     recipe: str,
@@ -247,7 +257,7 @@ def grouped_fp8_wgrad(
     n, k = _wgrad_dims(dy, x, recipe)
     shape = (num_experts, n, k)
     args = (dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe)
-    if dy.is_cuda and sum(seg_sizes) > 0:
+    if dy.is_cuda and dy.numel() > 0:
         return _cuda_wgrad(*args, shape, out_dtype)
     return _emulated_wgrad(*args, dy.new_zeros(shape, dtype=out_dtype))
 
@@ -277,7 +287,7 @@ def grouped_fp8_weight_mm(
     a_scale_inv: torch.Tensor,
     stand_in: torch.Tensor,
     usage: str,
-    seg_sizes: list[int],
+    seg_sizes: torch.Tensor,
     seg_expert: list[int],
     recipe: str,
     out_dtype: torch.dtype,
@@ -322,7 +332,7 @@ def _quantize_tokens(t, seg_ids, seg_sizes, config, role, pow2, *, columnwise: b
     spec, fp8_dtype = config.spec, fp8_dtype_for_role(config.fp8_format, role)
     if spec.per_tensor:
         row = operands.quantize_segments(
-            t, seg_ids, len(seg_sizes), fp8_dtype=fp8_dtype, power_2_scale=pow2
+            t, seg_ids, seg_sizes.shape[0], fp8_dtype=fp8_dtype, power_2_scale=pow2
         )
         return row, row
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=pow2)
@@ -336,7 +346,7 @@ class _GroupedFp8Function(torch.autograd.Function):
     def forward(ctx, tokens, weight, seg_sizes, seg_expert, config, kind):  # noqa: D102
         spec = config.spec
         pow2 = spec.resolve_power_2_scale(config.quantize_power_2_scale)
-        seg_ids = operands.segment_ids(seg_sizes, tokens.device)
+        seg_ids = operands.segment_ids(seg_sizes, tokens.shape[0])
         x_row, x_col = _quantize_tokens(
             tokens, seg_ids, seg_sizes, config, "input", pow2, columnwise=weight.requires_grad
         )
@@ -350,17 +360,17 @@ class _GroupedFp8Function(torch.autograd.Function):
                 weight.detach(), spec=spec, fp8_dtype=w_dtype, power_2_scale=pow2
             )
         saved_weight = {"plain": source, "stand_in": (weight,), "fp8_param": ()}[kind]
-        ctx.save_for_backward(seg_ids, *(x_col or ()), *saved_weight)
+        ctx.save_for_backward(seg_ids, seg_sizes, *(x_col or ()), *saved_weight)
         ctx.x_saved, ctx.kind = 0 if x_col is None else 2, kind
-        ctx.layout = (seg_sizes, seg_expert, weight.shape[0])
+        ctx.layout = (seg_expert, weight.shape[0])
         ctx.config, ctx.pow2, ctx.dtypes = config, pow2, (tokens.dtype, weight.dtype)
         args = (seg_sizes, seg_expert, spec.name, tokens.dtype, spec.fast_accumulation)
         return _weight_mm(x_row, source, kind, "rowwise", args)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
-        seg_ids, *saved = ctx.saved_tensors
-        seg_sizes, seg_expert, experts = ctx.layout
+        seg_ids, seg_sizes, *saved = ctx.saved_tensors
+        seg_expert, experts = ctx.layout
         spec = ctx.config.spec
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy_row, dy_col = _quantize_tokens(
@@ -384,17 +394,22 @@ class _GroupedFp8Function(torch.autograd.Function):
 def grouped_fp8_linear(
     tokens: torch.Tensor,
     weight: torch.Tensor,
-    segments: list[list[int]],
+    segments: list[list[int]] | torch.Tensor,
     config: Fp8Config,
     *,
     stand_in: bool = False,
 ) -> torch.Tensor:
     """y[rows of expert e] = tokens[rows of e] @ weight[e]^T in FP8, all experts in one
-    autograd function; segments[e]: expert e's row counts per source rank (in token order);
-    weight: the stacked [E, out, in] parameter, high precision or a QuantizedTensor, or (with
-    `stand_in`) an FP8 parameter's stand-in in a compiled graph."""
-    seg_sizes = [count for counts in segments for count in counts]
-    seg_expert = [expert for expert, counts in enumerate(segments) for _ in counts]
+    autograd function; segments[e]: expert e's row counts per source rank (in token order),
+    or an integer tensor of rows per expert on the tokens' device (one segment each: read
+    there, no host sync); weight: the stacked [E, out, in] parameter, high precision or a
+    QuantizedTensor, or (with `stand_in`) an FP8 parameter's stand-in in a compiled graph."""
+    if isinstance(segments, torch.Tensor):
+        seg_sizes, seg_expert = segments.to(torch.int64), list(range(segments.shape[0]))
+    else:
+        flat = [count for counts in segments for count in counts]
+        seg_sizes = torch.tensor(flat, dtype=torch.int64, device=tokens.device)
+        seg_expert = [expert for expert, counts in enumerate(segments) for _ in counts]
     kind = "stand_in" if stand_in else "plain"
     if not stand_in and isinstance(weight, QuantizedTensor):
         kind = "fp8_param"

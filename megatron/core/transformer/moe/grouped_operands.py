@@ -9,8 +9,10 @@ Tokens [M, K] sorted by expert, in segments (the rows of one expert from one sou
   (`quantize_rows`, scale_inv [M, ceil(K/128)]); the weight gradient's columnwise copy has
   128x1 cells along the tokens counted from each SEGMENT's start (`quantize_segment_operands`:
   each segment zero-padded to a multiple of 128 rows, as quantizing it alone pads it; kept
-  transposed and padded, [K, 128 C], with scale_inv [K, C], C = sum over segments of
-  ceil(rows / 128), segment s's cells at `chunk_bounds[s]`).
+  transposed and padded, [K, 128 C], with scale_inv [K, C], C the most cells any segment
+  sizes need (`padded_rows`), segment s's cells at `chunk_bounds[s]`).
+Segment sizes are read on the device (a tensor): nothing here waits for the host to know
+them, so a compiled MoE layer keeps one graph.
 Blockwise operands come from the dense Fp8Linear's quantizers (`backend_for(x)`: the fused
 CUDA kernels on a GPU, the reference elsewhere; the same bytes), run once on the padded
 tokens or on the stacked weight's padded rows.
@@ -39,11 +41,11 @@ Operand = tuple[torch.Tensor, torch.Tensor]
 """(FP8 bytes as their FP8 dtype, fp32 scale_inv) of one grouped operand."""
 
 
-def segment_ids(sizes: list[int], device: torch.device) -> torch.Tensor:
-    """The segment index of each row."""
-    ids = torch.arange(len(sizes), device=device)
-    counts = torch.tensor(sizes, device=device)
-    return torch.repeat_interleave(ids, counts, output_size=sum(sizes))
+def segment_ids(sizes: torch.Tensor, rows: int) -> torch.Tensor:
+    """The segment index of each of the `rows` rows (sizes: rows per segment, on the device,
+    summing to `rows`; no host sync)."""
+    ids = torch.arange(sizes.shape[0], device=sizes.device)
+    return torch.repeat_interleave(ids, sizes, output_size=rows)
 
 
 def bounds(sizes: list[int]) -> list[int]:
@@ -57,6 +59,13 @@ def bounds(sizes: list[int]) -> list[int]:
 def chunk_bounds(seg_sizes: list[int], block: int) -> list[int]:
     """Where each segment's 128-row cells start in a columnwise scale grid (and their total)."""
     return bounds([-(-size // block) for size in seg_sizes])
+
+
+def padded_rows(rows: int, segments: int, block: int) -> int:
+    """Rows of the segments' padded copy (`quantize_segment_operands`): the most that any
+    `segments` sizes summing to `rows` need, each padded to whole `block`-row cells, so that
+    the shape does not depend on the sizes (read on the device: no host sync)."""
+    return block * ((rows + segments * (block - 1)) // block)
 
 
 def quantize_segments(
@@ -99,21 +108,22 @@ def quantize_rows(x: torch.Tensor, *, spec: RecipeSpec, role, fp8_dtype, power_2
     return row.data, row.scale_inv.contiguous()
 
 
-def _pad_segments(x: torch.Tensor, seg_ids: torch.Tensor, seg_sizes: list[int], block: int):
+def _pad_segments(x: torch.Tensor, seg_ids: torch.Tensor, seg_sizes: torch.Tensor, block: int):
     """x's rows with each segment zero-padded to whole `block`-row cells (as quantizing the
-    segment alone pads it), and each row's position in the padded tensor."""
-    starts = torch.tensor(bounds(seg_sizes)[:-1], dtype=torch.long, device=x.device)
-    padded_starts = [block * c for c in chunk_bounds(seg_sizes, block)]
-    padded_at = torch.tensor(padded_starts[:-1], dtype=torch.long, device=x.device)
+    segment alone pads it), in `padded_rows` rows (zeros past the last segment), and each
+    row's position there."""
+    chunks = (seg_sizes + block - 1) // block
+    starts = seg_sizes.cumsum(0) - seg_sizes
+    padded_at = block * (chunks.cumsum(0) - chunks)
     position = torch.arange(x.shape[0], device=x.device) - starts[seg_ids] + padded_at[seg_ids]
-    padded = x.new_zeros(padded_starts[-1], x.shape[1])
+    padded = x.new_zeros(padded_rows(x.shape[0], seg_sizes.shape[0], block), x.shape[1])
     return padded.index_copy_(0, position, x), position
 
 
 def quantize_segment_operands(
     x: torch.Tensor,
     seg_ids: torch.Tensor,
-    seg_sizes: list[int],
+    seg_sizes: torch.Tensor,
     *,
     spec: RecipeSpec,
     role,
@@ -123,8 +133,9 @@ def quantize_segment_operands(
     """Blockwise rows (as `quantize_rows`) and the weight gradient's transposed columnwise
     operand: 128x1 cells along the rows of each segment, counted from its first row, as
     bytes [K, P] with each segment padded to whole cells (segment s's tokens at columns
-    128 * chunk_bounds[s] onwards, zeros after them) and scale_inv [K, C] (its cells at
-    chunk_bounds[s]). One quantization of x with its segments padded."""
+    128 * chunk_bounds[s] onwards, zeros after them; P = `padded_rows`) and scale_inv [K, P /
+    128] (its cells at chunk_bounds[s]; cells past the last segment's are zeros' and unread).
+    One quantization of x with its segments padded; seg_sizes on the device."""
     padded, position = _pad_segments(x, seg_ids, seg_sizes, spec.block)
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
     row, col = _quantize_operands(padded, transposed=True, **options)  # col: [K, P]

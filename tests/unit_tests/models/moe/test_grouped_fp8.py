@@ -46,11 +46,17 @@ def _data(segments, dtype, device="cpu"):
     return x.to(dtype).to(device), dy.to(dtype).to(device)
 
 
-def _run(layer, x, dy, segments, grouped):
+def _run(layer, x, dy, segments, grouped, *, on_device=False):
+    """(y, dx, dW) of layer on segments; on_device (one segment per expert): the token counts
+    handed over as a tensor on x's device, as the dispatcher hands them at EP 1."""
     layer.grouped = grouped
     layer.weight.grad = None
     x = x.detach().clone().requires_grad_()
-    y = layer(x, [sum(c) for c in segments], segments)
+    counts = [sum(c) for c in segments]
+    if on_device:
+        y = layer(x, torch.tensor(counts, device=x.device))
+    else:
+        y = layer(x, counts, segments)
     y.backward(dy)
     return y.detach(), x.grad, layer.weight.grad
 
@@ -94,7 +100,7 @@ def test_other_recipes_take_the_per_segment_path(recipe, monkeypatch):
 def test_segment_quantization_equals_quantizing_each_segment_alone():
     sizes = [7, 0, 33, 1]
     x = torch.randn(sum(sizes), IN) * 5
-    ids = grouped_operands.segment_ids(sizes, x.device)
+    ids = grouped_operands.segment_ids(torch.tensor(sizes), x.shape[0])
     data, scale_inv = grouped_operands.quantize_segments(
         x, ids, len(sizes), fp8_dtype=torch.float8_e4m3fn, power_2_scale=False
     )
@@ -172,14 +178,14 @@ def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype, segment
         torch.randn(EXPERTS, n, k, generator=generator)
         * torch.tensor([1, 2, 30, 0.1])[:, None, None]
     )
-    ids = grouped_operands.segment_ids(sizes, x.device)
+    ids = grouped_operands.segment_ids(torch.tensor(sizes), x.shape[0])
     x_q, x_s = grouped_operands.quantize_segments(
         x, ids, len(sizes), fp8_dtype=grad_dtype, power_2_scale=False
     )
     w_q, w_s = grouped_operands.quantize_experts(
         w, spec=recipe_spec("tensorwise"), fp8_dtype=torch.float8_e4m3fn, power_2_scale=False
     )
-    args = (x_q, x_s, w_q, w_s, sizes, owner, "tensorwise", torch.float32)
+    args = (x_q, x_s, w_q, w_s, torch.tensor(sizes), owner, "tensorwise", torch.float32)
     want = grouped_fp8._emulated_mm(*args)
     got = grouped_fp8._cuda_mm(*args, False)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
@@ -191,7 +197,7 @@ def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype, segment
         x, ids, len(sizes), fp8_dtype=torch.float8_e4m3fn, power_2_scale=False
     )
     out = torch.zeros(EXPERTS, n, k)
-    wargs = (dy_q, dy_s, x_q, x_s, sizes, owner, "tensorwise")
+    wargs = (dy_q, dy_s, x_q, x_s, torch.tensor(sizes), owner, "tensorwise")
     want = grouped_fp8._emulated_wgrad(*wargs, out.clone())
     got = grouped_fp8._cuda_wgrad(*wargs, out.shape, out.dtype)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())

@@ -161,18 +161,22 @@ def test_blockwise_operands_equal_quantizing_each_piece_alone():
     spec, fp8 = recipe_spec("blockwise"), torch.float8_e4m3fn
     sizes = [130, 0, 7, 256, 1]
     x = torch.randn(sum(sizes), IN) * torch.linspace(0.1, 30, sum(sizes))[:, None]
-    ids = grouped_operands.segment_ids(sizes, x.device)
+    sizes_t = torch.tensor(sizes)
+    ids = grouped_operands.segment_ids(sizes_t, x.shape[0])
     options = dict(spec=spec, fp8_dtype=fp8, power_2_scale=True)
     alone = grouped_operands.quantize_rows(x, role="input", **options)
     (rows, rows_scale), (cols_t, cols_scale_t) = grouped_operands.quantize_segment_operands(
-        x, ids, sizes, role="input", **options
+        x, ids, sizes_t, role="input", **options
     )
     assert torch.equal(rows.view(torch.uint8), alone[0].view(torch.uint8))
     assert torch.equal(rows_scale, alone[1]) and rows_scale.shape == (sum(sizes), 2)
     starts = grouped_operands.bounds(sizes)
     chunks = grouped_operands.chunk_bounds(sizes, spec.block)
     assert chunks == [0, 2, 2, 3, 5, 6]
-    assert cols_t.shape == (IN, 6 * 128) and cols_scale_t.shape == (IN, 6)
+    # The copy has the rows that any 5 sizes summing to 394 can need, (394 + 5 * 127) // 128
+    # = 8 cells (the sizes stay on the device): 2 cells past these sizes' 6, zeros.
+    assert cols_t.shape == (IN, 8 * 128) and cols_scale_t.shape == (IN, 8)
+    assert cols_t[:, 6 * 128 :].float().abs().sum() == 0
     for s in (0, 2, 3, 4):
         piece = x[starts[s] : starts[s + 1]]
         q = quantize(piece, recipe="blockwise", fp8_dtype=fp8, role="input", columnwise=True)
@@ -207,7 +211,8 @@ def test_blockwise_cuda_dispatch_layouts_on_the_emulated_kernels(grad_dtype, seg
     owner = [e for e, counts in enumerate(segments) for _ in counts]
     layer = _layer("blockwise")
     x, dy = _data(segments, torch.float32)
-    ids = grouped_operands.segment_ids(sizes, x.device)
+    sizes = torch.tensor(sizes)
+    ids = grouped_operands.segment_ids(sizes, x.shape[0])
     options = dict(spec=spec, power_2_scale=True)
     x_row, x_col = grouped_operands.quantize_segment_operands(
         x, ids, sizes, role="input", fp8_dtype=torch.float8_e4m3fn, **options
@@ -240,25 +245,34 @@ def _assert_close_to_emulation(got, want, bound: float, dtype: torch.dtype) -> N
         torch.testing.assert_close(a, b, rtol=rounding, atol=bound * b.abs().max().item())
 
 
+DEVICE_SEGMENTS = [[154], [0], [300], [43]]
+"""One segment per expert, its counts handed over on the device (EP 1)."""
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("segments", ["ep", "device"])
 @pytest.mark.parametrize("fp8_param", [False, True])
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 @pytest.mark.parametrize("fp8_format", ["hybrid", "e4m3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_blockwise_and_fp8_parameter_paths_equal_the_emulation(
-    recipe, fp8_param, fp8_format, dtype
+    recipe, fp8_param, fp8_format, dtype, segments
 ):
     """Blockwise: the ragged-M kernel's blockwise mode (forward, dgrad) and the ragged-K
     kernel's (wgrad, 128-token chunks from each segment's start), precise accumulation.
     FP8 parameters: the grouped paths on the gathered bytes (tensorwise: fast accumulation in
-    the forward). Ragged segments of several lengths, K=200 and N=144 (short last cells)."""
+    the forward). Ragged segments of several lengths, K=200 and N=144 (short last cells);
+    "device": token counts on the GPU (the kernels' schedules and torch's offsets built
+    there), against the CPU emulation with host counts."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (the CPU emulation is the reference)")
+    on_device = segments == "device"
+    segments = DEVICE_SEGMENTS if on_device else EP_SEGMENTS
     options = dict(dtype=dtype, fp8_param=fp8_param, fp8_format=fp8_format)
     layer = _layer(recipe, device="cuda", **options)
-    x, dy = _data(EP_SEGMENTS, dtype, device="cuda")
-    got = _run(layer, x, dy, EP_SEGMENTS, grouped=True)
-    want = _run(_layer(recipe, **options), x.cpu(), dy.cpu(), EP_SEGMENTS, grouped=True)
+    x, dy = _data(segments, dtype, device="cuda")
+    got = _run(layer, x, dy, segments, grouped=True, on_device=on_device)
+    want = _run(_layer(recipe, **options), x.cpu(), dy.cpu(), segments, grouped=True)
     _assert_close_to_emulation(got, want, BOUND[recipe], dtype)
 
 
@@ -281,3 +295,26 @@ def test_grouped_function_on_fp8_parameters_compiles_without_graph_breaks(recipe
         y.backward(dy)
         _assert_bitwise((y.detach(), tokens.grad, layer.weight.grad), want, EP_SEGMENTS)
     assert isinstance(layer.weight, QuantizedTensor) and layer._weight_stand_in is not None
+
+
+@pytest.mark.parametrize("fp8_param", [False, True], ids=["weight", "fp8-param"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_token_counts_on_the_device_compile_into_one_graph(recipe, fp8_param):
+    """Tokens per expert as a tensor on the tokens' device (the dispatcher's at EP 1): the
+    grouped function reads them there, so the layer compiles with fullgraph=True into one
+    graph that other counts reuse (no recompile); forward, input and weight gradients are
+    bitwise those of host counts. (Host counts from .tolist() were a graph break.)"""
+    from torch._dynamo.utils import counters
+
+    eager, layer = _layer(recipe, fp8_param=fp8_param), _layer(recipe, fp8_param=fp8_param)
+    torch._dynamo.reset()
+    counters.clear()
+    layer.forward = torch.compile(layer.forward, fullgraph=True, backend="aot_eager")
+    prepare_for_compile(layer)
+    for segments in (DEVICE_SEGMENTS, [[2], [290], [200], [5]]):  # 497 rows each
+        x, dy = _data(segments, torch.float32)
+        want = _run(eager, x, dy, segments, grouped=True)  # host counts, eager
+        got = _run(layer, x, dy, segments, grouped=True, on_device=True)
+        _assert_bitwise(got, want, segments)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
