@@ -42,15 +42,16 @@ def quantize_operands(
     amax_history: torch.Tensor | None = None,
     dequant_dtype: torch.dtype | None = None,
     saved: bool | None = None,
+    amax: torch.Tensor | None = None,
 ) -> tuple[Fp8Operand | None, Fp8Operand | None]:
     """(rowwise operand, transposed operand) of a 2-D tensor, each None when not asked for;
     the arguments mean what they mean for `linear_ops.quantize_operands` (dequant_dtype and
     saved are not used: every operand here is FP8 bytes). delayed: max|x| is maxed into
-    `amax_history[0]` when the history is given."""
+    `amax_history[0]` when the history is given; tensorwise: a given `amax` sets the scale."""
     spec = recipe_spec(recipe)
-    if not spec.delayed:
-        scale = amax_history = None  # only the delayed recipe reads a scale or records
-    args = (x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history)
+    given = scale if spec.delayed else amax if spec.accepts_global_amax else None
+    history = amax_history if spec.delayed else None  # only delayed records
+    args = (x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, given, history)
     if torch.compiler.is_compiling():
         row_data, row_scale, t_data, t_scale = _quantize_operands_op(*args)
     else:
@@ -64,7 +65,7 @@ def quantize_operands(
 
 
 def _quantize_operands(
-    x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history
+    x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, given, amax_history
 ):
     spec = recipe_spec(recipe)
     parts = quantize_parts(
@@ -75,7 +76,8 @@ def _quantize_operands(
         # The transposed operand of per-tensor and 128x128 cells is the rowwise bytes'.
         rowwise=rowwise or (transposed and spec.transposes_rowwise(role)),
         columnwise=transposed and spec.columnwise_copy(role),
-        scale=scale,
+        scale=given,  # delayed reads `given` as its scale, tensorwise as its amax
+        amax=given,
         power_2_scale=power_2_scale,
     )
     meta = dict(shape=x2d.shape, dtype=x2d.dtype, recipe=recipe, fp8_dtype=fp8_dtype, role=role)
@@ -98,8 +100,7 @@ def _distinct(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     seen: set[int] = set()
     result = []
     for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() in seen:
+        if tensor.untyped_storage().nbytes() and tensor.untyped_storage().data_ptr() in seen:
             tensor = tensor.clone()
         if tensor.untyped_storage().nbytes():
             seen.add(tensor.untyped_storage().data_ptr())
@@ -118,16 +119,16 @@ def _quantize_operands_op(
     rowwise: bool,
     transposed: bool,
     power_2_scale: bool,
-    scale: torch.Tensor | None,
+    given: torch.Tensor | None,
     amax_history: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _quantize_operands(
-        x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history
+        x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, given, amax_history
     )
 
 
 @_quantize_operands_op.register_fake
-def _(x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, amax_history):
+def _(x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, given, amax_history):
     rows, cols = x2d.shape
 
     def operand(r: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,8 +143,7 @@ def _(x2d, recipe, fp8_dtype, role, rowwise, transposed, power_2_scale, scale, a
 
 
 def weight_operand(weight, usage: str, *, compute_dtype: torch.dtype) -> Fp8Operand:
-    """The operand of an FP8 parameter (a QuantizedTensor): "rowwise" for fprop,
-    "columnwise" (the [K, N] transpose) for dgrad."""
+    """An FP8 parameter's operand: "rowwise" (fprop) or "columnwise" (its [K, N] transpose)."""
     return weight.gemm_operand(usage)
 
 

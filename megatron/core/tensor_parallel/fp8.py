@@ -10,8 +10,8 @@ parallelism", states the rules; this module applies them through the FP8 package
   must not straddle a TP cut (refused at parse time: `training/flags/tensor_parallel.py`).
 - Tensorwise activations split over TP (a row-parallel input, a column-parallel output's
   gradient) take the whole tensor's scale: the layer's quantizer (`Fp8Linear.fp8_quantizer`,
-  which its GEMMs' plan calls for that role) quantizes with the amax MAX-reduced over the TP
-  group (one 4-byte all-reduce, counted). At TP = 1 there is none.
+  which its GEMMs' plan calls for that role) has the backend quantize with the amax
+  MAX-reduced over the TP group (one 4-byte all-reduce, counted). At TP = 1 there is none.
 - Under sequence parallelism the column-parallel input is all-gathered as FP8 bytes and the
   GEMM reads them as its quantized input (the same quantizer hands them over): each rank
   quantizes its sequence shard as the whole input quantizes (tensorwise: with the amax
@@ -24,9 +24,10 @@ parallelism", states the rules; this module applies them through the FP8 package
   for backward (Megatron-LM would re-gather it in backward); otherwise the input is gathered
   in high precision (logged once per recipe and shard length). Each FP8 gather moves half of a
   bf16 gather's bytes (counted; scale grids, 1/32 of that, travel uncounted).
-- Under torch.compile, a TP Linear whose forward makes QuantizedTensors of its activations
-  (the FP8 gather, tensorwise's agreed amax) runs eagerly between the layer's compiled pieces
-  (`_forward_eagerly`); the others trace like any Fp8Linear.
+- Under torch.compile, a column-parallel Linear whose forward makes QuantizedTensors of its
+  activations (the FP8 sequence gather) runs eagerly between the layer's compiled pieces
+  (`_forward_eagerly`); the others trace like any Fp8Linear (the agreed amax's all-reduce
+  included).
 """
 
 from __future__ import annotations
@@ -131,18 +132,26 @@ def _split_operands(
 ):
     """`Fp8Linear.fp8_quantizer` of a tensor-parallel Linear (its plan's `quantizer`): the
     operands of the `given` (gathered) input; under tensorwise, of a `split` role's tensor
-    with the amax MAX-reduced over `group`; None (the backend's quantization) otherwise."""
+    quantized by the backend with the amax MAX-reduced over `group` (plain tensors: a
+    compiled graph holds them); None (the backend's quantization) otherwise."""
     if role == "input" and given is not None:
-        qt = given
-    elif role in split and config.spec.accepts_global_amax:
-        how = dict(recipe=config.recipe, role=role, amax=agreed_amax(t2d, group))
-        how.update(fp8_dtype=fp8_dtype_for_role(config.fp8_format, role))
-        qt = quantize(t2d, **how, power_2_scale=config.quantize_power_2_scale)
-    else:
+        row = ops.weight_operand(given, "rowwise", compute_dtype=compute_dtype) if rowwise else None
+        col = None
+        if transposed:
+            col = ops.weight_operand(given, "columnwise", compute_dtype=compute_dtype)
+        return row, col
+    if role not in split or not config.spec.accepts_global_amax:
         return None
-    row = ops.weight_operand(qt, "rowwise", compute_dtype=compute_dtype) if rowwise else None
-    col = ops.weight_operand(qt, "columnwise", compute_dtype=compute_dtype) if transposed else None
-    return row, col
+    return ops.quantize_operands(
+        t2d,
+        recipe=config.recipe,
+        fp8_dtype=fp8_dtype_for_role(config.fp8_format, role),
+        role=role,
+        rowwise=rowwise,
+        transposed=transposed,
+        power_2_scale=config.spec.resolve_power_2_scale(config.quantize_power_2_scale),
+        amax=agreed_amax(t2d, group),
+    )
 
 
 def _set_quantizer(layer: Fp8Linear, config: Fp8Config, split: tuple[str, ...], given=None):
@@ -201,12 +210,11 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
 
     def _builds_quantized_tensors(self, x: torch.Tensor) -> bool:
         """Whether this forward makes QuantizedTensors of its activations (the FP8 sequence
-        gather; tensorwise's TP-agreed amax of the output gradient), which dynamo cannot trace."""
+        gather), which dynamo cannot trace."""
         enabled, config, _, _ = self._current_settings()
-        if not enabled or self.tp.size == 1:
+        if not enabled or self.tp.size == 1 or not self.tp.sequence_parallel:
             return False
-        sequence = self.tp.sequence_parallel and _gathers_fp8(config.spec, x.shape[SEQUENCE_DIM])
-        return sequence or config.spec.accepts_global_amax
+        return _gathers_fp8(config.spec, x.shape[SEQUENCE_DIM])
 
     def _parallel_forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
         enabled, config, _, _ = self._current_settings()
@@ -292,17 +300,6 @@ class Fp8RowParallelLinear(Fp8Linear, RowSplit):
             mark_sequence_parallel_(self.bias)
 
     def forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
-        if torch.compiler.is_compiling() and self._builds_quantized_tensors():
-            return _forward_eagerly(self, x, activation)
-        return self._parallel_forward(x, **activation)
-
-    def _builds_quantized_tensors(self) -> bool:
-        """Whether this forward quantizes its split input with tensorwise's TP-agreed amax (a
-        QuantizedTensor, which dynamo cannot trace)."""
-        enabled, config, _, _ = self._current_settings()
-        return enabled and self.tp.size > 1 and config.spec.accepts_global_amax
-
-    def _parallel_forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
         _set_quantizer(self, self._current_settings()[1], ("input",))  # the input is split
         y = super().forward(x, **activation)
         if self.tp.sequence_parallel:
