@@ -19,10 +19,11 @@ tensorwise, everything else without). Here every operand is quantized in ONE pas
 - CUDA otherwise: the Triton kernels of `fp8/cuda/grouped_gemm.py`. Forward and data gradient:
   the ragged-M kernel (blockwise: its 1x128 / 128x128 scales as they are; tensorwise: the
   per-segment scales given as block scales, constant along K). Weight gradient: the ragged-K
-  kernel with groups = segments (blockwise: per (row, 128-token chunk) scales, chunks counted
-  from each segment's start, on the padded transposed copies; tensorwise: the segments'
-  scales), each segment's fp32 result summed into its expert, or with one segment per expert
-  (EP 1) dW written by the kernel in the weight's dtype.
+  kernel, blockwise with groups = experts (per (row, 128-token chunk) scales, chunks counted
+  from each segment's start, on the padded transposed copies: dW written by the kernel in the
+  weight's dtype), tensorwise with groups = segments (their scales; with one segment per
+  expert, EP 1, dW written by the kernel, else each segment's fp32 result summed into its
+  expert).
 
 The GEMMs are custom ops (`megatron_fp8::grouped_fp8_mm`, `::grouped_fp8_wgrad`, and
 `::grouped_fp8_weight_mm` for an FP8 parameter's stand-in), so that torch.compile sees one
@@ -204,13 +205,15 @@ def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, rec
 
 
 def _cuda_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, shape, dtype):
-    """The Triton ragged-K kernel with groups = segments -> dW `shape` in `dtype`. Per tensor:
-    the rowwise bytes transposed, the segments' scale_inv [S]; blockwise: the padded
-    transposed copies as they are (groups = the padded segments: their zero columns add
-    nothing). One segment per expert, in expert order (EP 1): the kernel writes dW itself;
-    else each segment's fp32 result is summed into its expert."""
+    """The Triton ragged-K kernel -> dW `shape` in `dtype`. Per tensor: groups = segments, the
+    rowwise bytes transposed, the segments' scale_inv [S]; with one segment per expert (EP 1)
+    the kernel writes dW itself, else each segment's fp32 result is scaled and summed into its
+    expert. Blockwise: groups = experts on the padded transposed copies as they are (each
+    128-token cell's product is scaled before it is added, and an expert's padded segments are
+    consecutive whole cells whose zero columns add nothing), dW written by the kernel at any
+    EP size."""
     spec = recipe_spec(recipe)
-    direct = _one_segment_each(seg_expert, shape[0])
+    direct = not spec.per_tensor or _one_segment_each(seg_expert, shape[0])
     one = torch.ones((), dtype=torch.float32, device=dy.device)
     if spec.per_tensor:
         dy, x = dy.t().contiguous(), x.t().contiguous()
@@ -218,8 +221,9 @@ def _cuda_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe,
         sizes = seg_sizes
     else:
         scales = (dy_scale_inv, x_scale_inv)
-        sizes = spec.block * ((seg_sizes + spec.block - 1) // spec.block)
-    per_segment = grouped_scaled_mm_wgrad(
+        padded = spec.block * ((seg_sizes + spec.block - 1) // spec.block)
+        sizes = _expert_sizes(padded, seg_expert, shape[0])
+    per_group = grouped_scaled_mm_wgrad(
         dy,
         x,
         a_scale_inv=scales[0],
@@ -229,9 +233,8 @@ def _cuda_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe,
         out_dtype=dtype if direct else torch.float32,
     )
     if direct:
-        return per_segment
-    if spec.per_tensor:
-        per_segment = per_segment * (dy_scale_inv * x_scale_inv)[:, None, None]
+        return per_group
+    per_segment = per_group * (dy_scale_inv * x_scale_inv)[:, None, None]
     index = torch.tensor(seg_expert, dtype=torch.long, device=dy.device)
     summed = torch.zeros(shape, dtype=torch.float32, device=dy.device)
     return summed.index_add_(0, index, per_segment).to(dtype)
