@@ -103,16 +103,28 @@ def check_ragged_k(n, k, scales, out_dtype):
     a_t, b_t = _fp8((n, m), E5M2), _fp8((k, m))
     chunks = sum(-(-s // 128) for s in SIZES)
     recipe = "blockwise" if scales == "blockwise" else "tensorwise"
+    segment_group = [0, 0, 1, 2, 2, 2, 3] if scales == "segmented" else None
     if scales == "blockwise":
         a_s, b_s = torch.rand(n, chunks) + 0.5, torch.rand(k, chunks) + 0.5
-    elif scales == "per_group":
+    elif scales in ("per_group", "segmented"):
         a_s, b_s = torch.rand(groups) + 0.5, torch.rand(groups) + 0.5
     else:
         a_s, b_s = torch.tensor(0.75), torch.tensor(1.25)
     args = dict(a_scale_inv=a_s, b_scale_inv=b_s, group_sizes=SIZES, recipe=recipe)
+    args["segment_group"] = segment_group
     want = gg.grouped_scaled_mm_wgrad(a_t, b_t, **args, out_dtype=out_dtype, emulate=True)
     got = gg.grouped_scaled_mm_wgrad(a_t, b_t, **args, out_dtype=out_dtype)
     ok = _close(got, want, f"ragged-K {scales} N={n} K={k} {out_dtype}")
+    if segment_group:  # each group's segments, scaled and summed one by one in fp32
+        pieces = [
+            gg.grouped_scaled_mm_wgrad(
+                a_t, b_t, a_scale_inv=a_s, b_scale_inv=b_s, group_sizes=SIZES, recipe=recipe,
+                emulate=True,
+            )[s] for s in range(len(SIZES))
+        ]  # fmt: skip
+        by_hand = torch.stack([sum(p for p, g in zip(pieces, segment_group) if g == group)
+                               for group in range(4)]).to(out_dtype)  # fmt: skip
+        ok &= _close(want, by_hand, f"ragged-K segmented emulation = sum of segments {n} {k}")
     # Device sizes with tokens and scale cells left unused past the last group (a padded copy
     # of the most rows any sizes need), random bytes there: the kernel must not read them.
     extra = 3 * 128
@@ -270,10 +282,11 @@ def main():
             for n, k in ((64, 128), (130, 200), (256, 384)):
                 for recipe in ("tensorwise", "blockwise"):
                     ok &= check_ragged_m(n, k, recipe, torch.float32)
-                for scales in ("scalar", "per_group", "blockwise"):
+                for scales in ("scalar", "per_group", "segmented", "blockwise"):
                     ok &= check_ragged_k(n, k, scales, torch.float32)
             ok &= check_ragged_m(130, 256, "tensorwise", torch.bfloat16)
             ok &= check_ragged_k(130, 200, "per_group", torch.bfloat16)
+            ok &= check_ragged_k(130, 200, "segmented", torch.bfloat16)
     with _patched(128):
         ok &= check_strided_operands()
         ok &= check_torch_grouped_mm_on_meta()

@@ -100,6 +100,52 @@ def test_emulated_grouped_weight_gradient_equals_the_dequantized_product() -> No
     assert out[1].abs().max() == 0.0  # the empty group
 
 
+def _segments_quantized(t: torch.Tensor, role: str, fp8_dtype=E4M3, device="cpu"):
+    """t [X, M] with each segment of SIZES (its tokens along M) quantized tensorwise on its own:
+    bytes [X, M], scale_inv [S] (an empty segment's: 1), the dequantized values [X, M]."""
+    data, scale, values = [], [], []
+    for piece in t.split(SIZES, 1):
+        if piece.shape[1] == 0:
+            data.append(piece.to(torch.uint8))
+            scale.append(torch.tensor(1.0))
+            values.append(piece.double())
+            continue
+        piece_data, piece_scale, piece_values = _quantized(piece, "tensorwise", role, fp8_dtype)
+        data.append(piece_data.view(torch.uint8))
+        scale.append(piece_scale.reshape(()))
+        values.append(piece_values)
+    data_t = torch.cat(data, 1).view(fp8_dtype)
+    return data_t.to(device), torch.stack(scale).to(device), torch.cat(values, 1)
+
+
+SEGMENT_GROUP = [0, 0, 1, 1]
+"""Segments of SIZES (70, 0, 150, 3 tokens) in 2 groups: an expert's rows from 2 EP ranks."""
+
+
+def test_emulated_segmented_weight_gradient_sums_each_groups_segments() -> None:
+    """segment_group: each group's dW is the sum of its segments' products, each segment with
+    its own tensorwise scales (expert parallelism: an expert's rows from several ranks)."""
+    torch.manual_seed(0)
+    dy_t, dy_scale, dy_values = _segments_quantized(torch.randn(N, M) * 4, "grad", E5M2)
+    x_t, x_scale, x_values = _segments_quantized(torch.randn(K, M), "input")
+    assert len(set(dy_scale.tolist())) == 4  # each segment its own scale (the empty one: 1)
+    out = grouped_scaled_mm_wgrad(
+        dy_t, x_t, a_scale_inv=dy_scale, b_scale_inv=x_scale, group_sizes=SIZES,
+        recipe="tensorwise", segment_group=SEGMENT_GROUP,
+    )  # fmt: skip
+    assert out.shape == (2, N, K)
+    offsets = _offsets()
+    for group, segments in ((0, (0, 1)), (1, (2, 3))):
+        cols = slice(offsets[segments[0]], offsets[segments[1] + 1])
+        expected = dy_values[:, cols] @ x_values[:, cols].t()
+        torch.testing.assert_close(out[group].double(), expected, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="segment_group takes a per-tensor recipe"):
+        grouped_scaled_mm_wgrad(
+            dy_t, x_t, a_scale_inv=dy_scale[0], b_scale_inv=x_scale[0], group_sizes=SIZES,
+            recipe="tensorwise", segment_group=SEGMENT_GROUP,
+        )  # fmt: skip
+
+
 def test_emulated_blockwise_weight_gradient_equals_the_dequantized_product() -> None:
     """Blockwise: 1x128 cells along the tokens of each group, counted from its start (groups of
     70, 0, 150 and 3 tokens: 1, 0, 2 and 1 cells)."""
@@ -188,6 +234,22 @@ def test_triton_grouped_weight_gradient_equals_emulation_on_gpu(fast) -> None:
     want = grouped_scaled_mm_wgrad(dy_t, x_t, emulate=True, **kwargs)
     assert torch.count_nonzero(got[1]) == 0
     _assert_close_to_emulation(got, want, fast=fast, out_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+def test_triton_segmented_weight_gradient_equals_emulation_on_gpu() -> None:
+    """The ragged-K kernel's SEGMENTED mode (tensorwise at EP > 1): each group's segments in one
+    program, every tile's product scaled by its segment's scales before it is added."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    dy_t, dy_scale, _ = _segments_quantized(torch.randn(N, M) * 4, "grad", E5M2, "cuda")
+    x_t, x_scale, _ = _segments_quantized(torch.randn(K, M), "input", device="cuda")
+    kwargs = dict(a_scale_inv=dy_scale, b_scale_inv=x_scale, group_sizes=SIZES)
+    kwargs.update(recipe="tensorwise", segment_group=SEGMENT_GROUP)
+    got = grouped_scaled_mm_wgrad(dy_t, x_t, **kwargs)
+    want = grouped_scaled_mm_wgrad(dy_t, x_t, emulate=True, **kwargs)
+    _assert_close_to_emulation(got, want, fast=False, out_dtype=torch.float32)
 
 
 @pytest.mark.gpu

@@ -149,10 +149,12 @@ def grouped_scaled_mm(
     return out
 
 
-def _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec) -> None:
+def _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec, segmented):
     """Shapes of `grouped_scaled_mm_wgrad`'s operands; listed sizes also against the tokens."""
     if spec.e8m0_scales:
         raise ValueError(f"grouped_scaled_mm_wgrad takes fp32 scales, not '{spec.name}'")
+    if segmented and (not spec.per_tensor or a_scale_inv.dim() != 1 or b_scale_inv.dim() != 1):
+        raise ValueError("segment_group takes a per-tensor recipe with one scale per segment")
     (n, m), k = a_t_data.shape, b_t_data.shape[0]
     listed = not isinstance(group_sizes, torch.Tensor)
     if b_t_data.shape[1] != m or (listed and _group_offsets(group_sizes)[-1] != m):
@@ -184,22 +186,34 @@ def grouped_scaled_mm_wgrad(
     out_dtype: torch.dtype = torch.float32,
     emulate: bool = False,
     fast_accum: bool = False,
+    segment_group: list[int] | None = None,
 ) -> torch.Tensor:
     """A^T [N, M] and B^T [K, M] FP8 (tokens along M, sorted by group) -> [G, N, K]: for each
     group g, A^T[:, cols of g] @ B^T[:, cols of g]^T. Scales: per-tensor recipes a scalar
     each or one per group ([G] each); blockwise 1x128 cells along M counted from each GROUP's
     start (a group of m tokens has ceil(m/128) cells, the last one short): A [N, C], B [K, C],
     group g's cells from the sum of the earlier groups' counts (a device `group_sizes` may
-    leave tokens and cells unused past the last group). fast_accum: per-tensor only."""
+    leave tokens and cells unused past the last group). fast_accum: per-tensor only.
+    segment_group (per tensor): group_sizes are segments, segment s of group
+    segment_group[s] (ascending, every group listed), each with its own scales ([S] each);
+    each group's segments are summed in the kernel (no fast accumulation)."""
     spec = recipe_spec(recipe)
-    _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec)
+    segmented = segment_group is not None
+    _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec, segmented)
     n, k, groups = a_t_data.shape[0], b_t_data.shape[0], len(group_sizes)
+    if segmented:
+        groups = segment_group[-1] + 1 if segment_group else 0
     if emulate or not _kernel_runs(recipe, a_t_data, b_t_data):
         sizes = _host_sizes(group_sizes)
         offsets, chunks = _group_offsets(sizes), _group_offsets([-(-s // BLOCK_K) for s in sizes])
-        return _emulated_ragged_k(
-            a_t_data, b_t_data, a_scale_inv, b_scale_inv, offsets, chunks, recipe, out_dtype
-        ).reshape(groups, n, k)
+        piece_dtype = torch.float32 if segmented else out_dtype
+        pieces = _emulated_ragged_k(
+            a_t_data, b_t_data, a_scale_inv, b_scale_inv, offsets, chunks, recipe, piece_dtype
+        )
+        if not segmented:
+            return pieces.reshape(groups, n, k)
+        index = torch.tensor(segment_group, dtype=torch.long, device=pieces.device)
+        return pieces.new_zeros(groups, n, k).index_add_(0, index, pieces).to(out_dtype)
     out = torch.empty(groups, n, k, dtype=out_dtype, device=a_t_data.device)
     sizes = _device_sizes(group_sizes, a_t_data.device)
     zero = sizes.new_zeros(1)
@@ -208,13 +222,19 @@ def grouped_scaled_mm_wgrad(
     blockwise = not spec.per_tensor
     # The scales' stride per chunk (blockwise: their rows hold C chunks) or per group.
     scale_stride = a_scale_inv.shape[1] if blockwise else int(a_scale_inv.dim() == 1)
+    group_segments = starts  # read only when segmented: each group's first segment
+    if segmented:
+        index = torch.tensor(segment_group, dtype=torch.long, device=out.device)
+        per_group = torch.bincount(index, minlength=groups)
+        group_segments = torch.cat([zero, per_group.cumsum(0)]).to(torch.int32)
     grid = lambda meta: (groups, triton_cdiv(n, meta["BLOCK_N"]), triton_cdiv(k, BLOCK_K))  # noqa: E731
     a_t_data, b_t_data = a_t_data.contiguous(), b_t_data.contiguous()  # M-contiguous rows
+    fast = fast_accum and not blockwise and not segmented
     _kernels()._ragged_k_kernel[grid](
         a_t_data, b_t_data, out, a_scale_inv.contiguous(), b_scale_inv.contiguous(), starts,
-        chunk_starts, n, k, a_t_data.stride(0), b_t_data.stride(0), out.stride(0), out.stride(1),
-        scale_stride, BLOCKWISE=blockwise, FAST=fast_accum and not blockwise, BLOCK_K=BLOCK_K,
-        BLOCK_M=BLOCK_K,
+        chunk_starts, group_segments, n, k, a_t_data.stride(0), b_t_data.stride(0),
+        out.stride(0), out.stride(1), scale_stride, BLOCKWISE=blockwise, FAST=fast,
+        SEGMENTED=segmented, BLOCK_K=BLOCK_K, BLOCK_M=BLOCK_K,
     )  # fmt: skip
     return out
 

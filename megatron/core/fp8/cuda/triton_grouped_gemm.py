@@ -9,7 +9,9 @@
   FP8 (the transposed copies of the output gradient and of the input, tokens along M): the
   experts' weight gradient, one [N, K] result per group, reducing over that group's tokens;
   per-tensor scales, or blockwise 128x1 cells along the tokens counted from each group's start
-  (scale_inv [N, C] and [K, C], group g's cells from chunk_start[g]).
+  (scale_inv [N, C] and [K, C], group g's cells from chunk_start[g]). SEGMENTED (per tensor):
+  a group is several segments (an expert's rows from several expert-parallel ranks), each
+  with its own scales, added up in the kernel.
 
 Both read K-major FP8 operands (what Hopper's FP8 tensor-core instructions take) and scale the
 fp32 accumulator by the operands' scale_inv as the dense GEMM does (docs/FP8_NUMERICS.md):
@@ -111,7 +113,15 @@ def _ragged_m_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=keep)
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCKWISE", "FAST"])
+@triton.jit
+def _token_tile(ptr, rows, row_ok, stride, m0, ms, end):
+    """[rows, BLOCK_M tokens from m0] of an M-contiguous operand, zeros at and past `end`."""
+    m_ok = (m0 + ms) < end
+    offsets = rows[:, None].to(tl.int64) * stride + (m0 + ms)[None, :]
+    return tl.load(ptr + offsets, mask=row_ok[:, None] & m_ok[None, :], other=0.0)
+
+
+@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCKWISE", "FAST", "SEGMENTED"])
 @triton.jit
 def _ragged_k_kernel(
     a_ptr,
@@ -121,6 +131,7 @@ def _ragged_k_kernel(
     b_scale_ptr,
     group_start_ptr,
     chunk_start_ptr,
+    group_segment_ptr,
     N,
     K,
     stride_an,
@@ -130,6 +141,7 @@ def _ragged_k_kernel(
     stride_scale,
     BLOCKWISE: tl.constexpr,
     FAST: tl.constexpr,
+    SEGMENTED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -137,43 +149,50 @@ def _ragged_k_kernel(
     group = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    start = tl.load(group_start_ptr + group)
-    end = tl.load(group_start_ptr + group + 1)
-    # Blockwise: the group's first 128-token chunk in the scale grids [N, C] / [K, C].
-    chunk = tl.load(chunk_start_ptr + group)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    a_scale_rows = a_scale_ptr + ns.to(tl.int64) * stride_scale
-    b_scale_rows = b_scale_ptr + kk.to(tl.int64) * stride_scale
     ms = tl.arange(0, BLOCK_M)
     n_ok = ns < N
     k_ok = kk < K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for m0 in range(start, end, BLOCK_M):
-        m_ok = (m0 + ms) < end
-        a = tl.load(
-            a_ptr + ns[:, None].to(tl.int64) * stride_an + (m0 + ms)[None, :],
-            mask=n_ok[:, None] & m_ok[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + kk[:, None].to(tl.int64) * stride_bk + (m0 + ms)[None, :],
-            mask=k_ok[:, None] & m_ok[None, :],
-            other=0.0,
-        )
-        if BLOCKWISE:
-            # 128x1 cells along the tokens (BLOCK_M is their 128), counted from the group start:
-            # each chunk's product scaled before it is added, as the ragged-M kernel's K blocks.
-            a_s = tl.load(a_scale_rows + chunk, mask=n_ok, other=0.0)
-            b_s = tl.load(b_scale_rows + chunk, mask=k_ok, other=0.0)
-            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
-            chunk += 1
-        elif FAST:
-            acc = tl.dot(a, tl.trans(b), acc)
-        else:
-            acc += tl.dot(a, tl.trans(b))
-    if not BLOCKWISE:  # per tensor: a scalar each (stride_scale 0) or one per group (1)
-        acc = acc * tl.load(a_scale_ptr + group * stride_scale)
-        acc = acc * tl.load(b_scale_ptr + group * stride_scale)
+    if SEGMENTED:
+        # Per tensor, a group of several segments (group_start_ptr: the segments' starts),
+        # each with its own scale_inv pair ([S] each): every tile's product is scaled by its
+        # segment's before it is added, so the group's sum needs no buffer per segment.
+        first = tl.load(group_segment_ptr + group)
+        last = tl.load(group_segment_ptr + group + 1)
+        for segment in range(first, last):
+            start = tl.load(group_start_ptr + segment)
+            end = tl.load(group_start_ptr + segment + 1)
+            scale = tl.load(a_scale_ptr + segment) * tl.load(b_scale_ptr + segment)
+            for m0 in range(start, end, BLOCK_M):
+                a = _token_tile(a_ptr, ns, n_ok, stride_an, m0, ms, end)
+                b = _token_tile(b_ptr, kk, k_ok, stride_bk, m0, ms, end)
+                acc += tl.dot(a, tl.trans(b)) * scale
+    else:
+        start = tl.load(group_start_ptr + group)
+        end = tl.load(group_start_ptr + group + 1)
+        # Blockwise: the group's first 128-token chunk in the scale grids [N, C] / [K, C].
+        chunk = tl.load(chunk_start_ptr + group)
+        a_scale_rows = a_scale_ptr + ns.to(tl.int64) * stride_scale
+        b_scale_rows = b_scale_ptr + kk.to(tl.int64) * stride_scale
+        for m0 in range(start, end, BLOCK_M):
+            a = _token_tile(a_ptr, ns, n_ok, stride_an, m0, ms, end)
+            b = _token_tile(b_ptr, kk, k_ok, stride_bk, m0, ms, end)
+            if BLOCKWISE:
+                # 128x1 cells along the tokens (BLOCK_M is their 128), counted from the group
+                # start: each chunk's product scaled before it is added, as the ragged-M
+                # kernel's K blocks.
+                a_s = tl.load(a_scale_rows + chunk, mask=n_ok, other=0.0)
+                b_s = tl.load(b_scale_rows + chunk, mask=k_ok, other=0.0)
+                acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+                chunk += 1
+            elif FAST:
+                acc = tl.dot(a, tl.trans(b), acc)
+            else:
+                acc += tl.dot(a, tl.trans(b))
+        if not BLOCKWISE:  # per tensor: a scalar each (stride_scale 0) or one per group (1)
+            acc = acc * tl.load(a_scale_ptr + group * stride_scale)
+            acc = acc * tl.load(b_scale_ptr + group * stride_scale)
     c_ptrs = c_ptr + group.to(tl.int64) * stride_cg + ns[:, None] * stride_cn + kk[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])

@@ -21,9 +21,8 @@ tensorwise, everything else without). Here every operand is quantized in ONE pas
   per-segment scales given as block scales, constant along K). Weight gradient: the ragged-K
   kernel, blockwise with groups = experts (per (row, 128-token chunk) scales, chunks counted
   from each segment's start, on the padded transposed copies: dW written by the kernel in the
-  weight's dtype), tensorwise with groups = segments (their scales; with one segment per
-  expert, EP 1, dW written by the kernel, else each segment's fp32 result summed into its
-  expert).
+  weight's dtype), tensorwise with groups = experts, each expert's segments (at EP > 1
+  several) summed in the kernel with their own scales.
 
 The GEMMs are custom ops (`megatron_fp8::grouped_fp8_mm`, `::grouped_fp8_wgrad`, and
 `::grouped_fp8_weight_mm` for an FP8 parameter's stand-in), so that torch.compile sees one
@@ -205,39 +204,24 @@ def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, rec
 
 
 def _cuda_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, shape, dtype):
-    """The Triton ragged-K kernel -> dW `shape` in `dtype`. Per tensor: groups = segments, the
-    rowwise bytes transposed, the segments' scale_inv [S]; with one segment per expert (EP 1)
-    the kernel writes dW itself, else each segment's fp32 result is scaled and summed into its
-    expert. Blockwise: groups = experts on the padded transposed copies as they are (each
-    128-token cell's product is scaled before it is added, and an expert's padded segments are
-    consecutive whole cells whose zero columns add nothing), dW written by the kernel at any
-    EP size."""
+    """The Triton ragged-K kernel -> dW `shape` in `dtype`, written by the kernel at any EP
+    size. Per tensor: the rowwise bytes transposed, groups = experts (one segment each, EP 1)
+    or experts of several segments, each with its scale_inv pair ([S] each), summed in the
+    kernel. Blockwise: groups = experts on the padded transposed copies as they are (each
+    128-token cell's product is scaled before it is added, and an expert's padded segments
+    are consecutive whole cells whose zero columns add nothing)."""
     spec = recipe_spec(recipe)
-    direct = not spec.per_tensor or _one_segment_each(seg_expert, shape[0])
-    one = torch.ones((), dtype=torch.float32, device=dy.device)
+    experts = shape[0]
+    options = dict(a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv, recipe=recipe)
     if spec.per_tensor:
         dy, x = dy.t().contiguous(), x.t().contiguous()
-        scales = (dy_scale_inv, x_scale_inv) if direct else (one, one)
-        sizes = seg_sizes
-    else:
-        scales = (dy_scale_inv, x_scale_inv)
-        padded = spec.block * ((seg_sizes + spec.block - 1) // spec.block)
-        sizes = _expert_sizes(padded, seg_expert, shape[0])
-    per_group = grouped_scaled_mm_wgrad(
-        dy,
-        x,
-        a_scale_inv=scales[0],
-        b_scale_inv=scales[1],
-        group_sizes=sizes,
-        recipe=recipe,
-        out_dtype=dtype if direct else torch.float32,
-    )
-    if direct:
-        return per_group
-    per_segment = per_group * (dy_scale_inv * x_scale_inv)[:, None, None]
-    index = torch.tensor(seg_expert, dtype=torch.long, device=dy.device)
-    summed = torch.zeros(shape, dtype=torch.float32, device=dy.device)
-    return summed.index_add_(0, index, per_segment).to(dtype)
+        segments = None if _one_segment_each(seg_expert, experts) else list(seg_expert)
+        return grouped_scaled_mm_wgrad(
+            dy, x, group_sizes=seg_sizes, segment_group=segments, out_dtype=dtype, **options
+        )
+    padded = spec.block * ((seg_sizes + spec.block - 1) // spec.block)
+    sizes = _expert_sizes(padded, seg_expert, experts)
+    return grouped_scaled_mm_wgrad(dy, x, group_sizes=sizes, out_dtype=dtype, **options)
 
 
 @torch.library.custom_op("megatron_fp8::grouped_fp8_wgrad", mutates_args=())
