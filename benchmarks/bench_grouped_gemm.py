@@ -141,10 +141,37 @@ def wgrad_rows(x: torch.Tensor, dy: torch.Tensor, sizes: list[int]) -> list[dict
         )
         impl = f"ours fp8 tensorwise {'fast' if fast else 'precise'}"
         rows.append(dict(gemm="wgrad", impl=impl, ms=ms, rel_error=error))
+    rows.append(_whole_tile_wgrad_row(a, b, kwargs))
     for row in rows:
         if "ms" in row:
             row["tflops"] = round(flops / row["ms"] / 1e9, 1)
     return rows
+
+
+def _whole_tile_wgrad_row(a: torch.Tensor, b: torch.Tensor, kwargs: dict) -> dict:
+    """The layer's wgrad path: each group's tokens padded to whole 128-token tiles (zero
+    columns), unmasked aligned loads (`whole_tiles`); TFLOP/s counted on the real tokens."""
+    sizes = kwargs["group_sizes"]
+    padded = [-(-size // 128) * 128 for size in sizes]
+    starts, padded_starts = [0], [0]
+    for size, pad in zip(sizes, padded):
+        starts.append(starts[-1] + size)
+        padded_starts.append(padded_starts[-1] + pad)
+    operands = []
+    for t in (a, b):
+        raw = t.view(torch.uint8)
+        out = raw.new_zeros(raw.shape[0], padded_starts[-1])
+        for g, size in enumerate(sizes):
+            out[:, padded_starts[g] : padded_starts[g] + size] = raw[:, starts[g] : starts[g + 1]]
+        operands.append(out.view(t.dtype))
+    whole = dict(kwargs, group_sizes=padded, whole_tiles=True)
+    ms = timed_ms(lambda: grouped_scaled_mm_wgrad(*operands, **whole))
+    error = _rel_error(
+        grouped_scaled_mm_wgrad(*operands, **whole),
+        grouped_scaled_mm_wgrad(a, b, emulate=True, **kwargs),
+    )
+    impl = "ours fp8 tensorwise precise, whole 128-token tiles (groups padded)"
+    return dict(gemm="wgrad", impl=impl, ms=ms, rel_error=error)
 
 
 def layer_rows(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list[dict]:

@@ -136,6 +136,27 @@ def check_ragged_k(n, k, scales, out_dtype):
     return ok & _close(got, want, f"ragged-K {scales} N={n} K={k} {out_dtype}, device sizes")
 
 
+def check_ragged_k_whole(n, k, scales):
+    """whole_tiles: groups of whole 128-token tiles (padded operands), unmasked aligned loads,
+    rows past N and K clamped and dropped at the store."""
+    sizes = [0, 128, 384, 0, 256]
+    m, groups = sum(sizes), len(sizes)
+    a_t, b_t = _fp8((n, m), E5M2), _fp8((k, m))
+    recipe = "blockwise" if scales == "blockwise" else "tensorwise"
+    segment_group = [0, 0, 1, 1, 2] if scales == "segmented" else None
+    if scales == "blockwise":
+        a_s, b_s = torch.rand(n, m // 128) + 0.5, torch.rand(k, m // 128) + 0.5
+    else:
+        a_s, b_s = torch.rand(groups) + 0.5, torch.rand(groups) + 0.5
+    args = dict(a_scale_inv=a_s, b_scale_inv=b_s, recipe=recipe, segment_group=segment_group)
+    want = gg.grouped_scaled_mm_wgrad(a_t, b_t, **args, group_sizes=sizes, emulate=True)
+    ok = True
+    for given in (sizes, torch.tensor(sizes)):
+        got = gg.grouped_scaled_mm_wgrad(a_t, b_t, **args, group_sizes=given, whole_tiles=True)
+        ok &= _close(got, want, f"ragged-K whole tiles {scales} N={n} K={k} {type(given)}")
+    return ok
+
+
 def check_strided_operands():
     """Operands as the fused quantizers lay them out: a 1x128 scale grid [M, K/128] that is a
     view of [K/128, M] (outer-dim-major), bytes that are views of transposed copies."""
@@ -287,6 +308,8 @@ def main():
             ok &= check_ragged_m(130, 256, "tensorwise", torch.bfloat16)
             ok &= check_ragged_k(130, 200, "per_group", torch.bfloat16)
             ok &= check_ragged_k(130, 200, "segmented", torch.bfloat16)
+            for scales in ("per_group", "segmented", "blockwise"):
+                ok &= check_ragged_k_whole(130, 200, scales)
     with _patched(128):
         ok &= check_strided_operands()
         ok &= check_torch_grouped_mm_on_meta()

@@ -139,6 +139,11 @@ def test_emulated_segmented_weight_gradient_sums_each_groups_segments() -> None:
         cols = slice(offsets[segments[0]], offsets[segments[1] + 1])
         expected = dy_values[:, cols] @ x_values[:, cols].t()
         torch.testing.assert_close(out[group].double(), expected, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="whole_tiles: group sizes must be multiples of 128"):
+        grouped_scaled_mm_wgrad(
+            dy_t, x_t, a_scale_inv=dy_scale, b_scale_inv=x_scale, group_sizes=SIZES,
+            recipe="tensorwise", whole_tiles=True,
+        )  # fmt: skip
     with pytest.raises(ValueError, match="segment_group takes a per-tensor recipe"):
         grouped_scaled_mm_wgrad(
             dy_t, x_t, a_scale_inv=dy_scale[0], b_scale_inv=x_scale[0], group_sizes=SIZES,

@@ -187,6 +187,7 @@ def grouped_scaled_mm_wgrad(
     emulate: bool = False,
     fast_accum: bool = False,
     segment_group: list[int] | None = None,
+    whole_tiles: bool = False,
 ) -> torch.Tensor:
     """A^T [N, M] and B^T [K, M] FP8 (tokens along M, sorted by group) -> [G, N, K]: for each
     group g, A^T[:, cols of g] @ B^T[:, cols of g]^T. Scales: per-tensor recipes a scalar
@@ -196,10 +197,15 @@ def grouped_scaled_mm_wgrad(
     leave tokens and cells unused past the last group). fast_accum: per-tensor only.
     segment_group (per tensor): group_sizes are segments, segment s of group
     segment_group[s] (ascending, every group listed), each with its own scales ([S] each);
-    each group's segments are summed in the kernel (no fast accumulation)."""
+    each group's segments are summed in the kernel (no fast accumulation). whole_tiles: every
+    size is a multiple of 128 (padded operands; listed sizes are checked): the kernel reads
+    whole 128-token tiles without masks."""
     spec = recipe_spec(recipe)
     segmented = segment_group is not None
     _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec, segmented)
+    listed = not isinstance(group_sizes, torch.Tensor)
+    if whole_tiles and listed and any(size % BLOCK_K for size in group_sizes):
+        raise ValueError(f"whole_tiles: group sizes must be multiples of 128, got {group_sizes}")
     n, k, groups = a_t_data.shape[0], b_t_data.shape[0], len(group_sizes)
     if segmented:
         groups = segment_group[-1] + 1 if segment_group else 0
@@ -234,7 +240,7 @@ def grouped_scaled_mm_wgrad(
         a_t_data, b_t_data, out, a_scale_inv.contiguous(), b_scale_inv.contiguous(), starts,
         chunk_starts, group_segments, n, k, a_t_data.stride(0), b_t_data.stride(0),
         out.stride(0), out.stride(1), scale_stride, BLOCKWISE=blockwise, FAST=fast,
-        SEGMENTED=segmented, BLOCK_K=BLOCK_K, BLOCK_M=BLOCK_K,
+        SEGMENTED=segmented, WHOLE=whole_tiles, BLOCK_K=BLOCK_K, BLOCK_M=BLOCK_K,
     )  # fmt: skip
     return out
 

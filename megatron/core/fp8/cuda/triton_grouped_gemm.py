@@ -26,7 +26,10 @@ bf16 or fp32.
 Speed (docs/benchmarks/grouped_gemm_fp8stats_h200_2026-12-04b.md): loads are unmasked. The
 ragged-M kernel reads whole row tiles (rows past a group are other groups' rows, clamped to the
 last row, and dropped at the store) and needs K % BLOCK_K == 0 (EVEN_K) for unmasked K steps.
-The ragged-K kernel still masks every load (~150-190 TFLOP/s); a TMA version ran at 430-665 in
+The ragged-K kernel masked every load (~150-190 TFLOP/s: a mask along the contiguous tokens at
+an unknown alignment makes byte loads); with WHOLE (every group a multiple of 128 tokens: the
+experts' operands are padded so, `grouped_fp8._cuda_wgrad`) its loads are unmasked and 128-token
+aligned, as the unmasked ragged-M kernel's (not yet timed). A TMA version ran at 430-665 in
 dev/tune_grouped_gemm.py but crashed with an illegal instruction once autotuned here (to do).
 """
 
@@ -114,14 +117,19 @@ def _ragged_m_kernel(
 
 
 @triton.jit
-def _token_tile(ptr, rows, row_ok, stride, m0, ms, end):
-    """[rows, BLOCK_M tokens from m0] of an M-contiguous operand, zeros at and past `end`."""
+def _token_tile(ptr, rows, row_ok, stride, m0, ms, end, WHOLE: tl.constexpr):
+    """[rows, BLOCK_M tokens from m0] of an M-contiguous operand, zeros at and past `end`.
+    WHOLE: m0 is a multiple of BLOCK_M and the tile lies inside the group, rows are clamped
+    to real ones (dropped at the store): no mask, so the loads are vectorized."""
+    if WHOLE:
+        m0 = tl.multiple_of(m0, 128)  # BLOCK_M, which is 128 here
+        return tl.load(ptr + rows[:, None].to(tl.int64) * stride + (m0 + ms)[None, :])
     m_ok = (m0 + ms) < end
     offsets = rows[:, None].to(tl.int64) * stride + (m0 + ms)[None, :]
     return tl.load(ptr + offsets, mask=row_ok[:, None] & m_ok[None, :], other=0.0)
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCKWISE", "FAST", "SEGMENTED"])
+@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCKWISE", "FAST", "SEGMENTED", "WHOLE"])
 @triton.jit
 def _ragged_k_kernel(
     a_ptr,
@@ -142,6 +150,7 @@ def _ragged_k_kernel(
     BLOCKWISE: tl.constexpr,
     FAST: tl.constexpr,
     SEGMENTED: tl.constexpr,
+    WHOLE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -154,6 +163,9 @@ def _ragged_k_kernel(
     ms = tl.arange(0, BLOCK_M)
     n_ok = ns < N
     k_ok = kk < K
+    # The rows read (WHOLE: clamped to real rows, the extra ones dropped at the store).
+    a_rows = tl.minimum(ns, N - 1) if WHOLE else ns
+    b_rows = tl.minimum(kk, K - 1) if WHOLE else kk
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if SEGMENTED:
         # Per tensor, a group of several segments (group_start_ptr: the segments' starts),
@@ -166,8 +178,8 @@ def _ragged_k_kernel(
             end = tl.load(group_start_ptr + segment + 1)
             scale = tl.load(a_scale_ptr + segment) * tl.load(b_scale_ptr + segment)
             for m0 in range(start, end, BLOCK_M):
-                a = _token_tile(a_ptr, ns, n_ok, stride_an, m0, ms, end)
-                b = _token_tile(b_ptr, kk, k_ok, stride_bk, m0, ms, end)
+                a = _token_tile(a_ptr, a_rows, n_ok, stride_an, m0, ms, end, WHOLE)
+                b = _token_tile(b_ptr, b_rows, k_ok, stride_bk, m0, ms, end, WHOLE)
                 acc += tl.dot(a, tl.trans(b)) * scale
     else:
         start = tl.load(group_start_ptr + group)
@@ -177,8 +189,8 @@ def _ragged_k_kernel(
         a_scale_rows = a_scale_ptr + ns.to(tl.int64) * stride_scale
         b_scale_rows = b_scale_ptr + kk.to(tl.int64) * stride_scale
         for m0 in range(start, end, BLOCK_M):
-            a = _token_tile(a_ptr, ns, n_ok, stride_an, m0, ms, end)
-            b = _token_tile(b_ptr, kk, k_ok, stride_bk, m0, ms, end)
+            a = _token_tile(a_ptr, a_rows, n_ok, stride_an, m0, ms, end, WHOLE)
+            b = _token_tile(b_ptr, b_rows, k_ok, stride_bk, m0, ms, end, WHOLE)
             if BLOCKWISE:
                 # 128x1 cells along the tokens (BLOCK_M is their 128), counted from the group
                 # start: each chunk's product scaled before it is added, as the ragged-M

@@ -38,6 +38,7 @@ import torch
 
 from megatron.core.fp8.compile import stand_in_owner
 from megatron.core.fp8.config import Fp8Config
+from megatron.core.fp8.cuda.grouped_gemm import BLOCK_K as TOKEN_TILE
 from megatron.core.fp8.cuda.grouped_gemm import grouped_scaled_mm, grouped_scaled_mm_wgrad
 from megatron.core.fp8.formats import fp8_dtype_for_role
 from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor
@@ -205,23 +206,25 @@ def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, rec
 
 def _cuda_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, shape, dtype):
     """The Triton ragged-K kernel -> dW `shape` in `dtype`, written by the kernel at any EP
-    size. Per tensor: the rowwise bytes transposed, groups = experts (one segment each, EP 1)
-    or experts of several segments, each with its scale_inv pair ([S] each), summed in the
-    kernel. Blockwise: groups = experts on the padded transposed copies as they are (each
-    128-token cell's product is scaled before it is added, and an expert's padded segments
-    are consecutive whole cells whose zero columns add nothing)."""
+    size, on token-major copies with each segment padded to whole 128-token tiles (zeros add
+    nothing; the kernel's loads are unmasked and aligned). Per tensor: the rowwise bytes
+    transposed into that layout, groups = experts (one segment each, EP 1) or experts of
+    several segments, each with its scale_inv pair ([S] each), summed in the kernel.
+    Blockwise: the padded transposed copies as they are, groups = experts (each 128-token
+    cell's product is scaled before it is added; an expert's padded segments are
+    consecutive whole cells)."""
     spec = recipe_spec(recipe)
     experts = shape[0]
     options = dict(a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv, recipe=recipe)
+    options.update(out_dtype=dtype, whole_tiles=True)
+    padded = TOKEN_TILE * ((seg_sizes + TOKEN_TILE - 1) // TOKEN_TILE)
     if spec.per_tensor:
-        dy, x = dy.t().contiguous(), x.t().contiguous()
+        seg_ids = operands.segment_ids(seg_sizes, dy.shape[0])
+        dy, x = (operands.padded_transpose(t, seg_ids, seg_sizes, TOKEN_TILE) for t in (dy, x))
         segments = None if _one_segment_each(seg_expert, experts) else list(seg_expert)
-        return grouped_scaled_mm_wgrad(
-            dy, x, group_sizes=seg_sizes, segment_group=segments, out_dtype=dtype, **options
-        )
-    padded = spec.block * ((seg_sizes + spec.block - 1) // spec.block)
+        return grouped_scaled_mm_wgrad(dy, x, group_sizes=padded, segment_group=segments, **options)
     sizes = _expert_sizes(padded, seg_expert, experts)
-    return grouped_scaled_mm_wgrad(dy, x, group_sizes=sizes, out_dtype=dtype, **options)
+    return grouped_scaled_mm_wgrad(dy, x, group_sizes=sizes, **options)
 
 
 @torch.library.custom_op("megatron_fp8::grouped_fp8_wgrad", mutates_args=())

@@ -120,6 +120,16 @@ def _pad_segments(x: torch.Tensor, seg_ids: torch.Tensor, seg_sizes: torch.Tenso
     return padded.index_copy_(0, position, x), position
 
 
+def padded_transpose(
+    data: torch.Tensor, seg_ids: torch.Tensor, seg_sizes: torch.Tensor, block: int
+) -> torch.Tensor:
+    """FP8 bytes [M, C] -> [C, P]: the transpose with each segment zero-padded to whole
+    `block`-token cells, laid out as `quantize_segment_operands`' columnwise copy (P =
+    `padded_rows`), so that the weight gradient reads whole aligned tiles."""
+    padded, _ = _pad_segments(data.view(torch.uint8), seg_ids, seg_sizes, block)
+    return padded.t().contiguous().view(data.dtype)
+
+
 def quantize_segment_operands(
     x: torch.Tensor,
     seg_ids: torch.Tensor,

@@ -116,6 +116,25 @@ def test_segment_quantization_equals_quantizing_each_segment_alone():
     assert scale_inv[1] == 1.0
 
 
+def test_padded_transpose_puts_each_segment_at_a_whole_tile():
+    """The tensorwise weight gradient's operand: bytes [M, C] transposed with each segment
+    starting at a multiple of 128 tokens (segments of 7, 0, 130 and 1 rows start at columns
+    0, 128, 128 and 384; 640 columns, the most 4 segments of 138 rows can need), zeros
+    elsewhere."""
+    sizes = torch.tensor([7, 0, 130, 1])
+    data = (torch.arange(138 * 3) % 250 + 1).to(torch.uint8).view(138, 3)
+    data = data.view(torch.float8_e4m3fn)
+    ids = grouped_operands.segment_ids(sizes, 138)
+    got = grouped_operands.padded_transpose(data, ids, sizes, 128).view(torch.uint8)
+    raw = data.view(torch.uint8)
+    assert got.shape == (3, 640) and got.dtype == torch.uint8
+    for at, rows in ((0, slice(0, 7)), (128, slice(7, 137)), (384, slice(137, 138))):
+        width = rows.stop - rows.start
+        assert torch.equal(got[:, at : at + width], raw[rows].t())
+    kept = 7 + 130 + 1
+    assert int(got.count_nonzero()) == 3 * kept  # nothing else but zeros
+
+
 def test_grouped_function_compiles_without_graph_breaks():
     layer = _layer()
     x, dy = _data(SEGMENTS, torch.float32)
