@@ -25,9 +25,10 @@ parallelism", states the rules; this module applies them through the FP8 package
   in high precision (logged once per recipe and shard length). Each FP8 gather moves half of a
   bf16 gather's bytes (counted; scale grids, 1/32 of that, travel uncounted).
 - Under torch.compile, a column-parallel Linear whose forward makes QuantizedTensors of its
-  activations (the FP8 sequence gather) runs eagerly between the layer's compiled pieces
-  (`_forward_eagerly`); the others trace like any Fp8Linear (the agreed amax's all-reduce
-  included).
+  activations (the FP8 sequence gather of delayed, blockwise and mxfp8) runs eagerly between
+  the layer's compiled pieces (`_forward_eagerly`); the others trace like any Fp8Linear, the
+  agreed amax's all-reduce included. Tensorwise's gather moves the rowwise operand that the
+  backend's quantizer makes (`Fp8Operand`: plain tensors), so it traces too.
 """
 
 from __future__ import annotations
@@ -39,8 +40,16 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron.core.fp8 import Fp8Config, Fp8Linear, QuantizedTensor, fp8_dtype_for_role, quantize
+from megatron.core.fp8 import (
+    Fp8Config,
+    Fp8Linear,
+    Fp8Operand,
+    QuantizedTensor,
+    fp8_dtype_for_role,
+    quantize,
+)
 from megatron.core.fp8.autocast import in_recompute
+from megatron.core.fp8.quantization import backend_for
 from megatron.core.tensor_parallel.layers import (
     ColumnSplit,
     RowSplit,
@@ -112,18 +121,23 @@ def _gathered(shard: QuantizedTensor, batch: int, group: dist.ProcessGroup) -> Q
 
 def gather_fp8_sequence(
     x: torch.Tensor, group: dist.ProcessGroup, quantize_shard: Callable, *, values: bool = False
-) -> tuple[torch.Tensor, QuantizedTensor | None]:
-    """(x's [B, S, D] stand-in, gathered QuantizedTensor [B * S, D]) from this rank's
-    [B, S/tp, D], moved as FP8 bytes quantized by `quantize_shard(shard [B * S/tp, D])`;
+) -> tuple[torch.Tensor, QuantizedTensor | Fp8Operand | None]:
+    """(x's [B, S, D] stand-in, gathered input [B * S, D]) from this rank's [B, S/tp, D],
+    moved as FP8 bytes quantized by `quantize_shard(shard [B * S/tp, D])`: a QuantizedTensor,
+    or (tensorwise) the rowwise Fp8Operand, plain tensors that a compiled graph holds;
     `values`: the stand-in holds the gathered values (dequantized: --log-fp8-stats reads
     them). (x, None) on one rank."""
     world = dist.get_world_size(group)
     if world == 1:
         return x, None
     shard = quantize_shard(x.detach().reshape(-1, x.shape[-1]))
-    gathered = _gathered(shard, x.shape[0], group)
+    if isinstance(shard, Fp8Operand):  # per tensor: the scale is agreed, the bytes travel
+        gathered = shard._replace(data=_gather_tokens(shard.data, x.shape[0], group, count=True))
+        full = gathered.dequantize().to(x.dtype) if values else None
+    else:
+        gathered = _gathered(shard, x.shape[0], group)
+        full = gathered.dequantize(x.dtype) if values else None
     shape = (x.shape[0], x.shape[1] * world, *x.shape[2:])
-    full = gathered.dequantize(x.dtype) if values else None
     return _SequenceGatherEdge.apply(x, group, shape, full), gathered
 
 
@@ -134,6 +148,9 @@ def _split_operands(
     operands of the `given` (gathered) input; under tensorwise, of a `split` role's tensor
     quantized by the backend with the amax MAX-reduced over `group` (plain tensors: a
     compiled graph holds them); None (the backend's quantization) otherwise."""
+    if role == "input" and isinstance(given, Fp8Operand):  # tensorwise's gathered rowwise bytes
+        col = given._replace(data=given.data.t().contiguous()) if transposed else None
+        return (given if rowwise else None), col  # wgrad reads their transpose
     if role == "input" and given is not None:
         row = ops.weight_operand(given, "rowwise", compute_dtype=compute_dtype) if rowwise else None
         col = None
@@ -210,11 +227,13 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
 
     def _builds_quantized_tensors(self, x: torch.Tensor) -> bool:
         """Whether this forward makes QuantizedTensors of its activations (the FP8 sequence
-        gather), which dynamo cannot trace."""
+        gather of delayed, blockwise and mxfp8; tensorwise's gathers operands), which dynamo
+        cannot trace."""
         enabled, config, _, _ = self._current_settings()
         if not enabled or self.tp.size == 1 or not self.tp.sequence_parallel:
             return False
-        return _gathers_fp8(config.spec, x.shape[SEQUENCE_DIM])
+        spec = config.spec
+        return not spec.accepts_global_amax and _gathers_fp8(spec, x.shape[SEQUENCE_DIM])
 
     def _parallel_forward(self, x: torch.Tensor, **activation) -> torch.Tensor:
         enabled, config, _, _ = self._current_settings()
@@ -231,15 +250,29 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
         self.fp8_quantizer = None  # its plan keeps it for backward; the module keeps no input
         return y
 
-    def _quantize_input_shard(self, shard: torch.Tensor) -> QuantizedTensor:
+    def _quantize_input_shard(self, shard: torch.Tensor) -> QuantizedTensor | Fp8Operand:
         """This rank's input shard [tokens, in] in FP8 as the whole input quantizes: rowwise,
-        and columnwise where wgrad needs a copy (block recipes). Tensorwise: the agreed amax's
-        scale; delayed: the input history's (agreed over the amax group), the agreed amax
-        recorded in it, as the GEMM's own quantization records."""
+        and columnwise where wgrad needs a copy (block recipes). Tensorwise: the rowwise
+        operand with the agreed amax's scale, from the backend; delayed: the input history's
+        scale (agreed over the amax group), the agreed amax recorded in it, as the GEMM's own
+        quantization records."""
         _, config, _, _ = self._current_settings()
         spec = config.spec
+        fp8_dtype = fp8_dtype_for_role(config.fp8_format, "input")
+        if spec.accepts_global_amax:
+            row, _ = backend_for(shard).quantize_operands(
+                shard,
+                recipe=config.recipe,
+                fp8_dtype=fp8_dtype,
+                role="input",
+                rowwise=True,
+                transposed=False,
+                power_2_scale=spec.resolve_power_2_scale(config.quantize_power_2_scale),
+                amax=agreed_amax(shard, self.tp.group),
+            )
+            return row
         how = dict(recipe=config.recipe, role="input", columnwise=spec.columnwise_copy("input"))
-        how["fp8_dtype"] = fp8_dtype_for_role(config.fp8_format, "input")
+        how["fp8_dtype"] = fp8_dtype
         if spec.delayed:
             self.delayed_scaling.move_to(shard.device)
             meta = self.delayed_scaling.metas["input"]
@@ -248,8 +281,6 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
                 return quantize(shard, **how, scale=meta.forward_scale)
             meta.record(agreed_amax(shard, self.tp.group))
             return quantize(shard, **how, scale=meta.scale)
-        if spec.per_tensor:
-            how["amax"] = agreed_amax(shard, self.tp.group)
         return quantize(shard, **how, power_2_scale=config.quantize_power_2_scale)
 
 

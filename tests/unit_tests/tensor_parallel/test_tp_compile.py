@@ -7,14 +7,13 @@
   call until the recompile limit sent it back to eager.)
 - FP8 with sequence parallelism, delayed / tensorwise / mxfp8 (FP8 bytes gathered over TP) and
   blockwise (16 tokens per rank: a bf16 gather): within FP8's 1e-3 of eager (as
-  test_torch_compile.py bounds TP 1), and the only graph breaks are the column-parallel FP8
-  Linears that make QuantizedTensors of their activations (`_forward_eagerly`: the FP8
-  sequence gather), run eagerly between compiled pieces; no recompile storm (a bounded number
-  of graphs).
-- FP8 tensorwise without sequence parallelism: the TP-agreed amax (an all-reduce in the graph)
-  goes to the backend's quantizer, which makes plain tensors: one graph, no break (before:
-  tensorwise's split operands were QuantizedTensors, 5 graphs and 10 breaks; with SP now 5
-  breaks, the gathers, where there were 10)."""
+  test_torch_compile.py bounds TP 1). Delayed and mxfp8: the only graph breaks are the
+  column-parallel FP8 Linears that make QuantizedTensors of their activations
+  (`_forward_eagerly`: their FP8 sequence gather), run eagerly between compiled pieces; no
+  recompile storm (a bounded number of graphs). Tensorwise and blockwise: no break.
+- Tensorwise, with and without SP: the TP-agreed amax (an all-reduce in the graph) goes to the
+  backend's quantizer, and the SP gather moves the rowwise operand's bytes, plain tensors: one
+  graph per layer, no break (before, as QuantizedTensors: 5 graphs and 10 breaks either way)."""
 
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ CASES = {
     },
     "tensorwise": GPT + TP2 + ["--fp8-recipe", "tensorwise"],
 }
-EAGER_REGIONS = {"fp32": 0, "fp32-sp": 0, "blockwise-sp": 0, "tensorwise": 0}
+EAGER_REGIONS = {"fp32": 0, "fp32-sp": 0, "blockwise-sp": 0, "tensorwise": 0, "tensorwise-sp": 0}
 """Graph breaks per case where none may be; the FP8 cases' breaks are all `_forward_eagerly`."""
 
 
