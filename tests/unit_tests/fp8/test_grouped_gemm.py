@@ -12,7 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.core.fp8.cuda.grouped_gemm import grouped_scaled_mm, grouped_scaled_mm_wgrad
+from megatron.core.fp8.cuda.grouped_gemm import (
+    BLOCK_M,
+    _tile_schedule,
+    grouped_scaled_mm,
+    grouped_scaled_mm_wgrad,
+)
 from megatron.core.fp8.quantization import quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -297,3 +302,22 @@ def test_triton_grouped_gemms_read_strided_operands_and_outer_dim_major_scales_o
     want = grouped_scaled_mm_wgrad(dy_t, x_t, **kwargs)
     strided_x = x_t.view(torch.uint8).t().contiguous().t().view(E4M3)
     assert torch.equal(grouped_scaled_mm_wgrad(dy_t, strided_x, **kwargs), want)
+
+
+@pytest.mark.parametrize(
+    "sizes", [[70, 0, 150, 3], [0, 0, 5], [128, 256, 0], [1], [0, 300, 0, 0, 129]]
+)
+def test_device_tile_schedule_equals_the_host_list(sizes) -> None:
+    """The ragged-M kernel's schedule built from device sizes: the (group, first row) of every
+    128-row tile inside one group, in order, then idle tiles (row = M, the kernel returns) up
+    to the static bound (M + G * 127) // 128; each group's end row."""
+    rows = sum(sizes)
+    group, row, end = _tile_schedule(torch.tensor(sizes), rows)
+    starts = [sum(sizes[:g]) for g in range(len(sizes))]
+    real = [(g, starts[g] + r) for g in range(len(sizes)) for r in range(0, sizes[g], BLOCK_M)]
+    bound = (rows + len(sizes) * (BLOCK_M - 1)) // BLOCK_M
+    assert len(group) == len(row) == bound >= len(real)
+    assert list(zip(group.tolist(), row.tolist()))[: len(real)] == real
+    assert row.tolist()[len(real) :] == [rows] * (bound - len(real))
+    assert end.tolist() == [starts[g] + sizes[g] for g in range(len(sizes))]
+    assert group.dtype == row.dtype == end.dtype == torch.int32
