@@ -236,10 +236,11 @@ def check_grouped_fp8(recipe, segments, n, k, w_dtype):
     weight = torch.randn(experts, n, k, dtype=w_dtype) * 0.05
     dy = torch.randn(rows, n, dtype=torch.bfloat16)
     seg_ids = ops.segment_ids(seg_sizes, rows)
+    padded = ops.padded_rows(seg_sizes, rows, 128)  # device sizes: the static bound
     x_row, x_col = gf._quantize_tokens(tokens, seg_ids, seg_sizes, config, "input", False,
-                                       columnwise=True)  # fmt: skip
+                                       columnwise=padded)  # fmt: skip
     dy_row, dy_col = gf._quantize_tokens(dy, seg_ids, seg_sizes, config, "grad", False,
-                                         columnwise=True)  # fmt: skip
+                                         columnwise=padded)  # fmt: skip
     w = ops.quantize_experts(weight, spec=spec, fp8_dtype=E4M3, power_2_scale=False)
     w_t = ops.transposed_experts(*w)
     ok = True
@@ -250,7 +251,7 @@ def check_grouped_fp8(recipe, segments, n, k, w_dtype):
         ok &= _close(got, want, f"grouped_fp8 {recipe} {name} {segments} N={n} K={k}")
     wl = (seg_sizes, seg_expert, spec.name)
     want = gf._emulated_wgrad(*dy_col, *x_col, *wl, torch.zeros(experts, n, k, dtype=w_dtype))
-    got = gf._cuda_wgrad(*dy_col, *x_col, *wl, (experts, n, k), w_dtype)
+    got = gf._cuda_wgrad(*dy_col, *x_col, *wl, (experts, n, k), w_dtype, padded)
     ok &= _close(got, want, f"grouped_fp8 {recipe} wgrad {segments} {w_dtype}")
     ok &= got.dtype == w_dtype and got.shape == (experts, n, k)
     return ok
@@ -266,9 +267,10 @@ def check_layer_flow():
     def cuda_mm(a, a_s, b, b_s, seg_sizes, seg_expert, recipe, out_dtype, fast):
         return gf._cuda_mm(a, a_s, b, b_s, seg_sizes, seg_expert, recipe, out_dtype, fast)
 
-    def cuda_wgrad(dy, dy_s, x, x_s, seg_sizes, seg_expert, experts, recipe, out_dtype):
+    def cuda_wgrad(dy, dy_s, x, x_s, seg_sizes, seg_expert, experts, recipe, out_dtype, padded):
         shape = (experts, *gf._wgrad_dims(dy, x, recipe))
-        return gf._cuda_wgrad(dy, dy_s, x, x_s, seg_sizes, seg_expert, recipe, shape, out_dtype)
+        args = (seg_sizes, seg_expert, recipe, shape, out_dtype, padded)
+        return gf._cuda_wgrad(dy, dy_s, x, x_s, *args)
 
     ok = True
     for recipe in ("tensorwise", "blockwise"):

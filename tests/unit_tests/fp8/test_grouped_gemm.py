@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from megatron.core.fp8.cuda.grouped_gemm import (
+    BLOCK_K,
     BLOCK_M,
     _tile_schedule,
     grouped_scaled_mm,
     grouped_scaled_mm_wgrad,
 )
 from megatron.core.fp8.quantization import quantize
+from megatron.core.fp8.recipe import recipe_spec
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SIZES = [70, 0, 150, 3]
@@ -154,6 +156,12 @@ def test_emulated_segmented_weight_gradient_sums_each_groups_segments() -> None:
             dy_t, x_t, a_scale_inv=dy_scale[0], b_scale_inv=x_scale[0], group_sizes=SIZES,
             recipe="tensorwise", segment_group=SEGMENT_GROUP,
         )  # fmt: skip
+    for bad in ([0, 1, 0, 1], [1, 1, 2, 2], [0, 0, 1]):  # out of order, no group 0, too short
+        with pytest.raises(ValueError, match="segment_group"):
+            grouped_scaled_mm_wgrad(
+                dy_t, x_t, a_scale_inv=dy_scale, b_scale_inv=x_scale, group_sizes=SIZES,
+                recipe="tensorwise", segment_group=bad,
+            )  # fmt: skip
 
 
 def test_emulated_blockwise_weight_gradient_equals_the_dequantized_product() -> None:
@@ -321,3 +329,9 @@ def test_device_tile_schedule_equals_the_host_list(sizes) -> None:
     assert row.tolist()[len(real) :] == [rows] * (bound - len(real))
     assert end.tolist() == [starts[g] + sizes[g] for g in range(len(sizes))]
     assert group.dtype == row.dtype == end.dtype == torch.int32
+
+
+def test_the_token_tile_is_the_blockwise_cell() -> None:
+    """One padded layout serves both recipes' weight gradients: the kernels' 128-token tile
+    is blockwise's 128-token cell."""
+    assert BLOCK_K == BLOCK_M == recipe_spec("blockwise").block == 128

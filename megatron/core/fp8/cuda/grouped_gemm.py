@@ -149,12 +149,23 @@ def grouped_scaled_mm(
     return out
 
 
-def _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec, segmented):
+def _check_segment_group(segment_group, segments, a_scale_inv, b_scale_inv, spec) -> None:
+    """segment_group: one ascending group index per segment, every group from 0 listed; a
+    per-tensor recipe with one scale per segment."""
+    scales = (a_scale_inv.shape, b_scale_inv.shape) == ((segments,), (segments,))
+    groups = sorted(set(segment_group))
+    if not spec.per_tensor or not scales or len(segment_group) != segments:
+        raise ValueError("segment_group takes a per-tensor recipe with one scale per segment")
+    if list(segment_group) != sorted(segment_group) or groups != list(range(len(groups))):
+        raise ValueError(f"segment_group must list groups 0, 1, ... in order: {segment_group}")
+
+
+def _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec, segment_group):
     """Shapes of `grouped_scaled_mm_wgrad`'s operands; listed sizes also against the tokens."""
     if spec.e8m0_scales:
         raise ValueError(f"grouped_scaled_mm_wgrad takes fp32 scales, not '{spec.name}'")
-    if segmented and (not spec.per_tensor or a_scale_inv.dim() != 1 or b_scale_inv.dim() != 1):
-        raise ValueError("segment_group takes a per-tensor recipe with one scale per segment")
+    if segment_group is not None:
+        _check_segment_group(segment_group, len(group_sizes), a_scale_inv, b_scale_inv, spec)
     (n, m), k = a_t_data.shape, b_t_data.shape[0]
     listed = not isinstance(group_sizes, torch.Tensor)
     if b_t_data.shape[1] != m or (listed and _group_offsets(group_sizes)[-1] != m):
@@ -202,7 +213,7 @@ def grouped_scaled_mm_wgrad(
     whole 128-token tiles without masks."""
     spec = recipe_spec(recipe)
     segmented = segment_group is not None
-    _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec, segmented)
+    _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec, segment_group)
     listed = not isinstance(group_sizes, torch.Tensor)
     if whole_tiles and listed and any(size % BLOCK_K for size in group_sizes):
         raise ValueError(f"whole_tiles: group sizes must be multiples of 128, got {group_sizes}")

@@ -38,8 +38,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Tile shapes tried once per (N, K) (BLOCK_M and BLOCK_K stay 128: the host builds the row
-# tiles with BLOCK_M, and blockwise scales come per 128 of K).
+# Tile shapes tried once per (N, K) (BLOCK_M and BLOCK_K stay 128: the row-tile schedule is
+# built with BLOCK_M, and blockwise scales come per 128 of K).
 _CONFIGS = [
     triton.Config({"BLOCK_N": block_n}, num_warps=8, num_stages=stages)
     for block_n in (128, 256)

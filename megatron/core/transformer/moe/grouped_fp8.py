@@ -204,7 +204,9 @@ def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, rec
     return out
 
 
-def _cuda_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, shape, dtype):
+def _cuda_wgrad(
+    dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, shape, dtype, padded
+):
     """The Triton ragged-K kernel -> dW `shape` in `dtype`, written by the kernel at any EP
     size, on token-major copies with each segment padded to whole 128-token tiles (zeros add
     nothing; the kernel's loads are unmasked and aligned). Per tensor: the rowwise bytes
@@ -212,18 +214,19 @@ def _cuda_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe,
     several segments, each with its scale_inv pair ([S] each), summed in the kernel.
     Blockwise: the padded transposed copies as they are, groups = experts (each 128-token
     cell's product is scaled before it is added; an expert's padded segments are
-    consecutive whole cells)."""
+    consecutive whole cells). padded: the rows of the padded copies."""
     spec = recipe_spec(recipe)
     experts = shape[0]
     options = dict(a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv, recipe=recipe)
     options.update(out_dtype=dtype, whole_tiles=True)
-    padded = TOKEN_TILE * ((seg_sizes + TOKEN_TILE - 1) // TOKEN_TILE)
+    tiles = TOKEN_TILE * ((seg_sizes + TOKEN_TILE - 1) // TOKEN_TILE)  # each segment's
     if spec.per_tensor:
         seg_ids = operands.segment_ids(seg_sizes, dy.shape[0])
-        dy, x = (operands.padded_transpose(t, seg_ids, seg_sizes, TOKEN_TILE) for t in (dy, x))
+        position = operands.padded_positions(seg_ids, seg_sizes, TOKEN_TILE)
+        dy, x = (operands.padded_transpose(t, position, padded) for t in (dy, x))
         segments = None if _one_segment_each(seg_expert, experts) else list(seg_expert)
-        return grouped_scaled_mm_wgrad(dy, x, group_sizes=padded, segment_group=segments, **options)
-    sizes = _expert_sizes(padded, seg_expert, experts)
+        return grouped_scaled_mm_wgrad(dy, x, group_sizes=tiles, segment_group=segments, **options)
+    sizes = _expert_sizes(tiles, seg_expert, experts)
     return grouped_scaled_mm_wgrad(dy, x, group_sizes=sizes, **options)
 
 
@@ -238,17 +241,19 @@ def grouped_fp8_wgrad(
     num_experts: int,
     recipe: str,
     out_dtype: torch.dtype,
+    padded: int,
 ) -> torch.Tensor:
     """dW [E, N, K] in out_dtype: dW[e] = sum over e's segments s of dy_s^T x_s. Per tensor:
     the rowwise bytes dy [M, N], x [M, K] with scale_inv [S]; blockwise: the transposed
     columnwise copies dy [N, P], x [K, P] (`grouped_operands.quantize_segment_operands`:
-    segments padded to whole 128-token cells) with scale_inv [N, C] / [K, C]. Experts with no
-    rows get zeros."""
+    segments padded to whole 128-token cells) with scale_inv [N, P / 128] / [K, P / 128].
+    padded: P, the rows of the padded copies (`grouped_operands.padded_rows`). Experts with
+    no rows get zeros."""
     n, k = _wgrad_dims(dy, x, recipe)
     shape = (num_experts, n, k)
     args = (dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe)
     if dy.is_cuda and dy.numel() > 0:
-        return _cuda_wgrad(*args, shape, out_dtype)
+        return _cuda_wgrad(*args, shape, out_dtype, padded)
     return _emulated_wgrad(*args, dy.new_zeros(shape, dtype=out_dtype))
 
 
@@ -260,7 +265,7 @@ def _wgrad_dims(dy, x, recipe) -> tuple[int, int]:
 
 
 @grouped_fp8_wgrad.register_fake
-def _(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, num_experts, recipe, out_dtype):
+def _(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, num_experts, recipe, out_dtype, _):
     return dy.new_empty((num_experts, *_wgrad_dims(dy, x, recipe)), dtype=out_dtype)
 
 
@@ -316,9 +321,10 @@ def _weight_mm(a_op, weight, kind: str, usage: str, args: tuple) -> torch.Tensor
     return grouped_fp8_mm(*a_op, *b, *args)
 
 
-def _quantize_tokens(t, seg_ids, seg_sizes, config, role, pow2, *, columnwise: bool):
+def _quantize_tokens(t, seg_ids, seg_sizes, config, role, pow2, *, columnwise: int):
     """(rowwise operand, the weight gradient's operand or None) of tokens [M, *] in `role`
-    ("input" or "grad"); per tensor both are the segments' rowwise bytes."""
+    ("input" or "grad"); per tensor both are the segments' rowwise bytes. columnwise: the
+    padded copy's rows (blockwise), 0 for none."""
     spec, fp8_dtype = config.spec, fp8_dtype_for_role(config.fp8_format, role)
     if spec.per_tensor:
         row = operands.quantize_segments(
@@ -328,17 +334,19 @@ def _quantize_tokens(t, seg_ids, seg_sizes, config, role, pow2, *, columnwise: b
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=pow2)
     if not columnwise:
         return operands.quantize_rows(t, **options), None
-    return operands.quantize_segment_operands(t, seg_ids, seg_sizes, **options)
+    return operands.quantize_segment_operands(t, seg_ids, seg_sizes, length=columnwise, **options)
 
 
 class _GroupedFp8Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, weight, seg_sizes, seg_expert, config, kind):  # noqa: D102
+    def forward(ctx, tokens, weight, seg_sizes, layout, config, kind):  # noqa: D102
         spec = config.spec
         pow2 = spec.resolve_power_2_scale(config.quantize_power_2_scale)
         seg_ids = operands.segment_ids(seg_sizes, tokens.shape[0])
+        seg_expert, padded = layout
+        columnwise = padded if weight.requires_grad else 0
         x_row, x_col = _quantize_tokens(
-            tokens, seg_ids, seg_sizes, config, "input", pow2, columnwise=weight.requires_grad
+            tokens, seg_ids, seg_sizes, config, "input", pow2, columnwise=columnwise
         )
         # An FP8 parameter is re-read in backward (after the engine gathered it again), as
         # `ExpertWeight` reads it; its stand-in is saved, a plain weight's quantized bytes.
@@ -352,7 +360,7 @@ class _GroupedFp8Function(torch.autograd.Function):
         saved_weight = {"plain": source, "stand_in": (weight,), "fp8_param": ()}[kind]
         ctx.save_for_backward(seg_ids, seg_sizes, *(x_col or ()), *saved_weight)
         ctx.x_saved, ctx.kind = 0 if x_col is None else 2, kind
-        ctx.layout = (seg_expert, weight.shape[0])
+        ctx.layout = (seg_expert, weight.shape[0], padded)
         ctx.config, ctx.pow2, ctx.dtypes = config, pow2, (tokens.dtype, weight.dtype)
         args = (seg_sizes, seg_expert, spec.name, tokens.dtype, spec.fast_accumulation)
         return _weight_mm(x_row, source, kind, "rowwise", args)
@@ -360,11 +368,12 @@ class _GroupedFp8Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
         seg_ids, seg_sizes, *saved = ctx.saved_tensors
-        seg_expert, experts = ctx.layout
+        seg_expert, experts, padded = ctx.layout
         spec = ctx.config.spec
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        columnwise = padded if need_wgrad else 0
         dy_row, dy_col = _quantize_tokens(
-            dy.contiguous(), seg_ids, seg_sizes, ctx.config, "grad", ctx.pow2, columnwise=need_wgrad
+            dy.contiguous(), seg_ids, seg_sizes, ctx.config, "grad", ctx.pow2, columnwise=columnwise
         )
         x_col, saved_weight = saved[: ctx.x_saved], saved[ctx.x_saved :]
         dx = dw = None
@@ -375,7 +384,7 @@ class _GroupedFp8Function(torch.autograd.Function):
             args = (seg_sizes, seg_expert, spec.name, ctx.dtypes[0], False)
             dx = _weight_mm(dy_row, source, ctx.kind, "columnwise", args)
         if need_wgrad:
-            args = (seg_sizes, seg_expert, experts, spec.name, ctx.dtypes[1])
+            args = (seg_sizes, seg_expert, experts, spec.name, ctx.dtypes[1], padded)
             dw = grouped_fp8_wgrad(*dy_col, *x_col, *args)
         ctx.stacked = None
         return dx, dw, None, None, None, None
@@ -394,13 +403,20 @@ def grouped_fp8_linear(
     or an integer tensor of rows per expert on the tokens' device (one segment each: read
     there, no host sync); weight: the stacked [E, out, in] parameter, high precision or a
     QuantizedTensor, or (with `stand_in`) an FP8 parameter's stand-in in a compiled graph."""
+    rows = tokens.shape[0]
     if isinstance(segments, torch.Tensor):
-        seg_sizes, seg_expert = segments.to(torch.int64), list(range(segments.shape[0]))
+        seg_sizes = segments.to(device=tokens.device, dtype=torch.int64)
+        seg_expert = list(range(segments.shape[0]))
+        # Read on the device: checked there (no host sync); they must sum to the tokens.
+        torch._assert_async(seg_sizes.sum() == rows, "token counts do not sum to the tokens")
+        padded = operands.padded_rows(seg_sizes, rows, TOKEN_TILE)
     else:
         flat = [count for counts in segments for count in counts]
         seg_sizes = torch.tensor(flat, dtype=torch.int64, device=tokens.device)
         seg_expert = [expert for expert, counts in enumerate(segments) for _ in counts]
+        padded = operands.padded_rows(flat, rows, TOKEN_TILE)  # exact: known on the host
     kind = "stand_in" if stand_in else "plain"
     if not stand_in and isinstance(weight, QuantizedTensor):
         kind = "fp8_param"
-    return _GroupedFp8Function.apply(tokens, weight, seg_sizes, seg_expert, config, kind)
+    layout = (seg_expert, padded)
+    return _GroupedFp8Function.apply(tokens, weight, seg_sizes, layout, config, kind)

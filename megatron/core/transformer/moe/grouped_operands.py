@@ -9,8 +9,9 @@ Tokens [M, K] sorted by expert, in segments (the rows of one expert from one sou
   (`quantize_rows`, scale_inv [M, ceil(K/128)]); the weight gradient's columnwise copy has
   128x1 cells along the tokens counted from each SEGMENT's start (`quantize_segment_operands`:
   each segment zero-padded to a multiple of 128 rows, as quantizing it alone pads it; kept
-  transposed and padded, [K, 128 C], with scale_inv [K, C], C the most cells any segment
-  sizes need (`padded_rows`), segment s's cells at `chunk_bounds[s]`).
+  transposed and padded, [K, 128 C], with scale_inv [K, C] (`padded_rows`: C the segments'
+  cells for sizes known on the host, for sizes on the device the most any sizes can need),
+  segment s's cells at `chunk_bounds[s]`).
 Segment sizes are read on the device (a tensor): nothing here waits for the host to know
 them, so a compiled MoE layer keeps one graph.
 Blockwise operands come from the dense Fp8Linear's quantizers (`backend_for(x)`: the fused
@@ -61,11 +62,22 @@ def chunk_bounds(seg_sizes: list[int], block: int) -> list[int]:
     return bounds([-(-size // block) for size in seg_sizes])
 
 
-def padded_rows(rows: int, segments: int, block: int) -> int:
-    """Rows of the segments' padded copy (`quantize_segment_operands`): the most that any
-    `segments` sizes summing to `rows` need, each padded to whole `block`-row cells, so that
-    the shape does not depend on the sizes (read on the device: no host sync)."""
-    return block * ((rows + segments * (block - 1)) // block)
+def padded_rows(sizes: list[int] | torch.Tensor, rows: int, block: int) -> int:
+    """Rows of the segments' padded copy (each segment padded to whole `block`-row cells): for
+    host sizes their exact count; for sizes on the device the most that any that many sizes
+    summing to `rows` can need, so that no shape depends on them (no host sync)."""
+    if isinstance(sizes, torch.Tensor):
+        return block * ((rows + sizes.shape[0] * (block - 1)) // block)
+    return block * chunk_bounds(sizes, block)[-1]
+
+
+def padded_positions(seg_ids: torch.Tensor, seg_sizes: torch.Tensor, block: int) -> torch.Tensor:
+    """Each row's row in the padded copy: segments in order, each from a multiple of `block`."""
+    chunks = (seg_sizes + block - 1) // block
+    starts = seg_sizes.cumsum(0) - seg_sizes
+    padded_at = block * (chunks.cumsum(0) - chunks)
+    rows = torch.arange(seg_ids.shape[0], device=seg_ids.device)
+    return rows - starts[seg_ids] + padded_at[seg_ids]
 
 
 def quantize_segments(
@@ -108,26 +120,17 @@ def quantize_rows(x: torch.Tensor, *, spec: RecipeSpec, role, fp8_dtype, power_2
     return row.data, row.scale_inv.contiguous()
 
 
-def _pad_segments(x: torch.Tensor, seg_ids: torch.Tensor, seg_sizes: torch.Tensor, block: int):
-    """x's rows with each segment zero-padded to whole `block`-row cells (as quantizing the
-    segment alone pads it), in `padded_rows` rows (zeros past the last segment), and each
-    row's position there."""
-    chunks = (seg_sizes + block - 1) // block
-    starts = seg_sizes.cumsum(0) - seg_sizes
-    padded_at = block * (chunks.cumsum(0) - chunks)
-    position = torch.arange(x.shape[0], device=x.device) - starts[seg_ids] + padded_at[seg_ids]
-    padded = x.new_zeros(padded_rows(x.shape[0], seg_sizes.shape[0], block), x.shape[1])
-    return padded.index_copy_(0, position, x), position
+def _padded(x: torch.Tensor, position: torch.Tensor, length: int) -> torch.Tensor:
+    """x's rows at `position` in `length` zero rows (as quantizing each segment alone pads it;
+    zeros past the last segment)."""
+    return x.new_zeros(length, x.shape[1]).index_copy_(0, position, x)
 
 
-def padded_transpose(
-    data: torch.Tensor, seg_ids: torch.Tensor, seg_sizes: torch.Tensor, block: int
-) -> torch.Tensor:
-    """FP8 bytes [M, C] -> [C, P]: the transpose with each segment zero-padded to whole
-    `block`-token cells, laid out as `quantize_segment_operands`' columnwise copy (P =
-    `padded_rows`), so that the weight gradient reads whole aligned tiles."""
-    padded, _ = _pad_segments(data.view(torch.uint8), seg_ids, seg_sizes, block)
-    return padded.t().contiguous().view(data.dtype)
+def padded_transpose(data: torch.Tensor, position: torch.Tensor, length: int) -> torch.Tensor:
+    """FP8 bytes [M, C] -> [C, length]: the transpose in the padded layout of
+    `quantize_segment_operands`' columnwise copy (`padded_positions`), so that the weight
+    gradient reads whole aligned tiles."""
+    return _padded(data.view(torch.uint8), position, length).t().contiguous().view(data.dtype)
 
 
 def quantize_segment_operands(
@@ -135,6 +138,7 @@ def quantize_segment_operands(
     seg_ids: torch.Tensor,
     seg_sizes: torch.Tensor,
     *,
+    length: int,
     spec: RecipeSpec,
     role,
     fp8_dtype,
@@ -143,10 +147,11 @@ def quantize_segment_operands(
     """Blockwise rows (as `quantize_rows`) and the weight gradient's transposed columnwise
     operand: 128x1 cells along the rows of each segment, counted from its first row, as
     bytes [K, P] with each segment padded to whole cells (segment s's tokens at columns
-    128 * chunk_bounds[s] onwards, zeros after them; P = `padded_rows`) and scale_inv [K, P /
-    128] (its cells at chunk_bounds[s]; cells past the last segment's are zeros' and unread).
-    One quantization of x with its segments padded; seg_sizes on the device."""
-    padded, position = _pad_segments(x, seg_ids, seg_sizes, spec.block)
+    128 * chunk_bounds[s] onwards, zeros after them; P = `length`, `padded_rows`) and scale_inv
+    [K, P / 128] (its cells at chunk_bounds[s]; cells past the last segment's are zeros' and
+    unread). One quantization of x with its segments padded; seg_sizes on the device."""
+    position = padded_positions(seg_ids, seg_sizes, spec.block)
+    padded = _padded(x, position, length)
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
     row, col = _quantize_operands(padded, transposed=True, **options)  # col: [K, P]
     rows = (_rows_of(row.data, position), row.scale_inv[position])

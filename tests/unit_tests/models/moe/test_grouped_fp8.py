@@ -48,13 +48,15 @@ def _data(segments, dtype, device="cpu"):
 
 def _run(layer, x, dy, segments, grouped, *, on_device=False):
     """(y, dx, dW) of layer on segments; on_device (one segment per expert): the token counts
-    handed over as a tensor on x's device, as the dispatcher hands them at EP 1."""
+    handed over as a tensor on x's device, as the dispatcher hands them at EP 1 (a device
+    name: on that device)."""
     layer.grouped = grouped
     layer.weight.grad = None
     x = x.detach().clone().requires_grad_()
     counts = [sum(c) for c in segments]
     if on_device:
-        y = layer(x, torch.tensor(counts, device=x.device))
+        device = x.device if on_device is True else on_device
+        y = layer(x, torch.tensor(counts, device=device))
     else:
         y = layer(x, counts, segments)
     y.backward(dy)
@@ -116,6 +118,14 @@ def test_segment_quantization_equals_quantizing_each_segment_alone():
     assert scale_inv[1] == 1.0
 
 
+def test_device_counts_that_do_not_sum_to_the_tokens_are_refused():
+    """Counts read on the device are checked there (torch._assert_async, no host sync)."""
+    layer = _layer()
+    x, _ = _data(SEGMENTS, torch.float32)
+    with pytest.raises(RuntimeError, match="token counts do not sum to the tokens"):
+        layer(x, torch.tensor([50, 0, 40, 5]))
+
+
 def test_padded_transpose_puts_each_segment_at_a_whole_tile():
     """The tensorwise weight gradient's operand: bytes [M, C] transposed with each segment
     starting at a multiple of 128 tokens (segments of 7, 0, 130 and 1 rows start at columns
@@ -125,7 +135,9 @@ def test_padded_transpose_puts_each_segment_at_a_whole_tile():
     data = (torch.arange(138 * 3) % 250 + 1).to(torch.uint8).view(138, 3)
     data = data.view(torch.float8_e4m3fn)
     ids = grouped_operands.segment_ids(sizes, 138)
-    got = grouped_operands.padded_transpose(data, ids, sizes, 128).view(torch.uint8)
+    position = grouped_operands.padded_positions(ids, sizes, 128)
+    length = grouped_operands.padded_rows(sizes, 138, 128)
+    got = grouped_operands.padded_transpose(data, position, length).view(torch.uint8)
     raw = data.view(torch.uint8)
     assert got.shape == (3, 640) and got.dtype == torch.uint8
     for at, rows in ((0, slice(0, 7)), (128, slice(7, 137)), (384, slice(137, 138))):
@@ -218,6 +230,7 @@ def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype, segment
     out = torch.zeros(EXPERTS, n, k)
     wargs = (dy_q, dy_s, x_q, x_s, torch.tensor(sizes), owner, "tensorwise")
     want = grouped_fp8._emulated_wgrad(*wargs, out.clone())
-    got = grouped_fp8._cuda_wgrad(*wargs, out.shape, out.dtype)
+    padded = grouped_operands.padded_rows(sizes, sum(sizes), 128)  # host sizes: exact
+    got = grouped_fp8._cuda_wgrad(*wargs, out.shape, out.dtype, padded)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     assert want[1].abs().max() == 0 and want[2].abs().max() > 0

@@ -165,8 +165,9 @@ def test_blockwise_operands_equal_quantizing_each_piece_alone():
     ids = grouped_operands.segment_ids(sizes_t, x.shape[0])
     options = dict(spec=spec, fp8_dtype=fp8, power_2_scale=True)
     alone = grouped_operands.quantize_rows(x, role="input", **options)
+    length = grouped_operands.padded_rows(sizes_t, sum(sizes), 128)  # the device bound
     (rows, rows_scale), (cols_t, cols_scale_t) = grouped_operands.quantize_segment_operands(
-        x, ids, sizes_t, role="input", **options
+        x, ids, sizes_t, role="input", length=length, **options
     )
     assert torch.equal(rows.view(torch.uint8), alone[0].view(torch.uint8))
     assert torch.equal(rows_scale, alone[1]) and rows_scale.shape == (sum(sizes), 2)
@@ -174,8 +175,9 @@ def test_blockwise_operands_equal_quantizing_each_piece_alone():
     chunks = grouped_operands.chunk_bounds(sizes, spec.block)
     assert chunks == [0, 2, 2, 3, 5, 6]
     # The copy has the rows that any 5 sizes summing to 394 can need, (394 + 5 * 127) // 128
-    # = 8 cells (the sizes stay on the device): 2 cells past these sizes' 6, zeros.
+    # = 8 cells (sizes on the device): 2 cells past these sizes' 6, zeros; host sizes: 6.
     assert cols_t.shape == (IN, 8 * 128) and cols_scale_t.shape == (IN, 8)
+    assert grouped_operands.padded_rows(sizes, sum(sizes), 128) == 6 * 128
     assert cols_t[:, 6 * 128 :].float().abs().sum() == 0
     for s in (0, 2, 3, 4):
         piece = x[starts[s] : starts[s + 1]]
@@ -213,12 +215,13 @@ def test_blockwise_cuda_dispatch_layouts_on_the_emulated_kernels(grad_dtype, seg
     x, dy = _data(segments, torch.float32)
     sizes = torch.tensor(sizes)
     ids = grouped_operands.segment_ids(sizes, x.shape[0])
-    options = dict(spec=spec, power_2_scale=True)
+    length = grouped_operands.padded_rows(sizes, x.shape[0], 128)
+    options = dict(spec=spec, power_2_scale=True, length=length)
     x_row, x_col = grouped_operands.quantize_segment_operands(
         x, ids, sizes, role="input", fp8_dtype=torch.float8_e4m3fn, **options
     )
     w_row = grouped_operands.quantize_experts(
-        layer.weight.detach(), fp8_dtype=torch.float8_e4m3fn, **options
+        layer.weight.detach(), fp8_dtype=torch.float8_e4m3fn, spec=spec, power_2_scale=True
     )
     dy_row, dy_col = grouped_operands.quantize_segment_operands(
         dy, ids, sizes, role="grad", fp8_dtype=grad_dtype, **options
@@ -233,7 +236,7 @@ def test_blockwise_cuda_dispatch_layouts_on_the_emulated_kernels(grad_dtype, seg
     out = torch.zeros(EXPERTS, OUT, IN)
     assert dy_col[0].shape[0] == OUT and x_col[0].shape[0] == IN  # transposed, padded
     want = grouped_fp8._emulated_wgrad(*wargs, out.clone())
-    got = grouped_fp8._cuda_wgrad(*wargs, out.shape, out.dtype)
+    got = grouped_fp8._cuda_wgrad(*wargs, out.shape, out.dtype, length)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     assert want[2].abs().max() == 0 and want[3].abs().max() > 0
 
@@ -250,7 +253,7 @@ DEVICE_SEGMENTS = [[154], [0], [300], [43]]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("segments", ["ep", "device"])
+@pytest.mark.parametrize("segments", ["ep", "device", "cpu-counts"])
 @pytest.mark.parametrize("fp8_param", [False, True])
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 @pytest.mark.parametrize("fp8_format", ["hybrid", "e4m3"])
@@ -263,10 +266,11 @@ def test_cuda_blockwise_and_fp8_parameter_paths_equal_the_emulation(
     FP8 parameters: the grouped paths on the gathered bytes (tensorwise: fast accumulation in
     the forward). Ragged segments of several lengths, K=200 and N=144 (short last cells);
     "device": token counts on the GPU (the kernels' schedules and torch's offsets built
-    there), against the CPU emulation with host counts."""
+    there), against the CPU emulation with host counts; "cpu-counts": a counts tensor on the
+    CPU, moved to the tokens' device."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (the CPU emulation is the reference)")
-    on_device = segments == "device"
+    on_device = {"ep": False, "device": True, "cpu-counts": "cpu"}[segments]
     segments = DEVICE_SEGMENTS if on_device else EP_SEGMENTS
     options = dict(dtype=dtype, fp8_param=fp8_param, fp8_format=fp8_format)
     layer = _layer(recipe, device="cuda", **options)
