@@ -235,9 +235,10 @@ class Fp8StackedLinear(nn.Module):
         function keeps no scaling state, and other paths run outside the graph."""
         return None
 
-    def _grouped_applies(self, tokens: torch.Tensor) -> bool:
+    def takes_device_counts(self, tokens: torch.Tensor) -> bool:
         """Whether this call takes `grouped_fp8_linear` (an FP8 parameter in a compiled graph:
-        through its stand-in), which reads the token counts on the device."""
+        through its stand-in), which reads the token counts on the device: `GroupedExperts`
+        hands them over there where both Linears take them."""
         enabled, config, _, _ = self._current_settings()
         weight = self.weight
         if isinstance(weight, QuantizedTensor) and torch.compiler.is_compiling():
@@ -247,13 +248,10 @@ class Fp8StackedLinear(nn.Module):
         grouped = enabled and self.grouped and tokens.shape[0] > 0
         return grouped and grouped_path_applies(config, weight)
 
-    takes_device_counts = _grouped_applies
-    """`GroupedExperts` hands the token counts over on the device where both Linears take them."""
-
     def _compiled_fp8_param_forward(self, tokens, tokens_per_expert, segments) -> torch.Tensor:
         """An FP8 parameter in a compiled graph: its stand-in through the grouped function
         (no graph break), else the whole forward eagerly (a QuantizedTensor is not traceable)."""
-        if self._grouped_applies(tokens):
+        if self.takes_device_counts(tokens):
             config = self._current_settings()[1]
             stand_in = self._weight_stand_in
             return grouped_fp8_linear(tokens, stand_in, segments, config, stand_in=True)
@@ -282,7 +280,7 @@ class Fp8StackedLinear(nn.Module):
         expert), which the grouped function reads there (no host sync); other paths read them
         on the host."""
         if isinstance(tokens_per_expert, torch.Tensor):
-            if segments is None and self._grouped_applies(tokens):
+            if segments is None and self.takes_device_counts(tokens):
                 segments = tokens_per_expert
             else:
                 tokens_per_expert = tokens_per_expert.tolist()
