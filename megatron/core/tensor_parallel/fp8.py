@@ -159,6 +159,13 @@ def _split_operands(
         return row, col
     if role not in split or not config.spec.accepts_global_amax:
         return None
+    return _agreed_amax_operands(ops, t2d, config, role, group, rowwise, transposed)
+
+
+def _agreed_amax_operands(ops, t2d, config, role, group, rowwise, transposed):
+    """Tensorwise over TP: the backend's (rowwise, transposed) operands of this rank's piece
+    of a split tensor, quantized with the amax MAX-reduced over `group` (the whole tensor's
+    scale): plain tensors, which a compiled graph holds."""
     return ops.quantize_operands(
         t2d,
         recipe=config.recipe,
@@ -258,21 +265,11 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
         quantization records."""
         _, config, _, _ = self._current_settings()
         spec = config.spec
-        fp8_dtype = fp8_dtype_for_role(config.fp8_format, "input")
         if spec.accepts_global_amax:
-            row, _ = backend_for(shard).quantize_operands(
-                shard,
-                recipe=config.recipe,
-                fp8_dtype=fp8_dtype,
-                role="input",
-                rowwise=True,
-                transposed=False,
-                power_2_scale=spec.resolve_power_2_scale(config.quantize_power_2_scale),
-                amax=agreed_amax(shard, self.tp.group),
-            )
-            return row
+            ops = backend_for(shard)
+            return _agreed_amax_operands(ops, shard, config, "input", self.tp.group, True, False)[0]
         how = dict(recipe=config.recipe, role="input", columnwise=spec.columnwise_copy("input"))
-        how["fp8_dtype"] = fp8_dtype
+        how["fp8_dtype"] = fp8_dtype_for_role(config.fp8_format, "input")
         if spec.delayed:
             self.delayed_scaling.move_to(shard.device)
             meta = self.delayed_scaling.metas["input"]

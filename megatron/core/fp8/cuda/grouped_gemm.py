@@ -160,14 +160,18 @@ def _check_segment_group(segment_group, segments, a_scale_inv, b_scale_inv, spec
         raise ValueError(f"segment_group must list groups 0, 1, ... in order: {segment_group}")
 
 
-def _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec, segment_group):
-    """Shapes of `grouped_scaled_mm_wgrad`'s operands; listed sizes also against the tokens."""
+def _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec, options):
+    """Shapes of `grouped_scaled_mm_wgrad`'s operands; listed sizes also against the tokens
+    (and, with whole_tiles, whole 128-token tiles). options: (segment_group, whole_tiles)."""
+    segment_group, whole_tiles = options
     if spec.e8m0_scales:
         raise ValueError(f"grouped_scaled_mm_wgrad takes fp32 scales, not '{spec.name}'")
     if segment_group is not None:
         _check_segment_group(segment_group, len(group_sizes), a_scale_inv, b_scale_inv, spec)
     (n, m), k = a_t_data.shape, b_t_data.shape[0]
     listed = not isinstance(group_sizes, torch.Tensor)
+    if whole_tiles and listed and any(size % BLOCK_K for size in group_sizes):
+        raise ValueError(f"whole_tiles: group sizes must be multiples of 128, got {group_sizes}")
     if b_t_data.shape[1] != m or (listed and _group_offsets(group_sizes)[-1] != m):
         raise ValueError(
             f"A^T {tuple(a_t_data.shape)}, B^T {tuple(b_t_data.shape)} and group sizes "
@@ -213,10 +217,8 @@ def grouped_scaled_mm_wgrad(
     whole 128-token tiles without masks."""
     spec = recipe_spec(recipe)
     segmented = segment_group is not None
-    _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec, segment_group)
-    listed = not isinstance(group_sizes, torch.Tensor)
-    if whole_tiles and listed and any(size % BLOCK_K for size in group_sizes):
-        raise ValueError(f"whole_tiles: group sizes must be multiples of 128, got {group_sizes}")
+    options = (segment_group, whole_tiles)
+    _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec, options)
     n, k, groups = a_t_data.shape[0], b_t_data.shape[0], len(group_sizes)
     if segmented:
         groups = segment_group[-1] + 1 if segment_group else 0

@@ -117,16 +117,16 @@ def _ragged_m_kernel(
 
 
 @triton.jit
-def _token_tile(ptr, rows, row_ok, stride, m0, ms, end, WHOLE: tl.constexpr):
+def _token_tile(ptr, rows, row_ok, stride, m0, ms, end, WHOLE: tl.constexpr, BLOCK_M: tl.constexpr):
     """[rows, BLOCK_M tokens from m0] of an M-contiguous operand, zeros at and past `end`.
     WHOLE: m0 is a multiple of BLOCK_M and the tile lies inside the group, rows are clamped
     to real ones (dropped at the store): no mask, so the loads are vectorized."""
     if WHOLE:
-        m0 = tl.multiple_of(m0, 128)  # BLOCK_M, which is 128 here
-        return tl.load(ptr + rows[:, None].to(tl.int64) * stride + (m0 + ms)[None, :])
-    m_ok = (m0 + ms) < end
+        m0 = tl.multiple_of(m0, BLOCK_M)
     offsets = rows[:, None].to(tl.int64) * stride + (m0 + ms)[None, :]
-    return tl.load(ptr + offsets, mask=row_ok[:, None] & m_ok[None, :], other=0.0)
+    if WHOLE:
+        return tl.load(ptr + offsets)
+    return tl.load(ptr + offsets, mask=row_ok[:, None] & ((m0 + ms) < end)[None, :], other=0.0)
 
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCKWISE", "FAST", "SEGMENTED", "WHOLE"])
@@ -178,8 +178,8 @@ def _ragged_k_kernel(
             end = tl.load(group_start_ptr + segment + 1)
             scale = tl.load(a_scale_ptr + segment) * tl.load(b_scale_ptr + segment)
             for m0 in range(start, end, BLOCK_M):
-                a = _token_tile(a_ptr, a_rows, n_ok, stride_an, m0, ms, end, WHOLE)
-                b = _token_tile(b_ptr, b_rows, k_ok, stride_bk, m0, ms, end, WHOLE)
+                a = _token_tile(a_ptr, a_rows, n_ok, stride_an, m0, ms, end, WHOLE, BLOCK_M)
+                b = _token_tile(b_ptr, b_rows, k_ok, stride_bk, m0, ms, end, WHOLE, BLOCK_M)
                 acc += tl.dot(a, tl.trans(b)) * scale
     else:
         start = tl.load(group_start_ptr + group)
@@ -189,8 +189,8 @@ def _ragged_k_kernel(
         a_scale_rows = a_scale_ptr + ns.to(tl.int64) * stride_scale
         b_scale_rows = b_scale_ptr + kk.to(tl.int64) * stride_scale
         for m0 in range(start, end, BLOCK_M):
-            a = _token_tile(a_ptr, a_rows, n_ok, stride_an, m0, ms, end, WHOLE)
-            b = _token_tile(b_ptr, b_rows, k_ok, stride_bk, m0, ms, end, WHOLE)
+            a = _token_tile(a_ptr, a_rows, n_ok, stride_an, m0, ms, end, WHOLE, BLOCK_M)
+            b = _token_tile(b_ptr, b_rows, k_ok, stride_bk, m0, ms, end, WHOLE, BLOCK_M)
             if BLOCKWISE:
                 # 128x1 cells along the tokens (BLOCK_M is their 128), counted from the group
                 # start: each chunk's product scaled before it is added, as the ragged-M
