@@ -1,13 +1,11 @@
 """Fp8Linear: y = x W^T + b with all three GEMMs in FP8 (FP8_NUMERICS.md, "Which copy each
 GEMM reads"; E5M2 gradients under "hybrid", so no GEMM is E5M2 x E5M2).
 
-Backward saves quantized bytes, never the high-precision input (except `activation_input`,
-which the caller keeps anyway). The weight is a high-precision nn.Parameter quantized every
-forward, or (under `quantized_model_init`) a QuantizedTensor whose bytes the optimizer / FSDP
-engine rewrites in place. The backend is `quantization.backend_for`'s; settings come only from
-the module's `fp8_setup`; torch.compile: `compile.py`. The weight gradient reaches autograd in
-the weight's high-precision dtype (AccumulateGrad into `weight.grad`, where the engine's
-post-accumulate-grad hook takes it).
+Backward saves quantized bytes, never the high-precision input (but `activation_input`, kept
+by the caller). The weight is an nn.Parameter quantized every forward, or (`quantized_model_init`)
+a QuantizedTensor whose bytes the optimizer / FSDP engine rewrites. Backend: `backend_for`'s;
+settings: the module's `fp8_setup`; torch.compile: `compile.py`. The weight gradient reaches
+autograd in the weight's dtype (AccumulateGrad into `weight.grad`: the engine's hook takes it).
 """
 
 from __future__ import annotations
@@ -65,7 +63,9 @@ class _Plan:
     stats: Callable[[str, torch.Tensor, int], None] | None = None
     """`Fp8Linear.fp8_stats_sink` bound to the module, on a statistics step (not a recompute)."""
     quantizer: Callable | None = None
-    """(ops, t2d, role, rowwise, transposed, compute_dtype) -> operands, None: the backend's."""
+    """(ops, t2d, role, rowwise, transposed, compute_dtype) -> operands, None: the backend's;
+    wgrad_input: (ops, saved, compute_dtype) -> wgrad's input operand from what it saved."""
+    wgrad_input: Callable | None = None
 
     @property
     def recipe(self) -> str:
@@ -223,6 +223,8 @@ def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
         x_t = ctx.saved_input
         if ctx.saved_source is not None:
             x_t = _recomputed_input_operand(ops, ctx, plan, dy2d)
+        elif plan.wgrad_input is not None:
+            x_t = plan.wgrad_input(ops, x_t, ctx.compute_dtype)
         dw = ops.gemm(dy_t, x_t, recipe=plan.recipe, out_dtype=ctx.weight_dtype, fast_accum=False)
     return dx2d, dw
 
@@ -297,7 +299,7 @@ class Fp8Linear(nn.Module):
     """y = x W^T + b with FP8 GEMMs; `.weight` is [out, in], `.bias` is [out] or None."""
 
     bias_in_gemm = True  # False: a subclass adds the bias itself (row-parallel: after the sum)
-    fp8_quantizer: Callable | None = None  # a subclass's `_Plan.quantizer` (tensor-parallel)
+    fp8_quantizer = fp8_wgrad_input = None  # a subclass's `_Plan.quantizer`, `.wgrad_input` (TP)
 
     def __init__(
         self,
@@ -320,8 +322,7 @@ class Fp8Linear(nn.Module):
         self._init_like_nn_linear(weight)
         self.delayed_scaling = None
         self._weight_stand_in: torch.Tensor | None = None
-        # Set by prepare_for_compile's pre-forward hook for the forward that follows: whether
-        # it is an activation recompute (asked eagerly); None outside such a forward.
+        # prepare_for_compile's pre-forward hook: whether the next forward recomputes; else None.
         self._hooked_recompute: bool | None = None
         self._flush_after_forward: list = []
         self._weight_stand_in_spec: RecipeSpec | None = None
@@ -486,7 +487,6 @@ class Fp8Linear(nn.Module):
             recompute = False
         else:
             recompute = fp8_state.in_recompute()
-        # The settings come from one place (the module's setup) for forward and recompute.
         enabled, config, group, setup = self._current_settings()
         if not enabled:
             if stand_in is not None:  # the dequantized weight is computed outside the graph
@@ -509,8 +509,8 @@ class Fp8Linear(nn.Module):
         plan = build_plan(
             config, self.delayed_scaling, recompute=recompute, group=group, device=x.device
         )
-        plan.bookkept_outside, plan.quantizer = hooked, self.fp8_quantizer
-        plan.setup = setup
+        plan.bookkept_outside, plan.setup = hooked, setup
+        plan.quantizer, plan.wgrad_input = self.fp8_quantizer, self.fp8_wgrad_input
         if self.fp8_stats_on and not recompute and not torch.compiler.is_compiling():
             plan.stats = functools.partial(self.fp8_stats_sink, self)
         if plan.metas is not None:

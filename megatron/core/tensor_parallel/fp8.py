@@ -16,14 +16,16 @@ parallelism", states the rules; this module applies them through the FP8 package
   GEMM reads them as its quantized input (the same quantizer hands them over): each rank
   quantizes its sequence shard as the whole input quantizes (tensorwise: with the amax
   MAX-reduced over TP first; delayed: the history's scale, agreed over TP, and the agreed amax
-  recorded), and the bytes (and block scale grids) are gathered in rank order. Per-tensor
-  recipes gather the rowwise bytes once (wgrad reads their transpose). Block recipes' rowwise
-  1x128 / 1x32 cells are row-local, but wgrad reads Bx1 cells along the tokens, which are a
-  rank's own only when its token count per sequence is a multiple of B (128 blockwise, 32
-  mxfp8): then the columnwise copy is quantized locally and gathered too, in forward and kept
-  for backward (Megatron-LM would re-gather it in backward); otherwise the input is gathered
-  in high precision (logged once per recipe and shard length). Each FP8 gather moves half of a
-  bf16 gather's bytes (counted; scale grids, 1/32 of that, travel uncounted).
+  recorded), and the bytes (and block scale grids) are gathered in rank order. Only this
+  rank's shard of the bytes wgrad reads is kept, gathered again in backward
+  (`_regathered_wgrad_input`, the layer's `_Plan.wgrad_input`), as Megatron-LM keeps a bf16
+  input's shard: per-tensor recipes gather the rowwise bytes both times (wgrad reads their
+  transpose). Block recipes' rowwise 1x128 / 1x32 cells are row-local, but wgrad reads Bx1
+  cells along the tokens, which are a rank's own only when its token count per sequence is a
+  multiple of B (128 blockwise, 32 mxfp8): then the columnwise copy is quantized locally,
+  kept, and gathered in backward; otherwise the input is gathered in high precision (logged
+  once per recipe and shard length). Each FP8 gather moves half of a bf16 gather's bytes
+  (counted; scale grids, 1/32 of that, travel uncounted).
 - Under torch.compile, a column-parallel Linear whose forward makes QuantizedTensors of its
   activations (the FP8 sequence gather of delayed, blockwise and mxfp8) runs eagerly between
   the layer's compiled pieces (`_forward_eagerly`); the others trace like any Fp8Linear, the
@@ -36,6 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -100,45 +103,81 @@ def _gather_tokens(
     return full.reshape(-1, raw.shape[-1]).view(t.dtype)
 
 
-def _gathered(shard: QuantizedTensor, batch: int, group: dist.ProcessGroup) -> QuantizedTensor:
-    """The QuantizedTensor of the gathered [batch * S, D] input from this rank's shard's:
-    bytes (counted) and block scale grids gathered along the tokens; a per-tensor scale is
-    already the same on every rank."""
+def _gathered(
+    shard: QuantizedTensor, batch: int, group: dist.ProcessGroup | None, directions: tuple
+) -> QuantizedTensor:
+    """The QuantizedTensor of the gathered [batch * S, D] input from this rank's shard's, in
+    `directions` only: bytes (counted) and block scale grids gathered along the tokens; a
+    per-tensor scale is already the same on every rank. group None: the shard's own bytes in
+    `directions` (nothing gathered)."""
     per_tensor = shard.spec.per_tensor
     parts = {}
     for direction in ("rowwise", "columnwise"):
-        data = getattr(shard, f"{direction}_data")
-        scale_inv = getattr(shard, f"{direction}_scale_inv")
-        if data is not None:  # the bytes counted, the scale grids not
+        data = scale_inv = None
+        if direction in directions:
+            data = getattr(shard, f"{direction}_data")
+            scale_inv = getattr(shard, f"{direction}_scale_inv")
+        if data is not None and group is not None:  # the bytes counted, the scale grids not
             data = _gather_tokens(data, batch, group, count=True)
             if not per_tensor:
                 scale_inv = _gather_tokens(scale_inv, batch, group, count=False)
         parts[f"{direction}_data"], parts[f"{direction}_scale_inv"] = data, scale_inv
-    rows = shard.shape[0] * dist.get_world_size(group)
+    rows = shard.shape[0] * (dist.get_world_size(group) if group is not None else 1)
     meta = dict(recipe=shard.recipe, fp8_dtype=shard.fp8_dtype, role=shard.role)
     return QuantizedTensor(shape=(rows, shard.shape[1]), dtype=shard.dtype, **meta, **parts)
 
 
+def _wgrad_direction(shard: QuantizedTensor) -> str:
+    """The bytes wgrad's operand is made from: the columnwise copy where the recipe quantizes
+    one (block recipes), else the rowwise bytes (their transpose)."""
+    return "columnwise" if shard.columnwise_data is not None else "rowwise"
+
+
+class SequenceGathered(NamedTuple):
+    """A sequence-parallel input moved as FP8 bytes: the gathered operand that fprop reads, and
+    this rank's shard's bytes that backward gathers again for wgrad (only the shard is kept,
+    as Megatron-LM and TransformerEngine keep it)."""
+
+    gathered: QuantizedTensor | Fp8Operand
+    shard: QuantizedTensor | Fp8Operand
+    batch: int
+    """Sequences in the micro-batch (the gathers' token-major layout)."""
+
+
 def gather_fp8_sequence(
     x: torch.Tensor, group: dist.ProcessGroup, quantize_shard: Callable, *, values: bool = False
-) -> tuple[torch.Tensor, QuantizedTensor | Fp8Operand | None]:
-    """(x's [B, S, D] stand-in, gathered input [B * S, D]) from this rank's [B, S/tp, D],
-    moved as FP8 bytes quantized by `quantize_shard(shard [B * S/tp, D])`: a QuantizedTensor,
-    or (tensorwise) the rowwise Fp8Operand, plain tensors that a compiled graph holds;
-    `values`: the stand-in holds the gathered values (dequantized: --log-fp8-stats reads
-    them). (x, None) on one rank."""
+) -> tuple[torch.Tensor, SequenceGathered | None]:
+    """(x's [B, S, D] stand-in, the gathered input [B * S, D] and the shard's wgrad bytes) from
+    this rank's [B, S/tp, D], moved as FP8 bytes quantized by `quantize_shard(shard [B * S/tp,
+    D])`: QuantizedTensors, or (tensorwise) rowwise Fp8Operands, plain tensors that a compiled
+    graph holds; `values`: the stand-in holds the gathered values (dequantized: --log-fp8-stats
+    reads them). (x, None) on one rank."""
     world = dist.get_world_size(group)
     if world == 1:
         return x, None
     shard = quantize_shard(x.detach().reshape(-1, x.shape[-1]))
     if isinstance(shard, Fp8Operand):  # per tensor: the scale is agreed, the bytes travel
         gathered = shard._replace(data=_gather_tokens(shard.data, x.shape[0], group, count=True))
+        kept = shard
         full = gathered.dequantize().to(x.dtype) if values else None
     else:
-        gathered = _gathered(shard, x.shape[0], group)
+        gathered = _gathered(shard, x.shape[0], group, ("rowwise",))
+        kept = _gathered(shard, x.shape[0], None, (_wgrad_direction(shard),))
         full = gathered.dequantize(x.dtype) if values else None
     shape = (x.shape[0], x.shape[1] * world, *x.shape[2:])
-    return _SequenceGatherEdge.apply(x, group, shape, full), gathered
+    return _SequenceGatherEdge.apply(x, group, shape, full), SequenceGathered(
+        gathered, kept, x.shape[0]
+    )
+
+
+def _regathered_wgrad_input(ops, shard, compute_dtype, *, batch, group):
+    """`_Plan.wgrad_input` under sequence parallelism: wgrad's operand of the gathered input,
+    from this rank's shard's bytes gathered again now (as the forward gathered them)."""
+    if isinstance(shard, Fp8Operand):  # wgrad reads the gathered rowwise bytes' transpose
+        data = _gather_tokens(shard.data, batch, group, count=True)
+        return shard._replace(data=data.t().contiguous())
+    gathered = _gathered(shard, batch, group, (_wgrad_direction(shard),))
+    return ops.weight_operand(gathered, "columnwise", compute_dtype=compute_dtype)
 
 
 def _split_operands(
@@ -148,15 +187,11 @@ def _split_operands(
     operands of the `given` (gathered) input; under tensorwise, of a `split` role's tensor
     quantized by the backend with the amax MAX-reduced over `group` (plain tensors: a
     compiled graph holds them); None (the backend's quantization) otherwise."""
-    if role == "input" and isinstance(given, Fp8Operand):  # tensorwise's gathered rowwise bytes
-        col = given._replace(data=given.data.t().contiguous()) if transposed else None
-        return (given if rowwise else None), col  # wgrad reads their transpose
-    if role == "input" and given is not None:
-        row = ops.weight_operand(given, "rowwise", compute_dtype=compute_dtype) if rowwise else None
-        col = None
-        if transposed:
-            col = ops.weight_operand(given, "columnwise", compute_dtype=compute_dtype)
-        return row, col
+    if role == "input" and given is not None:  # the gathered input; wgrad's is made later
+        row = given.gathered
+        if rowwise and not isinstance(row, Fp8Operand):
+            row = ops.weight_operand(row, "rowwise", compute_dtype=compute_dtype)
+        return (row if rowwise else None), (given.shard if transposed else None)
     if role not in split or not config.spec.accepts_global_amax:
         return None
     return _agreed_amax_operands(ops, t2d, config, role, group, rowwise, transposed)
@@ -179,12 +214,17 @@ def _agreed_amax_operands(ops, t2d, config, role, group, rowwise, transposed):
 
 
 def _set_quantizer(layer: Fp8Linear, config: Fp8Config, split: tuple[str, ...], given=None):
-    """Point `layer`'s next GEMMs (its plan keeps the function for backward) at
-    `_split_operands` with these settings; at TP = 1 nothing."""
+    """Point `layer`'s next GEMMs (its plan keeps the functions for backward) at
+    `_split_operands` with these settings, and with an input `given` gathered over the sequence
+    its wgrad at `_regathered_wgrad_input`; at TP = 1 nothing."""
     if layer.tp.size > 1:
+        group = layer.tp.group
         layer.fp8_quantizer = functools.partial(
-            _split_operands, config=config, group=layer.tp.group, split=split, given=given
+            _split_operands, config=config, group=group, split=split, given=given
         )
+    if given is not None:
+        regather = functools.partial(_regathered_wgrad_input, group=group, batch=given.batch)
+        layer.fp8_wgrad_input = regather
 
 
 @torch._dynamo.disable
@@ -254,7 +294,8 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
             x = gather_from_sequence_parallel_region(x, self.tp.group)
         _set_quantizer(self, config, ("grad",), given)  # the output, so its gradient, is split
         y = super().forward(x, **activation)
-        self.fp8_quantizer = None  # its plan keeps it for backward; the module keeps no input
+        # Its plan keeps them for backward; the module keeps no input.
+        self.fp8_quantizer = self.fp8_wgrad_input = None
         return y
 
     def _quantize_input_shard(self, shard: torch.Tensor) -> QuantizedTensor | Fp8Operand:

@@ -27,8 +27,8 @@ from megatron.core.dist_checkpointing.tp_placement import TensorParallelPlacemen
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     count_collective,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
+    linear_with_sequence_gather,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
@@ -335,11 +335,9 @@ def column_parallel_matmul(
     """Logits [B, S, V/tp] of this rank's vocabulary rows `weight` [V/tp, D] (the output
     layer's shard or the tied embedding's); `x` is replicated, or a sequence shard under
     sequence parallelism (gathered here)."""
-    if tensor_parallel.sequence_parallel:
-        x = gather_from_sequence_parallel_region(x, tensor_parallel.group)
-    else:
-        x = copy_to_tensor_parallel_region(x, tensor_parallel.group)
-    return F.linear(x, weight)
+    if tensor_parallel.sequence_parallel:  # only the shard is kept for backward
+        return linear_with_sequence_gather(x, weight, tensor_parallel.group)
+    return F.linear(copy_to_tensor_parallel_region(x, tensor_parallel.group), weight)
 
 
 def mark_replicated_sequence_parallel_(model: nn.Module, *, skip_prefixes: tuple[str, ...]):

@@ -11,6 +11,7 @@ Each function is the forward of a pair whose backward is its conjugate:
 | scatter_to_sequence_parallel_region | keep this rank's sequence slice | all-gather sequence |
 | gather_from_sequence_parallel_region | all-gather sequence | reduce-scatter sequence |
 | reduce_scatter_to_sequence_parallel_region | reduce-scatter sequence | all-gather sequence |
+| linear_with_sequence_gather | all-gather sequence, GEMM | all-gather again, reduce-scatter |
 
 Tensors are batch-first [B, S, ...], so the sequence dimension is 1 (Megatron-LM's is 0,
 [S, B, H]); rank r of the group holds slice r of a split dimension (rank order of the group).
@@ -24,8 +25,11 @@ counters (docs/SCALING.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 SEQUENCE_DIM = 1
 """The dimension that sequence parallelism splits: tensors are [B, S, D]."""
@@ -81,16 +85,36 @@ def _gather(
 ) -> torch.Tensor:
     """The slices of all ranks concatenated along `dim` in rank order (count: in the TP byte
     counters)."""
+    return _start_gather(x, dim, group, count=count, overlap=False)()
+
+
+def _overlaps() -> bool:
+    """Whether a collective may run asynchronously behind the next GEMM: in eager code (a
+    compiled graph orders its collectives itself)."""
+    return not torch.compiler.is_compiling()
+
+
+def _start_gather(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, count: bool = True, overlap: bool
+) -> Callable[[], torch.Tensor]:
+    """Start `_gather` (asynchronously with `overlap`); the function returned waits for it and
+    returns the full tensor."""
     world = _world(group)
     if world == 1:
-        return x
+        return lambda: x
     x = x.contiguous()
     pieces = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(pieces, x, group=group)
-    full = torch.cat(pieces, dim=dim)
-    if count:
-        count_collective("all_gather", full)
-    return full
+    work = dist.all_gather(pieces, x, group=group, async_op=overlap)
+
+    def finish() -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        full = torch.cat(pieces, dim=dim)
+        if count:
+            count_collective("all_gather", full)
+        return full
+
+    return finish
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "all_reduce"):
@@ -105,18 +129,66 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, *, kind: str = "all_r
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """The sum over ranks of `x`, of which this rank keeps its slice along `dim`."""
+    return _start_reduce_scatter(x, dim, group, overlap=False)()
+
+
+def _start_reduce_scatter(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, overlap: bool
+) -> Callable[[], torch.Tensor]:
+    """Start `_reduce_scatter` (asynchronously with `overlap`); the function returned waits for
+    it and returns this rank's slice of the sum."""
     world = _world(group)
     if world == 1:
-        return x
+        return lambda: x
     _check_divisible(x.shape[dim], world, dim)
     if dist.get_backend(group) == dist.Backend.GLOO:
         # gloo has no reduce-scatter: the all-reduce's sum is the same, one slice is kept.
-        return _split(_all_reduce(x, group, kind="reduce_scatter"), dim, group)
-    inputs = [piece.contiguous() for piece in x.chunk(world, dim=dim)]
-    out = torch.empty_like(inputs[0])
-    dist.reduce_scatter(out, inputs, group=group)
-    count_collective("reduce_scatter", x)
-    return out
+        total = x.contiguous().clone()
+        work = dist.all_reduce(total, group=group, async_op=overlap)
+        count_collective("reduce_scatter", total)
+        out = None
+    else:
+        inputs = [piece.contiguous() for piece in x.chunk(world, dim=dim)]
+        out = torch.empty_like(inputs[0])
+        work = dist.reduce_scatter(out, inputs, group=group, async_op=overlap)
+        count_collective("reduce_scatter", x)
+
+    def finish() -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        return out if out is not None else _split(total, dim, group)
+
+    return finish
+
+
+class _LinearWithSequenceGather(torch.autograd.Function):
+    """x W^T of the sequence-gathered x, keeping only this rank's shard of x for backward (as
+    Megatron-LM's column-parallel Linear under sequence parallelism): backward gathers it again
+    for the weight gradient, behind the input gradient's GEMM, and reduce-scatters the input
+    gradient behind the weight gradient's GEMM (in eager code)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather(x, SEQUENCE_DIM, group), weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        overlap = _overlaps()
+        gathering = _start_gather(x, SEQUENCE_DIM, ctx.group, overlap=overlap) if need_w else None
+        scattering = None
+        if need_x:
+            scattering = _start_reduce_scatter(
+                grad.matmul(weight), SEQUENCE_DIM, ctx.group, overlap=overlap
+            )
+        grad_w = None
+        if need_w:
+            full = gathering()
+            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
+        return (scattering() if need_x else None), grad_w, None
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -213,6 +285,15 @@ def gather_from_sequence_parallel_region(
     (the consumer is a column-parallel GEMM whose input gradient is a partial sum), or with
     `grad_is_partial=False` keeps this rank's slice."""
     return _GatherAlong.apply(x, SEQUENCE_DIM, group, grad_is_partial)
+
+
+def linear_with_sequence_gather(
+    x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """The column-parallel GEMM under sequence parallelism: x [B, S/tp, D] gathered along the
+    sequence, times weight [N, D]^T; backward gathers x again (only the shard is kept) and
+    reduce-scatters the input gradient."""
+    return _LinearWithSequenceGather.apply(x, weight, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(

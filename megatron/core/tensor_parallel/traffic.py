@@ -12,8 +12,9 @@ FC2):
   a reduce-scatter of A (forward: gather before each column-parallel GEMM, reduce-scatter after
   each row-parallel one; backward the conjugates), the embedding keeps its all-reduce and its
   sequence split adds an all-gather of the gradient, the output layer gathers its input
-  (reduce-scatter of the gradient): all-reduce A, all-gather A (4 L + 2), reduce-scatter
-  A (4 L + 1);
+  (reduce-scatter of the gradient); each column-parallel GEMM (QKV, FC1, the output layer)
+  keeps only its input's shard and gathers it again in backward for its weight gradient, as
+  Megatron-LM does: all-reduce A, all-gather A (6 L + 3), reduce-scatter A (4 L + 1);
 - the vocab-parallel cross-entropy: three all-reduces of B * S fp32 values (forward);
 - once per step with sequence parallelism: the gradients of the parameters that see only the
   sequence shard (norms, row-parallel biases) all-reduced over TP.
@@ -47,7 +48,7 @@ def micro_batch_bytes(
         }
     return {
         "all_reduce": activation + loss,
-        "all_gather": activation * (4 * num_layers + 2),
+        "all_gather": activation * (6 * num_layers + 3),
         "reduce_scatter": activation * (4 * num_layers + 1),
     }
 

@@ -1,14 +1,16 @@
 """Issue 40, acceptance 2 (bytes): under --sequence-parallel the column-parallel input is
 all-gathered as FP8 bytes and handed to the GEMM as its quantized input, so the
 tensor-parallel counters (`tensor_parallel_bytes`) show each FP8 gather at half of bf16's
-bytes. Per-tensor recipes gather the rowwise bytes once (wgrad reads their transpose); the
-amax agreed over TP first is counted apart, as one 4-byte all-reduce. Block recipes gather the
-rowwise bytes and the columnwise copy (wgrad's Bx1 cells along the tokens), two gathers of
-half a bf16 gather's bytes, when each rank's tokens are whole cells (128 blockwise, 32 mxfp8);
-otherwise they gather in bf16. Scale grids travel with the bytes, uncounted (4 bytes per 128
-elements blockwise, 1 per 32 mxfp8: 1/32 of the FP8 bytes). The GEMM operands of the gathered
-input (rowwise for fprop, transposed for wgrad), and of the split output gradient (its
-tensorwise scale from the amax MAX-reduced over TP), are bitwise TP = 1's."""
+bytes. Only this rank's shard of the bytes wgrad reads is kept for backward and gathered again
+there, as Megatron-LM keeps the shard of a bf16 input: per-tensor recipes gather the rowwise
+bytes in forward and again in backward (wgrad reads their transpose), block recipes the rowwise
+bytes in forward and the columnwise copy (wgrad's Bx1 cells along the tokens) in backward, when
+each rank's tokens are whole cells (128 blockwise, 32 mxfp8); otherwise they gather in bf16 and
+keep the FP8 copy of the whole input. The amax agreed over TP first is counted apart, as one
+4-byte all-reduce. Scale grids travel with the bytes, uncounted (4 bytes per 128 elements
+blockwise, 1 per 32 mxfp8: 1/32 of the FP8 bytes). The GEMM operands of the gathered input
+(rowwise for fprop, transposed for wgrad), and of the split output gradient (its tensorwise
+scale from the amax MAX-reduced over TP), are bitwise TP = 1's."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core.fp8 import Fp8Config, Fp8Linear, reference_ops
+from megatron.core.fp8 import Fp8Config, Fp8Linear, QuantizedTensor, reference_ops
 from megatron.core.tensor_parallel import ColumnParallelLinear, TensorParallel
 from megatron.core.tensor_parallel.fp8 import Fp8ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import (
@@ -75,13 +77,27 @@ def _layer_case(recipe: str, tp: TensorParallel, *, batch, seq, hidden, out) -> 
         reset_tensor_parallel_bytes()
         y = twin(shard)
         found["bytes"] = tensor_parallel_bytes()
+        found["kept"] = _kept_input_bytes(y)
+        reset_tensor_parallel_bytes()
         y.backward(grad.chunk(tp.size, dim=-1)[tp.rank])
+        found["backward bytes"] = tensor_parallel_bytes()
 
     found["twin"] = _operands(run_twin)
     if full.delayed_scaling is not None:
         histories = [m.delayed_scaling.metas["input"].amax_history for m in (full, twin)]
         found["histories"] = [h.clone() for h in histories]
     return found
+
+
+def _kept_input_bytes(y: torch.Tensor) -> int:
+    """Bytes of the input operand that the FP8 Linear behind `y` keeps for its wgrad."""
+    node = y.grad_fn
+    while not hasattr(node, "saved_input"):
+        node = node.next_functions[0][0]
+    kept = node.saved_input
+    if isinstance(kept, QuantizedTensor):
+        return sum(t.numel() for t in (kept.rowwise_data, kept.columnwise_data) if t is not None)
+    return kept.data.numel() * kept.data.element_size()
 
 
 def _cases(rank: int, world_size: int) -> dict:
@@ -95,8 +111,11 @@ def _cases(rank: int, world_size: int) -> dict:
             shape["hidden"], shape["out"], bias=False, tensor_parallel=tp, dtype=torch.bfloat16
         )
         reset_tensor_parallel_bytes()
-        bf16(shard.detach().requires_grad_())
+        y = bf16(shard.detach().requires_grad_())
         found[name, "bf16"] = tensor_parallel_bytes()
+        reset_tensor_parallel_bytes()
+        y.backward(torch.ones_like(y))
+        found[name, "bf16 backward"] = tensor_parallel_bytes()
         for recipe in RECIPES:
             found[name, recipe] = _layer_case(recipe, tp, **shape)
     found["stats"] = _input_stats(tp)
@@ -133,18 +152,32 @@ def _half_bf16(shape: dict) -> int:
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("case", ["unaligned", "aligned"])
 def test_sequence_parallel_gather_bytes(per_rank, case, recipe) -> None:
+    """Forward gathers the rowwise bytes; only the shard's wgrad bytes are kept, gathered again
+    in backward (bf16's Linear keeps its shard too); the input gradient is reduce-scattered in
+    the activations' dtype."""
     shape = UNALIGNED if case == "unaligned" else ALIGNED
     half = _half_bf16(shape)
     bf16 = {"all_reduce": 0, "all_gather": 2 * half, "reduce_scatter": 0}
-    if recipe in ("delayed", "tensorwise"):
-        expected = {"all_reduce": 4, "all_gather": half, "reduce_scatter": 0}
-    elif case == "aligned":  # rowwise bytes, then the columnwise copy: half a bf16 gather each
-        expected = {"all_reduce": 0, "all_gather": half + half, "reduce_scatter": 0}
-    else:
-        expected = bf16
+    bf16_backward = {"all_reduce": 0, "all_gather": 2 * half, "reduce_scatter": 2 * half}
+    amax = 4 if recipe in ("delayed", "tensorwise") else 0  # the agreed amax, one fp32
+    fp8 = recipe in ("delayed", "tensorwise") or case == "aligned"
+    if fp8:
+        forward = {"all_reduce": amax, "all_gather": half, "reduce_scatter": 0}
+        kept = half // 2  # this rank's half of the tokens, one byte each
+    else:  # gathered in bf16; the Linear keeps its FP8 copy of the whole input
+        forward, kept = bf16, half
+    backward_amax = 4 if recipe == "tensorwise" else 0  # the split output gradient's
+    backward = {
+        "all_reduce": backward_amax,
+        "all_gather": half if fp8 else 0,
+        "reduce_scatter": 2 * half,
+    }
     for found in per_rank:
         assert found[case, "bf16"] == bf16
-        assert found[case, recipe]["bytes"] == expected
+        assert found[case, "bf16 backward"] == bf16_backward
+        assert found[case, recipe]["bytes"] == forward
+        assert found[case, recipe]["backward bytes"] == backward
+        assert found[case, recipe]["kept"] == kept
 
 
 def _piece(t: torch.Tensor, dim: int, rank: int) -> torch.Tensor:

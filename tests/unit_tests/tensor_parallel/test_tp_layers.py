@@ -42,3 +42,15 @@ def test_tensor_parallel_equals_tp1(tp_size, case):
     assert max(errors) <= TOLERANCE, f"{case} at TP {tp_size}: errors by rank {errors}"
     if case.endswith("/init"):
         assert max(errors) == 0.0
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("block", ["mlp/swiglu", "mlp/plain", "attention/plain"])
+def test_sequence_parallel_keeps_only_the_input_shard(tp_size, block):
+    """Under --sequence-parallel a column-parallel Linear keeps its input's sequence shard for
+    backward and gathers it again there (activation memory / TP, as in Megatron-LM): no tensor
+    of the gathered [B, S, D] shape is saved; without sequence parallelism the replicated input
+    is kept (the check sees it)."""
+    for results in _results(tp_size):
+        assert results[f"sp/{block}/gathered_saved"] == 0.0
+        assert results[f"tp/{block}/gathered_saved"] >= 1.0

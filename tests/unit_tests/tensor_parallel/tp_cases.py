@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel import (
     all_reduce_sequence_parallel_grads,
     tensor_parallel_shards,
 )
+from megatron.core.tensor_parallel.layers import ColumnSplit
 from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -90,7 +91,20 @@ def _run_block(kind: str, tp: TensorParallel, config: TransformerConfig) -> dict
     inp = x_twin
     if tp.sequence_parallel:
         inp = scatter_to_sequence_parallel_region(x_twin, tp.group)
-    out = twin(inp, *args)
+    saved_shapes, hidden, inside = [], config.hidden_size, []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if inside and not isinstance(t, nn.Parameter):  # the column-parallel Linears' activations
+            saved_shapes.append(tuple(t.shape))
+        return t
+
+    for module in twin.modules():
+        if isinstance(module, ColumnSplit):
+            module.register_forward_pre_hook(lambda *_: inside.append(True))
+            module.register_forward_hook(lambda *_: inside.clear())
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = twin(inp, *args)
     if tp.sequence_parallel:
         assert out.shape[1] == SEQ // tp.size
         out = gather_from_sequence_parallel_region(out, tp.group, grad_is_partial=False)
@@ -102,6 +116,10 @@ def _run_block(kind: str, tp: TensorParallel, config: TransformerConfig) -> dict
         "out": (out.detach() - expected_out).abs().max().item(),
         "input_grad": (x_twin.grad - x_full.grad).abs().max().item(),
         "grads": _grad_error(full, twin),
+        # Column-parallel inputs kept at the gathered [B, S, D] (Megatron-LM keeps the shard).
+        "gathered_saved": float(
+            sum(s in [(BATCH, SEQ, hidden), (BATCH * SEQ, hidden)] for s in saved_shapes)
+        ),
     }
 
 
