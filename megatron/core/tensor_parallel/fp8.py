@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -133,12 +133,14 @@ def _wgrad_direction(shard: QuantizedTensor) -> str:
     return "columnwise" if shard.columnwise_data is not None else "rowwise"
 
 
-class SequenceGathered(NamedTuple):
-    """A sequence-parallel input moved as FP8 bytes: the gathered operand that fprop reads, and
-    this rank's shard's bytes that backward gathers again for wgrad (only the shard is kept,
-    as Megatron-LM and TransformerEngine keep it)."""
+@dataclass
+class SequenceGathered:
+    """A sequence-parallel input moved as FP8 bytes: the gathered operand that fprop reads
+    (dropped when the forward is done: the plan that backward keeps holds this), and this
+    rank's shard's bytes that backward gathers again for wgrad (only the shard is kept, as
+    Megatron-LM and TransformerEngine keep it)."""
 
-    gathered: QuantizedTensor | Fp8Operand
+    gathered: QuantizedTensor | Fp8Operand | None
     shard: QuantizedTensor | Fp8Operand
     batch: int
     """Sequences in the micro-batch (the gathers' token-major layout)."""
@@ -294,8 +296,10 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnSplit):
             x = gather_from_sequence_parallel_region(x, self.tp.group)
         _set_quantizer(self, config, ("grad",), given)  # the output, so its gradient, is split
         y = super().forward(x, **activation)
-        # Its plan keeps them for backward; the module keeps no input.
+        # Its plan keeps them for backward; the module keeps no input, the plan no gathered one.
         self.fp8_quantizer = self.fp8_wgrad_input = None
+        if given is not None:
+            given.gathered = None
         return y
 
     def _quantize_input_shard(self, shard: torch.Tensor) -> QuantizedTensor | Fp8Operand:

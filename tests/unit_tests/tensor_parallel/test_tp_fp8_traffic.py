@@ -14,10 +14,14 @@ scale from the amax MAX-reduced over TP), are bitwise TP = 1's."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
 
+import megatron.core.tensor_parallel.fp8 as fp8_tp
 from megatron.core.fp8 import Fp8Config, Fp8Linear, QuantizedTensor, reference_ops
 from megatron.core.tensor_parallel import ColumnParallelLinear, TensorParallel
 from megatron.core.tensor_parallel.fp8 import Fp8ColumnParallelLinear
@@ -45,7 +49,9 @@ def _operands(run) -> list[tuple]:
     gemm, found = reference_ops.gemm, []
 
     def spy(a, b, **kwargs):
-        found.append(tuple((op.data.view(torch.uint8).clone(), op.scale_inv) for op in (a, b)))
+        found.append(
+            tuple((op.data.view(torch.uint8).clone(), op.scale_inv.clone()) for op in (a, b))
+        )
         return gemm(a, b, **kwargs)
 
     setattr(reference_ops, "gemm", spy)  # noqa: B010
@@ -75,9 +81,15 @@ def _layer_case(recipe: str, tp: TensorParallel, *, batch, seq, hidden, out) -> 
 
     def run_twin() -> None:
         reset_tensor_parallel_bytes()
-        y = twin(shard)
+        gathers = _spy_gathers()
+        try:
+            y = twin(shard)
+        finally:
+            fp8_tp._gather_tokens = gathers.original
         found["bytes"] = tensor_parallel_bytes()
         found["kept"] = _kept_input_bytes(y)
+        gc.collect()
+        found["forward gathers alive"] = sum(ref() is not None for ref in gathers.refs)
         reset_tensor_parallel_bytes()
         y.backward(grad.chunk(tp.size, dim=-1)[tp.rank])
         found["backward bytes"] = tensor_parallel_bytes()
@@ -87,6 +99,24 @@ def _layer_case(recipe: str, tp: TensorParallel, *, batch, seq, hidden, out) -> 
         histories = [m.delayed_scaling.metas["input"].amax_history for m in (full, twin)]
         found["histories"] = [h.clone() for h in histories]
     return found
+
+
+class _Spy:
+    def __init__(self) -> None:
+        self.original, self.refs = fp8_tp._gather_tokens, []
+
+
+def _spy_gathers() -> _Spy:
+    """Weak references to every FP8 byte gather's output (`_gather_tokens`) until restored."""
+    spy = _Spy()
+
+    def gather(t, batch, group, *, count):
+        out = spy.original(t, batch, group, count=count)
+        spy.refs.append(weakref.ref(out))
+        return out
+
+    fp8_tp._gather_tokens = gather
+    return spy
 
 
 def _kept_input_bytes(y: torch.Tensor) -> int:
@@ -178,6 +208,7 @@ def test_sequence_parallel_gather_bytes(per_rank, case, recipe) -> None:
         assert found[case, recipe]["bytes"] == forward
         assert found[case, recipe]["backward bytes"] == backward
         assert found[case, recipe]["kept"] == kept
+        assert found[case, recipe]["forward gathers alive"] == 0  # nothing gathered is kept
 
 
 def _piece(t: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
