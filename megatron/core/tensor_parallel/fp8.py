@@ -219,11 +219,12 @@ def _set_quantizer(layer: Fp8Linear, config: Fp8Config, split: tuple[str, ...], 
     """Point `layer`'s next GEMMs (its plan keeps the functions for backward) at
     `_split_operands` with these settings, and with an input `given` gathered over the sequence
     its wgrad at `_regathered_wgrad_input`; at TP = 1 nothing."""
-    if layer.tp.size > 1:
-        group = layer.tp.group
-        layer.fp8_quantizer = functools.partial(
-            _split_operands, config=config, group=group, split=split, given=given
-        )
+    if layer.tp.size == 1:
+        return
+    group = layer.tp.group
+    layer.fp8_quantizer = functools.partial(
+        _split_operands, config=config, group=group, split=split, given=given
+    )
     if given is not None:
         regather = functools.partial(_regathered_wgrad_input, group=group, batch=given.batch)
         layer.fp8_wgrad_input = regather

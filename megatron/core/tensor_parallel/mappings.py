@@ -88,12 +88,6 @@ def _gather(
     return _start_gather(x, dim, group, count=count, overlap=False)()
 
 
-def _overlaps() -> bool:
-    """Whether a collective may run asynchronously behind the next GEMM: in eager code (a
-    compiled graph orders its collectives itself)."""
-    return not torch.compiler.is_compiling()
-
-
 def _start_gather(
     x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, count: bool = True, overlap: bool
 ) -> Callable[[], torch.Tensor]:
@@ -142,21 +136,19 @@ def _start_reduce_scatter(
         return lambda: x
     _check_divisible(x.shape[dim], world, dim)
     if dist.get_backend(group) == dist.Backend.GLOO:
-        # gloo has no reduce-scatter: the all-reduce's sum is the same, one slice is kept.
-        total = x.contiguous().clone()
-        work = dist.all_reduce(total, group=group, async_op=overlap)
-        count_collective("reduce_scatter", total)
-        out = None
-    else:
-        inputs = [piece.contiguous() for piece in x.chunk(world, dim=dim)]
-        out = torch.empty_like(inputs[0])
-        work = dist.reduce_scatter(out, inputs, group=group, async_op=overlap)
-        count_collective("reduce_scatter", x)
+        # gloo has no reduce-scatter: the all-reduce's sum is the same, one slice is kept (CPU
+        # runs: nothing to overlap).
+        total = _all_reduce(x, group, kind="reduce_scatter")
+        return lambda: _split(total, dim, group)
+    inputs = [piece.contiguous() for piece in x.chunk(world, dim=dim)]
+    out = torch.empty_like(inputs[0])
+    work = dist.reduce_scatter(out, inputs, group=group, async_op=overlap)
+    count_collective("reduce_scatter", x)
 
     def finish() -> torch.Tensor:
         if work is not None:
             work.wait()
-        return out if out is not None else _split(total, dim, group)
+        return out
 
     return finish
 
@@ -177,7 +169,7 @@ class _LinearWithSequenceGather(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
-        overlap = _overlaps()
+        overlap = not torch.compiler.is_compiling()  # a compiled graph orders its collectives
         gathering = _start_gather(x, SEQUENCE_DIM, ctx.group, overlap=overlap) if need_w else None
         scattering = None
         if need_x:
