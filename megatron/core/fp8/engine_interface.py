@@ -23,7 +23,7 @@ from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.cuda.piece_quantize import piece_cast_ as cast_piece_
 from megatron.core.fp8.cuda.piece_quantize import piece_cell_amax_ as add_piece_cell_amaxes_
 from megatron.core.fp8.cuda.piece_quantize import quantize_mxfp8_rows_ as quantize_mxfp8_bands_
-from megatron.core.fp8.cuda.piece_quantize import rows_cols
+from megatron.core.fp8.cuda.piece_quantize import rows_cols, stacked_cell_rows
 from megatron.core.fp8.cuda.piece_quantize import rows_cols as weight_rows_cols
 from megatron.core.fp8.formats import fp8_dtype_for_role
 from megatron.core.fp8.linear import Fp8Linear
@@ -54,6 +54,7 @@ __all__ = [
     "quantized_model_init",
     "recipe_spec",
     "record_weight_amaxes",
+    "stacked_cell_rows",
     "weight_cell_scales",
     "weight_fp8_dtype",
     "weight_rows_cols",
@@ -116,12 +117,12 @@ def weight_cell_scales(
     spec: RecipeSpec,
     fp8_dtype: torch.dtype,
     power_2_scale: bool | None,
-    delayed_meta: ScalingMeta | None,
+    delayed_metas: list[ScalingMeta | None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantize multiplier, stored scale_inv) of each cell, as `quantize` derives them from
-    the global amaxes; delayed: from the weight's scaling state instead."""
+    the global amaxes; delayed: from each weight's scaling state instead (one cell each)."""
     if spec.delayed:
-        scale = delayed_meta.scale.to(torch.float32).reshape(())
+        scale = torch.stack([meta.scale.to(torch.float32).reshape(()) for meta in delayed_metas])
         return scale, reciprocal(scale)
     return block_scales(
         cell_amaxes,

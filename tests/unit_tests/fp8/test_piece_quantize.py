@@ -66,13 +66,13 @@ def _multiplier(recipe, amax, *, fp8_dtype, delayed_scale):
     return scale, reciprocal(scale)
 
 
-def _quantize_in_pieces(x, *, recipe, fp8_dtype, cuts, delayed_scale):
+def _quantize_in_pieces(x, *, recipe, fp8_dtype, cuts, delayed_scale, cell_rows=None):
     """{columnwise: (bytes [M, K], scale_inv grid, amax grid)} from the pieces of x."""
     shape, flat = x.shape, x.reshape(-1)
     results = {}
     for columnwise in _directions(recipe):
-        grid_rows, grid_cols = pq.grid_dims(shape, recipe=recipe, columnwise=columnwise)
-        amax = torch.zeros(grid_rows * grid_cols, dtype=torch.float32, device=x.device)
+        grid = pq.grid_dims(shape, recipe=recipe, columnwise=columnwise, cell_rows=cell_rows)
+        amax = torch.zeros(grid[0] * grid[1], dtype=torch.float32, device=x.device)
         for lo, hi in zip(cuts, cuts[1:]):
             pq.piece_cell_amax_(
                 flat[lo:hi],
@@ -81,6 +81,7 @@ def _quantize_in_pieces(x, *, recipe, fp8_dtype, cuts, delayed_scale):
                 spec=recipe_spec(recipe),
                 columnwise=columnwise,
                 param_start=lo,
+                cell_rows=cell_rows,
             )
         multiplier, scale_inv = _multiplier(
             recipe, amax, fp8_dtype=fp8_dtype, delayed_scale=delayed_scale
@@ -96,6 +97,7 @@ def _quantize_in_pieces(x, *, recipe, fp8_dtype, cuts, delayed_scale):
                 columnwise=columnwise,
                 param_start=lo,
                 fp8_dtype=fp8_dtype,
+                cell_rows=cell_rows,
             )
         results[columnwise] = (data.view(shape), scale_inv, amax)
     return results
@@ -129,6 +131,85 @@ def test_pieces_equal_whole_weight_quantize(recipe, fp8_dtype):
                 assert torch.equal(_bytes(scale_inv), _bytes(want_scale)), (shape, cuts)
                 checked += 1
     assert checked == len(SHAPES) * 3 * len(_directions(recipe))
+
+
+STACKED = {"tensorwise": (4, 64, 136), "delayed": (3, 96, 40), "blockwise": (3, 256, 200)}
+"""Stacked expert weights [E, N, K] whose N a one-pass cell tiles (K ragged)."""
+
+
+def _stacked_reference(x, recipe, fp8_dtype, delayed_scales):
+    """Each expert quantized alone, bytes and scales stacked (what the engine must store)."""
+    parts = [
+        quantize(
+            x[e],
+            recipe=recipe,
+            fp8_dtype=fp8_dtype,
+            role="weight",
+            scale=delayed_scales[e] if recipe == "delayed" else None,
+        )
+        for e in range(x.shape[0])
+    ]
+    return torch.stack([p.rowwise_data for p in parts]), torch.stack(
+        [p.rowwise_scale_inv for p in parts]
+    )
+
+
+def _stacked_in_one_pass(x, recipe, fp8_dtype, delayed_scales, *, seed):
+    """x [E, N, K] cut at random flat offsets (mid-expert, mid-row), each piece written with
+    `stacked_cell_rows`: (bytes [E, N, K], scale_inv [E * cells], amax)."""
+    cell_rows = pq.stacked_cell_rows(x.shape, recipe_spec(recipe))
+    cuts = _cuts(x.numel(), pieces=5, seed=seed)
+    got = _quantize_in_pieces(
+        x, recipe=recipe, fp8_dtype=fp8_dtype, cuts=cuts, delayed_scale=delayed_scales,
+        cell_rows=cell_rows,
+    )[False]  # fmt: skip
+    return got[0].view(x.shape), got[1], got[2]
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("recipe", sorted(STACKED))
+def test_stacked_experts_in_one_pass_equal_each_expert_quantized(recipe, fp8_dtype):
+    """A stacked weight's pieces written with cells of `stacked_cell_rows` rows (per-tensor:
+    N, one cell per expert, each expert's delayed scale; blockwise: 128, none straddling two
+    experts): the bytes and scales of each expert quantized alone, bit for bit."""
+    experts, n, k = STACKED[recipe]
+    generator = torch.Generator().manual_seed(3)
+    magnitudes = torch.tensor([0.01, 7.0, 300.0, 1.0][:experts]).view(experts, 1, 1)
+    x = torch.randn(experts, n, k, generator=generator) * magnitudes
+    x[1, 5, 7] = float("nan")
+    delayed_scales = torch.tensor([37.5, 0.25, 3.0])
+    want_data, want_scale = _stacked_reference(x, recipe, fp8_dtype, delayed_scales)
+    data, scale_inv, amax = _stacked_in_one_pass(x, recipe, fp8_dtype, delayed_scales, seed=9)
+    assert torch.equal(data, want_data.view(torch.uint8).view(x.shape))
+    assert torch.equal(_bytes(scale_inv), _bytes(want_scale))
+    cells_per_expert = 1 if recipe != "blockwise" else (n // 128) * -(-k // 128)
+    assert amax.numel() == experts * cells_per_expert
+    expert_amax = amax.reshape(experts, -1).amax(1)
+    assert expert_amax[0] < 0.1 < 100 < expert_amax[2]
+
+
+def test_stacked_cell_rows():
+    """Cells of N rows (per tensor) or the block's rows, when they tile N and the kernel tile
+    (32 rows); None otherwise, and for mxfp8's 1x32 cells."""
+    rows = {
+        (recipe, n): pq.stacked_cell_rows(torch.Size([8, n, 64]), recipe_spec(recipe))
+        for recipe in RECIPES
+        for n in (48, 64, 256, 200)
+    }
+    assert [rows[("tensorwise", n)] for n in (48, 64, 256, 200)] == [None, 64, 256, None]
+    assert [rows[("delayed", n)] for n in (48, 64, 256, 200)] == [None, 64, 256, None]
+    assert [rows[("blockwise", n)] for n in (48, 64, 256, 200)] == [None, None, 128, None]
+    assert [rows[("mxfp8", n)] for n in (48, 64, 256, 200)] == [None] * 4
+    with pytest.raises(ValueError, match="cell rows must be a multiple of 32, got 48"):
+        pq.piece_cell_amax_(
+            torch.ones(96),
+            torch.zeros(2),
+            shape=torch.Size([2, 48, 1]),
+            spec=recipe_spec("tensorwise"),
+            columnwise=False,
+            param_start=0,
+            cell_rows=48,
+        )
 
 
 def test_partial_amaxes_of_a_straddled_block():
@@ -213,6 +294,18 @@ def test_triton_pieces_equal_torch_twin(recipe, fp8_dtype):
                         columnwise,
                         name,
                     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", sorted(STACKED))
+def test_triton_stacked_one_pass_equals_torch_twin(recipe):
+    experts, n, k = STACKED[recipe]
+    x = torch.randn(experts, n, k, generator=torch.Generator().manual_seed(4)) * 5
+    scales = torch.tensor([37.5, 0.25, 3.0])
+    got = _stacked_in_one_pass(x.cuda(), recipe, E4M3, scales, seed=2)
+    want = _stacked_in_one_pass(x, recipe, E4M3, scales, seed=2)
+    for name, a, b in zip(("bytes", "scale_inv", "amax"), got, want):
+        assert torch.equal(_bytes(a.cpu()), _bytes(b)), (recipe, name)
 
 
 @pytest.mark.gpu

@@ -77,7 +77,9 @@ def _check_experts(model) -> dict:
                         data[(name, rows[name].start + e)] = got[0].clone()
                     checked += 1
         engine.gather.release(unit)
-    return dict(checked=checked, mismatches=mismatches, data=data)
+    # Stacked weights written in one pass of the piece kernels (fp8_matrices.Run).
+    one_pass = [r.count for g in engine.buffer.fp8_groups() for r in g.storage.runs if r.count > 1]
+    return dict(checked=checked, mismatches=mismatches, data=data, one_pass=one_pass)
 
 
 def _gathered(qt, expert: int, role: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,9 +165,15 @@ def test_gathered_expert_fp8_equals_one_rank_quantize(recipe, ep2, ep1):
         # 2 local experts x 2 stacked weights x 2 roles, at init and after CHECK_STEP steps.
         assert [c["checked"] for c in checks] == [8, 8]
         assert [c["mismatches"] for c in checks] == [[], []]
+        # Per-tensor recipes write each stacked weight (fc1 [2, 32, 64], fc2 [2, 64, 32]) in one
+        # pass of cells of N rows; these N are not multiples of 128 (blockwise) and mxfp8 has
+        # two directions, so those write each expert alone: both are checked here.
+        one_pass = [2, 2] if recipe in ("delayed", "tensorwise") else []
+        assert [c["one_pass"] for c in checks] == [one_pass, one_pass]
     # At init every expert's bytes are the same at EP 2 and EP 1.
     at_ep1 = ep1[0][recipe]["checks"][0]["data"]
     assert len(at_ep1) == 2 * 4
+    assert ep1[0][recipe]["checks"][0]["one_pass"] == ([4, 4] if one_pass else [])
     for rank_result in ep2:
         for key, data in rank_result[recipe]["checks"][0]["data"].items():
             assert torch.equal(data, at_ep1[key]), key

@@ -78,3 +78,39 @@ def matrix_shape(shape: torch.Size) -> torch.Size:
 def stacked_grid(shape: torch.Size, grid: tuple[int, ...]) -> tuple[int, ...]:
     """The scale grid of a weight given its matrices' grid: one per expert when stacked."""
     return (shape[0], *grid) if is_stacked(shape) else tuple(grid)
+
+
+class Run(NamedTuple):
+    """Matrices written in one pass of the piece kernels: a 2-D weight; one expert of a
+    stacked weight; or all of a stacked weight's experts as its [E * N, K] rows, when a cell of
+    `cell_rows` rows gives each expert its own cells (`stacked_cell_rows`; expert None). The
+    experts' cells are then the stacked grid's, in order: one pass instead of E."""
+
+    slot_index: int
+    expert: int | None
+    first: int
+    """Index of its first matrix (`slot_matrices`)."""
+    count: int
+    shape: torch.Size
+    """The weight the kernels see: the matrix's, or the stacked weight's."""
+    cell_rows: int | None
+
+
+def slot_runs(slots: list[ParamSlot], cell_rows_of) -> list[Run]:
+    """The runs of the slots' matrices, in matrix order; cell_rows_of(shape): a stacked
+    weight's one-pass cell rows, or None (one run per expert)."""
+    runs, first = [], 0
+    for index, slot in enumerate(slots):
+        if not is_stacked(slot.shape):
+            runs.append(Run(index, None, first, 1, slot.shape, None))
+            first += 1
+            continue
+        experts = slot.shape[0]
+        cell_rows = cell_rows_of(slot.shape)
+        if cell_rows is not None:
+            runs.append(Run(index, None, first, experts, slot.shape, cell_rows))
+        else:
+            shape = matrix_shape(slot.shape)
+            runs += [Run(index, e, first + e, 1, shape, None) for e in range(experts)]
+        first += experts
+    return runs

@@ -35,10 +35,12 @@ from torch import nn
 from megatron.core.distributed.fsdp.collectives import all_gather_flat
 from megatron.core.distributed.fsdp.fp8_layout import grid_numel
 from megatron.core.distributed.fsdp.fp8_matrices import (
+    MatrixPiece,
     is_stacked,
     matrix_pieces,
     matrix_shape,
     slot_matrices,
+    slot_runs,
     stacked_grid,
 )
 from megatron.core.distributed.fsdp.fp8_params import Fp8ParamSpec
@@ -55,6 +57,7 @@ from megatron.core.fp8.engine_interface import (
     new_fp8_weight,
     quantize_mxfp8_bands_,
     record_weight_amaxes,
+    stacked_cell_rows,
     weight_cell_scales,
     weight_scale_grid,
 )
@@ -97,7 +100,13 @@ class Fp8ComputeStorage(ComputeStorage):
         self.scales_sharded = scales_sharded
         self.matrices = slot_matrices(layout.slots)
         """The matrices quantized on their own scales (a stacked expert weight: one each)."""
-        self._matrix_index = {(m.slot_index, m.expert): i for i, m in enumerate(self.matrices)}
+        one_pass = len(spec.directions) == 1 and not scales_sharded
+        self.runs = slot_runs(
+            layout.slots, lambda s: stacked_cell_rows(s, spec.recipe_spec) if one_pass else None
+        )
+        """The matrices as the piece kernels write them (`fp8_matrices.Run`)."""
+        self._run_index = {(run.slot_index, run.expert): i for i, run in enumerate(self.runs)}
+        self._pieces: dict[int, list[MatrixPiece]] | None = None
         self.delayed_metas = [
             delayed_metas[m.slot_index][m.expert]
             if isinstance(delayed_metas[m.slot_index], tuple)
@@ -334,25 +343,36 @@ class Fp8ComputeStorage(ComputeStorage):
     # ----- writing main params ---------------------------------------------------------
 
     def _cell_layout(self) -> list[tuple[int, str, int, int]]:
-        """(matrix index, direction, offset, cells) of every cell group in the amax vector."""
+        """(run index, direction, offset, cells) of every cell group in the amax vector: each
+        matrix's cells in matrix order, directions inside (a run of several has one)."""
         entries, offset = [], 0
-        for index, matrix in enumerate(self.matrices):
+        for index, run in enumerate(self.runs):
+            shape = self.matrices[run.first].shape
             for d in self.directions:
-                n = grid_numel(matrix.shape, self.spec.recipe_spec, columnwise=d == "columnwise")
+                columnwise = d == "columnwise"
+                n = run.count * grid_numel(shape, self.spec.recipe_spec, columnwise=columnwise)
                 entries.append((index, d, offset, n))
                 offset += n
         return entries
 
-    def _matrix_pieces(self) -> dict[int, list]:
-        """matrix index -> the `fp8_matrices.MatrixPiece`s of this rank's shard inside it."""
+    def _run_pieces(self) -> dict[int, list[MatrixPiece]]:
+        """run index -> the pieces of this rank's shard inside it (at offsets of run.shape)."""
+        if self._pieces is not None:
+            return self._pieces
         slot_index = {id(slot): i for i, slot in enumerate(self.layout.slots)}
-        parts: dict[int, list] = {}
+        self._pieces = {}
         for piece in self.layout.pieces():
             index = slot_index[id(piece.slot)]
-            cut = matrix_pieces(piece.slot, piece.param_start, piece.shard_start, piece.numel)
-            for part in cut:
-                parts.setdefault(self._matrix_index[(index, part.expert)], []).append(part)
-        return parts
+            whole = self._run_index.get((index, None))  # a 2-D weight or a one-pass stack
+            if whole is not None:
+                part = MatrixPiece(None, piece.shard_start, piece.param_start, piece.numel)
+                self._pieces.setdefault(whole, []).append(part)
+                continue
+            for part in matrix_pieces(
+                piece.slot, piece.param_start, piece.shard_start, piece.numel
+            ):
+                self._pieces.setdefault(self._run_index[(index, part.expert)], []).append(part)
+        return self._pieces
 
     @torch.no_grad()
     def local_amaxes(self, main_shard: torch.Tensor) -> torch.Tensor:
@@ -360,17 +380,19 @@ class Fp8ComputeStorage(ComputeStorage):
         entries = self._cell_layout()
         amaxes = torch.zeros(sum(n for *_, n in entries), dtype=torch.float32, device=self.device)
         cells = {(index, d): amaxes[offset : offset + n] for index, d, offset, n in entries}
-        for index, parts in self._matrix_pieces().items():
+        for index, parts in self._run_pieces().items():
+            run = self.runs[index]
             for part in parts:
                 values = main_shard[part.shard_start : part.shard_start + part.numel]
                 for d in self.directions:
                     add_piece_cell_amaxes_(
                         values,
                         cells[(index, d)],
-                        shape=self.matrices[index].shape,
+                        shape=run.shape,
                         spec=self.spec.recipe_spec,
                         columnwise=d == "columnwise",
                         param_start=part.matrix_start,
+                        cell_rows=run.cell_rows,
                     )
         return amaxes
 
@@ -399,21 +421,22 @@ class Fp8ComputeStorage(ComputeStorage):
     def use_optimizer_amaxes(self, amaxes: torch.Tensor) -> None:
         self.optimizer_amaxes = amaxes
 
-    def _matrix_scales(self, index: int, direction: str) -> torch.Tensor:
-        """Where matrix `index` keeps its replicated scale_inv of `direction`."""
-        matrix = self.matrices[index]
-        scales = self.slot_scales[matrix.slot_index][direction]
-        return scales if matrix.expert is None else scales[matrix.expert]
+    def _run_scales(self, index: int, direction: str) -> torch.Tensor:
+        """Where run `index` keeps its replicated scale_inv of `direction`."""
+        run = self.runs[index]
+        scales = self.slot_scales[run.slot_index][direction]
+        return scales if run.expert is None else scales[run.expert]
 
-    def _scales(self, slot_index: int, amax_cells: torch.Tensor):
-        """(quantize multiplier, stored scale_inv) per cell of matrix `slot_index`, as
-        quantize() derives them."""
+    def _scales(self, index: int, amax_cells: torch.Tensor):
+        """(quantize multiplier, stored scale_inv) per cell of run `index`, as quantize()
+        derives them."""
+        run = self.runs[index]
         return weight_cell_scales(
             amax_cells,
             spec=self.spec.recipe_spec,
             fp8_dtype=self.spec.fp8_dtype,
             power_2_scale=self.spec.power_2_scale,
-            delayed_meta=self.delayed_metas[slot_index],
+            delayed_metas=self.delayed_metas[run.first : run.first + run.count],
         )
 
     @torch.no_grad()
@@ -446,22 +469,24 @@ class Fp8ComputeStorage(ComputeStorage):
             # The weights' scales update together: one stacked update, not a chain of small
             # kernels per weight.
             advance_delayed_scales(self.delayed_metas)
-        parts = self._matrix_pieces()
+        parts = self._run_pieces()
         for index, d, offset, n in self._cell_layout():
             multiplier, scale_inv = self._scales(index, amaxes[offset : offset + n])
+            run = self.runs[index]
             for part in parts.get(index, []):
                 lo, hi = part.shard_start, part.shard_start + part.numel
                 cast_piece_(
                     main_shard[lo:hi],
                     multiplier,
                     self.shard[d][lo:hi],
-                    shape=self.matrices[index].shape,
+                    shape=run.shape,
                     spec=self.spec.recipe_spec,
                     columnwise=d == "columnwise",
                     param_start=part.matrix_start,
                     fp8_dtype=self.spec.fp8_dtype,
+                    cell_rows=run.cell_rows,
                 )
-            target = self._matrix_scales(index, d)
+            target = self._run_scales(index, d)
             target.copy_(scale_inv.reshape(target.shape))
         if update_scaling and self.spec.recipe_spec.delayed:
             # Per-tensor grids have one cell per matrix, in matrix order.

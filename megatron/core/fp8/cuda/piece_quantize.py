@@ -33,55 +33,57 @@ def rows_cols(shape: torch.Size) -> tuple[int, int]:
     return shape.numel() // max(cols, 1), cols
 
 
-def cell_shape(recipe: str, *, columnwise: bool) -> tuple[int, int]:
-    """(rows, cols) of one scale cell of a weight under `recipe`, in the given direction."""
+def cell_shape(recipe: str, *, columnwise: bool, rows: int | None = None) -> tuple[int, int]:
+    """(rows, cols) of one scale cell of a weight under `recipe`, in the given direction; rows:
+    a cell's rows instead (a multiple of TILE_ROWS: a stacked expert weight [E, N, K] under a
+    per-tensor recipe, quantized in one pass, is E cells of N rows)."""
     cell = recipe_spec(recipe).block_shape("weight", columnwise=columnwise)
-    return (WHOLE, WHOLE) if cell is None else cell
+    if rows is not None and rows % TILE_ROWS:
+        raise ValueError(f"cell rows must be a multiple of {TILE_ROWS}, got {rows}")
+    return (rows or WHOLE, WHOLE) if cell is None else (rows or cell[0], cell[1])
 
 
-def grid_dims(shape: torch.Size, *, recipe: str, columnwise: bool) -> tuple[int, int]:
-    """(rows, cols) of the cell grid; its row-major flattening is the scale_inv layout."""
+def stacked_cell_rows(shape: torch.Size, spec: RecipeSpec) -> int | None:
+    """The cell rows with which a stacked expert weight [E, N, K], seen as its [E * N, K] rows,
+    has each expert's own cells (per-tensor: N; block recipes: their block's rows when these
+    divide N), so one pass quantizes every expert; None: no such cell (one pass per expert)."""
+    block = spec.block_shape("weight", columnwise=False)
+    rows = shape[-2] if block is None else block[0]
+    return rows if shape[-2] % rows == 0 and rows % TILE_ROWS == 0 else None
+
+
+def _grid(shape: torch.Size, cell: tuple[int, int]) -> tuple[int, int]:
     rows, cols = rows_cols(shape)
-    cell_rows, cell_cols = cell_shape(recipe, columnwise=columnwise)
-    return ceil_div(rows, cell_rows), ceil_div(cols, cell_cols)
+    return ceil_div(rows, cell[0]), ceil_div(cols, cell[1])
 
 
-def cell_index(
-    shape: torch.Size,
-    *,
-    recipe: str,
-    columnwise: bool,
-    param_start: int,
-    numel: int,
-    device: torch.device,
-) -> torch.Tensor:
+def grid_dims(
+    shape: torch.Size, *, recipe: str, columnwise: bool, cell_rows=None
+) -> tuple[int, int]:
+    """(rows, cols) of the cell grid; its row-major flattening is the scale_inv layout."""
+    return _grid(shape, cell_shape(recipe, columnwise=columnwise, rows=cell_rows))
+
+
+def cell_index(shape: torch.Size, cell: tuple[int, int], *, param_start: int, numel: int, device):
     """Flat grid cell of each element param_start .. param_start + numel of the weight."""
     flat = torch.arange(param_start, param_start + numel, device=device)
     _, cols = rows_cols(shape)
-    cell_rows, cell_cols = cell_shape(recipe, columnwise=columnwise)
-    _, grid_cols = grid_dims(shape, recipe=recipe, columnwise=columnwise)
-    return (flat // cols // cell_rows) * grid_cols + (flat % cols) // cell_cols
+    return (flat // cols // cell[0]) * _grid(shape, cell)[1] + (flat % cols) // cell[1]
 
 
-def _launch_geometry(
-    shape: torch.Size, *, recipe: str, columnwise: bool, param_start: int, numel: int
-) -> tuple[int, tuple, tuple[int, int]]:
-    """(first tile row, 1-D grid, cell shape): cell-aligned tiles over the rows a piece
-    touches."""
+def _launch_geometry(shape: torch.Size, *, param_start: int, numel: int) -> tuple[int, tuple]:
+    """(first tile row, 1-D grid): cell-aligned tiles over the rows a piece touches."""
     _, cols = rows_cols(shape)
     first_row = param_start // cols
     last_row = (param_start + numel - 1) // cols
     row_base = first_row // TILE_ROWS * TILE_ROWS
     row_tiles = ceil_div(last_row + 1 - row_base, TILE_ROWS)
-    grid = (row_tiles * ceil_div(cols, TILE_COLS),)
-    return row_base, grid, cell_shape(recipe, columnwise=columnwise)
+    return row_base, (row_tiles * ceil_div(cols, TILE_COLS),)
 
 
-def _checked_grid(
-    cells: torch.Tensor, what: str, *, shape: torch.Size, recipe: str, columnwise: bool
-) -> tuple[int, int]:
+def _checked_grid(cells: torch.Tensor, what: str, shape, cell) -> tuple[int, int]:
     """The cell grid's (rows, cols), after checking that `cells` is an fp32 value per cell."""
-    grid_rows, grid_cols = grid_dims(shape, recipe=recipe, columnwise=columnwise)
+    grid_rows, grid_cols = _grid(shape, cell)
     if cells.dtype != torch.float32 or cells.numel() != grid_rows * grid_cols:
         raise ValueError(f"{what} must be fp32 with {grid_rows * grid_cols} cells")
     return grid_rows, grid_cols
@@ -106,21 +108,19 @@ def piece_cell_amax_(
     spec: RecipeSpec,
     columnwise: bool,
     param_start: int,
+    cell_rows: int | None = None,
 ) -> None:
     """Max into `cell_amax` (fp32, >= 0, the weight's flattened cell grid) the NaN-ignoring
-    max|x| of each cell over the piece `values` (elements param_start.. of the weight)."""
-    recipe = spec.name
+    max|x| of each cell over the piece `values` (elements param_start.. of the weight).
+    cell_rows: `cell_shape`'s rows."""
+    cell = cell_shape(spec.name, columnwise=columnwise, rows=cell_rows)
     _check_piece(values, shape, param_start)
-    grid_rows, grid_cols = _checked_grid(
-        cell_amax, "cell_amax", shape=shape, recipe=recipe, columnwise=columnwise
-    )
+    grid_rows, grid_cols = _checked_grid(cell_amax, "cell_amax", shape, cell)
     numel = values.numel()
     if numel == 0:
         return
     if qc.use_triton(values):
-        row_base, grid, (cell_rows, cell_cols) = _launch_geometry(
-            shape, recipe=recipe, columnwise=columnwise, param_start=param_start, numel=numel
-        )
+        row_base, grid = _launch_geometry(shape, param_start=param_start, numel=numel)
         qc.triton_kernels().piece_amax_kernel[grid](
             values,
             cell_amax.view(torch.int32),
@@ -130,27 +130,20 @@ def piece_cell_amax_(
             row_base,
             grid_rows,
             grid_cols,
-            CR=cell_rows,
-            CC=cell_cols,
-            RG=max(TILE_ROWS // cell_rows, 1),
-            CG=max(TILE_COLS // cell_cols, 1),
+            CR=cell[0],
+            CC=cell[1],
+            RG=max(TILE_ROWS // cell[0], 1),
+            CG=max(TILE_COLS // cell[1], 1),
             TR=TILE_ROWS,
             TC=TILE_COLS,
             num_warps=4,
         )
         return
     magnitude = amax_ignoring_nan(values.reshape(1, -1), dim=0)
-    if spec.per_tensor:
+    if grid_rows * grid_cols == 1:
         cell_amax.copy_(torch.maximum(cell_amax.reshape(()), magnitude.amax()).reshape(1))
         return
-    cells = cell_index(
-        shape,
-        recipe=recipe,
-        columnwise=columnwise,
-        param_start=param_start,
-        numel=numel,
-        device=values.device,
-    )
+    cells = cell_index(shape, cell, param_start=param_start, numel=numel, device=values.device)
     cell_amax.scatter_reduce_(0, cells, magnitude, reduce="amax", include_self=True)
 
 
@@ -165,25 +158,23 @@ def piece_cast_(
     columnwise: bool,
     param_start: int,
     fp8_dtype: torch.dtype,
+    cell_rows: int | None = None,
 ) -> None:
     """out (uint8, one byte per element of `values`) = the FP8 bytes of values times the
-    quantize multiplier of each element's cell (`multiplier`: fp32, the flattened grid)."""
-    recipe = spec.name
+    quantize multiplier of each element's cell (`multiplier`: fp32, the flattened grid).
+    cell_rows: `cell_shape`'s rows."""
+    cell = cell_shape(spec.name, columnwise=columnwise, rows=cell_rows)
     _check_piece(values, shape, param_start)
     if out.dtype != torch.uint8 or out.shape != values.shape or not out.is_contiguous():
         raise ValueError("out must be a contiguous uint8 tensor shaped like the piece")
     # A delayed scale can still live on the CPU (its Fp8Linear moves it at the first forward).
     multiplier = multiplier.reshape(-1).to(values.device)
-    _, grid_cols = _checked_grid(
-        multiplier, "multiplier", shape=shape, recipe=recipe, columnwise=columnwise
-    )
+    grid_rows, grid_cols = _checked_grid(multiplier, "multiplier", shape, cell)
     numel = values.numel()
     if numel == 0:
         return
     if qc.use_triton(values):
-        row_base, grid, (cell_rows, cell_cols) = _launch_geometry(
-            shape, recipe=recipe, columnwise=columnwise, param_start=param_start, numel=numel
-        )
+        row_base, grid = _launch_geometry(shape, param_start=param_start, numel=numel)
         qc.triton_kernels().piece_cast_kernel[grid](
             values,
             out,
@@ -195,25 +186,18 @@ def piece_cast_(
             grid_cols,
             FP8_MAX=fp8_max(fp8_dtype),
             E4M3=fp8_dtype == torch.float8_e4m3fn,
-            CR=cell_rows,
-            CC=cell_cols,
+            CR=cell[0],
+            CC=cell[1],
             TR=TILE_ROWS,
             TC=TILE_COLS,
             num_warps=4,
         )
         return
-    if spec.per_tensor:
+    if grid_rows * grid_cols == 1:
         per_element = multiplier.reshape(())
     else:
-        cells = cell_index(
-            shape,
-            recipe=recipe,
-            columnwise=columnwise,
-            param_start=param_start,
-            numel=numel,
-            device=values.device,
-        )
-        per_element = multiplier[cells]
+        where = dict(param_start=param_start, numel=numel, device=values.device)
+        per_element = multiplier[cell_index(shape, cell, **where)]
     out.copy_(saturating_cast(values * per_element, fp8_dtype))
 
 
