@@ -264,12 +264,14 @@ def check_layer_flow():
     with one segment per expert also with the token counts on the device."""
     from tests.unit_tests.models.moe import test_grouped_fp8_blockwise_params as t
 
-    def cuda_mm(a, a_s, b, b_s, seg_sizes, seg_expert, recipe, out_dtype, fast):
-        return gf._cuda_mm(a, a_s, b, b_s, seg_sizes, seg_expert, recipe, out_dtype, fast)
+    def cuda_mm(a, a_s, b, b_s, seg_sizes, seg_expert, recipe, out_dtype, fast, r):
+        assert len(r) == gf.ROUTING  # the layer's routing, built once in its forward
+        return gf._cuda_mm(a, a_s, b, b_s, seg_sizes, seg_expert, recipe, out_dtype, fast, r)
 
-    def cuda_wgrad(dy, dy_s, x, x_s, seg_sizes, seg_expert, experts, recipe, out_dtype, padded):
+    def cuda_wgrad(dy, dy_s, x, x_s, seg_sizes, seg_expert, experts, recipe, out_dtype, pad, r):
+        assert len(r) == gf.ROUTING
         shape = (experts, *gf._wgrad_dims(dy, x, recipe))
-        args = (seg_sizes, seg_expert, recipe, shape, out_dtype, padded)
+        args = (seg_sizes, seg_expert, recipe, shape, out_dtype, pad, r)
         return gf._cuda_wgrad(dy, dy_s, x, x_s, *args)
 
     ok = True

@@ -15,9 +15,9 @@ import torch
 from megatron.core.fp8.cuda.grouped_gemm import (
     BLOCK_K,
     BLOCK_M,
-    _tile_schedule,
     grouped_scaled_mm,
     grouped_scaled_mm_wgrad,
+    tile_schedule,
 )
 from megatron.core.fp8.quantization import quantize
 from megatron.core.fp8.recipe import recipe_spec
@@ -320,7 +320,7 @@ def test_device_tile_schedule_equals_the_host_list(sizes) -> None:
     128-row tile inside one group, in order, then idle tiles (row = M, the kernel returns) up
     to the static bound (M + G * 127) // 128; each group's end row."""
     rows = sum(sizes)
-    group, row, end = _tile_schedule(torch.tensor(sizes), rows)
+    group, row, end = tile_schedule(torch.tensor(sizes), rows)
     starts = [sum(sizes[:g]) for g in range(len(sizes))]
     real = [(g, starts[g] + r) for g in range(len(sizes)) for r in range(0, sizes[g], BLOCK_M)]
     bound = (rows + len(sizes) * (BLOCK_M - 1)) // BLOCK_M

@@ -78,7 +78,7 @@ def _device_sizes(group_sizes: GroupSizes, device: torch.device) -> torch.Tensor
     return torch.as_tensor(group_sizes, device=device).to(torch.int64)
 
 
-def _tile_schedule(sizes: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+def tile_schedule(sizes: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
     """The ragged-M kernel's (group, first row) of each BLOCK_M-row tile inside one group, and
     each group's end row, built on the device: as many tiles as any sizes summing to `rows`
     can need (ceil of each group's rows / BLOCK_M), the ones past the last real tile given
@@ -108,10 +108,13 @@ def grouped_scaled_mm(
     out_dtype: torch.dtype = torch.bfloat16,
     emulate: bool = False,
     fast_accum: bool = False,
+    schedule: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """A [M, K] FP8 (rows sorted by group, group_sizes[g] rows each) and B [G, N, K] FP8 ->
     [M, N] in out_dtype: each group's rows times its own B[g]^T. fast_accum: the kernel's
-    per-tensor accumulation mode (as the dense GEMM's; blockwise always adds per K block)."""
+    per-tensor accumulation mode (as the dense GEMM's; blockwise always adds per K block).
+    schedule: `tile_schedule(group sizes, M)` when the caller already has it (several GEMMs
+    over the same groups build it once)."""
     groups, n, k = b_data.shape
     rows = a_data.shape[0]
     listed = not isinstance(group_sizes, torch.Tensor)
@@ -132,9 +135,9 @@ def grouped_scaled_mm(
     out = torch.empty(rows, n, dtype=out_dtype, device=a_data.device)
     if rows == 0 or n == 0:
         return out
-    tile_group, tile_row, group_end = _tile_schedule(
-        _device_sizes(group_sizes, a_data.device), rows
-    )
+    if schedule is None:
+        schedule = tile_schedule(_device_sizes(group_sizes, a_data.device), rows)
+    tile_group, tile_row, group_end = schedule
     grid = lambda meta: (tile_group.shape[0], triton_cdiv(n, meta["BLOCK_N"]))  # noqa: E731
     # The kernel reads K-contiguous bytes and row-major scale grids (a 1x128 grid from the fused
     # quantizers is an outer-dim-major view: its values are right, its strides are not these).

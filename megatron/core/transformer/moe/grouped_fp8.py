@@ -39,7 +39,11 @@ import torch
 from megatron.core.fp8.compile import stand_in_owner
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.cuda.grouped_gemm import BLOCK_K as TOKEN_TILE
-from megatron.core.fp8.cuda.grouped_gemm import grouped_scaled_mm, grouped_scaled_mm_wgrad
+from megatron.core.fp8.cuda.grouped_gemm import (
+    grouped_scaled_mm,
+    grouped_scaled_mm_wgrad,
+    tile_schedule,
+)
 from megatron.core.fp8.formats import fp8_dtype_for_role
 from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
@@ -112,23 +116,41 @@ def _expert_sizes(seg_sizes, seg_expert, num_experts) -> torch.Tensor:
     return seg_sizes.new_zeros(num_experts).index_add_(0, index, seg_sizes)
 
 
-def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, fast):
-    """Segments are sorted by expert (the dispatcher's order): experts are the groups."""
+ROUTING = 6
+"""Tensors `routing` gives."""
+
+
+def routing(seg_sizes, seg_expert, experts: int, rows: int) -> list[torch.Tensor]:
+    """What the grouped GEMMs of one layer call derive from its segments (sorted by expert),
+    built once (in the compiled graph, where they fuse) instead of in each GEMM: each row's
+    segment, the ragged-M kernel's tile schedule over the experts (3 tensors), the experts'
+    end rows (int32, torch's grouped GEMM), each row's row in the padded copy (weight
+    gradient)."""
+    seg_ids = operands.segment_ids(seg_sizes, rows)
+    sizes = _expert_sizes(seg_sizes, seg_expert, experts)
+    position = operands.padded_positions(seg_ids, seg_sizes, TOKEN_TILE)
+    ends = sizes.cumsum(0).to(torch.int32)
+    return [seg_ids, *tile_schedule(sizes, rows), ends, position]
+
+
+def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, fast, r=()):
+    """Segments are sorted by expert (the dispatcher's order): experts are the groups. r:
+    `routing` of these segments (built here when not given)."""
     groups, n, k = b.shape
     sizes = _expert_sizes(seg_sizes, seg_expert, groups)
+    seg_ids, *schedule, ends, _ = r or routing(seg_sizes, seg_expert, groups, a.shape[0])
+    options = dict(group_sizes=sizes, out_dtype=out_dtype, schedule=tuple(schedule))
     if not recipe_spec(recipe).per_tensor:  # blockwise: 1x128 rows, 128x128 experts
         scales = dict(a_scale_inv=a_scale_inv.contiguous(), b_scale_inv=b_scale_inv.contiguous())
-        args = dict(group_sizes=sizes, recipe=recipe, out_dtype=out_dtype)
-        return grouped_scaled_mm(a, b, **scales, **args)
-    row_scale = a_scale_inv[operands.segment_ids(seg_sizes, a.shape[0])]
+        return grouped_scaled_mm(a, b, **scales, recipe=recipe, **options)
+    row_scale = a_scale_inv[seg_ids]
     if _torch_mm_applies(a, b, recipe, out_dtype):
-        offsets = sizes.cumsum(0).to(torch.int32)
         return torch._scaled_grouped_mm(
             a,
             b.transpose(1, 2),
             row_scale.contiguous(),
             b_scale_inv[:, None].expand(groups, n).contiguous(),
-            offs=offsets,
+            offs=ends,
             out_dtype=out_dtype,
             use_fast_accum=fast,
         )
@@ -139,9 +161,8 @@ def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_
         b,
         a_scale_inv=row_scale[:, None].expand(a.shape[0], k_blocks).contiguous(),
         b_scale_inv=b_scale_inv[:, None, None].expand(groups, n_blocks, k_blocks).contiguous(),
-        group_sizes=sizes,
         recipe="blockwise",
-        out_dtype=out_dtype,
+        **options,
     )
 
 
@@ -156,19 +177,20 @@ def grouped_fp8_mm(
     recipe: str,
     out_dtype: torch.dtype,
     fast_accum: bool,
+    r: list[torch.Tensor],
 ) -> torch.Tensor:
     """A [M, K] FP8 (rows in segments of seg_sizes [S] rows, a device tensor) times B [E, N,
     K] FP8: rows of segment s @ B[seg_expert[s]]^T -> [M, N] in out_dtype. scale_inv of A:
     per tensor [S] (one per segment), blockwise [M, ceil(K/128)]; of B: [E], or [E,
-    ceil(N/128), ceil(K/128)]."""
+    ceil(N/128), ceil(K/128)]. r: `routing` of the segments, or [] (built when needed)."""
     args = (a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype)
     if a.is_cuda and a.shape[0] > 0:
-        return _cuda_mm(*args, fast_accum).contiguous()
+        return _cuda_mm(*args, fast_accum, r).contiguous()
     return _emulated_mm(*args)
 
 
 @grouped_fp8_mm.register_fake
-def _(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, fast_accum):
+def _(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, fast_accum, r):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
@@ -205,7 +227,7 @@ def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, rec
 
 
 def _cuda_wgrad(
-    dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, shape, dtype, padded
+    dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, shape, dtype, padded, r=()
 ):
     """The Triton ragged-K kernel -> dW `shape` in `dtype`, written by the kernel at any EP
     size, on token-major copies with each segment padded to whole 128-token tiles (zeros add
@@ -214,15 +236,14 @@ def _cuda_wgrad(
     several segments, each with its scale_inv pair ([S] each), summed in the kernel.
     Blockwise: the padded transposed copies as they are, groups = experts (each 128-token
     cell's product is scaled before it is added; an expert's padded segments are
-    consecutive whole cells). padded: the rows of the padded copies."""
+    consecutive whole cells). padded: the rows of the padded copies; r: `routing`."""
     spec = recipe_spec(recipe)
     experts = shape[0]
     options = dict(a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv, recipe=recipe)
     options.update(out_dtype=dtype, whole_tiles=True)
     tiles = TOKEN_TILE * ((seg_sizes + TOKEN_TILE - 1) // TOKEN_TILE)  # each segment's
     if spec.per_tensor:
-        seg_ids = operands.segment_ids(seg_sizes, dy.shape[0])
-        position = operands.padded_positions(seg_ids, seg_sizes, TOKEN_TILE)
+        position = (r or routing(seg_sizes, seg_expert, experts, dy.shape[0]))[-1]
         dy, x = (operands.padded_transpose(t, position, padded) for t in (dy, x))
         segments = None if _one_segment_each(seg_expert, experts) else list(seg_expert)
         return grouped_scaled_mm_wgrad(dy, x, group_sizes=tiles, segment_group=segments, **options)
@@ -242,18 +263,19 @@ def grouped_fp8_wgrad(
     recipe: str,
     out_dtype: torch.dtype,
     padded: int,
+    r: list[torch.Tensor],
 ) -> torch.Tensor:
     """dW [E, N, K] in out_dtype: dW[e] = sum over e's segments s of dy_s^T x_s. Per tensor:
     the rowwise bytes dy [M, N], x [M, K] with scale_inv [S]; blockwise: the transposed
     columnwise copies dy [N, P], x [K, P] (`grouped_operands.quantize_segment_operands`:
     segments padded to whole 128-token cells) with scale_inv [N, P / 128] / [K, P / 128].
-    padded: P, the rows of the padded copies (`grouped_operands.padded_rows`). Experts with
-    no rows get zeros."""
+    padded: P, the rows of the padded copies (`grouped_operands.padded_rows`); r: `routing`, or
+    [] (built when needed). Experts with no rows get zeros."""
     n, k = _wgrad_dims(dy, x, recipe)
     shape = (num_experts, n, k)
     args = (dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe)
     if dy.is_cuda and dy.numel() > 0:
-        return _cuda_wgrad(*args, shape, out_dtype, padded)
+        return _cuda_wgrad(*args, shape, out_dtype, padded, r)
     return _emulated_wgrad(*args, dy.new_zeros(shape, dtype=out_dtype))
 
 
@@ -265,7 +287,7 @@ def _wgrad_dims(dy, x, recipe) -> tuple[int, int]:
 
 
 @grouped_fp8_wgrad.register_fake
-def _(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, num_experts, recipe, out_dtype, _):
+def _(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, num_experts, recipe, out_dtype, *_):
     return dy.new_empty((num_experts, *_wgrad_dims(dy, x, recipe)), dtype=out_dtype)
 
 
@@ -287,6 +309,7 @@ def grouped_fp8_weight_mm(
     recipe: str,
     out_dtype: torch.dtype,
     fast_accum: bool,
+    r: list[torch.Tensor],
 ) -> torch.Tensor:
     """`grouped_fp8_mm` with B the stacked FP8 parameter that `stand_in` stands for in a
     compiled graph (`fp8.compile`'s stand-ins): its bytes and scales read when the op runs,
@@ -298,12 +321,12 @@ def grouped_fp8_weight_mm(
             "its Fp8StackedLinear; call prepare_for_compile(module) on the compiled module"
         )
     b = _stacked_operand(owner.weight, usage)
-    args = (seg_sizes, seg_expert, recipe, out_dtype, fast_accum)
+    args = (seg_sizes, seg_expert, recipe, out_dtype, fast_accum, r)
     return grouped_fp8_mm(a, a_scale_inv, *b, *args)
 
 
 @grouped_fp8_weight_mm.register_fake
-def _(a, a_scale_inv, stand_in, usage, seg_sizes, seg_expert, recipe, out_dtype, fast_accum):
+def _(a, a_scale_inv, stand_in, usage, seg_sizes, seg_expert, recipe, out_dtype, fast_accum, r):
     columns = stand_in.shape[1] if usage == "rowwise" else stand_in.shape[2]
     return a.new_empty((a.shape[0], columns), dtype=out_dtype)
 
@@ -342,8 +365,9 @@ class _GroupedFp8Function(torch.autograd.Function):
     def forward(ctx, tokens, weight, seg_sizes, layout, config, kind):  # noqa: D102
         spec = config.spec
         pow2 = spec.resolve_power_2_scale(config.quantize_power_2_scale)
-        seg_ids = operands.segment_ids(seg_sizes, tokens.shape[0])
         seg_expert, padded = layout
+        r = routing(seg_sizes, seg_expert, weight.shape[0], tokens.shape[0])
+        seg_ids = r[0]
         columnwise = padded if weight.requires_grad else 0
         x_row, x_col = _quantize_tokens(
             tokens, seg_ids, seg_sizes, config, "input", pow2, columnwise=columnwise
@@ -358,16 +382,18 @@ class _GroupedFp8Function(torch.autograd.Function):
                 weight.detach(), spec=spec, fp8_dtype=w_dtype, power_2_scale=pow2
             )
         saved_weight = {"plain": source, "stand_in": (weight,), "fp8_param": ()}[kind]
-        ctx.save_for_backward(seg_ids, seg_sizes, *(x_col or ()), *saved_weight)
+        ctx.save_for_backward(seg_sizes, *r, *(x_col or ()), *saved_weight)
         ctx.x_saved, ctx.kind = 0 if x_col is None else 2, kind
         ctx.layout = (seg_expert, weight.shape[0], padded)
         ctx.config, ctx.pow2, ctx.dtypes = config, pow2, (tokens.dtype, weight.dtype)
-        args = (seg_sizes, seg_expert, spec.name, tokens.dtype, spec.fast_accumulation)
+        args = (seg_sizes, seg_expert, spec.name, tokens.dtype, spec.fast_accumulation, r)
         return _weight_mm(x_row, source, kind, "rowwise", args)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: D102
-        seg_ids, seg_sizes, *saved = ctx.saved_tensors
+        seg_sizes, *saved = ctx.saved_tensors
+        r, saved = saved[:ROUTING], saved[ROUTING:]
+        seg_ids = r[0]
         seg_expert, experts, padded = ctx.layout
         spec = ctx.config.spec
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -381,10 +407,10 @@ class _GroupedFp8Function(torch.autograd.Function):
             source = ctx.stacked  # fp8_param
             if ctx.kind != "fp8_param":
                 source = saved_weight[0] if ctx.kind == "stand_in" else tuple(saved_weight)
-            args = (seg_sizes, seg_expert, spec.name, ctx.dtypes[0], False)
+            args = (seg_sizes, seg_expert, spec.name, ctx.dtypes[0], False, r)
             dx = _weight_mm(dy_row, source, ctx.kind, "columnwise", args)
         if need_wgrad:
-            args = (seg_sizes, seg_expert, experts, spec.name, ctx.dtypes[1], padded)
+            args = (seg_sizes, seg_expert, experts, spec.name, ctx.dtypes[1], padded, r)
             dw = grouped_fp8_wgrad(*dy_col, *x_col, *args)
         ctx.stacked = None
         return dx, dw, None, None, None, None
