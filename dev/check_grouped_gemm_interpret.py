@@ -60,11 +60,14 @@ def _patched(block_n) -> contextlib.ExitStack:
         {
             "_ragged_m_kernel": _Fixed(tgg._ragged_m_kernel, block_n),
             "_ragged_k_kernel": _Fixed(tgg._ragged_k_kernel, block_n),
+            "_transpose_bytes_kernel": tgg._transpose_bytes_kernel,
         },
     )
     stack = contextlib.ExitStack()
     runs = lambda recipe, *tensors: not gg.recipe_spec(recipe).e8m0_scales  # noqa: E731
     stack.enter_context(mock.patch.object(gg, "_kernel_runs", runs))
+    on_cpu = lambda *tensors: not any(t.is_meta for t in tensors)  # noqa: E731
+    stack.enter_context(mock.patch.object(gg, "_triton_runs", on_cpu))
     stack.enter_context(mock.patch.object(gg, "_kernels", lambda: kernels))
     return stack
 
@@ -257,6 +260,20 @@ def check_grouped_fp8(recipe, segments, n, k, w_dtype):
     return ok
 
 
+def check_transpose_bytes():
+    """The byte-transpose kernel (its CUDA gate bypassed) against torch, exactly."""
+    from tests.unit_tests.fp8.test_grouped_gemm import _byte_cases
+
+    ok = True
+    for data, position, length, want in _byte_cases("cpu"):
+        got = gg.transpose_bytes(data, position, length)
+        good = got.dtype == data.dtype and torch.equal(got.view(torch.uint8), want)
+        shapes = f"{tuple(data.shape)} -> {tuple(got.shape)}"
+        print(f"{'ok  ' if good else 'FAIL'} transpose_bytes {shapes}")
+        ok &= good
+    return ok
+
+
 def check_layer_flow():
     """Fp8StackedLinear's grouped function (forward, input and weight gradients) with its GEMM
     ops running their CUDA branches, against the same layer on the CPU emulation: the layers,
@@ -316,6 +333,7 @@ def main():
                 ok &= check_ragged_k_whole(130, 200, scales)
     with _patched(128):
         ok &= check_strided_operands()
+        ok &= check_transpose_bytes()
         ok &= check_torch_grouped_mm_on_meta()
         ok &= check_layer_flow()
         for recipe in ("tensorwise", "blockwise"):

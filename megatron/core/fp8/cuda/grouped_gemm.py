@@ -42,14 +42,47 @@ def _kernels():
     return triton_grouped_gemm
 
 
+def _triton_runs(*tensors: torch.Tensor) -> bool:
+    return all(t.is_cuda for t in tensors) and _kernels() is not None and torch.version.hip is None
+
+
 def _kernel_runs(recipe: str, *tensors: torch.Tensor) -> bool:
-    spec = recipe_spec(recipe)
-    return (
-        all(t.is_cuda for t in tensors)
-        and not spec.e8m0_scales
-        and _kernels() is not None
-        and (torch.version.hip is None)
-    )
+    return not recipe_spec(recipe).e8m0_scales and _triton_runs(*tensors)
+
+
+TRANSPOSE_TILE = 64
+"""Rows and columns of bytes per program of the byte transpose."""
+
+
+def transpose_bytes(
+    data: torch.Tensor, position: torch.Tensor | None = None, length: int = 0
+) -> torch.Tensor:
+    """The transpose of FP8 (or uint8) bytes, in data's dtype: [B, R, C] -> [B, C, R], or
+    [R, C] -> [C, R]; with `position` (2-D only), [C, length] zeros with row r of data at
+    column position[r] (distinct, < length). CUDA: one tiled kernel (the strided copy torch
+    makes of a transposed byte view writes a byte per row); elsewhere torch."""
+    flat = data.view(torch.uint8)
+    if position is not None and data.dim() != 2:
+        raise ValueError("transpose_bytes: a position list transposes 2-D bytes only")
+    if not _triton_runs(data):
+        if position is not None:
+            flat = flat.new_zeros(length, flat.shape[1]).index_copy_(0, position, flat)
+        return flat.transpose(-2, -1).contiguous().view(data.dtype)
+    batched = (flat if flat.dim() == 3 else flat[None]).contiguous()
+    batch, rows, cols = batched.shape
+    width = rows if position is None else length
+    if position is None:
+        out = batched.new_empty(batch, cols, width)
+    else:
+        out = batched.new_zeros(batch, cols, width)
+    if batched.numel():
+        grid = (triton_cdiv(rows, TRANSPOSE_TILE), triton_cdiv(cols, TRANSPOSE_TILE), batch)
+        _kernels()._transpose_bytes_kernel[grid](
+            batched, out, batched if position is None else position, rows, cols,
+            batched.stride(0), batched.stride(1), out.stride(0), out.stride(1),
+            HAS_POS=position is not None, BR=TRANSPOSE_TILE, BC=TRANSPOSE_TILE,
+        )  # fmt: skip
+    return (out if flat.dim() == 3 else out[0]).view(data.dtype)
 
 
 def _group_offsets(group_sizes: list[int]) -> list[int]:

@@ -12,6 +12,8 @@
   (scale_inv [N, C] and [K, C], group g's cells from chunk_start[g]). SEGMENTED (per tensor):
   a group is several segments (an expert's rows from several expert-parallel ranks), each
   with its own scales, added up in the kernel.
+- `_transpose_bytes_kernel`: the transposed FP8 operands (the weight gradient's padded token
+  copies, the data gradient's per-expert weight transposes) as one tiled byte transpose.
 
 Both read K-major FP8 operands (what Hopper's FP8 tensor-core instructions take) and scale the
 fp32 accumulator by the operands' scale_inv as the dense GEMM does (docs/FP8_NUMERICS.md):
@@ -208,3 +210,34 @@ def _ragged_k_kernel(
             acc = acc * tl.load(b_scale_ptr + group * stride_scale)
     c_ptrs = c_ptr + group.to(tl.int64) * stride_cg + ns[:, None] * stride_cn + kk[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+@triton.jit
+def _transpose_bytes_kernel(
+    src_ptr,
+    dst_ptr,
+    pos_ptr,
+    rows,
+    cols,
+    src_batch,
+    src_row,
+    dst_batch,
+    dst_row,
+    HAS_POS: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """dst[b, c, pos[r]] = src[b, r, c] for bytes (pos[r] = r without HAS_POS): the grouped
+    GEMMs' transposed operands. One BR x BC tile per program, transposed in registers so that
+    loads and stores both run along contiguous bytes (a strided copy writes one byte per row)."""
+    b = tl.program_id(2).to(tl.int64)
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    src = src_ptr + b * src_batch + r.to(tl.int64)[:, None] * src_row + c[None, :]
+    tile = tl.load(src, mask=mask, other=0)
+    dest = r.to(tl.int64)
+    if HAS_POS:
+        dest = tl.load(pos_ptr + r, mask=r < rows, other=0).to(tl.int64)
+    dst = dst_ptr + b * dst_batch + c.to(tl.int64)[:, None] * dst_row + dest[None, :]
+    tl.store(dst, tl.trans(tile), mask=tl.trans(mask))

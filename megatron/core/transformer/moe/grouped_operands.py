@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fp8.cuda.grouped_gemm import transpose_bytes
 from megatron.core.fp8.quantization import backend_for
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec
@@ -130,7 +131,7 @@ def padded_transpose(data: torch.Tensor, position: torch.Tensor, length: int) ->
     """FP8 bytes [M, C] -> [C, length]: the transpose in the padded layout of
     `quantize_segment_operands`' columnwise copy (`padded_positions`), so that the weight
     gradient reads whole aligned tiles."""
-    return _padded(data.view(torch.uint8), position, length).t().contiguous().view(data.dtype)
+    return transpose_bytes(data, position, length)
 
 
 def quantize_segment_operands(
@@ -192,7 +193,7 @@ def transposed_experts(data: torch.Tensor, scale_inv: torch.Tensor) -> Operand:
     """The data gradient's operand [E, K, N] of weight bytes [E, N, K]: each expert's transpose
     (a per-expert scale as it is, a 128x128 grid transposed)."""
     scale_t = scale_inv if scale_inv.dim() == 1 else scale_inv.transpose(1, 2).contiguous()
-    return data.transpose(1, 2).contiguous(), scale_t
+    return transpose_bytes(data), scale_t
 
 
 def stacked_transposed(stacked: QuantizedTensor) -> Operand:
