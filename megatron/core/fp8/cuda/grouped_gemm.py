@@ -70,11 +70,10 @@ def transpose_bytes(
         return flat.transpose(-2, -1).contiguous().view(data.dtype)
     batched = (flat if flat.dim() == 3 else flat[None]).contiguous()
     batch, rows, cols = batched.shape
-    width = rows if position is None else length
     if position is None:
-        out = batched.new_empty(batch, cols, width)
-    else:
-        out = batched.new_zeros(batch, cols, width)
+        out = batched.new_empty(batch, cols, rows)
+    else:  # zeros where no row lands (the padding)
+        out = batched.new_zeros(batch, cols, length)
     if batched.numel():
         grid = (triton_cdiv(rows, TRANSPOSE_TILE), triton_cdiv(cols, TRANSPOSE_TILE), batch)
         _kernels()._transpose_bytes_kernel[grid](
