@@ -241,11 +241,20 @@ def test_blockwise_cuda_dispatch_layouts_on_the_emulated_kernels(grad_dtype, seg
     assert want[2].abs().max() == 0 and want[3].abs().max() > 0
 
 
-def _assert_close_to_emulation(got, want, bound: float, dtype: torch.dtype) -> None:
-    for a, b in zip(got, want, strict=True):
+def _assert_close_to_emulation(got, want, bound: float, dtype: torch.dtype, segments) -> None:
+    """(y, dx, dW) within bound of max|.|. In bf16 the outputs carry one bf16 rounding each
+    (rtol 2^-7), and the emulated dW rounds each segment's fp32 partial to bf16 before adding
+    it to its expert (the per-segment path's order) where the kernel sums in fp32 and rounds
+    once: up to half a bf16 ulp of each partial, which cancellation can leave larger than the
+    sum (on an H100: 1.72 on an element of 5.75, partials ~1,600), so dW also allows 2^-8 of
+    max|dW| per segment of the expert with the most."""
+    most = max(len(counts) for counts in segments)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         a, b = a.float().cpu(), b.float()
         rounding = 2**-7 if dtype == torch.bfloat16 else 0.0  # one bf16 rounding of the output
-        torch.testing.assert_close(a, b, rtol=rounding, atol=bound * b.abs().max().item())
+        partials = most * 2**-8 if dtype == torch.bfloat16 and i == 2 else 0.0
+        atol = (bound + partials) * b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=rounding, atol=atol)
 
 
 DEVICE_SEGMENTS = [[154], [0], [300], [43]]
@@ -277,7 +286,7 @@ def test_cuda_blockwise_and_fp8_parameter_paths_equal_the_emulation(
     x, dy = _data(segments, dtype, device="cuda")
     got = _run(layer, x, dy, segments, grouped=True, on_device=on_device)
     want = _run(_layer(recipe, **options), x.cpu(), dy.cpu(), segments, grouped=True)
-    _assert_close_to_emulation(got, want, BOUND[recipe], dtype)
+    _assert_close_to_emulation(got, want, BOUND[recipe], dtype, segments)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
