@@ -12,6 +12,7 @@
 # The torchao row needs torchao importable, e.g. (the device's offline wheel):
 #   pip install --no-index --no-deps --target /tmp/site .whl/torchao-*.whl
 #   PYTHONPATH=/tmp/site ROWS="fsdp2 torchao_rowwise bf16 tensorwise blockwise" bash benchmarks/moe_model_m.sh
+# PRINT_ONLY=1 (with one row in ROWS): print that row's pretrain_gpt.py flags and stop.
 # SMALL=1: model M-small (~125M active parameters: 8 layers, hidden 768, 12 heads / 4 groups,
 # 64 experts top-8, moe-ffn 256, seq 2048); TINY=1: CPU sizes for the smoke test (gloo).
 # DEEPSEEK=1 (issue 39, acceptance 4): the DeepSeek-V3-style model M: multi-latent attention
@@ -68,6 +69,13 @@ PEER=(--num-layers $LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS --
   --micro-batch-size $MBS --vocab-size $VOCAB --steps "$((ITERS - WARMUP))" --warmup-steps "$WARMUP")
 [ "${TINY:-0}" = 1 ] || PEER+=(--compile)
 RUN_TIMEOUT=${RUN_TIMEOUT:-300}
+if [ "${PRINT_ONLY:-0}" = 1 ]; then  # the pretrain_gpt.py flags of row $ROWS (bf16 or a recipe),
+  # for a tool that runs them its own way (dev/profile_step.py); nothing is run
+  extra=()
+  [ "$ROWS" = bf16 ] || extra=(--fp8-recipe "$ROWS" --fp8-format hybrid --fp8-param-gather)
+  echo "${MODEL_M[@]}" "${extra[@]}"
+  exit 0
+fi
 source benchmarks/rows.sh  # row, summarize
 for name in ${ROWS:-fsdp2 torchao_rowwise bf16 tensorwise blockwise}; do
   case $name in

@@ -1,6 +1,7 @@
 """Summarize a torch.profiler Chrome trace (pretrain_gpt.py --profile --use-pytorch-profiler):
 GPU kernel time by kernel name (largest first), memcpy/memset totals, and how much of the
-profiled span the GPU was busy. Usage: python dev/trace_summary.py TRACE.json[.gz] [--top N]
+profiled span the GPU was busy; with --cpu, host time by op name and the kernel launches.
+Usage: python dev/trace_summary.py TRACE.json[.gz] [--top N] [--cpu]
 """
 
 import argparse
@@ -25,12 +26,33 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def cpu_summary(events: list[dict], top: int) -> None:
+    """Host time (inclusive: an op's time includes the ops it calls) and calls by op name, of
+    torch ops and annotations (custom ops, compiled regions, ProfilerStep#k), largest first,
+    with the kernel launches counted."""
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
+    by_name = collections.defaultdict(lambda: [0.0, 0])
+    for e in host:
+        row = by_name[e["name"][:110]]
+        row[0] += e["dur"]
+        row[1] += 1
+    launches = sum(1 for e in events if e.get("cat") == "cuda_runtime" and "Launch" in e["name"])
+    print(f"kernel launches (cudaLaunchKernel / cuLaunchKernel...): {launches}")
+    print(f"{'ms':>9} {'calls':>7}  name (inclusive host time)")
+    for name, (dur, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{dur / 1e3:9.2f} {calls:7d}  {name}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("trace")
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--cpu", action="store_true", help="host time by op name instead")
     args = parser.parse_args()
     events = [e for e in load(args.trace) if e.get("ph") == "X" and "dur" in e]
+    if args.cpu:
+        cpu_summary(events, args.top)
+        return
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for e in gpu:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call of MoE speed questions (issue 38), results under $OUT (at most 8 files back):
+#   1. torch.profiler trace of model M-small, FP8 tensorwise, steps 5-6 (dev/profile_step.py):
+#      $OUT/gpu_tensorwise.txt (GPU time by kernel), $OUT/cpu_tensorwise.txt (host time by op);
+#   2. benchmarks/bench_grouped_gemm.py at model M's expert shape (hidden 2048, ffn 768):
+#      $OUT/gg_model_m.jsonl;
+#   3. the grouped CUDA tests (test_grouped_fp8_blockwise_params.py -m gpu).
+# Each part has its own time limit; STEPS="1 2 3" picks parts. Run from the repository root:
+#   bash dev/moe_speed_lease.sh            (device: OUT is set; elsewhere OUT=/tmp/lease)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/lease}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+for step in ${STEPS:-1 2 3}; do
+  case $step in
+    1)
+      # Model M-small's tensorwise row (benchmarks/moe_model_m.sh SMALL=1), printed, not run.
+      flags=$(OUT=/tmp/lease_rows SMALL=1 ITERS=7 PRINT_ONLY=1 ROWS=tensorwise bash benchmarks/moe_model_m.sh)
+      rm -rf /tmp/lease_prof
+      PROF_DIR=/tmp/lease_prof timeout "${PROFILE_TIMEOUT:-130}" torchrun --nproc-per-node 1 \
+        dev/profile_step.py $flags --profile --use-pytorch-profiler --profile-step-start 5 \
+        --profile-step-end 7 > /tmp/lease_prof.log 2>&1
+      echo "profile rc $?"; grep "elapsed time per" /tmp/lease_prof.log | tail -3 | cut -c1-160
+      trace=$(ls /tmp/lease_prof/*.json.gz | head -1)
+      python3 dev/trace_summary.py "$trace" --top 50 > "$OUT/gpu_tensorwise.txt"
+      python3 dev/trace_summary.py "$trace" --top 70 --cpu > "$OUT/cpu_tensorwise.txt"
+      head -12 "$OUT/gpu_tensorwise.txt"; head -3 "$OUT/cpu_tensorwise.txt" ;;
+    2)
+      timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_grouped_gemm.py --ffn 768 \
+        --out "$OUT/gg_model_m.jsonl" 2>&1 | tail -25 ;;
+    3)
+      timeout "${TEST_TIMEOUT:-80}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/unit_tests/models/moe/test_grouped_fp8_blockwise_params.py --tb=short 2>&1 | tail -8 ;;
+  esac
+done
