@@ -238,11 +238,11 @@ def check_grouped_fp8(recipe, segments, n, k, w_dtype):
     tokens = torch.randn(rows, k, dtype=torch.bfloat16)
     weight = torch.randn(experts, n, k, dtype=w_dtype) * 0.05
     dy = torch.randn(rows, n, dtype=torch.bfloat16)
-    seg_ids = ops.segment_ids(seg_sizes, rows)
+    r = gf.routing(seg_sizes, seg_expert, experts, rows)
     padded = ops.padded_rows(seg_sizes, rows, 128)  # device sizes: the static bound
-    x_row, x_col = gf._quantize_tokens(tokens, seg_ids, seg_sizes, config, "input", False,
+    x_row, x_col = gf._quantize_tokens(tokens, r, seg_sizes, config, "input", False,
                                        columnwise=padded)  # fmt: skip
-    dy_row, dy_col = gf._quantize_tokens(dy, seg_ids, seg_sizes, config, "grad", False,
+    dy_row, dy_col = gf._quantize_tokens(dy, r, seg_sizes, config, "grad", False,
                                          columnwise=padded)  # fmt: skip
     w = ops.quantize_experts(weight, spec=spec, fp8_dtype=E4M3, power_2_scale=False)
     w_t = ops.transposed_experts(*w)

@@ -116,29 +116,29 @@ def _expert_sizes(seg_sizes, seg_expert, num_experts) -> torch.Tensor:
     return seg_sizes.new_zeros(num_experts).index_add_(0, index, seg_sizes)
 
 
-ROUTING = 6
+ROUTING = 7
 """Tensors `routing` gives."""
 
 
 def routing(seg_sizes, seg_expert, experts: int, rows: int) -> list[torch.Tensor]:
     """What the grouped GEMMs of one layer call derive from its segments (sorted by expert),
     built once (in the compiled graph, where they fuse) instead of in each GEMM: each row's
-    segment, the ragged-M kernel's tile schedule over the experts (3 tensors), the experts'
-    end rows (int32, torch's grouped GEMM), each row's row in the padded copy (weight
-    gradient)."""
+    segment, the rows per expert, the ragged-M kernel's tile schedule over the experts (tile
+    group, tile row, the experts' end rows as int32, also torch's grouped GEMM offsets), each
+    row's row in the padded copy, and the padded copy's rows per expert (weight gradient)."""
     seg_ids = operands.segment_ids(seg_sizes, rows)
     sizes = _expert_sizes(seg_sizes, seg_expert, experts)
     position = operands.padded_positions(seg_ids, seg_sizes, TOKEN_TILE)
-    ends = sizes.cumsum(0).to(torch.int32)
-    return [seg_ids, *tile_schedule(sizes, rows), ends, position]
+    tiles = TOKEN_TILE * ((seg_sizes + TOKEN_TILE - 1) // TOKEN_TILE)  # each segment's
+    padded_sizes = _expert_sizes(tiles, seg_expert, experts)
+    return [seg_ids, sizes, *tile_schedule(sizes, rows), position, padded_sizes]
 
 
 def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, fast, r=()):
     """Segments are sorted by expert (the dispatcher's order): experts are the groups. r:
     `routing` of these segments (built here when not given)."""
     groups, n, k = b.shape
-    sizes = _expert_sizes(seg_sizes, seg_expert, groups)
-    seg_ids, *schedule, ends, _ = r or routing(seg_sizes, seg_expert, groups, a.shape[0])
+    seg_ids, sizes, *schedule, _, _ = r or routing(seg_sizes, seg_expert, groups, a.shape[0])
     options = dict(group_sizes=sizes, out_dtype=out_dtype, schedule=tuple(schedule))
     if not recipe_spec(recipe).per_tensor:  # blockwise: 1x128 rows, 128x128 experts
         scales = dict(a_scale_inv=a_scale_inv.contiguous(), b_scale_inv=b_scale_inv.contiguous())
@@ -150,7 +150,7 @@ def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_
             b.transpose(1, 2),
             row_scale.contiguous(),
             b_scale_inv[:, None].expand(groups, n).contiguous(),
-            offs=ends,
+            offs=schedule[-1],  # the experts' end rows
             out_dtype=out_dtype,
             use_fast_accum=fast,
         )
@@ -242,12 +242,12 @@ def _cuda_wgrad(
     options = dict(a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv, recipe=recipe)
     options.update(out_dtype=dtype, whole_tiles=True)
     tiles = TOKEN_TILE * ((seg_sizes + TOKEN_TILE - 1) // TOKEN_TILE)  # each segment's
-    if spec.per_tensor:
-        position = (r or routing(seg_sizes, seg_expert, experts, dy.shape[0]))[-1]
+    if spec.per_tensor:  # rowwise bytes [M, *]: M tokens
+        *_, position, _ = r or routing(seg_sizes, seg_expert, experts, dy.shape[0])
         dy, x = (operands.padded_transpose(t, position, padded) for t in (dy, x))
         segments = None if _one_segment_each(seg_expert, experts) else list(seg_expert)
         return grouped_scaled_mm_wgrad(dy, x, group_sizes=tiles, segment_group=segments, **options)
-    sizes = _expert_sizes(tiles, seg_expert, experts)
+    sizes = r[-1] if r else _expert_sizes(tiles, seg_expert, experts)  # padded rows per expert
     return grouped_scaled_mm_wgrad(dy, x, group_sizes=sizes, **options)
 
 
@@ -344,10 +344,11 @@ def _weight_mm(a_op, weight, kind: str, usage: str, args: tuple) -> torch.Tensor
     return grouped_fp8_mm(*a_op, *b, *args)
 
 
-def _quantize_tokens(t, seg_ids, seg_sizes, config, role, pow2, *, columnwise: int):
+def _quantize_tokens(t, r, seg_sizes, config, role, pow2, *, columnwise: int):
     """(rowwise operand, the weight gradient's operand or None) of tokens [M, *] in `role`
-    ("input" or "grad"); per tensor both are the segments' rowwise bytes. columnwise: the
-    padded copy's rows (blockwise), 0 for none."""
+    ("input" or "grad"); per tensor both are the segments' rowwise bytes. r: `routing` of the
+    segments; columnwise: the padded copy's rows (blockwise), 0 for none."""
+    seg_ids = r[0]
     spec, fp8_dtype = config.spec, fp8_dtype_for_role(config.fp8_format, role)
     if spec.per_tensor:
         row = operands.quantize_segments(
@@ -357,7 +358,11 @@ def _quantize_tokens(t, seg_ids, seg_sizes, config, role, pow2, *, columnwise: i
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=pow2)
     if not columnwise:
         return operands.quantize_rows(t, **options), None
-    return operands.quantize_segment_operands(t, seg_ids, seg_sizes, length=columnwise, **options)
+    if spec.block != TOKEN_TILE:  # routing's positions are in whole TOKEN_TILE-row cells
+        raise ValueError(f"grouped FP8: block {spec.block} is not the {TOKEN_TILE}-token tile")
+    return operands.quantize_segment_operands(
+        t, seg_ids, seg_sizes, length=columnwise, position=r[-2], **options
+    )
 
 
 class _GroupedFp8Function(torch.autograd.Function):
@@ -367,10 +372,9 @@ class _GroupedFp8Function(torch.autograd.Function):
         pow2 = spec.resolve_power_2_scale(config.quantize_power_2_scale)
         seg_expert, padded = layout
         r = routing(seg_sizes, seg_expert, weight.shape[0], tokens.shape[0])
-        seg_ids = r[0]
         columnwise = padded if weight.requires_grad else 0
         x_row, x_col = _quantize_tokens(
-            tokens, seg_ids, seg_sizes, config, "input", pow2, columnwise=columnwise
+            tokens, r, seg_sizes, config, "input", pow2, columnwise=columnwise
         )
         # An FP8 parameter is re-read in backward (after the engine gathered it again), as
         # `ExpertWeight` reads it; its stand-in is saved, a plain weight's quantized bytes.
@@ -393,13 +397,12 @@ class _GroupedFp8Function(torch.autograd.Function):
     def backward(ctx, dy):  # noqa: D102
         seg_sizes, *saved = ctx.saved_tensors
         r, saved = saved[:ROUTING], saved[ROUTING:]
-        seg_ids = r[0]
         seg_expert, experts, padded = ctx.layout
         spec = ctx.config.spec
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         columnwise = padded if need_wgrad else 0
         dy_row, dy_col = _quantize_tokens(
-            dy.contiguous(), seg_ids, seg_sizes, ctx.config, "grad", ctx.pow2, columnwise=columnwise
+            dy.contiguous(), r, seg_sizes, ctx.config, "grad", ctx.pow2, columnwise=columnwise
         )
         x_col, saved_weight = saved[: ctx.x_saved], saved[ctx.x_saved :]
         dx = dw = None

@@ -144,14 +144,17 @@ def quantize_segment_operands(
     role,
     fp8_dtype,
     power_2_scale,
+    position: torch.Tensor | None = None,
 ) -> tuple[Operand, Operand]:
     """Blockwise rows (as `quantize_rows`) and the weight gradient's transposed columnwise
     operand: 128x1 cells along the rows of each segment, counted from its first row, as
     bytes [K, P] with each segment padded to whole cells (segment s's tokens at columns
     128 * chunk_bounds[s] onwards, zeros after them; P = `length`, `padded_rows`) and scale_inv
     [K, P / 128] (its cells at chunk_bounds[s]; cells past the last segment's are zeros' and
-    unread). One quantization of x with its segments padded; seg_sizes on the device."""
-    position = padded_positions(seg_ids, seg_sizes, spec.block)
+    unread). One quantization of x with its segments padded; seg_sizes on the device;
+    position: `padded_positions` of these segments for spec.block when the caller has them."""
+    if position is None:
+        position = padded_positions(seg_ids, seg_sizes, spec.block)
     padded = _padded(x, position, length)
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
     row, col = _quantize_operands(padded, transposed=True, **options)  # col: [K, P]
