@@ -70,7 +70,7 @@ PEER=(--num-layers $LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS --
 [ "${TINY:-0}" = 1 ] || PEER+=(--compile)
 RUN_TIMEOUT=${RUN_TIMEOUT:-300}
 if [ "${PRINT_ONLY:-0}" = 1 ]; then  # the pretrain_gpt.py flags of row $ROWS (bf16 or a recipe),
-  # for a tool that runs them its own way (dev/profile_step.py); nothing is run
+  # for a tool that runs them its own way (dev/moe_speed_lease.sh); nothing is run
   extra=()
   [ "$ROWS" = bf16 ] || extra=(--fp8-recipe "$ROWS" --fp8-format hybrid --fp8-param-gather)
   echo "${MODEL_M[@]}" "${extra[@]}"
