@@ -15,6 +15,9 @@ if [[ -z ${PYTHON:-} ]]; then
       python3 -m venv --system-site-packages .venv
     fi
     PYTHON=$PWD/.venv/bin/python
+    # As `source .venv/bin/activate` would: the venv's console scripts (torchrun, ruff) come
+    # first, for the tests and benchmark scripts that launch them.
+    export PATH=$PWD/.venv/bin:$PATH
   fi
 fi
 export PYTHON
