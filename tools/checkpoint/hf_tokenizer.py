@@ -11,6 +11,7 @@ user's) are not written: the export says so, and which tokenizer the ids belong 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 
@@ -71,9 +72,22 @@ def _gpt2_writer(saved: dict) -> Callable[[str], None]:
     return write
 
 
+def _require_tokenizer_packages() -> None:
+    """The tokenizer files are written with `tokenizers` and `transformers`: checked before
+    anything of the export is written."""
+    missing = [n for n in ("tokenizers", "transformers") if importlib.util.find_spec(n) is None]
+    if missing:
+        raise ImportError(
+            f"HuggingFace export of the tokenizer needs {' and '.join(missing)}: run "
+            '`pip install transformers safetensors` (or `pip install -e ".[hf]"`)'
+        )
+
+
 def tokenizer_writer(saved: dict) -> tuple[Callable[[str], None] | None, str]:
     """(a function writing the tokenizer into a directory, or None; what the export says)."""
     kind = saved.get("tokenizer_type")
+    if kind in ("ByteTokenizer", "GPT2BPETokenizer"):
+        _require_tokenizer_packages()
     if kind == "ByteTokenizer":
         return _write_byte_tokenizer, f"tokenizer: byte-level (ids = UTF-8 bytes, 256 = {EOD})"
     if kind == "GPT2BPETokenizer":

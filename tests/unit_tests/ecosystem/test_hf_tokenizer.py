@@ -61,3 +61,17 @@ def test_other_tokenizers_are_named_not_written(tmp_path: Path) -> None:
     assert said.startswith("no tokenizer written: the ids are --tokenizer-type NullTokenizer's")
     with pytest.raises(FileNotFoundError, match="GPT2BPETokenizer file '/gone/vocab.json'"):
         tokenizer_writer({"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "/gone/vocab.json"})
+
+
+def test_tokenizer_export_names_the_missing_packages(monkeypatch) -> None:
+    """Without tokenizers / transformers, the export stops before writing anything, with the
+    pip command (a fresh venv had given 'No module named tokenizers')."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tokenizers" else real(name)
+    )
+    with pytest.raises(ImportError, match=r"needs tokenizers: run `pip install transformers"):
+        tokenizer_writer({"tokenizer_type": "ByteTokenizer"})
+    assert tokenizer_writer({"tokenizer_type": "NullTokenizer"})[0] is None  # nothing to write
