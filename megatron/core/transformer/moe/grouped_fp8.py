@@ -116,6 +116,11 @@ def _expert_sizes(seg_sizes, seg_expert, num_experts) -> torch.Tensor:
     return seg_sizes.new_zeros(num_experts).index_add_(0, index, seg_sizes)
 
 
+def _padded_segment_rows(seg_sizes: torch.Tensor) -> torch.Tensor:
+    """Each segment's rows in the weight gradient's padded copy: whole TOKEN_TILE-row tiles."""
+    return TOKEN_TILE * ((seg_sizes + TOKEN_TILE - 1) // TOKEN_TILE)
+
+
 ROUTING = 7
 """Tensors `routing` gives."""
 
@@ -129,8 +134,7 @@ def routing(seg_sizes, seg_expert, experts: int, rows: int) -> list[torch.Tensor
     seg_ids = operands.segment_ids(seg_sizes, rows)
     sizes = _expert_sizes(seg_sizes, seg_expert, experts)
     position = operands.padded_positions(seg_ids, seg_sizes, TOKEN_TILE)
-    tiles = TOKEN_TILE * ((seg_sizes + TOKEN_TILE - 1) // TOKEN_TILE)  # each segment's
-    padded_sizes = _expert_sizes(tiles, seg_expert, experts)
+    padded_sizes = _expert_sizes(_padded_segment_rows(seg_sizes), seg_expert, experts)
     return [seg_ids, sizes, *tile_schedule(sizes, rows), position, padded_sizes]
 
 
@@ -241,7 +245,7 @@ def _cuda_wgrad(
     experts = shape[0]
     options = dict(a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv, recipe=recipe)
     options.update(out_dtype=dtype, whole_tiles=True)
-    tiles = TOKEN_TILE * ((seg_sizes + TOKEN_TILE - 1) // TOKEN_TILE)  # each segment's
+    tiles = _padded_segment_rows(seg_sizes)
     if spec.per_tensor:  # rowwise bytes [M, *]: M tokens
         *_, position, _ = r or routing(seg_sizes, seg_expert, experts, dy.shape[0])
         dy, x = (operands.padded_transpose(t, position, padded) for t in (dy, x))
@@ -358,8 +362,8 @@ def _quantize_tokens(t, r, seg_sizes, config, role, pow2, *, columnwise: int):
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=pow2)
     if not columnwise:
         return operands.quantize_rows(t, **options), None
-    if spec.block != TOKEN_TILE:  # routing's positions are in whole TOKEN_TILE-row cells
-        raise ValueError(f"grouped FP8: block {spec.block} is not the {TOKEN_TILE}-token tile")
+    # routing's positions are in TOKEN_TILE-row cells, blockwise's 128 (the tile is the cell:
+    # test_grouped_gemm.py::test_the_token_tile_is_the_blockwise_cell)
     return operands.quantize_segment_operands(
         t, seg_ids, seg_sizes, length=columnwise, position=r[-2], **options
     )
