@@ -185,7 +185,10 @@ def layer_rows(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list[dict]
         ("blockwise", "hybrid"),
     ):
         config = Fp8Config(recipe=recipe, fp8_format=fp8_format)
-        layer = Fp8StackedLinear(*w.shape, fp8_config=config, dtype=w.dtype, device=w.device)
+        experts, out_features, in_features = w.shape
+        layer = Fp8StackedLinear(
+            experts, in_features, out_features, fp8_config=config, dtype=w.dtype, device=w.device
+        )
         with torch.no_grad():
             layer.weight.copy_(w)
         tokens = x.detach().requires_grad_()

@@ -238,8 +238,8 @@ def check_grouped_fp8(recipe, segments, n, k, w_dtype):
     tokens = torch.randn(rows, k, dtype=torch.bfloat16)
     weight = torch.randn(experts, n, k, dtype=w_dtype) * 0.05
     dy = torch.randn(rows, n, dtype=torch.bfloat16)
-    r = gf.routing(seg_sizes, seg_expert, experts, rows)
     padded = ops.padded_rows(seg_sizes, rows, 128)  # device sizes: the static bound
+    r = gf.routing(seg_sizes, seg_expert, experts, rows, padded)
     x_row, x_col = gf._quantize_tokens(tokens, r, seg_sizes, config, "input", False,
                                        columnwise=padded)  # fmt: skip
     dy_row, dy_col = gf._quantize_tokens(dy, r, seg_sizes, config, "grad", False,
@@ -265,8 +265,8 @@ def check_transpose_bytes():
     from tests.unit_tests.fp8.test_grouped_gemm import _byte_cases
 
     ok = True
-    for data, position, length, want in _byte_cases("cpu"):
-        got = gg.transpose_bytes(data, position, length)
+    for data, source, want in _byte_cases("cpu"):
+        got = gg.transpose_bytes(data, source)
         good = got.dtype == data.dtype and torch.equal(got.view(torch.uint8), want)
         shapes = f"{tuple(data.shape)} -> {tuple(got.shape)}"
         print(f"{'ok  ' if good else 'FAIL'} transpose_bytes {shapes}")

@@ -4,7 +4,9 @@
 #      $OUT/gpu_tensorwise.txt (GPU time by kernel), $OUT/cpu_tensorwise.txt (host time by op);
 #   2. benchmarks/bench_grouped_gemm.py at model M's expert shape (hidden 2048, ffn 768):
 #      $OUT/gg_model_m.jsonl;
-#   3. the grouped CUDA tests (test_grouped_fp8_blockwise_params.py -m gpu).
+#   3. the grouped CUDA tests (test_grouped_fp8_blockwise_params.py -m gpu);
+#   4. dev/bench_transpose_bytes.py (byte transposes against torch and a copy): $OUT/transpose.jsonl;
+#   5. dev/host_sampler.py on model M-small (ROWS: tensorwise bf16): $OUT/host_<row>.txt.
 # Each part has its own time limit; STEPS="1 2 3" picks parts. Run from the repository root:
 #   bash dev/moe_speed_lease.sh            (device: OUT is set; elsewhere OUT=/tmp/lease)
 set -uo pipefail
@@ -13,7 +15,7 @@ OUT=${OUT:-/tmp/lease}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-for step in ${STEPS:-1 2 3}; do
+for step in ${STEPS:-1 2 3 4 5}; do
   case $step in
     1)
       # Model M-small's tensorwise row (benchmarks/moe_model_m.sh SMALL=1), printed, not run.
@@ -35,5 +37,15 @@ for step in ${STEPS:-1 2 3}; do
     3)
       timeout "${TEST_TIMEOUT:-80}" python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/unit_tests/models/moe/test_grouped_fp8_blockwise_params.py --tb=short 2>&1 | tail -8 ;;
+    4)
+      timeout "${BENCH_TIMEOUT:-150}" python3 dev/bench_transpose_bytes.py \
+        --out "$OUT/transpose.jsonl" 2>&1 | tail -40 ;;
+    5)
+      for row in ${ROWS:-tensorwise bf16}; do
+        flags=$(OUT=/tmp/lease_rows SMALL=1 PRINT_ONLY=1 ROWS=$row bash benchmarks/moe_model_m.sh)
+        timeout "${PROFILE_TIMEOUT:-130}" python3 dev/host_sampler.py --skip-iters 10 --top 45 \
+          -- pretrain_gpt.py $flags > "$OUT/host_$row.txt" 2>&1
+        echo "sampler $row rc $?"; grep "elapsed time per" "$OUT/host_$row.txt" | tail -2 | cut -c1-150
+      done ;;
   esac
 done

@@ -339,39 +339,36 @@ def test_the_token_tile_is_the_blockwise_cell() -> None:
 
 
 def _byte_cases(device: str):
-    """(data, position, length, want) of `transpose_bytes`: batched expert weights, and token
-    rows placed at padded positions (ragged: not multiples of the 64-byte tile)."""
+    """(data, source, want) of `transpose_bytes`: batched expert weights, and token rows
+    gathered into padded columns (ragged: not multiples of the kernel's tiles; -1: zeros)."""
     generator = torch.Generator().manual_seed(11)
     weights = torch.randint(0, 256, (5, 130, 200), generator=generator, dtype=torch.uint8)
     tokens = torch.randint(0, 256, (300, 77), generator=generator, dtype=torch.uint8)
     position = torch.cat([torch.arange(0, 130), torch.arange(256, 256 + 170)])
+    source = torch.full((512,), -1, dtype=torch.int32)
+    source[position] = torch.arange(300, dtype=torch.int32)
     padded = torch.zeros(77, 512, dtype=torch.uint8)
     padded[:, position] = tokens.t()
     return [
-        (weights.view(E4M3).to(device), None, 0, weights.transpose(1, 2)),
-        (tokens.view(E5M2).to(device), position.to(device), 512, padded),
-        (
-            tokens[:0].to(device),
-            position[:0].to(device),
-            128,
-            torch.zeros(77, 128, dtype=torch.uint8),
-        ),
+        (weights.view(E4M3).to(device), None, weights.transpose(1, 2)),
+        (tokens.view(E5M2).to(device), source.to(device), padded),
+        (tokens[:0].to(device), source[:128].clamp(max=-1).to(device), padded[:, :128] * 0),
     ]
 
 
 def test_transpose_bytes_places_rows_at_their_positions():
     """The grouped GEMMs' transposed operands: [B, R, C] -> [B, C, R]; token rows at their
     padded columns with zeros between; the FP8 dtype kept."""
-    for data, position, length, want in _byte_cases("cpu"):
-        got = transpose_bytes(data, position, length)
+    for data, source, want in _byte_cases("cpu"):
+        got = transpose_bytes(data, source)
         assert got.dtype == data.dtype and torch.equal(got.view(torch.uint8), want)
-    assert int(_byte_cases("cpu")[1][3][:, 130:256].sum()) == 0
+    assert int(_byte_cases("cpu")[1][2][:, 130:256].sum()) == 0
     with pytest.raises(ValueError, match="transposes 2-D bytes only"):
-        transpose_bytes(torch.zeros(2, 3, 4, dtype=torch.uint8), torch.arange(3), 8)
+        transpose_bytes(torch.zeros(2, 3, 4, dtype=torch.uint8), torch.arange(3))
 
 
 @pytest.mark.gpu
 def test_transpose_bytes_kernel_equals_torch():
-    for data, position, length, want in _byte_cases("cuda"):
-        got = transpose_bytes(data, position, length)
+    for data, source, want in _byte_cases("cuda"):
+        got = transpose_bytes(data, source)
         assert got.dtype == data.dtype and torch.equal(got.view(torch.uint8).cpu(), want)

@@ -427,9 +427,9 @@ class Fp8ComputeStorage(ComputeStorage):
         scales = self.slot_scales[run.slot_index][direction]
         return scales if run.expert is None else scales[run.expert]
 
-    def _scales(self, index: int, amax_cells: torch.Tensor):
-        """(quantize multiplier, stored scale_inv) per cell of run `index`, as quantize()
-        derives them."""
+    def _scales(self, amax_cells: torch.Tensor, index: int = 0):
+        """(quantize multiplier, stored scale_inv) per cell of run `index` (delayed: its
+        weights' scaling states; current scaling: any cells), as quantize() derives them."""
         run = self.runs[index]
         return weight_cell_scales(
             amax_cells,
@@ -470,8 +470,14 @@ class Fp8ComputeStorage(ComputeStorage):
             # kernels per weight.
             advance_delayed_scales(self.delayed_metas)
         parts = self._run_pieces()
+        # Current scaling: every cell's scales in one elementwise pass (not ~10 small kernels
+        # per run); delayed: each run's weights' scaling states.
+        every = None if self.spec.recipe_spec.delayed else self._scales(amaxes)
         for index, d, offset, n in self._cell_layout():
-            multiplier, scale_inv = self._scales(index, amaxes[offset : offset + n])
+            if every is None:
+                multiplier, scale_inv = self._scales(amaxes[offset : offset + n], index)
+            else:
+                multiplier, scale_inv = (t[offset : offset + n] for t in every)
             run = self.runs[index]
             for part in parts.get(index, []):
                 lo, hi = part.shard_start, part.shard_start + part.numel

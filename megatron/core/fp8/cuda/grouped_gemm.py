@@ -50,36 +50,34 @@ def _kernel_runs(recipe: str, *tensors: torch.Tensor) -> bool:
     return not recipe_spec(recipe).e8m0_scales and _triton_runs(*tensors)
 
 
-TRANSPOSE_TILE = 64
-"""Rows and columns of bytes per program of the byte transpose."""
+TRANSPOSE_TILE = (64, 128)
+"""Output columns and rows of bytes per program of the byte transpose (the fastest of the
+tiles timed by dev/bench_transpose_bytes.py on an H100: 2.6 TB/s, a copy's 2.9)."""
 
 
-def transpose_bytes(
-    data: torch.Tensor, position: torch.Tensor | None = None, length: int = 0
-) -> torch.Tensor:
+def transpose_bytes(data: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
     """The transpose of FP8 (or uint8) bytes, in data's dtype: [B, R, C] -> [B, C, R], or
-    [R, C] -> [C, R]; with `position` (2-D only), [C, length] zeros with row r of data at
-    column position[r] (distinct, < length). CUDA: one tiled kernel (the strided copy torch
-    makes of a transposed byte view writes a byte per row); elsewhere torch."""
+    [R, C] -> [C, R]; with `source` (2-D only; integers, [P]), [C, P] with column p row
+    source[p] of data, zeros where source[p] < 0. CUDA: one tiled kernel (the strided copy
+    torch makes of a transposed byte view writes a byte per row); elsewhere torch."""
     flat = data.view(torch.uint8)
-    if position is not None and data.dim() != 2:
-        raise ValueError("transpose_bytes: a position list transposes 2-D bytes only")
+    if source is not None and data.dim() != 2:
+        raise ValueError("transpose_bytes: a source list transposes 2-D bytes only")
     if not _triton_runs(data):
-        if position is not None:
-            flat = flat.new_zeros(length, flat.shape[1]).index_copy_(0, position, flat)
+        if source is not None:  # index -1 picks the zero row appended last
+            flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])[source.clamp(min=-1)]
         return flat.transpose(-2, -1).contiguous().view(data.dtype)
     batched = (flat if flat.dim() == 3 else flat[None]).contiguous()
     batch, rows, cols = batched.shape
-    if position is None:
-        out = batched.new_empty(batch, cols, rows)
-    else:  # zeros where no row lands (the padding)
-        out = batched.new_zeros(batch, cols, length)
-    if batched.numel():
-        grid = (triton_cdiv(rows, TRANSPOSE_TILE), triton_cdiv(cols, TRANSPOSE_TILE), batch)
+    length = rows if source is None else source.shape[0]  # source[p] < rows: the caller's
+    out = batched.new_empty(batch, cols, length)
+    if out.numel():
+        bp, bc = TRANSPOSE_TILE
+        grid = (triton_cdiv(length, bp), triton_cdiv(cols, bc), batch)
         _kernels()._transpose_bytes_kernel[grid](
-            batched, out, batched if position is None else position, rows, cols,
+            batched, out, batched if source is None else source.contiguous(), cols, length,
             batched.stride(0), batched.stride(1), out.stride(0), out.stride(1),
-            HAS_POS=position is not None, BR=TRANSPOSE_TILE, BC=TRANSPOSE_TILE,
+            HAS_SOURCE=source is not None, BP=bp, BC=bc,
         )  # fmt: skip
     return (out if flat.dim() == 3 else out[0]).view(data.dtype)
 

@@ -216,28 +216,31 @@ def _ragged_k_kernel(
 def _transpose_bytes_kernel(
     src_ptr,
     dst_ptr,
-    pos_ptr,
-    rows,
+    source_ptr,
     cols,
+    length,
     src_batch,
     src_row,
     dst_batch,
     dst_row,
-    HAS_POS: tl.constexpr,
-    BR: tl.constexpr,
+    HAS_SOURCE: tl.constexpr,
+    BP: tl.constexpr,
     BC: tl.constexpr,
 ):
-    """dst[b, c, pos[r]] = src[b, r, c] for bytes (pos[r] = r without HAS_POS): the grouped
-    GEMMs' transposed operands. One BR x BC tile per program, transposed in registers so that
-    loads and stores both run along contiguous bytes (a strided copy writes one byte per row)."""
+    """dst[b, c, p] = src[b, source[p], c] for bytes, 0 where source[p] < 0 (source[p] = p
+    without HAS_SOURCE): the grouped GEMMs' transposed operands. One BP x BC tile of the
+    output's columns p and rows c per program: it gathers BP source rows (BC contiguous bytes
+    each), transposes them in registers and writes BP contiguous bytes per output row (a
+    scatter to computed columns could not be vectorized: 23x slower, issue 38)."""
     b = tl.program_id(2).to(tl.int64)
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    p = tl.program_id(0) * BP + tl.arange(0, BP)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    mask = (r[:, None] < rows) & (c[None, :] < cols)
-    src = src_ptr + b * src_batch + r.to(tl.int64)[:, None] * src_row + c[None, :]
-    tile = tl.load(src, mask=mask, other=0)
-    dest = r.to(tl.int64)
-    if HAS_POS:
-        dest = tl.load(pos_ptr + r, mask=r < rows, other=0).to(tl.int64)
-    dst = dst_ptr + b * dst_batch + c.to(tl.int64)[:, None] * dst_row + dest[None, :]
-    tl.store(dst, tl.trans(tile), mask=tl.trans(mask))
+    if HAS_SOURCE:
+        row = tl.load(source_ptr + p, mask=p < length, other=-1)
+    else:
+        row = tl.where(p < length, p, -1)
+    ok = (row >= 0)[:, None] & (c[None, :] < cols)
+    src = src_ptr + b * src_batch + row.to(tl.int64)[:, None] * src_row + c[None, :]
+    tile = tl.load(src, mask=ok, other=0)
+    dst = dst_ptr + b * dst_batch + c.to(tl.int64)[:, None] * dst_row + p[None, :]
+    tl.store(dst, tl.trans(tile), mask=(c[:, None] < cols) & (p[None, :] < length))

@@ -121,29 +121,42 @@ def _padded_segment_rows(seg_sizes: torch.Tensor) -> torch.Tensor:
     return TOKEN_TILE * ((seg_sizes + TOKEN_TILE - 1) // TOKEN_TILE)
 
 
-ROUTING = 7
-"""Tensors `routing` gives."""
+ROUTING = 8
+"""Tensors `routing` gives; where each is in its list:"""
+SEG_IDS, SIZES, SCHEDULE, POSITION, SOURCE, PADDED_SIZES = 0, 1, slice(2, 5), 5, 6, 7
 
 
-def routing(seg_sizes, seg_expert, experts: int, rows: int) -> list[torch.Tensor]:
+def routing(seg_sizes, seg_expert, experts: int, rows: int, padded: int) -> list[torch.Tensor]:
     """What the grouped GEMMs of one layer call derive from its segments (sorted by expert),
     built once (in the compiled graph, where they fuse) instead of in each GEMM: each row's
     segment, the rows per expert, the ragged-M kernel's tile schedule over the experts (tile
     group, tile row, the experts' end rows as int32, also torch's grouped GEMM offsets), each
-    row's row in the padded copy, and the padded copy's rows per expert (weight gradient)."""
+    row's row in the padded copy of `padded` rows and the row each of those holds (-1:
+    padding), and the padded copy's rows per expert (weight gradient)."""
     seg_ids = operands.segment_ids(seg_sizes, rows)
     sizes = _expert_sizes(seg_sizes, seg_expert, experts)
     position = operands.padded_positions(seg_ids, seg_sizes, TOKEN_TILE)
+    source = operands.padded_sources(position, padded)
     padded_sizes = _expert_sizes(_padded_segment_rows(seg_sizes), seg_expert, experts)
-    return [seg_ids, sizes, *tile_schedule(sizes, rows), position, padded_sizes]
+    return [seg_ids, sizes, *tile_schedule(sizes, rows), position, source, padded_sizes]
+
+
+def _routing_of(seg_sizes, seg_expert, experts, rows, r, padded=0) -> list[torch.Tensor]:
+    """r when given, else `routing` built here (padded: the padded copy's rows; 0: as many
+    as any sizes need)."""
+    if r:
+        return r
+    padded = padded or operands.padded_rows(seg_sizes, rows, TOKEN_TILE)
+    return routing(seg_sizes, seg_expert, experts, rows, padded)
 
 
 def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, fast, r=()):
     """Segments are sorted by expert (the dispatcher's order): experts are the groups. r:
     `routing` of these segments (built here when not given)."""
     groups, n, k = b.shape
-    seg_ids, sizes, *schedule, _, _ = r or routing(seg_sizes, seg_expert, groups, a.shape[0])
-    options = dict(group_sizes=sizes, out_dtype=out_dtype, schedule=tuple(schedule))
+    r = _routing_of(seg_sizes, seg_expert, groups, a.shape[0], r)
+    seg_ids, schedule = r[SEG_IDS], tuple(r[SCHEDULE])
+    options = dict(group_sizes=r[SIZES], out_dtype=out_dtype, schedule=schedule)
     if not recipe_spec(recipe).per_tensor:  # blockwise: 1x128 rows, 128x128 experts
         scales = dict(a_scale_inv=a_scale_inv.contiguous(), b_scale_inv=b_scale_inv.contiguous())
         return grouped_scaled_mm(a, b, **scales, recipe=recipe, **options)
@@ -245,14 +258,19 @@ def _cuda_wgrad(
     experts = shape[0]
     options = dict(a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv, recipe=recipe)
     options.update(out_dtype=dtype, whole_tiles=True)
-    tiles = _padded_segment_rows(seg_sizes)
-    if spec.per_tensor:  # rowwise bytes [M, *]: M tokens
-        *_, position, _ = r or routing(seg_sizes, seg_expert, experts, dy.shape[0])
-        dy, x = (operands.padded_transpose(t, position, padded) for t in (dy, x))
-        segments = None if _one_segment_each(seg_expert, experts) else list(seg_expert)
-        return grouped_scaled_mm_wgrad(dy, x, group_sizes=tiles, segment_group=segments, **options)
-    sizes = r[-1] if r else _expert_sizes(tiles, seg_expert, experts)  # padded rows per expert
-    return grouped_scaled_mm_wgrad(dy, x, group_sizes=sizes, **options)
+    one_each = _one_segment_each(seg_expert, experts)
+    if not spec.per_tensor:  # the padded copies as they are: whole tiles of each expert
+        if r:
+            sizes = r[PADDED_SIZES]
+        else:
+            sizes = _expert_sizes(_padded_segment_rows(seg_sizes), seg_expert, experts)
+        return grouped_scaled_mm_wgrad(dy, x, group_sizes=sizes, **options)
+    r = _routing_of(seg_sizes, seg_expert, experts, dy.shape[0], r, padded)  # dy [M, N]
+    dy, x = (operands.padded_transpose(t, r[SOURCE]) for t in (dy, x))  # rowwise bytes [M, *]
+    # groups of whole tiles: the experts' (EP 1), else the segments' of each expert
+    tiles = r[PADDED_SIZES] if one_each else _padded_segment_rows(seg_sizes)
+    segments = None if one_each else list(seg_expert)
+    return grouped_scaled_mm_wgrad(dy, x, group_sizes=tiles, segment_group=segments, **options)
 
 
 @torch.library.custom_op("megatron_fp8::grouped_fp8_wgrad", mutates_args=())
@@ -352,7 +370,7 @@ def _quantize_tokens(t, r, seg_sizes, config, role, pow2, *, columnwise: int):
     """(rowwise operand, the weight gradient's operand or None) of tokens [M, *] in `role`
     ("input" or "grad"); per tensor both are the segments' rowwise bytes. r: `routing` of the
     segments; columnwise: the padded copy's rows (blockwise), 0 for none."""
-    seg_ids = r[0]
+    seg_ids = r[SEG_IDS]
     spec, fp8_dtype = config.spec, fp8_dtype_for_role(config.fp8_format, role)
     if spec.per_tensor:
         row = operands.quantize_segments(
@@ -365,7 +383,7 @@ def _quantize_tokens(t, r, seg_sizes, config, role, pow2, *, columnwise: int):
     # routing's positions are in TOKEN_TILE-row cells, blockwise's 128 (the tile is the cell:
     # test_grouped_gemm.py::test_the_token_tile_is_the_blockwise_cell)
     return operands.quantize_segment_operands(
-        t, seg_ids, seg_sizes, length=columnwise, position=r[-2], **options
+        t, seg_ids, seg_sizes, length=columnwise, position=r[POSITION], **options
     )
 
 
@@ -375,7 +393,7 @@ class _GroupedFp8Function(torch.autograd.Function):
         spec = config.spec
         pow2 = spec.resolve_power_2_scale(config.quantize_power_2_scale)
         seg_expert, padded = layout
-        r = routing(seg_sizes, seg_expert, weight.shape[0], tokens.shape[0])
+        r = routing(seg_sizes, seg_expert, weight.shape[0], tokens.shape[0], padded)
         columnwise = padded if weight.requires_grad else 0
         x_row, x_col = _quantize_tokens(
             tokens, r, seg_sizes, config, "input", pow2, columnwise=columnwise

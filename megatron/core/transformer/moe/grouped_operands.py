@@ -127,11 +127,19 @@ def _padded(x: torch.Tensor, position: torch.Tensor, length: int) -> torch.Tenso
     return x.new_zeros(length, x.shape[1]).index_copy_(0, position, x)
 
 
-def padded_transpose(data: torch.Tensor, position: torch.Tensor, length: int) -> torch.Tensor:
-    """FP8 bytes [M, C] -> [C, length]: the transpose in the padded layout of
-    `quantize_segment_operands`' columnwise copy (`padded_positions`), so that the weight
-    gradient reads whole aligned tiles."""
-    return transpose_bytes(data, position, length)
+def padded_sources(position: torch.Tensor, length: int) -> torch.Tensor:
+    """The inverse of `padded_positions`: for each of the padded copy's `length` rows the row
+    of the tokens it holds, -1 for padding (int32)."""
+    rows = torch.arange(position.shape[0], device=position.device, dtype=torch.int32)
+    empty = torch.full((length,), -1, dtype=torch.int32, device=position.device)
+    return empty.index_copy_(0, position, rows)
+
+
+def padded_transpose(data: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """FP8 bytes [M, C] -> [C, P]: the transpose in the padded layout of
+    `quantize_segment_operands`' columnwise copy (source: `padded_sources`, P rows), so that
+    the weight gradient reads whole aligned tiles."""
+    return transpose_bytes(data, source)
 
 
 def quantize_segment_operands(

@@ -137,7 +137,10 @@ def test_padded_transpose_puts_each_segment_at_a_whole_tile():
     ids = grouped_operands.segment_ids(sizes, 138)
     position = grouped_operands.padded_positions(ids, sizes, 128)
     length = grouped_operands.padded_rows(sizes, 138, 128)
-    got = grouped_operands.padded_transpose(data, position, length).view(torch.uint8)
+    source = grouped_operands.padded_sources(position, length)
+    assert torch.equal(source[position], torch.arange(138, dtype=torch.int32))
+    assert int((source >= 0).sum()) == 138 and source.shape == (640,)
+    got = grouped_operands.padded_transpose(data, source).view(torch.uint8)
     raw = data.view(torch.uint8)
     assert got.shape == (3, 640) and got.dtype == torch.uint8
     for at, rows in ((0, slice(0, 7)), (128, slice(7, 137)), (384, slice(137, 138))):
