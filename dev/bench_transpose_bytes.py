@@ -1,6 +1,7 @@
 """Byte transposes of the FP8 MoE path on a GPU (issue 38: `_transpose_bytes_kernel` was 28% of
 the GPU time of model M-small's tensorwise step, 0.23 ms a call): the product's
-`transpose_bytes` (plain and with a padded position list) against torch (eager and compiled),
+`transpose_bytes` (plain, and gathering token rows into a padded copy by a source list)
+against torch (eager and compiled),
 a copy of the same bytes (the bandwidth bound) and tile/warp variants of a gather-form kernel
 (each output tile reads the source rows its columns come from: loads and stores both along
 contiguous bytes, no zero fill first). Every variant is checked against torch's transpose.
@@ -100,8 +101,7 @@ def case_rows(name: str, src: torch.Tensor, positioned: bool) -> list[dict]:
     position, inverse, length = padded_layout(src.shape[0], 64)
     padded = src.new_zeros(length, src.shape[1]).index_copy_(0, position, src)
     reference = padded.t().contiguous()
-    product = lambda: transpose_bytes(src, position, length)  # noqa: E731
-    row("product transpose_bytes(position)", product, reference)
+    row("product transpose_bytes(source)", lambda: transpose_bytes(src, inverse), reference)
 
     def eager():
         return src.new_zeros(length, src.shape[1]).index_copy_(0, position, src).t().contiguous()
