@@ -4,9 +4,13 @@
 #      $OUT/gpu_tensorwise.txt (GPU time by kernel), $OUT/cpu_tensorwise.txt (host time by op);
 #   2. benchmarks/bench_grouped_gemm.py at model M's expert shape (hidden 2048, ffn 768):
 #      $OUT/gg_model_m.jsonl;
-#   3. the grouped CUDA tests (test_grouped_fp8_blockwise_params.py -m gpu);
+#   3. the grouped CUDA tests (-m gpu: test_grouped_gemm.py, test_grouped_fp8.py, then
+#      test_grouped_fp8_blockwise_params.py);
 #   4. dev/bench_transpose_bytes.py (byte transposes against torch and a copy): $OUT/transpose.jsonl;
-#   5. dev/host_sampler.py on model M-small (ROWS: tensorwise bf16): $OUT/host_<row>.txt.
+#   5. dev/host_sampler.py --sync-debug on model M-small (ROWS: tensorwise bf16):
+#      $OUT/host_<row>.txt;
+#   6. model M-small's rows (benchmarks/moe_model_m.sh SMALL=1, ROWS: bf16 tensorwise
+#      blockwise): $OUT/model_m.jsonl.
 # Each part has its own time limit; STEPS="1 2 3" picks parts. Run from the repository root:
 #   bash dev/moe_speed_lease.sh            (device: OUT is set; elsewhere OUT=/tmp/lease)
 set -uo pipefail
@@ -15,7 +19,7 @@ OUT=${OUT:-/tmp/lease}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-for step in ${STEPS:-1 2 3 4 5}; do
+for step in ${STEPS:-1 2 3 4 5 6}; do
   case $step in
     1)
       # Model M-small's tensorwise row (benchmarks/moe_model_m.sh SMALL=1), printed, not run.
@@ -35,17 +39,23 @@ for step in ${STEPS:-1 2 3 4 5}; do
       timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_grouped_gemm.py --ffn 768 \
         --out "$OUT/gg_model_m.jsonl" 2>&1 | tail -25 ;;
     3)
-      timeout "${TEST_TIMEOUT:-80}" python3 -m pytest -q -p no:cacheprovider -m gpu \
-        tests/unit_tests/models/moe/test_grouped_fp8_blockwise_params.py --tb=short 2>&1 | tail -8 ;;
+      for file in fp8/test_grouped_gemm.py models/moe/test_grouped_fp8.py \
+        models/moe/test_grouped_fp8_blockwise_params.py; do
+        timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+          "tests/unit_tests/$file" --tb=short 2>&1 | tail -6
+      done ;;
     4)
       timeout "${BENCH_TIMEOUT:-150}" python3 dev/bench_transpose_bytes.py \
         --out "$OUT/transpose.jsonl" 2>&1 | tail -40 ;;
     5)
       for row in ${ROWS:-tensorwise bf16}; do
         flags=$(OUT=/tmp/lease_rows SMALL=1 PRINT_ONLY=1 ROWS=$row bash benchmarks/moe_model_m.sh)
-        timeout "${PROFILE_TIMEOUT:-130}" python3 dev/host_sampler.py --skip-iters 10 --top 45 \
+        timeout "${PROFILE_TIMEOUT:-130}" python3 dev/host_sampler.py --skip-iters 10 --top 45 --sync-debug \
           -- pretrain_gpt.py $flags > "$OUT/host_$row.txt" 2>&1
         echo "sampler $row rc $?"; grep "elapsed time per" "$OUT/host_$row.txt" | tail -2 | cut -c1-150
       done ;;
+    6)
+      OUT=$OUT SMALL=1 ITERS=${ITERS:-12} WARMUP=4 RUN_TIMEOUT=${RUN_TIMEOUT:-90} \
+        ROWS=${SMALL_ROWS:-bf16 tensorwise blockwise} bash benchmarks/moe_model_m.sh 2>&1 | tail -5 ;;
   esac
 done

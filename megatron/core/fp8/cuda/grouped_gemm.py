@@ -223,6 +223,15 @@ def _check_wgrad(a_t_data, b_t_data, a_scale_inv, b_scale_inv, group_sizes, spec
         )
 
 
+def group_offsets(sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's first token and first 128-token chunk, and their totals (int32 [G + 1]
+    each) of tokens per group (on the device): the ragged-K kernel's group bounds."""
+    zero = sizes.new_zeros(1)
+    chunks = (sizes + BLOCK_K - 1) // BLOCK_K
+    starts = torch.cat([zero, sizes.cumsum(0)]).to(torch.int32)
+    return starts, torch.cat([zero, chunks.cumsum(0)]).to(torch.int32)
+
+
 def grouped_scaled_mm_wgrad(
     a_t_data: torch.Tensor,
     b_t_data: torch.Tensor,
@@ -236,6 +245,7 @@ def grouped_scaled_mm_wgrad(
     fast_accum: bool = False,
     segment_group: list[int] | None = None,
     whole_tiles: bool = False,
+    offsets: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A^T [N, M] and B^T [K, M] FP8 (tokens along M, sorted by group) -> [G, N, K]: for each
     group g, A^T[:, cols of g] @ B^T[:, cols of g]^T. Scales: per-tensor recipes a scalar
@@ -247,7 +257,8 @@ def grouped_scaled_mm_wgrad(
     segment_group[s] (ascending, every group listed), each with its own scales ([S] each);
     each group's segments are summed in the kernel (no fast accumulation). whole_tiles: every
     size is a multiple of 128 (padded operands; listed sizes are checked): the kernel reads
-    whole 128-token tiles without masks."""
+    whole 128-token tiles without masks. offsets: `group_offsets` of these sizes when the
+    caller has them (built once per layer call, as the ragged-M kernel's schedule)."""
     spec = recipe_spec(recipe)
     segmented = segment_group is not None
     options = (segment_group, whole_tiles)
@@ -267,10 +278,7 @@ def grouped_scaled_mm_wgrad(
         index = torch.tensor(segment_group, dtype=torch.long, device=pieces.device)
         return pieces.new_zeros(groups, n, k).index_add_(0, index, pieces).to(out_dtype)
     out = torch.empty(groups, n, k, dtype=out_dtype, device=a_t_data.device)
-    sizes = _device_sizes(group_sizes, a_t_data.device)
-    zero = sizes.new_zeros(1)
-    starts = torch.cat([zero, sizes.cumsum(0)]).to(torch.int32)
-    chunk_starts = torch.cat([zero, ((sizes + BLOCK_K - 1) // BLOCK_K).cumsum(0)]).to(torch.int32)
+    starts, chunk_starts = offsets or group_offsets(_device_sizes(group_sizes, out.device))
     blockwise = not spec.per_tensor
     # The scales' stride per chunk (blockwise: their rows hold C chunks) or per group.
     scale_stride = a_scale_inv.shape[1] if blockwise else int(a_scale_inv.dim() == 1)
@@ -278,7 +286,7 @@ def grouped_scaled_mm_wgrad(
     if segmented:
         index = torch.tensor(segment_group, dtype=torch.long, device=out.device)
         per_group = torch.bincount(index, minlength=groups)
-        group_segments = torch.cat([zero, per_group.cumsum(0)]).to(torch.int32)
+        group_segments = torch.cat([index.new_zeros(1), per_group.cumsum(0)]).to(torch.int32)
     grid = lambda meta: (groups, triton_cdiv(n, meta["BLOCK_N"]), triton_cdiv(k, BLOCK_K))  # noqa: E731
     a_t_data, b_t_data = a_t_data.contiguous(), b_t_data.contiguous()  # M-contiguous rows
     fast = fast_accum and not blockwise and not segmented

@@ -40,6 +40,7 @@ from megatron.core.fp8.compile import stand_in_owner
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.cuda.grouped_gemm import BLOCK_K as TOKEN_TILE
 from megatron.core.fp8.cuda.grouped_gemm import (
+    group_offsets,
     grouped_scaled_mm,
     grouped_scaled_mm_wgrad,
     tile_schedule,
@@ -121,9 +122,10 @@ def _padded_segment_rows(seg_sizes: torch.Tensor) -> torch.Tensor:
     return TOKEN_TILE * ((seg_sizes + TOKEN_TILE - 1) // TOKEN_TILE)
 
 
-ROUTING = 8
+ROUTING = 10
 """Tensors `routing` gives; where each is in its list:"""
 SEG_IDS, SIZES, SCHEDULE, POSITION, SOURCE, PADDED_SIZES = 0, 1, slice(2, 5), 5, 6, 7
+PADDED_OFFSETS = slice(8, 10)
 
 
 def routing(seg_sizes, seg_expert, experts: int, rows: int, padded: int) -> list[torch.Tensor]:
@@ -132,13 +134,14 @@ def routing(seg_sizes, seg_expert, experts: int, rows: int, padded: int) -> list
     segment, the rows per expert, the ragged-M kernel's tile schedule over the experts (tile
     group, tile row, the experts' end rows as int32, also torch's grouped GEMM offsets), each
     row's row in the padded copy of `padded` rows and the row each of those holds (-1:
-    padding), and the padded copy's rows per expert (weight gradient)."""
+    padding), the padded copy's rows per expert and their `group_offsets` (weight gradient)."""
     seg_ids = operands.segment_ids(seg_sizes, rows)
     sizes = _expert_sizes(seg_sizes, seg_expert, experts)
     position = operands.padded_positions(seg_ids, seg_sizes, TOKEN_TILE)
     source = operands.padded_sources(position, padded)
     padded_sizes = _expert_sizes(_padded_segment_rows(seg_sizes), seg_expert, experts)
-    return [seg_ids, sizes, *tile_schedule(sizes, rows), position, source, padded_sizes]
+    schedule = tile_schedule(sizes, rows)
+    return [seg_ids, sizes, *schedule, position, source, padded_sizes, *group_offsets(padded_sizes)]
 
 
 def _routing_of(seg_sizes, seg_expert, experts, rows, r, padded=0) -> list[torch.Tensor]:
@@ -261,16 +264,18 @@ def _cuda_wgrad(
     one_each = _one_segment_each(seg_expert, experts)
     if not spec.per_tensor:  # the padded copies as they are: whole tiles of each expert
         if r:
-            sizes = r[PADDED_SIZES]
+            options.update(group_sizes=r[PADDED_SIZES], offsets=tuple(r[PADDED_OFFSETS]))
         else:
             sizes = _expert_sizes(_padded_segment_rows(seg_sizes), seg_expert, experts)
-        return grouped_scaled_mm_wgrad(dy, x, group_sizes=sizes, **options)
+            options.update(group_sizes=sizes)
+        return grouped_scaled_mm_wgrad(dy, x, **options)
     r = _routing_of(seg_sizes, seg_expert, experts, dy.shape[0], r, padded)  # dy [M, N]
     dy, x = (operands.padded_transpose(t, r[SOURCE]) for t in (dy, x))  # rowwise bytes [M, *]
-    # groups of whole tiles: the experts' (EP 1), else the segments' of each expert
-    tiles = r[PADDED_SIZES] if one_each else _padded_segment_rows(seg_sizes)
-    segments = None if one_each else list(seg_expert)
-    return grouped_scaled_mm_wgrad(dy, x, group_sizes=tiles, segment_group=segments, **options)
+    if one_each:  # groups of whole tiles: the experts'
+        options.update(group_sizes=r[PADDED_SIZES], offsets=tuple(r[PADDED_OFFSETS]))
+    else:  # each expert's segments (expert parallelism), summed in the kernel
+        options.update(group_sizes=_padded_segment_rows(seg_sizes), segment_group=list(seg_expert))
+    return grouped_scaled_mm_wgrad(dy, x, **options)
 
 
 @torch.library.custom_op("megatron_fp8::grouped_fp8_wgrad", mutates_args=())
