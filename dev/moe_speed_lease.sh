@@ -10,7 +10,9 @@
 #   5. dev/host_sampler.py --sync-debug on model M-small (ROWS: tensorwise bf16):
 #      $OUT/host_<row>.txt;
 #   6. model M-small's rows (benchmarks/moe_model_m.sh SMALL=1, ROWS: bf16 tensorwise
-#      blockwise): $OUT/model_m.jsonl.
+#      blockwise): $OUT/model_m.jsonl;
+#   7. model M's rows with the peers (ROWS_M, default fsdp2 torchao_rowwise bf16 tensorwise
+#      blockwise; torchao from the wheel in .whl/, carried): $OUT/model_m.jsonl.
 # Each part has its own time limit; STEPS="1 2 3" picks parts. Run from the repository root:
 #   bash dev/moe_speed_lease.sh            (device: OUT is set; elsewhere OUT=/tmp/lease)
 set -uo pipefail
@@ -57,5 +59,10 @@ for step in ${STEPS:-1 2 3 4 5 6}; do
     6)
       OUT=$OUT SMALL=1 ITERS=${ITERS:-12} WARMUP=4 RUN_TIMEOUT=${RUN_TIMEOUT:-90} \
         ROWS=${SMALL_ROWS:-bf16 tensorwise blockwise} bash benchmarks/moe_model_m.sh 2>&1 | tail -5 ;;
+    7)
+      pip install -q --no-index --no-deps --target /tmp/site .whl/torchao-*.whl 2>&1 | tail -2
+      PYTHONPATH=/tmp/site OUT=$OUT ITERS=${ITERS:-12} WARMUP=4 RUN_TIMEOUT=${RUN_TIMEOUT:-110} \
+        ROWS=${ROWS_M:-fsdp2 torchao_rowwise bf16 tensorwise blockwise} \
+        bash benchmarks/moe_model_m.sh 2>&1 | tail -8 ;;
   esac
 done

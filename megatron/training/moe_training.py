@@ -70,12 +70,15 @@ def expert_load_scalars(run: ModelAndOptimizer, env: DistributedEnv) -> dict[str
     if metrics is None:
         return {}
     scalars = {}
-    for layer, counts in sorted(metrics.tokens_per_expert.items()):
+    layers = sorted(metrics.tokens_per_expert)
+    if layers:  # every layer in one all-reduce and one copy to the host (not one per layer)
+        counts = torch.stack([metrics.tokens_per_expert[layer] for layer in layers])
         counts = counts.to(env.device, torch.float64)
         if env.dp_group is not None:
             dist.all_reduce(counts, group=env.dp_group)
-        shares = (counts / counts.sum().clamp(min=1.0)).tolist()
-        for expert, share in enumerate(shares):
-            scalars[f"moe/layer_{layer}/expert_{expert}_load"] = share
+        shares = (counts / counts.sum(dim=1, keepdim=True).clamp(min=1.0)).tolist()
+        for layer, row in zip(layers, shares, strict=True):
+            for expert, share in enumerate(row):
+                scalars[f"moe/layer_{layer}/expert_{expert}_load"] = share
     metrics.reset()
     return scalars
