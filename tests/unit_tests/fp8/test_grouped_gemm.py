@@ -15,6 +15,7 @@ import torch
 from megatron.core.fp8.cuda.grouped_gemm import (
     BLOCK_K,
     BLOCK_M,
+    group_offsets,
     grouped_scaled_mm,
     grouped_scaled_mm_wgrad,
     tile_schedule,
@@ -330,6 +331,16 @@ def test_device_tile_schedule_equals_the_host_list(sizes) -> None:
     assert row.tolist()[len(real) :] == [rows] * (bound - len(real))
     assert end.tolist() == [starts[g] + sizes[g] for g in range(len(sizes))]
     assert group.dtype == row.dtype == end.dtype == torch.int32
+
+
+def test_group_offsets_are_the_first_token_and_chunk_of_each_group() -> None:
+    """The ragged-K kernel's group bounds: groups of 0, 128, 384 and 5 tokens start at tokens
+    0, 0, 128, 512 (517 in all) and at 128-token chunks 0, 0, 1, 4 (5 in all: 5 tokens take one
+    short chunk)."""
+    starts, chunks = group_offsets(torch.tensor([0, 128, 384, 5]))
+    assert starts.dtype == chunks.dtype == torch.int32
+    assert starts.tolist() == [0, 0, 128, 512, 517]
+    assert chunks.tolist() == [0, 0, 1, 4, 5]
 
 
 def test_the_token_tile_is_the_blockwise_cell() -> None:
