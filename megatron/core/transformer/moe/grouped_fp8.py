@@ -261,7 +261,6 @@ def _cuda_wgrad(
     experts = shape[0]
     options = dict(a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv, recipe=recipe)
     options.update(out_dtype=dtype, whole_tiles=True)
-    one_each = _one_segment_each(seg_expert, experts)
     if not spec.per_tensor:  # the padded copies as they are: whole tiles of each expert
         if r:
             options.update(group_sizes=r[PADDED_SIZES], offsets=tuple(r[PADDED_OFFSETS]))
@@ -271,7 +270,7 @@ def _cuda_wgrad(
         return grouped_scaled_mm_wgrad(dy, x, **options)
     r = _routing_of(seg_sizes, seg_expert, experts, dy.shape[0], r, padded)  # dy [M, N]
     dy, x = (operands.padded_transpose(t, r[SOURCE]) for t in (dy, x))  # rowwise bytes [M, *]
-    if one_each:  # groups of whole tiles: the experts'
+    if _one_segment_each(seg_expert, experts):  # groups of whole tiles: the experts'
         options.update(group_sizes=r[PADDED_SIZES], offsets=tuple(r[PADDED_OFFSETS]))
     else:  # each expert's segments (expert parallelism), summed in the kernel
         options.update(group_sizes=_padded_segment_rows(seg_sizes), segment_group=list(seg_expert))
