@@ -18,12 +18,14 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.core.fp8 import Fp8Config  # noqa: E402
+from megatron.core.fp8.cuda import grouped_gemm  # noqa: E402
 from megatron.core.fp8.cuda.grouped_gemm import (  # noqa: E402
     grouped_scaled_mm,
     grouped_scaled_mm_wgrad,
@@ -141,14 +143,14 @@ def wgrad_rows(x: torch.Tensor, dy: torch.Tensor, sizes: list[int]) -> list[dict
         )
         impl = f"ours fp8 tensorwise {'fast' if fast else 'precise'}"
         rows.append(dict(gemm="wgrad", impl=impl, ms=ms, rel_error=error))
-    rows.append(_whole_tile_wgrad_row(a, b, kwargs))
+    rows += _whole_tile_wgrad_rows(a, b, kwargs)
     for row in rows:
         if "ms" in row:
             row["tflops"] = round(flops / row["ms"] / 1e9, 1)
     return rows
 
 
-def _whole_tile_wgrad_row(a: torch.Tensor, b: torch.Tensor, kwargs: dict) -> dict:
+def _whole_tile_wgrad_rows(a: torch.Tensor, b: torch.Tensor, kwargs: dict) -> list[dict]:
     """The layer's wgrad path: each group's tokens padded to whole 128-token tiles (zero
     columns), unmasked aligned loads (`whole_tiles`); TFLOP/s counted on the real tokens."""
     sizes = kwargs["group_sizes"]
@@ -165,13 +167,15 @@ def _whole_tile_wgrad_row(a: torch.Tensor, b: torch.Tensor, kwargs: dict) -> dic
             out[:, padded_starts[g] : padded_starts[g] + size] = raw[:, starts[g] : starts[g + 1]]
         operands.append(out.view(t.dtype))
     whole = dict(kwargs, group_sizes=padded, whole_tiles=True)
-    ms = timed_ms(lambda: grouped_scaled_mm_wgrad(*operands, **whole))
-    error = _rel_error(
-        grouped_scaled_mm_wgrad(*operands, **whole),
-        grouped_scaled_mm_wgrad(a, b, emulate=True, **kwargs),
-    )
-    impl = "ours fp8 tensorwise precise, whole 128-token tiles (groups padded)"
-    return dict(gemm="wgrad", impl=impl, ms=ms, rel_error=error)
+    want = grouped_scaled_mm_wgrad(a, b, emulate=True, **kwargs)
+    rows = []
+    for loads in ("pointers", "tma"):  # the product takes TMA where the GPU has it
+        with mock.patch.object(grouped_gemm, "_tma_runs", lambda device, on=loads == "tma": on):
+            ms = timed_ms(lambda: grouped_scaled_mm_wgrad(*operands, **whole))
+            error = _rel_error(grouped_scaled_mm_wgrad(*operands, **whole), want)
+        impl = f"ours fp8 tensorwise precise, whole 128-token tiles (groups padded), {loads}"
+        rows.append(dict(gemm="wgrad", impl=impl, ms=ms, rel_error=error))
+    return rows
 
 
 def layer_rows(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list[dict]:

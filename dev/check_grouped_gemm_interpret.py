@@ -12,6 +12,7 @@ Each check compares with the emulated twin (the CPU path) up to fp32 summation o
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 from unittest import mock
@@ -20,6 +21,8 @@ import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("run with TRITON_INTERPRET=1")
+
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from megatron.core.fp8.config import Fp8Config  # noqa: E402
 from megatron.core.fp8.cuda import grouped_gemm as gg  # noqa: E402
@@ -34,6 +37,8 @@ SIZES = [0, 1, 127, 128, 129, 0, 5]
 def _carrier(arg):
     if isinstance(arg, torch.Tensor) and arg.dtype in (E4M3, E5M2):
         return arg.to(torch.float32)
+    if isinstance(arg, TensorDescriptor):  # the ragged-K kernel's MODE 2 (TMA) operands
+        return TensorDescriptor(_carrier(arg.base), arg.shape, arg.strides, arg.block_shape)
     return arg
 
 
@@ -46,6 +51,8 @@ class _Fixed:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             kwargs["BLOCK_N"] = self.block_n
+            if kwargs.get("MODE") == 2:  # the autotuner's hook, for the fixed BLOCK_N
+                tgg._descriptor_blocks({"a_ptr": args[0], "b_ptr": args[1], **kwargs})
             fn_grid = grid(kwargs) if callable(grid) else grid
             self.kernel.fn[fn_grid](*[_carrier(a) for a in args], **kwargs)
 
@@ -139,9 +146,15 @@ def check_ragged_k(n, k, scales, out_dtype):
     return ok & _close(got, want, f"ragged-K {scales} N={n} K={k} {out_dtype}, device sizes")
 
 
-def check_ragged_k_whole(n, k, scales):
+def check_ragged_k_whole(n, k, scales, tma=False):
     """whole_tiles: groups of whole 128-token tiles (padded operands), unmasked aligned loads,
-    rows past N and K clamped and dropped at the store."""
+    rows past N and K clamped and dropped at the store; tma: through TMA descriptors (the
+    sm_90 gate bypassed), rows past N and K read as zeros."""
+    with mock.patch.object(gg, "_tma_runs", lambda device: tma):
+        return _ragged_k_whole(n, k, scales, "TMA" if tma else "pointers")
+
+
+def _ragged_k_whole(n, k, scales, how):
     sizes = [0, 128, 384, 0, 256]
     m, groups = sum(sizes), len(sizes)
     a_t, b_t = _fp8((n, m), E5M2), _fp8((k, m))
@@ -156,7 +169,8 @@ def check_ragged_k_whole(n, k, scales):
     ok = True
     for given in (sizes, torch.tensor(sizes)):
         got = gg.grouped_scaled_mm_wgrad(a_t, b_t, **args, group_sizes=given, whole_tiles=True)
-        ok &= _close(got, want, f"ragged-K whole tiles {scales} N={n} K={k} {type(given)}")
+        what = f"ragged-K whole tiles ({how}) {scales} N={n} K={k} {type(given).__name__}"
+        ok &= _close(got, want, what)
     return ok
 
 
@@ -329,8 +343,8 @@ def main():
             ok &= check_ragged_m(130, 256, "tensorwise", torch.bfloat16)
             ok &= check_ragged_k(130, 200, "per_group", torch.bfloat16)
             ok &= check_ragged_k(130, 200, "segmented", torch.bfloat16)
-            for scales in ("per_group", "segmented", "blockwise"):
-                ok &= check_ragged_k_whole(130, 200, scales)
+            for scales, tma in itertools.product(("per_group", "segmented", "blockwise"), (0, 1)):
+                ok &= check_ragged_k_whole(130, 200, scales, tma)
     with _patched(128):
         ok &= check_strided_operands()
         ok &= check_transpose_bytes()

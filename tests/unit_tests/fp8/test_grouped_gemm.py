@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron.core.fp8.cuda import grouped_gemm
 from megatron.core.fp8.cuda.grouped_gemm import (
     BLOCK_K,
     BLOCK_M,
@@ -285,6 +286,62 @@ def test_triton_blockwise_weight_gradient_equals_emulation_on_gpu() -> None:
     got = grouped_scaled_mm_wgrad(dy_t, x_t, **kwargs)
     want = grouped_scaled_mm_wgrad(dy_t, x_t, emulate=True, **kwargs)
     assert torch.count_nonzero(got[1]) == 0
+    _assert_close_to_emulation(got, want, fast=False, out_dtype=torch.float32)
+
+
+WHOLE_SIZES = [128, 0, 256, 128]
+"""Groups of whole 128-token tiles (the experts' padded wgrad operands)."""
+
+
+def _whole_tile_operands(scales: str, device: str):
+    """Random FP8 bytes dy^T [N, M], x^T [200, M] over WHOLE_SIZES and scale_inv of `scales`
+    (per_group, segmented: one per group/segment; blockwise: 128x1 cells): the kwargs."""
+    m, k = sum(WHOLE_SIZES), 200
+    dy_t = (torch.randn(N, m, device=device) * 8).to(E5M2)
+    x_t = torch.randn(k, m, device=device).to(E4M3)
+    if scales == "blockwise":
+        a_s = torch.rand(N, m // 128, device=device) + 0.5
+        b_s = torch.rand(k, m // 128, device=device) + 0.5
+    else:
+        a_s, b_s = (torch.rand(len(WHOLE_SIZES), device=device) + 0.5 for _ in range(2))
+    kwargs = dict(a_scale_inv=a_s, b_scale_inv=b_s, group_sizes=WHOLE_SIZES)
+    kwargs.update(recipe="blockwise" if scales == "blockwise" else "tensorwise")
+    kwargs.update(segment_group=[0, 0, 1, 1] if scales == "segmented" else None)
+    return dy_t, x_t, kwargs
+
+
+def test_ragged_k_loads_are_masked_unless_whole_tiles_and_tma_only_where_aligned(monkeypatch):
+    """The ragged-K kernel's MODE: 0 masked (sizes of any length), 1 whole tiles through
+    pointers (no TMA here, or rows not 16-byte aligned), 2 whole tiles through TMA."""
+    dy_t, x_t, _ = _whole_tile_operands("per_group", "cpu")
+    assert grouped_gemm._ragged_k_mode(False, dy_t, x_t) == 0
+    assert grouped_gemm._ragged_k_mode(True, dy_t, x_t) == 1  # a CPU tensor: no TMA
+    monkeypatch.setattr(grouped_gemm, "_tma_runs", lambda device: True)
+    assert grouped_gemm._ragged_k_mode(True, dy_t, x_t) == 2
+    odd = torch.zeros(N, 520, dtype=torch.uint8)[:, :514]  # 514-byte rows in a 520-byte stride
+    assert grouped_gemm._ragged_k_mode(True, odd.contiguous(), x_t) == 1
+    assert grouped_gemm._ragged_k_mode(True, dy_t, torch.zeros(8, 513, dtype=E4M3)[:, 1:]) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loads", ["pointers", "tma"])
+@pytest.mark.parametrize("scales", ["per_group", "segmented", "blockwise"])
+def test_triton_whole_tile_weight_gradient_equals_emulation_on_gpu(scales, loads, monkeypatch):
+    """whole_tiles (what the layer's wgrad takes): unmasked loads of whole 128-token tiles
+    through pointers or TMA descriptors; x^T's 200 rows are one whole and one part tile (TMA:
+    rows past it read as zeros; pointers: clamped), an empty group gives 0."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if loads == "tma" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm_90 or later")
+    monkeypatch.setattr(grouped_gemm, "_tma_runs", lambda device: loads == "tma")
+    torch.manual_seed(0)
+    dy_t, x_t, kwargs = _whole_tile_operands(scales, "cuda")
+    assert grouped_gemm._ragged_k_mode(True, dy_t, x_t) == (2 if loads == "tma" else 1)
+    got = grouped_scaled_mm_wgrad(dy_t, x_t, whole_tiles=True, **kwargs)
+    want = grouped_scaled_mm_wgrad(dy_t, x_t, emulate=True, **kwargs)
+    if scales != "segmented":
+        assert torch.count_nonzero(got[1]) == 0
     _assert_close_to_emulation(got, want, fast=False, out_dtype=torch.float32)
 
 

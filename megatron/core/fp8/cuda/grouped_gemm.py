@@ -290,13 +290,44 @@ def grouped_scaled_mm_wgrad(
     grid = lambda meta: (groups, triton_cdiv(n, meta["BLOCK_N"]), triton_cdiv(k, BLOCK_K))  # noqa: E731
     a_t_data, b_t_data = a_t_data.contiguous(), b_t_data.contiguous()  # M-contiguous rows
     fast = fast_accum and not blockwise and not segmented
+    mode = _ragged_k_mode(whole_tiles, a_t_data, b_t_data)
+    a_src, b_src = (_operand_source(t, mode) for t in (a_t_data, b_t_data))
     _kernels()._ragged_k_kernel[grid](
-        a_t_data, b_t_data, out, a_scale_inv.contiguous(), b_scale_inv.contiguous(), starts,
+        a_src, b_src, out, a_scale_inv.contiguous(), b_scale_inv.contiguous(), starts,
         chunk_starts, group_segments, n, k, a_t_data.stride(0), b_t_data.stride(0),
         out.stride(0), out.stride(1), scale_stride, BLOCKWISE=blockwise, FAST=fast,
-        SEGMENTED=segmented, WHOLE=whole_tiles, BLOCK_K=BLOCK_K, BLOCK_M=BLOCK_K,
+        SEGMENTED=segmented, MODE=mode, BLOCK_K=BLOCK_K, BLOCK_M=BLOCK_K,
     )  # fmt: skip
     return out
+
+
+def _ragged_k_mode(whole_tiles: bool, *operands: torch.Tensor) -> int:
+    """The ragged-K kernel's loads (`triton_grouped_gemm._token_tile`): 0 masked, 1 whole
+    tiles through pointers, 2 whole tiles through TMA (sm_90 and later; 16-byte aligned base
+    and rows, as TMA needs)."""
+    if not whole_tiles:
+        return 0
+    aligned = all(
+        t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in operands
+    )
+    if aligned and _tma_runs(operands[0].device):
+        return 2
+    return 1
+
+
+def _tma_runs(device: torch.device) -> bool:
+    """Triton's host-built TMA descriptors on this device (sm_90 and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _operand_source(data: torch.Tensor, mode: int):
+    """What the kernel reads an operand [rows, M] through: the tensor, or (mode 2) its TMA
+    descriptor (the tile set per config by the autotuner's hook)."""
+    if mode != 2:
+        return data
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(data, [BLOCK_K, BLOCK_K])
 
 
 def _group_scale(scale_inv, group, cells, per_tensor):

@@ -28,11 +28,12 @@ bf16 or fp32.
 Speed (docs/benchmarks/grouped_gemm_fp8stats_h200_2026-12-04b.md): loads are unmasked. The
 ragged-M kernel reads whole row tiles (rows past a group are other groups' rows, clamped to the
 last row, and dropped at the store) and needs K % BLOCK_K == 0 (EVEN_K) for unmasked K steps.
-The ragged-K kernel masked every load (~150-190 TFLOP/s: a mask along the contiguous tokens at
-an unknown alignment makes byte loads); with WHOLE (every group a multiple of 128 tokens: the
-experts' operands are padded so, `grouped_fp8._cuda_wgrad`) its loads are unmasked and 128-token
-aligned, as the unmasked ragged-M kernel's (not yet timed). A TMA version ran at 430-665 in
-dev/tune_grouped_gemm.py but crashed with an illegal instruction once autotuned here (to do).
+The ragged-K kernel's MODE: 0 masks every load (~150-190 TFLOP/s: a mask along the contiguous
+tokens at an unknown alignment makes byte loads); with whole tiles (every group a multiple of
+128 tokens: the experts' operands are padded so, `grouped_fp8._cuda_wgrad`) 1 loads them
+unmasked through pointers (148 at model M's shape on an H100,
+docs/benchmarks/moe_fp8_host_h100_2026-12-05b.md) and 2 (sm_90 and later) through TMA
+descriptors built on the host (430-665 in dev/tune_grouped_gemm.py, device-built descriptors).
 """
 
 from __future__ import annotations
@@ -119,19 +120,42 @@ def _ragged_m_kernel(
 
 
 @triton.jit
-def _token_tile(ptr, rows, row_ok, stride, m0, ms, end, WHOLE: tl.constexpr, BLOCK_M: tl.constexpr):
+def _token_tile(
+    src, rows, row_ok, stride, row0, m0, ms, end, MODE: tl.constexpr, BLOCK_M: tl.constexpr
+):
     """[rows, BLOCK_M tokens from m0] of an M-contiguous operand, zeros at and past `end`.
-    WHOLE: m0 is a multiple of BLOCK_M and the tile lies inside the group, rows are clamped
-    to real ones (dropped at the store): no mask, so the loads are vectorized."""
-    if WHOLE:
+    MODE 0: masked pointer loads. 1 (whole tiles: m0 a multiple of BLOCK_M, the tile inside
+    the group, rows clamped to real ones and dropped at the store): unmasked pointer loads,
+    vectorized. 2 (whole tiles): `src` is a TMA descriptor of the operand, the tile from row
+    row0 (rows past the operand read as zeros)."""
+    if MODE == 2:
+        return src.load([row0, m0])
+    if MODE == 1:
         m0 = tl.multiple_of(m0, BLOCK_M)
     offsets = rows[:, None].to(tl.int64) * stride + (m0 + ms)[None, :]
-    if WHOLE:
-        return tl.load(ptr + offsets)
-    return tl.load(ptr + offsets, mask=row_ok[:, None] & ((m0 + ms) < end)[None, :], other=0.0)
+    if MODE == 1:
+        return tl.load(src + offsets)
+    return tl.load(src + offsets, mask=row_ok[:, None] & ((m0 + ms) < end)[None, :], other=0.0)
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCKWISE", "FAST", "SEGMENTED", "WHOLE"])
+def _descriptor_blocks(nargs) -> None:
+    """The TMA descriptors' tiles for the config the autotuner tries (MODE 2 only)."""
+    if nargs["MODE"] == 2:
+        nargs["a_ptr"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_M"]]
+        nargs["b_ptr"].block_shape = [nargs["BLOCK_K"], nargs["BLOCK_M"]]
+
+
+_RAGGED_K_CONFIGS = [
+    triton.Config(
+        c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_descriptor_blocks
+    )
+    for c in _CONFIGS
+]
+
+
+@triton.autotune(
+    configs=_RAGGED_K_CONFIGS, key=["N", "K", "BLOCKWISE", "FAST", "SEGMENTED", "MODE"]
+)
 @triton.jit
 def _ragged_k_kernel(
     a_ptr,
@@ -152,7 +176,7 @@ def _ragged_k_kernel(
     BLOCKWISE: tl.constexpr,
     FAST: tl.constexpr,
     SEGMENTED: tl.constexpr,
-    WHOLE: tl.constexpr,
+    MODE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -165,9 +189,10 @@ def _ragged_k_kernel(
     ms = tl.arange(0, BLOCK_M)
     n_ok = ns < N
     k_ok = kk < K
-    # The rows read (WHOLE: clamped to real rows, the extra ones dropped at the store).
-    a_rows = tl.minimum(ns, N - 1) if WHOLE else ns
-    b_rows = tl.minimum(kk, K - 1) if WHOLE else kk
+    # The rows read (whole tiles: clamped to real rows, the extra ones dropped at the store).
+    a_rows = tl.minimum(ns, N - 1) if MODE == 1 else ns
+    b_rows = tl.minimum(kk, K - 1) if MODE == 1 else kk
+    a_row0, b_row0 = pid_n * BLOCK_N, pid_k * BLOCK_K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if SEGMENTED:
         # Per tensor, a group of several segments (group_start_ptr: the segments' starts),
@@ -180,8 +205,8 @@ def _ragged_k_kernel(
             end = tl.load(group_start_ptr + segment + 1)
             scale = tl.load(a_scale_ptr + segment) * tl.load(b_scale_ptr + segment)
             for m0 in range(start, end, BLOCK_M):
-                a = _token_tile(a_ptr, a_rows, n_ok, stride_an, m0, ms, end, WHOLE, BLOCK_M)
-                b = _token_tile(b_ptr, b_rows, k_ok, stride_bk, m0, ms, end, WHOLE, BLOCK_M)
+                a = _token_tile(a_ptr, a_rows, n_ok, stride_an, a_row0, m0, ms, end, MODE, BLOCK_M)
+                b = _token_tile(b_ptr, b_rows, k_ok, stride_bk, b_row0, m0, ms, end, MODE, BLOCK_M)
                 acc += tl.dot(a, tl.trans(b)) * scale
     else:
         start = tl.load(group_start_ptr + group)
@@ -191,8 +216,8 @@ def _ragged_k_kernel(
         a_scale_rows = a_scale_ptr + ns.to(tl.int64) * stride_scale
         b_scale_rows = b_scale_ptr + kk.to(tl.int64) * stride_scale
         for m0 in range(start, end, BLOCK_M):
-            a = _token_tile(a_ptr, a_rows, n_ok, stride_an, m0, ms, end, WHOLE, BLOCK_M)
-            b = _token_tile(b_ptr, b_rows, k_ok, stride_bk, m0, ms, end, WHOLE, BLOCK_M)
+            a = _token_tile(a_ptr, a_rows, n_ok, stride_an, a_row0, m0, ms, end, MODE, BLOCK_M)
+            b = _token_tile(b_ptr, b_rows, k_ok, stride_bk, b_row0, m0, ms, end, MODE, BLOCK_M)
             if BLOCKWISE:
                 # 128x1 cells along the tokens (BLOCK_M is their 128), counted from the group
                 # start: each chunk's product scaled before it is added, as the ragged-M
