@@ -128,14 +128,16 @@ def _token_tile(
     the group, rows clamped to real ones and dropped at the store): unmasked pointer loads,
     vectorized. 2 (whole tiles): `src` is a TMA descriptor of the operand, the tile from row
     row0 (rows past the operand read as zeros)."""
-    if MODE == 2:
-        return src.load([row0, m0])
-    if MODE == 1:
+    if MODE == 2:  # one static branch each: a descriptor has no pointer arithmetic
+        tile = src.load([row0, m0])
+    elif MODE == 1:
         m0 = tl.multiple_of(m0, BLOCK_M)
-    offsets = rows[:, None].to(tl.int64) * stride + (m0 + ms)[None, :]
-    if MODE == 1:
-        return tl.load(src + offsets)
-    return tl.load(src + offsets, mask=row_ok[:, None] & ((m0 + ms) < end)[None, :], other=0.0)
+        tile = tl.load(src + rows[:, None].to(tl.int64) * stride + (m0 + ms)[None, :])
+    else:
+        offsets = rows[:, None].to(tl.int64) * stride + (m0 + ms)[None, :]
+        mask = row_ok[:, None] & ((m0 + ms) < end)[None, :]
+        tile = tl.load(src + offsets, mask=mask, other=0.0)
+    return tile
 
 
 def _descriptor_blocks(nargs) -> None:
