@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call of MoE speed questions (issue 38), results under $OUT (at most 8 files back):
-#   1. torch.profiler trace of model M-small, FP8 tensorwise, steps 5-6 (--use-pytorch-profiler):
+#   1. torch.profiler trace of model M-small (PROFILE_SMALL=0: model M), FP8 tensorwise, steps 5-6:
 #      $OUT/gpu_tensorwise.txt (GPU time by kernel), $OUT/cpu_tensorwise.txt (host time by op);
 #   2. benchmarks/bench_grouped_gemm.py at model M's expert shape (hidden 2048, ffn 768):
 #      $OUT/gg_model_m.jsonl;
@@ -25,7 +25,7 @@ for step in ${STEPS:-1 2 3 4 5 6}; do
   case $step in
     1)
       # Model M-small's tensorwise row (benchmarks/moe_model_m.sh SMALL=1), printed, not run.
-      flags=$(OUT=/tmp/lease_rows SMALL=1 ITERS=7 PRINT_ONLY=1 ROWS=tensorwise bash benchmarks/moe_model_m.sh)
+      flags=$(OUT=/tmp/lease_rows SMALL=${PROFILE_SMALL:-1} ITERS=7 PRINT_ONLY=1 ROWS=tensorwise bash benchmarks/moe_model_m.sh)
       # Megatron-LM's trace folder: torch_profile/ beside --tensorboard-dir (needs tensorboard).
       python3 -c "import torch.utils.tensorboard" || { echo "no tensorboard: no profile"; continue; }
       rm -rf /tmp/lease_prof
