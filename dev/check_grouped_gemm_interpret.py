@@ -51,8 +51,10 @@ class _Fixed:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             kwargs["BLOCK_N"] = self.block_n
-            if kwargs.get("MODE") == 2:  # the autotuner's hook, for the fixed BLOCK_N
+            if kwargs.get("MODE") == 2:  # the autotuners' hooks, for the fixed BLOCK_N
                 tgg._descriptor_blocks({"a_ptr": args[0], "b_ptr": args[1], **kwargs})
+            if kwargs.get("TMA"):
+                tgg._ragged_m_blocks({"a_src": args[0], "b_src": args[1], **kwargs})
             fn_grid = grid(kwargs) if callable(grid) else grid
             self.kernel.fn[fn_grid](*[_carrier(a) for a in args], **kwargs)
 
@@ -91,21 +93,30 @@ def _close(got, want, what):
     return ok
 
 
-def check_ragged_m(n, k, recipe, out_dtype):
+def check_ragged_m(n, k, recipe, out_dtype, rows=False, tma=False):
+    """rows: per-tensor A scales one per row; tma: through TMA descriptors (the sm_90 gate
+    bypassed; K past its last whole block reads as zeros)."""
+    with mock.patch.object(gg, "_tma_runs", lambda device: tma):
+        return _ragged_m(n, k, recipe, out_dtype, rows, "TMA" if tma else "pointers")
+
+
+def _ragged_m(n, k, recipe, out_dtype, rows, how):
     m, groups = sum(SIZES), len(SIZES)
     a, b = _fp8((m, k)), _fp8((groups, n, k))
     kb, nb = -(-k // 128), -(-n // 128)
     if recipe == "blockwise":
         a_s, b_s = torch.rand(m, kb) + 0.5, torch.rand(groups, nb, kb) + 0.5
     else:
-        a_s, b_s = torch.tensor(0.75), torch.rand(groups) + 0.5
+        a_s, b_s = torch.rand(m) + 0.5 if rows else torch.tensor(0.75), torch.rand(groups) + 0.5
+    recipe_name = f"{recipe}{' row scales' if rows else ''} ({how})"
     args = dict(a_scale_inv=a_s, b_scale_inv=b_s, group_sizes=SIZES, recipe=recipe)
     want = gg.grouped_scaled_mm(a, b, **args, out_dtype=out_dtype, emulate=True)
     got = gg.grouped_scaled_mm(a, b, **args, out_dtype=out_dtype)
-    ok = _close(got, want, f"ragged-M {recipe} N={n} K={k} {out_dtype}")
+    ok = _close(got, want, f"ragged-M {recipe_name} N={n} K={k} {out_dtype}")
     args["group_sizes"] = torch.tensor(SIZES)  # on the device: the same schedule, built there
     got = gg.grouped_scaled_mm(a, b, **args, out_dtype=out_dtype)
-    return ok & _close(got, want, f"ragged-M {recipe} N={n} K={k} {out_dtype}, device sizes")
+    what = f"ragged-M {recipe_name} N={n} K={k} {out_dtype}, device sizes"
+    return ok & _close(got, want, what)
 
 
 def check_ragged_k(n, k, scales, out_dtype):
@@ -345,6 +356,10 @@ def main():
             ok &= check_ragged_k(130, 200, "segmented", torch.bfloat16)
             for scales, tma in itertools.product(("per_group", "segmented", "blockwise"), (0, 1)):
                 ok &= check_ragged_k_whole(130, 200, scales, tma)
+            for (n, k), tma in itertools.product(((130, 208), (256, 384)), (0, 1)):
+                ok &= check_ragged_m(n, k, "tensorwise", torch.float32, rows=True, tma=tma)
+                ok &= check_ragged_m(n, k, "blockwise", torch.float32, tma=tma)
+                ok &= check_ragged_m(n, k, "tensorwise", torch.bfloat16, tma=tma)
     with _patched(128):
         ok &= check_strided_operands()
         ok &= check_transpose_bytes()

@@ -93,6 +93,31 @@ def test_emulated_grouped_forward_equals_the_dequantized_product(recipe) -> None
     assert out.abs().max() > 0.1
 
 
+def _row_scaled_operands(device: str, k: int = K, a_dtype=E4M3):
+    """A [M, k] FP8 with one scale_inv per row (each row's segment's), B [G, N, k] FP8 with one
+    per group, and the fp64 product of their dequantized values."""
+    a = (torch.randn(M, k, device=device) * 8).to(a_dtype)
+    b = torch.randn(len(SIZES), N, k, device=device).to(E4M3)
+    a_scale = torch.rand(M, device=device) + 0.5
+    b_scale = torch.rand(len(SIZES), device=device) + 0.5
+    want = torch.empty(M, N, dtype=torch.float64, device=device)
+    offsets = _offsets()
+    for g in range(len(SIZES)):
+        rows = slice(offsets[g], offsets[g + 1])
+        a_values = a[rows].double() * a_scale[rows, None].double()
+        want[rows] = a_values @ (b[g].double() * b_scale[g].double()).t()
+    return a, b, dict(a_scale_inv=a_scale, b_scale_inv=b_scale, group_sizes=SIZES), want
+
+
+def test_emulated_grouped_forward_takes_one_per_tensor_scale_per_row() -> None:
+    """Per-tensor A scales given per row ([M]: each row's segment's, as the experts' dgrad
+    passes them) scale each row's product."""
+    torch.manual_seed(0)
+    a, b, kwargs, want = _row_scaled_operands("cpu")
+    out = grouped_scaled_mm(a, b, **kwargs, recipe="tensorwise", out_dtype=torch.float32)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_emulated_grouped_weight_gradient_equals_the_dequantized_product() -> None:
     torch.manual_seed(0)
     dy_t, dy_scale, dy_values = _quantized(torch.randn(N, M), "tensorwise", "grad", E5M2)
@@ -241,6 +266,30 @@ def test_triton_grouped_forward_equals_emulation_on_gpu(recipe, grad, fast) -> N
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loads", ["pointers", "tma"])
+@pytest.mark.parametrize("scales", ["rows", "blockwise"])
+def test_triton_ragged_m_reads_through_pointers_and_tma_alike_on_gpu(scales, loads, monkeypatch):
+    """The ragged-M kernel at K = 208 (one whole and one part 128-block: masked pointer loads,
+    or TMA's zeros past K), E5M2 A (the data gradient), per-row or blockwise scales."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if loads == "tma" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm_90 or later")
+    monkeypatch.setattr(grouped_gemm, "_tma_runs", lambda device: loads == "tma")
+    torch.manual_seed(0)
+    a, b, kwargs, _ = _row_scaled_operands("cuda", k=208, a_dtype=E5M2)
+    recipe = "tensorwise"
+    if scales == "blockwise":
+        kwargs["a_scale_inv"] = torch.rand(M, 2, device="cuda") + 0.5
+        kwargs["b_scale_inv"] = torch.rand(len(SIZES), 2, 2, device="cuda") + 0.5
+        recipe = "blockwise"
+    assert grouped_gemm._tma_operands(a, b) == (loads == "tma")
+    want = grouped_scaled_mm(a, b, out_dtype=torch.float32, emulate=True, recipe=recipe, **kwargs)
+    got = grouped_scaled_mm(a, b, out_dtype=torch.float32, recipe=recipe, **kwargs)
+    _assert_close_to_emulation(got, want, fast=False, out_dtype=torch.float32)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fast", [False, True], ids=["precise", "fast"])
 def test_triton_grouped_weight_gradient_equals_emulation_on_gpu(fast) -> None:
     """Group starts at 0, 70, 70, 220 tokens (not multiples of 16), 223 tokens in all; an empty
@@ -310,17 +359,17 @@ def _whole_tile_operands(scales: str, device: str):
     return dy_t, x_t, kwargs
 
 
-def test_ragged_k_loads_are_masked_unless_whole_tiles_and_tma_only_where_aligned(monkeypatch):
-    """The ragged-K kernel's MODE: 0 masked (sizes of any length), 1 whole tiles through
-    pointers (no TMA here, or rows not 16-byte aligned), 2 whole tiles through TMA."""
+def test_kernels_read_through_tma_only_on_sm90_with_aligned_rows(monkeypatch) -> None:
+    """TMA descriptors need sm_90 or later, a 16-byte aligned base and 16-byte aligned rows;
+    elsewhere the kernels read through pointers."""
     dy_t, x_t, _ = _whole_tile_operands("per_group", "cpu")
-    assert grouped_gemm._ragged_k_mode(False, dy_t, x_t) == 0
-    assert grouped_gemm._ragged_k_mode(True, dy_t, x_t) == 1  # a CPU tensor: no TMA
+    assert not grouped_gemm._tma_operands(dy_t, x_t)  # CPU tensors
     monkeypatch.setattr(grouped_gemm, "_tma_runs", lambda device: True)
-    assert grouped_gemm._ragged_k_mode(True, dy_t, x_t) == 2
-    odd = torch.zeros(N, 520, dtype=torch.uint8)[:, :514]  # 514-byte rows in a 520-byte stride
-    assert grouped_gemm._ragged_k_mode(True, odd.contiguous(), x_t) == 1
-    assert grouped_gemm._ragged_k_mode(True, dy_t, torch.zeros(8, 513, dtype=E4M3)[:, 1:]) == 1
+    assert grouped_gemm._tma_operands(dy_t, x_t)
+    assert grouped_gemm._tma_operands(torch.zeros(4, N, 48, dtype=E4M3))  # stacked [G, N, K]
+    odd_rows = torch.zeros(N, 514, dtype=torch.uint8)  # 514-byte rows
+    assert not grouped_gemm._tma_operands(odd_rows, x_t)
+    assert not grouped_gemm._tma_operands(dy_t, torch.zeros(8, 513, dtype=E4M3)[:, 1:])
 
 
 @pytest.mark.gpu
@@ -337,7 +386,7 @@ def test_triton_whole_tile_weight_gradient_equals_emulation_on_gpu(scales, loads
     monkeypatch.setattr(grouped_gemm, "_tma_runs", lambda device: loads == "tma")
     torch.manual_seed(0)
     dy_t, x_t, kwargs = _whole_tile_operands(scales, "cuda")
-    assert grouped_gemm._ragged_k_mode(True, dy_t, x_t) == (2 if loads == "tma" else 1)
+    assert grouped_gemm._tma_operands(dy_t, x_t) == (loads == "tma")
     got = grouped_scaled_mm_wgrad(dy_t, x_t, whole_tiles=True, **kwargs)
     want = grouped_scaled_mm_wgrad(dy_t, x_t, emulate=True, **kwargs)
     if scales != "segmented":

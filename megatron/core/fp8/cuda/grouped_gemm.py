@@ -12,9 +12,10 @@ gradients under `hybrid`) and fp32 output, has no blockwise scales, and its prec
 accumulation runs at 309 TFLOP/s on fc2 where an unmasked Triton kernel like ours ran at 589.
 
 Scales are scale_inv as in `gemm.scaled_mm`: per-tensor recipes (tensorwise, delayed) a scalar
-for A and one per group for B ([G]); blockwise 1x128 for A ([M, ceil(K/128)]) and 128x128 for
-B ([G, ceil(N/128), ceil(K/128)]); the weight gradient's blockwise scales are 1x128 cells along
-the tokens of each group (see `grouped_scaled_mm_wgrad`). mxfp8 (no sm_90 instruction) is
+for A (or one per row, [M]) and one per group for B ([G]); blockwise 1x128 for A ([M,
+ceil(K/128)]) and 128x128 for B ([G, ceil(N/128), ceil(K/128)]); the weight gradient's
+blockwise scales are 1x128 cells along the tokens of each group (see
+`grouped_scaled_mm_wgrad`). mxfp8 (no sm_90 instruction) is
 always emulated.
 """
 
@@ -141,7 +142,9 @@ def grouped_scaled_mm(
     schedule: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """A [M, K] FP8 (rows sorted by group, group_sizes[g] rows each) and B [G, N, K] FP8 ->
-    [M, N] in out_dtype: each group's rows times its own B[g]^T. fast_accum: the kernel's
+    [M, N] in out_dtype: each group's rows times its own B[g]^T. Per-tensor recipes also take
+    one A scale_inv per row ([M]: each row's segment's, applied to its fp32 sum; emulated as
+    1x128 cells of equal values). fast_accum: the kernel's
     per-tensor accumulation mode (as the dense GEMM's; blockwise always adds per K block).
     schedule: `tile_schedule(group sizes, M)` when the caller already has it (several GEMMs
     over the same groups build it once)."""
@@ -157,8 +160,13 @@ def grouped_scaled_mm(
             f"A {tuple(a_data.shape)} with group sizes {group_sizes} does not match "
             f"B {tuple(b_data.shape)}"
         )
+    per_tensor = recipe_spec(recipe).per_tensor
+    row_scales = per_tensor and a_scale_inv.dim() == 1
     if emulate or not _kernel_runs(recipe, a_data, b_data):
         offsets = _group_offsets(_host_sizes(group_sizes))
+        if row_scales:  # constant along K: the same values as 1x128 cells of each row
+            a_scale_inv, b_scale_inv = _row_scales_as_cells(a_scale_inv, b_scale_inv, n, k)
+            recipe = "blockwise"
         return _emulated_ragged_m(
             a_data, b_data, a_scale_inv, b_scale_inv, offsets, recipe, out_dtype
         )
@@ -173,13 +181,25 @@ def grouped_scaled_mm(
     # quantizers is an outer-dim-major view: its values are right, its strides are not these).
     a_data, b_data = a_data.contiguous(), b_data.contiguous()
     a_scale_inv, b_scale_inv = a_scale_inv.contiguous(), b_scale_inv.contiguous()
+    tma = _tma_operands(a_data, b_data)
+    a_src = _operand_source(a_data, tma)
+    b_src = _operand_source(b_data.view(groups * n, k), tma)  # [G x N, K] rows
+    scales = 2 if not per_tensor else int(row_scales)  # the kernel's SCALES
     _kernels()._ragged_m_kernel[grid](
-        a_data, b_data, out, a_scale_inv, b_scale_inv, tile_group, tile_row, group_end,
+        a_src, b_src, out, a_scale_inv, b_scale_inv, tile_group, tile_row, group_end,
         rows, n, k, a_data.stride(0), b_data.stride(0), b_data.stride(1), out.stride(0),
-        BLOCKWISE=not recipe_spec(recipe).per_tensor, FAST=fast_accum, EVEN_K=k % BLOCK_K == 0,
+        SCALES=scales, FAST=fast_accum, EVEN_K=k % BLOCK_K == 0, TMA=tma,
         BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out
+
+
+def _row_scales_as_cells(a_scale_inv, b_scale_inv, n, k):
+    """Per-tensor row scales [M] and group scales [G] as 1x128 and 128x128 cells."""
+    k_blocks, n_blocks = triton_cdiv(k, BLOCK_K), triton_cdiv(n, 128)
+    rows, groups = a_scale_inv.shape[0], b_scale_inv.shape[0]
+    a_cells = a_scale_inv[:, None].expand(rows, k_blocks).contiguous()
+    return a_cells, b_scale_inv[:, None, None].expand(groups, n_blocks, k_blocks).contiguous()
 
 
 def _check_segment_group(segment_group, segments, a_scale_inv, b_scale_inv, spec) -> None:
@@ -290,8 +310,8 @@ def grouped_scaled_mm_wgrad(
     grid = lambda meta: (groups, triton_cdiv(n, meta["BLOCK_N"]), triton_cdiv(k, BLOCK_K))  # noqa: E731
     a_t_data, b_t_data = a_t_data.contiguous(), b_t_data.contiguous()  # M-contiguous rows
     fast = fast_accum and not blockwise and not segmented
-    mode = _ragged_k_mode(whole_tiles, a_t_data, b_t_data)
-    a_src, b_src = (_operand_source(t, mode) for t in (a_t_data, b_t_data))
+    mode = 2 if whole_tiles and _tma_operands(a_t_data, b_t_data) else int(whole_tiles)
+    a_src, b_src = (_operand_source(t, mode == 2) for t in (a_t_data, b_t_data))
     _kernels()._ragged_k_kernel[grid](
         a_src, b_src, out, a_scale_inv.contiguous(), b_scale_inv.contiguous(), starts,
         chunk_starts, group_segments, n, k, a_t_data.stride(0), b_t_data.stride(0),
@@ -301,18 +321,13 @@ def grouped_scaled_mm_wgrad(
     return out
 
 
-def _ragged_k_mode(whole_tiles: bool, *operands: torch.Tensor) -> int:
-    """The ragged-K kernel's loads (`triton_grouped_gemm._token_tile`): 0 masked, 1 whole
-    tiles through pointers, 2 whole tiles through TMA (sm_90 and later; 16-byte aligned base
-    and rows, as TMA needs)."""
-    if not whole_tiles:
-        return 0
+def _tma_operands(*operands: torch.Tensor) -> bool:
+    """The kernels read these 2-D (or stacked) operands through TMA descriptors: sm_90 and
+    later, 16-byte aligned bases and rows (as TMA needs)."""
     aligned = all(
-        t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in operands
+        t.data_ptr() % 16 == 0 and t.stride(-2) * t.element_size() % 16 == 0 for t in operands
     )
-    if aligned and _tma_runs(operands[0].device):
-        return 2
-    return 1
+    return aligned and _tma_runs(operands[0].device)
 
 
 def _tma_runs(device: torch.device) -> bool:
@@ -320,10 +335,10 @@ def _tma_runs(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _operand_source(data: torch.Tensor, mode: int):
-    """What the kernel reads an operand [rows, M] through: the tensor, or (mode 2) its TMA
-    descriptor (the tile set per config by the autotuner's hook)."""
-    if mode != 2:
+def _operand_source(data: torch.Tensor, tma: bool):
+    """What a kernel reads a 2-D operand through: the tensor, or its TMA descriptor (the tile
+    set per config by the autotuner's hook)."""
+    if not tma:
         return data
     from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -50,11 +50,42 @@ _CONFIGS = [
 ]
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCKWISE", "FAST"])
+@triton.jit
+def _k_step(src, ptrs, row0, k0, ks, K, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+    """One K block of a K-contiguous operand: through its TMA descriptor from (row0, k0) (rows
+    and K past the operand read as zeros), or through pointers (ptrs: the tile's k = 0)."""
+    if TMA:
+        tile = src.load([row0, k0])
+    elif EVEN_K:
+        tile = tl.load(ptrs + k0)
+    else:
+        tile = tl.load(ptrs + k0, mask=((k0 + ks) < K)[None, :], other=0.0)
+    return tile
+
+
+def _ragged_m_blocks(nargs) -> None:
+    """The TMA descriptors' tiles for the config the autotuner tries (TMA only)."""
+    if nargs["TMA"]:
+        nargs["a_src"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+        nargs["b_src"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+_RAGGED_M_CONFIGS = [
+    triton.Config(
+        c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_ragged_m_blocks
+    )
+    for c in _CONFIGS
+]
+PER_TENSOR, ROW_SCALES, BLOCKWISE_SCALES = 0, 1, 2
+"""The ragged-M kernel's SCALES: A a scalar, or one per row ([M], constant along K: a
+segment's scale at each of its rows), or 1x128 cells; B one per group, or 128x128 cells."""
+
+
+@triton.autotune(configs=_RAGGED_M_CONFIGS, key=["N", "K", "SCALES", "FAST", "TMA"])
 @triton.jit
 def _ragged_m_kernel(
-    a_ptr,
-    b_ptr,
+    a_src,
+    b_src,
     c_ptr,
     a_scale_ptr,
     b_scale_ptr,
@@ -68,9 +99,10 @@ def _ragged_m_kernel(
     stride_bg,
     stride_bn,
     stride_cm,
-    BLOCKWISE: tl.constexpr,
+    SCALES: tl.constexpr,
     FAST: tl.constexpr,
     EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -87,20 +119,19 @@ def _ragged_m_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_rows = tl.minimum(rows, M - 1)  # read, never stored: the store keeps rows < row_end
     b_cols = tl.minimum(cols, N - 1)
-    a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + ks[None, :]
-    b_ptrs = b_ptr + group.to(tl.int64) * stride_bg + b_cols[:, None] * stride_bn + ks[None, :]
+    a_ptrs = a_src
+    b_ptrs = b_src
+    if not TMA:
+        a_ptrs = a_src + a_rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+        b_ptrs = b_src + group.to(tl.int64) * stride_bg + b_cols[:, None] * stride_bn + ks[None, :]
+    b_row0 = group * N + pid_n * BLOCK_N  # TMA: B's rows as [G x N, K] (past N: dropped)
     k_blocks = (K + BLOCK_K - 1) // BLOCK_K  # blockwise: BLOCK_K is the 128 of the scales
     n_blocks = (N + 127) // 128
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = (k0 + ks) < K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
-        if BLOCKWISE:
+        a = _k_step(a_src, a_ptrs, row0, k0, ks, K, EVEN_K, TMA)
+        b = _k_step(b_src, b_ptrs, b_row0, k0, ks, K, EVEN_K, TMA)
+        if SCALES == 2:
             # scale_inv of A: [M, k_blocks] (1x128); of B: [G, ceil(N/128), k_blocks] (128x128).
             kb = k0 // BLOCK_K
             a_s = tl.load(a_scale_ptr + a_rows.to(tl.int64) * k_blocks + kb)
@@ -110,9 +141,9 @@ def _ragged_m_kernel(
             acc = tl.dot(a, tl.trans(b), acc)
         else:
             acc += tl.dot(a, tl.trans(b))
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    if not BLOCKWISE:
+    if SCALES == 1:
+        acc = acc * tl.load(a_scale_ptr + a_rows)[:, None] * tl.load(b_scale_ptr + group)
+    elif SCALES == 0:
         acc = acc * tl.load(a_scale_ptr) * tl.load(b_scale_ptr + group)
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
     keep = (rows < row_end)[:, None] & (cols < N)[None, :]

@@ -174,16 +174,10 @@ def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_
             out_dtype=out_dtype,
             use_fast_accum=fast,
         )
-    # The Triton ragged-M kernel: scales constant along K, given as its block scales.
-    k_blocks, n_blocks = -(-k // 128), -(-n // 128)
-    return grouped_scaled_mm(
-        a,
-        b,
-        a_scale_inv=row_scale[:, None].expand(a.shape[0], k_blocks).contiguous(),
-        b_scale_inv=b_scale_inv[:, None, None].expand(groups, n_blocks, k_blocks).contiguous(),
-        recipe="blockwise",
-        **options,
-    )
+    # The Triton ragged-M kernel: each row's segment scale and each expert's, applied once
+    # to the fp32 sum (constant along K).
+    scales = dict(a_scale_inv=row_scale.contiguous(), b_scale_inv=b_scale_inv.contiguous())
+    return grouped_scaled_mm(a, b, **scales, recipe=recipe, **options)
 
 
 @torch.library.custom_op("megatron_fp8::grouped_fp8_mm", mutates_args=())
