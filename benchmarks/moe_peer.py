@@ -109,14 +109,32 @@ class Experts(nn.Module):
 
 def _loop_mm(tokens, weight, offsets):
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
-    pieces = tokens.split(sizes)
+    pieces = tokens[: sum(sizes)].split(sizes)  # rows past the last group: none of them
     return torch.cat([p @ weight[e].t().to(p.dtype) for e, p in enumerate(pieces)])
+
+
+def aligned_groups(tokens, sorted_experts, counts, align: int):
+    """Tokens sorted by expert laid out with each expert's rows padded to a multiple of
+    `align` (zero rows), as torchtitan pads them for FP8 grouped GEMMs (torch's 2d x 2d
+    weight-gradient GEMM asserts on group sizes that are not 16 bytes): (the padded rows,
+    their group end offsets int32, each token's padded row). A static number of rows (the
+    most any counts need): no host sync."""
+    rows = tokens.shape[0]
+    padded = (counts + align - 1) // align * align
+    padded_ends = padded.cumsum(0)
+    starts = counts.cumsum(0) - counts
+    rank = torch.arange(rows, device=tokens.device) - starts[sorted_experts]
+    dest = (padded_ends - padded)[sorted_experts] + rank
+    bound = rows + counts.shape[0] * (align - 1)
+    laid_out = tokens.new_zeros(bound, tokens.shape[1]).index_copy(0, dest, tokens)
+    return laid_out, padded_ends.to(torch.int32), dest
 
 
 class MoE(nn.Module):
     def __init__(self, hidden: int, experts: int, topk: int, ffn: int) -> None:
         super().__init__()
         self.experts_n, self.topk = experts, topk
+        self.align = 1  # 16 under torchao's FP8 grouped GEMMs (convert_torchao_experts)
         self.router = nn.Linear(hidden, experts, bias=False)
         self.experts = Experts(experts, hidden, ffn)
 
@@ -133,7 +151,12 @@ class MoE(nn.Module):
         counts = counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         offsets = counts.cumsum(0).to(torch.int32)
         tokens = x[order // self.topk]
-        out = self.experts(tokens, offsets)
+        if self.align > 1:
+            sorted_experts = flat_experts[order]
+            laid_out, offsets, dest = aligned_groups(tokens, sorted_experts, counts, self.align)
+            out = self.experts(laid_out, offsets)[dest]
+        else:
+            out = self.experts(tokens, offsets)
         weighted = out * probs.reshape(-1)[order, None].to(out.dtype)
         combined = torch.zeros_like(x).index_add_(0, order // self.topk, weighted)
         return combined.reshape(shape)
@@ -207,6 +230,14 @@ def convert_torchao_experts(model: nn.Module) -> None:
     quantize_(
         model, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: isinstance(module, Experts)
     )
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.align = TORCHAO_GROUP_ALIGN
+
+
+TORCHAO_GROUP_ALIGN = 16
+"""Rows per expert group under torchao's float8 grouped GEMMs (torchtitan's alignment for
+FP8: 16 one-byte elements along the weight gradient's token dimension)."""
 
 
 def step(model, optimizer, inputs, labels) -> None:
