@@ -28,6 +28,9 @@ import torch
 from megatron.core.fp8.cuda.gemm import emulated_mm
 from megatron.core.fp8.recipe import recipe_spec
 
+_GRID_Y = 65535
+"""CUDA's limit on a grid's second dimension (the ragged-M kernel's row tiles)."""
+
 BLOCK_M, BLOCK_K = 128, 128
 """Rows per tile of the ragged-M kernel (its schedule built on the device) and K per step
 (the blockwise scales' 128); BLOCK_N is autotuned."""
@@ -176,7 +179,9 @@ def grouped_scaled_mm(
     if schedule is None:
         schedule = tile_schedule(_device_sizes(group_sizes, a_data.device), rows)
     tile_group, tile_row, group_end = schedule
-    grid = lambda meta: (tile_group.shape[0], triton_cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+    if tile_group.shape[0] > _GRID_Y:
+        raise ValueError(f"{rows} rows need more than {_GRID_Y} row tiles of {BLOCK_M}")
+    grid = lambda meta: (triton_cdiv(n, meta["BLOCK_N"]), tile_group.shape[0])  # noqa: E731
     # The kernel reads K-contiguous bytes and row-major scale grids (a 1x128 grid from the fused
     # quantizers is an outer-dim-major view: its values are right, its strides are not these).
     a_data, b_data = a_data.contiguous(), b_data.contiguous()
@@ -307,7 +312,7 @@ def grouped_scaled_mm_wgrad(
         index = torch.tensor(segment_group, dtype=torch.long, device=out.device)
         per_group = torch.bincount(index, minlength=groups)
         group_segments = torch.cat([index.new_zeros(1), per_group.cumsum(0)]).to(torch.int32)
-    grid = lambda meta: (groups, triton_cdiv(n, meta["BLOCK_N"]), triton_cdiv(k, BLOCK_K))  # noqa: E731
+    grid = lambda meta: (triton_cdiv(n, meta["BLOCK_N"]) * triton_cdiv(k, BLOCK_K), groups)  # noqa: E731
     a_t_data, b_t_data = a_t_data.contiguous(), b_t_data.contiguous()  # M-contiguous rows
     fast = fast_accum and not blockwise and not segmented
     mode = 2 if whole_tiles and _tma_operands(a_t_data, b_t_data) else int(whole_tiles)

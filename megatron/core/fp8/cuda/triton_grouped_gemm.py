@@ -107,8 +107,10 @@ def _ragged_m_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # N tiles fastest: the programs running together share their A row tile (read once into
+    # L2) and, over a group's row tiles, its B[g].
+    pid_n = tl.program_id(0)
+    tile = tl.program_id(1)
     group = tl.load(tile_group_ptr + tile)
     row0 = tl.load(tile_row_ptr + tile)
     row_end = tl.load(group_end_ptr + group)
@@ -214,9 +216,12 @@ def _ragged_k_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    group = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    # A group's (N, K) tiles run together (group slowest): its tokens' slab of A and B is read
+    # into L2 once, not once per program as when consecutive programs were other groups'.
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_n = tl.program_id(0) % n_tiles
+    pid_k = tl.program_id(0) // n_tiles
+    group = tl.program_id(1)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     ms = tl.arange(0, BLOCK_M)
