@@ -371,8 +371,9 @@ def _quantize_tokens(t, r, seg_sizes, config, role, pow2, *, columnwise: int):
     seg_ids = r[SEG_IDS]
     spec, fp8_dtype = config.spec, fp8_dtype_for_role(config.fp8_format, role)
     if spec.per_tensor:
+        tiles = (r[SOURCE], TOKEN_TILE)  # the segments' amaxes reduced per tile first
         row = operands.quantize_segments(
-            t, seg_ids, seg_sizes.shape[0], fp8_dtype=fp8_dtype, power_2_scale=pow2
+            t, seg_ids, seg_sizes.shape[0], fp8_dtype=fp8_dtype, power_2_scale=pow2, tiles=tiles
         )
         return row, row
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=pow2)

@@ -82,17 +82,46 @@ def padded_positions(seg_ids: torch.Tensor, seg_sizes: torch.Tensor, block: int)
 
 
 def quantize_segments(
-    x: torch.Tensor, seg_ids: torch.Tensor, num_segments: int, *, fp8_dtype, power_2_scale: bool
+    x: torch.Tensor,
+    seg_ids: torch.Tensor,
+    num_segments: int,
+    *,
+    fp8_dtype,
+    power_2_scale: bool,
+    tiles: tuple[torch.Tensor, int] | None = None,
 ) -> Operand:
     """x [M, K] -> (FP8 bytes [M, K] as fp8_dtype, scale_inv [num_segments] fp32): each
     segment's rows quantized tensorwise with the scale of that segment's amax, exactly as
-    `quantize` quantizes the segment alone (an empty segment gets scale 1)."""
+    `quantize` quantizes the segment alone (an empty segment gets scale 1). tiles: the
+    segments' padded layout (`padded_sources`, its tile rows) when the caller has it: the
+    amaxes reduced per tile first (`segment_amax`)."""
     row_amax = amax_ignoring_nan(x, dim=-1)
-    amax = torch.zeros(num_segments, dtype=torch.float32, device=x.device)
-    amax = amax.scatter_reduce(0, seg_ids, row_amax, "amax", include_self=True)
+    amax = segment_amax(row_amax, seg_ids, num_segments, tiles)
     scale = scale_from_amax(amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
     scaled = x.to(torch.float32) * scale[seg_ids][:, None]  # quantize reads x in fp32
     return saturating_cast(scaled, fp8_dtype).view(fp8_dtype), reciprocal(scale)
+
+
+def segment_amax(
+    row_amax: torch.Tensor,
+    seg_ids: torch.Tensor,
+    num_segments: int,
+    tiles: tuple[torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """Each segment's largest row amax ([num_segments] fp32, 0 for an empty one). Without
+    `tiles`, one scatter of every row into its segment (every row of a segment contends for
+    one slot). tiles = (source, tile): the rows laid out padded (`padded_sources`: each
+    segment in whole `tile`-row tiles, -1 for padding), reduced per tile, then one scatter
+    per tile (a tile holds one segment's rows). The same values (a max has no order)."""
+    amax = torch.zeros(num_segments, dtype=torch.float32, device=row_amax.device)
+    if tiles is None or row_amax.numel() == 0:
+        return amax.scatter_reduce(0, seg_ids, row_amax.float(), "amax", include_self=True)
+    source, tile = tiles
+    rows = source.long().clamp(min=0)
+    padded = torch.where(source >= 0, row_amax.float()[rows], 0.0)
+    tile_amax = padded.view(-1, tile).amax(dim=1)
+    tile_segment = seg_ids[rows.view(-1, tile)[:, 0]]  # a tile's first row is real, or all pad
+    return amax.scatter_reduce(0, tile_segment, tile_amax, "amax", include_self=True)
 
 
 def _quantize_operands(x2d, *, spec: RecipeSpec, role, fp8_dtype, power_2_scale, transposed):

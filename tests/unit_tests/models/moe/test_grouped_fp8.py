@@ -118,6 +118,27 @@ def test_segment_quantization_equals_quantizing_each_segment_alone():
     assert scale_inv[1] == 1.0
 
 
+def test_segment_amax_per_tile_equals_the_per_row_scatter():
+    """The tiled reduction (rows laid out in each segment's whole 128-row tiles, reduced per
+    tile, one scatter per tile) gives every segment's amax as the scatter of every row does,
+    with empty segments, a segment of exactly one tile and padding tiles past the last."""
+    sizes = torch.tensor([7, 0, 128, 129, 1, 0])
+    rows = int(sizes.sum())
+    ids = grouped_operands.segment_ids(sizes, rows)
+    row_amax = torch.rand(rows) * 10
+    row_amax[263] = 50.0  # the largest of segment 3: its last row, alone in its second tile
+    plain = grouped_operands.segment_amax(row_amax, ids, 6)
+    length = grouped_operands.padded_rows(sizes, rows, 128)  # the bound, past the real tiles
+    position = grouped_operands.padded_positions(ids, sizes, 128)
+    source = grouped_operands.padded_sources(position, length)
+    tiled = grouped_operands.segment_amax(row_amax, ids, 6, (source, 128))
+    assert torch.equal(tiled, plain)
+    assert tiled[1] == 0 and tiled[5] == 0 and tiled[3] == 50.0
+    want = [row_amax[a:b].max().item() if b > a else 0.0 for a, b in ((0, 7), (7, 7),
+            (7, 135), (135, 264), (264, 265), (265, 265))]  # fmt: skip
+    assert tiled.tolist() == want
+
+
 def test_device_counts_that_do_not_sum_to_the_tokens_are_refused():
     """Counts read on the device are checked there (torch._assert_async, no host sync)."""
     layer = _layer()
