@@ -12,7 +12,9 @@
 #   6. model M-small's rows (benchmarks/moe_model_m.sh SMALL=1, ROWS: bf16 tensorwise
 #      blockwise): $OUT/model_m.jsonl;
 #   7. model M's rows with the peers (ROWS_M, default fsdp2 torchao_rowwise bf16 tensorwise
-#      blockwise; torchao from the wheel in .whl/, carried): $OUT/model_m.jsonl.
+#      blockwise; torchao from the wheel in .whl/, carried): $OUT/model_m.jsonl;
+#   8. what is alive at model M's peak (MEM_ROWS, default bf16 tensorwise: 5 steps with
+#      --record-memory-history, dev/peak_memory_breakdown.py): $OUT/peak_<row>.txt.
 # Each part has its own time limit; STEPS="1 2 3" picks parts. Run from the repository root:
 #   bash dev/moe_speed_lease.sh            (device: OUT is set; elsewhere OUT=/tmp/lease)
 set -uo pipefail
@@ -64,5 +66,15 @@ for step in ${STEPS:-1 2 3 4 5 6}; do
       PYTHONPATH=/tmp/site OUT=$OUT ITERS=${ITERS:-12} WARMUP=4 RUN_TIMEOUT=${RUN_TIMEOUT:-110} \
         ROWS=${ROWS_M:-fsdp2 torchao_rowwise bf16 tensorwise blockwise} \
         bash benchmarks/moe_model_m.sh 2>&1 | tail -8 ;;
+    8)
+      for row in ${MEM_ROWS:-bf16 tensorwise}; do
+        flags=$(OUT=/tmp/lease_rows SMALL=0 ITERS=5 PRINT_ONLY=1 ROWS=$row bash benchmarks/moe_model_m.sh)
+        timeout "${PROFILE_TIMEOUT:-130}" torchrun --nproc-per-node 1 pretrain_gpt.py $flags \
+          --record-memory-history --memory-snapshot-path /tmp/lease_mem_$row.pickle > /tmp/lease_mem.log 2>&1
+        echo "memory $row rc $?"; grep "elapsed time per" /tmp/lease_mem.log | tail -1 | cut -c1-150
+        snapshot=$(ls /tmp/lease_mem_${row}*.pickle | tail -1)
+        python3 dev/peak_memory_breakdown.py "$snapshot" --top 30 > "$OUT/peak_$row.txt"
+        head -14 "$OUT/peak_$row.txt"
+      done ;;
   esac
 done

@@ -182,10 +182,12 @@ def grouped_scaled_mm(
     if tile_group.shape[0] > _GRID_Y:
         raise ValueError(f"{rows} rows need more than {_GRID_Y} row tiles of {BLOCK_M}")
     grid = lambda meta: (triton_cdiv(n, meta["BLOCK_N"]), tile_group.shape[0])  # noqa: E731
-    # The kernel reads K-contiguous bytes and row-major scale grids (a 1x128 grid from the fused
-    # quantizers is an outer-dim-major view: its values are right, its strides are not these).
+    # The kernel reads K-contiguous bytes, A's scales at their strides (a 1x128 grid from the
+    # fused quantizers is outer-dim-major: read along M in one load) and B's row-major.
     a_data, b_data = a_data.contiguous(), b_data.contiguous()
-    a_scale_inv, b_scale_inv = a_scale_inv.contiguous(), b_scale_inv.contiguous()
+    b_scale_inv = b_scale_inv.contiguous()
+    a_scale_strides = a_scale_inv.stride() if a_scale_inv.dim() else (0,)
+    a_scale_strides = (*a_scale_strides, 0)[:2]  # (along M, along K): 0 where it has none
     tma = _tma_operands(a_data, b_data)
     a_src = _operand_source(a_data, tma)
     b_src = _operand_source(b_data.view(groups * n, k), tma)  # [G x N, K] rows
@@ -193,7 +195,7 @@ def grouped_scaled_mm(
     _kernels()._ragged_m_kernel[grid](
         a_src, b_src, out, a_scale_inv, b_scale_inv, tile_group, tile_row, group_end,
         rows, n, k, a_data.stride(0), b_data.stride(0), b_data.stride(1), out.stride(0),
-        SCALES=scales, FAST=fast_accum, EVEN_K=k % BLOCK_K == 0, TMA=tma,
+        *a_scale_strides, SCALES=scales, FAST=fast_accum, EVEN_K=k % BLOCK_K == 0, TMA=tma,
         BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out

@@ -99,6 +99,8 @@ def _ragged_m_kernel(
     stride_bg,
     stride_bn,
     stride_cm,
+    stride_sm,
+    stride_sk,
     SCALES: tl.constexpr,
     FAST: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -134,9 +136,11 @@ def _ragged_m_kernel(
         a = _k_step(a_src, a_ptrs, row0, k0, ks, K, EVEN_K, TMA)
         b = _k_step(b_src, b_ptrs, b_row0, k0, ks, K, EVEN_K, TMA)
         if SCALES == 2:
-            # scale_inv of A: [M, k_blocks] (1x128); of B: [G, ceil(N/128), k_blocks] (128x128).
+            # scale_inv of A: [M, k_blocks] (1x128) at strides (stride_sm, stride_sk): an
+            # outer-dim-major grid (stride_sm 1) is read along M in one coalesced load; of
+            # B: [G, ceil(N/128), k_blocks] (128x128), contiguous.
             kb = k0 // BLOCK_K
-            a_s = tl.load(a_scale_ptr + a_rows.to(tl.int64) * k_blocks + kb)
+            a_s = tl.load(a_scale_ptr + a_rows.to(tl.int64) * stride_sm + kb * stride_sk)
             b_s = tl.load(b_scale_ptr + (group * n_blocks + b_cols // 128) * k_blocks + kb)
             acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
         elif FAST:
@@ -144,7 +148,9 @@ def _ragged_m_kernel(
         else:
             acc += tl.dot(a, tl.trans(b))
     if SCALES == 1:
-        acc = acc * tl.load(a_scale_ptr + a_rows)[:, None] * tl.load(b_scale_ptr + group)
+        acc = (
+            acc * tl.load(a_scale_ptr + a_rows * stride_sm)[:, None] * tl.load(b_scale_ptr + group)
+        )
     elif SCALES == 0:
         acc = acc * tl.load(a_scale_ptr) * tl.load(b_scale_ptr + group)
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]

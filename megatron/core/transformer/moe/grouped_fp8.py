@@ -161,7 +161,7 @@ def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_
     seg_ids, schedule = r[SEG_IDS], tuple(r[SCHEDULE])
     options = dict(group_sizes=r[SIZES], out_dtype=out_dtype, schedule=schedule)
     if not recipe_spec(recipe).per_tensor:  # blockwise: 1x128 rows, 128x128 experts
-        scales = dict(a_scale_inv=a_scale_inv.contiguous(), b_scale_inv=b_scale_inv.contiguous())
+        scales = dict(a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv.contiguous())
         return grouped_scaled_mm(a, b, **scales, recipe=recipe, **options)
     row_scale = a_scale_inv[seg_ids]
     if _torch_mm_applies(a, b, recipe, out_dtype):

@@ -143,11 +143,18 @@ def _rows_of(data: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return data.view(torch.uint8)[index].view(data.dtype)
 
 
+def _rows_of_grid(scale_inv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """scale_inv[index] of a [rows, cells] grid, keeping an outer-dim-major grid so."""
+    if scale_inv.stride(0) == 1 and scale_inv.shape[1] > 1:
+        return scale_inv.t()[:, index].t()
+    return scale_inv[index]
+
+
 def quantize_rows(x: torch.Tensor, *, spec: RecipeSpec, role, fp8_dtype, power_2_scale) -> Operand:
     """Blockwise 1x128 cells of every row: (bytes [M, K], scale_inv [M, ceil(K/128)])."""
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
     row, _ = _quantize_operands(x, transposed=False, **options)
-    return row.data, row.scale_inv.contiguous()
+    return row.data, row.scale_inv  # as the quantizer lays it out (the kernel takes strides)
 
 
 def _padded(x: torch.Tensor, position: torch.Tensor, length: int) -> torch.Tensor:
@@ -195,7 +202,9 @@ def quantize_segment_operands(
     padded = _padded(x, position, length)
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
     row, col = _quantize_operands(padded, transposed=True, **options)  # col: [K, P]
-    rows = (_rows_of(row.data, position), row.scale_inv[position])
+    # The rows' scales gathered along M in the grid's own order ([K/128, M] from the fused
+    # quantizers, so the grouped GEMM reads each K block's scales of a row tile in one load).
+    rows = (_rows_of(row.data, position), _rows_of_grid(row.scale_inv, position))
     return rows, (col.data.contiguous(), col.scale_inv.contiguous())
 
 

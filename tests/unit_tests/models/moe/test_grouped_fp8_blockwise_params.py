@@ -153,6 +153,19 @@ def test_fp8_parameter_backward_reads_the_bytes_gathered_for_it(recipe):
     assert torch.equal(grads[1], -2 * unchanged) and unchanged.abs().max() > 0
 
 
+def test_gathered_rows_keep_an_outer_dim_major_scale_grid():
+    """The rows' 1x128 scales gathered from the padded copy keep the fused quantizers'
+    [K/128, M] order (the grouped GEMM reads a row tile's scales of one K block in one load);
+    a row-major grid stays row-major; the values are grid[index] either way."""
+    grid = torch.rand(2, 9).t()  # [9 rows, 2 cells], outer-dim-major
+    index = torch.tensor([4, 0, 8, 3])
+    got = grouped_operands._rows_of_grid(grid, index)
+    assert torch.equal(got, grid[index]) and got.stride() == (1, 4)
+    row_major = grid.contiguous()
+    got = grouped_operands._rows_of_grid(row_major, index)
+    assert torch.equal(got, grid[index]) and got.stride() == (2, 1)
+
+
 def test_blockwise_operands_equal_quantizing_each_piece_alone():
     """Rows in 1x128 cells (all at once), each segment's 128x1 columnwise cells counted from its
     own first row (kept transposed, each segment padded to whole cells), each expert's 128x128
