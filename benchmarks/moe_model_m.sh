@@ -15,6 +15,8 @@
 # PRINT_ONLY=1 (with one row in ROWS): print that row's pretrain_gpt.py flags and stop.
 # SMALL=1: model M-small (~125M active parameters: 8 layers, hidden 768, 12 heads / 4 groups,
 # 64 experts top-8, moe-ffn 256, seq 2048); TINY=1: CPU sizes for the smoke test (gloo).
+# GBS=16 (default: the micro-batch, 2): 8 micro-batches of 2 per optimizer step in every row, as
+# a run with gradient accumulation (the optimizer step's share of the step time divided by 8).
 # DEEPSEEK=1 (issue 39, acceptance 4): the DeepSeek-V3-style model M: multi-latent attention
 # (16 heads, q-lora 768, kv-lora 512, qk 128 + rope 64, v 128), a dense first layer, one shared
 # expert of moe-ffn width, sigmoid scores with the expert bias, group-limited top-8 (8 groups,
@@ -29,6 +31,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_E
 ITERS=${ITERS:-20}
 WARMUP=${WARMUP:-3}
 LAYERS=8 HIDDEN=2048 HEADS=32 QGROUPS=4 EXPERTS=64 TOPK=8 FFN=768 SEQ=4096 MBS=2 VOCAB=32768
+GBS=${GBS:-$MBS}  # sequences per optimizer step: GBS / MBS micro-batches accumulated, every row
 if [ "${SMALL:-0}" = 1 ]; then HIDDEN=768 HEADS=12 FFN=256 SEQ=2048 VOCAB=50257; fi
 if [ "${TINY:-0}" = 1 ]; then
   LAYERS=2 HIDDEN=64 HEADS=4 QGROUPS=2 EXPERTS=8 TOPK=2 FFN=32 SEQ=64 MBS=2 VOCAB=256
@@ -56,7 +59,7 @@ fi
 MODEL_M=(
   "${SHAPE[@]}" "${BLOCKS[@]}" --ffn-hidden-size $((4 * HIDDEN))
   --moe-grouped-gemm --moe-token-dispatcher-type alltoall
-  --max-position-embeddings $SEQ --global-batch-size $MBS
+  --max-position-embeddings $SEQ --global-batch-size $GBS
   --mock-data --tokenizer-type NullTokenizer
   --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
   --hidden-dropout 0 --attention-dropout 0 --untie-embeddings-and-output-weights --bf16
@@ -66,7 +69,8 @@ MODEL_M=(
 )
 PEER=(--num-layers $LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS --num-query-groups $QGROUPS
   --num-experts $EXPERTS --moe-router-topk $TOPK --moe-ffn-hidden-size $FFN --seq-length $SEQ
-  --micro-batch-size $MBS --vocab-size $VOCAB --steps "$((ITERS - WARMUP))" --warmup-steps "$WARMUP")
+  --micro-batch-size $MBS --global-batch-size $GBS --vocab-size $VOCAB --steps "$((ITERS - WARMUP))"
+  --warmup-steps "$WARMUP")
 [ "${TINY:-0}" = 1 ] || PEER+=(--compile)
 RUN_TIMEOUT=${RUN_TIMEOUT:-300}
 if [ "${PRINT_ONLY:-0}" = 1 ]; then  # the pretrain_gpt.py flags of row $ROWS (bf16 or a recipe),

@@ -11,6 +11,7 @@ each layer compiled (--compile), fused AdamW, gradient clipping at 1.0: bench_gp
 (torchao.prototype.moe_training, Float8TrainingOpConfig), converted before compile and shard.
 
     torchrun --nproc-per-node 1 benchmarks/moe_peer.py --compile [--torchao-fp8-rowwise]
+        [--global-batch-size 16]   # 8 micro-batches of 2 per optimizer step
     torchrun --nproc-per-node 1 benchmarks/moe_peer.py --tiny --steps 2   # CPU dry run, gloo
 """
 
@@ -41,12 +42,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--vocab-size", type=int, default=32768)
     add("--seq-length", type=int, default=4096)
     add("--micro-batch-size", type=int, default=2)
+    add(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="sequences per optimizer step (gradients accumulated over micro-batches, as "
+        "Megatron-LM's flag at DP=1); default: one micro-batch",
+    )
     add("--steps", type=int, default=20, help="timed steps after warmup")
     add("--warmup-steps", type=int, default=5)
     add("--compile", action="store_true", help="torch.compile each layer")
     add("--torchao-fp8-rowwise", action="store_true", help="torchao float8 rowwise experts")
     add("--tiny", action="store_true", help="CPU-sized model for a dry run")
     args = parser.parse_args(argv)
+    args.global_batch_size = args.global_batch_size or args.micro_batch_size
+    if args.global_batch_size % args.micro_batch_size:
+        parser.error("--global-batch-size must be a multiple of --micro-batch-size")
     if args.tiny:
         args.num_layers, args.hidden_size, args.num_attention_heads = 2, 64, 4
         args.num_query_groups, args.num_experts, args.moe_router_topk = 2, 8, 2
@@ -240,9 +251,18 @@ TORCHAO_GROUP_ALIGN = 16
 FP8: 16 one-byte elements along the weight gradient's token dimension)."""
 
 
-def step(model, optimizer, inputs, labels) -> None:
+def accumulate(model, batches) -> None:
+    """Gradients of the mean loss over equal micro-batches [(inputs, labels), ...], one
+    backward each (FSDP2 reduces them after the last)."""
+    for index, (inputs, labels) in enumerate(batches):
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(index == len(batches) - 1)
+        (model(inputs, labels) / len(batches)).backward()
+
+
+def step(model, optimizer, batches) -> None:
     optimizer.zero_grad(set_to_none=True)
-    model(inputs, labels).backward()
+    accumulate(model, batches)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
 
@@ -256,15 +276,15 @@ def main(argv=None) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model, optimizer = build(args, device)
     generator = torch.Generator().manual_seed(dist.get_rank())
-    shape = (args.micro_batch_size, args.seq_length + 1)
+    shape = (args.global_batch_size, args.seq_length + 1)
     tokens = torch.randint(0, args.vocab_size, shape, generator=generator).to(device)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens.split(args.micro_batch_size)]
     times_ms = []
     for index in range(args.warmup_steps + args.steps):
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        step(model, optimizer, inputs, labels)
+        step(model, optimizer, batches)
         if cuda:
             torch.cuda.synchronize()
         if index >= args.warmup_steps:
@@ -277,7 +297,8 @@ def main(argv=None) -> None:
         "compile": args.compile,
         "world_size": dist.get_world_size(),
         "step_ms": round(step_ms, 3),
-        "tokens_per_s_per_gpu": round(args.micro_batch_size * args.seq_length / step_ms * 1e3, 1),
+        "global_batch_size": args.global_batch_size,
+        "tokens_per_s_per_gpu": round(args.global_batch_size * args.seq_length / step_ms * 1e3, 1),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
     }
     if dist.get_rank() == 0:

@@ -1,5 +1,6 @@
-"""benchmarks/moe_peer.py's torchao row: each expert's rows padded to 16 (torch's FP8 2d x 2d
-weight-gradient GEMM asserts on groups that are not 16 bytes), with the same layer output."""
+"""benchmarks/moe_peer.py: the torchao row's expert rows padded to 16 (torch's FP8 2d x 2d
+weight-gradient GEMM asserts on groups that are not 16 bytes) with the same layer output, and
+gradient accumulation over micro-batches (--global-batch-size) equal to one batch."""
 
 from __future__ import annotations
 
@@ -50,3 +51,25 @@ def test_moe_layer_output_and_gradients_do_not_depend_on_the_alignment():
         results.append((out, layer.experts.fc1.grad.clone(), layer.experts.fc2.grad.clone()))
     for plain, aligned in zip(*results):
         torch.testing.assert_close(aligned, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_accumulated_micro_batches_give_the_gradients_of_one_batch():
+    """--global-batch-size 4 --micro-batch-size 2: two backward passes of half the mean loss
+    each equal one backward of the batch of 4 (tokens are routed one by one, so a batch's
+    split does not change any token's experts)."""
+    peer = _peer()
+    args = peer.parse_args(["--tiny", "--global-batch-size", "4", "--micro-batch-size", "2"])
+    torch.manual_seed(0)
+    model = peer.MoEGPT(args)
+    peer.init_weights(model, std=0.2)
+    tokens = torch.randint(0, args.vocab_size, (4, args.seq_length + 1))
+    grads = []
+    for batches in ([(tokens[:, :-1], tokens[:, 1:])],
+                    [(t[:, :-1], t[:, 1:]) for t in tokens.split(2)]):  # fmt: skip
+        model.zero_grad()
+        peer.accumulate(model, batches)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert len(grads[0]) == len(list(model.parameters()))
+    for whole, accumulated in zip(*grads):
+        torch.testing.assert_close(accumulated, whole, rtol=1e-5, atol=1e-7)
+    assert any(g.abs().sum() > 0 for g in grads[1])
