@@ -51,10 +51,10 @@ class _Fixed:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             kwargs["BLOCK_N"] = self.block_n
-            if kwargs.get("MODE") == 2:  # the autotuners' hooks, for the fixed BLOCK_N
-                tgg._descriptor_blocks({"a_ptr": args[0], "b_ptr": args[1], **kwargs})
-            if kwargs.get("TMA"):
-                tgg._ragged_m_blocks({"a_src": args[0], "b_src": args[1], **kwargs})
+            if kwargs.get("MODE") == 2 or kwargs.get("TMA"):  # the autotuners' hooks' work
+                tiles = tgg.RAGGED_K_TILES if "MODE" in kwargs else tgg.RAGGED_M_TILES
+                names = dict(zip(tiles, args[:2]))
+                tgg.set_descriptor_tiles({**names, **kwargs}, tiles)
             fn_grid = grid(kwargs) if callable(grid) else grid
             self.kernel.fn[fn_grid](*[_carrier(a) for a in args], **kwargs)
 

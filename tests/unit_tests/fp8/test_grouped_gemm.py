@@ -271,11 +271,7 @@ def test_triton_grouped_forward_equals_emulation_on_gpu(recipe, grad, fast) -> N
 def test_triton_ragged_m_reads_through_pointers_and_tma_alike_on_gpu(scales, loads, monkeypatch):
     """The ragged-M kernel at K = 208 (one whole and one part 128-block: masked pointer loads,
     or TMA's zeros past K), E5M2 A (the data gradient), per-row or blockwise scales."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if loads == "tma" and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA needs sm_90 or later")
-    monkeypatch.setattr(grouped_gemm, "_tma_runs", lambda device: loads == "tma")
+    _read_through(loads, monkeypatch)
     torch.manual_seed(0)
     a, b, kwargs, _ = _row_scaled_operands("cuda", k=208, a_dtype=E5M2)
     recipe = "tensorwise"
@@ -359,6 +355,15 @@ def _whole_tile_operands(scales: str, device: str):
     return dy_t, x_t, kwargs
 
 
+def _read_through(loads: str, monkeypatch) -> None:
+    """On a GPU, the kernels read their operands through `loads` ("pointers" or "tma")."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if loads == "tma" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm_90 or later")
+    monkeypatch.setattr(grouped_gemm, "_tma_runs", lambda device: loads == "tma")
+
+
 def test_kernels_read_through_tma_only_on_sm90_with_aligned_rows(monkeypatch) -> None:
     """TMA descriptors need sm_90 or later, a 16-byte aligned base and 16-byte aligned rows;
     elsewhere the kernels read through pointers."""
@@ -379,11 +384,7 @@ def test_triton_whole_tile_weight_gradient_equals_emulation_on_gpu(scales, loads
     """whole_tiles (what the layer's wgrad takes): unmasked loads of whole 128-token tiles
     through pointers or TMA descriptors; x^T's 200 rows are one whole and one part tile (TMA:
     rows past it read as zeros; pointers: clamped), an empty group gives 0."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if loads == "tma" and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA needs sm_90 or later")
-    monkeypatch.setattr(grouped_gemm, "_tma_runs", lambda device: loads == "tma")
+    _read_through(loads, monkeypatch)
     torch.manual_seed(0)
     dy_t, x_t, kwargs = _whole_tile_operands(scales, "cuda")
     assert grouped_gemm._tma_operands(dy_t, x_t) == (loads == "tma")

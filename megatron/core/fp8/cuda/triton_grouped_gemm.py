@@ -63,19 +63,29 @@ def _k_step(src, ptrs, row0, k0, ks, K, EVEN_K: tl.constexpr, TMA: tl.constexpr)
     return tile
 
 
-def _ragged_m_blocks(nargs) -> None:
-    """The TMA descriptors' tiles for the config the autotuner tries (TMA only)."""
-    if nargs["TMA"]:
-        nargs["a_src"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-        nargs["b_src"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+def set_descriptor_tiles(nargs, tiles: dict) -> None:
+    """Set the TMA descriptors' tiles of a launch: tiles {argument: (meta name of the tile's
+    rows, of its columns)}, read from the launch's meta (the config the autotuner tries)."""
+    for name, (rows, cols) in tiles.items():
+        nargs[name].block_shape = [nargs[rows], nargs[cols]]
 
 
-_RAGGED_M_CONFIGS = [
-    triton.Config(
-        c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_ragged_m_blocks
-    )
-    for c in _CONFIGS
-]
+def _tiled_configs(tiles: dict, reads_descriptors) -> list:
+    """_CONFIGS, each with a pre_hook that sets the descriptors' tiles of that config when the
+    launch reads through descriptors (`reads_descriptors(nargs)`)."""
+
+    def hook(nargs):
+        if reads_descriptors(nargs):
+            set_descriptor_tiles(nargs, tiles)
+
+    return [
+        triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=hook)
+        for c in _CONFIGS
+    ]
+
+
+RAGGED_M_TILES = {"a_src": ("BLOCK_M", "BLOCK_K"), "b_src": ("BLOCK_N", "BLOCK_K")}
+_RAGGED_M_CONFIGS = _tiled_configs(RAGGED_M_TILES, lambda nargs: nargs["TMA"])
 PER_TENSOR, ROW_SCALES, BLOCKWISE_SCALES = 0, 1, 2
 """The ragged-M kernel's SCALES: A a scalar, or one per row ([M], constant along K: a
 segment's scale at each of its rows), or 1x128 cells; B one per group, or 128x128 cells."""
@@ -179,19 +189,8 @@ def _token_tile(
     return tile
 
 
-def _descriptor_blocks(nargs) -> None:
-    """The TMA descriptors' tiles for the config the autotuner tries (MODE 2 only)."""
-    if nargs["MODE"] == 2:
-        nargs["a_ptr"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_M"]]
-        nargs["b_ptr"].block_shape = [nargs["BLOCK_K"], nargs["BLOCK_M"]]
-
-
-_RAGGED_K_CONFIGS = [
-    triton.Config(
-        c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_descriptor_blocks
-    )
-    for c in _CONFIGS
-]
+RAGGED_K_TILES = {"a_ptr": ("BLOCK_N", "BLOCK_M"), "b_ptr": ("BLOCK_K", "BLOCK_M")}
+_RAGGED_K_CONFIGS = _tiled_configs(RAGGED_K_TILES, lambda nargs: nargs["MODE"] == 2)
 
 
 @triton.autotune(
