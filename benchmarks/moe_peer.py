@@ -136,7 +136,7 @@ def aligned_groups(tokens, sorted_experts, counts, align: int):
     starts = counts.cumsum(0) - counts
     rank = torch.arange(rows, device=tokens.device) - starts[sorted_experts]
     dest = (padded_ends - padded)[sorted_experts] + rank
-    bound = rows + counts.shape[0] * (align - 1)
+    bound = -(-(rows + counts.shape[0] * (align - 1)) // align) * align  # aligned in all
     laid_out = tokens.new_zeros(bound, tokens.shape[1]).index_copy(0, dest, tokens)
     return laid_out, padded_ends.to(torch.int32), dest
 

@@ -118,6 +118,21 @@ def test_emulated_grouped_forward_takes_one_per_tensor_scale_per_row() -> None:
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def test_per_tensor_a_scale_is_a_scalar_or_one_per_row() -> None:
+    """A [1] scale is the scalar it holds; any other length than the rows is refused."""
+    torch.manual_seed(0)
+    a, b, kwargs, _ = _row_scaled_operands("cpu")
+    scalar = dict(kwargs, a_scale_inv=torch.tensor(0.5))
+    one = dict(kwargs, a_scale_inv=torch.tensor([0.5]))
+    want = grouped_scaled_mm(a, b, **scalar, recipe="tensorwise", out_dtype=torch.float32)
+    got = grouped_scaled_mm(a, b, **one, recipe="tensorwise", out_dtype=torch.float32)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"a scalar or one per row \(223,\), got \(5,\)"):
+        grouped_scaled_mm(
+            a, b, **dict(kwargs, a_scale_inv=torch.ones(5)), recipe="tensorwise",
+        )  # fmt: skip
+
+
 def test_emulated_grouped_weight_gradient_equals_the_dequantized_product() -> None:
     torch.manual_seed(0)
     dy_t, dy_scale, dy_values = _quantized(torch.randn(N, M), "tensorwise", "grad", E5M2)

@@ -164,7 +164,14 @@ def grouped_scaled_mm(
             f"B {tuple(b_data.shape)}"
         )
     per_tensor = recipe_spec(recipe).per_tensor
-    row_scales = per_tensor and a_scale_inv.dim() == 1
+    row_scales = per_tensor and a_scale_inv.numel() > 1
+    if per_tensor and not row_scales:
+        a_scale_inv = a_scale_inv.reshape(())  # a scalar, also when given as [1]
+    elif row_scales and tuple(a_scale_inv.shape) != (rows,):
+        raise ValueError(
+            f"per-tensor A scale_inv is a scalar or one per row ({rows},), "
+            f"got {tuple(a_scale_inv.shape)}"
+        )
     if emulate or not _kernel_runs(recipe, a_data, b_data):
         offsets = _group_offsets(_host_sizes(group_sizes))
         if row_scales:  # constant along K: the same values as 1x128 cells of each row
@@ -196,6 +203,7 @@ def grouped_scaled_mm(
         a_src, b_src, out, a_scale_inv, b_scale_inv, tile_group, tile_row, group_end,
         rows, n, k, a_data.stride(0), b_data.stride(0), b_data.stride(1), out.stride(0),
         *a_scale_strides, SCALES=scales, FAST=fast_accum, EVEN_K=k % BLOCK_K == 0, TMA=tma,
+        A_DTYPE=str(a_data.dtype),
         BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out
@@ -323,7 +331,8 @@ def grouped_scaled_mm_wgrad(
         a_src, b_src, out, a_scale_inv.contiguous(), b_scale_inv.contiguous(), starts,
         chunk_starts, group_segments, n, k, a_t_data.stride(0), b_t_data.stride(0),
         out.stride(0), out.stride(1), scale_stride, BLOCKWISE=blockwise, FAST=fast,
-        SEGMENTED=segmented, MODE=mode, BLOCK_K=BLOCK_K, BLOCK_M=BLOCK_K,
+        SEGMENTED=segmented, MODE=mode, A_DTYPE=str(a_t_data.dtype), BLOCK_K=BLOCK_K,
+        BLOCK_M=BLOCK_K,
     )  # fmt: skip
     return out
 

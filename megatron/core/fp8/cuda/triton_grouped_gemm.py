@@ -17,13 +17,15 @@
 
 Both read K-major FP8 operands (what Hopper's FP8 tensor-core instructions take) and scale the
 fp32 accumulator by the operands' scale_inv as the dense GEMM does (docs/FP8_NUMERICS.md):
-per-tensor (a scalar for A, one per group for B) or blockwise (ragged-M: A 1x128 per row and K
+per-tensor (A a scalar, or in the ragged-M kernel one per row applied to its fp32 sum:
+SCALES 0 / 1; B one per group) or blockwise (SCALES 2) (ragged-M: A 1x128 per row and K
 block, B 128x128 per group; ragged-K: 1x128 per row of A and of B and 128-token chunk): each
 K block's (chunk's) partial product is scaled before it is added, as DeepSeek-V3's blockwise
 GEMM does. FAST: one accumulator fed by the tensor cores
 (Hopper's FP8 accumulation, cuBLAS's fast accumulation); otherwise each K block's product goes
 to a separate fp32 accumulator first (the precise mode the dense gradients use). Results are
-bf16 or fp32.
+bf16 or fp32. A_DTYPE (A's dtype name) only keys the autotuning: a TMA descriptor has no dtype
+for the autotuner to tell an E4M3 forward from an E5M2 data gradient by.
 
 Speed (docs/benchmarks/grouped_gemm_fp8stats_h200_2026-12-04b.md): loads are unmasked. The
 ragged-M kernel reads whole row tiles (rows past a group are other groups' rows, clamped to the
@@ -86,12 +88,9 @@ def _tiled_configs(tiles: dict, reads_descriptors) -> list:
 
 RAGGED_M_TILES = {"a_src": ("BLOCK_M", "BLOCK_K"), "b_src": ("BLOCK_N", "BLOCK_K")}
 _RAGGED_M_CONFIGS = _tiled_configs(RAGGED_M_TILES, lambda nargs: nargs["TMA"])
-PER_TENSOR, ROW_SCALES, BLOCKWISE_SCALES = 0, 1, 2
-"""The ragged-M kernel's SCALES: A a scalar, or one per row ([M], constant along K: a
-segment's scale at each of its rows), or 1x128 cells; B one per group, or 128x128 cells."""
 
 
-@triton.autotune(configs=_RAGGED_M_CONFIGS, key=["N", "K", "SCALES", "FAST", "TMA"])
+@triton.autotune(configs=_RAGGED_M_CONFIGS, key=["N", "K", "SCALES", "FAST", "TMA", "A_DTYPE"])
 @triton.jit
 def _ragged_m_kernel(
     a_src,
@@ -115,6 +114,7 @@ def _ragged_m_kernel(
     FAST: tl.constexpr,
     EVEN_K: tl.constexpr,
     TMA: tl.constexpr,
+    A_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -189,12 +189,23 @@ def _token_tile(
     return tile
 
 
+@triton.jit
+def _tile_rows(pid, rows, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """A tile's rows of an operand [rows, M]: (the rows, the rows read, which are real, the
+    first row). The rows read are clamped to real ones with whole tiles through pointers
+    (MODE 1; the extra ones are dropped at the store)."""
+    tile_rows = pid * BLOCK + tl.arange(0, BLOCK)
+    read = tl.minimum(tile_rows, rows - 1) if MODE == 1 else tile_rows
+    return tile_rows, read, tile_rows < rows, pid * BLOCK
+
+
 RAGGED_K_TILES = {"a_ptr": ("BLOCK_N", "BLOCK_M"), "b_ptr": ("BLOCK_K", "BLOCK_M")}
 _RAGGED_K_CONFIGS = _tiled_configs(RAGGED_K_TILES, lambda nargs: nargs["MODE"] == 2)
 
 
 @triton.autotune(
-    configs=_RAGGED_K_CONFIGS, key=["N", "K", "BLOCKWISE", "FAST", "SEGMENTED", "MODE"]
+    configs=_RAGGED_K_CONFIGS,
+    key=["N", "K", "BLOCKWISE", "FAST", "SEGMENTED", "MODE", "A_DTYPE"],
 )
 @triton.jit
 def _ragged_k_kernel(
@@ -217,6 +228,7 @@ def _ragged_k_kernel(
     FAST: tl.constexpr,
     SEGMENTED: tl.constexpr,
     MODE: tl.constexpr,
+    A_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -227,15 +239,9 @@ def _ragged_k_kernel(
     pid_n = tl.program_id(0) % n_tiles
     pid_k = tl.program_id(0) // n_tiles
     group = tl.program_id(1)
-    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    ns, a_rows, n_ok, a_row0 = _tile_rows(pid_n, N, MODE, BLOCK_N)
+    kk, b_rows, k_ok, b_row0 = _tile_rows(pid_k, K, MODE, BLOCK_K)
     ms = tl.arange(0, BLOCK_M)
-    n_ok = ns < N
-    k_ok = kk < K
-    # The rows read (whole tiles: clamped to real rows, the extra ones dropped at the store).
-    a_rows = tl.minimum(ns, N - 1) if MODE == 1 else ns
-    b_rows = tl.minimum(kk, K - 1) if MODE == 1 else kk
-    a_row0, b_row0 = pid_n * BLOCK_N, pid_k * BLOCK_K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if SEGMENTED:
         # Per tensor, a group of several segments (group_start_ptr: the segments' starts),

@@ -17,8 +17,9 @@ tensorwise, everything else without). Here every operand is quantized in ONE pas
 - CUDA, tensorwise E4M3 x E4M3 with bf16 output: `torch._scaled_grouped_mm` (2d x 3d, ragged
   rows; the row scale is the segment's scale_inv, the expert's broadcast over its columns);
 - CUDA otherwise: the Triton kernels of `fp8/cuda/grouped_gemm.py`. Forward and data gradient:
-  the ragged-M kernel (blockwise: its 1x128 / 128x128 scales as they are; tensorwise: the
-  per-segment scales given as block scales, constant along K). Weight gradient: the ragged-K
+  the ragged-M kernel (blockwise: its 1x128 / 128x128 scales as they are; tensorwise: each
+  row's segment scale and each expert's, applied once to the fp32 sum, fast accumulation in
+  the forward as torch's). Weight gradient: the ragged-K
   kernel, blockwise with groups = experts (per (row, 128-token chunk) scales, chunks counted
   from each segment's start, on the padded transposed copies: dW written by the kernel in the
   weight's dtype), tensorwise with groups = experts, each expert's segments (at EP > 1
@@ -177,7 +178,7 @@ def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_
     # The Triton ragged-M kernel: each row's segment scale and each expert's, applied once
     # to the fp32 sum (constant along K).
     scales = dict(a_scale_inv=row_scale.contiguous(), b_scale_inv=b_scale_inv.contiguous())
-    return grouped_scaled_mm(a, b, **scales, recipe=recipe, **options)
+    return grouped_scaled_mm(a, b, **scales, recipe=recipe, fast_accum=fast, **options)
 
 
 @torch.library.custom_op("megatron_fp8::grouped_fp8_mm", mutates_args=())

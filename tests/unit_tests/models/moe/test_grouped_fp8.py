@@ -127,13 +127,15 @@ def test_segment_amax_per_tile_equals_the_per_row_scatter():
     ids = grouped_operands.segment_ids(sizes, rows)
     row_amax = torch.rand(rows) * 10
     row_amax[263] = 50.0  # the largest of segment 3: its last row, alone in its second tile
+    row_amax[0] = 99.0  # padding that read row 0 would carry it into other segments
     plain = grouped_operands.segment_amax(row_amax, ids, 6)
     length = grouped_operands.padded_rows(sizes, rows, 128)  # the bound, past the real tiles
     position = grouped_operands.padded_positions(ids, sizes, 128)
     source = grouped_operands.padded_sources(position, length)
     tiled = grouped_operands.segment_amax(row_amax, ids, 6, (source, 128))
     assert torch.equal(tiled, plain)
-    assert tiled[1] == 0 and tiled[5] == 0 and tiled[3] == 50.0
+    assert tiled[1] == 0 and tiled[5] == 0 and tiled[3] == 50.0 and tiled[0] == 99.0
+    assert tiled[1:].max() < 99.0
     want = [row_amax[a:b].max().item() if b > a else 0.0 for a, b in ((0, 7), (7, 7),
             (7, 135), (135, 264), (264, 265), (265, 265))]  # fmt: skip
     assert tiled.tolist() == want
