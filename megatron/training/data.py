@@ -66,6 +66,16 @@ def get_micro_batch(
     start = first_sample + rank * micro_batch_size
     items = [dataset[index] for index in range(start, start + micro_batch_size)]
     return {
-        key: torch.stack([torch.as_tensor(item[key]) for item in items]).to(device)
+        key: _to_device(torch.stack([torch.as_tensor(item[key]) for item in items]), device)
         for key in ("tokens", "labels", "loss_mask", "position_ids")
     }
+
+
+def _to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU batch on `device`. To a GPU through pinned memory, without waiting: a copy from
+    pageable memory first waits for all the GPU work queued before it (the previous step's
+    optimizer), so the next step could not be queued while that runs. torch's pinned-memory
+    cache keeps the pinned block until the copy has read it."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
