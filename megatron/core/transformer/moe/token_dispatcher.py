@@ -27,12 +27,61 @@ def permute(
     per_token: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [N, H] sorted by expert then token, their probs [N], their token indices [N],
-    tokens per expert [E]) for routing_map [T, E]; N = routing_map.sum()."""
+    tokens per expert [E]) for routing_map [T, E]; N = routing_map.sum(). With `per_token`
+    (every token chose that many experts) the tokens' gradient is each token's rows' sum
+    gathered token by token (`_Replicate`), not scattered back with atomic adds."""
     expert_major_map = routing_map.t()
     positions = _expert_major_positions(routing_map, per_token)
     token_indices = positions % routing_map.shape[0]
     permuted_probs = probs.t().reshape(-1)[positions]
-    return hidden[token_indices], permuted_probs, token_indices, expert_major_map.sum(dim=1)
+    counts = expert_major_map.sum(dim=1)
+    if per_token is None:
+        return hidden[token_indices], permuted_probs, token_indices, counts
+    rows = _Replicate.apply(hidden, token_indices, token_major(token_indices, per_token))
+    return rows, permuted_probs, token_indices, counts
+
+
+def token_major(token_indices: torch.Tensor, per_token: int) -> torch.Tensor:
+    """[T, per_token]: the rows of each token among rows whose tokens are `token_indices`
+    (every token exactly per_token times), in row order."""
+    return token_indices.argsort(stable=True).view(-1, per_token)
+
+
+def _sum_per_token(rows: torch.Tensor, by_token: torch.Tensor) -> torch.Tensor:
+    """[T, H]: each token's rows (`token_major`) summed in fp32 (or rows' wider dtype),
+    rounded once to rows' dtype."""
+    picked = rows[by_token.flatten()].view(*by_token.shape, rows.shape[-1])
+    return picked.sum(dim=1, dtype=torch.promote_types(rows.dtype, torch.float32)).to(rows.dtype)
+
+
+class _Replicate(torch.autograd.Function):
+    """rows[j] = hidden[token_indices[j]], every token per_token times; backward sums each
+    token's row grads by gathering them (no atomic scatter into [T, H])."""
+
+    @staticmethod
+    def forward(ctx, hidden, token_indices, by_token):
+        ctx.save_for_backward(by_token)
+        return hidden[token_indices]
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (by_token,) = ctx.saved_tensors
+        return _sum_per_token(grad_rows, by_token), None, None
+
+
+class _SumPerToken(torch.autograd.Function):
+    """The combine of rows whose tokens are `token_indices` (every token per_token times):
+    [T, H] sums gathered token by token; backward gathers each row's token's grad."""
+
+    @staticmethod
+    def forward(ctx, rows, token_indices, by_token):
+        ctx.save_for_backward(token_indices)
+        return _sum_per_token(rows, by_token)
+
+    @staticmethod
+    def backward(ctx, grad_tokens):
+        (token_indices,) = ctx.saved_tensors
+        return grad_tokens[token_indices], None, None
 
 
 def _expert_major_positions(routing_map: torch.Tensor, per_token: int | None) -> torch.Tensor:
@@ -54,9 +103,14 @@ def unpermute(
     token_indices: torch.Tensor,
     *,
     num_tokens: int,
+    per_token: int | None = None,
 ) -> torch.Tensor:
-    """[T, H]: each token's sum over its experts of prob * expert output."""
+    """[T, H]: each token's sum over its experts of prob * expert output. per_token (every
+    token chose that many experts, its rows all here): summed token by token in fp32 and
+    rounded once (`_SumPerToken`); otherwise added into [T, H] row by row (index_add)."""
     weighted = expert_output * permuted_probs.to(expert_output.dtype).unsqueeze(-1)
+    if per_token is not None:
+        return _SumPerToken.apply(weighted, token_indices, token_major(token_indices, per_token))
     combined = expert_output.new_zeros(num_tokens, expert_output.shape[-1])
     return combined.index_add(0, token_indices, weighted)
 
@@ -112,7 +166,10 @@ def alltoall_dispatch_combine(
         else:
             by_source = routing_map.reshape(sources, -1, routing_map.shape[-1]).sum(dim=1)
             expert_output = experts(permuted, counts.tolist(), by_source.t().tolist())
-        return unpermute(expert_output, permuted_probs, token_indices, num_tokens=num_tokens)
+        return unpermute(
+            expert_output, permuted_probs, token_indices, num_tokens=num_tokens,
+            per_token=per_token,
+        )  # fmt: skip
     counts_by_rank = counts.view(ep_size, -1)
     received_counts = torch.empty_like(counts_by_rank)
     dist.all_to_all_single(received_counts, counts_by_rank, group=group)
@@ -135,7 +192,9 @@ def alltoall_dispatch_combine(
     ]
     by_rank = _reorder_chunks(expert_output, expert_major_sizes, to_rank_major)
     returned = _AllToAll.apply(by_rank, input_splits, output_splits, group)
-    return unpermute(returned, permuted_probs, token_indices, num_tokens=num_tokens)
+    return unpermute(
+        returned, permuted_probs, token_indices, num_tokens=num_tokens, per_token=per_token
+    )
 
 
 class _GatherFromGroup(torch.autograd.Function):

@@ -63,6 +63,32 @@ def test_dropless_permute_at_a_static_count_equals_the_nonzero_one(score: str):
         assert torch.equal(ours, theirs)
 
 
+def test_per_token_combine_and_gather_gradient_sum_each_tokens_rows_once():
+    """Dropless top-k: the combine and the tokens' gradient gather each token's k rows and sum
+    them in fp32, rounded once (no atomic adds into [T, H]); values and gradients equal the
+    index_add path's in fp64 and a bf16 combine equals the fp32 sum rounded once."""
+    generator = torch.Generator().manual_seed(3)
+    probs, routing_map = routing.topk_routing(torch.randn(40, 8, generator=generator), topk=3)
+    hidden = torch.randn(40, 16, generator=generator, dtype=torch.float64)
+    results = []
+    for per_token in (None, 3):
+        leaf = hidden.clone().requires_grad_()
+        rows, row_probs, token_indices, _ = permute(leaf, probs.double(), routing_map,
+                                                    per_token=per_token)  # fmt: skip
+        expert_out = rows * torch.linspace(0.5, 2.0, rows.shape[0], dtype=torch.float64)[:, None]
+        out = unpermute(expert_out, row_probs, token_indices, num_tokens=40, per_token=per_token)
+        (out * torch.arange(16.0, dtype=torch.float64)).sum().backward()
+        results.append((out.detach(), leaf.grad))
+    for plain, per_token in zip(*results):
+        torch.testing.assert_close(per_token, plain, rtol=1e-12, atol=1e-12)
+    assert results[1][1].abs().sum() > 0
+    rows = torch.randn(120, 16, generator=generator).bfloat16()
+    _, _, token_indices, _ = permute(hidden.float(), probs, routing_map, per_token=3)
+    got = unpermute(rows, torch.ones(120), token_indices, num_tokens=40, per_token=3)
+    want = torch.zeros(40, 16).index_add(0, token_indices, rows.float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 def test_experts_take_device_counts_in_one_graph(monkeypatch):
     """The routed experts read tokens-per-expert as a tensor where torch._grouped_mm runs both
     GEMMs (CUDA bf16): no host sync, so torch.compile traces them in one graph (fullgraph).
