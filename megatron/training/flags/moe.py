@@ -41,9 +41,10 @@ MOE_CONFIG_FIELDS = {
 }
 
 PERMUTE_FUSION_NOTE = (
-    "--moe-permute-fusion: accepted; the token permutation here is one index gather and one "
-    "index_add (megatron/core/transformer/moe/token_dispatcher.py), the same values as "
-    "Megatron-LM's fused permute kernel, so there is nothing further to fuse."
+    "--moe-permute-fusion: accepted; the token permutation here is one index gather and the "
+    "combine one gather-and-sum per token under dropless top-k, an index_add otherwise "
+    "(megatron/core/transformer/moe/token_dispatcher.py; compiled by default on CUDA), the "
+    "values of Megatron-LM's fused permute kernels, so there is nothing further to fuse."
 )
 GROUPED_GEMM_NOTE = (
     "--moe-grouped-gemm: the routed experts always run as one grouped GEMM over a stacked "
