@@ -89,6 +89,32 @@ def test_per_token_combine_and_gather_gradient_sum_each_tokens_rows_once():
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
+def test_dropless_dispatch_and_combine_compile_into_one_graph():
+    """The per-token gather-and-sum combine and its gradient trace with fullgraph=True (no host
+    sync, no data-dependent shape), forward and backward equal to eager."""
+    from megatron.core.transformer.moe.token_dispatcher import alltoall_dispatch_combine
+
+    generator = torch.Generator().manual_seed(5)
+    probs, routing_map = routing.topk_routing(torch.randn(24, 4, generator=generator), topk=2)
+    hidden = torch.randn(24, 6, generator=generator)
+
+    def layer(x):
+        experts = lambda tokens, counts, segments: tokens * 1.5 + tokens.square()  # noqa: E731
+        out = alltoall_dispatch_combine(
+            x, probs, routing_map, experts=experts, group=None, per_token=2
+        )
+        return (out * torch.arange(6.0)).sum()
+
+    grads = []
+    for fn in (layer, torch.compile(layer, fullgraph=True, backend="aot_eager")):
+        x = hidden.clone().requires_grad_()
+        loss = fn(x)
+        loss.backward()
+        grads.append((loss.detach(), x.grad))
+    torch.testing.assert_close(grads[1][0], grads[0][0])
+    torch.testing.assert_close(grads[1][1], grads[0][1])
+
+
 def test_experts_take_device_counts_in_one_graph(monkeypatch):
     """The routed experts read tokens-per-expert as a tensor where torch._grouped_mm runs both
     GEMMs (CUDA bf16): no host sync, so torch.compile traces them in one graph (fullgraph).
