@@ -178,11 +178,17 @@ def _whole_tile_wgrad_rows(a: torch.Tensor, b: torch.Tensor, kwargs: dict) -> li
     device_sizes = torch.tensor(padded, device=a.device)  # as the layer passes them
     timed = dict(whole, group_sizes=device_sizes, offsets=group_offsets(device_sizes))
     rows = []
-    for loads in ("pointers", "tma"):  # the product takes TMA where the GPU has it
+    # fp32 out, pointers and TMA; and bf16 out (the weight's dtype: what training writes)
+    for loads, out in (
+        ("pointers", torch.float32),
+        ("tma", torch.float32),
+        ("tma", torch.bfloat16),
+    ):
         with mock.patch.object(grouped_gemm, "_tma_runs", lambda device, on=loads == "tma": on):
-            ms = timed_ms(lambda: grouped_scaled_mm_wgrad(*operands, **timed))
-            error = _rel_error(grouped_scaled_mm_wgrad(*operands, **whole), want)
-        impl = f"ours fp8 tensorwise precise, whole 128-token tiles (groups padded), {loads}"
+            ms = timed_ms(lambda o=out: grouped_scaled_mm_wgrad(*operands, **timed, out_dtype=o))
+            got = grouped_scaled_mm_wgrad(*operands, **whole, out_dtype=out)
+            error = _rel_error(got.float(), want)
+        impl = f"ours fp8 tensorwise precise, whole 128-token tiles, {loads}, {str(out)[6:]} out"
         rows.append(dict(gemm="wgrad", impl=impl, ms=ms, rel_error=error))
     return rows
 
