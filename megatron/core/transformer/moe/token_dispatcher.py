@@ -30,15 +30,26 @@ def permute(
     tokens per expert [E]) for routing_map [T, E]; N = routing_map.sum(). With `per_token`
     (every token chose that many experts) the tokens' gradient is each token's rows' sum
     gathered token by token (`_Replicate`), not scattered back with atomic adds."""
-    expert_major_map = routing_map.t()
+    permuted_probs, token_indices, counts, by_token = _permutation(probs, routing_map, per_token)
+    return _gather_tokens(hidden, token_indices, by_token), permuted_probs, token_indices, counts
+
+
+def _permutation(probs, routing_map, per_token):
+    """`permute`'s probs, token indices and counts, and with per_token each token's rows
+    (`token_major`, built once for the gather's gradient and the combine), else None."""
     positions = _expert_major_positions(routing_map, per_token)
     token_indices = positions % routing_map.shape[0]
     permuted_probs = probs.t().reshape(-1)[positions]
-    counts = expert_major_map.sum(dim=1)
-    if per_token is None:
-        return hidden[token_indices], permuted_probs, token_indices, counts
-    rows = _Replicate.apply(hidden, token_indices, token_major(token_indices, per_token))
-    return rows, permuted_probs, token_indices, counts
+    counts = routing_map.t().sum(dim=1)
+    by_token = None if per_token is None else token_major(token_indices, per_token)
+    return permuted_probs, token_indices, counts, by_token
+
+
+def _gather_tokens(hidden, token_indices, by_token):
+    """hidden[token_indices]; with by_token its gradient gathered token by token."""
+    if by_token is None:
+        return hidden[token_indices]
+    return _Replicate.apply(hidden, token_indices, by_token)
 
 
 def token_major(token_indices: torch.Tensor, per_token: int) -> torch.Tensor:
@@ -108,9 +119,15 @@ def unpermute(
     """[T, H]: each token's sum over its experts of prob * expert output. per_token (every
     token chose that many experts, its rows all here): summed token by token in fp32 and
     rounded once (`_SumPerToken`); otherwise added into [T, H] row by row (index_add)."""
+    by_token = None if per_token is None else token_major(token_indices, per_token)
+    return _combine(expert_output, permuted_probs, token_indices, by_token, num_tokens)
+
+
+def _combine(expert_output, permuted_probs, token_indices, by_token, num_tokens):
+    """`unpermute` with each token's rows (`token_major`) given, or None (index_add)."""
     weighted = expert_output * permuted_probs.to(expert_output.dtype).unsqueeze(-1)
-    if per_token is not None:
-        return _SumPerToken.apply(weighted, token_indices, token_major(token_indices, per_token))
+    if by_token is not None:
+        return _SumPerToken.apply(weighted, token_indices, by_token)
     combined = expert_output.new_zeros(num_tokens, expert_output.shape[-1])
     return combined.index_add(0, token_indices, weighted)
 
@@ -156,9 +173,9 @@ def alltoall_dispatch_combine(
     sources (no group only): the tokens are that many equal source-rank blocks (the
     allgather dispatcher's), which are the experts' segments. per_token: `permute`'s."""
     num_tokens = hidden.shape[0]
-    permuted, permuted_probs, token_indices, counts = permute(
-        hidden, probs, routing_map, per_token=per_token
-    )
+    permuted_probs, token_indices, counts, by_token = _permutation(probs, routing_map, per_token)
+    permuted = _gather_tokens(hidden, token_indices, by_token)
+    combine = (permuted_probs, token_indices, by_token, num_tokens)
     ep_size = 1 if group is None else dist.get_world_size(group)
     if ep_size == 1:
         if sources == 1:  # one segment per expert: the counts may stay on the device
@@ -166,10 +183,7 @@ def alltoall_dispatch_combine(
         else:
             by_source = routing_map.reshape(sources, -1, routing_map.shape[-1]).sum(dim=1)
             expert_output = experts(permuted, counts.tolist(), by_source.t().tolist())
-        return unpermute(
-            expert_output, permuted_probs, token_indices, num_tokens=num_tokens,
-            per_token=per_token,
-        )  # fmt: skip
+        return _combine(expert_output, *combine)
     counts_by_rank = counts.view(ep_size, -1)
     received_counts = torch.empty_like(counts_by_rank)
     dist.all_to_all_single(received_counts, counts_by_rank, group=group)
@@ -192,9 +206,7 @@ def alltoall_dispatch_combine(
     ]
     by_rank = _reorder_chunks(expert_output, expert_major_sizes, to_rank_major)
     returned = _AllToAll.apply(by_rank, input_splits, output_splits, group)
-    return unpermute(
-        returned, permuted_probs, token_indices, num_tokens=num_tokens, per_token=per_token
-    )
+    return _combine(returned, *combine)
 
 
 class _GatherFromGroup(torch.autograd.Function):
