@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call of MoE speed questions (issue 38), results under $OUT (at most 8 files back):
-#   1. torch.profiler trace of model M-small (PROFILE_SMALL=0: model M), FP8 tensorwise, steps 5-6:
-#      $OUT/gpu_tensorwise.txt (GPU time by kernel), $OUT/cpu_tensorwise.txt (host time by op);
+#   1. torch.profiler trace of model M-small (PROFILE_SMALL=0: model M), steps 5-6, of each row
+#      of PROFILE_ROWS (default tensorwise; GBS=16 profiles 8 micro-batches a step):
+#      $OUT/gpu_<row>.txt (GPU time by kernel), $OUT/cpu_<row>.txt (host time by op);
 #   2. benchmarks/bench_grouped_gemm.py at model M's expert shape (hidden 2048, ffn 768):
 #      $OUT/gg_model_m.jsonl;
 #   3. the grouped CUDA tests (-m gpu: test_grouped_gemm.py, test_grouped_fp8.py, then
@@ -26,19 +27,21 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for step in ${STEPS:-1 2 3 4 5 6}; do
   case $step in
     1)
-      # Model M-small's tensorwise row (benchmarks/moe_model_m.sh SMALL=1), printed, not run.
-      flags=$(OUT=/tmp/lease_rows SMALL=${PROFILE_SMALL:-1} ITERS=7 PRINT_ONLY=1 ROWS=tensorwise bash benchmarks/moe_model_m.sh)
       # Megatron-LM's trace folder: torch_profile/ beside --tensorboard-dir (needs tensorboard).
       python3 -c "import torch.utils.tensorboard" || { echo "no tensorboard: no profile"; continue; }
-      rm -rf /tmp/lease_prof
-      timeout "${PROFILE_TIMEOUT:-130}" torchrun --nproc-per-node 1 pretrain_gpt.py $flags \
-        --tensorboard-dir /tmp/lease_prof/tb --profile --use-pytorch-profiler \
-        --profile-step-start 5 --profile-step-end 7 > /tmp/lease_prof.log 2>&1
-      echo "profile rc $?"; grep "elapsed time per" /tmp/lease_prof.log | tail -3 | cut -c1-160
-      trace=$(ls /tmp/lease_prof/torch_profile/*.json.gz | head -1)
-      python3 dev/trace_summary.py "$trace" --top 50 > "$OUT/gpu_tensorwise.txt"
-      python3 dev/trace_summary.py "$trace" --top 70 --cpu > "$OUT/cpu_tensorwise.txt"
-      head -12 "$OUT/gpu_tensorwise.txt"; head -3 "$OUT/cpu_tensorwise.txt" ;;
+      for row in ${PROFILE_ROWS:-tensorwise}; do
+        # The row's flags (benchmarks/moe_model_m.sh SMALL=1 unless PROFILE_SMALL=0), printed.
+        flags=$(OUT=/tmp/lease_rows SMALL=${PROFILE_SMALL:-1} ITERS=7 PRINT_ONLY=1 ROWS=$row bash benchmarks/moe_model_m.sh)
+        rm -rf /tmp/lease_prof
+        timeout "${PROFILE_TIMEOUT:-130}" torchrun --nproc-per-node 1 pretrain_gpt.py $flags \
+          --tensorboard-dir /tmp/lease_prof/tb --profile --use-pytorch-profiler \
+          --profile-step-start 5 --profile-step-end 7 > /tmp/lease_prof.log 2>&1
+        echo "profile $row rc $?"; grep "elapsed time per" /tmp/lease_prof.log | tail -3 | cut -c1-160
+        trace=$(ls /tmp/lease_prof/torch_profile/*.json.gz | head -1)
+        python3 dev/trace_summary.py "$trace" --top 60 > "$OUT/gpu_$row.txt"
+        python3 dev/trace_summary.py "$trace" --top 70 --cpu > "$OUT/cpu_$row.txt"
+        head -12 "$OUT/gpu_$row.txt"; head -3 "$OUT/cpu_$row.txt"
+      done ;;
     2)
       timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_grouped_gemm.py --ffn 768 \
         --out "$OUT/gg_model_m.jsonl" 2>&1 | tail -25 ;;
