@@ -8,7 +8,7 @@
 #   3. the grouped CUDA tests (-m gpu: test_grouped_gemm.py, test_grouped_fp8.py, then
 #      test_grouped_fp8_blockwise_params.py);
 #   4. dev/bench_transpose_bytes.py (byte transposes against torch and a copy): $OUT/transpose.jsonl;
-#   5. dev/host_sampler.py --sync-debug on model M-small (ROWS: tensorwise bf16):
+#   5. dev/host_sampler.py --sync-debug on model M-small (HOST_SMALL=0: model M; ROWS: tensorwise bf16):
 #      $OUT/host_<row>.txt;
 #   6. model M-small's rows (benchmarks/moe_model_m.sh SMALL=1, ROWS: bf16 tensorwise
 #      blockwise): $OUT/model_m.jsonl;
@@ -56,7 +56,7 @@ for step in ${STEPS:-1 2 3 4 5 6}; do
         --out "$OUT/transpose.jsonl" 2>&1 | tail -40 ;;
     5)
       for row in ${ROWS:-tensorwise bf16}; do
-        flags=$(OUT=/tmp/lease_rows SMALL=1 PRINT_ONLY=1 ROWS=$row bash benchmarks/moe_model_m.sh)
+        flags=$(OUT=/tmp/lease_rows SMALL=${HOST_SMALL:-1} PRINT_ONLY=1 ROWS=$row bash benchmarks/moe_model_m.sh)
         timeout "${PROFILE_TIMEOUT:-130}" python3 dev/host_sampler.py --skip-iters 10 --top 45 --sync-debug \
           -- pretrain_gpt.py $flags > "$OUT/host_$row.txt" 2>&1
         echo "sampler $row rc $?"; grep "elapsed time per" "$OUT/host_$row.txt" | tail -2 | cut -c1-150

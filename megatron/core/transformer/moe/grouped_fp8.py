@@ -199,8 +199,15 @@ def grouped_fp8_mm(
     per tensor [S] (one per segment), blockwise [M, ceil(K/128)]; of B: [E], or [E,
     ceil(N/128), ceil(K/128)]. r: `routing` of the segments, or [] (built when needed)."""
     args = (a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype)
+    return _grouped_mm(*args, fast_accum, r)
+
+
+def _grouped_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, *rest):
+    """`grouped_fp8_mm`'s body (also run inside `grouped_fp8_weight_mm`, without a second
+    custom-op dispatch). rest: (fast_accum, r)."""
+    args = (a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype)
     if a.is_cuda and a.shape[0] > 0:
-        return _cuda_mm(*args, fast_accum, r).contiguous()
+        return _cuda_mm(*args, *rest).contiguous()
     return _emulated_mm(*args)
 
 
@@ -343,7 +350,7 @@ def grouped_fp8_weight_mm(
         )
     b = _stacked_operand(owner.weight, usage)
     args = (seg_sizes, seg_expert, recipe, out_dtype, fast_accum, r)
-    return grouped_fp8_mm(a, a_scale_inv, *b, *args)
+    return _grouped_mm(a, a_scale_inv, *b, *args)
 
 
 @grouped_fp8_weight_mm.register_fake

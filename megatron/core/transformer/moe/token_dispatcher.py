@@ -37,12 +37,38 @@ def permute(
 def _permutation(probs, routing_map, per_token):
     """`permute`'s probs, token indices and counts, and with per_token each token's rows
     (`token_major`, built once for the gather's gradient and the combine), else None."""
-    positions = _expert_major_positions(routing_map, per_token)
+    counts = routing_map.t().sum(dim=1)
+    if per_token is not None:
+        permuted_probs, token_indices, by_token = _dropless_permutation(
+            probs, routing_map, counts, per_token
+        )
+        return permuted_probs, token_indices, counts, by_token
+    positions = routing_map.t().reshape(-1).nonzero().squeeze(1)  # e * T + t, ascending
     token_indices = positions % routing_map.shape[0]
     permuted_probs = probs.t().reshape(-1)[positions]
-    counts = routing_map.t().sum(dim=1)
-    by_token = None if per_token is None else token_major(token_indices, per_token)
-    return permuted_probs, token_indices, counts, by_token
+    return permuted_probs, token_indices, counts, None
+
+
+def _dropless_permutation(probs, routing_map, counts, per_token):
+    """Dropless top-k (every token chose exactly per_token experts): (probs, token indices,
+    each token's rows [T, per_token]) of the rows sorted by expert then token, with no sort
+    and no data-dependent shape (a compiled graph holds them). Token t's row for its expert e
+    is e's first row plus the tokens before t that chose e; a token's experts are taken in
+    ascending order, so its rows ascend (the order `token_major` gives)."""
+    tokens, experts = routing_map.shape
+    # The chosen experts in ascending order: topk of (E - e) where chosen, 0 elsewhere.
+    descending = torch.arange(experts, 0, -1, device=routing_map.device, dtype=torch.int32)
+    chosen = (routing_map.to(torch.int32) * descending).topk(per_token, dim=1).indices
+    taken = routing_map.to(torch.int64)
+    before = taken.cumsum(dim=0) - taken  # [T, E]: tokens before t that chose e
+    row_of = (counts.cumsum(0) - counts).unsqueeze(0) + before
+    by_token = row_of.gather(1, chosen)  # [T, per_token], ascending per token
+    rows = by_token.flatten()
+    token = torch.arange(tokens, device=routing_map.device).repeat_interleave(per_token)
+    token_indices = torch.empty_like(rows).scatter_(0, rows, token)
+    row_probs = probs.gather(1, chosen).flatten()
+    permuted_probs = torch.empty_like(row_probs).scatter_(0, rows, row_probs)
+    return permuted_probs, token_indices, by_token
 
 
 def _gather_tokens(hidden, token_indices, by_token):
@@ -93,19 +119,6 @@ class _SumPerToken(torch.autograd.Function):
     def backward(ctx, grad_tokens):
         (token_indices,) = ctx.saved_tensors
         return grad_tokens[token_indices], None, None
-
-
-def _expert_major_positions(routing_map: torch.Tensor, per_token: int | None) -> torch.Tensor:
-    """The flat positions e * T + t of routing_map's (token t, expert e) choices, ascending.
-    `per_token`: every token chose exactly that many experts (dropless top-k), so there are
-    T * per_token of them, found without a data-dependent shape (a compiled graph holds them);
-    None: any count (capacity dropping, an EP rank's slice of the choices)."""
-    tokens = routing_map.shape[0]
-    if per_token is None:
-        return routing_map.t().reshape(-1).nonzero().squeeze(1)
-    experts = routing_map.to(torch.int8).topk(per_token, dim=1).indices  # in any order
-    token = torch.arange(tokens, device=routing_map.device).unsqueeze(1)
-    return (experts * tokens + token).flatten().sort().values
 
 
 def unpermute(

@@ -63,6 +63,27 @@ def test_dropless_permute_at_a_static_count_equals_the_nonzero_one(score: str):
         assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("tokens,experts,topk", [(64, 8, 3), (37, 16, 1), (50, 64, 8)])
+def test_dropless_permutation_counts_rows_without_sorting(tokens, experts, topk):
+    """The sort-free dropless permutation (each token's row: its expert's first row plus the
+    tokens before it that chose that expert) gives the rows of the ascending (expert, token)
+    sort: token indices, probs and counts of `nonzero`, and each token's rows in row order,
+    as a stable argsort of the token indices gives them."""
+    from megatron.core.transformer.moe.token_dispatcher import _permutation, token_major
+
+    generator = torch.Generator().manual_seed(tokens + experts)
+    logits = torch.randn(tokens, experts, generator=generator)
+    logits[::5] = 0.5  # rows of ties
+    probs, routing_map = routing.topk_routing(logits, topk=topk)
+    positions = routing_map.t().reshape(-1).nonzero().squeeze(1)
+    dropless = _permutation(probs, routing_map, topk)
+    assert torch.equal(dropless[1], positions % tokens)
+    assert torch.equal(dropless[0], probs.t().reshape(-1)[positions])
+    assert dropless[2].tolist() == routing_map.sum(dim=0).tolist()
+    assert torch.equal(dropless[3], token_major(positions % tokens, topk))
+    assert dropless[1].dtype == torch.int64 and dropless[3].shape == (tokens, topk)
+
+
 def test_per_token_combine_and_gather_gradient_sum_each_tokens_rows_once():
     """Dropless top-k: the combine and the tokens' gradient gather each token's k rows and sum
     them in fp32, rounded once (no atomic adds into [T, H]); values and gradients equal the
