@@ -1,4 +1,4 @@
-"""Token dispatch: sort tokens by expert, carry them to the expert-parallel rank that holds
+"""Token dispatch: group tokens by expert, carry them to the expert-parallel rank that holds
 their expert, run the experts, bring the outputs back and combine them with the routing probs.
 
 Rank r of an expert-parallel group of size P holds global experts [r L, (r + 1) L), L = E / P.
