@@ -15,8 +15,10 @@
 #   7. model M's rows with the peers (ROWS_M, default fsdp2 torchao_rowwise bf16 tensorwise
 #      blockwise; torchao from the wheel in .whl/, carried): $OUT/model_m.jsonl;
 #   8. what is alive at model M's peak (MEM_ROWS, default bf16 tensorwise: 5 steps with
-#      --record-memory-history, dev/peak_memory_breakdown.py): $OUT/peak_<row>.txt.
-# Each part has its own time limit; STEPS="1 2 3" picks parts. Run from the repository root:
+#      --record-memory-history, dev/peak_memory_breakdown.py): $OUT/peak_<row>.txt;
+#   9. host against GPU time of one layer's experts and of each FP8 piece at model M's shape
+#      (dev/bench_grouped_host.py): $OUT/host_cost.jsonl.
+# Each part has its own time limit; STEPS="1 2 3" picks parts (default 1-6). Run from the repository root:
 #   bash dev/moe_speed_lease.sh            (device: OUT is set; elsewhere OUT=/tmp/lease)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,5 +81,8 @@ for step in ${STEPS:-1 2 3 4 5 6}; do
         python3 dev/peak_memory_breakdown.py "$snapshot" --top 30 > "$OUT/peak_$row.txt"
         head -14 "$OUT/peak_$row.txt"
       done ;;
+    9)
+      timeout "${BENCH_TIMEOUT:-150}" python3 dev/bench_grouped_host.py \
+        --out "$OUT/host_cost.jsonl" 2>&1 | tail -12 ;;
   esac
 done
