@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_grouped_gemm import timed_ms  # noqa: E402
 from megatron.core.fp8 import Fp8Config  # noqa: E402
 from megatron.core.fp8.compile import prepare_for_compile  # noqa: E402
 from megatron.core.fp8.cuda.grouped_gemm import transpose_bytes  # noqa: E402
@@ -54,19 +54,6 @@ def host_us(fn, calls: int) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
-
-
-def gpu_us(fn, calls: int) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def counts(device) -> torch.Tensor:
@@ -182,7 +169,7 @@ def main() -> None:
     rows = []
     for name, fn in cases.items():
         row = {"case": name, "host_us": round(host_us(fn, args.calls), 1),
-               "gpu_us": round(gpu_us(fn, args.calls), 1)}  # fmt: skip
+               "gpu_us": round(timed_ms(fn, args.calls) * 1e3, 1)}  # fmt: skip
         rows.append(row)
         print(f"{row['host_us']:10.1f} {row['gpu_us']:10.1f}  {name}", flush=True)
     if args.out:
