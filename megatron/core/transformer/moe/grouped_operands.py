@@ -111,17 +111,21 @@ def segment_amax(
     """Each segment's largest row amax ([num_segments] fp32, 0 for an empty one). Without
     `tiles`, one scatter of every row into its segment (every row of a segment contends for
     one slot). tiles = (source, tile): the rows laid out padded (`padded_sources`: each
-    segment in whole `tile`-row tiles, -1 for padding), reduced per tile, then one scatter
-    per tile (a tile holds one segment's rows). The same values (a max has no order)."""
-    amax = torch.zeros(num_segments, dtype=torch.float32, device=row_amax.device)
+    segment in whole `tile`-row tiles, -1 for padding), reduced per tile, then each
+    segment's tiles reduced as one masked [segments, tiles] max (a tile holds one segment's
+    rows): a reduction a compiled graph fuses, where a scatter-amax runs as a separate eager
+    op. The same values (a max has no order)."""
     if tiles is None or row_amax.numel() == 0:
+        amax = torch.zeros(num_segments, dtype=torch.float32, device=row_amax.device)
         return amax.scatter_reduce(0, seg_ids, row_amax.float(), "amax", include_self=True)
     source, tile = tiles
     rows = source.long().clamp(min=0)
     padded = torch.where(source >= 0, row_amax.float()[rows], 0.0)
     tile_amax = padded.view(-1, tile).amax(dim=1)
     tile_segment = seg_ids[rows.view(-1, tile)[:, 0]]  # a tile's first row is real, or all pad
-    return amax.scatter_reduce(0, tile_segment, tile_amax, "amax", include_self=True)
+    segments = torch.arange(num_segments, device=row_amax.device)
+    owned = tile_segment.unsqueeze(0) == segments.unsqueeze(1)  # [segments, tiles]
+    return torch.where(owned, tile_amax.unsqueeze(0), 0.0).amax(dim=1)
 
 
 def _quantize_operands(x2d, *, spec: RecipeSpec, role, fp8_dtype, power_2_scale, transposed):
