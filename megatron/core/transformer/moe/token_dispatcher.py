@@ -55,11 +55,11 @@ def _dropless_permutation(probs, routing_map, counts, per_token):
     and no data-dependent shape (a compiled graph holds them). Token t's row for its expert e
     is e's first row plus the tokens before t that chose e; a token's experts are taken in
     ascending order, so its rows ascend (the order `token_major` gives)."""
-    tokens, experts = routing_map.shape
-    # The chosen experts in ascending order: topk of (E - e) where chosen, 0 elsewhere.
-    descending = torch.arange(experts, 0, -1, device=routing_map.device, dtype=torch.int32)
-    chosen = (routing_map.to(torch.int32) * descending).topk(per_token, dim=1).indices
+    tokens = routing_map.shape[0]
     taken = routing_map.to(torch.int64)
+    # A token's j-th expert (ascending) is where its running count of choices reaches j + 1.
+    nth = torch.arange(1, per_token + 1, device=routing_map.device).expand(tokens, per_token)
+    chosen = torch.searchsorted(taken.cumsum(dim=1), nth.contiguous())
     before = taken.cumsum(dim=0) - taken  # [T, E]: tokens before t that chose e
     row_of = (counts.cumsum(0) - counts).unsqueeze(0) + before
     by_token = row_of.gather(1, chosen)  # [T, per_token], ascending per token
