@@ -126,6 +126,7 @@ def piece_cases(device):
     dy = torch.randn(rows, HIDDEN, device=device).to(e5m2)
     w2 = torch.randn(EXPERTS, HIDDEN, FFN, device=device).to(e4m3)
     w2_t = transpose_bytes(w2)
+    row_scale = torch.ones(rows, device=device)  # the GEMMs': one per row, its segment's
     seg_scale, w_scale = torch.ones(EXPERTS, device=device), torch.ones(EXPERTS, device=device)
     seg = list(range(EXPERTS))
     mm = torch.ops.megatron_fp8.grouped_fp8_mm.default  # as the compiled graph calls them
@@ -134,10 +135,10 @@ def piece_cases(device):
     wgrad_args = (sizes, seg, EXPERTS, "tensorwise", torch.bfloat16, padded, r)
     return {
         "fwd fc2 (torch FP8 grouped, fast)": lambda: mm(
-            h, seg_scale, w2, w_scale, *common, True, r
+            h, row_scale, w2, w_scale, *common, True, r
         ),
         "dgrad fc2 (our ragged-M, E5M2)": lambda: mm(
-            dy, seg_scale, w2_t, w_scale, *common, False, r
+            dy, row_scale, w2_t, w_scale, *common, False, r
         ),
         "weight transpose fc2": lambda: transpose_bytes(w2),
         "wgrad fc2 (2 padded transposes + ragged-K)": lambda: wgrad(

@@ -231,7 +231,7 @@ def _torch_grouped_mm_checks():
         ("fprop", torch.empty(m, k, dtype=E4M3, **meta), (w, w_s)),
         ("dgrad", torch.empty(m, n, dtype=E4M3, **meta), ops.transposed_experts(w, w_s)),
     ):
-        a_s = torch.empty(len(seg_sizes), **meta)
+        a_s = torch.empty(m, **meta)  # one per row, its segment's
         y = gf._cuda_mm(a, a_s, *b_op, seg_sizes, seg_expert, "tensorwise", torch.bfloat16, True)
         good = y.shape == (m, b_op[0].shape[1]) and y.dtype == torch.bfloat16
         print(f"{'ok  ' if good else 'FAIL'} torch._scaled_grouped_mm {name} on meta: {y.shape}")

@@ -84,7 +84,7 @@ def _emulated_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, 
         if seg_sizes[s] == 0:
             continue
         rows = slice(starts[s], starts[s + 1])
-        row_scale = a_scale_inv[s] if spec.per_tensor else a_scale_inv[rows]
+        row_scale = a_scale_inv[starts[s]] if spec.per_tensor else a_scale_inv[rows]
         a_values = Fp8Operand(a[rows], row_scale, recipe, *a_cell).dequantize()
         b_values = Fp8Operand(b[expert], b_scale_inv[expert], recipe, *b_cell).dequantize()
         out[rows] = (a_values @ b_values.t()).to(out_dtype)
@@ -159,17 +159,17 @@ def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_
     `routing` of these segments (built here when not given)."""
     groups, n, k = b.shape
     r = _routing_of(seg_sizes, seg_expert, groups, a.shape[0], r)
-    seg_ids, schedule = r[SEG_IDS], tuple(r[SCHEDULE])
+    schedule = tuple(r[SCHEDULE])
     options = dict(group_sizes=r[SIZES], out_dtype=out_dtype, schedule=schedule)
     if not recipe_spec(recipe).per_tensor:  # blockwise: 1x128 rows, 128x128 experts
         scales = dict(a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv.contiguous())
         return grouped_scaled_mm(a, b, **scales, recipe=recipe, **options)
-    row_scale = a_scale_inv[seg_ids]
+    # Per tensor: one A scale_inv per row, its segment's (gathered in `_quantize_tokens`).
     if _torch_mm_applies(a, b, recipe, out_dtype):
         return torch._scaled_grouped_mm(
             a,
             b.transpose(1, 2),
-            row_scale.contiguous(),
+            a_scale_inv.contiguous(),
             b_scale_inv[:, None].expand(groups, n).contiguous(),
             offs=schedule[-1],  # the experts' end rows
             out_dtype=out_dtype,
@@ -177,7 +177,7 @@ def _cuda_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_
         )
     # The Triton ragged-M kernel: each row's segment scale and each expert's, applied once
     # to the fp32 sum (constant along K).
-    scales = dict(a_scale_inv=row_scale.contiguous(), b_scale_inv=b_scale_inv.contiguous())
+    scales = dict(a_scale_inv=a_scale_inv.contiguous(), b_scale_inv=b_scale_inv.contiguous())
     return grouped_scaled_mm(a, b, **scales, recipe=recipe, fast_accum=fast, **options)
 
 
@@ -196,7 +196,7 @@ def grouped_fp8_mm(
 ) -> torch.Tensor:
     """A [M, K] FP8 (rows in segments of seg_sizes [S] rows, a device tensor) times B [E, N,
     K] FP8: rows of segment s @ B[seg_expert[s]]^T -> [M, N] in out_dtype. scale_inv of A:
-    per tensor [S] (one per segment), blockwise [M, ceil(K/128)]; of B: [E], or [E,
+    per tensor [M] (each row's segment's), blockwise [M, ceil(K/128)]; of B: [E], or [E,
     ceil(N/128), ceil(K/128)]. r: `routing` of the segments, or [] (built when needed)."""
     args = (a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype)
     return _grouped_mm(*args, fast_accum, r)
@@ -374,16 +374,17 @@ def _weight_mm(a_op, weight, kind: str, usage: str, args: tuple) -> torch.Tensor
 
 def _quantize_tokens(t, r, seg_sizes, config, role, pow2, *, columnwise: int):
     """(rowwise operand, the weight gradient's operand or None) of tokens [M, *] in `role`
-    ("input" or "grad"); per tensor both are the segments' rowwise bytes. r: `routing` of the
-    segments; columnwise: the padded copy's rows (blockwise), 0 for none."""
+    ("input" or "grad"); per tensor both are the segments' rowwise bytes, with each row's
+    segment's scale_inv ([M], gathered here, in the compiled graph) and the segments' ([S]).
+    r: `routing` of the segments; columnwise: the padded copy's rows (blockwise), 0 for none."""
     seg_ids = r[SEG_IDS]
     spec, fp8_dtype = config.spec, fp8_dtype_for_role(config.fp8_format, role)
     if spec.per_tensor:
         tiles = (r[SOURCE], TOKEN_TILE)  # the segments' amaxes reduced per tile first
-        row = operands.quantize_segments(
+        data, scale_inv = operands.quantize_segments(
             t, seg_ids, seg_sizes.shape[0], fp8_dtype=fp8_dtype, power_2_scale=pow2, tiles=tiles
         )
-        return row, row
+        return (data, scale_inv[seg_ids]), (data, scale_inv)
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=pow2)
     if not columnwise:
         return operands.quantize_rows(t, **options), None

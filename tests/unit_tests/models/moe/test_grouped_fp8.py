@@ -218,11 +218,12 @@ def test_cuda_grouped_paths_equal_the_emulation_within_the_fast_accumulation_bou
 @pytest.mark.parametrize("segments", [SEGMENTS, [[64], [0], [56], [33]]])
 @pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype, segments):
-    """The CUDA fallbacks' operand and scale layouts (per-segment scales as the ragged-M
-    kernel's block scales; the ragged-K kernel over segments with unit scales, then scaled and
-    summed per expert, or with one segment per expert its per-group scales and dW written
-    directly), run here through grouped_gemm.py's emulation of those kernels: equal to the
-    per-segment emulation up to fp32 rounding (the scales multiply in another order)."""
+    """The CUDA fallbacks' operand and scale layouts (each row's segment scale, applied by
+    the ragged-M kernel to its fp32 sum; the ragged-K kernel over segments with unit scales,
+    then scaled and summed per expert, or with one segment per expert its per-group scales
+    and dW written directly), run here through grouped_gemm.py's emulation of those kernels:
+    equal to the per-segment emulation up to fp32 rounding (the scales multiply in another
+    order)."""
     sizes = [c for counts in segments for c in counts]
     owner = [e for e, counts in enumerate(segments) for _ in counts]
     k, n = 256, 160  # two K blocks, N not a multiple of 128
@@ -242,7 +243,8 @@ def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype, segment
     w_q, w_s = grouped_operands.quantize_experts(
         w, spec=recipe_spec("tensorwise"), fp8_dtype=torch.float8_e4m3fn, power_2_scale=False
     )
-    args = (x_q, x_s, w_q, w_s, torch.tensor(sizes), owner, "tensorwise", torch.float32)
+    # grouped_fp8_mm takes one A scale_inv per row (its segment's)
+    args = (x_q, x_s[ids], w_q, w_s, torch.tensor(sizes), owner, "tensorwise", torch.float32)
     want = grouped_fp8._emulated_mm(*args)
     got = grouped_fp8._cuda_mm(*args, False)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
