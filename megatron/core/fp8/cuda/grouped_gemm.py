@@ -348,7 +348,16 @@ def _tma_operands(*operands: torch.Tensor) -> bool:
 
 def _tma_runs(device: torch.device) -> bool:
     """Triton's host-built TMA descriptors on this device (sm_90 and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    if device.type != "cuda":
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _capability_major(index) >= 9
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    """A CUDA device's compute capability major, looked up once (every GEMM call asks)."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _operand_source(data: torch.Tensor, tma: bool):

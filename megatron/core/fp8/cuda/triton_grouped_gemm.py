@@ -35,7 +35,8 @@ tokens at an unknown alignment makes byte loads); with whole tiles (every group 
 128 tokens: the experts' operands are padded so, `grouped_fp8._cuda_wgrad`) 1 loads them
 unmasked through pointers (148 at model M's shape on an H100,
 docs/benchmarks/moe_fp8_host_h100_2026-12-05b.md) and 2 (sm_90 and later) through TMA
-descriptors built on the host (430-665 in dev/tune_grouped_gemm.py, device-built descriptors).
+descriptors built on the host (342 there, docs/benchmarks/moe_fp8_tma_h100_2026-12-05c.md;
+bf16 `torch._grouped_mm` 545).
 """
 
 from __future__ import annotations

@@ -198,16 +198,18 @@ def grouped_fp8_mm(
     K] FP8: rows of segment s @ B[seg_expert[s]]^T -> [M, N] in out_dtype. scale_inv of A:
     per tensor [M] (each row's segment's), blockwise [M, ceil(K/128)]; of B: [E], or [E,
     ceil(N/128), ceil(K/128)]. r: `routing` of the segments, or [] (built when needed)."""
-    args = (a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype)
-    return _grouped_mm(*args, fast_accum, r)
+    layout = (seg_sizes, seg_expert, recipe, out_dtype, fast_accum, r)
+    return _grouped_mm(a, a_scale_inv, b, b_scale_inv, *layout)
 
 
-def _grouped_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, *rest):
+def _grouped_mm(
+    a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, fast_accum, r
+):
     """`grouped_fp8_mm`'s body (also run inside `grouped_fp8_weight_mm`, without a second
-    custom-op dispatch). rest: (fast_accum, r)."""
+    custom-op dispatch)."""
     args = (a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype)
     if a.is_cuda and a.shape[0] > 0:
-        return _cuda_mm(*args, *rest).contiguous()
+        return _cuda_mm(*args, fast_accum, r).contiguous()
     return _emulated_mm(*args)
 
 
