@@ -11,6 +11,10 @@ run's training loss on one page; needs matplotlib, skipped with a message withou
     # the H200 job: both corpora, 128M (1,000 steps) and ~350M, 3 seeds, 6 runs at a time
     python3 benchmarks/fidelity_suite.py --out /tmp/fidsuite --corpus stdlib english \
         --size 128m 350m --seeds 1234 1235 1236 --parallel 6
+    # one device call's share of a job longer than a call (10 minutes): the logs stay in
+    # --out between calls (a carried folder), each call runs the next 3 runs not yet done
+    python3 benchmarks/fidelity_suite.py --out .fid/suite --corpus english \
+        --english-dir .fid/english --size 128m --iters 3000 --skip-done --max-runs 3 --parallel 3
     # the CPU smoke run the tests use (tiny model, 3 iterations, no compile)
     python3 benchmarks/fidelity_suite.py --out /tmp/fidsmoke --size smoke --recipes tensorwise
     # model M-small, the MoE fidelity run of issue 38 (acceptance 6), on the quickstart corpus
@@ -162,6 +166,15 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
     return runs
 
 
+def _done(log: str) -> bool:
+    """Whether `log` (a finished run's) already holds its validation loss."""
+    try:
+        parsed = parse_log(log)
+    except (OSError, ValueError):
+        return False
+    return bool(parsed.validation_series.get("lm loss validation"))
+
+
 def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> None:
     """Run up to `parallel` at once, each under `timeout` seconds, the i-th started on GPU
     i % gpus (CUDA_VISIBLE_DEVICES; gpus 0 leaves it alone); record exit codes."""
@@ -204,6 +217,7 @@ def read_results(runs: list[dict]) -> list[dict]:
     for run in runs:
         row = {k: run.get(k) for k in ("job", "corpus", "size", "iters", "recipe", "seed")}
         row.update(returncode=run.get("returncode"), log=run["log"], valid_loss=None)
+        row.update(left=run.get("left", False))
         try:
             parsed = parse_log(run["log"])
         except (OSError, ValueError):
@@ -310,6 +324,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="only summarize the logs already in --out (runs made by earlier "
         "calls, e.g. one call per seed)",
     )
+    parser.add_argument(
+        "--skip-done",
+        action="store_true",
+        help="do not rerun a run whose log in --out already has its validation loss",
+    )
+    parser.add_argument(
+        "--max-runs",
+        type=int,
+        default=None,
+        help="start at most N runs this call, in plan order (one device call's share); the "
+        "rest are left for a later call with --skip-done",
+    )
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--tolerance", type=float, default=0.01)
     parser.add_argument(
@@ -342,7 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = plan_runs(args)
     started = time.monotonic()
     if args.run:
-        execute(runs, parallel=args.parallel, timeout=args.run_timeout, gpus=args.gpus)
+        todo = [run for run in runs if not (args.skip_done and _done(run["log"]))]
+        for run in todo[args.max_runs :] if args.max_runs is not None else []:
+            run["left"] = True
+        todo = todo[: args.max_runs] if args.max_runs is not None else todo
+        print(f"{len(todo)} of {len(runs)} runs start now ({len(runs) - len(todo)} done or left)")
+        execute(todo, parallel=args.parallel, timeout=args.run_timeout, gpus=args.gpus)
     rows = read_results(runs)
     summaries = summarize(rows, args.recipes, args.tolerance)
     with open(os.path.join(args.out, "runs.jsonl"), "w", encoding="utf-8") as handle:
@@ -358,9 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     plot_curves(rows, os.path.join(args.out, "loss_curves.png"))
     print(f"{len(runs)} runs in {time.monotonic() - started:.0f} s; results in {args.out}")
-    failed = [r for r in rows if r["valid_loss"] is None or r["returncode"] not in (0, None)]
+    left = [r for r in rows if r["left"] and r["valid_loss"] is None]
+    failed = [r for r in rows if r not in left]
+    failed = [r for r in failed if r["valid_loss"] is None or r["returncode"] not in (0, None)]
     for row in failed:
         print(f"no validation loss or a failed run: {row['log']}")
+    if left:
+        print(f"{len(left)} runs left for a later call (--skip-done runs them)")
     return 1 if failed else 0
 
 

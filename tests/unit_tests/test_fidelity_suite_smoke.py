@@ -12,27 +12,42 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_suite(tmp_path: Path, size: str) -> Path:
+def _run_suite(tmp_path: Path, size: str, *extra: str) -> tuple[Path, str]:
     """The suite at `size`, bf16 and tensorwise at seeds 11 and 12 on 0.3 MB of the stdlib
-    corpus, 4 runs at once; its --out directory (the suite must exit 0)."""
+    corpus, 4 runs at once; its --out directory and stdout (the suite must exit 0)."""
     out = tmp_path / "suite"
     command = [sys.executable, "benchmarks/fidelity_suite.py", "--out", str(out)]
     command += ["--size", size, "--recipes", "tensorwise", "--seeds", "11", "12"]
-    command += ["--parallel", "4", "--stdlib-mb", "0.3"]
+    command += ["--parallel", "4", "--stdlib-mb", "0.3", *extra]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out
+    return out, result.stdout
 
 
 @pytest.mark.timeout(240)
 def test_smoke_suite_end_to_end(tmp_path):
-    out = _run_suite(tmp_path, "smoke")
+    """In two calls, as a device job longer than one call runs: the first starts 2 of the 4
+    runs (seed 11's, plan order) and summarizes 1 pair; the second runs only the 2 left."""
+    out, stdout = _run_suite(tmp_path, "smoke", "--max-runs", "2")
+    assert "2 of 4 runs start now" in stdout and "2 runs left for a later call" in stdout
+    first = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [(r["recipe"], r["seed"], r["valid_loss"] is not None) for r in first] == [
+        ("bf16", 11, True), ("tensorwise", 11, True), ("bf16", 12, False), ("tensorwise", 12, False)
+    ]  # fmt: skip
+    (partial,) = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
+    assert partial["seeds"] == [11] and partial["verdict"] == "undetermined"
+    done_logs = {r["log"]: Path(r["log"]).read_text() for r in first if r["valid_loss"]}
+    out, stdout = _run_suite(tmp_path, "smoke", "--skip-done")
+    assert "2 of 4 runs start now" in stdout and "left for a later call" not in stdout
+    assert all(Path(log).read_text() == text for log, text in done_logs.items())
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert sorted((r["recipe"], r["seed"]) for r in runs) == [
         ("bf16", 11), ("bf16", 12), ("tensorwise", 11), ("tensorwise", 12)
     ]  # fmt: skip
-    assert all(r["returncode"] == 0 and r["valid_loss"] > 0 for r in runs)
+    # Seed 11's runs were done before this call (no exit code now); seed 12's ran in it.
+    assert [r["returncode"] for r in runs] == [None, None, 0, 0]
+    assert all(r["valid_loss"] > 0 for r in runs)
     loss = {(r["recipe"], r["seed"]): r["valid_loss"] for r in runs}
     (summary,) = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
     expected = [loss[("tensorwise", s)] / loss[("bf16", s)] for s in (11, 12)]
@@ -52,7 +67,7 @@ def test_moe_smoke_size_trains_routed_experts(tmp_path):
     """The suite's MoE size (model M-small's flags at smoke scale, issue 38 acceptance 6):
     bf16 and tensorwise at two seeds train routed experts with the aux loss (logged), and
     the same seed starts bf16 and tensorwise within 1%."""
-    out = _run_suite(tmp_path, "moe-smoke")
+    out, _ = _run_suite(tmp_path, "moe-smoke")
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert len(runs) == 4 and all(r["returncode"] == 0 and r["valid_loss"] > 0 for r in runs)
     for run in runs:
