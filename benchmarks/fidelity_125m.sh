@@ -55,8 +55,9 @@ for run in $RECIPES; do  # RECIPE[+mM1-M2][@SEED]: +m sets the AdamW moments' dt
   fi
   [ "$recipe" != bf16 ] && flags+=(--fp8-recipe "$recipe" --fp8-format hybrid --fp8-param-gather)
   echo "== $run: pretrain_gpt.py ${MODEL[*]} ${flags[*]}" | tee -a "$OUT/fidelity.cmd"
+  # The log's name: the run's with + and @ as _ (a device call returns only such names).
   timeout "${RUN_TIMEOUT:-540}" python3 pretrain_gpt.py "${MODEL[@]}" "${flags[@]}" \
-    > "$OUT/$run.log" 2>&1 &
+    > "$OUT/$(echo "$run" | tr '+@' '__').log" 2>&1 &
   pids+=($!)
 done
 status=0
@@ -69,7 +70,8 @@ def last(pattern, text):
     return float(found[-1]) if found else None
 rows = {}
 for recipe in recipes:
-    text = open(os.path.join(out, f"{recipe}.log")).read()
+    log = recipe.replace("+", "_").replace("@", "_") + ".log"
+    text = open(os.path.join(out, log)).read()
     times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
     rows[recipe] = {
         "run": recipe,
