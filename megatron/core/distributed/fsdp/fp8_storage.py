@@ -123,6 +123,10 @@ class Fp8ComputeStorage(ComputeStorage):
         self.stored_directions = tuple(
             d for d in self.directions if not (d == "columnwise" and self.columnwise_on_gather)
         )
+        # A rank that holds the whole unit (no_shard, or ZeRO-3 over a group of one) stores
+        # the gathered bytes themselves: its stored directions are never gathered or freed.
+        whole = not sharded or layout.world_size == 1
+        self.resident = {d: whole and d in self.stored_directions for d in self.directions}
         self._main_shard: torch.Tensor | None = None
         self._gather_inputs: list[torch.Tensor] = []
         """Quantized send buffers of a columnwise gather in flight (kept until finish_gather)."""
@@ -145,7 +149,7 @@ class Fp8ComputeStorage(ComputeStorage):
         self.scale_shard: dict[str, torch.Tensor] = {}
         for d in self.directions:
             self._allocate_shard(d)
-        self.gathered = dict.fromkeys(self.directions, not sharded)
+        self.gathered = dict(self.resident)
         self.transposed = False
         """Transpose caches built for the backward role (per-tensor and 128x128 recipes)."""
         self.params: list[QuantizedTensor] = []
@@ -163,14 +167,14 @@ class Fp8ComputeStorage(ComputeStorage):
             tracker.resize_storage(self.scale_full[d], 0)
             return
         lo, hi = layout.shard_range(layout.rank)
-        if self.sharded:
+        if not self.resident[d]:
             self.shard[d] = tracker.zeros(layout.shard_numel, dtype=torch.uint8, device=device)
             tracker.resize_storage(self.full[d], 0)
         else:
             self.shard[d] = self.full[d][lo:hi]
         if self.scales_sharded:
             n = layout.shard_numel // MXFP8_BLOCK
-            if self.sharded:
+            if not self.resident[d]:
                 self.scale_shard[d] = tracker.zeros(n, dtype=torch.uint8, device=device)
                 tracker.resize_storage(self.scale_full[d], 0)
             else:
@@ -271,9 +275,9 @@ class Fp8ComputeStorage(ComputeStorage):
                     works.append(
                         all_gather_flat(full_scales, scales, group=self.group, async_op=async_op)
                     )
+                nbytes += self._gather_nbytes()
             self.gathered[d] = True
             self._point(d)  # views only; nothing reads them before finish_gather
-            nbytes += self._gather_nbytes()
         return _as_work(works), nbytes
 
     def _quantized_columnwise_shard(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -316,10 +320,8 @@ class Fp8ComputeStorage(ComputeStorage):
 
     def release(self) -> None:
         self._discard_transposes()
-        if not self.sharded:
-            return
         for d in self.directions:
-            if self.gathered[d]:
+            if self.gathered[d] and not self.resident[d]:
                 self._detach(d)
                 self.tracker.resize_storage(self.full[d], 0)
                 if self.scales_sharded:

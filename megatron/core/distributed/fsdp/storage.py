@@ -137,6 +137,9 @@ class DenseComputeStorage(ComputeStorage):
     persistent compute shard: each gather casts the main shard into a temporary input that lives
     only until the gather is finished. The values are those a persistent shard would hold (the
     same fp32 -> bf16 rounding, done later), and a rank saves one compute shard of memory.
+    Over a group of one rank the cast writes the gathered buffer itself. Otherwise a rank that
+    holds the whole unit (no_shard, or ZeRO-3 over one rank) keeps its compute values in the
+    gathered buffer: nothing is gathered or freed.
     """
 
     def __init__(
@@ -162,13 +165,14 @@ class DenseComputeStorage(ComputeStorage):
         self._main_shard: torch.Tensor | None = None
         self._gather_input: torch.Tensor | None = None
         """The cast main shard of a gather in flight (kept alive until finish_gather)."""
+        self.resident = not self.casts_main_shard and (not sharded or layout.world_size == 1)
         self.full_buffer = tracker.zeros(layout.padded_numel, dtype=dtype, device=device)
         lo, hi = layout.shard_range(layout.rank)
         if self.casts_main_shard:
             self.local_shard = None
             tracker.resize_storage(self.full_buffer, 0)
             self._gathered = False
-        elif sharded:
+        elif not self.resident:
             self.local_shard = tracker.zeros(layout.shard_numel, dtype=dtype, device=device)
             # The full buffer object stays (parameters are views into it); its memory does not.
             tracker.resize_storage(self.full_buffer, 0)
@@ -209,19 +213,26 @@ class DenseComputeStorage(ComputeStorage):
     def _shard_to_gather(self) -> torch.Tensor:
         if not self.casts_main_shard:
             return self.local_shard
+        main_shard = self._bound_main_shard()
+        gather_input = self.tracker.empty(main_shard.shape, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            gather_input.copy_(main_shard)
+        return gather_input
+
+    def _bound_main_shard(self) -> torch.Tensor:
         if self._main_shard is None:
             raise RuntimeError("DenseComputeStorage: bind_main_shard() was never called")
-        gather_input = self.tracker.empty(
-            self._main_shard.shape, dtype=self.dtype, device=self.device
-        )
-        with torch.no_grad():
-            gather_input.copy_(self._main_shard)
-        return gather_input
+        return self._main_shard
 
     def start_gather(self, *, role: GatherRole, async_op: bool) -> tuple[dist.Work | None, int]:
         if self._gathered:
             return None, 0
         self.tracker.resize_storage(self.full_buffer, self._full_nbytes())
+        if self.casts_main_shard and self.layout.world_size == 1:
+            with torch.no_grad():  # one rank: the cast writes the gathered values in place
+                self.full_buffer.copy_(self._bound_main_shard())
+            self._gathered = True
+            return None, 0  # no collective ran
         shard = self._shard_to_gather()
         work = all_gather_flat(self.full_buffer, shard, group=self.group, async_op=async_op)
         if self.casts_main_shard and work is not None:
@@ -233,7 +244,7 @@ class DenseComputeStorage(ComputeStorage):
         self._gather_input = None
 
     def release(self) -> None:
-        if self.sharded and self._gathered:
+        if not self.resident and self._gathered:
             self.tracker.resize_storage(self.full_buffer, 0)
             self._gathered = False
 
