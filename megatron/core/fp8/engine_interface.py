@@ -20,6 +20,7 @@ from torch import nn
 from megatron.core.fp8.autocast import ScalingMeta, reduce_and_update
 from megatron.core.fp8.autocast import record_amaxes as record_weight_amaxes
 from megatron.core.fp8.config import Fp8Config
+from megatron.core.fp8.cuda.piece_quantize import cell_geometry as weight_cell_geometry
 from megatron.core.fp8.cuda.piece_quantize import piece_cast_ as cast_piece_
 from megatron.core.fp8.cuda.piece_quantize import piece_cell_amax_ as add_piece_cell_amaxes_
 from megatron.core.fp8.cuda.piece_quantize import quantize_mxfp8_rows_ as quantize_mxfp8_bands_
@@ -55,6 +56,7 @@ __all__ = [
     "recipe_spec",
     "record_weight_amaxes",
     "stacked_cell_rows",
+    "weight_cell_geometry",
     "weight_cell_scales",
     "weight_fp8_dtype",
     "weight_rows_cols",

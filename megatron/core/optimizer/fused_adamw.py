@@ -4,8 +4,9 @@ fp8 (precision.py), optionally reporting max |param|.
 torch's fused AdamW (multi-tensor apply) moved about 3.3 TB/s on an H200: 18.7 ms of a Model A
 step for 2.2 B fp32 params (28 bytes per element read and written). One flat pass per
 parameter moves the same bytes closer to copy bandwidth. It also returns what FP8 parameters
-need next: the amax of each updated weight (`amax_targets`), so the re-quantization after the
-step does not read every fp32 weight a second time to find it.
+need next: the amax of each updated weight, or of each of its scale cells (`amax_targets`,
+`AmaxCells`: 128x128 blocks, one cell per stacked expert), so the re-quantization after the
+step does not read every fp32 weight a second time to find them.
 
 The update is torch's fused AdamW's, term for term (decoupled decay, moments, bias corrections,
 `grad_scale` dividing each grad as AMP's unscaling does). With fp32 moments the state (`step`,
@@ -22,6 +23,8 @@ this optimizer's dtypes, so a run resumes with other moment dtypes.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -48,6 +51,29 @@ def _triton_kernel():
     return triton_adamw
 
 
+class AmaxCells(NamedTuple):
+    """Where a step reports the amax of each scale cell of an updated parameter: the parameter
+    is elements `start`.. of a row-major weight of `cols` columns, cut into cells of
+    `cell_rows` x `cell_cols` elements (an edge longer than the weight: whole rows or
+    columns), whose fp32 amaxes lie row-major in `cells`, `grid_cols` per row of cells. The
+    step raises each cell to the max |value| of its updated elements; `measure_(values)` does
+    it from a flat piece outside the kernel (the FP8 package's own rule, bitwise the same)."""
+
+    cells: torch.Tensor
+    cols: int
+    cell_rows: int
+    cell_cols: int
+    grid_cols: int
+    start: int
+    measure_: Callable[[torch.Tensor], None]
+
+    def groups_in_one_cell(self, group: int) -> bool:
+        """Whether every `group` consecutive elements from `start` (group-aligned in the
+        weight) lie in one cell: the fused kernel's one atomic max per group."""
+        whole_rows = self.cell_cols >= self.cols or self.cell_cols % group == 0
+        return self.cols % group == 0 and self.start % group == 0 and whole_rows
+
+
 class FusedAdamW(torch.optim.AdamW):
     """torch.optim.AdamW with precision-aware moments, a Triton CUDA step and optional
     per-parameter amax output.
@@ -55,8 +81,9 @@ class FusedAdamW(torch.optim.AdamW):
     exp_avg_dtype / exp_avg_sq_dtype: "fp32", "bf16", "fp16", "fp8" (or the torch dtype);
     moment_scaling: "tensor" or "block", the scale rule of fp16/fp8 moments (None refuses
     them); use_triton: False runs the torch step on CUDA too (A/B measurements).
-    amax_targets: {param: 0-d fp32 tensor}; each step raises the tensor to max |param| after
-    the update (callers zero it first). Params without a grad this step are still measured.
+    amax_targets: {param: 0-d fp32 tensor or AmaxCells}; each step raises the tensor to max
+    |param| (each cell to its elements' max) after the update (callers zero them first).
+    Params without a grad this step are still measured.
     """
 
     def __init__(
@@ -74,7 +101,7 @@ class FusedAdamW(torch.optim.AdamW):
         )
         super().__init__(params, **kwargs)
         self.use_triton = use_triton
-        self.amax_targets: dict[torch.Tensor, torch.Tensor] = {}
+        self.amax_targets: dict[torch.Tensor, torch.Tensor | AmaxCells] = {}
         self._host_steps: dict[torch.Tensor, int] = {}
 
     def _torch_adamw_step(self) -> bool:
@@ -126,7 +153,8 @@ class FusedAdamW(torch.optim.AdamW):
                 step = self._host_steps[param] = self._host_step(param, state) + 1
                 scalars = step_scalars(group, step)
                 if triton:
-                    self._kernel_step(param, state, scalars, grad_scale, amax)
+                    if not self._kernel_step(param, state, scalars, grad_scale, amax):
+                        unmeasured[param] = amax
                 else:
                     adamw_update_(param, param.grad, state, scalars=scalars, grad_scale=grad_scale)
                     if amax is not None:
@@ -137,9 +165,13 @@ class FusedAdamW(torch.optim.AdamW):
         self._measure_amaxes(unmeasured)
         return None
 
-    def _kernel_step(self, param, state, scalars, grad_scale, amax) -> None:
+    def _kernel_step(self, param, state, scalars, grad_scale, amax) -> bool:
+        """The Triton step of one param; False when `amax` (cells the kernel cannot group)
+        is left for `_measure_amaxes`."""
         grad = param.grad if param.grad.is_contiguous() else param.grad.contiguous()
-        _triton_kernel().adamw_step_(
+        kernel = _triton_kernel()
+        fused = not isinstance(amax, AmaxCells) or amax.groups_in_one_cell(kernel.CELL_GROUP)
+        kernel.adamw_step_(
             param,
             grad,
             exp_avg=state["exp_avg"],
@@ -148,8 +180,9 @@ class FusedAdamW(torch.optim.AdamW):
             exp_avg_sq_scale=state.get("exp_avg_sq_scale"),
             scalars=scalars,
             grad_scale=grad_scale,
-            amax=amax,
+            amax=amax if fused else None,
         )
+        return fused
 
     def init_state(self) -> None:
         """Create every param's state now (zero moments, step 0), e.g. for a checkpoint
@@ -251,9 +284,12 @@ class FusedAdamW(torch.optim.AdamW):
 
     @staticmethod
     @torch.no_grad()
-    def _measure_amaxes(targets: dict[torch.Tensor, torch.Tensor]) -> None:
+    def _measure_amaxes(targets: dict[torch.Tensor, torch.Tensor | AmaxCells]) -> None:
         for param, amax in targets.items():
             if param.numel() == 0:
+                continue
+            if isinstance(amax, AmaxCells):
+                amax.measure_(param.detach().reshape(-1))
                 continue
             torch.maximum(amax, param.detach().abs().amax().to(amax.dtype), out=amax)
 

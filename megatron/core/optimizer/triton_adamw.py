@@ -23,6 +23,10 @@ about 29K programs. With the amax, one block per program measured best on Model 
 reduction (no amax: 15.3 ms; torch's fused AdamW: 21.1 ms)."""
 
 UNSCALED, ONE_SCALE, SCALE_PER_BLOCK = 0, 1, 2
+NO_AMAX, ONE_AMAX, CELL_AMAXES = 0, 1, 2
+CELL_GROUP = 128
+"""Consecutive elements reduced to one atomic max of a cell amax (`AmaxCells`): a divisor of
+BLOCK and of the 128-element block edge."""
 
 
 @triton.jit
@@ -79,6 +83,11 @@ def _adamw_kernel(
     grad_scale_ptr,
     amax_ptr,
     numel,
+    cols,
+    cell_rows,
+    cell_cols,
+    grid_cols,
+    cell_start,
     decay_factor,
     beta1,
     beta2,
@@ -93,8 +102,9 @@ def _adamw_kernel(
     V_RANGE: tl.constexpr,
     WRITE: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
-    HAS_AMAX: tl.constexpr,
+    AMAX: tl.constexpr,
     QBLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -143,15 +153,51 @@ def _adamw_kernel(
             QBLOCK,
             BLOCK,
         )
-        if HAS_AMAX:
+        if AMAX != 0:
             # |param| >= 0, so the float max orders like the bits; masked lanes contribute 0.
-            stored = tl.abs(param.to(tl.float32))
-            tl.atomic_max(amax_ptr, tl.max(tl.where(mask, stored, 0.0), axis=0))
+            stored = tl.where(mask, tl.abs(param.to(tl.float32)), 0.0)
+            if AMAX == 1:
+                tl.atomic_max(amax_ptr, tl.max(stored, axis=0))
+            if AMAX == 2:
+                _cell_amaxes(amax_ptr, stored, numel, cols, cell_rows, cell_cols, grid_cols,
+                             cell_start, BLOCK, GROUP)  # fmt: skip
     else:
         if M_SCALING == 1:
             tl.atomic_max(work_ptr, tl.max(tl.abs(exp_avg), axis=0))
         if V_SCALING == 1:
             tl.atomic_max(work_ptr + 1, tl.max(tl.abs(exp_avg_sq), axis=0))
+
+
+@triton.jit
+def _cell_amaxes(
+    cells_bits_ptr, stored, numel, cols, cell_rows, cell_cols, grid_cols, cell_start,
+    BLOCK: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """Raise each scale cell's amax (int32 fp32 bits) to the max of `stored` (|updated
+    param|, 0 on masked lanes) over its elements: GROUP consecutive elements lie in one cell
+    (`AmaxCells.groups_in_one_cell`), so each group is one atomic max. NaN is skipped as the
+    piece kernel skips it (a NaN group, like a zero one, adds nothing)."""
+    groups = tl.max(tl.reshape(stored, (BLOCK // GROUP, GROUP)), axis=1)
+    local = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK // GROUP) * GROUP
+    first = cell_start + local  # the group's first element in the weight
+    row = first // cols
+    cell = (row // cell_rows) * grid_cols + (first - row * cols) // cell_cols
+    valid = (local < numel) & (groups > 0)
+    tl.atomic_max(
+        cells_bits_ptr + cell, groups.to(tl.int32, bitcast=True), mask=valid, sem="relaxed"
+    )
+
+
+def _amax_launch(amax) -> tuple[int, torch.Tensor | None, dict]:
+    """(mode, pointer, geometry) of an amax target: none, a 0-d tensor, or AmaxCells."""
+    geometry = dict(cols=1, cell_rows=1, cell_cols=1, grid_cols=1, cell_start=0)
+    if amax is None:
+        return NO_AMAX, None, geometry
+    if isinstance(amax, torch.Tensor):
+        return ONE_AMAX, amax, geometry
+    geometry.update(cols=amax.cols, cell_rows=amax.cell_rows, cell_cols=amax.cell_cols)
+    geometry.update(grid_cols=amax.grid_cols, cell_start=amax.start)
+    return CELL_AMAXES, amax.cells.view(torch.int32), geometry
 
 
 def _scaling(data: torch.Tensor, scale: torch.Tensor | None) -> tuple[int, float]:
@@ -170,13 +216,15 @@ def adamw_step_(
     exp_avg_sq_scale: torch.Tensor | None,
     scalars: StepScalars,
     grad_scale: torch.Tensor | None,
-    amax: torch.Tensor | None,
+    amax,
 ) -> None:
     """One AdamW update of a contiguous CUDA param and its moments in place (precision.
-    adamw_update_'s math); `amax` (a 0-d fp32 tensor) is raised to max |updated param|."""
+    adamw_update_'s math); `amax` (a 0-d fp32 tensor) is raised to max |updated param|, or
+    (`fused_adamw.AmaxCells` whose groups lie in one cell) each cell to its elements' max."""
     numel = param.numel()
     if numel == 0:
         return
+    amax_mode, amax_ptr, geometry = _amax_launch(amax)
     m_scaling, m_range = _scaling(exp_avg, exp_avg_scale)
     v_scaling, v_range = _scaling(exp_avg_sq, exp_avg_sq_scale)
     per_tensor = [i for i, s in enumerate((m_scaling, v_scaling)) if s == ONE_SCALE]
@@ -184,6 +232,7 @@ def adamw_step_(
     work = torch.zeros(4, dtype=torch.float32, device=param.device) if per_tensor else param
     launch = dict(
         numel=numel,
+        **geometry,
         decay_factor=scalars.decay_factor,
         beta1=scalars.beta1,
         beta2=scalars.beta2,
@@ -197,8 +246,9 @@ def adamw_step_(
         M_RANGE=m_range,
         V_RANGE=v_range,
         HAS_GRAD_SCALE=grad_scale is not None,
-        HAS_AMAX=amax is not None,
+        AMAX=amax_mode,
         QBLOCK=SCALE_BLOCK,
+        GROUP=CELL_GROUP,
         BLOCK=BLOCK,
         num_warps=8,
     )
@@ -211,7 +261,7 @@ def adamw_step_(
         exp_avg_sq_scale if exp_avg_sq_scale is not None else work,
         work,
         grad_scale if grad_scale is not None else work,
-        amax if amax is not None else work,
+        amax_ptr if amax_ptr is not None else work,
     )
     grid = (triton.cdiv(numel, BLOCK),)
     with torch.cuda.device(param.device):

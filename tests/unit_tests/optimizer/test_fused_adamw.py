@@ -8,6 +8,7 @@ CPU; the GPU tests check the kernel against torch's fused CUDA AdamW and against
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -166,3 +167,74 @@ def test_triton_step_resumes_from_a_state_dict_on_gpu():
     _train(second, resumed, "cuda", steps=3, first=2)
     for a, b in zip(uninterrupted, resumed):
         assert torch.equal(a, b)
+
+
+# (weight shape, piece start, piece numel, cell rows, cell cols): a 128x128-block weight whole
+# and a piece of one from mid-row; a stacked expert weight [4 x 192, 128] with one cell per
+# expert; columns (100) that no 128-element group divides (measured after the step instead).
+CELL_CASES = [
+    ((384, 256), 0, 384 * 256, 128, 128),
+    ((300, 256), 3 * 128, 200 * 256, 128, 128),
+    ((4 * 192, 128), 0, 4 * 192 * 128, 192, 1 << 30),
+    ((256, 100), 0, 256 * 100, 128, 128),
+]
+
+
+def _cells_reference(values, shape, start, cell_rows, cell_cols) -> torch.Tensor:
+    """Plain torch: each cell's max |value| over the piece's elements (0 where none)."""
+    rows, cols = shape
+    full = torch.zeros(rows * cols, dtype=torch.float32)
+    full[start : start + values.numel()] = values.detach().abs().float().cpu()
+    grid = full.view(rows, cols)
+    cell_cols = min(cell_cols, cols)
+    out = [
+        grid[r : r + cell_rows, c : c + cell_cols].max()
+        for r in range(0, rows, cell_rows)
+        for c in range(0, cols, cell_cols)
+    ]
+    return torch.stack(out)
+
+
+def _cell_targets(params) -> list:
+    from megatron.core.fp8.cuda.piece_quantize import piece_cell_amax_
+    from megatron.core.fp8.recipe import recipe_spec
+    from megatron.core.optimizer.fused_adamw import AmaxCells
+
+    targets = []
+    for param, (shape, start, _, cell_rows, cell_cols) in zip(params, CELL_CASES):
+        rows, cols = shape
+        grid_cols = -(-cols // min(cell_cols, cols))
+        cells = torch.zeros(-(-rows // cell_rows) * grid_cols, device=param.device)
+        spec = recipe_spec("tensorwise" if cell_cols > cols else "blockwise")
+        where = dict(shape=torch.Size(shape), spec=spec, columnwise=False, param_start=start)
+        where.update(cell_rows=cell_rows if spec.per_tensor else None)
+        measure = functools.partial(piece_cell_amax_, cell_amax=cells, **where)
+        targets.append(AmaxCells(cells, cols, cell_rows, cell_cols, grid_cols, start, measure))
+    return targets
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.gpu])]
+)
+def test_step_fills_the_cell_amaxes_of_fp8_weights(device):
+    """AmaxCells targets (FP8 block cells, per-expert cells) hold each cell's max |updated
+    param| after a step, as plain torch computes it: on CUDA from the Triton pass itself where
+    128-element groups lie in one cell, measured after the step elsewhere and on CPU."""
+    generator = torch.Generator().manual_seed(3)
+    params = [
+        (torch.randn(numel, generator=generator) * (1 + i)).to(device).requires_grad_()
+        for i, (_, _, numel, _, _) in enumerate(CELL_CASES)
+    ]
+    optimizer = FusedAdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    targets = _cell_targets(params)
+    assert [t.groups_in_one_cell(128) for t in targets] == [True, True, True, False]
+    for _ in range(2):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator).to(device)
+        for target in targets:
+            target.cells.zero_()
+        optimizer.amax_targets = dict(zip(params, targets))
+        optimizer.step()
+    for param, target, (shape, start, _, cell_rows, cell_cols) in zip(params, targets, CELL_CASES):
+        want = _cells_reference(param, shape, start, cell_rows, cell_cols)
+        assert torch.equal(target.cells.cpu(), want), shape

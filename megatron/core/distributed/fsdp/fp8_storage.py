@@ -28,6 +28,8 @@ high-precision weight sees when Fp8Linear quantizes it once per forward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -58,9 +60,11 @@ from megatron.core.fp8.engine_interface import (
     quantize_mxfp8_bands_,
     record_weight_amaxes,
     stacked_cell_rows,
+    weight_cell_geometry,
     weight_cell_scales,
     weight_scale_grid,
 )
+from megatron.core.optimizer.fused_adamw import AmaxCells
 
 
 class _Works:
@@ -407,18 +411,34 @@ class Fp8ComputeStorage(ComputeStorage):
         reported, self.optimizer_amaxes = self.optimizer_amaxes, None
         return reported if reported is not None else self.local_amaxes(main_shard)
 
-    def optimizer_amax_targets(
-        self, pieces: list
-    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """Per-tensor recipes: one cell per weight, which a step's max |param| fills exactly.
-        Block recipes measure their 2-D cells here (None)."""
-        stacked = len(self.matrices) != len(self.layout.slots)  # measured per expert instead
-        if not self.spec.recipe_spec.per_tensor or self.scales_sharded or stacked:
+    def optimizer_amax_targets(self, pieces: list) -> tuple[torch.Tensor, list] | None:
+        """The amax vector of `amax_to_reduce` and, per piece of this rank, what a step's
+        AdamW pass fills in it: a per-tensor 2-D weight's one cell (0-d), else the cells of the
+        run the piece lies in (`AmaxCells`: 128x128 blocks, a stacked weight's per-expert
+        cells). None (the write measures them): sharded mxfp8 scales, two directions, or a
+        piece cut into several runs (a stacked weight quantized per expert)."""
+        if self.scales_sharded or self.directions != ("rowwise",):
             return None
-        entries = self._cell_layout()  # one rowwise cell per slot
-        amaxes = torch.zeros(len(entries), dtype=torch.float32, device=self.device)
-        cell = {id(self.layout.slots[index]): offset for index, _, offset, _ in entries}
-        return amaxes, [amaxes[cell[id(piece.slot)]] for piece in pieces]
+        slots = {id(slot): i for i, slot in enumerate(self.layout.slots)}
+        runs = [self._run_index.get((slots[id(piece.slot)], None)) for piece in pieces]
+        if None in runs:
+            return None
+        entries = {index: (offset, n) for index, _, offset, n in self._cell_layout()}
+        amaxes = torch.zeros(sum(n for _, n in entries.values()), device=self.device)
+        return amaxes, [self._step_cells(amaxes, entries, i, p) for i, p in zip(runs, pieces)]
+
+    def _step_cells(self, amaxes, entries, index: int, piece):
+        """What a step fills for `piece` of run `index` (optimizer_amax_targets)."""
+        offset, n = entries[index]
+        cells, run, spec = amaxes[offset : offset + n], self.runs[index], self.spec.recipe_spec
+        if n == 1:
+            return cells[0]  # one cell: max |param| of the piece
+        geometry = weight_cell_geometry(run.shape, spec.name, cell_rows=run.cell_rows)
+        where = dict(shape=run.shape, spec=spec, columnwise=False, param_start=piece.param_start)
+        measure = functools.partial(
+            add_piece_cell_amaxes_, cell_amax=cells, cell_rows=run.cell_rows, **where
+        )
+        return AmaxCells(cells, *geometry, start=piece.param_start, measure_=measure)
 
     def use_optimizer_amaxes(self, amaxes: torch.Tensor) -> None:
         self.optimizer_amaxes = amaxes

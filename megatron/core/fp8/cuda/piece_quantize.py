@@ -64,6 +64,13 @@ def grid_dims(
     return _grid(shape, cell_shape(recipe, columnwise=columnwise, rows=cell_rows))
 
 
+def cell_geometry(shape: torch.Size, recipe: str, *, cell_rows=None) -> tuple[int, int, int, int]:
+    """(cols, cell rows, cell cols, grid cols) of a weight's rowwise cells: element i of the
+    row-major weight lies in cell (i // cols // cell rows) * grid cols + i % cols // cell cols."""
+    cell = cell_shape(recipe, columnwise=False, rows=cell_rows)
+    return rows_cols(shape)[1], cell[0], cell[1], _grid(shape, cell)[1]
+
+
 def cell_index(shape: torch.Size, cell: tuple[int, int], *, param_start: int, numel: int, device):
     """Flat grid cell of each element param_start .. param_start + numel of the weight."""
     flat = torch.arange(param_start, param_start + numel, device=device)
