@@ -388,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         handle.write(f"Command: python3 {' '.join(sys.argv)}\n\n{table}")
     print(table)
     plot_curves(rows, os.path.join(args.out, "loss_curves.png"))
-    print(f"{len(runs)} runs in {time.monotonic() - started:.0f} s; results in {args.out}")
+    seconds = time.monotonic() - started
+    print(f"{len(runs)} runs planned; this call took {seconds:.0f} s; results in {args.out}")
     left = [r for r in rows if r["left"] and r["valid_loss"] is None]
     failed = [r for r in rows if r not in left]
     failed = [r for r in failed if r["valid_loss"] is None or r["returncode"] not in (0, None)]
