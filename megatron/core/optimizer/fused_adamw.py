@@ -291,7 +291,10 @@ class FusedAdamW(torch.optim.AdamW):
             if isinstance(amax, AmaxCells):
                 amax.measure_(param.detach().reshape(-1))
                 continue
-            torch.maximum(amax, param.detach().abs().amax().to(amax.dtype), out=amax)
+            # NaN is skipped, as the kernel's hardware max and the FP8 storage's rule skip it.
+            magnitude = param.detach().abs()
+            magnitude = magnitude.masked_fill(magnitude.isnan(), 0.0).amax()
+            torch.maximum(amax, magnitude.to(amax.dtype), out=amax)
 
 
 def _numel(tensor: torch.Tensor | None) -> int:

@@ -169,3 +169,60 @@ def test_step_reports_the_amaxes_of_fp8_weights(world_size: int) -> None:
             reported = name.split("/")[0] != "mxfp8"
             assert got["reports"] == ([3, 3] if reported else [0, 0]), name
             assert got["mismatches"] == 0, name
+
+
+def _kernel_cell_rule(values: torch.Tensor, target, group: int = 128) -> None:
+    """FusedAdamW's Triton rule for an AmaxCells target, in torch: the NaN-skipping max |x| of
+    each `group` consecutive elements, maxed into the cell of the group's first element by
+    the kernel's index formula (its geometry the target's)."""
+    magnitude = values.abs().masked_fill(values.isnan(), 0.0)
+    padded = torch.zeros(-(-values.numel() // group) * group)
+    padded[: values.numel()] = magnitude
+    groups = padded.view(-1, group).amax(dim=1)
+    first = target.start + torch.arange(groups.numel()) * group
+    row = first // target.cols
+    cell = (row // target.cell_rows) * target.grid_cols + (first - row * target.cols) // (
+        target.cell_cols
+    )
+    target.cells.scatter_reduce_(0, cell, groups, reduce="amax")
+
+
+def _cell_targets(rank: int, world_size: int) -> dict:
+    """Blockwise at hidden 256 (fc1 [512, 256]: 4 x 2 cells of 128 x 128): the targets the
+    step would fill, filled by the kernel's rule from the updated main pieces, against the
+    amaxes the storage measures."""
+    from megatron.core.optimizer.fused_adamw import AmaxCells
+
+    config = fp8_config("blockwise")
+    state = wrap(build_fp8_toy(config, hidden=256), strategy="optim_grads_params", config=config)
+    train(state, range(2), config=config)
+    counts, mismatches = {"cells": 0, "fused": 0}, 0
+    for group, pieces in state.optimizer.pieces_by_group:
+        made = group.storage.optimizer_amax_targets([p.piece for p in pieces])
+        if made is None:
+            continue
+        amaxes, targets = made
+        for piece, target in zip(pieces, targets):
+            values = piece.main.detach().reshape(-1)
+            if isinstance(target, AmaxCells):
+                counts["cells"] += 1
+                fused = target.groups_in_one_cell(128)
+                counts["fused"] += fused
+                _kernel_cell_rule(values, target) if fused else target.measure_(values)
+            else:
+                target.copy_(piece.main.detach().abs().max())
+        mismatches += not torch.equal(amaxes, group.storage.local_amaxes(group.main_shard))
+    return dict(counts, mismatches=mismatches)
+
+
+@pytest.mark.parametrize("world_size, pieces", [(1, 4), (4, 8), (3, 8)])
+def test_cell_targets_carry_the_kernel_geometry(world_size: int, pieces: int) -> None:
+    """The AmaxCells a blockwise storage hands the step (cols, cell edges, grid, each piece's
+    start) make the Triton pass's index rule land every group in the cell the storage
+    measures: whole weights at one rank; at 4 ranks each weight cut at row 256 (a piece
+    starting mid-weight); at 3 ranks cuts off the 128-element grid, measured after the step."""
+    results = run_distributed(_cell_targets, world_size)
+    assert sum(got["cells"] for got in results) == pieces, results
+    fused = sum(got["fused"] for got in results)
+    assert fused == pieces if world_size != 3 else 0 < fused < pieces, results
+    assert all(got["mismatches"] == 0 for got in results), results

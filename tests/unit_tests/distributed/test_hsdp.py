@@ -124,12 +124,13 @@ def test_fp32_losses_equal_single_process(world_size: int, instances: int) -> No
 ROOT, LAYERS = Unit(204, 4), [Unit(174, 4), Unit(174, 4)]
 
 
-@pytest.mark.parametrize("world_size, instances", [(4, 2), (8, 2)])
+@pytest.mark.parametrize("world_size, instances", [(4, 2), (8, 2), (4, 4)])
 def test_inner_and_outer_byte_counters(world_size: int, instances: int) -> None:
     """The measured counters equal traffic.counter_bytes, the formulas docs/SCALING.md is built
-    from: inner traffic is plain ZeRO-3's at DP/N ranks; outer traffic is one shard's grads
-    per step (outer no_shard: all-reduced), or that shard, padded to N parts, reduce-scattered
-    plus the fp32 main shard all-gathered (outer optim)."""
+    from: inner traffic is plain ZeRO-3's at DP/N ranks (none over a shard group of one rank:
+    4 x 1); outer traffic is one shard's grads per step (outer no_shard: all-reduced), or that
+    shard, padded to N parts, reduce-scattered plus the fp32 main shard all-gathered (outer
+    optim)."""
     inner = world_size // instances
     micro = 2 if 2 * world_size <= GLOBAL_BATCH else 1
     for outer in ("no_shard", "optim"):
@@ -145,6 +146,9 @@ def test_inner_and_outer_byte_counters(world_size: int, instances: int) -> None:
         assert {key: expected[key] for key in plain} == plain  # inner = ZeRO-3 at DP/N
         for result in fp32_results(world_size, instances):
             assert result[("bytes", outer)] == expected, outer
+    if instances == world_size:
+        assert fp32_results(4, 4)[0][("bytes", "no_shard")]["all_gather_bytes"] == 0
+        assert fp32_results(4, 4)[0][("bytes", "no_shard")]["reduce_scatter_bytes"] == 0
     if (world_size, instances) == (4, 2):
         # Spelled out for 2 x 2 (2 micro-batches): ZeRO-3 at 2 ranks as test_fsdp_memory_and_comm
         # asserts it; shards of 102 + 87 + 87 elements, which outer optim pads to 102 + 88 + 88.

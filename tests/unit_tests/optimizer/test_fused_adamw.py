@@ -238,3 +238,15 @@ def test_step_fills_the_cell_amaxes_of_fp8_weights(device):
     for param, target, (shape, start, _, cell_rows, cell_cols) in zip(params, targets, CELL_CASES):
         want = _cells_reference(param, shape, start, cell_rows, cell_cols)
         assert torch.equal(target.cells.cpu(), want), shape
+
+
+def test_cpu_amax_skips_nan_as_the_kernel_and_the_fp8_storage_do():
+    """A NaN element (a diverged weight) leaves a 0-d amax at the max of the other elements,
+    as the Triton pass's hardware max and the FP8 storage's measured rule give it."""
+    param = torch.tensor([1.0, float("nan"), -3.0, 2.0], requires_grad=True)
+    optimizer = FusedAdamW([param], lr=0.0, weight_decay=0.0)
+    param.grad = torch.zeros(4)
+    amax = torch.zeros(())
+    optimizer.amax_targets = {param: amax}
+    optimizer.step()
+    assert amax.item() == 3.0

@@ -424,7 +424,9 @@ class Fp8ComputeStorage(ComputeStorage):
         if None in runs:
             return None
         entries = {index: (offset, n) for index, _, offset, n in self._cell_layout()}
-        amaxes = torch.zeros(sum(n for _, n in entries.values()), device=self.device)
+        amaxes = torch.zeros(
+            sum(n for _, n in entries.values()), dtype=torch.float32, device=self.device
+        )
         return amaxes, [self._step_cells(amaxes, entries, i, p) for i, p in zip(runs, pieces)]
 
     def _step_cells(self, amaxes, entries, index: int, piece):

@@ -148,7 +148,8 @@ class GradReducePipeline:
         work = reduce_scatter_flat(
             result, staging, group=self._group_of(group), async_op=self.overlap
         )
-        self.stats.add("reduce_scatter_bytes", staging.numel() * staging.element_size())
+        ran = group.layout.world_size > 1  # over one rank: a local copy, no collective
+        self.stats.add("reduce_scatter_bytes", staging.numel() * staging.element_size() * ran)
         pending = _PendingReduce(
             group=group,
             work=work,
@@ -177,7 +178,7 @@ class GradReducePipeline:
         work = reduce_scatter_flat(
             result, scaled, group=self._group_of(group), async_op=self.overlap
         )
-        self.stats.add("reduce_scatter_bytes", nbytes)
+        self.stats.add("reduce_scatter_bytes", nbytes * (group.layout.world_size > 1))
         self._queue(
             _PendingReduce(
                 group=group, work=work, result=result, keep_alive=scaled, then_outer=then_outer

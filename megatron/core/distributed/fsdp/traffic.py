@@ -47,15 +47,18 @@ def counter_bytes(
     reduce_bytes: float = 4,
     main_bytes: float = 4,
 ) -> dict[str, int]:
-    """comm_stats() of one ZeRO-3 step (keys as CommStats reports them)."""
+    """comm_stats() of one ZeRO-3 step (keys as CommStats reports them). A shard group of one
+    rank runs no inner collective: it holds every unit whole (no gathers), and its grads need
+    no reduce-scatter (the counters count collectives that ran)."""
     units = [root, *layers]
     padded = [_padded(unit.numel, shard_size) for unit in units]
     gather = padded[0] * root.gather_bytes + 2 * sum(
         n * unit.gather_bytes for n, unit in zip(padded[1:], layers)
     )
+    inner = 1 if shard_size > 1 else 0
     stats = {
-        "all_gather_bytes": round(micro_batches * gather),
-        "reduce_scatter_bytes": round(micro_batches * sum(padded) * reduce_bytes),
+        "all_gather_bytes": round(inner * micro_batches * gather),
+        "reduce_scatter_bytes": round(inner * micro_batches * sum(padded) * reduce_bytes),
         "all_reduce_bytes": 0,
     }
     if outer_size == 1:
