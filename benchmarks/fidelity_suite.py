@@ -357,6 +357,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.compile is None:
         args.compile = not any(size.endswith("smoke") for size in args.size)
+    if args.max_runs is not None and args.max_runs < 1:
+        parser.error(f"--max-runs must be at least 1, got {args.max_runs}")
     if len(args.seeds) < 2:
         parser.error("--seeds needs at least 2 seeds for an interval (the suite's claim uses 3)")
     return args

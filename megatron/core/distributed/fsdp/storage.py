@@ -213,32 +213,28 @@ class DenseComputeStorage(ComputeStorage):
     def _shard_to_gather(self) -> torch.Tensor:
         if not self.casts_main_shard:
             return self.local_shard
-        main_shard = self._bound_main_shard()
-        gather_input = self.tracker.empty(main_shard.shape, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            gather_input.copy_(main_shard)
-        return gather_input
-
-    def _bound_main_shard(self) -> torch.Tensor:
         if self._main_shard is None:
             raise RuntimeError("DenseComputeStorage: bind_main_shard() was never called")
-        return self._main_shard
+        if self.layout.world_size == 1:
+            return self._main_shard  # one rank: the gather's own copy casts it in place
+        gather_input = self.tracker.empty(
+            self._main_shard.shape, dtype=self.dtype, device=self.device
+        )
+        with torch.no_grad():
+            gather_input.copy_(self._main_shard)
+        return gather_input
 
     def start_gather(self, *, role: GatherRole, async_op: bool) -> tuple[dist.Work | None, int]:
         if self._gathered:
             return None, 0
         self.tracker.resize_storage(self.full_buffer, self._full_nbytes())
-        if self.casts_main_shard and self.layout.world_size == 1:
-            with torch.no_grad():  # one rank: the cast writes the gathered values in place
-                self.full_buffer.copy_(self._bound_main_shard())
-            self._gathered = True
-            return None, 0  # no collective ran
         shard = self._shard_to_gather()
-        work = all_gather_flat(self.full_buffer, shard, group=self.group, async_op=async_op)
+        with torch.no_grad():
+            work = all_gather_flat(self.full_buffer, shard, group=self.group, async_op=async_op)
         if self.casts_main_shard and work is not None:
             self._gather_input = shard  # an async gather still reads it
         self._gathered = True
-        return work, self._full_nbytes()
+        return work, self._full_nbytes() if self.layout.world_size > 1 else 0
 
     def finish_gather(self, role: GatherRole) -> None:
         self._gather_input = None
