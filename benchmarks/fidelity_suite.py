@@ -175,6 +175,20 @@ def _done(log: str) -> bool:
     return bool(parsed.validation_series.get("lm loss validation"))
 
 
+def card_name(index: int | None) -> str:
+    """The GPU a run starts on (nvidia-smi's name of CUDA device `index`, or of the first one
+    when index is None), "cpu" on a machine without nvidia-smi. Runs are paired with bf16 only
+    on the same card: a chunked suite may get an H100 in one call and an H200 in the next."""
+    command = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+    command += ["-i", str(index)] if index is not None else []
+    try:
+        result = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "cpu"
+    names = result.stdout.strip().splitlines()
+    return names[0].strip() if result.returncode == 0 and names else "cpu"
+
+
 def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> None:
     """Run up to `parallel` at once, each under `timeout` seconds, the i-th started on GPU
     i % gpus (CUDA_VISIBLE_DEVICES; gpus 0 leaves it alone); record exit codes."""
@@ -186,14 +200,18 @@ def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> No
     threads = max(1, (os.cpu_count() or 1) // max(1, parallel))
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
     started_runs = 0
+    shared_card = None if gpus else card_name(None)
     while pending or active:
         while pending and len(active) < parallel:
             run = pending.pop(0)
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = str(started_runs % gpus)
+            card = card_name(started_runs % gpus) if gpus else shared_card
             started_runs += 1
             with open(run["log"] + ".cmd", "w", encoding="utf-8") as handle:
                 handle.write(" ".join(run["command"][1:]) + "\n")
+            with open(run["log"] + ".card", "w", encoding="utf-8") as handle:
+                handle.write(card + "\n")
             log = open(run["log"], "w", encoding="utf-8")
             process = subprocess.Popen(
                 run["command"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -211,13 +229,21 @@ def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> No
                 print(f"{run['job']} {run['recipe']}@{run['seed']}: exit {process.returncode}")
 
 
+def _read_card(log: str) -> str | None:
+    try:
+        with open(log + ".card", encoding="utf-8") as handle:
+            return handle.read().strip() or None
+    except OSError:
+        return None
+
+
 def read_results(runs: list[dict]) -> list[dict]:
     """Per run: validation loss, last training loss, the training-loss curve."""
     rows = []
     for run in runs:
         row = {k: run.get(k) for k in ("job", "corpus", "size", "iters", "recipe", "seed")}
         row.update(returncode=run.get("returncode"), log=run["log"], valid_loss=None)
-        row.update(left=run.get("left", False))
+        row.update(left=run.get("left", False), card=_read_card(run["log"]))
         try:
             parsed = parse_log(run["log"])
         except (OSError, ValueError):
@@ -233,18 +259,24 @@ def read_results(runs: list[dict]) -> list[dict]:
 
 
 def summarize(rows: list[dict], recipes: list[str], tolerance: float) -> list[dict]:
-    """One line per job x recipe: paired ratios, mean, 95% interval, verdict."""
+    """One line per job x card x recipe: paired ratios, mean, 95% interval, verdict. A seed's
+    recipe run pairs only with the bf16 run of that seed on the same card."""
     summaries = []
-    for job in dict.fromkeys(row["job"] for row in rows):
+    for job, card in dict.fromkeys((row["job"], row.get("card")) for row in rows):
         losses = {}
         for row in rows:
-            if row["job"] == job and row["valid_loss"] is not None:
+            same = row["job"] == job and row.get("card") == card
+            if same and row["valid_loss"] is not None:
                 losses.setdefault(row["recipe"], {})[row["seed"]] = row["valid_loss"]
+        if not losses:
+            continue
         bf16 = losses.get("bf16", {})
         for recipe in recipes:
             summary = paired_ratio_summary(losses.get(recipe, {}), bf16, tolerance=tolerance)
             bf16_mean = sum(bf16.values()) / len(bf16) if bf16 else None
-            summaries.append(dict(job=job, recipe=recipe, bf16_mean=bf16_mean, **summary))
+            summaries.append(
+                dict(job=job, card=card, recipe=recipe, bf16_mean=bf16_mean, **summary)
+            )
     return summaries
 
 
@@ -254,14 +286,15 @@ def _fmt(value: float | None, digits: int = 4) -> str:
 
 def markdown_table(summaries: list[dict]) -> str:
     lines = [
-        "| job (corpus_size_steps) | recipe | seeds | bf16 mean valid | mean fp8/bf16 "
+        "| job (corpus_size_steps) | card | recipe | seeds | bf16 mean valid | mean fp8/bf16 "
         "| 95% interval | verdict | per-seed ratios |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         ratios = ", ".join(f"{r:.4f}" for r in s["ratios"])
         lines.append(
-            f"| {s['job']} | {s['recipe']} | {len(s['seeds'])} | {_fmt(s['bf16_mean'], 5)} "
+            f"| {s['job']} | {s.get('card') or 'n/a'} | {s['recipe']} | {len(s['seeds'])} "
+            f"| {_fmt(s['bf16_mean'], 5)} "
             f"| {_fmt(s['mean'])} | [{_fmt(s['low'])}, {_fmt(s['high'])}] | {s['verdict']} "
             f"| {ratios} |"
         )

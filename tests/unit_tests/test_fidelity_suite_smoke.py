@@ -55,7 +55,8 @@ def test_smoke_suite_end_to_end(tmp_path):
     assert summary["ratios"] == pytest.approx(expected, rel=1e-12)
     assert summary["mean"] == pytest.approx(sum(expected) / 2, rel=1e-12)
     assert summary["low"] <= summary["mean"] <= summary["high"]
-    assert "| stdlib_smoke_3 | tensorwise | 2 |" in (out / "summary.md").read_text()
+    assert "| stdlib_smoke_3 | cpu | tensorwise | 2 |" in (out / "summary.md").read_text()
+    assert {r["card"] for r in runs} == {"cpu"}  # no nvidia-smi on CI
     # The same seed gives the same data and init: bf16 and tensorwise start within 1%.
     assert 0.99 < summary["mean"] < 1.01
     pytest.importorskip("matplotlib")
@@ -76,3 +77,23 @@ def test_moe_smoke_size_trains_routed_experts(tmp_path):
         assert log.read_text().count("load_balancing_loss: ") == 3
     (summary,) = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
     assert 0.99 < summary["mean"] < 1.01
+
+
+def test_runs_pair_only_on_the_same_card():
+    """A chunked suite can run seed 1's bf16 on one card and its tensorwise on another: that
+    pair is not formed; each card's own pairs are summarized apart."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fidelity_suite import summarize
+
+    def row(recipe, seed, card, loss):
+        return dict(job="j", recipe=recipe, seed=seed, card=card, valid_loss=loss)
+
+    rows = [
+        row("bf16", 1, "H100", 2.0), row("tensorwise", 1, "H200", 2.2),
+        row("bf16", 2, "H200", 4.0), row("tensorwise", 2, "H200", 4.04),
+        row("bf16", 3, "H200", 5.0), row("tensorwise", 3, "H200", 4.95),
+    ]  # fmt: skip
+    by_card = {s["card"]: s for s in summarize(rows, ["tensorwise"], 0.01)}
+    assert by_card["H200"]["seeds"] == [2, 3]
+    assert by_card["H200"]["ratios"] == pytest.approx([1.01, 0.99], rel=1e-12)
+    assert by_card["H100"]["seeds"] == [] and by_card["H100"]["bf16_mean"] == 2.0
