@@ -12,9 +12,11 @@ run's training loss on one page; needs matplotlib, skipped with a message withou
     python3 benchmarks/fidelity_suite.py --out /tmp/fidsuite --corpus stdlib english \
         --size 128m 350m --seeds 1234 1235 1236 --parallel 6
     # one device call's share of a job longer than a call (10 minutes): the logs stay in
-    # --out between calls (a carried folder), each call runs the next 3 runs not yet done
+    # --out between calls (a carried folder), each call runs the next 5 runs not yet done
+    # (plan order is seed by seed, bf16 first: 5 runs are one seed's bf16 and 4 recipes, so
+    # each pair runs on one call's card; pairs across cards are not formed, see summarize)
     python3 benchmarks/fidelity_suite.py --out .fid/suite --corpus english \
-        --english-dir .fid/english --size 128m --iters 3000 --skip-done --max-runs 3 --parallel 3
+        --english-dir .fid/english --size 128m --iters 3000 --skip-done --max-runs 5 --parallel 5
     # the CPU smoke run the tests use (tiny model, 3 iterations, no compile)
     python3 benchmarks/fidelity_suite.py --out /tmp/fidsmoke --size smoke --recipes tensorwise
     # model M-small, the MoE fidelity run of issue 38 (acceptance 6), on the quickstart corpus
