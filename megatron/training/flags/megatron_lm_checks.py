@@ -1,8 +1,7 @@
-"""Megatron-LM's flags at parse time: mapped onto ours (resolve_megatron_lm_args, with the log
-notes for given knobs that do not apply here) and checked (validate_megatron_lm_args). The
-flags themselves are defined in megatron_lm.py. Parse-time code: it maps the copy of the flags
-that configs.resolved_flags resolves (never parse_args' Namespace); nothing runs below pretrain().
-"""
+"""Megatron-LM's flags at parse time (defined in megatron_lm.py): mapped onto ours, with the log
+notes for given knobs that do not apply here or cost measured quality (resolve_megatron_lm_args),
+and checked (validate_megatron_lm_args). It maps configs.resolved_flags' copy of the flags
+(never parse_args' Namespace); nothing runs below pretrain()."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ from megatron.training.flags.megatron_lm import knob_notes
 from megatron.training.flags.megatron_lm_table import table_notes
 from megatron.training.flags.mla import validate_mla_args
 from megatron.training.flags.mup import mup_notes, validate_mup_args
+from megatron.training.flags.optimizer import optimizer_notes
 
 
 def resolve_megatron_lm_args(args: argparse.Namespace) -> list[str]:
@@ -21,7 +21,7 @@ def resolve_megatron_lm_args(args: argparse.Namespace) -> list[str]:
     apply here. Raises ValueError (shown as one `error:` line) for a value we cannot honour."""
     _resolve_parallel(args)
     _resolve_fsdp_dtypes(args)
-    return _notes(args) + table_notes(args) + mup_notes(args)
+    return _notes(args) + table_notes(args) + mup_notes(args) + optimizer_notes(args)
 
 
 def _resolve_parallel(args: argparse.Namespace) -> None:

@@ -47,6 +47,18 @@ def add_optimizer_state_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def optimizer_notes(args: argparse.Namespace) -> list[str]:
+    """What the log says about a moment dtype that trains measurably worse (issue 37)."""
+    if not (args.use_precision_aware_optimizer and args.exp_avg_sq_dtype == "fp8"):
+        return []
+    return [
+        "--exp-avg-sq-dtype fp8: with one scale per tensor, a 128M GPT ended 1,000 steps 9-33% "
+        "above fp32 moments' validation loss; fp8 first with bf16 second moments stayed within "
+        "1% (docs/benchmarks/fp8_moments_moe_memory_h100_2026-12-06.md). Use "
+        "--exp-avg-sq-dtype bf16."
+    ]
+
+
 def validate_optimizer_args(args: argparse.Namespace) -> None:
     """Refuse optimizer-state settings the optimizer or the engine cannot hold (ValueError)."""
     config = OptimizerConfig(
