@@ -17,11 +17,11 @@ from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor, regi
 from megatron.core.fp8.recipe import recipe_spec
 from megatron.core.fp8.reference import (
     INPUT_DTYPES,
-    amax_ignoring_nan,
     check_quantize_args,
     e8m0_from_amax,
     scale_from_amax,
 )
+from megatron.core.numerics import amax_ignoring_nan
 
 BACKENDS = ("auto", "reference", "cuda")
 

@@ -24,6 +24,7 @@ from megatron.core.fp8.formats import (
     fp8_max_reciprocal,
 )
 from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
+from megatron.core.numerics import amax_ignoring_nan
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -78,15 +79,6 @@ def scale_grid_shape(
         return ()
     cell_rows, cell_cols = cell
     return (-(-rows // cell_rows), -(-cols // cell_cols))
-
-
-def amax_ignoring_nan(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
-    """max|x| in fp32 where NaN elements count as 0 (so a NaN never raises the amax)."""
-    magnitude = x.to(torch.float32).abs()
-    magnitude = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
-    if dim is None:
-        return magnitude.amax()
-    return magnitude.amax(dim=dim)
 
 
 def saturating_cast(x_scaled: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from megatron.core.fp8.formats import fp8_dtype_for_role, fp8_max
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
-from megatron.core.fp8.reference import amax_ignoring_nan, block_scales, saturating_cast
+from megatron.core.fp8.reference import block_scales, saturating_cast
+from megatron.core.numerics import amax_ignoring_nan
 
 
 @dataclass(frozen=True)

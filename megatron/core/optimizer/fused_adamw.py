@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from megatron.core.numerics import amax_ignoring_nan
 from megatron.core.optimizer.precision import (
     StatePrecision,
     adamw_update_,
@@ -292,9 +293,7 @@ class FusedAdamW(torch.optim.AdamW):
                 amax.measure_(param.detach().reshape(-1))
                 continue
             # NaN is skipped, as the kernel's hardware max and the FP8 storage's rule skip it.
-            magnitude = param.detach().abs()
-            magnitude = magnitude.masked_fill(magnitude.isnan(), 0.0).amax()
-            torch.maximum(amax, magnitude.to(amax.dtype), out=amax)
+            torch.maximum(amax, amax_ignoring_nan(param.detach()).to(amax.dtype), out=amax)
 
 
 def _numel(tensor: torch.Tensor | None) -> int:

@@ -23,7 +23,7 @@ ONE_DEFINITION = {
     "scale_from_amax": "core/fp8/reference.py",
     "reciprocal": "core/fp8/reference.py",
     "saturating_cast": "core/fp8/reference.py",
-    "amax_ignoring_nan": "core/fp8/reference.py",
+    "amax_ignoring_nan": "core/numerics.py",
     "e8m0_from_amax": "core/fp8/reference.py",
     "check_quantize_args": "core/fp8/reference.py",
 }

@@ -18,7 +18,8 @@ from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
 from megatron.core.fp8.cuda.launch import ceil_div
 from megatron.core.fp8.formats import fp8_max
 from megatron.core.fp8.recipe import MX_BLOCK, RecipeSpec, recipe_spec
-from megatron.core.fp8.reference import amax_ignoring_nan, saturating_cast
+from megatron.core.fp8.reference import saturating_cast
+from megatron.core.numerics import amax_ignoring_nan
 
 WHOLE = 1 << 30
 """A cell edge longer than any weight dim: the one cell of a per-tensor weight."""

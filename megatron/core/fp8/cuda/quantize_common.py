@@ -7,7 +7,8 @@ import torch
 
 from megatron.core.fp8.debug import DEBUG
 from megatron.core.fp8.recipe import RecipeSpec
-from megatron.core.fp8.reference import amax_ignoring_nan, quantize_blocks
+from megatron.core.fp8.reference import quantize_blocks
+from megatron.core.numerics import amax_ignoring_nan
 
 # Launch configurations per kernel: tile rows BM, tile cols BK, tiles per program GROUP (a
 # program walks GROUP tiles down one column strip), warps; BLOCK elements per step of the amax

@@ -32,12 +32,8 @@ from megatron.core.fp8.cuda.grouped_gemm import transpose_bytes
 from megatron.core.fp8.quantization import backend_for
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec
-from megatron.core.fp8.reference import (
-    amax_ignoring_nan,
-    reciprocal,
-    saturating_cast,
-    scale_from_amax,
-)
+from megatron.core.fp8.reference import reciprocal, saturating_cast, scale_from_amax
+from megatron.core.numerics import amax_ignoring_nan
 
 Operand = tuple[torch.Tensor, torch.Tensor]
 """(FP8 bytes as their FP8 dtype, fp32 scale_inv) of one grouped operand."""
