@@ -52,9 +52,9 @@ def optimizer_notes(args: argparse.Namespace) -> list[str]:
     if not (args.use_precision_aware_optimizer and args.exp_avg_sq_dtype == "fp8"):
         return []
     return [
-        "--exp-avg-sq-dtype fp8: with one scale per tensor, a 128M GPT ended 1,000 steps 9-33% "
-        "above fp32 moments' validation loss; fp8 first with bf16 second moments stayed within "
-        "1% (docs/benchmarks/fp8_moments_moe_memory_h100_2026-12-06.md). Use "
+        "--exp-avg-sq-dtype fp8: with one scale per tensor, a 128M GPT ended 1,000 steps 9-78% "
+        "above fp32 moments' validation loss on an H100 and an H200; fp8 first with bf16 second "
+        "moments stayed within 1% (docs/benchmarks/model_a_moments_8b_h200_2026-12-06.md). Use "
         "--exp-avg-sq-dtype bf16."
     ]
 
