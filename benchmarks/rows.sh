@@ -4,11 +4,20 @@
 #                     $OUT/$ROWS_NAME.log
 #   summarize NAME    appends {row, step_ms (median logged iteration after WARMUP), mean_ms,
 #                     steps, peak_mem_gib} of $OUT/NAME.log to $OUT/$ROWS_NAME.jsonl
+#   CLOCKS=1          also samples the GPU's power and clocks each second while a row runs
+#                     (`nvidia-smi dmon -s pc`) into $OUT/NAME.dmon: a row whose later steps slow
+#                     down can then be read against the SM clock
 row() {
-  local name=$1; shift
+  local name=$1 dmon=""; shift
   echo "== $name: $*" | tee -a "$OUT/$ROWS_NAME.log"
+  if [ "${CLOCKS:-0}" = 1 ] && command -v nvidia-smi > /dev/null; then
+    nvidia-smi dmon -s pc -d 1 -o T > "$OUT/$name.dmon" 2>&1 &
+    dmon=$!
+  fi
   timeout "${RUN_TIMEOUT:-240}" "$@" > "$OUT/$name.log" 2>&1
-  echo "exit $? ($name)" | tee -a "$OUT/$ROWS_NAME.log"
+  local status=$?
+  [ -n "$dmon" ] && kill "$dmon" 2> /dev/null
+  echo "exit $status ($name)" | tee -a "$OUT/$ROWS_NAME.log"
 }
 summarize() {
   python3 - "$OUT/$1.log" "$1" "$WARMUP" <<'PY' | tee -a "$OUT/$ROWS_NAME.jsonl"
