@@ -4,7 +4,10 @@ For each corpus x size, trains bf16 and every recipe at each seed with `pretrain
 (the same seed gives the same data order, initial weights and schedule), then reports per
 recipe the mean of the paired ratios valid_loss(recipe, seed) / valid_loss(bf16, seed) and its
 95% Student t interval (tools/fidelity_stats.py). A recipe is "within 1%" only when the
-interval's upper end is below 1.01. Writes OUT/runs.jsonl (one line per run), OUT/summary.jsonl
+interval's upper end is below 1.01; the table also gives the ratios' sd and how many seeds an
+interval would need at that mean and sd (same-seed reruns on a GPU end up to 1.5% apart, so 3
+seeds rarely decide 1%: docs/benchmarks/fidelity_suite_stdlib_128m_h100_2026-12-06.md).
+Writes OUT/runs.jsonl (one line per run), OUT/summary.jsonl
 (one line per corpus x size x recipe), OUT/summary.md (the table) and OUT/loss_curves.png (every
 run's training loss on one page; needs matplotlib, skipped with a message without it).
 
@@ -17,6 +20,9 @@ run's training loss on one page; needs matplotlib, skipped with a message withou
     # each pair runs on one call's card; pairs across cards are not formed, see summarize)
     python3 benchmarks/fidelity_suite.py --out .fid/suite --corpus english \
         --english-dir .fid/english --size 128m --iters 3000 --skip-done --max-runs 5 --parallel 5
+    # the noise floor beside the recipes: bf16 a second time at each seed (bf16_repeat)
+    python3 benchmarks/fidelity_suite.py --out .fid/suite --corpus stdlib --size 128m \
+        --seeds 1237 1238 --repeat-control --skip-done --max-runs 6 --parallel 6
     # the CPU smoke run the tests use (tiny model, 3 iterations, no compile)
     python3 benchmarks/fidelity_suite.py --out /tmp/fidsmoke --size smoke --recipes tensorwise
     # model M-small, the MoE fidelity run of issue 38 (acceptance 6), on the quickstart corpus
@@ -132,10 +138,21 @@ def model_flags(size: str, iters: int, compile_: bool) -> list[str]:
     return flags + (["--torch-compile"] if compile_ else [])
 
 
+CONTROL = "bf16_repeat"
+"""--repeat-control's run: bf16 again at the same seed, paired with bf16 like a recipe. Its
+ratio is the noise floor: on a GPU, kernels that accumulate in a run-dependent order (atomic
+adds) make two same-seed runs drift apart, and training amplifies any such difference."""
+
+
 def recipe_flags(recipe: str) -> list[str]:
-    if recipe == "bf16":
+    if recipe in ("bf16", CONTROL):
         return []
     return ["--fp8-recipe", recipe, "--fp8-format", "hybrid", "--fp8-param-gather"]
+
+
+def compared_recipes(args: argparse.Namespace) -> list[str]:
+    """What is paired with bf16: the control first (--repeat-control), then the recipes."""
+    return ([CONTROL] if args.repeat_control else []) + list(args.recipes)
 
 
 def plan_runs(args: argparse.Namespace) -> list[dict]:
@@ -148,7 +165,7 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
             job = f"{corpus}_{size}_{iters}"
             os.makedirs(os.path.join(args.out, job), exist_ok=True)
             for seed in args.seeds:
-                for recipe in ["bf16", *args.recipes]:
+                for recipe in ["bf16", *compared_recipes(args)]:
                     command = [sys.executable, "pretrain_gpt.py", *data]
                     command += model_flags(size, iters, args.compile)
                     command += ["--seed", str(seed), *recipe_flags(recipe), *args.extra]
@@ -289,8 +306,8 @@ def _fmt(value: float | None, digits: int = 4) -> str:
 def markdown_table(summaries: list[dict]) -> str:
     lines = [
         "| job (corpus_size_steps) | card | recipe | seeds | bf16 mean valid | mean fp8/bf16 "
-        "| 95% interval | verdict | per-seed ratios |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| 95% interval | verdict | sd of ratios | seeds for a verdict | per-seed ratios |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         ratios = ", ".join(f"{r:.4f}" for r in s["ratios"])
@@ -298,7 +315,7 @@ def markdown_table(summaries: list[dict]) -> str:
             f"| {s['job']} | {s.get('card') or 'n/a'} | {s['recipe']} | {len(s['seeds'])} "
             f"| {_fmt(s['bf16_mean'], 5)} "
             f"| {_fmt(s['mean'])} | [{_fmt(s['low'])}, {_fmt(s['high'])}] | {s['verdict']} "
-            f"| {ratios} |"
+            f"| {_fmt(s.get('sd'))} | {s.get('seeds_needed') or 'n/a'} | {ratios} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -374,6 +391,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--tolerance", type=float, default=0.01)
     parser.add_argument(
+        "--repeat-control",
+        action="store_true",
+        help=f"also run bf16 a second time at each seed ({CONTROL}), paired with bf16 like a "
+        "recipe: the table's noise floor",
+    )
+    parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -412,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(todo)} of {len(runs)} runs start now ({len(runs) - len(todo)} done or left)")
         execute(todo, parallel=args.parallel, timeout=args.run_timeout, gpus=args.gpus)
     rows = read_results(runs)
-    summaries = summarize(rows, args.recipes, args.tolerance)
+    summaries = summarize(rows, compared_recipes(args), args.tolerance)
     with open(os.path.join(args.out, "runs.jsonl"), "w", encoding="utf-8") as handle:
         for row in rows:
             kept = {k: v for k, v in row.items() if k not in ("train_losses", "iterations")}

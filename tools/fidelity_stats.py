@@ -94,6 +94,32 @@ def mean_confidence_interval(
     return mean, mean - half, mean + half
 
 
+def seeds_for_verdict(
+    mean: float, sd: float, *, confidence: float = 0.95, tolerance: float = 0.01, most: int = 1000
+) -> int | None:
+    """The fewest seeds n >= 2 whose interval, if their ratios kept this mean and standard
+    deviation, would end below 1 + tolerance: mean + t_{n-1} * sd / sqrt(n) < 1 + tolerance.
+    None when the mean itself is not below 1 + tolerance, or more than `most` would be needed.
+    A planning figure (the next seeds move the mean and sd), not a verdict."""
+    margin = 1.0 + tolerance - mean
+    if margin <= 0.0:
+        return None
+    quantile = (1.0 + confidence) / 2.0
+    for n in range(2, most + 1):
+        if student_t_quantile(quantile, n - 1) * sd / math.sqrt(n) < margin:
+            return n
+    return None
+
+
+def _verdict(low: float, high: float, tolerance: float) -> str:
+    percent = f"{tolerance * 100:g}%"
+    if high < 1.0 + tolerance:
+        return f"within {percent}"
+    if low >= 1.0 + tolerance:
+        return f"above {percent} (whole interval, lower end {(low - 1.0) * 100:+.2f}%)"
+    return f"not shown within {percent} (upper end {(high - 1.0) * 100:+.2f}%)"
+
+
 def paired_ratio_summary(
     fp8: Mapping[int, float],
     bf16: Mapping[int, float],
@@ -103,19 +129,26 @@ def paired_ratio_summary(
 ) -> dict:
     """Summary of fp8[seed] / bf16[seed] over the seeds both have (missing runs are skipped).
 
-    verdict: "within 1%" when the interval's upper end < 1 + tolerance; otherwise says by how
-    much the upper end exceeds it; "undetermined" with fewer than 2 pairs.
+    verdict: "within 1%" when the interval's upper end < 1 + tolerance; "above 1%" when its
+    lower end is not below 1 + tolerance; otherwise "not shown within 1%", with how far the
+    upper end reaches; "undetermined" with fewer than 2 pairs. sd is the ratios' sample
+    standard deviation, seeds_needed the seeds_for_verdict planning figure.
     """
     seeds = sorted(seed for seed in fp8 if seed in bf16 and fp8[seed] and bf16[seed])
     ratios = [fp8[seed] / bf16[seed] for seed in seeds]
     summary = {"seeds": seeds, "ratios": ratios, "confidence": confidence}
     if len(ratios) < 2:
         mean = ratios[0] if ratios else None
-        return {**summary, "mean": mean, "low": None, "high": None, "verdict": "undetermined"}
+        return {
+            **summary,
+            **dict(mean=mean, low=None, high=None, sd=None, seeds_needed=None),
+            "verdict": "undetermined",
+        }
     mean, low, high = mean_confidence_interval(ratios, confidence)
-    percent = f"{tolerance * 100:g}%"
-    if high < 1.0 + tolerance:
-        verdict = f"within {percent}"
-    else:
-        verdict = f"not within {percent} (upper end {(high - 1.0) * 100:+.2f}%)"
-    return {**summary, "mean": mean, "low": low, "high": high, "verdict": verdict}
+    sd = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (len(ratios) - 1))
+    needed = seeds_for_verdict(mean, sd, confidence=confidence, tolerance=tolerance)
+    return {
+        **summary,
+        **dict(mean=mean, low=low, high=high, sd=sd, seeds_needed=needed),
+        "verdict": _verdict(low, high, tolerance),
+    }

@@ -9,6 +9,7 @@ from tools.fidelity_stats import (
     mean_confidence_interval,
     paired_ratio_summary,
     regularized_incomplete_beta,
+    seeds_for_verdict,
     student_t_cdf,
     student_t_quantile,
 )
@@ -50,9 +51,27 @@ def test_paired_summary_verdicts():
     assert good["mean"] == pytest.approx(1.002, abs=1e-12)
     assert good["high"] == pytest.approx(1.0044841, abs=1e-6)
     assert good["verdict"] == "within 1%"
-    # Ratios 0.99, 1.00, 1.01: mean 1.00, upper end 1.0248414 -> not within 1%.
+    # Ratios 0.99, 1.00, 1.01: mean 1.00, upper end 1.0248414 -> not shown within 1%; sd 0.01,
+    # so 7 seeds would be needed (test_seeds_for_verdict_by_hand).
     wide = paired_ratio_summary({1: 0.792, 2: 0.90, 3: 1.01}, bf16)
     assert wide["high"] == pytest.approx(1.0248414, abs=1e-6)
-    assert wide["verdict"] == "not within 1% (upper end +2.48%)"
+    assert wide["verdict"] == "not shown within 1% (upper end +2.48%)"
+    assert wide["sd"] == pytest.approx(0.01, abs=1e-12) and wide["seeds_needed"] == 7
+    # Ratios 1.05, 1.06, 1.07: lower end 1.06 - 0.0248414 = 1.0351586 >= 1.01 -> above 1%.
+    above = paired_ratio_summary({1: 0.84, 2: 0.954, 3: 1.07}, bf16)
+    assert above["verdict"] == "above 1% (whole interval, lower end +3.52%)"
+    assert above["seeds_needed"] is None
     one = paired_ratio_summary({1: 0.88}, bf16)
     assert one["verdict"] == "undetermined" and one["mean"] == pytest.approx(1.1)
+
+
+def test_seeds_for_verdict_by_hand():
+    # mean 1.00, sd 0.01, margin 0.01: t_{n-1} / sqrt(n) must fall below 1.
+    # n=6: 2.570582 / 2.449490 = 1.0494; n=7: 2.446912 / 2.645751 = 0.9248 -> 7.
+    assert seeds_for_verdict(1.0, 0.01) == 7
+    # mean 1.0057, sd 0.0024 (margin 0.0043): n=3 gives 4.302653 * 0.0024 / 1.732051 = 0.00596,
+    # n=4 gives 3.182446 * 0.0024 / 2 = 0.00382 -> 4.
+    assert seeds_for_verdict(1.0057, 0.0024) == 4
+    assert seeds_for_verdict(1.0, 0.0) == 2
+    assert seeds_for_verdict(1.01, 0.001) is None  # the mean is not below 1 + tolerance
+    assert seeds_for_verdict(1.0099, 0.05, most=50) is None

@@ -67,16 +67,21 @@ def test_smoke_suite_end_to_end(tmp_path):
 def test_moe_smoke_size_trains_routed_experts(tmp_path):
     """The suite's MoE size (model M-small's flags at smoke scale, issue 38 acceptance 6):
     bf16 and tensorwise at two seeds train routed experts with the aux loss (logged), and
-    the same seed starts bf16 and tensorwise within 1%."""
-    out, _ = _run_suite(tmp_path, "moe-smoke")
+    the same seed starts bf16 and tensorwise within 1%. With --repeat-control, bf16 runs twice
+    at each seed; on CPU the two runs are bitwise the same, so the control's ratios are 1."""
+    out, _ = _run_suite(tmp_path, "moe-smoke", "--repeat-control")
     runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
-    assert len(runs) == 4 and all(r["returncode"] == 0 and r["valid_loss"] > 0 for r in runs)
+    assert [r["recipe"] for r in runs] == ["bf16", "bf16_repeat", "tensorwise"] * 2
+    assert all(r["returncode"] == 0 and r["valid_loss"] > 0 for r in runs)
     for run in runs:
         log = Path(run["log"])
         assert "--num-experts 4" in Path(f"{log}.cmd").read_text()
         assert log.read_text().count("load_balancing_loss: ") == 3
-    (summary,) = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
-    assert 0.99 < summary["mean"] < 1.01
+    control, summary = [json.loads(x) for x in (out / "summary.jsonl").read_text().splitlines()]
+    assert control["recipe"] == "bf16_repeat" and control["ratios"] == [1.0, 1.0]
+    assert control["sd"] == 0.0 and control["seeds_needed"] == 2
+    assert control["verdict"] == "within 1%"
+    assert summary["recipe"] == "tensorwise" and 0.99 < summary["mean"] < 1.01
 
 
 def test_runs_pair_only_on_the_same_card():
