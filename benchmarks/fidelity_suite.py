@@ -117,6 +117,19 @@ def corpus_flags(corpus: str, args: argparse.Namespace) -> list[str]:
     raise ValueError(f"unknown corpus {corpus!r}: choose stdlib or english")
 
 
+def epochs_of(data_flags: list[str], size: str, iters: int) -> float:
+    """How many passes over the corpus's training split (the --split share of its tokens) a
+    run of `iters` steps makes: past 1, the runs see data again and the validation loss
+    measures memorization as well. Counted on the corpus where this call runs (a --no-run
+    summary elsewhere counts its own copy of the corpus)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefix = data_flags[data_flags.index("--data-path") + 1]
+    shares = [float(part) for part in SPLIT[size].split(",")]
+    train_tokens = IndexedDataset(prefix).num_tokens * shares[0] / sum(shares)
+    return iters * SIZES[size]["mbs"] * SIZES[size]["seq"] / train_tokens
+
+
 def model_flags(size: str, iters: int, compile_: bool) -> list[str]:
     """The model, schedule and engine of one size (every run of a job shares them)."""
     s = SIZES[size]
@@ -164,6 +177,9 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
             iters = args.iters or SIZES[size]["iters"]
             job = f"{corpus}_{size}_{iters}"
             os.makedirs(os.path.join(args.out, job), exist_ok=True)
+            epochs = epochs_of(data, size, iters)
+            print(f"{job}: {iters} steps of {SIZES[size]['mbs'] * SIZES[size]['seq']} tokens, "
+                  f"{epochs:.2f} epochs of the corpus's training split")  # fmt: skip
             for seed in args.seeds:
                 for recipe in ["bf16", *compared_recipes(args)]:
                     command = [sys.executable, "pretrain_gpt.py", *data]
@@ -178,6 +194,7 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
                             iters=iters,
                             recipe=recipe,
                             seed=seed,
+                            epochs=epochs,
                             log=log,
                             command=command,
                         )
@@ -260,7 +277,8 @@ def read_results(runs: list[dict]) -> list[dict]:
     """Per run: validation loss, last training loss, the training-loss curve."""
     rows = []
     for run in runs:
-        row = {k: run.get(k) for k in ("job", "corpus", "size", "iters", "recipe", "seed")}
+        keys = ("job", "corpus", "size", "iters", "epochs", "recipe", "seed")
+        row = {k: run.get(k) for k in keys}
         row.update(returncode=run.get("returncode"), log=run["log"], valid_loss=None)
         row.update(left=run.get("left", False), card=_read_card(run["log"]))
         try:
@@ -290,11 +308,13 @@ def summarize(rows: list[dict], recipes: list[str], tolerance: float) -> list[di
         if not losses:
             continue
         bf16 = losses.get("bf16", {})
+        epochs = next((row.get("epochs") for row in rows if row["job"] == job), None)
         for recipe in recipes:
             summary = paired_ratio_summary(losses.get(recipe, {}), bf16, tolerance=tolerance)
             bf16_mean = sum(bf16.values()) / len(bf16) if bf16 else None
             summaries.append(
-                dict(job=job, card=card, recipe=recipe, bf16_mean=bf16_mean, **summary)
+                dict(job=job, card=card, epochs=epochs, recipe=recipe, bf16_mean=bf16_mean)
+                | summary
             )
     return summaries
 
@@ -305,14 +325,16 @@ def _fmt(value: float | None, digits: int = 4) -> str:
 
 def markdown_table(summaries: list[dict]) -> str:
     lines = [
-        "| job (corpus_size_steps) | card | recipe | seeds | bf16 mean valid | mean fp8/bf16 "
-        "| 95% interval | verdict | sd of ratios | seeds for a verdict | per-seed ratios |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| job (corpus_size_steps) | card | epochs | recipe | seeds | bf16 mean valid "
+        "| mean fp8/bf16 | 95% interval | verdict | sd of ratios | seeds for a verdict "
+        "| per-seed ratios |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         ratios = ", ".join(f"{r:.4f}" for r in s["ratios"])
         lines.append(
-            f"| {s['job']} | {s.get('card') or 'n/a'} | {s['recipe']} | {len(s['seeds'])} "
+            f"| {s['job']} | {s.get('card') or 'n/a'} | {_fmt(s.get('epochs'), 2)} "
+            f"| {s['recipe']} | {len(s['seeds'])} "
             f"| {_fmt(s['bf16_mean'], 5)} "
             f"| {_fmt(s['mean'])} | [{_fmt(s['low'])}, {_fmt(s['high'])}] | {s['verdict']} "
             f"| {_fmt(s.get('sd'))} | {s.get('seeds_needed') or 'n/a'} | {ratios} |"

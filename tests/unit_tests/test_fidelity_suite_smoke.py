@@ -55,7 +55,16 @@ def test_smoke_suite_end_to_end(tmp_path):
     assert summary["ratios"] == pytest.approx(expected, rel=1e-12)
     assert summary["mean"] == pytest.approx(sum(expected) / 2, rel=1e-12)
     assert summary["low"] <= summary["mean"] <= summary["high"]
-    assert "| stdlib_smoke_3 | cpu | tensorwise | 2 |" in (out / "summary.md").read_text()
+    # 3 steps x 2 x 64 tokens over the corpus's 80% training share (split 80,20,0).
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefix = out / "data" / "stdlib" / "stdlib_text_document"
+    epochs = 3 * 2 * 64 / (IndexedDataset(str(prefix)).num_tokens * 0.8)
+    assert summary["epochs"] == pytest.approx(epochs, rel=1e-12) and 0 < epochs < 0.01
+    assert (
+        f"| stdlib_smoke_3 | cpu | {epochs:.2f} | tensorwise | 2 |"
+        in (out / "summary.md").read_text()
+    )
     assert {r["card"] for r in runs} == {"cpu"}  # no nvidia-smi on CI
     # The same seed gives the same data and init: bf16 and tensorwise start within 1%.
     assert 0.99 < summary["mean"] < 1.01
