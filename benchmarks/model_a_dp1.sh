@@ -9,6 +9,7 @@
 # compiled tensorwise with its own amax pass, not max|x| fused into the producer (as before
 # docs/benchmarks/tensorwise_producer_amax_h200_2026-12-03.md). <recipe>_eager: --no-torch-compile.
 # <recipe>_bf16moments: --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16.
+# <recipe>_nofusion: --no-gradient-accumulation-fusion (FP8 wgrads as bf16 plus a cast pass).
 # <recipe>_fp8stats: --log-fp8-stats every FP8STATS_INTERVAL (default 100) iterations; its cost
 # is in mean_ms (the median hides the one statistics step), so give ITERS >= 2 intervals, e.g.
 #   ITERS=300 ROWS="tensorwise tensorwise_fp8stats" bash benchmarks/model_a_dp1.sh
@@ -77,6 +78,8 @@ for name in ${ROWS:-fsdp2 torchao_tensorwise torchao_rowwise bf16 tensorwise del
         --exp-avg-sq-dtype bf16 ;;
     *_fp8stats)  # the recipe with the FP8 statistics on (issue 41)
       fp8_row "$name" "${name%_fp8stats}" --log-fp8-stats --log-fp8-stats-interval "${FP8STATS_INTERVAL:-100}" ;;
+    *_nofusion)  # the recipe with --no-gradient-accumulation-fusion (bf16 wgrad + cast pass)
+      fp8_row "$name" "${name%_nofusion}" --no-gradient-accumulation-fusion ;;
     *_keepcopy)  # the recipe with --no-fp8-wgrad-input-from-activation
       fp8_row "$name" "${name%_keepcopy}" --no-fp8-wgrad-input-from-activation ;;
     *_amaxpass)  # the recipe with fp8.debug amax_in_graph off (dev/amax_pass/sitecustomize.py)

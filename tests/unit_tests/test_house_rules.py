@@ -57,6 +57,7 @@ FP8_LINE_BUDGET = 6485
 FP8_LATER_FEATURE_FILES = {
     "cuda/grouped_gemm.py": "MoE experts' FP8 grouped GEMMs (issue 38)",
     "cuda/triton_grouped_gemm.py": "MoE experts' FP8 grouped GEMMs (issue 38)",
+    "main_grad.py": "gradient accumulation fusion: wgrad into the engine's buffer (issue 37)",
 }
 FLAG_LAYER_FILES = (
     "arguments",

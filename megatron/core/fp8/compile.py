@@ -62,7 +62,7 @@ def stand_in_owner(stand_in: torch.Tensor) -> nn.Module | None:
     return owner() if owner is not None else None
 
 
-def _stand_in_weight(stand_in: torch.Tensor) -> QuantizedTensor:
+def stand_in_weight(stand_in: torch.Tensor) -> QuantizedTensor:
     module = stand_in_owner(stand_in)
     if module is None or not isinstance(module.weight, QuantizedTensor):
         raise RuntimeError(
@@ -76,7 +76,7 @@ def deliver_stand_in_grad(stand_in: torch.Tensor) -> None:
     """The stand-in's post-accumulate-grad hook: its grad becomes the FP8 weight's, and the
     weight's own post-accumulate-grad hooks (the FSDP engine's) run, as after AccumulateGrad."""
     grad, stand_in.grad = stand_in.grad, None
-    weight = _stand_in_weight(stand_in)
+    weight = stand_in_weight(stand_in)
     weight.grad = grad if weight.grad is None else weight.grad + grad
     for hook in list((weight._post_accumulate_grad_hooks or {}).values()):
         hook(weight)
@@ -138,7 +138,7 @@ def _fp8_weight_gemm(
 ) -> torch.Tensor:
     """A [M, K] times the FP8 weight that `stand_in` stands for: W^T ("rowwise", fprop) or W
     ("columnwise", dgrad); `a` an `Fp8Operand` given as its fields."""
-    weight = _stand_in_weight(stand_in)
+    weight = stand_in_weight(stand_in)
     ops = backend_for(a_data)
     # Emulated MXFP8 on the fused path multiplies values in a's dtype; else fp32 (unused).
     compute_dtype = a_data.dtype if weight.spec.fused_linear_emulates else torch.float32

@@ -30,6 +30,7 @@ from megatron.core.fp8.compile import (
 )
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
+from megatron.core.fp8.main_grad import has_main_grad_sink, stand_in_backward_gemms, write_wgrad
 from megatron.core.fp8.param_init import current_quantized_init, quantize_weight_for_init
 from megatron.core.fp8.quantization import backend_for
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
@@ -66,6 +67,7 @@ class _Plan:
     """(ops, t2d, role, rowwise, transposed, compute_dtype) -> operands, None: the backend's;
     wgrad_input: (ops, saved, compute_dtype) -> wgrad's input operand from what it saved."""
     wgrad_input: Callable | None = None
+    fused_wgrad: bool = False  # the weight has a main_grad_sink: main_grad.write_wgrad
 
     @property
     def recipe(self) -> str:
@@ -85,7 +87,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.plan = plan
         ctx.saved_source = source if weight.requires_grad else None
         ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
-        ctx.bias_dtype, ctx.weight_dtype = (bias.dtype if bias is not None else None), weight.dtype
+        ctx.bias_dtype, ctx.w_dtype = (bias.dtype if bias is not None else None), weight.dtype
         ctx.ops = backend_for(x)
         y2d = _forward(ctx, x, weight, plan)
         if bias is not None:
@@ -212,9 +214,10 @@ def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
         # Recorded even for a recomputed graph (reentrant checkpoint): its backward is real.
         plan.backward_flush.record(plan.metas["grad"], plan.group)
     dx2d = dw = None
-    if need_dgrad and plan.stand_in:
+    fused = need_wgrad and plan.fused_wgrad and (need_dgrad or not plan.stand_in)
+    if need_dgrad and plan.stand_in and not fused:
         dx2d = stand_in_gemm(dy_row, ctx.saved_weight, "columnwise", ctx.x_dtype, False)
-    elif need_dgrad:
+    elif need_dgrad and not plan.stand_in:
         w_t = ctx.saved_weight
         if isinstance(w_t, QuantizedTensor):
             w_t = ops.weight_operand(w_t, "columnwise", compute_dtype=ctx.compute_dtype)
@@ -225,7 +228,12 @@ def _backward(ctx, dy2d, *, need_dgrad, need_wgrad):
             x_t = _recomputed_input_operand(ops, ctx, plan, dy2d)
         elif plan.wgrad_input is not None:
             x_t = plan.wgrad_input(ops, x_t, ctx.compute_dtype)
-        dw = ops.gemm(dy_t, x_t, recipe=plan.recipe, out_dtype=ctx.weight_dtype, fast_accum=False)
+        if fused and plan.stand_in:  # dgrad and the wgrad write in one op (main_grad.py)
+            dx2d = stand_in_backward_gemms(dy_row, dy_t, x_t, ctx.saved_weight, ctx.x_dtype)
+        elif fused:
+            write_wgrad(ctx.saved_weight, dy_t, x_t, ops)
+        else:
+            dw = ops.gemm(dy_t, x_t, recipe=plan.recipe, out_dtype=ctx.w_dtype, fast_accum=False)
     return dx2d, dw
 
 
@@ -369,6 +377,7 @@ class Fp8Linear(nn.Module):
         FSDP engine gathered its bytes), and the stand-in's post-accumulate-grad hook passes its
         wgrad on to the weight. Runs eagerly, from `prepare_for_compile`, before each forward."""
         weight = self.weight
+        self._fused_wgrad = has_main_grad_sink(weight)  # plan.fused_wgrad of a stand-in forward
         if not isinstance(weight, QuantizedTensor) or weight.device.type == "meta":
             self._weight_stand_in = self._weight_stand_in_spec = None
             return
@@ -517,6 +526,7 @@ class Fp8Linear(nn.Module):
             plan.backward_flush = self._backward_flush(setup)
         activation_input, plan.activation = source if source is not None else (None, None)
         plan.stand_in = stand_in is not None
+        plan.fused_wgrad = self._fused_wgrad if plan.stand_in else has_main_grad_sink(self.weight)
         weight = self.weight if stand_in is None else stand_in
         bias = self.bias if self.bias_in_gemm else None
         return _Fp8LinearFunction.apply(x, weight, bias, plan, activation_input)

@@ -328,10 +328,10 @@ _KNOBS: dict[str, tuple[dict, str | None]] = {
         dict(
             action="store_false",
             dest="gradient_accumulation_fusion",
-            help="Turn off the apex/TE fused weight-grad accumulation (never used here).",
+            help="FP8 weights' wgrad GEMMs return bf16 grads instead of writing fp32 grads.",
         ),
-        "--no-gradient-accumulation-fusion: weight grads accumulate through autograd here; "
-        "there is no fused kernel to turn off.",
+        "--no-gradient-accumulation-fusion: FP8 weights' wgrad GEMMs return bf16 grads, cast "
+        "into the grad buffer by a second pass; high-precision weights always work that way.",
     ),
     "--cross-entropy-loss-fusion": (
         dict(action="store_true", help="Fused cross-entropy kernel; here torch's cross_entropy."),

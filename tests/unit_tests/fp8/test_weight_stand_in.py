@@ -49,9 +49,9 @@ def test_compiled_fp8_parameters_equal_eager_through_their_stand_ins(recipe: str
     eager = _step(_model(recipe), x, recipe)
 
     lookups = []
-    find_weight = fp8_compile._stand_in_weight
+    find_weight = fp8_compile.stand_in_weight
     monkeypatch.setattr(
-        fp8_compile, "_stand_in_weight", lambda stand_in: lookups.append(1) or find_weight(stand_in)
+        fp8_compile, "stand_in_weight", lambda stand_in: lookups.append(1) or find_weight(stand_in)
     )
     model = _model(recipe)
     prepare_for_compile(model)
@@ -84,7 +84,7 @@ def test_stand_in_has_the_weight_shape_and_one_element_of_storage():
     assert stand_in.dtype == torch.bfloat16 and stand_in.stride() == (0, 0)
     assert stand_in.untyped_storage().nbytes() == 2
     assert stand_in.requires_grad and stand_in.is_leaf
-    assert fp8_compile._stand_in_weight(stand_in) is linear.weight
+    assert fp8_compile.stand_in_weight(stand_in) is linear.weight
 
     linear.refresh_weight_stand_in()  # nothing changed: the same stand-in
     assert linear._weight_stand_in is stand_in
@@ -96,8 +96,8 @@ def test_stand_in_has_the_weight_shape_and_one_element_of_storage():
     # A copy of the module owns its own stand-in once refreshed.
     twin = copy.deepcopy(linear)
     twin.refresh_weight_stand_in()
-    assert fp8_compile._stand_in_weight(twin._weight_stand_in) is twin.weight
-    assert fp8_compile._stand_in_weight(linear._weight_stand_in) is linear.weight
+    assert fp8_compile.stand_in_weight(twin._weight_stand_in) is twin.weight
+    assert fp8_compile.stand_in_weight(linear._weight_stand_in) is linear.weight
 
 
 def test_high_precision_weights_have_no_stand_in():
@@ -126,4 +126,4 @@ def test_stand_in_grad_accumulates_into_the_weight_and_runs_its_hooks():
 def test_a_stand_in_without_its_linear_says_how_to_fix_it():
     orphan = torch.empty_strided((4, 4), (0, 0))
     with pytest.raises(RuntimeError, match="prepare_for_compile"):
-        fp8_compile._stand_in_weight(orphan)
+        fp8_compile.stand_in_weight(orphan)

@@ -61,9 +61,9 @@ def test_compiled_training_matches_eager(flags: list[str], tolerance: float, mon
     torch._dynamo.reset()
     counters.clear()
     lookups = []
-    find_weight = fp8_compile._stand_in_weight
+    find_weight = fp8_compile.stand_in_weight
     monkeypatch.setattr(
-        fp8_compile, "_stand_in_weight", lambda stand_in: lookups.append(1) or find_weight(stand_in)
+        fp8_compile, "stand_in_weight", lambda stand_in: lookups.append(1) or find_weight(stand_in)
     )
     try:
         compiled = _losses([*flags, "--torch-compile"])

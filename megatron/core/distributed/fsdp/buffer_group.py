@@ -122,6 +122,14 @@ class BufferGroup:
         The first grad of a slot in its target is copied, later ones added, so the target needs
         no zero fill up front: finalize_grad_target() zeroes only what no grad wrote (padding,
         params without a grad)."""
+        target, accumulate = self.grad_slot(index)
+        write_grad_(target, grad, accumulate=accumulate)
+        self.slot_written(index)
+
+    def grad_slot(self, index: int) -> tuple[torch.Tensor, bool]:
+        """Where parameter `index`'s micro-batch grad goes (a 1-D view of its slot in staging,
+        or in grad_buffer where grads are written directly) and whether it must be added to
+        what is there; call slot_written(index) once the grad is in."""
         slot = self.layout.slots[index]
         if self.writes_grads_directly:
             target = self._grad_buffer_for_writing()
@@ -136,8 +144,9 @@ class BufferGroup:
                 self.written_slots = set()
                 self.target_needs_zeroing = True
             target = self.staging
-        accumulate = index in self.written_slots
-        write_grad_(target[slot.offset : slot.end], grad, accumulate=accumulate)
+        return target[slot.offset : slot.end], index in self.written_slots
+
+    def slot_written(self, index: int) -> None:
         self.written_slots.add(index)
 
     def _grad_buffer_for_writing(self) -> torch.Tensor:

@@ -42,6 +42,11 @@ class FsdpConfig:
     init_model_with_meta_device: bool = False
     """Build the model on the meta device and materialize it shard by shard."""
 
+    gradient_accumulation_fusion: bool = True
+    """FP8 weights' wgrad GEMMs write their grads into the grad buffers (in fp32, or the
+    buffer's bf16) instead of returning a bf16 grad for a cast pass
+    (`--no-gradient-accumulation-fusion` turns it off, as in Megatron-LM)."""
+
     outer_dp_sharding_strategy: Literal["no_shard", "optim"] = "no_shard"
     """HSDP only (a mesh with an outer dimension): what is sharded across the replicas.
     no_shard: each replica holds the whole sharded state; grads are all-reduced over the outer

@@ -42,6 +42,7 @@ from megatron.core.distributed.fsdp.param_and_grad_buffer import (
     find_unit_modules,
 )
 from megatron.core.distributed.fsdp.reduce_pipeline import GradReducePipeline
+from megatron.core.fp8.engine_interface import QuantizedTensor
 
 
 def _in_backward() -> bool:
@@ -135,6 +136,9 @@ class MegatronFSDP:
                     self._param_owner[param] = (unit, group, index)
                     if param.requires_grad:
                         param.register_post_accumulate_grad_hook(self._on_param_grad)
+                    fuse = self.config.gradient_accumulation_fusion and param.requires_grad
+                    if fuse and isinstance(param, QuantizedTensor):
+                        param.main_grad_sink = self  # main_grad_slot / main_grad_written
         for unit in self.layer_units:
             unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
             unit.module.register_forward_hook(self._make_post_forward(unit))
@@ -180,18 +184,37 @@ class MegatronFSDP:
         unit, group, index = self._param_owner[param]
         if param.grad is None:
             return
+        self._check_not_reduced(unit)
+        group.add_param_grad(index, param.grad)
+        param.grad = None
+        self._count_grad(unit)
+
+    def _check_not_reduced(self, unit: FsdpUnit) -> None:
         if id(unit) in self._reduced:
             raise RuntimeError(
                 f"Megatron-FSDP ({self._strategy_name()}): unit "
                 f"{unit.name or '<root>'} got grads after its grads were already reduced this "
                 "step; run every micro-batch but the last under model.no_sync()"
             )
-        group.add_param_grad(index, param.grad)
-        param.grad = None
+
+    def _count_grad(self, unit: FsdpUnit) -> None:
         seen = self._grads_seen.get(id(unit), 0) + 1
         self._grads_seen[id(unit)] = seen
         if seen == sum(p.requires_grad for p in unit.params()):
             self._on_unit_grads_done(unit)
+
+    def main_grad_slot(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Gradient accumulation fusion (`MainGradSink`): where `param`'s wgrad GEMM writes
+        its micro-batch grad, and whether it adds to it."""
+        unit, group, index = self._param_owner[param]
+        self._check_not_reduced(unit)
+        return group.grad_slot(index)
+
+    def main_grad_written(self, param: torch.Tensor) -> None:
+        """The wgrad GEMM wrote `param`'s grad into main_grad_slot's view: as after a grad hook."""
+        unit, group, index = self._param_owner[param]
+        group.slot_written(index)
+        self._count_grad(unit)
 
     def _strategy_name(self) -> str:
         name = self.config.data_parallel_sharding_strategy

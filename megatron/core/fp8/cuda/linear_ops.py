@@ -507,7 +507,7 @@ def _mx_values(operand: Fp8Operand, compute_dtype: torch.dtype) -> torch.Tensor:
     return values.t()
 
 
-def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum) -> torch.Tensor | None:
+def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum, out=None) -> torch.Tensor | None:
     """torch._scaled_mm called as `gemm.scaled_mm` would call it, without its checks and
     padding, for operands that need none: the fused kernels' outputs (row-major FP8 bytes,
     scales already in cuBLAS's layouts) with dims that are multiples of the GEMM's alignment.
@@ -524,8 +524,9 @@ def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum) -> torch.Tensor | 
         if sa.dim() or sb.dim() or sa.dtype != torch.float32 or sb.dtype != torch.float32:
             return None
         return torch._scaled_mm(
-            x, w.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum
-        )
+            x, w.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum,
+            out=out,
+        )  # fmt: skip
     if spec.e8m0_scales or blockwise_gemm_path() != "torch._scaled_mm" or rows % 16:
         return None
     k_blocks = k // BLOCK_128
@@ -541,8 +542,8 @@ def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum) -> torch.Tensor | 
         return None
     try:
         return torch._scaled_mm(
-            x, w.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype, use_fast_accum=False
-        )
+            x, w.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype, use_fast_accum=False, out=out
+        )  # fmt: skip
     except (RuntimeError, NotImplementedError, ValueError):
         # cuBLASLt may refuse one shape after accepting others: the general path decides
         # (it records the refusal and emulates), as it would have without this shortcut.
