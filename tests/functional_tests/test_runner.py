@@ -336,8 +336,8 @@ def test_cpu_goldens_cover_every_step_and_resume_is_exact(kind: str):
         return read_golden(find_case(name).directory / kind)
 
     for case in discover_cases():
-        if case.platform != "cpu":
-            continue
+        if case.platform != "cpu" or not (case.directory / kind).is_file():
+            continue  # only the primary kind is in every case (_intel_cases)
         raw = json.loads((case.directory / kind).read_text())
         assert sorted(name for name in raw if name != MACHINE_KEY) == sorted(
             ["lm loss", "grad norm", "iteration-time", "mem-allocated-bytes"]
@@ -450,14 +450,26 @@ def _cpu_cases():
     return [case for case in discover_cases() if case.platform == "cpu"]
 
 
+def _intel_cases():
+    """The CPU cases with an Intel kind: the FP8 cases' were removed when gradient
+    accumulation fusion (fp32 wgrads) moved their numbers and no Intel Xeon was at hand to
+    re-record them; an Intel machine compares those against the primary, cross-CPU rule."""
+    return [case for case in _cpu_cases() if (case.directory / INTEL_KIND).is_file()]
+
+
 def _max_relative(golden: dict[int, float], actual: dict[int, float]) -> float:
     return max(abs(actual[step] - golden[step]) / abs(golden[step]) for step in golden)
 
 
 def test_both_golden_kinds_differ_exactly_and_agree_under_the_cross_cpu_rule():
-    """The AMD EPYC goldens and the Intel Xeon goldens of every CPU case, fed to the rules."""
+    """The AMD EPYC goldens and the Intel Xeon goldens of every case with both, fed to the
+    rules. The rule was set at about 3x the largest AMD-vs-Intel difference over all eleven
+    cases before the FP8 cases' Intel kinds were removed (lm loss 1.56e-4, grad norm 9.03e-3,
+    both in FP8 cases); the seven bf16 cases left differ by far less."""
     exact_failures, largest = [], {"lm loss": 0.0, "grad norm": 0.0}
-    for case in _cpu_cases():
+    cases = _intel_cases()
+    assert len(cases) == 7 and not any("fp8" in case.name for case in cases)
+    for case in cases:
         amd = read_golden(case.directory / AMD_PRIMARY)
         intel = read_golden(case.directory / INTEL_KIND)
         exact = compare_metrics(golden=amd, actual=intel, tolerance=EXACT)
@@ -468,14 +480,12 @@ def test_both_golden_kinds_differ_exactly_and_agree_under_the_cross_cpu_rule():
             exact_failures.append(case.name)
         for metric in largest:
             largest[metric] = max(largest[metric], _max_relative(amd[metric], intel[metric]))
-    # Only the mxfp8 case prints the same numbers on both CPUs (its emulated GEMMs dequantize
-    # through the same elementwise kernels); the other ten miss the exact rule.
-    assert len(exact_failures) == 10 and "gpt_fp8_mxfp8_param_gather" not in exact_failures
-    # The rule is about 3x the largest difference measured, not looser than 5x.
-    assert largest["lm loss"] == pytest.approx(1.56e-4, rel=0.02)
-    assert largest["grad norm"] == pytest.approx(9.03e-3, rel=0.02)
+    # Every one of them misses the exact rule.
+    assert len(exact_failures) == 7
+    assert largest["lm loss"] == pytest.approx(2.61e-5, rel=0.02)
+    assert largest["grad norm"] == pytest.approx(8.90e-4, rel=0.02)
     for metric, measured in largest.items():
-        assert 2.0 * measured < CROSS_CPU_RELATIVE[metric] < 5.0 * measured
+        assert 5.0 * measured < CROSS_CPU_RELATIVE[metric]
 
 
 def test_cross_cpu_rule_still_catches_a_changed_loss():
@@ -539,9 +549,11 @@ def test_golden_choice_follows_the_machine(tmp_path: Path):
 
 
 def test_every_cpu_golden_kind_records_its_machine():
+    intel = {case.name for case in _intel_cases()}
     for case in _cpu_cases():
         kinds = case.golden_kinds("cpu")
-        assert [path.name for path in kinds] == [AMD_PRIMARY, INTEL_KIND]
+        want = [AMD_PRIMARY, INTEL_KIND] if case.name in intel else [AMD_PRIMARY]
+        assert [path.name for path in kinds] == want
         for path in kinds:
             recorded = json.loads(path.read_text())[MACHINE_KEY]
             assert sorted(recorded) == sorted(FINGERPRINT_KEYS), path

@@ -781,9 +781,10 @@ class ScaledMmRecorder:
     def __init__(self):
         self.calls: list[tuple] = []
 
-    def __call__(self, a, b, *, scale_a, scale_b, out_dtype, use_fast_accum):
+    def __call__(self, a, b, *, scale_a, scale_b, out_dtype, use_fast_accum, out=None):
         self.calls.append((a, b, scale_a, scale_b, out_dtype, use_fast_accum))
-        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+        result = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+        return result if out is None else out.copy_(result)
 
 
 @pytest.fixture

@@ -192,6 +192,9 @@ COMMAND_LINES = {
     "llama3_8b_h100_fp8": LLAMA3_8B_FP8,
     "llama3_8b_fsdp_h100_fp8 (USE_MEGATRON_FSDP=1)": LLAMA3_8B_MEGATRON_FSDP,
     "llama3_8b_fsdp_h100_fp8 (USE_MEGATRON_FSDP=0)": LLAMA3_8B_FSDP_SCRIPT_DDP,
+    "llama3_8b_fsdp_h100_fp8 (USE_MEGATRON_FSDP=0, unfused wgrad)": (
+        LLAMA3_8B_FSDP_SCRIPT_DDP + " --no-gradient-accumulation-fusion"
+    ),
     "gpt3_175b_distributed": GPT3_175B,
     "gpt3_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files": FUNCTIONAL_DIST_OPTIMIZER_NO_MMAP,
     "gpt3_mcore_te_tp1_pp1_uniform_full_recompute": FUNCTIONAL_UNIFORM_FULL_RECOMPUTE,
@@ -252,10 +255,15 @@ def test_lines_that_mean_the_same_model_log_the_same_losses(runs):
     assert all(other == losses[0] for other in losses[1:]), dict(zip(names, losses))
     # The two llama FSDP-script lines: Megatron-FSDP ZeRO-3 with per-token loss vs the
     # distributed optimizer with the per-micro-batch mean (mock data masks no token, so the
-    # two losses are the same mean).
+    # two losses are the same mean). The FSDP block also has --no-gradient-accumulation-fusion
+    # (bf16 FP8 wgrads), the DDP line keeps Megatron-LM's default (fp32 wgrads into the grad
+    # buffer): equal with the flag added to the DDP line, and close but not equal without it.
     fsdp = runs["llama3_8b_fsdp_h100_fp8 (USE_MEGATRON_FSDP=1)"][0].losses
-    ddp = runs["llama3_8b_fsdp_h100_fp8 (USE_MEGATRON_FSDP=0)"][0].losses
+    ddp = runs["llama3_8b_fsdp_h100_fp8 (USE_MEGATRON_FSDP=0, unfused wgrad)"][0].losses
     assert fsdp == ddp
+    fused = runs["llama3_8b_fsdp_h100_fp8 (USE_MEGATRON_FSDP=0)"][0].losses
+    assert fused[1] == ddp[1]  # the first loss is before any update
+    assert fused != ddp and all(abs(fused[i] / ddp[i] - 1) < 1e-3 for i in (2, 3))
 
 
 def test_mup_line_trains_another_model_than_its_standard_twin(runs):
