@@ -44,8 +44,8 @@ def write_wgrad(weight: QuantizedTensor, dy_t: Fp8Operand, x_t: Fp8Operand, ops)
     target, accumulate = sink.main_grad_slot(weight)
     target = target.view(weight.shape)
     direct = not accumulate and target.dtype in _DIRECT_DTYPES
-    written = direct and ops is linear_ops
-    if not (written and _gemm_into(dy_t, x_t, target, weight.recipe)):
+    in_place = direct and ops is linear_ops  # else (and if it declines) compute, then copy/add
+    if not (in_place and _gemm_into(dy_t, x_t, target, weight.recipe)):
         dtype = target.dtype if direct else torch.float32
         product = ops.gemm(dy_t, x_t, recipe=weight.recipe, out_dtype=dtype, fast_accum=False)
         if accumulate:
