@@ -81,6 +81,17 @@ def student_t_quantile(p: float, df: int) -> float:
     return 0.5 * (low + high)
 
 
+def sample_sd(values: Sequence[float]) -> float:
+    """The sample standard deviation (n - 1 in the denominator) of >= 2 values."""
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _half_width(sd: float, n: int, confidence: float) -> float:
+    """Half the two-sided Student t interval of a mean of n values with this sd."""
+    return student_t_quantile((1.0 + confidence) / 2.0, n - 1) * sd / math.sqrt(n)
+
+
 def mean_confidence_interval(
     values: Sequence[float], confidence: float = 0.95
 ) -> tuple[float, float, float]:
@@ -89,8 +100,7 @@ def mean_confidence_interval(
     if n < 2:
         raise ValueError(f"a confidence interval needs at least 2 values, got {n}")
     mean = sum(values) / n
-    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
-    half = student_t_quantile((1.0 + confidence) / 2.0, n - 1) * math.sqrt(variance / n)
+    half = _half_width(sample_sd(values), n, confidence)
     return mean, mean - half, mean + half
 
 
@@ -104,9 +114,8 @@ def seeds_for_verdict(
     margin = 1.0 + tolerance - mean
     if margin <= 0.0:
         return None
-    quantile = (1.0 + confidence) / 2.0
     for n in range(2, most + 1):
-        if student_t_quantile(quantile, n - 1) * sd / math.sqrt(n) < margin:
+        if _half_width(sd, n, confidence) < margin:
             return n
     return None
 
@@ -145,7 +154,7 @@ def paired_ratio_summary(
             "verdict": "undetermined",
         }
     mean, low, high = mean_confidence_interval(ratios, confidence)
-    sd = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (len(ratios) - 1))
+    sd = sample_sd(ratios)
     needed = seeds_for_verdict(mean, sd, confidence=confidence, tolerance=tolerance)
     return {
         **summary,

@@ -204,8 +204,9 @@ class MegatronFSDP:
             self._on_unit_grads_done(unit)
 
     def main_grad_slot(self, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Gradient accumulation fusion (`MainGradSink`): where `param`'s wgrad GEMM writes
-        its micro-batch grad, and whether it adds to it."""
+        """Gradient accumulation fusion (the engine is each FP8 weight's main_grad_sink,
+        fp8/main_grad.py): where `param`'s wgrad GEMM writes its micro-batch grad, and whether
+        it adds to it."""
         unit, group, index = self._param_owner[param]
         self._check_not_reduced(unit)
         return group.grad_slot(index)
