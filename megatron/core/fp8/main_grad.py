@@ -5,7 +5,9 @@ An engine that keeps a weight's grad in its own buffer sets `QuantizedTensor.mai
 an object with `main_grad_slot(weight) -> (1-D view, accumulate)` and `main_grad_written(weight)`
 (Megatron-FSDP sets itself). Fp8Linear's wgrad GEMM then writes the grad into that view in
 place, in fp32 (or the buffer's bf16), instead of returning a bf16 grad that a second pass
-casts into the buffer; autograd gets no grad for the weight. A slot that already holds this
+casts into the buffer; autograd gets no grad for the weight. The routed experts' grouped
+function (moe/grouped_fp8.py) writes a stacked FP8 expert weight's dW the same way, through
+`fuse_into_main_grad`, with its own op for compiled graphs. A slot that already holds this
 step's grad (a later micro-batch) gets this micro-batch's fp32 product added, so every
 micro-batch contributes the same fp32 product under any data-parallel layout. Compiled, dgrad
 and the wgrad write are one custom op whose output is dx: a graph drops an op whose output
@@ -38,21 +40,36 @@ def _gemm_into(dy_t: Fp8Operand, x_t: Fp8Operand, out: torch.Tensor, recipe: str
     return linear_ops._direct_scaled_mm(dy_t, x_t, **args) is not None
 
 
-def write_wgrad(weight: QuantizedTensor, dy_t: Fp8Operand, x_t: Fp8Operand, ops) -> None:
-    """dW = dy^T x into `weight`'s slot of its main_grad_sink, then tell the sink."""
+def fuse_into_main_grad(weight: torch.Tensor, write_into, compute) -> None:
+    """The fusion's one rule for any FP8 weight (an Fp8Linear's, a stacked expert weight's):
+    this micro-batch's dW goes into the weight's slot of its main_grad_sink. The first
+    micro-batch's is written in place by `write_into(target) -> bool` (False: it declined) where
+    the buffer is fp32 or bf16; otherwise `compute(dtype)` makes it (fp32 where it is added),
+    and it is copied or added into the slot. Then the sink is told."""
     sink = weight.main_grad_sink
     target, accumulate = sink.main_grad_slot(weight)
     target = target.view(weight.shape)
     direct = not accumulate and target.dtype in _DIRECT_DTYPES
-    in_place = direct and ops is linear_ops  # else (and if it declines) compute, then copy/add
-    if not (in_place and _gemm_into(dy_t, x_t, target, weight.recipe)):
-        dtype = target.dtype if direct else torch.float32
-        product = ops.gemm(dy_t, x_t, recipe=weight.recipe, out_dtype=dtype, fast_accum=False)
+    if not (direct and write_into(target)):
+        product = compute(target.dtype if direct else torch.float32)
         if accumulate:
             target.add_(product)
         else:
             target.copy_(product)
     sink.main_grad_written(weight)
+
+
+def write_wgrad(weight: QuantizedTensor, dy_t: Fp8Operand, x_t: Fp8Operand, ops) -> None:
+    """dW = dy^T x into `weight`'s slot of its main_grad_sink (written by torch._scaled_mm in
+    place where the fused path's GEMM takes the operands as they are)."""
+
+    def write_into(target: torch.Tensor) -> bool:
+        return ops is linear_ops and _gemm_into(dy_t, x_t, target, weight.recipe)
+
+    def compute(dtype: torch.dtype) -> torch.Tensor:
+        return ops.gemm(dy_t, x_t, recipe=weight.recipe, out_dtype=dtype, fast_accum=False)
+
+    fuse_into_main_grad(weight, write_into, compute)
 
 
 def stand_in_backward_gemms(dy_row, dy_t, x_t, stand_in, dx_dtype) -> torch.Tensor:

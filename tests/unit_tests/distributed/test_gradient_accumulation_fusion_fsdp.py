@@ -3,7 +3,9 @@
 weight's main_grad_sink, the wgrad GEMMs write into its grad slots (one write per FP8 weight and
 micro-batch, counted), and training gives the same losses as the unfused path under every
 strategy, with micro-batch accumulation, at DP 2 (fp32 toy: both paths store the same fp32
-product, so equal means bitwise)."""
+product, so equal means bitwise). The routed experts' stacked FP8 weights too (the grouped
+function, tensorwise and blockwise): a tiny MoE GPT at EP 2 on 2 ranks, one write per expert
+weight and micro-batch, the same losses as `--no-gradient-accumulation-fusion`."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from megatron.training.flags.arguments import parse_args
 from megatron.training.flags.configs import build_fsdp_config
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.distributed.fp8_toy import build_fp8_toy, fp8_config, fp8_weights, train, wrap
-from tests.unit_tests.training.common import TINY_GPT
+from tests.unit_tests.training.common import TINY_GPT, run_pretrain
+from tests.unit_tests.training.test_moe_training import TINY_MOE, ZERO3
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -67,3 +70,36 @@ def test_flag_reaches_the_engine_config():
     off = parse_args(TINY_GPT + fsdp + ["--no-gradient-accumulation-fusion"], world_size=2)
     assert build_fsdp_config(on).gradient_accumulation_fusion is True  # Megatron-LM's default
     assert build_fsdp_config(off).gradient_accumulation_fusion is False
+
+
+def _moe_runs(rank: int, world_size: int, recipe: str) -> dict:
+    counts: dict = {}
+    written = MegatronFSDP.main_grad_written
+
+    def counting(engine, param):
+        key = (fuse, "experts" if param.dim() == 3 else "dense")
+        counts[key] = counts.get(key, 0) + 1
+        written(engine, param)
+
+    argv = [*TINY_MOE, *ZERO3, "--train-iters", "4", "--expert-model-parallel-size", "2"]
+    argv += ["--fp8-recipe", recipe, "--fp8-format", "hybrid", "--fp8-param-gather"]
+    losses = {}
+    MegatronFSDP.main_grad_written = counting
+    try:
+        for fuse in (True, False):
+            off = [] if fuse else ["--no-gradient-accumulation-fusion"]
+            losses[fuse] = run_pretrain(argv + off).losses
+    finally:
+        MegatronFSDP.main_grad_written = written
+    return dict(losses=losses, counts=counts)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fused_expert_wgrad_trains_as_unfused_at_ep2(recipe: str):
+    for result in run_distributed(_moe_runs, 2, recipe):
+        losses, counts = result["losses"], result["counts"]
+        assert losses[True] == losses[False] and sorted(losses[True]) == [1, 2, 3, 4]
+        # One MoE layer (fc1 and fc2 stacked), 2 micro-batches a step (8 / (2 ranks x 2)), 4 steps.
+        assert counts[(True, "experts")] == 2 * 2 * 4
+        assert counts[(True, "dense")] > 0
+        assert all(fuse for fuse, _ in counts)  # no writes without fusion

@@ -281,6 +281,7 @@ def grouped_scaled_mm_wgrad(
     segment_group: list[int] | None = None,
     whole_tiles: bool = False,
     offsets: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A^T [N, M] and B^T [K, M] FP8 (tokens along M, sorted by group) -> [G, N, K]: for each
     group g, A^T[:, cols of g] @ B^T[:, cols of g]^T. Scales: per-tensor recipes a scalar
@@ -293,7 +294,9 @@ def grouped_scaled_mm_wgrad(
     each group's segments are summed in the kernel (no fast accumulation). whole_tiles: every
     size is a multiple of 128 (padded operands; listed sizes are checked): the kernel reads
     whole 128-token tiles without masks. offsets: `group_offsets` of these sizes when the
-    caller has them (built once per layer call, as the ragged-M kernel's schedule)."""
+    caller has them (built once per layer call, as the ragged-M kernel's schedule). out: a
+    contiguous [G, N, K] tensor of out_dtype that the result is written into (overwritten;
+    gradient accumulation fusion: the engine's grad buffer)."""
     spec = recipe_spec(recipe)
     segmented = segment_group is not None
     options = (segment_group, whole_tiles)
@@ -309,10 +312,14 @@ def grouped_scaled_mm_wgrad(
             a_t_data, b_t_data, a_scale_inv, b_scale_inv, offsets, chunks, recipe, piece_dtype
         )
         if not segmented:
-            return pieces.reshape(groups, n, k)
-        index = torch.tensor(segment_group, dtype=torch.long, device=pieces.device)
-        return pieces.new_zeros(groups, n, k).index_add_(0, index, pieces).to(out_dtype)
-    out = torch.empty(groups, n, k, dtype=out_dtype, device=a_t_data.device)
+            result = pieces.reshape(groups, n, k)
+        else:
+            index = torch.tensor(segment_group, dtype=torch.long, device=pieces.device)
+            result = pieces.new_zeros(groups, n, k).index_add_(0, index, pieces).to(out_dtype)
+        return result if out is None else _checked_out(out, result.shape, out_dtype).copy_(result)
+    if out is None:
+        out = torch.empty(groups, n, k, dtype=out_dtype, device=a_t_data.device)
+    _checked_out(out, (groups, n, k), out_dtype)
     starts, chunk_starts = offsets or group_offsets(_device_sizes(group_sizes, out.device))
     blockwise = not spec.per_tensor
     # The scales' stride per chunk (blockwise: their rows hold C chunks) or per group.
@@ -334,6 +341,15 @@ def grouped_scaled_mm_wgrad(
         SEGMENTED=segmented, MODE=mode, A_DTYPE=str(a_t_data.dtype), BLOCK_K=BLOCK_K,
         BLOCK_M=BLOCK_K,
     )  # fmt: skip
+    return out
+
+
+def _checked_out(out: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(
+            f"grouped_scaled_mm_wgrad: out must be a contiguous {tuple(shape)} {dtype} tensor, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        )
     return out
 
 

@@ -220,6 +220,7 @@ class Fp8StackedLinear(nn.Module):
         reference path, `grouped_fp8_gemm`, as the tests compare them)."""
         self._weight_stand_in: torch.Tensor | None = None
         self._weight_stand_in_spec = None
+        self._fused_wgrad = False  # the weight has a main_grad_sink (refresh_weight_stand_in)
 
     refresh_weight_stand_in = Fp8Linear.refresh_weight_stand_in
     """An FP8 parameter's stand-in for compiled graphs, made and registered as Fp8Linear's
@@ -254,7 +255,10 @@ class Fp8StackedLinear(nn.Module):
         if self.takes_device_counts(tokens):
             config = self._current_settings()[1]
             stand_in = self._weight_stand_in
-            return grouped_fp8_linear(tokens, stand_in, segments, config, stand_in=True)
+            fused = self._fused_wgrad
+            return grouped_fp8_linear(
+                tokens, stand_in, segments, config, stand_in=True, fused_wgrad=fused
+            )
         return _forward_outside_the_graph(self, tokens, tokens_per_expert, segments)
 
     def extra_repr(self) -> str:

@@ -47,6 +47,7 @@ from megatron.core.fp8.cuda.grouped_gemm import (
     tile_schedule,
 )
 from megatron.core.fp8.formats import fp8_dtype_for_role
+from megatron.core.fp8.main_grad import fuse_into_main_grad, has_main_grad_sink
 from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
 from megatron.core.transformer.moe import grouped_operands as operands
@@ -251,8 +252,9 @@ def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, rec
 
 
 def _cuda_wgrad(
-    dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, shape, dtype, padded, r=()
-):
+    dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, shape, dtype, padded, r=(),
+    out=None,
+):  # fmt: skip
     """The Triton ragged-K kernel -> dW `shape` in `dtype`, written by the kernel at any EP
     size, on token-major copies with each segment padded to whole 128-token tiles (zeros add
     nothing; the kernel's loads are unmasked and aligned). Per tensor: the rowwise bytes
@@ -260,11 +262,12 @@ def _cuda_wgrad(
     several segments, each with its scale_inv pair ([S] each), summed in the kernel.
     Blockwise: the padded transposed copies as they are, groups = experts (each 128-token
     cell's product is scaled before it is added; an expert's padded segments are
-    consecutive whole cells). padded: the rows of the padded copies; r: `routing`."""
+    consecutive whole cells). padded: the rows of the padded copies; r: `routing`; out: where
+    the kernel writes dW (else a new tensor)."""
     spec = recipe_spec(recipe)
     experts = shape[0]
     options = dict(a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv, recipe=recipe)
-    options.update(out_dtype=dtype, whole_tiles=True)
+    options.update(out_dtype=dtype, whole_tiles=True, out=out)
     if not spec.per_tensor:  # the padded copies as they are: whole tiles of each expert
         if r:
             options.update(group_sizes=r[PADDED_SIZES], offsets=tuple(r[PADDED_OFFSETS]))
@@ -301,12 +304,38 @@ def grouped_fp8_wgrad(
     segments padded to whole 128-token cells) with scale_inv [N, P / 128] / [K, P / 128].
     padded: P, the rows of the padded copies (`grouped_operands.padded_rows`); r: `routing`, or
     [] (built when needed). Experts with no rows get zeros."""
+    args = (seg_sizes, seg_expert, num_experts, recipe, out_dtype, padded, r)
+    return _wgrad(dy, dy_scale_inv, x, x_scale_inv, *args)
+
+
+def _wgrad(
+    dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, num_experts, recipe, out_dtype,
+    padded, r, out=None,
+):  # fmt: skip
+    """`grouped_fp8_wgrad`'s body; out: a contiguous [E, N, K] tensor of out_dtype that dW is
+    written into (overwritten), else a new one."""
     n, k = _wgrad_dims(dy, x, recipe)
     shape = (num_experts, n, k)
     args = (dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe)
     if dy.is_cuda and dy.numel() > 0:
-        return _cuda_wgrad(*args, shape, out_dtype, padded, r)
-    return _emulated_wgrad(*args, dy.new_zeros(shape, dtype=out_dtype))
+        return _cuda_wgrad(*args, shape, out_dtype, padded, r, out=out)
+    out = dy.new_zeros(shape, dtype=out_dtype) if out is None else out.zero_()
+    return _emulated_wgrad(*args, out)
+
+
+def _write_main_grad(weight: QuantizedTensor, dy_col, x_col, args: tuple) -> None:
+    """Gradient accumulation fusion (fp8/main_grad.py) for a stacked FP8 expert weight: dW
+    written into its main_grad_sink's slot by the wgrad kernel itself (fp32, or the buffer's
+    bf16), a later micro-batch's fp32 product added. args: (seg_sizes, seg_expert, experts,
+    recipe, padded, r)."""
+    seg_sizes, seg_expert, experts, recipe, padded, r = args
+    operands_ = (*dy_col, *x_col, seg_sizes, seg_expert, experts, recipe)
+
+    def write_into(target: torch.Tensor) -> bool:
+        _wgrad(*operands_, target.dtype, padded, r, out=target)
+        return True
+
+    fuse_into_main_grad(weight, write_into, lambda dtype: _wgrad(*operands_, dtype, padded, r))
 
 
 def _wgrad_dims(dy, x, recipe) -> tuple[int, int]:
@@ -344,21 +373,54 @@ def grouped_fp8_weight_mm(
     """`grouped_fp8_mm` with B the stacked FP8 parameter that `stand_in` stands for in a
     compiled graph (`fp8.compile`'s stand-ins): its bytes and scales read when the op runs,
     after the engine gathered them ("rowwise": W, "columnwise": each expert's transpose)."""
+    b = _stacked_operand(_owner_weight(stand_in), usage)
+    args = (seg_sizes, seg_expert, recipe, out_dtype, fast_accum, r)
+    return _grouped_mm(a, a_scale_inv, *b, *args)
+
+
+def _owner_weight(stand_in: torch.Tensor) -> QuantizedTensor:
+    """The stacked FP8 parameter that `stand_in` stands for (its Fp8StackedLinear's)."""
     owner = stand_in_owner(stand_in)
     if owner is None or not isinstance(owner.weight, QuantizedTensor):
         raise RuntimeError(
-            "an FP8 expert weight stand-in reached megatron_fp8::grouped_fp8_weight_mm without "
-            "its Fp8StackedLinear; call prepare_for_compile(module) on the compiled module"
+            "an FP8 expert weight stand-in reached a megatron_fp8 grouped op without its "
+            "Fp8StackedLinear; call prepare_for_compile(module) on the compiled module"
         )
-    b = _stacked_operand(owner.weight, usage)
-    args = (seg_sizes, seg_expert, recipe, out_dtype, fast_accum, r)
-    return _grouped_mm(a, a_scale_inv, *b, *args)
+    return owner.weight
 
 
 @grouped_fp8_weight_mm.register_fake
 def _(a, a_scale_inv, stand_in, usage, seg_sizes, seg_expert, recipe, out_dtype, fast_accum, r):
     columns = stand_in.shape[1] if usage == "rowwise" else stand_in.shape[2]
     return a.new_empty((a.shape[0], columns), dtype=out_dtype)
+
+
+@torch.library.custom_op("megatron_fp8::grouped_fp8_weight_backward", mutates_args=())
+def grouped_fp8_weight_backward(
+    tensors: list[torch.Tensor],
+    stand_in: torch.Tensor,
+    seg_sizes: torch.Tensor,
+    seg_expert: list[int],
+    recipe: str,
+    dx_dtype: torch.dtype,
+    padded: int,
+    r: list[torch.Tensor],
+) -> torch.Tensor:
+    """A compiled graph's backward of an FP8 expert parameter under gradient accumulation
+    fusion: the data gradient (returned) and the weight gradient written into the parameter's
+    main_grad_sink, one op whose output is dx so that the graph keeps it. tensors: the (data,
+    scale_inv) of dy's rows, dy's weight-gradient operand and x's."""
+    weight = _owner_weight(stand_in)
+    w_t = _stacked_operand(weight, "columnwise")
+    dx = _grouped_mm(*tensors[:2], *w_t, seg_sizes, seg_expert, recipe, dx_dtype, False, r)
+    args = (seg_sizes, seg_expert, weight.shape[0], recipe, padded, r)
+    _write_main_grad(weight, tensors[2:4], tensors[4:6], args)
+    return dx
+
+
+@grouped_fp8_weight_backward.register_fake
+def _(tensors, stand_in, seg_sizes, seg_expert, recipe, dx_dtype, padded, r):
+    return tensors[0].new_empty((tensors[0].shape[0], stand_in.shape[2]), dtype=dx_dtype)
 
 
 def _weight_mm(a_op, weight, kind: str, usage: str, args: tuple) -> torch.Tensor:
@@ -402,7 +464,7 @@ class _GroupedFp8Function(torch.autograd.Function):
     def forward(ctx, tokens, weight, seg_sizes, layout, config, kind):  # noqa: D102
         spec = config.spec
         pow2 = spec.resolve_power_2_scale(config.quantize_power_2_scale)
-        seg_expert, padded = layout
+        seg_expert, padded, ctx.fused_wgrad = layout
         r = routing(seg_sizes, seg_expert, weight.shape[0], tokens.shape[0], padded)
         columnwise = padded if weight.requires_grad else 0
         x_row, x_col = _quantize_tokens(
@@ -437,14 +499,25 @@ class _GroupedFp8Function(torch.autograd.Function):
             dy.contiguous(), r, seg_sizes, ctx.config, "grad", ctx.pow2, columnwise=columnwise
         )
         x_col, saved_weight = saved[: ctx.x_saved], saved[ctx.x_saved :]
+        # Gradient accumulation fusion: dW into the engine's buffer, autograd gets none (a
+        # stand-in's through one op with dgrad, which must then be needed: fp8/main_grad.py).
+        fused = need_wgrad and ctx.fused_wgrad and (need_dgrad or ctx.kind != "stand_in")
+        source = ctx.stacked  # fp8_param
+        if ctx.kind != "fp8_param":
+            source = saved_weight[0] if ctx.kind == "stand_in" else tuple(saved_weight)
         dx = dw = None
-        if need_dgrad:
-            source = ctx.stacked  # fp8_param
-            if ctx.kind != "fp8_param":
-                source = saved_weight[0] if ctx.kind == "stand_in" else tuple(saved_weight)
+        if fused and ctx.kind == "stand_in":
+            tensors = [*dy_row, *dy_col, *x_col]
+            dx = grouped_fp8_weight_backward(
+                tensors, source, seg_sizes, seg_expert, spec.name, ctx.dtypes[0], padded, r
+            )
+        elif need_dgrad:
             args = (seg_sizes, seg_expert, spec.name, ctx.dtypes[0], False, r)
             dx = _weight_mm(dy_row, source, ctx.kind, "columnwise", args)
-        if need_wgrad:
+        if fused and ctx.kind == "fp8_param":
+            args = (seg_sizes, seg_expert, experts, spec.name, padded, r)
+            _write_main_grad(ctx.stacked, dy_col, x_col, args)
+        elif need_wgrad and not fused:
             args = (seg_sizes, seg_expert, experts, spec.name, ctx.dtypes[1], padded, r)
             dw = grouped_fp8_wgrad(*dy_col, *x_col, *args)
         ctx.stacked = None
@@ -458,12 +531,15 @@ def grouped_fp8_linear(
     config: Fp8Config,
     *,
     stand_in: bool = False,
+    fused_wgrad: bool = False,
 ) -> torch.Tensor:
     """y[rows of expert e] = tokens[rows of e] @ weight[e]^T in FP8, all experts in one
     autograd function; segments[e]: expert e's row counts per source rank (in token order),
     or an integer tensor of rows per expert on the tokens' device (one segment each: read
     there, no host sync); weight: the stacked [E, out, in] parameter, high precision or a
-    QuantizedTensor, or (with `stand_in`) an FP8 parameter's stand-in in a compiled graph."""
+    QuantizedTensor, or (with `stand_in`) an FP8 parameter's stand-in in a compiled graph.
+    An FP8 parameter with a main_grad_sink gets its dW written there (gradient accumulation
+    fusion); a stand-in's owner says so through `fused_wgrad` (a graph cannot look it up)."""
     rows = tokens.shape[0]
     if isinstance(segments, torch.Tensor):
         seg_sizes = segments.to(device=tokens.device, dtype=torch.int64)
@@ -479,5 +555,6 @@ def grouped_fp8_linear(
     kind = "stand_in" if stand_in else "plain"
     if not stand_in and isinstance(weight, QuantizedTensor):
         kind = "fp8_param"
-    layout = (seg_expert, padded)
+        fused_wgrad = has_main_grad_sink(weight)
+    layout = (seg_expert, padded, fused_wgrad and kind != "plain")
     return _GroupedFp8Function.apply(tokens, weight, seg_sizes, layout, config, kind)

@@ -1,0 +1,162 @@
+"""Gradient accumulation fusion for the routed experts' FP8 parameters (moe/grouped_fp8.py,
+fp8/main_grad.py): a stacked FP8 expert weight whose engine attached a `main_grad_sink` gets
+its weight gradient written into the sink's buffer by the grouped wgrad itself, in fp32,
+eager and compiled (megatron_fp8::grouped_fp8_weight_backward), and autograd gets none.
+
+CPU: the emulated wgrad sums each segment's fp32 product in the output's dtype, so an fp32
+layer's fused grad equals its unfused grad bitwise at any segments (several segments of one
+expert included), and a bf16 layer's fused fp32 grad rounded to bf16 equals the unfused bf16
+grad bitwise where each expert has one segment (EP 1). GPU: the ragged-K kernel writes the
+slot in place (the NaN fill around and between slots stays)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.fp8.compile import prepare_for_compile
+from megatron.core.fp8.cuda.grouped_gemm import grouped_scaled_mm_wgrad
+from megatron.core.fp8.recipe import recipe_spec
+from tests.unit_tests.fp8.test_gradient_accumulation_fusion import BufferSink
+from tests.unit_tests.models.moe.test_grouped_fp8_blockwise_params import (
+    DEVICE_SEGMENTS,
+    EP_SEGMENTS,
+    EXPERTS,
+    IN,
+    OUT,
+    _data,
+    _layer,
+)
+
+RECIPES = ("tensorwise", "blockwise")
+
+
+def _fused_layer(recipe, **options):
+    layer = _layer(recipe, fp8_param=True, **options)
+    sink = BufferSink([layer.weight])
+    layer.weight.main_grad_sink = sink
+    return layer, sink
+
+
+def _backward(layer, x, dy, segments):
+    tokens = x.detach().clone().requires_grad_()
+    counts = [sum(c) for c in segments]
+    y = layer(tokens, counts, segments)
+    y.backward(dy)
+    return y.detach(), tokens.grad
+
+
+@pytest.mark.parametrize("segments", [DEVICE_SEGMENTS, EP_SEGMENTS], ids=["ep1", "ep-segments"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp32_layer_fused_grad_equals_the_unfused_grad(recipe, segments):
+    x, dy = _data(segments, torch.float32)
+    plain = _layer(recipe, fp8_param=True)
+    y_plain, dx_plain = _backward(plain, x, dy, segments)
+    fused, sink = _fused_layer(recipe)
+    y, dx = _backward(fused, x, dy, segments)
+    assert torch.equal(y, y_plain) and torch.equal(dx, dx_plain)
+    assert fused.weight.grad is None and sink.written == [id(fused.weight)]
+    got, want = sink.grad(fused.weight), plain.weight.grad
+    assert torch.equal(got, want) and want.dtype == torch.float32
+    # Every expert with rows got a grad, the one without none (zeros written, not NaN).
+    rows = [sum(counts) for counts in segments]
+    assert [bool(got[e].abs().max() > 0) for e in range(EXPERTS)] == [n > 0 for n in rows]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_bf16_layer_fused_fp32_grad_rounds_to_the_unfused_bf16_grad(recipe):
+    segments = DEVICE_SEGMENTS  # one segment per expert
+    x, dy = _data(segments, torch.bfloat16)
+    plain = _layer(recipe, dtype=torch.bfloat16, fp8_param=True)
+    _, dx_plain = _backward(plain, x, dy, segments)
+    fused, sink = _fused_layer(recipe, dtype=torch.bfloat16)
+    _, dx = _backward(fused, x, dy, segments)
+    assert torch.equal(dx, dx_plain) and fused.weight.grad is None
+    got, want = sink.grad(fused.weight), plain.weight.grad
+    assert got.dtype == torch.float32 and want.dtype == torch.bfloat16
+    assert torch.equal(got.to(torch.bfloat16), want)
+    assert not torch.equal(got, want.float())  # fp32 keeps what bf16 rounds away
+    assert (got - want.float()).abs().max() <= want.float().abs().max() * 2**-8
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_second_micro_batch_adds_its_fp32_product(recipe):
+    segments = DEVICE_SEGMENTS
+    x, dy = _data(segments, torch.bfloat16)
+    layers = {}
+    for name in ("first", "second", "both"):
+        layers[name] = _fused_layer(recipe, dtype=torch.bfloat16)
+    first, second = (x[:200], dy[:200]), (x[200:], dy[200:])
+    split_a, split_b = [[154], [0], [46], [0]], [[0], [0], [254], [43]]
+    _backward(layers["first"][0], *first, split_a)
+    _backward(layers["second"][0], *second, split_b)
+    both, sink = layers["both"]
+    _backward(both, *first, split_a)
+    _backward(both, *second, split_b)
+    assert sink.written == [id(both.weight)] * 2
+    want = sum(s.grad(layer.weight) for layer, s in (layers["first"], layers["second"]))
+    assert torch.equal(sink.grad(both.weight), want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_compiled_fused_grad_equals_eager(recipe):
+    """Compiled (the FP8 parameter as its stand-in): dgrad and the wgrad write are one op,
+    megatron_fp8::grouped_fp8_weight_backward, whose output the graph keeps; the same buffer as
+    eager, bitwise, and no grad for the weight or its stand-in."""
+    x, dy = _data(EP_SEGMENTS, torch.float32)
+    eager, sink_eager = _fused_layer(recipe)
+    y_eager, dx_eager = _backward(eager, x, dy, EP_SEGMENTS)
+    layer, sink = _fused_layer(recipe)
+    layer.forward = torch.compile(layer.forward, fullgraph=True, backend="aot_eager")
+    prepare_for_compile(layer)
+    torch._dynamo.reset()
+    try:
+        for step in range(2):  # the second call reuses the graph (and adds to the slot)
+            y, dx = _backward(layer, x, dy, EP_SEGMENTS)
+            assert torch.equal(y, y_eager) and torch.equal(dx, dx_eager), step
+    finally:
+        torch._dynamo.reset()
+    assert sink.written == [id(layer.weight)] * 2
+    assert torch.equal(sink.buffer, 2 * sink_eager.buffer)  # x + x is exact
+    assert layer.weight.grad is None and layer._weight_stand_in.grad is None
+
+
+def test_wgrad_out_must_be_the_result_shape_and_dtype():
+    spec = recipe_spec("tensorwise")
+    a_t = torch.zeros(OUT, 256, dtype=torch.float8_e4m3fn)
+    b_t = torch.zeros(IN, 256, dtype=torch.float8_e4m3fn)
+    scales = dict(a_scale_inv=torch.ones(()), b_scale_inv=torch.ones(()), recipe=spec.name)
+    out = torch.full((2, OUT, IN), float("nan"))
+    got = grouped_scaled_mm_wgrad(a_t, b_t, group_sizes=[128, 128], out=out, **scales)
+    assert got is out and torch.equal(out, torch.zeros_like(out))
+    with pytest.raises(ValueError, match=r"out must be a contiguous \(2, 144, 200\)"):
+        grouped_scaled_mm_wgrad(a_t, b_t, group_sizes=[128, 128], out=out[:1], **scales)
+    with pytest.raises(ValueError, match="torch.bfloat16"):
+        bad = out.to(torch.bfloat16)
+        grouped_scaled_mm_wgrad(a_t, b_t, group_sizes=[128, 128], out=bad, **scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_fused_expert_grad_writes_its_slot_in_place(recipe):
+    """GPU twin: the ragged-K kernel writes the expert weight's fp32 slot (between NaN-filled
+    neighbours that stay NaN) and its bf16 rounding is the unfused kernel's bf16 grad."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; its CPU twins run instead")
+    segments = DEVICE_SEGMENTS
+    x, dy = _data(segments, torch.bfloat16, device="cuda")
+    plain = _layer(recipe, dtype=torch.bfloat16, fp8_param=True, device="cuda")
+    _, dx_plain = _backward(plain, x, dy, segments)
+    fused = _layer(recipe, dtype=torch.bfloat16, fp8_param=True, device="cuda")
+    neighbour = torch.empty(3, 5, device="cuda")
+    sink = BufferSink([neighbour, fused.weight, neighbour.new_empty(7)])
+    sink.buffer = sink.buffer.cuda()
+    fused.weight.main_grad_sink = sink
+    _, dx = _backward(fused, x, dy, segments)
+    assert torch.equal(dx, dx_plain) and fused.weight.grad is None
+    lo, hi = sink.offsets[id(fused.weight)]
+    assert sink.buffer[:lo].isnan().all() and sink.buffer[hi:].isnan().all()
+    got = sink.grad(fused.weight)
+    assert not got.isnan().any()
+    assert torch.equal(got.to(torch.bfloat16), plain.weight.grad)
