@@ -7,7 +7,8 @@
 #   torchao_rowwise  that peer with torchao's float8 rowwise grouped GEMMs for the experts;
 #   bf16             pretrain_gpt.py with Megatron-FSDP (ZeRO-3) and --moe-grouped-gemm (compiled
 #                    by default on CUDA);
-#   tensorwise, blockwise, <recipe>: the same with FP8 parameters of that recipe.
+#   tensorwise, blockwise, <recipe>: the same with FP8 parameters of that recipe;
+#   <recipe>_nofusion: that row with --no-gradient-accumulation-fusion (bf16 wgrads + a cast pass).
 # One JSON line per row in $OUT/model_m.jsonl (step_ms: median logged iteration after WARMUP).
 # The torchao row needs torchao importable, e.g. (the device's offline wheel):
 #   pip install --no-index --no-deps --target /tmp/site .whl/torchao-*.whl
@@ -96,8 +97,10 @@ for name in ${ROWS:-fsdp2 torchao_rowwise bf16 tensorwise blockwise}; do
       row bf16 torchrun --nproc-per-node 1 pretrain_gpt.py "${MODEL_M[@]}"
       summarize bf16 ;;
     *)
+      recipe=${name%_nofusion} off=()
+      [ "$recipe" = "$name" ] || off=(--no-gradient-accumulation-fusion)
       row "$name" torchrun --nproc-per-node 1 pretrain_gpt.py "${MODEL_M[@]}" \
-        --fp8-recipe "$name" --fp8-format hybrid --fp8-param-gather
+        --fp8-recipe "$recipe" --fp8-format hybrid --fp8-param-gather "${off[@]}"
       summarize "$name" ;;
   esac
 done
