@@ -74,11 +74,16 @@ PEER=(--num-layers $LAYERS --hidden-size $HIDDEN --num-attention-heads $HEADS --
   --warmup-steps "$WARMUP")
 [ "${TINY:-0}" = 1 ] || PEER+=(--compile)
 RUN_TIMEOUT=${RUN_TIMEOUT:-300}
+fp8_row_flags() {  # <recipe>[_nofusion] -> the FP8 flags of that row
+  local recipe=${1%_nofusion}
+  FP8_FLAGS=(--fp8-recipe "$recipe" --fp8-format hybrid --fp8-param-gather)
+  [ "$recipe" = "$1" ] || FP8_FLAGS+=(--no-gradient-accumulation-fusion)
+}
 if [ "${PRINT_ONLY:-0}" = 1 ]; then  # the pretrain_gpt.py flags of row $ROWS (bf16 or a recipe),
   # for a tool that runs them its own way (dev/moe_speed_lease.sh); nothing is run
-  extra=()
-  [ "$ROWS" = bf16 ] || extra=(--fp8-recipe "$ROWS" --fp8-format hybrid --fp8-param-gather)
-  echo "${MODEL_M[@]}" "${extra[@]}"
+  FP8_FLAGS=()
+  [ "$ROWS" = bf16 ] || fp8_row_flags "$ROWS"
+  echo "${MODEL_M[@]}" "${FP8_FLAGS[@]}"
   exit 0
 fi
 source benchmarks/rows.sh  # row, summarize
@@ -97,10 +102,8 @@ for name in ${ROWS:-fsdp2 torchao_rowwise bf16 tensorwise blockwise}; do
       row bf16 torchrun --nproc-per-node 1 pretrain_gpt.py "${MODEL_M[@]}"
       summarize bf16 ;;
     *)
-      recipe=${name%_nofusion} off=()
-      [ "$recipe" = "$name" ] || off=(--no-gradient-accumulation-fusion)
-      row "$name" torchrun --nproc-per-node 1 pretrain_gpt.py "${MODEL_M[@]}" \
-        --fp8-recipe "$recipe" --fp8-format hybrid --fp8-param-gather "${off[@]}"
+      fp8_row_flags "$name"
+      row "$name" torchrun --nproc-per-node 1 pretrain_gpt.py "${MODEL_M[@]}" "${FP8_FLAGS[@]}"
       summarize "$name" ;;
   esac
 done

@@ -9,7 +9,8 @@ casts into the buffer; autograd gets no grad for the weight. The routed experts'
 function (moe/grouped_fp8.py) writes a stacked FP8 expert weight's dW the same way, through
 `fuse_into_main_grad`, with its own op for compiled graphs. A slot that already holds this
 step's grad (a later micro-batch) gets this micro-batch's fp32 product added, so every
-micro-batch contributes the same fp32 product under any data-parallel layout. Compiled, dgrad
+micro-batch contributes the same product under any data-parallel layout (fp32; with a bf16
+buffer the first micro-batch's is written in bf16). Compiled, dgrad
 and the wgrad write are one custom op whose output is dx: a graph drops an op whose output
 nothing reads.
 """

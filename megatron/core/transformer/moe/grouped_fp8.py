@@ -28,7 +28,10 @@ tensorwise, everything else without). Here every operand is quantized in ONE pas
 The GEMMs are custom ops (`megatron_fp8::grouped_fp8_mm`, `::grouped_fp8_wgrad`, and
 `::grouped_fp8_weight_mm` for an FP8 parameter's stand-in), so that torch.compile sees one
 opaque node per GEMM and no graph break (an FP8 parameter enters a compiled graph as the
-stand-in `fp8.compile` makes for it; the op reads the parameter when it runs). delayed
+stand-in `fp8.compile` makes for it; the op reads the parameter when it runs). Gradient
+accumulation fusion (an FP8 parameter with a main_grad_sink, fp8/main_grad.py): the weight
+gradient is written into the engine's grad buffer (fp32, or the buffer's bf16) and autograd
+gets none; compiled, dgrad and that write are one op, `::grouped_fp8_weight_backward`. delayed
 (per-expert scaling state) and mxfp8 (no sm_90 grouped kernel) take the per-segment path:
 `grouped_path_applies` is the one rule of which path runs.
 """

@@ -138,13 +138,15 @@ def test_wgrad_out_must_be_the_result_shape_and_dtype():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("segments", [DEVICE_SEGMENTS, EP_SEGMENTS], ids=["ep1", "ep-segments"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_gpu_fused_expert_grad_writes_its_slot_in_place(recipe):
+def test_gpu_fused_expert_grad_writes_its_slot_in_place(recipe, segments):
     """GPU twin: the ragged-K kernel writes the expert weight's fp32 slot (between NaN-filled
-    neighbours that stay NaN) and its bf16 rounding is the unfused kernel's bf16 grad."""
+    neighbours that stay NaN; several segments of one expert summed in the kernel), its bf16
+    rounding is the unfused kernel's bf16 grad within one bf16 rounding (the kernel may tile
+    another way per output dtype), and a second micro-batch adds its fp32 product exactly."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU; its CPU twins run instead")
-    segments = DEVICE_SEGMENTS
     x, dy = _data(segments, torch.bfloat16, device="cuda")
     plain = _layer(recipe, dtype=torch.bfloat16, fp8_param=True, device="cuda")
     _, dx_plain = _backward(plain, x, dy, segments)
@@ -157,6 +159,11 @@ def test_gpu_fused_expert_grad_writes_its_slot_in_place(recipe):
     assert torch.equal(dx, dx_plain) and fused.weight.grad is None
     lo, hi = sink.offsets[id(fused.weight)]
     assert sink.buffer[:lo].isnan().all() and sink.buffer[hi:].isnan().all()
-    got = sink.grad(fused.weight)
-    assert not got.isnan().any()
-    assert torch.equal(got.to(torch.bfloat16), plain.weight.grad)
+    got, want = sink.grad(fused.weight).clone(), plain.weight.grad
+    assert not got.isnan().any() and got.dtype == torch.float32
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.to(torch.bfloat16).float(), want.float(), rtol=2**-7, atol=0)
+    assert (got - want.float()).abs().max() <= scale * 2**-7
+    _backward(fused, x, dy, segments)  # a second micro-batch: the same product added
+    assert sink.written == [id(fused.weight)] * 2
+    assert torch.equal(sink.grad(fused.weight), got + got)
