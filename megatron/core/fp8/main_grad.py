@@ -43,16 +43,17 @@ def _gemm_into(dy_t: Fp8Operand, x_t: Fp8Operand, out: torch.Tensor, recipe: str
 
 def fuse_into_main_grad(weight: torch.Tensor, write_into, compute) -> None:
     """The fusion's one rule for any FP8 weight (an Fp8Linear's, a stacked expert weight's):
-    this micro-batch's dW goes into the weight's slot of its main_grad_sink. The first
-    micro-batch's is written in place by `write_into(target) -> bool` (False: it declined) where
-    the buffer is fp32 or bf16; otherwise `compute(dtype)` makes it (fp32 where it is added),
-    and it is copied or added into the slot. Then the sink is told."""
+    this micro-batch's dW goes into the weight's slot of its main_grad_sink. Where the buffer is
+    fp32 or bf16, `write_into(target, accumulate) -> bool` writes it in place (accumulate: a
+    later micro-batch, the slot + the fp32 product rounded once) or declines (False);
+    otherwise `compute(dtype)` makes it (fp32 where it is added), and it is copied or added
+    into the slot. Then the sink is told."""
     sink = weight.main_grad_sink
     target, accumulate = sink.main_grad_slot(weight)
     target = target.view(weight.shape)
-    direct = not accumulate and target.dtype in _DIRECT_DTYPES
-    if not (direct and write_into(target)):
-        product = compute(target.dtype if direct else torch.float32)
+    direct = target.dtype in _DIRECT_DTYPES
+    if not (direct and write_into(target, accumulate)):
+        product = compute(target.dtype if direct and not accumulate else torch.float32)
         if accumulate:
             target.add_(product)
         else:
@@ -64,8 +65,11 @@ def write_wgrad(weight: QuantizedTensor, dy_t: Fp8Operand, x_t: Fp8Operand, ops)
     """dW = dy^T x into `weight`'s slot of its main_grad_sink (written by torch._scaled_mm in
     place where the fused path's GEMM takes the operands as they are)."""
 
-    def write_into(target: torch.Tensor) -> bool:
-        return ops is linear_ops and _gemm_into(dy_t, x_t, target, weight.recipe)
+    def write_into(target: torch.Tensor, accumulate: bool) -> bool:
+        # torch._scaled_mm cannot add to its output: a later micro-batch's product is added.
+        if accumulate or ops is not linear_ops:
+            return False
+        return _gemm_into(dy_t, x_t, target, weight.recipe)
 
     def compute(dtype: torch.dtype) -> torch.Tensor:
         return ops.gemm(dy_t, x_t, recipe=weight.recipe, out_dtype=dtype, fast_accum=False)

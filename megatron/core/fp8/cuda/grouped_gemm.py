@@ -282,6 +282,7 @@ def grouped_scaled_mm_wgrad(
     whole_tiles: bool = False,
     offsets: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
     """A^T [N, M] and B^T [K, M] FP8 (tokens along M, sorted by group) -> [G, N, K]: for each
     group g, A^T[:, cols of g] @ B^T[:, cols of g]^T. Scales: per-tensor recipes a scalar
@@ -295,8 +296,11 @@ def grouped_scaled_mm_wgrad(
     size is a multiple of 128 (padded operands; listed sizes are checked): the kernel reads
     whole 128-token tiles without masks. offsets: `group_offsets` of these sizes when the
     caller has them (built once per layer call, as the ragged-M kernel's schedule). out: a
-    contiguous [G, N, K] tensor of out_dtype that the result is written into (overwritten;
-    gradient accumulation fusion: the engine's grad buffer)."""
+    contiguous [G, N, K] tensor of out_dtype that the result is written into (overwritten, or
+    with `accumulate` added to, out + the fp32 product rounded once; gradient accumulation
+    fusion: the engine's grad buffer)."""
+    if accumulate and out is None:
+        raise ValueError("grouped_scaled_mm_wgrad: accumulate needs out")
     spec = recipe_spec(recipe)
     segmented = segment_group is not None
     options = (segment_group, whole_tiles)
@@ -305,18 +309,15 @@ def grouped_scaled_mm_wgrad(
     if segmented:
         groups = segment_group[-1] + 1 if segment_group else 0
     if emulate or not _kernel_runs(recipe, a_t_data, b_t_data):
-        sizes = _host_sizes(group_sizes)
-        offsets, chunks = _group_offsets(sizes), _group_offsets([-(-s // BLOCK_K) for s in sizes])
-        piece_dtype = torch.float32 if segmented else out_dtype
-        pieces = _emulated_ragged_k(
-            a_t_data, b_t_data, a_scale_inv, b_scale_inv, offsets, chunks, recipe, piece_dtype
+        operands = (a_t_data, b_t_data, a_scale_inv, b_scale_inv, recipe)
+        shape = (groups, n, k)
+        result = _emulated_wgrad(
+            *operands, group_sizes, segment_group, shape, out_dtype, accumulate
         )
-        if not segmented:
-            result = pieces.reshape(groups, n, k)
-        else:
-            index = torch.tensor(segment_group, dtype=torch.long, device=pieces.device)
-            result = pieces.new_zeros(groups, n, k).index_add_(0, index, pieces).to(out_dtype)
-        return result if out is None else _checked_out(out, result.shape, out_dtype).copy_(result)
+        if out is None:
+            return result
+        _checked_out(out, shape, out_dtype)
+        return out.add_(result) if accumulate else out.copy_(result)
     if out is None:
         out = torch.empty(groups, n, k, dtype=out_dtype, device=a_t_data.device)
     _checked_out(out, (groups, n, k), out_dtype)
@@ -338,10 +339,28 @@ def grouped_scaled_mm_wgrad(
         a_src, b_src, out, a_scale_inv.contiguous(), b_scale_inv.contiguous(), starts,
         chunk_starts, group_segments, n, k, a_t_data.stride(0), b_t_data.stride(0),
         out.stride(0), out.stride(1), scale_stride, BLOCKWISE=blockwise, FAST=fast,
-        SEGMENTED=segmented, MODE=mode, A_DTYPE=str(a_t_data.dtype), BLOCK_K=BLOCK_K,
-        BLOCK_M=BLOCK_K,
+        SEGMENTED=segmented, MODE=mode, A_DTYPE=str(a_t_data.dtype), ACCUMULATE=accumulate,
+        BLOCK_K=BLOCK_K, BLOCK_M=BLOCK_K,
     )  # fmt: skip
     return out
+
+
+def _emulated_wgrad(a_t, b_t, a_scale_inv, b_scale_inv, recipe, group_sizes, segment_group,
+                    shape, out_dtype, accumulate):  # fmt: skip
+    """`grouped_scaled_mm_wgrad` where its kernel does not run: the kernel's sums emulated,
+    [G, N, K] in out_dtype (fp32 when it will be added to an output: rounded once there)."""
+    sizes = _host_sizes(group_sizes)
+    offsets, chunks = _group_offsets(sizes), _group_offsets([-(-s // BLOCK_K) for s in sizes])
+    segmented = segment_group is not None
+    piece_dtype = torch.float32 if segmented or accumulate else out_dtype
+    pieces = _emulated_ragged_k(
+        a_t, b_t, a_scale_inv, b_scale_inv, offsets, chunks, recipe, piece_dtype
+    )
+    if not segmented:
+        return pieces.reshape(shape)
+    index = torch.tensor(segment_group, dtype=torch.long, device=pieces.device)
+    result = pieces.new_zeros(shape).index_add_(0, index, pieces)
+    return result if accumulate else result.to(out_dtype)
 
 
 def _checked_out(out: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:

@@ -206,7 +206,8 @@ _RAGGED_K_CONFIGS = _tiled_configs(RAGGED_K_TILES, lambda nargs: nargs["MODE"] =
 
 @triton.autotune(
     configs=_RAGGED_K_CONFIGS,
-    key=["N", "K", "BLOCKWISE", "FAST", "SEGMENTED", "MODE", "A_DTYPE"],
+    key=["N", "K", "BLOCKWISE", "FAST", "SEGMENTED", "MODE", "A_DTYPE", "ACCUMULATE"],
+    restore_value=["c_ptr"],  # tuning runs the kernel several times: C as it was after each
 )
 @triton.jit
 def _ragged_k_kernel(
@@ -230,6 +231,7 @@ def _ragged_k_kernel(
     SEGMENTED: tl.constexpr,
     MODE: tl.constexpr,
     A_DTYPE: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -284,7 +286,10 @@ def _ragged_k_kernel(
             acc = acc * tl.load(a_scale_ptr + group * stride_scale)
             acc = acc * tl.load(b_scale_ptr + group * stride_scale)
     c_ptrs = c_ptr + group.to(tl.int64) * stride_cg + ns[:, None] * stride_cn + kk[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+    c_ok = n_ok[:, None] & k_ok[None, :]
+    if ACCUMULATE:  # gradient accumulation fusion: C + this product, rounded once
+        acc += tl.load(c_ptrs, mask=c_ok, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_ok)
 
 
 @triton.jit

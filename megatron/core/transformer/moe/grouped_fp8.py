@@ -256,7 +256,7 @@ def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, rec
 
 def _cuda_wgrad(
     dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, shape, dtype, padded, r=(),
-    out=None,
+    out=None, accumulate=False,
 ):  # fmt: skip
     """The Triton ragged-K kernel -> dW `shape` in `dtype`, written by the kernel at any EP
     size, on token-major copies with each segment padded to whole 128-token tiles (zeros add
@@ -266,11 +266,11 @@ def _cuda_wgrad(
     Blockwise: the padded transposed copies as they are, groups = experts (each 128-token
     cell's product is scaled before it is added; an expert's padded segments are
     consecutive whole cells). padded: the rows of the padded copies; r: `routing`; out: where
-    the kernel writes dW (else a new tensor)."""
+    the kernel writes dW (else a new tensor), with `accumulate` adding it to out's values."""
     spec = recipe_spec(recipe)
     experts = shape[0]
     options = dict(a_scale_inv=dy_scale_inv, b_scale_inv=x_scale_inv, recipe=recipe)
-    options.update(out_dtype=dtype, whole_tiles=True, out=out)
+    options.update(out_dtype=dtype, whole_tiles=True, out=out, accumulate=accumulate)
     if not spec.per_tensor:  # the padded copies as they are: whole tiles of each expert
         if r:
             options.update(group_sizes=r[PADDED_SIZES], offsets=tuple(r[PADDED_OFFSETS]))
@@ -313,15 +313,18 @@ def grouped_fp8_wgrad(
 
 def _wgrad(
     dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, num_experts, recipe, out_dtype,
-    padded, r, out=None,
+    padded, r, out=None, accumulate=False,
 ):  # fmt: skip
     """`grouped_fp8_wgrad`'s body; out: a contiguous [E, N, K] tensor of out_dtype that dW is
-    written into (overwritten), else a new one."""
+    written into (overwritten, or with `accumulate` added to: out + the fp32 dW, rounded
+    once), else a new one."""
     n, k = _wgrad_dims(dy, x, recipe)
     shape = (num_experts, n, k)
     args = (dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe)
     if dy.is_cuda and dy.numel() > 0:
-        return _cuda_wgrad(*args, shape, out_dtype, padded, r, out=out)
+        return _cuda_wgrad(*args, shape, out_dtype, padded, r, out=out, accumulate=accumulate)
+    if accumulate:
+        return out.add_(_emulated_wgrad(*args, dy.new_zeros(shape, dtype=torch.float32)))
     out = dy.new_zeros(shape, dtype=out_dtype) if out is None else out.zero_()
     return _emulated_wgrad(*args, out)
 
@@ -329,13 +332,14 @@ def _wgrad(
 def _write_main_grad(weight: QuantizedTensor, dy_col, x_col, args: tuple) -> None:
     """Gradient accumulation fusion (fp8/main_grad.py) for a stacked FP8 expert weight: dW
     written into its main_grad_sink's slot by the wgrad kernel itself (fp32, or the buffer's
-    bf16), a later micro-batch's fp32 product added. args: (seg_sizes, seg_expert, experts,
+    bf16), a later micro-batch's fp32 product added there by the kernel too (it reads the slot
+    in its epilogue: no dW tensor, no second pass). args: (seg_sizes, seg_expert, experts,
     recipe, padded, r)."""
     seg_sizes, seg_expert, experts, recipe, padded, r = args
     operands_ = (*dy_col, *x_col, seg_sizes, seg_expert, experts, recipe)
 
-    def write_into(target: torch.Tensor) -> bool:
-        _wgrad(*operands_, target.dtype, padded, r, out=target)
+    def write_into(target: torch.Tensor, accumulate: bool) -> bool:
+        _wgrad(*operands_, target.dtype, padded, r, out=target, accumulate=accumulate)
         return True
 
     fuse_into_main_grad(weight, write_into, lambda dtype: _wgrad(*operands_, dtype, padded, r))

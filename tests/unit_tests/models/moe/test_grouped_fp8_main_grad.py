@@ -137,6 +137,37 @@ def test_wgrad_out_must_be_the_result_shape_and_dtype():
         grouped_scaled_mm_wgrad(a_t, b_t, group_sizes=[128, 128], out=bad, **scales)
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("segment_group", [None, [0, 0, 1]], ids=["groups", "segments"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wgrad_accumulate_adds_the_fp32_product_rounded_once(dtype, segment_group, device):
+    """accumulate=True (a later micro-batch's write into the grad buffer): out + the fp32
+    product, rounded to out's dtype once, what adding the fp32 product to out gives (CPU: the
+    emulation; CUDA: the ragged-K kernel's epilogue, against its own fp32 product)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; its CPU twin runs instead")
+    generator = torch.Generator().manual_seed(3)
+    a_t = (torch.randn(OUT, 384, generator=generator) * 8).to(device, torch.float8_e4m3fn)
+    b_t = (torch.randn(IN, 384, generator=generator) * 8).to(device, torch.float8_e4m3fn)
+    sizes, scale_shape = [128, 256], ()
+    if segment_group is not None:
+        sizes, scale_shape = [128, 128, 128], (3,)
+    scales = dict(a_scale_inv=torch.full(scale_shape, 0.5, device=device))
+    scales.update(b_scale_inv=torch.full(scale_shape, 2.0, device=device))
+    options = dict(group_sizes=sizes, recipe="tensorwise", segment_group=segment_group, **scales)
+    product = grouped_scaled_mm_wgrad(a_t, b_t, **options)  # fp32
+    start = torch.randn(product.shape, generator=generator).to(device, dtype)
+    out = start.clone()
+    got = grouped_scaled_mm_wgrad(a_t, b_t, out_dtype=dtype, out=out, accumulate=True, **options)
+    assert got is out and product.abs().max() > 0
+    assert torch.equal(out, (start.float() + product).to(dtype))
+    with pytest.raises(ValueError, match="accumulate needs out"):
+        grouped_scaled_mm_wgrad(a_t, b_t, accumulate=True, **options)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("segments", [DEVICE_SEGMENTS, EP_SEGMENTS], ids=["ep1", "ep-segments"])
 @pytest.mark.parametrize("recipe", RECIPES)
