@@ -26,9 +26,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_E
 ITERS=${ITERS:-20}
 NPROC=${NPROC:-1}  # GPUs (data-parallel ranks); Model A's micro-batch 2 on each
 WARMUP=${WARMUP:-3}
+# GBS: the pretrain_gpt.py rows' global batch, GBS / (2 x NPROC) micro-batches per optimizer step
+# (the fusion's later micro-batches, e.g. GBS=16 ROWS="tensorwise tensorwise_nofusion"); the
+# fsdp2 and torchao peer rows keep one micro-batch: compare them only at the default.
+GBS=${GBS:-$((2 * NPROC))}
 MODEL_A=(
   --num-layers 8 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
-  --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 2 --global-batch-size $((2 * NPROC))
+  --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 2 --global-batch-size $GBS
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32768
   --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
   --hidden-dropout 0 --attention-dropout 0 --untie-embeddings-and-output-weights --bf16
