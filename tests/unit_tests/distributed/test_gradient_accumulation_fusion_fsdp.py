@@ -72,7 +72,7 @@ def test_flag_reaches_the_engine_config():
     assert build_fsdp_config(off).gradient_accumulation_fusion is False
 
 
-def _moe_runs(rank: int, world_size: int, recipe: str) -> dict:
+def _moe_runs(rank: int, world_size: int, recipe: str, extra: list[str]) -> dict:
     counts: dict = {}
     written = MegatronFSDP.main_grad_written
 
@@ -82,7 +82,7 @@ def _moe_runs(rank: int, world_size: int, recipe: str) -> dict:
         written(engine, param)
 
     argv = [*TINY_MOE, *ZERO3, "--train-iters", "4", "--expert-model-parallel-size", "2"]
-    argv += ["--fp8-recipe", recipe, "--fp8-format", "hybrid", "--fp8-param-gather"]
+    argv += ["--fp8-recipe", recipe, "--fp8-format", "hybrid", "--fp8-param-gather", *extra]
     losses = {}
     MegatronFSDP.main_grad_written = counting
     try:
@@ -94,9 +94,16 @@ def _moe_runs(rank: int, world_size: int, recipe: str) -> dict:
     return dict(losses=losses, counts=counts)
 
 
+BF16_GRADS = ["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"]
+
+
+@pytest.mark.parametrize("grads", ["fp32", "bf16"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
-def test_fused_expert_wgrad_trains_as_unfused_at_ep2(recipe: str):
-    for result in run_distributed(_moe_runs, 2, recipe):
+def test_fused_expert_wgrad_trains_as_unfused_at_ep2(recipe: str, grads: str):
+    """bf16: --main-grads-dtype bf16 (each expert's two source segments summed in fp32 and
+    rounded into the bf16 buffer once, as the engine rounds an unfused fp32 grad)."""
+    extra = BF16_GRADS if grads == "bf16" else []
+    for result in run_distributed(_moe_runs, 2, recipe, extra):
         losses, counts = result["losses"], result["counts"]
         assert losses[True] == losses[False] and sorted(losses[True]) == [1, 2, 3, 4]
         # One MoE layer (fc1 and fc2 stacked), 2 micro-batches a step (8 / (2 ranks x 2)), 4 steps.

@@ -323,10 +323,12 @@ def _wgrad(
     args = (dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe)
     if dy.is_cuda and dy.numel() > 0:
         return _cuda_wgrad(*args, shape, out_dtype, padded, r, out=out, accumulate=accumulate)
-    if accumulate:
-        return out.add_(_emulated_wgrad(*args, dy.new_zeros(shape, dtype=torch.float32)))
-    out = dy.new_zeros(shape, dtype=out_dtype) if out is None else out.zero_()
-    return _emulated_wgrad(*args, out)
+    if out is None:
+        return _emulated_wgrad(*args, dy.new_zeros(shape, dtype=out_dtype))
+    # Into a buffer: the segments summed in fp32 and rounded once, as the kernel does (a new
+    # dW of a bf16 weight instead rounds each segment, as the per-segment path's autograd).
+    product = _emulated_wgrad(*args, dy.new_zeros(shape, dtype=torch.float32))
+    return out.add_(product) if accumulate else out.copy_(product)
 
 
 def _write_main_grad(weight: QuantizedTensor, dy_col, x_col, args: tuple) -> None:

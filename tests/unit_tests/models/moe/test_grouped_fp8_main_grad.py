@@ -64,6 +64,24 @@ def test_fp32_layer_fused_grad_equals_the_unfused_grad(recipe, segments):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_bf16_buffer_gets_the_fp32_segment_sum_rounded_once(recipe):
+    """A bf16 grad buffer (--main-grads-dtype bf16): several segments of one expert summed in
+    fp32 and rounded once into the slot, as the kernel does and as the engine rounds an
+    unfused fp32 grad; a second micro-batch adds its fp32 product, rounded once again."""
+    x, dy = _data(EP_SEGMENTS, torch.float32)
+    plain = _layer(recipe, fp8_param=True)
+    _backward(plain, x, dy, EP_SEGMENTS)
+    fused = _layer(recipe, fp8_param=True)
+    sink = BufferSink([fused.weight], dtype=torch.bfloat16)
+    fused.weight.main_grad_sink = sink
+    _backward(fused, x, dy, EP_SEGMENTS)
+    want = plain.weight.grad.to(torch.bfloat16)
+    assert torch.equal(sink.grad(fused.weight), want)
+    _backward(fused, x, dy, EP_SEGMENTS)
+    assert torch.equal(sink.grad(fused.weight), (want.float() + plain.weight.grad).to(want.dtype))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_bf16_layer_fused_fp32_grad_rounds_to_the_unfused_bf16_grad(recipe):
     segments = DEVICE_SEGMENTS  # one segment per expert
     x, dy = _data(segments, torch.bfloat16)
