@@ -28,7 +28,7 @@ NPROC=${NPROC:-1}  # GPUs (data-parallel ranks); Model A's micro-batch 2 on each
 WARMUP=${WARMUP:-3}
 # GBS: the pretrain_gpt.py rows' global batch, GBS / (2 x NPROC) micro-batches per optimizer step
 # (the fusion's later micro-batches, e.g. GBS=16 ROWS="tensorwise tensorwise_nofusion"); the
-# fsdp2 and torchao peer rows keep one micro-batch: compare them only at the default.
+# bench_gpt.py rows (fsdp2, torchao_*, bench_*) run one micro-batch a step: skipped at any other GBS.
 GBS=${GBS:-$((2 * NPROC))}
 MODEL_A=(
   --num-layers 8 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
@@ -57,6 +57,10 @@ fp8_row() {  # name, recipe, then more pretrain_gpt.py flags: one of our FP8-par
   summarize "$name"; breakdown "$name"
 }
 for name in ${ROWS:-fsdp2 torchao_tensorwise torchao_rowwise bf16 tensorwise delayed blockwise mxfp8 bench_bf16 bench_tensorwise}; do
+  if [ "$GBS" != $((2 * NPROC)) ] && [[ $name == fsdp2 || $name == torchao_* || $name == bench_* ]]; then
+    echo "skip $name: bench_gpt.py runs one micro-batch a step, GBS=$GBS asks for accumulation" | tee -a "$OUT/model_a_dp1.log"
+    continue
+  fi
   case $name in
     fsdp2)
       row fsdp2 torchrun --nproc-per-node "$NPROC" benchmarks/bench_gpt.py --engine fsdp2 --compile

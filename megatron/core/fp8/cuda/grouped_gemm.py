@@ -311,7 +311,7 @@ def grouped_scaled_mm_wgrad(
     if emulate or not _kernel_runs(recipe, a_t_data, b_t_data):
         operands = (a_t_data, b_t_data, a_scale_inv, b_scale_inv, recipe)
         shape = (groups, n, k)
-        result = _emulated_wgrad(
+        result = _emulated_kernel_wgrad(
             *operands, group_sizes, segment_group, shape, out_dtype, accumulate
         )
         if out is None:
@@ -345,7 +345,7 @@ def grouped_scaled_mm_wgrad(
     return out
 
 
-def _emulated_wgrad(a_t, b_t, a_scale_inv, b_scale_inv, recipe, group_sizes, segment_group,
+def _emulated_kernel_wgrad(a_t, b_t, a_scale_inv, b_scale_inv, recipe, group_sizes, segment_group,
                     shape, out_dtype, accumulate):  # fmt: skip
     """`grouped_scaled_mm_wgrad` where its kernel does not run: the kernel's sums emulated,
     [G, N, K] in out_dtype (fp32 when it will be added to an output: rounded once there)."""
