@@ -27,13 +27,19 @@ def moe_metrics(run: ModelAndOptimizer) -> MoEMetrics | None:
 
 
 def set_aux_loss_scale(
-    run: ModelAndOptimizer, *, loss_scale: float, num_microbatches: int, per_token_loss: bool
+    run: ModelAndOptimizer,
+    *,
+    loss_scale: float,
+    num_microbatches: int,
+    per_token_loss: bool,
+    device: torch.device,
 ) -> None:
-    """The factor each micro-batch's main loss is multiplied by before backward."""
+    """The factor each micro-batch's main loss is multiplied by before backward, on the
+    training device (where backward reads it)."""
     metrics = moe_metrics(run)
     if metrics is not None:
         scale = loss_scale if per_token_loss else loss_scale / num_microbatches
-        metrics.set_backward_scale(scale)
+        metrics.set_backward_scale(scale, device)
 
 
 def after_grad_sync(run: ModelAndOptimizer, env: DistributedEnv) -> None:

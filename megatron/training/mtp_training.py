@@ -26,7 +26,7 @@ def prepare_mtp(
         scale = float(mask.sum()) / tokens_per_rank
     else:
         scale = 1.0 / num_microbatches
-    mtp.metrics.set_backward_scale(scale * loss_scale)
+    mtp.metrics.set_backward_scale(scale * loss_scale, mask.device)
     return {"loss_mask": mask}
 
 

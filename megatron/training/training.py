@@ -351,6 +351,7 @@ def train_step(
         loss_scale=scaler.scale if scaler is not None else 1.0,
         num_microbatches=config.num_microbatches,
         per_token_loss=config.calculate_per_token_loss,
+        device=env.device,
     )
     losses = []
     for microbatch, batch in enumerate(batches):

@@ -26,7 +26,7 @@ from torch import nn
 
 from megatron.core.transformer.attention import RotaryCosSin
 from megatron.core.transformer.linear import build_linear
-from megatron.core.transformer.moe.metrics import MoEMetrics, attach_aux_loss
+from megatron.core.transformer.moe.metrics import MoEMetrics, attach_aux_loss, scale_on_device
 from megatron.core.transformer.norm import build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -69,14 +69,13 @@ class MTPMetrics:
     backward, as MoEMetrics.backward_scale)."""
 
     def __init__(self, depths: int) -> None:
-        # On the host whatever the default device (a meta-device build's included): a
-        # Python-side setting, moved to the loss's device where backward reads it.
+        # On the host until the training loop names its device: see `scale_on_device`.
         self.backward_scale = torch.ones((), device="cpu")
         self.depths = depths
         self.reset()
 
-    def set_backward_scale(self, scale: float) -> None:
-        self.backward_scale.fill_(scale)
+    def set_backward_scale(self, scale: float, device: torch.device | None = None) -> None:
+        self.backward_scale = scale_on_device(self.backward_scale, scale, device)
 
     def reset(self) -> None:
         self._sums: list[torch.Tensor | None] = [None] * self.depths

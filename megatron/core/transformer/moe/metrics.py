@@ -22,6 +22,18 @@ Z_LOSS = "z_loss"
 DROPPED_TOKEN_FRACTION = "dropped_token_fraction"
 
 
+def scale_on_device(
+    current: torch.Tensor, scale: float, device: torch.device | None
+) -> torch.Tensor:
+    """`current` (a 0-dim fp32 tensor) filled with `scale`, replaced first by one on `device`
+    when it lies elsewhere. A backward scale must lie where backward reads it: a host tensor
+    there is a host-to-device copy of pageable memory, which synchronizes the stream, once per
+    MoE layer and micro-batch (inside the compiled layers too), draining the GPU's queue."""
+    if device is not None and current.device != torch.device(device):
+        current = torch.empty((), dtype=torch.float32, device=device)
+    return current.fill_(scale)
+
+
 class MoEMetrics:
     """Per-layer router losses (recorded divided by their coefficient, as Megatron-LM logs
     them) and per-expert token counts, summed over the forwards since the last `reset`, plus
@@ -29,16 +41,16 @@ class MoEMetrics:
     no global state."""
 
     def __init__(self) -> None:
-        # On the host whatever the default device (a meta-device build's included): a
-        # Python-side setting, moved to the loss's device where backward reads it.
+        # On the host until the training loop names its device (a meta-device build's
+        # included): see `scale_on_device`.
         self.backward_scale = torch.ones((), device="cpu")
         self._sums: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
         self._counts: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.tokens_per_expert: dict[int, torch.Tensor] = {}
 
-    def set_backward_scale(self, scale: float) -> None:
-        """The factor the main loss is multiplied by before backward."""
-        self.backward_scale.fill_(scale)
+    def set_backward_scale(self, scale: float, device: torch.device | None = None) -> None:
+        """The factor the main loss is multiplied by before backward, kept on `device`."""
+        self.backward_scale = scale_on_device(self.backward_scale, scale, device)
 
     def record(self, name: str, value: torch.Tensor, *, layer_number: int) -> None:
         value = value.detach().float()

@@ -10,8 +10,9 @@ import torch
 
 from megatron.core.transformer.moe import routing
 from megatron.core.transformer.moe.config_checks import check_moe_config, moe_layer_pattern
-from megatron.core.transformer.moe.metrics import MoEMetrics
+from megatron.core.transformer.moe.metrics import MoEMetrics, attach_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.mtp import MTPMetrics
 from tests.unit_tests.models.moe.moe_helpers import fill_parameters, moe_config, reference_topk
 
 T, E, K = 12, 8, 2
@@ -303,3 +304,42 @@ def test_router_dtype_fp64():
     fill_parameters(router, seed=1)
     probs, _ = router(torch.randn(1, 3, config.hidden_size))
     assert probs.dtype == torch.float64 and router.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("owner", ["moe", "mtp"])
+def test_backward_scale_moves_to_the_named_device_once_then_refills_in_place(owner):
+    metrics = MoEMetrics() if owner == "moe" else MTPMetrics(depths=1)
+    metrics.set_backward_scale(0.5)  # no device named: stays on the host
+    assert metrics.backward_scale.device.type == "cpu"
+    assert metrics.backward_scale.item() == 0.5
+    metrics.set_backward_scale(0.25, torch.device("meta"))
+    moved = metrics.backward_scale
+    assert moved.device.type == "meta" and moved.dtype == torch.float32 and moved.dim() == 0
+    metrics.set_backward_scale(0.125, torch.device("meta"))
+    assert metrics.backward_scale is moved  # refilled, not reallocated each step
+
+
+def _aux_backward(metrics: MoEMetrics, device: str) -> torch.Tensor:
+    x = torch.arange(4.0, device=device).requires_grad_()
+    out = attach_aux_loss(x * 1.0, (x * x).sum(), metrics)
+    out.sum().backward()
+    return x.grad
+
+
+@pytest.mark.gpu
+def test_aux_loss_backward_on_cuda_makes_no_host_synchronization():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: the host-to-device copy this guards against exists only there")
+    on_device = MoEMetrics()
+    on_device.set_backward_scale(0.5, torch.device("cuda"))
+    on_host = MoEMetrics()
+    on_host.set_backward_scale(0.5)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grad = _aux_backward(on_device, "cuda")
+        with pytest.raises(RuntimeError, match="synchroniz"):  # the check can fail
+            _aux_backward(on_host, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = 1.0 + 0.5 * 2.0 * torch.arange(4.0)
+    torch.testing.assert_close(grad.cpu(), expected)
