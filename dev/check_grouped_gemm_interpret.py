@@ -69,6 +69,7 @@ def _patched(block_n) -> contextlib.ExitStack:
         {
             "_ragged_m_kernel": _Fixed(tgg._ragged_m_kernel, block_n),
             "_ragged_k_kernel": _Fixed(tgg._ragged_k_kernel, block_n),
+            "_ragged_k_add_kernel": _Fixed(tgg._ragged_k_add_kernel, block_n),
             "_transpose_bytes_kernel": tgg._transpose_bytes_kernel,
         },
     )

@@ -335,7 +335,9 @@ def grouped_scaled_mm_wgrad(
     fast = fast_accum and not blockwise and not segmented
     mode = 2 if whole_tiles and _tma_operands(a_t_data, b_t_data) else int(whole_tiles)
     a_src, b_src = (_operand_source(t, mode == 2) for t in (a_t_data, b_t_data))
-    _kernels()._ragged_k_kernel[grid](
+    kernels = _kernels()
+    kernel = kernels._ragged_k_add_kernel if accumulate else kernels._ragged_k_kernel
+    kernel[grid](
         a_src, b_src, out, a_scale_inv.contiguous(), b_scale_inv.contiguous(), starts,
         chunk_starts, group_segments, n, k, a_t_data.stride(0), b_t_data.stride(0),
         out.stride(0), out.stride(1), scale_stride, BLOCKWISE=blockwise, FAST=fast,

@@ -216,3 +216,31 @@ def test_gpu_fused_expert_grad_writes_its_slot_in_place(recipe, segments):
     _backward(fused, x, dy, segments)  # a second micro-batch: the same product added
     assert sink.written == [id(fused.weight)] * 2
     assert torch.equal(sink.grad(fused.weight), got + got)
+
+
+@pytest.mark.gpu
+def test_gpu_wgrad_write_tunes_without_a_copy_of_out():
+    """The first launch at a new shape autotunes. Writing out (the first micro-batch's write
+    into an expert grad slot) needs no copy of out while the configs are timed; adding into
+    it (accumulate=True) does. Measured as the peak bytes allocated past what was live."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: autotuning runs only on the kernel")
+    generator = torch.Generator().manual_seed(5)
+    groups, n, k, tokens = 16, 1088, 1216, 256  # a shape no other test tunes
+    a_t = (torch.randn(n, tokens, generator=generator) * 8).to("cuda", torch.float8_e4m3fn)
+    b_t = (torch.randn(k, tokens, generator=generator) * 8).to("cuda", torch.float8_e4m3fn)
+    options = dict(group_sizes=[16] * groups, recipe="tensorwise")
+    options.update(
+        a_scale_inv=torch.ones((), device="cuda"), b_scale_inv=torch.ones((), device="cuda")
+    )
+    peaks = []
+    for accumulate in (False, True):
+        out = torch.zeros(groups, n, k, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        live = torch.cuda.memory_allocated()
+        grouped_scaled_mm_wgrad(a_t, b_t, out=out, accumulate=accumulate, **options)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - live)
+    assert peaks[0] < out.nbytes // 8  # no copy of out (85 MB): the write tuned without one
+    assert peaks[1] >= out.nbytes  # the check can fail: the adding tuner restores out
