@@ -57,3 +57,33 @@ def test_deepseek_model_m_rows_run_two_steps_on_cpu(tmp_path):
     assert "--multi-latent-attention" in (tmp_path / "model_m_deepseek.log").read_text()
     assert log.count("mtp_1 loss: ") == 2 and log.count("seq_load_balancing_loss: ") == 2, log
     assert "skip fsdp2: the peer has no multi-latent attention" in result.stdout
+
+
+@pytest.mark.timeout(900)
+def test_old_vs_new_takes_the_model_m_script(tmp_path):
+    """benchmarks/model_a_old_vs_new.sh with BENCH=benchmarks/moe_model_m.sh (this checkout as
+    both trees, TINY=1): PRE_ROWS once on the new tree, then each row on both; the table's
+    new/old and the ratio to our bf16 row come from the two trees' JSON lines."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OUT=str(tmp_path), TINY="1", ITERS="2")
+    env.update(WARMUP="0", OLD=str(ROOT), BENCH="benchmarks/moe_model_m.sh")
+    env.update(PRE_ROWS="bf16", ROWS="tensorwise", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(
+        ["bash", "benchmarks/model_a_old_vs_new.sh"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    def rows(tree):
+        lines = (tmp_path / tree / "model_m.jsonl").read_text().splitlines()
+        return {r["row"]: r for r in map(json.loads, lines)}
+
+    old, new = rows("old"), rows("new")
+    assert sorted(old) == ["tensorwise"] and sorted(new) == ["bf16", "tensorwise"]
+    o, n, b = old["tensorwise"]["step_ms"], new["tensorwise"]["step_ms"], new["bf16"]["step_ms"]
+    table = (tmp_path / "old_vs_new.txt").read_text()
+    assert f"| tensorwise | {o} | {n} | {n / o:.4f} |" in table
+    assert f"new rows vs bf16 ({b} ms" in table
+    assert f"tensorwise: {b / n:.3f}x speed" in table
