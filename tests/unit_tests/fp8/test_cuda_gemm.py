@@ -10,8 +10,16 @@ from megatron.core.fp8.cuda.gemm import dequantize_operand
 pytestmark = pytest.mark.gpu
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-# (M, K, N): aligned, ragged (padding to 16 / 128 / 512 inside scaled_mm), one row.
-SHAPES = [(256, 512, 384), (100, 200, 72), (1, 128, 16), (130, 640, 260)]
+# (M, K, N): aligned, ragged (padding to 16 / 128 inside scaled_mm), one row; K-block counts
+# of 5, 6 and 4.5 (a 128x128 grid with rows padded to 4 blocks, or K padded to 512).
+SHAPES = [
+    (256, 512, 384),
+    (100, 200, 72),
+    (1, 128, 16),
+    (130, 640, 260),
+    (64, 768, 256),
+    (96, 576, 128),
+]
 
 
 def _operand(x, *, recipe, role, fp8_dtype=E4M3, scale=None):

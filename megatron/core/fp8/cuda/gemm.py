@@ -18,7 +18,11 @@ _MM_ALIGN = 16
 _E8M0_ONE = 127
 
 # "refused" is sticky: once torch._scaled_mm rejects blockwise scales it will keep doing so.
-_blockwise_status: dict[str, str] = {"path": "untried", "refused": ""}
+# "grid_rows": how this torch takes a 128x128 scale grid whose K-block count is not a multiple
+# of 4 (FP8_NUMERICS.md, "What `torch._scaled_mm` accepts"): "padded" (rows padded to 4 blocks,
+# the grid a view of them), "contiguous" (it refused that: K is padded to 512 instead, both
+# operands copied), or "untried".
+_blockwise_status: dict[str, str] = {"path": "untried", "refused": "", "grid_rows": "untried"}
 
 
 def blockwise_gemm_path() -> str:
@@ -27,11 +31,13 @@ def blockwise_gemm_path() -> str:
     return _blockwise_status["path"]
 
 
-def set_blockwise_path(path: str = "untried", refused: str = "") -> dict[str, str]:
+def set_blockwise_path(
+    path: str = "untried", refused: str = "", grid_rows: str = "untried"
+) -> dict[str, str]:
     """Set the blockwise probe's state (no arguments: untried); returns the previous state,
     which `set_blockwise_path(**previous)` restores. For tests and benchmarks."""
     previous = dict(_blockwise_status)
-    _blockwise_status.update(path=path, refused=refused)
+    _blockwise_status.update(path=path, refused=refused, grid_rows=grid_rows)
     return previous
 
 
@@ -138,10 +144,19 @@ def _block_kind(scale: torch.Tensor, *, rows: int, k: int, name: str) -> str:
     )
 
 
-def _gemm_scale(scale: torch.Tensor, *, kind: str, rows: int, k_blocks: int) -> torch.Tensor:
-    """Pad a logical scale grid to the padded operand (rows, K blocks); padding scales are 1."""
-    grid_rows = rows if kind == "1x128" else ceil_div(rows, BLOCK_128)
-    return _pad_scale(scale.float(), grid_rows, k_blocks, 1.0)
+def _gemm_scale(scale: torch.Tensor, *, kind: str, rows: int, k_blocks: int, side: str,
+                padded_rows: bool) -> torch.Tensor:  # fmt: skip
+    """A logical scale grid padded to the padded operand (rows, K blocks), padding scales 1,
+    in the strides torch._scaled_mm checks (`side` "a", or "b" read transposed): 1x128
+    outer-dim-major; 128x128 row-major, its rows padded to a multiple of 4 blocks with
+    `padded_rows` (the grid a view of those rows)."""
+    if kind == "1x128":
+        grid = _pad_scale(scale.float(), rows, k_blocks, 1.0)
+        return grid.t().contiguous().t() if side == "a" else grid.t().contiguous()
+    grid_rows = ceil_div(rows, BLOCK_128)
+    stride = round_up(k_blocks, 4) if padded_rows else k_blocks
+    grid = _pad_scale(scale.float(), grid_rows, stride, 1.0).contiguous()[:, :k_blocks]
+    return grid if side == "a" else grid.t()
 
 
 def _blockwise_mm(a, b, a_scale_inv, b_scale_inv, out_dtype):
@@ -163,16 +178,17 @@ def _blockwise_mm(a, b, a_scale_inv, b_scale_inv, out_dtype):
             out_dtype=out_dtype,
             compute_dtype=torch.float32,
         )
-    # A multiple of 512 keeps the K-block count a multiple of 4 when a 128x128 scale grid is
-    # involved (its row stride must be 16-byte aligned under both the v1 and v2 checks).
-    k_pad = round_up(k, 4 * BLOCK_128 if "128x128" in (a_kind, b_kind) else BLOCK_128)
+    # A 128x128 grid's K-block count not a multiple of 4: its rows padded to 4 blocks (a
+    # view), or, where this torch refused that, K padded to 512 (the operands copied).
+    k_pad = round_up(k, BLOCK_128)
+    odd_grid = "128x128" in (a_kind, b_kind) and (k_pad // BLOCK_128) % 4 != 0
+    padded_rows = odd_grid and _blockwise_status["grid_rows"] != "contiguous"
+    if odd_grid and not padded_rows:
+        k_pad = round_up(k, 4 * BLOCK_128)
     rows_pad, n_pad = round_up(rows, _MM_ALIGN), round_up(n, _MM_ALIGN)
-    k_blocks = k_pad // BLOCK_128
-    scale_a = _gemm_scale(a_scale_inv, kind=a_kind, rows=rows_pad, k_blocks=k_blocks)
-    scale_b = _gemm_scale(b_scale_inv, kind=b_kind, rows=n_pad, k_blocks=k_blocks)
-    # Strides as ScaledBlas.cpp checks them (module docstring): 1x128 outer-dim-major.
-    scale_a = scale_a.t().contiguous().t() if a_kind == "1x128" else scale_a.contiguous()
-    scale_b = scale_b.t().contiguous() if b_kind == "1x128" else scale_b.contiguous().t()
+    grids = dict(k_blocks=k_pad // BLOCK_128, padded_rows=padded_rows)
+    scale_a = _gemm_scale(a_scale_inv, kind=a_kind, rows=rows_pad, side="a", **grids)
+    scale_b = _gemm_scale(b_scale_inv, kind=b_kind, rows=n_pad, side="b", **grids)
     try:
         out = torch._scaled_mm(
             _pad_fp8(a, rows_pad, k_pad),
@@ -184,9 +200,14 @@ def _blockwise_mm(a, b, a_scale_inv, b_scale_inv, out_dtype):
         )
     except (RuntimeError, NotImplementedError, ValueError) as err:
         # Host-side argument checks raise before any kernel runs, so falling back is safe.
-        _blockwise_status["refused"] = f"torch._scaled_mm refused ({str(err)[:200]})"
+        if padded_rows:  # an older check: contiguous grids only; K padded to 512 from now on
+            _blockwise_status["grid_rows"] = "contiguous"
+        else:
+            _blockwise_status["refused"] = f"torch._scaled_mm refused ({str(err)[:200]})"
         return _blockwise_mm(a, b, a_scale_inv, b_scale_inv, out_dtype)
     _blockwise_status["path"] = "torch._scaled_mm"
+    if padded_rows:
+        _blockwise_status["grid_rows"] = "padded"
     return out[:rows, :n].contiguous() if (rows_pad, n_pad) != (rows, n) else out
 
 

@@ -1,0 +1,119 @@
+"""CPU twin of the blockwise GEMM's 128x128 scale grids whose K-block count is not a multiple
+of 4 (the GPU side: test_cuda_gemm.py's K = 576, 640, 768 shapes). torch._scaled_mm is replaced
+by a stand-in that applies one of the two ScaledBlas.cpp checks of a 128x128 grid (rows padded
+to a multiple of 4 blocks in newer PyTorch, contiguous in older) and multiplies what it was
+given exactly, so a wrong layout or padding fails either the check or the values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.fp8.cuda import gemm as cuda_gemm
+from megatron.core.fp8.cuda.launch import ceil_div
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _grid_ok(data: torch.Tensor, scale: torch.Tensor, padded_rows: bool) -> bool:
+    """Is `scale` a 128x128 grid of the [R, K] operand `data` as the check reads it?"""
+    blocks = ceil_div(data.shape[1], 128)
+    row_stride = -(-blocks // 4) * 4 if padded_rows else blocks
+    return scale.shape == (ceil_div(data.shape[0], 128), blocks) and scale.stride() == (
+        row_stride,
+        1,
+    )
+
+
+class ScaledMm:
+    """torch._scaled_mm for 1x128 x 128x128 blockwise pairs: checks the 128x128 grid (rows
+    padded or contiguous), then the exact product of what it received."""
+
+    def __init__(self, padded_rows: bool):
+        self.padded_rows, self.k_seen = padded_rows, []
+
+    def __call__(self, a, b, *, scale_a, scale_b, out_dtype, use_fast_accum, out=None):
+        b_rows = b.t()  # [N, K], scale_b.t() its grid
+        self.k_seen.append(a.shape[1])
+        if not _grid_ok(b_rows, scale_b.t(), self.padded_rows):
+            raise RuntimeError("Invalid scaling configuration")
+        assert scale_a.shape == (a.shape[0], ceil_div(a.shape[1], 128))
+        assert scale_a.stride() == (1, a.shape[0])  # 1x128: outer-dim-major
+        a_exact = cuda_gemm.dequantize_operand(a, scale_a, recipe="blockwise", dtype=torch.float64)
+        b_exact = cuda_gemm.dequantize_operand(
+            b_rows.contiguous(), scale_b.t(), recipe="blockwise", dtype=torch.float64
+        )
+        return (a_exact @ b_exact.t()).to(out_dtype)
+
+
+@pytest.fixture
+def cublas(blockwise_probe, monkeypatch):
+    """`cublas(padded_rows)` installs the stand-in; the probe state starts untried."""
+    monkeypatch.setattr(cuda_gemm, "_blockwise_unavailable", lambda device: None)
+
+    def install(padded_rows: bool) -> ScaledMm:
+        fake = ScaledMm(padded_rows)
+        monkeypatch.setattr(torch, "_scaled_mm", fake)
+        return fake
+
+    return install
+
+
+def _pair(rows: int, k: int, n: int):
+    generator = torch.Generator().manual_seed(k)
+    a = (torch.rand(rows, k, generator=generator) * 8 - 4).to(E4M3)
+    b = (torch.rand(n, k, generator=generator) * 8 - 4).to(E4M3)
+    blocks = ceil_div(k, 128)
+    a_scale = torch.rand(blocks, rows, generator=generator).t() + 0.5  # 1x128
+    b_scale = torch.rand(ceil_div(n, 128), blocks, generator=generator) + 0.5  # 128x128
+    return a, b, a_scale, b_scale
+
+
+def _gemm(a, b, a_scale, b_scale):
+    return cuda_gemm.scaled_mm(
+        a,
+        b,
+        a_scale_inv=a_scale,
+        b_scale_inv=b_scale,
+        recipe="blockwise",
+        out_dtype=torch.float32,
+        use_fast_accum=False,
+    )
+
+
+def _exact(a, b, a_scale, b_scale):
+    a_exact = cuda_gemm.dequantize_operand(a, a_scale, recipe="blockwise", dtype=torch.float64)
+    b_exact = cuda_gemm.dequantize_operand(b, b_scale, recipe="blockwise", dtype=torch.float64)
+    return (a_exact @ b_exact.t()).float()
+
+
+@pytest.mark.parametrize("k, k_given", [(768, 768), (576, 640), (640, 640)])
+def test_padded_grid_rows_keep_k_unpadded_to_512(cublas, k, k_given):
+    """A torch that takes 128x128 grids with rows padded to 4 blocks gets K padded to 128
+    only (768 stays 768, 576 becomes 640), not to 1024; the product is exact."""
+    fake = cublas(padded_rows=True)
+    operands = _pair(64, k, 256)
+    out = _gemm(*operands)
+    assert fake.k_seen == [k_given]
+    assert torch.allclose(out, _exact(*operands), rtol=1e-6, atol=1e-6)
+    assert cuda_gemm._blockwise_status["grid_rows"] == "padded"
+    assert cuda_gemm.blockwise_gemm_path() == "torch._scaled_mm"
+
+
+def test_a_torch_that_wants_contiguous_grids_gets_k_padded_to_512_from_then_on(cublas):
+    fake = cublas(padded_rows=False)
+    operands = _pair(64, 768, 256)
+    out = _gemm(*operands)
+    assert fake.k_seen == [768, 1024]  # refused once, then padded (not emulated)
+    assert torch.allclose(out, _exact(*operands), rtol=1e-6, atol=1e-6)
+    assert cuda_gemm._blockwise_status["grid_rows"] == "contiguous"
+    assert cuda_gemm.blockwise_gemm_path() == "torch._scaled_mm"
+    _gemm(*_pair(32, 576, 128))
+    assert fake.k_seen == [768, 1024, 1024]  # no second try
+
+
+def test_k_blocks_a_multiple_of_4_never_probe_the_rows(cublas):
+    fake = cublas(padded_rows=False)
+    _gemm(*_pair(64, 512, 256))
+    assert fake.k_seen == [512]
+    assert cuda_gemm._blockwise_status["grid_rows"] == "untried"
