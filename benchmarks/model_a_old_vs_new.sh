@@ -14,6 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/model_a_old_vs_new}
 OLD=$(cd "${OLD:?set OLD to the older tree}" && pwd)
+rm -rf "$OUT/old" "$OUT/new"  # one .jsonl a tree: rows of an earlier job (another BENCH) go
 mkdir -p "$OUT/old" "$OUT/new"
 BENCH=${BENCH:-benchmarks/model_a_dp1.sh}
 [ -n "${PRE_ROWS:-}" ] && ROWS=$PRE_ROWS OUT=$OUT/new bash "$BENCH"

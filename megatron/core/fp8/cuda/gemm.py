@@ -17,12 +17,11 @@ _MM_ALIGN = 16
 # E8M0 byte for 2^0: padding blocks hold zeros, any finite scale works; 1.0 is the clearest.
 _E8M0_ONE = 127
 
-# "refused" is sticky: once torch._scaled_mm rejects blockwise scales it will keep doing so.
-# "grid_rows": how this torch takes a 128x128 scale grid whose K-block count is not a multiple
-# of 4 (FP8_NUMERICS.md, "What `torch._scaled_mm` accepts"): "padded" (rows padded to 4 blocks,
-# the grid a view of them), "contiguous" (it refused that: K is padded to 512 instead, both
-# operands copied), or "untried".
-_blockwise_status: dict[str, str] = {"path": "untried", "refused": "", "grid_rows": "untried"}
+# "refused" is sticky: once torch._scaled_mm rejects blockwise scales it keeps doing so.
+# "grid_rows": "padded" once it took a 128x128 grid with rows padded to 4 K-blocks (_gemm_scale),
+# "contiguous: <why>" once it refused one (K is padded to 512 instead).
+_UNTRIED = {"path": "untried", "refused": "", "grid_rows": "untried"}
+_blockwise_status: dict[str, str] = dict(_UNTRIED)
 
 
 def blockwise_gemm_path() -> str:
@@ -31,13 +30,11 @@ def blockwise_gemm_path() -> str:
     return _blockwise_status["path"]
 
 
-def set_blockwise_path(
-    path: str = "untried", refused: str = "", grid_rows: str = "untried"
-) -> dict[str, str]:
-    """Set the blockwise probe's state (no arguments: untried); returns the previous state,
-    which `set_blockwise_path(**previous)` restores. For tests and benchmarks."""
+def set_blockwise_path(path: str = "untried", **state: str) -> dict[str, str]:
+    """Set the blockwise probe's state (the rest untried); returns the previous state, which
+    `set_blockwise_path(**previous)` restores. For tests and benchmarks."""
     previous = dict(_blockwise_status)
-    _blockwise_status.update(path=path, refused=refused, grid_rows=grid_rows)
+    _blockwise_status.update({**_UNTRIED, "path": path, **state})
     return previous
 
 
@@ -51,12 +48,6 @@ def _pad_fp8(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         return data if data.is_contiguous() else data.contiguous()
     padded = F.pad(data.view(torch.uint8), (0, cols - data.shape[1], 0, rows - data.shape[0]))
     return padded.view(data.dtype)
-
-
-def _pad_scale(scale: torch.Tensor, rows: int, cols: int, value: float) -> torch.Tensor:
-    if scale.shape == (rows, cols):
-        return scale
-    return F.pad(scale, (0, cols - scale.shape[1], 0, rows - scale.shape[0]), value=value)
 
 
 def scaled_mm(
@@ -146,16 +137,17 @@ def _block_kind(scale: torch.Tensor, *, rows: int, k: int, name: str) -> str:
 
 def _gemm_scale(scale: torch.Tensor, *, kind: str, rows: int, k_blocks: int, side: str,
                 padded_rows: bool) -> torch.Tensor:  # fmt: skip
-    """A logical scale grid padded to the padded operand (rows, K blocks), padding scales 1,
-    in the strides torch._scaled_mm checks (`side` "a", or "b" read transposed): 1x128
-    outer-dim-major; 128x128 row-major, its rows padded to a multiple of 4 blocks with
-    `padded_rows` (the grid a view of those rows)."""
+    """A scale grid padded to the operand's (rows, K blocks) with 1s, in the strides torch checks
+    (`side` b: read transposed): 1x128 outer-dim-major; 128x128 row-major, a view of rows padded
+    to 4 blocks with `padded_rows`."""
+    grid_rows = rows if kind == "1x128" else ceil_div(rows, BLOCK_128)
+    cols = round_up(k_blocks, 4) if padded_rows and kind == "128x128" else k_blocks
+    grid = scale.float()
+    if grid.shape != (grid_rows, cols):
+        grid = F.pad(grid, (0, cols - grid.shape[1], 0, grid_rows - grid.shape[0]), value=1.0)
     if kind == "1x128":
-        grid = _pad_scale(scale.float(), rows, k_blocks, 1.0)
         return grid.t().contiguous().t() if side == "a" else grid.t().contiguous()
-    grid_rows = ceil_div(rows, BLOCK_128)
-    stride = round_up(k_blocks, 4) if padded_rows else k_blocks
-    grid = _pad_scale(scale.float(), grid_rows, stride, 1.0).contiguous()[:, :k_blocks]
+    grid = grid.contiguous()[:, :k_blocks]
     return grid if side == "a" else grid.t()
 
 
@@ -169,45 +161,32 @@ def _blockwise_mm(a, b, a_scale_inv, b_scale_inv, out_dtype):
     cause = _blockwise_unavailable(a.device) or _blockwise_status["refused"]
     if cause:
         _blockwise_status["path"] = f"emulated: {cause}"
-        return emulated_mm(
-            a,
-            b,
-            a_scale_inv=a_scale_inv,
-            b_scale_inv=b_scale_inv,
-            recipe="blockwise",
-            out_dtype=out_dtype,
-            compute_dtype=torch.float32,
-        )
-    # A 128x128 grid's K-block count not a multiple of 4: its rows padded to 4 blocks (a
-    # view), or, where this torch refused that, K padded to 512 (the operands copied).
+        scales = dict(a_scale_inv=a_scale_inv, b_scale_inv=b_scale_inv)
+        return emulated_mm(a, b, **scales, recipe="blockwise", out_dtype=out_dtype)
+    # A 128x128 grid of a K-block count not a multiple of 4: rows padded, or K padded to 512.
     k_pad = round_up(k, BLOCK_128)
     odd_grid = "128x128" in (a_kind, b_kind) and (k_pad // BLOCK_128) % 4 != 0
-    padded_rows = odd_grid and _blockwise_status["grid_rows"] != "contiguous"
-    if odd_grid and not padded_rows:
-        k_pad = round_up(k, 4 * BLOCK_128)
+    padded_rows = odd_grid and not _blockwise_status["grid_rows"].startswith("contiguous")
+    k_pad = round_up(k, 4 * BLOCK_128) if odd_grid and not padded_rows else k_pad
     rows_pad, n_pad = round_up(rows, _MM_ALIGN), round_up(n, _MM_ALIGN)
     grids = dict(k_blocks=k_pad // BLOCK_128, padded_rows=padded_rows)
     scale_a = _gemm_scale(a_scale_inv, kind=a_kind, rows=rows_pad, side="a", **grids)
     scale_b = _gemm_scale(b_scale_inv, kind=b_kind, rows=n_pad, side="b", **grids)
     try:
-        out = torch._scaled_mm(
-            _pad_fp8(a, rows_pad, k_pad),
-            _pad_fp8(b, n_pad, k_pad).t(),
-            scale_a=scale_a,
-            scale_b=scale_b,
-            out_dtype=out_dtype,
-            use_fast_accum=False,
-        )
+        out = torch._scaled_mm(_pad_fp8(a, rows_pad, k_pad), _pad_fp8(b, n_pad, k_pad).t(),
+                               scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                               use_fast_accum=False)  # fmt: skip
+    except torch.OutOfMemoryError:
+        raise
     except (RuntimeError, NotImplementedError, ValueError) as err:
         # Host-side argument checks raise before any kernel runs, so falling back is safe.
-        if padded_rows:  # an older check: contiguous grids only; K padded to 512 from now on
-            _blockwise_status["grid_rows"] = "contiguous"
+        if padded_rows and _blockwise_status["grid_rows"] == "untried":
+            _blockwise_status["grid_rows"] = f"contiguous: {str(err)[:200]}"
         else:
             _blockwise_status["refused"] = f"torch._scaled_mm refused ({str(err)[:200]})"
         return _blockwise_mm(a, b, a_scale_inv, b_scale_inv, out_dtype)
     _blockwise_status["path"] = "torch._scaled_mm"
-    if padded_rows:
-        _blockwise_status["grid_rows"] = "padded"
+    _blockwise_status["grid_rows"] = "padded" if padded_rows else _blockwise_status["grid_rows"]
     return out[:rows, :n].contiguous() if (rows_pad, n_pad) != (rows, n) else out
 
 

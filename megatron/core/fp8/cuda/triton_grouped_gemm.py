@@ -209,7 +209,7 @@ def _ragged_k_tuner(adds_into_c: bool):
     adds into C needs C restored after each run (restore_value: a transient copy of C, which
     is an expert grad slot [E, N, K] in fp32, 0.75 GiB at model M's fc1); one that writes C
     needs no copy. So the two are separate tuners of one kernel, ACCUMULATE picking which."""
-    key = ["N", "K", "BLOCKWISE", "FAST", "SEGMENTED", "MODE", "A_DTYPE"]
+    key = ["N", "K", "BLOCKWISE", "FAST", "SEGMENTED", "MODE", "A_DTYPE", "ACCUMULATE"]
     restore = ["c_ptr"] if adds_into_c else None
     return triton.autotune(configs=_RAGGED_K_CONFIGS, key=key, restore_value=restore)
 

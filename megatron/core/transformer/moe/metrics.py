@@ -29,8 +29,9 @@ def scale_on_device(
     when it lies elsewhere. A backward scale must lie where backward reads it: a host tensor
     there is a host-to-device copy of pageable memory, which synchronizes the stream, once per
     MoE layer and micro-batch (inside the compiled layers too), draining the GPU's queue."""
-    if device is not None and current.device != torch.device(device):
-        current = torch.empty((), dtype=torch.float32, device=device)
+    target = current.device if device is None else torch.device(device)
+    if current.device.type != target.type or target.index not in (None, current.device.index):
+        current = torch.empty((), dtype=torch.float32, device=target)
     return current.fill_(scale)
 
 

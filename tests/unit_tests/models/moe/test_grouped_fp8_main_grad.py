@@ -222,7 +222,9 @@ def test_gpu_fused_expert_grad_writes_its_slot_in_place(recipe, segments):
 def test_gpu_wgrad_write_tunes_without_a_copy_of_out():
     """The first launch at a new shape autotunes. Writing out (the first micro-batch's write
     into an expert grad slot) needs no copy of out while the configs are timed; adding into
-    it (accumulate=True) does. Measured as the peak bytes allocated past what was live."""
+    it (accumulate=True) does. Measured as the peak bytes allocated past what was live: both
+    tunings also hold Triton's L2-flush buffer, so the adding one peaks a copy of out higher
+    (equal peaks if both copied or neither did)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: autotuning runs only on the kernel")
     generator = torch.Generator().manual_seed(5)
@@ -242,5 +244,4 @@ def test_gpu_wgrad_write_tunes_without_a_copy_of_out():
         grouped_scaled_mm_wgrad(a_t, b_t, out=out, accumulate=accumulate, **options)
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - live)
-    assert peaks[0] < out.nbytes // 8  # no copy of out (85 MB): the write tuned without one
-    assert peaks[1] >= out.nbytes  # the check can fail: the adding tuner restores out
+    assert peaks[1] - peaks[0] >= out.nbytes  # 85 MB: one copy of out, the adding tuner's
