@@ -20,6 +20,11 @@ run's training loss on one page; needs matplotlib, skipped with a message withou
     # each pair runs on one call's card; pairs across cards are not formed, see summarize)
     python3 benchmarks/fidelity_suite.py --out .fid/suite --corpus english \
         --english-dir .fid/english --size 128m --iters 3000 --skip-done --max-runs 5 --parallel 5
+    # a run longer than one call: each run saves and stops after 8 minutes of training and
+    # the next call on the same (warm) machine resumes it from --checkpoint-dir (not carried)
+    python3 benchmarks/fidelity_suite.py --out .fid/suite --corpus english \
+        --english-dir .fid/english --size 128m --iters 3000 --skip-done --max-runs 5 \
+        --parallel 5 --checkpoint-dir /tmp/fidckpt --stop-after-mins 8
     # the noise floor beside the recipes: bf16 a second time at each seed (bf16_repeat)
     python3 benchmarks/fidelity_suite.py --out .fid/suite --corpus stdlib --size 128m \
         --seeds 1237 1238 --repeat-control --skip-done --max-runs 6 --parallel 6
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -186,6 +192,12 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
                     command += model_flags(size, iters, args.compile)
                     command += ["--seed", str(seed), *recipe_flags(recipe), *args.extra]
                     log = os.path.join(args.out, job, f"{recipe}@{seed}.log")
+                    checkpoint = None
+                    if args.checkpoint_dir:
+                        checkpoint = os.path.join(args.checkpoint_dir, job, f"{recipe}@{seed}")
+                        command += ["--save", checkpoint, "--load", checkpoint]
+                    if args.stop_after_mins:
+                        command += ["--exit-duration-in-mins", str(args.stop_after_mins)]
                     runs.append(
                         dict(
                             job=job,
@@ -197,6 +209,7 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
                             epochs=epochs,
                             log=log,
                             command=command,
+                            checkpoint=checkpoint,
                         )
                     )
     return runs
@@ -209,6 +222,14 @@ def _done(log: str) -> bool:
     except (OSError, ValueError):
         return False
     return bool(parsed.validation_series.get("lm loss validation"))
+
+
+def _resumable(run: dict) -> bool:
+    """Whether the run saved a checkpoint (--checkpoint-dir) that its next start resumes."""
+    checkpoint = run.get("checkpoint")
+    return bool(checkpoint) and os.path.isfile(
+        os.path.join(checkpoint, "latest_checkpointed_iteration.txt")
+    )
 
 
 def card_name(index: int | None) -> str:
@@ -246,9 +267,11 @@ def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> No
             started_runs += 1
             with open(run["log"] + ".cmd", "w", encoding="utf-8") as handle:
                 handle.write(" ".join(run["command"][1:]) + "\n")
+            resuming = _resumable(run)
+            earlier = _read_card(run["log"]) if resuming else None
             with open(run["log"] + ".card", "w", encoding="utf-8") as handle:
-                handle.write(card + "\n")
-            log = open(run["log"], "w", encoding="utf-8")
+                handle.write((card if earlier in (None, card) else f"{earlier} + {card}") + "\n")
+            log = open(run["log"], "a" if resuming else "w", encoding="utf-8")
             process = subprocess.Popen(
                 run["command"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
             )
@@ -262,6 +285,10 @@ def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> No
                 log.close()
                 run["returncode"], run["seconds"] = process.returncode, time.monotonic() - started
                 active.remove(entry)
+                if run.get("checkpoint") and _done(run["log"]):
+                    shutil.rmtree(run["checkpoint"], ignore_errors=True)  # kept only to resume
+                elif _resumable(run):
+                    run["left"] = True  # stopped by --stop-after-mins: a later call resumes it
                 print(f"{run['job']} {run['recipe']}@{run['seed']}: exit {process.returncode}")
 
 
@@ -411,6 +438,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "rest are left for a later call with --skip-done",
     )
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per run")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="each run saves under DIR/<job>/<recipe>@<seed> and starts from its checkpoint "
+        "there when one exists (its log appended to); removed once the run has its "
+        "validation loss",
+    )
+    parser.add_argument(
+        "--stop-after-mins",
+        type=float,
+        default=None,
+        help="each run saves and stops after this many minutes of training "
+        "(--exit-duration-in-mins): a run longer than one device call goes on in the next "
+        "call with --skip-done on the same machine (needs --checkpoint-dir)",
+    )
     parser.add_argument("--tolerance", type=float, default=0.01)
     parser.add_argument(
         "--repeat-control",
@@ -439,6 +481,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.compile = not any(size.endswith("smoke") for size in args.size)
     if args.max_runs is not None and args.max_runs < 1:
         parser.error(f"--max-runs must be at least 1, got {args.max_runs}")
+    if args.stop_after_mins is not None and not args.checkpoint_dir:
+        parser.error("--stop-after-mins needs --checkpoint-dir DIR to save the runs it stops")
     if len(args.seeds) < 2:
         parser.error("--seeds needs at least 2 seeds for an interval (the suite's claim uses 3)")
     return args

@@ -111,3 +111,33 @@ def test_runs_pair_only_on_the_same_card():
     assert by_card["H200"]["seeds"] == [2, 3]
     assert by_card["H200"]["ratios"] == pytest.approx([1.01, 0.99], rel=1e-12)
     assert by_card["H100"]["seeds"] == [] and by_card["H100"]["bf16_mean"] == 2.0
+
+
+@pytest.mark.timeout(420)
+def test_runs_longer_than_a_call_stop_and_resume(tmp_path):
+    """--stop-after-mins with --checkpoint-dir: the first call's runs save and stop after one
+    iteration (left, not failed); the next call (--skip-done) resumes each from its checkpoint,
+    appends to its log and removes the checkpoint once the validation loss is in. The resumed
+    runs' losses equal one uninterrupted suite's."""
+    checkpoints = tmp_path / "checkpoints"
+    resume = ["--checkpoint-dir", str(checkpoints)]
+    out, stdout = _run_suite(tmp_path, "smoke", *resume, "--stop-after-mins", "1e-6")
+    assert "4 runs left for a later call" in stdout
+    first = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [(r["returncode"], r["valid_loss"], r["left"]) for r in first] == [(0, None, True)] * 4
+    for run in first:
+        tracker = checkpoints / run["job"] / f"{run['recipe']}@{run['seed']}"
+        assert (tracker / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    out, stdout = _run_suite(tmp_path, "smoke", *resume, "--skip-done")
+    assert "4 of 4 runs start now" in stdout and "left for a later call" not in stdout
+    resumed = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert not any(checkpoints.glob("*/*@*"))  # removed once each run had its loss
+    for run in resumed:
+        text = Path(run["log"]).read_text()
+        assert "--exit-duration-in-mins" in text and "iteration        3/" in text
+    whole, _ = _run_suite(tmp_path / "whole", "smoke")
+    uninterrupted = [json.loads(line) for line in (whole / "runs.jsonl").read_text().splitlines()]
+    for a, b in zip(resumed, uninterrupted, strict=True):
+        assert (a["recipe"], a["seed"]) == (b["recipe"], b["seed"])
+        assert a["valid_loss"] == pytest.approx(b["valid_loss"], rel=1e-6, abs=0)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6, abs=0)

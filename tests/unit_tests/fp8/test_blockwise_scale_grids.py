@@ -16,13 +16,15 @@ E4M3 = torch.float8_e4m3fn
 
 
 def _grid_ok(data: torch.Tensor, scale: torch.Tensor, padded_rows: bool) -> bool:
-    """Is `scale` a 128x128 grid of the [R, K] operand `data` as the check reads it?"""
+    """Is `scale` a 128x128 grid of the [R, K] operand `data` as the check reads it? As in
+    ScaledBlas.cpp's check_size_stride, a dimension of size 1 has its stride unchecked."""
     blocks = ceil_div(data.shape[1], 128)
     row_stride = -(-blocks // 4) * 4 if padded_rows else blocks
-    return scale.shape == (ceil_div(data.shape[0], 128), blocks) and scale.stride() == (
-        row_stride,
-        1,
+    strides_ok = all(
+        size <= 1 or stride == want
+        for size, stride, want in zip(scale.shape, scale.stride(), (row_stride, 1))
     )
+    return scale.shape == (ceil_div(data.shape[0], 128), blocks) and strides_ok
 
 
 class ScaledMm:
@@ -117,6 +119,22 @@ def test_a_torch_that_wants_contiguous_grids_gets_k_padded_to_512_from_then_on(c
     assert cuda_gemm.blockwise_gemm_path() == "torch._scaled_mm"
     _gemm(*_pair(160, 576, 256))
     assert fake.k_seen == [768, 1024, 1024]  # no second try
+
+
+def test_a_one_row_grid_taken_padded_does_not_stop_cublas_for_taller_grids(cublas):
+    """An older torch skips the row stride of a 1-row grid, so it takes the padded rows there
+    and refuses them for a 2-row grid: that refusal pads K to 512 from then on; it does not
+    send every blockwise GEMM to the emulation (measured on an H100, torch 2.11, 2026-12-06)."""
+    fake = cublas(padded_rows=False)
+    _gemm(*_pair(192, 768, 128))
+    assert fake.k_seen == [768] and cuda_gemm._blockwise_status["grid_rows"] == "padded"
+    operands = _pair(192, 576, 256)
+    out = _gemm(*operands)
+    assert fake.k_seen == [768, 640, 1024]  # refused once, then K padded to 512
+    assert torch.allclose(out, _exact(*operands), rtol=1e-6, atol=1e-6)
+    assert cuda_gemm._blockwise_status["grid_rows"].startswith("contiguous: Invalid scaling")
+    assert cuda_gemm.blockwise_gemm_path() == "torch._scaled_mm"
+    assert cuda_gemm._blockwise_status["refused"] == ""
 
 
 def test_k_blocks_a_multiple_of_4_never_probe_the_rows(cublas):

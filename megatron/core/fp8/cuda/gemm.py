@@ -180,7 +180,7 @@ def _blockwise_mm(a, b, a_scale_inv, b_scale_inv, out_dtype):
         raise
     except (RuntimeError, NotImplementedError, ValueError) as err:
         # Host-side argument checks raise before any kernel runs, so falling back is safe.
-        if padded_rows and _blockwise_status["grid_rows"] == "untried":
+        if padded_rows:  # taken before for another shape or side, or never: K to 512 now
             _blockwise_status["grid_rows"] = f"contiguous: {str(err)[:200]}"
         else:
             _blockwise_status["refused"] = f"torch._scaled_mm refused ({str(err)[:200]})"
