@@ -224,12 +224,35 @@ def _done(log: str) -> bool:
     return bool(parsed.validation_series.get("lm loss validation"))
 
 
+def _saved_iteration(run: dict) -> int | None:
+    """The iteration of the run's checkpoint under --checkpoint-dir, None without one."""
+    if not run.get("checkpoint"):
+        return None
+    from megatron.training.checkpoint.layout import read_tracker
+
+    return read_tracker(run["checkpoint"])
+
+
 def _resumable(run: dict) -> bool:
-    """Whether the run saved a checkpoint (--checkpoint-dir) that its next start resumes."""
-    checkpoint = run.get("checkpoint")
-    return bool(checkpoint) and os.path.isfile(
-        os.path.join(checkpoint, "latest_checkpointed_iteration.txt")
-    )
+    """Whether the run's checkpoint is one its next start goes on from (short of its end)."""
+    saved = _saved_iteration(run)
+    return saved is not None and saved < run["iters"]
+
+
+def _prepare_checkpoint(run: dict) -> bool:
+    """Before a start: keep only the newest save of a resumable checkpoint; remove one that is
+    already at the run's end (a stale folder, or a save whose log lost its validation loss),
+    so that the run starts afresh. Whether the run resumes."""
+    if _resumable(run):
+        keep = f"iter_{_saved_iteration(run):07d}"
+        for name in os.listdir(run["checkpoint"]):
+            path = os.path.join(run["checkpoint"], name)
+            if os.path.isdir(path) and name != keep:  # older saves, unfinished *.tmp folders
+                shutil.rmtree(path, ignore_errors=True)
+        return True
+    if run.get("checkpoint"):
+        shutil.rmtree(run["checkpoint"], ignore_errors=True)
+    return False
 
 
 def card_name(index: int | None) -> str:
@@ -267,7 +290,7 @@ def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> No
             started_runs += 1
             with open(run["log"] + ".cmd", "w", encoding="utf-8") as handle:
                 handle.write(" ".join(run["command"][1:]) + "\n")
-            resuming = _resumable(run)
+            resuming = _prepare_checkpoint(run)
             earlier = _read_card(run["log"]) if resuming else None
             with open(run["log"] + ".card", "w", encoding="utf-8") as handle:
                 handle.write((card if earlier in (None, card) else f"{earlier} + {card}") + "\n")
@@ -287,7 +310,7 @@ def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> No
                 active.remove(entry)
                 if run.get("checkpoint") and _done(run["log"]):
                     shutil.rmtree(run["checkpoint"], ignore_errors=True)  # kept only to resume
-                elif _resumable(run):
+                elif process.returncode == 0 and _resumable(run):
                     run["left"] = True  # stopped by --stop-after-mins: a later call resumes it
                 print(f"{run['job']} {run['recipe']}@{run['seed']}: exit {process.returncode}")
 
@@ -442,8 +465,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--checkpoint-dir",
         default=None,
         help="each run saves under DIR/<job>/<recipe>@<seed> and starts from its checkpoint "
-        "there when one exists (its log appended to); removed once the run has its "
-        "validation loss",
+        "there when one exists (its log appended to; keep --extra the same across calls); "
+        "removed once the run has its validation loss. A fresh machine has none: the runs "
+        "start again. Each finished run also writes its final save before it is removed",
     )
     parser.add_argument(
         "--stop-after-mins",
@@ -481,8 +505,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.compile = not any(size.endswith("smoke") for size in args.size)
     if args.max_runs is not None and args.max_runs < 1:
         parser.error(f"--max-runs must be at least 1, got {args.max_runs}")
-    if args.stop_after_mins is not None and not args.checkpoint_dir:
-        parser.error("--stop-after-mins needs --checkpoint-dir DIR to save the runs it stops")
+    if (args.stop_after_mins is None) != (args.checkpoint_dir is None):
+        parser.error(
+            "--stop-after-mins and --checkpoint-dir go together: the runs stopped after that "
+            "many minutes save there, and the next call resumes them from there"
+        )
     if len(args.seeds) < 2:
         parser.error("--seeds needs at least 2 seeds for an interval (the suite's claim uses 3)")
     return args
@@ -517,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.monotonic() - started
     print(f"{len(runs)} runs planned; this call took {seconds:.0f} s; results in {args.out}")
     left = [r for r in rows if r["left"] and r["valid_loss"] is None]
+    left = [r for r in left if r["returncode"] in (0, None)]  # a crash is a failure, left or not
     failed = [r for r in rows if r not in left]
     failed = [r for r in failed if r["valid_loss"] is None or r["returncode"] not in (0, None)]
     for row in failed:

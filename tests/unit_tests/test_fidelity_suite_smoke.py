@@ -12,16 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_suite(tmp_path: Path, size: str, *extra: str) -> tuple[Path, str]:
+def _run_suite(tmp_path: Path, size: str, *extra: str, returncode: int = 0) -> tuple[Path, str]:
     """The suite at `size`, bf16 and tensorwise at seeds 11 and 12 on 0.3 MB of the stdlib
-    corpus, 4 runs at once; its --out directory and stdout (the suite must exit 0)."""
+    corpus, 4 runs at once; its --out directory and stdout (the suite must exit `returncode`)."""
     out = tmp_path / "suite"
     command = [sys.executable, "benchmarks/fidelity_suite.py", "--out", str(out)]
     command += ["--size", size, "--recipes", "tensorwise", "--seeds", "11", "12"]
     command += ["--parallel", "4", "--stdlib-mb", "0.3", *extra]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == returncode, result.stdout[-3000:] + result.stderr[-3000:]
     return out, result.stdout
 
 
@@ -128,16 +128,48 @@ def test_runs_longer_than_a_call_stop_and_resume(tmp_path):
     for run in first:
         tracker = checkpoints / run["job"] / f"{run['recipe']}@{run['seed']}"
         assert (tracker / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
-    out, stdout = _run_suite(tmp_path, "smoke", *resume, "--skip-done")
+    # A resume that fails (another model than the checkpoint's) is a failure, not left.
+    _, stdout = _run_suite(
+        tmp_path, "smoke", *resume, "--skip-done", "--stop-after-mins", "1e-6",
+        "--extra", "--ffn-hidden-size", "96", returncode=1,
+    )  # fmt: skip
+    assert "left for a later call" not in stdout and "a failed run" in stdout
+    out, stdout = _run_suite(tmp_path, "smoke", *resume, "--skip-done", "--stop-after-mins", "9")
     assert "4 of 4 runs start now" in stdout and "left for a later call" not in stdout
     resumed = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert not any(checkpoints.glob("*/*@*"))  # removed once each run had its loss
     for run in resumed:
         text = Path(run["log"]).read_text()
-        assert "--exit-duration-in-mins" in text and "iteration        3/" in text
+        assert "(iteration 1)" in text and " > loaded checkpoint " in text
+        assert text.count("iteration        1/") == 1 and "iteration        3/" in text
     whole, _ = _run_suite(tmp_path / "whole", "smoke")
     uninterrupted = [json.loads(line) for line in (whole / "runs.jsonl").read_text().splitlines()]
     for a, b in zip(resumed, uninterrupted, strict=True):
         assert (a["recipe"], a["seed"]) == (b["recipe"], b["seed"])
         assert a["valid_loss"] == pytest.approx(b["valid_loss"], rel=1e-6, abs=0)
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6, abs=0)
+
+
+def test_a_checkpoint_keeps_its_newest_save_and_one_at_its_end_is_removed(tmp_path):
+    """Before a start: a resumable checkpoint keeps only the save its tracker names (older
+    saves and unfinished *.tmp folders go); one already at the run's end (its log lost the
+    validation loss, or a stale folder) is removed, so the run starts afresh, not 'left'."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fidelity_suite import _prepare_checkpoint, _resumable
+
+    def checkpoint(name: str, tracker: int, saves: list[str]) -> dict:
+        folder = tmp_path / name
+        for save in saves:
+            (folder / save).mkdir(parents=True)
+        (folder / "latest_checkpointed_iteration.txt").write_text(f"{tracker}\n")
+        return dict(checkpoint=str(folder), iters=3)
+
+    run = checkpoint("mid", 2, ["iter_0000001", "iter_0000002", "iter_0000003.tmp"])
+    assert _resumable(run) and _prepare_checkpoint(run)
+    assert sorted(p.name for p in Path(run["checkpoint"]).iterdir()) == [
+        "iter_0000002", "latest_checkpointed_iteration.txt"
+    ]  # fmt: skip
+    done = checkpoint("end", 3, ["iter_0000003"])
+    assert not _resumable(done) and not _prepare_checkpoint(done)
+    assert not Path(done["checkpoint"]).exists()
+    assert not _prepare_checkpoint(dict(checkpoint=None, iters=3))
