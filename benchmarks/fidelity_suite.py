@@ -233,9 +233,10 @@ def _saved_iteration(run: dict) -> int | None:
     return read_tracker(run["checkpoint"])
 
 
-def _resumable(run: dict) -> bool:
-    """Whether the run's checkpoint is one its next start goes on from (short of its end)."""
-    saved = _saved_iteration(run)
+def _resumable(run: dict, saved: int | None = None) -> bool:
+    """Whether the run's checkpoint (its iteration `saved`, read when not given) is one its
+    next start goes on from (short of its end)."""
+    saved = _saved_iteration(run) if saved is None else saved
     return saved is not None and saved < run["iters"]
 
 
@@ -243,8 +244,9 @@ def _prepare_checkpoint(run: dict) -> bool:
     """Before a start: keep only the newest save of a resumable checkpoint; remove one that is
     already at the run's end (a stale folder, or a save whose log lost its validation loss),
     so that the run starts afresh. Whether the run resumes."""
-    if _resumable(run):
-        keep = f"iter_{_saved_iteration(run):07d}"
+    saved = _saved_iteration(run)
+    if _resumable(run, saved):
+        keep = f"iter_{saved:07d}"
         for name in os.listdir(run["checkpoint"]):
             path = os.path.join(run["checkpoint"], name)
             if os.path.isdir(path) and name != keep:  # older saves, unfinished *.tmp folders
@@ -505,6 +507,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.compile = not any(size.endswith("smoke") for size in args.size)
     if args.max_runs is not None and args.max_runs < 1:
         parser.error(f"--max-runs must be at least 1, got {args.max_runs}")
+    if args.stop_after_mins is not None and args.stop_after_mins <= 0:
+        parser.error(f"--stop-after-mins must be positive, got {args.stop_after_mins}")
     if (args.stop_after_mins is None) != (args.checkpoint_dir is None):
         parser.error(
             "--stop-after-mins and --checkpoint-dir go together: the runs stopped after that "
