@@ -11,12 +11,15 @@ slot in place (the NaN fill around and between slots stays)."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.fp8.cuda.grouped_gemm import grouped_scaled_mm_wgrad
 from megatron.core.fp8.recipe import recipe_spec
+from megatron.core.transformer.moe import grouped_fp8
 from tests.unit_tests.fp8.test_gradient_accumulation_fusion import BufferSink
 from tests.unit_tests.models.moe.test_grouped_fp8_blockwise_params import (
     DEVICE_SEGMENTS,
@@ -116,12 +119,37 @@ def test_second_micro_batch_adds_its_fp32_product(recipe):
     assert torch.equal(sink.grad(both.weight), want)
 
 
+def _watch_transposed_weights(monkeypatch) -> list:
+    """Patch grouped_fp8 so that the wgrad write asserts every transposed expert weight made
+    for a dgrad is freed by then (held through the write, it raised the fused backward's peak
+    by the weight's bytes above the unfused one's); returns the list of writes checked."""
+    made, checked = [], []
+    stacked_operand, write_main_grad = grouped_fp8._stacked_operand, grouped_fp8._write_main_grad
+
+    def watched_operand(stacked, usage):
+        operand = stacked_operand(stacked, usage)
+        if usage == "columnwise":
+            made.append(weakref.ref(operand[0]))
+        return operand
+
+    def checked_write(*args):
+        assert made and all(ref() is None for ref in made), "a transposed weight is alive"
+        checked.append(len(made))
+        return write_main_grad(*args)
+
+    monkeypatch.setattr(grouped_fp8, "_stacked_operand", watched_operand)
+    monkeypatch.setattr(grouped_fp8, "_write_main_grad", checked_write)
+    return checked
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_compiled_fused_grad_equals_eager(recipe):
+def test_compiled_fused_grad_equals_eager(recipe, monkeypatch):
     """Compiled (the FP8 parameter as its stand-in): dgrad and the wgrad write are one op,
     megatron_fp8::grouped_fp8_weight_backward, whose output the graph keeps; the same buffer as
-    eager, bitwise, and no grad for the weight or its stand-in."""
+    eager, bitwise, and no grad for the weight or its stand-in. Eager and compiled, the dgrad's
+    transposed weight is freed before the wgrad writes."""
+    checked = _watch_transposed_weights(monkeypatch)
     x, dy = _data(EP_SEGMENTS, torch.float32)
     eager, sink_eager = _fused_layer(recipe)
     y_eager, dx_eager = _backward(eager, x, dy, EP_SEGMENTS)
@@ -138,6 +166,7 @@ def test_compiled_fused_grad_equals_eager(recipe):
     assert sink.written == [id(layer.weight)] * 2
     assert torch.equal(sink.buffer, 2 * sink_eager.buffer)  # x + x is exact
     assert layer.weight.grad is None and layer._weight_stand_in.grad is None
+    assert checked == [1, 2, 3]  # one eager write, then two compiled ones
 
 
 def test_wgrad_out_must_be_the_result_shape_and_dtype():
