@@ -7,7 +7,9 @@ rows of Model A peak 0.7 GiB above FSDP2's). Input: a snapshot written by
 live bytes are largest, the live blocks are summed by their innermost frame inside this
 repository (or the innermost frame at all, when none is ours).
 
-    python3 dev/peak_memory_breakdown.py snapshot.pickle [--top 25]
+    python3 dev/peak_memory_breakdown.py snapshot.pickle [--top 25] [--depth 1]
+
+--depth N names each site by its N innermost frames here (who called the allocating code).
 
 Runs on CPU (it only reads the pickle).
 """
@@ -22,20 +24,30 @@ from collections import defaultdict
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _site(frames: list[dict]) -> str:
-    """The innermost frame in this repository, else the innermost frame, as file:line name."""
-    for frame in frames:
-        filename = frame.get("filename", "")
-        if filename.startswith(REPO) or "/megatron/" in filename:
-            return f"{os.path.relpath(filename, REPO)}:{frame.get('line')} {frame.get('name')}"
+def _name(frame: dict) -> str:
+    path = os.path.relpath(frame.get("filename", ""), REPO)
+    return f"{path}:{frame.get('line')} {frame.get('name')}"
+
+
+def _site(frames: list[dict], depth: int = 1) -> str:
+    """The `depth` innermost frames in this repository ("inner <- caller"), else the innermost
+    frame, as file:line name."""
+    ours = [
+        _name(frame)
+        for frame in frames
+        if frame.get("filename", "").startswith(REPO) or "/megatron/" in frame.get("filename", "")
+    ]
+    if ours:
+        return " <- ".join(ours[:depth])
     if frames:
         frame = frames[0]
         return f"{frame.get('filename')}:{frame.get('line')} {frame.get('name')}"
     return "(no stack recorded)"
 
 
-def peak_breakdown(snapshot: dict, device: int = 0) -> tuple[int, dict[str, int]]:
-    """(peak live bytes, {allocation site: bytes alive at the peak}) of one device's trace.
+def peak_breakdown(snapshot: dict, device: int = 0, depth: int = 1) -> tuple[int, dict[str, int]]:
+    """(peak live bytes, {allocation site: bytes alive at the peak}) of one device's trace;
+    a site is its `depth` innermost frames in this repository.
 
     Blocks allocated before the trace window opened count as "(before the trace)": those still
     allocated at the dump (in `segments`, never allocated in the trace) and those the trace
@@ -66,7 +78,7 @@ def peak_breakdown(snapshot: dict, device: int = 0) -> tuple[int, dict[str, int]
     for entry in trace:
         action = entry["action"]
         if action == "alloc":
-            live[entry["addr"]] = (entry["size"], _site(entry.get("frames", [])))
+            live[entry["addr"]] = (entry["size"], _site(entry.get("frames", []), depth))
             total += entry["size"]
             if total > peak:
                 peak, at_peak = total, dict(live)
@@ -85,10 +97,13 @@ def main() -> None:
     parser.add_argument("snapshot")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--device", type=int, default=0)
+    parser.add_argument(
+        "--depth", type=int, default=1, help="repository frames per site (callers too)"
+    )
     args = parser.parse_args()
     with open(args.snapshot, "rb") as handle:
         snapshot = pickle.load(handle)
-    peak, by_site = peak_breakdown(snapshot, args.device)
+    peak, by_site = peak_breakdown(snapshot, args.device, args.depth)
     print(f"peak live: {peak / 2**30:.3f} GiB")
     for site, size in sorted(by_site.items(), key=lambda item: -item[1])[: args.top]:
         print(f"{size / 2**30:9.3f} GiB  {site}")

@@ -73,3 +73,17 @@ def test_blocks_freed_in_the_trace_but_allocated_before_it_count_from_the_start(
     peak, by_site = _module().peak_breakdown(snapshot)
     assert peak == 130
     assert by_site == {"(before the trace)": 30, "megatron/x.py:10 weights": 100}
+
+
+def test_depth_names_a_site_by_its_callers_too():
+    outer = {"filename": str(REPO / "megatron" / "y.py"), "line": 7, "name": "backward"}
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 30, "frames": _frame("gemm", 10) + [outer]},
+        {"action": "alloc", "addr": 2, "size": 20, "frames": _frame("gemm", 10)},
+    ]
+    peak, by_site = _module().peak_breakdown({"device_traces": [trace]}, depth=2)
+    assert peak == 50
+    assert by_site == {
+        "megatron/x.py:10 gemm <- megatron/y.py:7 backward": 30,
+        "megatron/x.py:10 gemm": 20,
+    }
