@@ -5,8 +5,11 @@ path does `cuda/gemm.py`'s blockwise GEMM settle on per shape?
 ScaledBlas.cpp's 128x128 check wants the grid's row stride either contiguous (older) or
 padded to a multiple of 4 K-blocks (newer), and skips the stride of a size-1 dimension. This
 tries both strides for 4, 5 and 6 K-blocks, with the 128x128 grid on either operand and with
-one or two grid rows; then runs `scaled_mm` from a fresh probe state on the shapes of
-test_cuda_gemm.py and prints the probe state and the error against the exact product.
+one or two grid rows; then, on random bytes and scales, whether a taken grid is read right
+("contiguous", "padded", or the unsliced "full" width: PyTorch #166752 says cuBLASLt wants
+the K blocks padded to 4, a contiguous odd grid having given silent wrong answers); then
+runs `scaled_mm` from a fresh probe state on the shapes of test_cuda_gemm.py and prints the
+probe state and the error against the exact product.
 Run: python3 dev/probe_blockwise_grids.py
 """
 
@@ -49,6 +52,43 @@ def _taken(k_blocks: int, square_side: str, square_rows: int, row_stride: int) -
     return "taken"
 
 
+def _layout(grid: torch.Tensor, k_blocks: int, layout: str) -> torch.Tensor:
+    """A [rows, K blocks] grid as torch receives it: "contiguous"; "padded" (rows 4 blocks
+    apart, sliced to K blocks); "full" (the rows padded to 4 blocks with 1s, not sliced)."""
+    if layout == "contiguous":
+        return grid.contiguous()
+    wide = torch.ones(grid.shape[0], -(-k_blocks // 4) * 4, device=grid.device)
+    wide[:, :k_blocks] = grid
+    return wide if layout == "full" else wide[:, :k_blocks]
+
+
+def _numeric(k_blocks: int, square_side: str, layout: str) -> str:
+    """torch._scaled_mm on random FP8 bytes and random scales, a 256-row operand with a
+    128x128 grid in `layout` (_layout), against the product of the dequantized operands: a
+    grid read with the wrong row stride takes its scales from the wrong K blocks."""
+    k, rows = 128 * k_blocks, 256
+    torch.manual_seed(k_blocks)
+    a = torch.randn(rows, k, device="cuda").to(E4M3)
+    b = torch.randn(rows, k, device="cuda").to(E4M3)
+    square = torch.rand(rows // 128, k_blocks, device="cuda") + 0.5
+    per_row = torch.rand(rows, k_blocks, device="cuda") + 0.5
+    square_full = square.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    row_full = per_row.repeat_interleave(128, 1)
+    a_scale_full, b_scale_full = (
+        (square_full, row_full) if square_side == "a" else (row_full, square_full)
+    )
+    exact = (a.float() * a_scale_full) @ (b.float() * b_scale_full).t()
+    grid = _layout(square, k_blocks, layout)
+    one_by = per_row.t().contiguous()  # 1x128, outer-dim-major: [K blocks, rows]
+    scale_a, scale_b = (grid, one_by) if square_side == "a" else (one_by.t(), grid.t())
+    try:
+        y = torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+    except RuntimeError as error:
+        return "refused: " + str(error).splitlines()[0][:60]
+    error = ((y - exact).abs().max() / exact.abs().max()).item()
+    return f"taken, rel err {error:.2e}"
+
+
 def _operand(x: torch.Tensor, role: str):
     out = quantize_cuda(x, recipe="blockwise", fp8_dtype=E4M3, role=role, rowwise=True,
                         columnwise=False, power_2_scale=True)  # fmt: skip
@@ -64,6 +104,11 @@ def main() -> None:
                     result = _taken(k_blocks, side, rows, stride)
                     print(f"K blocks {k_blocks}, 128x128 on {side} ({rows} rows), "
                           f"row stride {stride}: {result}")  # fmt: skip
+    for k_blocks in (4, 5, 6):
+        for side in ("a", "b"):
+            for layout in ("contiguous", "padded", "full"):
+                result = _numeric(k_blocks, side, layout)
+                print(f"numeric: K blocks {k_blocks}, 128x128 on {side}, {layout}: {result}")
     for m, k, n in [(256, 512, 384), (130, 640, 260), (64, 768, 256), (96, 576, 128)]:
         for side in ("a", "b"):
             gemm.set_blockwise_path()
