@@ -9,7 +9,9 @@ repository (or the innermost frame at all, when none is ours).
 
     python3 dev/peak_memory_breakdown.py snapshot.pickle [--top 25] [--depth 1]
 
---depth N names each site by its N innermost frames here (who called the allocating code).
+--depth N names each site by its N innermost frames here (who called the allocating code). A
+compiled graph's allocation carries the stack recorded when the graph was traced: a backward
+node's callers are its forward's (e.g. `backward <- grouped_fp8_linear`), not who ran it.
 
 Runs on CPU (it only reads the pickle).
 """
@@ -101,6 +103,8 @@ def main() -> None:
         "--depth", type=int, default=1, help="repository frames per site (callers too)"
     )
     args = parser.parse_args()
+    if args.depth < 1:
+        parser.error(f"--depth must be at least 1, got {args.depth}")
     with open(args.snapshot, "rb") as handle:
         snapshot = pickle.load(handle)
     peak, by_site = peak_breakdown(snapshot, args.device, args.depth)

@@ -422,7 +422,7 @@ def grouped_fp8_weight_backward(
     weight = _owner_weight(stand_in)
     w_t = _stacked_operand(weight, "columnwise")
     dx = _grouped_mm(*tensors[:2], *w_t, seg_sizes, seg_expert, recipe, dx_dtype, False, r)
-    del w_t  # freed before the wgrad runs, as the unfused backward's (it set Model M's peak)
+    del w_t  # freed before the wgrad write, as in the unfused backward
     args = (seg_sizes, seg_expert, weight.shape[0], recipe, padded, r)
     _write_main_grad(weight, tensors[2:4], tensors[4:6], args)
     return dx

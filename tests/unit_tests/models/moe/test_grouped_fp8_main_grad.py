@@ -11,10 +11,9 @@ slot in place (the NaN fill around and between slots stays)."""
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.fp8.cuda.grouped_gemm import grouped_scaled_mm_wgrad
@@ -128,12 +127,12 @@ def _watch_transposed_weights(monkeypatch) -> list:
 
     def watched_operand(stacked, usage):
         operand = stacked_operand(stacked, usage)
-        if usage == "columnwise":
-            made.append(weakref.ref(operand[0]))
+        if usage == "columnwise":  # the bytes' storage, so that no view of it escapes either
+            made.append(StorageWeakRef(operand[0].untyped_storage()))
         return operand
 
     def checked_write(*args):
-        assert made and all(ref() is None for ref in made), "a transposed weight is alive"
+        assert made and all(ref.expired() for ref in made), "a transposed weight is alive"
         checked.append(len(made))
         return write_main_grad(*args)
 
