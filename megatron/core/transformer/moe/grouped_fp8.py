@@ -417,15 +417,33 @@ def grouped_fp8_weight_backward(
 ) -> torch.Tensor:
     """A compiled graph's backward of an FP8 expert parameter under gradient accumulation
     fusion: the data gradient (returned) and the weight gradient written into the parameter's
-    main_grad_sink, one op whose output is dx so that the graph keeps it. tensors: the (data,
-    scale_inv) of dy's rows, dy's weight-gradient operand and x's."""
+    main_grad_sink, one op whose output is dx so that the graph keeps it. tensors:
+    `_backward_tensors` of dy's rows, dy's weight-gradient operand and x's."""
     weight = _owner_weight(stand_in)
+    dy_row, dy_col, x_col = _backward_operands(tensors)
     w_t = _stacked_operand(weight, "columnwise")
-    dx = _grouped_mm(*tensors[:2], *w_t, seg_sizes, seg_expert, recipe, dx_dtype, False, r)
+    dx = _grouped_mm(*dy_row, *w_t, seg_sizes, seg_expert, recipe, dx_dtype, False, r)
     del w_t  # freed before the wgrad write, as in the unfused backward
     args = (seg_sizes, seg_expert, weight.shape[0], recipe, padded, r)
-    _write_main_grad(weight, tensors[2:4], tensors[4:6], args)
+    _write_main_grad(weight, dy_col, x_col, args)
     return dx
+
+
+def _backward_tensors(dy_row, dy_col, x_col) -> list[torch.Tensor]:
+    """The fused backward op's tensor list: each tensor once. Per tensor, dy's rows and its
+    weight-gradient operand share their bytes: [bytes, row scale_inv, segment scale_inv, x's
+    two] (listed twice, Inductor fed the op two buffers of the same bytes, 1 byte per element
+    of dy more at the peak); blockwise, the six (data, scale_inv) fields."""
+    if dy_col[0] is dy_row[0]:
+        return [dy_row[0], dy_row[1], dy_col[1], *x_col]
+    return [*dy_row, *dy_col, *x_col]
+
+
+def _backward_operands(tensors: list[torch.Tensor]) -> tuple[tuple, tuple, tuple]:
+    """`_backward_tensors` undone: (dy's rows, dy's weight-gradient operand, x's)."""
+    if len(tensors) == 5:
+        return (tensors[0], tensors[1]), (tensors[0], tensors[2]), (tensors[3], tensors[4])
+    return (tensors[0], tensors[1]), (tensors[2], tensors[3]), (tensors[4], tensors[5])
 
 
 @grouped_fp8_weight_backward.register_fake
@@ -517,7 +535,7 @@ class _GroupedFp8Function(torch.autograd.Function):
             source = saved_weight[0] if ctx.kind == "stand_in" else tuple(saved_weight)
         dx = dw = None
         if fused and ctx.kind == "stand_in":
-            tensors = [*dy_row, *dy_col, *x_col]
+            tensors = _backward_tensors(dy_row, dy_col, x_col)
             dx = grouped_fp8_weight_backward(
                 tensors, source, seg_sizes, seg_expert, spec.name, ctx.dtypes[0], padded, r
             )

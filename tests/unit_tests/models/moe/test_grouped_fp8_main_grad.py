@@ -141,6 +141,22 @@ def _watch_transposed_weights(monkeypatch) -> list:
     return checked
 
 
+def _watch_backward_lists(monkeypatch) -> list:
+    """Patch grouped_fp8 so that the compiled fused backward op asserts its tensor list holds
+    no tensor twice (per tensor, dy's rows and weight-gradient operand share their bytes:
+    listed twice, Inductor fed the op two copies of them); returns the lists' lengths."""
+    lengths, backward_operands = [], grouped_fp8._backward_operands
+
+    def checked_operands(tensors):
+        storages = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
+        assert len(storages) == len(set(storages)), "a tensor is listed twice"
+        lengths.append(len(tensors))
+        return backward_operands(tensors)
+
+    monkeypatch.setattr(grouped_fp8, "_backward_operands", checked_operands)
+    return lengths
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_compiled_fused_grad_equals_eager(recipe, monkeypatch):
@@ -149,6 +165,7 @@ def test_compiled_fused_grad_equals_eager(recipe, monkeypatch):
     eager, bitwise, and no grad for the weight or its stand-in. Eager and compiled, the dgrad's
     transposed weight is freed before the wgrad writes."""
     checked = _watch_transposed_weights(monkeypatch)
+    lengths = _watch_backward_lists(monkeypatch)
     x, dy = _data(EP_SEGMENTS, torch.float32)
     eager, sink_eager = _fused_layer(recipe)
     y_eager, dx_eager = _backward(eager, x, dy, EP_SEGMENTS)
@@ -166,6 +183,7 @@ def test_compiled_fused_grad_equals_eager(recipe, monkeypatch):
     assert torch.equal(sink.buffer, 2 * sink_eager.buffer)  # x + x is exact
     assert layer.weight.grad is None and layer._weight_stand_in.grad is None
     assert checked == [1, 2, 3]  # one eager write, then two compiled ones
+    assert lengths == [5 if recipe_spec(recipe).per_tensor else 6] * 2
 
 
 def test_wgrad_out_must_be_the_result_shape_and_dtype():
