@@ -7,7 +7,8 @@ recipe the mean of the paired ratios valid_loss(recipe, seed) / valid_loss(bf16,
 interval's upper end is below 1.01; the table also gives the ratios' sd and how many seeds an
 interval would need at that mean and sd (same-seed reruns on a GPU end up to 1.5% apart, so 3
 seeds rarely decide 1%: docs/benchmarks/fidelity_suite_stdlib_128m_h100_2026-12-06.md).
-Writes OUT/runs.jsonl (one line per run), OUT/summary.jsonl
+FP8 runs log their FP8 statistics (--log-fp8-stats) ten times; runs.jsonl keeps each run's
+last lines. Writes OUT/runs.jsonl (one line per run), OUT/summary.jsonl
 (one line per corpus x size x recipe), OUT/summary.md (the table) and OUT/loss_curves.png (every
 run's training loss on one page; needs matplotlib, skipped with a message without it).
 
@@ -163,10 +164,14 @@ ratio is the noise floor: on a GPU, kernels that accumulate in a run-dependent o
 adds) make two same-seed runs drift apart, and training amplifies any such difference."""
 
 
-def recipe_flags(recipe: str) -> list[str]:
+def recipe_flags(recipe: str, iters: int) -> list[str]:
+    """An FP8 run also logs its FP8 statistics ten times (saturated and underflowing fractions
+    per Linear and role: the evidence a recipe outside 1% is investigated with; they leave the
+    losses bitwise unchanged, test_fp8_stats_logging.py)."""
     if recipe in ("bf16", CONTROL):
         return []
-    return ["--fp8-recipe", recipe, "--fp8-format", "hybrid", "--fp8-param-gather"]
+    stats = ["--log-fp8-stats", "--log-fp8-stats-interval", str(max(1, iters // 10))]
+    return ["--fp8-recipe", recipe, "--fp8-format", "hybrid", "--fp8-param-gather", *stats]
 
 
 def compared_recipes(args: argparse.Namespace) -> list[str]:
@@ -190,7 +195,7 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
                 for recipe in ["bf16", *compared_recipes(args)]:
                     command = [sys.executable, "pretrain_gpt.py", *data]
                     command += model_flags(size, iters, args.compile)
-                    command += ["--seed", str(seed), *recipe_flags(recipe), *args.extra]
+                    command += ["--seed", str(seed), *recipe_flags(recipe, iters), *args.extra]
                     log = os.path.join(args.out, job, f"{recipe}@{seed}.log")
                     checkpoint = None
                     if args.checkpoint_dir:
@@ -343,8 +348,17 @@ def read_results(runs: list[dict]) -> list[dict]:
             row.update(iterations=parsed.iterations, train_losses=losses)
             row.update(train_loss=losses[-1] if losses else None)
             row.update(valid_loss=valid[-1] if valid else None)
+            row.update(fp8_stats=last_fp8_stats(run["log"]))
         rows.append(row)
     return rows
+
+
+def last_fp8_stats(log: str) -> list[str]:
+    """The run's last `--log-fp8-stats` lines (one per role), [] without any."""
+    with open(log, encoding="utf-8", errors="replace") as handle:
+        lines = [line.strip() for line in handle if line.lstrip().startswith("> fp8 stats")]
+    last = lines[-1].split("|")[0] if lines else None
+    return [line for line in lines if line.split("|")[0] == last]
 
 
 def summarize(rows: list[dict], recipes: list[str], tolerance: float) -> list[dict]:

@@ -48,6 +48,15 @@ def test_smoke_suite_end_to_end(tmp_path):
     # Seed 11's runs were done before this call (no exit code now); seed 12's ran in it.
     assert [r["returncode"] for r in runs] == [None, None, 0, 0]
     assert all(r["valid_loss"] > 0 for r in runs)
+    # FP8 runs log their statistics ten times (every max(1, 3 // 10) = 1 step here): the last
+    # ones, one line per role, are kept per run; bf16 runs have none.
+    for r in runs:
+        stats = r["fp8_stats"]
+        if r["recipe"] == "bf16":
+            assert stats == [] and "fp8 stats" not in Path(r["log"]).read_text()
+        else:
+            assert stats and all(line.startswith("> fp8 stats iteration 3 |") for line in stats)
+            assert {line.split("|")[1].split("(")[0].strip() for line in stats} >= {"input"}
     loss = {(r["recipe"], r["seed"]): r["valid_loss"] for r in runs}
     (summary,) = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
     expected = [loss[("tensorwise", s)] / loss[("bf16", s)] for s in (11, 12)]
