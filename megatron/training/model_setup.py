@@ -102,7 +102,8 @@ def apply_model_setup(
 
 
 def compile_layers(module: GPTModel) -> None:
-    """Regional compile: each transformer layer's forward goes through torch.compile.
+    """Regional compile: each transformer layer's forward goes through torch.compile, the
+    multi-token prediction depths' transformer layers too (FSDP units like the decoder's).
 
     Only `forward` is compiled, not the module call, so the FSDP engine's forward hooks (its
     gathers and releases) run eagerly around the compiled region. Every layer runs the same
@@ -110,7 +111,10 @@ def compile_layers(module: GPTModel) -> None:
     layers share one compiled graph instead of compiling once each. This is the third step of
     the model-setup seam (`apply_model_setup`).
     """
-    for layer in module.decoder.layers:
+    layers = list(module.decoder.layers)
+    if module.mtp is not None:
+        layers += [depth.transformer_layer for depth in module.mtp.layers]
+    for layer in layers:
         layer.forward = torch.compile(layer.forward)
         # FP8-parameter Linears run inside the graph through their weights' stand-ins.
         prepare_for_compile(layer)

@@ -261,3 +261,29 @@ def test_compiled_moe_at_expert_parallel_2_matches_eager() -> None:
             assert abs(compiled[step] - loss) <= 1e-5 * abs(loss), (rank, step, result)
         breaks = result["breaks"]
         assert breaks and all("Data dependent operator" in k for k in breaks), (rank, breaks)
+
+
+@pytest.mark.slow
+def test_compiled_mtp_layer_matches_eager(monkeypatch) -> None:
+    """The multi-token prediction depth's transformer layer is compiled like the decoder's
+    (it ran eagerly before: an eager FP8 MoE layer every step of the DeepSeek model M): the
+    tiny MoE GPT with MTP 1 and FP8 expert parameters trains compiled within FP8's 1e-3 of
+    eager with no graph break, and torch.compile got the 2 decoder layers and the MTP's."""
+    from megatron.training import model_setup
+    from tests.unit_tests.training.test_fp8_resume_layouts import MOE_GPT
+
+    compiled_layers, compile_ = [], torch.compile
+
+    def recording_compile(fn, *args, **kwargs):
+        compiled_layers.append(type(fn.__self__).__name__)
+        return compile_(fn, *args, **kwargs)
+
+    monkeypatch.setattr(model_setup.torch, "compile", recording_compile)
+    argv = [*MOE_GPT, *FSDP_FP8, "--fp8-recipe", "tensorwise", "--moe-grouped-gemm"]
+    argv += ["--mtp-num-layers", "1", "--train-iters", "3"]
+    run = eager_and_compiled(argv)
+    assert compiled_layers == ["TransformerLayer"] * 3
+    assert run["breaks"] == {}, run["breaks"]
+    assert sorted(run["compiled"]) == sorted(run["eager"]) == [1, 2, 3]
+    for step, loss in run["eager"].items():
+        assert abs(run["compiled"][step] - loss) <= 1e-3 * abs(loss), (step, loss, run)
