@@ -103,7 +103,8 @@ def apply_model_setup(
 
 def compile_layers(module: GPTModel) -> None:
     """Regional compile: each transformer layer's forward goes through torch.compile, the
-    multi-token prediction depths' transformer layers too (FSDP units like the decoder's).
+    multi-token prediction depths' transformer layers too (FSDP units like the decoder's), and
+    the per-token cross-entropy (its fp32 upcast fused into the softmax).
 
     Only `forward` is compiled, not the module call, so the FSDP engine's forward hooks (its
     gathers and releases) run eagerly around the compiled region. Every layer runs the same
@@ -118,6 +119,8 @@ def compile_layers(module: GPTModel) -> None:
         layer.forward = torch.compile(layer.forward)
         # FP8-parameter Linears run inside the graph through their weights' stand-ins.
         prepare_for_compile(layer)
+    if module.tensor_parallel is None:  # vocab-parallel cross-entropy has collectives
+        module.cross_entropy = torch.compile(module.cross_entropy)
 
 
 def bf16_all_reduce_hook(group: torch.distributed.ProcessGroup, bucket):

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.transformer.attention import RotaryCosSin
@@ -167,11 +166,13 @@ class MultiTokenPrediction(nn.Module):
         *,
         embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         logits: Callable[[torch.Tensor], torch.Tensor],
+        cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         batch: dict[str, torch.Tensor],
         rotary_cos_sin: RotaryCosSin,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`hidden_BSD` (the decoder's output) with the MTP losses attached for backward, and
-        the losses. `batch`: input_ids, position_ids, labels, loss_mask ([B, S] each)."""
+        the losses. `batch`: input_ids, position_ids, labels, loss_mask ([B, S] each);
+        `cross_entropy`: logits and labels -> the per-token loss [B, S] (the model's)."""
         losses, depth_hidden = [], hidden_BSD
         for depth, layer in enumerate(self.layers, start=1):
             embedded = embed(
@@ -179,12 +180,8 @@ class MultiTokenPrediction(nn.Module):
             )
             depth_hidden = layer(depth_hidden, embedded, rotary_cos_sin)
             mask = roll_left(batch["loss_mask"], depth).float()
-            token_losses = F.cross_entropy(
-                logits(depth_hidden).float().flatten(0, 1),
-                roll_left(batch["labels"], depth).flatten(),
-                reduction="none",
-            )
-            losses.append((token_losses * mask.flatten()).sum() / mask.sum().clamp(min=1.0))
+            token_losses = cross_entropy(logits(depth_hidden), roll_left(batch["labels"], depth))
+            losses.append((token_losses * mask).sum() / mask.sum().clamp(min=1.0))
         if self.training and torch.is_grad_enabled():
             self.metrics.record(losses)
         total = torch.stack(losses).sum() * self.loss_scale

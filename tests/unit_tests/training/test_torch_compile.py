@@ -268,22 +268,51 @@ def test_compiled_mtp_layer_matches_eager(monkeypatch) -> None:
     """The multi-token prediction depth's transformer layer is compiled like the decoder's
     (it ran eagerly before: an eager FP8 MoE layer every step of the DeepSeek model M): the
     tiny MoE GPT with MTP 1 and FP8 expert parameters trains compiled within FP8's 1e-3 of
-    eager with no graph break, and torch.compile got the 2 decoder layers and the MTP's."""
+    eager with no graph break, and torch.compile got the 2 decoder layers, the MTP's and the
+    per-token cross-entropy (the main loss's and the MTP loss's)."""
     from megatron.training import model_setup
     from tests.unit_tests.training.test_fp8_resume_layouts import MOE_GPT
 
     compiled_layers, compile_ = [], torch.compile
 
     def recording_compile(fn, *args, **kwargs):
-        compiled_layers.append(type(fn.__self__).__name__)
+        compiled_layers.append(
+            type(fn.__self__).__name__ if hasattr(fn, "__self__") else fn.__name__
+        )
         return compile_(fn, *args, **kwargs)
 
     monkeypatch.setattr(model_setup.torch, "compile", recording_compile)
     argv = [*MOE_GPT, *FSDP_FP8, "--fp8-recipe", "tensorwise", "--moe-grouped-gemm"]
     argv += ["--mtp-num-layers", "1", "--train-iters", "3"]
     run = eager_and_compiled(argv)
-    assert compiled_layers == ["TransformerLayer"] * 3
+    assert compiled_layers == ["TransformerLayer"] * 3 + ["per_token_cross_entropy"]
     assert run["breaks"] == {}, run["breaks"]
     assert sorted(run["compiled"]) == sorted(run["eager"]) == [1, 2, 3]
     for step, loss in run["eager"].items():
         assert abs(run["compiled"][step] - loss) <= 1e-3 * abs(loss), (step, loss, run)
+
+
+@pytest.mark.slow
+def test_compiled_per_token_cross_entropy_equals_eager() -> None:
+    """The per-token loss --torch-compile compiles (bf16 logits upcast inside): values and the
+    logits' gradient equal eager's within fp32 reduction order (and the gradient's bf16
+    rounding), masked tokens included."""
+    from megatron.core.models.gpt.gpt_model import per_token_cross_entropy
+
+    generator = torch.Generator().manual_seed(7)
+    logits = (4 * torch.randn(2, 16, 384, generator=generator)).to(torch.bfloat16)
+    labels = torch.randint(0, 384, (2, 16), generator=generator)
+    mask = (torch.arange(16) % 3 != 0).float().expand(2, 16)
+    results = []
+    for function in (per_token_cross_entropy, torch.compile(per_token_cross_entropy)):
+        leaf = logits.clone().requires_grad_()
+        loss = function(leaf, labels)
+        (loss * mask).sum().backward()
+        results.append((loss.detach(), leaf.grad))
+    torch._dynamo.reset()
+    (eager, eager_grad), (compiled, compiled_grad) = results
+    assert eager.dtype == compiled.dtype == torch.float32 and eager.shape == (2, 16)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    assert compiled_grad.dtype == torch.bfloat16
+    torch.testing.assert_close(compiled_grad.float(), eager_grad.float(), rtol=8e-3, atol=1e-6)
+    assert eager_grad[:, ::3].abs().max() == 0  # masked tokens get no gradient

@@ -145,6 +145,9 @@ class GPTModel(nn.Module):
         self.decoder = TransformerBlock(
             config, expert_parallel_group=expert_parallel_group, tensor_parallel=tensor_parallel
         )
+        self.cross_entropy = per_token_cross_entropy
+        """Logits [B, S, V] and labels [B, S] -> the per-token loss [B, S] in fp32, the main
+        loss's and MTP's (without tensor parallelism); `--torch-compile` compiles it."""
         self.mtp = None
         if mtp_depths(config):
             self.mtp = MultiTokenPrediction(
@@ -260,6 +263,7 @@ class GPTModel(nn.Module):
                 x_BSD,
                 embed=self.embedding,
                 logits=self.logits,
+                cross_entropy=self.cross_entropy,
                 batch=batch,
                 rotary_cos_sin=rotary_cos_sin,
             )
@@ -273,8 +277,15 @@ class GPTModel(nn.Module):
             )
         if self.tensor_parallel is not None:
             return vocab_parallel_cross_entropy(logits_BSV, labels, self.tensor_parallel.group)
-        loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels.flatten(), reduction="none")
-        # A tensor of its own, not a view of the flat loss: FSDP2 hooks its backward onto the
-        # root module's outputs, and warns for a view (an in-place op on one drops the hook).
-        # The copy is [B, S] fp32, small beside the logits; Megatron-LM copies here as well.
-        return loss.view_as(labels).clone()
+        return self.cross_entropy(logits_BSV, labels)
+
+
+def per_token_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy loss [B, S] in fp32 of each token, the logits upcast to fp32 first.
+    Compiled (`--torch-compile`), the upcast and the softmax fuse: no fp32 copy of the logits
+    is kept for backward."""
+    loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="none")
+    # A tensor of its own, not a view of the flat loss: FSDP2 hooks its backward onto the
+    # root module's outputs, and warns for a view (an in-place op on one drops the hook).
+    # The copy is [B, S] fp32, small beside the logits; Megatron-LM copies here as well.
+    return loss.view_as(labels_BS).clone()
