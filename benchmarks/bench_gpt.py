@@ -48,7 +48,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20, help="timed steps after warmup")
     parser.add_argument("--warmup-steps", type=int, default=5)
-    parser.add_argument("--compile", action="store_true", help="torch.compile each layer")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile each layer and the loss"
+    )
     parser.add_argument(
         "--backward-worker-threads",
         action="store_true",
@@ -179,6 +181,8 @@ def build_fsdp2(args, device):
         if args.compile:
             layer.compile()
         fully_shard(layer, mp_policy=policy)
+    if args.compile:  # the loss compiled too, as compile_layers does for our rows
+        model.cross_entropy = torch.compile(model.cross_entropy)
     fully_shard(model, mp_policy=policy)
     model.to_empty(device=device)
     with torch.no_grad():  # the same init values, one full tensor at a time, then sharded

@@ -6,7 +6,8 @@ Each layer: RMSNorm, GQA attention with RoPE (SDPA, causal), RMSNorm, a top-k so
 norm_topk_prob), the routed SwiGLU experts as two torch._grouped_mm calls over the tokens
 sorted by expert (offsets from a scatter-add: no host sync), no load-balancing loss (the rows of
 ours run with --moe-router-load-balancing-type none). FSDP2 with fp32 shards and bf16 compute,
-each layer compiled (--compile), fused AdamW, gradient clipping at 1.0: bench_gpt.py's peer.
+each layer and the loss compiled (--compile), fused AdamW, gradient clipping at 1.0:
+bench_gpt.py's peer.
 --torchao-fp8-rowwise: torchao's float8 rowwise grouped GEMMs for the experts
 (torchao.prototype.moe_training, Float8TrainingOpConfig), converted before compile and shard.
 
@@ -51,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add("--steps", type=int, default=20, help="timed steps after warmup")
     add("--warmup-steps", type=int, default=5)
-    add("--compile", action="store_true", help="torch.compile each layer")
+    add("--compile", action="store_true", help="torch.compile each layer and the loss")
     add("--torchao-fp8-rowwise", action="store_true", help="torchao float8 rowwise experts")
     add("--tiny", action="store_true", help="CPU-sized model for a dry run")
     args = parser.parse_args(argv)
@@ -193,13 +194,19 @@ class MoEGPT(nn.Module):
         self.layers = nn.ModuleList(Layer(args) for _ in range(args.num_layers))
         self.norm = nn.RMSNorm(args.hidden_size)
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.loss = mean_cross_entropy  # compiled with --compile, as our rows' loss is
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embedding(inputs)
         for layer in self.layers:
             x = layer(x)
-        logits = self.head(self.norm(x)).float()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return self.loss(self.head(self.norm(x)), labels)
+
+
+def mean_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean token loss in fp32 (the logits upcast first)."""
+    logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def init_weights(model: nn.Module, std: float = 0.02) -> None:
@@ -224,6 +231,8 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, ob
         if args.compile:
             layer.compile()
         fully_shard(layer, mp_policy=policy)
+    if args.compile:
+        model.loss = torch.compile(model.loss)
     fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=1e-5, weight_decay=0.01, fused=device.type == "cuda"
