@@ -334,8 +334,13 @@ _KNOBS: dict[str, tuple[dict, str | None]] = {
         "into the grad buffer by a second pass; high-precision weights always work that way.",
     ),
     "--cross-entropy-loss-fusion": (
-        dict(action="store_true", help="Fused cross-entropy kernel; here torch's cross_entropy."),
-        "--cross-entropy-loss-fusion: the loss is torch's cross_entropy (fp32); no fused "
+        dict(
+            action="store_true",
+            help="Fused cross-entropy kernel; here torch's cross_entropy, compiled (fused) "
+            "under --torch-compile.",
+        ),
+        "--cross-entropy-loss-fusion: the loss is torch's cross_entropy (fp32), which "
+        "--torch-compile (the CUDA default) compiles into fused kernels; no other fused "
         "kernel here.",
     ),
     "--attention-softmax-in-fp32": (
