@@ -172,7 +172,8 @@ def recipe_flags(recipe: str, iters: int) -> list[str]:
     eager against compiled layers: of the kind that makes same-seed GPU reruns drift apart."""
     if recipe in ("bf16", CONTROL):
         return []
-    stats = ["--log-fp8-stats", "--log-fp8-stats-interval", str(max(1, iters // 2))]
+    interval = iters // 2 if iters % 2 == 0 else iters  # a statistics step: step % interval == 0
+    stats = ["--log-fp8-stats", "--log-fp8-stats-interval", str(max(1, interval))]
     return ["--fp8-recipe", recipe, "--fp8-format", "hybrid", "--fp8-param-gather", *stats]
 
 
@@ -356,11 +357,13 @@ def read_results(runs: list[dict]) -> list[dict]:
 
 
 def last_fp8_stats(log: str) -> list[str]:
-    """The run's last `--log-fp8-stats` lines (one per role), [] without any."""
+    """The run's last `--log-fp8-stats` lines, one per role (the latest of a step that a
+    resumed run, its log appended to, logged twice), [] without any."""
     with open(log, encoding="utf-8", errors="replace") as handle:
         lines = [line.strip() for line in handle if line.lstrip().startswith("> fp8 stats")]
     last = lines[-1].split("|")[0] if lines else None
-    return [line for line in lines if line.split("|")[0] == last]
+    by_role = {line.split("|")[1].split("(")[0].strip(): line for line in lines}
+    return [line for line in by_role.values() if line.split("|")[0] == last]
 
 
 def summarize(rows: list[dict], recipes: list[str], tolerance: float) -> list[dict]:

@@ -182,3 +182,31 @@ def test_a_checkpoint_keeps_its_newest_save_and_one_at_its_end_is_removed(tmp_pa
     assert not _resumable(done) and not _prepare_checkpoint(done)
     assert not Path(done["checkpoint"]).exists()
     assert not _prepare_checkpoint(dict(checkpoint=None, iters=3))
+
+
+def test_fp8_statistics_halfway_and_at_the_last_step(tmp_path):
+    """FP8 runs log statistics where step % interval == 0: halfway and at the last step for an
+    even step count, at the last step only for an odd one. A resumed run's log can hold a step's
+    lines twice: one line per role is kept, of the last step logged."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fidelity_suite import last_fp8_stats, recipe_flags
+
+    def interval(iters):
+        flags = recipe_flags("tensorwise", iters)
+        return int(flags[flags.index("--log-fp8-stats-interval") + 1])
+
+    assert [interval(n) for n in (3000, 1000, 1001, 3, 2, 1)] == [1500, 500, 1001, 3, 1, 1]
+    assert "--log-fp8-stats" not in recipe_flags("bf16", 1000)
+    log = tmp_path / "run.log"
+    line = " > fp8 stats iteration {} | {} (8 Linears) | max amax: {} (fc1) | saturated: 0 | u: 0"
+    lines = [line.format(500, "input", 1), line.format(500, "grad", 2), "other"]
+    lines += [line.format(1000, "input", 3), line.format(1000, "grad", 4)]
+    lines += [line.format(1000, "input", 5), line.format(1000, "grad", 6)]  # resumed, again
+    log.write_text("\n".join(lines) + "\n")
+    assert last_fp8_stats(str(log)) == [
+        line.format(1000, r, v).strip() for r, v in [("input", 5), ("grad", 6)]
+    ]
+    log.write_text(line.format(500, "input", 1) + "\n" + line.format(1000, "grad", 2) + "\n")
+    assert last_fp8_stats(str(log)) == [line.format(1000, "grad", 2).strip()]
+    log.write_text("no statistics\n")
+    assert last_fp8_stats(str(log)) == []

@@ -340,8 +340,8 @@ _KNOBS: dict[str, tuple[dict, str | None]] = {
             "under --torch-compile.",
         ),
         "--cross-entropy-loss-fusion: the loss is torch's cross_entropy (fp32), which "
-        "--torch-compile (the CUDA default) compiles into fused kernels; no other fused "
-        "kernel here.",
+        "--torch-compile (the CUDA default) compiles into fused kernels without tensor "
+        "parallelism (the vocab-parallel loss is not compiled); no other fused kernel here.",
     ),
     "--attention-softmax-in-fp32": (
         dict(action="store_true", help="Softmax in fp32 (scaled_dot_product_attention does)."),

@@ -282,8 +282,9 @@ class GPTModel(nn.Module):
 
 def per_token_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
     """The cross-entropy loss [B, S] in fp32 of each token, the logits upcast to fp32 first.
-    Compiled (`--torch-compile`), the upcast and the softmax fuse: no fp32 copy of the logits
-    is kept for backward."""
+    Eager, backward keeps the fp32 log-softmax [B, S, V]; compiled (`--torch-compile`), the
+    upcast fuses into the softmax and backward keeps the logits as they came (bf16) and two
+    fp32 numbers per token."""
     loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), reduction="none")
     # A tensor of its own, not a view of the flat loss: FSDP2 hooks its backward onto the
     # root module's outputs, and warns for a view (an in-place op on one drops the hook).

@@ -420,7 +420,7 @@ def grouped_fp8_weight_backward(
     main_grad_sink, one op whose output is dx so that the graph keeps it. tensors:
     `_backward_tensors` of dy's rows, dy's weight-gradient operand and x's."""
     weight = _owner_weight(stand_in)
-    dy_row, dy_col, x_col = _backward_operands(tensors)
+    dy_row, dy_col, x_col = _backward_operands(tensors, recipe)
     w_t = _stacked_operand(weight, "columnwise")
     dx = _grouped_mm(*dy_row, *w_t, seg_sizes, seg_expert, recipe, dx_dtype, False, r)
     del w_t  # freed before the wgrad write, as in the unfused backward
@@ -429,19 +429,24 @@ def grouped_fp8_weight_backward(
     return dx
 
 
-def _backward_tensors(dy_row, dy_col, x_col) -> list[torch.Tensor]:
+def _backward_tensors(dy_row, dy_col, x_col, recipe: str) -> list[torch.Tensor]:
     """The fused backward op's tensor list: each tensor once. Per tensor, dy's rows and its
     weight-gradient operand share their bytes: [bytes, row scale_inv, segment scale_inv, x's
     two] (listed twice, Inductor fed the op two buffers of the same bytes, 1 byte per element
     of dy more at the peak); blockwise, the six (data, scale_inv) fields."""
-    if dy_col[0] is dy_row[0]:
+    if recipe_spec(recipe).per_tensor:
+        if dy_col[0] is not dy_row[0]:
+            raise ValueError("per tensor, dy's rows and its wgrad operand share their bytes")
         return [dy_row[0], dy_row[1], dy_col[1], *x_col]
     return [*dy_row, *dy_col, *x_col]
 
 
-def _backward_operands(tensors: list[torch.Tensor]) -> tuple[tuple, tuple, tuple]:
+def _backward_operands(tensors: list[torch.Tensor], recipe: str) -> tuple[tuple, tuple, tuple]:
     """`_backward_tensors` undone: (dy's rows, dy's weight-gradient operand, x's)."""
-    if len(tensors) == 5:
+    per_tensor = recipe_spec(recipe).per_tensor
+    if len(tensors) != (5 if per_tensor else 6):
+        raise ValueError(f"{recipe}: the fused backward takes 5 or 6 tensors, got {len(tensors)}")
+    if per_tensor:
         return (tensors[0], tensors[1]), (tensors[0], tensors[2]), (tensors[3], tensors[4])
     return (tensors[0], tensors[1]), (tensors[2], tensors[3]), (tensors[4], tensors[5])
 
@@ -535,7 +540,7 @@ class _GroupedFp8Function(torch.autograd.Function):
             source = saved_weight[0] if ctx.kind == "stand_in" else tuple(saved_weight)
         dx = dw = None
         if fused and ctx.kind == "stand_in":
-            tensors = _backward_tensors(dy_row, dy_col, x_col)
+            tensors = _backward_tensors(dy_row, dy_col, x_col, spec.name)
             dx = grouped_fp8_weight_backward(
                 tensors, source, seg_sizes, seg_expert, spec.name, ctx.dtypes[0], padded, r
             )

@@ -147,11 +147,11 @@ def _watch_backward_lists(monkeypatch) -> list:
     listed twice, Inductor fed the op two copies of them); returns the lists' lengths."""
     lengths, backward_operands = [], grouped_fp8._backward_operands
 
-    def checked_operands(tensors):
+    def checked_operands(tensors, recipe):
         storages = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
         assert len(storages) == len(set(storages)), "a tensor is listed twice"
         lengths.append(len(tensors))
-        return backward_operands(tensors)
+        return backward_operands(tensors, recipe)
 
     monkeypatch.setattr(grouped_fp8, "_backward_operands", checked_operands)
     return lengths
@@ -184,6 +184,30 @@ def test_compiled_fused_grad_equals_eager(recipe, monkeypatch):
     assert layer.weight.grad is None and layer._weight_stand_in.grad is None
     assert checked == [1, 2, 3]  # one eager write, then two compiled ones
     assert lengths == [5 if recipe_spec(recipe).per_tensor else 6] * 2
+
+
+@pytest.mark.slow
+def test_inductor_gives_the_fused_backward_dy_bytes_once(monkeypatch):
+    """Compiled by Inductor (the training backend), the tensorwise fused backward op gets one
+    FP8 tensor of dy's shape: listed twice, Inductor wrote the same bytes into two buffers."""
+    x, dy = _data(EP_SEGMENTS, torch.float32)
+    layer, _ = _fused_layer("tensorwise")
+    layer.forward = torch.compile(layer.forward, fullgraph=True)
+    prepare_for_compile(layer)
+    seen, backward_operands = [], grouped_fp8._backward_operands
+
+    def counting_operands(tensors, recipe):
+        seen.append([t for t in tensors if t.dtype.itemsize == 1 and t.shape == dy.shape])
+        return backward_operands(tensors, recipe)
+
+    monkeypatch.setattr(grouped_fp8, "_backward_operands", counting_operands)
+    torch._dynamo.reset()
+    try:
+        _backward(layer, x, dy, EP_SEGMENTS)
+    finally:
+        torch._dynamo.reset()
+    assert len(seen) == 1 and len(seen[0]) == 1, [[t.dtype for t in s] for s in seen]
+    assert seen[0][0].dtype == torch.float8_e5m2
 
 
 def test_wgrad_out_must_be_the_result_shape_and_dtype():
