@@ -334,14 +334,9 @@ _KNOBS: dict[str, tuple[dict, str | None]] = {
         "into the grad buffer by a second pass; high-precision weights always work that way.",
     ),
     "--cross-entropy-loss-fusion": (
-        dict(
-            action="store_true",
-            help="Fused cross-entropy kernel; here torch's cross_entropy, compiled (fused) "
-            "under --torch-compile.",
-        ),
-        "--cross-entropy-loss-fusion: the loss is torch's cross_entropy (fp32), which "
-        "--torch-compile (the CUDA default) compiles into fused kernels without tensor "
-        "parallelism (the vocab-parallel loss is not compiled); no other fused kernel here.",
+        dict(action="store_true", help="Fused cross-entropy; here compiled by --torch-compile."),
+        "--cross-entropy-loss-fusion: torch's cross_entropy (fp32), fused by --torch-compile "
+        "(the CUDA default) except under tensor parallelism; no other fused kernel here.",
     ),
     "--attention-softmax-in-fp32": (
         dict(action="store_true", help="Softmax in fp32 (scaled_dot_product_attention does)."),
