@@ -32,7 +32,7 @@ from megatron.core.models.gpt import GPTModel, num_floating_point_operations
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.init import init_parameter_
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.model_setup import compile_layers
+from megatron.training.model_setup import compile_layers, compile_loss
 
 
 def parse_args() -> argparse.Namespace:
@@ -182,7 +182,7 @@ def build_fsdp2(args, device):
             layer.compile()
         fully_shard(layer, mp_policy=policy)
     if args.compile:  # the loss compiled too, as compile_layers does for our rows
-        model.cross_entropy = torch.compile(model.cross_entropy)
+        compile_loss(model)
     fully_shard(model, mp_policy=policy)
     model.to_empty(device=device)
     with torch.no_grad():  # the same init values, one full tensor at a time, then sharded

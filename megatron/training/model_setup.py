@@ -119,7 +119,14 @@ def compile_layers(module: GPTModel) -> None:
         layer.forward = torch.compile(layer.forward)
         # FP8-parameter Linears run inside the graph through their weights' stand-ins.
         prepare_for_compile(layer)
-    if module.tensor_parallel is None:  # vocab-parallel cross-entropy has collectives
+    compile_loss(module)
+
+
+def compile_loss(module: GPTModel) -> None:
+    """torch.compile of the per-token cross-entropy (its fp32 upcast fused into the softmax),
+    without tensor parallelism: the vocab-parallel loss has collectives. The FSDP2 peer of
+    benchmarks/bench_gpt.py calls it too."""
+    if module.tensor_parallel is None:
         module.cross_entropy = torch.compile(module.cross_entropy)
 
 

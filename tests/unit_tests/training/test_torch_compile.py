@@ -186,8 +186,8 @@ def test_compiled_moe_with_fp8_experts_is_one_graph_per_layer(recipe: str, engin
 def test_compiled_moe_with_fp8_expert_params_is_one_graph_per_layer_on_gpu(recipe: str) -> None:
     """The CPU test above on CUDA: the grouped FP8 GEMMs are torch._scaled_grouped_mm and the
     Triton kernels with schedules built from the token counts on the GPU; no graph break (a
-    graph per layer and the loss's), and
-    the losses follow eager training's (within 1e-2: bf16 activations, fast accumulation)."""
+    graph per layer and the loss's), and the losses follow eager training's (within 1e-2:
+    bf16 activations, fast accumulation)."""
     from tests.unit_tests.training.test_fp8_resume_layouts import MOE_GPT
 
     argv = [*MOE_GPT, *FSDP_FP8, "--fp8-recipe", recipe, "--moe-grouped-gemm", "--train-iters", "4"]
