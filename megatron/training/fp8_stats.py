@@ -1,4 +1,5 @@
-"""--log-fp8-stats: per Fp8Linear and role (input, weight, grad), every --log-fp8-stats-interval
+"""--log-fp8-stats: per Fp8Linear (and routed experts' Fp8StackedLinear, all experts of one
+Linear together) and role (input, weight, grad), every --log-fp8-stats-interval
 iterations, the amax, the scale and the fractions that saturate and flush to zero when
 quantized (megatron.core.fp8.stats), to the log, TensorBoard and W&B (issue 41).
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from megatron.core.fp8.linear import Fp8Linear
 from megatron.core.fp8.stats import STATS_FIELDS, Fp8TensorStats, stats_from_vector
+from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
 
 ROLES_LOGGED = ("input", "weight", "grad")
 WORST_SHOWN = 3
@@ -30,7 +32,8 @@ WORST_SHOWN = 3
 
 
 class Fp8StatsCollector:
-    """The statistics switch of one model's Fp8Linears and what one step collected."""
+    """The statistics switch of one model's Fp8Linears (and experts') and what one step
+    collected."""
 
     def __init__(self, model: nn.Module, *, interval: int, recipe: str, fp8_format: str) -> None:
         if interval <= 0:
@@ -39,7 +42,7 @@ class Fp8StatsCollector:
         self.linears = {
             name.removeprefix("module."): module
             for name, module in model.named_modules()
-            if isinstance(module, Fp8Linear)
+            if isinstance(module, (Fp8Linear, Fp8StackedLinear))
         }
         self._names = {id(module): name for name, module in self.linears.items()}
         self._records: dict[tuple[str, str], list[tuple[torch.Tensor, int]]] = {}

@@ -129,6 +129,37 @@ def _amaxes_and_multipliers(x2d, spec: RecipeSpec, cell, chunks, fp8_dtype, *opt
     return cell_amax, multiplier
 
 
+def _segment_multipliers(x2d, spec: RecipeSpec, chunks, fp8_dtype, sizes, power_2_scale):
+    """A per-tensor recipe whose row segments quantize alone (routed experts' tokens, one
+    scale each): (max|x| per row [rows, 1], each row's multiplier [rows, 1], the segments'
+    multipliers [S] with NaN for empty ones). On the device, no host sync."""
+    row_amax = torch.cat(
+        [_chunk_amax(x2d[start:stop], (1, x2d.shape[1])) for start, stop in chunks]
+    )
+    sizes = sizes.to(device=x2d.device, dtype=torch.int64).reshape(-1)
+    ids = torch.repeat_interleave(
+        torch.arange(len(sizes), device=x2d.device), sizes, output_size=len(x2d)
+    )
+    seg_amax = row_amax.new_zeros(len(sizes)).scatter_reduce(0, ids, row_amax[:, 0], "amax")
+    multiplier, _ = block_scales(
+        seg_amax,
+        spec=spec,
+        fp8_dtype=fp8_dtype,
+        power_2_scale=spec.resolve_power_2_scale(power_2_scale),
+        input_dtype=x2d.dtype,
+    )
+    used = torch.where(sizes > 0, multiplier, torch.full_like(multiplier, float("nan")))
+    return row_amax, multiplier[ids].reshape(-1, 1), used
+
+
+def _summary(cell_amax: torch.Tensor, flat: torch.Tensor) -> list[torch.Tensor]:
+    """amax, scale (median), scale_min, scale_max, num_scales of the scales used (NaN: none)."""
+    used = ~flat.isnan()
+    low = torch.where(used, flat, torch.full_like(flat, float("inf"))).amin()
+    high = torch.where(used, flat, torch.full_like(flat, float("-inf"))).amax()
+    return [cell_amax.amax(), flat.nanmedian(), low, high, used.sum()]
+
+
 STATS_FIELDS = ("amax", "scale", "scale_min", "scale_max", "num_scales")
 STATS_FIELDS += ("saturated", "flushed", "nonzero")
 """The entries of `fp8_stats_vector`'s result, in order (counts, not fractions)."""
@@ -144,19 +175,34 @@ def fp8_stats_vector(
     amax: torch.Tensor | None = None,
     power_2_scale: bool | None = None,
     quantized: QuantizedTensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The float64 [len(STATS_FIELDS)] statistics of quantizing x rowwise under recipe and role,
     on x's device with no host sync (a loop stacks every Linear's vectors, one `.tolist()`).
     scale, amax, power_2_scale: as in `quantize`. Two reads of x in row chunks (amaxes, then
     counts; no full-size temporary), the bytes cast by quantize's rule. quantized: a rowwise
     QuantizedTensor of x the caller holds, whose dequantized zeros are the flushes instead.
+    segments: row counts (on any device) of consecutive row segments that a current per-tensor
+    recipe quantizes alone, one scale each (the routed experts' segments; the summary is over
+    the non-empty segments' scales); cells of one row are within a segment, so block recipes
+    of such cells take them as they are, and taller cells (weights) refuse them.
     """
     spec, fp8_dtype = recipe_spec(recipe), fp8_dtype_for_role(fp8_format, role)
     x2d = x.reshape(-1, x.shape[-1])
     cell = spec.block_shape(role, columnwise=False) or (1, x2d.shape[1])  # per tensor: by rows
     chunks = [(0, len(x2d))] if fused_on(x.device) else row_chunks(*x2d.shape, cell[0])
-    options = (scale, amax, power_2_scale)
-    cell_amax, grid = _amaxes_and_multipliers(x2d, spec, cell, chunks, fp8_dtype, *options)
+    by_segment = segments is not None and spec.per_tensor and not spec.delayed
+    if segments is not None and cell[0] > 1:
+        raise ValueError(f"{recipe} {role} cells of {cell[0]} rows cross segments: pass none")
+    if by_segment:
+        cell_amax, grid, flat = _segment_multipliers(
+            x2d, spec, chunks, fp8_dtype, segments, power_2_scale
+        )
+        cell = (1, x2d.shape[1])
+    else:
+        options = (scale, amax, power_2_scale)
+        cell_amax, grid = _amaxes_and_multipliers(x2d, spec, cell, chunks, fp8_dtype, *options)
+        flat = grid.reshape(-1)
     counts = torch.zeros(3, dtype=torch.int64, device=x.device)
     for start, stop in chunks:
         rows = grid if grid.numel() == 1 else grid[start // cell[0] : -(-stop // cell[0])]
@@ -165,9 +211,7 @@ def fp8_stats_vector(
         nonzero = x2d != 0
         dequantized_zero = quantized.dequantize(torch.float32).reshape(x2d.shape) == 0
         counts[1] = (nonzero & dequantized_zero).sum()
-    flat = grid.reshape(-1)
-    parts = [cell_amax.amax(), flat.median(), flat.amin(), flat.amax()]
-    parts.append(torch.tensor(flat.numel(), device=x.device))
+    parts = _summary(cell_amax, flat)
     # float64: counts stay exact up to 2^53 elements, fp32 amax and scales exactly.
     return torch.cat([torch.stack([p.to(torch.float64) for p in parts]), counts.double()])
 

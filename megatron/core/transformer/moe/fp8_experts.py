@@ -29,6 +29,8 @@ grouped function's weight gradient is.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,6 +40,7 @@ from megatron.core.fp8.config import Fp8Config
 from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
 from megatron.core.fp8.linear import Fp8Linear, build_plan, fp8_linear_apply
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.fp8.stats import fp8_stats_vector
 from megatron.core.transformer.moe.grouped_fp8 import grouped_fp8_linear, grouped_path_applies
 
 
@@ -176,6 +179,39 @@ def grouped_fp8_gemm(
     return torch.cat(outputs, dim=0)
 
 
+def _grouped_stats(sink, tokens, weight, segments, config: Fp8Config) -> tuple:
+    """--log-fp8-stats on the grouped path: tokens per segment (per tensor: each its scale), a
+    high-precision weight per expert (its own scale or 128x128 cells: each expert's rows padded
+    to whole cells with zeros, which never count); the segment sizes for the grad's hook."""
+    if isinstance(segments, torch.Tensor):
+        sizes = segments.reshape(-1)
+    else:
+        sizes = torch.tensor([n for counts in segments for n in counts], device=tokens.device)
+    args = dict(recipe=config.recipe, fp8_format=config.fp8_format)
+    args["power_2_scale"] = config.quantize_power_2_scale
+    sink("input", fp8_stats_vector(tokens, role="input", segments=sizes, **args), tokens.numel())
+    if not isinstance(weight, QuantizedTensor):  # FP8 parameters: as Fp8Linear, no weight role
+        experts, rows, cols = weight.shape
+        cell_rows = (config.spec.block_shape("weight", columnwise=False) or (1, cols))[0]
+        padded = F.pad(weight.detach(), (0, 0, 0, -rows % cell_rows)).reshape(-1, cols)
+        by_expert = torch.full((experts,), padded.shape[0] // experts, device=weight.device)
+        stats = fp8_stats_vector(
+            padded, role="weight", segments=None if cell_rows > 1 else by_expert, **args
+        )
+        sink("weight", stats, weight.numel())
+    return sizes, args
+
+
+def _record_grad_stats(output: torch.Tensor, sink, sizes, args) -> None:
+    """The grad role of the grouped path: the output's gradient per segment, from a hook."""
+
+    def hook(dy: torch.Tensor) -> None:
+        sink("grad", fp8_stats_vector(dy, role="grad", segments=sizes, **args), dy.numel())
+
+    if output.requires_grad:
+        output.register_hook(hook)
+
+
 @torch._dynamo.disable
 def _forward_outside_the_graph(module, tokens, tokens_per_expert, segments) -> torch.Tensor:
     """An Fp8StackedLinear forward run eagerly from a compiled caller (a graph break each
@@ -221,6 +257,12 @@ class Fp8StackedLinear(nn.Module):
         self._weight_stand_in: torch.Tensor | None = None
         self._weight_stand_in_spec = None
         self._fused_wgrad = False  # the weight has a main_grad_sink (refresh_weight_stand_in)
+        self.fp8_stats_on = False
+        """--log-fp8-stats, as Fp8Linear's: an eager forward (and its backward) hands each
+        operand's statistics to `fp8_stats_sink(module, role, vector, numel)`: the grouped
+        path's over all experts, the per-segment path's one per segment (an expert's weight
+        once per segment: at EP > 1 once per source rank)."""
+        self.fp8_stats_sink = None
 
     refresh_weight_stand_in = Fp8Linear.refresh_weight_stand_in
     """An FP8 parameter's stand-in for compiled graphs, made and registered as Fp8Linear's
@@ -303,9 +345,18 @@ class Fp8StackedLinear(nn.Module):
                 f"FP8 expert weight was quantized with recipe '{weight.recipe}' but "
                 f"autocast asks for '{config.recipe}'; build the model under the same recipe"
             )
+        recompute = fp8_state.in_recompute()
+        stats = None
+        if enabled and self.fp8_stats_on and not (recompute or torch.compiler.is_compiling()):
+            stats = functools.partial(self.fp8_stats_sink, self)
         grouped = enabled and self.grouped and tokens.shape[0] > 0
         if grouped and grouped_path_applies(config, weight):
-            return grouped_fp8_linear(tokens, weight, segments, config)
+            if stats is None:
+                return grouped_fp8_linear(tokens, weight, segments, config)
+            stats_args = _grouped_stats(stats, tokens, weight, segments, config)
+            output = grouped_fp8_linear(tokens, weight, segments, config)
+            _record_grad_stats(output, stats, *stats_args)
+            return output
         if fp8_param:
             weight = _ExpertWeights.apply(weight)
         if not enabled:
@@ -314,14 +365,13 @@ class Fp8StackedLinear(nn.Module):
             if not outputs:
                 return tokens.new_zeros(0, self.weight.shape[1])
             return torch.cat(outputs, dim=0)
-        recompute = fp8_state.in_recompute()
 
         def plan_for_expert(expert: int):
             scaling = None if self.delayed_scaling is None else self.delayed_scaling.experts[expert]
             plan = build_plan(
                 config, scaling, recompute=recompute, group=group, device=tokens.device
             )
-            plan.setup = setup
+            plan.setup, plan.stats = setup, stats
             if plan.metas is not None:
                 plan.backward_flush = setup.backward if setup is not None else scaling.backward
             return plan
