@@ -1,10 +1,8 @@
 """FP8 statistics of one tensor under one recipe and role: what a user watches (issue 41).
 
-`fp8_tensor_stats(x, recipe=, role=)`: the amax, the scale (or a summary of block scales), the
-fraction that saturates and the fraction of non-zeros that flush to zero. A pure function of
-the public API: amaxes and scales derived by `quantize`'s rules (reference.py), flushes read
-from the FP8 bytes of quantize's cast (`saturating_cast`), in bounded row chunks (cheap enough
-for --log-fp8-stats to stay on: no full-size fp32 temporary, two reads of the tensor).
+`fp8_tensor_stats(x, recipe=, role=)`: the amax, the scale (or a summary of several), the
+fractions that saturate and that flush to zero, by `quantize`'s rules (reference.py) and cast
+(`saturating_cast`), in bounded row chunks: no full-size fp32 temporary, two reads of x.
 """
 
 from __future__ import annotations
@@ -12,13 +10,12 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.fp8.formats import fp8_dtype_for_role, fp8_max
-from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
 from megatron.core.fp8.reference import block_scales, saturating_cast
 from megatron.core.numerics import amax_ignoring_nan
@@ -26,27 +23,23 @@ from megatron.core.numerics import amax_ignoring_nan
 
 @dataclass(frozen=True)
 class Fp8TensorStats:
-    """Statistics of one quantization (python numbers, ready for a log line or TensorBoard)."""
+    """Statistics of one quantization (python numbers, for a log line or TensorBoard): amax
+    max|x| (NaN as 0); scale the quantize multiplier (several: their median); the saturated
+    fraction of all elements (|x * scale| > fp8_max: the cast clamps them); the underflow
+    fraction of the non-zero elements (quantized to zero)."""
 
     recipe: str
     role: str
     fp8_dtype: str
     amax: float
-    """max|x| over the tensor, NaN counted as 0."""
     scale: float
-    """The quantize multiplier: per-tensor recipes its one value, block recipes the median."""
     scale_min: float
     scale_max: float
     num_scales: int
     saturated_fraction: float
-    """Fraction of all elements with |x * scale| > fp8_max (the cast clamps them)."""
     underflow_fraction: float
-    """Fraction of the non-zero elements whose quantized value is zero."""
     numel: int
     nonzero: int
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 CHUNK_ELEMENTS = 1 << 24
@@ -73,9 +66,8 @@ def fused_on(device: torch.device) -> bool:
 
 
 def _fused(fn: Callable) -> Callable:
-    """fn compiled where `fused_on` (at the first statistics step; shapes go dynamic on the first
-    new one). Statistics steps run under set_stance("force_eager"): the call sets its own. A
-    compile that fails warns once and leaves fn eager (speed is lost, never the run)."""
+    """fn compiled where `fused_on` (dynamic shapes; its own stance, as statistics steps run
+    force_eager); a compile that fails warns once and leaves fn eager (never the run fails)."""
     compiled, failed = torch.compile(fn, fullgraph=True, dynamic=True), []
 
     @functools.wraps(fn)
@@ -111,53 +103,32 @@ def _chunk_counts(chunk, multiplier, cell: tuple[int, int], fp8_dtype) -> torch.
 
 
 def _amaxes_and_multipliers(x2d, spec: RecipeSpec, cell, chunks, fp8_dtype, *options):
-    """(max|x| per cell, the quantize multipliers per cell), [1, 1] each per tensor."""
-    scale, amax, power_2_scale = options
+    """(max|x| per cell, the quantize multipliers per cell, the scales used): per tensor [1, 1],
+    or under segments per row, each its segment's (NaN among those used: an empty segment)."""
+    scale, amax, power_2_scale, segments = options
     cell_amax = torch.cat([_chunk_amax(x2d[start:stop], cell) for start, stop in chunks])
-    cell_amax = cell_amax.amax().reshape(1, 1) if spec.per_tensor else cell_amax
+    ids = None
+    if spec.per_tensor and segments is not None and not spec.delayed:  # rows [rows, 1]
+        sizes = segments.to(device=x2d.device, dtype=torch.int64).reshape(-1)
+        ids = torch.repeat_interleave(sizes, output_size=len(x2d))  # each row's segment
+        cell_amax = cell_amax.new_zeros(len(sizes), 1).index_reduce_(0, ids, cell_amax, "amax")
+    elif spec.per_tensor:
+        cell_amax = cell_amax.amax().reshape(1, 1)
     if spec.delayed:
         if scale is None:
             raise ValueError("recipe 'delayed' quantizes with its current scale: pass scale=")
-        return cell_amax, scale.to(torch.float32).reshape(1, 1)
-    multiplier, _ = block_scales(
-        cell_amax if amax is None else amax.to(torch.float32).reshape(1, 1),
-        spec=spec,
-        fp8_dtype=fp8_dtype,
-        power_2_scale=spec.resolve_power_2_scale(power_2_scale),
-        input_dtype=x2d.dtype,
-    )
-    return cell_amax, multiplier
-
-
-def _segment_multipliers(x2d, spec: RecipeSpec, chunks, fp8_dtype, sizes, power_2_scale):
-    """A per-tensor recipe whose row segments quantize alone (routed experts' tokens, one
-    scale each): (max|x| per row [rows, 1], each row's multiplier [rows, 1], the segments'
-    multipliers [S] with NaN for empty ones). On the device, no host sync."""
-    row_amax = torch.cat(
-        [_chunk_amax(x2d[start:stop], (1, x2d.shape[1])) for start, stop in chunks]
-    )
-    sizes = sizes.to(device=x2d.device, dtype=torch.int64).reshape(-1)
-    ids = torch.repeat_interleave(
-        torch.arange(len(sizes), device=x2d.device), sizes, output_size=len(x2d)
-    )
-    seg_amax = row_amax.new_zeros(len(sizes)).scatter_reduce(0, ids, row_amax[:, 0], "amax")
-    multiplier, _ = block_scales(
-        seg_amax,
-        spec=spec,
-        fp8_dtype=fp8_dtype,
-        power_2_scale=spec.resolve_power_2_scale(power_2_scale),
-        input_dtype=x2d.dtype,
-    )
-    used = torch.where(sizes > 0, multiplier, torch.full_like(multiplier, float("nan")))
-    return row_amax, multiplier[ids].reshape(-1, 1), used
-
-
-def _summary(cell_amax: torch.Tensor, flat: torch.Tensor) -> list[torch.Tensor]:
-    """amax, scale (median), scale_min, scale_max, num_scales of the scales used (NaN: none)."""
-    used = ~flat.isnan()
-    low = torch.where(used, flat, torch.full_like(flat, float("inf"))).amin()
-    high = torch.where(used, flat, torch.full_like(flat, float("-inf"))).amax()
-    return [cell_amax.amax(), flat.nanmedian(), low, high, used.sum()]
+        multiplier = scale.to(torch.float32).reshape(1, 1)
+    else:
+        multiplier, _ = block_scales(
+            cell_amax if amax is None else amax.to(torch.float32).reshape(1, 1),
+            spec=spec,
+            fp8_dtype=fp8_dtype,
+            power_2_scale=spec.resolve_power_2_scale(power_2_scale),
+            input_dtype=x2d.dtype,
+        )
+    if ids is None:
+        return cell_amax, multiplier, multiplier.reshape(-1)
+    return cell_amax, multiplier[ids], multiplier.reshape(-1).where(sizes > 0, float("nan"))
 
 
 STATS_FIELDS = ("amax", "scale", "scale_min", "scale_max", "num_scales")
@@ -174,45 +145,30 @@ def fp8_stats_vector(
     scale: torch.Tensor | None = None,
     amax: torch.Tensor | None = None,
     power_2_scale: bool | None = None,
-    quantized: QuantizedTensor | None = None,
     segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The float64 [len(STATS_FIELDS)] statistics of quantizing x rowwise under recipe and role,
-    on x's device with no host sync (a loop stacks every Linear's vectors, one `.tolist()`).
-    scale, amax, power_2_scale: as in `quantize`. Two reads of x in row chunks (amaxes, then
-    counts; no full-size temporary), the bytes cast by quantize's rule. quantized: a rowwise
-    QuantizedTensor of x the caller holds, whose dequantized zeros are the flushes instead.
-    segments: row counts (on any device) of consecutive row segments that a current per-tensor
-    recipe quantizes alone, one scale each (the routed experts' segments; the summary is over
-    the non-empty segments' scales); cells of one row are within a segment, so block recipes
-    of such cells take them as they are, and taller cells (weights) refuse them.
+    """The float64 [len(STATS_FIELDS)] statistics (counts exact to 2^53) of quantizing x
+    rowwise under recipe and role, on x's device with no host sync (a loop stacks every
+    Linear's vectors, one `.tolist()`). scale, amax, power_2_scale: as in `quantize`. Two reads
+    of x in row chunks (amaxes, then counts; no full-size temporary), cast by quantize's rule.
+    segments: row counts of consecutive rows a current per-tensor recipe quantizes alone (the
+    routed experts'); one-row cells ignore them, taller ones (weights) refuse them.
     """
     spec, fp8_dtype = recipe_spec(recipe), fp8_dtype_for_role(fp8_format, role)
     x2d = x.reshape(-1, x.shape[-1])
     cell = spec.block_shape(role, columnwise=False) or (1, x2d.shape[1])  # per tensor: by rows
     chunks = [(0, len(x2d))] if fused_on(x.device) else row_chunks(*x2d.shape, cell[0])
-    by_segment = segments is not None and spec.per_tensor and not spec.delayed
     if segments is not None and cell[0] > 1:
         raise ValueError(f"{recipe} {role} cells of {cell[0]} rows cross segments: pass none")
-    if by_segment:
-        cell_amax, grid, flat = _segment_multipliers(
-            x2d, spec, chunks, fp8_dtype, segments, power_2_scale
-        )
-        cell = (1, x2d.shape[1])
-    else:
-        options = (scale, amax, power_2_scale)
-        cell_amax, grid = _amaxes_and_multipliers(x2d, spec, cell, chunks, fp8_dtype, *options)
-        flat = grid.reshape(-1)
+    options = (scale, amax, power_2_scale, segments)
+    cell_amax, grid, flat = _amaxes_and_multipliers(x2d, spec, cell, chunks, fp8_dtype, *options)
     counts = torch.zeros(3, dtype=torch.int64, device=x.device)
     for start, stop in chunks:
         rows = grid if grid.numel() == 1 else grid[start // cell[0] : -(-stop // cell[0])]
         counts += _chunk_counts(x2d[start:stop], rows, cell, fp8_dtype)
-    if quantized is not None:
-        nonzero = x2d != 0
-        dequantized_zero = quantized.dequantize(torch.float32).reshape(x2d.shape) == 0
-        counts[1] = (nonzero & dequantized_zero).sum()
-    parts = _summary(cell_amax, flat)
-    # float64: counts stay exact up to 2^53 elements, fp32 amax and scales exactly.
+    used = ~flat.isnan()  # the scales quantize used: NaN for an empty segment's
+    low, high = flat.where(used, float("inf")).amin(), flat.where(used, float("-inf")).amax()
+    parts = [cell_amax.amax(), flat.nanmedian(), low, high, used.sum()]
     return torch.cat([torch.stack([p.to(torch.float64) for p in parts]), counts.double()])
 
 

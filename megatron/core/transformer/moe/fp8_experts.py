@@ -345,10 +345,10 @@ class Fp8StackedLinear(nn.Module):
                 f"FP8 expert weight was quantized with recipe '{weight.recipe}' but "
                 f"autocast asks for '{config.recipe}'; build the model under the same recipe"
             )
-        recompute = fp8_state.in_recompute()
-        stats = None
-        if enabled and self.fp8_stats_on and not (recompute or torch.compiler.is_compiling()):
-            stats = functools.partial(self.fp8_stats_sink, self)
+        stats = None  # a statistics step runs eagerly; a recompute is not counted twice
+        if enabled and self.fp8_stats_on and not torch.compiler.is_compiling():
+            if not fp8_state.in_recompute():
+                stats = functools.partial(self.fp8_stats_sink, self)
         grouped = enabled and self.grouped and tokens.shape[0] > 0
         if grouped and grouped_path_applies(config, weight):
             if stats is None:
@@ -365,6 +365,7 @@ class Fp8StackedLinear(nn.Module):
             if not outputs:
                 return tokens.new_zeros(0, self.weight.shape[1])
             return torch.cat(outputs, dim=0)
+        recompute = fp8_state.in_recompute()
 
         def plan_for_expert(expert: int):
             scaling = None if self.delayed_scaling is None else self.delayed_scaling.experts[expert]
