@@ -124,7 +124,11 @@ def corpus_flags(corpus: str, args: argparse.Namespace) -> list[str]:
     raise ValueError(f"unknown corpus {corpus!r}: choose stdlib or english")
 
 
-def epochs_of(data_flags: list[str], size: str, iters: int) -> float:
+OVER_ONE_EPOCH = " (over one: the validation loss also measures memorization; a smaller "
+OVER_ONE_EPOCH += "--micro-batch-size or --iters keeps a run within one)"
+
+
+def epochs_of(data_flags: list[str], size: str, iters: int, mbs: int | None = None) -> float:
     """How many passes over the corpus's training split (the --split share of its tokens) a
     run of `iters` steps makes: past 1, the runs see data again and the validation loss
     measures memorization as well. Counted on the corpus where this call runs (a --no-run
@@ -134,12 +138,13 @@ def epochs_of(data_flags: list[str], size: str, iters: int) -> float:
     prefix = data_flags[data_flags.index("--data-path") + 1]
     shares = [float(part) for part in SPLIT[size].split(",")]
     train_tokens = IndexedDataset(prefix).num_tokens * shares[0] / sum(shares)
-    return iters * SIZES[size]["mbs"] * SIZES[size]["seq"] / train_tokens
+    return iters * (mbs or SIZES[size]["mbs"]) * SIZES[size]["seq"] / train_tokens
 
 
-def model_flags(size: str, iters: int, compile_: bool) -> list[str]:
-    """The model, schedule and engine of one size (every run of a job shares them)."""
-    s = SIZES[size]
+def model_flags(size: str, iters: int, compile_: bool, mbs: int | None = None) -> list[str]:
+    """The model, schedule and engine of one size (every run of a job shares them); mbs: the
+    micro-batch (= global batch) instead of the size's."""
+    s = dict(SIZES[size], mbs=mbs or SIZES[size]["mbs"])
     flags = [
         "--num-layers", str(s["layers"]), "--hidden-size", str(s["hidden"]),
         "--ffn-hidden-size", str(s["ffn"]), "--num-attention-heads", str(s["heads"]),
@@ -189,15 +194,17 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
         data = corpus_flags(corpus, args)
         for size in args.size:
             iters = args.iters or SIZES[size]["iters"]
-            job = f"{corpus}_{size}_{iters}"
+            mbs = args.micro_batch_size or SIZES[size]["mbs"]
+            job = f"{corpus}_{size}_{iters}" + (f"_mbs{mbs}" if args.micro_batch_size else "")
             os.makedirs(os.path.join(args.out, job), exist_ok=True)
-            epochs = epochs_of(data, size, iters)
-            print(f"{job}: {iters} steps of {SIZES[size]['mbs'] * SIZES[size]['seq']} tokens, "
-                  f"{epochs:.2f} epochs of the corpus's training split")  # fmt: skip
+            epochs = epochs_of(data, size, iters, mbs)
+            note = OVER_ONE_EPOCH if epochs > 1 else ""
+            print(f"{job}: {iters} steps of {mbs * SIZES[size]['seq']} tokens, {epochs:.2f} "
+                  f"epochs of the corpus's training split{note}")  # fmt: skip
             for seed in args.seeds:
                 for recipe in ["bf16", *compared_recipes(args)]:
                     command = [sys.executable, "pretrain_gpt.py", *data]
-                    command += model_flags(size, iters, args.compile)
+                    command += model_flags(size, iters, args.compile, mbs)
                     command += ["--seed", str(seed), *recipe_flags(recipe, iters), *args.extra]
                     log = os.path.join(args.out, job, f"{recipe}@{seed}.log")
                     checkpoint = None
@@ -460,6 +467,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
     parser.add_argument("--seeds", nargs="+", type=int, default=[1234, 1235, 1236])
     parser.add_argument("--iters", type=int, default=None, help="default: the size's own")
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=None, help="sequences a step (default: the size's)"
+    )
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (one GPU)")
     parser.add_argument("--gpus", type=int, default=0, help="spread runs over N GPUs")
     parser.add_argument(
@@ -533,6 +543,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--stop-after-mins and --checkpoint-dir go together: the runs stopped after that "
             "many minutes save there, and the next call resumes them from there"
         )
+    if args.micro_batch_size is not None and args.micro_batch_size < 1:
+        parser.error(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
     if len(args.seeds) < 2:
         parser.error("--seeds needs at least 2 seeds for an interval (the suite's claim uses 3)")
     return args

@@ -210,3 +210,35 @@ def test_fp8_statistics_halfway_and_at_the_last_step(tmp_path):
     assert last_fp8_stats(str(log)) == [line.format(1000, "grad", 2).strip()]
     log.write_text("no statistics\n")
     assert last_fp8_stats(str(log)) == []
+
+
+def test_micro_batch_size_sets_the_runs_job_and_epochs(tmp_path, capsys):
+    """--micro-batch-size replaces the size's micro-batch (= global batch) in every run, names
+    its own job (results of two batch sizes never pair) and scales the epochs the plan prints;
+    a plan past one epoch says so."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fidelity_suite import OVER_ONE_EPOCH, parse_args, plan_runs
+
+    def plan(*extra: str) -> tuple[list[dict], str]:
+        argv = ["--out", str(tmp_path / "s"), "--size", "smoke", "--recipes", "tensorwise"]
+        argv += ["--seeds", "1", "2", "--stdlib-mb", "0.3", "--iters", "400", *extra]
+        runs = plan_runs(parse_args(argv))
+        return runs, runs[0]["job"]
+
+    def epochs(printed: str) -> float:
+        return float(printed.split(" tokens, ")[1].split(" epochs")[0])
+
+    default, job = plan()
+    once = capsys.readouterr().out
+    halved, halved_job = plan("--micro-batch-size", "1")
+    half = capsys.readouterr().out
+    assert epochs(half) == pytest.approx(epochs(once) / 2, abs=0.01)
+    assert "400 steps of 128 tokens" in once and "400 steps of 64 tokens" in half
+    assert (OVER_ONE_EPOCH in once) == (epochs(once) > 1)
+    assert (job, halved_job) == ("stdlib_smoke_400", "stdlib_smoke_400_mbs1")
+    for runs, mbs in ((default, "2"), (halved, "1")):
+        command = runs[0]["command"]
+        assert command[command.index("--micro-batch-size") + 1] == mbs
+        assert command[command.index("--global-batch-size") + 1] == mbs
+    with pytest.raises(SystemExit):
+        parse_args(["--micro-batch-size", "0", "--seeds", "1", "2"])
