@@ -52,6 +52,14 @@ MANIFEST_VERSION = 2
 LICENCES = {
     "python3-doc": "Python Software Foundation License Version 2 (code examples also 0BSD)",
     "linux-doc": "GPL-2.0 (kernel Documentation/; some files GFDL-1.1+ or CC-BY-4.0, per SPDX)",
+    "llvm-15-doc": "Apache-2.0 WITH LLVM-exception",
+    "clang-15-doc": "Apache-2.0 WITH LLVM-exception",
+    "python-pandas-doc": "BSD-3-Clause",
+    "python-astropy-doc": "BSD-3-Clause",
+    "python-sympy-doc": "BSD-3-Clause",
+    "python-skimage-doc": "BSD-3-Clause",
+    "sphinx-doc": "BSD-2-Clause",
+    "python-cryptography-doc": "Apache-2.0 or BSD-3-Clause",
 }
 EOD_TOKEN = "<|endoftext|>"
 SHUFFLE_SEED = 0
