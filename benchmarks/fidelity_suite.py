@@ -20,12 +20,13 @@ run's training loss on one page; needs matplotlib, skipped with a message withou
     # (plan order is seed by seed, bf16 first: 5 runs are one seed's bf16 and 4 recipes, so
     # each pair runs on one call's card; pairs across cards are not formed, see summarize)
     python3 benchmarks/fidelity_suite.py --out .fid/suite --corpus english \
-        --english-dir .fid/english --size 128m --iters 3000 --skip-done --max-runs 5 --parallel 5
+        --english-dir .fid/english --size 128m --iters 3000 --micro-batch-size 4 --skip-done \
+        --max-runs 5 --parallel 5
     # a run longer than one call: each run saves and stops after 8 minutes of training and
     # the next call on the same (warm) machine resumes it from --checkpoint-dir (not carried)
     python3 benchmarks/fidelity_suite.py --out .fid/suite --corpus english \
-        --english-dir .fid/english --size 128m --iters 3000 --skip-done --max-runs 5 \
-        --parallel 5 --checkpoint-dir /tmp/fidckpt --stop-after-mins 8
+        --english-dir .fid/english --size 128m --iters 3000 --micro-batch-size 4 --skip-done \
+        --max-runs 5 --parallel 5 --checkpoint-dir /tmp/fidckpt --stop-after-mins 8
     # the noise floor beside the recipes: bf16 a second time at each seed (bf16_repeat)
     python3 benchmarks/fidelity_suite.py --out .fid/suite --corpus stdlib --size 128m \
         --seeds 1237 1238 --repeat-control --skip-done --max-runs 6 --parallel 6

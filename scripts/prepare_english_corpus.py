@@ -8,6 +8,10 @@ Sources (--packages; the reStructuredText that Sphinx keeps in html/_sources):
 - `linux-doc` (Debian 12: linux-doc-6.1), the Linux kernel's Documentation/, about 24 MB;
   licence: GPL-2.0, with some files under other free documentation licences that their SPDX
   lines name (the media API pages GFDL-1.1-no-invariants-or-later, a few CC-BY-4.0).
+- Sphinx sources of eight more (about 22 MB together), each licence as its Debian copyright file
+  states for `Files: *`: llvm-15-doc and clang-15-doc (Apache-2.0 WITH LLVM-exception),
+  python-pandas-doc, python-astropy-doc, python-sympy-doc, python-skimage-doc (BSD-3-Clause),
+  sphinx-doc (BSD-2-Clause), python-cryptography-doc (Apache-2.0 or BSD-3-Clause).
 Each package's /usr/share/doc/<package>/copyright has the full terms. A package that is not
 installed is fetched with `apt-get download` and unpacked with `dpkg-deb -x` into DIR (no root
 needed; the only network is Debian's package archive). --source-dir takes directories of
