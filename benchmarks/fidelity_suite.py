@@ -404,7 +404,7 @@ def _fmt(value: float | None, digits: int = 4) -> str:
 
 def markdown_table(summaries: list[dict]) -> str:
     lines = [
-        "| job (corpus_size_steps) | card | epochs | recipe | seeds | bf16 mean valid "
+        "| job (corpus_size_steps[_mbsN]) | card | epochs | recipe | seeds | bf16 mean valid "
         "| mean fp8/bf16 | 95% interval | verdict | sd of ratios | seeds for a verdict "
         "| per-seed ratios |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -532,7 +532,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="further pretrain_gpt.py flags for every run (last option)",
     )
-    args = parser.parse_args(argv)
+    return _checked(parser, parser.parse_args(argv))
+
+
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """args, or the parser's exit 2 with one line naming the flag and the fix."""
     if args.compile is None:
         args.compile = not any(size.endswith("smoke") for size in args.size)
     if args.max_runs is not None and args.max_runs < 1:

@@ -111,7 +111,7 @@ def _amaxes_and_multipliers(x2d, spec: RecipeSpec, cell, chunks, fp8_dtype, *opt
     if spec.per_tensor and segments is not None and not spec.delayed:  # rows [rows, 1]
         sizes = segments.to(device=x2d.device, dtype=torch.int64).reshape(-1)
         ids = torch.repeat_interleave(sizes, output_size=len(x2d))  # each row's segment
-        cell_amax = cell_amax.new_zeros(len(sizes), 1).index_reduce_(0, ids, cell_amax, "amax")
+        cell_amax = cell_amax.new_zeros(len(sizes)).scatter_reduce(0, ids, cell_amax[:, 0], "amax")
     elif spec.per_tensor:
         cell_amax = cell_amax.amax().reshape(1, 1)
     if spec.delayed:
@@ -128,7 +128,7 @@ def _amaxes_and_multipliers(x2d, spec: RecipeSpec, cell, chunks, fp8_dtype, *opt
         )
     if ids is None:
         return cell_amax, multiplier, multiplier.reshape(-1)
-    return cell_amax, multiplier[ids], multiplier.reshape(-1).where(sizes > 0, float("nan"))
+    return cell_amax, multiplier[ids, None], multiplier.where(sizes > 0, float("nan"))
 
 
 STATS_FIELDS = ("amax", "scale", "scale_min", "scale_max", "num_scales")
@@ -158,8 +158,8 @@ def fp8_stats_vector(
     x2d = x.reshape(-1, x.shape[-1])
     cell = spec.block_shape(role, columnwise=False) or (1, x2d.shape[1])  # per tensor: by rows
     chunks = [(0, len(x2d))] if fused_on(x.device) else row_chunks(*x2d.shape, cell[0])
-    if segments is not None and cell[0] > 1:
-        raise ValueError(f"{recipe} {role} cells of {cell[0]} rows cross segments: pass none")
+    if segments is not None and (cell[0] > 1 or amax is not None):  # amax: one for all rows
+        raise ValueError(f"{recipe} {role}: segments take no amax= and no {cell[0]}-row cells")
     options = (scale, amax, power_2_scale, segments)
     cell_amax, grid, flat = _amaxes_and_multipliers(x2d, spec, cell, chunks, fp8_dtype, *options)
     counts = torch.zeros(3, dtype=torch.int64, device=x.device)

@@ -193,11 +193,12 @@ def _grouped_stats(sink, tokens, weight, segments, config: Fp8Config) -> tuple:
     if not isinstance(weight, QuantizedTensor):  # FP8 parameters: as Fp8Linear, no weight role
         experts, rows, cols = weight.shape
         cell_rows = (config.spec.block_shape("weight", columnwise=False) or (1, cols))[0]
-        padded = F.pad(weight.detach(), (0, 0, 0, -rows % cell_rows)).reshape(-1, cols)
-        by_expert = torch.full((experts,), padded.shape[0] // experts, device=weight.device)
-        stats = fp8_stats_vector(
-            padded, role="weight", segments=None if cell_rows > 1 else by_expert, **args
-        )
+        if cell_rows > 1:
+            padded = F.pad(weight.detach(), (0, 0, 0, -rows % cell_rows)).reshape(-1, cols)
+            stats = fp8_stats_vector(padded, role="weight", **args)
+        else:
+            by_expert = torch.full((experts,), rows, device=weight.device)
+            stats = fp8_stats_vector(weight.detach(), role="weight", segments=by_expert, **args)
         sink("weight", stats, weight.numel())
     return sizes, args
 

@@ -41,12 +41,13 @@ def _operands() -> dict[str, torch.Tensor]:
     return {"input": x, "weight": w, "grad": dy}
 
 
-def _multiplier(t: torch.Tensor, recipe: str, role: str, fp8_max: float) -> torch.Tensor:
+def _multiplier(t: torch.Tensor, recipe: str, role: str, fp8_max: float, pow2=False):
     """What the recipe multiplies t (one segment, or one expert's weight) by before the cast."""
     if recipe == "delayed":
         return torch.ones_like(t)
     if recipe == "tensorwise":
-        return torch.full_like(t, fp8_max) / t.abs().amax()
+        scale = torch.full_like(t, fp8_max) / t.abs().amax()
+        return _pow2_floor(scale) if pow2 else scale
     if recipe == "mxfp8":
         amax = _cell_amax(t, 1, 32)
         return 1.0 / _pow2_ceil(amax * (1.0 / torch.tensor(fp8_max)))
@@ -56,13 +57,13 @@ def _multiplier(t: torch.Tensor, recipe: str, role: str, fp8_max: float) -> torc
     return cells[: t.shape[0], : t.shape[1]]
 
 
-def _counts(pieces: list[torch.Tensor], recipe: str, role: str) -> tuple[int, int, int, int]:
+def _counts(pieces: list[torch.Tensor], recipe: str, role: str, pow2=False) -> tuple:
     """(saturated, flushed, non-zero, elements) of pieces, each quantized alone."""
     dtype = E5M2 if role == "grad" else E4M3
     fp8_max = torch.finfo(dtype).max
     saturated = flushed = nonzero = numel = 0
     for t in pieces:
-        scaled = t * _multiplier(t, recipe, role, fp8_max)
+        scaled = t * _multiplier(t, recipe, role, fp8_max, pow2)
         saturated += (scaled.abs() > fp8_max).sum().item()
         cast = scaled.clamp(-fp8_max, fp8_max).to(dtype).to(torch.float32)
         flushed += ((t != 0) & (cast == 0)).sum().item()
@@ -154,8 +155,47 @@ def test_segments_keep_a_device_free_summary_and_refuse_tall_cells():
     assert per_segment[6] < whole[6]  # own scales flush fewer of the small segment's values
     blockwise = fp8_stats_vector(x, recipe="blockwise", role="input", segments=sizes)
     assert torch.equal(blockwise, fp8_stats_vector(x, recipe="blockwise", role="input"))
-    with pytest.raises(ValueError, match="cells of 128 rows cross segments"):
+    with pytest.raises(ValueError, match="segments take no amax= and no 128-row cells"):
         fp8_stats_vector(x, recipe="blockwise", role="weight", segments=sizes)
+    with pytest.raises(ValueError, match="segments take no amax="):
+        fp8_stats_vector(x, recipe="tensorwise", role="input", segments=sizes, amax=x.max())
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_bf16_tokens_and_counts_on_the_device(recipe: str):
+    # The dispatcher's form: bf16 tokens and weights, rows per expert as a tensor (one segment
+    # each, read without a host sync), power-of-two scales for tensorwise too.
+    counts = [8, 0, 8, 6]
+    x = _spread((sum(counts), IN), low=-20, high=0, seed=5)
+    x[:8] *= 2.0**-10
+    x = x.bfloat16()
+    w = _spread((EXPERTS, OUT, IN), low=-24, high=-1, seed=6).bfloat16()
+    dy = _spread((sum(counts), OUT), low=-30, high=0, seed=7).bfloat16()
+    config = Fp8Config(recipe=recipe, power_2_scale=True)
+    layer = Fp8StackedLinear(EXPERTS, IN, OUT, fp8_config=config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    collector = Fp8StatsCollector(
+        nn.ModuleDict({"experts": layer}), interval=1, recipe=recipe, fp8_format="hybrid"
+    )
+    collector.switch(True)
+    layer(x.clone().requires_grad_(), torch.tensor(counts)).backward(dy)
+    collector.switch(False)
+    stats = collector.read()
+    pieces = {"input": x.float().split(counts), "grad": dy.float().split(counts)}
+    pieces = {role: [p for p in parts if len(p)] for role, parts in pieces.items()}
+    pieces["weight"] = list(w.float())
+    for role, parts in pieces.items():
+        got = stats[("experts", role)]
+        if recipe == "tensorwise":  # powers of two: floor(fp8_max / amax) per segment
+            dtype = E5M2 if role == "grad" else E4M3
+            fp8_max = torch.finfo(dtype).max
+            scales = [_pow2_floor(torch.tensor(fp8_max) / p.abs().max()).item() for p in parts]
+            assert (got.scale_min, got.scale_max) == (min(scales), max(scales)), role
+            assert got.num_scales == len(parts), role
+        saturated, flushed, nonzero, numel = _counts(parts, recipe, role, pow2=True)
+        assert (got.numel, got.nonzero, got.saturated_fraction) == (numel, nonzero, 0.0), role
+        assert got.underflow_fraction == flushed / nonzero and flushed > 0, role
 
 
 @pytest.mark.slow
