@@ -6,6 +6,7 @@ error against the dequantized fp64 product (largest |error| / largest |value|) a
 the error torch raised. One JSON line per case.
 
     python3 dev/probe_scaled_grouped_mm.py            # default MoE shape of bench_grouped_gemm.py
+    python3 dev/probe_scaled_grouped_mm.py --ffn 768  # model M's experts
 """
 
 from __future__ import annotations
@@ -126,21 +127,30 @@ def wgrad_cases(m: int, n: int, k: int, sizes: list[int], a_dtype) -> list[dict]
         return torch.stack(outs)
 
     tag = "e5m2" if a_dtype == E5M2 else "e4m3"
-    fn = lambda: torch._scaled_grouped_mm(  # noqa: E731
-        aq,
-        bq_cm,
-        sa.reshape(-1),
-        sb.reshape(-1),
-        offs=offs,
-        out_dtype=torch.float32,
+    rows = []
+    for out_dtype in (torch.float32, torch.bfloat16):
+        fn = lambda out_dtype=out_dtype: torch._scaled_grouped_mm(  # noqa: E731
+            aq, bq_cm, sa.reshape(-1), sb.reshape(-1), offs=offs, out_dtype=out_dtype,
+            use_fast_accum=True,
+        )  # fmt: skip
+        name = f"wgrad {tag} x e4m3 2d-2d {n}x{k} K={m} out {str(out_dtype)[6:]}"
+        rows.append(case(name, fn, ref, 2 * m * n * k))
+    # The swapped product dW^T[e] = x[e]^T dy[e]: E4M3 as mat_a, the gradient (E5M2 under the
+    # hybrid format) as mat_b -- does torch take E5M2 there? Transposed back for the check.
+    xt = bq.t().contiguous()  # [k, m]
+    dy_cm = aq.t().contiguous().t()  # [m, n], column-major
+    swapped = lambda: torch._scaled_grouped_mm(  # noqa: E731
+        xt, dy_cm, sb.reshape(-1), sa.reshape(-1), offs=offs, out_dtype=torch.bfloat16,
         use_fast_accum=True,
-    )
-    return [case(f"wgrad {tag} x e4m3 2d-2d {n}x{k} K={m}", fn, ref, 2 * m * n * k)]
+    ).transpose(1, 2)  # fmt: skip
+    name = f"wgrad swapped e4m3 x {tag} 2d-2d {k}x{n} K={m} out bfloat16"
+    return rows + [case(name, swapped, ref, 2 * m * n * k)]
 
 
 def main() -> None:
     torch.manual_seed(0)
-    g, tokens, topk, hidden, ffn = 64, 8192, 8, 2048, 1408
+    ffn = int(sys.argv[sys.argv.index("--ffn") + 1]) if "--ffn" in sys.argv else 1408
+    g, tokens, topk, hidden = 64, 8192, 8, 2048  # --ffn 768: model M's experts
     m = tokens * topk
     weights = torch.rand(g, generator=torch.Generator().manual_seed(1)) + 0.5
     sizes = (weights / weights.sum() * m).floor().long()
