@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from megatron.core.fp8 import Fp8Config
 from megatron.core.fp8.stats import fp8_stats_vector
@@ -211,3 +212,22 @@ def test_tiny_moe_gpt_logs_its_experts(capsys):
     for role in ("input", "weight", "grad"):
         assert f" > fp8 stats iteration 2 | {role} (10 Linears)" in out
     assert "decoder.layers.1.mlp.experts.linear_fc1" in out
+
+
+@pytest.mark.slow
+def test_compiled_moe_gpt_keeps_its_graphs_and_losses_with_statistics():
+    # A statistics step runs the compiled layers eagerly (set_stance("force_eager")); the
+    # experts' switch adds no graph break or graph, and on CPU the losses stay bitwise equal.
+    argv = TINY_MOE + ["--train-iters", "4", "--fp8-recipe", "tensorwise", "--moe-grouped-gemm"]
+    argv += ["--torch-compile"]
+    seen = {}
+    for name, extra in (
+        ("plain", []),
+        ("stats", ["--log-fp8-stats", "--log-fp8-stats-interval", "2"]),
+    ):
+        torch._dynamo.reset()
+        counters.clear()
+        losses = run_pretrain(argv + extra).losses
+        seen[name] = (dict(counters["graph_break"]), counters["stats"]["unique_graphs"], losses)
+    torch._dynamo.reset()
+    assert seen["plain"] == seen["stats"] and seen["plain"][:2] == ({}, 3)
