@@ -129,7 +129,7 @@ OVER_ONE_EPOCH = " (over one: the validation loss also measures memorization; a 
 OVER_ONE_EPOCH += "--micro-batch-size or --iters keeps a run within one)"
 
 
-def epochs_of(data_flags: list[str], size: str, iters: int, mbs: int | None = None) -> float:
+def epochs_of(data_flags: list[str], size: str, iters: int, mbs: int) -> float:
     """How many passes over the corpus's training split (the --split share of its tokens) a
     run of `iters` steps makes: past 1, the runs see data again and the validation loss
     measures memorization as well. Counted on the corpus where this call runs (a --no-run
@@ -139,13 +139,13 @@ def epochs_of(data_flags: list[str], size: str, iters: int, mbs: int | None = No
     prefix = data_flags[data_flags.index("--data-path") + 1]
     shares = [float(part) for part in SPLIT[size].split(",")]
     train_tokens = IndexedDataset(prefix).num_tokens * shares[0] / sum(shares)
-    return iters * (mbs or SIZES[size]["mbs"]) * SIZES[size]["seq"] / train_tokens
+    return iters * mbs * SIZES[size]["seq"] / train_tokens
 
 
-def model_flags(size: str, iters: int, compile_: bool, mbs: int | None = None) -> list[str]:
+def model_flags(size: str, iters: int, compile_: bool, mbs: int) -> list[str]:
     """The model, schedule and engine of one size (every run of a job shares them); mbs: the
-    micro-batch (= global batch) instead of the size's."""
-    s = dict(SIZES[size], mbs=mbs or SIZES[size]["mbs"])
+    micro-batch (= global batch)."""
+    s = dict(SIZES[size], mbs=mbs)
     flags = [
         "--num-layers", str(s["layers"]), "--hidden-size", str(s["hidden"]),
         "--ffn-hidden-size", str(s["ffn"]), "--num-attention-heads", str(s["heads"]),

@@ -179,10 +179,11 @@ def grouped_fp8_gemm(
     return torch.cat(outputs, dim=0)
 
 
-def _grouped_stats(sink, tokens, weight, segments, config: Fp8Config) -> tuple:
-    """--log-fp8-stats on the grouped path: tokens per segment (per tensor: each its scale), a
-    high-precision weight per expert (its own scale or 128x128 cells: each expert's rows padded
-    to whole cells with zeros, which never count); the segment sizes for the grad's hook."""
+def _grouped_with_stats(sink, tokens, weight, segments, config: Fp8Config) -> torch.Tensor:
+    """`grouped_fp8_linear` under --log-fp8-stats: the tokens and (from a hook) the output's
+    gradient per segment (per tensor: each its own scale), a high-precision weight per expert
+    (its own scale, or 128x128 cells: each expert's rows padded to whole cells with zeros,
+    which never count)."""
     if isinstance(segments, torch.Tensor):
         sizes = segments.reshape(-1)
     else:
@@ -200,17 +201,14 @@ def _grouped_stats(sink, tokens, weight, segments, config: Fp8Config) -> tuple:
             by_expert = torch.full((experts,), rows, device=weight.device)
             stats = fp8_stats_vector(weight.detach(), role="weight", segments=by_expert, **args)
         sink("weight", stats, weight.numel())
-    return sizes, args
+    output = grouped_fp8_linear(tokens, weight, segments, config)
 
-
-def _record_grad_stats(output: torch.Tensor, sink, sizes, args) -> None:
-    """The grad role of the grouped path: the output's gradient per segment, from a hook."""
-
-    def hook(dy: torch.Tensor) -> None:
+    def grad_stats(dy: torch.Tensor) -> None:
         sink("grad", fp8_stats_vector(dy, role="grad", segments=sizes, **args), dy.numel())
 
     if output.requires_grad:
-        output.register_hook(hook)
+        output.register_hook(grad_stats)
+    return output
 
 
 @torch._dynamo.disable
@@ -352,12 +350,9 @@ class Fp8StackedLinear(nn.Module):
                 stats = functools.partial(self.fp8_stats_sink, self)
         grouped = enabled and self.grouped and tokens.shape[0] > 0
         if grouped and grouped_path_applies(config, weight):
-            if stats is None:
-                return grouped_fp8_linear(tokens, weight, segments, config)
-            stats_args = _grouped_stats(stats, tokens, weight, segments, config)
-            output = grouped_fp8_linear(tokens, weight, segments, config)
-            _record_grad_stats(output, stats, *stats_args)
-            return output
+            if stats is not None:
+                return _grouped_with_stats(stats, tokens, weight, segments, config)
+            return grouped_fp8_linear(tokens, weight, segments, config)
         if fp8_param:
             weight = _ExpertWeights.apply(weight)
         if not enabled:
