@@ -138,7 +138,7 @@ def wgrad_cases(m: int, n: int, k: int, sizes: list[int], a_dtype) -> list[dict]
     # The swapped product dW^T[e] = x[e]^T dy[e]: E4M3 as mat_a, the gradient (E5M2 under the
     # hybrid format) as mat_b -- does torch take E5M2 there? Transposed back for the check.
     xt = bq.t().contiguous()  # [k, m]
-    dy_cm = aq.t().contiguous().t()  # [m, n], column-major
+    dy_cm = aq.t()  # [m, n], column-major (aq is [n, m] row-major)
     swapped = lambda: torch._scaled_grouped_mm(  # noqa: E731
         xt, dy_cm, sb.reshape(-1), sa.reshape(-1), offs=offs, out_dtype=torch.bfloat16,
         use_fast_accum=True,
