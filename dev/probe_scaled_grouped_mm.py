@@ -1,7 +1,8 @@
 """What torch's FP8 grouped GEMM (`torch._scaled_grouped_mm`) accepts and how fast it is here,
 for the MoE experts' three GEMMs: forward/dgrad (2d x 3d, ragged M) with a per-row A scale and a
 per-(expert, column) B scale -- which carries our per-tensor recipes (one scale per expert weight,
-one per token segment) -- and wgrad (2d x 2d, ragged K); E4M3 and E5M2 operands. Each case: the
+one per token segment) -- the dgrad swapped (3d x 2d, so an E5M2 gradient is mat_b), and wgrad
+(2d x 2d, ragged K; also swapped); E4M3 and E5M2 operands. Each case: the
 error against the dequantized fp64 product (largest |error| / largest |value|) and TFLOP/s, or
 the error torch raised. One JSON line per case.
 
@@ -94,6 +95,37 @@ def forward_cases(m: int, n: int, k: int, sizes: list[int], a_dtype) -> list[dic
     return out
 
 
+def dgrad_swapped_cases(m: int, n: int, k: int, sizes: list[int], dy_dtype) -> list[dict]:
+    """dx = dy @ W[g] as dx^T[:, rows of g] = W[g]^T dy^T[:, rows of g] (3d x 2d, ragged along
+    mat_b's columns): the weights' transposed copies (E4M3) as mat_a, so the gradient (E5M2
+    under the hybrid format, which torch refuses as mat_a) is mat_b; per-expert weight scales
+    broadcast over rows, per-row gradient scales. Checked as dx."""
+    g = len(sizes)
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    dyq, dys = rowwise(dy, dy_dtype, 1)  # [m, n], [m, 1]
+    w_s = w.abs().amax(dim=(1, 2)).float() / 448  # one per expert
+    wq = (w.float() / w_s[:, None, None]).to(E4M3)
+    wtq = wq.transpose(1, 2).contiguous()  # [g, k, n], K-major for mat_a
+
+    def ref():
+        a = dyq.double() * dys.double()
+        rows, start = [], 0
+        for e, size in enumerate(sizes):
+            rows.append(a[start : start + size] @ (wq[e].double() * w_s[e].double()))
+            start += size
+        return torch.cat(rows)
+
+    fn = lambda: torch._scaled_grouped_mm(  # noqa: E731
+        wtq, dyq.t(), w_s[:, None].expand(g, k).contiguous(), dys.reshape(-1), offs=offs,
+        out_dtype=torch.bfloat16, use_fast_accum=True,
+    ).t()  # fmt: skip
+    tag = "e5m2" if dy_dtype == E5M2 else "e4m3"
+    name = f"dgrad swapped 3d-2d e4m3 x {tag} {m}x{k}x{n}"
+    return [case(name, fn, ref, 2 * m * n * k)]
+
+
 def wgrad_cases(m: int, n: int, k: int, sizes: list[int], a_dtype) -> list[dict]:
     """dW[e] = dy[e]^T x[e]: dy [m, n], x [m, k], ragged along m (the GEMM's K)."""
     g = len(sizes)
@@ -163,6 +195,8 @@ def main() -> None:
         rows += forward_cases(m, 2 * ffn, hidden, sizes, a_dtype)
         rows += forward_cases(m, hidden, ffn, sizes, a_dtype)
         rows += wgrad_cases(m, hidden, ffn, sizes, a_dtype)
+        rows += dgrad_swapped_cases(m, 2 * ffn, hidden, sizes, a_dtype)  # fc1's dgrad
+        rows += dgrad_swapped_cases(m, hidden, ffn, sizes, a_dtype)  # fc2's dgrad
     for row in rows:
         print(json.dumps(row))
     sys.stdout.flush()
