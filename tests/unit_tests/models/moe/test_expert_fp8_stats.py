@@ -21,6 +21,9 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EXPERTS, IN, OUT = 4, 128, 96  # OUT: blockwise weights pad each expert to a 128-row cell
 SEGMENTS = [[5, 3], [0, 0], [7, 1], [4, 2]]  # expert 1 without tokens; two source ranks each
 SIZES = [n for counts in SEGMENTS for n in counts]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+"""CUDA: the grouped path's kernels (torch's FP8 grouped GEMM, the Triton ones) beside the
+statistics, the reference's casts on the GPU too."""
 
 
 def _spread(shape, *, low: int, high: int, seed: int) -> torch.Tensor:
@@ -73,8 +76,9 @@ def _counts(pieces: list[torch.Tensor], recipe: str, role: str, pow2=False) -> t
 
 
 def _collect(recipe: str, operands: dict[str, torch.Tensor], *, grouped: bool = True):
+    device = operands["input"].device
     layer = Fp8StackedLinear(
-        EXPERTS, IN, OUT, fp8_config=Fp8Config(recipe=recipe), dtype=torch.float32
+        EXPERTS, IN, OUT, fp8_config=Fp8Config(recipe=recipe), dtype=torch.float32, device=device
     )
     layer.grouped = grouped
     with torch.no_grad():
@@ -105,9 +109,10 @@ def _reference_pieces(operands, *, per_segment_path: bool) -> dict[str, list[tor
     return pieces
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "delayed", "mxfp8"])
-def test_expert_fractions_equal_plain_torch_reference(recipe: str):
-    operands = _operands()
+def test_expert_fractions_equal_plain_torch_reference(recipe: str, device: str):
+    operands = {role: t.to(device) for role, t in _operands().items()}
     stats = _collect(recipe, operands)
     assert sorted(stats) == [("experts", "grad"), ("experts", "input"), ("experts", "weight")]
     loop = recipe in ("delayed", "mxfp8")  # the per-segment path (no grouped kernels)
@@ -162,25 +167,28 @@ def test_segments_keep_a_device_free_summary_and_refuse_tall_cells():
         fp8_stats_vector(x, recipe="tensorwise", role="input", segments=sizes, amax=x.max())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
-def test_bf16_tokens_and_counts_on_the_device(recipe: str):
+def test_bf16_tokens_and_counts_on_the_device(recipe: str, device: str):
     # The dispatcher's form: bf16 tokens and weights, rows per expert as a tensor (one segment
     # each, read without a host sync), power-of-two scales for tensorwise too.
     counts = [8, 0, 8, 6]
     x = _spread((sum(counts), IN), low=-20, high=0, seed=5)
     x[:8] *= 2.0**-10
-    x = x.bfloat16()
-    w = _spread((EXPERTS, OUT, IN), low=-24, high=-1, seed=6).bfloat16()
-    dy = _spread((sum(counts), OUT), low=-30, high=0, seed=7).bfloat16()
+    x = x.bfloat16().to(device)
+    w = _spread((EXPERTS, OUT, IN), low=-24, high=-1, seed=6).bfloat16().to(device)
+    dy = _spread((sum(counts), OUT), low=-30, high=0, seed=7).bfloat16().to(device)
     config = Fp8Config(recipe=recipe, power_2_scale=True)
-    layer = Fp8StackedLinear(EXPERTS, IN, OUT, fp8_config=config, dtype=torch.bfloat16)
+    layer = Fp8StackedLinear(
+        EXPERTS, IN, OUT, fp8_config=config, dtype=torch.bfloat16, device=device
+    )
     with torch.no_grad():
         layer.weight.copy_(w)
     collector = Fp8StatsCollector(
         nn.ModuleDict({"experts": layer}), interval=1, recipe=recipe, fp8_format="hybrid"
     )
     collector.switch(True)
-    layer(x.clone().requires_grad_(), torch.tensor(counts)).backward(dy)
+    layer(x.clone().requires_grad_(), torch.tensor(counts, device=device)).backward(dy)
     collector.switch(False)
     stats = collector.read()
     pieces = {"input": x.float().split(counts), "grad": dy.float().split(counts)}
