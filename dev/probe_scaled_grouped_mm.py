@@ -117,13 +117,22 @@ def dgrad_swapped_cases(m: int, n: int, k: int, sizes: list[int], dy_dtype) -> l
             start += size
         return torch.cat(rows)
 
-    fn = lambda: torch._scaled_grouped_mm(  # noqa: E731
-        wtq, dyq.t(), w_s[:, None].expand(g, k).contiguous(), dys.reshape(-1), offs=offs,
-        out_dtype=torch.bfloat16, use_fast_accum=True,
-    ).t()  # fmt: skip
+    def fn(fast: bool, contiguous: bool = False):
+        dx_t = torch._scaled_grouped_mm(
+            wtq, dyq.t(), w_s[:, None].expand(g, k).contiguous(), dys.reshape(-1), offs=offs,
+            out_dtype=torch.bfloat16, use_fast_accum=fast,
+        )  # fmt: skip
+        return dx_t.t().contiguous() if contiguous else dx_t.t()
+
     tag = "e5m2" if dy_dtype == E5M2 else "e4m3"
     name = f"dgrad swapped 3d-2d e4m3 x {tag} {m}x{k}x{n}"
-    return [case(name, fn, ref, 2 * m * n * k)]
+    # fast accumulation, the precise mode (the dense data gradient's), and the precise one with
+    # dx made row-major (what a caller that needs [m, k] contiguous pays)
+    return [
+        case(f"{name} fast", lambda: fn(True), ref, 2 * m * n * k),
+        case(f"{name} precise", lambda: fn(False), ref, 2 * m * n * k),
+        case(f"{name} precise + contiguous", lambda: fn(False, True), ref, 2 * m * n * k),
+    ]
 
 
 def wgrad_cases(m: int, n: int, k: int, sizes: list[int], a_dtype) -> list[dict]:
