@@ -1,8 +1,7 @@
 """What torch's FP8 grouped GEMM (`torch._scaled_grouped_mm`) accepts and how fast it is here,
 for the MoE experts' three GEMMs: forward/dgrad (2d x 3d, ragged M) with a per-row A scale and a
 per-(expert, column) B scale -- which carries our per-tensor recipes (one scale per expert weight,
-one per token segment) -- the dgrad swapped (3d x 2d, so an E5M2 gradient is mat_b), and wgrad
-(2d x 2d, ragged K; also swapped); E4M3 and E5M2 operands. Each case: the
+one per token segment) -- and wgrad (2d x 2d, ragged K); E4M3 and E5M2 operands. Each case: the
 error against the dequantized fp64 product (largest |error| / largest |value|) and TFLOP/s, or
 the error torch raised. One JSON line per case.
 
@@ -95,46 +94,6 @@ def forward_cases(m: int, n: int, k: int, sizes: list[int], a_dtype) -> list[dic
     return out
 
 
-def dgrad_swapped_cases(m: int, n: int, k: int, sizes: list[int], dy_dtype) -> list[dict]:
-    """dx = dy @ W[g] as dx^T[:, rows of g] = W[g]^T dy^T[:, rows of g] (3d x 2d, ragged along
-    mat_b's columns): the weights' transposed copies (E4M3) as mat_a, so the gradient (E5M2
-    under the hybrid format, which torch refuses as mat_a) is mat_b; per-expert weight scales
-    broadcast over rows, per-row gradient scales. Checked as dx."""
-    g = len(sizes)
-    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    dyq, dys = rowwise(dy, dy_dtype, 1)  # [m, n], [m, 1]
-    w_s = w.abs().amax(dim=(1, 2)).float() / 448  # one per expert
-    wq = (w.float() / w_s[:, None, None]).to(E4M3)
-    wtq = wq.transpose(1, 2).contiguous()  # [g, k, n], K-major for mat_a
-
-    def ref():
-        a = dyq.double() * dys.double()
-        rows, start = [], 0
-        for e, size in enumerate(sizes):
-            rows.append(a[start : start + size] @ (wq[e].double() * w_s[e].double()))
-            start += size
-        return torch.cat(rows)
-
-    def fn(fast: bool, contiguous: bool = False):
-        dx_t = torch._scaled_grouped_mm(
-            wtq, dyq.t(), w_s[:, None].expand(g, k).contiguous(), dys.reshape(-1), offs=offs,
-            out_dtype=torch.bfloat16, use_fast_accum=fast,
-        )  # fmt: skip
-        return dx_t.t().contiguous() if contiguous else dx_t.t()
-
-    tag = "e5m2" if dy_dtype == E5M2 else "e4m3"
-    name = f"dgrad swapped 3d-2d e4m3 x {tag} {m}x{k}x{n}"
-    # fast accumulation, the precise mode (the dense data gradient's), and the precise one with
-    # dx made row-major (what a caller that needs [m, k] contiguous pays)
-    return [
-        case(f"{name} fast", lambda: fn(True), ref, 2 * m * n * k),
-        case(f"{name} precise", lambda: fn(False), ref, 2 * m * n * k),
-        case(f"{name} precise + contiguous", lambda: fn(False, True), ref, 2 * m * n * k),
-    ]
-
-
 def wgrad_cases(m: int, n: int, k: int, sizes: list[int], a_dtype) -> list[dict]:
     """dW[e] = dy[e]^T x[e]: dy [m, n], x [m, k], ragged along m (the GEMM's K)."""
     g = len(sizes)
@@ -196,7 +155,6 @@ def main() -> None:
     weights = torch.rand(g, generator=torch.Generator().manual_seed(1)) + 0.5
     sizes = (weights / weights.sum() * m).floor().long()
     sizes[-1] += m - sizes.sum()
-    routed = [int(s) for s in sizes]  # dropless routing's counts: any integers
     sizes = [int(s) // 16 * 16 for s in sizes]
     sizes[-1] += m - sum(sizes)
     print(json.dumps(dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())))
@@ -205,12 +163,6 @@ def main() -> None:
         rows += forward_cases(m, 2 * ffn, hidden, sizes, a_dtype)
         rows += forward_cases(m, hidden, ffn, sizes, a_dtype)
         rows += wgrad_cases(m, hidden, ffn, sizes, a_dtype)
-        rows += dgrad_swapped_cases(m, 2 * ffn, hidden, sizes, a_dtype)  # fc1's dgrad
-        rows += dgrad_swapped_cases(m, hidden, ffn, sizes, a_dtype)  # fc2's dgrad
-    # Does the swapped data gradient (ragged along mat_b's columns) take counts that are not
-    # multiples of 16, as dropless routing gives? (The ragged-M forward's do not matter here.)
-    unaligned = dgrad_swapped_cases(m, hidden, ffn, routed, E5M2)
-    rows += [dict(row, case=row["case"] + " unaligned counts") for row in unaligned]
     for row in rows:
         print(json.dumps(row))
     sys.stdout.flush()
