@@ -5,8 +5,9 @@ option string of Megatron-LM's `arguments.py` with its number of values and its 
 ones no other module defines are added here, hidden from --help (one help line names the table).
 Given on a command line, such a flag is
 - accepted with one log note when it belongs to a family of pure performance, logging or
-  launcher knobs of Megatron-LM's implementation (NO_EFFECT_FAMILIES: results do not change), or
-  when its value is exactly Megatron-LM's default;
+  launcher knobs of Megatron-LM's implementation (NO_EFFECT_FAMILIES: results do not change),
+  when its value is exactly Megatron-LM's default, or when Megatron-LM accepts it only where it
+  changes nothing and that holds (CONDITIONAL; where it does not, it is refused as there);
 - otherwise named in the one exit-2 "not built" message (megatron_lm.unbuilt_features).
 Parse-time code: it reads the argparse Namespace before configs.build_run_config.
 """
@@ -132,6 +133,18 @@ NO_EFFECT_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
     ),
 )
 
+# Table flags whose effect depends on another flag, as Megatron-LM's validate_args decides:
+# flag -> (when it changes nothing, why; otherwise the refusal, with Megatron-LM's fix).
+CONDITIONAL: dict[str, tuple] = {
+    "--no-position-embedding": (
+        lambda args: args.position_embedding_type == "rope",
+        "Megatron-LM allows this deprecated switch only with --position-embedding-type rope, "
+        "and rope has no learned position embedding to drop",
+        "--no-position-embedding (deprecated in Megatron-LM, which refuses it unless "
+        "--position-embedding-type is rope: choose the embedding with --position-embedding-type)",
+    ),
+}
+
 _NARGS = {"0": 0, "1": None, "?": "?", "*": "*", "+": "+"}
 
 
@@ -180,7 +193,10 @@ def add_megatron_lm_table_args(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def no_effect_reason(flag: str) -> str | None:
+def no_effect_reason(flag: str, args: argparse.Namespace) -> str | None:
+    if flag in CONDITIONAL:
+        applies, reason, _ = CONDITIONAL[flag]
+        return reason if applies(args) else None
     for prefixes, reason in NO_EFFECT_FAMILIES:
         if any(flag == p or (p.endswith("-") and flag.startswith(p)) for p in prefixes):
             return reason
@@ -221,11 +237,12 @@ def table_flags_given(args: argparse.Namespace) -> tuple[tuple[str, object, str]
 
 
 def unbuilt_table_flags(args: argparse.Namespace) -> list[str]:
-    """The given table flags that change something we have not built, as written."""
+    """The given table flags that change something we have not built, as written (a
+    conditional one with Megatron-LM's fix)."""
     return [
-        _written(flag, values)
+        CONDITIONAL[flag][2] if flag in CONDITIONAL else _written(flag, values)
         for flag, values, default in table_flags_given(args)
-        if no_effect_reason(flag) is None and not is_megatron_lm_default(values, default)
+        if no_effect_reason(flag, args) is None and not is_megatron_lm_default(values, default)
     ]
 
 
@@ -233,7 +250,7 @@ def table_notes(args: argparse.Namespace) -> list[str]:
     """One log note per given table flag that is accepted, saying why it has no effect."""
     notes = []
     for flag, values, default in table_flags_given(args):
-        reason = no_effect_reason(flag)
+        reason = no_effect_reason(flag, args)
         if reason is None and is_megatron_lm_default(values, default):
             reason = f"Megatron-LM's default ({default}), which is what runs here"
         if reason is not None:

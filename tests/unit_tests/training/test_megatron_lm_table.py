@@ -125,3 +125,22 @@ def test_help_names_the_table_and_hides_its_flags():
     text = build_parser().format_help()
     assert "megatron_lm_core_v0.19.0.tsv" in text
     assert "--tp-comm-overlap-cfg" not in text and "--use-distributed-optimizer" in text
+
+
+@pytest.mark.parametrize("embedding", ["rope", "learned_absolute"])
+def test_no_position_embedding_as_megatron_lm_validates_it(embedding, capsys):
+    """Megatron-LM's deprecated --no-position-embedding: accepted with rope (Megatron-core's GPT
+    model adds a learned position embedding only for learned_absolute, so with rope it changes
+    nothing), refused otherwise as Megatron-LM's validate_args refuses it, naming the fix."""
+    code, err, notes = _outcome(
+        ["--no-position-embedding", "--position-embedding-type", embedding], capsys
+    )
+    if embedding == "rope":
+        mine = [n for n in notes if n.startswith("--no-position-embedding: no effect here")]
+        assert (
+            code == 0 and len(mine) == 1 and "only with --position-embedding-type rope" in mine[0]
+        )
+    else:
+        assert code == 2 and err.count("error:") == 1 and NOT_BUILT in err
+        assert "--no-position-embedding (deprecated in Megatron-LM" in err
+        assert "choose the embedding with --position-embedding-type" in err
