@@ -38,11 +38,6 @@ MUON_REST = {
 }
 # Config -> the flags of it that are not built (docs/MEGATRON_LM_FLAGS.md, "MoE command lines").
 UNBUILT = {
-    "deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap": [
-        "--overlap-moe-expert-parallel-comm",
-        "--delay-wgrad-compute",
-    ],
-    "gpt3_mcore_te_tp1_pp1_te_4experts_groupedGEMM_op_fuser": ["--use-transformer-engine-op-fuser"],
     "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon": [MUON],
     "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon_param_layout": [MUON],
     "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon": [MUON],

@@ -58,6 +58,7 @@ NO_EFFECT_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
             "--disable-jit-fuser",
             "--use-flash-attn",
             "--flash-attention-version",
+            "--use-transformer-engine-op-fuser",
         ),
         "a kernel choice of Megatron-LM's (fused or unfused, same math); the layers here are "
         "our own PyTorch modules",
@@ -133,15 +134,57 @@ NO_EFFECT_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
     ),
 )
 
-# Table flags whose effect depends on another flag, as Megatron-LM's validate_args decides:
-# flag -> (when it changes nothing, why; otherwise the refusal, with Megatron-LM's fix).
+# Table flags that Megatron-LM's validation accepts only under conditions, and that change
+# nothing here where it accepts them: flag -> (why it changes nothing; the Namespace's
+# problem, as Megatron-LM words its refusal, or None where Megatron-LM accepts it).
+_EP_OVERLAP = "--overlap-moe-expert-parallel-comm"
+
+
+def _no_position_embedding_problem(args) -> str | None:
+    if args.position_embedding_type == "rope":
+        return None
+    return (
+        "deprecated in Megatron-LM, which refuses it unless --position-embedding-type is rope: "
+        "choose the embedding with --position-embedding-type"
+    )
+
+
+def _ep_overlap_problem(args) -> str | None:
+    needs = [
+        (args.expert_model_parallel_size > 1, "--expert-model-parallel-size > 1"),
+        (args.moe_token_dispatcher_type in ("alltoall", "flex"), "the alltoall dispatcher"),
+        (args.recompute_granularity != "full", "no full recomputation"),
+        (args.bf16 or args.fp16, "--bf16 or --fp16"),
+        ((args.mtp_num_layers or 0) <= 1, "at most one MTP layer"),
+    ]
+    missing = [need for holds, need in needs if not holds]
+    return f"Megatron-LM needs {' and '.join(missing)} for it" if missing else None
+
+
+def _delay_wgrad_problem(args) -> str | None:
+    given = {flag for flag, _, _ in table_flags_given(args)}
+    if _EP_OVERLAP not in given:
+        return f"Megatron-LM needs {_EP_OVERLAP} with it"
+    if args.transformer_impl == "local":
+        return "Megatron-LM supports it only with --transformer-impl transformer_engine"
+    return None
+
+
 CONDITIONAL: dict[str, tuple] = {
     "--no-position-embedding": (
-        lambda args: args.position_embedding_type == "rope",
         "Megatron-LM allows this deprecated switch only with --position-embedding-type rope, "
         "and rope has no learned position embedding to drop",
-        "--no-position-embedding (deprecated in Megatron-LM, which refuses it unless "
-        "--position-embedding-type is rope: choose the embedding with --position-embedding-type)",
+        _no_position_embedding_problem,
+    ),
+    _EP_OVERLAP: (
+        "a schedule of Megatron-LM's (one micro-batch's expert-parallel all-to-all overlapped "
+        "with another's compute): speed only, same math; here the all-to-alls run in order",
+        _ep_overlap_problem,
+    ),
+    "--delay-wgrad-compute": (
+        "a schedule of Megatron-LM's (expert weight gradients computed later, to overlap the "
+        "all-to-all): speed only, the same gradients",
+        _delay_wgrad_problem,
     ),
 }
 
@@ -195,8 +238,8 @@ def add_megatron_lm_table_args(parser: argparse.ArgumentParser) -> None:
 
 def no_effect_reason(flag: str, args: argparse.Namespace) -> str | None:
     if flag in CONDITIONAL:
-        applies, reason, _ = CONDITIONAL[flag]
-        return reason if applies(args) else None
+        reason, problem = CONDITIONAL[flag]
+        return None if problem(args) else reason
     for prefixes, reason in NO_EFFECT_FAMILIES:
         if any(flag == p or (p.endswith("-") and flag.startswith(p)) for p in prefixes):
             return reason
@@ -240,7 +283,7 @@ def unbuilt_table_flags(args: argparse.Namespace) -> list[str]:
     """The given table flags that change something we have not built, as written (a
     conditional one with Megatron-LM's fix)."""
     return [
-        CONDITIONAL[flag][2] if flag in CONDITIONAL else _written(flag, values)
+        f"{flag} ({CONDITIONAL[flag][1](args)})" if flag in CONDITIONAL else _written(flag, values)
         for flag, values, default in table_flags_given(args)
         if no_effect_reason(flag, args) is None and not is_megatron_lm_default(values, default)
     ]

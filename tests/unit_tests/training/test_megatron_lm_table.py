@@ -144,3 +144,49 @@ def test_no_position_embedding_as_megatron_lm_validates_it(embedding, capsys):
         assert code == 2 and err.count("error:") == 1 and NOT_BUILT in err
         assert "--no-position-embedding (deprecated in Megatron-LM" in err
         assert "choose the embedding with --position-embedding-type" in err
+
+
+def _moe_outcome(extra: list[str], capsys) -> tuple[int, str, list[str]]:
+    """A tiny MoE line at 2 ranks (bf16, alltoall dispatch, EP 2 unless extra says) + extra."""
+    moe = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2"]
+    moe += ["--moe-token-dispatcher-type", "alltoall", "--bf16", "--disable-bias-linear"]
+    argv = TINY_GPT + moe + ["--expert-model-parallel-size", "2", *extra]
+    try:
+        args = parse_args(argv, world_size=2)
+    except SystemExit as error:
+        return error.code, capsys.readouterr().err, []
+    return 0, "", list(resolved_flags(args, world_size=2).megatron_lm_notes)
+
+
+OVERLAP, DELAY = "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"
+
+
+@pytest.mark.parametrize(
+    "extra, refusal",
+    [
+        ([OVERLAP, DELAY], None),
+        ([OVERLAP], None),
+        ([DELAY], f"{DELAY} (Megatron-LM needs {OVERLAP} with it)"),
+        ([OVERLAP, DELAY, "--transformer-impl", "local"], "only with --transformer-impl"),
+        ([OVERLAP, "--expert-model-parallel-size", "1"], "needs --expert-model-parallel-size > 1"),
+        ([OVERLAP, "--moe-token-dispatcher-type", "allgather"], "needs the alltoall dispatcher"),
+        ([OVERLAP, "--recompute-granularity", "full"], "needs no full recomputation"),
+    ],
+)
+def test_expert_parallel_overlap_schedules_as_megatron_lm_validates_them(extra, refusal, capsys):
+    """Megatron-LM's A2A-overlap schedule flags (the deepseek_proxy ep_overlap config): speed
+    only, accepted with a note each where Megatron-LM's validation accepts them, else refused
+    in the one line with what Megatron-LM needs."""
+    code, err, notes = _moe_outcome(extra, capsys)
+    if refusal is None:
+        for flag in extra:
+            mine = [n for n in notes if n.startswith(f"{flag}: no effect here: a schedule")]
+            assert code == 0 and len(mine) == 1, (flag, notes)
+    else:
+        assert code == 2 and err.count("error:") == 1 and NOT_BUILT in err and refusal in err, err
+
+
+def test_transformer_engine_op_fuser_is_a_kernel_choice(capsys):
+    code, _, notes = _outcome(["--use-transformer-engine-op-fuser"], capsys)
+    mine = [n for n in notes if n.startswith("--use-transformer-engine-op-fuser: no effect")]
+    assert code == 0 and len(mine) == 1 and "kernel choice" in mine[0]
