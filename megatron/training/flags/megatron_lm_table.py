@@ -58,7 +58,6 @@ NO_EFFECT_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
             "--disable-jit-fuser",
             "--use-flash-attn",
             "--flash-attention-version",
-            "--use-transformer-engine-op-fuser",
         ),
         "a kernel choice of Megatron-LM's (fused or unfused, same math); the layers here are "
         "our own PyTorch modules",
@@ -134,10 +133,15 @@ NO_EFFECT_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
     ),
 )
 
-# Table flags that Megatron-LM's validation accepts only under conditions, and that change
-# nothing here where it accepts them: flag -> (why it changes nothing; the Namespace's
-# problem, as Megatron-LM words its refusal, or None where Megatron-LM accepts it).
 _EP_OVERLAP = "--overlap-moe-expert-parallel-comm"
+
+
+def _refused(without: list[tuple[bool, str]], with_: list[tuple[bool, str]]) -> str | None:
+    """Megatron-LM's refusal of a conditional flag: the settings it needs that are missing
+    (without) and the ones it refuses that are given (with_), or None."""
+    parts = [f"without {need}" for holds, need in without if not holds]
+    parts += [f"with {given}" for holds, given in with_ if holds]
+    return "Megatron-LM refuses it " + "; ".join(parts) if parts else None
 
 
 def _no_position_embedding_problem(args) -> str | None:
@@ -150,26 +154,40 @@ def _no_position_embedding_problem(args) -> str | None:
 
 
 def _ep_overlap_problem(args) -> str | None:
-    needs = [
-        (args.expert_model_parallel_size > 1, "--expert-model-parallel-size > 1"),
-        (args.moe_token_dispatcher_type in ("alltoall", "flex"), "the alltoall dispatcher"),
-        (args.recompute_granularity != "full", "no full recomputation"),
-        (args.bf16 or args.fp16, "--bf16 or --fp16"),
-        ((args.mtp_num_layers or 0) <= 1, "at most one MTP layer"),
+    without = [
+        (args.expert_model_parallel_size > 1, "--expert-model-parallel-size above 1"),
+        (
+            args.moe_token_dispatcher_type in ("alltoall", "flex"),
+            "--moe-token-dispatcher-type alltoall (or flex)",
+        ),
+        (args.bf16 or args.fp16, "--bf16 (or --fp16)"),
     ]
-    missing = [need for holds, need in needs if not holds]
-    return f"Megatron-LM needs {' and '.join(missing)} for it" if missing else None
+    with_ = [
+        (args.recompute_granularity == "full", "--recompute-granularity full"),
+        ((args.mtp_num_layers or 0) > 1, "--mtp-num-layers above 1"),
+    ]
+    return _refused(without, with_)
 
 
 def _delay_wgrad_problem(args) -> str | None:
     given = {flag for flag, _, _ in table_flags_given(args)}
-    if _EP_OVERLAP not in given:
-        return f"Megatron-LM needs {_EP_OVERLAP} with it"
-    if args.transformer_impl == "local":
-        return "Megatron-LM supports it only with --transformer-impl transformer_engine"
-    return None
+    impl = args.transformer_impl  # None: Megatron-LM's default, transformer_engine
+    return _refused(
+        [(_EP_OVERLAP in given, _EP_OVERLAP)],
+        [(impl not in (None, "transformer_engine"), f"--transformer-impl {impl}")],
+    )
 
 
+def _op_fuser_problem(args) -> str | None:
+    # Megatron-LM's fused grouped MLP asserts a gated activation (of ours: SwiGLU) at build.
+    moe_grouped = bool(args.num_experts) and args.moe_grouped_gemm
+    return _refused([(args.swiglu or not moe_grouped, "--swiglu (grouped MoE experts)")], [])
+
+
+# Table flags that Megatron-LM's validation accepts only under conditions, and that change
+# nothing here where it accepts them: flag -> (why it changes nothing; the Namespace's
+# problem in Megatron-LM's terms, or None where Megatron-LM accepts it). Not mirrored:
+# conditions on flags not built here (pipeline stages, CUDA-graph scopes, TE versions).
 CONDITIONAL: dict[str, tuple] = {
     "--no-position-embedding": (
         "Megatron-LM allows this deprecated switch only with --position-embedding-type rope, "
@@ -182,9 +200,14 @@ CONDITIONAL: dict[str, tuple] = {
         _ep_overlap_problem,
     ),
     "--delay-wgrad-compute": (
-        "a schedule of Megatron-LM's (expert weight gradients computed later, to overlap the "
-        "all-to-all): speed only, the same gradients",
+        "a schedule of Megatron-LM's (the layers' weight gradients, attention and MLP or "
+        "experts, computed later to overlap the all-to-all): speed only, the same gradients",
         _delay_wgrad_problem,
+    ),
+    "--use-transformer-engine-op-fuser": (
+        "a kernel choice of TransformerEngine's (its operation fuser, same math); the layers "
+        "here are our own PyTorch modules",
+        _op_fuser_problem,
     ),
 }
 

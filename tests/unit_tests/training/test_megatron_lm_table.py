@@ -166,11 +166,14 @@ OVERLAP, DELAY = "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"
     [
         ([OVERLAP, DELAY], None),
         ([OVERLAP], None),
-        ([DELAY], f"{DELAY} (Megatron-LM needs {OVERLAP} with it)"),
-        ([OVERLAP, DELAY, "--transformer-impl", "local"], "only with --transformer-impl"),
-        ([OVERLAP, "--expert-model-parallel-size", "1"], "needs --expert-model-parallel-size > 1"),
-        ([OVERLAP, "--moe-token-dispatcher-type", "allgather"], "needs the alltoall dispatcher"),
-        ([OVERLAP, "--recompute-granularity", "full"], "needs no full recomputation"),
+        ([OVERLAP, DELAY, "--transformer-impl", "transformer_engine"], None),
+        ([DELAY], f"{DELAY} (Megatron-LM refuses it without {OVERLAP})"),
+        ([OVERLAP, DELAY, "--transformer-impl", "local"], "with --transformer-impl local"),
+        ([OVERLAP, DELAY, "--transformer-impl", "inference_optimized"], "with --transformer-impl"),
+        ([OVERLAP, "--expert-model-parallel-size", "1"], "without --expert-model-parallel-size"),
+        ([OVERLAP, "--moe-token-dispatcher-type", "allgather"], "without --moe-token-dispatcher"),
+        ([OVERLAP, "--recompute-granularity", "full"], "with --recompute-granularity full"),
+        ([OVERLAP, "--mtp-num-layers", "2"], "with --mtp-num-layers above 1"),
     ],
 )
 def test_expert_parallel_overlap_schedules_as_megatron_lm_validates_them(extra, refusal, capsys):
@@ -179,14 +182,31 @@ def test_expert_parallel_overlap_schedules_as_megatron_lm_validates_them(extra, 
     in the one line with what Megatron-LM needs."""
     code, err, notes = _moe_outcome(extra, capsys)
     if refusal is None:
-        for flag in extra:
+        for flag in {OVERLAP, DELAY} & set(extra):
             mine = [n for n in notes if n.startswith(f"{flag}: no effect here: a schedule")]
             assert code == 0 and len(mine) == 1, (flag, notes)
     else:
         assert code == 2 and err.count("error:") == 1 and NOT_BUILT in err and refusal in err, err
 
 
-def test_transformer_engine_op_fuser_is_a_kernel_choice(capsys):
+def test_expert_parallel_overlap_names_every_missing_setting_in_one_line(capsys):
+    """fp32 (no --bf16) and allgather dispatch at once: both named, in Megatron-LM's terms."""
+    moe = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2"]
+    argv = TINY_GPT + moe + ["--disable-bias-linear", "--expert-model-parallel-size", "2", OVERLAP]
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv + ["--moe-token-dispatcher-type", "allgather"], world_size=2)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("error:") == 1
+    want = "without --moe-token-dispatcher-type alltoall (or flex); without --bf16 (or --fp16)"
+    assert f"{OVERLAP} (Megatron-LM refuses it {want})" in err, err
+
+
+def test_transformer_engine_op_fuser_is_a_kernel_choice_where_megatron_lm_builds_it(capsys):
     code, _, notes = _outcome(["--use-transformer-engine-op-fuser"], capsys)
     mine = [n for n in notes if n.startswith("--use-transformer-engine-op-fuser: no effect")]
     assert code == 0 and len(mine) == 1 and "kernel choice" in mine[0]
+    # Grouped MoE experts: Megatron-LM's fused grouped MLP needs a gated activation.
+    fused = ["--use-transformer-engine-op-fuser", "--moe-grouped-gemm"]
+    assert _moe_outcome([*fused, "--swiglu"], capsys)[0] == 0
+    code, err, _ = _moe_outcome(fused, capsys)
+    assert code == 2 and "refuses it without --swiglu (grouped MoE experts)" in err, err
