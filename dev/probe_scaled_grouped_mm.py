@@ -135,8 +135,9 @@ def wgrad_cases(m: int, n: int, k: int, sizes: list[int], a_dtype) -> list[dict]
         )  # fmt: skip
         name = f"wgrad {tag} x e4m3 2d-2d {n}x{k} K={m} out {str(out_dtype)[6:]}"
         rows.append(case(name, fn, ref, 2 * m * n * k))
-    # The swapped product dW^T[e] = x[e]^T dy[e]: E4M3 as mat_a, the gradient (E5M2 under the
-    # hybrid format) as mat_b -- does torch take E5M2 there? Transposed back for the check.
+    # The swapped product dW^T[e] = x[e]^T dy[e]: E4M3 as mat_a, the gradient as mat_b,
+    # transposed back for the check. An E5M2 gradient (the hybrid format) is refused there too
+    # (torch's meta check asks E4M3 of both operands); the row records what this torch says.
     xt = bq.t().contiguous()  # [k, m]
     dy_cm = aq.t()  # [m, n], column-major (aq is [n, m] row-major)
     swapped = lambda: torch._scaled_grouped_mm(  # noqa: E731
