@@ -209,3 +209,28 @@ def test_e5m2_by_e5m2_rejected():
             out_dtype=torch.bfloat16,
             use_fast_accum=False,
         )
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_a_scale_view_off_cublas_alignment_gives_the_aligned_product(recipe):
+    """Expert 1's scale of a stacked weight sits 4 bytes into the stack (fp8_experts.ExpertWeight).
+    cuBLASLt refused such a scale on the H100 (CUBLAS_STATUS_NOT_SUPPORTED, delayed MoE,
+    2026-12-07); scaled_mm and the direct path (linear_ops.gemm) now give the product of an
+    aligned scale, bit for bit. Model M-small's fc1 shape with an expert's 433 tokens."""
+    from megatron.core.fp8.cuda import linear_ops
+    from megatron.core.fp8.quantized_tensor import Fp8Operand
+
+    torch.manual_seed(2)
+    a, a_sinv = _operand(torch.randn(433, 768, device="cuda"), recipe=recipe, role="input")
+    w = torch.randn(512, 768, device="cuda") * 0.1
+    b, b_sinv = _operand(w, recipe=recipe, role="weight")
+    flat = torch.cat([b_sinv.new_ones(1), b_sinv.reshape(-1)])
+    shifted = flat[1:].view(b_sinv.shape)
+    assert shifted.data_ptr() % 16 == 4 and torch.equal(shifted, b_sinv)
+    args = dict(recipe=recipe, out_dtype=torch.bfloat16)
+    want = scaled_mm(a, b, a_scale_inv=a_sinv, b_scale_inv=b_sinv, use_fast_accum=False, **args)
+    got = scaled_mm(a, b, a_scale_inv=a_sinv, b_scale_inv=shifted, use_fast_accum=False, **args)
+    direct = linear_ops.gemm(
+        Fp8Operand(a, a_sinv), Fp8Operand(b, shifted), fast_accum=False, **args
+    )
+    assert torch.equal(got, want) and torch.equal(direct, want)

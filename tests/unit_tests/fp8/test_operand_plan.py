@@ -782,6 +782,8 @@ class ScaledMmRecorder:
         self.calls: list[tuple] = []
 
     def __call__(self, a, b, *, scale_a, scale_b, out_dtype, use_fast_accum, out=None):
+        for scale in (scale_a, scale_b):  # cuBLASLt refuses a scale it cannot read aligned
+            assert scale.data_ptr() % cuda_gemm.SCALE_ALIGN_BYTES == 0, scale.data_ptr()
         self.calls.append((a, b, scale_a, scale_b, out_dtype, use_fast_accum))
         result = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
         return result if out is None else out.copy_(result)
@@ -906,6 +908,32 @@ def test_direct_gemm_declines_a_non_contiguous_operand(scaled_mm):
         is None
     )
     assert scaled_mm.calls == []
+
+
+def _at_4_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """The scale's values in a view 4 bytes into its storage, as expert 1's scale of a stacked
+    weight is (fp8_experts.ExpertWeight)."""
+    flat = torch.cat([scale.new_ones(1), scale.reshape(-1)])
+    return flat[1:].view(scale.shape)
+
+
+@pytest.mark.parametrize(
+    "recipe, kind", [("delayed", "per-tensor"), ("blockwise", "1x128 x 128x128")]
+)
+def test_a_scale_cublas_cannot_read_reaches_it_as_an_aligned_copy(scaled_mm, recipe, kind):
+    a, b = _operands(kind, 64, 512, 256)
+    options = dict(recipe=recipe, out_dtype=torch.bfloat16, fast_accum=False)
+    linear_ops.gemm(a, b, **options)  # an aligned scale: the direct path
+    shifted = Fp8Operand(b.data, _at_4_bytes(b.scale_inv))
+    assert shifted.scale_inv.data_ptr() % cuda_gemm.SCALE_ALIGN_BYTES == 4
+    assert torch.equal(shifted.scale_inv, b.scale_inv)
+    assert linear_ops._direct_scaled_mm(a, shifted, **options) is None
+    linear_ops.gemm(a, shifted, **options)  # the general path, which copies the scale
+    direct, general = scaled_mm.calls
+    assert torch.equal(general[3], direct[3]) and general[3].data_ptr() % 16 == 0
+    for one, two in zip(general[:2], direct[:2]):  # the FP8 operands, as bytes
+        assert torch.equal(one.view(torch.uint8), two.view(torch.uint8))
+    assert torch.equal(general[2], direct[2]) and general[4:] == direct[4:]
 
 
 def test_direct_gemm_waits_until_cublas_has_taken_blockwise_scales(

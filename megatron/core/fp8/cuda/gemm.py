@@ -14,6 +14,10 @@ from megatron.core.fp8.recipe import BLOCK_128, MX_BLOCK, recipe_spec
 
 # torch._scaled_mm wants K and N in multiples of 16 (and so do we for M: 16-byte scale rows).
 _MM_ALIGN = 16
+# cuBLASLt reads a scale only from a 16-byte aligned address. Storages start 256-byte aligned, but
+# a view into stacked scales may not: expert e's per-tensor scale of a stacked weight sits at
+# 4e bytes, and the H100 refused it (CUBLAS_STATUS_NOT_SUPPORTED, delayed MoE, 2026-12-07).
+SCALE_ALIGN_BYTES = 16
 # E8M0 byte for 2^0: padding blocks hold zeros, any finite scale works; 1.0 is the clearest.
 _E8M0_ONE = 127
 
@@ -115,11 +119,20 @@ def _per_tensor_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum):
     return out if n_pad == n else out[:, :n].contiguous()
 
 
+def scale_is_aligned(scale: torch.Tensor) -> bool:
+    return scale.data_ptr() % SCALE_ALIGN_BYTES == 0
+
+
+def _aligned(scale: torch.Tensor) -> torch.Tensor:
+    """The scale itself, or a copy where cuBLASLt could not read it (SCALE_ALIGN_BYTES)."""
+    return scale if scale_is_aligned(scale) else scale.clone()
+
+
 def _scalar_scale(scale: torch.Tensor) -> torch.Tensor:
     """0-d fp32 as _scaled_mm takes it; the fused kernels' scale_inv already is (no op)."""
     if scale.dtype == torch.float32 and scale.dim() == 0:
-        return scale
-    return scale.float().reshape(())
+        return _aligned(scale)
+    return _aligned(scale.float().reshape(()))
 
 
 def _block_kind(scale: torch.Tensor, *, rows: int, k: int, name: str) -> str:
@@ -142,7 +155,7 @@ def _gemm_scale(scale: torch.Tensor, *, kind: str, rows: int, k_blocks: int, sid
     to 4 blocks with `padded_rows`."""
     grid_rows = rows if kind == "1x128" else ceil_div(rows, BLOCK_128)
     cols = round_up(k_blocks, 4) if padded_rows and kind == "128x128" else k_blocks
-    grid = scale.float()
+    grid = _aligned(scale.float())
     if grid.shape != (grid_rows, cols):
         grid = F.pad(grid, (0, cols - grid.shape[1], 0, grid_rows - grid.shape[0]), value=1.0)
     if kind == "1x128":

@@ -15,7 +15,7 @@ from megatron.core.fp8.cuda import quantize_blockwise as qbw
 from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
 from megatron.core.fp8.cuda import quantize_per_tensor as qpt
-from megatron.core.fp8.cuda.gemm import blockwise_gemm_path, scaled_mm
+from megatron.core.fp8.cuda.gemm import blockwise_gemm_path, scale_is_aligned, scaled_mm
 from megatron.core.fp8.cuda.launch import LaunchSite, ceil_div
 from megatron.core.fp8.cuda.quantize import quantize_cuda as quantize_parts  # noqa: F401
 from megatron.core.fp8.debug import DEBUG
@@ -519,6 +519,8 @@ def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum, out=None) -> torch
     if k % 16 or n % 16 or not (x.is_contiguous() and w.is_contiguous()):
         return None
     sa, sb = a.scale_inv, b.scale_inv
+    if not (scale_is_aligned(sa) and scale_is_aligned(sb)):
+        return None  # the general path copies it (gemm.SCALE_ALIGN_BYTES)
     spec = recipe_spec(recipe)
     if spec.per_tensor:
         if sa.dim() or sb.dim() or sa.dtype != torch.float32 or sb.dtype != torch.float32:
