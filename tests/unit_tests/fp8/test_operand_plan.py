@@ -783,7 +783,7 @@ class ScaledMmRecorder:
 
     def __call__(self, a, b, *, scale_a, scale_b, out_dtype, use_fast_accum, out=None):
         for scale in (scale_a, scale_b):  # cuBLASLt refuses a scale it cannot read aligned
-            assert scale.data_ptr() % cuda_gemm.SCALE_ALIGN_BYTES == 0, scale.data_ptr()
+            assert cuda_gemm.scale_is_aligned(scale), scale.data_ptr()
         self.calls.append((a, b, scale_a, scale_b, out_dtype, use_fast_accum))
         result = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
         return result if out is None else out.copy_(result)
@@ -925,7 +925,7 @@ def test_a_scale_cublas_cannot_read_reaches_it_as_an_aligned_copy(scaled_mm, rec
     options = dict(recipe=recipe, out_dtype=torch.bfloat16, fast_accum=False)
     linear_ops.gemm(a, b, **options)  # an aligned scale: the direct path
     shifted = Fp8Operand(b.data, _at_4_bytes(b.scale_inv))
-    assert shifted.scale_inv.data_ptr() % cuda_gemm.SCALE_ALIGN_BYTES == 4
+    assert shifted.scale_inv.data_ptr() % 16 == 4
     assert torch.equal(shifted.scale_inv, b.scale_inv)
     assert linear_ops._direct_scaled_mm(a, shifted, **options) is None
     linear_ops.gemm(a, shifted, **options)  # the general path, which copies the scale

@@ -14,10 +14,6 @@ from megatron.core.fp8.recipe import BLOCK_128, MX_BLOCK, recipe_spec
 
 # torch._scaled_mm wants K and N in multiples of 16 (and so do we for M: 16-byte scale rows).
 _MM_ALIGN = 16
-# cuBLASLt reads a scale only from a 16-byte aligned address. Storages start 256-byte aligned, but
-# a view into stacked scales may not: expert e's per-tensor scale of a stacked weight sits at
-# 4e bytes, and the H100 refused it (CUBLAS_STATUS_NOT_SUPPORTED, delayed MoE, 2026-12-07).
-SCALE_ALIGN_BYTES = 16
 # E8M0 byte for 2^0: padding blocks hold zeros, any finite scale works; 1.0 is the clearest.
 _E8M0_ONE = 127
 
@@ -104,35 +100,30 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
         raise TypeError("E5M2 x E5M2 GEMMs are not supported: quantize one operand as E4M3")
 
 
+def _padded_scaled_mm(a, b, rows_pad: int, n_pad: int, k_pad: int, **options) -> torch.Tensor:
+    """torch._scaled_mm of a and b zero-padded to (rows_pad or n_pad, k_pad), cropped back."""
+    rows, n = a.shape[0], b.shape[0]
+    out = torch._scaled_mm(_pad_fp8(a, rows_pad, k_pad), _pad_fp8(b, n_pad, k_pad).t(), **options)
+    return out[:rows, :n].contiguous() if (rows_pad, n_pad) != (rows, n) else out
+
+
 def _per_tensor_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum):
-    rows, k = a.shape
-    n = b.shape[0]
-    k_pad, n_pad = round_up(k, _MM_ALIGN), round_up(n, _MM_ALIGN)
-    out = torch._scaled_mm(
-        _pad_fp8(a, rows, k_pad),
-        _pad_fp8(b, n_pad, k_pad).t(),
-        scale_a=_scalar_scale(a_scale_inv),
-        scale_b=_scalar_scale(b_scale_inv),
-        out_dtype=out_dtype,
-        use_fast_accum=use_fast_accum,
-    )
-    return out if n_pad == n else out[:, :n].contiguous()
+    k_pad, n_pad = round_up(a.shape[1], _MM_ALIGN), round_up(b.shape[0], _MM_ALIGN)
+    scales = dict(scale_a=_scalar_scale(a_scale_inv), scale_b=_scalar_scale(b_scale_inv))
+    options = dict(out_dtype=out_dtype, use_fast_accum=use_fast_accum, **scales)
+    return _padded_scaled_mm(a, b, a.shape[0], n_pad, k_pad, **options)
 
 
 def scale_is_aligned(scale: torch.Tensor) -> bool:
-    return scale.data_ptr() % SCALE_ALIGN_BYTES == 0
-
-
-def _aligned(scale: torch.Tensor) -> torch.Tensor:
-    """The scale itself, or a copy where cuBLASLt could not read it (SCALE_ALIGN_BYTES)."""
-    return scale if scale_is_aligned(scale) else scale.clone()
+    """cuBLASLt reads a scale only from a 16-byte aligned address; a view into stacked scales (an
+    expert's of a stacked weight, 4e bytes in) may not be one: the H100 refused it (2026-12-07)."""
+    return scale.data_ptr() % 16 == 0
 
 
 def _scalar_scale(scale: torch.Tensor) -> torch.Tensor:
-    """0-d fp32 as _scaled_mm takes it; the fused kernels' scale_inv already is (no op)."""
-    if scale.dtype == torch.float32 and scale.dim() == 0:
-        return _aligned(scale)
-    return _aligned(scale.float().reshape(()))
+    """0-d fp32 as _scaled_mm takes it at an address it reads (a copy only where needed)."""
+    scale = scale.float().reshape(())  # itself when it is one already
+    return scale if scale_is_aligned(scale) else scale.clone()
 
 
 def _block_kind(scale: torch.Tensor, *, rows: int, k: int, name: str) -> str:
@@ -155,7 +146,7 @@ def _gemm_scale(scale: torch.Tensor, *, kind: str, rows: int, k_blocks: int, sid
     to 4 blocks with `padded_rows`."""
     grid_rows = rows if kind == "1x128" else ceil_div(rows, BLOCK_128)
     cols = round_up(k_blocks, 4) if padded_rows and kind == "128x128" else k_blocks
-    grid = _aligned(scale.float())
+    grid = scale.float() if scale_is_aligned(scale) else scale.float().clone()
     if grid.shape != (grid_rows, cols):
         grid = F.pad(grid, (0, cols - grid.shape[1], 0, grid_rows - grid.shape[0]), value=1.0)
     if kind == "1x128":
@@ -186,9 +177,8 @@ def _blockwise_mm(a, b, a_scale_inv, b_scale_inv, out_dtype):
     scale_a = _gemm_scale(a_scale_inv, kind=a_kind, rows=rows_pad, side="a", **grids)
     scale_b = _gemm_scale(b_scale_inv, kind=b_kind, rows=n_pad, side="b", **grids)
     try:
-        out = torch._scaled_mm(_pad_fp8(a, rows_pad, k_pad), _pad_fp8(b, n_pad, k_pad).t(),
-                               scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
-                               use_fast_accum=False)  # fmt: skip
+        out = _padded_scaled_mm(a, b, rows_pad, n_pad, k_pad, scale_a=scale_a, scale_b=scale_b,
+                                out_dtype=out_dtype, use_fast_accum=False)  # fmt: skip
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, NotImplementedError, ValueError) as err:
@@ -200,7 +190,7 @@ def _blockwise_mm(a, b, a_scale_inv, b_scale_inv, out_dtype):
         return _blockwise_mm(a, b, a_scale_inv, b_scale_inv, out_dtype)
     _blockwise_status["path"] = "torch._scaled_mm"
     _blockwise_status["grid_rows"] = "padded" if padded_rows else _blockwise_status["grid_rows"]
-    return out[:rows, :n].contiguous() if (rows_pad, n_pad) != (rows, n) else out
+    return out
 
 
 def _blockwise_unavailable(device: torch.device) -> str | None:
@@ -237,14 +227,9 @@ def _mxfp8_mm(a, b, a_scale_inv, b_scale_inv, out_dtype):
     n = b.shape[0]
     k_pad = round_up(k, 4 * MX_BLOCK)
     rows_pad, n_pad = round_up(rows, _MM_ALIGN), round_up(n, _MM_ALIGN)
-    out = torch._scaled_mm(
-        _pad_fp8(a, rows_pad, k_pad),
-        _pad_fp8(b, n_pad, k_pad).t(),
-        scale_a=swizzle_mx_scales(a_scale_inv.view(torch.uint8)),
-        scale_b=swizzle_mx_scales(b_scale_inv.view(torch.uint8)),
-        out_dtype=out_dtype,
-    )
-    return out[:rows, :n].contiguous() if (rows_pad, n_pad) != (rows, n) else out
+    scale_a, scale_b = (swizzle_mx_scales(s.view(torch.uint8)) for s in (a_scale_inv, b_scale_inv))
+    options = dict(scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return _padded_scaled_mm(a, b, rows_pad, n_pad, k_pad, **options)
 
 
 def dequantize_operand(

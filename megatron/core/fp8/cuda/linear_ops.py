@@ -520,7 +520,7 @@ def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum, out=None) -> torch
         return None
     sa, sb = a.scale_inv, b.scale_inv
     if not (scale_is_aligned(sa) and scale_is_aligned(sb)):
-        return None  # the general path copies it (gemm.SCALE_ALIGN_BYTES)
+        return None  # the general path copies them
     spec = recipe_spec(recipe)
     if spec.per_tensor:
         if sa.dim() or sb.dim() or sa.dtype != torch.float32 or sb.dtype != torch.float32:
