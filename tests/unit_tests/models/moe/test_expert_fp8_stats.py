@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 from megatron.core.fp8 import Fp8Config
 from megatron.core.fp8.stats import fp8_stats_vector
 from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
+from megatron.training import fp8_stats
 from megatron.training.fp8_stats import Fp8StatsCollector
 from tests.unit_tests.training.common import run_pretrain
 from tests.unit_tests.training.test_fp8_stats_logging import _cell_amax, _pow2_ceil, _pow2_floor
@@ -208,9 +209,14 @@ def test_bf16_tokens_and_counts_on_the_device(recipe: str, device: str):
 
 
 @pytest.mark.slow
-def test_compiled_moe_gpt_logs_its_experts_and_keeps_its_graphs(capsys):
+def test_compiled_moe_gpt_logs_its_experts_and_keeps_its_graphs(capsys, monkeypatch):
     # A statistics step runs the compiled layers eagerly (set_stance("force_eager")); the
     # experts' switch adds no graph break or graph, and on CPU the losses stay bitwise equal.
+    logged = []  # the (Linear, role) keys the log's lines are made from
+    real_log_lines = fp8_stats.log_lines
+    monkeypatch.setattr(
+        fp8_stats, "log_lines", lambda it, stats: logged.extend(stats) or real_log_lines(it, stats)
+    )
     argv = TINY_MOE + ["--train-iters", "2", "--fp8-recipe", "tensorwise", "--moe-grouped-gemm"]
     argv += ["--torch-compile"]
     seen = {}
@@ -229,4 +235,6 @@ def test_compiled_moe_gpt_logs_its_experts_and_keeps_its_graphs(capsys):
     # routed experts' fc1 and fc2 (one entry each, all experts together).
     for role in ("input", "weight", "grad"):
         assert f" > fp8 stats iteration 2 | {role} (10 Linears)" in out
-    assert "decoder.layers.1.mlp.experts.linear_fc1" in out
+    experts = {key for key in logged if ".mlp.experts." in key[0]}
+    assert len(logged) == 30 and len(experts) == 2 * 3  # layer 1: fc1 and fc2 x 3 roles
+    assert ("decoder.layers.1.mlp.experts.linear_fc1", "grad") in experts
