@@ -1,6 +1,7 @@
 """How far is each FP8 recipe's routed-experts layer from the exact product? Relative error
 (Frobenius) of y, dx and dW of an Fp8StackedLinear against fp64, at model M-small's fc1 shape
-(768 -> 512) with ragged segments, grouped and per segment, on the second step (delayed then
+(768 -> 512) with ragged segments, grouped (where the recipe takes it) and per segment, on
+the second step (delayed then
 uses a real scale). Answers whether one recipe loses precision in the experts' layer.
 
     python dev/expert_fp8_error.py            # CPU (emulated FP8), about a minute
@@ -12,6 +13,7 @@ import torch
 
 from megatron.core.fp8 import Fp8Config
 from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
+from megatron.core.transformer.moe.grouped_fp8 import grouped_path_applies
 
 EXPERTS, IN, OUT = 8, 768, 512
 COUNTS = [300, 433, 128, 515, 77, 256, 200, 139]
@@ -32,8 +34,9 @@ def main() -> None:
     want_dx = torch.cat([g @ w[e].double() for e, g in enumerate(dys)])
     want_dw = torch.stack([g.t() @ a for a, g in zip(xs, dys)])
     for recipe in ("tensorwise", "blockwise", "delayed", "mxfp8"):
-        for grouped in (True, False):
-            config = Fp8Config(recipe=recipe, fp8_format="hybrid")
+        config = Fp8Config(recipe=recipe, fp8_format="hybrid")
+        grouped_too = grouped_path_applies(config, w)  # delayed, mxfp8: per segment only
+        for grouped in (True, False) if grouped_too else (False,):
             layer = Fp8StackedLinear(EXPERTS, IN, OUT, fp8_config=config, dtype=torch.float32)
             with torch.no_grad():
                 layer.weight.copy_(w)

@@ -211,26 +211,34 @@ def test_e5m2_by_e5m2_rejected():
         )
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
-def test_a_scale_view_off_cublas_alignment_gives_the_aligned_product(recipe):
+@pytest.mark.parametrize(
+    "recipe, rows, k, n",
+    # M-small's fc1 with an expert's 433 tokens (general path); blockwise at a shape its
+    # scales need no padding for (a padded grid is a fresh, aligned copy anyway) and that the
+    # direct path takes (rows a multiple of 16, K of 512).
+    [("tensorwise", 433, 768, 512), ("tensorwise", 448, 768, 512), ("blockwise", 448, 1024, 512)],
+)
+def test_a_scale_view_off_cublas_alignment_gives_the_aligned_product(recipe, rows, k, n):
     """Expert 1's scale of a stacked weight sits 4 bytes into the stack (fp8_experts.ExpertWeight).
     cuBLASLt refused such a scale on the H100 (CUBLAS_STATUS_NOT_SUPPORTED, delayed MoE,
-    2026-12-07); scaled_mm and the direct path (linear_ops.gemm) now give the product of an
-    aligned scale, bit for bit. Model M-small's fc1 shape with an expert's 433 tokens."""
+    2026-12-07); scaled_mm and linear_ops.gemm now give the product of aligned scales, bit for
+    bit."""
     from megatron.core.fp8.cuda import linear_ops
     from megatron.core.fp8.quantized_tensor import Fp8Operand
 
     torch.manual_seed(2)
-    a, a_sinv = _operand(torch.randn(433, 768, device="cuda"), recipe=recipe, role="input")
-    w = torch.randn(512, 768, device="cuda") * 0.1
-    b, b_sinv = _operand(w, recipe=recipe, role="weight")
-    flat = torch.cat([b_sinv.new_ones(1), b_sinv.reshape(-1)])
-    shifted = flat[1:].view(b_sinv.shape)
-    assert shifted.data_ptr() % 16 == 4 and torch.equal(shifted, b_sinv)
+    a, a_sinv = _operand(torch.randn(rows, k, device="cuda"), recipe=recipe, role="input")
+    b, b_sinv = _operand(torch.randn(n, k, device="cuda") * 0.1, recipe=recipe, role="weight")
+    shifted = []
+    for scale in (a_sinv, b_sinv):
+        storage = torch.ones(scale.numel() + 1, device="cuda")
+        shifted.append(storage.as_strided(scale.shape, scale.stride(), 1).copy_(scale))
+        assert shifted[-1].data_ptr() % 16 == 4 and torch.equal(shifted[-1], scale)
     args = dict(recipe=recipe, out_dtype=torch.bfloat16)
     want = scaled_mm(a, b, a_scale_inv=a_sinv, b_scale_inv=b_sinv, use_fast_accum=False, **args)
-    got = scaled_mm(a, b, a_scale_inv=a_sinv, b_scale_inv=shifted, use_fast_accum=False, **args)
-    direct = linear_ops.gemm(
-        Fp8Operand(a, a_sinv), Fp8Operand(b, shifted), fast_accum=False, **args
+    got = scaled_mm(
+        a, b, a_scale_inv=shifted[0], b_scale_inv=shifted[1], use_fast_accum=False, **args
     )
+    operands = (Fp8Operand(a, shifted[0]), Fp8Operand(b, shifted[1]))
+    direct = linear_ops.gemm(*operands, fast_accum=False, **args)
     assert torch.equal(got, want) and torch.equal(direct, want)

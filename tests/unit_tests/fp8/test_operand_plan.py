@@ -783,7 +783,7 @@ class ScaledMmRecorder:
 
     def __call__(self, a, b, *, scale_a, scale_b, out_dtype, use_fast_accum, out=None):
         for scale in (scale_a, scale_b):  # cuBLASLt refuses a scale it cannot read aligned
-            assert cuda_gemm.scale_is_aligned(scale), scale.data_ptr()
+            assert launch.aligned_16(scale), scale.data_ptr()
         self.calls.append((a, b, scale_a, scale_b, out_dtype, use_fast_accum))
         result = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
         return result if out is None else out.copy_(result)
@@ -911,29 +911,41 @@ def test_direct_gemm_declines_a_non_contiguous_operand(scaled_mm):
 
 
 def _at_4_bytes(scale: torch.Tensor) -> torch.Tensor:
-    """The scale's values in a view 4 bytes into its storage, as expert 1's scale of a stacked
-    weight is (fp8_experts.ExpertWeight)."""
-    flat = torch.cat([scale.new_ones(1), scale.reshape(-1)])
-    return flat[1:].view(scale.shape)
+    """The scale's values, shape and strides 4 bytes into a storage, as expert 1's scale of a
+    stacked weight is (fp8_experts.ExpertWeight)."""
+    shifted = torch.ones(scale.numel() + 1).as_strided(scale.shape, scale.stride(), 1)
+    return shifted.copy_(scale)
 
 
 @pytest.mark.parametrize(
-    "recipe, kind", [("delayed", "per-tensor"), ("blockwise", "1x128 x 128x128")]
+    "recipe, kind",
+    [("delayed", "per-tensor"), ("blockwise", "1x128 x 128x128"), ("blockwise", "1x128 x 1x128")],
 )
-def test_a_scale_cublas_cannot_read_reaches_it_as_an_aligned_copy(scaled_mm, recipe, kind):
+def test_a_scale_cublas_cannot_read_reaches_it_as_an_aligned_copy(
+    scaled_mm, monkeypatch, recipe, kind
+):
     a, b = _operands(kind, 64, 512, 256)
+    general_calls = []
+    general = linear_ops.scaled_mm
+    monkeypatch.setattr(
+        linear_ops, "scaled_mm", lambda *args, **kw: general_calls.append(1) or general(*args, **kw)
+    )
     options = dict(recipe=recipe, out_dtype=torch.bfloat16, fast_accum=False)
-    linear_ops.gemm(a, b, **options)  # an aligned scale: the direct path
-    shifted = Fp8Operand(b.data, _at_4_bytes(b.scale_inv))
-    assert shifted.scale_inv.data_ptr() % 16 == 4
-    assert torch.equal(shifted.scale_inv, b.scale_inv)
-    assert linear_ops._direct_scaled_mm(a, shifted, **options) is None
-    linear_ops.gemm(a, shifted, **options)  # the general path, which copies the scale
-    direct, general = scaled_mm.calls
-    assert torch.equal(general[3], direct[3]) and general[3].data_ptr() % 16 == 0
-    for one, two in zip(general[:2], direct[:2]):  # the FP8 operands, as bytes
+    linear_ops.gemm(a, b, **options)
+    assert general_calls == []  # aligned scales: the direct path
+    shifted = [Fp8Operand(op.data, _at_4_bytes(op.scale_inv)) for op in (a, b)]
+    for op, original in zip(shifted, (a, b)):
+        assert op.scale_inv.data_ptr() % 16 == 4 and torch.equal(op.scale_inv, original.scale_inv)
+        assert op.scale_inv.stride() == original.scale_inv.stride()
+    assert linear_ops._direct_scaled_mm(*shifted, **options) is None
+    linear_ops.gemm(*shifted, **options)  # the general path, which copies the scales
+    assert general_calls == [1]
+    direct, general_call = scaled_mm.calls  # the recorder asserts every scale aligned
+    for one, two in zip(general_call[:2], direct[:2]):  # the FP8 operands, as bytes
         assert torch.equal(one.view(torch.uint8), two.view(torch.uint8))
-    assert torch.equal(general[2], direct[2]) and general[4:] == direct[4:]
+    for one, two in zip(general_call[2:4], direct[2:4]):
+        assert torch.equal(one, two) and one.stride() == two.stride()
+    assert general_call[4:] == direct[4:]
 
 
 def test_direct_gemm_waits_until_cublas_has_taken_blockwise_scales(

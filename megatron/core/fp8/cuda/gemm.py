@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fp8.cuda.launch import ceil_div
+from megatron.core.fp8.cuda.launch import aligned_16, ceil_div
 from megatron.core.fp8.formats import FP8_DTYPES
 from megatron.core.fp8.quantized_tensor import Fp8Operand
 from megatron.core.fp8.recipe import BLOCK_128, MX_BLOCK, recipe_spec
@@ -114,16 +114,12 @@ def _per_tensor_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum):
     return _padded_scaled_mm(a, b, a.shape[0], n_pad, k_pad, **options)
 
 
-def scale_is_aligned(scale: torch.Tensor) -> bool:
-    """cuBLASLt reads a scale only from a 16-byte aligned address; a view into stacked scales (an
-    expert's of a stacked weight, 4e bytes in) may not be one: the H100 refused it (2026-12-07)."""
-    return scale.data_ptr() % 16 == 0
-
-
 def _scalar_scale(scale: torch.Tensor) -> torch.Tensor:
-    """0-d fp32 as _scaled_mm takes it at an address it reads (a copy only where needed)."""
-    scale = scale.float().reshape(())  # itself when it is one already
-    return scale if scale_is_aligned(scale) else scale.clone()
+    """0-d fp32 as _scaled_mm takes it (a view of it, no copy), copied where cuBLASLt cannot read
+    it: a scale not 16-byte aligned, as an expert's of a stacked weight (4e bytes into the
+    stacked scales) is; the H100 refused one (CUBLAS_STATUS_NOT_SUPPORTED, 2026-12-07)."""
+    scale = scale.float().reshape(())
+    return scale if aligned_16(scale) else scale.clone()
 
 
 def _block_kind(scale: torch.Tensor, *, rows: int, k: int, name: str) -> str:
@@ -146,7 +142,7 @@ def _gemm_scale(scale: torch.Tensor, *, kind: str, rows: int, k_blocks: int, sid
     to 4 blocks with `padded_rows`."""
     grid_rows = rows if kind == "1x128" else ceil_div(rows, BLOCK_128)
     cols = round_up(k_blocks, 4) if padded_rows and kind == "128x128" else k_blocks
-    grid = scale.float() if scale_is_aligned(scale) else scale.float().clone()
+    grid = scale.float() if aligned_16(scale) else scale.float().clone()  # as _scalar_scale
     if grid.shape != (grid_rows, cols):
         grid = F.pad(grid, (0, cols - grid.shape[1], 0, grid_rows - grid.shape[0]), value=1.0)
     if kind == "1x128":

@@ -26,6 +26,7 @@ import functools
 import torch
 
 from megatron.core.fp8.cuda.gemm import emulated_mm
+from megatron.core.fp8.cuda.launch import aligned_16
 from megatron.core.fp8.recipe import recipe_spec
 
 _GRID_Y = 65535
@@ -377,9 +378,7 @@ def _checked_out(out: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
 def _tma_operands(*operands: torch.Tensor) -> bool:
     """The kernels read these 2-D (or stacked) operands through TMA descriptors: sm_90 and
     later, 16-byte aligned bases and rows (as TMA needs)."""
-    aligned = all(
-        t.data_ptr() % 16 == 0 and t.stride(-2) * t.element_size() % 16 == 0 for t in operands
-    )
+    aligned = all(aligned_16(t) and t.stride(-2) * t.element_size() % 16 == 0 for t in operands)
     return aligned and _tma_runs(operands[0].device)
 
 

@@ -43,9 +43,15 @@ def direct_launch_status() -> str:
     return f"triton jit ({_direct['why_not']})"
 
 
+def aligned_16(t: torch.Tensor) -> bool:
+    """Whether t starts at a 16-byte boundary: what Triton specializes a pointer on, what TMA
+    and cuBLASLt need (of every scale too: a view into stacked scales may not be one, gemm.py)."""
+    return t.data_ptr() % 16 == 0
+
+
 def _arg_key(value) -> tuple:
     if isinstance(value, torch.Tensor):
-        return (value.dtype, value.data_ptr() % 16 == 0)
+        return (value.dtype, aligned_16(value))
     if isinstance(value, bool):
         return ("bool", value)
     if isinstance(value, int):

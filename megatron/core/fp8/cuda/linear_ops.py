@@ -15,8 +15,8 @@ from megatron.core.fp8.cuda import quantize_blockwise as qbw
 from megatron.core.fp8.cuda import quantize_common as qc
 from megatron.core.fp8.cuda import quantize_mxfp8 as qmx
 from megatron.core.fp8.cuda import quantize_per_tensor as qpt
-from megatron.core.fp8.cuda.gemm import blockwise_gemm_path, scale_is_aligned, scaled_mm
-from megatron.core.fp8.cuda.launch import LaunchSite, ceil_div
+from megatron.core.fp8.cuda.gemm import blockwise_gemm_path, scaled_mm
+from megatron.core.fp8.cuda.launch import LaunchSite, aligned_16, ceil_div
 from megatron.core.fp8.cuda.quantize import quantize_cuda as quantize_parts  # noqa: F401
 from megatron.core.fp8.debug import DEBUG
 from megatron.core.fp8.quantized_tensor import Fp8Operand
@@ -193,10 +193,6 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    return not t.data_ptr() & 15
-
-
 def _alignment_unread(t: torch.Tensor) -> None:
     return None
 
@@ -322,7 +318,7 @@ class OperandPlan:
         """`aligned(t)`: the alignment key part of a caller tensor (default: whether it is
         16-byte aligned). `amax`: tensorwise max|x| from the caller (a plan made with
         an amax_dtype), else None."""
-        return self.run(x2d, scale, amax_history, aligned or _aligned, amax)
+        return self.run(x2d, scale, amax_history, aligned or aligned_16, amax)
 
     def _empty(self, rows: int, cols: int, dtype=torch.uint8) -> torch.Tensor:
         return torch.empty((rows, cols), dtype=dtype, device=self.device)
@@ -519,7 +515,7 @@ def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum, out=None) -> torch
     if k % 16 or n % 16 or not (x.is_contiguous() and w.is_contiguous()):
         return None
     sa, sb = a.scale_inv, b.scale_inv
-    if not (scale_is_aligned(sa) and scale_is_aligned(sb)):
+    if not (aligned_16(sa) and aligned_16(sb)):
         return None  # the general path copies them
     spec = recipe_spec(recipe)
     if spec.per_tensor:

@@ -49,6 +49,7 @@ from megatron.core.fp8.cuda.grouped_gemm import (
     grouped_scaled_mm_wgrad,
     tile_schedule,
 )
+from megatron.core.fp8.cuda.launch import aligned_16
 from megatron.core.fp8.formats import fp8_dtype_for_role
 from megatron.core.fp8.main_grad import fuse_into_main_grad, has_main_grad_sink
 from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor
@@ -104,8 +105,8 @@ def _torch_mm_applies(a, b, recipe, out_dtype) -> bool:
         and out_dtype == torch.bfloat16
         and a.shape[1] % _TORCH_ALIGN == 0
         and b.shape[1] % _TORCH_ALIGN == 0
-        and a.data_ptr() % _TORCH_ALIGN == 0
-        and b.data_ptr() % _TORCH_ALIGN == 0
+        and aligned_16(a)
+        and aligned_16(b)
     )
 
 
