@@ -782,8 +782,9 @@ class ScaledMmRecorder:
         self.calls: list[tuple] = []
 
     def __call__(self, a, b, *, scale_a, scale_b, out_dtype, use_fast_accum, out=None):
-        for scale in (scale_a, scale_b):  # cuBLASLt refuses a scale it cannot read aligned
-            assert launch.aligned_16(scale), scale.data_ptr()
+        # cuBLASLt refuses an operand, scale or output it cannot read 16-byte aligned.
+        for tensor in (a, b, scale_a, scale_b) if out is None else (a, b, scale_a, scale_b, out):
+            assert launch.aligned_16(tensor), tensor.data_ptr()
         self.calls.append((a, b, scale_a, scale_b, out_dtype, use_fast_accum))
         result = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
         return result if out is None else out.copy_(result)
@@ -946,6 +947,26 @@ def test_a_scale_cublas_cannot_read_reaches_it_as_an_aligned_copy(
     for one, two in zip(general_call[2:4], direct[2:4]):
         assert torch.equal(one, two) and one.stride() == two.stride()
     assert general_call[4:] == direct[4:]
+
+
+def test_operands_and_outputs_off_cublas_alignment_take_the_general_path(scaled_mm):
+    """FP8 bytes 1 byte into their storage (a parameter packed after one of odd size) reach
+    torch._scaled_mm as an aligned copy; a main-grad slot off alignment is not written in place."""
+    a, b = _operands("per-tensor", 64, 256, 128)
+    options = dict(recipe="tensorwise", out_dtype=torch.float32, fast_accum=False)
+    bytes_1_in = torch.zeros(b.data.numel() + 1, dtype=torch.uint8)[1:]
+    shifted = Fp8Operand(
+        bytes_1_in.copy_(b.data.view(torch.uint8).reshape(-1)).view(E5M2).view(b.data.shape),
+        b.scale_inv,
+    )
+    assert not launch.aligned_16(shifted.data)
+    assert linear_ops._direct_scaled_mm(a, shifted, **options) is None and scaled_mm.calls == []
+    linear_ops.gemm(a, shifted, **options)
+    (call,) = scaled_mm.calls
+    assert torch.equal(call[1].t().contiguous().view(torch.uint8), b.data.view(torch.uint8))
+    slot = torch.zeros(64 * 128 + 1)[1:].view(64, 128)  # 4 bytes in
+    assert linear_ops._direct_scaled_mm(a, b, out=slot, **options) is None
+    assert linear_ops._direct_scaled_mm(a, b, out=torch.zeros(64, 128), **options) is not None
 
 
 def test_direct_gemm_waits_until_cublas_has_taken_blockwise_scales(

@@ -43,8 +43,9 @@ def round_up(value: int, multiple: int) -> int:
 
 
 def _pad_fp8(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Zero-pad FP8 data (byte 0 is +0.0); a no-op view when nothing is missing."""
-    if data.shape == (rows, cols):
+    """Zero-pad FP8 data (byte 0 is +0.0); a no-op view when nothing is missing and the data
+    starts where cuBLASLt reads it (16-byte aligned), else a copy."""
+    if data.shape == (rows, cols) and aligned_16(data):
         return data if data.is_contiguous() else data.contiguous()
     padded = F.pad(data.view(torch.uint8), (0, cols - data.shape[1], 0, rows - data.shape[0]))
     return padded.view(data.dtype)

@@ -515,8 +515,8 @@ def _direct_scaled_mm(a, b, *, recipe, out_dtype, fast_accum, out=None) -> torch
     if k % 16 or n % 16 or not (x.is_contiguous() and w.is_contiguous()):
         return None
     sa, sb = a.scale_inv, b.scale_inv
-    if not (aligned_16(sa) and aligned_16(sb)):
-        return None  # the general path copies them
+    if not all(map(aligned_16, (x, w, sa, sb) if out is None else (x, w, sa, sb, out))):
+        return None  # the general path copies operands and scales (gemm.py)
     spec = recipe_spec(recipe)
     if spec.per_tensor:
         if sa.dim() or sb.dim() or sa.dtype != torch.float32 or sb.dtype != torch.float32:
