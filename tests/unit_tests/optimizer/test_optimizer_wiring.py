@@ -187,8 +187,9 @@ def test_peak_split_line_names_the_activations_share():
     assert peak_split_line(2**20, held).endswith("activations and temporaries: 0.00")
 
 
-def _strategy_run(rank: int, world_size: int, argv: list[str]) -> dict[int, float]:
-    return run_pretrain(argv).losses
+def _strategy_run(rank: int, world_size: int, argv: list[str]) -> tuple[dict, dict]:
+    result = run_pretrain(argv)
+    return result.losses, result.grad_norms
 
 
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
@@ -203,11 +204,13 @@ def test_low_precision_moments_under_every_strategy_at_two_ranks(moments):
     every strategy within 1e-6; scaled fp8/fp16 moments (scales per shard) stay within 1e-3
     of fp32 moments."""
     base = [*TINY_GPT, *NO_DROPOUT, *ITERS]
-    fp32 = run_distributed(_strategy_run, 2, [*base, *STRATEGIES["optim_grads_params"]])[0]
-    runs = {
-        name: run_distributed(_strategy_run, 2, [*base, *flags, *_moments(*moments)])[0]
-        for name, flags in STRATEGIES.items()
-    }
+    fp32, fp32_norms = run_distributed(
+        _strategy_run, 2, [*base, *STRATEGIES["optim_grads_params"]]
+    )[0]
+    runs, norms = {}, {}
+    for name, flags in STRATEGIES.items():
+        argv = [*base, *flags, *_moments(*moments)]
+        runs[name], norms[name] = run_distributed(_strategy_run, 2, argv)[0]
     for name, losses in runs.items():
         assert sorted(losses) == [1, 2, 3, 4], name
         for step in range(1, 5):
@@ -215,9 +218,11 @@ def test_low_precision_moments_under_every_strategy_at_two_ranks(moments):
             if moments == ("bf16", "bf16"):
                 assert abs(losses[step] - runs["optim_grads_params"][step]) <= 1e-6, (name, step)
     assert all(runs[name][1] == fp32[1] for name in runs)  # before any update
-    # The moments are really held in low precision under each strategy: later losses move.
-    for name, losses in runs.items():
-        assert max(abs(losses[step] - fp32[step]) for step in (2, 3, 4)) > 1e-7, name
+    # The moments are really held in low precision under each strategy: the trajectory leaves
+    # fp32 moments' (the grad norms show it; the loss's fp32 rounding can hide it for 4 steps:
+    # bf16 moments under optim_grads gave fp32's losses bitwise on an AMD EPYC host).
+    for name in runs:
+        assert any(norms[name][step] != fp32_norms[step] for step in (2, 3, 4)), name
 
 
 @pytest.mark.parametrize(

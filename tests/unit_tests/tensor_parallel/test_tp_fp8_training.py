@@ -5,7 +5,8 @@ TP 1 x DP 2 (the same data-parallel layout, so delayed histories, MAX-reduced ov
 at each flush, see the same amaxes):
 - every FP8 GEMM operand of the first forward (weights, and activations: the column-parallel
   inputs gathered over TP, the row-parallel inputs) is bitwise equal, bytes and scales, to the
-  slice of TP 1's that the rank holds (the gathered inputs travel as FP8 bytes for delayed,
+  slice of TP 1's that the rank holds, up to the first row-parallel sum; inputs after one are
+  equal within that sum's order (FIRST_AFTER_A_TP_SUM) (the gathered inputs travel as FP8 bytes for delayed,
   tensorwise and mxfp8, run at 32 tokens per rank (RECIPE_ARGS); blockwise, at 16 tokens per
   rank, gathers in bf16, its columnwise cells being 128 tokens: test_tp_fp8_traffic.py covers
   its FP8 gather);
@@ -13,7 +14,8 @@ at each flush, see the same amaxes):
   the TP partial products run in another order), and the 20 steps' within DRIFT.
 Acceptance 2 asks 1e-4 over 20 steps; that bound cannot hold, and the control shows why.
 Where TP 2 departs (every FP8 operand of the first 3 steps compared, fp64 grads): the whole
-first forward is bitwise; the first operand that differs is an E5M2 output gradient in step
+first forward is bitwise on the hosts of sessions 30-38 (not on every host: the BLAS may
+block the full-K sum otherwise); the first operand that differs is an E5M2 output gradient in step
 1's backward, after the gradient has passed sums over TP (the vocab-parallel cross-entropy's
 sum of exponentials, the output layer's and column-parallel input gradients summed over
 shards) and so differs from TP 1's in the last fp32 bits. Tensorwise and delayed: the
@@ -155,6 +157,28 @@ def _expected_piece(t, *, layer: str, role: str, cell: tuple[int, int], rank: in
     return t  # a column-parallel input: the whole (gathered) input
 
 
+FIRST_AFTER_A_TP_SUM = 2
+"""Forward GEMM index of the first input that has passed a row-parallel sum (layer 0's fc1,
+after proj's): TP 2 adds two half-K fp32 partial products where TP 1 runs one full-K GEMM,
+and whether those agree to the last bit depends on the host's BLAS blocking (bitwise on the
+hosts of sessions 30-38; one scale an ulp apart on an AMD EPYC host, 2026-12-07)."""
+SUM_ORDER_BYTES = 1e-3
+"""Share of an input's FP8 bytes that may round to the neighbouring value after such a sum."""
+
+
+def _assert_within_a_sum_order(mine, full, key: str, where) -> None:
+    """An operand after a TP sum: its scales within 2 fp32 ulps of TP 1's, its bytes equal but
+    for at most SUM_ORDER_BYTES of them, each one FP8 step away (a neighbouring code)."""
+    if key == "scale_inv":
+        assert mine.shape == full.shape, where
+        assert torch.allclose(mine, full, rtol=2**-22, atol=0), (where, mine, full)
+        return
+    differ = mine != full
+    assert differ.float().mean() <= SUM_ORDER_BYTES, (where, int(differ.sum()))
+    codes = (mine[differ].int() - full[differ].int()).abs()  # same sign: adjacent codes
+    assert bool((codes == 1).all()), (where, codes.unique())
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_operands_at_tp2_are_slices_of_tp1(results, recipe) -> None:
     reference = results["tp1"][0][recipe]["operands"]
@@ -169,13 +193,16 @@ def test_fp8_operands_at_tp2_are_slices_of_tp1(results, recipe) -> None:
             for role, m, f in (("input", mine[0], full[0]), ("weight", mine[1], full[1])):
                 where = (rank, index, layer, role)
                 assert m["cell"] == f["cell"], where
+                summed = role == "input" and index >= FIRST_AFTER_A_TP_SUM
                 for key in ("data", "scale_inv"):
                     cell = f["cell"] if key == "scale_inv" else (1, 1)
                     piece = _expected_piece(f[key], layer=layer, role=role, cell=cell, rank=tp_rank)
                     if piece is None:
                         assert m[key] is None, where
-                        continue
-                    assert torch.equal(m[key], piece), (where, key)
+                    elif not summed:
+                        assert torch.equal(m[key], piece), (where, key)
+                    else:
+                        _assert_within_a_sum_order(m[key], piece, key, where)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

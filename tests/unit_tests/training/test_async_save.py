@@ -62,20 +62,22 @@ def test_async_save_at_dp2_resumes_at_dp1_and_dp4(tmp_path, precision):
     for world_size, resumed in resumed_at.items():
         assert sorted(resumed) == list(range(SAVE_AT + 1, TOTAL + 1))
         # FP8 parameters only: reductions summed in another order at another DP size move a
-        # weight across an FP8 rounding boundary now and then, and the loss with it. From
-        # scratch, DP=1 and DP=4 differ from DP=2 by up to 7e-5 within 13 iterations; after
-        # the checkpoint the first 5 stay within 1e-6 (measured: all 10 at DP=1, 9 of 10 at
-        # DP=4, whose 10th is 2.6e-6 off), and the resume at DP=2 below is exact. With fp64
-        # grad buffers (accumulated, reduced and normed in fp64, rounded to fp32 once) every
-        # DP size computes the same update: all 10 within 1e-6 (measured: 8e-8 at most, the
-        # order in which the logged loss is averaged).
+        # weight across an FP8 rounding boundary now and then, and the loss with it. After the
+        # checkpoint the first 5 stay within 1e-6 (measured: all 10 at DP=1, 9 of 10 at DP=4,
+        # whose 10th is 2.6e-6 off), later ones within what the same DP size drifts from
+        # DP=2 when trained from scratch (the control; measured up to 7e-5 on one host, 3.8e-4
+        # at DP=4 on another), and the resume at DP=2 below is exact. With fp64 grad buffers
+        # (accumulated, reduced and normed in fp64, rounded to fp32 once) every DP size
+        # computes the same update: all 10 within 1e-6 (measured: 8e-8 at most, the order in
+        # which the logged loss is averaged).
         exact_steps = 5 if precision == FP8_PARAMS else 10
+        later = 1e-5 * max(uninterrupted.values())
+        if precision == FP8_PARAMS:
+            scratch = run_distributed(run_pretrain_on_rank, world_size, base)[0]
+            later = max(later, 2 * max(abs(scratch[i] - uninterrupted[i]) for i in scratch))
         for iteration, loss in resumed.items():
-            rel = 1e-6 if iteration <= SAVE_AT + exact_steps else 1e-5
-            assert loss == pytest.approx(uninterrupted[iteration], rel=rel), (
-                world_size,
-                iteration,
-            )
+            bound = 1e-6 * loss if iteration <= SAVE_AT + exact_steps else later
+            assert abs(loss - uninterrupted[iteration]) <= bound, (world_size, iteration)
     if precision:  # same DP size: nothing but the checkpoint differs, so bitwise equal
         resumed = run_distributed(run_pretrain_on_rank, 2, resume)[0]
         assert resumed == {i: uninterrupted[i] for i in range(SAVE_AT + 1, TOTAL + 1)}
