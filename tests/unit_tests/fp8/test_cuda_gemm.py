@@ -4,8 +4,9 @@ order and the output rounding. CPU twin: test_cuda_fallback.py."""
 import pytest
 import torch
 
-from megatron.core.fp8.cuda import blockwise_gemm_path, quantize_cuda, scaled_mm
+from megatron.core.fp8.cuda import blockwise_gemm_path, linear_ops, quantize_cuda, scaled_mm
 from megatron.core.fp8.cuda.gemm import dequantize_operand
+from megatron.core.fp8.quantized_tensor import Fp8Operand
 
 pytestmark = pytest.mark.gpu
 
@@ -223,9 +224,6 @@ def test_a_scale_view_off_cublas_alignment_gives_the_aligned_product(recipe, row
     cuBLASLt refused such a scale on the H100 (CUBLAS_STATUS_NOT_SUPPORTED, delayed MoE,
     2026-12-07); scaled_mm and linear_ops.gemm now give the product of aligned scales, bit for
     bit."""
-    from megatron.core.fp8.cuda import linear_ops
-    from megatron.core.fp8.quantized_tensor import Fp8Operand
-
     torch.manual_seed(2)
     a, a_sinv = _operand(torch.randn(rows, k, device="cuda"), recipe=recipe, role="input")
     b, b_sinv = _operand(torch.randn(n, k, device="cuda") * 0.1, recipe=recipe, role="weight")
