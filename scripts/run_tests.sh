@@ -11,9 +11,17 @@ export MCORE_VENV=${MCORE_VENV:-$PWD/.venv-mcore}
 if [ "$MCORE_VENV" != off ] && ! bash scripts/setup_mcore_venv.sh; then
   echo "WARNING: no megatron-core venv (PyPI unreachable?); the Megatron-LM interchange tests skip" >&2
 fi
+# Test files run in TEST_WORKERS pytest-xdist processes (default: the CPU count, at most 4; 1:
+# one process, no xdist). Each test holds one thread (tests/conftest.py), so on 2 cores two
+# files at a time cut the suite by about a fifth. A file stays on one worker (--dist loadfile):
+# its module fixtures, some of them multi-rank runs, are made once.
+workers=${TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
+[ -n "${TEST_WORKERS:-}" ] || [ "$workers" -le 4 ] || workers=4
+parallel=()
+[ "$workers" -le 1 ] || parallel=(-n "$workers" --dist loadfile)
 set +e
 # No path given: pytest runs pyproject.toml's testpaths (tests/); a path narrows it.
-"$PYTHON" -m pytest -q -p no:cacheprovider --timeout 900 "$@"
+"$PYTHON" -m pytest -q -p no:cacheprovider -p no:benchmark --timeout 900 "${parallel[@]}" "$@"
 status=$?
 set -e
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.

@@ -16,7 +16,7 @@ extras=${MEGATRON_EXTRAS:-test}
 # The check runs from / so that the source tree itself cannot stand in for an installed package.
 check_modules="megatron,numpy"
 if [ "$extras" = "test" ]; then
-  check_modules="$check_modules,pytest,pytest_timeout,ruff,yaml,tensorboard,wandb,tokenizers,tiktoken,sentencepiece,tqdm,transformers,safetensors,matplotlib"
+  check_modules="$check_modules,pytest,pytest_timeout,xdist,ruff,yaml,tensorboard,wandb,tokenizers,tiktoken,sentencepiece,tqdm,transformers,safetensors,matplotlib"
 fi
 repo=$PWD
 if (cd / && "$PYTHON" - "$check_modules" "$repo" <<'PY') >/dev/null 2>&1

@@ -1,0 +1,49 @@
+"""scripts/run_tests.sh, the README's test command: a run that collects nothing fails with one
+line saying so (pytest's exit 5 is not a pass), with and without pytest-xdist, and
+TEST_WORKERS=2 runs the tests in xdist workers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+QUICK_TEST = "tests/unit_tests/test_import_graph.py"
+
+
+def _run_tests(*args: str, workers: int) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
+    env.update(PYTHON=sys.executable, MCORE_VENV="off", TEST_WORKERS=str(workers))
+    return subprocess.run(
+        ["bash", "scripts/run_tests.sh", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_run_that_collects_nothing_fails_loudly(workers: int) -> None:
+    done = _run_tests(QUICK_TEST, "-k", "no_test_is_named_this", workers=workers)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == "ERROR: pytest collected no tests"
+
+
+def test_two_workers_run_the_tests_in_xdist_processes(tmp_path: Path) -> None:
+    probe = tmp_path / "test_worker_probe.py"
+    probe.write_text(
+        "import os\n\n\n"
+        "def test_runs_in_a_worker():\n"
+        "    assert os.environ['PYTEST_XDIST_WORKER'] in ('gw0', 'gw1')\n"
+    )
+    done = _run_tests(str(probe), workers=2)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "1 passed" in done.stdout
+    done = _run_tests(str(probe), workers=1)  # one process: no worker
+    assert done.returncode == 1 and "KeyError: 'PYTEST_XDIST_WORKER'" in done.stdout
