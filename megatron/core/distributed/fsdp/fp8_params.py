@@ -92,8 +92,12 @@ def fp8_param_spec(
 
 
 def materialize_delayed_scaling(module: nn.Module, device: torch.device) -> None:
-    """Delayed-scaling state of Fp8Linears built on the meta device: the initial state (scale
-    1, zero history) on `device`. Everything else keeps its values."""
+    """Every FP8 layer's delayed-scaling state on `device`, the engine's: built on the meta
+    device, the initial state (scale 1, zero history); elsewhere, its values moved. A module's
+    .to() leaves this state where it was built, and a layer's forward moves only the state it
+    uses: an expert's only when the expert gets tokens, never under the grouped path. The
+    engine's weight writes read every weight's scale together (H100, delayed M-small, built on
+    the CPU: the stacked scales mixed CPU and CUDA tensors)."""
     for submodule in module.modules():
         scaling = getattr(submodule, "delayed_scaling", None)
         if scaling is None:
@@ -104,3 +108,4 @@ def materialize_delayed_scaling(module: nn.Module, device: torch.device) -> None
                 meta.amax_history = torch.zeros(
                     meta.amax_history.shape, dtype=torch.float32, device=device
                 )
+        scaling.move_to(device)
