@@ -79,7 +79,9 @@ def _fused(fn: Callable) -> Callable:
                 return compiled(chunk, *args)
         except Exception as error:  # Dynamo and Inductor raise many types
             failed.append(error)
-            message = f"fp8 stats: {fn.__name__} runs eagerly, its compile failed: {error}"
+            cause = error.__cause__ or error.__context__  # "Hard failure ..." hides the reason
+            reason = f"{error}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
+            message = f"fp8 stats: {fn.__name__} runs eagerly, its compile failed: {reason[:400]}"
             warnings.warn(message, stacklevel=2)
             return fn(chunk, *args)
 

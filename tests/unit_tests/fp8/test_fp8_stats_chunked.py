@@ -208,3 +208,24 @@ def test_a_failed_fused_compile_warns_once_and_runs_eagerly(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert run(torch.ones(4)).item() == 4.0  # eager from then on, no second warning
+
+
+def test_a_failed_compile_warning_names_the_hidden_cause(monkeypatch):
+    # torch 2.11 on the H100 reported only "Hard failure due to fullgraph=True" (session 42):
+    # the warning carries the chained exception that says why.
+    monkeypatch.setattr(stats_module, "fused_on", lambda device: True)
+
+    def hard_failure(*args, **kwargs):
+        try:
+            raise ValueError("guard on cell (1, 64) failed")
+        except ValueError as reason:
+            raise RuntimeError("Hard failure due to fullgraph=True") from reason
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: hard_failure)
+    run = stats_module._fused(lambda chunk: chunk.sum())
+    with pytest.warns(UserWarning) as caught:
+        assert run(torch.ones(3)).item() == 3.0
+    assert str(caught[0].message).endswith(
+        "compile failed: Hard failure due to fullgraph=True "
+        "(ValueError: guard on cell (1, 64) failed)"
+    )
