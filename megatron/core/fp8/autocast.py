@@ -55,8 +55,7 @@ class ScalingMeta:
 class BackwardFlush:
     """Delayed scaling's backward flush: the grad metas whose amaxes the running backward
     records (as it quantizes the grads), per reduction group, flushed once when that backward
-    ends. An Fp8Setup's modules share its one; a module outside any setup uses its
-    DelayedScaling's."""
+    ends. An Fp8Setup's modules share one; a module outside any setup its DelayedScaling's."""
 
     def __init__(self) -> None:
         # Keyed by id(group) so that None works too.

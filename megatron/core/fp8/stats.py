@@ -67,7 +67,7 @@ def fused_on(device: torch.device) -> bool:
 
 def _fused(fn: Callable) -> Callable:
     """fn compiled where `fused_on` (dynamic shapes; its own stance, as statistics steps run
-    force_eager); a compile that fails warns once and leaves fn eager (never the run fails)."""
+    force_eager, and recompile limit); a failed compile warns once, fn runs eagerly after."""
     compiled, failed = torch.compile(fn, fullgraph=True, dynamic=True), []
 
     @functools.wraps(fn)
@@ -75,13 +75,13 @@ def _fused(fn: Callable) -> Callable:
         if failed or not fused_on(chunk.device) or torch.compiler.is_compiling():
             return fn(chunk, *args)
         try:
-            with torch.compiler.set_stance("default"):
+            limit = torch._dynamo.config.patch(recompile_limit=128)  # a recipe's graphs passed 8
+            with torch.compiler.set_stance("default"), limit:
                 return compiled(chunk, *args)
         except Exception as error:  # Dynamo and Inductor raise many types
             failed.append(error)
-            cause = error.__cause__ or error.__context__  # "Hard failure ..." hides the reason
-            reason = f"{error}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
-            message = f"fp8 stats: {fn.__name__} runs eagerly, its compile failed: {reason[:400]}"
+            cause = error.__cause__ or error.__context__ or ""  # "Hard failure ..." hides why
+            message = f"fp8 stats: {fn.__name__} runs eagerly, compile failed: {error} ({cause})"
             warnings.warn(message, stacklevel=2)
             return fn(chunk, *args)
 
