@@ -207,11 +207,12 @@ def _delayed_scaling_devices(model: torch.nn.Module) -> set[torch.device]:
     }
 
 
-def test_the_engine_device_holds_every_expert_delayed_state():
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_engine_device_holds_every_expert_delayed_state(device: str):
     # Built on the CPU (no --init-model-with-meta-device), then handed to an engine on another
-    # device: every expert's delayed state moves there, not only the state a forward touches
-    # (the H100's delayed M-small run mixed CPU and CUDA scales in the weight write). The meta
-    # device stands in for the GPU.
+    # device: every expert's delayed state moves there with its values, not only the state a
+    # forward touches (the H100's delayed M-small run mixed CPU and CUDA scales in the weight
+    # write). On CPU the meta device stands in for the GPU (it keeps no values).
     from megatron.core.distributed.fsdp.fp8_params import materialize_delayed_scaling
     from megatron.core.fp8 import Fp8Config
     from megatron.core.fp8.linear import Fp8Linear
@@ -221,15 +222,23 @@ def test_the_engine_device_holds_every_expert_delayed_state():
         [Fp8StackedLinear(4, 64, 32, fp8_config=config, dtype=torch.float32),
          Fp8Linear(64, 32, bias=False, fp8_config=config)]
     )  # fmt: skip
+    expert_3 = model[0].delayed_scaling.experts[3].metas
+    expert_3["weight"].scale.fill_(0.5)
+    expert_3["grad"].amax_history[1] = 7.0
     assert _delayed_scaling_devices(model) == {torch.device("cpu")}
-    materialize_delayed_scaling(model, torch.device("meta"))
-    assert _delayed_scaling_devices(model) == {torch.device("meta")}
+    target = torch.device(device, 0) if device == "cuda" else torch.device(device)
+    materialize_delayed_scaling(model, target)
+    assert _delayed_scaling_devices(model) == {target}
+    if device == "cuda":
+        assert expert_3["weight"].scale.item() == 0.5 and expert_3["grad"].amax_history[1] == 7.0
+        assert model[0].delayed_scaling.experts[0].metas["weight"].scale.item() == 1.0
 
 
 @pytest.mark.gpu
 def test_delayed_expert_fp8_params_train_on_the_gpu():
-    # GPU twin: the tiny MoE GPT, built on the CPU, trains 2 compiled steps under ZeRO-3 with
-    # delayed FP8 expert parameters (M-small's first weight write failed on the H100 before).
+    # The tiny MoE GPT, built on the CPU, trains 2 compiled steps under ZeRO-3 with delayed
+    # FP8 expert parameters on the GPU. Its 4 experts all get tokens in the first step, so the
+    # CPU-left state is the test above's to catch; this one runs the path end to end.
     argv = [*TINY_MOE, *ZERO3, "--fp8-recipe", "delayed", "--fp8-param-gather"]
     losses = list(run_pretrain([*argv, "--train-iters", "2", "--torch-compile"]).losses.values())
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)

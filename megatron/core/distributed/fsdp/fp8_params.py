@@ -95,9 +95,9 @@ def materialize_delayed_scaling(module: nn.Module, device: torch.device) -> None
     """Every FP8 layer's delayed-scaling state on `device`, the engine's: built on the meta
     device, the initial state (scale 1, zero history); elsewhere, its values moved. A module's
     .to() leaves this state where it was built, and a layer's forward moves only the state it
-    uses: an expert's only when the expert gets tokens, never under the grouped path. The
-    engine's weight writes read every weight's scale together (H100, delayed M-small, built on
-    the CPU: the stacked scales mixed CPU and CUDA tensors)."""
+    uses (an expert's only when the expert gets tokens). The engine's weight writes read a
+    unit's weight scales together (H100, delayed M-small built on the CPU: the stacked scales
+    mixed CPU and CUDA tensors)."""
     for submodule in module.modules():
         scaling = getattr(submodule, "delayed_scaling", None)
         if scaling is None:
