@@ -1,6 +1,6 @@
 """scripts/run_tests.sh, the README's test command: a run that collects nothing fails with one
-line saying so (pytest's exit 5 is not a pass), with and without pytest-xdist, and
-TEST_WORKERS=2 runs the tests in xdist workers."""
+line saying so (pytest's exit 5 is not a pass), with and without pytest-xdist; TEST_WORKERS=2
+runs the tests in xdist workers, but not with -s; a TEST_WORKERS that is not a number exits 2."""
 
 from __future__ import annotations
 
@@ -15,7 +15,21 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 QUICK_TEST = "tests/unit_tests/test_import_graph.py"
 
 
-def _run_tests(*args: str, workers: int) -> subprocess.CompletedProcess:
+def _installed_here() -> bool:
+    """Whether this interpreter's installed megatron is this checkout (as setup_env.sh checks
+    from /): otherwise run_tests.sh would reinstall it, pointing the venv here."""
+    code = "import megatron, os; print(os.path.dirname(os.path.dirname(megatron.__file__)))"
+    done = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True)
+    return done.returncode == 0 and Path(done.stdout.strip()) == REPO_ROOT
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not _installed_here(), reason="megatron is installed from another tree"),
+]
+
+
+def _run_tests(*args: str, workers: int | str) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
     env.update(PYTHON=sys.executable, MCORE_VENV="off", TEST_WORKERS=str(workers))
     return subprocess.run(
@@ -45,5 +59,14 @@ def test_two_workers_run_the_tests_in_xdist_processes(tmp_path: Path) -> None:
     done = _run_tests(str(probe), workers=2)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "1 passed" in done.stdout
-    done = _run_tests(str(probe), workers=1)  # one process: no worker
-    assert done.returncode == 1 and "KeyError: 'PYTEST_XDIST_WORKER'" in done.stdout
+    for workers, args in ((1, ()), (2, ("-s",))):  # one process: no worker
+        done = _run_tests(str(probe), *args, workers=workers)
+        assert done.returncode == 1 and "KeyError: 'PYTEST_XDIST_WORKER'" in done.stdout
+
+
+def test_test_workers_not_a_number_exits_2_with_one_line() -> None:
+    done = _run_tests(QUICK_TEST, workers="auto")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "run_tests.sh: TEST_WORKERS must be a whole number of processes, got 'auto' (1: no workers)"
+    ]
