@@ -16,7 +16,7 @@ fi
 [ -n "${TEST_WORKERS:-}" ] || [ "$workers" -le 4 ] || workers=4
 for arg in "$@"; do
   case $arg in
-    --pdb | --trace | -s | --capture=no | -n | -n* | --numprocesses* | no:xdist) workers=1 ;;
+    --pdb | --trace | -s | --capture=no | -n* | --numprocesses* | no:xdist) workers=1 ;;
   esac
 done
 source scripts/python_env.sh

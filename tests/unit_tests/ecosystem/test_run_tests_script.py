@@ -11,22 +11,19 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-QUICK_TEST = "tests/unit_tests/test_import_graph.py"
+from tests.unit_tests.ecosystem.test_readme_blocks import QUICK_TEST, REPO_ROOT
+
+pytestmark = pytest.mark.slow
 
 
-def _installed_here() -> bool:
-    """Whether this interpreter's installed megatron is this checkout (as setup_env.sh checks
-    from /): otherwise run_tests.sh would reinstall it, pointing the venv here."""
+@pytest.fixture(autouse=True, scope="module")
+def _installed_here() -> None:
+    """Skip unless this interpreter's installed megatron is this checkout (as setup_env.sh
+    checks from /): otherwise run_tests.sh would reinstall it, pointing the venv here."""
     code = "import megatron, os; print(os.path.dirname(os.path.dirname(megatron.__file__)))"
     done = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True)
-    return done.returncode == 0 and Path(done.stdout.strip()) == REPO_ROOT
-
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not _installed_here(), reason="megatron is installed from another tree"),
-]
+    if done.returncode != 0 or Path(done.stdout.strip()) != REPO_ROOT:
+        pytest.skip("megatron is installed from another tree")
 
 
 def _run_tests(*args: str, workers: int | str) -> subprocess.CompletedProcess:
