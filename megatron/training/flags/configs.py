@@ -63,7 +63,7 @@ def resolved_flags(
     # Tensor-parallel ranks share one replica (validate_tensor_parallel_args checks the split).
     flags.data_parallel_size = flags.world_size // max(flags.tensor_model_parallel_size, 1)
     flags.padded_vocab_size, saved_format = checkpoint_run_values(args)
-    flags.megatron_lm_notes = resolve_megatron_lm_args(flags) + moe_notes(flags)
+    flags.megatron_lm_notes = resolve_megatron_lm_args(flags)
     resolve_compile_default(flags)  # --torch-compile's default: on with CUDA, off without
     if flags.global_batch_size is None:
         flags.global_batch_size = flags.micro_batch_size * flags.data_parallel_size
@@ -74,8 +74,7 @@ def resolved_flags(
         flags.train_iters = 100
     if flags.max_position_embeddings is None:
         flags.max_position_embeddings = flags.seq_length
-    # Megatron-LM's llama scripts pass "--split '99,1,0'" through an unquoted array, so the
-    # quotes reach argv; Megatron-LM reads the shares inside them.
+    # Megatron-LM's llama scripts' unquoted arrays pass "--split '99,1,0'" quotes and all.
     if len(flags.split) >= 2 and flags.split[0] == flags.split[-1] and flags.split[0] in "'\"":
         flags.split = flags.split[1:-1]
     _resolve_data_parallel_engine(flags)
@@ -92,6 +91,7 @@ def resolved_flags(
         flags.fp8_wgrad_input_from_activation = flags.fp8_recipe is not None
     if flags.fp8_recipe is not None and flags.fp8_format is None:
         flags.fp8_format = "hybrid"
+    flags.megatron_lm_notes += moe_notes(flags)  # after the FP8 defaults: a note names the recipe
     return flags
 
 

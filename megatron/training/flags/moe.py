@@ -47,9 +47,16 @@ PERMUTE_FUSION_NOTE = (
     "values of Megatron-LM's fused permute kernels, so there is nothing further to fuse."
 )
 GROUPED_GEMM_NOTE = (
-    "--moe-grouped-gemm: the routed experts always run as one grouped GEMM over a stacked "
-    "weight here (torch._grouped_mm for CUDA bf16, a loop of matmuls otherwise)."
+    "--moe-grouped-gemm: the routed experts always keep one stacked weight here; it runs as one "
+    "grouped GEMM on CUDA in bf16 (torch._grouped_mm) and under FP8 tensorwise and blockwise, "
+    "as a loop over the experts on CPU and under FP8 delayed and mxfp8."
 )
+# Why delayed and mxfp8 experts loop (moe/grouped_fp8.py, grouped_path_applies), and the cost.
+PER_EXPERT_FP8_WHY = {
+    "delayed": "each expert keeps its own delayed-scaling state; --fp8-format alone means "
+    "delayed, as in Megatron-LM",
+    "mxfp8": "no MXFP8 grouped GEMM is built",
+}
 
 
 def _layer_freq_node(node: ast.AST) -> int | list[int]:
@@ -209,12 +216,22 @@ def validate_moe_world(args: argparse.Namespace) -> None:
 
 
 def moe_notes(args: argparse.Namespace) -> list[str]:
-    """Log notes for accepted MoE flags that change nothing here."""
+    """Log notes for accepted MoE flags that change nothing here, and for FP8 recipes whose
+    experts take the per-expert loop (args with the FP8 defaults resolved)."""
     notes = []
     if args.moe_permute_fusion:
         notes.append(PERMUTE_FUSION_NOTE)
     if args.moe_grouped_gemm:
         notes.append(GROUPED_GEMM_NOTE)
+    why = PER_EXPERT_FP8_WHY.get(args.fp8_recipe)
+    if args.num_experts is not None and why is not None:
+        notes.append(
+            f"FP8 recipe {args.fp8_recipe} with --num-experts: the routed experts run one FP8 "
+            f"GEMM per expert here ({why}), not one grouped GEMM as under tensorwise and "
+            "blockwise: ~0.9 ms of host time per expert and Linear a step, about 9x the bf16 "
+            "step of a 64-expert model (docs/PERFORMANCE.md, session 43). --fp8-recipe "
+            "tensorwise or blockwise runs them grouped."
+        )
     return notes
 
 

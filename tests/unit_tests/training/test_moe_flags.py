@@ -84,6 +84,29 @@ def test_permute_fusion_and_grouped_gemm_are_logged():
     assert sum(note.startswith("--moe-grouped-gemm:") for note in notes) == 1
 
 
+@pytest.mark.parametrize(
+    "fp8_flags, looped",
+    [
+        (["--fp8-format", "hybrid"], "delayed"),  # Megatron-LM's default recipe
+        (["--fp8-recipe", "delayed"], "delayed"),
+        (["--fp8-recipe", "mxfp8"], "mxfp8"),
+        (["--fp8-recipe", "tensorwise"], None),
+        (["--fp8-recipe", "blockwise"], None),
+        ([], None),
+    ],
+)
+def test_experts_that_loop_under_an_fp8_recipe_are_logged(fp8_flags, looped):
+    def notes_of(argv):
+        return build_run_config(parse_args(argv, world_size=1), world_size=1).logging.notes
+
+    prefix = "FP8 recipe "
+    notes = [note for note in notes_of(MOE + fp8_flags) if note.startswith(prefix)]
+    want = [] if looped is None else [f"{prefix}{looped} with --num-experts:"]
+    assert [note.split(" the routed")[0] for note in notes] == want
+    dense = [n for n in notes_of(["--mock-data"] + fp8_flags) if n.startswith(prefix)]
+    assert dense == []  # no experts, nothing loops
+
+
 # Acceptance 7: (extra argv, world size, words the one error line must contain)
 BAD_MOE_INPUT = [
     (
