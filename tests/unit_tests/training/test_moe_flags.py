@@ -6,7 +6,11 @@ from __future__ import annotations
 import ast
 
 import pytest
+import torch
 
+from megatron.core.fp8 import Fp8Config
+from megatron.core.fp8.recipe import FP8_RECIPES
+from megatron.core.transformer.moe.grouped_fp8 import grouped_path_applies
 from megatron.training.flags.arguments import build_parser, parse_args
 from megatron.training.flags.configs import build_run_config
 from megatron.training.flags.megatron_lm_table import read_table
@@ -84,27 +88,29 @@ def test_permute_fusion_and_grouped_gemm_are_logged():
     assert sum(note.startswith("--moe-grouped-gemm:") for note in notes) == 1
 
 
-@pytest.mark.parametrize(
-    "fp8_flags, looped",
-    [
-        (["--fp8-format", "hybrid"], "delayed"),  # Megatron-LM's default recipe
-        (["--fp8-recipe", "delayed"], "delayed"),
-        (["--fp8-recipe", "mxfp8"], "mxfp8"),
-        (["--fp8-recipe", "tensorwise"], None),
-        (["--fp8-recipe", "blockwise"], None),
-        ([], None),
-    ],
-)
-def test_experts_that_loop_under_an_fp8_recipe_are_logged(fp8_flags, looped):
-    def notes_of(argv):
-        return build_run_config(parse_args(argv, world_size=1), world_size=1).logging.notes
+def _notes(argv: list[str]) -> list[str]:
+    return list(build_run_config(parse_args(argv, world_size=1), world_size=1).logging.notes)
 
-    prefix = "FP8 recipe "
-    notes = [note for note in notes_of(MOE + fp8_flags) if note.startswith(prefix)]
-    want = [] if looped is None else [f"{prefix}{looped} with --num-experts:"]
-    assert [note.split(" the routed")[0] for note in notes] == want
-    dense = [n for n in notes_of(["--mock-data"] + fp8_flags) if n.startswith(prefix)]
-    assert dense == []  # no experts, nothing loops
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_experts_that_loop_under_an_fp8_recipe_are_logged(recipe):
+    """The note follows grouped_fp8.grouped_path_applies, the one rule of which recipes run the
+    experts grouped; dense models and bf16 get none."""
+    loops = not grouped_path_applies(Fp8Config(recipe=recipe), torch.empty(1, 1, 1))
+    assert loops == (recipe in ("delayed", "mxfp8"))  # today's rule, so the test sees both cases
+    notes = [n for n in _notes(MOE + ["--fp8-recipe", recipe]) if n.startswith("FP8 recipe ")]
+    assert [n.split(" the routed")[0] for n in notes] == (
+        [f"FP8 recipe {recipe} with --num-experts:"] if loops else []
+    )
+    assert not [n for n in _notes(["--mock-data", "--fp8-recipe", recipe]) if "FP8 recipe" in n]
+
+
+def test_the_looping_note_names_fp8_format_s_default_recipe():
+    notes = [n for n in _notes(MOE + ["--fp8-format", "hybrid"]) if n.startswith("FP8 recipe ")]
+    assert len(notes) == 1 and notes[0].startswith(
+        "FP8 recipe delayed (--fp8-format's default recipe, as in Megatron-LM) with --num-experts:"
+    )
+    assert not [n for n in _notes(MOE) if n.startswith("FP8 recipe ")]  # bf16
 
 
 # Acceptance 7: (extra argv, world size, words the one error line must contain)
