@@ -91,7 +91,7 @@ def resolved_flags(
         flags.fp8_wgrad_input_from_activation = flags.fp8_recipe is not None
     if flags.fp8_recipe is not None and flags.fp8_format is None:
         flags.fp8_format = "hybrid"
-    flags.megatron_lm_notes += moe_notes(flags, recipe_given=args.fp8_recipe is not None)
+    flags.megatron_lm_notes += moe_notes(flags)  # after the FP8 defaults: it reads the recipe
     return flags
 
 

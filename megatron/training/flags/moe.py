@@ -49,14 +49,11 @@ PERMUTE_FUSION_NOTE = (
 GROUPED_GEMM_NOTE = (
     "--moe-grouped-gemm: the routed experts always keep one stacked weight here. They run as "
     "one grouped GEMM in bf16 on CUDA (torch._grouped_mm; other dtypes and the CPU loop over "
-    "the experts) and under FP8 tensorwise and blockwise on any device (emulated on CPU); "
-    "under FP8 delayed and mxfp8 they loop over the experts."
+    "the experts) and under FP8 tensorwise, delayed and blockwise on any device (emulated on "
+    "CPU); under FP8 mxfp8 they loop over the experts."
 )
 # Why a recipe's experts loop where moe/grouped_fp8.grouped_path_applies (the rule) says so.
-PER_EXPERT_FP8_WHY = {
-    "delayed": "each expert keeps its own delayed-scaling state",
-    "mxfp8": "no MXFP8 grouped GEMM is built",
-}
+PER_EXPERT_FP8_WHY = {"mxfp8": "no MXFP8 grouped GEMM is built"}
 
 
 def _layer_freq_node(node: ast.AST) -> int | list[int]:
@@ -215,21 +212,20 @@ def validate_moe_world(args: argparse.Namespace) -> None:
         )
 
 
-def moe_notes(args: argparse.Namespace, *, recipe_given: bool = True) -> list[str]:
+def moe_notes(args: argparse.Namespace) -> list[str]:
     """Log notes for accepted MoE flags that change nothing here, and for an FP8 recipe whose
-    experts loop (args with the FP8 defaults resolved; recipe_given: --fp8-recipe was written,
-    not taken as --fp8-format's default)."""
+    experts loop (args with the FP8 defaults resolved)."""
     notes = []
     if args.moe_permute_fusion:
         notes.append(PERMUTE_FUSION_NOTE)
     if args.moe_grouped_gemm:
         notes.append(GROUPED_GEMM_NOTE)
     if args.num_experts is not None and args.fp8_recipe is not None:
-        notes += _looping_experts_note(args.fp8_recipe, recipe_given)
+        notes += _looping_experts_note(args.fp8_recipe)
     return notes
 
 
-def _looping_experts_note(recipe: str, recipe_given: bool) -> list[str]:
+def _looping_experts_note(recipe: str) -> list[str]:
     """The note for a recipe whose experts loop, asked of the rule itself (imported here: the
     flag layer imports no model code at import time)."""
     import torch
@@ -240,14 +236,12 @@ def _looping_experts_note(recipe: str, recipe_given: bool) -> list[str]:
     stacked = torch.empty(1, 1, 1, device="meta")  # a stacked [experts, out, in] weight
     if grouped_path_applies(Fp8Config(recipe=recipe), stacked):
         return []
-    default = "" if recipe_given else " (--fp8-format's default recipe, as in Megatron-LM)"
     why = PER_EXPERT_FP8_WHY.get(recipe, "no grouped path is built for it")
     return [
-        f"FP8 recipe {recipe}{default} with --num-experts: the routed experts run one FP8 GEMM "
-        f"per expert here ({why}), not one grouped GEMM as under tensorwise and blockwise. On "
-        "M-small (64 experts x 2 Linears x 8 layers) that is ~0.9 s of host time a step, ~9x "
-        "its bf16 step on an H100 (docs/PERFORMANCE.md, session 43). --fp8-recipe tensorwise "
-        "or blockwise runs them grouped."
+        f"FP8 recipe {recipe} with --num-experts: the routed experts run one FP8 GEMM per "
+        f"expert here ({why}), not one grouped GEMM as under the other recipes. On M-small "
+        "(64 experts x 2 Linears x 8 layers) that is ~0.9 s of host time a step, ~9x its bf16 "
+        "step on an H100 (docs/PERFORMANCE.md, session 43)."
     ]
 
 

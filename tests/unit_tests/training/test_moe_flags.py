@@ -95,22 +95,16 @@ def _notes(argv: list[str]) -> list[str]:
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_experts_that_loop_under_an_fp8_recipe_are_logged(recipe):
     """The note follows grouped_fp8.grouped_path_applies, the one rule of which recipes run the
-    experts grouped; dense models and bf16 get none."""
+    experts grouped; dense models, bf16 and --fp8-format alone (delayed) get none."""
     loops = not grouped_path_applies(Fp8Config(recipe=recipe), torch.empty(1, 1, 1))
-    assert loops == (recipe in ("delayed", "mxfp8"))  # today's rule, so the test sees both cases
+    assert loops == (recipe == "mxfp8")  # today's rule, so the test sees both cases
     notes = [n for n in _notes(MOE + ["--fp8-recipe", recipe]) if n.startswith("FP8 recipe ")]
     assert [n.split(" the routed")[0] for n in notes] == (
         [f"FP8 recipe {recipe} with --num-experts:"] if loops else []
     )
     assert not [n for n in _notes(["--mock-data", "--fp8-recipe", recipe]) if "FP8 recipe" in n]
-
-
-def test_the_looping_note_names_fp8_format_s_default_recipe():
-    notes = [n for n in _notes(MOE + ["--fp8-format", "hybrid"]) if n.startswith("FP8 recipe ")]
-    assert len(notes) == 1 and notes[0].startswith(
-        "FP8 recipe delayed (--fp8-format's default recipe, as in Megatron-LM) with --num-experts:"
-    )
-    assert not [n for n in _notes(MOE) if n.startswith("FP8 recipe ")]  # bf16
+    for argv in (MOE, MOE + ["--fp8-format", "hybrid"]):
+        assert not [n for n in _notes(argv) if n.startswith("FP8 recipe ")]
 
 
 # Acceptance 7: (extra argv, world size, words the one error line must contain)

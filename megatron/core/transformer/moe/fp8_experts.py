@@ -13,10 +13,11 @@ so the bytes every GEMM reads do not depend on how tokens are grouped across ran
 expert-parallel layout changes only the order of fp32 sums (acceptance 1 of issue 38).
 
 `grouped_fp8_gemm` is a loop over segments through Fp8Linear's autograd function (every recipe;
-the reference). Where `grouped_fp8.grouped_path_applies` (tensorwise and blockwise), the forward
-takes `grouped_fp8.grouped_fp8_linear` instead: the same rule in one autograd function over all
-experts, one quantize pass per operand and grouped GEMMs on CUDA; delayed and mxfp8 keep the
-segment loop.
+the reference). Where `grouped_fp8.grouped_path_applies` (tensorwise, delayed, blockwise), the
+forward takes `grouped_fp8.grouped_fp8_linear` instead: the same rule in one autograd function
+over all experts, one quantize pass per operand and grouped GEMMs on CUDA (delayed with
+`DelayedExperts`, eagerly; a delayed statistics step per segment); mxfp8 keeps the segment
+loop.
 
 FP8 parameters (--fp8-param-gather): Megatron-FSDP keeps the stacked weight as a
 QuantizedTensor [num_experts, out, in] whose scales have one leading dim per expert
@@ -97,6 +98,61 @@ class ExpertDelayedScaling:
                     "it was saved with fewer experts, or by a run that lost them"
                 )
             scaling.load_state_dict(expert_state)
+
+
+class DelayedExperts:
+    """Delayed scaling of one grouped call (`grouped_fp8.grouped_fp8_linear`): what the
+    per-segment path's plans (`linear.build_plan`, one per expert with rows) give each expert's
+    Fp8Linear, for all experts at once. The scales of each role stacked ([E]; a recompute's
+    forward those its first forward used); amaxes recorded into the metas of the experts with
+    rows only, and their flushes scheduled as each Fp8Linear schedules its own (the experts
+    without rows get no plan there: their state stays as it is)."""
+
+    def __init__(self, scaling, segments, *, recompute, setup, group, device) -> None:
+        scaling.move_to(device)
+        self.metas = {role: [s.metas[role] for s in scaling.experts] for role in ROLES}
+        self.active = [e for e, counts in enumerate(segments) if sum(counts) > 0]
+        seg_expert = [e for e, counts in enumerate(segments) for _ in counts]
+        self.seg_expert = torch.tensor(seg_expert, dtype=torch.long, device=device)
+        self.recompute, self.setup, self.group = recompute, setup, group
+        self.backward_flush = setup.backward if setup is not None else scaling.backward
+        self.scales = {"grad": torch.stack([m.scale for m in self.metas["grad"]]).float()}
+        for role in ("input", "weight"):
+            metas = self.metas[role]
+            if recompute:  # the first forward's scales (a meta without rows keeps its own)
+                scales = [m.scale if m.forward_scale is None else m.forward_scale for m in metas]
+            else:
+                scales = [m.scale for m in metas]
+                for e in self.active:
+                    metas[e].forward_scale = metas[e].scale
+            self.scales[role] = torch.stack(scales).float()
+
+    def segment_scales(self, role: str) -> torch.Tensor:
+        """Each segment's scale ([S]): its expert's."""
+        return self.scales[role][self.seg_expert]
+
+    def record(self, role: str, segment_amax: torch.Tensor) -> None:
+        """Each segment's amax ([S]) into its expert's meta (the max of its segments')."""
+        experts = segment_amax.new_zeros(len(self.metas[role]))
+        experts = experts.scatter_reduce(0, self.seg_expert, segment_amax.float(), "amax")
+        self.record_experts(role, experts)
+
+    def record_experts(self, role: str, amax: torch.Tensor) -> None:
+        """Each expert's amax ([E]) recorded as its Fp8Linear records it: a forward's not in a
+        recompute, then flushed with the model's forward; a grad's always, flushed when the
+        running backward ends."""
+        if role != "grad" and self.recompute:
+            return
+        metas = [self.metas[role][e] for e in self.active]
+        index = torch.tensor(self.active, dtype=torch.long, device=amax.device)
+        fp8_state.record_amaxes(metas, amax[index])
+        for meta in metas:
+            if role == "grad":
+                self.backward_flush.expect(meta, self.group)
+            else:
+                fp8_state.forward_recorded(meta, self.setup)
+        if role == "grad" and metas:
+            self.backward_flush.queue()
 
 
 class ExpertWeight(QuantizedTensor):
@@ -288,7 +344,8 @@ class Fp8StackedLinear(nn.Module):
             if weight is None or self._weight_stand_in_spec != config.spec:
                 return False
         grouped = enabled and self.grouped and tokens.shape[0] > 0
-        return grouped and grouped_path_applies(config, weight)
+        # delayed runs its grouped call eagerly, on counts read on the host (`forward`).
+        return grouped and not config.spec.delayed and grouped_path_applies(config, weight)
 
     def _compiled_fp8_param_forward(self, tokens, tokens_per_expert, segments) -> torch.Tensor:
         """An FP8 parameter in a compiled graph: its stand-in through the grouped function
@@ -334,9 +391,12 @@ class Fp8StackedLinear(nn.Module):
         on_device = isinstance(segments, torch.Tensor)
         if not on_device and [sum(counts) for counts in segments] != list(tokens_per_expert):
             raise ValueError("Fp8StackedLinear: segments must sum to tokens_per_expert")
+        enabled, config, group, setup = self._current_settings()
+        if torch.compiler.is_compiling() and enabled and config.spec.delayed:
+            # Delayed scaling's state is Python, updated as the experts run: not in a graph.
+            return _forward_outside_the_graph(self, tokens, tokens_per_expert, segments)
         if isinstance(self.weight, QuantizedTensor) and torch.compiler.is_compiling():
             return self._compiled_fp8_param_forward(tokens, tokens_per_expert, segments)
-        enabled, config, group, setup = self._current_settings()
         weight = self.weight
         fp8_param = isinstance(weight, QuantizedTensor)  # an FP8 parameter of Megatron-FSDP
         if fp8_param and weight.spec != config.spec:
@@ -349,10 +409,16 @@ class Fp8StackedLinear(nn.Module):
             if not fp8_state.in_recompute():
                 stats = functools.partial(self.fp8_stats_sink, self)
         grouped = enabled and self.grouped and tokens.shape[0] > 0
-        if grouped and grouped_path_applies(config, weight):
+        # A delayed statistics step (the statistics read each expert's scale) runs per segment.
+        if grouped and grouped_path_applies(config, weight) and not (stats and config.spec.delayed):
             if stats is not None:
                 return _grouped_with_stats(stats, tokens, weight, segments, config)
-            return grouped_fp8_linear(tokens, weight, segments, config)
+            delayed = None
+            if config.spec.delayed:
+                recompute = fp8_state.in_recompute()
+                options = dict(recompute=recompute, setup=setup, group=group, device=tokens.device)
+                delayed = DelayedExperts(self.delayed_scaling, segments, **options)
+            return grouped_fp8_linear(tokens, weight, segments, config, delayed=delayed)
         if fp8_param:
             weight = _ExpertWeights.apply(weight)
         if not enabled:

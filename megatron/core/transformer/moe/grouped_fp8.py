@@ -31,9 +31,12 @@ opaque node per GEMM and no graph break (an FP8 parameter enters a compiled grap
 stand-in `fp8.compile` makes for it; the op reads the parameter when it runs). Gradient
 accumulation fusion (an FP8 parameter with a main_grad_sink, fp8/main_grad.py): the weight
 gradient is written into the engine's grad buffer (fp32, or the buffer's bf16) and autograd
-gets none; compiled, dgrad and that write are one op, `::grouped_fp8_weight_backward`. delayed
-(per-expert scaling state) and mxfp8 (no sm_90 grouped kernel) take the per-segment path:
-`grouped_path_applies` is the one rule of which path runs.
+gets none; compiled, dgrad and that write are one op, `::grouped_fp8_weight_backward`.
+delayed runs as tensorwise with each segment at its expert's delayed scale
+(`fp8_experts.DelayedExperts`: the scales of each role, and the amaxes recorded into the metas
+of the experts with rows), eagerly and on counts read on the host (its state is Python).
+mxfp8 (no MXFP8 grouped GEMM) takes the per-segment path: `grouped_path_applies` is the one
+rule of which path runs.
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ from megatron.core.fp8.cuda.grouped_gemm import (
 from megatron.core.fp8.cuda.launch import aligned_16
 from megatron.core.fp8.formats import fp8_dtype_for_role
 from megatron.core.fp8.main_grad import fuse_into_main_grad, has_main_grad_sink
-from megatron.core.fp8.quantized_tensor import Fp8Operand, QuantizedTensor
-from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
+from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.fp8.recipe import recipe_spec
+from megatron.core.transformer.moe import grouped_emulation as emulation
 from megatron.core.transformer.moe import grouped_operands as operands
 
 E4M3 = torch.float8_e4m3fn
@@ -64,36 +68,10 @@ buffer, packed without gaps: not always aligned; the Triton kernel takes any add
 
 
 def grouped_path_applies(config: Fp8Config, weight: torch.Tensor) -> bool:
-    """Whether `grouped_fp8_linear` covers this call: a current-scaling recipe with fp32 scales
-    (tensorwise, blockwise) on a stacked [E, out, in] weight, high precision or FP8 parameter
-    (its recipe checked by the caller). delayed and mxfp8 take the per-segment path."""
-    spec = config.spec
-    return not spec.delayed and not spec.e8m0_scales and weight.dim() == 3
-
-
-def _cells(spec: RecipeSpec) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Block cells of the token operand and of the weight ((0, 0): per tensor)."""
-    if spec.per_tensor:
-        return (0, 0), (0, 0)
-    return (1, spec.block), (spec.block, spec.block)
-
-
-def _emulated_mm(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype):
-    """The CPU twin: per segment, dequantized A rows @ dequantized B[e]^T in fp32."""
-    spec = recipe_spec(recipe)
-    seg_sizes = seg_sizes.tolist()
-    a_cell, b_cell = _cells(spec)
-    starts = operands.bounds(seg_sizes)
-    out = a.new_zeros(a.shape[0], b.shape[1], dtype=out_dtype)
-    for s, expert in enumerate(seg_expert):
-        if seg_sizes[s] == 0:
-            continue
-        rows = slice(starts[s], starts[s + 1])
-        row_scale = a_scale_inv[starts[s]] if spec.per_tensor else a_scale_inv[rows]
-        a_values = Fp8Operand(a[rows], row_scale, recipe, *a_cell).dequantize()
-        b_values = Fp8Operand(b[expert], b_scale_inv[expert], recipe, *b_cell).dequantize()
-        out[rows] = (a_values @ b_values.t()).to(out_dtype)
-    return out
+    """Whether `grouped_fp8_linear` covers this call: a recipe with fp32 scales (tensorwise,
+    delayed, blockwise) on a stacked [E, out, in] weight, high precision or FP8 parameter (its
+    recipe checked by the caller). mxfp8 takes the per-segment path."""
+    return not config.spec.e8m0_scales and weight.dim() == 3
 
 
 def _torch_mm_applies(a, b, recipe, out_dtype) -> bool:
@@ -215,44 +193,12 @@ def _grouped_mm(
     args = (a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype)
     if a.is_cuda and a.shape[0] > 0:
         return _cuda_mm(*args, fast_accum, r).contiguous()
-    return _emulated_mm(*args)
+    return emulation.emulated_mm(*args)
 
 
 @grouped_fp8_mm.register_fake
 def _(a, a_scale_inv, b, b_scale_inv, seg_sizes, seg_expert, recipe, out_dtype, fast_accum, r):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
-def _segment_operand(data, scale_inv, s, seg_sizes, chunks, spec, recipe) -> Fp8Operand:
-    """Segment s's transposed operand [*, rows] of the weight gradient (the per-segment path's
-    `gemm_operand("columnwise")`): per tensor its rows of the rowwise bytes [M, *] and its
-    scale; blockwise its columns of the padded transposed copy [*, P] and its cells
-    (seg_sizes and chunks: host lists)."""
-    if spec.per_tensor:
-        start = sum(seg_sizes[:s])
-        rows = data[start : start + seg_sizes[s]]
-        return Fp8Operand(rows.t().contiguous(), scale_inv[s], recipe)
-    start = chunks[s] * spec.block
-    data_t = data[:, start : start + seg_sizes[s]].contiguous()
-    cells = scale_inv[:, chunks[s] : chunks[s + 1]].contiguous()
-    return Fp8Operand(data_t, cells, recipe, 1, spec.block)
-
-
-def _emulated_wgrad(dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe, out):
-    """Per segment: (dy_s^T dequantized) @ (x_s^T dequantized)^T in fp32, rounded to out's
-    dtype, summed into its expert last segment first (the per-segment path's operand shapes and
-    the order its backward sums them in)."""
-    spec = recipe_spec(recipe)
-    seg_sizes = seg_sizes.tolist()
-    chunks = operands.chunk_bounds(seg_sizes, spec.block or 1)
-    for s, expert in reversed(list(enumerate(seg_expert))):
-        if seg_sizes[s] == 0:
-            continue
-        where = (s, seg_sizes, chunks, spec, recipe)
-        dy_t = _segment_operand(dy, dy_scale_inv, *where).dequantize()
-        x_t = _segment_operand(x, x_scale_inv, *where).dequantize()
-        out[expert] += (dy_t @ x_t.t()).to(out.dtype)
-    return out
 
 
 def _cuda_wgrad(
@@ -325,10 +271,10 @@ def _wgrad(
     if dy.is_cuda and dy.numel() > 0:
         return _cuda_wgrad(*args, shape, out_dtype, padded, r, out=out, accumulate=accumulate)
     if out is None:
-        return _emulated_wgrad(*args, dy.new_zeros(shape, dtype=out_dtype))
+        return emulation.emulated_wgrad(*args, dy.new_zeros(shape, dtype=out_dtype))
     # Into a buffer: the segments summed in fp32 and rounded once, as the kernel does (a new
     # dW of a bf16 weight instead rounds each segment, as the per-segment path's autograd).
-    product = _emulated_wgrad(*args, dy.new_zeros(shape, dtype=torch.float32))
+    product = emulation.emulated_wgrad(*args, dy.new_zeros(shape, dtype=torch.float32))
     return out.add_(product) if accumulate else out.copy_(product)
 
 
@@ -470,18 +416,25 @@ def _weight_mm(a_op, weight, kind: str, usage: str, args: tuple) -> torch.Tensor
     return grouped_fp8_mm(*a_op, *b, *args)
 
 
-def _quantize_tokens(t, r, seg_sizes, config, role, pow2, *, columnwise: int):
+def _quantize_tokens(t, r, seg_sizes, config, role, pow2, *, columnwise: int, delayed=None):
     """(rowwise operand, the weight gradient's operand or None) of tokens [M, *] in `role`
     ("input" or "grad"); per tensor both are the segments' rowwise bytes, with each row's
     segment's scale_inv ([M], gathered here, in the compiled graph) and the segments' ([S]).
-    r: `routing` of the segments; columnwise: the padded copy's rows (blockwise), 0 for none."""
+    r: `routing` of the segments; columnwise: the padded copy's rows (blockwise), 0 for none;
+    delayed: delayed scaling's state of the call (`grouped_fp8_linear`)."""
     seg_ids = r[SEG_IDS]
     spec, fp8_dtype = config.spec, fp8_dtype_for_role(config.fp8_format, role)
     if spec.per_tensor:
         tiles = (r[SOURCE], TOKEN_TILE)  # the segments' amaxes reduced per tile first
-        data, scale_inv = operands.quantize_segments(
-            t, seg_ids, seg_sizes.shape[0], fp8_dtype=fp8_dtype, power_2_scale=pow2, tiles=tiles
-        )
+        if delayed is not None:
+            scale = delayed.segment_scales(role)
+            options = dict(fp8_dtype=fp8_dtype, tiles=tiles)
+            (data, scale_inv), amax = operands.quantize_segments_at(t, seg_ids, scale, **options)
+            delayed.record(role, amax)
+        else:
+            data, scale_inv = operands.quantize_segments(
+                t, seg_ids, seg_sizes.shape[0], fp8_dtype=fp8_dtype, power_2_scale=pow2, tiles=tiles
+            )
         return (data, scale_inv[seg_ids]), (data, scale_inv)
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=pow2)
     if not columnwise:
@@ -498,11 +451,11 @@ class _GroupedFp8Function(torch.autograd.Function):
     def forward(ctx, tokens, weight, seg_sizes, layout, config, kind):  # noqa: D102
         spec = config.spec
         pow2 = spec.resolve_power_2_scale(config.quantize_power_2_scale)
-        seg_expert, padded, ctx.fused_wgrad = layout
+        seg_expert, padded, ctx.fused_wgrad, ctx.delayed = layout
         r = routing(seg_sizes, seg_expert, weight.shape[0], tokens.shape[0], padded)
         columnwise = padded if weight.requires_grad else 0
         x_row, x_col = _quantize_tokens(
-            tokens, r, seg_sizes, config, "input", pow2, columnwise=columnwise
+            tokens, r, seg_sizes, config, "input", pow2, columnwise=columnwise, delayed=ctx.delayed
         )
         # An FP8 parameter is re-read in backward (after the engine gathered it again), as
         # `ExpertWeight` reads it; its stand-in is saved, a plain weight's quantized bytes.
@@ -510,9 +463,12 @@ class _GroupedFp8Function(torch.autograd.Function):
         source = weight
         if kind == "plain":
             w_dtype = fp8_dtype_for_role(config.fp8_format, "weight")
+            scale = None if ctx.delayed is None else ctx.delayed.scales["weight"]
             source = operands.quantize_experts(
-                weight.detach(), spec=spec, fp8_dtype=w_dtype, power_2_scale=pow2
+                weight.detach(), spec=spec, fp8_dtype=w_dtype, power_2_scale=pow2, scale=scale
             )
+            if ctx.delayed is not None:
+                ctx.delayed.record_experts("weight", operands.expert_amax(weight.detach()))
         saved_weight = {"plain": source, "stand_in": (weight,), "fp8_param": ()}[kind]
         ctx.save_for_backward(seg_sizes, *r, *(x_col or ()), *saved_weight)
         ctx.x_saved, ctx.kind = 0 if x_col is None else 2, kind
@@ -530,8 +486,9 @@ class _GroupedFp8Function(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         columnwise = padded if need_wgrad else 0
         dy_row, dy_col = _quantize_tokens(
-            dy.contiguous(), r, seg_sizes, ctx.config, "grad", ctx.pow2, columnwise=columnwise
-        )
+            dy.contiguous(), r, seg_sizes, ctx.config, "grad", ctx.pow2, columnwise=columnwise,
+            delayed=ctx.delayed,
+        )  # fmt: skip
         x_col, saved_weight = saved[: ctx.x_saved], saved[ctx.x_saved :]
         # Gradient accumulation fusion: dW into the engine's buffer, autograd gets none (a
         # stand-in's through one op with dgrad, which must then be needed: fp8/main_grad.py).
@@ -554,7 +511,7 @@ class _GroupedFp8Function(torch.autograd.Function):
         elif need_wgrad and not fused:
             args = (seg_sizes, seg_expert, experts, spec.name, ctx.dtypes[1], padded, r)
             dw = grouped_fp8_wgrad(*dy_col, *x_col, *args)
-        ctx.stacked = None
+        ctx.stacked = ctx.delayed = None
         return dx, dw, None, None, None, None
 
 
@@ -566,6 +523,7 @@ def grouped_fp8_linear(
     *,
     stand_in: bool = False,
     fused_wgrad: bool = False,
+    delayed=None,
 ) -> torch.Tensor:
     """y[rows of expert e] = tokens[rows of e] @ weight[e]^T in FP8, all experts in one
     autograd function; segments[e]: expert e's row counts per source rank (in token order),
@@ -573,7 +531,9 @@ def grouped_fp8_linear(
     there, no host sync); weight: the stacked [E, out, in] parameter, high precision or a
     QuantizedTensor, or (with `stand_in`) an FP8 parameter's stand-in in a compiled graph.
     An FP8 parameter with a main_grad_sink gets its dW written there (gradient accumulation
-    fusion); a stand-in's owner says so through `fused_wgrad` (a graph cannot look it up)."""
+    fusion); a stand-in's owner says so through `fused_wgrad` (a graph cannot look it up).
+    delayed (recipe delayed, segments on the host, run eagerly): the experts' scaling state for
+    this call, `fp8_experts.DelayedExperts` (each role's scales, and where amaxes go)."""
     rows = tokens.shape[0]
     if isinstance(segments, torch.Tensor):
         seg_sizes = segments.to(device=tokens.device, dtype=torch.int64)
@@ -590,5 +550,5 @@ def grouped_fp8_linear(
     if not stand_in and isinstance(weight, QuantizedTensor):
         kind = "fp8_param"
         fused_wgrad = has_main_grad_sink(weight)
-    layout = (seg_expert, padded, fused_wgrad and kind != "plain")
+    layout = (seg_expert, padded, fused_wgrad and kind != "plain", delayed)
     return _GroupedFp8Function.apply(tokens, weight, seg_sizes, layout, config, kind)

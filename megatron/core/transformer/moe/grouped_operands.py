@@ -91,9 +91,23 @@ def quantize_segments(
     `quantize` quantizes the segment alone (an empty segment gets scale 1). tiles: the
     segments' padded layout (`padded_sources`, its tile rows) when the caller has it: the
     amaxes reduced per tile first (`segment_amax`)."""
-    row_amax = amax_ignoring_nan(x, dim=-1)
-    amax = segment_amax(row_amax, seg_ids, num_segments, tiles)
+    amax = segment_amax(amax_ignoring_nan(x, dim=-1), seg_ids, num_segments, tiles)
     scale = scale_from_amax(amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
+    return _cast_segments(x, seg_ids, scale, fp8_dtype)
+
+
+def quantize_segments_at(
+    x: torch.Tensor, seg_ids: torch.Tensor, scale: torch.Tensor, *, fp8_dtype, tiles=None
+) -> tuple[Operand, torch.Tensor]:
+    """Delayed scaling's `quantize_segments`: each segment's rows at its given scale ([S]
+    fp32, its expert's), as `quantize` with that scale quantizes the segment alone; also each
+    segment's amax ([S], 0 for an empty one), which delayed scaling records."""
+    amax = segment_amax(amax_ignoring_nan(x, dim=-1), seg_ids, scale.shape[0], tiles)
+    return _cast_segments(x, seg_ids, scale, fp8_dtype), amax
+
+
+def _cast_segments(x, seg_ids, scale, fp8_dtype) -> Operand:
+    """x's rows at their segment's scale -> (FP8 bytes, scale_inv [S])."""
     scaled = x.to(torch.float32) * scale[seg_ids][:, None]  # quantize reads x in fp32
     return saturating_cast(scaled, fp8_dtype).view(fp8_dtype), reciprocal(scale)
 
@@ -208,14 +222,21 @@ def quantize_segment_operands(
     return rows, (col.data.contiguous(), col.scale_inv.contiguous())
 
 
+def expert_amax(weight: torch.Tensor) -> torch.Tensor:
+    """Each expert's max|w| of a stacked weight [E, N, K] ([E] fp32)."""
+    return amax_ignoring_nan(weight, dim=(1, 2))
+
+
 def quantize_experts(
-    weight: torch.Tensor, *, spec: RecipeSpec, fp8_dtype, power_2_scale: bool
+    weight: torch.Tensor, *, spec: RecipeSpec, fp8_dtype, power_2_scale: bool, scale=None
 ) -> Operand:
     """weight [E, N, K] -> (FP8 bytes, scale_inv): each expert quantized as one Linear weight
-    (per tensor: [E]; blockwise 128x128 cells: [E, ceil(N/128), ceil(K/128)])."""
+    (per tensor: [E]; blockwise 128x128 cells: [E, ceil(N/128), ceil(K/128)]). scale: per
+    tensor, the experts' given scales ([E]: delayed scaling's) instead of their amaxes'."""
     if spec.per_tensor:
-        amax = amax_ignoring_nan(weight, dim=(1, 2))
-        scale = scale_from_amax(amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
+        if scale is None:
+            amax = expert_amax(weight)
+            scale = scale_from_amax(amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
         scaled = weight.to(torch.float32) * scale[:, None, None]
         return saturating_cast(scaled, fp8_dtype).view(fp8_dtype), reciprocal(scale)
     # Each expert's rows padded to whole 128-row cells, so that no cell straddles two experts.

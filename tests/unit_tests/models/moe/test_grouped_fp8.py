@@ -6,8 +6,9 @@ CPU: bitwise equal (torch.equal) in forward, input gradient and weight gradient,
 bf16 tokens, each fp8 format and power-of-2 scales, on ragged segments with empty experts and
 empty segments, and with three segments of one expert (the weight gradient sums them last
 segment first, as autograd sums the reference's per-segment contributions). It compiles with
-fullgraph=True. delayed and mxfp8 take the reference path (asserted). The CUDA
-fallbacks' scale layouts are checked on CPU through grouped_gemm.py's kernel emulation.
+fullgraph=True. mxfp8 takes the reference path (asserted; delayed's grouped path:
+test_grouped_fp8_delayed.py). The CUDA fallbacks' scale layouts are checked on CPU through
+grouped_gemm.py's kernel emulation.
 GPU (H200): torch._scaled_grouped_mm and the Triton kernels equal the CPU emulation within the
 fast-accumulation bound, 2e-3 of the output's max|.| (measured ~4e-4 on the H200)."""
 
@@ -19,7 +20,7 @@ import torch
 from megatron.core.fp8 import Fp8Config
 from megatron.core.fp8.quantization import quantize
 from megatron.core.fp8.recipe import recipe_spec
-from megatron.core.transformer.moe import grouped_fp8, grouped_operands
+from megatron.core.transformer.moe import grouped_emulation, grouped_fp8, grouped_operands
 from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
 
 EXPERTS, IN, OUT = 4, 64, 48
@@ -86,12 +87,13 @@ def test_three_segments_of_one_expert_are_summed_in_the_reference_order():
     assert torch.equal(got[2], want[2])
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["mxfp8"])
 def test_other_recipes_take_the_per_segment_path(recipe, monkeypatch):
+    """mxfp8 (no MXFP8 grouped GEMM); delayed's grouped path: test_grouped_fp8_delayed.py."""
     calls = []
     monkeypatch.setattr(
         "megatron.core.transformer.moe.fp8_experts.grouped_fp8_linear",
-        lambda *args: calls.append(args),
+        lambda *args, **kwargs: calls.append(args),
     )
     layer = _layer(recipe)
     x, dy = _data(SEGMENTS, torch.float32)
@@ -245,7 +247,7 @@ def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype, segment
     )
     # grouped_fp8_mm takes one A scale_inv per row (its segment's)
     args = (x_q, x_s[ids], w_q, w_s, torch.tensor(sizes), owner, "tensorwise", torch.float32)
-    want = grouped_fp8._emulated_mm(*args)
+    want = grouped_emulation.emulated_mm(*args)
     got = grouped_fp8._cuda_mm(*args, False)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
     dy = torch.randn(sum(sizes), n, generator=generator)
@@ -257,7 +259,7 @@ def test_cuda_dispatch_scale_layouts_on_the_emulated_kernels(grad_dtype, segment
     )
     out = torch.zeros(EXPERTS, n, k)
     wargs = (dy_q, dy_s, x_q, x_s, torch.tensor(sizes), owner, "tensorwise")
-    want = grouped_fp8._emulated_wgrad(*wargs, out.clone())
+    want = grouped_emulation.emulated_wgrad(*wargs, out.clone())
     padded = grouped_operands.padded_rows(sizes, sum(sizes), 128)  # host sizes: exact
     got = grouped_fp8._cuda_wgrad(*wargs, out.shape, out.dtype, padded)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())

@@ -25,7 +25,12 @@ from megatron.core.fp8.formats import fp8_dtype_for_role
 from megatron.core.fp8.quantization import quantize
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import recipe_spec
-from megatron.core.transformer.moe import fp8_experts, grouped_fp8, grouped_operands
+from megatron.core.transformer.moe import (
+    fp8_experts,
+    grouped_emulation,
+    grouped_fp8,
+    grouped_operands,
+)
 from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
 from tests.unit_tests.models.moe.test_grouped_fp8 import _run
 
@@ -121,7 +126,9 @@ def test_fp8_parameters_take_the_grouped_function_bitwise_the_per_segment_path(
     want = _run(layer, x, dy, segments, grouped=False)
     calls = []
     real = fp8_experts.grouped_fp8_linear
-    monkeypatch.setattr(fp8_experts, "grouped_fp8_linear", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        fp8_experts, "grouped_fp8_linear", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     got = _run(layer, x, dy, segments, grouped=True)
     assert calls == [1]
     _assert_bitwise(got, want, segments)
@@ -242,13 +249,13 @@ def test_blockwise_cuda_dispatch_layouts_on_the_emulated_kernels(grad_dtype, seg
     w_t = grouped_operands.transposed_experts(*w_row)
     for a, b in ((x_row, w_row), (dy_row, w_t)):
         args = (*a, *b, sizes, owner, "blockwise", torch.float32)
-        want = grouped_fp8._emulated_mm(*args)
+        want = grouped_emulation.emulated_mm(*args)
         got = grouped_fp8._cuda_mm(*args, False)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
     wargs = (*dy_col, *x_col, sizes, owner, "blockwise")
     out = torch.zeros(EXPERTS, OUT, IN)
     assert dy_col[0].shape[0] == OUT and x_col[0].shape[0] == IN  # transposed, padded
-    want = grouped_fp8._emulated_wgrad(*wargs, out.clone())
+    want = grouped_emulation.emulated_wgrad(*wargs, out.clone())
     got = grouped_fp8._cuda_wgrad(*wargs, out.shape, out.dtype, length)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     assert want[2].abs().max() == 0 and want[3].abs().max() > 0

@@ -1,0 +1,168 @@
+"""Delayed scaling on the experts' grouped path (moe/grouped_fp8.py with
+fp8_experts.DelayedExperts) against the per-segment path (one Fp8Linear call per expert and
+segment), on CPU: over several steps inside fp8_autocast, the outputs, input and weight
+gradients are bitwise equal, and so is every expert's delayed-scaling state (scale and amax
+history of the input, weight and grad metas) after each step's flushes; an expert without
+rows keeps its state untouched on both paths. High-precision weights and FP8 parameters,
+ragged segments with an empty expert, and several segments per expert (expert parallelism)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.fp8 import Fp8Config
+from megatron.core.fp8.autocast import fp8_autocast
+from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
+from megatron.core.fp8.quantization import quantize
+from megatron.core.fp8.quantized_tensor import QuantizedTensor
+from megatron.core.transformer.moe import fp8_experts
+from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
+
+EXPERTS, IN, OUT = 4, 64, 48
+SEGMENTS = [[40], [0], [56], [33]]  # expert 1 without rows
+EP_SEGMENTS = [[40, 24], [0, 0], [0, 56], [30, 3]]  # two source ranks, empty segments
+STEPS = 4
+
+
+def _layer(dtype: torch.dtype) -> Fp8StackedLinear:
+    config = Fp8Config(recipe="delayed", fp8_format="hybrid")
+    layer = Fp8StackedLinear(EXPERTS, IN, OUT, fp8_config=config, dtype=dtype, device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    magnitudes = torch.tensor([1.0, 3.0, 300.0, 0.004]).view(EXPERTS, 1, 1)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(EXPERTS, OUT, IN, generator=generator) * magnitudes / 8)
+    return layer
+
+
+def _as_fp8_parameter(layer: Fp8StackedLinear) -> None:
+    """The stacked FP8 parameter as the engine holds it under delayed scaling: each expert
+    quantized at its weight meta's scale, bytes and scale_inv stacked."""
+    fp8_dtype = fp8_dtype_for_role("hybrid", "weight")
+    weight = layer.weight.detach()
+    parts = [
+        quantize(
+            weight[e],
+            recipe="delayed",
+            fp8_dtype=fp8_dtype,
+            role="weight",
+            scale=layer.delayed_scaling.experts[e].metas["weight"].scale,
+            backend="reference",
+        )
+        for e in range(EXPERTS)
+    ]
+    stacked = QuantizedTensor(
+        shape=weight.shape,
+        dtype=weight.dtype,
+        recipe="delayed",
+        fp8_dtype=fp8_dtype,
+        role="weight",
+        rowwise_data=torch.stack([p.rowwise_data for p in parts]),
+        rowwise_scale_inv=torch.stack([p.rowwise_scale_inv for p in parts]),
+    )
+    layer.weight = torch.nn.Parameter(stacked)
+
+
+def _step(layer, segments, step: int, dtype, device="cpu"):
+    rows = sum(sum(counts) for counts in segments)
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randn(rows, IN, generator=generator) * torch.linspace(0.01, 40, rows)[:, None]
+    dy = torch.randn(rows, OUT, generator=generator) * (10.0**step)  # grads that move
+    layer.weight.grad = None
+    tokens = x.to(dtype).to(device).requires_grad_()
+    with fp8_autocast(layer):
+        y = layer(tokens, [sum(counts) for counts in segments], segments)
+    y.backward(dy.to(dtype).to(device))
+    return y.detach(), tokens.grad, layer.weight.grad
+
+
+def _step_on(layer, segments, step: int, device):
+    return _step(layer, segments, step, torch.bfloat16, device)
+
+
+def _state(layer):
+    return [
+        (meta.scale.clone(), meta.amax_history.clone())
+        for scaling in layer.delayed_scaling.experts
+        for meta in (scaling.metas[role] for role in ROLES)
+    ]
+
+
+@pytest.mark.parametrize("segments", [SEGMENTS, EP_SEGMENTS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8_param", [False, True])
+def test_delayed_grouped_path_equals_the_per_segment_path_bitwise(
+    segments, dtype, fp8_param, monkeypatch
+):
+    reference, grouped = _layer(dtype), _layer(dtype)
+    if fp8_param:
+        _as_fp8_parameter(reference)
+        _as_fp8_parameter(grouped)
+    reference.grouped, grouped.grouped = False, True
+    calls = []
+    real = fp8_experts.grouped_fp8_linear
+    monkeypatch.setattr(
+        fp8_experts, "grouped_fp8_linear", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    initial = _state(reference)
+    for step in range(STEPS):
+        want, got = _step(reference, segments, step, dtype), _step(grouped, segments, step, dtype)
+        assert len(calls) == step + 1  # the grouped layer took the grouped path
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        after_want, after_got = _state(reference), _state(grouped)
+        for (scale_a, history_a), (scale_b, history_b) in zip(after_got, after_want, strict=True):
+            assert torch.equal(scale_a, scale_b) and torch.equal(history_a, history_b)
+    roles = len(ROLES)
+    for e in range(EXPERTS):
+        moved = [
+            not torch.equal(after_got[e * roles + i][1], initial[e * roles + i][1])
+            for i in range(roles)
+        ]
+        has_rows = sum(segments[e]) > 0
+        # FP8 parameters: the engine quantizes the weight, so the module records no weight amax.
+        assert moved == [has_rows, has_rows and not fp8_param, has_rows], (e, moved)
+    assert after_got[2 * roles][0] != initial[2 * roles][0]  # expert 2's input scale moved
+
+
+def test_delayed_experts_read_their_counts_on_the_host():
+    """The grouped call needs the experts with rows on the host (their metas alone record):
+    a delayed layer never takes device counts."""
+    layer = _layer(torch.float32)
+    assert not layer.takes_device_counts(torch.zeros(3, IN))
+    tensorwise = Fp8StackedLinear(
+        EXPERTS, IN, OUT, fp8_config=Fp8Config(recipe="tensorwise"), dtype=torch.float32
+    )
+    assert tensorwise.takes_device_counts(torch.zeros(3, IN))
+
+
+FAST_ACCUM_BOUND = 2e-3  # of the output's max|.|, as test_grouped_fp8.py's GPU twin
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_format", ["hybrid", "e4m3"])
+def test_cuda_delayed_grouped_path_equals_the_cpu_emulation(fp8_format):
+    """The GPU twin: delayed's grouped call on CUDA (torch's FP8 grouped GEMM or the Triton
+    kernels, at the experts' delayed scales) against the CPU emulation, over STEPS steps from
+    the same state: outputs and gradients within the fast-accumulation bound, and the same
+    amax histories (amaxes are exact; bf16 inputs, so the products are too)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (the CPU emulation is the reference)")
+    layers = []
+    for device in ("cuda", "cpu"):
+        config = Fp8Config(recipe="delayed", fp8_format=fp8_format)
+        layer = Fp8StackedLinear(
+            EXPERTS, IN, OUT, fp8_config=config, dtype=torch.bfloat16, device=device
+        )
+        layer.weight.data.copy_(_layer(torch.bfloat16).weight.data)
+        layers.append(layer)
+    for step in range(STEPS):
+        outs = []
+        for layer in layers:
+            got = _step_on(layer, EP_SEGMENTS, step, next(layer.parameters()).device)
+            outs.append([t.float().cpu() for t in got])
+        for a, b in zip(*outs, strict=True):
+            bound = FAST_ACCUM_BOUND * b.abs().max().item()
+            torch.testing.assert_close(a, b, rtol=2**-7, atol=bound)
+        for (_, history_a), (_, history_b) in zip(_state(layers[0]), _state(layers[1])):
+            torch.testing.assert_close(history_a.cpu(), history_b, rtol=2**-7, atol=0)
