@@ -194,40 +194,43 @@ def reduce_and_update(metas: list[ScalingMeta], group: dist.ProcessGroup | None)
 
 
 def _stacked(tensors: list[torch.Tensor], *, shape: tuple) -> torch.Tensor:
-    """torch.stack of the tensors (each reshaped to `shape`), or without a copy the tensor
-    they are the rows of, in order: what the previous flush of the same metas left them as
-    (`unbind` views of its outputs)."""
-    base = _rows_base(tensors, shape=shape)
-    return base if base is not None else torch.stack([t.reshape(shape) for t in tensors])
+    """torch.stack of the tensors (each reshaped to `shape`), or, with no copy, the tensor whose
+    rows they are in order (the last flush of the same metas left `unbind` views of it)."""
+    base, rows = _rows_of(tensors, shape=shape)
+    if base is not None and rows == list(range(base.shape[0])):
+        return base
+    return torch.stack([t.reshape(shape) for t in tensors])
 
 
-def _rows_base(tensors: list[torch.Tensor], *, shape: tuple) -> torch.Tensor | None:
-    """The contiguous tensor whose rows, in order, the tensors are; None if they are not."""
+def _rows_of(tensors: list[torch.Tensor], *, shape: tuple) -> tuple[torch.Tensor | None, list]:
+    """The contiguous tensor whose rows the tensors are, and their row indices; (None, [])
+    if they are not all rows of one tensor."""
     base = tensors[0]._base
-    if base is not None and base.shape == (len(tensors), *shape) and base.is_contiguous():
-        offset, stride = base.storage_offset(), base.stride(0)
-        if all(
-            t._base is base and t.shape == shape and t.storage_offset() == offset + index * stride
-            for index, t in enumerate(tensors)
-        ):
-            return base
-    return None
+    if base is None or tuple(base.shape[1:]) != shape or not base.is_contiguous():
+        return None, []
+    offset, stride = base.storage_offset(), max(base.stride(0), 1)
+    rows = [(t.storage_offset() - offset) // stride for t in tensors]
+    whole = all(t._base is base and t.shape == shape and t.is_contiguous() for t in tensors)
+    if whole and all(t.storage_offset() == offset + r * stride for t, r in zip(tensors, rows)):
+        return base, rows
+    return None, []
 
 
 def record_amaxes(metas: list[ScalingMeta], amaxes: torch.Tensor) -> None:
-    """`meta.record(amax)` for each meta and the amax of the same index: one maximum over the
-    slot-0 column when the histories are rows of one tensor (after a `reduce_and_update` of
-    the same metas), else one record per meta."""
+    """`meta.record(amax)` for each (distinct) meta and the amax of the same index: one
+    maximum over their slot-0 entries when the histories are rows of one tensor (after a
+    `reduce_and_update` of these metas, with others or not), else one record per meta."""
     if not metas:
         return
     histories = [meta.amax_history for meta in metas]
-    base = _rows_base(histories, shape=histories[0].shape)
+    base, rows = _rows_of(histories, shape=histories[0].shape)
     if base is None:
         for meta, amax in zip(metas, amaxes.unbind(0), strict=True):
             meta.record(amax)
         return
     amaxes = amaxes.detach().to(base.device, torch.float32).reshape(len(metas))
-    base[:, 0] = torch.maximum(base[:, 0], amaxes)
+    index = torch.tensor(rows, device=base.device)
+    base[index, 0] = torch.maximum(base[index, 0], amaxes)
 
 
 def _fused_delayed_update(histories, scales, settings):
@@ -298,22 +301,19 @@ def fp8_autocast(
         setup.flush()
 
 
+def _owners(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules with delayed-scaling state, by name."""
+    return {name: m for name, m in model.named_modules() if getattr(m, "delayed_scaling", None)}
+
+
 def delayed_scaling_state_dict(model: nn.Module) -> dict:
     """Every Fp8Linear's delayed-scaling state, keyed by its module name (stable across runs)."""
-    return {
-        name: module.delayed_scaling.state_dict()
-        for name, module in model.named_modules()
-        if getattr(module, "delayed_scaling", None) is not None
-    }
+    return {name: module.delayed_scaling.state_dict() for name, module in _owners(model).items()}
 
 
 def load_delayed_scaling_state_dict(model: nn.Module, state: dict, *, strict: bool = True) -> None:
     """Load what `delayed_scaling_state_dict` returned; strict: module names must match."""
-    owners = {
-        name: module
-        for name, module in model.named_modules()
-        if getattr(module, "delayed_scaling", None) is not None
-    }
+    owners = _owners(model)
     if strict and set(owners) != set(state):
         missing, unexpected = sorted(set(owners) - set(state)), sorted(set(state) - set(owners))
         raise KeyError(

@@ -396,6 +396,26 @@ def test_batched_weight_update_and_record_equal_one_meta_at_a_time(mixed_formats
             assert torch.equal(got.scale.view(torch.int32), want.scale.view(torch.int32))
             assert torch.equal(got.amax_history, want.amax_history)
     histories = [meta.amax_history for meta in batched]
-    stacked = autocast._rows_base(histories, shape=(4,)) is not None
+    stacked = autocast._rows_of(histories, shape=(4,))[0] is not None
     assert stacked == (not mixed_formats)
     assert float(batched[2].amax_history[0]) == float(amaxes[2])
+
+
+def test_record_amaxes_of_some_rows_in_any_order_writes_only_those():
+    # The experts' grouped call records the metas of the experts with rows only: some rows of
+    # the tensor a flush of more metas (the whole model's) left their histories in, in any
+    # order, in one maximum over those rows' slot 0; the other rows stay as they were.
+    config = Fp8Config(recipe="delayed", amax_history_len=4)
+    metas = [autocast.ScalingMeta(fp8_dtype=E4M3, config=config) for _ in range(5)]
+    for meta, amax in zip(metas, [1.0, 2.0, 3.0, 4.0, 5.0], strict=True):
+        meta.record(torch.tensor(amax))
+    autocast.reduce_and_update(metas, None)
+    base, rows = autocast._rows_of([m.amax_history for m in metas], shape=(4,))
+    assert base is not None and rows == [0, 1, 2, 3, 4]
+    before = base.clone()
+    chosen = [metas[3], metas[0]]
+    assert autocast._rows_of([m.amax_history for m in chosen], shape=(4,))[1] == [3, 0]
+    autocast.record_amaxes(chosen, torch.tensor([0.5, 9.0]))
+    want = before.clone()
+    want[3, 0], want[0, 0] = max(before[3, 0], 0.5), 9.0
+    assert torch.equal(base, want) and metas[0].amax_history[0] == 9.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from megatron.core.fp8 import Fp8Config
 from megatron.core.fp8.autocast import fp8_autocast
@@ -63,15 +64,19 @@ def _as_fp8_parameter(layer: Fp8StackedLinear) -> None:
     layer.weight = torch.nn.Parameter(stacked)
 
 
-def _step(layer, segments, step: int, dtype, device="cpu"):
+def _step(layer, segments, step: int, dtype, device="cpu", recompute=False):
     rows = sum(sum(counts) for counts in segments)
     generator = torch.Generator().manual_seed(step)
     x = torch.randn(rows, IN, generator=generator) * torch.linspace(0.01, 40, rows)[:, None]
     dy = torch.randn(rows, OUT, generator=generator) * (10.0**step)  # grads that move
     layer.weight.grad = None
     tokens = x.to(dtype).to(device).requires_grad_()
+    counts = [sum(c) for c in segments]
     with fp8_autocast(layer):
-        y = layer(tokens, [sum(counts) for counts in segments], segments)
+        if recompute:  # the forward runs again in backward, at its first run's scales
+            y = checkpoint(lambda t: layer(t, counts, segments), tokens, use_reentrant=False)
+        else:
+            y = layer(tokens, counts, segments)
     y.backward(dy.to(dtype).to(device))
     return y.detach(), tokens.grad, layer.weight.grad
 
@@ -123,6 +128,24 @@ def test_delayed_grouped_path_equals_the_per_segment_path_bitwise(
         # FP8 parameters: the engine quantizes the weight, so the module records no weight amax.
         assert moved == [has_rows, has_rows and not fp8_param, has_rows], (e, moved)
     assert after_got[2 * roles][0] != initial[2 * roles][0]  # expert 2's input scale moved
+
+
+@pytest.mark.parametrize("segments", [SEGMENTS, EP_SEGMENTS])
+def test_a_recomputed_forward_keeps_the_per_segment_path_s_scales_and_records(segments):
+    """Activation recompute (non-reentrant checkpoint): the recomputed forward quantizes at its
+    first run's scales and records nothing; the backward's grad amaxes are recorded."""
+    reference, grouped = _layer(torch.bfloat16), _layer(torch.bfloat16)
+    reference.grouped, grouped.grouped = False, True
+    for step in range(STEPS):
+        options = dict(dtype=torch.bfloat16, recompute=True)
+        want = _step(reference, segments, step, **options)
+        got = _step(grouped, segments, step, **options)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        for (scale_a, history_a), (scale_b, history_b) in zip(
+            _state(grouped), _state(reference), strict=True
+        ):
+            assert torch.equal(scale_a, scale_b) and torch.equal(history_a, history_b)
 
 
 def test_delayed_experts_read_their_counts_on_the_host():
