@@ -217,20 +217,20 @@ def _rows_of(tensors: list[torch.Tensor], *, shape: tuple) -> tuple[torch.Tensor
 
 
 def record_amaxes(metas: list[ScalingMeta], amaxes: torch.Tensor) -> None:
-    """`meta.record(amax)` for each (distinct) meta and the amax of the same index: one
-    maximum over their slot-0 entries when the histories are rows of one tensor (after a
-    `reduce_and_update` of these metas, with others or not), else one record per meta."""
+    """`meta.record(amax)` for each meta and the amax of the same index: one maximum over a
+    slice of slot 0 where the histories are consecutive rows of one tensor (as a flush of these
+    metas in order leaves them), else one record per meta (no index: it would wait on a GPU)."""
     if not metas:
         return
     histories = [meta.amax_history for meta in metas]
     base, rows = _rows_of(histories, shape=histories[0].shape)
-    if base is None:
+    if base is None or rows != list(range(rows[0], rows[0] + len(rows))):
         for meta, amax in zip(metas, amaxes.unbind(0), strict=True):
             meta.record(amax)
         return
     amaxes = amaxes.detach().to(base.device, torch.float32).reshape(len(metas))
-    index = torch.tensor(rows, device=base.device)
-    base[index, 0] = torch.maximum(base[index, 0], amaxes)
+    slot0 = base[rows[0] : rows[0] + len(rows), 0]
+    slot0.copy_(torch.maximum(slot0, amaxes))
 
 
 def _fused_delayed_update(histories, scales, settings):

@@ -16,7 +16,7 @@ expert-parallel layout changes only the order of fp32 sums (acceptance 1 of issu
 the reference). Where `grouped_fp8.grouped_path_applies` (tensorwise, delayed, blockwise), the
 forward takes `grouped_fp8.grouped_fp8_linear` instead: the same rule in one autograd function
 over all experts, one quantize pass per operand and grouped GEMMs on CUDA (delayed with
-`DelayedExperts`, eagerly; a delayed statistics step per segment); mxfp8 keeps the segment
+`DelayedExperts`, eagerly, under `schedule_expert_flushes`' rule); mxfp8 keeps the segment
 loop.
 
 FP8 parameters (--fp8-param-gather): Megatron-FSDP keeps the stacked weight as a
@@ -42,6 +42,7 @@ from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
 from megatron.core.fp8.linear import Fp8Linear, build_plan, fp8_linear_apply
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.stats import fp8_stats_vector
+from megatron.core.numerics import amax_ignoring_nan
 from megatron.core.transformer.moe.grouped_fp8 import grouped_fp8_linear, grouped_path_applies
 
 
@@ -100,59 +101,108 @@ class ExpertDelayedScaling:
             scaling.load_state_dict(expert_state)
 
 
+def schedule_expert_flushes(scaling, *, fp8_param, recompute, setup, group) -> None:
+    """Delayed scaling's rule for a stacked expert weight, before either path quantizes: every
+    local expert's metas, in expert order, whether or not it has rows in this call. The
+    forward metas join the setup's flush (input, and the weight unless an FP8 parameter, whose
+    engine records it), the grad metas the next backward flush (when a backward can follow).
+    Ranks holding the same experts then pack the same metas in the same order into each
+    flush's MAX all-reduce, whatever tokens each got; an expert without rows records amax 0
+    (its scale stays, its history rolls). Without a setup each call's forward metas flush when
+    it records them (no collective). A recompute changes nothing."""
+    if recompute:
+        return
+    for expert in scaling.experts:
+        for role in ("input", "weight"):
+            meta = expert.metas[role]
+            meta.forward_scale = meta.scale  # a recompute's forward quantizes at these
+            if setup is not None and not (fp8_param and role == "weight"):
+                fp8_state.forward_recorded(meta, setup)
+    if torch.is_grad_enabled():
+        flush = setup.backward if setup is not None else scaling.backward
+        for expert in scaling.experts:
+            flush.expect(expert.metas["grad"], group)
+
+
 class DelayedExperts:
-    """Delayed scaling of one grouped call (`grouped_fp8.grouped_fp8_linear`): what the
-    per-segment path's plans (`linear.build_plan`, one per expert with rows) give each expert's
-    Fp8Linear, for all experts at once. The scales of each role stacked ([E]; a recompute's
-    forward those its first forward used); amaxes recorded into the metas of the experts with
-    rows only, and their flushes scheduled as each Fp8Linear schedules its own (the experts
-    without rows get no plan there: their state stays as it is)."""
+    """Delayed scaling of one grouped call (`grouped_fp8.grouped_fp8_linear`), what the
+    per-segment path's plans (`linear.build_plan`) give each expert's Fp8Linear, for all
+    experts at once: each role's scales stacked ([E]; a recompute's forward those its first
+    forward used, `schedule_expert_flushes`), and every expert's amaxes recorded in one
+    maximum (an expert without rows: 0)."""
 
     def __init__(self, scaling, segments, *, recompute, setup, group, device) -> None:
         scaling.move_to(device)
         self.metas = {role: [s.metas[role] for s in scaling.experts] for role in ROLES}
-        self.active = [e for e, counts in enumerate(segments) if sum(counts) > 0]
-        seg_expert = [e for e, counts in enumerate(segments) for _ in counts]
-        self.seg_expert = torch.tensor(seg_expert, dtype=torch.long, device=device)
         self.recompute, self.setup, self.group = recompute, setup, group
         self.backward_flush = setup.backward if setup is not None else scaling.backward
-        self.scales = {"grad": torch.stack([m.scale for m in self.metas["grad"]]).float()}
-        for role in ("input", "weight"):
+        owners = [e for e, counts in enumerate(segments) for _ in counts]
+        self.seg_expert = None  # one segment per expert, in order: segments are experts
+        if owners != list(range(len(segments))):
+            self.seg_expert = _on_device(owners, device)
+        self.scales = {}
+        for role in ROLES:
             metas = self.metas[role]
-            if recompute:  # the first forward's scales (a meta without rows keeps its own)
-                scales = [m.scale if m.forward_scale is None else m.forward_scale for m in metas]
-            else:
-                scales = [m.scale for m in metas]
-                for e in self.active:
-                    metas[e].forward_scale = metas[e].scale
+            use_first = recompute and role != "grad"
+            scales = [m.forward_scale if use_first and m.forward_scale is not None else m.scale
+                      for m in metas]  # fmt: skip
             self.scales[role] = torch.stack(scales).float()
 
     def segment_scales(self, role: str) -> torch.Tensor:
         """Each segment's scale ([S]): its expert's."""
-        return self.scales[role][self.seg_expert]
+        scales = self.scales[role]
+        return scales if self.seg_expert is None else scales[self.seg_expert]
 
     def record(self, role: str, segment_amax: torch.Tensor) -> None:
         """Each segment's amax ([S]) into its expert's meta (the max of its segments')."""
+        if self.seg_expert is None:
+            return self.record_experts(role, segment_amax)
         experts = segment_amax.new_zeros(len(self.metas[role]))
         experts = experts.scatter_reduce(0, self.seg_expert, segment_amax.float(), "amax")
-        self.record_experts(role, experts)
+        return self.record_experts(role, experts)
 
     def record_experts(self, role: str, amax: torch.Tensor) -> None:
-        """Each expert's amax ([E]) recorded as its Fp8Linear records it: a forward's not in a
-        recompute, then flushed with the model's forward; a grad's always, flushed when the
+        """Every expert's amax ([E]) into its meta, as its Fp8Linear records it: a forward's
+        not in a recompute (without a setup, flushed now), a grad's always, flushed when the
         running backward ends."""
         if role != "grad" and self.recompute:
             return
-        metas = [self.metas[role][e] for e in self.active]
-        index = torch.tensor(self.active, dtype=torch.long, device=amax.device)
-        fp8_state.record_amaxes(metas, amax[index])
-        for meta in metas:
-            if role == "grad":
+        fp8_state.record_amaxes(self.metas[role], amax)
+        if role == "grad":
+            for meta in self.metas["grad"]:
                 self.backward_flush.expect(meta, self.group)
-            else:
-                fp8_state.forward_recorded(meta, self.setup)
-        if role == "grad" and metas:
             self.backward_flush.queue()
+        elif self.setup is None:
+            for meta in self.metas[role]:
+                fp8_state.forward_recorded(meta, None)
+
+
+def record_idle_experts(scaling, weight, segments, *, fp8_param, recompute, setup, group):
+    """The per-segment path's share of `schedule_expert_flushes`' rule for the experts without
+    rows, which get no Fp8Linear call: a high-precision weight's amax recorded (the grouped
+    path quantizes every expert's weight), and without a setup their forward metas flushed
+    (`group`: unused, as without a setup nothing is reduced)."""
+    del group
+    if recompute:
+        return
+    for e, counts in enumerate(segments):
+        if sum(counts) > 0:
+            continue
+        metas = scaling.experts[e].metas
+        if not fp8_param:
+            metas["weight"].record(amax_ignoring_nan(weight[e].detach()))
+        if setup is None:
+            for role in ("input",) if fp8_param else ("input", "weight"):
+                fp8_state.forward_recorded(metas[role], None)
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list as an int64 tensor on `device`, copied without waiting for the device's
+    queued work (torch.tensor(..., device=cuda) synchronizes the stream)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class ExpertWeight(QuantizedTensor):
@@ -235,11 +285,13 @@ def grouped_fp8_gemm(
     return torch.cat(outputs, dim=0)
 
 
-def _grouped_with_stats(sink, tokens, weight, segments, config: Fp8Config) -> torch.Tensor:
+def _grouped_with_stats(sink, tokens, weight, segments, config: Fp8Config, delayed=None):
     """`grouped_fp8_linear` under --log-fp8-stats: the tokens and (from a hook) the output's
     gradient per segment (per tensor: each its own scale), a high-precision weight per expert
     (its own scale, or 128x128 cells: each expert's rows padded to whole cells with zeros,
-    which never count)."""
+    which never count). delayed (`DelayedExperts`): as the per-segment path counts them."""
+    if delayed is not None:
+        return _delayed_grouped_with_stats(sink, tokens, weight, segments, config, delayed)
     if isinstance(segments, torch.Tensor):
         sizes = segments.reshape(-1)
     else:
@@ -261,6 +313,41 @@ def _grouped_with_stats(sink, tokens, weight, segments, config: Fp8Config) -> to
 
     def grad_stats(dy: torch.Tensor) -> None:
         sink("grad", fp8_stats_vector(dy, role="grad", segments=sizes, **args), dy.numel())
+
+    if output.requires_grad:
+        output.register_hook(grad_stats)
+    return output
+
+
+def _delayed_grouped_with_stats(sink, tokens, weight, segments, config, delayed):
+    """Delayed's statistics on the grouped call: per segment with rows, at its expert's scale,
+    as each Fp8Linear call of the per-segment path hands them over (input then weight in
+    segment order; the grads from the backward, last segment first)."""
+    args = dict(recipe=config.recipe, fp8_format=config.fp8_format, power_2_scale=False)
+    pieces = [(e, rows) for e, counts in enumerate(segments) for rows in counts]
+    starts = [0]
+    for _, rows in pieces:
+        starts.append(starts[-1] + rows)
+    plain_weight = not isinstance(weight, QuantizedTensor)
+    for s, (e, rows) in enumerate(pieces):
+        if rows == 0:
+            continue
+        piece = tokens[starts[s] : starts[s + 1]]
+        scale = delayed.scales["input"][e]
+        sink("input", fp8_stats_vector(piece, role="input", scale=scale, **args), piece.numel())
+        if plain_weight:
+            w, w_scale = weight[e].detach(), delayed.scales["weight"][e]
+            sink("weight", fp8_stats_vector(w, role="weight", scale=w_scale, **args), w.numel())
+    grad_scales = delayed.scales["grad"]
+    output = grouped_fp8_linear(tokens, weight, segments, config, delayed=delayed)
+
+    def grad_stats(dy: torch.Tensor) -> None:
+        for s in reversed(range(len(pieces))):
+            e, rows = pieces[s]
+            if rows:
+                piece = dy[starts[s] : starts[s + 1]]
+                vector = fp8_stats_vector(piece, role="grad", scale=grad_scales[e], **args)
+                sink("grad", vector, piece.numel())
 
     if output.requires_grad:
         output.register_hook(grad_stats)
@@ -381,6 +468,10 @@ class Fp8StackedLinear(nn.Module):
         """tokens_per_expert: a list, or the counts on the tokens' device (one segment per
         expert), which the grouped function reads there (no host sync); other paths read them
         on the host."""
+        enabled, config, group, setup = self._current_settings()
+        if torch.compiler.is_compiling() and enabled and config.spec.delayed:
+            # Delayed scaling's state is Python, updated as the experts run: not in a graph.
+            return _forward_outside_the_graph(self, tokens, tokens_per_expert, segments)
         if isinstance(tokens_per_expert, torch.Tensor):
             if segments is None and self.takes_device_counts(tokens):
                 segments = tokens_per_expert
@@ -391,10 +482,6 @@ class Fp8StackedLinear(nn.Module):
         on_device = isinstance(segments, torch.Tensor)
         if not on_device and [sum(counts) for counts in segments] != list(tokens_per_expert):
             raise ValueError("Fp8StackedLinear: segments must sum to tokens_per_expert")
-        enabled, config, group, setup = self._current_settings()
-        if torch.compiler.is_compiling() and enabled and config.spec.delayed:
-            # Delayed scaling's state is Python, updated as the experts run: not in a graph.
-            return _forward_outside_the_graph(self, tokens, tokens_per_expert, segments)
         if isinstance(self.weight, QuantizedTensor) and torch.compiler.is_compiling():
             return self._compiled_fp8_param_forward(tokens, tokens_per_expert, segments)
         weight = self.weight
@@ -408,25 +495,25 @@ class Fp8StackedLinear(nn.Module):
         if enabled and self.fp8_stats_on and not torch.compiler.is_compiling():
             if not fp8_state.in_recompute():
                 stats = functools.partial(self.fp8_stats_sink, self)
-        grouped = enabled and self.grouped and tokens.shape[0] > 0
-        # A delayed statistics step (the statistics read each expert's scale) runs per segment.
-        if grouped and grouped_path_applies(config, weight) and not (stats and config.spec.delayed):
-            if stats is not None:
-                return _grouped_with_stats(stats, tokens, weight, segments, config)
-            delayed = None
-            if config.spec.delayed:
-                recompute = fp8_state.in_recompute()
-                options = dict(recompute=recompute, setup=setup, group=group, device=tokens.device)
-                delayed = DelayedExperts(self.delayed_scaling, segments, **options)
-            return grouped_fp8_linear(tokens, weight, segments, config, delayed=delayed)
-        if fp8_param:
-            weight = _ExpertWeights.apply(weight)
         if not enabled:
             pieces = tokens.split(list(tokens_per_expert), dim=0)
             outputs = [F.linear(piece, weight[e].to(piece.dtype)) for e, piece in enumerate(pieces)]
             if not outputs:
                 return tokens.new_zeros(0, self.weight.shape[1])
             return torch.cat(outputs, dim=0)
+        delayed = None
+        if config.spec.delayed:  # both paths: every expert's metas, this call's rows or not
+            where = dict(recompute=fp8_state.in_recompute(), setup=setup, group=group)
+            scaling = self._delayed_scaling(config, where, tokens.device)
+            schedule_expert_flushes(scaling, fp8_param=fp8_param, **where)
+        if self.grouped and tokens.shape[0] > 0 and grouped_path_applies(config, weight):
+            if config.spec.delayed:
+                delayed = DelayedExperts(scaling, segments, device=tokens.device, **where)
+            if stats is not None:
+                return _grouped_with_stats(stats, tokens, weight, segments, config, delayed)
+            return grouped_fp8_linear(tokens, weight, segments, config, delayed=delayed)
+        if fp8_param:
+            weight = _ExpertWeights.apply(weight)
         recompute = fp8_state.in_recompute()
 
         def plan_for_expert(expert: int):
@@ -439,4 +526,14 @@ class Fp8StackedLinear(nn.Module):
                 plan.backward_flush = setup.backward if setup is not None else scaling.backward
             return plan
 
-        return grouped_fp8_gemm(tokens, weight, segments, plan_for_expert)
+        output = grouped_fp8_gemm(tokens, weight, segments, plan_for_expert)
+        if config.spec.delayed:
+            record_idle_experts(scaling, self.weight, segments, fp8_param=fp8_param, **where)
+        return output
+
+    def _delayed_scaling(self, config: Fp8Config, where: dict, device) -> ExpertDelayedScaling:
+        """This layer's delayed-scaling state; a layer built for another recipe fails with
+        `build_plan`'s message."""
+        if self.delayed_scaling is None:
+            build_plan(config, None, device=device, **{k: where[k] for k in ("recompute", "group")})
+        return self.delayed_scaling

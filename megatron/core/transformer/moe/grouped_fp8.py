@@ -33,8 +33,8 @@ accumulation fusion (an FP8 parameter with a main_grad_sink, fp8/main_grad.py): 
 gradient is written into the engine's grad buffer (fp32, or the buffer's bf16) and autograd
 gets none; compiled, dgrad and that write are one op, `::grouped_fp8_weight_backward`.
 delayed runs as tensorwise with each segment at its expert's delayed scale
-(`fp8_experts.DelayedExperts`: the scales of each role, and the amaxes recorded into the metas
-of the experts with rows), eagerly and on counts read on the host (its state is Python).
+(`fp8_experts.DelayedExperts`: the scales of each role, and every expert's amaxes recorded),
+eagerly and on counts read on the host (its state is Python).
 mxfp8 (no MXFP8 grouped GEMM) takes the per-segment path: `grouped_path_applies` is the one
 rule of which path runs.
 """

@@ -2,9 +2,12 @@
 fp8_experts.DelayedExperts) against the per-segment path (one Fp8Linear call per expert and
 segment), on CPU: over several steps inside fp8_autocast, the outputs, input and weight
 gradients are bitwise equal, and so is every expert's delayed-scaling state (scale and amax
-history of the input, weight and grad metas) after each step's flushes; an expert without
-rows keeps its state untouched on both paths. High-precision weights and FP8 parameters,
-ragged segments with an empty expert, and several segments per expert (expert parallelism)."""
+history of the input, weight and grad metas) after each step's flushes, under the rule both
+paths follow (`fp8_experts.schedule_expert_flushes`): every expert's metas are flushed on
+every call, an expert without rows recording amax 0 (its weight's amax: the weight's).
+High-precision weights and FP8 parameters, ragged segments with an empty expert, several
+segments per expert (expert parallelism), a recompute, and two gloo ranks routing to
+different experts."""
 
 from __future__ import annotations
 
@@ -125,8 +128,10 @@ def test_delayed_grouped_path_equals_the_per_segment_path_bitwise(
             for i in range(roles)
         ]
         has_rows = sum(segments[e]) > 0
-        # FP8 parameters: the engine quantizes the weight, so the module records no weight amax.
-        assert moved == [has_rows, has_rows and not fp8_param, has_rows], (e, moved)
+        # Every expert's weight amax is recorded, rows or not (an expert without rows records
+        # input and grad amax 0: those histories stay zeros); FP8 parameters: the engine
+        # quantizes the weight, so the module records none.
+        assert moved == [has_rows, not fp8_param, has_rows], (e, moved)
     assert after_got[2 * roles][0] != initial[2 * roles][0]  # expert 2's input scale moved
 
 
@@ -189,3 +194,39 @@ def test_cuda_delayed_grouped_path_equals_the_cpu_emulation(fp8_format):
             torch.testing.assert_close(a, b, rtol=2**-7, atol=bound)
         for (_, history_a), (_, history_b) in zip(_state(layers[0]), _state(layers[1])):
             torch.testing.assert_close(history_a.cpu(), history_b, rtol=2**-7, atol=0)
+
+
+def _two_ranks_with_different_idle_experts(rank: int, world_size: int, grouped: bool) -> list:
+    """Each rank's experts' scales after STEPS steps under `apply_fp8_setup` over both ranks,
+    each rank routing its tokens to other experts (rank 0 leaves expert 1 idle, rank 1 expert
+    0 and 1), with different data."""
+    import torch.distributed as dist
+
+    from megatron.core.fp8.linear import apply_fp8_setup
+
+    layer = _layer(torch.float32)
+    layer.grouped = grouped
+    apply_fp8_setup(layer, fp8_config=None, amax_reduction_group=dist.group.WORLD)
+    segments = [[40], [0], [56], [33]] if rank == 0 else [[0], [0], [70], [9]]
+    for step in range(STEPS):
+        rows = sum(sum(counts) for counts in segments)
+        generator = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(rows, IN, generator=generator) * (1 + 10 * rank)
+        tokens = x.requires_grad_()
+        y = layer(tokens, [sum(counts) for counts in segments], segments)
+        y.backward(torch.randn(rows, OUT, generator=generator) * (1 + rank))
+    return [meta.scale.item() for scaling in layer.delayed_scaling.experts
+            for meta in (scaling.metas[role] for role in ROLES)]  # fmt: skip
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_ranks_routing_to_different_experts_agree_on_every_expert_s_scales(grouped):
+    """Every local expert's metas join every flush, in expert order, on both paths: ranks
+    whose tokens went to different experts pack the same metas into the MAX all-reduce (it
+    paired one rank's expert 0 with another's expert 1, or sizes differed and gloo failed,
+    when only the experts with rows were flushed), so each expert's scales agree."""
+    from tests.unit_tests.dist_utils import run_distributed
+
+    scales = run_distributed(_two_ranks_with_different_idle_experts, 2, grouped, timeout=300)
+    assert scales[0] == scales[1]
+    assert len(set(scales[0])) > 3  # the scales moved, differently per expert and role
