@@ -402,9 +402,10 @@ def test_batched_weight_update_and_record_equal_one_meta_at_a_time(mixed_formats
 
 
 def test_record_amaxes_of_some_rows_in_any_order_writes_only_those():
-    # The experts' grouped call records the metas of the experts with rows only: some rows of
-    # the tensor a flush of more metas (the whole model's) left their histories in, in any
-    # order, in one maximum over those rows' slot 0; the other rows stay as they were.
+    # Some rows of the tensor a flush of more metas (the whole model's) left the histories in,
+    # in any order: `_rows_of` names them; consecutive rows are written in one maximum over a
+    # slice of slot 0 (the experts of one grouped call), others one meta at a time; the
+    # values are the per-meta records' either way, and the other rows stay as they were.
     config = Fp8Config(recipe="delayed", amax_history_len=4)
     metas = [autocast.ScalingMeta(fp8_dtype=E4M3, config=config) for _ in range(5)]
     for meta, amax in zip(metas, [1.0, 2.0, 3.0, 4.0, 5.0], strict=True):
@@ -419,3 +420,7 @@ def test_record_amaxes_of_some_rows_in_any_order_writes_only_those():
     want = before.clone()
     want[3, 0], want[0, 0] = max(before[3, 0], 0.5), 9.0
     assert torch.equal(base, want) and metas[0].amax_history[0] == 9.0
+    autocast.record_amaxes(metas[1:3], torch.tensor([7.0, 0.25]))  # consecutive: one slice
+    want[1, 0], want[2, 0] = 7.0, max(want[2, 0], 0.25)
+    assert torch.equal(base, want)
+    assert [m.amax_history._base is base for m in metas] == [True] * 5  # still views
