@@ -112,8 +112,8 @@ def schedule_expert_flushes(scaling, *, fp8_param, recompute, setup, group) -> N
     it records them (no collective). A recompute changes nothing."""
     if recompute:
         return
-    for expert in scaling.experts:
-        for role in ("input", "weight"):
+    for role in ("input", "weight"):  # role-major: a role's metas are consecutive rows after
+        for expert in scaling.experts:  # the flush, which `record_amaxes` writes in one slice
             meta = expert.metas[role]
             meta.forward_scale = meta.scale  # a recompute's forward quantizes at these
             if setup is not None and not (fp8_param and role == "weight"):

@@ -153,6 +153,20 @@ def test_a_recomputed_forward_keeps_the_per_segment_path_s_scales_and_records(se
             assert torch.equal(scale_a, scale_b) and torch.equal(history_a, history_b)
 
 
+def test_each_role_s_expert_metas_are_consecutive_rows_after_a_step():
+    """After a step's flushes each role's expert metas are consecutive rows of one tensor, so
+    the next call records each role's amaxes in one slice (`autocast.record_amaxes`), not
+    one small write per expert."""
+    from megatron.core.fp8 import autocast
+
+    layer = _layer(torch.bfloat16)
+    _step(layer, EP_SEGMENTS, 0, torch.bfloat16)
+    for role in ROLES:
+        histories = [s.metas[role].amax_history for s in layer.delayed_scaling.experts]
+        base, rows = autocast._rows_of(histories, shape=histories[0].shape)
+        assert base is not None and rows == list(range(rows[0], rows[0] + EXPERTS)), role
+
+
 def test_delayed_experts_read_their_counts_on_the_host():
     """The grouped call needs the experts with rows on the host (their metas alone record):
     a delayed layer never takes device counts."""
