@@ -12,6 +12,11 @@ from __future__ import annotations
 import argparse
 import ast
 
+import torch
+
+from megatron.core.fp8.config import Fp8Config
+from megatron.core.transformer.moe.grouped_fp8 import grouped_path_applies
+
 # TransformerConfig field -> flag attribute (dest) holding its value.
 MOE_CONFIG_FIELDS = {
     "num_moe_experts": "num_experts",
@@ -226,13 +231,7 @@ def moe_notes(args: argparse.Namespace) -> list[str]:
 
 
 def _looping_experts_note(recipe: str) -> list[str]:
-    """The note for a recipe whose experts loop, asked of the rule itself (imported here: the
-    flag layer imports no model code at import time)."""
-    import torch
-
-    from megatron.core.fp8.config import Fp8Config
-    from megatron.core.transformer.moe.grouped_fp8 import grouped_path_applies
-
+    """The note for a recipe whose experts loop, asked of the rule itself."""
     stacked = torch.empty(1, 1, 1, device="meta")  # a stacked [experts, out, in] weight
     if grouped_path_applies(Fp8Config(recipe=recipe), stacked):
         return []
