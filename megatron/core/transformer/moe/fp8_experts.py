@@ -43,6 +43,7 @@ from megatron.core.fp8.linear import Fp8Linear, build_plan, fp8_linear_apply
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.stats import fp8_stats_vector
 from megatron.core.numerics import amax_ignoring_nan
+from megatron.core.transformer.moe import grouped_operands as operands
 from megatron.core.transformer.moe.grouped_fp8 import grouped_fp8_linear, grouped_path_applies
 
 
@@ -177,12 +178,10 @@ class DelayedExperts:
                 fp8_state.forward_recorded(meta, None)
 
 
-def record_idle_experts(scaling, weight, segments, *, fp8_param, recompute, setup, group):
+def record_idle_experts(scaling, weight, segments, *, fp8_param, recompute, setup) -> None:
     """The per-segment path's share of `schedule_expert_flushes`' rule for the experts without
     rows, which get no Fp8Linear call: a high-precision weight's amax recorded (the grouped
-    path quantizes every expert's weight), and without a setup their forward metas flushed
-    (`group`: unused, as without a setup nothing is reduced)."""
-    del group
+    path quantizes every expert's weight), and without a setup their forward metas flushed."""
     if recompute:
         return
     for e, counts in enumerate(segments):
@@ -325,9 +324,7 @@ def _delayed_grouped_with_stats(sink, tokens, weight, segments, config, delayed)
     segment order; the grads from the backward, last segment first)."""
     args = dict(recipe=config.recipe, fp8_format=config.fp8_format, power_2_scale=False)
     pieces = [(e, rows) for e, counts in enumerate(segments) for rows in counts]
-    starts = [0]
-    for _, rows in pieces:
-        starts.append(starts[-1] + rows)
+    starts = operands.bounds([rows for _, rows in pieces])
     plain_weight = not isinstance(weight, QuantizedTensor)
     for s, (e, rows) in enumerate(pieces):
         if rows == 0:
@@ -528,12 +525,15 @@ class Fp8StackedLinear(nn.Module):
 
         output = grouped_fp8_gemm(tokens, weight, segments, plan_for_expert)
         if config.spec.delayed:
-            record_idle_experts(scaling, self.weight, segments, fp8_param=fp8_param, **where)
+            options = dict(fp8_param=fp8_param, recompute=recompute, setup=setup)
+            record_idle_experts(scaling, self.weight, segments, **options)
         return output
 
     def _delayed_scaling(self, config: Fp8Config, where: dict, device) -> ExpertDelayedScaling:
         """This layer's delayed-scaling state; a layer built for another recipe fails with
         `build_plan`'s message."""
         if self.delayed_scaling is None:
-            build_plan(config, None, device=device, **{k: where[k] for k in ("recompute", "group")})
+            build_plan(
+                config, None, recompute=where["recompute"], group=where["group"], device=device
+            )
         return self.delayed_scaling
