@@ -1,8 +1,9 @@
 """Host time of the routed experts' FP8 paths at tiny shapes, where compute is negligible:
 one forward and backward of Fp8StackedLinear inside fp8_autocast (delayed scaling flushes once
-per pass, as in training), per recipe. tensorwise and blockwise take the grouped path
-(moe/grouped_fp8.py), delayed and mxfp8 one Fp8Linear call per expert. On CPU the quantizers
-are the reference ones; on a GPU each is a Triton launch.
+per pass, as in training), per recipe. Every recipe takes the grouped path (moe/grouped_fp8.py;
+mxfp8 moe/grouped_mxfp8.py, where --width is a multiple of 32); the per-segment path is one
+Fp8Linear call per expert. On CPU the quantizers are the reference ones; on a GPU each is a
+Triton launch.
 
     python dev/time_expert_paths.py [--experts 64] [--tokens-per-expert 8] [--device cpu]
 """

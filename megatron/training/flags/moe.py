@@ -54,11 +54,12 @@ PERMUTE_FUSION_NOTE = (
 GROUPED_GEMM_NOTE = (
     "--moe-grouped-gemm: the routed experts always keep one stacked weight here. They run as "
     "one grouped GEMM in bf16 on CUDA (torch._grouped_mm; other dtypes and the CPU loop over "
-    "the experts) and under FP8 tensorwise, delayed and blockwise on any device (emulated on "
-    "CPU); under FP8 mxfp8 they loop over the experts."
+    "the experts) and under every FP8 recipe on any device (emulated on CPU; mxfp8 on its "
+    "dequantized bf16 values, as its dense GEMMs before Blackwell, where each expert Linear's "
+    "output dim is a multiple of 32, else they loop over the experts)."
 )
 # Why a recipe's experts loop where moe/grouped_fp8.grouped_path_applies (the rule) says so.
-PER_EXPERT_FP8_WHY = {"mxfp8": "no MXFP8 grouped GEMM is built"}
+PER_EXPERT_FP8_WHY = {"mxfp8": "a 32x1 mxfp8 cell would span two experts"}
 
 
 def _layer_freq_node(node: ast.AST) -> int | list[int]:
@@ -226,21 +227,32 @@ def moe_notes(args: argparse.Namespace) -> list[str]:
     if args.moe_grouped_gemm:
         notes.append(GROUPED_GEMM_NOTE)
     if args.num_experts is not None and args.fp8_recipe is not None:
-        notes += _looping_experts_note(args.fp8_recipe)
+        notes += _looping_experts_note(args)
     return notes
 
 
-def _looping_experts_note(recipe: str) -> list[str]:
-    """The note for a recipe whose experts loop, asked of the rule itself."""
-    stacked = torch.empty(1, 1, 1, device="meta")  # a stacked [experts, out, in] weight
-    if grouped_path_applies(Fp8Config(recipe=recipe), stacked):
+def _looping_experts_note(args: argparse.Namespace) -> list[str]:
+    """The note for experts that loop under the FP8 recipe at these shapes, asked of the rule
+    itself for each expert Linear's stacked [experts, out, in] weight (TransformerConfig's
+    widths: the expert width defaults to the FFN width, 4 x hidden by default)."""
+    recipe = args.fp8_recipe
+    ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size or 4 * args.hidden_size
+    widths = {"fc1": ffn * (2 if args.swiglu else 1), "fc2": args.hidden_size}
+    config = Fp8Config(recipe=recipe)
+    looping = [
+        f"{name} (output dim {out})"
+        for name, out in widths.items()
+        if not grouped_path_applies(config, torch.empty(1, out, 1, device="meta"))
+    ]
+    if not looping:
         return []
     why = PER_EXPERT_FP8_WHY.get(recipe, "no grouped path is built for it")
     return [
-        f"FP8 recipe {recipe} with --num-experts: the routed experts run one FP8 GEMM per "
-        f"expert here ({why}), not one grouped GEMM as under the other recipes. On M-small "
-        "(64 experts x 2 Linears x 8 layers) that is ~0.9 s of host time a step, ~9x its bf16 "
-        "step on an H100 (docs/PERFORMANCE.md, session 43)."
+        f"FP8 recipe {recipe} with --num-experts: the routed experts' {' and '.join(looping)} "
+        f"run one FP8 GEMM per expert here ({why}), not one grouped GEMM. That costs host "
+        "time: ~0.9 s a step on M-small's 64 experts x 2 Linears x 8 layers, ~9x its bf16 "
+        "step on an H100 (docs/PERFORMANCE.md, session 43); an output dim that is a multiple "
+        "of 32 groups them."
     ]
 
 

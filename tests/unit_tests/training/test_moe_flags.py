@@ -92,19 +92,24 @@ def _notes(argv: list[str]) -> list[str]:
     return list(build_run_config(parse_args(argv, world_size=1), world_size=1).logging.notes)
 
 
+@pytest.mark.parametrize("hidden", [64, 48])
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
-def test_experts_that_loop_under_an_fp8_recipe_are_logged(recipe):
-    """The note follows grouped_fp8.grouped_path_applies, the one rule of which recipes run the
-    experts grouped; dense models, bf16 and --fp8-format alone (delayed) get none."""
-    loops = not grouped_path_applies(Fp8Config(recipe=recipe), torch.empty(1, 1, 1))
-    assert loops == (recipe == "mxfp8")  # today's rule, so the test sees both cases
-    notes = [n for n in _notes(MOE + ["--fp8-recipe", recipe]) if n.startswith("FP8 recipe ")]
-    assert [n.split(" the routed")[0] for n in notes] == (
-        [f"FP8 recipe {recipe} with --num-experts:"] if loops else []
+def test_experts_that_loop_under_an_fp8_recipe_are_logged(recipe, hidden):
+    """The note follows grouped_fp8.grouped_path_applies, the one rule of which expert Linears
+    run grouped, at the model's shapes: under mxfp8 an output dim that is not a multiple of 32
+    (fc2's, the hidden size 48) loops; dense models, bf16 and --fp8-format alone get none."""
+    shape = ["--hidden-size", str(hidden), "--num-attention-heads", "4"]
+    loops = not grouped_path_applies(Fp8Config(recipe=recipe), torch.empty(1, hidden, 1))
+    assert loops == (recipe == "mxfp8" and hidden == 48)  # the test sees both cases
+    notes = [n for n in _notes(MOE + shape + ["--fp8-recipe", recipe]) if n.startswith("FP8 ")]
+    assert [n.split(" run one")[0] for n in notes] == (
+        [f"FP8 recipe {recipe} with --num-experts: the routed experts' fc2 (output dim 48)"]
+        if loops
+        else []
     )
     assert not [n for n in _notes(["--mock-data", "--fp8-recipe", recipe]) if "FP8 recipe" in n]
     for argv in (MOE, MOE + ["--fp8-format", "hybrid"]):
-        assert not [n for n in _notes(argv) if n.startswith("FP8 recipe ")]
+        assert not [n for n in _notes(argv + shape) if n.startswith("FP8 recipe ")]
 
 
 # Acceptance 7: (extra argv, world size, words the one error line must contain)

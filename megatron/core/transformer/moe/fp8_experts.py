@@ -13,11 +13,11 @@ so the bytes every GEMM reads do not depend on how tokens are grouped across ran
 expert-parallel layout changes only the order of fp32 sums (acceptance 1 of issue 38).
 
 `grouped_fp8_gemm` is a loop over segments through Fp8Linear's autograd function (every recipe;
-the reference). Where `grouped_fp8.grouped_path_applies` (tensorwise, delayed, blockwise), the
+the reference). Where `grouped_fp8.grouped_path_applies` (every recipe; mxfp8 by shape), the
 forward takes `grouped_fp8.grouped_fp8_linear` instead: the same rule in one autograd function
 over all experts, one quantize pass per operand and grouped GEMMs on CUDA (delayed with
-`DelayedExperts`, eagerly, under `schedule_expert_flushes`' rule); mxfp8 keeps the segment
-loop.
+`DelayedExperts`, eagerly, under `schedule_expert_flushes`' rule; mxfp8 through
+`grouped_mxfp8`, eagerly, where each expert's 32x1 cells are its own).
 
 FP8 parameters (--fp8-param-gather): Megatron-FSDP keeps the stacked weight as a
 QuantizedTensor [num_experts, out, in] whose scales have one leading dim per expert
@@ -140,7 +140,7 @@ class DelayedExperts:
         owners = [e for e, counts in enumerate(segments) for _ in counts]
         self.seg_expert = None  # one segment per expert, in order: segments are experts
         if owners != list(range(len(segments))):
-            self.seg_expert = _on_device(owners, device)
+            self.seg_expert = operands.on_device(owners, device)
         self.scales = {}
         for role in ROLES:
             metas = self.metas[role]
@@ -193,15 +193,6 @@ def record_idle_experts(scaling, weight, segments, *, fp8_param, recompute, setu
         if setup is None:
             for role in ("input",) if fp8_param else ("input", "weight"):
                 fp8_state.forward_recorded(metas[role], None)
-
-
-def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A host list as an int64 tensor on `device`, copied without waiting for the device's
-    queued work (torch.tensor(..., device=cuda) synchronizes the stream)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class ExpertWeight(QuantizedTensor):
@@ -351,6 +342,12 @@ def _delayed_grouped_with_stats(sink, tokens, weight, segments, config, delayed)
     return output
 
 
+def _host_counts(config: Fp8Config) -> bool:
+    """Recipes whose expert calls run eagerly, on counts read on the host: delayed (its
+    scaling state is Python, updated as the experts run) and mxfp8 (`grouped_mxfp8`)."""
+    return config.spec.delayed or config.spec.e8m0_scales
+
+
 @torch._dynamo.disable
 def _forward_outside_the_graph(module, tokens, tokens_per_expert, segments) -> torch.Tensor:
     """An Fp8StackedLinear forward run eagerly from a compiled caller (a graph break each
@@ -428,8 +425,7 @@ class Fp8StackedLinear(nn.Module):
             if weight is None or self._weight_stand_in_spec != config.spec:
                 return False
         grouped = enabled and self.grouped and tokens.shape[0] > 0
-        # delayed runs its grouped call eagerly, on counts read on the host (`forward`).
-        return grouped and not config.spec.delayed and grouped_path_applies(config, weight)
+        return grouped and not _host_counts(config) and grouped_path_applies(config, weight)
 
     def _compiled_fp8_param_forward(self, tokens, tokens_per_expert, segments) -> torch.Tensor:
         """An FP8 parameter in a compiled graph: its stand-in through the grouped function
@@ -466,8 +462,7 @@ class Fp8StackedLinear(nn.Module):
         expert), which the grouped function reads there (no host sync); other paths read them
         on the host."""
         enabled, config, group, setup = self._current_settings()
-        if torch.compiler.is_compiling() and enabled and config.spec.delayed:
-            # Delayed scaling's state is Python, updated as the experts run: not in a graph.
+        if torch.compiler.is_compiling() and enabled and _host_counts(config):
             return _forward_outside_the_graph(self, tokens, tokens_per_expert, segments)
         if isinstance(tokens_per_expert, torch.Tensor):
             if segments is None and self.takes_device_counts(tokens):

@@ -35,8 +35,9 @@ gets none; compiled, dgrad and that write are one op, `::grouped_fp8_weight_back
 delayed runs as tensorwise with each segment at its expert's delayed scale
 (`fp8_experts.DelayedExperts`: the scales of each role, and every expert's amaxes recorded),
 eagerly and on counts read on the host (its state is Python).
-mxfp8 (no MXFP8 grouped GEMM) takes the per-segment path: `grouped_path_applies` is the one
-rule of which path runs.
+mxfp8 (emulated: no MXFP8 GEMM before Blackwell) goes to `grouped_mxfp8.grouped_mxfp8_linear`,
+the same rule on dequantized values, also eagerly and on host counts. `grouped_path_applies` is
+the one rule of which path runs.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from megatron.core.fp8.main_grad import fuse_into_main_grad, has_main_grad_sink
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.fp8.recipe import recipe_spec
 from megatron.core.transformer.moe import grouped_emulation as emulation
+from megatron.core.transformer.moe import grouped_mxfp8
 from megatron.core.transformer.moe import grouped_operands as operands
 
 E4M3 = torch.float8_e4m3fn
@@ -70,8 +72,11 @@ buffer, packed without gaps: not always aligned; the Triton kernel takes any add
 def grouped_path_applies(config: Fp8Config, weight: torch.Tensor) -> bool:
     """Whether `grouped_fp8_linear` covers this call: a recipe with fp32 scales (tensorwise,
     delayed, blockwise) on a stacked [E, out, in] weight, high precision or FP8 parameter (its
-    recipe checked by the caller). mxfp8 takes the per-segment path."""
-    return not config.spec.e8m0_scales and weight.dim() == 3
+    recipe checked by the caller); mxfp8 through `grouped_mxfp8` where each expert's cells
+    are its own (`grouped_mxfp8.applies`), else the per-segment path."""
+    if config.spec.e8m0_scales:
+        return grouped_mxfp8.applies(config.spec, weight)
+    return weight.dim() == 3
 
 
 def _torch_mm_applies(a, b, recipe, out_dtype) -> bool:
@@ -533,7 +538,10 @@ def grouped_fp8_linear(
     An FP8 parameter with a main_grad_sink gets its dW written there (gradient accumulation
     fusion); a stand-in's owner says so through `fused_wgrad` (a graph cannot look it up).
     delayed (recipe delayed, segments on the host, run eagerly): the experts' scaling state for
-    this call, `fp8_experts.DelayedExperts` (each role's scales, and where amaxes go)."""
+    this call, `fp8_experts.DelayedExperts` (each role's scales, and where amaxes go).
+    mxfp8 (segments on the host, run eagerly): `grouped_mxfp8.grouped_mxfp8_linear`."""
+    if config.spec.e8m0_scales:
+        return grouped_mxfp8.grouped_mxfp8_linear(tokens, weight, segments, config)
     rows = tokens.shape[0]
     if isinstance(segments, torch.Tensor):
         seg_sizes = segments.to(device=tokens.device, dtype=torch.int64)

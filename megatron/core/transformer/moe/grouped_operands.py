@@ -54,6 +54,15 @@ def bounds(sizes: list[int]) -> list[int]:
     return starts
 
 
+def on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list as an int64 tensor on `device`, copied without waiting for the device's
+    queued work (torch.tensor(..., device=cuda) synchronizes the stream)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def chunk_bounds(seg_sizes: list[int], block: int) -> list[int]:
     """Where each segment's 128-row cells start in a columnwise scale grid (and their total)."""
     return bounds([-(-size // block) for size in seg_sizes])
@@ -171,7 +180,7 @@ def quantize_rows(x: torch.Tensor, *, spec: RecipeSpec, role, fp8_dtype, power_2
     return row.data, row.scale_inv  # as the quantizer lays it out (the kernel takes strides)
 
 
-def _padded(x: torch.Tensor, position: torch.Tensor, length: int) -> torch.Tensor:
+def padded_copy(x: torch.Tensor, position: torch.Tensor, length: int) -> torch.Tensor:
     """x's rows at `position` in `length` zero rows (as quantizing each segment alone pads it;
     zeros past the last segment)."""
     return x.new_zeros(length, x.shape[1]).index_copy_(0, position, x)
@@ -213,7 +222,7 @@ def quantize_segment_operands(
     position: `padded_positions` of these segments for spec.block when the caller has them."""
     if position is None:
         position = padded_positions(seg_ids, seg_sizes, spec.block)
-    padded = _padded(x, position, length)
+    padded = padded_copy(x, position, length)
     options = dict(spec=spec, role=role, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
     row, col = _quantize_operands(padded, transposed=True, **options)  # col: [K, P]
     # The rows' scales gathered along M in the grid's own order ([K/128, M] from the fused

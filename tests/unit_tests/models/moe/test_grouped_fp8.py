@@ -6,7 +6,8 @@ CPU: bitwise equal (torch.equal) in forward, input gradient and weight gradient,
 bf16 tokens, each fp8 format and power-of-2 scales, on ragged segments with empty experts and
 empty segments, and with three segments of one expert (the weight gradient sums them last
 segment first, as autograd sums the reference's per-segment contributions). It compiles with
-fullgraph=True. mxfp8 takes the reference path (asserted; delayed's grouped path:
+fullgraph=True. mxfp8 at this output dim (48, not a multiple of its 32-row cell) takes the
+reference path (asserted; its grouped path: test_grouped_mxfp8.py; delayed's:
 test_grouped_fp8_delayed.py). The CUDA fallbacks' scale layouts are checked on CPU through
 grouped_gemm.py's kernel emulation.
 GPU (H200): torch._scaled_grouped_mm and the Triton kernels equal the CPU emulation within the
@@ -89,7 +90,7 @@ def test_three_segments_of_one_expert_are_summed_in_the_reference_order():
 
 @pytest.mark.parametrize("recipe", ["mxfp8"])
 def test_other_recipes_take_the_per_segment_path(recipe, monkeypatch):
-    """mxfp8 (no MXFP8 grouped GEMM); delayed's grouped path: test_grouped_fp8_delayed.py."""
+    """mxfp8 where an expert's 32x1 cells would span two experts (OUT 48)."""
     calls = []
     monkeypatch.setattr(
         "megatron.core.transformer.moe.fp8_experts.grouped_fp8_linear",
