@@ -35,7 +35,7 @@ def main() -> None:
     want_dw = torch.stack([g.t() @ a for a, g in zip(xs, dys)])
     for recipe in ("tensorwise", "blockwise", "delayed", "mxfp8"):
         config = Fp8Config(recipe=recipe, fp8_format="hybrid")
-        grouped_too = grouped_path_applies(config, w)  # delayed, mxfp8: per segment only
+        grouped_too = grouped_path_applies(config, w)  # mxfp8: where OUT is a multiple of 32
         for grouped in (True, False) if grouped_too else (False,):
             layer = Fp8StackedLinear(EXPERTS, IN, OUT, fp8_config=config, dtype=torch.float32)
             with torch.no_grad():

@@ -14,10 +14,10 @@ every recipe, one spawn per expert-parallel size (all recipes in it):
   source segments locally, then 2 ranks; EP 1: 4 ranks) flips FP8 roundings, measured by step
   20: delayed 4.3e-5 (bitwise to step 12), tensorwise 7.7e-5 (bitwise to step 9), blockwise
   and mxfp8 bitwise.
-- the experts' path: tensorwise and blockwise run every expert Linear through the one grouped
-  FP8 function (moe/grouped_fp8.py, reading the FP8 parameters' bytes as gathered), delayed
-  and mxfp8 through the per-segment loop. The grouped function gave these runs the same 20
-  losses as the per-segment loop, bitwise, at EP 1 and EP 2 (checked when it was built)."""
+- the experts' path: every recipe runs every expert Linear through the one grouped FP8
+  function (moe/grouped_fp8.py; mxfp8 moe/grouped_mxfp8.py), reading the FP8 parameters'
+  bytes as gathered. The grouped function gave these runs the same 20 losses as the
+  per-segment loop, bitwise, at EP 1 and EP 2 (checked when it was built)."""
 
 from __future__ import annotations
 

@@ -540,7 +540,9 @@ def grouped_fp8_linear(
     delayed (recipe delayed, segments on the host, run eagerly): the experts' scaling state for
     this call, `fp8_experts.DelayedExperts` (each role's scales, and where amaxes go).
     mxfp8 (segments on the host, run eagerly): `grouped_mxfp8.grouped_mxfp8_linear`."""
-    if config.spec.e8m0_scales:
+    if config.spec.e8m0_scales:  # eager, on the weight itself (no stand-in, no fusion flag)
+        if stand_in or delayed is not None:
+            raise ValueError("mxfp8's grouped call takes neither a stand-in nor delayed state")
         return grouped_mxfp8.grouped_mxfp8_linear(tokens, weight, segments, config)
     rows = tokens.shape[0]
     if isinstance(segments, torch.Tensor):

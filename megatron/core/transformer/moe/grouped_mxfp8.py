@@ -75,15 +75,13 @@ def _token_values(t, config: Fp8Config, role: str, dtype, *, rowwise: bool, colu
     return _values(row, dtype), _values(col, dtype)
 
 
-def _padded_segments(t, sizes: list[int], block: int) -> tuple[torch.Tensor, list[int]]:
-    """t's segments each zero-padded to whole `block`-row cells, in one copy, and the padded
-    sizes (host lists: this path runs on host counts)."""
-    seg_sizes = operands.on_device(sizes, t.device)
-    position = operands.padded_positions(
-        operands.segment_ids(seg_sizes, t.shape[0]), seg_sizes, block
-    )
+def _padded_positions(sizes: list[int], rows: int, block: int, device) -> tuple:
+    """Each row's row in the segments' padded copy (each segment zero-padded to whole
+    `block`-row cells) and the padded sizes (host lists: this path runs on host counts)."""
+    seg_sizes = operands.on_device(sizes, device)
+    seg_ids = operands.segment_ids(seg_sizes, rows)
     padded = [-(-size // block) * block for size in sizes]
-    return operands.padded_copy(t, position, sum(padded)), padded
+    return operands.padded_positions(seg_ids, seg_sizes, block), padded
 
 
 def _stacked_values(weight, config: Fp8Config, dtype, usage: str) -> torch.Tensor:
@@ -165,6 +163,9 @@ def _wgrad(dy_t, x_t, padded: list[int], sizes: list[int], seg_expert, shape, ou
     if _grouped_mm_runs(dy_t, x_t, (*shape[1:], dy_t.shape[1])):
         ends = _expert_ends(padded, seg_expert, shape[0], dy_t.device)
         product = torch._grouped_mm(dy_t, x_t.t(), offs=ends)
+        # An empty group's result is not zeros on every GPU (pytorch/pytorch#172439, sm_100).
+        for expert in set(range(shape[0])) - {e for e, n in zip(seg_expert, sizes) if n}:
+            product[expert].zero_()
         return product if product.dtype == out_dtype else product.to(out_dtype)
     out = dy_t.new_zeros(shape, dtype=out_dtype)
     starts = operands.bounds(padded)
@@ -214,16 +215,18 @@ def _weight_gradient(ctx, dy, tokens, weight) -> torch.Tensor | None:
     autograd gets None)."""
     sizes, seg_expert = ctx.layout
     _, w_dtype, dtype = ctx.dtypes
+    position, padded = _padded_positions(sizes, dy.shape[0], ctx.config.spec.block, dy.device)
     columns = []
     for t, role in ((dy, "grad"), (tokens, "input")):
-        padded_t, padded = _padded_segments(t, sizes, ctx.config.spec.block)
+        padded_t = operands.padded_copy(t, position, sum(padded))
         options = dict(rowwise=False, columnwise=True)
         columns.append(_token_values(padded_t, ctx.config, role, dtype, **options)[1])
-    args = (*columns, padded, sizes, seg_expert, weight.shape, w_dtype)
+    args = (*columns, padded, sizes, seg_expert, weight.shape)
     if ctx.fp8_param and has_main_grad_sink(weight):
-        fuse_into_main_grad(weight, lambda target, accumulate: False, lambda d: _wgrad(*args).to(d))
+        # Made in the buffer's dtype (fp32 where a later micro-batch adds it), then written.
+        fuse_into_main_grad(weight, lambda target, accumulate: False, lambda d: _wgrad(*args, d))
         return None
-    return _wgrad(*args)
+    return _wgrad(*args, w_dtype)
 
 
 def grouped_mxfp8_linear(tokens, weight, segments: list[list[int]], config: Fp8Config):

@@ -21,7 +21,7 @@ from megatron.core.fp8 import Fp8Config
 from megatron.core.fp8.formats import fp8_dtype_for_role
 from megatron.core.fp8.quantization import quantize
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
-from megatron.core.transformer.moe import fp8_experts, grouped_mxfp8
+from megatron.core.transformer.moe import fp8_experts, grouped_mxfp8, grouped_operands
 from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
 from tests.unit_tests.fp8.test_gradient_accumulation_fusion import BufferSink
 
@@ -166,11 +166,26 @@ def test_mxfp8_fp8_parameter_main_grad_sink_gets_the_weight_gradient(segments):
     assert torch.equal(sink.grad(fused.weight), want[2] + want[2])
 
 
+def test_a_bf16_fp8_parameter_sink_gets_the_fp32_product():
+    """fuse_into_main_grad's rule: dW made in the buffer's dtype (fp32), so rounding it to bf16
+    gives the unfused bf16 grad where each expert has one segment, and the sink kept more."""
+    x, dy = _data(SEGMENTS, torch.bfloat16)
+    want = _run(_layer(torch.bfloat16, fp8_param=True), x, dy, SEGMENTS, grouped=True)
+    fused = _layer(torch.bfloat16, fp8_param=True)
+    sink = BufferSink([fused.weight])
+    fused.weight.main_grad_sink = sink
+    _run(fused, x, dy, SEGMENTS, grouped=True)
+    got = sink.grad(fused.weight)
+    assert got.dtype == torch.float32 and torch.equal(got.to(torch.bfloat16), want[2])
+    assert not torch.equal(got, want[2].float())
+
+
 def test_token_columnwise_copy_equals_quantizing_each_segment_alone():
     config = _config()
     sizes = [40, 0, 24, 33, 3]
     x, _ = _data([sizes], torch.float32)
-    padded, padded_sizes = grouped_mxfp8._padded_segments(x, sizes, 32)
+    position, padded_sizes = grouped_mxfp8._padded_positions(sizes, x.shape[0], 32, x.device)
+    padded = grouped_operands.padded_copy(x, position, sum(padded_sizes))
     assert padded_sizes == [64, 0, 32, 64, 32] and padded.shape == (192, IN)
     _, col = grouped_mxfp8._token_values(
         padded, config, "input", torch.float32, rowwise=False, columnwise=True
