@@ -5,8 +5,9 @@ Three kinds (docs/MEGATRON_LM_FLAGS.md lists every flag and what it does here):
   decoupled learning rate, fp16 loss scaling, profiling, manual GC, logging switches ...);
 - knobs of code we do not have (TransformerEngine, apex fusions, NCCL user buffers, async
   checkpoint workers): accepted, and the log says once why each given one does not apply;
-- features we have not built (model parallelism above 1, MoE, MTP, ...): refused at parse time
-  with one message that names every such flag of the command line.
+- features we have not built (pipeline and context parallelism above 1, the flex MoE
+  dispatcher, ...): refused at parse time with one message that names every such flag of the
+  command line (MoE, MTP and tensor parallelism are built: flags/moe.py, tensor_parallel.py).
 
 Parse-time code, like arguments.py and checks.py: it adds flags to the parser and maps
 and checks their values in the argparse Namespace before configs.build_run_config reads it, so
@@ -59,8 +60,8 @@ def _add_sharding_and_model(group) -> None:
         action="store_true",
         help="Shard the model with PyTorch's FSDP2 (fully_shard per transformer layer and on the "
         "model; fp32 shards, --bf16 compute, fp32 grad reduce-scatter, bf16 with "
-        "--grad-reduce-in-bf16). Not with FP8, --fp16 or checkpoints (use --use-megatron-fsdp "
-        "for those).",
+        "--grad-reduce-in-bf16; torch_dist checkpoints). Not with FP8 or --fp16 (use "
+        "--use-megatron-fsdp for those).",
     )
     group.add_argument(
         "--recompute-method",
