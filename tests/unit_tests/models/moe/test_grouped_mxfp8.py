@@ -24,8 +24,13 @@ from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.transformer.moe import fp8_experts, grouped_mxfp8, grouped_operands
 from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
 from tests.unit_tests.fp8.test_gradient_accumulation_fusion import BufferSink
+from tests.unit_tests.models.moe.test_grouped_fp8_blockwise_params import (
+    EXPERTS as _SAME_EXPERTS,
+)
+from tests.unit_tests.models.moe.test_grouped_fp8_blockwise_params import _assert_bitwise
 
 EXPERTS, IN, OUT = 4, 80, 64  # K not a multiple of 32: a short last cell
+assert EXPERTS == _SAME_EXPERTS  # _assert_bitwise checks that many experts' gradients
 SEGMENTS = [[40], [0], [56], [33]]  # expert 1 without rows
 EP_SEGMENTS = [[40, 24], [0, 0], [0, 56], [30, 3]]  # two source ranks, empty segments
 MANY_SEGMENTS = [[20, 17, 9], [5], [0], [11, 0, 2]]  # three segments of one expert
@@ -94,14 +99,6 @@ def _counting(monkeypatch) -> list:
         grouped_mxfp8, "grouped_mxfp8_linear", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     return calls
-
-
-def _assert_bitwise(got, want, segments):
-    for a, b in zip(got, want, strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    wgrad_max = [want[2][e].abs().max() for e in range(EXPERTS)]
-    assert [m > 0 for m in wgrad_max] == [sum(counts) > 0 for counts in segments]
-    assert want[0].abs().max() > 1.0
 
 
 @pytest.mark.parametrize("segments", [SEGMENTS, EP_SEGMENTS, MANY_SEGMENTS])
