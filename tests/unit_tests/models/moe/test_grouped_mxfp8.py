@@ -9,8 +9,9 @@ columnwise bytes as the engine keeps them), whose backward reads the bytes gathe
 whose dW goes to its main_grad_sink when it has one. The columnwise copy of the tokens equals
 quantizing each segment alone. An output dim that is not a multiple of 32 keeps the
 per-segment path, and a compiled caller runs the call outside its graph, as delayed's.
-GPU: torch._grouped_mm on the bf16 values equals the per-segment path's bf16 GEMMs within
-bf16 rounding (both multiply the same exact values with fp32 accumulation)."""
+GPU: torch._grouped_mm on the bf16 values equals the per-segment path's bf16 GEMMs within a
+few bf16 roundings of the largest value (both multiply the same exact values with fp32
+accumulation; a layout error would be off by the values themselves)."""
 
 from __future__ import annotations
 
@@ -239,7 +240,9 @@ def test_cuda_grouped_mxfp8_equals_the_per_segment_path_within_bf16_rounding(seg
     got = _run(layer, x, dy, segments, grouped=True)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
-        bound = 2.0**-7 * b.float().abs().max()  # a bf16 rounding of the largest value
+        # bf16 roundings of the largest value: an output's, or (several segments of one
+        # expert) the per-segment path's rounded products and their bf16 sum.
+        bound = 2.0**-6 * b.float().abs().max()
         assert (a.float() - b.float()).abs().max() <= bound
     empty = [e for e, counts in enumerate(segments) if sum(counts) == 0]
     assert all(got[2][e].abs().max() == 0 for e in empty)
