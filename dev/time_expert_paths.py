@@ -6,6 +6,7 @@ Fp8Linear call per expert. On CPU the quantizers are the reference ones; on a GP
 Triton launch.
 
     python dev/time_expert_paths.py [--experts 64] [--tokens-per-expert 8] [--device cpu]
+        [--per-segment]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def time_recipe(recipe: str, args: argparse.Namespace) -> float:
         args.experts, args.width, args.width, fp8_config=config, dtype=torch.bfloat16,
         device=args.device,
     )  # fmt: skip
+    layer.grouped = not args.per_segment
     counts = torch.full((args.experts,), args.tokens_per_expert, device=args.device)
     x = torch.randn(int(counts.sum()), args.width, dtype=torch.bfloat16, device=args.device)
 
@@ -56,12 +58,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--per-segment", action="store_true", help="the per-segment path (one call per expert)"
+    )
+    parser.add_argument(
         "--recipes", nargs="+", default=["tensorwise", "blockwise", "delayed", "mxfp8"]
     )
     args = parser.parse_args()
     for recipe in args.recipes:
         ms = time_recipe(recipe, args)
-        print(f"{recipe}: {ms:.1f} ms per forward and backward of {args.experts} experts")
+        path = "per-segment" if args.per_segment else "grouped"
+        print(f"{recipe} ({path}): {ms:.1f} ms per forward and backward of {args.experts} experts")
 
 
 if __name__ == "__main__":
