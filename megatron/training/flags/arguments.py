@@ -294,8 +294,7 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         help="torch: one file set on rank 0 (default under DDP); torch_dist: sharded with "
         "torch.distributed.checkpoint, loadable at any data-parallel size and under any engine "
         "(DDP, Megatron-FSDP or FSDP2; default with Megatron-FSDP, FSDP2, TP > 1 or EP > 1); "
-        "fsdp_dtensor: "
-        "Megatron-FSDP's name for the same DTensor layout (needs --use-megatron-fsdp).",
+        "fsdp_dtensor: Megatron-FSDP's name for it (needs --use-megatron-fsdp).",
     )
     group.add_argument(
         "--async-save",

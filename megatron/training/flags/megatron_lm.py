@@ -6,8 +6,7 @@ Three kinds (docs/MEGATRON_LM_FLAGS.md lists every flag and what it does here):
 - knobs of code we do not have (TransformerEngine, apex fusions, NCCL user buffers, async
   checkpoint workers): accepted, and the log says once why each given one does not apply;
 - features we have not built (pipeline and context parallelism above 1, the flex MoE
-  dispatcher, ...): refused at parse time with one message that names every such flag of the
-  command line (MoE, MTP and tensor parallelism are built: flags/moe.py, tensor_parallel.py).
+  dispatcher, ...): refused at parse time in one message naming every such flag of the line.
 
 Parse-time code, like arguments.py and checks.py: it adds flags to the parser and maps
 and checks their values in the argparse Namespace before configs.build_run_config reads it, so
