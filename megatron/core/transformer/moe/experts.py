@@ -20,23 +20,15 @@ import torch
 from torch import nn
 
 from megatron.core.transformer.mlp import gelu, swiglu
+from megatron.core.transformer.moe import grouped_operands as operands
 from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-# torch._grouped_mm (CUDA) needs row strides that are multiples of 16 bytes.
-_GROUPED_MM_ALIGN_BYTES = 16
-
 
 def _grouped_mm_runs(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch._grouped_mm covers tokens [N, in] @ weight [E, out, in]^T: CUDA bf16 with
-    16-byte-aligned rows. Its CPU kernel has no backward (torch 2.13), so CPU always takes
-    the loop of mm."""
-    if not (tokens.is_cuda and tokens.dtype == torch.bfloat16 == weight.dtype):
-        return False
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    align = _GROUPED_MM_ALIGN_BYTES // tokens.element_size()
-    return weight.shape[2] % align == 0 and weight.shape[1] % align == 0
+    """torch._grouped_mm covers tokens [N, in] @ weight [E, out, in]^T
+    (`grouped_operands.bf16_grouped_mm_applies`); elsewhere the loop of mm."""
+    return operands.bf16_grouped_mm_applies(tokens, weight, weight.shape[1:])
 
 
 def grouped_gemm(

@@ -124,18 +124,10 @@ def _fp8_param_operand(weight: QuantizedTensor, usage: str, dtype) -> Fp8Operand
     return backend_for(data).weight_operand(matrix, usage, compute_dtype=dtype)
 
 
-def _grouped_mm_runs(a: torch.Tensor, b: torch.Tensor, dims: tuple[int, ...]) -> bool:
-    """torch._grouped_mm takes bf16 CUDA operands whose strides (`dims`: every dim but the
-    ragged one) are multiples of 16 bytes."""
-    if not (a.is_cuda and a.dtype == torch.bfloat16 == b.dtype and hasattr(torch, "_grouped_mm")):
-        return False
-    return all(dim % 8 == 0 for dim in dims)
-
-
 def _segment_mm(a, b, sizes: list[int], seg_expert: list[int], out_dtype) -> torch.Tensor:
     """a [M, C] (rows in segments of `sizes`) x b [E, D, C]: rows of segment s @ b[expert]^T
     -> [M, D] in out_dtype, products in the values' dtype."""
-    if _grouped_mm_runs(a, b, b.shape[1:]):
+    if operands.bf16_grouped_mm_applies(a, b, b.shape[1:]):
         ends = _expert_ends(sizes, seg_expert, b.shape[0], a.device)
         product = torch._grouped_mm(a, b.transpose(1, 2), offs=ends)
         return product if product.dtype == out_dtype else product.to(out_dtype)
@@ -160,7 +152,7 @@ def _wgrad(dy_t, x_t, padded: list[int], sizes: list[int], seg_expert, shape, ou
     """dW [E, N, K]: per segment (dy_s^T values) @ (x_s^T values)^T, from the padded
     transposed copies dy_t [N, P] and x_t [K, P], rounded to out_dtype, each expert's
     segments summed last first (an expert without rows: zeros)."""
-    if _grouped_mm_runs(dy_t, x_t, (*shape[1:], dy_t.shape[1])):
+    if operands.bf16_grouped_mm_applies(dy_t, x_t, (*shape[1:], dy_t.shape[1])):
         ends = _expert_ends(padded, seg_expert, shape[0], dy_t.device)
         product = torch._grouped_mm(dy_t, x_t.t(), offs=ends)
         # An empty group's result is not zeros on every GPU (pytorch/pytorch#172439, sm_100).

@@ -63,6 +63,15 @@ def on_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def bf16_grouped_mm_applies(a: torch.Tensor, b: torch.Tensor, dims) -> bool:
+    """torch._grouped_mm (CUDA) takes bf16 operands a and b whose row strides, `dims` (every
+    dim but the ragged one), are multiples of 16 bytes. Its CPU kernel has no backward (torch
+    2.13): CPU callers loop."""
+    if not (a.is_cuda and a.dtype == torch.bfloat16 == b.dtype and hasattr(torch, "_grouped_mm")):
+        return False
+    return all(dim % (16 // a.element_size()) == 0 for dim in dims)
+
+
 def chunk_bounds(seg_sizes: list[int], block: int) -> list[int]:
     """Where each segment's 128-row cells start in a columnwise scale grid (and their total)."""
     return bounds([-(-size // block) for size in seg_sizes])
