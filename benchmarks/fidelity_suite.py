@@ -390,6 +390,8 @@ def summarize(rows: list[dict], recipes: list[str], tolerance: float) -> list[di
         epochs = next((row.get("epochs") for row in rows if row["job"] == job), None)
         for recipe in recipes:
             summary = paired_ratio_summary(losses.get(recipe, {}), bf16, tolerance=tolerance)
+            if recipe == CONTROL:  # not a recipe's verdict: the spread the recipes are read against
+                summary["verdict"] = "the floor: bf16 against itself"
             bf16_mean = sum(bf16.values()) / len(bf16) if bf16 else None
             summaries.append(
                 dict(job=job, card=card, epochs=epochs, recipe=recipe, bf16_mean=bf16_mean)
