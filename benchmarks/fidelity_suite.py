@@ -165,9 +165,8 @@ def model_flags(size: str, iters: int, compile_: bool, mbs: int) -> list[str]:
 
 
 CONTROL = "bf16_repeat"
-"""--repeat-control's run: bf16 again at the same seed, paired with bf16 like a recipe. Its
-ratio is the noise floor: on a GPU, kernels that accumulate in a run-dependent order (atomic
-adds) make two same-seed runs drift apart, and training amplifies any such difference."""
+"""--repeat-control's run: bf16 again at the same seed, paired with bf16 like a recipe: the noise
+floor (GPU kernels that accumulate in a run-dependent order make same-seed runs drift apart)."""
 
 
 def recipe_flags(recipe: str, iters: int) -> list[str]:
@@ -390,8 +389,8 @@ def summarize(rows: list[dict], recipes: list[str], tolerance: float) -> list[di
         epochs = next((row.get("epochs") for row in rows if row["job"] == job), None)
         for recipe in recipes:
             summary = paired_ratio_summary(losses.get(recipe, {}), bf16, tolerance=tolerance)
-            if recipe == CONTROL:  # not a recipe's verdict: the spread the recipes are read against
-                summary["verdict"] = "the floor: bf16 against itself"
+            if recipe == CONTROL:  # not a verdict: the spread the recipes are read against
+                summary.update(verdict="the floor: bf16 against itself")
             bf16_mean = sum(bf16.values()) / len(bf16) if bf16 else None
             summaries.append(
                 dict(job=job, card=card, epochs=epochs, recipe=recipe, bf16_mean=bf16_mean)
