@@ -19,7 +19,7 @@ from unittest import mock
 
 import torch
 
-from megatron.core.fp8 import stats as stats_module
+from megatron.core import fused_pass
 from megatron.core.fp8.stats import fp8_stats_vector
 from tests.unit_tests.fp8.test_fp8_stats_chunked import old_stats_vector
 
@@ -40,7 +40,7 @@ def _timed(fn, device: str) -> float:
 
 def _case(x, *, recipe: str, role: str, variant: str, iters: int) -> tuple[dict, list[float]]:
     function, fused = VARIANTS[variant]
-    with mock.patch.object(stats_module, "fused_on", lambda device: fused):
+    with mock.patch.object(fused_pass, "fused_on", lambda device: fused):
         return _measured(x, function, recipe=recipe, role=role, iters=iters)
 
 

@@ -7,14 +7,12 @@ fractions that saturate and that flush to zero, by `quantize`'s rules (reference
 
 from __future__ import annotations
 
-import functools
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from megatron.core import fused_pass
 from megatron.core.fp8.formats import fp8_dtype_for_role, fp8_max
 from megatron.core.fp8.recipe import RecipeSpec, recipe_spec
 from megatron.core.fp8.reference import block_scales, saturating_cast
@@ -60,40 +58,12 @@ def _as_blocks(chunk: torch.Tensor, cell: tuple[int, int]) -> torch.Tensor:
     return padded.reshape(grid_rows, cell_rows, grid_cols, cell_cols)
 
 
-def fused_on(device: torch.device) -> bool:
-    """Whether a pass on device is one compiled kernel on the whole tensor (else eager, chunked)."""
-    return device.type == "cuda"
-
-
-def _fused(fn: Callable) -> Callable:
-    """fn compiled where `fused_on` (dynamic shapes; its own stance, as statistics steps run
-    force_eager, and recompile limit); a failed compile warns once, fn runs eagerly after."""
-    compiled, failed = torch.compile(fn, fullgraph=True, dynamic=True), []
-
-    @functools.wraps(fn)
-    def run(chunk: torch.Tensor, *args):
-        if failed or not fused_on(chunk.device) or torch.compiler.is_compiling():
-            return fn(chunk, *args)
-        try:
-            limit = torch._dynamo.config.patch(recompile_limit=128)  # a recipe's graphs passed 8
-            with torch.compiler.set_stance("default"), limit:
-                return compiled(chunk, *args)
-        except Exception as error:  # Dynamo and Inductor raise many types
-            failed.append(error)
-            cause = error.__cause__ or error.__context__ or ""  # "Hard failure ..." hides why
-            message = f"fp8 stats: {fn.__name__} runs eagerly, compile failed: {error} ({cause})"
-            warnings.warn(message, stacklevel=2)
-            return fn(chunk, *args)
-
-    return run
-
-
-@_fused
+@fused_pass.fused
 def _chunk_amax(chunk: torch.Tensor, cell: tuple[int, int]) -> torch.Tensor:
     return amax_ignoring_nan(_as_blocks(chunk, cell), dim=(1, 3))  # NaN as 0, as `quantize`
 
 
-@_fused
+@fused_pass.fused
 def _chunk_counts(chunk, multiplier, cell: tuple[int, int], fp8_dtype) -> torch.Tensor:
     """[saturated, flushed, nonzero] of a chunk whose cells quantize with `multiplier` (its grid
     rows, or [1, 1]): |x * m| > fp8_max, and non-zeros whose byte (`saturating_cast`) is +-0."""
@@ -159,7 +129,7 @@ def fp8_stats_vector(
     spec, fp8_dtype = recipe_spec(recipe), fp8_dtype_for_role(fp8_format, role)
     x2d = x.reshape(-1, x.shape[-1])
     cell = spec.block_shape(role, columnwise=False) or (1, x2d.shape[1])  # per tensor: by rows
-    chunks = [(0, len(x2d))] if fused_on(x.device) else row_chunks(*x2d.shape, cell[0])
+    chunks = [(0, len(x2d))] if fused_pass.fused_on(x.device) else row_chunks(*x2d.shape, cell[0])
     if segments is not None and (cell[0] > 1 or amax is not None):  # amax: one for all rows
         raise ValueError(f"{recipe} {role}: segments take no amax= and no {cell[0]}-row cells")
     options = (scale, amax, power_2_scale, segments)

@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from megatron.core import fused_pass
 from megatron.core.fp8 import stats as stats_module
 from megatron.core.fp8.formats import E4M3, E5M2, fp8_dtype_for_role, fp8_max
 from megatron.core.fp8.quantization import quantize
@@ -185,7 +186,7 @@ def test_fused_passes_equal_eager(small_chunks, monkeypatch):
     x = _edge_tensor(300, 200, torch.bfloat16, seed=11)
     cases = (("mxfp8", "grad", None), ("delayed", "input", torch.tensor(0.125)))
     eager = [fp8_stats_vector(x, recipe=r, role=role, scale=s).tolist() for r, role, s in cases]
-    monkeypatch.setattr(stats_module, "fused_on", lambda device: True)
+    monkeypatch.setattr(fused_pass, "fused_on", lambda device: True)
     torch._dynamo.reset()
     counters.clear()
     with torch.compiler.set_stance("force_eager"):
@@ -196,13 +197,13 @@ def test_fused_passes_equal_eager(small_chunks, monkeypatch):
 
 
 def test_a_failed_fused_compile_warns_once_and_runs_eagerly(monkeypatch):
-    monkeypatch.setattr(stats_module, "fused_on", lambda device: True)
+    monkeypatch.setattr(fused_pass, "fused_on", lambda device: True)
 
     def breaks(chunk: torch.Tensor) -> torch.Tensor:
         torch._dynamo.graph_break()  # fullgraph=True: the compile raises
         return chunk.sum()
 
-    run = stats_module._fused(breaks)
+    run = fused_pass.fused(breaks)
     with pytest.warns(UserWarning, match="breaks runs eagerly, compile failed"):
         assert run(torch.ones(3)).item() == 3.0
     with warnings.catch_warnings():
@@ -213,7 +214,7 @@ def test_a_failed_fused_compile_warns_once_and_runs_eagerly(monkeypatch):
 def test_a_failed_compile_warning_names_the_hidden_cause(monkeypatch):
     # torch 2.11 on the H100 reported only "Hard failure due to fullgraph=True" (session 42):
     # the warning carries the chained exception that says why.
-    monkeypatch.setattr(stats_module, "fused_on", lambda device: True)
+    monkeypatch.setattr(fused_pass, "fused_on", lambda device: True)
 
     def hard_failure(*args, **kwargs):
         try:
@@ -222,7 +223,7 @@ def test_a_failed_compile_warning_names_the_hidden_cause(monkeypatch):
             raise RuntimeError("Hard failure due to fullgraph=True") from reason
 
     monkeypatch.setattr(torch, "compile", lambda fn, **options: hard_failure)
-    run = stats_module._fused(lambda chunk: chunk.sum())
+    run = fused_pass.fused(lambda chunk: chunk.sum())
     with pytest.warns(UserWarning) as caught:
         assert run(torch.ones(3)).item() == 3.0
     assert str(caught[0].message).endswith(
@@ -237,7 +238,7 @@ def test_every_recipe_in_one_process_keeps_the_fused_passes(monkeypatch):
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", functools.partial(real_compile, backend="eager"))
     for name in ("_chunk_amax", "_chunk_counts"):
-        fused_fn = stats_module._fused(getattr(stats_module, name).__wrapped__)
+        fused_fn = fused_pass.fused(getattr(stats_module, name).__wrapped__)
         monkeypatch.setattr(stats_module, name, fused_fn)
     seeded = torch.Generator().manual_seed
     cases = [
@@ -256,7 +257,7 @@ def test_every_recipe_in_one_process_keeps_the_fused_passes(monkeypatch):
         ]
 
     eager = vectors()
-    monkeypatch.setattr(stats_module, "fused_on", lambda device: True)
+    monkeypatch.setattr(fused_pass, "fused_on", lambda device: True)
     torch._dynamo.reset()
     counters.clear()
     try:

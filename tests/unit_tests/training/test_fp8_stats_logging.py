@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
+from megatron.core import fused_pass
 from megatron.core.fp8 import Fp8Config
-from megatron.core.fp8 import stats as fp8_stats_module
 from megatron.core.fp8.compile import prepare_for_compile
 from megatron.core.fp8.linear import Fp8Linear
 from megatron.training.flags.arguments import parse_args
@@ -226,7 +226,7 @@ def test_fused_statistics_passes_in_a_compiled_layer_statistics_step(monkeypatch
     counters.clear()
     compiled, _ = step(False)
     eager_out, eager_stats = step(True)
-    monkeypatch.setattr(fp8_stats_module, "fused_on", lambda device: True)
+    monkeypatch.setattr(fused_pass, "fused_on", lambda device: True)
     fused_out, fused_stats = step(True)
     again, _ = step(False)
     assert torch.equal(fused_out, eager_out) and torch.equal(again, compiled)

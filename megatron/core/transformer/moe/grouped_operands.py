@@ -13,7 +13,9 @@ Tokens [M, K] sorted by expert, in segments (the rows of one expert from one sou
   cells for sizes known on the host, for sizes on the device the most any sizes can need),
   segment s's cells at `chunk_bounds[s]`).
 Segment sizes are read on the device (a tensor): nothing here waits for the host to know
-them, so a compiled MoE layer keeps one graph.
+them, so a compiled MoE layer keeps one graph. The per-tensor token passes are torch ops that a
+compiled layer fuses; called eagerly (delayed scaling's experts, --no-torch-compile) they run
+as one compiled kernel on CUDA (`fused_pass.fused`) rather than a kernel per op.
 Blockwise operands come from the dense Fp8Linear's quantizers (`backend_for(x)`: the fused
 CUDA kernels on a GPU, the reference elsewhere; the same bytes), run once on the padded
 tokens or on the stacked weight's padded rows.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.core import fused_pass
 from megatron.core.fp8.cuda.grouped_gemm import transpose_bytes
 from megatron.core.fp8.quantization import backend_for
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
@@ -95,6 +98,7 @@ def padded_positions(seg_ids: torch.Tensor, seg_sizes: torch.Tensor, block: int)
     return rows - starts[seg_ids] + padded_at[seg_ids]
 
 
+@fused_pass.fused
 def quantize_segments(
     x: torch.Tensor,
     seg_ids: torch.Tensor,
@@ -114,6 +118,7 @@ def quantize_segments(
     return _cast_segments(x, seg_ids, scale, fp8_dtype)
 
 
+@fused_pass.fused
 def quantize_segments_at(
     x: torch.Tensor, seg_ids: torch.Tensor, scale: torch.Tensor, *, fp8_dtype, tiles=None
 ) -> tuple[Operand, torch.Tensor]:

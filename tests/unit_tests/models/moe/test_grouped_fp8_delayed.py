@@ -11,10 +11,14 @@ different experts."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
+from megatron.core import fused_pass
 from megatron.core.fp8 import Fp8Config
 from megatron.core.fp8.autocast import fp8_autocast
 from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
@@ -176,6 +180,41 @@ def test_delayed_experts_read_their_counts_on_the_host():
         EXPERTS, IN, OUT, fp8_config=Fp8Config(recipe="tensorwise"), dtype=torch.float32
     )
     assert tensorwise.takes_device_counts(torch.zeros(3, IN))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_eager_token_passes_compiled_give_the_eager_bytes(recipe, monkeypatch):
+    """Called eagerly (delayed's experts always, any recipe without --torch-compile), the
+    per-tensor token passes run as one compiled kernel on CUDA (`fused_pass.fused`); compiled
+    here on CPU, over STEPS steps with EP segments, outputs, gradients and delayed state are
+    bitwise those of the eager passes, with graphs compiled and no fallback."""
+    use = [False]
+    monkeypatch.setattr(fused_pass, "fused_on", lambda device: use[0])
+    layers = []
+    for _ in range(2):
+        layer = _layer(torch.bfloat16)
+        if recipe != "delayed":
+            layer = Fp8StackedLinear(
+                EXPERTS, IN, OUT, fp8_config=Fp8Config(recipe=recipe), dtype=torch.bfloat16
+            )
+            layer.weight.data.copy_(layers[0].weight.data if layers else layer.weight.data)
+        layer.grouped = True
+        layers.append(layer)
+    torch._dynamo.reset()
+    counters.clear()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*runs eagerly, compile failed")
+        for step in range(STEPS):
+            outs = []
+            for fused in (False, True):
+                use[0] = fused
+                outs.append(_step(layers[fused], EP_SEGMENTS, step, torch.bfloat16))
+            for a, b in zip(*outs, strict=True):
+                assert torch.equal(a, b)
+            if recipe == "delayed":
+                for (scale_a, history_a), (scale_b, history_b) in zip(*map(_state, layers)):
+                    assert torch.equal(scale_a, scale_b) and torch.equal(history_a, history_b)
+    assert counters["stats"]["unique_graphs"] >= 2  # the input and grad passes compiled
 
 
 FAST_ACCUM_BOUND = 2e-3  # of the output's max|.|, as test_grouped_fp8.py's GPU twin
