@@ -25,6 +25,7 @@ from megatron.core.fp8.formats import ROLES, fp8_dtype_for_role
 from megatron.core.fp8.quantization import quantize
 from megatron.core.fp8.quantized_tensor import QuantizedTensor
 from megatron.core.transformer.moe import fp8_experts
+from megatron.core.transformer.moe import grouped_operands as operands
 from megatron.core.transformer.moe.fp8_experts import Fp8StackedLinear
 
 EXPERTS, IN, OUT = 4, 64, 48
@@ -192,12 +193,11 @@ def test_eager_token_passes_compiled_give_the_eager_bytes(recipe, monkeypatch):
     monkeypatch.setattr(fused_pass, "fused_on", lambda device: use[0])
     layers = []
     for _ in range(2):
-        layer = _layer(torch.bfloat16)
+        layer = _layer(torch.bfloat16)  # seeded weights
         if recipe != "delayed":
-            layer = Fp8StackedLinear(
-                EXPERTS, IN, OUT, fp8_config=Fp8Config(recipe=recipe), dtype=torch.bfloat16
-            )
-            layer.weight.data.copy_(layers[0].weight.data if layers else layer.weight.data)
+            seeded, config = layer.weight.data, Fp8Config(recipe=recipe)
+            layer = Fp8StackedLinear(EXPERTS, IN, OUT, fp8_config=config, dtype=torch.bfloat16)
+            layer.weight.data.copy_(seeded)
         layer.grouped = True
         layers.append(layer)
     torch._dynamo.reset()
@@ -210,11 +210,43 @@ def test_eager_token_passes_compiled_give_the_eager_bytes(recipe, monkeypatch):
                 use[0] = fused
                 outs.append(_step(layers[fused], EP_SEGMENTS, step, torch.bfloat16))
             for a, b in zip(*outs, strict=True):
-                assert torch.equal(a, b)
+                assert a.isfinite().all() and torch.equal(a.view(torch.int16), b.view(torch.int16))
             if recipe == "delayed":
                 for (scale_a, history_a), (scale_b, history_b) in zip(*map(_state, layers)):
                     assert torch.equal(scale_a, scale_b) and torch.equal(history_a, history_b)
     assert counters["stats"]["unique_graphs"] >= 2  # the input and grad passes compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("role", ["input", "grad"])
+def test_cuda_compiled_segment_passes_give_the_eager_bytes_and_scales(role, monkeypatch):
+    """The GPU twin of the test above at the pass itself: on CUDA the compiled per-tensor
+    segment passes (Inductor's Triton kernels, whose fp32 `/` is approximate: the scales divide
+    in fp64, `reference.scale_from_amax`) give the eager passes' bytes, scale_inv and amaxes bit
+    for bit, for segments of amaxes over 60 binades (and an empty one)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (the CPU twin forces the compile above)")
+    sizes = torch.tensor([300, 0, 1, 4096, 77, 1000], device="cuda")
+    seg_ids = torch.repeat_interleave(torch.arange(len(sizes), device="cuda"), sizes)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    magnitude = torch.exp2(torch.randint(-30, 30, (len(sizes),), device="cuda").float())
+    x = (
+        torch.randn(len(seg_ids), 256, device="cuda", generator=generator)
+        * magnitude[seg_ids, None]
+    )
+    x = x.to(torch.bfloat16)
+    fp8_dtype = fp8_dtype_for_role("hybrid", role)
+    scale = torch.rand(len(sizes), device="cuda", generator=generator) * 100
+    results = []
+    for compiled in (False, True):
+        monkeypatch.setattr(fused_pass, "fused_on", lambda device, on=compiled: on)
+        current = operands.quantize_segments(
+            x, seg_ids, len(sizes), fp8_dtype=fp8_dtype, power_2_scale=False
+        )
+        at, amax = operands.quantize_segments_at(x, seg_ids, scale, fp8_dtype=fp8_dtype)
+        results.append([t.view(torch.uint8) for t in (*current, *at, amax)])
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
 
 
 FAST_ACCUM_BOUND = 2e-3  # of the output's max|.|, as test_grouped_fp8.py's GPU twin
