@@ -13,9 +13,9 @@ Tokens [M, K] sorted by expert, in segments (the rows of one expert from one sou
   cells for sizes known on the host, for sizes on the device the most any sizes can need),
   segment s's cells at `chunk_bounds[s]`).
 Segment sizes are read on the device (a tensor): nothing here waits for the host to know
-them, so a compiled MoE layer keeps one graph. The per-tensor token passes are torch ops that a
-compiled layer fuses; called eagerly (delayed scaling's experts, --no-torch-compile) they run
-as one compiled kernel on CUDA (`fused_pass.fused`) rather than a kernel per op.
+them, so a compiled MoE layer keeps one graph. The per-tensor token and weight passes are
+torch ops that a compiled layer fuses; called eagerly (delayed scaling's experts,
+--no-torch-compile) they run compiled on CUDA (`fused_pass.fused`), not a kernel per op.
 Blockwise operands come from the dense Fp8Linear's quantizers (`backend_for(x)`: the fused
 CUDA kernels on a GPU, the reference elsewhere; the same bytes), run once on the padded
 tokens or on the stacked weight's padded rows.
@@ -245,6 +245,7 @@ def quantize_segment_operands(
     return rows, (col.data.contiguous(), col.scale_inv.contiguous())
 
 
+@fused_pass.fused
 def expert_amax(weight: torch.Tensor) -> torch.Tensor:
     """Each expert's max|w| of a stacked weight [E, N, K] ([E] fp32)."""
     return amax_ignoring_nan(weight, dim=(1, 2))
@@ -257,11 +258,7 @@ def quantize_experts(
     (per tensor: [E]; blockwise 128x128 cells: [E, ceil(N/128), ceil(K/128)]). scale: per
     tensor, the experts' given scales ([E]: delayed scaling's) instead of their amaxes'."""
     if spec.per_tensor:
-        if scale is None:
-            amax = expert_amax(weight)
-            scale = scale_from_amax(amax, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
-        scaled = weight.to(torch.float32) * scale[:, None, None]
-        return saturating_cast(scaled, fp8_dtype).view(fp8_dtype), reciprocal(scale)
+        return _experts_per_tensor(weight, scale, fp8_dtype=fp8_dtype, power_2_scale=power_2_scale)
     # Each expert's rows padded to whole 128-row cells, so that no cell straddles two experts.
     experts, n, k = weight.shape
     n_pad = -(-n // spec.block) * spec.block
@@ -271,6 +268,17 @@ def quantize_experts(
     data = row.data.view(torch.uint8).reshape(experts, n_pad, k)[:, :n].contiguous()
     scale_inv = row.scale_inv.contiguous().reshape(experts, n_pad // spec.block, -1)
     return data.view(fp8_dtype), scale_inv
+
+
+@fused_pass.fused
+def _experts_per_tensor(weight, scale, *, fp8_dtype, power_2_scale: bool) -> Operand:
+    """`quantize_experts` per tensor: each expert at its scale ([E]; None: its amax's)."""
+    if scale is None:
+        scale = scale_from_amax(
+            expert_amax(weight), fp8_dtype=fp8_dtype, power_2_scale=power_2_scale
+        )
+    scaled = weight.to(torch.float32) * scale[:, None, None]
+    return saturating_cast(scaled, fp8_dtype).view(fp8_dtype), reciprocal(scale)
 
 
 def stacked_operand(stacked: QuantizedTensor) -> Operand:
