@@ -1,7 +1,7 @@
 """Eager passes of many elementwise ops run as a few fused kernels on CUDA: `fused(fn)`.
 
 A pass that runs outside any compiled graph (the FP8 statistics of a statistics step; the
-routed experts' token quantization under delayed scaling, which runs eagerly on host counts)
+routed experts' token and weight quantization under delayed scaling, eager on host counts)
 would otherwise launch one kernel per torch op, each reading and writing a full-size tensor.
 `fused` compiles fn once with dynamic shapes (token counts change every step) where `fused_on`
 says so, and calls fn itself inside a graph being traced (the caller's compile inlines it) and

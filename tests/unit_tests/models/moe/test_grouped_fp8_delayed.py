@@ -230,7 +230,8 @@ def test_cuda_compiled_segment_passes_give_the_eager_bytes_and_scales(role, monk
     sizes = torch.tensor([300, 0, 1, 4096, 77, 1000], device="cuda")
     seg_ids = torch.repeat_interleave(torch.arange(len(sizes), device="cuda"), sizes)
     generator = torch.Generator(device="cuda").manual_seed(1)
-    magnitude = torch.exp2(torch.randint(-30, 30, (len(sizes),), device="cuda").float())
+    exponents = torch.randint(-30, 30, (len(sizes),), device="cuda", generator=generator)
+    magnitude = torch.exp2(exponents.float())
     x = (
         torch.randn(len(seg_ids), 256, device="cuda", generator=generator)
         * magnitude[seg_ids, None]
