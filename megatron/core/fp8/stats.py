@@ -7,6 +7,7 @@ fractions that saturate and that flush to zero, by `quantize`'s rules (reference
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +23,10 @@ from megatron.core.numerics import amax_ignoring_nan
 @dataclass(frozen=True)
 class Fp8TensorStats:
     """Statistics of one quantization (python numbers, for a log line or TensorBoard): amax
-    max|x| (NaN as 0); scale the quantize multiplier (several: their median); the saturated
-    fraction of all elements (|x * scale| > fp8_max: the cast clamps them); the underflow
-    fraction of the non-zero elements (quantized to zero)."""
+    max|x| (NaN as 0); scale the quantize multiplier (several: their median, over the cells
+    that are not all zero); the saturated fraction of all elements (those the cast's clamp
+    changes: `saturation_bound`); the underflow fraction of the non-zero elements (quantized
+    to zero)."""
 
     recipe: str
     role: str
@@ -63,13 +65,25 @@ def _chunk_amax(chunk: torch.Tensor, cell: tuple[int, int]) -> torch.Tensor:
     return amax_ignoring_nan(_as_blocks(chunk, cell), dim=(1, 3))  # NaN as 0, as `quantize`
 
 
+def saturation_bound(fp8_dtype: torch.dtype) -> tuple[float, bool]:
+    """(bound, ties_saturate): |x * m| past fp8_max + half its ulp would round past the format's
+    largest value, so the cast's clamp changes it (between fp8_max and the bound the clamped
+    byte is the rounded one). At the bound itself round-to-nearest-even goes up when fp8_max's
+    last mantissa bit is odd (E5M2: 57344 -> 65536), down when it is even (E4M3: 448)."""
+    largest = fp8_max(fp8_dtype)
+    ulp = 2.0 ** math.floor(math.log2(largest)) * torch.finfo(fp8_dtype).eps
+    return largest + ulp / 2, (largest / ulp) % 2 == 1
+
+
 @fused_pass.fused
 def _chunk_counts(chunk, multiplier, cell: tuple[int, int], fp8_dtype) -> torch.Tensor:
     """[saturated, flushed, nonzero] of a chunk whose cells quantize with `multiplier` (its grid
-    rows, or [1, 1]): |x * m| > fp8_max, and non-zeros whose byte (`saturating_cast`) is +-0."""
+    rows, or [1, 1]): values the clamp changes (`saturation_bound`), and non-zeros whose byte
+    (`saturating_cast`) is +-0."""
     blocks = _as_blocks(chunk, cell)
     scaled = blocks.to(torch.float32) * multiplier[:, None, :, None]
-    saturated = (scaled.abs() > fp8_max(fp8_dtype)).sum()
+    bound, ties_saturate = saturation_bound(fp8_dtype)
+    saturated = (scaled.abs() >= bound if ties_saturate else scaled.abs() > bound).sum()
     zero_byte = saturating_cast(scaled, fp8_dtype).bitwise_and(0x7F) == 0
     return torch.stack([saturated, (blocks.ne(0) & zero_byte).sum(), blocks.ne(0).sum()])
 
@@ -139,8 +153,11 @@ def fp8_stats_vector(
         rows = grid if grid.numel() == 1 else grid[start // cell[0] : -(-stop // cell[0])]
         counts += _chunk_counts(x2d[start:stop], rows, cell, fp8_dtype)
     used = ~flat.isnan()  # the scales quantize used: NaN for an empty segment's
+    # An all-zero cell's scale (1) says nothing of the data: left out while any cell is not.
+    nonzero_cells = used & (cell_amax.reshape(-1) > 0)
+    used = torch.where(nonzero_cells.any(), nonzero_cells, used)
     low, high = flat.where(used, float("inf")).amin(), flat.where(used, float("-inf")).amax()
-    parts = [cell_amax.amax(), flat.nanmedian(), low, high, used.sum()]
+    parts = [cell_amax.amax(), flat.where(used, float("nan")).nanmedian(), low, high, used.sum()]
     return torch.cat([torch.stack([p.to(torch.float64) for p in parts]), counts.double()])
 
 

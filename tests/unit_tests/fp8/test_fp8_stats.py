@@ -3,7 +3,9 @@
 The references use only the format facts: E4M3 max 448 and smallest subnormal 2^-9, E5M2
 max 57344 and smallest subnormal 2^-16. A non-zero value flushes to zero exactly when
 |x * scale| <= half the smallest subnormal (round to nearest even ties to 0), and saturates
-when |x * scale| > max.
+when rounding would leave the format (so the cast's clamp changes it): |x * scale| > 464 for
+E4M3 (448 + half its ulp of 32; the tie goes to 448's even mantissa), >= 61440 for E5M2
+(57344 + half its ulp of 8192; the tie goes up, to 65536).
 """
 
 import numpy as np
@@ -19,6 +21,7 @@ from megatron.core.fp8.stats import (
 )
 
 FORMAT = {E4M3: (448.0, 2.0**-9), E5M2: (57344.0, 2.0**-16)}
+SATURATES = {E4M3: lambda a: a > 464.0, E5M2: lambda a: a >= 61440.0}
 
 
 def _pow2_floor(v: np.ndarray) -> np.ndarray:
@@ -58,7 +61,8 @@ def _reference(x, recipe, role, fp8_dtype, scale=None):
     fp8_max, smallest = FORMAT[fp8_dtype]
     scaled = np.abs(x * _reference_multiplier(x, recipe, role, fp8_max, scale))
     nonzero = x != 0
-    return (scaled > fp8_max).mean(), (nonzero & (scaled <= smallest / 2)).sum() / nonzero.sum()
+    saturated = SATURATES[fp8_dtype](scaled).mean()
+    return saturated, (nonzero & (scaled <= smallest / 2)).sum() / nonzero.sum()
 
 
 def _wide_range_tensor(seed: int) -> torch.Tensor:
@@ -131,3 +135,40 @@ def test_vector_without_sync_reads_back_to_the_same_stats():
     )
     assert stats == fp8_tensor_stats(x, recipe="blockwise", role="weight")
     assert stats.underflow_fraction == fields["flushed"] / 65531
+
+
+@pytest.mark.parametrize(
+    "role, values, saturated",
+    [
+        ("input", [448.0, 460.0, 464.0, 464.5, 500.0], [False, False, False, True, True]),
+        ("grad", [57344.0, 61439.0, 61440.0, 70000.0], [False, False, True, True]),
+    ],
+)
+def test_saturated_means_the_clamp_changed_the_value(role, values, saturated):
+    # Delayed at scale 1: the count is of the values that round past the format's max, i.e.
+    # where the clamp to max changes the byte. Rounded to the format's precision with no range
+    # limit (a quarter of the value is in range, cast by torch, times 4), the same ones do.
+    fp8_dtype = E5M2 if role == "grad" else E4M3
+    x = torch.tensor([values])
+    rounded = (x / 4).to(fp8_dtype).float() * 4
+    assert (rounded[0] > FORMAT[fp8_dtype][0]).tolist() == saturated  # torch's rounding agrees
+    stats = fp8_tensor_stats(x, recipe="delayed", role=role, scale=torch.tensor(1.0))
+    assert stats.saturated_fraction == sum(saturated) / len(values)
+
+
+def test_an_amax_rounded_one_ulp_past_max_is_not_saturated():
+    # 448 / 4.84375 rounds up in fp32: the amax scales to 448.00003, whose byte is 448's anyway.
+    x = torch.tensor([[4.84375, 1.0, -2.0, 0.5]])
+    stats = fp8_tensor_stats(x, recipe="tensorwise", role="input")
+    scaled = torch.tensor(4.84375) * torch.tensor(stats.scale, dtype=torch.float32)
+    assert scaled.item() > 448.0  # the case: past max by less than half an ulp
+    assert stats.saturated_fraction == 0.0
+
+
+def test_all_zero_cells_are_left_out_of_the_scale_summary():
+    x = torch.zeros(8, 128)
+    x[0], x[1], x[2] = 1.0, 2.0, 448.0  # 1x128 cells: scales 256, 128, 1 (power of 2)
+    stats = fp8_tensor_stats(x, recipe="blockwise", role="input")
+    assert (stats.scale_min, stats.scale, stats.scale_max, stats.num_scales) == (1.0, 128, 256, 3)
+    stats = fp8_tensor_stats(torch.zeros(4, 128), recipe="blockwise", role="input")
+    assert stats.num_scales == 4 and stats.scale == 1.0  # nothing but zeros: the scales used

@@ -33,19 +33,21 @@ ROLES = ("input", "weight", "grad")
 
 
 def old_stats_vector(x, *, recipe, role, scale=None, amax=None):
-    """The formulas fp8_stats_vector used before the chunked passes (NaN as 0 in amaxes)."""
+    """The formulas fp8_stats_vector used before the chunked passes (NaN as 0 in amaxes), with
+    session 46's two rules (saturation where the clamp changes a value; no all-zero cells in the
+    scale summary)."""
     spec = recipe_spec(recipe)
     fp8_dtype = fp8_dtype_for_role("hybrid", role)
     x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
     cell = spec.block_shape(role, columnwise=False) or tuple(x2d.shape)
     magnitude = torch.nan_to_num(x2d.abs(), nan=0.0)
+    rows, cols = x2d.shape
+    grid_rows, grid_cols = -(-rows // cell[0]), -(-cols // cell[1])
+    padded = F.pad(magnitude, (0, grid_cols * cell[1] - cols, 0, grid_rows * cell[0] - rows))
+    cell_amax = padded.reshape(grid_rows, cell[0], grid_cols, cell[1]).amax(dim=(1, 3))
     if spec.delayed:
         grid = scale.to(torch.float32).reshape(1, 1)
     else:
-        rows, cols = x2d.shape
-        grid_rows, grid_cols = -(-rows // cell[0]), -(-cols // cell[1])
-        padded = F.pad(magnitude, (0, grid_cols * cell[1] - cols, 0, grid_rows * cell[0] - rows))
-        cell_amax = padded.reshape(grid_rows, cell[0], grid_cols, cell[1]).amax(dim=(1, 3))
         grid, _ = block_scales(
             cell_amax if amax is None else amax.reshape(1, 1),
             spec=spec,
@@ -58,11 +60,14 @@ def old_stats_vector(x, *, recipe, role, scale=None, amax=None):
     dequantized = q.dequantize(torch.float32).reshape(x2d.shape)
     nonzero = x2d != 0
     flat = grid.reshape(-1)
+    if (cell_amax > 0).any():  # the scale summary leaves all-zero cells out (since session 46)
+        flat = flat[cell_amax.reshape(-1) > 0]
     parts = [magnitude.amax(), flat.median(), flat.amin(), flat.amax()]
-    parts += [
-        torch.tensor(flat.numel(), device=x.device),
-        (scaled.abs() > fp8_max(fp8_dtype)).sum(),
-    ]
+    # Saturated: the values that round past max (the clamp changes them; since session 46):
+    # E4M3 past 448 + 16, E5M2 from 57344 + 4096 on (round-to-nearest-even ties go up there).
+    largest = fp8_max(fp8_dtype)
+    saturated = scaled.abs() > 464.0 if largest == 448.0 else scaled.abs() >= 61440.0
+    parts += [torch.tensor(flat.numel(), device=x.device), saturated.sum()]
     parts += [(nonzero & (dequantized == 0)).sum(), nonzero.sum()]
     return torch.stack([part.to(torch.float64) for part in parts])
 
