@@ -18,7 +18,11 @@ run's training loss on one page; needs matplotlib, skipped with a message withou
     # one device call's share of a job longer than a call (10 minutes): the logs stay in
     # --out between calls (a carried folder), each call runs the next 5 runs not yet done
     # (plan order is seed by seed, bf16 first: 5 runs are one seed's bf16 and 4 recipes, so
-    # each pair runs on one call's card; pairs across cards are not formed, see summarize)
+    # each pair runs on one call's card; pairs across cards are not formed, see summarize,
+    # but a seed's runs from two calls on cards of one name do pair: records say which call
+    # ran which). A run's result is its validation loss at its last iteration
+    # (benchmarks/fidelity_results.py); a kept log or checkpoint made by another command is
+    # refused (exit 2).
     python3 benchmarks/fidelity_suite.py --out .fid/suite --corpus english \
         --english-dir .fid/english --size 128m --iters 3000 --micro-batch-size 4 --skip-done \
         --max-runs 5 --parallel 5
@@ -56,8 +60,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.fidelity_stats import paired_ratio_summary  # noqa: E402
-from tools.plot_losses import parse_log  # noqa: E402
+from benchmarks.fidelity_results import (  # noqa: E402
+    CONTROL,
+    card_label,
+    command_change,
+    done,
+    markdown_table,
+    read_card,
+    read_results,
+    summarize,
+)
 
 RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 # (layers, hidden, ffn, heads, seq, micro-batch, default iterations, eval iterations, split)
@@ -164,11 +176,6 @@ def model_flags(size: str, iters: int, compile_: bool, mbs: int) -> list[str]:
     return flags + (["--torch-compile"] if compile_ else [])
 
 
-CONTROL = "bf16_repeat"
-"""--repeat-control's run: bf16 again at the same seed, paired with bf16 like a recipe: the noise
-floor (GPU kernels that accumulate in a run-dependent order make same-seed runs drift apart)."""
-
-
 def recipe_flags(recipe: str, iters: int) -> list[str]:
     """An FP8 run also logs its FP8 statistics halfway and at its last step (saturated and
     underflowing fractions per Linear and role: the evidence a recipe outside 1% is
@@ -228,15 +235,6 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
                         )
                     )
     return runs
-
-
-def _done(log: str) -> bool:
-    """Whether `log` (a finished run's) already holds its validation loss."""
-    try:
-        parsed = parse_log(log)
-    except (OSError, ValueError):
-        return False
-    return bool(parsed.validation_series.get("lm loss validation"))
 
 
 def _saved_iteration(run: dict) -> int | None:
@@ -308,9 +306,9 @@ def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> No
             with open(run["log"] + ".cmd", "w", encoding="utf-8") as handle:
                 handle.write(" ".join(run["command"][1:]) + "\n")
             resuming = _prepare_checkpoint(run)
-            earlier = _read_card(run["log"]) if resuming else None
+            earlier = read_card(run["log"]) if resuming else None
             with open(run["log"] + ".card", "w", encoding="utf-8") as handle:
-                handle.write((card if earlier in (None, card) else f"{earlier} + {card}") + "\n")
+                handle.write(card_label(earlier, card) + "\n")
             log = open(run["log"], "a" if resuming else "w", encoding="utf-8")
             process = subprocess.Popen(
                 run["command"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -325,101 +323,11 @@ def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> No
                 log.close()
                 run["returncode"], run["seconds"] = process.returncode, time.monotonic() - started
                 active.remove(entry)
-                if run.get("checkpoint") and _done(run["log"]):
+                if run.get("checkpoint") and done(run):
                     shutil.rmtree(run["checkpoint"], ignore_errors=True)  # kept only to resume
                 elif process.returncode == 0 and _resumable(run):
                     run["left"] = True  # stopped by --stop-after-mins: a later call resumes it
                 print(f"{run['job']} {run['recipe']}@{run['seed']}: exit {process.returncode}")
-
-
-def _read_card(log: str) -> str | None:
-    try:
-        with open(log + ".card", encoding="utf-8") as handle:
-            return handle.read().strip() or None
-    except OSError:
-        return None
-
-
-def read_results(runs: list[dict]) -> list[dict]:
-    """Per run: validation loss, last training loss, the training-loss curve."""
-    rows = []
-    for run in runs:
-        keys = ("job", "corpus", "size", "iters", "epochs", "recipe", "seed")
-        row = {k: run.get(k) for k in keys}
-        row.update(returncode=run.get("returncode"), log=run["log"], valid_loss=None)
-        row.update(left=run.get("left", False), card=_read_card(run["log"]))
-        try:
-            parsed = parse_log(run["log"])
-        except (OSError, ValueError):
-            parsed = None
-        if parsed is not None:
-            losses = parsed.series.get("lm loss", [])
-            valid = parsed.validation_series.get("lm loss validation", [])
-            row.update(iterations=parsed.iterations, train_losses=losses)
-            row.update(train_loss=losses[-1] if losses else None)
-            row.update(valid_loss=valid[-1] if valid else None)
-            row.update(fp8_stats=last_fp8_stats(run["log"]))
-        rows.append(row)
-    return rows
-
-
-def last_fp8_stats(log: str) -> list[str]:
-    """The run's last `--log-fp8-stats` lines, one per role (the latest of a step that a
-    resumed run, its log appended to, logged twice), [] without any."""
-    with open(log, encoding="utf-8", errors="replace") as handle:
-        lines = [line.strip() for line in handle if line.lstrip().startswith("> fp8 stats")]
-    last = lines[-1].split("|")[0] if lines else None
-    by_role = {line.split("|")[1].split("(")[0].strip(): line for line in lines}
-    return [line for line in by_role.values() if line.split("|")[0] == last]
-
-
-def summarize(rows: list[dict], recipes: list[str], tolerance: float) -> list[dict]:
-    """One line per job x card x recipe: paired ratios, mean, 95% interval, verdict. A seed's
-    recipe run pairs only with the bf16 run of that seed on the same card."""
-    summaries = []
-    for job, card in dict.fromkeys((row["job"], row.get("card")) for row in rows):
-        losses = {}
-        for row in rows:
-            same = row["job"] == job and row.get("card") == card
-            if same and row["valid_loss"] is not None:
-                losses.setdefault(row["recipe"], {})[row["seed"]] = row["valid_loss"]
-        if not losses:
-            continue
-        bf16 = losses.get("bf16", {})
-        epochs = next((row.get("epochs") for row in rows if row["job"] == job), None)
-        for recipe in recipes:
-            summary = paired_ratio_summary(losses.get(recipe, {}), bf16, tolerance=tolerance)
-            if recipe == CONTROL:  # not a verdict: the spread the recipes are read against
-                summary.update(verdict="the floor: bf16 against itself")
-            bf16_mean = sum(bf16.values()) / len(bf16) if bf16 else None
-            summaries.append(
-                dict(job=job, card=card, epochs=epochs, recipe=recipe, bf16_mean=bf16_mean)
-                | summary
-            )
-    return summaries
-
-
-def _fmt(value: float | None, digits: int = 4) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
-def markdown_table(summaries: list[dict]) -> str:
-    lines = [
-        "| job (corpus_size_steps[_mbsN]) | card | epochs | recipe | seeds | bf16 mean valid "
-        "| mean fp8/bf16 | 95% interval | verdict | sd of ratios | seeds for a verdict "
-        "| per-seed ratios |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in summaries:
-        ratios = ", ".join(f"{r:.4f}" for r in s["ratios"])
-        lines.append(
-            f"| {s['job']} | {s.get('card') or 'n/a'} | {_fmt(s.get('epochs'), 2)} "
-            f"| {s['recipe']} | {len(s['seeds'])} "
-            f"| {_fmt(s['bf16_mean'], 5)} "
-            f"| {_fmt(s['mean'])} | [{_fmt(s['low'])}, {_fmt(s['high'])}] | {s['verdict']} "
-            f"| {_fmt(s.get('sd'))} | {s.get('seeds_needed') or 'n/a'} | {ratios} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def plot_curves(rows: list[dict], output: str) -> str | None:
@@ -556,13 +464,29 @@ def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
     return args
 
 
+def refuse_other_commands(runs: list[dict], args: argparse.Namespace) -> None:
+    """Exit 2 where a log this call would keep (skipped as done, or summarized by --no-run) or
+    a checkpoint it would resume was made by another command than the run's."""
+    for run in runs:
+        kept = done(run) and (args.skip_done or not args.run)
+        change = command_change(run) if kept or _resumable(run) else None
+        if change:
+            print(
+                f"fidelity_suite.py: {run['log']} was made by another command ({change}): give "
+                "the flags it was made with, or another --out and --checkpoint-dir",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     runs = plan_runs(args)
+    refuse_other_commands(runs, args)
     started = time.monotonic()
     if args.run:
-        todo = [run for run in runs if not (args.skip_done and _done(run["log"]))]
+        todo = [run for run in runs if not (args.skip_done and done(run))]
         for run in todo[args.max_runs :] if args.max_runs is not None else []:
             run["left"] = True
         todo = todo[: args.max_runs] if args.max_runs is not None else todo

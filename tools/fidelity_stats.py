@@ -122,6 +122,9 @@ def seeds_for_verdict(
 
 def _verdict(low: float, high: float, tolerance: float) -> str:
     percent = f"{tolerance * 100:g}%"
+    if high < 1.0 - tolerance:  # better than bf16 by more than the tolerance: not "within"
+        upper = f"{(high - 1.0) * 100:+.2f}%"
+        return f"below bf16 by more than {percent} (whole interval, upper end {upper})"
     if high < 1.0 + tolerance:
         return f"within {percent}"
     if low >= 1.0 + tolerance:
@@ -138,7 +141,9 @@ def paired_ratio_summary(
 ) -> dict:
     """Summary of fp8[seed] / bf16[seed] over the seeds both have (missing runs are skipped).
 
-    verdict: "within 1%" when the interval's upper end < 1 + tolerance; "above 1%" when its
+    verdict: "within 1%" when the interval's upper end < 1 + tolerance (and not below
+    1 - tolerance: then "below bf16 by more than 1%", a gain that large is itself to explain);
+    "above 1%" when its
     lower end is not below 1 + tolerance; otherwise "not shown within 1%", with how far the
     upper end reaches; "undetermined" with fewer than 2 pairs. sd is the ratios' sample
     standard deviation, seeds_needed the seeds_for_verdict planning figure.

@@ -63,6 +63,14 @@ def test_paired_summary_verdicts():
     assert above["seeds_needed"] is None
     one = paired_ratio_summary({1: 0.88}, bf16)
     assert one["verdict"] == "undetermined" and one["mean"] == pytest.approx(1.1)
+    # Ratios 0.967, 0.970, 0.973: upper end 0.970 + 0.003 * 4.302653 / sqrt(3) = 0.9774524,
+    # under 0.99: FP8 better by more than 1% over the whole interval is not "within 1%".
+    below = paired_ratio_summary({1: 0.7736, 2: 0.873, 3: 0.973}, bf16)
+    assert below["high"] == pytest.approx(0.9774524, abs=1e-6)
+    assert below["verdict"] == "below bf16 by more than 1% (whole interval, upper end -2.25%)"
+    # Just under 0.99 at the upper end and the interval reaching past it is "within" again.
+    edge = paired_ratio_summary({1: 0.7920, 2: 0.8910, 3: 1.0}, bf16)
+    assert edge["high"] > 0.99 and edge["verdict"] == "within 1%"
 
 
 def test_seeds_for_verdict_by_hand():

@@ -22,7 +22,7 @@ def _run_suite(tmp_path: Path, size: str, *extra: str, returncode: int = 0) -> t
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == returncode, result.stdout[-3000:] + result.stderr[-3000:]
-    return out, result.stdout
+    return out, result.stdout + result.stderr
 
 
 @pytest.mark.timeout(240)
@@ -36,7 +36,7 @@ def test_smoke_suite_end_to_end(tmp_path):
         ("bf16", 11, True), ("tensorwise", 11, True), ("bf16", 12, False), ("tensorwise", 12, False)
     ]  # fmt: skip
     (partial,) = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
-    assert partial["seeds"] == [11] and partial["verdict"] == "undetermined"
+    assert partial["seeds"] == [11] and partial["verdict"] == "undetermined (1 of 2 seeds)"
     done_logs = {r["log"]: Path(r["log"]).read_text() for r in first if r["valid_loss"]}
     out, stdout = _run_suite(tmp_path, "smoke", "--skip-done")
     assert "2 of 4 runs start now" in stdout and "left for a later call" not in stdout
@@ -106,7 +106,7 @@ def test_runs_pair_only_on_the_same_card():
     """A chunked suite can run seed 1's bf16 on one card and its tensorwise on another: that
     pair is not formed; each card's own pairs are summarized apart."""
     sys.path.insert(0, str(ROOT))
-    from benchmarks.fidelity_suite import summarize
+    from benchmarks.fidelity_results import summarize
 
     def row(recipe, seed, card, loss):
         return dict(job="j", recipe=recipe, seed=seed, card=card, valid_loss=loss)
@@ -119,7 +119,7 @@ def test_runs_pair_only_on_the_same_card():
     by_card = {s["card"]: s for s in summarize(rows, ["tensorwise"], 0.01)}
     assert by_card["H200"]["seeds"] == [2, 3]
     assert by_card["H200"]["ratios"] == pytest.approx([1.01, 0.99], rel=1e-12)
-    assert by_card["H100"]["seeds"] == [] and by_card["H100"]["bf16_mean"] == 2.0
+    assert by_card["H100"]["seeds"] == [] and by_card["H100"]["bf16_mean"] is None  # no pair
 
 
 @pytest.mark.timeout(420)
@@ -137,12 +137,13 @@ def test_runs_longer_than_a_call_stop_and_resume(tmp_path):
     for run in first:
         tracker = checkpoints / run["job"] / f"{run['recipe']}@{run['seed']}"
         assert (tracker / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
-    # A resume that fails (another model than the checkpoint's) is a failure, not left.
-    _, stdout = _run_suite(
+    # A call with another model than the checkpoints' is refused before any run starts.
+    out, stdout = _run_suite(
         tmp_path, "smoke", *resume, "--skip-done", "--stop-after-mins", "1e-6",
-        "--extra", "--ffn-hidden-size", "96", returncode=1,
+        "--extra", "--ffn-hidden-size", "96", returncode=2,
     )  # fmt: skip
-    assert "left for a later call" not in stdout and "a failed run" in stdout
+    assert "runs start now" not in stdout and "was made by another command" in stdout
+    assert "'--ffn-hidden-size 96' in this one" in stdout
     out, stdout = _run_suite(tmp_path, "smoke", *resume, "--skip-done", "--stop-after-mins", "9")
     assert "4 of 4 runs start now" in stdout and "left for a later call" not in stdout
     resumed = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
@@ -189,7 +190,8 @@ def test_fp8_statistics_halfway_and_at_the_last_step(tmp_path):
     even step count, at the last step only for an odd one. A resumed run's log can hold a step's
     lines twice: one line per role is kept, of the last step logged."""
     sys.path.insert(0, str(ROOT))
-    from benchmarks.fidelity_suite import last_fp8_stats, recipe_flags
+    from benchmarks.fidelity_results import last_fp8_stats
+    from benchmarks.fidelity_suite import recipe_flags
 
     def interval(iters):
         flags = recipe_flags("tensorwise", iters)
@@ -245,3 +247,76 @@ def test_micro_batch_size_sets_the_runs_job_and_epochs(tmp_path, capsys):
         assert command[command.index("--global-batch-size") + 1] == mbs
     with pytest.raises(SystemExit):
         parse_args(["--micro-batch-size", "0", "--seeds", "1", "2"])
+
+
+def _validation_log(path: Path, iterations: list[int], command: str | None = None) -> str:
+    lines = [f" validation loss at iteration {it} | lm loss value: {3 + it / 1000:.6E} |"
+             for it in iterations]  # fmt: skip
+    train = " [2026-12-07 17:19:03] iteration        1/    1000 | lm loss: 5.000000E+00 |"
+    path.write_text("\n".join([train, *lines]) + "\n")
+    if command is not None:
+        Path(str(path) + ".cmd").write_text(command + "\n")
+    return str(path)
+
+
+def test_a_run_counts_only_its_validation_at_its_last_iteration(tmp_path):
+    """A run stopped short whose log holds an earlier evaluation (an --extra --eval-interval)
+    is neither done nor paired at that iteration."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fidelity_results import done, final_validation, read_results
+
+    log = _validation_log(tmp_path / "r.log", [200, 400])
+    run = dict(job="j", recipe="bf16", seed=1, iters=1000, log=log, returncode=0)
+    assert final_validation(log, 1000) is None and not done(run)
+    (row,) = read_results([run])
+    assert row["valid_loss"] is None and row["state"] == "failed"  # ran now, ended short
+    (row,) = read_results([dict(run, returncode=0, left=True)])
+    assert row["state"] == "pending"  # stopped to be resumed by a later call
+    _validation_log(tmp_path / "r.log", [200, 400, 1000])
+    assert final_validation(log, 1000) == 4.0 and done(run)
+
+
+def test_a_failed_seed_voids_the_verdict_and_bf16_mean_is_over_the_pairs():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fidelity_results import summarize
+
+    def row(recipe, seed, loss, state=None):
+        state = state or ("done" if loss else "pending")
+        return dict(job="j", card="H100", recipe=recipe, seed=seed, valid_loss=loss, state=state)
+
+    rows = [row("bf16", s, 2.0 + s) for s in (1, 2, 3)]
+    rows += [row("tensorwise", 1, 3.0), row("tensorwise", 2, 4.0)]
+    rows += [row("tensorwise", 3, None, "failed")]  # diverged: no loss
+    (summary,) = summarize(rows, ["tensorwise"], 0.01)
+    assert summary["seeds"] == [1, 2] and summary["failed_seeds"] == [3]
+    assert summary["verdict"] == "failed at seed(s) 3: no validation loss at the end"
+    assert summary["bf16_mean"] == 3.5  # seeds 1 and 2 (3.0, 4.0), not seed 3's 5.0
+    rows[-1] = row("tensorwise", 3, None)  # not run yet: the verdict says what it covers
+    (summary,) = summarize(rows, ["tensorwise"], 0.01)
+    assert summary["verdict"] == "within 1% (2 of 3 seeds)" and summary["failed_seeds"] == []
+
+
+def test_kept_logs_of_another_command_are_refused(tmp_path, capsys):
+    """A log made with other flags is not skipped as this run's result (nor its checkpoint
+    resumed); the flags that change between calls (--exit-duration-in-mins) do not count."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.fidelity_results import card_label, command_change
+    from benchmarks.fidelity_suite import parse_args, refuse_other_commands
+
+    command = ["python3", "pretrain_gpt.py", "--seed", "1", "--exit-duration-in-mins", "8.4"]
+    log = _validation_log(
+        tmp_path / "r.log", [3], "pretrain_gpt.py --seed 1 --exit-duration-in-mins 5"
+    )
+    run = dict(log=log, iters=3, command=command, checkpoint=None)
+    assert command_change(run) is None
+    run["command"] = ["python3", "pretrain_gpt.py", "--seed", "2"]
+    assert command_change(run) == "'--seed 1' in the log's command, '--seed 2' in this one"
+    args = parse_args(["--out", str(tmp_path), "--skip-done", "--seeds", "1", "2"])
+    with pytest.raises(SystemExit) as exit_info:
+        refuse_other_commands([run], args)
+    assert exit_info.value.code == 2 and "was made by another command" in capsys.readouterr().err
+    args = parse_args(["--out", str(tmp_path), "--seeds", "1", "2"])  # reruns it: not kept
+    refuse_other_commands([run], args)
+    assert card_label(None, "H100") == "H100" and card_label("H100", "H100") == "H100"
+    assert card_label("H100 + H200", "H200") == "H100 + H200"
+    assert card_label("H100 + H200", "H100") == "H100 + H200 + H100"
