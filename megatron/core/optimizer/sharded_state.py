@@ -124,6 +124,9 @@ def _ensure_state(optimizer: MixedPrecisionOptimizer) -> None:
     """Zero state for every param without one (torch creates it at the first step): zero
     moments with step 0, or a zero momentum buffer, update exactly as fresh state does."""
     adam = optimizer.config.optimizer == "adam"
+    if adam and hasattr(optimizer.optimizer, "init_state"):  # FusedAdamW, OffloadedAdamW
+        optimizer.optimizer.init_state()  # their own dtypes and scales (and host parts)
+        return
     for main in optimizer.main_params:
         state = optimizer.optimizer.state[main]
         if state:
@@ -136,17 +139,30 @@ def _ensure_state(optimizer: MixedPrecisionOptimizer) -> None:
             state[key] = torch.zeros_like(main)
 
 
+def _moments(optimizer: MixedPrecisionOptimizer, main: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The param's optimizer states as checkpoint values: its own tensors where no moment is
+    scaled (fp32 or bf16: their elements are the values, and DCP loads into them in place,
+    converting the dtype), else the fp32 logical values of its moments (new tensors: a scaled
+    fp16 / fp8 moment's bytes alone are not its values), as Megatron-FSDP saves them."""
+    keys, state = _state_keys(optimizer), optimizer.optimizer.state[main]
+    if not _scaled(state, keys):
+        return {key: state[key] for key in keys}
+    logical = optimizer.optimizer.logical_state(main)
+    return {key: logical[key].view(main.shape) for key in keys}
+
+
+def _scaled(state: dict, keys: tuple[str, ...]) -> bool:
+    return any(state.get(f"{key}_scale") is not None for key in keys)
+
+
 def optimizer_state_dict(optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
     _ensure_state(optimizer)
     torch_state = optimizer.optimizer.state
     flat = _flattener(optimizer)
+    names = optimizer.main_param_names
+    moments = {name: _moments(optimizer, main) for name, main in zip(names, optimizer.main_params)}
     result: dict[str, Any] = {
-        key: _present(
-            {
-                name: flat(name, torch_state[main][key])
-                for name, main in zip(optimizer.main_param_names, optimizer.main_params)
-            }
-        )
+        key: _present({name: flat(name, moments[name][key]) for name in names})
         for key in _state_keys(optimizer)
     }
     if optimizer.config.optimizer == "adam":
@@ -157,11 +173,18 @@ def optimizer_state_dict(optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
 
 @torch.no_grad()
 def load_optimizer_state_dict(optimizer: MixedPrecisionOptimizer, state: dict[str, Any]) -> None:
-    """Moments were loaded in place; the shared step count goes to every param's state."""
+    """Unscaled moments were loaded in place (a piece elsewhere is copied); scaled ones are
+    rounded into their dtype and scales from the loaded fp32 values; the shared step count
+    goes to every param's state."""
     torch_state = optimizer.optimizer.state
-    for key in _state_keys(optimizer):
-        for name, main in zip(optimizer.main_param_names, optimizer.main_params):
-            _take_loaded(torch_state[main][key], state[key].get(name))
+    for name, main in zip(optimizer.main_param_names, optimizer.main_params):
+        keys = _state_keys(optimizer)
+        if not _scaled(torch_state[main], keys):
+            for key in keys:
+                _take_loaded(torch_state[main][key], state[key].get(name))
+            continue
+        loaded = {key: local_piece(state[key][name]).reshape(main.shape) for key in keys}
+        optimizer.optimizer.set_logical_state(main, loaded)
     if "step" not in state:
         return
     for main in optimizer.main_params:

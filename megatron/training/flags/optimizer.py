@@ -75,6 +75,16 @@ def validate_optimizer_args(args: argparse.Namespace) -> None:
             "--optimizer-cpu-offload works with Megatron-FSDP and torch DDP; drop "
             "--use-torch-fsdp2 (use --use-megatron-fsdp) or drop --optimizer-cpu-offload"
         )
+    scaled = [
+        f"--{flag.replace('_', '-')} {getattr(args, flag)}"
+        for flag in ("exp_avg_dtype", "exp_avg_sq_dtype")
+        if getattr(args, flag) in ("fp16", "fp8")
+    ]
+    if scaled and getattr(args, "use_torch_fsdp2", False):
+        raise ValueError(
+            f"{' and '.join(scaled)}: scaled moments are held by Megatron-FSDP and DDP, not by "
+            "--use-torch-fsdp2's sharded moments; use --use-megatron-fsdp, or bf16/fp32 moments"
+        )
     _validate_main_params_dtype(args)
 
 

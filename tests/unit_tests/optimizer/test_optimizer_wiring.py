@@ -22,6 +22,7 @@ from tests.unit_tests.training.common import NO_DROPOUT, TINY_GPT, ZERO3_DTENSOR
 ITERS = ["--train-iters", "4"]
 NO_SHARD = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard"]
 ENGINES = {"zero3": ZERO3_DTENSOR, "no_shard": NO_SHARD, "ddp": []}
+DDP_DIST = ["--ckpt-format", "torch_dist"]  # DDP's sharded checkpoint (sharded_state.py)
 
 
 def _moments(exp_avg: str, exp_avg_sq: str) -> list[str]:
@@ -54,8 +55,8 @@ def test_every_engine_runs_the_same_precision_aware_adamw(moments):
     ids=["fp32-to-bf16", "bf16-to-fp32", "ddp-fp32-to-bf16"],
 )
 def test_resume_with_other_moment_dtypes(tmp_path, saved, resumed, engine):
-    """A checkpoint holds the moments' values (ZeRO-3: fp32 values; DDP: the stored dtype,
-    converted on load): resumed with other moment dtypes, the next losses equal an
+    """A checkpoint holds the moments' values (ZeRO-3: fp32 values; DDP: unscaled ones in
+    their dtype, converted on load): resumed with other moment dtypes, the next losses equal an
     uninterrupted run of the resumed configuration within 1e-6."""
     run4 = ["--train-iters", "4", *ENGINES[engine]]
     _losses([*run4, "--exit-interval", "2", "--save", str(tmp_path), *_moments(saved, saved)])
@@ -64,6 +65,32 @@ def test_resume_with_other_moment_dtypes(tmp_path, saved, resumed, engine):
     assert sorted(resumed_losses) == [3, 4]
     for step in (3, 4):
         assert abs(resumed_losses[step] - uninterrupted[step]) <= 1e-6, step
+
+
+@pytest.mark.parametrize(
+    "saved, resumed, offload",
+    [(("fp8", "bf16"), ("fp8", "bf16"), False), (("fp16", "fp8"), ("fp32", "fp32"), False)]
+    + [(("fp8", "bf16"), ("fp8", "bf16"), True), (("fp32", "fp32"), ("bf16", "fp8"), True)]
+    + [(("fp8", "fp16"), ("bf16", "bf16"), False)],
+    ids=["fp8-bf16", "fp16-fp8-to-fp32", "offload-fp8-bf16", "offload-fp32-to-bf16-fp8"]
+    + ["fp8-fp16-to-bf16"],
+)
+def test_ddp_sharded_checkpoints_hold_the_moments_values(tmp_path, saved, resumed, offload):
+    """DDP's torch_dist checkpoint saves scaled (fp8, fp16) moments as their fp32 values, as
+    Megatron-FSDP does (their bytes alone lost the scale: the resumed loss was 1e5), and loads
+    with CPU offload (its optimizer has no torch `defaults`): the next losses equal an
+    uninterrupted run of the resumed configuration within 1e-6 when the dtypes stay; across
+    dtypes the first two steps' moments differ in precision (fp8 first moments moved the
+    loss by up to 1e-5 relative), within 1e-4 relative."""
+    base = [*ITERS, *DDP_DIST]
+    base += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"] if offload else []
+    _losses([*base, "--exit-interval", "2", "--save", str(tmp_path), *_moments(*saved)])
+    resumed_losses = _losses([*base, "--load", str(tmp_path), *_moments(*resumed)])
+    uninterrupted = _losses([*base, *_moments(*resumed)])
+    assert sorted(resumed_losses) == [3, 4]
+    for step in (3, 4):
+        bound = 1e-6 if saved == resumed else 1e-4 * uninterrupted[step]
+        assert abs(resumed_losses[step] - uninterrupted[step]) <= bound, step
 
 
 def _offload_run(rank: int, world_size: int, argv: list[str]) -> dict[int, float]:
@@ -101,6 +128,11 @@ def test_cpu_offload_save_resume_at_two_ranks(tmp_path):
             "only Megatron-FSDP holds non-fp32 main params; add --use-megatron-fsdp",
         ),
         (["--main-params-dtype", "fp16", "--use-megatron-fsdp"], "--main-params-dtype fp16 needs"),
+        (
+            ["--use-torch-fsdp2", *_moments("fp8", "bf16")],
+            "--exp-avg-dtype fp8: scaled moments are held by Megatron-FSDP and DDP, not by "
+            "--use-torch-fsdp2's",
+        ),
     ],
 )
 def test_bad_combinations_exit_2_naming_the_fix(flags, message, capsys):
