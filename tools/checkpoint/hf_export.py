@@ -108,10 +108,31 @@ def check_gpt2_exportable(config: TransformerConfig) -> None:
         )
 
 
+EXPORTED = "Llama, GPT-2, Mixtral, Qwen3-MoE, DeepSeek-V3"
+
+
+def check_any_exportable(config: TransformerConfig) -> None:
+    """Raise UnsupportedArchitectureError for what no exported architecture computes: muP's
+    attention scale and multipliers, YaRN outside latent attention (DeepSeek-V3's own)."""
+    feature, fix = None, None
+    if config.use_mup:
+        feature = "muP (an attention scale of 1/head dim, embedding and output multipliers)"
+        fix = "export a model trained without --use-mup"
+    elif config.rope_type == "yarn" and not config.multi_latent_attention:
+        feature = "YaRN rotary scaling outside latent attention"
+        fix = "train with --rope-type rope (YaRN exports with --multi-latent-attention)"
+    if feature:
+        raise UnsupportedArchitectureError(
+            f"cannot export to HuggingFace: none of its architectures here ({EXPORTED}) has "
+            f"{feature}; {fix}"
+        )
+
+
 def hf_architecture(config: TransformerConfig) -> str:
     """ "deepseek_v3", "mixtral" or "qwen3_moe" for MoE and latent-attention models
     (hf_moe_configs.moe_architecture), else "llama" or "gpt2": picked by the norm, then checked
     feature by feature."""
+    check_any_exportable(config)
     try:
         moe = moe_architecture(config)
     except ValueError as error:

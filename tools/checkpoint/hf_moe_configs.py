@@ -202,6 +202,10 @@ def _export_problem(architecture: str, c: TransformerConfig) -> str | None:
         return "it needs RMSNorm, --swiglu and --disable-bias-linear"
     if c.num_moe_experts is None or c.moe_shared_expert_gate:
         return "it needs routed experts (--num-experts) and no shared-expert gate"
+    if not c.multi_latent_attention and (
+        c.position_embedding_type != "rope" or c.rotary_percent != 1.0
+    ):
+        return "it needs rotary embeddings over whole heads (--position-embedding-type rope)"
     sigmoid = c.moe_router_score_function == "sigmoid"
     if architecture == "deepseek_v3":
         if not (sigmoid and c.moe_router_enable_expert_bias and c.qk_layernorm):

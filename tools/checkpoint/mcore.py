@@ -258,18 +258,22 @@ def mcore_state_dict(state: ModelState) -> dict:
 
 def check_mcore_savable(config: TransformerConfig) -> None:
     """The saver writes dense GPT layers only: MoE, latent attention, QK norm and MTP models
-    are refused before anything is written (the hf saver writes them)."""
+    are refused before anything is written (the hf saver writes them), and so are muP and YaRN,
+    which its Megatron-LM args do not record (a model built from them would differ)."""
     features = {
         "MoE layers": config.num_moe_experts is not None,
         "multi-latent attention": config.multi_latent_attention,
         "QK norm": config.qk_layernorm,
         "multi-token prediction": bool(config.mtp_num_layers),
+        "muP": config.use_mup,
+        "YaRN rotary scaling": config.rope_type == "yarn",
     }
     present = [name for name, used in features.items() if used]
     if present:
         raise ConversionError(
             f"the mcore saver writes dense GPT models; this one has {', '.join(present)}: "
-            "use --saver hf or megatron_fp8"
+            "use --saver megatron_fp8 (--saver hf also writes MoE, latent-attention, QK-norm "
+            "and MTP models)"
         )
 
 

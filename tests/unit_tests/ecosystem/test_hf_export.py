@@ -149,6 +149,13 @@ def test_gpt2_tanh_gelu_would_be_caught(tmp_path: Path) -> None:
         ({**GPT2, "position_embedding_type": "rope"}, r"rotary position embeddings \(rope\)"),
         ({**GPT2, "swiglu": True}, "SwiGLU MLP"),
         ({**GPT2, "kv_channels": 8}, "head width kv_channels=8"),
+        # Exported, these gave logits 100% (muP) and 0.2% (YaRN) off ours: refused instead.
+        ({**LLAMA, "use_mup": True, "mup_base_hidden_size": 32}, r"has muP \(an attention"),
+        ({**GPT2, "use_mup": True, "mup_base_hidden_size": 32}, "export a model trained without"),
+        (
+            {**LLAMA, "rope_type": "yarn", "rotary_scaling_factor": 4.0},
+            "YaRN rotary scaling outside latent attention; train with --rope-type rope",
+        ),
     ],
 )
 def test_unsupported_architectures_name_the_feature(overrides: dict, feature: str) -> None:

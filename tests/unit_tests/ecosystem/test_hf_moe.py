@@ -3,6 +3,7 @@ our GPTModel with the same logits (fp32, CPU), and exports back to the same file
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -306,6 +307,17 @@ def test_moe_export_refuses_what_no_architecture_has(tmp_path: Path) -> None:
     config.moe_shared_expert_intermediate_size = 16
     with pytest.raises(UnsupportedArchitectureError, match="mixtral: it has no shared experts"):
         hf_architecture(config)
+    config.moe_shared_expert_intermediate_size = None
+    hf_architecture(config)  # the model as imported exports
+    # Mixtral and Qwen3-MoE rotate whole heads: learned positions or partial rotary (exported
+    # as Mixtral, logits were 97-131% off) are refused, as muP is for every architecture.
+    for field, value in (("position_embedding_type", "learned_absolute"), ("rotary_percent", 0.5)):
+        changed = dataclasses.replace(config, **{field: value})
+        with pytest.raises(UnsupportedArchitectureError, match="rotary embeddings over whole"):
+            hf_architecture(changed)
+    changed = dataclasses.replace(config, use_mup=True, mup_base_hidden_size=16)
+    with pytest.raises(UnsupportedArchitectureError, match="has muP"):
+        hf_architecture(changed)
 
 
 def test_expert_bias_matters_to_the_comparison(tmp_path: Path) -> None:

@@ -351,3 +351,29 @@ def test_common_pt_is_read_without_running_code(tmp_path: Path) -> None:
     assert common["args"].payload.qualname in ("posix.system", "nt.system")
     assert (common["iteration"], common["args"].hidden_size) == (5, 64)
     assert common["args"].dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("fields", "feature"),
+    [
+        (dict(use_mup=True, mup_base_hidden_size=16), "muP"),
+        (dict(rope_type="yarn", rotary_scaling_factor=4.0), "YaRN rotary scaling"),
+        (dict(qk_layernorm=True), "QK norm"),
+    ],
+)
+def test_mcore_saver_refuses_what_its_args_do_not_record(tmp_path: Path, fields, feature) -> None:
+    """muP and YaRN are not in the Megatron-LM args the saver writes (a model built from them
+    would be another model): refused before anything is written, as MoE and QK norm are."""
+    import tools.checkpoint.mcore as mcore
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from tools.checkpoint.model_state import ModelState
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64,
+        max_sequence_length=16, normalization="RMSNorm", swiglu=True,
+        position_embedding_type="rope", add_bias_linear=False, **fields,
+    )  # fmt: skip
+    state_dict = {name: p.detach() for name, p in GPTModel(config).named_parameters()}
+    with pytest.raises(mcore.ConversionError, match=f"this one has {feature}: use --saver"):
+        mcore.save_mcore(ModelState(state_dict=state_dict, config=config), str(tmp_path / "m"))
+    assert list(tmp_path.iterdir()) == []
