@@ -185,7 +185,8 @@ def _build_and_train_seeded(
             "(consecutive), "
             f"outer-dp-sharding-strategy={config.model_setup.fsdp.outer_dp_sharding_strategy}",
         )
-    print_rank_0(env, f" > number of parameters: {run.num_parameters}")
+    rank = "(tensor, pipeline) model parallel rank (0, 0)"  # Megatron-LM's: its TP/EP shard
+    print_rank_0(env, f" > number of parameters on {rank}: {run.num_parameters}")
     logger = _build_metrics_logger(config.logging, env)
     try:
         result = train(

@@ -38,18 +38,9 @@ def check_saved_flags(metadata: dict, config: CheckpointConfig, *, directory: st
             f"{'with' if saved.get('use_megatron_fsdp') else 'without'} --use-megatron-fsdp; "
             "resume it under the same engine, or pass --finetune to load only the weights."
         )
-    saved_len = saved.get("fp8_amax_history_len")
-    delayed_both = names_delayed_scaling(saved.get("fp8_recipe")) and names_delayed_scaling(
-        config.fp8_recipe
-    )
-    if delayed_both and not config.finetune and saved_len != config.fp8_amax_history_len:
-        raise CheckpointError(
-            f"{directory}: saved with --fp8-amax-history-len {saved_len}, but this run has "
-            f"{config.fp8_amax_history_len}; the saved amax histories ({saved_len} slots per FP8 "
-            f"tensor) cannot be loaded into {config.fp8_amax_history_len}. Pass "
-            f"--fp8-amax-history-len {saved_len}, or --finetune to load only the weights and "
-            "start the delayed-scaling state fresh."
-        )
+    if not config.finetune:
+        _check_delayed_state(saved, config, directory=directory)
+        _check_tokens(saved, config, directory=directory)
     if (
         not config.finetune
         and (config.train_samples is not None or saved.get("train_samples") is not None)
@@ -82,6 +73,51 @@ def check_saved_flags(metadata: dict, config: CheckpointConfig, *, directory: st
             f"{saved['optimizer']}, or --no-load-optim (or --finetune) to start "
             f"{config.optimizer} from fresh state."
         )
+
+
+def _check_delayed_state(saved: dict, config: CheckpointConfig, *, directory: str) -> None:
+    """Delayed-scaling state loads only into histories of its length, and its scales only
+    into the FP8 dtypes they were computed for (--fp8-format)."""
+    if not (
+        names_delayed_scaling(saved.get("fp8_recipe")) and names_delayed_scaling(config.fp8_recipe)
+    ):
+        return
+    saved_len = saved.get("fp8_amax_history_len")
+    if saved_len != config.fp8_amax_history_len:
+        raise CheckpointError(
+            f"{directory}: saved with --fp8-amax-history-len {saved_len}, but this run has "
+            f"{config.fp8_amax_history_len}; the saved amax histories ({saved_len} slots per FP8 "
+            f"tensor) cannot be loaded into {config.fp8_amax_history_len}. Pass "
+            f"--fp8-amax-history-len {saved_len}, or --finetune to load only the weights and "
+            "start the delayed-scaling state fresh."
+        )
+    saved_format, this_format = saved.get("fp8_format"), _this_run(config, "fp8_format")
+    if saved_format != this_format:
+        raise CheckpointError(
+            f"{directory}: a --fp8-recipe delayed checkpoint saved with --fp8-format "
+            f"{saved_format}, but this run has {this_format}; its saved scales are for "
+            f"{saved_format}'s FP8 dtypes (an E5M2 gradient scale saturates E4M3). Pass "
+            f"--fp8-format {saved_format}, or --finetune to start the delayed-scaling state fresh."
+        )
+
+
+def _check_tokens(saved: dict, config: CheckpointConfig, *, directory: str) -> None:
+    """The tokenizer and vocabulary size a run trains with are its checkpoint's (Megatron-LM
+    compares the tokenizer type): padded rows can match while the ids mean other tokens."""
+    for flag in ("tokenizer_type", "vocab_size"):
+        before, now = saved.get(flag), _this_run(config, flag)
+        if before is not None and now is not None and before != now:
+            name = "--" + flag.replace("_", "-")
+            raise CheckpointError(
+                f"{directory}: saved with {name} {before}, but this run has {now}: the token "
+                f"ids would mean other tokens. Pass {name} {before}, or --finetune to load "
+                "only the weights."
+            )
+
+
+def _this_run(config: CheckpointConfig, flag: str) -> object:
+    """This run's value of a flag as a checkpoint would record it (resolved over as given)."""
+    return {**config.saved_args, **config.resolved_args}.get(flag)
 
 
 def _resolved(flags: dict) -> dict:

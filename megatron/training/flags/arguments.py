@@ -40,10 +40,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--group-query-attention",
         action="store_true",
-        help="Share key/value heads between groups of query heads (needs --num-query-groups).",
+        help="Share key/value heads (--num-query-groups, default 1, as in Megatron-LM).",
     )
     group.add_argument(
-        "--num-query-groups", type=int, default=None, help="Key/value heads under GQA."
+        "--num-query-groups", type=int, default=None, help="Key/value heads under GQA only."
     )
     group.add_argument(
         "--kv-channels", type=int, default=None, help="Head width (default hidden / heads)."

@@ -141,14 +141,8 @@ def _validate_model(args: argparse.Namespace) -> None:
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
             f"{args.num_attention_heads}; change one of them or set --kv-channels.",
         )
-    if args.group_query_attention:
-        _require(
-            args.num_query_groups is not None,
-            "--group-query-attention needs --num-query-groups N (key/value heads).",
-        )
-    elif args.num_query_groups is not None:
-        raise ArgumentError("--num-query-groups needs --group-query-attention.")
-    if args.num_query_groups is not None:
+    # --group-query-attention alone: one group; --num-query-groups alone: ignored (configs.py).
+    if args.group_query_attention and args.num_query_groups is not None:
         _require(
             args.num_query_groups > 0 and args.num_attention_heads % args.num_query_groups == 0,
             f"--num-attention-heads {args.num_attention_heads} is not a multiple of "

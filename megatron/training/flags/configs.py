@@ -24,6 +24,7 @@ from megatron.core.environment import env_int
 from megatron.core.fp8.config import Fp8Config
 from megatron.core.optimizer import LRScheduleConfig, OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.flags import readings
 from megatron.training.flags.checkpoint_args import checkpoint_run_values
 from megatron.training.flags.compile import resolve_compile_default
 from megatron.training.flags.megatron_lm_checks import resolve_megatron_lm_args
@@ -78,6 +79,8 @@ def resolved_flags(
     if len(flags.split) >= 2 and flags.split[0] == flags.split[-1] and flags.split[0] in "'\"":
         flags.split = flags.split[1:-1]
     _resolve_data_parallel_engine(flags)
+    readings.resolve_query_groups(flags)
+    flags.megatron_lm_notes += readings.schedule_note(flags)
     if flags.ckpt_format is None:  # --use-checkpoint-args: the checkpoint's format
         # EP / TP: ranks hold different experts / shards, which torch_dist saves as full tensors.
         parallel = max(flags.expert_model_parallel_size, flags.tensor_model_parallel_size)
@@ -91,6 +94,7 @@ def resolved_flags(
         flags.fp8_wgrad_input_from_activation = flags.fp8_recipe is not None
     if flags.fp8_recipe is not None and flags.fp8_format is None:
         flags.fp8_format = "hybrid"
+        flags.megatron_lm_notes.append(readings.RECIPE_ALONE_NOTE.format(flags.fp8_recipe))
     flags.megatron_lm_notes += moe_notes(flags)  # after the FP8 defaults: it reads the recipe
     return flags
 

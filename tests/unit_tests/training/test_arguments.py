@@ -48,7 +48,6 @@ def parse_error(argv, capsys, world_size=1) -> str:
         (["--global-batch-size", "7"], 1, "--global-batch-size 7 is not a multiple of"),
         (["--global-batch-size", "8"], 3, "data-parallel size 3 = 6"),
         (["--hidden-size", "66"], 1, "not divisible by --num-attention-heads"),
-        (["--group-query-attention"], 1, "needs --num-query-groups"),
         (["--group-query-attention", "--num-query-groups", "3"], 1, "not a multiple of"),
         (["--fp8-format", "e5m2", "--fp8-recipe", "tensorwise"], 1, "E5M2 alone is not allowed"),
         (

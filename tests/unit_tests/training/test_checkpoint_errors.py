@@ -288,11 +288,49 @@ def test_train_samples_run_resumes_only_at_its_global_batch_size(tmp_path):
 
 def test_fsdp_vocab_size_mismatch_names_the_flag(saved_fsdp):
     message = _load_error(saved_fsdp, [*FSDP, "--vocab-size", "1024"])
+    assert "saved with --vocab-size 512, but this run has 1024" in message
+    assert "Pass --vocab-size 512, or --finetune" in message
+    # --finetune skips the flag comparison; the parameter shapes still decide, with the fix.
+    message = _load_error(saved_fsdp, [*FSDP, "--vocab-size", "1024", "--finetune"])
     assert (
         f"{saved_fsdp / ITER_DIR / 'metadata.json'}: embedding.word_embeddings.weight has shape "
         "(512, 64) in the checkpoint, the model expects (1024, 64)" in message
     )
     assert "pass --vocab-size 512 and --make-vocab-size-divisible-by 128, as saved" in message
+
+
+def test_another_vocabulary_with_the_same_padded_rows_is_refused(saved):
+    """--vocab-size 400 pads to the saved 512 rows: the shapes fit, the ids do not (Megatron-LM
+    compares the tokenizer); --finetune loads the weights for a new vocabulary."""
+    message = _load_error(saved, ["--vocab-size", "400"])
+    assert "saved with --vocab-size 512, but this run has 400: the token ids" in message
+    assert "Pass --vocab-size 512, or --finetune to load only the weights" in message
+    byte_tokens = [a for a in TINY_GPT if a not in ("--vocab-size", "512")]
+    byte_tokens[byte_tokens.index("NullTokenizer")] = "ByteTokenizer"
+    with pytest.raises(CheckpointError) as info:
+        run_pretrain(byte_tokens + ["--train-iters", "4", "--load", str(saved)])
+    message = str(info.value)
+    assert "saved with --tokenizer-type NullTokenizer, but this run has ByteTokenizer" in message
+    finetune = run_pretrain(
+        TINY_GPT + ["--train-iters", "2", "--load", str(saved), "--vocab-size", "400", "--finetune"]
+    )
+    assert sorted(finetune.losses) == [1, 2]
+
+
+def test_another_fp8_format_is_refused_for_delayed_state(tmp_path):
+    """Delayed scaling's saved scales are for the saved format's dtypes: under another format
+    the first backward would quantize E4M3 gradients with an E5M2 scale (it saturated)."""
+    extra = ["--fp8-recipe", "delayed", "--fp8-amax-history-len", "4", "--lr-decay-iters", "4"]
+    run_pretrain(
+        TINY_GPT + extra + ["--train-iters", "2", "--fp8-format", "hybrid", "--save", str(tmp_path)]
+    )
+    message = _load_error(tmp_path, [*extra, "--fp8-format", "e4m3"])
+    assert "saved with --fp8-format hybrid, but this run has e4m3" in message
+    assert "Pass --fp8-format hybrid, or --finetune" in message
+    resumed = run_pretrain(
+        TINY_GPT + extra + ["--train-iters", "3", "--load", str(tmp_path), "--fp8-format", "hybrid"]
+    )
+    assert sorted(resumed.losses) == [3]
 
 
 def test_fsdp_learned_position_mismatch_names_the_flag(saved_fsdp):
@@ -305,7 +343,8 @@ def test_fsdp_checkpoint_without_recorded_shapes_still_fails_cleanly(saved_fsdp,
     """Checkpoints saved before metadata.json recorded shapes: DCP's size check, wrapped."""
     root = _copy(saved_fsdp, tmp_path)
     _without("param_shapes")(root)
-    message = _load_error(root, [*FSDP, "--vocab-size", "1024"])
+    # --finetune: past the saved-flag comparison (another --vocab-size), to the shapes' check.
+    message = _load_error(root, [*FSDP, "--vocab-size", "1024", "--finetune"])
     assert message.startswith(f"{root / ITER_DIR / 'sharded'}: cannot be loaded (ValueError: ")
     assert "Size mismatch" in message and "model.params.embedding.word_embeddings.weight" in message
 

@@ -210,3 +210,48 @@ def test_transformer_engine_op_fuser_is_a_kernel_choice_where_megatron_lm_builds
     assert _moe_outcome([*fused, "--swiglu"], capsys)[0] == 0
     code, err, _ = _moe_outcome(fused, capsys)
     assert code == 2 and "refuses it without --swiglu (grouped MoE experts)" in err, err
+
+
+def test_an_fp8_recipe_without_a_format_is_noted(capsys):
+    """Megatron-LM turns FP8 on by --fp8-format; here --fp8-recipe alone does (hybrid), and the
+    log says so. With the format given, or no recipe, there is no such note."""
+    code, _, notes = _outcome(["--fp8-recipe", "tensorwise"], capsys)
+    assert code == 0
+    assert [n for n in notes if n.startswith("--fp8-recipe")] == [
+        "--fp8-recipe tensorwise without --fp8-format trains in FP8 here, with --fp8-format "
+        "hybrid (Megatron-LM turns FP8 on by --fp8-format only and would train this line in bf16)."
+    ]
+    for argv in (["--fp8-recipe", "tensorwise", "--fp8-format", "hybrid"], []):
+        _, _, notes = _outcome(argv, capsys)
+        assert not [n for n in notes if n.startswith("--fp8-recipe")]
+
+
+def test_query_groups_read_as_megatron_lm_reads_them(capsys):
+    """--group-query-attention alone is one key/value head (Megatron-LM's --num-query-groups
+    default 1); --num-query-groups alone is ignored (every head its own keys and values)."""
+    args = parse_args(TINY_GPT + ["--group-query-attention"], world_size=1)
+    flags = resolved_flags(args, world_size=1)
+    assert flags.num_query_groups == 1
+    assert any(n.startswith("--group-query-attention without") for n in flags.megatron_lm_notes)
+    args = parse_args(TINY_GPT + ["--num-query-groups", "2"], world_size=1)
+    flags = resolved_flags(args, world_size=1)
+    assert flags.num_query_groups is None
+    assert "--num-query-groups 2 without --group-query-attention: ignored" in " ".join(
+        flags.megatron_lm_notes
+    )
+    args = parse_args(TINY_GPT + ["--group-query-attention", "--num-query-groups", "2"])
+    assert resolved_flags(args, world_size=1).num_query_groups == 2
+
+
+def test_the_schedule_difference_from_megatron_lm_is_logged(capsys):
+    """Update k uses the schedule at k here, at k - 1 in Megatron-LM: said where the schedule
+    changes the lr, not for a constant one."""
+    from megatron.training.flags.readings import SCHEDULE_NOTE
+
+    for argv, noted in (
+        (["--lr-warmup-iters", "2"], True),
+        (["--lr-decay-style", "cosine"], True),
+        (["--lr-decay-style", "constant"], False),
+    ):
+        code, _, notes = _outcome(argv, capsys)
+        assert code == 0 and (SCHEDULE_NOTE in notes) == noted, argv

@@ -8,7 +8,8 @@ keep the Namespace: flags/arguments.py, checkpoint_args.py and checks.py (parsin
 flags/configs.py (builds the configs from it), flags/megatron_lm.py, megatron_lm_checks.py,
 megatron_lm_table.py, mup.py, mla.py and moe.py (add, map and check Megatron-LM's flags at parse
 time), flags/optimizer.py (the optimizer-state flags and their checks), flags/compile.py
-(--torch-compile and its default), flags/tensor_parallel.py and flags/fp8_stats.py."""
+(--torch-compile and its default), flags/readings.py (half-given flags read as Megatron-LM
+reads them), flags/tensor_parallel.py and flags/fp8_stats.py."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ PARSE_TIME = {
         "mup",
         "mla",
         "optimizer",
+        "readings",
         "tensor_parallel",
     )
 }
