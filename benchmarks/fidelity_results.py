@@ -11,6 +11,7 @@ ended without that loss, and how many of the job's seeds the pairs cover.
 from __future__ import annotations
 
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -25,8 +26,9 @@ CONTROL = "bf16_repeat"
 """--repeat-control's run: bf16 again at the same seed, paired with bf16 like a recipe: the noise
 floor (GPU kernels that accumulate in a run-dependent order make same-seed runs drift apart)."""
 
-PER_CALL_FLAGS = ("--exit-duration-in-mins",)
-"""Flags (with their value) that may differ between the calls that train one run."""
+PER_CALL_FLAGS = ("--exit-duration-in-mins", "--save", "--load")
+"""Flags (with their value) that may differ between the calls that train one run: how long a
+call trains, and where its checkpoint is (given by --checkpoint-dir, any spelling of it)."""
 
 
 def final_validation(log: str, iters: int) -> float | None:
@@ -61,7 +63,7 @@ def command_change(run: dict) -> str | None:
     data, model or flags is not this run's to skip or resume."""
     try:
         with open(run["log"] + ".cmd", encoding="utf-8") as handle:
-            before = _comparable(handle.read().split())
+            before = _comparable(shlex.split(handle.read()))
     except OSError:
         return None
     now = _comparable(run["command"][1:])

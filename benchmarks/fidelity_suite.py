@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -304,7 +305,7 @@ def execute(runs: list[dict], *, parallel: int, timeout: float, gpus: int) -> No
             card = card_name(started_runs % gpus) if gpus else shared_card
             started_runs += 1
             with open(run["log"] + ".cmd", "w", encoding="utf-8") as handle:
-                handle.write(" ".join(run["command"][1:]) + "\n")
+                handle.write(shlex.join(run["command"][1:]) + "\n")
             resuming = _prepare_checkpoint(run)
             earlier = read_card(run["log"]) if resuming else None
             with open(run["log"] + ".card", "w", encoding="utf-8") as handle:

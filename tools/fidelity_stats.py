@@ -109,10 +109,11 @@ def seeds_for_verdict(
 ) -> int | None:
     """The fewest seeds n >= 2 whose interval, if their ratios kept this mean and standard
     deviation, would end below 1 + tolerance: mean + t_{n-1} * sd / sqrt(n) < 1 + tolerance.
-    None when the mean itself is not below 1 + tolerance, or more than `most` would be needed.
+    None when the mean itself is not below 1 + tolerance (or is below 1 - tolerance), or more
+    than `most` would be needed.
     A planning figure (the next seeds move the mean and sd), not a verdict."""
     margin = 1.0 + tolerance - mean
-    if margin <= 0.0:
+    if margin <= 0.0 or mean < 1.0 - tolerance:  # the latter: no "within" verdict to reach
         return None
     for n in range(2, most + 1):
         if _half_width(sd, n, confidence) < margin:

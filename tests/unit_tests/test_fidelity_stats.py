@@ -68,6 +68,7 @@ def test_paired_summary_verdicts():
     below = paired_ratio_summary({1: 0.7736, 2: 0.873, 3: 0.973}, bf16)
     assert below["high"] == pytest.approx(0.9774524, abs=1e-6)
     assert below["verdict"] == "below bf16 by more than 1% (whole interval, upper end -2.25%)"
+    assert below["seeds_needed"] is None  # no "within" verdict to plan seeds for
     # Just under 0.99 at the upper end and the interval reaching past it is "within" again.
     edge = paired_ratio_summary({1: 0.7920, 2: 0.8910, 3: 1.0}, bf16)
     assert edge["high"] > 0.99 and edge["verdict"] == "within 1%"

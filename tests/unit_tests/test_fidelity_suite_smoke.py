@@ -3,6 +3,7 @@ seeds, 3 iterations each; the summary's ratios are recomputed from the runs' los
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -317,6 +318,14 @@ def test_kept_logs_of_another_command_are_refused(tmp_path, capsys):
     assert exit_info.value.code == 2 and "was made by another command" in capsys.readouterr().err
     args = parse_args(["--out", str(tmp_path), "--seeds", "1", "2"])  # reruns it: not kept
     refuse_other_commands([run], args)
+    # Where the checkpoint is (--checkpoint-dir spelled otherwise, or a --no-run summary
+    # without it) is not the run's configuration; a path with a space reads back as written.
+    spaced = ["python3", "pretrain_gpt.py", "--data-path", "my data/x", "--seed", "1"]
+    Path(log + ".cmd").write_text(
+        shlex.join([*spaced[1:], "--save", "/abs/ck", "--load", "/abs/ck"]) + "\n"
+    )
+    assert command_change(dict(run, command=[*spaced, "--save", "ck", "--load", "ck"])) is None
+    assert command_change(dict(run, command=spaced)) is None
     assert card_label(None, "H100") == "H100" and card_label("H100", "H100") == "H100"
     assert card_label("H100 + H200", "H200") == "H100 + H200"
     assert card_label("H100 + H200", "H100") == "H100 + H200 + H100"

@@ -129,9 +129,17 @@ def save_megatron_fp8(state: ModelState, save_dir: str, *, ckpt_format: str = "t
             _copy_buffers(state, run)
             scheduler = OptimizerParamScheduler(run.optimizer, config=run_config.lr_schedule)
             train_state = TrainState(iteration=state.iteration)
+            # The tokenizer is the user's choice when training from it: none is recorded, so a
+            # resume does not compare the probe's NullTokenizer and rows with the user's.
+            unrecorded = dict(tokenizer_type=None, vocab_size=None)
+            checkpoint = dataclasses.replace(
+                run_config.checkpoint,
+                saved_args={**run_config.checkpoint.saved_args, **unrecorded},
+                resolved_args={**run_config.checkpoint.resolved_args, **unrecorded},
+            )
             # Through the module, so a test can stand in for the save.
             checkpointing.save_checkpoint(
-                run_config.checkpoint, run=run, scheduler=scheduler, state=train_state, env=env
+                checkpoint, run=run, scheduler=scheduler, state=train_state, env=env
             )
         finally:
             shutdown_distributed(env)

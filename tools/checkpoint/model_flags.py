@@ -155,7 +155,8 @@ def config_from_megatron_args(args: dict, *, source: str, **fixed) -> Transforme
     heads = need("num_attention_heads")
     hidden = need("hidden_size")
     add_bias = values.get("add_bias_linear", not values.get("disable_bias_linear", False))
-    groups = values.get("num_query_groups") if values.get("group_query_attention") else heads
+    # Megatron-LM's reading: --num-query-groups (default 1) counts only with GQA.
+    groups = (values.get("num_query_groups") or 1) if values.get("group_query_attention") else heads
     return TransformerConfig(
         num_layers=need("num_layers"),
         hidden_size=hidden,
@@ -163,7 +164,7 @@ def config_from_megatron_args(args: dict, *, source: str, **fixed) -> Transforme
         vocab_size=need("padded_vocab_size"),
         max_sequence_length=values.get("max_position_embeddings") or need("seq_length"),
         ffn_hidden_size=values.get("ffn_hidden_size") or 4 * hidden,
-        num_query_groups=groups or heads,
+        num_query_groups=groups,
         kv_channels=values.get("kv_channels") or hidden // heads,
         position_embedding_type=values.get("position_embedding_type", "learned_absolute"),
         rotary_base=int(values.get("rotary_base", 10000)),

@@ -481,3 +481,26 @@ def test_use_checkpoint_args_needs_a_checkpoint(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert f"--load {tmp_path / 'none'} holds no latest_checkpointed_iteration.txt" in result.stderr
+
+
+def test_a_converted_checkpoint_resumes_with_the_users_tokenizer(tmp_path: Path) -> None:
+    """The converter records no tokenizer (its probe's NullTokenizer and padded rows are not the
+    user's): resuming a converted checkpoint with the user's own --vocab-size (500, padded to
+    the saved 512 rows) or another tokenizer is not refused, while a training run's checkpoint
+    keeps its tokenizer check."""
+    from tests.unit_tests.training.common import TINY_GPT
+
+    tiny = list(TINY_GPT)
+    tiny[tiny.index("--vocab-size") + 1] = "500"
+    run_pretrain([*tiny, "--train-iters", "2", "--save", str(tmp_path / "trained")])
+    _convert(
+        "--loader", "megatron_fp8", "--saver", "megatron_fp8",
+        "--load-dir", str(tmp_path / "trained"), "--save-dir", str(tmp_path / "converted"),
+    )  # fmt: skip
+    metadata = json.loads(next((tmp_path / "converted").glob("*/metadata.json")).read_text())
+    assert metadata["args"]["tokenizer_type"] is None and metadata["args"]["vocab_size"] is None
+    resume = ["--train-iters", "3", "--no-load-optim", "--no-load-rng", "--load"]
+    result = run_pretrain([*tiny, *resume, str(tmp_path / "converted")])
+    assert sorted(result.losses) == [3]
+    with pytest.raises(CheckpointError, match="saved with --vocab-size 500, but this run has 512"):
+        run_pretrain([*TINY_GPT, *resume, str(tmp_path / "trained")])

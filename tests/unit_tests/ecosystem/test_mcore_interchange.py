@@ -377,3 +377,18 @@ def test_mcore_saver_refuses_what_its_args_do_not_record(tmp_path: Path, fields,
     with pytest.raises(mcore.ConversionError, match=f"this one has {feature}: use --saver"):
         mcore.save_mcore(ModelState(state_dict=state_dict, config=config), str(tmp_path / "m"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_megatron_lm_args_read_query_groups_as_megatron_lm_does() -> None:
+    """--group-query-attention without --num-query-groups is one key/value head (Megatron-LM's
+    default 1); --num-query-groups without --group-query-attention is ignored."""
+    from tools.checkpoint.model_flags import config_from_megatron_args
+
+    base = dict(num_layers=1, hidden_size=32, num_attention_heads=4, padded_vocab_size=64)
+    base.update(seq_length=16)
+    gqa = config_from_megatron_args({**base, "group_query_attention": True}, source="args")
+    assert gqa.num_query_groups == 1
+    mha = config_from_megatron_args({**base, "num_query_groups": 2}, source="args")
+    assert mha.num_query_groups == 4
+    both = {**base, "group_query_attention": True, "num_query_groups": 2}
+    assert config_from_megatron_args(both, source="args").num_query_groups == 2
