@@ -29,9 +29,9 @@ RECIPE_ALONE_NOTE = (
 )
 
 SCHEDULE_NOTE = (
-    "learning-rate schedule: update k uses its value at iteration k; Megatron-LM steps the "
-    "scheduler after the optimizer, so its update k uses the value at k - 1 (with warmup from "
-    "--lr-warmup-init 0 its first update is at lr 0); the lr logged at k is the same in both."
+    "learning-rate schedule: update k uses its value at step k; Megatron-LM steps the scheduler "
+    "after the optimizer, so its update k uses the value at step k - 1 (with warmup from "
+    "--lr-warmup-init 0 its first update is at lr 0); the lr logged at step k is the same."
 )
 
 
