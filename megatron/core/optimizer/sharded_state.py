@@ -176,9 +176,8 @@ def load_optimizer_state_dict(optimizer: MixedPrecisionOptimizer, state: dict[st
     """Unscaled moments were loaded in place (a piece elsewhere is copied); scaled ones are
     rounded into their dtype and scales from the loaded fp32 values; the shared step count
     goes to every param's state."""
-    torch_state = optimizer.optimizer.state
+    torch_state, keys = optimizer.optimizer.state, _state_keys(optimizer)
     for name, main in zip(optimizer.main_param_names, optimizer.main_params):
-        keys = _state_keys(optimizer)
         if not _scaled(torch_state[main], keys):
             for key in keys:
                 _take_loaded(torch_state[main][key], state[key].get(name))

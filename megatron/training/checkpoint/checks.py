@@ -39,8 +39,12 @@ def check_saved_flags(metadata: dict, config: CheckpointConfig, *, directory: st
             "resume it under the same engine, or pass --finetune to load only the weights."
         )
     if not config.finetune:
-        _check_delayed_state(saved, config, directory=directory)
-        _check_tokens(saved, config, directory=directory)
+        # This run's flags as its checkpoint would record them (resolved over as given).
+        this_run = saved_run_flags(
+            {"args": config.saved_args, "resolved_args": config.resolved_args}
+        )
+        _check_delayed_state(saved, this_run, config, directory=directory)
+        _check_tokens(saved, this_run, directory=directory)
     if (
         not config.finetune
         and (config.train_samples is not None or saved.get("train_samples") is not None)
@@ -75,7 +79,9 @@ def check_saved_flags(metadata: dict, config: CheckpointConfig, *, directory: st
         )
 
 
-def _check_delayed_state(saved: dict, config: CheckpointConfig, *, directory: str) -> None:
+def _check_delayed_state(
+    saved: dict, this_run: dict, config: CheckpointConfig, *, directory: str
+) -> None:
     """Delayed-scaling state loads only into histories of its length, and its scales only
     into the FP8 dtypes they were computed for (--fp8-format)."""
     if not (
@@ -91,7 +97,7 @@ def _check_delayed_state(saved: dict, config: CheckpointConfig, *, directory: st
             f"--fp8-amax-history-len {saved_len}, or --finetune to load only the weights and "
             "start the delayed-scaling state fresh."
         )
-    saved_format, this_format = saved.get("fp8_format"), _this_run(config, "fp8_format")
+    saved_format, this_format = saved.get("fp8_format"), this_run.get("fp8_format")
     if saved_format != this_format:
         raise CheckpointError(
             f"{directory}: a --fp8-recipe delayed checkpoint saved with --fp8-format "
@@ -101,11 +107,11 @@ def _check_delayed_state(saved: dict, config: CheckpointConfig, *, directory: st
         )
 
 
-def _check_tokens(saved: dict, config: CheckpointConfig, *, directory: str) -> None:
+def _check_tokens(saved: dict, this_run: dict, *, directory: str) -> None:
     """The tokenizer and vocabulary size a run trains with are its checkpoint's (Megatron-LM
     compares the tokenizer type): padded rows can match while the ids mean other tokens."""
     for flag in ("tokenizer_type", "vocab_size"):
-        before, now = saved.get(flag), _this_run(config, flag)
+        before, now = saved.get(flag), this_run.get(flag)
         if before is not None and now is not None and before != now:
             name = "--" + flag.replace("_", "-")
             raise CheckpointError(
@@ -113,11 +119,6 @@ def _check_tokens(saved: dict, config: CheckpointConfig, *, directory: str) -> N
                 f"ids would mean other tokens. Pass {name} {before}, or --finetune to load "
                 "only the weights."
             )
-
-
-def _this_run(config: CheckpointConfig, flag: str) -> object:
-    """This run's value of a flag as a checkpoint would record it (resolved over as given)."""
-    return {**config.saved_args, **config.resolved_args}.get(flag)
 
 
 def _resolved(flags: dict) -> dict:

@@ -11,7 +11,7 @@ import argparse
 
 from megatron.core.optimizer import check_optimizer_config
 from megatron.core.optimizer.config import OptimizerConfig
-from megatron.core.optimizer.precision import STATE_DTYPES
+from megatron.core.optimizer.precision import STATE_DTYPES, is_scaled
 
 MOMENT_DTYPES = tuple(STATE_DTYPES)
 """fp32, bf16, fp16, fp8: Megatron-LM's choices of --exp-avg-dtype / --exp-avg-sq-dtype."""
@@ -78,7 +78,7 @@ def validate_optimizer_args(args: argparse.Namespace) -> None:
     scaled = [
         f"--{flag.replace('_', '-')} {getattr(args, flag)}"
         for flag in ("exp_avg_dtype", "exp_avg_sq_dtype")
-        if getattr(args, flag) in ("fp16", "fp8")
+        if is_scaled(STATE_DTYPES[getattr(args, flag)])
     ]
     if scaled and getattr(args, "use_torch_fsdp2", False):
         raise ValueError(
