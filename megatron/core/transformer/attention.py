@@ -11,6 +11,7 @@ from megatron.core.tensor_parallel import TensorParallel
 from megatron.core.transformer import mup
 from megatron.core.transformer.linear import build_linear
 from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.recompute import recomputes
 from megatron.core.transformer.rope import apply_rotary
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -101,7 +102,7 @@ class SelfAttention(nn.Module):
         self.head_dim = config.kv_channels
         self.softmax_scale = mup.softmax_scale(config)
         self.attention_dropout = config.attention_dropout
-        self.selective_recompute = config.recompute_granularity == "selective"
+        self.selective_recompute = recomputes(config, "core_attn")
         self.q_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
         self.k_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
         q_width = config.num_attention_heads * self.head_dim

@@ -26,6 +26,7 @@ from megatron.core.tensor_parallel import TensorParallel
 from megatron.core.transformer.attention import RotaryCosSin, SelfAttention, run_core_attention
 from megatron.core.transformer.linear import build_linear
 from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.recompute import recomputes
 from megatron.core.transformer.rope import apply_rotary_interleaved_pairs, yarn_mscale
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -124,7 +125,7 @@ class MultiLatentAttention(nn.Module):
         self.pos_dim, self.kv_lora_rank = config.qk_pos_emb_head_dim, config.kv_lora_rank
         self.softmax_scale = mla_softmax_scale(config)
         self.attention_dropout = config.attention_dropout
-        self.selective_recompute = config.recompute_granularity == "selective"
+        self.selective_recompute = recomputes(config, "core_attn")
 
         def linear(fan_in: int, fan_out: int, bias: bool = False) -> nn.Module:
             return build_linear(

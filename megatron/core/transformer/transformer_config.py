@@ -95,7 +95,14 @@ class TransformerConfig:
     """Dtype of the model's parameters and compute (`--bf16` makes it torch.bfloat16)."""
 
     recompute_granularity: Literal["full", "selective"] | None = None
-    """Activation recompute: whole layers (`full`) or only the attention core (`selective`)."""
+    """Activation recompute: whole layers (`full`) or the `recompute_modules` of each layer
+    (`selective`)."""
+
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """With selective recompute (Megatron-LM's `--recompute-modules`): the submodules run under
+    activation checkpoint, keeping only their inputs (recompute.py): `core_attn` (the S x S
+    attention core), `mlp` (a dense layer's MLP), `moe` (the whole MoE layer: router, dispatch,
+    experts, shared experts) and `shared_experts`."""
 
     recompute_method: Literal["uniform", "block"] = "uniform"
     """With full recompute (Megatron-LM's `--recompute-method`): `uniform` checkpoints every

@@ -1,4 +1,7 @@
-"""One pre-norm transformer layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+"""One pre-norm transformer layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
+
+Selective recompute of `mlp` (a dense layer) or `moe` (an MoE layer) runs the MLP under
+activation checkpoint (config.recompute_modules)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from megatron.core.transformer.moe.config_checks import moe_layer_pattern
 from megatron.core.transformer.moe.metrics import MoEMetrics
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.norm import build_norm
+from megatron.core.transformer.recompute import recompute_or_run, recomputes
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -52,9 +56,10 @@ class TransformerLayer(nn.Module):
         else:
             self.mlp = MLP(config, layer_number=layer_number, tensor_parallel=tensor_parallel)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+        self.recompute_mlp = recomputes(config, "moe" if isinstance(self.mlp, MoELayer) else "mlp")
 
     def forward(self, x_BSD: torch.Tensor, rotary_cos_sin: RotaryCosSin = None) -> torch.Tensor:
         attention_out = self.self_attention(self.input_layernorm(x_BSD), rotary_cos_sin)
         x_BSD = x_BSD + self.hidden_dropout(attention_out)
-        mlp_out = self.mlp(self.pre_mlp_layernorm(x_BSD))
+        mlp_out = recompute_or_run(self.recompute_mlp, self.mlp, self.pre_mlp_layernorm(x_BSD))
         return x_BSD + self.hidden_dropout(mlp_out)

@@ -26,6 +26,7 @@ from megatron.training.flags.mla import add_mla_args
 from megatron.training.flags.moe import add_moe_args
 from megatron.training.flags.mup import add_mup_args
 from megatron.training.flags.optimizer import add_optimizer_state_args
+from megatron.training.flags.recompute import add_recompute_args
 from megatron.training.flags.tensor_parallel import add_tensor_parallel_args
 
 
@@ -87,19 +88,6 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--init-method-std", type=float, default=0.02, help="Init std.")
     group.add_argument("--bf16", action="store_true", help="bf16 params and compute.")
-    group.add_argument(
-        "--recompute-granularity",
-        choices=("full", "selective"),
-        default=None,
-        help="Activation recompute: whole layers or the attention core only.",
-    )
-    group.add_argument(
-        "--recompute-num-layers",
-        type=int,
-        default=1,
-        help="With --recompute-granularity full: layers per checkpointed chunk (uniform) or "
-        "layers recomputed (block).",
-    )
     group.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
@@ -531,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_megatron_lm_args,
         add_mup_args,
         add_mla_args,
+        add_recompute_args,
     ):
         add(parser)
     add_megatron_lm_table_args(parser)  # last: the Megatron-LM flags no group above defines

@@ -159,7 +159,6 @@ def _validate_model(args: argparse.Namespace) -> None:
     for attr in ("hidden_dropout", "attention_dropout"):
         _require_fraction(args, attr, "0 disables it")
     _require(0.0 < args.rotary_percent <= 1.0, "--rotary-percent must be in (0, 1].")
-    _require(args.recompute_num_layers > 0, "--recompute-num-layers must be positive.")
     _require(
         args.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive."
     )

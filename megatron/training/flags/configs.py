@@ -31,6 +31,7 @@ from megatron.training.flags.megatron_lm_checks import resolve_megatron_lm_args
 from megatron.training.flags.mla import mla_config_kwargs
 from megatron.training.flags.moe import moe_config_values, moe_notes
 from megatron.training.flags.mup import MUP_CONFIG_FIELDS, mup_width_mult
+from megatron.training.flags.recompute import recompute_config_kwargs, recompute_notes
 from megatron.training.flags.run_config import (
     ARCHITECTURE_FLAGS,
     CheckpointConfig,
@@ -95,7 +96,8 @@ def resolved_flags(
     if flags.fp8_recipe is not None and flags.fp8_format is None:
         flags.fp8_format = "hybrid"
         flags.megatron_lm_notes.append(readings.RECIPE_ALONE_NOTE.format(flags.fp8_recipe))
-    flags.megatron_lm_notes += moe_notes(flags)  # after the FP8 defaults: it reads the recipe
+    # After the FP8 and compile defaults: these read the recipe (and compile).
+    flags.megatron_lm_notes += moe_notes(flags) + recompute_notes(flags)
     return flags
 
 
@@ -182,14 +184,12 @@ def _transformer_config(args: argparse.Namespace, *, vocab_rows: int) -> Transfo
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         init_method_std=args.init_method_std,
         params_dtype=params_dtype(args),
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method or "uniform",
-        recompute_num_layers=args.recompute_num_layers,
         apply_layernorm_1p=args.apply_layernorm_1p,
         fp8=build_fp8_config(args),
         **{name: getattr(args, name) for name in MUP_CONFIG_FIELDS},
         **mla_config_kwargs(args),
         **moe_config_values(args),
+        **recompute_config_kwargs(args),
     )
 
 

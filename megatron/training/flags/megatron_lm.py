@@ -63,14 +63,6 @@ def _add_sharding_and_model(group) -> None:
         "--use-megatron-fsdp for those).",
     )
     group.add_argument(
-        "--recompute-method",
-        choices=("uniform", "block"),
-        default=None,
-        help="With --recompute-granularity full: uniform checkpoints every chunk of "
-        "--recompute-num-layers layers; block checkpoints only the first --recompute-num-layers "
-        "layers (default uniform).",
-    )
-    group.add_argument(
         "--apply-layernorm-1p",
         action="store_true",
         help="Zero-centred norm scales: weights start at 0 and the norm multiplies by 1 + w.",

@@ -14,6 +14,7 @@ from megatron.training.flags.megatron_lm_table import table_notes
 from megatron.training.flags.mla import validate_mla_args
 from megatron.training.flags.mup import mup_notes, validate_mup_args
 from megatron.training.flags.optimizer import optimizer_notes
+from megatron.training.flags.recompute import validate_recompute_args
 
 
 def resolve_megatron_lm_args(args: argparse.Namespace) -> list[str]:
@@ -131,11 +132,7 @@ def validate_megatron_lm_args(args: argparse.Namespace) -> None:
         raise ValueError("--distributed-timeout-minutes must be positive (default 10).")
     if args.num_workers < 0:
         raise ValueError("--num-workers must be >= 0.")
-    if args.recompute_method is not None and args.recompute_granularity != "full":
-        raise ValueError(
-            f"--recompute-method {args.recompute_method} goes with --recompute-granularity "
-            "full; add it or drop --recompute-method."
-        )
+    validate_recompute_args(args)
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         raise ValueError("--decoupled-min-lr needs --decoupled-lr (the peak it decays from).")
     if args.decoupled_lr is not None:

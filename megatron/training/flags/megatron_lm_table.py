@@ -19,6 +19,8 @@ import ast
 import functools
 import os
 
+from megatron.training.flags import recompute
+
 RELEASE = "core_v0.19.0"
 TABLE = os.path.join(os.path.dirname(__file__), f"megatron_lm_{RELEASE}.tsv")
 GIVEN = "megatron_lm_table_given"  # Namespace attribute: ((flag, values, default repr), ...)
@@ -163,7 +165,7 @@ def _ep_overlap_problem(args) -> str | None:
         (args.bf16 or args.fp16, "--bf16 (or --fp16)"),
     ]
     with_ = [
-        (args.recompute_granularity == "full", "--recompute-granularity full"),
+        (recompute.granularity(args) == "full", "--recompute-granularity full"),
         ((args.mtp_num_layers or 0) > 1, "--mtp-num-layers above 1"),
     ]
     return _refused(without, with_)

@@ -172,7 +172,11 @@ OVERLAP, DELAY = "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"
         ([OVERLAP, DELAY, "--transformer-impl", "inference_optimized"], "with --transformer-impl"),
         ([OVERLAP, "--expert-model-parallel-size", "1"], "without --expert-model-parallel-size"),
         ([OVERLAP, "--moe-token-dispatcher-type", "allgather"], "without --moe-token-dispatcher"),
-        ([OVERLAP, "--recompute-granularity", "full"], "with --recompute-granularity full"),
+        (
+            [OVERLAP, "--recompute-granularity", "full", "--recompute-method", "uniform"]
+            + ["--recompute-num-layers", "1"],
+            "with --recompute-granularity full",
+        ),
         ([OVERLAP, "--mtp-num-layers", "2"], "with --mtp-num-layers above 1"),
     ],
 )

@@ -35,6 +35,7 @@ PARSE_TIME = {
         "mla",
         "optimizer",
         "readings",
+        "recompute",
         "tensor_parallel",
     )
 }

@@ -25,6 +25,7 @@ from megatron.core.transformer import mup
 from megatron.core.transformer.init import init_parameter_
 from megatron.core.transformer.moe.moe_layer import local_expert_rows
 from megatron.core.transformer.mtp import MultiTokenPrediction, mtp_depths
+from megatron.core.transformer.recompute import RECOMPUTE_MODULES
 from megatron.core.transformer.rope import RotaryEmbedding, rotary_dim
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -52,6 +53,9 @@ def check_model_config(config: TransformerConfig) -> None:
             f"recompute_granularity={config.recompute_granularity!r}; use None, 'full' or "
             "'selective'"
         )
+    unknown = sorted(set(config.recompute_modules) - set(RECOMPUTE_MODULES))
+    if unknown:
+        raise ValueError(f"recompute_modules {unknown}; pick from {RECOMPUTE_MODULES}")
     if config.recompute_num_layers < 1:
         raise ValueError(f"recompute_num_layers={config.recompute_num_layers} must be >= 1")
     for field in ("hidden_dropout", "attention_dropout"):

@@ -16,6 +16,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
     allgather_dispatch_combine,
     alltoall_dispatch_combine,
 )
+from megatron.core.transformer.recompute import recompute_or_run, recomputes
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 DISPATCHERS = {"alltoall": alltoall_dispatch_combine, "allgather": allgather_dispatch_combine}
@@ -65,6 +66,7 @@ class MoELayer(nn.Module):
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExperts(config, layer_number=layer_number)
+        self.recompute_shared = recomputes(config, "shared_experts")
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         probs, routing_map = self.router(x_BSD)
@@ -79,7 +81,7 @@ class MoELayer(nn.Module):
         )
         output = routed.view_as(x_BSD)
         if self.shared_experts is not None:
-            output = output + self.shared_experts(x_BSD)
+            output = output + recompute_or_run(self.recompute_shared, self.shared_experts, x_BSD)
         return output
 
 

@@ -277,25 +277,56 @@ def test_aux_loss_gradient_in_gpt_equals_reference_aux_grad():
         torch.testing.assert_close(difference, expected, rtol=1e-4, atol=1e-7)
 
 
-def test_full_recompute_counts_router_metrics_once():
+def _tiny_moe_gpt_recomputing(granularity, modules=("core_attn",)) -> GPTModel:
+    config = _tiny_moe_gpt(aux_coeff=0.05).config
+    config.recompute_granularity, config.recompute_modules = granularity, modules
+    return GPTModel(config, seed=7)
+
+
+@pytest.mark.parametrize(
+    "granularity, modules",
+    [("full", ("core_attn",)), ("selective", ("moe",)), ("selective", ("shared_experts", "mlp"))],
+)
+def test_recompute_counts_router_metrics_once(granularity, modules):
+    # Full recompute and the selective MoE modules (Megatron-LM's --recompute-modules moe,
+    # shared_experts; mlp checkpoints the dense first layer): the same loss, grads and router
+    # counts as no recompute, and the MoE layers really run under checkpoint.
     tokens = token_batch(batch=2, seq=8, seed=4)
     results = []
-    for granularity in (None, "full"):
-        model = _tiny_moe_gpt(aux_coeff=0.05)
-        model.config.recompute_granularity = granularity
-        model.decoder.full_recompute = granularity == "full"
-        model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+    for model in (_tiny_moe_gpt_recomputing(None), _tiny_moe_gpt_recomputing(granularity, modules)):
+        runs = []  # forwards of: the dense MLP, routed experts, shared experts
+        for name, module in [("mlp", model.decoder.layers[0].mlp)] + [
+            (part, getattr(layer.mlp, part))
+            for layer in model.decoder.layers[1:]
+            for part in ("experts", "shared_experts")
+        ]:
+            module.register_forward_pre_hook(lambda *_, name=name, runs=runs: runs.append(name))
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+        loss.backward()
         metrics = model.decoder.moe_metrics
-        router_grad = model.decoder.layers[1].mlp.router.weight.grad
+        grads = {name: p.grad for name, p in model.named_parameters()}
         results.append(
-            (metrics.per_layer("load_balancing_loss"), metrics.tokens_per_expert, router_grad)
+            (loss, metrics.per_layer("load_balancing_loss"), metrics.tokens_per_expert, grads)
         )
-    (plain_loss, plain_tokens, plain_grad), (re_loss, re_tokens, re_grad) = results
-    assert plain_loss == re_loss and len(plain_loss) == 2
+        results[-1] += ({part: runs.count(part) for part in ("mlp", "experts", "shared_experts")},)
+    (plain_loss, plain_aux, plain_tokens, plain_grads, plain_runs) = results[0]
+    (re_loss, re_aux, re_tokens, re_grads, re_runs) = results[1]
+    assert torch.equal(plain_loss, re_loss)
+    assert plain_aux == re_aux and len(plain_aux) == 2
     for layer in (2, 3):
         assert torch.equal(plain_tokens[layer], re_tokens[layer])
         assert plain_tokens[layer].sum().item() == 2 * 7 * 2  # tokens x top-k, counted once
-    torch.testing.assert_close(plain_grad, re_grad, rtol=1e-6, atol=1e-8)
+    assert plain_grads.keys() == re_grads.keys()
+    for name, grad in re_grads.items():
+        assert torch.equal(grad, plain_grads[name]), name
+    # Each part runs again in backward where it is recomputed (once per forward otherwise).
+    assert plain_runs == {"mlp": 1, "experts": 2, "shared_experts": 2}
+    whole = granularity == "full"
+    assert re_runs == {
+        "mlp": 2 if whole or "mlp" in modules else 1,
+        "experts": 4 if whole or "moe" in modules else 2,
+        "shared_experts": 4,
+    }
 
 
 def test_mtp_router_records_under_its_own_layer_number():
