@@ -153,9 +153,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "in the log's skipped (and, for a NaN loss, nan) iterations.",
     )
     add_compile_args(group)
-    group.add_argument("--log-interval", type=int, default=10, help="Iterations per log line.")
+    group.add_argument("--log-interval", type=int, default=100, help="Iterations per log line.")
     group.add_argument("--eval-interval", type=int, default=1000, help="Iterations per eval.")
-    group.add_argument("--eval-iters", type=int, default=10, help="Batches per evaluation.")
+    group.add_argument("--eval-iters", type=int, default=100, help="Batches per evaluation.")
     group.add_argument(
         "--distributed-backend",
         choices=("nccl", "gloo"),
