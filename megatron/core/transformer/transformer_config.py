@@ -279,6 +279,7 @@ class TransformerConfig:
     """Weight of the mean MTP loss added to the training loss (`--mtp-loss-scaling-factor`)."""
 
     def __post_init__(self) -> None:
+        self.recompute_modules = tuple(self.recompute_modules)  # a saved config holds a list
         shape = resolved_shape(
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,

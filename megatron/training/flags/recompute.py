@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.core.fp8.recipe import recipe_spec
 from megatron.core.transformer.recompute import RECOMPUTE_MODULES as BUILT_MODULES
 
 # Megatron-LM's other choices (transformer_config.py): recomputed here by none of our layers.
@@ -149,7 +150,7 @@ def recompute_notes(flags: argparse.Namespace) -> list[str]:
     if flags.num_experts is not None and "moe" in recomputed:
         notes.append(EAGER_NOTE.format("moe", EAGER_REASONS["moe"]))
     dense = [name for name in ("mlp", "shared_experts") if name in recomputed]
-    if dense and flags.fp8_recipe == "delayed":
+    if dense and flags.fp8_recipe is not None and recipe_spec(flags.fp8_recipe).delayed:
         notes.append(EAGER_NOTE.format(" ".join(dense), EAGER_REASONS["delayed"]))
     return notes
 

@@ -39,7 +39,7 @@ def test_rendered_help_shows_defaults():
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())  # undo the line wrapping
     for flag, default in (
-        ("--log-interval LOG_INTERVAL", "10"),
+        ("--log-interval LOG_INTERVAL", "100"),
         ("--fp8-amax-history-len FP8_AMAX_HISTORY_LEN", "1"),
         ("--fp8-amax-compute-algo {max,most_recent}", "most_recent"),
         # Resolved at parse time from the engine flags; the help text says to what.
