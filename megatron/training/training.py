@@ -496,7 +496,6 @@ def _train_loop(
     while state.iteration < training.train_iters:
         hooks.profiler.before_iteration(state.iteration)
         step_start = time.time()
-        lr = scheduler.get_lr()
         with fp8_stats_step(fp8_stats, env=env, iteration=state.iteration + 1, logger=logger):
             loss, grad_norm, ok = train_step(
                 training, env=env, run=run, dataset=datasets.train, state=state, saver=saver
@@ -504,6 +503,7 @@ def _train_loop(
         _check_finite(training, run=run, iteration=state.iteration + 1, loss=loss, norm=grad_norm)
         if ok:
             scheduler.step()
+        lr = scheduler.get_lr()  # after the step, as Megatron-LM logs it: the next update's
         _count_step(training, state=state, result=result, loss=loss, grad_norm=grad_norm, ok=ok)
         stats.add(
             loss=loss,

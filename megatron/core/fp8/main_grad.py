@@ -7,7 +7,8 @@ an object with `main_grad_slot(weight) -> (1-D view, accumulate)` and `main_grad
 place, in fp32 (or the buffer's bf16), instead of returning a bf16 grad that a second pass
 casts into the buffer; autograd gets no grad for the weight. The routed experts' grouped
 function (moe/grouped_fp8.py) writes a stacked FP8 expert weight's dW the same way, through
-`fuse_into_main_grad`, with its own op for compiled graphs. A slot that already holds this
+`fuse_into_main_grad`, with its own op for compiled graphs (with an fp64 buffer each segment's
+product is added in fp64 on the CPU). A slot that already holds this
 step's grad (a later micro-batch) gets this micro-batch's fp32 product added, so every
 micro-batch contributes the same product under any data-parallel layout (fp32; with a bf16
 buffer the first micro-batch's is written in bf16). Compiled, dgrad
@@ -53,7 +54,10 @@ def fuse_into_main_grad(weight: torch.Tensor, write_into, compute) -> None:
     target = target.view(weight.shape)
     direct = target.dtype in _DIRECT_DTYPES
     if not (direct and write_into(target, accumulate)):
-        product = compute(target.dtype if direct and not accumulate else torch.float32)
+        # An fp64 buffer gets an fp64 product: a stacked expert weight's segments (expert
+        # parallelism) are each added in fp64 there, as the ranks' products are by the reduce.
+        wide = target.dtype == torch.float64
+        product = compute(target.dtype if wide or (direct and not accumulate) else torch.float32)
         if accumulate:
             target.add_(product)
         else:
@@ -71,7 +75,8 @@ def write_wgrad(weight: QuantizedTensor, dy_t: Fp8Operand, x_t: Fp8Operand, ops)
             return False
         return _gemm_into(dy_t, x_t, target, weight.recipe)
 
-    def compute(dtype: torch.dtype) -> torch.Tensor:
+    def compute(dtype: torch.dtype) -> torch.Tensor:  # one product: fp32 is exact for fp64
+        dtype = torch.float32 if dtype == torch.float64 else dtype
         return ops.gemm(dy_t, x_t, recipe=weight.recipe, out_dtype=dtype, fast_accum=False)
 
     fuse_into_main_grad(weight, write_into, compute)

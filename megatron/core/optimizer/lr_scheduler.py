@@ -27,7 +27,7 @@ class LRScheduleConfig:
 
 
 def learning_rate_at(iteration: int, config: LRScheduleConfig) -> float:
-    """LR for the update that completes `iteration` (1-based count of optimizer steps taken)."""
+    """The schedule's lr after `iteration` updates (update k runs at learning_rate_at(k - 1))."""
     if config.warmup_iters > 0 and iteration <= config.warmup_iters:
         return config.warmup_init + (config.max_lr - config.warmup_init) * (
             iteration / config.warmup_iters
@@ -64,8 +64,10 @@ def learning_rate_at(iteration: int, config: LRScheduleConfig) -> float:
 class OptimizerParamScheduler:
     """Sets each param group's lr before every step; its state is the number of updates done.
 
-    Update k (1-based) uses learning_rate_at(k): with warmup the first update already moves
-    (Megatron's schedule spends its first step at lr 0).
+    As megatron-core's scheduler, stepped after the optimizer: update k (1-based) uses
+    learning_rate_at(k - 1), so with warmup from --lr-warmup-init 0 the first update is at lr
+    0, and the lr read after update k (the log line's) is learning_rate_at(k)
+    (tests/unit_tests/ecosystem/test_mcore_lr_schedule.py).
     """
 
     def __init__(self, optimizer: MegatronOptimizer, *, config: LRScheduleConfig) -> None:
@@ -75,13 +77,14 @@ class OptimizerParamScheduler:
         self.step(0)
 
     def step(self, increment: int = 1) -> float:
-        """Count `increment` finished updates and set the lr of the next one."""
+        """Count `increment` finished updates and set the lr of the next one: the schedule's
+        value at the count of updates done."""
         self.num_steps += increment
         for group in self.optimizer.param_groups:
             config = self.config
             if "max_lr" in group:  # --decoupled-lr: this group's own peak and floor
                 config = dataclasses.replace(config, max_lr=group["max_lr"], min_lr=group["min_lr"])
-            group["lr"] = learning_rate_at(self.num_steps + 1, config)
+            group["lr"] = learning_rate_at(self.num_steps, config)
         return self.get_lr()
 
     def get_lr(self) -> float:

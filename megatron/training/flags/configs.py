@@ -80,7 +80,6 @@ def resolved_flags(
     if len(flags.split) >= 2 and flags.split[0] == flags.split[-1] and flags.split[0] in "'\"":
         flags.split = flags.split[1:-1]
     readings.resolve_query_groups(flags)
-    flags.megatron_lm_notes += readings.schedule_note(flags)
     _resolve_data_parallel_engine(flags)
     if flags.ckpt_format is None:  # --use-checkpoint-args: the checkpoint's format
         # EP / TP: ranks hold different experts / shards, which torch_dist saves as full tensors.

@@ -62,15 +62,17 @@ def test_async_save_at_dp2_resumes_at_dp1_and_dp4(tmp_path, precision):
     for world_size, resumed in resumed_at.items():
         assert sorted(resumed) == list(range(SAVE_AT + 1, TOTAL + 1))
         # FP8 parameters only: reductions summed in another order at another DP size move a
-        # weight across an FP8 rounding boundary now and then, and the loss with it. After the
-        # checkpoint the first 5 stay within 1e-6 (measured: all 10 at DP=1, 9 of 10 at DP=4,
-        # whose 10th is 2.6e-6 off), later ones within what the same DP size drifts from
-        # DP=2 when trained from scratch (the control; measured up to 7e-5 on one host, 3.8e-4
-        # at DP=4 on another), and the resume at DP=2 below is exact. With fp64 grad buffers
-        # (accumulated, reduced and normed in fp64, rounded to fp32 once) every DP size
-        # computes the same update: all 10 within 1e-6 (measured: 8e-8 at most, the order in
-        # which the logged loss is averaged).
-        exact_steps = 5 if precision == FP8_PARAMS else 10
+        # weight across an FP8 rounding boundary now and then, and the loss with it: every
+        # step after the checkpoint stays within twice what the same DP size drifts from DP=2
+        # when trained from scratch (the control). Measured (session 47, Megatron-LM's
+        # schedule): the DP=4 resume is 1.0e-4 off at step 6 and 2.8e-4 at most, its control
+        # 4.8e-4; the DP=1 resume within 5e-7 to step 12, 3.2e-5 at 13. (On the schedule one
+        # step ahead the DP=4 resume happened to stay within 1e-6 for 5 steps.) The resume at
+        # DP=2 below is exact.
+        # With fp64 grad buffers (accumulated, reduced and normed in fp64, rounded to fp32
+        # once) every DP size computes the same update: all 10 within 1e-6 (measured: 8e-8 at
+        # most, the order in which the logged loss is averaged).
+        exact_steps = 0 if precision == FP8_PARAMS else 10
         later = 1e-5 * max(uninterrupted.values())
         if precision == FP8_PARAMS:
             scratch = run_distributed(run_pretrain_on_rank, world_size, base)[0]

@@ -137,10 +137,10 @@ def test_decoupled_lr_schedules_embedding_and_output_separately():
     decoupled = LRScheduleConfig(
         max_lr=5e-3, min_lr=4e-4, warmup_iters=2, decay_iters=10, decay_style="cosine"
     )
-    for step in range(12):
+    for step in range(12):  # update k + 1 uses the schedule at k, as in Megatron-LM
         for group in optimizer.param_groups:
             expected = decoupled if "max_lr" in group else schedule
-            assert group["lr"] == pytest.approx(learning_rate_at(step + 1, expected), rel=1e-12)
+            assert group["lr"] == pytest.approx(learning_rate_at(step, expected), rel=1e-12)
         scheduler.step()
     assert {g["lr"] for g in own} == {4e-4} and scheduler.get_lr() == pytest.approx(1e-5)
 

@@ -245,17 +245,3 @@ def test_query_groups_read_as_megatron_lm_reads_them(capsys):
     )
     args = parse_args(TINY_GPT + ["--group-query-attention", "--num-query-groups", "2"])
     assert resolved_flags(args, world_size=1).num_query_groups == 2
-
-
-def test_the_schedule_difference_from_megatron_lm_is_logged(capsys):
-    """Update k uses the schedule at k here, at k - 1 in Megatron-LM: said where the schedule
-    changes the lr, not for a constant one."""
-    from megatron.training.flags.readings import SCHEDULE_NOTE
-
-    for argv, noted in (
-        (["--lr-warmup-iters", "2"], True),
-        (["--lr-decay-style", "cosine"], True),
-        (["--lr-decay-style", "constant"], False),
-    ):
-        code, _, notes = _outcome(argv, capsys)
-        assert code == 0 and (SCHEDULE_NOTE in notes) == noted, argv

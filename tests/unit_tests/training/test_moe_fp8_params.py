@@ -8,9 +8,11 @@ every recipe, one spawn per expert-parallel size (all recipes in it):
   quantizing the full fp32 weight of each expert, at init and after 10 steps; at init, every
   expert's bytes equal those of the EP 1 run (the same bytes at any EP layout).
 - acceptance 1 (FP8 part): with FP8 parameters and fp64 grad buffers (--main-grads-dtype fp64:
-  grads reduced over ranks in fp64 and rounded to fp32 once; an expert's segments from its two
-  source ranks are still summed in fp32 by autograd at EP 2), the 20 losses at EP 2 are
-  within 1e-5 of the same recipe's at EP 1. With fp32 grads the order of the sums (EP 2: two
+  each fp32 product, an expert's segments from its source ranks included, is added in fp64,
+  reduced over ranks in fp64 and rounded to fp32 once), the 20 losses at EP 2 equal the same
+  recipe's at EP 1 bitwise (within the acceptance's 1e-5 by any measure). Before the segments
+  were added in fp64 (session 47) they were summed in fp32 at EP 2, and the losses moved by
+  up to 3.3e-5 at step 20 on one schedule. With fp32 grads the order of the sums (EP 2: two
   source segments locally, then 2 ranks; EP 1: 4 ranks) flips FP8 roundings, measured by step
   20: delayed 4.3e-5 (bitwise to step 12), tensorwise 7.7e-5 (bitwise to step 9), blockwise
   and mxfp8 bitwise.
@@ -186,7 +188,7 @@ def test_fp8_params_ep2_equal_ep1(recipe, ep2, ep1):
     assert len(reference) == 20
     assert reference[-1] < reference[0] - 0.3  # it learns with FP8 expert parameters
     for rank_result in ep2:
-        assert rank_result[recipe]["losses"] == pytest.approx(reference, rel=1e-5, abs=0)
+        assert rank_result[recipe]["losses"] == reference
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -274,8 +274,10 @@ def _wgrad(
     shape = (num_experts, n, k)
     args = (dy, dy_scale_inv, x, x_scale_inv, seg_sizes, seg_expert, recipe)
     if dy.is_cuda and dy.numel() > 0:
+        if out_dtype == torch.float64:  # the kernel sums an expert's segments in fp32
+            out_dtype = torch.float32
         return _cuda_wgrad(*args, shape, out_dtype, padded, r, out=out, accumulate=accumulate)
-    if out is None:
+    if out is None:  # each segment's fp32 product rounded to out_dtype and summed there
         return emulation.emulated_wgrad(*args, dy.new_zeros(shape, dtype=out_dtype))
     # Into a buffer: the segments summed in fp32 and rounded once, as the kernel does (a new
     # dW of a bf16 weight instead rounds each segment, as the per-segment path's autograd).
