@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megatron.core.tensor_parallel import TensorParallel
 from megatron.core.transformer import mup
 from megatron.core.transformer.linear import build_linear
 from megatron.core.transformer.norm import build_norm
-from megatron.core.transformer.recompute import recomputes
+from megatron.core.transformer.recompute import recompute_or_run, recomputes
 from megatron.core.transformer.rope import apply_rotary
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -66,11 +65,7 @@ def run_core_attention(
     Only the S x S attention core is recomputed: it holds the largest activations
     (probabilities) and is cheap next to the Linears. Checkpoint restores the RNG state, so
     attention dropout draws the same mask on recompute."""
-    if recompute and torch.is_grad_enabled():
-        return checkpoint(
-            core_attention, q_BHSD, k_BGSD, v_BGSD, dropout_p, scale, use_reentrant=False
-        )
-    return core_attention(q_BHSD, k_BGSD, v_BGSD, dropout_p, scale)
+    return recompute_or_run(recompute, core_attention, q_BHSD, k_BGSD, v_BGSD, dropout_p, scale)
 
 
 class SelfAttention(nn.Module):

@@ -21,8 +21,9 @@ def recomputes(config: TransformerConfig, module: str) -> bool:
     return config.recompute_granularity == "selective" and module in config.recompute_modules
 
 
-def recompute_or_run(recompute: bool, module: torch.nn.Module, *inputs: torch.Tensor):
-    """module(*inputs), under activation checkpoint when `recompute` and grad is on."""
+def recompute_or_run(recompute: bool, function, *args):
+    """function(*args) (a submodule, or the attention core), under activation checkpoint when
+    `recompute` and grad is on."""
     if recompute and torch.is_grad_enabled():
-        return checkpoint(module, *inputs, use_reentrant=False)
-    return module(*inputs)
+        return checkpoint(function, *args, use_reentrant=False)
+    return function(*args)

@@ -166,6 +166,7 @@ def _ep_overlap_problem(args) -> str | None:
     ]
     with_ = [
         (recompute.granularity(args) == "full", "--recompute-granularity full"),
+        ("moe" in recompute.modules(args), "--recompute-modules moe"),
         ((args.mtp_num_layers or 0) > 1, "--mtp-num-layers above 1"),
     ]
     return _refused(without, with_)

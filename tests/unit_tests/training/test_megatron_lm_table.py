@@ -178,6 +178,8 @@ OVERLAP, DELAY = "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"
             "with --recompute-granularity full",
         ),
         ([OVERLAP, "--mtp-num-layers", "2"], "with --mtp-num-layers above 1"),
+        ([OVERLAP, "--recompute-activations", "--recompute-modules", "moe"], "with --recompute-"),
+        ([OVERLAP, "--moe-layer-recompute"], "with --recompute-modules moe"),
     ],
 )
 def test_expert_parallel_overlap_schedules_as_megatron_lm_validates_them(extra, refusal, capsys):

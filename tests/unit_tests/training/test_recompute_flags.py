@@ -1,14 +1,15 @@
 """Activation-recompute flags as Megatron-LM core_v0.19.0 reads them (flags/recompute.py):
 --recompute-activations means selective, full needs a method and a layer count, selective
 takes neither, and --recompute-modules picks what selective recompute checkpoints; a run
-with every built module recomputed trains the same losses, bitwise."""
+recomputing the dense modules trains the same losses, bitwise (the MoE ones:
+tests/unit_tests/models/moe/test_moe_layer.py)."""
 
 from __future__ import annotations
 
 import pytest
 from torch.utils.checkpoint import checkpoint
 
-from megatron.core.transformer import attention, recompute
+from megatron.core.transformer import recompute
 from megatron.training.flags import recompute as recompute_flags
 from megatron.training.flags.arguments import parse_args
 from megatron.training.flags.configs import build_transformer_config, resolved_flags
@@ -32,7 +33,11 @@ def _config(extra: list[str]):
             ["--recompute-activations", "--recompute-modules", "mlp", "moe", "shared_experts"],
             ("selective", ("mlp", "moe", "shared_experts")),
         ),
-        (["--recompute-activations", "--recompute-modules"], ("selective", ())),
+        (["--moe-layer-recompute"], ("selective", ("core_attn", "moe"))),
+        (
+            ["--moe-layer-recompute", "--recompute-modules", "moe", "mlp"],
+            ("selective", ("moe", "mlp")),
+        ),
     ],
 )
 def test_selective_recompute_flags_build_the_megatron_lm_config(extra, want):
@@ -68,6 +73,8 @@ def test_full_recompute_takes_the_given_method_and_layers():
 
 
 FULL = ["--recompute-granularity", "full"]
+ZERO3_MXFP8 = ["--bf16", "--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+ZERO3_MXFP8 += ["optim_grads_params", "--fp8-recipe", "mxfp8", "--fp8-param-gather"]
 
 
 @pytest.mark.parametrize(
@@ -80,23 +87,34 @@ FULL = ["--recompute-granularity", "full"]
         ),
         (
             FULL + ["--recompute-method", "uniform"],
-            "--recompute-granularity full needs --recompute-num-layers between 1 and "
-            "--num-layers 2 (given None).",
+            "--recompute-granularity full needs --recompute-num-layers of at least 1 (as in "
+            "Megatron-LM; given None).",
         ),
         (
-            FULL + ["--recompute-method", "uniform", "--recompute-num-layers", "3"],
-            "--recompute-granularity full needs --recompute-num-layers between 1 and "
-            "--num-layers 2 (given 3).",
+            FULL + ["--recompute-method", "block", "--recompute-num-layers", "0"],
+            "--recompute-granularity full needs --recompute-num-layers of at least 1 (as in "
+            "Megatron-LM; given 0).",
+        ),
+        (
+            FULL + ["--moe-layer-recompute"],
+            "--moe-layer-recompute goes with selective recompute, not --recompute-granularity "
+            "full (as in Megatron-LM); drop one.",
         ),
         (
             ["--recompute-activations", "--recompute-num-layers", "1"],
-            "--recompute-num-layers 1 goes with --recompute-granularity full, not selective; "
-            "drop it or recompute full layers.",
+            "--recompute-num-layers 1 goes with --recompute-granularity full, not selective "
+            "(as in Megatron-LM); drop it or recompute full layers.",
         ),
         (
-            ["--recompute-method", "uniform"],
-            "--recompute-method uniform goes with --recompute-granularity full, not without "
-            "recompute; drop it or recompute full layers.",
+            ["--recompute-activations", "--recompute-modules"],
+            "argument --recompute-modules: expected at least one argument",
+        ),
+        (
+            ["--recompute-activations", "--recompute-modules", "mlp", *ZERO3_MXFP8],
+            "--recompute-modules mlp with --fp8-recipe mxfp8 FP8 parameters under "
+            "--data-parallel-sharding-strategy optim_grads_params is not built: the recompute "
+            "would read the forward weight copy the engine released after forward; recompute "
+            "core_attn only, use --recompute-granularity full, or the optim_grads strategy.",
         ),
         (
             ["--recompute-activations", "--recompute-modules", "core_attn", "layernorm"],
@@ -120,9 +138,25 @@ def test_recompute_refusals_name_the_fix(extra, message, capsys):
 
 
 def test_modules_without_selective_are_ignored_as_in_megatron_lm():
-    # Megatron-LM validates --recompute-modules only with selective granularity.
-    got, _ = _config(["--recompute-modules", "layernorm"])
+    # Megatron-LM validates --recompute-modules only with selective granularity, and the full
+    # recompute's method and layer count only with a granularity.
+    got, notes = _config(["--recompute-modules", "layernorm"])
+    assert got == (None, ("core_attn",)) and not [n for n in notes if "recompute" in n]
+    got, notes = _config(["--recompute-method", "uniform", "--recompute-num-layers", "2"])
     assert got == (None, ("core_attn",))
+    assert [n for n in notes if "recompute" in n] == [
+        f"{flag} without --recompute-granularity: ignored (no activation recompute), as in "
+        "Megatron-LM."
+        for flag in ("--recompute-method", "--recompute-num-layers")
+    ]
+    # The forward copy is released under ZeRO-3 with mxfp8 only: the other recipes, ZeRO-2 and
+    # core_attn alone are built.
+    mlp = ["--recompute-activations", "--recompute-modules", "mlp"]
+    tensorwise = [a if a != "mxfp8" else "tensorwise" for a in ZERO3_MXFP8]
+    assert _config(mlp + tensorwise)[0] == ("selective", ("mlp",))
+    zero2 = [a if a != "optim_grads_params" else "optim_grads" for a in ZERO3_MXFP8]
+    assert _config(mlp + zero2)[0] == ("selective", ("mlp",))
+    assert _config(["--recompute-activations", *ZERO3_MXFP8])[0] == ("selective", ("core_attn",))
 
 
 def test_recomputing_the_dense_modules_trains_the_same_losses(monkeypatch):
@@ -135,7 +169,6 @@ def test_recomputing_the_dense_modules_trains_the_same_losses(monkeypatch):
         return checkpoint(function, *args, **kwargs)
 
     monkeypatch.setattr(recompute, "checkpoint", counting)
-    monkeypatch.setattr(attention, "checkpoint", counting)
     recomputed = run_pretrain(
         base + ["--recompute-activations", "--recompute-modules", "core_attn", "mlp"]
     ).losses
