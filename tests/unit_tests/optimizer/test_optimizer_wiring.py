@@ -79,17 +79,22 @@ def test_ddp_sharded_checkpoints_hold_the_moments_values(tmp_path, saved, resume
     """DDP's torch_dist checkpoint saves scaled (fp8, fp16) moments as their fp32 values, as
     Megatron-FSDP does (their bytes alone lost the scale: the resumed loss was 1e5), and loads
     with CPU offload (its optimizer has no torch `defaults`): the next losses equal an
-    uninterrupted run of the resumed configuration within 1e-6 when the dtypes stay; across
-    dtypes the first two steps' moments differ in precision (fp8 first moments moved the
-    loss by up to 1e-5 relative), within 1e-4 relative."""
+    uninterrupted run of the resumed configuration within 1e-6 when the dtypes stay. Across
+    dtypes the first two steps' moments differ in precision: the resumed losses stay within
+    twice the gap between uninterrupted runs in the saved and in the resumed dtypes (the
+    control; measured at step 4, fp16/fp8 to fp32: 6.8e-4 off, the control gap 6.8e-4)."""
     base = [*ITERS, *DDP_DIST]
     base += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"] if offload else []
     _losses([*base, "--exit-interval", "2", "--save", str(tmp_path), *_moments(*saved)])
     resumed_losses = _losses([*base, "--load", str(tmp_path), *_moments(*resumed)])
     uninterrupted = _losses([*base, *_moments(*resumed)])
     assert sorted(resumed_losses) == [3, 4]
+    bound = 1e-6
+    if saved != resumed:
+        control = _losses([*base, *_moments(*saved)])
+        bound = 2 * max(abs(control[step] - uninterrupted[step]) for step in (3, 4))
+        assert 1e-6 < bound < 1e-2  # the dtypes do differ, and by a precision, not a scale
     for step in (3, 4):
-        bound = 1e-6 if saved == resumed else 1e-4 * uninterrupted[step]
         assert abs(resumed_losses[step] - uninterrupted[step]) <= bound, step
 
 

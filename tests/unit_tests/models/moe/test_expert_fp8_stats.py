@@ -213,7 +213,9 @@ def test_bf16_tokens_and_counts_on_the_device(recipe: str, device: str):
 @pytest.mark.slow
 def test_compiled_moe_gpt_logs_its_experts_and_keeps_its_graphs(capsys, monkeypatch):
     # A statistics step runs the compiled layers eagerly (set_stance("force_eager")); the
-    # experts' switch adds no graph break or graph, and on CPU the losses stay bitwise equal.
+    # experts' switch adds no graph break or graph. The eager step's loss is the compiled
+    # one's up to fp32 rounding (measured 7.6e-8 relative on CPU at step 2), the steps before
+    # it bitwise.
     logged = []  # the (Linear, role) keys the log's lines are made from
     real_log_lines = fp8_stats.log_lines
     monkeypatch.setattr(
@@ -231,7 +233,10 @@ def test_compiled_moe_gpt_logs_its_experts_and_keeps_its_graphs(capsys, monkeypa
         losses = run_pretrain(argv + extra).losses
         seen[name] = (dict(counters["graph_break"]), counters["stats"]["unique_graphs"], losses)
     torch._dynamo.reset()
-    assert seen["plain"] == seen["stats"] and seen["plain"][:2] == ({}, 3)
+    assert seen["plain"][:2] == seen["stats"][:2] == ({}, 3)
+    plain, stats = seen["plain"][2], seen["stats"][2]
+    assert sorted(plain) == sorted(stats) == [1, 2] and plain[1] == stats[1]
+    assert stats[2] == pytest.approx(plain[2], rel=1e-6)
     out = capsys.readouterr().out
     # 2 layers' qkv and proj, the dense MLP's fc1 and fc2, the shared expert's, and the
     # routed experts' fc1 and fc2 (one entry each, all experts together).
