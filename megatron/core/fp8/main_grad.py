@@ -75,7 +75,7 @@ def write_wgrad(weight: QuantizedTensor, dy_t: Fp8Operand, x_t: Fp8Operand, ops)
             return False
         return _gemm_into(dy_t, x_t, target, weight.recipe)
 
-    def compute(dtype: torch.dtype) -> torch.Tensor:  # one product: fp32 is exact for fp64
+    def compute(dtype: torch.dtype) -> torch.Tensor:  # one fp32 product; added to fp64 exactly
         dtype = torch.float32 if dtype == torch.float64 else dtype
         return ops.gemm(dy_t, x_t, recipe=weight.recipe, out_dtype=dtype, fast_accum=False)
 
