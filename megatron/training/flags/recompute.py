@@ -114,12 +114,13 @@ def modules(args: argparse.Namespace) -> tuple[str, ...]:
 
 def validate_recompute_args(args: argparse.Namespace) -> None:
     """Megatron-LM's recompute rules and the unbuilt modules (raise ValueError with the fix)."""
-    if args.moe_layer_recompute and not args.recompute_activations:
-        if args.recompute_granularity == "full":
-            raise ValueError(
-                "--moe-layer-recompute goes with selective recompute, not --recompute-granularity "
-                "full (as in Megatron-LM); drop one."
-            )
+    # (--recompute-activations first makes the line selective, as in Megatron-LM.)
+    moe_full = args.moe_layer_recompute and args.recompute_granularity == "full"
+    if moe_full and not args.recompute_activations:
+        raise ValueError(
+            "--moe-layer-recompute goes with selective recompute, not --recompute-granularity "
+            "full (as in Megatron-LM); drop one."
+        )
     given = granularity(args)
     if given == "full":
         if args.recompute_method is None:
@@ -133,10 +134,7 @@ def validate_recompute_args(args: argparse.Namespace) -> None:
                 f"Megatron-LM; given {args.recompute_num_layers})."
             )
     elif given == "selective":
-        for flag, value in (
-            ("--recompute-method", args.recompute_method),
-            ("--recompute-num-layers", args.recompute_num_layers),
-        ):
+        for flag, value in _full_only(args):
             if value is not None:
                 raise ValueError(
                     f"{flag} {value} goes with --recompute-granularity full, not selective (as "
@@ -145,8 +143,17 @@ def validate_recompute_args(args: argparse.Namespace) -> None:
         _validate_modules(args)
 
 
+def _full_only(args: argparse.Namespace) -> tuple[tuple[str, int | str | None], ...]:
+    """The flags that only full recompute reads, with their values."""
+    return (
+        ("--recompute-method", args.recompute_method),
+        ("--recompute-num-layers", args.recompute_num_layers),
+    )
+
+
 def _validate_modules(args: argparse.Namespace) -> None:
-    for name in modules(args):
+    recomputed = modules(args)
+    for name in recomputed:
         if name in UNBUILT_MODULES:
             raise ValueError(
                 f"--recompute-modules {name} (Megatron-LM's recompute that "
@@ -157,7 +164,7 @@ def _validate_modules(args: argparse.Namespace) -> None:
                 f"--recompute-modules {name} is not a recompute module; pick from "
                 f"{' '.join(BUILT_MODULES)}."
             )
-    released = [name for name in ("mlp", "moe", "shared_experts") if name in modules(args)]
+    released = [name for name in ("mlp", "moe", "shared_experts") if name in recomputed]
     if released and _forward_copy_released(args):
         raise ValueError(
             f"--recompute-modules {' '.join(released)} with --fp8-recipe {args.fp8_recipe} "
@@ -185,8 +192,8 @@ def recompute_notes(flags: argparse.Namespace) -> list[str]:
     if flags.recompute_activations and flags.recompute_granularity == "full":
         notes.append(REPLACED_NOTE)
     if granularity(flags) is None:
-        for flag in ("--recompute-method", "--recompute-num-layers"):
-            if getattr(flags, flag[2:].replace("-", "_")) is not None:
+        for flag, value in _full_only(flags):
+            if value is not None:
                 notes.append(IGNORED_NOTE.format(flag))
     if granularity(flags) != "selective" or not flags.torch_compile:
         return notes
