@@ -1,7 +1,9 @@
 """What the training loop does for MoE models, as Megatron-LM does it.
 
 - the router's aux losses (load balancing, z-loss) back-propagate with the scale of the main
-  loss of one micro-batch: loss scale / micro-batches (loss scale alone with per-token loss);
+  loss of one micro-batch: loss scale / micro-batches; with per-token loss, loss scale times
+  the micro-batch's routed tokens over the rank's share of the global batch's loss tokens
+  (Megatron-LM's num_local_tokens / total tokens: 1 / micro-batches when no token is masked);
 - after the grads of a step are reduced, the aux-loss-free expert bias of every router moves
   by its update rate against the token counts summed over every data-parallel rank;
 - the log line gets Megatron-LM's names (load_balancing_loss, seq_load_balancing_loss,
@@ -31,14 +33,20 @@ def set_aux_loss_scale(
     *,
     loss_scale: float,
     num_microbatches: int,
-    per_token_loss: bool,
+    tokens_per_rank: float | None,
+    microbatch_tokens: int,
     device: torch.device,
 ) -> None:
-    """The factor each micro-batch's main loss is multiplied by before backward, on the
-    training device (where backward reads it)."""
+    """The factor each micro-batch's aux losses are multiplied by before backward, on the
+    training device (where backward reads it). tokens_per_rank: with per-token loss, the
+    global batch's loss tokens per data-parallel rank (else None); microbatch_tokens: the
+    tokens one micro-batch routes."""
     metrics = moe_metrics(run)
     if metrics is not None:
-        scale = loss_scale if per_token_loss else loss_scale / num_microbatches
+        if tokens_per_rank is None:
+            scale = loss_scale / num_microbatches
+        else:
+            scale = loss_scale * microbatch_tokens / tokens_per_rank
         metrics.set_backward_scale(scale, device)
 
 

@@ -351,7 +351,8 @@ def train_step(
         run,
         loss_scale=scaler.scale if scaler is not None else 1.0,
         num_microbatches=config.num_microbatches,
-        per_token_loss=config.calculate_per_token_loss,
+        tokens_per_rank=tokens_per_rank,
+        microbatch_tokens=batches[0]["tokens"].numel(),
         device=env.device,
     )
     losses = []

@@ -135,3 +135,16 @@ def test_meta_device_build_with_expert_bias_aux_loss_and_mtp_equals_the_regular_
     regular = run_pretrain(argv).losses
     meta = run_pretrain([*argv, "--init-model-with-meta-device"]).losses
     assert sorted(meta) == [1, 2, 3] and meta == regular
+
+
+def test_per_token_loss_back_propagates_the_aux_losses_as_the_mean_loss_does():
+    """--calculate-per-token-loss with every token counted (mock data masks none) and 4
+    micro-batches: the aux losses' gradient scale is 1 / micro-batches as without it, as
+    Megatron-LM's router arranges (aux x num_local_tokens, every grad / global tokens); so
+    both runs train alike. The scale was 4x too strong (loss scale alone) before."""
+    argv = [*TINY_MOE, "--train-iters", "4", "--moe-aux-loss-coeff", "1.0"]
+    mean = run_pretrain(argv)
+    per_token = run_pretrain([*argv, "--calculate-per-token-loss"])
+    assert sorted(mean.grad_norms) == [1, 2, 3, 4]
+    assert per_token.grad_norms == pytest.approx(mean.grad_norms, rel=1e-5, abs=0)
+    assert per_token.losses == pytest.approx(mean.losses, rel=1e-5, abs=0)
