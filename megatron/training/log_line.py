@@ -73,11 +73,19 @@ def format_train_line(
     extra_losses: dict[str, float] | None = None,
     extra_fields: dict[str, float] | None = None,
 ) -> str:
-    """Megatron-LM's iteration line. loss scale (--fp16), num zeros (--log-num-zeros-in-grad),
-    params norm (--log-params-norm) and extra losses ("mtp_1 loss" with --mtp-num-layers)
-    appear only when given, where Megatron-LM puts them; `extra_fields` (MoE:
-    load_balancing_loss, z_loss, ...) are appended as ` name: value |`."""
-    extras = "".join(f" {name}: {value:.6E} |" for name, value in (extra_losses or {}).items())
+    """Megatron-LM's iteration line (core_v0.19.0's training_log, plus tokens per GPU and
+    memory). loss scale (1.0 without a grad scaler, as Megatron-LM prints it), num zeros
+    (--log-num-zeros-in-grad) and params norm (--log-params-norm) where Megatron-LM puts them;
+    after lm loss, as in its total_loss_dict, the `extra_fields` whose names end in "loss"
+    (MoE: load_balancing_loss, z_loss, ...), then `extra_losses` ("mtp_1 loss" with
+    --mtp-num-layers); the other `extra_fields` (dropped_token_fraction) before loss scale,
+    where Megatron-LM's MoE log string goes."""
+    fields = extra_fields or {}
+    losses = {**{k: v for k, v in fields.items() if k.endswith("loss")}, **(extra_losses or {})}
+    others = {k: v for k, v in fields.items() if not k.endswith("loss")}
+    extras = "".join(f" {name}: {value:.6E} |" for name, value in losses.items())
+    extras += "".join(f" {name}: {value:.6E} |" for name, value in others.items())
+    scale = 1.0 if loss_scale is None else loss_scale
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return (
         f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} |"
@@ -89,14 +97,13 @@ def format_train_line(
         f" global batch size: {global_batch_size:5d} |"
         f" lm loss: {loss:.6E} |"
         + extras
-        + (f" loss scale: {loss_scale:.1f} |" if loss_scale is not None else "")
+        + f" loss scale: {scale:.1f} |"
         + f" grad norm: {grad_norm:.3f} |"
         + (f" num zeros: {num_zeros} |" if num_zeros is not None else "")
         + (f" params norm: {params_norm:.3f} |" if params_norm is not None else "")
         + f" number of skipped iterations: {skipped:3d} |"
         f" number of nan iterations: {nans:3d} |"
         f" mem allocated (GiB): {mem_gib:.2f} |"
-        + "".join(f" {name}: {value:.6E} |" for name, value in (extra_fields or {}).items())
     )
 
 

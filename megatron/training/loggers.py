@@ -45,7 +45,7 @@ OPTIONAL_METRIC_NAMES: tuple[str, ...] = (
     "dropped_token_fraction",
 )
 # Families of series named by the model (--log-fp8-stats: fp8-stats/<linear>/<role>/<what>;
-# MoE: moe/layer_<L>/expert_<E>_load).
+# MoE: moe/layer_<L>/expert_<E>_load; --moe-per-layer-logging: moe/<name>_layer_<i>).
 METRIC_PREFIXES: tuple[str, ...] = ("fp8-stats/", "moe/")
 # Series that TensorBoard also gets against consumed samples, as "<name> vs samples" (the
 # names Megatron-LM gives them); W&B gets "samples vs steps" to plot them against instead.

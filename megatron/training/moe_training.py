@@ -9,7 +9,8 @@
 - the log line gets Megatron-LM's names (load_balancing_loss, seq_load_balancing_loss,
   z_loss) averaged over the interval's micro-batches, the MoE layers and the data-parallel
   ranks, plus dropped_token_fraction when a capacity factor is set; TensorBoard/W&B also get
-  each layer's expert load (fraction of routed tokens per expert).
+  each layer's expert load (fraction of routed tokens per expert), and with
+  --moe-per-layer-logging each MoE layer's router losses (moe/<name>_layer_<i>).
 A dense model (no MoEMetrics) makes every function here a no-op.
 """
 
@@ -64,16 +65,25 @@ def _mean_over_dp(values: list[float], env: DistributedEnv) -> list[float]:
     return (tensor / env.world_size).tolist()
 
 
-def interval_moe_fields(run: ModelAndOptimizer, env: DistributedEnv) -> dict[str, float]:
-    """The interval's MoE log fields (a collective over the DP ranks: every rank calls it at
-    each log line); the metrics restart afterwards."""
+def interval_moe_fields(
+    run: ModelAndOptimizer, env: DistributedEnv, *, per_layer: bool = False
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The interval's MoE log fields, and with per_layer (--moe-per-layer-logging) each MoE
+    layer's values as Megatron-LM names them for TensorBoard/W&B, `moe/<name>_layer_<i>`
+    (i: the 0-based layer index), both averaged over the DP ranks in one collective (every
+    rank calls it at each log line)."""
     metrics = moe_metrics(run)
     if metrics is None:
-        return {}
+        return {}, {}
     report = metrics.report()
-    names = sorted(report)
-    means = _mean_over_dp([report[name] for name in names], env)
-    return dict(zip(names, means))
+    keys, values = list(sorted(report)), [report[name] for name in sorted(report)]
+    for name in sorted(report) if per_layer else ():
+        for layer, value in metrics.per_layer(name).items():
+            keys.append(f"moe/{name}_layer_{layer - 1}")
+            values.append(value)
+    means = dict(zip(keys, _mean_over_dp(values, env)))
+    fields = {name: means.pop(name) for name in report}
+    return fields, means
 
 
 def expert_load_scalars(run: ModelAndOptimizer, env: DistributedEnv) -> dict[str, float]:

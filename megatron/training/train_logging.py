@@ -58,7 +58,8 @@ def log_interval(
     mem, max_mem = memory_bytes(env.device)
     # A collective under Megatron-FSDP: every rank computes it.
     params_norm = run.optimizer.params_norm() if config.logging.log_params_norm else None
-    moe_fields = interval_moe_fields(run, env)  # collectives too
+    per_layer = config.logging.moe_per_layer_logging
+    moe_fields, moe_layers = interval_moe_fields(run, env, per_layer=per_layer)  # collectives
     expert_load = expert_load_scalars(run, env)
     print_rank_0(
         env,
@@ -98,6 +99,7 @@ def log_interval(
                 "skipped-iterations": float(stats.skipped),
                 "nan-iterations": float(stats.nans),
                 **moe_fields,
+                **moe_layers,
                 **expert_load,
             },
         )

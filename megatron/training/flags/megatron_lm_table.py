@@ -60,6 +60,7 @@ NO_EFFECT_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
             "--disable-jit-fuser",
             "--use-flash-attn",
             "--flash-attention-version",
+            "--moe-router-fusion",
         ),
         "a kernel choice of Megatron-LM's (fused or unfused, same math); the layers here are "
         "our own PyTorch modules",
@@ -172,6 +173,27 @@ def _ep_overlap_problem(args) -> str | None:
     return _refused(without, with_)
 
 
+def _shared_overlap_problem(args) -> str | None:
+    if args.moe_shared_expert_intermediate_size is None:  # Megatron-LM: no effect, no check
+        return None
+    without = [
+        (
+            args.moe_token_dispatcher_type in ("alltoall", "flex"),
+            "--moe-token-dispatcher-type alltoall (or flex)",
+        ),
+    ]
+    given = {flag for flag, _, _ in table_flags_given(args)}
+    with_ = [
+        (
+            recompute.granularity(args) == "selective"
+            and "shared_experts" in recompute.modules(args),
+            "selective --recompute-modules shared_experts",
+        ),
+        (_EP_OVERLAP in given, _EP_OVERLAP),
+    ]
+    return _refused(without, with_)
+
+
 def _delay_wgrad_problem(args) -> str | None:
     given = {flag for flag, _, _ in table_flags_given(args)}
     impl = args.transformer_impl  # None: Megatron-LM's default, transformer_engine
@@ -201,6 +223,13 @@ CONDITIONAL: dict[str, tuple] = {
         "a schedule of Megatron-LM's (one micro-batch's expert-parallel all-to-all overlapped "
         "with another's compute): speed only, same math; here the all-to-alls run in order",
         _ep_overlap_problem,
+    ),
+    "--moe-shared-expert-overlap": (
+        "a schedule of Megatron-LM's (the shared experts computed while the dispatcher's "
+        "all-to-all is in flight): speed only, the same values up to the order in which the "
+        "hidden state's gradient sums its parts; here the shared experts run after the routed "
+        "experts' combine",
+        _shared_overlap_problem,
     ),
     "--delay-wgrad-compute": (
         "a schedule of Megatron-LM's (the layers' weight gradients, attention and MLP or "

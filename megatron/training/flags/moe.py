@@ -52,11 +52,9 @@ PERMUTE_FUSION_NOTE = (
     "values of Megatron-LM's fused permute kernels, so there is nothing further to fuse."
 )
 GROUPED_GEMM_NOTE = (
-    "--moe-grouped-gemm: the routed experts always keep one stacked weight here. They run as "
-    "one grouped GEMM in bf16 on CUDA (torch._grouped_mm; other dtypes and the CPU loop over "
-    "the experts) and under every FP8 recipe on any device (emulated on CPU; mxfp8 on its "
-    "dequantized bf16 values, as its dense GEMMs before Blackwell, where each expert Linear's "
-    "output dim is a multiple of 32, else they loop over the experts)."
+    "--moe-grouped-gemm: the routed experts always keep one stacked weight here, run as one "
+    "grouped GEMM in bf16 on CUDA and under every FP8 recipe (emulated on CPU; mxfp8 where "
+    "each expert's output dim is a multiple of 32); other cases loop over the experts."
 )
 # Why a recipe's experts loop where moe/grouped_fp8.grouped_path_applies (the rule) says so.
 PER_EXPERT_FP8_WHY = {"mxfp8": "a 32x1 mxfp8 cell would span two experts"}
@@ -76,8 +74,9 @@ def _layer_freq_node(node: ast.AST) -> int | list[int]:
 def moe_layer_freq(text: str) -> int | list[int]:
     """--moe-layer-freq: an int (every N-th layer is MoE) or a Python list expression of 0/1
     such as ([0]*1+[1]*3), as Megatron-LM's parser reads it (here without eval)."""
-    try:
+    try:  # Megatron-LM reads a text without "[" as int(text): "1+1" is no pattern
         value = _layer_freq_node(ast.parse(text.strip(), mode="eval").body)
+        value = value if "[" in text else int(text)
     except (SyntaxError, ValueError, TypeError):
         raise argparse.ArgumentTypeError(
             f"{text!r} is neither an int nor a list pattern such as ([0]*1+[1]*3)"
@@ -170,6 +169,11 @@ def _add_capacity_and_dispatch(group) -> None:
         help="Token dispatch over the expert-parallel ranks (flex/DeepEP is not built).",
     )
     add("--moe-permute-fusion", action="store_true", help="Accepted; see the log note.")
+    add(
+        "--moe-per-layer-logging",
+        action="store_true",
+        help="Each MoE layer's aux losses to TensorBoard/W&B (moe/<name>_layer_<i>).",
+    )
     add(
         "--expert-model-parallel-size",
         type=int,

@@ -209,6 +209,8 @@ class LoggingConfig:
     """The parameters' L2 norm in the log (`--log-params-norm`)."""
     log_num_zeros_in_grad: bool
     """The count of zero grads in the log (`--log-num-zeros-in-grad`)."""
+    moe_per_layer_logging: bool
+    """Each MoE layer's router losses to TensorBoard/W&B (`--moe-per-layer-logging`)."""
     log_fp8_stats: bool
     """Each Fp8Linear's quantization statistics in the log, TensorBoard, W&B (`--log-fp8-stats`)."""
     log_fp8_stats_interval: int

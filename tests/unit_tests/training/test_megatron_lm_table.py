@@ -207,6 +207,44 @@ def test_expert_parallel_overlap_names_every_missing_setting_in_one_line(capsys)
     assert f"{OVERLAP} (Megatron-LM refuses it {want})" in err, err
 
 
+SHARED_OVERLAP = "--moe-shared-expert-overlap"
+SHARED = ["--moe-shared-expert-intermediate-size", "32"]
+
+
+@pytest.mark.parametrize(
+    "extra, refusal",
+    [
+        ([SHARED_OVERLAP, *SHARED], None),
+        ([SHARED_OVERLAP], None),  # no shared experts: no effect in Megatron-LM either
+        ([SHARED_OVERLAP, "--moe-token-dispatcher-type", "allgather"], None),
+        (
+            [SHARED_OVERLAP, *SHARED, "--moe-token-dispatcher-type", "allgather"],
+            "without --moe-token-dispatcher-type alltoall (or flex)",
+        ),
+        (
+            [SHARED_OVERLAP, *SHARED, "--recompute-activations"]
+            + ["--recompute-modules", "shared_experts"],
+            "with selective --recompute-modules shared_experts",
+        ),
+        ([SHARED_OVERLAP, *SHARED, "--bf16", OVERLAP], f"with {OVERLAP}"),
+    ],
+)
+def test_shared_expert_overlap_is_a_schedule_where_megatron_lm_validates_it(extra, refusal, capsys):
+    code, err, notes = _moe_outcome(extra, capsys)
+    if refusal is None:
+        mine = [n for n in notes if n.startswith(f"{SHARED_OVERLAP}: no effect here: a schedule")]
+        assert code == 0 and len(mine) == 1, notes
+    else:
+        want = f"{SHARED_OVERLAP} (Megatron-LM refuses it {refusal})"
+        assert code == 2 and err.count("error:") == 1 and want in err, err
+
+
+def test_moe_router_fusion_is_a_kernel_choice(capsys):
+    code, _, notes = _moe_outcome(["--moe-router-fusion"], capsys)
+    mine = [n for n in notes if n.startswith("--moe-router-fusion: no effect here: a kernel")]
+    assert code == 0 and len(mine) == 1, notes
+
+
 def test_transformer_engine_op_fuser_is_a_kernel_choice_where_megatron_lm_builds_it(capsys):
     code, _, notes = _outcome(["--use-transformer-engine-op-fuser"], capsys)
     mine = [n for n in notes if n.startswith("--use-transformer-engine-op-fuser: no effect")]

@@ -3,6 +3,7 @@ acceptance 7 (bad MoE input exits 2 before training with one line naming the fla
 
 from __future__ import annotations
 
+import argparse
 import ast
 
 import pytest
@@ -79,6 +80,10 @@ def test_layer_freq_patterns():
     assert moe_layer_freq("2") == 2
     assert moe_layer_freq("([0]*1+[1]*3)") == [0, 1, 1, 1]
     assert moe_layer_freq("[1,0]*2") == [1, 0, 1, 0]
+    # Megatron-LM reads a text without "[" as int(text)
+    for text in ("1+1", "2*2", "(3)"):
+        with pytest.raises(argparse.ArgumentTypeError, match="neither an int nor a list"):
+            moe_layer_freq(text)
 
 
 def test_permute_fusion_and_grouped_gemm_are_logged():

@@ -114,6 +114,12 @@ def test_log_line_has_megatron_lm_moe_fields(capsys):
         assert 0.5 < float(fields["load_balancing_loss"]) < 2.0  # E sum f_i P_i: 1 if balanced
         assert 0.0 < float(fields["z_loss"]) < 100.0
         assert 0.0 <= float(fields["dropped_token_fraction"]) < 1.0
+        # Megatron-LM's places: the MoE losses after lm loss, the rest before loss scale
+        names = list(fields)
+        start = names.index("lm loss")
+        assert names[start : start + 5] == [
+            "lm loss", "load_balancing_loss", "z_loss", "dropped_token_fraction", "loss scale"
+        ]  # fmt: skip
 
 
 def test_meta_device_build_with_expert_bias_aux_loss_and_mtp_equals_the_regular_build():
@@ -148,3 +154,29 @@ def test_per_token_loss_back_propagates_the_aux_losses_as_the_mean_loss_does():
     assert sorted(mean.grad_norms) == [1, 2, 3, 4]
     assert per_token.grad_norms == pytest.approx(mean.grad_norms, rel=1e-5, abs=0)
     assert per_token.losses == pytest.approx(mean.losses, rel=1e-5, abs=0)
+
+
+def test_per_layer_logging_sends_each_moe_layer_as_megatron_lm_names_it(tmp_path, capsys):
+    """--moe-per-layer-logging: TensorBoard gets moe/<name>_layer_<i> (i 0-based) for the two
+    MoE layers of a dense-MoE-MoE model, whose mean is the log line's value."""
+    pytest.importorskip("tensorboard", reason="needs tensorboard (pip install tensorboard)")
+    from tests.unit_tests.ecosystem.readers import read_tensorboard_scalars
+
+    argv = [*TINY_MOE, "--train-iters", "2", "--log-interval", "2", "--num-layers", "3"]
+    argv += ["--moe-layer-freq", "([0]*1+[1]*2)", "--tensorboard-dir", str(tmp_path / "tb")]
+    run_pretrain([*argv, "--moe-per-layer-logging"])
+    line = [ln for ln in capsys.readouterr().out.splitlines() if " iteration " in ln][-1]
+    scalars = read_tensorboard_scalars(str(tmp_path / "tb"))
+    per_layer = sorted(name for name in scalars if "_layer_" in name)
+    assert per_layer == [
+        f"moe/{n}_layer_{i}" for n in ("load_balancing_loss", "z_loss") for i in (1, 2)
+    ]
+    for name in ("load_balancing_loss", "z_loss"):
+        values = [scalars[f"moe/{name}_layer_{i}"][0][1] for i in (1, 2)]
+        assert values[0] != values[1]
+        logged = float(line.split(f" {name}: ")[1].split(" |")[0])
+        assert sum(values) / 2 == pytest.approx(logged, rel=1e-6)
+    run_pretrain([*argv, "--tensorboard-dir", str(tmp_path / "tb2")])
+    assert not [
+        name for name in read_tensorboard_scalars(str(tmp_path / "tb2")) if "_layer_" in name
+    ]

@@ -141,6 +141,7 @@ LINE = re.compile(
     r" learning rate: (?P<lr>[0-9.E+-]+) \|"
     r" global batch size: +(?P<gbs>\d+) \|"
     r" lm loss: (?P<loss>[0-9.E+-]+) \|"
+    r" loss scale: 1.0 \|"
     r" grad norm: (?P<gnorm>[0-9.]+) \|"
     r" number of skipped iterations: +(?P<skipped>\d+) \|"
     r" number of nan iterations: +(?P<nans>\d+) \|"
