@@ -31,9 +31,6 @@ if [[ -n $LOAD_DIR && ! -d $LOAD_DIR ]]; then
   echo "quickstart: error: --load $LOAD_DIR: no such directory" >&2
   exit 2
 fi
-source scripts/python_env.sh
-MEGATRON_EXTRAS=${MEGATRON_EXTRAS:-progress} bash scripts/setup_env.sh
-PREFIX=$("$PYTHON" scripts/prepare_quickstart_data.py | tail -n 1)
 
 run_name() {
   local name="" arg
@@ -49,11 +46,24 @@ RUN_DIR=${OUTPUT_DIR:-runs/quickstart}/$RUN_NAME
 if [[ -n $LOAD_DIR && $(basename "$LOAD_DIR") == checkpoints ]]; then
   RUN_DIR=$(dirname "$LOAD_DIR")
 fi
+# A finished or interrupted run is never trained over from scratch: its train.log and checkpoint
+# tracker would be replaced (a later --load would resume the new, shorter run).
+TRACKER=$RUN_DIR/checkpoints/latest_checkpointed_iteration.txt
+if [[ -z $LOAD_DIR && -f $TRACKER ]]; then
+  echo "quickstart: error: $RUN_DIR already holds a run (checkpoint of iteration $(cat "$TRACKER")):" \
+    "resume it with --load $RUN_DIR/checkpoints, start another with RUN_NAME=<name>, or remove" \
+    "$RUN_DIR" >&2
+  exit 2
+fi
+source scripts/python_env.sh
+MEGATRON_EXTRAS=${MEGATRON_EXTRAS:-progress} bash scripts/setup_env.sh
+PREFIX=$("$PYTHON" scripts/prepare_quickstart_data.py | tail -n 1)
 mkdir -p "$RUN_DIR"
 # QUICKSTART_ITERS shortens the run (warmup a tenth of it) without changing the run directory's
 # name: tests/unit_tests/ecosystem/test_readme_blocks.py runs the README's commands so.
 ITERS=${QUICKSTART_ITERS:-300}
 expect="3-4 minutes on 2 CPU cores, longer while other processes compete for them"
+[[ $ITERS == 300 ]] || expect="$ITERS iterations of about 0.5 s on 2 CPU cores"
 case " $* " in
   *" --fp8-recipe"*) expect="FP8 on CPU emulates its GEMMs (dequantize, then multiply): slower than without FP8" ;;
 esac

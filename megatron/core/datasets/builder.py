@@ -110,8 +110,8 @@ def _build_split(
         document_range = split_document_ranges(len(indexed), split_weights)[split_index]
         if document_range[1] > document_range[0]:
             parts.append((weight, indexed, document_range))
-        else:
-            logger.warning(
+        else:  # info: shown once (rank 0), not once per rank as a warning would be
+            logger.info(
                 "%s: the %s split is empty (--split %s)",
                 indexed.path_prefix,
                 split_name,

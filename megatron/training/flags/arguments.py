@@ -8,6 +8,7 @@ is built.
 from __future__ import annotations
 
 import argparse
+import difflib
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -493,7 +494,23 @@ class _Parser(argparse.ArgumentParser):
     """Prints only the error (the full usage of ~100 flags would bury it), then exits 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
+        self.exit(
+            2, f"{self.prog}: error: {self._with_guesses(message)}\n(see `{self.prog} --help`)\n"
+        )
+
+    def _with_guesses(self, message: str) -> str:
+        """An unrecognized flag gets the closest known flag as its fix (a misspelling)."""
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return message
+        known = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        guesses = []
+        for token in message[len(prefix) :].split():
+            flag = token.split("=", 1)[0]
+            match = difflib.get_close_matches(flag, known, n=1, cutoff=0.8)
+            if flag.startswith("--") and match:
+                guesses.append(f"{match[0]} for {flag}")
+        return message + (f"; did you mean {', '.join(guesses)}?" if guesses else "")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -128,7 +128,11 @@ def _validate_batch(args: argparse.Namespace, *, given: argparse.Namespace) -> N
             f"({args.global_batch_size}); train on more samples or a smaller batch.",
         )
     _require_each_positive(args, "train_iters", "log_interval", "tensorboard_log_interval")
-    _require_each_positive(args, "log_fp8_stats_interval", "eval_interval")
+    _require_each_positive(args, "log_fp8_stats_interval")
+    _require(
+        args.eval_interval > 0,
+        "--eval-interval must be positive; to turn evaluation off, give --eval-iters 0.",
+    )
     _require(args.eval_iters >= 0, "--eval-iters must be >= 0 (0 disables evaluation).")
     _require_each_positive(args, "exit_interval", "exit_duration_in_mins", optional=True)
 

@@ -91,3 +91,23 @@ def test_load_resumes_in_the_loaded_run_directory(tmp_path: Path) -> None:
     assert missing.returncode == 2
     expected = f"quickstart: error: --load {tmp_path}/nowhere: no such directory"
     assert missing.stderr.strip() == expected  # before any install or data preparation
+
+
+def test_a_run_directory_with_a_checkpoint_is_not_trained_over(tmp_path: Path) -> None:
+    """A plain rerun into a run directory that holds a checkpoint would replace its train.log
+    and move its checkpoint tracker back: it exits 2 naming the three ways on, before any
+    install or data preparation, and leaves the directory as it was."""
+    run_dir = tmp_path / "runs" / "default"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("600")
+    (run_dir / "train.log").write_text("600 iterations\n")
+    proc = _quickstart(tmp_path, QUICKSTART_ITERS="20")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == (
+        f"quickstart: error: {run_dir} already holds a run (checkpoint of iteration 600): "
+        f"resume it with --load {run_dir}/checkpoints, start another with RUN_NAME=<name>, "
+        f"or remove {run_dir}"
+    )
+    assert (run_dir / "train.log").read_text() == "600 iterations\n"
+    other = _quickstart(tmp_path, QUICKSTART_ITERS="20", RUN_NAME="second")
+    assert other.returncode == 0 and "20 iterations of about 0.5 s" in other.stdout

@@ -198,6 +198,7 @@ def test_missing_data_names_both_fixes(capsys):
         (["--attention-dropout", "1"], "--attention-dropout 1.0 must be in [0, 1); 0 disables"),
         (["--lr-decay-iters", "0"], "--lr-decay-iters must be positive (omit it for"),
         (["--seed", "-1"], "--seed -1 must be in [0, 2**32)."),
+        (["--eval-interval", "0"], "to turn evaluation off, give --eval-iters 0."),
         (["--split", "inf,1,1"], "--split 'inf,1,1': give up to three finite non-negative"),
         (["--split", "1,nan,1"], "--split '1,nan,1': give up to three finite non-negative"),
         (
@@ -434,6 +435,7 @@ def test_fp8_format_alone_trains_megatron_lm_delayed_defaults():
 
 
 def test_wandb_save_dir_defaults_under_save():
+    pytest.importorskip("wandb", reason="--wandb-project needs wandb (pip install wandb)")
     argv = TINY_GPT + ["--wandb-project", "p", "--wandb-exp-name", "e", "--save", "/tmp/ck"]
     args = parse_args(argv, world_size=1)
     assert args.wandb_save_dir is None
@@ -476,3 +478,15 @@ def test_cli_exits_2_before_building_a_model():
     assert proc.returncode == 2
     assert "--global-batch-size 7 is not a multiple of" in proc.stderr
     assert "Traceback" not in proc.stderr and "number of parameters" not in proc.stdout
+
+
+def test_a_misspelled_flag_is_refused_with_the_closest_flag_as_its_fix(capsys):
+    """Unrecognized flags exit 2 (no abbreviations, as Megatron-LM); a near miss names the
+    flag it probably meant, an unknown word names none."""
+    err = parse_error(TINY_GPT + ["--hiden-size", "64", "--lr-warmup-iter=5"], capsys)
+    assert err.splitlines()[0] == (
+        "pretrain_gpt.py: error: unrecognized arguments: --hiden-size 64 --lr-warmup-iter=5; "
+        "did you mean --hidden-size for --hiden-size, --lr-warmup-iters for --lr-warmup-iter?"
+    )
+    err = parse_error(TINY_GPT + ["--banana", "1"], capsys)
+    assert err.splitlines()[0] == "pretrain_gpt.py: error: unrecognized arguments: --banana 1"
