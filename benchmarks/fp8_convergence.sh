@@ -14,6 +14,7 @@ mkdir -p "$OUT"
 for recipe in bf16 tensorwise delayed blockwise mxfp8; do
   flags=()
   [ "$recipe" != bf16 ] && flags=(--fp8-recipe "$recipe" ${FP8_FLAGS:-})
+  rm -rf "${OUT:?}/$recipe"  # a fresh run each time (quickstart.sh refuses to train over one)
   OUTPUT_DIR="$OUT" RUN_NAME="$recipe" bash scripts/quickstart.sh --train-iters "$ITERS" \
     --lr-warmup-iters $((ITERS / 10)) --eval-interval "$ITERS" --log-interval 10 \
     "${flags[@]}" "$@" > "$OUT/$recipe.log" 2>&1

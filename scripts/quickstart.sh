@@ -51,8 +51,9 @@ fi
 TRACKER=$RUN_DIR/checkpoints/latest_checkpointed_iteration.txt
 if [[ -z $LOAD_DIR && -f $TRACKER ]]; then
   echo "quickstart: error: $RUN_DIR already holds a run (checkpoint of iteration $(cat "$TRACKER")):" \
-    "resume it with --load $RUN_DIR/checkpoints, start another with RUN_NAME=<name>, or remove" \
-    "$RUN_DIR" >&2
+    "resume it with bash scripts/quickstart.sh ${NAME_ARGS[*]+${NAME_ARGS[*]} }--load" \
+    "$RUN_DIR/checkpoints (past its end: add --train-iters N --use-checkpoint-opt_param-scheduler)," \
+    "start another with RUN_NAME=<name>, or remove $RUN_DIR" >&2
   exit 2
 fi
 source scripts/python_env.sh

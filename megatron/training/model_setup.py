@@ -7,7 +7,6 @@ or Megatron-FSDP through its adapter. The training loop only sees ModelAndOptimi
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -173,17 +172,16 @@ def _wrap_ddp(module: GPTModel, *, setup: ModelSetupConfig, env: DistributedEnv)
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             module, expert_names
         )
-        with warnings.catch_warnings():
-            # torch 2.13 deprecates broadcast_buffers, but its forward_sync_buffers=False
-            # still syncs buffers at init; its own warning says to keep broadcast_buffers=False
-            # for rank-local buffers (the routed experts' state) until init_sync_buffers exists.
-            warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
-            model = nn.parallel.DistributedDataParallel(
-                module,
-                device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                process_group=env.dp_group,
-                broadcast_buffers=False,
-            )
+        # torch 2.13 warns that broadcast_buffers is deprecated; its replacement,
+        # forward_sync_buffers=False, still syncs buffers at init, and the warning itself says
+        # to keep broadcast_buffers=False for rank-local buffers until init_sync_buffers
+        # exists. The warning stays visible (the package silences no deprecation).
+        model = nn.parallel.DistributedDataParallel(
+            module,
+            device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            process_group=env.dp_group,
+            broadcast_buffers=False,
+        )
         if setup.grad_reduce_in_bf16:
             # Megatron-LM's --grad-reduce-in-bf16 under DDP: the all-reduce runs in bf16.
             model.register_comm_hook(env.dp_group, bf16_all_reduce_hook)

@@ -19,7 +19,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.core.transformer.moe.metrics import MoEMetrics
+from megatron.core.transformer.moe.metrics import (
+    LOAD_BALANCING_LOSS,
+    SEQ_LOAD_BALANCING_LOSS,
+    Z_LOSS,
+    MoEMetrics,
+)
 from megatron.core.transformer.moe.router import update_expert_biases
 from megatron.training.initialize import DistributedEnv
 from megatron.training.model_setup import ModelAndOptimizer
@@ -62,7 +67,18 @@ def _mean_over_dp(values: list[float], env: DistributedEnv) -> list[float]:
         return values
     tensor = torch.tensor(values, dtype=torch.float64, device=env.device)
     dist.all_reduce(tensor, group=env.dp_group)
-    return (tensor / env.world_size).tolist()
+    return (tensor / env.data_parallel_size).tolist()
+
+
+def _always_logged(config) -> list[str]:
+    """The router losses Megatron-LM's log line shows even where none was recorded (as 0):
+    its training_log tracks load_balancing_loss when "aux_loss" is in the balancing type's
+    text (seq_aux_loss too), seq_load_balancing_loss for seq_aux_loss, and z_loss when a
+    z-loss coefficient is given."""
+    kind = config.moe_router_load_balancing_type
+    names = [LOAD_BALANCING_LOSS] if "aux_loss" in kind else []
+    names += [SEQ_LOAD_BALANCING_LOSS] if kind == "seq_aux_loss" else []
+    return names + ([Z_LOSS] if config.moe_z_loss_coeff is not None else [])
 
 
 def interval_moe_fields(
@@ -75,7 +91,7 @@ def interval_moe_fields(
     metrics = moe_metrics(run)
     if metrics is None:
         return {}, {}
-    report = metrics.report()
+    report = {**{name: 0.0 for name in _always_logged(run.config)}, **metrics.report()}
     keys, values = list(sorted(report)), [report[name] for name in sorted(report)]
     for name in sorted(report) if per_layer else ():
         for layer, value in metrics.per_layer(name).items():

@@ -503,12 +503,18 @@ class _Parser(argparse.ArgumentParser):
         prefix = "unrecognized arguments: "
         if not message.startswith(prefix):
             return message
-        known = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        actions = self._option_string_actions
+        flags = [flag for flag in actions if flag.startswith("--")]
+        # Listed flags first: a hidden Megatron-LM table flag may be one refused as not built.
+        listed = [flag for flag in flags if actions[flag].help != argparse.SUPPRESS]
         guesses = []
         for token in message[len(prefix) :].split():
             flag = token.split("=", 1)[0]
-            match = difflib.get_close_matches(flag, known, n=1, cutoff=0.8)
-            if flag.startswith("--") and match:
+            if not flag.startswith("--") or flag in actions:  # a value, or a flag after "--"
+                continue
+            match = difflib.get_close_matches(flag, listed, n=1, cutoff=0.8)
+            match = match or difflib.get_close_matches(flag, flags, n=1, cutoff=0.8)
+            if match:
                 guesses.append(f"{match[0]} for {flag}")
         return message + (f"; did you mean {', '.join(guesses)}?" if guesses else "")
 

@@ -137,6 +137,7 @@ NO_EFFECT_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 
 _EP_OVERLAP = "--overlap-moe-expert-parallel-comm"
+_SHARED_OVERLAP = "--moe-shared-expert-overlap"
 
 
 def _refused(without: list[tuple[bool, str]], with_: list[tuple[bool, str]]) -> str | None:
@@ -165,10 +166,12 @@ def _ep_overlap_problem(args) -> str | None:
         ),
         (args.bf16 or args.fp16, "--bf16 (or --fp16)"),
     ]
+    given = {flag for flag, _, _ in table_flags_given(args)}
     with_ = [
         (recompute.granularity(args) == "full", "--recompute-granularity full"),
         ("moe" in recompute.modules(args), "--recompute-modules moe"),
         ((args.mtp_num_layers or 0) > 1, "--mtp-num-layers above 1"),
+        (_SHARED_OVERLAP in given, _SHARED_OVERLAP),  # with shared experts or not
     ]
     return _refused(without, with_)
 
@@ -224,7 +227,7 @@ CONDITIONAL: dict[str, tuple] = {
         "with another's compute): speed only, same math; here the all-to-alls run in order",
         _ep_overlap_problem,
     ),
-    "--moe-shared-expert-overlap": (
+    _SHARED_OVERLAP: (
         "a schedule of Megatron-LM's (the shared experts computed while the dispatcher's "
         "all-to-all is in flight): speed only, the same values up to the order in which the "
         "hidden state's gradient sums its parts; here the shared experts run after the routed "

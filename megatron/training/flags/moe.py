@@ -75,8 +75,9 @@ def moe_layer_freq(text: str) -> int | list[int]:
     """--moe-layer-freq: an int (every N-th layer is MoE) or a Python list expression of 0/1
     such as ([0]*1+[1]*3), as Megatron-LM's parser reads it (here without eval)."""
     try:  # Megatron-LM reads a text without "[" as int(text): "1+1" is no pattern
+        if "[" not in text:
+            return int(text)
         value = _layer_freq_node(ast.parse(text.strip(), mode="eval").body)
-        value = value if "[" in text else int(text)
     except (SyntaxError, ValueError, TypeError):
         raise argparse.ArgumentTypeError(
             f"{text!r} is neither an int nor a list pattern such as ([0]*1+[1]*3)"

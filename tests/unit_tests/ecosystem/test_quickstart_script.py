@@ -105,9 +105,16 @@ def test_a_run_directory_with_a_checkpoint_is_not_trained_over(tmp_path: Path) -
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == (
         f"quickstart: error: {run_dir} already holds a run (checkpoint of iteration 600): "
-        f"resume it with --load {run_dir}/checkpoints, start another with RUN_NAME=<name>, "
-        f"or remove {run_dir}"
+        f"resume it with bash scripts/quickstart.sh --load {run_dir}/checkpoints (past its "
+        "end: add --train-iters N --use-checkpoint-opt_param-scheduler), start another with "
+        f"RUN_NAME=<name>, or remove {run_dir}"
     )
+    fp8_dir = tmp_path / "runs" / "fp8-recipe_tensorwise"
+    (fp8_dir / "checkpoints").mkdir(parents=True)
+    (fp8_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("40")
+    fp8 = _quickstart(tmp_path, "--fp8-recipe", "tensorwise")  # the hint keeps the run's flags
+    assert fp8.returncode == 2
+    assert f"quickstart.sh --fp8-recipe tensorwise --load {fp8_dir}/checkpoints (" in fp8.stderr
     assert (run_dir / "train.log").read_text() == "600 iterations\n"
     other = _quickstart(tmp_path, QUICKSTART_ITERS="20", RUN_NAME="second")
     assert other.returncode == 0 and "20 iterations of about 0.5 s" in other.stdout

@@ -490,3 +490,6 @@ def test_a_misspelled_flag_is_refused_with_the_closest_flag_as_its_fix(capsys):
     )
     err = parse_error(TINY_GPT + ["--banana", "1"], capsys)
     assert err.splitlines()[0] == "pretrain_gpt.py: error: unrecognized arguments: --banana 1"
+    # after "--" a known flag is not an option: no guess that names it again
+    err = parse_error(TINY_GPT + ["--", "--hidden-size", "64"], capsys)
+    assert err.splitlines()[0].endswith("unrecognized arguments: -- --hidden-size 64")

@@ -239,6 +239,15 @@ def test_shared_expert_overlap_is_a_schedule_where_megatron_lm_validates_it(extr
         assert code == 2 and err.count("error:") == 1 and want in err, err
 
 
+def test_expert_parallel_overlap_refuses_the_shared_expert_overlap_with_or_without_them(capsys):
+    """Megatron-LM asserts `not moe_shared_expert_overlap` under the A2A overlap whether or not
+    shared experts are set."""
+    for shared in ([], SHARED):
+        code, err, _ = _moe_outcome([OVERLAP, SHARED_OVERLAP, *shared], capsys)
+        want = f"{OVERLAP} (Megatron-LM refuses it with {SHARED_OVERLAP})"
+        assert code == 2 and err.count("error:") == 1 and want in err, err
+
+
 def test_moe_router_fusion_is_a_kernel_choice(capsys):
     code, _, notes = _moe_outcome(["--moe-router-fusion"], capsys)
     mine = [n for n in notes if n.startswith("--moe-router-fusion: no effect here: a kernel")]

@@ -81,6 +81,7 @@ def test_layer_freq_patterns():
     assert moe_layer_freq("([0]*1+[1]*3)") == [0, 1, 1, 1]
     assert moe_layer_freq("[1,0]*2") == [1, 0, 1, 0]
     # Megatron-LM reads a text without "[" as int(text)
+    assert [moe_layer_freq(text) for text in ("02", "+2", " 3 ")] == [2, 2, 3]
     for text in ("1+1", "2*2", "(3)"):
         with pytest.raises(argparse.ArgumentTypeError, match="neither an int nor a list"):
             moe_layer_freq(text)

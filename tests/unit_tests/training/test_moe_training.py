@@ -180,3 +180,30 @@ def test_per_layer_logging_sends_each_moe_layer_as_megatron_lm_names_it(tmp_path
     assert not [
         name for name in read_tensorboard_scalars(str(tmp_path / "tb2")) if "_layer_" in name
     ]
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        # Megatron-LM's defaults (aux_loss, coefficient 0): load_balancing_loss shown as 0
+        (["--moe-aux-loss-coeff", "0"], {"load_balancing_loss": 0.0}),
+        # "aux_loss" is in "seq_aux_loss" for Megatron-LM's training_log: both are shown
+        (
+            ["--moe-router-load-balancing-type", "seq_aux_loss"],
+            {"load_balancing_loss": 0.0, "seq_load_balancing_loss": None},
+        ),
+        (["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"], {}),
+    ],
+)
+def test_log_line_shows_the_router_losses_megatron_lm_tracks(extra, expected, capsys):
+    """training_log tracks its names by the balancing type and the z-loss coefficient, and
+    prints a tracked name even where no layer recorded it (as 0)."""
+    argv = [a for a in TINY_MOE if a not in ("--moe-z-loss-coeff", "0.001")]
+    run_pretrain([*argv, "--train-iters", "1", *extra])
+    line = [ln for ln in capsys.readouterr().out.splitlines() if " iteration " in ln][-1]
+    fields = dict(part.strip().split(": ", 1) for part in line.split("|") if ": " in part)
+    names = list(fields)
+    start = names.index("lm loss") + 1
+    assert names[start : start + len(expected) + 1] == [*expected, "loss scale"]
+    for name, value in expected.items():
+        assert float(fields[name]) == value if value is not None else float(fields[name]) > 0.5

@@ -4,8 +4,9 @@ The load-balancing losses and the z-loss are not added to the language-model los
 Megatron-LM, each is attached to a tensor of the forward pass by `attach_aux_loss`, an identity
 whose backward also sends d(aux)/d(aux) = `backward_scale` into the aux loss' graph, so
 backward of the main loss alone fills both gradients. The training loop sets
-`MoEMetrics.backward_scale` to the factor its main loss is scaled by (1 / number of
-micro-batches, times any loss scale) before backward.
+`MoEMetrics.backward_scale` before backward (megatron/training/moe_training.py:
+1 / micro-batches times any loss scale, or with per-token loss the micro-batch's share of
+the global batch's loss tokens).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class MoEMetrics:
         self.tokens_per_expert: dict[int, torch.Tensor] = {}
 
     def set_backward_scale(self, scale: float, device: torch.device | None = None) -> None:
-        """The factor the main loss is multiplied by before backward, kept on `device`."""
+        """The factor the aux losses' gradient is multiplied by, kept on `device`."""
         self.backward_scale = scale_on_device(self.backward_scale, scale, device)
 
     def record(self, name: str, value: torch.Tensor, *, layer_number: int) -> None:
