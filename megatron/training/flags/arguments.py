@@ -494,29 +494,25 @@ class _Parser(argparse.ArgumentParser):
     """Prints only the error (the full usage of ~100 flags would bury it), then exits 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(
-            2, f"{self.prog}: error: {self._with_guesses(message)}\n(see `{self.prog} --help`)\n"
-        )
+        message += _guesses(message, self._option_string_actions)
+        self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
 
-    def _with_guesses(self, message: str) -> str:
-        """An unrecognized flag gets the closest known flag as its fix (a misspelling)."""
-        prefix = "unrecognized arguments: "
-        if not message.startswith(prefix):
-            return message
-        actions = self._option_string_actions
-        flags = [flag for flag in actions if flag.startswith("--")]
-        # Listed flags first: a hidden Megatron-LM table flag may be one refused as not built.
-        listed = [flag for flag in flags if actions[flag].help != argparse.SUPPRESS]
-        guesses = []
-        for token in message[len(prefix) :].split():
-            flag = token.split("=", 1)[0]
-            if not flag.startswith("--") or flag in actions:  # a value, or a flag after "--"
-                continue
-            match = difflib.get_close_matches(flag, listed, n=1, cutoff=0.8)
-            match = match or difflib.get_close_matches(flag, flags, n=1, cutoff=0.8)
-            if match:
-                guesses.append(f"{match[0]} for {flag}")
-        return message + (f"; did you mean {', '.join(guesses)}?" if guesses else "")
+
+def _guesses(message: str, actions: dict) -> str:
+    """'; did you mean --x for --y?' for unrecognized flags near a known one (listed flags
+    first: a hidden Megatron-LM table flag may be one refused as not built), else ''."""
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    flags = [flag for flag in actions if flag.startswith("--")]
+    listed = [flag for flag in flags if actions[flag].help != argparse.SUPPRESS]
+    guesses = []
+    for flag in (token.split("=", 1)[0] for token in message.split(": ", 1)[1].split()):
+        close = [
+            difflib.get_close_matches(flag, names, n=1, cutoff=0.8) for names in (listed, flags)
+        ]
+        if flag.startswith("--") and flag not in actions and (close[0] or close[1]):
+            guesses.append(f"{(close[0] or close[1])[0]} for {flag}")  # not a value or after --
+    return f"; did you mean {', '.join(guesses)}?" if guesses else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
