@@ -82,9 +82,8 @@ def format_train_line(
     where Megatron-LM's MoE log string goes."""
     fields = extra_fields or {}
     losses = {**{k: v for k, v in fields.items() if k.endswith("loss")}, **(extra_losses or {})}
-    others = {k: v for k, v in fields.items() if not k.endswith("loss")}
-    extras = "".join(f" {name}: {value:.6E} |" for name, value in losses.items())
-    extras += "".join(f" {name}: {value:.6E} |" for name, value in others.items())
+    ordered = {**losses, **fields}  # the other fields after the losses
+    extras = "".join(f" {name}: {value:.6E} |" for name, value in ordered.items())
     scale = 1.0 if loss_scale is None else loss_scale
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return (

@@ -92,12 +92,11 @@ def interval_moe_fields(
     if metrics is None:
         return {}, {}
     report = {**{name: 0.0 for name in _always_logged(run.config)}, **metrics.report()}
-    keys, values = list(sorted(report)), [report[name] for name in sorted(report)]
-    for name in sorted(report) if per_layer else ():
+    scalars = dict(report)
+    for name in report if per_layer else ():
         for layer, value in metrics.per_layer(name).items():
-            keys.append(f"moe/{name}_layer_{layer - 1}")
-            values.append(value)
-    means = dict(zip(keys, _mean_over_dp(values, env)))
+            scalars[f"moe/{name}_layer_{layer - 1}"] = value
+    means = dict(zip(scalars, _mean_over_dp(list(scalars.values()), env)))
     fields = {name: means.pop(name) for name in report}
     return fields, means
 

@@ -84,10 +84,9 @@ def mla_config_problem(c: Any, *, fp8: bool) -> str | None:
         return f"--rotary-scaling-factor {c.rotary_scaling_factor} must be positive."
     if c.use_mup:
         return "--use-mup with --multi-latent-attention is not built; drop one of them."
-    odd = [
-        f"{flags} = {width}" for flags, width in _mla_widths(c).items() if width % FP8_DIM_MULTIPLE
-    ]
-    if fp8 and odd:  # every such width in one line, so one fix covers them all
+    widths = _mla_widths(c).items() if fp8 else ()
+    odd = [f"{flags} = {width}" for flags, width in widths if width % FP8_DIM_MULTIPLE]
+    if odd:  # every such width in one line, so one fix covers them all
         return (
             f"{'; '.join(odd)}: not divisible by {FP8_DIM_MULTIPLE}, which FP8 GEMMs need; pick "
             "multiples of 16 or drop --fp8-recipe."
